@@ -1,0 +1,184 @@
+// The op table, the kernel registry and the dispatcher.
+//
+// An op is declared once with its kernel signature (LOOM_DECLARE_OP); kernels register under it per
+// (device type, provider) with their dtypes, a priority and an optional predicate; a call dispatches by integer op
+// id through a cached, policy-ordered candidate list. Registering and calling go through the typed op, so a kernel
+// of the wrong signature does not compile.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "loom/common/device.h"
+#include "loom/common/dtype.h"
+#include "loom/common/error.h"
+#include "loom/core/device_runtime.h"
+
+namespace loom {
+
+using OpId = uint32_t;
+
+// Interns an op name and returns its id (the same name always gives the same id).
+OpId intern_op(const char* name);
+const std::string& op_name(OpId id);
+// The id of a declared op by name; throws "unknown op" for a name no op declares.
+OpId find_op(const std::string& name);
+std::vector<std::string> op_names();
+
+template <typename Sig>
+struct KernelTraits;
+template <typename... Args>
+struct KernelTraits<void(const DeviceContext&, Args...)> {
+  using fn_ptr = void (*)(const DeviceContext&, Args...);
+  using function = std::function<void(const DeviceContext&, Args...)>;
+  using supports_ptr = bool (*)(Args...);
+  using supports_function = std::function<bool(Args...)>;
+};
+
+// Declares op NAME with kernel signature SIG: defines NAME_op, a typed op id.
+#define LOOM_DECLARE_OP(NAME, SIG)                                              \
+  struct NAME##_op_t {                                                          \
+    using signature = SIG;                                                      \
+    using traits = ::loom::KernelTraits<SIG>;                                   \
+    static constexpr const char* name = #NAME;                                  \
+    static ::loom::OpId id() {                                                  \
+      static const ::loom::OpId value = ::loom::intern_op(#NAME);               \
+      return value;                                                             \
+    }                                                                           \
+  };                                                                            \
+  inline constexpr NAME##_op_t NAME##_op {}
+
+struct KernelEntry {
+  OpId op = 0;
+  DeviceType device = DeviceType::kCPU;
+  std::string provider;
+  DTypeSet dtypes;
+  int priority = 0;
+  std::shared_ptr<void> fn;        // a KernelTraits<Sig>::function
+  std::shared_ptr<void> supports;  // a KernelTraits<Sig>::supports_function, or null
+  std::string source;              // where it was registered (file), for explain()
+  uint64_t sequence = 0;           // registration order, the last tie-breaker
+  mutable std::atomic<uint64_t> calls{0};
+  mutable std::atomic<uint64_t> declines{0};
+};
+
+// Which provider serves which op. Set by API or by LOOM_PROVIDERS (read on first dispatch when no API call set one).
+//   LOOM_PROVIDERS="vendor:gemm,add;native;-slowlib"
+//   "p:op1,op2"  try provider p first for those ops;  "p"  prefer p for every op (in the order listed);
+//   "-p"  deny p everywhere.  Providers not listed follow by registration priority.
+struct ProviderPolicy {
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<std::string>> routes;
+  std::set<std::string> denied;
+
+  static ProviderPolicy parse(const std::string& spec);
+  std::string str() const;
+};
+
+namespace dispatch {
+
+struct CandidateReport {
+  std::string provider;
+  int priority = 0;
+  std::string dtypes;
+  bool eligible = false;  // supports the dtype and is not denied
+  int rank = -1;          // position among eligible candidates (0 = tried first)
+  bool has_predicate = false;
+  uint64_t calls = 0;
+  uint64_t declines = 0;
+  std::string reason;  // why it won, lost or was skipped
+  std::string source;
+};
+
+// Every kernel registered for (op, device type), in dispatch order, with why each won or lost for this dtype.
+std::vector<CandidateReport> explain(const std::string& op, DeviceType device, DType dtype);
+std::string explain_str(const std::string& op, DeviceType device, DType dtype);
+
+void set_policy(const ProviderPolicy& policy);
+ProviderPolicy policy();
+void reset_policy();  // back to LOOM_PROVIDERS (or none)
+
+std::vector<std::string> providers();  // every provider with at least one kernel
+
+void register_entry(std::unique_ptr<KernelEntry> entry);
+// Removes every kernel of a provider (used when an external library unloads, and by tests).
+void unregister_provider(const std::string& provider);
+
+// The eligible entries for (op, device, dtype) in policy order; cached until the registry or policy changes.
+const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DType dtype);
+[[noreturn]] void throw_no_kernel(OpId op, Device device, DType dtype, bool all_declined);
+
+template <typename Op>
+void register_kernel(Op, DeviceType device, const std::string& provider, DTypeSet dtypes,
+                     typename Op::traits::fn_ptr fn, int priority = 0,
+                     typename Op::traits::supports_ptr supports = nullptr, const char* source = "") {
+  auto e = std::make_unique<KernelEntry>();
+  e->op = Op::id();
+  e->device = device;
+  e->provider = provider;
+  e->dtypes = dtypes;
+  e->priority = priority;
+  e->fn = std::make_shared<typename Op::traits::function>(fn);
+  if (supports) e->supports = std::make_shared<typename Op::traits::supports_function>(supports);
+  e->source = source;
+  register_entry(std::move(e));
+}
+
+// For adapters that need state (an external library's function and its context).
+template <typename Op>
+void register_kernel_function(Op, DeviceType device, const std::string& provider, DTypeSet dtypes,
+                              typename Op::traits::function fn, int priority = 0,
+                              typename Op::traits::supports_function supports = nullptr, const char* source = "") {
+  auto e = std::make_unique<KernelEntry>();
+  e->op = Op::id();
+  e->device = device;
+  e->provider = provider;
+  e->dtypes = dtypes;
+  e->priority = priority;
+  e->fn = std::make_shared<typename Op::traits::function>(std::move(fn));
+  if (supports) e->supports = std::make_shared<typename Op::traits::supports_function>(std::move(supports));
+  e->source = source;
+  register_entry(std::move(e));
+}
+
+// Runs the first candidate for (op, device, dtype) whose predicate accepts the arguments.
+template <typename Op, typename... Args>
+void call(Op, Device device, DType dtype, Args&&... args) {
+  using function = typename Op::traits::function;
+  using supports_function = typename Op::traits::supports_function;
+  static_assert(std::is_invocable_v<function, const DeviceContext&, Args&&...>,
+                "arguments do not match the op's kernel signature");
+  const auto& cands = candidates(Op::id(), device.type, dtype);
+  for (const KernelEntry* e : cands) {
+    if (e->supports && !(*static_cast<const supports_function*>(e->supports.get()))(args...)) {
+      e->declines.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    e->calls.fetch_add(1, std::memory_order_relaxed);
+    const DeviceContext& ctx = device_runtime(device.type).context(device.index);
+    (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
+    return;
+  }
+  throw_no_kernel(Op::id(), device, dtype, !cands.empty());
+}
+
+}  // namespace dispatch
+}  // namespace loom
+
+#define LOOM_CONCAT_INNER(a, b) a##b
+#define LOOM_CONCAT(a, b) LOOM_CONCAT_INNER(a, b)
+
+// Registers FN as the kernel of op NAME for a device type and provider, at static initialization.
+// Optional trailing arguments: priority, supports predicate.
+#define LOOM_REGISTER_KERNEL(NAME, DEVICE, PROVIDER, DTYPES, FN, ...)                                  \
+  static const bool LOOM_CONCAT(loom_kernel_registered_, __COUNTER__) = [] {                         \
+    ::loom::dispatch::register_kernel(::loom::NAME##_op, DEVICE, PROVIDER, DTYPES, FN, ##__VA_ARGS__); \
+    return true;                                                                                     \
+  }()

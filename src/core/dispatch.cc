@@ -1,0 +1,298 @@
+// Op table, kernel registry, provider policy and the cached candidate lists.
+#include "loom/core/dispatch.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace loom {
+namespace {
+
+struct OpTable {
+  std::mutex mu;
+  std::vector<std::string> names;
+  std::unordered_map<std::string, OpId> ids;
+};
+
+OpTable& op_table() {
+  static OpTable* t = new OpTable;  // never destroyed: kernels may register or dispatch during static teardown
+  return *t;
+}
+
+using CandidateList = std::vector<const KernelEntry*>;
+
+struct Registry {
+  std::mutex mu;
+  std::vector<std::unique_ptr<KernelEntry>> entries;
+  uint64_t next_sequence = 0;
+  bool policy_set = false;
+  ProviderPolicy policy;
+  // Cache: slot per (op, device type, dtype); rebuilt when generation moves.
+  std::atomic<uint64_t> generation{1};
+  struct Slot {
+    std::atomic<uint64_t> generation{0};
+    std::shared_ptr<const CandidateList> list;
+  };
+  std::vector<std::unique_ptr<Slot[]>> slots;  // per op: kMaxDeviceTypes * kNumDTypes slots
+  // Old lists stay alive: a caller may still iterate one while another thread rebuilds.
+  std::vector<std::shared_ptr<const CandidateList>> retired;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+void ensure_policy_locked(Registry& r) {
+  if (r.policy_set) return;
+  r.policy_set = true;
+  if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) r.policy = ProviderPolicy::parse(env);
+}
+
+int index_in(const std::vector<std::string>& v, const std::string& s) {
+  auto it = std::find(v.begin(), v.end(), s);
+  return it == v.end() ? -1 : int(it - v.begin());
+}
+
+// Orders eligible entries: ops routed to a provider first, then the global preference order, then priority.
+CandidateList build_candidates(Registry& r, OpId op, DeviceType device, DType dtype) {
+  CandidateList out;
+  const std::string& name = op_name(op);
+  const std::vector<std::string>* route = nullptr;
+  if (auto it = r.policy.routes.find(name); it != r.policy.routes.end()) route = &it->second;
+  for (const auto& e : r.entries) {
+    if (e->op != op || e->device != device || !e->dtypes.contains(dtype)) continue;
+    if (r.policy.denied.count(e->provider)) continue;
+    out.push_back(e.get());
+  }
+  auto key = [&](const KernelEntry* e) {
+    int route_rank = route ? index_in(*route, e->provider) : -1;
+    int order_rank = index_in(r.policy.order, e->provider);
+    return std::make_tuple(route_rank < 0 ? 1 << 20 : route_rank, order_rank < 0 ? 1 << 20 : order_rank,
+                           -e->priority, e->sequence);
+  };
+  std::stable_sort(out.begin(), out.end(), [&](auto* a, auto* b) { return key(a) < key(b); });
+  return out;
+}
+
+void invalidate_locked(Registry& r) { r.generation.fetch_add(1); }
+
+}  // namespace
+
+OpId intern_op(const char* name) {
+  OpTable& t = op_table();
+  std::lock_guard<std::mutex> g(t.mu);
+  auto it = t.ids.find(name);
+  if (it != t.ids.end()) return it->second;
+  OpId id = OpId(t.names.size());
+  t.names.emplace_back(name);
+  t.ids.emplace(name, id);
+  return id;
+}
+
+const std::string& op_name(OpId id) {
+  OpTable& t = op_table();
+  std::lock_guard<std::mutex> g(t.mu);
+  LOOM_CHECK(id < t.names.size(), "op id ", id);
+  return t.names[id];
+}
+
+OpId find_op(const std::string& name) {
+  OpTable& t = op_table();
+  std::lock_guard<std::mutex> g(t.mu);
+  auto it = t.ids.find(name);
+  if (it == t.ids.end()) {
+    std::vector<std::string> names = t.names;
+    std::sort(names.begin(), names.end());
+    std::string known;
+    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+    LOOM_THROW("unknown op '", name, "' (known ops: ", known, ")");
+  }
+  return it->second;
+}
+
+std::vector<std::string> op_names() {
+  OpTable& t = op_table();
+  std::lock_guard<std::mutex> g(t.mu);
+  return t.names;
+}
+
+ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
+  ProviderPolicy p;
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty()) continue;
+    if (item[0] == '-' || item[0] == '!') {
+      LOOM_REQUIRE(item.size() > 1, "provider policy '", spec, "': '", item, "' denies no provider");
+      p.denied.insert(item.substr(1));
+      continue;
+    }
+    auto colon = item.find(':');
+    if (colon == std::string::npos) {
+      p.order.push_back(item);
+      continue;
+    }
+    std::string provider = item.substr(0, colon);
+    LOOM_REQUIRE(!provider.empty(), "provider policy '", spec, "': '", item, "' names no provider");
+    std::stringstream ops(item.substr(colon + 1));
+    std::string op;
+    int count = 0;
+    while (std::getline(ops, op, ',')) {
+      if (op.empty()) continue;
+      find_op(op);  // an unknown op name is a user error, reported with the known ones
+      p.routes[op].push_back(provider);
+      ++count;
+    }
+    LOOM_REQUIRE(count > 0, "provider policy '", spec, "': '", item, "' routes no op to ", provider);
+  }
+  return p;
+}
+
+std::string ProviderPolicy::str() const {
+  std::string s;
+  for (const auto& [op, provs] : routes)
+    for (const auto& pr : provs) s += pr + ":" + op + ";";
+  for (const auto& o : order) s += o + ";";
+  for (const auto& d : denied) s += "-" + d + ";";
+  if (!s.empty()) s.pop_back();
+  return s.empty() ? "(default: by priority)" : s;
+}
+
+namespace dispatch {
+
+void register_entry(std::unique_ptr<KernelEntry> entry) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  entry->sequence = r.next_sequence++;
+  r.entries.push_back(std::move(entry));
+  invalidate_locked(r);
+}
+
+void unregister_provider(const std::string& provider) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  // Entries can still be referenced by cached lists in flight; keep them alive in a graveyard.
+  static std::vector<std::unique_ptr<KernelEntry>> graveyard;
+  for (auto& e : r.entries)
+    if (e->provider == provider) graveyard.push_back(std::move(e));
+  r.entries.erase(std::remove(r.entries.begin(), r.entries.end(), nullptr), r.entries.end());
+  invalidate_locked(r);
+}
+
+void set_policy(const ProviderPolicy& policy) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  for (const auto& [op, provs] : policy.routes) (void)provs, find_op(op);
+  r.policy = policy;
+  r.policy_set = true;
+  invalidate_locked(r);
+}
+
+ProviderPolicy policy() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  ensure_policy_locked(r);
+  return r.policy;
+}
+
+void reset_policy() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  r.policy = ProviderPolicy();
+  r.policy_set = false;
+  invalidate_locked(r);
+}
+
+std::vector<std::string> providers() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  std::set<std::string> s;
+  for (const auto& e : r.entries) s.insert(e->provider);
+  return {s.begin(), s.end()};
+}
+
+const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DType dtype) {
+  Registry& r = registry();
+  uint64_t gen = r.generation.load(std::memory_order_acquire);
+  if (op < r.slots.size() && r.slots[op]) {  // unsynchronized size read is fine: slots only grow under the lock
+    auto& slot = r.slots[op][int(device) * kNumDTypes + int(dtype)];
+    if (slot.generation.load(std::memory_order_acquire) == gen) return *slot.list;
+  }
+  std::lock_guard<std::mutex> g(r.mu);
+  ensure_policy_locked(r);
+  if (r.slots.size() <= op) {
+    r.slots.reserve(4096);  // never reallocates below 4096 ops, so lock-free readers above stay valid
+    LOOM_CHECK(op < 4096, "too many ops");
+    r.slots.resize(op + 1);
+  }
+  if (!r.slots[op]) r.slots[op].reset(new Registry::Slot[kMaxDeviceTypes * kNumDTypes]);
+  auto& slot = r.slots[op][int(device) * kNumDTypes + int(dtype)];
+  gen = r.generation.load();
+  if (slot.generation.load() != gen) {
+    if (slot.list) r.retired.push_back(slot.list);
+    slot.list = std::make_shared<const CandidateList>(build_candidates(r, op, device, dtype));
+    slot.generation.store(gen, std::memory_order_release);
+  }
+  return *slot.list;
+}
+
+std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType device, DType dtype) {
+  OpId op = find_op(op_name_str);
+  const auto& eligible = candidates(op, device, dtype);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  std::vector<CandidateReport> out;
+  for (size_t i = 0; i < eligible.size(); ++i) {
+    const KernelEntry* e = eligible[i];
+    CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), true, int(i), e->supports != nullptr,
+                      e->calls.load(), e->declines.load(), "", e->source};
+    if (i == 0) {
+      c.reason = e->supports ? "selected when its supports() accepts the call; else the next candidate runs"
+                             : "selected";
+      auto rit = r.policy.routes.find(op_name_str);
+      if (rit != r.policy.routes.end() && index_in(rit->second, e->provider) >= 0) c.reason += " (routed by policy)";
+      else if (index_in(r.policy.order, e->provider) >= 0) c.reason += " (preferred by policy)";
+      else c.reason += " (highest priority)";
+    } else {
+      c.reason = "fallback #" + std::to_string(i) + ": runs if every candidate before it declines";
+    }
+    out.push_back(c);
+  }
+  for (const auto& e : r.entries) {
+    if (e->op != op || e->device != device) continue;
+    if (std::find(eligible.begin(), eligible.end(), e.get()) != eligible.end()) continue;
+    CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), false, -1, e->supports != nullptr,
+                      e->calls.load(), e->declines.load(), "", e->source};
+    if (r.policy.denied.count(e->provider)) c.reason = "denied by policy";
+    else c.reason = std::string("does not support dtype ") + dtype_name(dtype);
+    out.push_back(c);
+  }
+  return out;
+}
+
+std::string explain_str(const std::string& op, DeviceType device, DType dtype) {
+  auto reports = explain(op, device, dtype);
+  std::ostringstream os;
+  os << op << " on " << device_type_display_name(device) << " for " << dtype_name(dtype) << ":";
+  if (reports.empty()) os << " no kernel registered";
+  for (const auto& c : reports) {
+    os << "\n  " << (c.rank == 0 ? "* " : "  ") << c.provider << " (priority " << c.priority << ", dtypes "
+       << c.dtypes << (c.has_predicate ? ", has supports()" : "") << ", calls " << c.calls << ", declines "
+       << c.declines << "): " << c.reason;
+  }
+  return os.str();
+}
+
+void throw_no_kernel(OpId op, Device device, DType dtype, bool all_declined) {
+  std::string why = all_declined ? "every candidate declined this call" : "no kernel supports it";
+  LOOM_THROW(op_name(op), ": no kernel for dtype ", dtype_name(dtype), " on ", device.str(), " (", why, ")\n",
+             explain_str(op_name(op), device.type, dtype));
+}
+
+}  // namespace dispatch
+}  // namespace loom

@@ -1,0 +1,113 @@
+// CPU gemm through OpenBLAS. f32 and f64 go straight to sgemm/dgemm; bf16 and f16 are widened to f32 (storage
+// types only: the math is f32, as on the GPU), computed by sgemm and rounded back.
+#include <cblas.h>
+
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "kernels/gemm_kernel.h"
+#include "kernels/primitives/cpu_loops.h"
+#include "kernels/primitives/gelu.h"
+
+namespace loom {
+
+namespace {
+std::atomic<bool> g_allow_tf32{false};
+}
+
+void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
+bool allow_tf32() { return g_allow_tf32; }
+ComputeType f32_compute_type(std::optional<bool> override_) {
+  return override_.value_or(allow_tf32()) ? ComputeType::kTF32 : ComputeType::kF32;
+}
+
+void validate_gemm_params(const GemmParams& p) {
+  LOOM_REQUIRE(p.m >= 0 && p.n >= 0 && p.k >= 0 && p.batch >= 0, "gemm: negative size m=", p.m, " n=", p.n,
+               " k=", p.k, " batch=", p.batch);
+  int64_t rows_a = p.trans_a ? p.k : p.m;
+  int64_t rows_b = p.trans_b ? p.n : p.k;
+  LOOM_REQUIRE(p.lda >= std::max<int64_t>(1, rows_a), "gemm: lda=", p.lda, " is less than ", rows_a);
+  LOOM_REQUIRE(p.ldb >= std::max<int64_t>(1, rows_b), "gemm: ldb=", p.ldb, " is less than ", rows_b);
+  LOOM_REQUIRE(p.ldc >= std::max<int64_t>(1, p.m), "gemm: ldc=", p.ldc, " is less than m=", p.m);
+  bool needs_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
+  LOOM_REQUIRE(!needs_bias || p.bias, "gemm: the bias epilogue needs a bias pointer");
+}
+
+namespace {
+
+// Copies a column-major matrix block (rows x cols, leading dim ld) of T into a dense f32 buffer with the same ld.
+template <typename T>
+std::vector<float> widen(const void* src, int64_t rows, int64_t cols, int64_t ld) {
+  std::vector<float> out(size_t(ld * (cols - 1) + rows));
+  const T* s = static_cast<const T*>(src);
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = 0; i < rows; ++i) out[size_t(j * ld + i)] = float(s[j * ld + i]);
+  return out;
+}
+
+template <typename T>
+void apply_epilogue(const GemmParams& p, T* c) {
+  if (p.epilogue == GemmEpilogue::kNone) return;
+  const T* bias = static_cast<const T*>(p.bias);
+  T* pre = static_cast<T*>(p.pre_gelu);
+  bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
+  bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
+  cpu::parallel_for(p.n, 64, [&](int64_t jb, int64_t je) {
+    for (int64_t j = jb; j < je; ++j) {
+      for (int64_t i = 0; i < p.m; ++i) {
+        acc_t<T> v = acc_t<T>(c[j * p.ldc + i]);
+        if (add_bias) v += acc_t<T>(bias[i]);
+        if (gelu) {
+          if (pre) pre[j * p.ldc + i] = T(v);
+          v = gelu_tanh(v);
+        }
+        c[j * p.ldc + i] = T(v);
+      }
+    }
+  });
+}
+
+CBLAS_TRANSPOSE blas_trans(bool t) { return t ? CblasTrans : CblasNoTrans; }
+
+template <typename T>
+void gemm_one(const GemmParams& p, const T* a, const T* b, T* c) {
+  int64_t rows_a = p.trans_a ? p.k : p.m, cols_a = p.trans_a ? p.m : p.k;
+  int64_t rows_b = p.trans_b ? p.n : p.k, cols_b = p.trans_b ? p.k : p.n;
+  if (p.m == 0 || p.n == 0) return;
+  if constexpr (std::is_same_v<T, double>) {
+    cblas_dgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, p.alpha, a, p.lda, b,
+                p.ldb, p.beta, c, p.ldc);
+  } else if constexpr (std::is_same_v<T, float>) {
+    cblas_sgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, float(p.alpha), a,
+                p.lda, b, p.ldb, float(p.beta), c, p.ldc);
+  } else {
+    std::vector<float> af = p.k ? widen<T>(a, rows_a, cols_a, p.lda) : std::vector<float>(1);
+    std::vector<float> bf = p.k ? widen<T>(b, rows_b, cols_b, p.ldb) : std::vector<float>(1);
+    std::vector<float> cf = p.beta != 0 ? widen<T>(c, p.m, p.n, p.ldc) : std::vector<float>(size_t(p.ldc * (p.n - 1) + p.m));
+    cblas_sgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, float(p.alpha),
+                af.data(), p.lda, bf.data(), p.ldb, float(p.beta), cf.data(), p.ldc);
+    for (int64_t j = 0; j < p.n; ++j)
+      for (int64_t i = 0; i < p.m; ++i) c[j * p.ldc + i] = T(cf[size_t(j * p.ldc + i)]);
+  }
+  apply_epilogue(p, c);
+}
+
+}  // namespace
+
+void gemm_cpu(const DeviceContext&, const GemmParams& p) {
+  validate_gemm_params(p);
+  LOOM_REQUIRE(p.input_dtype == p.output_dtype, "gemm (cpu): input dtype ", dtype_name(p.input_dtype),
+               " and output dtype ", dtype_name(p.output_dtype), " must match");
+  LOOM_DISPATCH_FLOATING(p.input_dtype, "gemm", [&] {
+    const scalar_t* a = static_cast<const scalar_t*>(p.a);
+    const scalar_t* b = static_cast<const scalar_t*>(p.b);
+    scalar_t* c = static_cast<scalar_t*>(p.c);
+    for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
+  });
+}
+
+// TF32 has no meaning on the CPU: f32 products are always computed in f32 here.
+LOOM_REGISTER_KERNEL(gemm, kCPU, "native", dtypes(kF32, kF64, kBF16, kF16), gemm_cpu);
+
+}  // namespace loom

@@ -1,0 +1,120 @@
+// Shared test helpers: fresh random inputs, poisoned outputs, float64 comparisons, device selection.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "loom/core/device_runtime.h"
+#include "loom/core/tensor.h"
+#include "loom/ops.h"
+
+namespace loom::test {
+
+// A fresh seed per call (from the test's random engine), so each run sees new inputs; printed on failure.
+inline uint64_t fresh_seed() {
+  static std::random_device rd;
+  return (uint64_t(rd()) << 32) | rd();
+}
+
+// Random floating tensor with values in [low, high), drawn by the test (not by Loom's generator under test).
+inline Tensor random_tensor(const Shape& shape, DType dtype = kF32, double low = -1.0, double high = 1.0,
+                            uint64_t seed = fresh_seed(), Device device = Device()) {
+  std::mt19937_64 eng(seed);
+  std::uniform_real_distribution<double> dist(low, high);
+  std::vector<double> v(size_t(numel_of(shape)));
+  for (auto& x : v) x = dist(eng);
+  return from_vector(v, shape).to(dtype).to(device);
+}
+
+// Random integer tensor in [low, high).
+inline Tensor random_indices(const Shape& shape, int64_t low, int64_t high, DType dtype = kI64,
+                             uint64_t seed = fresh_seed()) {
+  std::mt19937_64 eng(seed);
+  std::uniform_int_distribution<int64_t> dist(low, high - 1);
+  std::vector<int64_t> v(size_t(numel_of(shape)));
+  for (auto& x : v) x = dist(eng);
+  return from_vector(v, shape).to(dtype);
+}
+
+// A non-contiguous tensor with the same values as t (a transposed copy transposed back, with a gap).
+inline Tensor make_strided(const Tensor& t) {
+  if (t.dim() == 0) return t;
+  Shape big = t.shape();
+  big.back() *= 2;
+  Tensor wide = full(big, std::nan(""), t.dtype(), t.device());
+  Tensor view = wide.slice(-1, 0, big.back(), 2);
+  view.copy_from(t);
+  return view;
+}
+
+// An output filled with NaN (or a sentinel for integers), so any element a kernel fails to write shows up.
+inline Tensor poisoned(const Shape& shape, DType dtype, Device device = Device()) {
+  return full(shape, is_floating(dtype) ? std::nan("") : -123456.0, dtype, device);
+}
+
+inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// Max over elements of |a - b| / (atol + rtol * |b|); <= 1 means within tolerance. NaN anywhere fails.
+inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double rtol,
+                                            double atol) {
+  if (actual.shape() != expected.shape())
+    return ::testing::AssertionFailure() << "shape " << shape_str(actual.shape()) << " vs expected "
+                                         << shape_str(expected.shape());
+  auto a = values(actual), e = values(expected);
+  double worst = 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) != std::isnan(e[i]) || (std::isnan(a[i]) && !std::isnan(e[i])))
+      return ::testing::AssertionFailure() << "NaN mismatch at flat index " << i << ": got " << a[i]
+                                           << ", expected " << e[i];
+    if (std::isnan(e[i])) continue;
+    if (std::isinf(e[i]) || std::isinf(a[i])) {
+      if (a[i] != e[i])
+        return ::testing::AssertionFailure() << "inf mismatch at " << i << ": got " << a[i] << " expected " << e[i];
+      continue;
+    }
+    double err = std::abs(a[i] - e[i]) / (atol + rtol * std::abs(e[i]));
+    if (err > worst) worst = err, worst_i = i;
+  }
+  if (worst <= 1.0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "mismatch at flat index " << worst_i << ": got " << a[worst_i]
+                                       << ", expected " << e[worst_i] << " (error " << worst
+                                       << "x the tolerance rtol=" << rtol << " atol=" << atol << ")";
+}
+
+// Tolerances for comparing against a float64 reference, by the dtype the kernel computed in.
+inline double rtol_for(DType t) {
+  switch (t) {
+    case kF64: return 1e-10;
+    case kF32: return 1e-5;
+    case kF16: return 2e-3;
+    case kBF16: return 1.6e-2;
+    default: return 0;
+  }
+}
+inline double atol_for(DType t) {
+  switch (t) {
+    case kF64: return 1e-12;
+    case kF32: return 1e-6;
+    case kF16: return 1e-3;
+    case kBF16: return 1e-2;
+    default: return 0;
+  }
+}
+
+// Floating dtypes every CPU kernel must support.
+inline std::vector<DType> cpu_float_dtypes() { return {kF32, kF64, kBF16}; }
+
+inline bool cuda_available() {
+  if (!has_device_runtime(kCUDA)) return false;
+  return device_runtime(kCUDA).device_count() > 0;
+}
+
+#define LOOM_SKIP_WITHOUT_CUDA() \
+  if (!::loom::test::cuda_available()) GTEST_SKIP() << "no CUDA device visible"
+
+}  // namespace loom::test
