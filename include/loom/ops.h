@@ -4,3 +4,8 @@
 
 #include "loom/core/tensor.h"
 #include "loom/ops/creation.h"
+#include "loom/ops/elementwise.h"
+#include "loom/ops/linalg.h"
+#include "loom/ops/nn.h"
+#include "loom/ops/reduce.h"
+#include "loom/ops/shape.h"

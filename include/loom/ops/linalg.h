@@ -1,0 +1,33 @@
+// Matrix products. All go through the gemm op, so a provider of gemm serves them all.
+#pragma once
+
+#include <optional>
+
+#include "loom/core/gemm.h"
+#include "loom/core/tensor.h"
+
+namespace loom::ops {
+
+struct MatmulOptions {
+  std::optional<bool> allow_tf32;  // per-call override of set_allow_tf32 for f32 inputs
+};
+
+// Runs one gemm after checking it; the building block of the ops below.
+void gemm(const GemmParams& params);
+
+// a [..., M, K] @ b [..., K, N] with broadcast batch dims; 1-D operands as in NumPy.
+Tensor matmul(const Tensor& a, const Tensor& b, const MatmulOptions& opts = {});
+// Gradients of matmul, reduced over broadcast batch dims to each operand's shape.
+Tensor matmul_backward_input(const Tensor& grad, const Tensor& b, const Shape& a_shape, const MatmulOptions& opts = {});
+Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b_shape, const MatmulOptions& opts = {});
+Tensor outer(const Tensor& a, const Tensor& b);
+
+// x [..., in] @ weight[out, in]^T + bias[out]; bias may be undefined. gelu folds GELU into the gemm epilogue.
+enum class LinearActivation { kNone, kGelu };
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const MatmulOptions& opts = {},
+              LinearActivation activation = LinearActivation::kNone, Tensor* pre_activation = nullptr);
+Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {});
+Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {});
+Tensor linear_backward_bias(const Tensor& grad);
+
+}  // namespace loom::ops

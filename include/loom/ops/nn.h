@@ -1,0 +1,77 @@
+// Neural-network ops: softmax, norms, embedding, cross-entropy, attention, rotary embedding, forward and backward.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "loom/core/tensor.h"
+
+namespace loom::ops {
+
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+Tensor softmax_backward(const Tensor& grad, const Tensor& out, int64_t dim);
+Tensor log_softmax_backward(const Tensor& grad, const Tensor& out, int64_t dim);
+
+// Layer norm over the last dim. weight and bias ([C]) may be undefined. mean and rstd ([..] = x.shape()[:-1], f32)
+// are saved for the backward pass.
+struct NormResult {
+  Tensor out;
+  Tensor mean;  // undefined for rms_norm
+  Tensor rstd;
+};
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+// Gradients; each output is computed only when its flag is set (undefined otherwise).
+struct NormGrads {
+  Tensor grad_input;
+  Tensor grad_weight;
+  Tensor grad_bias;
+};
+NormGrads layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                              const Tensor& rstd, bool need_input, bool need_weight, bool need_bias);
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                            bool need_input, bool need_weight);
+
+// weight [V, C], indices (i32/i64, any shape) -> [..., C]. Throws on an index outside [0, V).
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_embeddings);
+
+enum class Reduction { kMean, kSum, kNone };
+// logits [N, V] (any float dtype; math in f32 or f64), targets [N] (i32/i64). Targets equal to ignore_index add
+// nothing and are not counted in the mean. Result: f32 scalar (or [N] for kNone), f64 for f64 logits.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
+                     Reduction reduction = Reduction::kMean);
+// grad_loss: the gradient of the loss (scalar, or [N] for kNone). Returns grad of logits, logits' dtype.
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                              int64_t ignore_index = -100, Reduction reduction = Reduction::kMean);
+
+// Scaled dot-product attention, q [B, H, T, D], k and v [B, Hkv, S, D] with H a multiple of Hkv (grouped-query).
+// scale defaults to 1/sqrt(D). Returns out [B, H, T, D] and the log-sum-exp [B, H, T] (f32) for the backward.
+struct AttentionResult {
+  Tensor out;
+  Tensor lse;
+};
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
+                                             std::optional<double> scale = std::nullopt);
+struct AttentionGrads {
+  Tensor grad_q, grad_k, grad_v;
+};
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                     const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                     bool causal = true, std::optional<double> scale = std::nullopt);
+
+// Rotary embedding on x [B, H, T, D] (D even) with cos and sin [T, D/2] (f32), rotating pairs (2i, 2i+1) ... as
+// LLaMA's reference uses interleaved=false halves: pairs (i, i + D/2). `inverse` rotates backwards (the gradient).
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse = false);
+// cos/sin tables for positions [0, T) and head dim D with base theta, and the LLaMA-3.1 frequency scaling when set.
+struct RopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_positions = 8192;
+};
+std::pair<Tensor, Tensor> rope_tables(int64_t T, int64_t D, double theta, std::optional<RopeScaling> scaling,
+                                      Device device = Device());
+
+}  // namespace loom::ops
