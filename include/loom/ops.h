@@ -9,3 +9,4 @@
 #include "loom/ops/nn.h"
 #include "loom/ops/reduce.h"
 #include "loom/ops/shape.h"
+#include "loom/ops/views.h"

@@ -1,4 +1,5 @@
-// Tensor's views and copies, and the factories that run kernels (zeros, ones, full, arange, rand, randn).
+// The raw (non-differentiable) views and copies behind Tensor's methods, copy_from, and the factories that run kernels
+// (zeros, ones, full, arange, rand, randn). Tensor's view methods themselves are in src/autograd/tensor_methods.cc.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -8,6 +9,7 @@
 
 #include "kernels/copy_kernel.h"
 #include "loom/ops.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom {
@@ -67,83 +69,85 @@ Shape infer_view_shape(const char* op, const Tensor& t, const Shape& requested) 
 
 }  // namespace
 
-Tensor Tensor::view(const Shape& shape_req) const {
-  Shape s = infer_view_shape("view", *this, shape_req);
-  auto st = view_strides(shape(), strides(), s);
-  LOOM_REQUIRE(st.has_value(), "view: cannot view ", describe(*this), " as ", shape_str(s),
+namespace ops {
+
+Tensor view(const Tensor& self, const Shape& shape_req) {
+  Shape s = infer_view_shape("view", self, shape_req);
+  auto st = view_strides(self.shape(), self.strides(), s);
+  LOOM_REQUIRE(st.has_value(), "view: cannot view ", describe(self), " as ", shape_str(s),
                " without a copy (its strides do not allow it); use reshape()");
-  return as_strided(s, *st, storage_offset());
+  return self.as_strided(s, *st, self.storage_offset());
 }
 
-Tensor Tensor::reshape(const Shape& shape_req) const {
-  Shape s = infer_view_shape("reshape", *this, shape_req);
-  if (auto st = view_strides(shape(), strides(), s)) return as_strided(s, *st, storage_offset());
-  return contiguous().view(s);
+Tensor reshape(const Tensor& self, const Shape& shape_req) {
+  Shape s = infer_view_shape("reshape", self, shape_req);
+  if (auto st = view_strides(self.shape(), self.strides(), s)) return self.as_strided(s, *st, self.storage_offset());
+  return view(contiguous(self), s);
 }
 
-Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
-  d0 = wrap_dim(d0, dim(), "transpose");
-  d1 = wrap_dim(d1, dim(), "transpose");
-  Shape s = shape(), st = strides();
+Tensor transpose(const Tensor& self, int64_t d0, int64_t d1) {
+  d0 = wrap_dim(d0, self.dim(), "transpose");
+  d1 = wrap_dim(d1, self.dim(), "transpose");
+  Shape s = self.shape(), st = self.strides();
   std::swap(s[d0], s[d1]);
   std::swap(st[d0], st[d1]);
-  return as_strided(s, st, storage_offset());
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
-  LOOM_REQUIRE(int64_t(dims.size()) == dim(), "permute: got ", dims.size(), " dims for ", describe(*this));
+Tensor permute(const Tensor& self, const std::vector<int64_t>& dims) {
+  LOOM_REQUIRE(int64_t(dims.size()) == self.dim(), "permute: got ", dims.size(), " dims for ", describe(self));
   Shape s(dims.size()), st(dims.size());
   std::vector<bool> seen(dims.size(), false);
   for (size_t i = 0; i < dims.size(); ++i) {
-    int64_t d = wrap_dim(dims[i], dim(), "permute");
+    int64_t d = wrap_dim(dims[i], self.dim(), "permute");
     LOOM_REQUIRE(!seen[d], "permute: dim ", d, " appears twice in the permutation");
     seen[d] = true;
-    s[i] = shape()[d];
-    st[i] = strides()[d];
+    s[i] = self.shape()[d];
+    st[i] = self.strides()[d];
   }
-  return as_strided(s, st, storage_offset());
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  d = wrap_dim(d, dim(), "slice");
+Tensor slice(const Tensor& self, int64_t d, int64_t start, int64_t end, int64_t step) {
+  d = wrap_dim(d, self.dim(), "slice");
   LOOM_REQUIRE(step > 0, "slice: step must be positive, got ", step);
-  int64_t n = shape()[d];
+  int64_t n = self.shape()[d];
   if (start < 0) start += n;
   if (end < 0) end += n;
   start = std::clamp<int64_t>(start, 0, n);
   end = std::clamp<int64_t>(end, start, n);
-  Shape s = shape(), st = strides();
+  Shape s = self.shape(), st = self.strides();
   s[d] = (end - start + step - 1) / step;
   st[d] *= step;
-  return as_strided(s, st, storage_offset() + start * strides()[d]);
+  return self.as_strided(s, st, self.storage_offset() + start * self.strides()[d]);
 }
 
-Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
-  d = wrap_dim(d, dim(), "narrow");
-  int64_t n = shape()[d];
+Tensor narrow(const Tensor& self, int64_t d, int64_t start, int64_t length) {
+  d = wrap_dim(d, self.dim(), "narrow");
+  int64_t n = self.shape()[d];
   if (start < 0) start += n;
   LOOM_REQUIRE(start >= 0 && length >= 0 && start + length <= n, "narrow: range [", start, ", ", start + length,
-               ") is out of bounds for dim ", d, " of ", describe(*this));
-  return slice(d, start, start + length);
+               ") is out of bounds for dim ", d, " of ", describe(self));
+  return slice(self, d, start, start + length, 1);
 }
 
-Tensor Tensor::select(int64_t d, int64_t index) const {
-  d = wrap_dim(d, dim(), "select");
-  int64_t n = shape()[d];
+Tensor select(const Tensor& self, int64_t d, int64_t index) {
+  d = wrap_dim(d, self.dim(), "select");
+  int64_t n = self.shape()[d];
   LOOM_REQUIRE(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of ",
-               describe(*this));
+               describe(self));
   if (index < 0) index += n;
-  Shape s = shape(), st = strides();
-  int64_t off = storage_offset() + index * st[d];
+  Shape s = self.shape(), st = self.strides();
+  int64_t off = self.storage_offset() + index * st[d];
   s.erase(s.begin() + d);
   st.erase(st.begin() + d);
-  return as_strided(s, st, off);
+  return self.as_strided(s, st, off);
 }
 
-Tensor Tensor::expand(const Shape& target) const {
-  LOOM_REQUIRE(int64_t(target.size()) >= dim(), "expand: cannot expand ", describe(*this), " to fewer dims ",
+Tensor expand(const Tensor& self, const Shape& target) {
+  LOOM_REQUIRE(int64_t(target.size()) >= self.dim(), "expand: cannot expand ", describe(self), " to fewer dims ",
                shape_str(target));
-  size_t lead = target.size() - shape().size();
+  size_t lead = target.size() - self.shape().size();
   Shape s(target.size()), st(target.size());
   for (size_t i = 0; i < target.size(); ++i) {
     if (i < lead) {
@@ -152,82 +156,84 @@ Tensor Tensor::expand(const Shape& target) const {
       st[i] = 0;
       continue;
     }
-    int64_t cur = shape()[i - lead];
+    int64_t cur = self.shape()[i - lead];
     int64_t want = target[i] == -1 ? cur : target[i];
-    LOOM_REQUIRE(cur == want || cur == 1, "expand: cannot expand ", describe(*this), " to ", shape_str(target),
+    LOOM_REQUIRE(cur == want || cur == 1, "expand: cannot expand ", describe(self), " to ", shape_str(target),
                  " (dim ", i, ": ", cur, " to ", want, ")");
     s[i] = want;
-    st[i] = cur == want ? strides()[i - lead] : 0;
+    st[i] = cur == want ? self.strides()[i - lead] : 0;
   }
-  return as_strided(s, st, storage_offset());
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::squeeze() const {
+Tensor squeeze(const Tensor& self) {
   Shape s, st;
-  for (int64_t i = 0; i < dim(); ++i)
-    if (shape()[i] != 1) s.push_back(shape()[i]), st.push_back(strides()[i]);
-  return as_strided(s, st, storage_offset());
+  for (int64_t i = 0; i < self.dim(); ++i)
+    if (self.shape()[i] != 1) s.push_back(self.shape()[i]), st.push_back(self.strides()[i]);
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::squeeze(int64_t d) const {
-  d = wrap_dim(d, dim(), "squeeze");
-  if (shape()[d] != 1) return *this;
-  Shape s = shape(), st = strides();
+Tensor squeeze(const Tensor& self, int64_t d) {
+  d = wrap_dim(d, self.dim(), "squeeze");
+  if (self.shape()[d] != 1) return self;
+  Shape s = self.shape(), st = self.strides();
   s.erase(s.begin() + d);
   st.erase(st.begin() + d);
-  return as_strided(s, st, storage_offset());
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::unsqueeze(int64_t d) const {
-  d = wrap_dim(d, dim() + 1, "unsqueeze");
-  Shape s = shape(), st = strides();
-  int64_t new_stride = d < dim() ? st[d] * s[d] : 1;
+Tensor unsqueeze(const Tensor& self, int64_t d) {
+  d = wrap_dim(d, self.dim() + 1, "unsqueeze");
+  Shape s = self.shape(), st = self.strides();
+  int64_t new_stride = d < self.dim() ? st[d] * s[d] : 1;
   s.insert(s.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
-  return as_strided(s, st, storage_offset());
+  return self.as_strided(s, st, self.storage_offset());
 }
 
-Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
-  if (dim() == 0) return reshape({1});
-  start_dim = wrap_dim(start_dim, dim(), "flatten");
-  end_dim = wrap_dim(end_dim, dim(), "flatten");
+Tensor flatten(const Tensor& self, int64_t start_dim, int64_t end_dim) {
+  if (self.dim() == 0) return reshape(self, {1});
+  start_dim = wrap_dim(start_dim, self.dim(), "flatten");
+  end_dim = wrap_dim(end_dim, self.dim(), "flatten");
   LOOM_REQUIRE(start_dim <= end_dim, "flatten: start_dim ", start_dim, " is after end_dim ", end_dim);
-  Shape s(shape().begin(), shape().begin() + start_dim);
+  Shape s(self.shape().begin(), self.shape().begin() + start_dim);
   int64_t merged = 1;
-  for (int64_t i = start_dim; i <= end_dim; ++i) merged *= shape()[i];
+  for (int64_t i = start_dim; i <= end_dim; ++i) merged *= self.shape()[i];
   s.push_back(merged);
-  s.insert(s.end(), shape().begin() + end_dim + 1, shape().end());
-  return reshape(s);
+  s.insert(s.end(), self.shape().begin() + end_dim + 1, self.shape().end());
+  return reshape(self, s);
 }
 
-Tensor Tensor::contiguous() const {
-  if (is_contiguous()) return *this;
-  return clone();
+Tensor contiguous(const Tensor& self) {
+  if (self.is_contiguous()) return self;
+  return clone(self);
 }
 
-Tensor Tensor::clone() const {
-  Tensor out = empty(shape(), dtype(), device());
-  out.copy_from(*this);
+Tensor clone(const Tensor& self) {
+  Tensor out = empty(self.shape(), self.dtype(), self.device());
+  out.copy_from(self);
   return out;
 }
 
-Tensor Tensor::to(Device d) const {
-  if (d == device()) return *this;
-  Tensor out = empty(shape(), dtype(), d);
-  out.copy_from(*this);
+Tensor to_device(const Tensor& self, Device d) {
+  if (d == self.device()) return self;
+  Tensor out = empty(self.shape(), self.dtype(), d);
+  out.copy_from(self);
   return out;
 }
 
-Tensor Tensor::to(DType t) const {
-  if (t == dtype()) return *this;
-  Tensor out = empty(shape(), t, device());
-  out.copy_from(*this);
+Tensor to_dtype(const Tensor& self, DType t) {
+  if (t == self.dtype()) return self;
+  Tensor out = empty(self.shape(), t, self.device());
+  out.copy_from(self);
   return out;
 }
+
+}  // namespace ops
 
 Tensor& Tensor::copy_from(const Tensor& src_in) {
   LOOM_REQUIRE(src_in.defined(), "copy_from: source is undefined");
-  Tensor src = src_in.expand(shape());  // broadcast; throws naming both shapes when impossible
+  Tensor src = ops::expand(src_in, shape());  // broadcast; throws naming both shapes when impossible
   if (numel() == 0) return *this;
   if (src.device() == device()) {
     dispatch::call(copy_op, device(), dtype(), src, *this);

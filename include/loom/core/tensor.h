@@ -30,6 +30,7 @@ struct AutogradMeta {
   uint32_t output_nr = 0;                       // which output of grad_fn this is
   std::vector<std::function<void(Tensor&)>> grad_hooks;  // run on a leaf's gradient after accumulation
   bool retains_grad = false;
+  std::weak_ptr<autograd::Node> grad_accumulator;  // a leaf's AccumulateGrad node, shared by every graph using it
 };
 
 struct TensorImpl {

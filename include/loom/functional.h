@@ -1,0 +1,92 @@
+// The differentiable functional API: each function computes through loom::ops and records an autograd node when an
+// input requires grad (and grad mode is on). Tensor's view methods and the arithmetic operators call these.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "loom/core/tensor.h"
+#include "loom/ops.h"
+
+namespace loom {
+
+// Views and copies (Tensor's methods of the same names call these).
+Tensor view(const Tensor& x, const Shape& shape);
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+Tensor expand(const Tensor& x, const Shape& shape);
+Tensor squeeze(const Tensor& x);
+Tensor squeeze(const Tensor& x, int64_t dim);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor contiguous(const Tensor& x);
+Tensor clone(const Tensor& x);
+Tensor to(const Tensor& x, Device device);
+Tensor to(const Tensor& x, DType dtype);
+
+// Elementwise.
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor gelu(const Tensor& x);
+Tensor silu(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor pow(const Tensor& x, double exponent);
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double b);
+Tensor mul(const Tensor& a, double b);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+Tensor dropout(const Tensor& x, double p, bool training, Generator* gen = nullptr);
+
+// Reductions.
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+
+// Linear algebra.
+Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts = {});
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), const ops::MatmulOptions& opts = {});
+// linear followed by GELU, fused into the gemm epilogue.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts = {});
+
+// Neural-network ops.
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
+                     ops::Reduction reduction = ops::Reduction::kMean);
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
+                                    std::optional<double> scale = std::nullopt);
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim);
+Tensor stack(const std::vector<Tensor>& xs, int64_t dim);
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim);
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim);
+
+// Operators.
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator-(const Tensor& a) { return neg(a); }
+inline Tensor operator+(const Tensor& a, double b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, double b) { return add(a, -b); }
+inline Tensor operator*(const Tensor& a, double b) { return mul(a, b); }
+inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
+inline Tensor operator/(const Tensor& a, double b) { return mul(a, 1.0 / b); }
+
+}  // namespace loom

@@ -1,0 +1,165 @@
+// Grad mode, Node bookkeeping, AccumulateGrad, and the iterative backward engine.
+#include "loom/autograd/engine.h"
+
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+
+#include "autograd/record.h"
+#include "loom/autograd/grad_mode.h"
+#include "loom/autograd/node.h"
+#include "loom/ops.h"
+
+namespace loom::autograd {
+
+namespace {
+thread_local bool grad_enabled = true;
+std::atomic<uint64_t> next_sequence_nr{0};
+}  // namespace
+
+bool is_grad_enabled() { return grad_enabled; }
+void set_grad_enabled(bool enabled) { grad_enabled = enabled; }
+
+Node::Node() : sequence_nr_(next_sequence_nr.fetch_add(1)) {}
+
+tensor_list AccumulateGrad::apply(tensor_list&& grads) {
+  Tensor g = std::move(grads[0]);
+  if (!g.defined()) return {};
+  LOOM_REQUIRE(g.shape() == leaf_.shape(), "backward: gradient ", describe(g), " does not match the leaf ",
+               describe(leaf_));
+  NoGradGuard no_grad;
+  if (g.dtype() != leaf_.dtype()) g = ops::to_dtype(g, leaf_.dtype());
+  Tensor current = leaf_.grad();
+  if (!current.defined()) {
+    // Keep the gradient only if nothing else can see its storage; otherwise copy it.
+    bool exclusive = g.is_contiguous() && g.storage().use_count() == 1;
+    leaf_.set_grad(exclusive ? g : ops::clone(g));
+  } else {
+    ops::add_(current, g);
+  }
+  Tensor accumulated = leaf_.grad();
+  for (auto& hook : leaf_.autograd_meta().grad_hooks) hook(accumulated);
+  return {};
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return {};
+  AutogradMeta& meta = t.autograd_meta();
+  if (meta.grad_fn) return Edge{meta.grad_fn, meta.output_nr};
+  std::shared_ptr<Node> acc = meta.grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(t);
+    meta.grad_accumulator = acc;
+  }
+  return Edge{acc, 0};
+}
+
+bool should_record(std::initializer_list<const Tensor*> inputs) {
+  if (!grad_enabled) return false;
+  for (const Tensor* t : inputs)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+std::vector<Edge> collect_edges(std::initializer_list<const Tensor*> inputs) {
+  std::vector<Edge> edges;
+  edges.reserve(inputs.size());
+  for (const Tensor* t : inputs) edges.push_back(gradient_edge(*t));
+  return edges;
+}
+
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr) {
+  AutogradMeta& meta = out.autograd_meta();
+  meta.grad_fn = node;
+  meta.output_nr = output_nr;
+  meta.requires_grad = true;
+}
+
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
+  LOOM_REQUIRE(grads.empty() || grads.size() == roots.size(), "backward: got ", grads.size(), " gradients for ",
+               roots.size(), " roots");
+  NoGradGuard no_grad;  // backward ops record nothing (no double backward)
+
+  std::unordered_map<Node*, tensor_list> buffers;
+  std::unordered_map<Node*, int> dependencies;
+  std::vector<std::shared_ptr<Node>> root_nodes;
+
+  auto accumulate = [&](const std::shared_ptr<Node>& node, uint32_t input_nr, Tensor g) {
+    tensor_list& buf = buffers[node.get()];
+    if (buf.size() < node->num_outputs()) buf.resize(node->num_outputs());
+    if (!buf[input_nr].defined()) buf[input_nr] = std::move(g);
+    else buf[input_nr] = ops::add(buf[input_nr], g);
+  };
+
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& root = roots[i];
+    LOOM_REQUIRE(root.defined() && root.requires_grad(), "backward: tensor ", describe(root),
+                 " does not require grad and has no grad_fn");
+    Tensor g = grads.empty() ? Tensor() : grads[i];
+    if (!g.defined()) {
+      LOOM_REQUIRE(root.numel() == 1, "backward: a gradient must be given for the non-scalar root ", describe(root));
+      g = ones(root.shape(), root.dtype(), root.device());
+    }
+    LOOM_REQUIRE(g.shape() == root.shape(), "backward: gradient ", describe(g), " does not match root ",
+                 describe(root));
+    Edge e = gradient_edge(root);
+    accumulate(e.node, e.input_nr, g);
+    root_nodes.push_back(e.node);
+  }
+
+  // Count, for every node reachable from the roots, how many edges lead into it (iterative DFS).
+  std::vector<Node*> stack;
+  std::unordered_map<Node*, bool> seen;
+  for (auto& n : root_nodes)
+    if (!seen[n.get()]) seen[n.get()] = true, stack.push_back(n.get());
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (!e.valid()) continue;
+      ++dependencies[e.node.get()];
+      if (!seen[e.node.get()]) seen[e.node.get()] = true, stack.push_back(e.node.get());
+    }
+  }
+
+  // Ready nodes run newest first, which keeps memory low on long chains.
+  auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
+    return a->sequence_nr() < b->sequence_nr();
+  };
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, decltype(later_first)> ready(
+      later_first);
+  std::unordered_map<Node*, bool> queued;
+  for (auto& n : root_nodes)
+    if (dependencies[n.get()] == 0 && !queued[n.get()]) queued[n.get()] = true, ready.push(n);
+
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = ready.top();
+    ready.pop();
+    LOOM_REQUIRE(!node->released(), "backward: trying to backward through ", node->name(),
+                 " a second time; its saved tensors were freed (pass retain_graph=true to the first backward)");
+    tensor_list in = std::move(buffers[node.get()]);
+    buffers.erase(node.get());
+    in.resize(node->num_outputs());
+    for (auto& [output_nr, weak_meta] : node->retained_outputs()) {
+      if (auto meta = weak_meta.lock(); meta && output_nr < in.size() && in[output_nr].defined())
+        meta->grad = std::make_shared<Tensor>(ops::clone(in[output_nr]));
+    }
+    tensor_list out = node->apply(std::move(in));
+    if (!retain_graph) {
+      node->release_saved();
+      if (!dynamic_cast<AccumulateGrad*>(node.get())) node->mark_released();
+    }
+    const auto& edges = node->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      if (i < out.size() && out[i].defined()) accumulate(e.node, e.input_nr, std::move(out[i]));
+      if (--dependencies[e.node.get()] == 0 && !queued[e.node.get()]) {
+        queued[e.node.get()] = true;
+        ready.push(e.node);
+      }
+    }
+  }
+}
+
+}  // namespace loom::autograd
