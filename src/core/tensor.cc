@@ -61,6 +61,17 @@ Tensor Tensor::as_strided(const Shape& shape, const Shape& strides, int64_t offs
   return make(storage(), shape, strides, offset, dtype());
 }
 
+void Tensor::set_data(const Tensor& other) {
+  LOOM_REQUIRE(other.defined(), "set_data: the new data is undefined");
+  auto& i = impl();
+  const auto& o = other.impl();
+  i.storage = o.storage;
+  i.shape = o.shape;
+  i.strides = o.strides;
+  i.offset = o.offset;
+  i.dtype = o.dtype;
+}
+
 AutogradMeta& Tensor::autograd_meta() const {
   auto& i = impl();
   if (!i.autograd) i.autograd = std::make_shared<AutogradMeta>();

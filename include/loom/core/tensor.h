@@ -100,6 +100,10 @@ class Tensor {
   // Copies src into this tensor's elements (broadcasting src, converting dtype, across devices). Not differentiable.
   Tensor& copy_from(const Tensor& src);
 
+  // Makes this tensor (and every handle to it) refer to other's storage, shape and dtype, keeping its autograd state.
+  // How modules move parameters between devices and dtypes in place.
+  void set_data(const Tensor& other);
+
   // A view with explicit metadata, no checks beyond bounds and no autograd. For the op layer.
   Tensor as_strided(const Shape& shape, const Shape& strides, int64_t offset) const;
 

@@ -1,0 +1,97 @@
+// The building blocks of GPT-2 and LLaMA: Linear, Embedding, LayerNorm, RMSNorm, Dropout, MLPs and causal
+// self-attention (multi-head, grouped-query, optional RoPE, KV cache for generation).
+#pragma once
+
+#include <optional>
+
+#include "loom/functional.h"
+#include "loom/nn/module.h"
+
+namespace loom::nn {
+
+// Initializes weights from normal(0, std) with the given generator (the same seed gives the same model).
+void init_normal_(Tensor& t, double std, Generator& gen);
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true);
+  Tensor forward(const Tensor& x) const;
+  Tensor forward_gelu(const Tensor& x) const;  // GELU fused into the product's epilogue
+  Tensor weight;  // [out, in]
+  Tensor bias;    // [out] or undefined
+};
+
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim);
+  Tensor forward(const Tensor& indices) const;
+  Tensor weight;  // [num, dim]
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t dim, double eps = 1e-5, bool bias = true);
+  Tensor forward(const Tensor& x) const;
+  Tensor weight, bias;
+  double eps;
+};
+
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(int64_t dim, double eps = 1e-6);
+  Tensor forward(const Tensor& x) const;
+  Tensor weight;
+  double eps;
+};
+
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p) : p(p) {}
+  Tensor forward(const Tensor& x, Generator* gen = nullptr) const;
+  double p;
+};
+
+// GPT-2's MLP: c_proj(gelu(c_fc(x))).
+class GeluMLP : public Module {
+ public:
+  GeluMLP(int64_t dim, int64_t hidden);
+  Tensor forward(const Tensor& x) const;
+  std::shared_ptr<Linear> c_fc, c_proj;
+};
+
+// LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+class SwiGLUMLP : public Module {
+ public:
+  SwiGLUMLP(int64_t dim, int64_t hidden);
+  Tensor forward(const Tensor& x) const;
+  std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
+};
+
+// Keys and values of past positions, per layer, for generation.
+struct KVCache {
+  Tensor k, v;  // [B, Hkv, S, D]
+  int64_t length() const { return k.defined() ? k.size(2) : 0; }
+};
+
+struct AttentionConfig {
+  int64_t dim = 0;
+  int64_t n_head = 0;
+  int64_t n_kv_head = 0;  // == n_head for multi-head attention
+  bool fused_qkv = true;  // GPT-2's c_attn/c_proj (with biases) vs LLaMA's q/k/v/o_proj (no biases)
+  bool bias = true;
+};
+
+class CausalSelfAttention : public Module {
+ public:
+  explicit CausalSelfAttention(const AttentionConfig& cfg);
+  // x [B, T, C]. With rope tables (cos/sin [T_total, D/2]), rotates q and k at positions offset .. offset+T-1.
+  // With a cache, appends this call's keys/values to it and attends over all of them.
+  Tensor forward(const Tensor& x, const Tensor& rope_cos = Tensor(), const Tensor& rope_sin = Tensor(),
+                 KVCache* cache = nullptr) const;
+  AttentionConfig cfg;
+  int64_t head_dim;
+  std::shared_ptr<Linear> c_attn, c_proj;                   // fused (GPT-2)
+  std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;   // separate (LLaMA)
+};
+
+}  // namespace loom::nn

@@ -1,0 +1,76 @@
+// Language models built from a config: GPT-2 (and its dN depth family) and LLaMA-3, with text generation.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/nn/layers.h"
+
+namespace loom::nn {
+
+enum class ModelFamily { kGPT2, kLlama };
+
+struct ModelConfig {
+  ModelFamily family = ModelFamily::kGPT2;
+  int64_t vocab_size = 50257;
+  int64_t padded_vocab_size = 50304;  // rows of the embedding/classifier: vocab rounded up to 128, as llm.c
+  int64_t max_seq_len = 1024;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_kv_head = 12;
+  int64_t n_embd = 768;
+  int64_t ffn_hidden = 3072;
+  double norm_eps = 1e-5;
+  double rope_theta = 500000.0;
+  std::optional<ops::RopeScaling> rope_scaling;
+  bool tie_embeddings = true;
+  double dropout = 0.0;
+
+  // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
+  // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), or a
+  // path to a JSON config file. Throws naming the unknown name.
+  static ModelConfig from_name(const std::string& name_or_path);
+  static ModelConfig from_json(const std::string& json_text);
+  std::string to_json() const;
+  std::string describe() const;
+  // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T.
+  double flops_per_token(int64_t seq_len, int64_t num_params) const;
+};
+
+int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
+
+class LanguageModel : public Module {
+ public:
+  explicit LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {}
+  const ModelConfig& config() const { return cfg_; }
+  // idx [B, T] integer tokens -> logits [B, T, padded_vocab]. With caches (one per layer), positions continue after
+  // what the caches hold.
+  virtual Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr) = 0;
+  // Mean cross-entropy of the logits over the real vocabulary against targets [B, T].
+  Tensor loss(const Tensor& logits, const Tensor& targets) const;
+  // Initializes every parameter as the reference implementations do, from a seeded generator.
+  virtual void init_weights(uint64_t seed) = 0;
+  // The model's parameters by the names Hugging Face uses in its safetensors files, with the tensor layout it
+  // expects (GPT-2's Conv1D weights are transposed on the way out and in).
+  virtual std::vector<std::pair<std::string, Tensor>> hf_state_dict() const;
+  virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
+
+ protected:
+  ModelConfig cfg_;
+};
+
+std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 64;
+  double temperature = 1.0;  // 0 = greedy
+  int64_t top_k = 0;         // 0 = whole vocabulary
+  uint64_t seed = 1337;
+  bool use_kv_cache = true;
+};
+// Continues `prompt` (token ids). Runs without autograd and in eval mode (restoring the mode after).
+std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts);
+
+}  // namespace loom::nn

@@ -1,0 +1,53 @@
+// nn::Module in the LibTorch style: parameters, buffers and submodules registered by name, dotted names,
+// train/eval, moving to a device or dtype in place.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/core/tensor.h"
+
+namespace loom::nn {
+
+class Module {
+ public:
+  virtual ~Module() = default;
+
+  // Registers a parameter (requires_grad set) and returns the handle the subclass keeps.
+  Tensor register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
+  Tensor register_buffer(const std::string& name, Tensor t);
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    children_.emplace_back(name, m);
+    return m;
+  }
+
+  // Dotted names ("h.0.attn.c_attn.weight"), in registration order. A tensor registered twice (tied weights)
+  // appears once, under its first name.
+  std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  std::vector<Tensor> parameters() const;
+  std::vector<std::pair<std::string, Tensor>> named_buffers() const;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }
+  int64_t num_parameters() const;
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // Moves every parameter and buffer in place (handles held elsewhere see the move). to(dtype) converts floating
+  // parameters only.
+  void to(Device device);
+  void to(DType dtype);
+  void zero_grad();
+
+ private:
+  void collect(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& out, bool buffers) const;
+  std::vector<std::pair<std::string, Tensor>> params_;
+  std::vector<std::pair<std::string, Tensor>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+}  // namespace loom::nn

@@ -1,0 +1,117 @@
+// Layers of GPT-2 and LLaMA.
+#include "loom/nn/layers.h"
+
+#include <cmath>
+
+#include "loom/autograd/grad_mode.h"
+
+namespace loom::nn {
+
+void init_normal_(Tensor& t, double std, Generator& gen) {
+  autograd::NoGradGuard ng;
+  t.copy_from(randn(t.shape(), t.dtype(), t.device(), &gen, 0.0, std));
+}
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
+  LOOM_REQUIRE(in_features > 0 && out_features > 0, "Linear: features must be positive, got in=", in_features,
+               " out=", out_features);
+  weight = register_parameter("weight", zeros({out_features, in_features}));
+  if (has_bias) bias = register_parameter("bias", zeros({out_features}));
+}
+
+Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
+Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weight, bias); }
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim) {
+  weight = register_parameter("weight", zeros({num_embeddings, dim}));
+}
+Tensor Embedding::forward(const Tensor& indices) const { return embedding(weight, indices); }
+
+LayerNorm::LayerNorm(int64_t dim, double eps_, bool has_bias) : eps(eps_) {
+  weight = register_parameter("weight", ones({dim}));
+  if (has_bias) bias = register_parameter("bias", zeros({dim}));
+}
+Tensor LayerNorm::forward(const Tensor& x) const { return layer_norm(x, weight, bias, eps); }
+
+RMSNorm::RMSNorm(int64_t dim, double eps_) : eps(eps_) { weight = register_parameter("weight", ones({dim})); }
+Tensor RMSNorm::forward(const Tensor& x) const { return rms_norm(x, weight, eps); }
+
+Tensor Dropout::forward(const Tensor& x, Generator* gen) const { return dropout(x, p, is_training(), gen); }
+
+GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
+  c_fc = register_module("c_fc", std::make_shared<Linear>(dim, hidden));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, dim));
+}
+Tensor GeluMLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
+
+SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
+  gate_proj = register_module("gate_proj", std::make_shared<Linear>(dim, hidden, false));
+  up_proj = register_module("up_proj", std::make_shared<Linear>(dim, hidden, false));
+  down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, dim, false));
+}
+Tensor SwiGLUMLP::forward(const Tensor& x) const {
+  return down_proj->forward(mul(silu(gate_proj->forward(x)), up_proj->forward(x)));
+}
+
+CausalSelfAttention::CausalSelfAttention(const AttentionConfig& c) : cfg(c) {
+  LOOM_REQUIRE(c.n_head > 0 && c.dim % c.n_head == 0, "CausalSelfAttention: dim ", c.dim,
+               " is not divisible by n_head ", c.n_head);
+  LOOM_REQUIRE(c.n_kv_head > 0 && c.n_head % c.n_kv_head == 0, "CausalSelfAttention: n_head ", c.n_head,
+               " is not a multiple of n_kv_head ", c.n_kv_head);
+  head_dim = c.dim / c.n_head;
+  int64_t kv_dim = c.n_kv_head * head_dim;
+  if (c.fused_qkv) {
+    c_attn = register_module("c_attn", std::make_shared<Linear>(c.dim, c.dim + 2 * kv_dim, c.bias));
+    c_proj = register_module("c_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+  } else {
+    q_proj = register_module("q_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+    k_proj = register_module("k_proj", std::make_shared<Linear>(c.dim, kv_dim, c.bias));
+    v_proj = register_module("v_proj", std::make_shared<Linear>(c.dim, kv_dim, c.bias));
+    o_proj = register_module("o_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+  }
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, const Tensor& rope_sin,
+                                    KVCache* cache) const {
+  LOOM_REQUIRE(x.dim() == 3 && x.size(2) == cfg.dim, "CausalSelfAttention: expected input [B, T, ", cfg.dim,
+               "], got ", describe(x));
+  int64_t B = x.size(0), T = x.size(1), D = head_dim;
+  int64_t kv_dim = cfg.n_kv_head * D;
+  Tensor q, k, v;
+  if (cfg.fused_qkv) {
+    Tensor qkv = c_attn->forward(x);  // [B, T, C + 2 kv_dim]
+    q = qkv.narrow(2, 0, cfg.dim);
+    k = qkv.narrow(2, cfg.dim, kv_dim);
+    v = qkv.narrow(2, cfg.dim + kv_dim, kv_dim);
+  } else {
+    q = q_proj->forward(x);
+    k = k_proj->forward(x);
+    v = v_proj->forward(x);
+  }
+  // [B, T, H*D] -> [B, H, T, D]
+  q = q.reshape({B, T, cfg.n_head, D}).transpose(1, 2);
+  k = k.reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
+  v = v.reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
+  int64_t past = cache ? cache->length() : 0;
+  if (rope_cos.defined()) {
+    Tensor cos = rope_cos.narrow(0, past, T), sin = rope_sin.narrow(0, past, T);
+    q = rope(q, cos, sin);
+    k = rope(k, cos, sin);
+  }
+  if (cache) {
+    if (cache->k.defined()) {
+      k = cat({cache->k, k}, 2);
+      v = cat({cache->v, v}, 2);
+    } else {
+      k = k.contiguous();
+      v = v.contiguous();
+    }
+    cache->k = k.detach();
+    cache->v = v.detach();
+  }
+  Tensor y = scaled_dot_product_attention(q, k, v, /*causal=*/true);  // [B, H, T, D]
+  y = y.transpose(1, 2).reshape({B, T, cfg.dim});
+  return cfg.fused_qkv ? c_proj->forward(y) : o_proj->forward(y);
+}
+
+}  // namespace loom::nn

@@ -1,0 +1,427 @@
+// GPT-2 and LLaMA-3 built from a ModelConfig, Hugging Face naming, and text generation.
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/nn/model.h"
+
+namespace loom::nn {
+
+int64_t round_up_vocab(int64_t vocab, int64_t multiple) { return (vocab + multiple - 1) / multiple * multiple; }
+
+namespace {
+
+ModelConfig gpt2_config(int64_t layers, int64_t heads, int64_t dim) {
+  ModelConfig c;
+  c.family = ModelFamily::kGPT2;
+  c.n_layer = layers;
+  c.n_head = c.n_kv_head = heads;
+  c.n_embd = dim;
+  c.ffn_hidden = 4 * dim;
+  return c;
+}
+
+ModelConfig llama_config(int64_t layers, int64_t heads, int64_t kv_heads, int64_t dim, int64_t ffn, int64_t vocab,
+                         double scaling_factor, bool tie) {
+  ModelConfig c;
+  c.family = ModelFamily::kLlama;
+  c.vocab_size = vocab;
+  c.padded_vocab_size = vocab;  // LLaMA's 128256 is already a multiple of 128
+  c.max_seq_len = 8192;
+  c.n_layer = layers;
+  c.n_head = heads;
+  c.n_kv_head = kv_heads;
+  c.n_embd = dim;
+  c.ffn_hidden = ffn;
+  c.norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  if (scaling_factor > 0) c.rope_scaling = ops::RopeScaling{scaling_factor, 1.0, 4.0, 8192};
+  c.tie_embeddings = tie;
+  return c;
+}
+
+const char* family_name(ModelFamily f) { return f == ModelFamily::kGPT2 ? "gpt2" : "llama"; }
+
+}  // namespace
+
+ModelConfig ModelConfig::from_name(const std::string& name) {
+  if (name == "gpt2" || name == "gpt2-124m") return gpt2_config(12, 12, 768);
+  if (name == "gpt2-medium" || name == "gpt2-350m") return gpt2_config(24, 16, 1024);
+  if (name == "gpt2-large" || name == "gpt2-774m") return gpt2_config(36, 20, 1280);
+  if (name == "gpt2-xl" || name == "gpt2-1558m" || name == "gpt2-1.5b") return gpt2_config(48, 25, 1600);
+  if (name.size() > 1 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
+    int64_t depth = std::stoll(name.substr(1));
+    LOOM_REQUIRE(depth >= 1 && depth <= 128, "model '", name, "': depth must be in [1, 128]");
+    return gpt2_config(depth, depth, 64 * depth);
+  }
+  if (name == "gpt2-tiny") {
+    ModelConfig c = gpt2_config(2, 4, 64);
+    c.vocab_size = 50257;
+    c.max_seq_len = 256;
+    return c;
+  }
+  if (name == "llama3-1b") return llama_config(16, 32, 8, 2048, 8192, 128256, 32.0, true);
+  if (name == "llama3-8b") return llama_config(32, 32, 8, 4096, 14336, 128256, 8.0, false);
+  if (name == "llama3-tiny") {
+    ModelConfig c = llama_config(2, 4, 2, 64, 160, 512, 8.0, false);
+    c.max_seq_len = 256;
+    c.rope_scaling = ops::RopeScaling{8.0, 1.0, 4.0, 64};
+    return c;
+  }
+  std::ifstream f(name);
+  LOOM_REQUIRE(f.good(), "unknown model '", name,
+               "' (expected gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m, d<N>, llama3-1b, llama3-8b, gpt2-tiny, "
+               "llama3-tiny, or the path of a JSON config file)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  try {
+    return from_json(ss.str());
+  } catch (const Error& e) {
+    LOOM_THROW("model config '", name, "': ", e.what());
+  }
+}
+
+ModelConfig ModelConfig::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    LOOM_THROW("invalid JSON: ", e.what());
+  }
+  ModelConfig c;
+  try {
+    std::string fam = j.value("family", "gpt2");
+    LOOM_REQUIRE(fam == "gpt2" || fam == "llama", "family must be gpt2 or llama, got '", fam, "'");
+    c = fam == "gpt2" ? gpt2_config(12, 12, 768) : llama_config(16, 32, 8, 2048, 8192, 128256, 0, true);
+    c.vocab_size = j.value("vocab_size", c.vocab_size);
+    c.padded_vocab_size = j.value("padded_vocab_size", round_up_vocab(c.vocab_size));
+    c.max_seq_len = j.value("max_seq_len", c.max_seq_len);
+    c.n_layer = j.value("n_layer", c.n_layer);
+    c.n_head = j.value("n_head", c.n_head);
+    c.n_kv_head = j.value("n_kv_head", c.n_head);
+    c.n_embd = j.value("n_embd", c.n_embd);
+    c.ffn_hidden = j.value("ffn_hidden", fam == "gpt2" ? 4 * c.n_embd : c.ffn_hidden);
+    c.norm_eps = j.value("norm_eps", c.norm_eps);
+    c.rope_theta = j.value("rope_theta", c.rope_theta);
+    c.tie_embeddings = j.value("tie_embeddings", c.tie_embeddings);
+    c.dropout = j.value("dropout", c.dropout);
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      auto& s = j["rope_scaling"];
+      c.rope_scaling = ops::RopeScaling{s.value("factor", 8.0), s.value("low_freq_factor", 1.0),
+                                        s.value("high_freq_factor", 4.0), s.value("original_max_positions", int64_t(8192))};
+    }
+  } catch (const nlohmann::json::exception& e) {
+    LOOM_THROW("bad field in config: ", e.what());
+  }
+  LOOM_REQUIRE(c.n_layer > 0 && c.n_head > 0 && c.n_embd % c.n_head == 0 && c.n_head % c.n_kv_head == 0,
+               "inconsistent config: n_layer=", c.n_layer, " n_head=", c.n_head, " n_kv_head=", c.n_kv_head,
+               " n_embd=", c.n_embd);
+  LOOM_REQUIRE(c.padded_vocab_size >= c.vocab_size, "padded_vocab_size ", c.padded_vocab_size,
+               " is smaller than vocab_size ", c.vocab_size);
+  return c;
+}
+
+std::string ModelConfig::to_json() const {
+  nlohmann::json j{{"family", family_name(family)}, {"vocab_size", vocab_size}, {"padded_vocab_size", padded_vocab_size},
+                   {"max_seq_len", max_seq_len}, {"n_layer", n_layer}, {"n_head", n_head}, {"n_kv_head", n_kv_head},
+                   {"n_embd", n_embd}, {"ffn_hidden", ffn_hidden}, {"norm_eps", norm_eps}, {"rope_theta", rope_theta},
+                   {"tie_embeddings", tie_embeddings}, {"dropout", dropout}};
+  if (rope_scaling)
+    j["rope_scaling"] = {{"factor", rope_scaling->factor}, {"low_freq_factor", rope_scaling->low_freq_factor},
+                         {"high_freq_factor", rope_scaling->high_freq_factor},
+                         {"original_max_positions", rope_scaling->original_max_positions}};
+  return j.dump(2);
+}
+
+std::string ModelConfig::describe() const {
+  std::ostringstream os;
+  os << family_name(family) << ": " << n_layer << " layers, " << n_head << " heads";
+  if (n_kv_head != n_head) os << " (" << n_kv_head << " kv)";
+  os << ", dim " << n_embd << ", vocab " << vocab_size << " (padded " << padded_vocab_size << "), context "
+     << max_seq_len;
+  return os.str();
+}
+
+double ModelConfig::flops_per_token(int64_t seq_len, int64_t num_params) const {
+  return 6.0 * double(num_params) + 6.0 * double(n_layer) * double(n_embd) * double(seq_len);
+}
+
+Tensor LanguageModel::loss(const Tensor& logits, const Tensor& targets) const {
+  Tensor flat = logits.reshape({-1, logits.size(-1)});
+  if (cfg_.padded_vocab_size > cfg_.vocab_size) flat = flat.narrow(1, 0, cfg_.vocab_size);
+  return cross_entropy(flat, targets.reshape({-1}));
+}
+
+namespace {
+
+// Children named "0", "1", ... so parameters read "h.3.attn.c_attn.weight".
+class ModuleList : public Module {
+ public:
+  template <typename M>
+  std::shared_ptr<M> push_back(std::shared_ptr<M> m) {
+    return register_module(std::to_string(size_++), std::move(m));
+  }
+
+ private:
+  int64_t size_ = 0;
+};
+
+class GPT2Block : public Module {
+ public:
+  explicit GPT2Block(const ModelConfig& c) {
+    ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
+    attn = register_module("attn", std::make_shared<CausalSelfAttention>(
+                                       AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, true, true}));
+    ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
+    mlp = register_module("mlp", std::make_shared<GeluMLP>(c.n_embd, c.ffn_hidden));
+  }
+  Tensor forward(const Tensor& x, double p_drop, KVCache* cache) {
+    Tensor a = dropout(attn->forward(ln_1->forward(x), Tensor(), Tensor(), cache), p_drop, is_training());
+    Tensor h = add(x, a);
+    return add(h, dropout(mlp->forward(ln_2->forward(h)), p_drop, is_training()));
+  }
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<GeluMLP> mlp;
+};
+
+class GPT2 final : public LanguageModel {
+ public:
+  explicit GPT2(const ModelConfig& c) : LanguageModel(c) {
+    wte = register_module("wte", std::make_shared<Embedding>(c.padded_vocab_size, c.n_embd));
+    wpe = register_module("wpe", std::make_shared<Embedding>(c.max_seq_len, c.n_embd));
+    h = register_module("h", std::make_shared<ModuleList>());
+    for (int64_t i = 0; i < c.n_layer; ++i) blocks.push_back(h->push_back(std::make_shared<GPT2Block>(c)));
+    ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
+  }
+
+  Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
+    LOOM_REQUIRE(idx.dim() == 2, "GPT2: expected token ids [B, T], got ", describe(idx));
+    int64_t T = idx.size(1);
+    int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+    LOOM_REQUIRE(past + T <= cfg_.max_seq_len, "GPT2: sequence length ", past + T, " exceeds the model's context ",
+                 cfg_.max_seq_len);
+    if (caches) caches->resize(size_t(cfg_.n_layer));
+    Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
+    Tensor x = add(wte->forward(idx), wpe->forward(pos));
+    x = dropout(x, cfg_.dropout, is_training());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, cfg_.dropout, caches ? &(*caches)[i] : nullptr);
+    x = ln_f->forward(x);
+    return linear(x, wte->weight);  // tied classifier
+  }
+
+  void init_weights(uint64_t seed) override {
+    Generator gen(seed);
+    double proj_std = 0.02 / std::sqrt(2.0 * double(cfg_.n_layer));
+    for (auto& [name, p] : named_parameters()) {
+      bool is_bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+      bool is_norm = name.find("ln_") != std::string::npos;
+      if (is_bias) p.copy_from(zeros(p.shape(), p.dtype(), p.device()));
+      else if (is_norm) p.copy_from(ones(p.shape(), p.dtype(), p.device()));
+      else init_normal_(p, name.find("c_proj.weight") != std::string::npos ? proj_std : 0.02, gen);
+    }
+  }
+
+  std::vector<std::pair<std::string, Tensor>> hf_state_dict() const override {
+    autograd::NoGradGuard ng;
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (auto& [name, p] : named_parameters()) {
+      Tensor t = p.detach();
+      if (name == "wte.weight") t = ops::contiguous(ops::narrow(t, 0, 0, cfg_.vocab_size));
+      else if (is_conv1d(name)) t = ops::contiguous(ops::transpose(t, 0, 1));
+      out.emplace_back(name, t);
+    }
+    return out;
+  }
+
+  void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) override {
+    autograd::NoGradGuard ng;
+    std::map<std::string, Tensor> by_name;
+    for (auto& [n, t] : tensors) {
+      std::string name = n.rfind("transformer.", 0) == 0 ? n.substr(12) : n;  // GPT2LMHeadModel prefixes
+      by_name[name] = t;
+    }
+    for (auto& [name, p] : named_parameters()) {
+      auto it = by_name.find(name);
+      LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
+      Tensor src = it->second;
+      if (name == "wte.weight") {
+        LOOM_REQUIRE(src.dim() == 2 && src.size(1) == cfg_.n_embd && src.size(0) <= cfg_.padded_vocab_size,
+                     "load: wte.weight has shape ", shape_str(src.shape()), ", model expects [<= ",
+                     cfg_.padded_vocab_size, ", ", cfg_.n_embd, "]");
+        p.copy_from(zeros(p.shape(), p.dtype(), p.device()));
+        ops::narrow(p, 0, 0, src.size(0)).copy_from(src);
+        continue;
+      }
+      if (is_conv1d(name)) src = ops::transpose(src, 0, 1);
+      LOOM_REQUIRE(src.shape() == p.shape(), "load: tensor '", name, "' has shape ", shape_str(src.shape()),
+                   ", model expects ", shape_str(p.shape()));
+      p.copy_from(src);
+    }
+  }
+
+  std::shared_ptr<Embedding> wte, wpe;
+  std::shared_ptr<ModuleList> h;
+  std::vector<std::shared_ptr<GPT2Block>> blocks;
+  std::shared_ptr<LayerNorm> ln_f;
+
+ private:
+  // Hugging Face stores GPT-2's projections as Conv1D, [in, out]: the transpose of Linear's [out, in].
+  static bool is_conv1d(const std::string& name) {
+    return name.find(".weight") != std::string::npos &&
+           (name.find("c_attn") != std::string::npos || name.find("c_proj") != std::string::npos ||
+            name.find("c_fc") != std::string::npos);
+  }
+};
+
+class LlamaBlock : public Module {
+ public:
+  explicit LlamaBlock(const ModelConfig& c) {
+    input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
+    self_attn = register_module("self_attn", std::make_shared<CausalSelfAttention>(
+                                                 AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, false, false}));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
+    mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(c.n_embd, c.ffn_hidden));
+  }
+  Tensor forward(const Tensor& x, const Tensor& cos, const Tensor& sin, KVCache* cache) {
+    Tensor h = add(x, self_attn->forward(input_layernorm->forward(x), cos, sin, cache));
+    return add(h, mlp->forward(post_attention_layernorm->forward(h)));
+  }
+  std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
+  std::shared_ptr<CausalSelfAttention> self_attn;
+  std::shared_ptr<SwiGLUMLP> mlp;
+};
+
+// Holds the "model." prefix of Hugging Face's LLaMA names.
+class LlamaBody : public Module {
+ public:
+  explicit LlamaBody(const ModelConfig& c) {
+    embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(c.padded_vocab_size, c.n_embd));
+    layers = register_module("layers", std::make_shared<ModuleList>());
+    for (int64_t i = 0; i < c.n_layer; ++i) blocks.push_back(layers->push_back(std::make_shared<LlamaBlock>(c)));
+    norm = register_module("norm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
+  }
+  std::shared_ptr<Embedding> embed_tokens;
+  std::shared_ptr<ModuleList> layers;
+  std::vector<std::shared_ptr<LlamaBlock>> blocks;
+  std::shared_ptr<RMSNorm> norm;
+};
+
+class Llama final : public LanguageModel {
+ public:
+  explicit Llama(const ModelConfig& c) : LanguageModel(c) {
+    model = register_module("model", std::make_shared<LlamaBody>(c));
+    if (!c.tie_embeddings) lm_head = register_module("lm_head", std::make_shared<Linear>(c.n_embd, c.padded_vocab_size, false));
+    auto [cos, sin] = ops::rope_tables(c.max_seq_len, c.n_embd / c.n_head, c.rope_theta, c.rope_scaling);
+    rope_cos = register_buffer("rope_cos", cos);
+    rope_sin = register_buffer("rope_sin", sin);
+  }
+
+  Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
+    LOOM_REQUIRE(idx.dim() == 2, "Llama: expected token ids [B, T], got ", describe(idx));
+    int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+    LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "Llama: sequence length ", past + idx.size(1),
+                 " exceeds the model's context ", cfg_.max_seq_len);
+    if (caches) caches->resize(size_t(cfg_.n_layer));
+    Tensor x = model->embed_tokens->forward(idx);
+    for (size_t i = 0; i < model->blocks.size(); ++i)
+      x = model->blocks[i]->forward(x, rope_cos, rope_sin, caches ? &(*caches)[i] : nullptr);
+    x = model->norm->forward(x);
+    return lm_head ? lm_head->forward(x) : linear(x, model->embed_tokens->weight);
+  }
+
+  void init_weights(uint64_t seed) override {
+    Generator gen(seed);
+    double proj_std = 0.02 / std::sqrt(2.0 * double(cfg_.n_layer));
+    for (auto& [name, p] : named_parameters()) {
+      if (name.find("norm") != std::string::npos) p.copy_from(ones(p.shape(), p.dtype(), p.device()));
+      else init_normal_(p, name.find("o_proj") != std::string::npos || name.find("down_proj") != std::string::npos
+                               ? proj_std : 0.02, gen);
+    }
+  }
+
+  std::shared_ptr<LlamaBody> model;
+  std::shared_ptr<Linear> lm_head;
+  Tensor rope_cos, rope_sin;
+};
+
+}  // namespace
+
+std::vector<std::pair<std::string, Tensor>> LanguageModel::hf_state_dict() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [n, p] : named_parameters()) out.emplace_back(n, p.detach());
+  return out;
+}
+
+void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  for (auto& [name, p] : named_parameters()) {
+    auto it = by_name.find(name);
+    LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
+    LOOM_REQUIRE(it->second.shape() == p.shape(), "load: tensor '", name, "' has shape ",
+                 shape_str(it->second.shape()), ", model expects ", shape_str(p.shape()));
+    p.copy_from(it->second);
+  }
+}
+
+std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg) {
+  if (cfg.family == ModelFamily::kGPT2) return std::make_shared<GPT2>(cfg);
+  return std::make_shared<Llama>(cfg);
+}
+
+std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
+  LOOM_REQUIRE(!prompt.empty(), "generate: the prompt is empty");
+  autograd::NoGradGuard ng;
+  bool was_training = model.is_training();
+  model.eval();
+  const ModelConfig& cfg = model.config();
+  Device device = model.parameters().front().device();
+  std::mt19937_64 rng(opts.seed);
+  std::vector<int32_t> tokens = prompt;
+  std::vector<KVCache> caches;
+  bool use_cache = opts.use_kv_cache;
+  size_t fed = 0;  // tokens already in the caches
+  for (int64_t step = 0; step < opts.max_new_tokens; ++step) {
+    if (int64_t(tokens.size()) >= cfg.max_seq_len) use_cache = false;  // past the context: slide a window instead
+    std::vector<int32_t> input;
+    if (use_cache) {
+      input.assign(tokens.begin() + int64_t(fed), tokens.end());
+    } else {
+      size_t start = tokens.size() > size_t(cfg.max_seq_len) ? tokens.size() - size_t(cfg.max_seq_len) : 0;
+      input.assign(tokens.begin() + int64_t(start), tokens.end());
+    }
+    Tensor idx = from_vector(input, {1, int64_t(input.size())}, device);
+    Tensor logits = model.forward(idx, use_cache ? &caches : nullptr);
+    fed = tokens.size();
+    Tensor last = ops::narrow(ops::select(ops::select(logits, 0, 0), 0, logits.size(1) - 1), 0, 0, cfg.vocab_size);
+    std::vector<double> l = to_vector<double>(last);
+    int32_t next = 0;
+    if (opts.temperature <= 0) {
+      next = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+    } else {
+      std::vector<int32_t> order(l.size());
+      std::iota(order.begin(), order.end(), 0);
+      size_t k = opts.top_k > 0 ? std::min<size_t>(size_t(opts.top_k), l.size()) : l.size();
+      std::partial_sort(order.begin(), order.begin() + int64_t(k), order.end(),
+                        [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
+      double mx = l[size_t(order[0])];
+      std::vector<double> w(k);
+      for (size_t i = 0; i < k; ++i) w[i] = std::exp((l[size_t(order[i])] - mx) / opts.temperature);
+      std::discrete_distribution<size_t> dist(w.begin(), w.end());
+      next = order[dist(rng)];
+    }
+    tokens.push_back(next);
+  }
+  model.train(was_training);
+  return std::vector<int32_t>(tokens.begin() + int64_t(prompt.size()), tokens.end());
+}
+
+}  // namespace loom::nn

@@ -1,0 +1,78 @@
+// nn::Module bookkeeping.
+#include "loom/nn/module.h"
+
+#include <set>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/ops.h"
+
+namespace loom::nn {
+
+Tensor Module::register_parameter(const std::string& name, Tensor t, bool requires_grad) {
+  LOOM_REQUIRE(t.defined(), "register_parameter: parameter '", name, "' is undefined");
+  if (requires_grad) t.set_requires_grad(true);
+  params_.emplace_back(name, t);
+  return t;
+}
+
+Tensor Module::register_buffer(const std::string& name, Tensor t) {
+  buffers_.emplace_back(name, t);
+  return t;
+}
+
+void Module::collect(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& out, bool buffers) const {
+  for (const auto& [name, t] : buffers ? buffers_ : params_) out.emplace_back(prefix + name, t);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out, buffers);
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_parameters() const {
+  std::vector<std::pair<std::string, Tensor>> all, unique;
+  collect("", all, false);
+  std::set<const TensorImpl*> seen;
+  for (auto& [n, t] : all)
+    if (seen.insert(&t.impl()).second) unique.emplace_back(n, t);
+  return unique;
+}
+
+std::vector<Tensor> Module::parameters() const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  collect("", out, true);
+  return out;
+}
+
+int64_t Module::num_parameters() const {
+  int64_t n = 0;
+  for (auto& [name, t] : named_parameters()) n += t.numel();
+  return n;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [n, c] : children_) c->train(on);
+}
+
+void Module::to(Device device) {
+  autograd::NoGradGuard ng;
+  for (auto& [n, t] : named_parameters()) t.set_data(ops::to_device(t, device));
+  for (auto& [n, t] : named_buffers()) t.set_data(ops::to_device(t, device));
+}
+
+void Module::to(DType dtype) {
+  autograd::NoGradGuard ng;
+  for (auto& [n, t] : named_parameters())
+    if (is_floating(t.dtype())) t.set_data(ops::to_dtype(t, dtype));
+  for (auto& [n, t] : named_buffers())
+    if (is_floating(t.dtype())) t.set_data(ops::to_dtype(t, dtype));
+}
+
+void Module::zero_grad() {
+  for (auto& t : parameters()) t.zero_grad();
+}
+
+}  // namespace loom::nn
