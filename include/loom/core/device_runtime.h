@@ -21,6 +21,13 @@ struct Event {
   void* handle = nullptr;
 };
 
+struct MemoryStats {
+  size_t allocated = 0;       // bytes in live tensors
+  size_t reserved = 0;        // bytes held from the system (>= allocated with a caching allocator)
+  size_t peak_allocated = 0;
+  size_t num_device_allocs = 0;  // calls to the system allocator (cudaMalloc, ...)
+};
+
 enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice, kHostToHost };
 
 // What a kernel receives besides its tensors: the device, the stream to run on, and backend state (library
@@ -58,6 +65,9 @@ class DeviceRuntime {
   virtual void record_event(Event, Stream) {}
   virtual void wait_event(Stream, Event) {}  // the stream waits for the event
   virtual void synchronize_event(Event) {}
+
+  virtual MemoryStats memory_stats(int) { return {}; }
+  virtual void reset_peak_memory(int) {}
 
   // The context kernels of this device run with (current stream, library handles). Owned by the runtime.
   virtual const DeviceContext& context(int index) = 0;

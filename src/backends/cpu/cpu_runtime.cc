@@ -1,4 +1,5 @@
 // The CPU device runtime: aligned host memory and memcpy. Streams and events are no-ops: CPU kernels are synchronous.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -16,11 +17,26 @@ class CpuRuntime final : public DeviceRuntime {
 
   void* allocate(size_t bytes, int) override {
     size_t rounded = (bytes + 63) / 64 * 64;  // 64-byte alignment suits AVX-512 and cache lines
-    void* p = std::aligned_alloc(64, rounded);
+    void* p = std::aligned_alloc(64, rounded + 64);
     LOOM_REQUIRE(p != nullptr, "out of host memory: could not allocate ", bytes, " bytes");
-    return p;
+    // The size lives in a 64-byte prefix so deallocate can count it without a map.
+    *static_cast<size_t*>(p) = rounded;
+    size_t now = allocated_.fetch_add(rounded) + rounded;
+    size_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {}
+    allocs_.fetch_add(1);
+    return static_cast<char*>(p) + 64;
   }
-  void deallocate(void* ptr, int) override { std::free(ptr); }
+  void deallocate(void* ptr, int) override {
+    void* base = static_cast<char*>(ptr) - 64;
+    allocated_.fetch_sub(*static_cast<size_t*>(base));
+    std::free(base);
+  }
+  MemoryStats memory_stats(int) override {
+    size_t a = allocated_.load();
+    return MemoryStats{a, a, peak_.load(), allocs_.load()};
+  }
+  void reset_peak_memory(int) override { peak_ = allocated_.load(); }
   void copy(void* dst, const void* src, size_t bytes, CopyKind, int) override {
     if (bytes) std::memcpy(dst, src, bytes);
   }
@@ -29,6 +45,7 @@ class CpuRuntime final : public DeviceRuntime {
 
  private:
   DeviceContext context_{Device(DeviceType::kCPU, 0)};
+  std::atomic<size_t> allocated_{0}, peak_{0}, allocs_{0};
 };
 
 const bool registered = [] {

@@ -1,0 +1,53 @@
+// loom-train: trains a GPT-2 or LLaMA model on llm.c token shards. See docs/TRAINING.md.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "loom/common/error.h"
+#include "loom/train/trainer.h"
+
+int main(int argc, char** argv) {
+  loom::train::TrainOptions o;
+  CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards"};
+  app.add_option("--model", o.model, "model name (gpt2-124m, gpt2-350m, d<N>, llama3-1b, ...) or JSON config")->capture_default_str();
+  app.add_option("--init-from", o.init_from, "start from safetensors weights with Hugging Face names");
+  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
+  app.add_option("--val-data", o.val_data, "validation shard(s)");
+  app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--total-batch-tokens", o.total_batch_tokens, "tokens per optimizer step (gradient accumulation); 0 = B*T")->capture_default_str();
+  app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
+  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str();
+  app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")->capture_default_str();
+  app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str();
+  app.add_option("--beta1", o.beta1, "AdamW beta1")->capture_default_str();
+  app.add_option("--beta2", o.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)")->capture_default_str();
+  app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--dtype", o.dtype, "training precision")->capture_default_str();
+  app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str();
+  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str();
+  app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str();
+  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample")->capture_default_str();
+  app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
+  app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str();
+  app.add_option("--resume", o.resume, "resume from a checkpoint file or a checkpoint directory's latest");
+  app.add_option("--seed", o.seed, "random seed")->capture_default_str();
+  app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
+  app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
+  app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
+  app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str();
+  app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    loom::train::Trainer trainer(o);
+    trainer.run();
+  } catch (const loom::Error& e) {
+    std::cerr << "loom-train: error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,110 @@
+// The training loop behind loom-train: model, data, AdamW with warmup and decay, gradient accumulation and clipping,
+// evaluation, samples, per-step logs (console, JSONL, TensorBoard) and exact checkpoint/resume.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/core/tensor.h"
+
+namespace loom::nn {
+class LanguageModel;
+}
+namespace loom::optim {
+class AdamW;
+}
+namespace loom::data {
+class DataLoader;
+}
+
+namespace loom::train {
+
+struct TrainOptions {
+  std::string model = "d4";          // a ModelConfig name or JSON path
+  std::string init_from;             // safetensors weights with Hugging Face names (optional)
+  std::string train_data;            // shard path or glob
+  std::string val_data;              // optional
+  int64_t batch_size = 8;            // B (sequences per micro-batch)
+  int64_t seq_len = 128;             // T
+  int64_t total_batch_tokens = 0;    // tokens per optimizer step; 0 = B*T (no accumulation)
+  int64_t steps = 100;
+  double lr = 6e-4;
+  int64_t warmup_steps = 10;
+  std::string decay = "cosine";      // cosine, linear or constant
+  double final_lr_fraction = 0.1;
+  double weight_decay = 0.1;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double clip = 1.0;                 // max global grad norm; <= 0 disables clipping
+  std::string device = "cpu";
+  std::string dtype = "f32";
+  int64_t eval_interval = 50;        // 0 = never (and at the end)
+  int64_t eval_batches = 8;
+  int64_t sample_interval = 0;       // 0 = only at the end
+  int64_t sample_tokens = 64;
+  std::string sample_prompt = "\n";
+  std::string checkpoint_dir;        // empty = no checkpoints
+  int64_t checkpoint_interval = 0;   // 0 = only at the end
+  std::string resume;                // a checkpoint file, a checkpoint dir (its latest), or empty
+  uint64_t seed = 1337;
+  bool shuffle = false;
+  bool explain_kernels = false;
+  std::string log_dir;               // metrics.jsonl and a TensorBoard event file; empty = console only
+  int64_t log_interval = 1;
+  double peak_tflops = 0;            // for MFU; 0 = the device's known bf16 peak, if any
+  bool quiet = false;                // no per-step lines (tests)
+};
+
+struct StepStats {
+  int64_t step = 0;  // 1-based, after the update
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double ms = 0;
+  double tokens_per_second = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(TrainOptions options);
+  ~Trainer();
+
+  // Trains to options.steps, logging, evaluating, sampling and checkpointing along the way.
+  void run();
+  // One optimizer step (all micro-batches).
+  StepStats train_step();
+  // Mean loss over the first `batches` validation batches (the training data if no validation data was given).
+  double evaluate(int64_t batches);
+  std::string sample(int64_t tokens);
+
+  void save_checkpoint(const std::string& path);
+  void load_checkpoint(const std::string& path);
+
+  int64_t step() const { return step_; }
+  nn::LanguageModel& model() { return *model_; }
+  const TrainOptions& options() const { return opts_; }
+  const std::vector<StepStats>& history() const { return history_; }
+  int64_t grad_accumulation_steps() const { return grad_accum_; }
+
+ private:
+  void log_step(const StepStats& s);
+  std::string checkpoint_path(int64_t step) const;
+  std::string resolve_resume_path(const std::string& resume) const;
+
+  TrainOptions opts_;
+  Device device_;
+  std::shared_ptr<nn::LanguageModel> model_;
+  std::unique_ptr<optim::AdamW> optimizer_;
+  std::unique_ptr<data::DataLoader> train_loader_;
+  std::unique_ptr<data::DataLoader> val_loader_;
+  struct Logs;
+  std::unique_ptr<Logs> logs_;
+  int64_t grad_accum_ = 1;
+  int64_t step_ = 0;
+  double flops_per_token_ = 0;
+  double peak_flops_ = 0;
+  std::vector<StepStats> history_;
+};
+
+}  // namespace loom::train

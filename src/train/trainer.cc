@@ -1,0 +1,345 @@
+// The training loop behind loom-train.
+#include "loom/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/core/dispatch.h"
+#include "loom/core/generator.h"
+#include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/loader.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/metrics_log.h"
+#include "loom/io/safetensors.h"
+#include "loom/nn/model.h"
+#include "loom/optim/clip_grad.h"
+#include "loom/optim/lr_schedule.h"
+#include "loom/optim/optimizer.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::train {
+
+struct Trainer::Logs {
+  std::unique_ptr<io::JsonlMetricsWriter> jsonl;
+  std::unique_ptr<io::TensorBoardWriter> tensorboard;
+  std::unique_ptr<optim::LrSchedule> schedule;
+  std::unique_ptr<data::GPT2Tokenizer> tokenizer;
+  bool tokenizer_missing_reported = false;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double smoothed_ms = 0;
+};
+
+namespace {
+
+std::string human_count(double v) {
+  char buf[32];
+  if (v >= 1e9) std::snprintf(buf, sizeof buf, "%.2fG", v / 1e9);
+  else if (v >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.1fK", v / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", v);
+  return buf;
+}
+
+std::string human_duration(double seconds) {
+  char buf[32];
+  int64_t s = int64_t(seconds + 0.5);
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", long(s / 3600), long(s % 3600 / 60));
+  else std::snprintf(buf, sizeof buf, "%ldm%02lds", long(s / 60), long(s % 60));
+  return buf;
+}
+
+// bf16 dense peak of the devices we know, for MFU.
+double known_peak_flops(Device d) {
+  if (!d.is_cuda()) return 0;
+  return 989e12;  // H100 SXM bf16 dense; pass --peak-tflops for other GPUs
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
+  device_ = Device::parse(opts_.device);
+  LOOM_REQUIRE(opts_.dtype == "f32", "loom-train: --dtype ", opts_.dtype,
+               " is not supported yet on this build (f32 only; bf16 mixed precision comes with the CUDA backend)");
+  LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
+  LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
+  LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
+
+  nn::ModelConfig cfg = nn::ModelConfig::from_name(opts_.model);
+  LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
+               " exceeds the model's context of ", cfg.max_seq_len);
+  int64_t micro_tokens = opts_.batch_size * opts_.seq_len;
+  int64_t total = opts_.total_batch_tokens > 0 ? opts_.total_batch_tokens : micro_tokens;
+  LOOM_REQUIRE(total % micro_tokens == 0, "loom-train: --total-batch-tokens ", total,
+               " is not a multiple of batch*seq_len = ", micro_tokens);
+  grad_accum_ = total / micro_tokens;
+
+  model_ = nn::make_model(cfg);
+  model_->init_weights(opts_.seed);
+  if (!opts_.init_from.empty()) model_->load_hf_state_dict(
+      [&] {
+        auto m = io::load_safetensors(opts_.init_from);
+        return std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end());
+      }());
+  model_->to(device_);
+  if (cfg.dropout > 0) model_->train(true);
+  flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());
+  peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
+
+  data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, 0, 1, opts_.shuffle, opts_.seed};
+  train_loader_ = std::make_unique<data::DataLoader>(opts_.train_data, lo);
+  if (!opts_.val_data.empty()) {
+    data::DataLoaderOptions vo = lo;
+    vo.shuffle = false;
+    val_loader_ = std::make_unique<data::DataLoader>(opts_.val_data, vo);
+  }
+
+  optim::AdamWOptions ao;
+  ao.lr = opts_.lr;
+  ao.beta1 = opts_.beta1;
+  ao.beta2 = opts_.beta2;
+  ao.eps = opts_.eps;
+  optimizer_ = std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
+  logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, opts_.steps,
+                                                        opts_.final_lr_fraction);
+  if (!opts_.log_dir.empty()) {
+    fs::create_directories(opts_.log_dir);
+    bool resuming = !opts_.resume.empty();
+    logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(), resuming);
+    logs_->tensorboard = std::make_unique<io::TensorBoardWriter>(opts_.log_dir);
+  }
+  if (!opts_.resume.empty()) load_checkpoint(resolve_resume_path(opts_.resume));
+
+  if (!opts_.quiet) {
+    std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
+              << " parameters\n"
+              << "data: " << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
+              << " shard(s)";
+    if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";
+    std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
+              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n";
+    if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
+    std::cout.flush();
+  }
+}
+
+Trainer::~Trainer() = default;
+
+StepStats Trainer::train_step() {
+  auto t0 = std::chrono::steady_clock::now();
+  model_->train(true);
+  optimizer_->zero_grad();
+  double loss_sum = 0;
+  for (int64_t micro = 0; micro < grad_accum_; ++micro) {
+    data::Batch batch = train_loader_->next();
+    Tensor x = batch.x.to(device_), y = batch.y.to(device_);
+    Tensor logits = model_->forward(x);
+    Tensor loss = model_->loss(logits, y);
+    Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
+    scaled.backward();
+    loss_sum += loss.item<double>();
+  }
+  StepStats s;
+  s.loss = loss_sum / double(grad_accum_);
+  s.grad_norm = optim::clip_grad_norm(optimizer_->parameters(), opts_.clip);
+  s.lr = logs_->schedule->lr(step_);
+  optimizer_->set_lr(s.lr);
+  optimizer_->step();
+  device_runtime(device_.type).synchronize(device_.index);
+  ++step_;
+  s.step = step_;
+  s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  s.tokens_per_second = double(grad_accum_ * opts_.batch_size * opts_.seq_len) / (s.ms / 1000.0);
+  history_.push_back(s);
+  return s;
+}
+
+double Trainer::evaluate(int64_t batches) {
+  autograd::NoGradGuard ng;
+  model_->eval();
+  data::DataLoader* loader = val_loader_ ? val_loader_.get() : train_loader_.get();
+  data::LoaderPosition saved = loader->position();
+  if (val_loader_) loader->reset();  // always the same validation batches, so evaluations compare
+  int64_t n = std::max<int64_t>(1, std::min(batches, loader->batches_per_epoch()));
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    data::Batch b = loader->next();
+    total += model_->loss(model_->forward(b.x.to(device_)), b.y.to(device_)).item<double>();
+  }
+  loader->set_position(saved);
+  model_->train(true);
+  return total / double(n);
+}
+
+std::string Trainer::sample(int64_t tokens) {
+  if (!logs_->tokenizer) {
+    try {
+      logs_->tokenizer = std::make_unique<data::GPT2Tokenizer>();
+    } catch (const Error& e) {
+      if (!logs_->tokenizer_missing_reported) std::cout << "(no sample: " << e.what() << ")\n";
+      logs_->tokenizer_missing_reported = true;
+      return "";
+    }
+  }
+  std::vector<int32_t> prompt = logs_->tokenizer->encode(opts_.sample_prompt);
+  if (prompt.empty()) prompt.push_back(data::GPT2Tokenizer::kEndOfText);
+  nn::GenerateOptions g;
+  g.max_new_tokens = tokens;
+  g.temperature = 1.0;
+  g.top_k = 40;
+  g.seed = opts_.seed + uint64_t(step_);
+  std::vector<int32_t> out = nn::generate(*model_, prompt, g);
+  std::vector<int32_t> printable;
+  for (int32_t t : out)
+    if (t < int32_t(model_->config().vocab_size) && t != data::GPT2Tokenizer::kEndOfText) printable.push_back(t);
+  return logs_->tokenizer->decode(prompt) + logs_->tokenizer->decode(printable);
+}
+
+void Trainer::log_step(const StepStats& s) {
+  logs_->smoothed_ms = logs_->smoothed_ms == 0 ? s.ms : 0.9 * logs_->smoothed_ms + 0.1 * s.ms;
+  double eta = logs_->smoothed_ms / 1000.0 * double(opts_.steps - s.step);
+  MemoryStats mem = device_runtime(device_.type).memory_stats(device_.index);
+  double mfu = peak_flops_ > 0 ? flops_per_token_ * s.tokens_per_second / peak_flops_ : -1;
+  if (!opts_.quiet && (s.step % opts_.log_interval == 0 || s.step == opts_.steps)) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "step %5ld/%ld | loss %.4f | lr %.2e | norm %.4f | %6.0f ms | %s tok/s | MFU %s | ETA %s | mem %s",
+                  long(s.step), long(opts_.steps), s.loss, s.lr, s.grad_norm, s.ms,
+                  human_count(s.tokens_per_second).c_str(),
+                  mfu >= 0 ? (std::to_string(int(mfu * 1000) / 10.0).substr(0, 4) + "%").c_str() : "-",
+                  human_duration(eta).c_str(), (human_count(double(mem.allocated)) + "B").c_str());
+    std::cout << line << std::endl;
+  }
+  std::map<std::string, double> values{{"train/loss", s.loss},   {"train/lr", s.lr},
+                                       {"train/grad_norm", s.grad_norm}, {"perf/ms_per_step", s.ms},
+                                       {"perf/tokens_per_second", s.tokens_per_second},
+                                       {"perf/memory_allocated_bytes", double(mem.allocated)}};
+  if (mfu >= 0) values["perf/mfu"] = mfu;
+  if (logs_->jsonl) logs_->jsonl->write(s.step, values);
+  if (logs_->tensorboard)
+    for (auto& [k, v] : values) logs_->tensorboard->add_scalar(k, float(v), s.step);
+}
+
+void Trainer::run() {
+  auto log_eval = [&](int64_t step) {
+    double val = evaluate(opts_.eval_batches);
+    if (!opts_.quiet) std::cout << "step " << step << ": val loss " << val << std::endl;
+    if (logs_->jsonl) logs_->jsonl->write(step, {{"val/loss", val}});
+    if (logs_->tensorboard) logs_->tensorboard->add_scalar("val/loss", float(val), step);
+  };
+  auto print_sample = [&] {
+    std::string text = sample(opts_.sample_tokens);
+    if (!text.empty() && !opts_.quiet) std::cout << "--- sample at step " << step_ << " ---\n" << text << "\n---" << std::endl;
+  };
+  if (step_ == 0 && opts_.eval_interval > 0) log_eval(0);
+  while (step_ < opts_.steps) {
+    StepStats s = train_step();
+    log_step(s);
+    if (!std::isfinite(s.loss)) LOOM_THROW("loom-train: the loss became ", s.loss, " at step ", s.step);
+    if (opts_.explain_kernels && s.step == 1) {
+      std::cout << "kernels used on " << device_.str() << " (policy " << dispatch::policy().str() << "):\n";
+      for (const std::string& op : op_names())
+        for (DType dt : {kF32, kBF16, kF16, kF64, kI32, kI64, kBool}) {
+          auto reports = dispatch::explain(op, device_.type, dt);
+          bool used = false;
+          for (auto& r : reports) used |= r.calls > 0;
+          if (used) std::cout << dispatch::explain_str(op, device_.type, dt) << "\n";
+        }
+    }
+    if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && s.step != opts_.steps) log_eval(s.step);
+    if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && s.step != opts_.steps) print_sample();
+    if (!opts_.checkpoint_dir.empty() && opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0 &&
+        s.step != opts_.steps)
+      save_checkpoint(checkpoint_path(s.step));
+  }
+  log_eval(step_);
+  print_sample();
+  if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));
+  if (logs_->tensorboard) logs_->tensorboard->flush();
+}
+
+std::string Trainer::checkpoint_path(int64_t step) const {
+  char name[64];
+  std::snprintf(name, sizeof name, "step_%06ld.safetensors", long(step));
+  return (fs::path(opts_.checkpoint_dir) / name).string();
+}
+
+std::string Trainer::resolve_resume_path(const std::string& resume) const {
+  fs::path p = resume;
+  if (fs::is_directory(p)) {
+    fs::path latest = p / "latest";
+    LOOM_REQUIRE(fs::exists(latest), "resume: checkpoint directory '", resume, "' has no 'latest' file");
+    std::ifstream f(latest);
+    std::string name;
+    std::getline(f, name);
+    LOOM_REQUIRE(!name.empty(), "resume: '", latest.string(), "' is empty");
+    p = p / name;
+  }
+  LOOM_REQUIRE(fs::exists(p), "resume: checkpoint '", p.string(), "' does not exist");
+  return p.string();
+}
+
+void Trainer::save_checkpoint(const std::string& path) {
+  autograd::NoGradGuard ng;
+  fs::path dir = fs::path(path).parent_path();
+  if (!dir.empty()) fs::create_directories(dir);
+  io::TensorMap tensors;
+  for (auto& [name, p] : model_->named_parameters()) tensors["model." + name] = p.detach().to(Device());
+  for (auto& [name, t] : optimizer_->state_dict()) tensors["optim." + name] = t.to(Device());
+  data::LoaderPosition pos = train_loader_->position();
+  PhiloxState rng = default_generator().state();
+  nlohmann::json meta{{"step", step_},
+                      {"loader", {{"shard_index", pos.shard_index}, {"batch_offset", pos.batch_offset},
+                                  {"epoch", pos.epoch}, {"rng_state", pos.rng_state}}},
+                      {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
+                      {"model", opts_.model}};
+  io::save_safetensors(path, tensors,
+                       {{"format", "loom-checkpoint-1"}, {"state", meta.dump()}, {"config", model_->config().to_json()}});
+  if (!opts_.checkpoint_dir.empty() && fs::path(path).parent_path() == fs::path(opts_.checkpoint_dir)) {
+    std::string name = fs::path(path).filename().string() + "\n";
+    io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
+  }
+  if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
+}
+
+void Trainer::load_checkpoint(const std::string& path) {
+  autograd::NoGradGuard ng;
+  io::SafetensorsFile file = io::load_safetensors_file(path);
+  auto fmt = file.metadata.find("format");
+  LOOM_REQUIRE(fmt != file.metadata.end() && fmt->second == "loom-checkpoint-1", "resume: '", path,
+               "' is not a Loom training checkpoint (no format=loom-checkpoint-1 in its metadata)");
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(file.metadata.at("state"));
+  } catch (const std::exception& e) {
+    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
+  }
+  for (auto& [name, p] : model_->named_parameters()) {
+    auto it = file.tensors.find("model." + name);
+    LOOM_REQUIRE(it != file.tensors.end(), "resume: '", path, "' lacks parameter '", name,
+                 "' (was it saved from a different model?)");
+    LOOM_REQUIRE(it->second.shape() == p.shape(), "resume: parameter '", name, "' in '", path, "' has shape ",
+                 shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
+    p.copy_from(it->second);
+  }
+  optim::OptimizerState state;
+  for (auto& [name, t] : file.tensors)
+    if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
+  optimizer_->load_state_dict(state);
+  step_ = meta.at("step").get<int64_t>();
+  auto& l = meta.at("loader");
+  train_loader_->set_position(data::LoaderPosition{l.at("shard_index").get<int64_t>(), l.at("batch_offset").get<int64_t>(),
+                                                   l.at("epoch").get<int64_t>(), l.at("rng_state").get<uint64_t>()});
+  default_generator().set_state(PhiloxState{meta.at("rng").at("seed").get<uint64_t>(),
+                                            meta.at("rng").at("offset").get<uint64_t>()});
+}
+
+}  // namespace loom::train
