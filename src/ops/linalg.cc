@@ -1,0 +1,414 @@
+// Matrix products (matmul, outer, linear and their gradients), each expressed as gemm calls in the column-major BLAS
+// convention: a row-major [R, C] matrix is a column-major C x R one, so out = A @ B is computed as out^T = B^T A^T.
+#include <algorithm>
+#include <optional>
+
+#include "infermeta/linalg_meta.h"
+#include "kernels/copy_kernel.h"
+#include "kernels/gemm_kernel.h"
+#include "loom/ops/linalg.h"
+#include "ops/op_common.h"
+
+namespace loom::ops {
+
+namespace {
+
+using ops_detail::check_same_device;
+using ops_detail::check_same_dtype;
+
+ComputeType compute_type_for(DType dtype, const MatmulOptions& opts) {
+  if (dtype == kF64) return ComputeType::kF64;
+  if (dtype == kF32) return f32_compute_type(opts.allow_tf32);
+  return ComputeType::kF32;  // 16-bit storage, f32 math
+}
+
+void check_operands(const char* op, const Tensor& a, const Tensor& b) {
+  check_same_device(op, {&a, &b});
+  check_same_dtype(op, a, b);
+  LOOM_REQUIRE(is_floating(a.dtype()), op, ": only floating tensors are supported, got ", describe(a), " and ",
+               describe(b));
+}
+
+void fill_zero(Tensor& t) {
+  if (t.numel()) dispatch::call(fill_op, t.device(), t.dtype(), FillAttrs{0.0}, t);
+}
+
+GemmParams gemm_params_for(const Tensor& out, ComputeType compute) {
+  GemmParams p;
+  p.input_dtype = out.dtype();
+  p.output_dtype = out.dtype();
+  p.compute = compute;
+  p.device = out.device();
+  p.c = out.data();
+  return p;
+}
+
+// How gemm can read a matrix with these strides in place.
+struct MatrixLayout {
+  bool transposed = false;  // true: the columns, not the rows, are contiguous
+  int64_t ld = 1;
+};
+
+std::optional<MatrixLayout> matrix_layout(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+  if ((cols == 1 || col_stride == 1) && (rows == 1 || row_stride >= std::max<int64_t>(1, cols)))
+    return MatrixLayout{false, rows == 1 ? std::max<int64_t>(1, cols) : row_stride};
+  if ((rows == 1 || row_stride == 1) && (cols == 1 || col_stride >= std::max<int64_t>(1, rows)))
+    return MatrixLayout{true, cols == 1 ? std::max<int64_t>(1, rows) : col_stride};
+  return std::nullopt;
+}
+
+// The stride that walks dims [begin, end) of x as one flattened dim, if they collapse (size-1 dims do not matter;
+// 0 when every dim has size 1).
+std::optional<int64_t> collapsed_stride(const Tensor& x, int64_t begin, int64_t end) {
+  bool found = false;
+  int64_t stride = 0, expected = 0;
+  for (int64_t d = end - 1; d >= begin; --d) {
+    if (x.size(d) == 1) continue;
+    if (!found) {
+      found = true;
+      stride = x.stride(d);
+    } else if (x.stride(d) != expected) {
+      return std::nullopt;
+    }
+    expected = x.stride(d) * x.size(d);
+  }
+  return stride;
+}
+
+// One gemm operand: matrix 0 (kept alive by `tensor`), its layout, and the step between batch entries.
+struct GemmOperand {
+  Tensor tensor;
+  MatrixLayout layout;
+  int64_t batch_stride = 0;
+};
+
+// x [..., R, C] read as the matrices of `batch` (x's batch dims broadcast to it). Copies only when its strides do
+// not fit one strided-batch description: a partly broadcast batch, or matrices with no unit stride.
+GemmOperand batched_operand(Tensor x, const Shape& batch) {
+  int64_t rows = x.size(-2), cols = x.size(-1);
+  bool shared = numel_of(Shape(x.shape().begin(), x.shape().end() - 2)) == 1;
+  std::optional<MatrixLayout> layout = matrix_layout(rows, cols, x.stride(-2), x.stride(-1));
+  std::optional<int64_t> batch_stride = 0;
+  if (!shared) {
+    Shape full = batch;
+    full.push_back(rows);
+    full.push_back(cols);
+    x = x.expand(full);
+    batch_stride = collapsed_stride(x, 0, x.dim() - 2);
+  }
+  if (!layout || !batch_stride) {
+    x = x.contiguous();
+    layout = MatrixLayout{false, std::max<int64_t>(1, cols)};
+    batch_stride = shared ? 0 : rows * cols;
+  }
+  return GemmOperand{x, *layout, *batch_stride};
+}
+
+// out [batch..., M, N] (contiguous) = a [..., M, K] @ b [..., K, N], the batch dims of both broadcast to `batch`.
+void batched_product(const Tensor& a, const Tensor& b, const Shape& batch, Tensor& out, ComputeType compute) {
+  int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  int64_t count = numel_of(batch);
+  if (out.numel() == 0) return;
+  if (k == 0) return fill_zero(out);
+  GemmParams p = gemm_params_for(out, compute);
+  p.m = n;
+  p.k = k;
+  p.ldc = n;
+  bool b_shared = numel_of(Shape(b.shape().begin(), b.shape().end() - 2)) == 1;
+  GemmOperand b_op = batched_operand(b, batch);
+  p.a = b_op.tensor.data();
+  p.trans_a = b_op.layout.transposed;
+  p.lda = b_op.layout.ld;
+  if (b_shared && count > 1) {
+    // One matrix on the right for every batch entry: a single gemm over all count * M rows of a.
+    Tensor rows_of_a = a;
+    std::optional<int64_t> row_stride;
+    if (k == 1 || a.stride(-1) == 1) row_stride = collapsed_stride(a, 0, a.dim() - 1);
+    if (!row_stride || *row_stride < k) {
+      rows_of_a = a.contiguous();
+      row_stride = k;
+    }
+    p.n = count * m;
+    p.b = rows_of_a.data();
+    p.ldb = *row_stride;
+    gemm(p);
+    return;
+  }
+  GemmOperand a_op = batched_operand(a, batch);
+  p.n = m;
+  p.b = a_op.tensor.data();
+  p.trans_b = a_op.layout.transposed;
+  p.ldb = a_op.layout.ld;
+  p.batch = count;
+  p.stride_a = b_op.batch_stride;
+  p.stride_b = a_op.batch_stride;
+  p.stride_c = m * n;
+  gemm(p);
+}
+
+// Sums of the columns of a contiguous [rows, cols] matrix, as one gemm against a vector of ones.
+Tensor column_sums(const Tensor& matrix) {
+  int64_t rows = matrix.size(0), cols = matrix.size(1);
+  Tensor out = empty({cols}, matrix.dtype(), matrix.device());
+  if (cols == 0) return out;
+  if (rows == 0) {
+    fill_zero(out);
+    return out;
+  }
+  Tensor ones_column = ones({rows}, matrix.dtype(), matrix.device());
+  // A sum is not a product to approximate: never TF32.
+  GemmParams p = gemm_params_for(out, matrix.dtype() == kF64 ? ComputeType::kF64 : ComputeType::kF32);
+  p.m = cols;
+  p.n = 1;
+  p.k = rows;
+  p.a = matrix.data();
+  p.lda = cols;
+  p.b = ones_column.data();
+  p.ldb = rows;
+  p.ldc = cols;
+  gemm(p);
+  return out;
+}
+
+// Sums `full` over the dims that broadcasting expanded from `target`: the leading dims target lacks and target's
+// size-1 dims.
+Tensor sum_to_shape(const Tensor& full, const Shape& target) {
+  int64_t lead = full.dim() - int64_t(target.size());
+  std::vector<int64_t> order, kept;
+  int64_t reduced_rows = 1;
+  for (int64_t d = 0; d < full.dim(); ++d) {
+    if (d < lead || (target[size_t(d - lead)] == 1 && full.size(d) != 1)) {
+      order.push_back(d);
+      reduced_rows *= full.size(d);
+    } else {
+      kept.push_back(d);
+    }
+  }
+  if (order.empty()) return full.reshape(target);
+  order.insert(order.end(), kept.begin(), kept.end());
+  Tensor rows_first = full.permute(order).contiguous();
+  return column_sums(rows_first.view({reduced_rows, numel_of(target)})).view(target);
+}
+
+// grad of matmul's output as [batch..., M, N], putting back the dims that 1-D operands dropped.
+Tensor grad_as_matrices(const Tensor& grad, bool a_vector, bool b_vector) {
+  Tensor g = grad;
+  if (b_vector) g = g.unsqueeze(g.dim());
+  if (a_vector) g = g.unsqueeze(g.dim() - 1);
+  return g;
+}
+
+void check_matmul_grad(const char* op, const Tensor& grad, const MatmulMeta& meta) {
+  LOOM_REQUIRE(grad.shape() == meta.out_shape, op, ": grad ", describe(grad), " does not match the product's shape ",
+               shape_str(meta.out_shape));
+}
+
+Shape with_matrix(Shape batch, int64_t rows, int64_t cols) {
+  batch.push_back(rows);
+  batch.push_back(cols);
+  return batch;
+}
+
+}  // namespace
+
+void gemm(const GemmParams& p) {
+  LOOM_REQUIRE(is_floating(p.input_dtype) && is_floating(p.output_dtype), "gemm: dtypes must be floating, got input ",
+               dtype_name(p.input_dtype), " and output ", dtype_name(p.output_dtype));
+  LOOM_REQUIRE((p.compute == ComputeType::kF64) == (p.input_dtype == kF64),
+               "gemm: compute type F64 goes with f64 inputs only, got input dtype ", dtype_name(p.input_dtype));
+  validate_gemm_params(p);
+  dispatch::call(gemm_op, p.device, p.input_dtype, p);
+}
+
+Tensor matmul(const Tensor& a, const Tensor& b, const MatmulOptions& opts) {
+  check_operands("matmul", a, b);
+  MatmulMeta meta = infer_matmul(a.shape(), b.shape());
+  Tensor out = empty(with_matrix(meta.batch, meta.m, meta.n), a.dtype(), a.device());
+  batched_product(a.dim() == 1 ? a.unsqueeze(0) : a, b.dim() == 1 ? b.unsqueeze(1) : b, meta.batch, out,
+                  compute_type_for(a.dtype(), opts));
+  return out.view(meta.out_shape);
+}
+
+Tensor matmul_backward_input(const Tensor& grad, const Tensor& b, const Shape& a_shape, const MatmulOptions& opts) {
+  const char* op = "matmul_backward_input";
+  check_operands(op, grad, b);
+  MatmulMeta meta = infer_matmul(a_shape, b.shape());
+  check_matmul_grad(op, grad, meta);
+  bool a_vector = a_shape.size() == 1;
+  Tensor g = grad_as_matrices(grad, a_vector, b.dim() == 1);
+  Tensor b_transposed = (b.dim() == 1 ? b.unsqueeze(1) : b).transpose(-1, -2);  // [..., N, K], a view
+  Tensor full = empty(with_matrix(meta.batch, meta.m, meta.k), grad.dtype(), grad.device());
+  batched_product(g, b_transposed, meta.batch, full, compute_type_for(grad.dtype(), opts));
+  return sum_to_shape(full, a_vector ? Shape{1, meta.k} : a_shape).view(a_shape);
+}
+
+Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b_shape, const MatmulOptions& opts) {
+  const char* op = "matmul_backward_other";
+  check_operands(op, grad, a);
+  MatmulMeta meta = infer_matmul(a.shape(), b_shape);
+  check_matmul_grad(op, grad, meta);
+  bool b_vector = b_shape.size() == 1;
+  Tensor g = grad_as_matrices(grad, a.dim() == 1, b_vector);
+  Tensor a_matrices = a.dim() == 1 ? a.unsqueeze(0) : a;  // [..., M, K]
+  ComputeType compute = compute_type_for(grad.dtype(), opts);
+  int64_t count = numel_of(meta.batch);
+  bool b_shared = b_shape.size() <= 2 || numel_of(Shape(b_shape.begin(), b_shape.end() - 2)) == 1;
+  if (b_shared && count > 1) {
+    // One b for the whole batch: grad_b = A^T G over all count * M rows, one gemm that also does the batch sum.
+    Tensor out = empty({meta.k, meta.n}, grad.dtype(), grad.device());
+    int64_t rows = count * meta.m;
+    if (rows == 0 || meta.k == 0 || meta.n == 0) {
+      fill_zero(out);
+      return out.view(b_shape);
+    }
+    Tensor a_rows = a_matrices.contiguous(), g_rows = g.contiguous();
+    GemmParams p = gemm_params_for(out, compute);
+    p.m = meta.n;
+    p.n = meta.k;
+    p.k = rows;
+    p.a = g_rows.data();
+    p.lda = meta.n;
+    p.b = a_rows.data();
+    p.trans_b = true;
+    p.ldb = meta.k;
+    p.ldc = meta.n;
+    gemm(p);
+    return out.view(b_shape);
+  }
+  Tensor full = empty(with_matrix(meta.batch, meta.k, meta.n), grad.dtype(), grad.device());
+  batched_product(a_matrices.transpose(-1, -2), g, meta.batch, full, compute);
+  return sum_to_shape(full, b_vector ? Shape{meta.k, 1} : b_shape).view(b_shape);
+}
+
+Tensor outer(const Tensor& a, const Tensor& b) {
+  check_operands("outer", a, b);
+  LOOM_REQUIRE(a.dim() == 1 && b.dim() == 1, "outer: both operands must be 1-D, got ", describe(a), " and ",
+               describe(b));
+  return matmul(a.unsqueeze(1), b.unsqueeze(0));
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const MatmulOptions& opts,
+              LinearActivation activation, Tensor* pre_activation) {
+  check_operands("linear", x, weight);
+  if (bias.defined()) {
+    check_same_device("linear", {&x, &bias});
+    check_same_dtype("linear", x, bias);
+  }
+  Shape out_shape = infer_linear(x.shape(), weight.shape(), bias.defined() ? &bias.shape() : nullptr);
+  bool gelu = activation == LinearActivation::kGelu;
+  Tensor out = empty(out_shape, x.dtype(), x.device());
+  Tensor pre = pre_activation && gelu ? empty(out_shape, x.dtype(), x.device()) : Tensor();
+  if (pre_activation) *pre_activation = gelu ? pre : out;
+  int64_t out_features = weight.size(0), in_features = weight.size(1);
+  int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
+  if (out.numel() == 0) return out;
+
+  Tensor rows_of_x = x.contiguous(), w = weight;
+  if (in_features == 0) {
+    // An empty sum: a zero column keeps the bias and GELU in the epilogue.
+    rows_of_x = zeros({rows, 1}, x.dtype(), x.device());
+    w = zeros({out_features, 1}, x.dtype(), x.device());
+    in_features = 1;
+  }
+  std::optional<MatrixLayout> w_layout = matrix_layout(out_features, in_features, w.stride(0), w.stride(1));
+  if (!w_layout) {
+    w = w.contiguous();
+    w_layout = MatrixLayout{false, in_features};
+  }
+  Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+  GemmParams p = gemm_params_for(out, compute_type_for(x.dtype(), opts));
+  p.trans_a = !w_layout->transposed;  // a row-major weight is the column-major [in x out] matrix W^T
+  p.m = out_features;
+  p.n = rows;
+  p.k = in_features;
+  p.a = w.data();
+  p.lda = w_layout->ld;
+  p.b = rows_of_x.data();
+  p.ldb = in_features;
+  p.ldc = out_features;
+  if (b.defined()) {
+    p.epilogue = gelu ? GemmEpilogue::kBiasGelu : GemmEpilogue::kBias;
+    p.bias = b.data();
+  } else {
+    p.epilogue = gelu ? GemmEpilogue::kGelu : GemmEpilogue::kNone;
+  }
+  if (pre.defined()) p.pre_gelu = pre.data();
+  gemm(p);
+  return out;
+}
+
+Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts) {
+  const char* op = "linear_backward_input";
+  check_operands(op, grad, weight);
+  LOOM_REQUIRE(weight.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == weight.size(0), op, ": grad ",
+               describe(grad), " does not fit weight ", describe(weight), " (expected grad [..., ",
+               weight.dim() == 2 ? weight.size(0) : -1, "])");
+  int64_t out_features = weight.size(0), in_features = weight.size(1);
+  Shape out_shape = grad.shape();
+  out_shape.back() = in_features;
+  Tensor out = empty(out_shape, grad.dtype(), grad.device());
+  if (out.numel() == 0) return out;
+  if (out_features == 0) {
+    fill_zero(out);
+    return out;
+  }
+  Tensor g = grad.contiguous(), w = weight;
+  std::optional<MatrixLayout> w_layout = matrix_layout(out_features, in_features, w.stride(0), w.stride(1));
+  if (!w_layout) {
+    w = w.contiguous();
+    w_layout = MatrixLayout{false, in_features};
+  }
+  GemmParams p = gemm_params_for(out, compute_type_for(grad.dtype(), opts));
+  p.trans_a = w_layout->transposed;
+  p.m = in_features;
+  p.n = out.numel() / in_features;
+  p.k = out_features;
+  p.a = w.data();
+  p.lda = w_layout->ld;
+  p.b = g.data();
+  p.ldb = out_features;
+  p.ldc = in_features;
+  gemm(p);
+  return out;
+}
+
+Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts) {
+  const char* op = "linear_backward_weight";
+  check_operands(op, grad, x);
+  LOOM_REQUIRE(grad.dim() >= 1 && grad.dim() == x.dim() &&
+                   std::equal(grad.shape().begin(), grad.shape().end() - 1, x.shape().begin()),
+               op, ": grad ", describe(grad), " and input ", describe(x), " must agree on every dim but the last");
+  int64_t out_features = grad.size(-1), in_features = x.size(-1);
+  int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
+  Tensor out = empty({out_features, in_features}, grad.dtype(), grad.device());
+  if (out.numel() == 0) return out;
+  if (rows == 0) {
+    fill_zero(out);
+    return out;
+  }
+  Tensor g = grad.contiguous(), xc = x.contiguous();
+  // grad_w^T [in x out] = x^T [in x rows] @ grad [rows x out], the sum over every row in one gemm.
+  GemmParams p = gemm_params_for(out, compute_type_for(grad.dtype(), opts));
+  p.m = in_features;
+  p.n = out_features;
+  p.k = rows;
+  p.a = xc.data();
+  p.lda = in_features;
+  p.b = g.data();
+  p.trans_b = true;
+  p.ldb = out_features;
+  p.ldc = in_features;
+  gemm(p);
+  return out;
+}
+
+Tensor linear_backward_bias(const Tensor& grad) {
+  LOOM_REQUIRE(grad.defined(), "linear_backward_bias: grad is undefined");
+  LOOM_REQUIRE(is_floating(grad.dtype()) && grad.dim() >= 1,
+               "linear_backward_bias: expected a floating grad [..., out], got ", describe(grad));
+  int64_t out_features = grad.size(-1);
+  int64_t rows = numel_of(Shape(grad.shape().begin(), grad.shape().end() - 1));
+  return column_sums(grad.contiguous().view({rows, out_features}));
+}
+
+}  // namespace loom::ops
