@@ -1,0 +1,231 @@
+// Optimizer bookkeeping (groups, step count, state maps) and the AdamW and SGD updates over it.
+#include "loom/optim/optimizer.h"
+
+#include <cmath>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/optim/update_ops.h"
+
+namespace loom::optim {
+
+namespace {
+
+Tensor scalar_i64(int64_t v) { return full({}, double(v), kI64); }
+
+int64_t read_i64(const Tensor& t, const std::string& name) {
+  LOOM_REQUIRE(t.defined() && t.numel() == 1, "load_state_dict: '", name, "' must be a one-element tensor, got ",
+               describe(t));
+  return t.item<int64_t>();
+}
+
+// A fresh copy of a saved state tensor on the parameter's device in the state dtype, after checking its shape.
+Tensor load_state_tensor(const std::map<std::string, Tensor>& entries, const std::string& name, size_t index,
+                         const Tensor& param) {
+  auto it = entries.find(name);
+  LOOM_REQUIRE(it != entries.end(), "load_state_dict: missing 'state.", index, ".", name, "'");
+  const Tensor& src = it->second;
+  LOOM_REQUIRE(src.defined() && src.shape() == param.shape(), "load_state_dict: 'state.", index, ".", name, "' is ",
+               describe(src), " but parameter ", index, " is ", describe(param));
+  Tensor out = empty(param.shape(), optimizer_state_dtype(param.dtype()), param.device());
+  out.copy_from(src);
+  return out;
+}
+
+void check_only_known(const std::map<std::string, Tensor>& entries, const std::vector<std::string>& known,
+                      size_t index) {
+  for (const auto& [name, t] : entries) {
+    bool ok = false;
+    for (const auto& k : known) ok = ok || k == name;
+    LOOM_REQUIRE(ok, "load_state_dict: unexpected entry 'state.", index, ".", name,
+                 "' (from a different optimizer?)");
+  }
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr) : groups_(std::move(groups)), lr_(lr) {
+  LOOM_REQUIRE(lr >= 0 && std::isfinite(lr), "Optimizer: learning rate must be finite and >= 0, got ", lr);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    LOOM_REQUIRE(groups_[g].weight_decay >= 0, "Optimizer: group ", g, " has negative weight decay ",
+                 groups_[g].weight_decay);
+    for (const Tensor& p : groups_[g].params) {
+      LOOM_REQUIRE(p.defined(), "Optimizer: parameter ", num_params_, " (group ", g, ") is undefined");
+      LOOM_REQUIRE(is_floating(p.dtype()), "Optimizer: parameter ", num_params_, " must be floating, got ",
+                   describe(p));
+      ++num_params_;
+    }
+  }
+}
+
+void Optimizer::set_lr(double lr) {
+  LOOM_REQUIRE(lr >= 0 && std::isfinite(lr), "Optimizer: learning rate must be finite and >= 0, got ", lr);
+  lr_ = lr;
+}
+
+std::vector<Tensor> Optimizer::parameters() const {
+  std::vector<Tensor> all;
+  all.reserve(num_params_);
+  for (const auto& g : groups_) all.insert(all.end(), g.params.begin(), g.params.end());
+  return all;
+}
+
+void Optimizer::step() {
+  autograd::NoGradGuard no_grad;
+  size_t index = 0;
+  for (auto& group : groups_) {
+    for (Tensor& p : group.params) {
+      Tensor grad = p.grad();
+      if (grad.defined()) update(index, group, p, grad);
+      ++index;
+    }
+  }
+  ++step_count_;
+}
+
+void Optimizer::zero_grad() {
+  for (auto& group : groups_)
+    for (Tensor& p : group.params) p.zero_grad();
+}
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState out;
+  out["step"] = scalar_i64(step_count_);
+  out["lr"] = full({}, lr_, kF64);
+  for (size_t i = 0; i < num_params_; ++i)
+    for (auto& [name, t] : param_state(i)) out["state." + std::to_string(i) + "." + name] = t;
+  return out;
+}
+
+void Optimizer::load_state_dict(const OptimizerState& state) {
+  auto step_it = state.find("step");
+  LOOM_REQUIRE(step_it != state.end(), "load_state_dict: missing 'step'");
+  std::vector<std::map<std::string, Tensor>> per_param(num_params_);
+  for (const auto& [key, t] : state) {
+    if (key == "step" || key == "lr") continue;
+    // "state.<i>.<name>"
+    size_t dot = key.find('.', 6);
+    LOOM_REQUIRE(key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6,
+                 "load_state_dict: unexpected entry '", key, "'");
+    std::string index_str = key.substr(6, dot - 6);
+    LOOM_REQUIRE(index_str.find_first_not_of("0123456789") == std::string::npos,
+                 "load_state_dict: unexpected entry '", key, "'");
+    size_t index = std::stoul(index_str);
+    LOOM_REQUIRE(index < num_params_, "load_state_dict: '", key, "' names parameter ", index, " but the optimizer has ",
+                 num_params_, " parameters");
+    per_param[index][key.substr(dot + 1)] = t;
+  }
+  // Everything is checked before anything changes, so a bad map leaves the optimizer as it was.
+  int64_t step = read_i64(step_it->second, "step");
+  LOOM_REQUIRE(step >= 0, "load_state_dict: 'step' must be >= 0, got ", step);
+  double lr = lr_;
+  if (auto it = state.find("lr"); it != state.end()) {
+    LOOM_REQUIRE(it->second.defined() && it->second.numel() == 1, "load_state_dict: 'lr' must be a one-element "
+                 "tensor, got ", describe(it->second));
+    lr = it->second.item<double>();
+  }
+  LOOM_REQUIRE(lr >= 0 && std::isfinite(lr), "load_state_dict: 'lr' must be finite and >= 0, got ", lr);
+  load_param_states(parameters(), per_param);
+  lr_ = lr;
+  step_count_ = step;
+}
+
+// AdamW
+
+AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options)
+    : Optimizer(std::move(groups), options.lr), options_(options) {
+  LOOM_REQUIRE(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
+               "AdamW: betas must be in [0, 1), got (", options.beta1, ", ", options.beta2, ")");
+  LOOM_REQUIRE(options.eps > 0, "AdamW: eps must be positive, got ", options.eps);
+  state_.resize(num_params());
+}
+
+AdamW::AdamW(std::vector<Tensor> params, const AdamWOptions& options)
+    : AdamW(std::vector<ParamGroup>{ParamGroup{std::move(params), options.weight_decay}}, options) {}
+
+void AdamW::update(size_t index, const ParamGroup& group, Tensor& param, const Tensor& grad) {
+  State& s = state_[index];
+  if (!s.exp_avg.defined()) {
+    DType dt = optimizer_state_dtype(param.dtype());
+    s.exp_avg = zeros(param.shape(), dt, param.device());
+    s.exp_avg_sq = zeros(param.shape(), dt, param.device());
+  }
+  ++s.step;
+  AdamWAttrs attrs{.lr = lr(), .beta1 = options_.beta1, .beta2 = options_.beta2, .eps = options_.eps,
+                   .weight_decay = group.weight_decay, .step = s.step};
+  adamw_update(param, grad, s.exp_avg, s.exp_avg_sq, attrs);
+}
+
+std::map<std::string, Tensor> AdamW::param_state(size_t index) const {
+  const State& s = state_[index];
+  if (!s.exp_avg.defined()) return {};
+  return {{"exp_avg", s.exp_avg}, {"exp_avg_sq", s.exp_avg_sq}, {"step", scalar_i64(s.step)}};
+}
+
+void AdamW::load_param_states(const std::vector<Tensor>& params,
+                              const std::vector<std::map<std::string, Tensor>>& entries) {
+  std::vector<State> loaded(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (entries[i].empty()) continue;
+    check_only_known(entries[i], {"exp_avg", "exp_avg_sq", "step"}, i);
+    State& s = loaded[i];
+    s.exp_avg = load_state_tensor(entries[i], "exp_avg", i, params[i]);
+    s.exp_avg_sq = load_state_tensor(entries[i], "exp_avg_sq", i, params[i]);
+    auto it = entries[i].find("step");
+    LOOM_REQUIRE(it != entries[i].end(), "load_state_dict: missing 'state.", i, ".step'");
+    s.step = read_i64(it->second, "state." + std::to_string(i) + ".step");
+    LOOM_REQUIRE(s.step >= 1, "load_state_dict: 'state.", i, ".step' must be >= 1, got ", s.step);
+  }
+  state_ = std::move(loaded);
+}
+
+// SGD
+
+SGD::SGD(std::vector<ParamGroup> groups, const SGDOptions& options)
+    : Optimizer(std::move(groups), options.lr), options_(options) {
+  LOOM_REQUIRE(options.momentum >= 0, "SGD: momentum must be >= 0, got ", options.momentum);
+  momentum_buffers_.resize(num_params());
+}
+
+SGD::SGD(std::vector<Tensor> params, const SGDOptions& options)
+    : SGD(std::vector<ParamGroup>{ParamGroup{std::move(params), options.weight_decay}}, options) {}
+
+void SGD::update(size_t index, const ParamGroup& group, Tensor& param, const Tensor& grad) {
+  Tensor& buffer = momentum_buffers_[index];
+  bool first = false;
+  if (options_.momentum != 0 && !buffer.defined()) {
+    buffer = empty(param.shape(), optimizer_state_dtype(param.dtype()), param.device());
+    first = true;
+  }
+  SgdAttrs attrs{.lr = lr(), .momentum = options_.momentum, .weight_decay = group.weight_decay, .first_step = first};
+  sgd_update(param, grad, buffer, attrs);
+}
+
+std::map<std::string, Tensor> SGD::param_state(size_t index) const {
+  if (!momentum_buffers_[index].defined()) return {};
+  return {{"momentum_buffer", momentum_buffers_[index]}};
+}
+
+void SGD::load_param_states(const std::vector<Tensor>& params,
+                            const std::vector<std::map<std::string, Tensor>>& entries) {
+  std::vector<Tensor> loaded(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (entries[i].empty()) continue;
+    check_only_known(entries[i], {"momentum_buffer"}, i);
+    loaded[i] = load_state_tensor(entries[i], "momentum_buffer", i, params[i]);
+  }
+  momentum_buffers_ = std::move(loaded);
+}
+
+std::vector<ParamGroup> adamw_param_groups(const std::vector<std::pair<std::string, Tensor>>& named_parameters,
+                                           double weight_decay) {
+  LOOM_REQUIRE(weight_decay >= 0, "adamw_param_groups: weight decay must be >= 0, got ", weight_decay);
+  ParamGroup decayed{{}, weight_decay}, undecayed{{}, 0.0};
+  for (const auto& [name, p] : named_parameters) {
+    LOOM_REQUIRE(p.defined(), "adamw_param_groups: parameter '", name, "' is undefined");
+    if (!p.requires_grad()) continue;
+    (p.dim() >= 2 ? decayed : undecayed).params.push_back(p);
+  }
+  return {std::move(decayed), std::move(undecayed)};
+}
+
+}  // namespace loom::optim

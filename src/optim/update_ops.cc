@@ -1,0 +1,107 @@
+// The op layer of the optimizer updates: argument checks, contiguous working copies, dispatch.
+#include <vector>
+
+#include "kernels/optimizer_kernel.h"
+#include "loom/ops/views.h"
+#include "loom/optim/update_ops.h"
+#include "ops/op_common.h"
+
+namespace loom::optim {
+
+using ops_detail::check_floating;
+using ops_detail::check_same_device;
+
+DType optimizer_state_dtype(DType param) { return param == kF64 ? kF64 : kF32; }
+
+namespace {
+
+void check_matches_param(const char* op, const char* what, const Tensor& t, const Tensor& param) {
+  LOOM_REQUIRE(t.shape() == param.shape(), op, ": ", what, " ", describe(t), " does not match the parameter ",
+               describe(param));
+}
+
+void check_state(const char* op, const char* what, const Tensor& state, const Tensor& param) {
+  check_matches_param(op, what, state, param);
+  DType expected = optimizer_state_dtype(param.dtype());
+  LOOM_REQUIRE(state.dtype() == expected, op, ": ", what, " must have dtype ", dtype_name(expected),
+               " for parameter ", describe(param), ", got ", describe(state));
+}
+
+// Runs `update` on contiguous versions of the in-place tensors and writes back the ones that were copies (raw ops:
+// autograd records nothing here).
+template <typename F>
+void with_contiguous(std::initializer_list<Tensor*> in_place, F&& update) {
+  std::vector<Tensor> work;
+  for (Tensor* t : in_place) work.push_back(t->defined() ? ops::contiguous(*t) : Tensor());
+  update(work);
+  size_t i = 0;
+  for (Tensor* t : in_place) {
+    if (t->defined() && !work[i].is_same(*t)) t->copy_from(work[i]);
+    ++i;
+  }
+}
+
+}  // namespace
+
+void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWAttrs& attrs) {
+  const char* op = "adamw_update";
+  check_same_device(op, {&param, &grad, &exp_avg, &exp_avg_sq});
+  check_floating(op, param);
+  check_floating(op, grad);
+  check_matches_param(op, "grad", grad, param);
+  check_state(op, "exp_avg", exp_avg, param);
+  check_state(op, "exp_avg_sq", exp_avg_sq, param);
+  LOOM_REQUIRE(attrs.step >= 1, op, ": step must be >= 1 (it counts this update), got ", attrs.step);
+  LOOM_REQUIRE(attrs.beta1 >= 0 && attrs.beta1 < 1 && attrs.beta2 >= 0 && attrs.beta2 < 1, op,
+               ": betas must be in [0, 1), got (", attrs.beta1, ", ", attrs.beta2, ")");
+  LOOM_REQUIRE(attrs.eps > 0, op, ": eps must be positive, got ", attrs.eps);
+  if (param.numel() == 0) return;
+  Tensor g = ops::contiguous(grad);
+  with_contiguous({&param, &exp_avg, &exp_avg_sq}, [&](std::vector<Tensor>& w) {
+    dispatch::call(adamw_update_op, param.device(), param.dtype(), attrs, w[0], g, w[1], w[2]);
+  });
+}
+
+void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, const SgdAttrs& attrs) {
+  const char* op = "sgd_update";
+  check_same_device(op, {&param, &grad});
+  check_floating(op, param);
+  check_floating(op, grad);
+  check_matches_param(op, "grad", grad, param);
+  LOOM_REQUIRE(attrs.momentum >= 0, op, ": momentum must be >= 0, got ", attrs.momentum);
+  if (attrs.momentum != 0) {
+    LOOM_REQUIRE(momentum_buffer.defined(), op, ": momentum ", attrs.momentum, " needs a momentum buffer");
+    check_same_device(op, {&param, &momentum_buffer});
+    check_state(op, "momentum_buffer", momentum_buffer, param);
+  }
+  if (param.numel() == 0) return;
+  Tensor g = ops::contiguous(grad);
+  Tensor no_buffer;
+  Tensor& buffer = attrs.momentum != 0 ? momentum_buffer : no_buffer;
+  with_contiguous({&param, &buffer}, [&](std::vector<Tensor>& w) {
+    dispatch::call(sgd_update_op, param.device(), param.dtype(), attrs, w[0], g, w[1]);
+  });
+}
+
+void grad_norm_squared_out(const Tensor& x, Tensor& out) {
+  const char* op = "grad_norm_squared";
+  check_same_device(op, {&x, &out});
+  check_floating(op, x);
+  LOOM_REQUIRE(out.dtype() == kF64 && out.numel() == 1, op, ": out must be a one-element f64 tensor, got ",
+               describe(out));
+  if (x.numel() == 0) {
+    out.copy_from(zeros({}, kF64, out.device()));
+    return;
+  }
+  Tensor c = ops::contiguous(x);
+  dispatch::call(grad_norm_squared_op, x.device(), x.dtype(), c, out);
+}
+
+Tensor grad_norm_squared(const Tensor& x) {
+  LOOM_REQUIRE(x.defined(), "grad_norm_squared: the input tensor is undefined");
+  Tensor out = empty({}, kF64, x.device());
+  grad_norm_squared_out(x, out);
+  return out;
+}
+
+}  // namespace loom::optim
