@@ -1,0 +1,37 @@
+// Helpers shared by the differentiable functions: fitting a gradient to the input it flows into, and recording a
+// node over a list of inputs. Private to src/autograd.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "autograd/record.h"
+#include "loom/ops.h"
+
+namespace loom::autograd {
+
+// g converted to dtype (g itself when it already has it).
+inline Tensor as_dtype(const Tensor& g, DType dtype) { return g.dtype() == dtype ? g : ops::to_dtype(g, dtype); }
+
+// The gradient an input of `shape` and `dtype` takes from g: summed over the dims broadcasting added, converted to
+// the input's dtype (mixed-precision graphs hand every input a gradient of its own dtype).
+inline Tensor fit_gradient(const Tensor& g, const Shape& shape, DType dtype) {
+  return as_dtype(g.shape() == shape ? g : ops::sum_to(g, shape), dtype);
+}
+
+// make_node for a runtime list of inputs (cat, stack).
+template <typename N>
+std::shared_ptr<N> make_node_for(const std::vector<Tensor>& inputs) {
+  if (!is_grad_enabled()) return nullptr;
+  bool any = false;
+  for (const Tensor& t : inputs) any = any || (t.defined() && t.requires_grad());
+  if (!any) return nullptr;
+  auto node = std::make_shared<N>();
+  std::vector<Edge> edges;
+  edges.reserve(inputs.size());
+  for (const Tensor& t : inputs) edges.push_back(gradient_edge(t));
+  node->set_next_edges(std::move(edges));
+  return node;
+}
+
+}  // namespace loom::autograd

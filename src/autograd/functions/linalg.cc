@@ -1,0 +1,123 @@
+// Differentiable matrix products: matmul (with batch broadcasting), linear, and linear with a fused GELU epilogue.
+#include "autograd/functions/grad_util.h"
+#include "loom/functional.h"
+
+namespace loom {
+namespace {
+
+using autograd::as_dtype;
+using autograd::tensor_list;
+
+class MatmulBackward final : public autograd::Node {
+ public:
+  Tensor a, b;  // a is saved only for b's gradient, b only for a's
+  Shape a_shape, b_shape;
+  DType a_dtype = kF32, b_dtype = kF32;
+  ops::MatmulOptions opts;
+
+  std::string name() const override { return "MatmulBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(2);
+    if (!grads[0].defined()) return out;
+    const Tensor& g = grads[0];
+    if (needs_input_grad(0)) out[0] = as_dtype(ops::matmul_backward_input(g, b, a_shape, opts), a_dtype);
+    if (needs_input_grad(1)) out[1] = as_dtype(ops::matmul_backward_other(g, a, b_shape, opts), b_dtype);
+    return out;
+  }
+  void release_saved() override { a = b = Tensor(); }
+};
+
+// Gradients of x @ weight^T + bias given the gradient of that (pre-activation) output.
+class LinearNode : public autograd::Node {
+ public:
+  Tensor x, weight;  // x is saved only for weight's gradient, weight only for x's
+  DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
+  ops::MatmulOptions opts;
+
+  void release_saved() override { x = weight = Tensor(); }
+
+ protected:
+  tensor_list linear_gradients(const Tensor& g) const {
+    tensor_list out(3);
+    if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
+    if (needs_input_grad(1)) out[1] = as_dtype(ops::linear_backward_weight(g, x, opts), weight_dtype);
+    if (needs_input_grad(2)) out[2] = as_dtype(ops::linear_backward_bias(g), bias_dtype);
+    return out;
+  }
+};
+
+class LinearBackward final : public LinearNode {
+ public:
+  std::string name() const override { return "LinearBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    if (!grads[0].defined()) return tensor_list(3);
+    return linear_gradients(grads[0]);
+  }
+};
+
+class LinearGeluBackward final : public LinearNode {
+ public:
+  Tensor pre_activation;  // x @ weight^T + bias before GELU
+  std::string name() const override { return "LinearGeluBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    if (!grads[0].defined()) return tensor_list(3);
+    Tensor g = as_dtype(grads[0], pre_activation.dtype());
+    return linear_gradients(ops::gelu_backward(g, pre_activation));
+  }
+  void release_saved() override {
+    LinearNode::release_saved();
+    pre_activation = Tensor();
+  }
+};
+
+template <typename N>
+std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                 const ops::MatmulOptions& opts, Tensor& out) {
+  auto node = autograd::make_node<N>({&x, &weight, &bias});
+  if (!node) return nullptr;
+  if (node->needs_input_grad(0)) node->weight = weight.detach();
+  if (node->needs_input_grad(1)) node->x = x.detach();
+  node->x_dtype = x.dtype();
+  node->weight_dtype = weight.dtype();
+  if (bias.defined()) node->bias_dtype = bias.dtype();
+  node->opts = opts;
+  autograd::set_history(out, node);
+  return node;
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) {
+  Tensor out = ops::matmul(a, b, opts);
+  if (auto node = autograd::make_node<MatmulBackward>({&a, &b})) {
+    if (node->needs_input_grad(0)) node->b = b.detach();
+    if (node->needs_input_grad(1)) node->a = a.detach();
+    node->a_shape = a.shape();
+    node->b_shape = b.shape();
+    node->a_dtype = a.dtype();
+    node->b_dtype = b.dtype();
+    node->opts = opts;
+    autograd::set_history(out, node);
+  }
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
+  Tensor out = ops::linear(x, weight, bias, opts);
+  record_linear<LinearBackward>(x, weight, bias, opts, out);
+  return out;
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
+  // The pre-activation is kept only when a gradient will need it.
+  bool record = autograd::should_record({&x, &weight, &bias});
+  Tensor pre_activation;
+  Tensor out = ops::linear(x, weight, bias, opts, ops::LinearActivation::kGelu, record ? &pre_activation : nullptr);
+  if (record) {
+    if (auto node = record_linear<LinearGeluBackward>(x, weight, bias, opts, out))
+      node->pre_activation = pre_activation.detach();
+  }
+  return out;
+}
+
+}  // namespace loom

@@ -1,0 +1,456 @@
+// Autograd: finite-difference gradient checks of every differentiable function in loom/functional.h (f64, small
+// awkward shapes), and the engine's behaviour (accumulation, deep graphs, retain_graph, grad mode, hooks, saving only
+// what is needed, mixed dtypes).
+#include <cmath>
+
+#include "loom/autograd/engine.h"
+#include "loom/autograd/grad_mode.h"
+#include "loom/autograd/gradcheck.h"
+#include "loom/autograd/node.h"
+#include "loom/functional.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+// An f64 leaf that requires grad, with values in [low, high).
+Tensor leaf(const Shape& shape, double low = -1.0, double high = 1.0) {
+  Tensor t = test::random_tensor(shape, kF64, low, high);
+  t.set_requires_grad(true);
+  return t;
+}
+
+// An f64 input that does not require grad.
+Tensor constant(const Shape& shape, double low = -1.0, double high = 1.0) {
+  return test::random_tensor(shape, kF64, low, high);
+}
+
+::testing::AssertionResult passes_gradcheck(const Fn& f, const std::vector<Tensor>& inputs) {
+  autograd::GradcheckResult r = autograd::gradcheck(f, inputs);
+  if (r.ok) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << r.message << " (max error " << r.max_error << "x the tolerance)";
+}
+
+// Variadic so that commas inside the lambda and the input list need no extra parentheses.
+#define EXPECT_GRADCHECK(...) EXPECT_TRUE((passes_gradcheck(__VA_ARGS__)))
+
+// How many tensors hold x's storage: a node that saved x (detached) adds one.
+long storage_holders(const Tensor& x) { return x.storage().use_count(); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Gradient checks.
+
+TEST(AutogradViews, EveryViewAndCopyPassesGradcheck) {
+  Tensor x = leaf({3, 4, 5});
+  EXPECT_GRADCHECK([](const auto& in) { return view(in[0], {12, 5}); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return reshape(transpose(in[0], 0, 2), {-1}); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return transpose(in[0], 1, -1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return permute(in[0], {2, 0, 1}); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return slice(in[0], 2, 1, 5, 2); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return narrow(in[0], 1, 1, 2); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return select(in[0], 0, -1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return flatten(in[0], 1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return contiguous(transpose(in[0], 0, 1)); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return clone(in[0]); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return to(in[0], Device()); }, {x});
+  Tensor y = leaf({3, 1, 5, 1});
+  EXPECT_GRADCHECK([](const auto& in) { return expand(in[0], {2, 3, 4, 5, 2}); }, {y});
+  EXPECT_GRADCHECK([](const auto& in) { return squeeze(in[0]); }, {y});
+  EXPECT_GRADCHECK([](const auto& in) { return squeeze(in[0], 1); }, {y});
+  EXPECT_GRADCHECK([](const auto& in) { return unsqueeze(in[0], -1); }, {y});
+  // Tensor's methods are the same differentiable functions.
+  EXPECT_GRADCHECK([](const auto& in) { return in[0].t().slice(0, 0, 5, 3).select(1, 2).unsqueeze(0); },
+                   {leaf({4, 5})});
+}
+
+TEST(AutogradElementwise, UnaryFunctionsPassGradcheck) {
+  Tensor any = leaf({3, 5});
+  Tensor positive = leaf({2, 7}, 0.3, 2.0);
+  EXPECT_GRADCHECK([](const auto& in) { return neg(in[0]); }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return -in[0]; }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return exp(in[0]); }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return log(in[0]); }, {positive});
+  EXPECT_GRADCHECK([](const auto& in) { return sqrt(in[0]); }, {positive});
+  EXPECT_GRADCHECK([](const auto& in) { return rsqrt(in[0]); }, {positive});
+  EXPECT_GRADCHECK([](const auto& in) { return tanh(in[0]); }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return sigmoid(in[0]); }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return gelu(in[0]); }, {leaf({3, 5}, -3, 3)});
+  EXPECT_GRADCHECK([](const auto& in) { return silu(in[0]); }, {leaf({3, 5}, -3, 3)});
+  EXPECT_GRADCHECK([](const auto& in) { return pow(in[0], 2.5); }, {positive});
+  EXPECT_GRADCHECK([](const auto& in) { return pow(in[0], 3.0); }, {any});
+  EXPECT_GRADCHECK([](const auto& in) { return pow(in[0], 0.0); }, {any});
+  // relu away from the kink, on a non-contiguous input.
+  Tensor away = test::random_tensor({4, 3}, kF64, 0.1, 1.0);
+  Tensor sign = ops::sub(ops::mul(ops::cast(ops::gt(test::random_tensor({4, 3}, kF64), 0.0), kF64), 2.0), 1.0);
+  Tensor r = ops::mul(away, sign);
+  r.set_requires_grad(true);
+  EXPECT_GRADCHECK([](const auto& in) { return relu(transpose(in[0], 0, 1)); }, {r});
+}
+
+TEST(AutogradElementwise, BroadcastingBinaryOpsPassGradcheckOnBothSides) {
+  Tensor a = leaf({3, 1, 5});
+  Tensor b = leaf({4, 1});
+  Tensor b_positive = leaf({4, 1}, 0.5, 2.0);
+  EXPECT_GRADCHECK([](const auto& in) { return add(in[0], in[1]); }, {a, b});
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] - in[1]; }, {a, b});
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] * in[1]; }, {a, b});
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] / in[1]; }, {a, b_positive});
+  EXPECT_GRADCHECK([](const auto& in) { return maximum(in[0], in[1]); }, {a, b});
+  // Only one side requires grad.
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] / in[1]; }, {constant({3, 1, 5}), b_positive});
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] * in[1]; }, {a, constant({4, 1})});
+  // A 0-dim operand.
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] * in[1]; }, {leaf({}), leaf({2, 3})});
+}
+
+TEST(AutogradElementwise, ScalarVariantsPassGradcheck) {
+  Tensor x = leaf({2, 3, 2});
+  EXPECT_GRADCHECK([](const auto& in) { return add(in[0], 2.5); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return in[0] - 2.0; }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return mul(in[0], -1.5); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return 3.0 * in[0] / 4.0; }, {x});
+}
+
+TEST(AutogradElementwise, WhereAndMaskedFillMaskTheGradient) {
+  Tensor cond = ops::gt(test::random_tensor({3, 1}), 0.0);
+  EXPECT_GRADCHECK([cond](const auto& in) { return where(cond, in[0], in[1]); }, {leaf({3, 4}), leaf({4})});
+  Tensor mask = ops::gt(test::random_tensor({1, 5}), 0.0);
+  EXPECT_GRADCHECK([mask](const auto& in) { return masked_fill(in[0], mask, -7.0); }, {leaf({3, 5})});
+
+  // Masked positions get exactly zero.
+  Tensor x = leaf({2, 3});
+  Tensor m = from_vector<bool>({true, false, true}, {3});
+  sum(masked_fill(x, m, 1.0)).backward();
+  EXPECT_EQ(test::values(x.grad()), (std::vector<double>{0, 1, 0, 0, 1, 0}));
+}
+
+TEST(AutogradElementwise, DropoutPassesGradcheckAndIsIdentityWhenOff) {
+  // A fresh generator with the same seed per call keeps the mask fixed across the finite differences.
+  EXPECT_GRADCHECK(
+      [](const auto& in) {
+        Generator gen(1234);
+        return dropout(in[0], 0.4, true, &gen);
+      },
+      {leaf({5, 7})});
+  Tensor x = leaf({3, 3});
+  EXPECT_TRUE(dropout(x, 0.5, /*training=*/false).is_same(x));
+  EXPECT_TRUE(dropout(x, 0.0, /*training=*/true).is_same(x));
+}
+
+TEST(AutogradReduce, SumAndMeanOverDimsPassGradcheck) {
+  Tensor x = leaf({3, 4, 5});
+  for (bool keepdim : {false, true}) {
+    EXPECT_GRADCHECK([=](const auto& in) { return sum(in[0], {}, keepdim); }, {x});
+    EXPECT_GRADCHECK([=](const auto& in) { return sum(in[0], {0, 2}, keepdim); }, {x});
+    EXPECT_GRADCHECK([=](const auto& in) { return sum(in[0], {-1}, keepdim); }, {x});
+    EXPECT_GRADCHECK([=](const auto& in) { return mean(in[0], {}, keepdim); }, {x});
+    EXPECT_GRADCHECK([=](const auto& in) { return mean(in[0], {1}, keepdim); }, {x});
+    EXPECT_GRADCHECK([=](const auto& in) { return mean(transpose(in[0], 0, 2), {0, -1}, keepdim); }, {x});
+  }
+  EXPECT_GRADCHECK([](const auto& in) { return sum(in[0], {0}); }, {leaf({1, 1})});
+}
+
+TEST(AutogradLinalg, MatmulWithBatchBroadcastPassesGradcheck) {
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(in[0], in[1]); }, {leaf({3, 4}), leaf({4, 2})});
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(in[0], in[1]); }, {leaf({2, 1, 3, 4}), leaf({5, 4, 2})});
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(in[0], in[1]); }, {leaf({3, 2, 4}), leaf({4, 3})});
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(in[0], in[1]); }, {leaf({4}), leaf({2, 4, 3})});
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(in[0], in[1]); }, {leaf({3, 4}), leaf({4})});
+  EXPECT_GRADCHECK([](const auto& in) { return matmul(transpose(in[0], 0, 1), in[1]); },
+                   {leaf({4, 3}), constant({4, 2})});
+}
+
+TEST(AutogradLinalg, LinearAndLinearGeluPassGradcheck) {
+  Tensor x = leaf({2, 3, 4}), w = leaf({5, 4}), b = leaf({5});
+  EXPECT_GRADCHECK([](const auto& in) { return linear(in[0], in[1], in[2]); }, {x, w, b});
+  EXPECT_GRADCHECK([](const auto& in) { return linear(in[0], in[1]); }, {x, w});
+  EXPECT_GRADCHECK([](const auto& in) { return linear(in[0], in[1], in[2]); }, {constant({3, 4}), w, constant({5})});
+  EXPECT_GRADCHECK([](const auto& in) { return linear_gelu(in[0], in[1], in[2]); }, {x, w, b});
+  EXPECT_GRADCHECK([](const auto& in) { return linear_gelu(in[0], in[1], Tensor()); }, {leaf({3, 4}), w});
+}
+
+TEST(AutogradNN, SoftmaxAndLogSoftmaxPassGradcheck) {
+  Tensor x = leaf({3, 4, 5}, -2, 2);
+  EXPECT_GRADCHECK([](const auto& in) { return softmax(in[0], -1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return softmax(in[0], 1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return log_softmax(in[0], -1); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return log_softmax(in[0], 0); }, {x});
+}
+
+TEST(AutogradNN, NormsPassGradcheckForEveryInput) {
+  Tensor x = leaf({2, 3, 7}, -2, 2), w = leaf({7}, 0.5, 1.5), b = leaf({7});
+  EXPECT_GRADCHECK([](const auto& in) { return layer_norm(in[0], in[1], in[2]); }, {x, w, b});
+  EXPECT_GRADCHECK([](const auto& in) { return layer_norm(in[0], Tensor(), Tensor()); }, {x});
+  EXPECT_GRADCHECK([](const auto& in) { return layer_norm(in[0], in[1], in[2]); }, {constant({4, 7}), w, b});
+  EXPECT_GRADCHECK([](const auto& in) { return layer_norm(in[0], in[1], in[2]); },
+                   {constant({4, 7}), constant({7}), b});
+  EXPECT_GRADCHECK([](const auto& in) { return rms_norm(in[0], in[1]); }, {x, w});
+  EXPECT_GRADCHECK([](const auto& in) { return rms_norm(in[0], in[1]); }, {constant({5, 7}), w});
+  EXPECT_GRADCHECK([](const auto& in) { return rms_norm(in[0], Tensor()); }, {x});
+}
+
+TEST(AutogradNN, EmbeddingPassesGradcheckWithRepeatedIndices) {
+  Tensor indices = from_vector<int64_t>({0, 3, 3, 1, 4, 0, 3}, {7});
+  EXPECT_GRADCHECK([indices](const auto& in) { return embedding(in[0], indices); }, {leaf({5, 3})});
+  Tensor indices2d = from_vector<int32_t>({2, 2, 0, 1, 2, 4}, {2, 3});
+  EXPECT_GRADCHECK([indices2d](const auto& in) { return embedding(in[0], indices2d); }, {leaf({5, 3})});
+}
+
+TEST(AutogradNN, CrossEntropyWithIgnoreIndexPassesGradcheck) {
+  Tensor targets = from_vector<int64_t>({2, -100, 0, 6, 3}, {5});
+  // Qualified: argument-dependent lookup on ops::Reduction also finds ops::cross_entropy.
+  for (ops::Reduction red : {ops::Reduction::kMean, ops::Reduction::kSum, ops::Reduction::kNone}) {
+    EXPECT_GRADCHECK([=](const auto& in) { return loom::cross_entropy(in[0], targets, -100, red); },
+                     {leaf({5, 7}, -3, 3)});
+  }
+  Tensor targets_i32 = from_vector<int32_t>({1, 1, 4}, {3});
+  EXPECT_GRADCHECK([=](const auto& in) { return cross_entropy(in[0], targets_i32, 4); }, {leaf({3, 5}, -3, 3)});
+
+  // Ignored rows get no gradient.
+  Tensor logits = leaf({5, 7});
+  cross_entropy(logits, targets).backward();
+  for (double g : test::values(select(logits.grad(), 0, 1))) EXPECT_EQ(g, 0.0);
+}
+
+TEST(AutogradNN, AttentionPassesGradcheckForQKV) {
+  Fn causal = [](const auto& in) { return scaled_dot_product_attention(in[0], in[1], in[2], true); };
+  Fn full_attention = [](const auto& in) { return scaled_dot_product_attention(in[0], in[1], in[2], false); };
+  Fn scaled = [](const auto& in) { return scaled_dot_product_attention(in[0], in[1], in[2], true, 0.3); };
+  EXPECT_GRADCHECK(causal, {leaf({1, 2, 5, 3}), leaf({1, 2, 5, 3}), leaf({1, 2, 5, 3})});
+  EXPECT_GRADCHECK(full_attention, {leaf({2, 1, 3, 4}), leaf({2, 1, 6, 4}), leaf({2, 1, 6, 4})});
+  EXPECT_GRADCHECK(scaled, {leaf({1, 2, 4, 2}), leaf({1, 2, 4, 2}), leaf({1, 2, 4, 2})});
+  // Grouped-query: 4 query heads share 2 key/value heads.
+  EXPECT_GRADCHECK(causal, {leaf({1, 4, 3, 2}), leaf({1, 2, 3, 2}), leaf({1, 2, 3, 2})});
+  // Only some inputs require grad.
+  EXPECT_GRADCHECK(causal, {constant({1, 2, 3, 2}), leaf({1, 2, 3, 2}), constant({1, 2, 3, 2})});
+}
+
+TEST(AutogradNN, RopePassesGradcheck) {
+  auto [cos, sin] = ops::rope_tables(3, 6, 10000.0, std::nullopt);
+  EXPECT_GRADCHECK([cos = cos, sin = sin](const auto& in) { return rope(in[0], cos, sin); }, {leaf({2, 2, 3, 6})});
+}
+
+TEST(AutogradShape, CatStackSplitChunkPassGradcheck) {
+  Tensor a = leaf({2, 3}), b = leaf({2, 1}), c = leaf({2, 4});
+  EXPECT_GRADCHECK([](const auto& in) { return cat(in, 1); }, {a, b, c});
+  EXPECT_GRADCHECK([](const auto& in) { return cat(in, -1); }, {a, constant({2, 1}), c});
+  EXPECT_GRADCHECK([](const auto& in) { return cat(in, 0); }, {leaf({1, 3}), leaf({3, 3})});
+  EXPECT_GRADCHECK([](const auto& in) { return stack(in, 1); }, {leaf({2, 3}), leaf({2, 3}), constant({2, 3})});
+  EXPECT_GRADCHECK([](const auto& in) { return stack(in, -1); }, {leaf({4}), leaf({4})});
+  EXPECT_GRADCHECK(
+      [](const auto& in) {
+        std::vector<Tensor> p = split(in[0], 2, 1);  // 2, 2, 1
+        return cat({mul(p[0], 2.0), p[2], exp(p[1])}, 1);
+      },
+      {leaf({3, 5})});
+  EXPECT_GRADCHECK(
+      [](const auto& in) {
+        std::vector<Tensor> p = chunk(in[0], 3, 0);  // 3, 3, 1
+        return p[0] * p[1] + p[2];
+      },
+      {leaf({7, 2})});
+}
+
+TEST(AutogradShape, UnusedSplitPiecesGetZeroGradient) {
+  Tensor x = leaf({5});
+  std::vector<Tensor> pieces = split(x, 2, 0);
+  ASSERT_EQ(pieces.size(), 3u);
+  sum(pieces[1]).backward();
+  EXPECT_EQ(test::values(x.grad()), (std::vector<double>{0, 0, 1, 1, 0}));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The engine.
+
+TEST(AutogradEngine, DiamondAccumulatesBothPaths) {
+  Tensor x = leaf({4});
+  Tensor y = mul(x, 2.0) * exp(x);  // x used twice
+  sum(y).backward();
+  std::vector<double> xv = test::values(x), g = test::values(x.grad());
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(g[i], 2 * std::exp(xv[i]) * (1 + xv[i]), 1e-12);
+}
+
+TEST(AutogradEngine, LeafHookFiresOncePerBackwardWithTheFinalGradient) {
+  Tensor x = leaf({3});
+  int calls = 0;
+  std::vector<double> seen;
+  x.register_grad_hook([&](Tensor& g) {
+    ++calls;
+    seen = test::values(g);
+  });
+  auto loss = [&] { return sum(x * x + x * 3.0 + x); };  // x reaches the loss through three paths
+  loss().backward();
+  EXPECT_EQ(calls, 1);
+  std::vector<double> xv = test::values(x);
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(seen[i], 2 * xv[i] + 4, 1e-12);
+  loss().backward();  // a second graph: gradients accumulate, the hook sees the sum
+  EXPECT_EQ(calls, 2);
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(seen[i], 2 * (2 * xv[i] + 4), 1e-12);
+  EXPECT_EQ(seen, test::values(x.grad()));
+}
+
+TEST(AutogradEngine, DeepChainRunsWithoutRecursion) {
+  Tensor x = leaf({2});
+  Tensor y = x;
+  for (int i = 0; i < 10000; ++i) y = (i % 2) ? add(y, 0.001) : mul(y, 1.0);
+  sum(y).backward();
+  EXPECT_EQ(test::values(x.grad()), (std::vector<double>{1, 1}));
+}
+
+TEST(AutogradEngine, RetainGraphAllowsASecondBackward) {
+  Tensor x = leaf({3});
+  Tensor loss = sum(exp(x) * x);
+  loss.backward(Tensor(), /*retain_graph=*/true);
+  std::vector<double> first = test::values(x.grad());
+  loss.backward();
+  std::vector<double> second = test::values(x.grad());
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_NEAR(second[i], 2 * first[i], 1e-12);
+
+  // Without retain_graph the saved tensors are gone, and a second backward says so.
+  Tensor z = leaf({3});
+  Tensor loss2 = sum(exp(z));
+  loss2.backward();
+  try {
+    loss2.backward();
+    ADD_FAILURE() << "a second backward through a freed graph did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("retain_graph"), std::string::npos) << e.what();
+  }
+}
+
+TEST(AutogradEngine, NoGradRecordsNothing) {
+  Tensor x = leaf({3});
+  {
+    autograd::NoGradGuard no_grad;
+    EXPECT_FALSE(autograd::is_grad_enabled());
+    Tensor y = matmul(reshape(exp(x), {1, 3}), ones({3, 2}, kF64));
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_EQ(y.grad_fn(), nullptr);
+    EXPECT_TRUE(y.is_leaf());
+  }
+  EXPECT_TRUE(autograd::is_grad_enabled());
+  EXPECT_TRUE(exp(x).requires_grad());
+}
+
+TEST(AutogradEngine, RequiresGradPropagatesThroughOps) {
+  Tensor a = leaf({2, 2});
+  Tensor b = constant({2, 2});
+  Tensor ab = a + b;
+  EXPECT_TRUE(ab.requires_grad());
+  EXPECT_FALSE(ab.is_leaf());
+  ASSERT_NE(ab.grad_fn(), nullptr);
+  EXPECT_EQ(ab.grad_fn()->name(), "AddBackward");
+  Tensor bb = b * b;
+  EXPECT_FALSE(bb.requires_grad());
+  EXPECT_EQ(bb.grad_fn(), nullptr);
+  EXPECT_TRUE(matmul(b, a).requires_grad());
+  EXPECT_TRUE(cat({b, a}, 0).requires_grad());
+  EXPECT_FALSE(cat({b, b}, 0).requires_grad());
+  // Gradients reach only the inputs that require them.
+  sum(ab * b).backward();
+  EXPECT_TRUE(a.grad().defined());
+  EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(AutogradEngine, DetachCutsTheGraph) {
+  Tensor x = leaf({3});
+  Tensor d = x.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_TRUE(d.shares_storage_with(x));
+  sum(d * x).backward();  // the detached factor is a constant
+  EXPECT_EQ(test::values(x.grad()), test::values(x));
+}
+
+TEST(AutogradEngine, NodesSaveOnlyWhatTheNeededGradientsUse) {
+  Tensor a = leaf({3, 4});
+  Tensor b = constant({4, 2});
+  long a_before = storage_holders(a), b_before = storage_holders(b);
+  Tensor out = matmul(a, b);  // a's gradient needs b; nothing needs a
+  EXPECT_EQ(storage_holders(a), a_before);
+  EXPECT_EQ(storage_holders(b), b_before + 1);
+
+  Tensor out2 = matmul(b.t(), a.t());  // now a is the right operand: still only b is saved
+  EXPECT_EQ(storage_holders(a), a_before);
+  EXPECT_EQ(storage_holders(b), b_before + 2);
+
+  Tensor w = leaf({5, 4});
+  Tensor x = constant({3, 4});
+  long x_before = storage_holders(x), w_before = storage_holders(w);
+  Tensor y = linear(x, w);  // weight's gradient needs x only
+  EXPECT_EQ(storage_holders(x), x_before + 1);
+  EXPECT_EQ(storage_holders(w), w_before);
+
+  Tensor m = mul(a, b.narrow(1, 0, 1).t().expand({3, 4}));
+  EXPECT_EQ(storage_holders(a), a_before);
+
+  // Backward without retain_graph releases what was saved.
+  sum(out).backward();
+  EXPECT_EQ(storage_holders(b), b_before + 2);  // out2's and m's nodes still hold b
+  out2 = Tensor();
+  m = Tensor();
+  EXPECT_EQ(storage_holders(b), b_before);
+}
+
+TEST(AutogradEngine, MixedDtypesGiveEachLeafAGradientOfItsOwnDtype) {
+  Tensor x = test::random_tensor({4, 3}, kF32);
+  x.set_requires_grad(true);
+  Tensor y = to(x, kBF16);
+  sum(y * y).backward();
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_EQ(x.grad().dtype(), kF32);
+  EXPECT_TRUE(test::all_close(x.grad(), ops::mul(x.detach(), 2.0), 2e-2, 2e-2));
+
+  // A bf16 and an f32 leaf meet in a promoted (f32) op.
+  Tensor h = test::random_tensor({3}, kBF16);
+  h.set_requires_grad(true);
+  Tensor f = test::random_tensor({2, 3}, kF32);
+  f.set_requires_grad(true);
+  sum(h * f).backward();
+  EXPECT_EQ(h.grad().dtype(), kBF16);
+  EXPECT_EQ(h.grad().shape(), (Shape{3}));
+  EXPECT_EQ(f.grad().dtype(), kF32);
+  EXPECT_TRUE(test::all_close(h.grad(), ops::sum(f.detach(), {0}), 2e-2, 2e-2));
+}
+
+// A small bf16 network (its loss in f32) gets bf16 gradients close to the same network's in f64.
+TEST(AutogradEngine, Bf16NetworkGradientsMatchFloat64) {
+  std::vector<Tensor> params64 = {test::random_tensor({5, 6}, kF64), test::random_tensor({5}, kF64),
+                                  test::random_tensor({5}, kF64, 0.5, 1.5), test::random_tensor({5}, kF64),
+                                  test::random_tensor({7, 5}, kF64)};
+  Tensor x64 = test::random_tensor({4, 6}, kF64, -2, 2);
+  Tensor targets = from_vector<int64_t>({3, 0, 6, 2}, {4});
+  auto loss_of = [&](const std::vector<Tensor>& p, const Tensor& x) {
+    Tensor h = layer_norm(linear_gelu(x, p[0], p[1]), p[2], p[3]);
+    return loom::cross_entropy(linear(mul(h, 2.0), p[4]), targets);
+  };
+  auto leaves = [&](DType dtype) {
+    std::vector<Tensor> p;
+    for (const Tensor& t : params64) p.push_back(ops::clone(ops::to_dtype(t, dtype)).set_requires_grad(true));
+    return p;
+  };
+  std::vector<Tensor> p64 = leaves(kF64), p16 = leaves(kBF16);
+  loss_of(p64, x64).backward();
+  Tensor loss16 = loss_of(p16, x64.to(kBF16));
+  EXPECT_EQ(loss16.dtype(), kF32);
+  loss16.backward();
+  for (size_t i = 0; i < p16.size(); ++i) {
+    ASSERT_TRUE(p16[i].grad().defined()) << "parameter " << i;
+    EXPECT_EQ(p16[i].grad().dtype(), kBF16) << "parameter " << i;
+    double scale = ops::max(ops::abs(p64[i].grad())).item<double>();
+    EXPECT_TRUE(test::all_close(p16[i].grad(), p64[i].grad(), 0.05, 0.05 * scale)) << "parameter " << i;
+  }
+}
+
+TEST(AutogradEngine, BadBackwardCallsThrow) {
+  Tensor c = constant({3});
+  EXPECT_THROW(c.backward(), Error);  // requires no grad
+  Tensor y = exp(leaf({3}));
+  EXPECT_THROW(y.backward(), Error);  // non-scalar root without a gradient
+  EXPECT_THROW(y.backward(ones({2}, kF64)), Error);  // gradient of the wrong shape
+  y.backward(ones({3}, kF64));  // with a gradient of the right shape it runs
+}
+
+}  // namespace
+}  // namespace loom
