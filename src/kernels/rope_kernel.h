@@ -1,0 +1,21 @@
+// Rotary position embedding in the "rotate_half" layout (Hugging Face LLaMA / GPT-NeoX): element i pairs with
+// element i + D/2.
+#pragma once
+
+#include "loom/core/device_runtime.h"
+#include "loom/core/dispatch.h"
+#include "loom/core/tensor.h"
+
+namespace loom {
+
+struct RopeAttrs {
+  bool inverse = false;  // rotate by -angle (the gradient of the forward rotation)
+};
+
+// x [B, H, T, D] contiguous with D even; cos and sin [T, D/2] f32 contiguous; out like x:
+//   out[i] = x[i] cos - x[i + D/2] sin,  out[i + D/2] = x[i + D/2] cos + x[i] sin   (sin negated when inverse).
+using RopeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                        const RopeAttrs&, Tensor& out);
+LOOM_DECLARE_OP(rope, RopeKernel);
+
+}  // namespace loom

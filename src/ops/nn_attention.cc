@@ -1,0 +1,128 @@
+// Scaled dot-product attention and rotary embedding ops: checks, allocation, dispatch; and the rotary tables.
+#include <cmath>
+#include <vector>
+
+#include "infermeta/attention_meta.h"
+#include "kernels/attention_kernel.h"
+#include "kernels/rope_kernel.h"
+#include "loom/ops/nn.h"
+#include "ops/op_common.h"
+
+namespace loom::ops {
+
+namespace {
+
+constexpr const char* kAttention = "scaled_dot_product_attention";
+constexpr const char* kAttentionBackward = "scaled_dot_product_attention_backward";
+
+void check_attention_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  ops_detail::check_same_device(op, {&q, &k, &v});
+  ops_detail::check_floating(op, q);
+  ops_detail::check_same_dtype(op, q, k);
+  ops_detail::check_same_dtype(op, q, v);
+}
+
+AttentionAttrs attention_attrs(const char* op, const AttentionMeta& meta, bool causal, std::optional<double> scale) {
+  double s = scale.value_or(meta.head_dim > 0 ? 1.0 / std::sqrt(double(meta.head_dim)) : 1.0);
+  LOOM_REQUIRE(std::isfinite(s), op, ": scale must be finite, got ", s);
+  return AttentionAttrs{causal, s};
+}
+
+DType lse_dtype_for(DType input) { return input == kF64 ? kF64 : kF32; }
+
+}  // namespace
+
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                             std::optional<double> scale) {
+  check_attention_inputs(kAttention, q, k, v);
+  AttentionMeta meta = infer_attention(q.shape(), k.shape(), v.shape(), causal);
+  AttentionAttrs attrs = attention_attrs(kAttention, meta, causal, scale);
+  AttentionResult result{empty(q.shape(), q.dtype(), q.device()),
+                         empty({meta.batch, meta.heads, meta.q_len}, lse_dtype_for(q.dtype()), q.device())};
+  if (q.numel() == 0) return result;
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  dispatch::call(scaled_dot_product_attention_op, q.device(), q.dtype(), qc, kc, vc, attrs, result.out, result.lse);
+  return result;
+}
+
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                     const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                     bool causal, std::optional<double> scale) {
+  const char* op = kAttentionBackward;
+  check_attention_inputs(op, q, k, v);
+  ops_detail::check_same_device(op, {&q, &grad_out, &out, &lse});
+  ops_detail::check_same_dtype(op, q, grad_out);
+  ops_detail::check_same_dtype(op, q, out);
+  ops_detail::check_dtype(op, "lse", lse, lse_dtype_for(q.dtype()));
+  AttentionMeta meta = infer_attention(q.shape(), k.shape(), v.shape(), causal);
+  LOOM_REQUIRE(grad_out.shape() == q.shape() && out.shape() == q.shape(), op, ": grad_out ", describe(grad_out),
+               " and out ", describe(out), " must have q's shape ", shape_str(q.shape()));
+  LOOM_REQUIRE(lse.shape() == (Shape{meta.batch, meta.heads, meta.q_len}), op, ": lse ", describe(lse),
+               " must be [B, H, T] for q ", describe(q));
+  AttentionAttrs attrs = attention_attrs(op, meta, causal, scale);
+  AttentionGrads grads{empty(q.shape(), q.dtype(), q.device()), empty(k.shape(), k.dtype(), k.device()),
+                       empty(v.shape(), v.dtype(), v.device())};
+  if (q.numel() == 0 || k.numel() == 0) {
+    for (Tensor* g : {&grads.grad_q, &grads.grad_k, &grads.grad_v}) *g = zeros(g->shape(), q.dtype(), q.device());
+    return grads;
+  }
+  Tensor gc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
+         oc = out.contiguous(), lc = lse.contiguous();
+  dispatch::call(scaled_dot_product_attention_backward_op, q.device(), q.dtype(), gc, qc, kc, vc, oc, lc, attrs,
+                 grads.grad_q, grads.grad_k, grads.grad_v);
+  return grads;
+}
+
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
+  ops_detail::check_same_device("rope", {&x, &cos, &sin});
+  ops_detail::check_floating("rope", x);
+  ops_detail::check_dtype("rope", "cos", cos, kF32);
+  ops_detail::check_dtype("rope", "sin", sin, kF32);
+  check_rope_shapes(x.shape(), cos.shape(), sin.shape());
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+  Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  dispatch::call(rope_op, x.device(), x.dtype(), xc, cc, sc, RopeAttrs{inverse}, out);
+  return out;
+}
+
+std::pair<Tensor, Tensor> rope_tables(int64_t T, int64_t D, double theta, std::optional<RopeScaling> scaling,
+                                      Device device) {
+  LOOM_REQUIRE(T >= 0 && D > 0 && D % 2 == 0, "rope_tables: need T >= 0 and an even D > 0, got T=", T, " D=", D);
+  LOOM_REQUIRE(theta > 0, "rope_tables: theta must be positive, got ", theta);
+  const int64_t half = D / 2;
+  std::vector<double> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) inv_freq[size_t(i)] = std::pow(theta, -2.0 * double(i) / double(D));
+  if (scaling) {
+    // LLaMA 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band between blended.
+    const RopeScaling& s = *scaling;
+    LOOM_REQUIRE(s.factor > 0 && s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor &&
+                     s.original_max_positions > 0,
+                 "rope_tables: invalid scaling (factor ", s.factor, ", low_freq_factor ", s.low_freq_factor,
+                 ", high_freq_factor ", s.high_freq_factor, ", original_max_positions ", s.original_max_positions,
+                 ")");
+    const double original = double(s.original_max_positions);
+    const double low_freq_wavelen = original / s.low_freq_factor, high_freq_wavelen = original / s.high_freq_factor;
+    for (double& f : inv_freq) {
+      double wavelen = 2 * M_PI / f;
+      if (wavelen < high_freq_wavelen) continue;
+      if (wavelen > low_freq_wavelen) {
+        f /= s.factor;
+      } else {
+        double smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+  }
+  std::vector<float> cos_values(size_t(T * half)), sin_values(size_t(T * half));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      double angle = double(t) * inv_freq[size_t(i)];
+      cos_values[size_t(t * half + i)] = float(std::cos(angle));
+      sin_values[size_t(t * half + i)] = float(std::sin(angle));
+    }
+  }
+  return {from_vector(cos_values, {T, half}, device), from_vector(sin_values, {T, half}, device)};
+}
+
+}  // namespace loom::ops
