@@ -47,7 +47,9 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                               int64_t ignore_index = -100, Reduction reduction = Reduction::kMean);
 
 // Scaled dot-product attention, q [B, H, T, D], k and v [B, Hkv, S, D] with H a multiple of Hkv (grouped-query).
-// scale defaults to 1/sqrt(D). Returns out [B, H, T, D] and the log-sum-exp [B, H, T] (f32) for the backward.
+// scale defaults to 1/sqrt(D). Causal masking aligns the last query with the last key (query t sees keys
+// s <= t + S - T; needs T <= S). Returns out [B, H, T, D] and the log-sum-exp [B, H, T] (f32; f64 for f64 inputs)
+// for the backward.
 struct AttentionResult {
   Tensor out;
   Tensor lse;
@@ -61,8 +63,8 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
                                                      const Tensor& v, const Tensor& out, const Tensor& lse,
                                                      bool causal = true, std::optional<double> scale = std::nullopt);
 
-// Rotary embedding on x [B, H, T, D] (D even) with cos and sin [T, D/2] (f32), rotating pairs (2i, 2i+1) ... as
-// LLaMA's reference uses interleaved=false halves: pairs (i, i + D/2). `inverse` rotates backwards (the gradient).
+// Rotary embedding on x [B, H, T, D] (D even) with cos and sin [T, D/2] (f32), rotating the pairs (i, i + D/2) (the
+// "rotate_half" layout of Hugging Face LLaMA / GPT-NeoX). `inverse` rotates backwards (the gradient).
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse = false);
 // cos/sin tables for positions [0, T) and head dim D with base theta, and the LLaMA-3.1 frequency scaling when set.
 struct RopeScaling {
