@@ -454,3 +454,25 @@ TEST(AutogradEngine, BadBackwardCallsThrow) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+TEST(AutogradEngine, RetainGradKeepsANonLeafGradient) {
+  Tensor x = from_vector<double>({1, 2, 3}).set_requires_grad(true);
+  Tensor y = mul(x, 2.0);
+  y.retain_grad();
+  Tensor loss = sum(mul(y, y));
+  loss.backward();
+  ASSERT_TRUE(y.grad().defined());
+  EXPECT_EQ(to_vector<double>(y.grad()), (std::vector<double>{4, 8, 12}));  // d(sum y^2)/dy = 2y
+  EXPECT_EQ(to_vector<double>(x.grad()), (std::vector<double>{8, 16, 24}));
+}
+
+TEST(AutogradEngine, ScalarReshapes) {
+  Tensor s = full({}, 3.0, kF64);
+  EXPECT_EQ(s.reshape({1}).shape(), (Shape{1}));
+  EXPECT_EQ(s.view({1, 1}).shape(), (Shape{1, 1}));
+  EXPECT_EQ(full({1, 1}, 2.0).reshape({}).dim(), 0);
+}
+}  // namespace
+}  // namespace loom

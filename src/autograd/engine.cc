@@ -42,6 +42,21 @@ tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   return {};
 }
 
+}  // namespace loom::autograd
+
+namespace loom {
+// A non-leaf keeps its gradient by asking its grad_fn to hand over the gradient of its output; leaves always keep theirs.
+void Tensor::retain_grad() {
+  LOOM_REQUIRE(requires_grad(), "retain_grad: the tensor does not require grad");
+  AutogradMeta& meta = autograd_meta();
+  if (meta.retains_grad || !meta.grad_fn) return;
+  meta.retains_grad = true;
+  meta.grad_fn->retained_outputs().emplace_back(meta.output_nr, impl().autograd);
+}
+}  // namespace loom
+
+namespace loom::autograd {
+
 Edge gradient_edge(const Tensor& t) {
   if (!t.defined() || !t.requires_grad()) return {};
   AutogradMeta& meta = t.autograd_meta();

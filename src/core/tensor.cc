@@ -124,10 +124,6 @@ void Tensor::register_grad_hook(std::function<void(Tensor&)> hook) {
   autograd_meta().grad_hooks.push_back(std::move(hook));
 }
 
-void Tensor::retain_grad() {
-  LOOM_REQUIRE(requires_grad(), "retain_grad: the tensor does not require grad");
-  autograd_meta().retains_grad = true;
-}
 
 std::string describe(const Tensor& t) {
   if (!t.defined()) return "undefined tensor";

@@ -20,7 +20,7 @@ namespace {
 // Walks groups of old dims that merge or split into groups of new dims (as PyTorch's computeStride).
 std::optional<Shape> view_strides(const Shape& shape, const Shape& strides, const Shape& target) {
   Shape out(target.size());
-  if (numel_of(shape) == 0) return contiguous_strides(target);
+  if (numel_of(shape) <= 1) return contiguous_strides(target);  // zero or one element: any strides fit
   int64_t view_d = int64_t(target.size()) - 1;
   int64_t chunk_base_stride = strides.empty() ? 1 : strides.back();
   int64_t tensor_numel = 1, view_numel = 1;
