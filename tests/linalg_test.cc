@@ -234,7 +234,8 @@ TEST(Linalg, LinearBackwardMatchesExplicitFormulas) {
 }
 
 TEST(Linalg, LinearGradientsMatchFiniteDifferences) {
-  Tensor x = test::random_tensor({3, 4}, kF64), w = test::random_tensor({2, 4}, kF64), b = test::random_tensor({2}, kF64);
+  Tensor x = test::random_tensor({3, 4}, kF64), w = test::random_tensor({2, 4}, kF64);
+  Tensor b = test::random_tensor({2}, kF64);
   Tensor grad = test::random_tensor({3, 2}, kF64);
   auto gelu = ops::LinearActivation::kGelu;
   // Through the GELU epilogue: the gradient of the pre-activation is grad * gelu'(pre).

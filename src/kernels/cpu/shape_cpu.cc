@@ -35,7 +35,9 @@ int64_t product(const Shape& s, size_t begin, size_t end) {
   return p;
 }
 
-int64_t grain_for(int64_t elements_per_item) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elements_per_item)); }
+int64_t grain_for(int64_t elements_per_item) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elements_per_item));
+}
 
 template <typename U>
 void cat_elements(const std::vector<Tensor>& inputs, int64_t dim, Tensor& out) {
@@ -64,7 +66,8 @@ void cat_elements(const std::vector<Tensor>& inputs, int64_t dim, Tensor& out) {
 }
 
 void cat_cpu(const DeviceContext&, const std::vector<Tensor>& inputs, const CatAttrs& attrs, Tensor& out) {
-  dispatch_element_size(out.dtype(), "cat", [&](auto element) { cat_elements<decltype(element)>(inputs, attrs.dim, out); });
+  dispatch_element_size(out.dtype(), "cat",
+                        [&](auto element) { cat_elements<decltype(element)>(inputs, attrs.dim, out); });
 }
 
 template <typename U, typename I>
@@ -142,7 +145,8 @@ void scatter_add_cpu(const DeviceContext&, const Tensor& index, const Tensor& sr
                      Tensor& out) {
   auto run = [&](auto element) {
     using T = decltype(element);
-    LOOM_DISPATCH_INDEX(index.dtype(), "scatter_add", [&] { scatter_add_elements<T, index_t>(index, src, attrs.dim, out); });
+    LOOM_DISPATCH_INDEX(index.dtype(), "scatter_add",
+                        [&] { scatter_add_elements<T, index_t>(index, src, attrs.dim, out); });
   };
   switch (out.dtype()) {
     case kI32: return run(int32_t{});
@@ -169,7 +173,8 @@ void triangular_elements(const Tensor& x, const TriangularAttrs& attrs, Tensor& 
 }
 
 void triangular_cpu(const DeviceContext&, const Tensor& x, const TriangularAttrs& attrs, Tensor& out) {
-  dispatch_element_size(x.dtype(), "triangular", [&](auto element) { triangular_elements<decltype(element)>(x, attrs, out); });
+  dispatch_element_size(x.dtype(), "triangular",
+                        [&](auto element) { triangular_elements<decltype(element)>(x, attrs, out); });
 }
 
 constexpr DTypeSet kAllDTypes = dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool);
