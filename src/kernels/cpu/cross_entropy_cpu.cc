@@ -1,0 +1,143 @@
+// CPU cross-entropy: per row, loss = logsumexp(logits) - logits[target], computed in f32 (f64 for f64 logits) with
+// double row sums. Per-row losses are reduced serially in row order, so the result does not depend on threads.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cross_entropy_kernel.h"
+#include "kernels/primitives/cpu_loops.h"
+
+namespace loom {
+namespace {
+
+// Counts the targets that are not ignored; throws for the first target outside [0, V) that is not ignored.
+template <typename I>
+int64_t count_targets(const char* op, const I* targets, int64_t n, int64_t vocab, int64_t ignore_index) {
+  int64_t counted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t t = int64_t(targets[i]);
+    if (t == ignore_index) continue;
+    LOOM_REQUIRE(t >= 0 && t < vocab, op, ": target ", t, " at position ", i, " is out of range for ", vocab,
+                 " classes (expected [0, ", vocab, ") or ignore_index ", ignore_index, ")");
+    ++counted;
+  }
+  return counted;
+}
+
+// The row's max and log(sum(exp(x - max))), so that logsumexp = max + log_sum.
+template <typename T, typename C>
+void row_logsumexp(const T* row, int64_t vocab, C& max_out, C& log_sum_out) {
+  C m = -std::numeric_limits<C>::infinity();
+  for (int64_t j = 0; j < vocab; ++j) m = std::max(m, C(row[j]));
+  double s = 0;
+  for (int64_t j = 0; j < vocab; ++j) s += double(std::exp(C(row[j]) - m));
+  max_out = m;
+  log_sum_out = C(std::log(s));
+}
+
+template <typename T, typename I>
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const CrossEntropyAttrs& attrs,
+                           Tensor& loss) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const T* x = static_cast<const T*>(logits.data());
+  const I* tgt = static_cast<const I*>(targets.data());
+  const int64_t counted = count_targets("cross_entropy", tgt, n, vocab, attrs.ignore_index);
+  std::vector<C> row_loss(static_cast<size_t>(n));
+  cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      int64_t t = int64_t(tgt[i]);
+      if (t == attrs.ignore_index) {
+        row_loss[size_t(i)] = C(0);
+        continue;
+      }
+      const T* row = x + i * vocab;
+      C m, log_sum;
+      row_logsumexp(row, vocab, m, log_sum);
+      row_loss[size_t(i)] = (m - C(row[t])) + log_sum;
+    }
+  });
+  C* out = loss.data_ptr<C>();
+  if (attrs.reduction == ops::Reduction::kNone) {
+    std::copy(row_loss.begin(), row_loss.end(), out);
+    return;
+  }
+  double total = 0;
+  for (C v : row_loss) total += double(v);
+  if (attrs.reduction == ops::Reduction::kMean)
+    total = counted ? total / double(counted) : std::numeric_limits<double>::quiet_NaN();
+  out[0] = C(total);
+}
+
+template <typename T, typename I>
+void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                 const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const T* x = static_cast<const T*>(logits.data());
+  const I* tgt = static_cast<const I*>(targets.data());
+  const int64_t counted = count_targets("cross_entropy_backward", tgt, n, vocab, attrs.ignore_index);
+  const C* gl = grad_loss.data_ptr<C>();
+  const bool per_row = attrs.reduction == ops::Reduction::kNone;
+  // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite.
+  const C scale = attrs.reduction == ops::Reduction::kMean ? (counted ? C(1.0 / double(counted)) : C(0)) : C(1);
+  T* gx = static_cast<T*>(grad_logits.data());
+  cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      int64_t t = int64_t(tgt[i]);
+      T* grow = gx + i * vocab;
+      if (t == attrs.ignore_index) {
+        std::fill(grow, grow + vocab, T(C(0)));
+        continue;
+      }
+      const T* row = x + i * vocab;
+      const C g = (per_row ? gl[i] : gl[0]) * scale;
+      if constexpr (std::is_same_v<T, C>) {
+        // The gradient row holds exp(x - m) exactly: one exp per element.
+        C m = -std::numeric_limits<C>::infinity();
+        for (int64_t j = 0; j < vocab; ++j) m = std::max(m, row[j]);
+        double s = 0;
+        for (int64_t j = 0; j < vocab; ++j) {
+          grow[j] = std::exp(row[j] - m);
+          s += double(grow[j]);
+        }
+        const C factor = C(double(g) / s);
+        for (int64_t j = 0; j < vocab; ++j) grow[j] *= factor;
+        grow[t] -= g;
+      } else {
+        C m, log_sum;
+        row_logsumexp(row, vocab, m, log_sum);
+        for (int64_t j = 0; j < vocab; ++j) {
+          C d = std::exp((C(row[j]) - m) - log_sum) * g;  // (x - m) first, as in log_softmax
+          grow[j] = T(j == t ? d - g : d);
+        }
+      }
+    }
+  });
+}
+
+void cross_entropy_cpu(const DeviceContext&, const Tensor& logits, const Tensor& targets,
+                       const CrossEntropyAttrs& attrs, Tensor& loss) {
+  LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy", [&] {
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy",
+                        [&] { cross_entropy_forward<scalar_t, index_t>(logits, targets, attrs, loss); });
+  });
+}
+
+void cross_entropy_backward_cpu(const DeviceContext&, const Tensor& grad_loss, const Tensor& logits,
+                                const Tensor& targets, const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
+  LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy_backward", [&] {
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_backward", [&] {
+      cross_entropy_backward_rows<scalar_t, index_t>(grad_loss, logits, targets, attrs, grad_logits);
+    });
+  });
+}
+
+}  // namespace
+
+LOOM_REGISTER_KERNEL(cross_entropy, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), cross_entropy_cpu);
+LOOM_REGISTER_KERNEL(cross_entropy_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     cross_entropy_backward_cpu);
+
+}  // namespace loom

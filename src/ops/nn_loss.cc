@@ -1,0 +1,56 @@
+// Embedding and cross-entropy ops, forward and backward.
+#include "infermeta/nn_meta.h"
+#include "kernels/cross_entropy_kernel.h"
+#include "kernels/embedding_kernel.h"
+#include "loom/ops/nn.h"
+#include "ops/op_common.h"
+
+namespace loom::ops {
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  ops_detail::check_same_device("embedding", {&weight, &indices});
+  Shape out_shape = infermeta::infer_embedding(weight, indices);
+  Tensor w = weight.contiguous(), idx = indices.contiguous();
+  Tensor out = empty(out_shape, weight.dtype(), weight.device());
+  dispatch::call(embedding_op, weight.device(), weight.dtype(), w, idx, out);
+  return out;
+}
+
+Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_embeddings) {
+  ops_detail::check_same_device("embedding_backward", {&grad, &indices});
+  Shape out_shape = infermeta::infer_embedding_backward(grad, indices, num_embeddings);
+  Tensor g = grad.contiguous(), idx = indices.contiguous();
+  Tensor grad_weight = empty(out_shape, grad.dtype(), grad.device());
+  dispatch::call(embedding_backward_op, grad.device(), grad.dtype(), g, idx, grad_weight);
+  return grad_weight;
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, Reduction reduction) {
+  const char* op = "cross_entropy";
+  ops_detail::check_same_device(op, {&logits, &targets});
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  Tensor x = logits.contiguous(), t = targets.contiguous();
+  Tensor loss = empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device());
+  dispatch::call(cross_entropy_op, logits.device(), logits.dtype(), x, t, CrossEntropyAttrs{ignore_index, reduction},
+                 loss);
+  return loss;
+}
+
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                              int64_t ignore_index, Reduction reduction) {
+  const char* op = "cross_entropy_backward";
+  ops_detail::check_same_device(op, {&grad_loss, &logits, &targets});
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  ops_detail::check_floating(op, grad_loss);
+  bool shape_ok = reduction == Reduction::kNone ? grad_loss.shape() == loss_shape : grad_loss.numel() == 1;
+  LOOM_REQUIRE(shape_ok, op, ": grad_loss must be ", reduction == Reduction::kNone ? shape_str(loss_shape) : "a scalar",
+               " for logits ", describe(logits), ", got ", describe(grad_loss));
+  Tensor g = grad_loss.to(cross_entropy_loss_dtype(logits.dtype())).contiguous();
+  Tensor x = logits.contiguous(), t = targets.contiguous();
+  Tensor grad_logits = empty(logits.shape(), logits.dtype(), logits.device());
+  dispatch::call(cross_entropy_backward_op, logits.device(), logits.dtype(), g, x, t,
+                 CrossEntropyAttrs{ignore_index, reduction}, grad_logits);
+  return grad_logits;
+}
+
+}  // namespace loom::ops

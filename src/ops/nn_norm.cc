@@ -1,0 +1,141 @@
+// Softmax, log-softmax, layer norm and RMS norm ops, forward and backward.
+#include "infermeta/nn_meta.h"
+#include "kernels/norm_kernel.h"
+#include "kernels/softmax_kernel.h"
+#include "loom/ops/nn.h"
+#include "ops/op_common.h"
+
+namespace loom::ops {
+namespace {
+
+template <typename Op>
+Tensor run_softmax(Op op, const char* name, const Tensor& x, int64_t dim) {
+  ops_detail::check_same_device(name, {&x});
+  SoftmaxAttrs attrs{infermeta::infer_softmax_dim(name, x, dim)};
+  Tensor in = x.contiguous();
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  dispatch::call(op, x.device(), x.dtype(), in, attrs, out);
+  return out;
+}
+
+template <typename Op>
+Tensor run_softmax_backward(Op op, const char* name, const Tensor& grad, const Tensor& out, int64_t dim) {
+  ops_detail::check_same_device(name, {&grad, &out});
+  SoftmaxAttrs attrs{infermeta::infer_softmax_dim(name, out, dim)};
+  ops_detail::check_same_dtype(name, grad, out);
+  LOOM_REQUIRE(grad.shape() == out.shape(), name, ": grad and out shapes differ (", describe(grad), " vs ",
+               describe(out), ")");
+  Tensor g = grad.contiguous(), y = out.contiguous();
+  Tensor grad_input = empty(out.shape(), out.dtype(), out.device());
+  dispatch::call(op, out.device(), out.dtype(), g, y, attrs, grad_input);
+  return grad_input;
+}
+
+Tensor contiguous_or_undefined(const Tensor& t) { return t.defined() ? t.contiguous() : Tensor(); }
+
+void check_norm_devices(const char* op, std::initializer_list<const Tensor*> ts) {
+  std::vector<const Tensor*> defined;
+  for (const Tensor* t : ts)
+    if (t->defined()) defined.push_back(t);
+  const Tensor* first = defined.empty() ? nullptr : defined.front();
+  for (const Tensor* t : defined)
+    LOOM_REQUIRE(t->device() == first->device(), op, ": tensors are on different devices (", describe(*first),
+                 " vs ", describe(*t), ")");
+}
+
+// Checks the saved statistics (mean or rstd) match what the forward wrote for x.
+void check_stats(const char* op, const char* what, const Tensor& stats, const infermeta::NormMeta& meta) {
+  LOOM_REQUIRE(stats.defined(), op, ": ", what, " is undefined");
+  LOOM_REQUIRE(stats.shape() == meta.stats_shape && stats.dtype() == meta.stats_dtype, op, ": ", what, " must be ",
+               dtype_name(meta.stats_dtype), shape_str(meta.stats_shape), ", got ", describe(stats));
+}
+
+void check_grad_like_x(const char* op, const Tensor& grad, const Tensor& x) {
+  LOOM_REQUIRE(grad.defined(), op, ": grad is undefined");
+  LOOM_REQUIRE(grad.shape() == x.shape() && grad.dtype() == x.dtype(), op, ": grad must match the input (",
+               describe(grad), " vs ", describe(x), ")");
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) { return run_softmax(softmax_op, "softmax", x, dim); }
+Tensor log_softmax(const Tensor& x, int64_t dim) { return run_softmax(log_softmax_op, "log_softmax", x, dim); }
+Tensor softmax_backward(const Tensor& grad, const Tensor& out, int64_t dim) {
+  return run_softmax_backward(softmax_backward_op, "softmax_backward", grad, out, dim);
+}
+Tensor log_softmax_backward(const Tensor& grad, const Tensor& out, int64_t dim) {
+  return run_softmax_backward(log_softmax_backward_op, "log_softmax_backward", grad, out, dim);
+}
+
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  const char* op = "layer_norm";
+  LOOM_REQUIRE(x.defined(), op, ": input is undefined");
+  check_norm_devices(op, {&x, &weight, &bias});
+  LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
+  infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, bias);
+  Tensor in = x.contiguous(), w = contiguous_or_undefined(weight), b = contiguous_or_undefined(bias);
+  NormResult r;
+  r.out = empty(x.shape(), x.dtype(), x.device());
+  r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  dispatch::call(layer_norm_op, x.device(), x.dtype(), in, w, b, NormAttrs{eps}, r.out, r.mean, r.rstd);
+  return r;
+}
+
+NormGrads layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                              const Tensor& rstd, bool need_input, bool need_weight, bool need_bias) {
+  const char* op = "layer_norm_backward";
+  LOOM_REQUIRE(x.defined(), op, ": input is undefined");
+  check_grad_like_x(op, grad, x);
+  check_norm_devices(op, {&grad, &x, &weight, &mean, &rstd});
+  infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, Tensor());
+  check_stats(op, "mean", mean, meta);
+  check_stats(op, "rstd", rstd, meta);
+  LOOM_REQUIRE(!need_weight || weight.defined(), op, ": need_weight is set but there is no weight");
+  NormGrads r;
+  if (!need_input && !need_weight && !need_bias) return r;
+  const int64_t channels = x.shape().back();
+  if (need_input) r.grad_input = empty(x.shape(), x.dtype(), x.device());
+  if (need_weight) r.grad_weight = empty({channels}, x.dtype(), x.device());
+  if (need_bias) r.grad_bias = empty({channels}, x.dtype(), x.device());
+  Tensor g = grad.contiguous(), in = x.contiguous(), w = contiguous_or_undefined(weight);
+  Tensor m = mean.contiguous(), s = rstd.contiguous();
+  dispatch::call(layer_norm_backward_op, x.device(), x.dtype(), g, in, w, m, s, r.grad_input, r.grad_weight,
+                 r.grad_bias);
+  return r;
+}
+
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const char* op = "rms_norm";
+  LOOM_REQUIRE(x.defined(), op, ": input is undefined");
+  check_norm_devices(op, {&x, &weight});
+  LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
+  infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, Tensor());
+  Tensor in = x.contiguous(), w = contiguous_or_undefined(weight);
+  NormResult r;
+  r.out = empty(x.shape(), x.dtype(), x.device());
+  r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  dispatch::call(rms_norm_op, x.device(), x.dtype(), in, w, NormAttrs{eps}, r.out, r.rstd);
+  return r;
+}
+
+NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                            bool need_input, bool need_weight) {
+  const char* op = "rms_norm_backward";
+  LOOM_REQUIRE(x.defined(), op, ": input is undefined");
+  check_grad_like_x(op, grad, x);
+  check_norm_devices(op, {&grad, &x, &weight, &rstd});
+  infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, Tensor());
+  check_stats(op, "rstd", rstd, meta);
+  LOOM_REQUIRE(!need_weight || weight.defined(), op, ": need_weight is set but there is no weight");
+  NormGrads r;
+  if (!need_input && !need_weight) return r;
+  if (need_input) r.grad_input = empty(x.shape(), x.dtype(), x.device());
+  if (need_weight) r.grad_weight = empty({x.shape().back()}, x.dtype(), x.device());
+  Tensor g = grad.contiguous(), in = x.contiguous(), w = contiguous_or_undefined(weight);
+  Tensor s = rstd.contiguous();
+  dispatch::call(rms_norm_backward_op, x.device(), x.dtype(), g, in, w, s, r.grad_input, r.grad_weight);
+  return r;
+}
+
+}  // namespace loom::ops
