@@ -1,0 +1,192 @@
+// loom-prepare: tokenizes text files with GPT-2's BPE into llm.c token shards, a validation split and train shards.
+//
+//   loom-prepare --input tinyshakespeare.txt --output-dir data/tinyshakespeare --val-fraction 0.1
+//
+// Every document starts with the end-of-text token (llm.c's convention). A document is one input file, or with
+// --paragraph-documents each "\n\n"-separated section of a file (as llm.c's tinyshakespeare.py does). The first
+// val-fraction of all tokens (or exactly --val-tokens) becomes <name>_val_000000.bin, the rest
+// <name>_train_NNNNNN.bin in shards of at most --shard-tokens. llm.c's tinyshakespeare split is
+// `--paragraph-documents --val-tokens 32768`.
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "loom/common/error.h"
+#include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/token_file.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// An input named by a bare file name is also looked for in $LOOM_DATA_DIR and in shared/data beside the repository
+// (found by walking up from the working directory and from this executable's directory).
+std::string resolve_input(const std::string& name) {
+  std::vector<fs::path> tried{fs::path(name)};
+  const bool bare = fs::path(name).filename() == fs::path(name);
+  if (bare) {
+    if (const char* d = std::getenv("LOOM_DATA_DIR"); d && *d) tried.push_back(fs::path(d) / name);
+    std::vector<fs::path> starts{fs::current_path()};
+    std::error_code ec;
+    fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec) starts.push_back(exe.parent_path());
+    for (fs::path dir : starts) {
+      for (; !dir.empty(); dir = dir.parent_path()) {
+        tried.push_back(dir / "shared" / "data" / name);
+        if (dir == dir.root_path()) break;
+      }
+    }
+  }
+  std::string looked;
+  std::vector<fs::path> seen;
+  for (const auto& p : tried) {
+    if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
+    seen.push_back(p);
+    std::error_code ec;
+    if (fs::is_regular_file(p, ec)) return p.string();
+    looked += "\n  " + p.string();
+  }
+  LOOM_THROW("loom-prepare: input file ", name, " not found; looked in:", looked,
+             bare ? "\n(set LOOM_DATA_DIR to the directory that holds it)" : "");
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE(in, "loom-prepare: cannot open ", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string megabytes(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f MB", bytes / 1e6);
+  return buf;
+}
+
+std::vector<std::string_view> split_documents(std::string_view text, bool paragraphs) {
+  if (!paragraphs) return {text};
+  // Like llm.c: sections of text.split("\n\n"), each but the last keeping its "\n\n".
+  std::vector<std::string_view> docs;
+  size_t start = 0;
+  for (size_t pos; (pos = text.find("\n\n", start)) != std::string_view::npos; start = pos + 2)
+    docs.push_back(text.substr(start, pos + 2 - start));
+  docs.push_back(text.substr(start));
+  return docs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tokenizes text files with GPT-2 BPE into llm.c token shards (train and validation)."};
+  std::vector<std::string> inputs;
+  std::string output_dir, name, vocab_dir, width_name = "u16";
+  double val_fraction = 0.1;
+  int64_t val_tokens = -1;
+  int64_t shard_tokens = 100'000'000;
+  bool paragraph_documents = false;
+  app.add_option("-i,--input", inputs, "text file(s); a bare name is also looked for in $LOOM_DATA_DIR and "
+                                       "shared/data beside the repository")
+      ->required();
+  app.add_option("-o,--output-dir", output_dir, "where the shards go (default data/<name>)");
+  app.add_option("--name", name, "shard file prefix (default: the first input's stem)");
+  app.add_option("--val-fraction", val_fraction, "fraction of tokens, from the start, for validation")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--val-tokens", val_tokens, "exact number of validation tokens (overrides --val-fraction)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--shard-tokens", shard_tokens, "most tokens per train shard")->check(CLI::PositiveNumber);
+  app.add_option("--token-width", width_name, "u16 (GPT-2's llm.c format) or u32")
+      ->check(CLI::IsMember({"u16", "u32"}));
+  app.add_option("--vocab-dir", vocab_dir, "directory with encoder.json and vocab.bpe "
+                                           "(default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2)");
+  app.add_flag("--paragraph-documents", paragraph_documents,
+               "each \"\\n\\n\"-separated section is a document (llm.c's tinyshakespeare convention)");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    std::vector<std::string> paths;
+    for (const auto& in : inputs) paths.push_back(resolve_input(in));
+    if (name.empty()) name = fs::path(paths[0]).stem().string();
+    if (output_dir.empty()) output_dir = (fs::path("data") / name).string();
+    const auto width = width_name == "u32" ? loom::data::TokenWidth::kU32 : loom::data::TokenWidth::kU16;
+
+    loom::data::GPT2Tokenizer tokenizer(vocab_dir);
+    uint64_t total_bytes = 0;
+    for (const auto& p : paths) total_bytes += fs::file_size(p);
+    std::printf("loom-prepare: tokenizing %zu file(s), %s\n", paths.size(), megabytes(double(total_bytes)).c_str());
+
+    std::vector<int32_t> tokens;
+    uint64_t bytes_done = 0, last_report = 0;
+    const uint64_t report_every = std::max<uint64_t>(total_bytes / 10, 1);
+    int64_t documents = 0;
+    for (const auto& path : paths) {
+      const std::string text = read_file(path);
+      for (std::string_view doc : split_documents(text, paragraph_documents)) {
+        tokens.push_back(tokenizer.eot_token());
+        ++documents;
+        // Chunks encode to exactly the tokens of the whole document, and give progress on big files.
+        for (std::string_view chunk : loom::data::split_for_encoding(doc, 1 << 18)) {
+          auto ids = tokenizer.encode(chunk);
+          tokens.insert(tokens.end(), ids.begin(), ids.end());
+          bytes_done += chunk.size();
+          if (bytes_done - last_report >= report_every) {
+            last_report = bytes_done;
+            std::printf("loom-prepare: %s / %s, %zu tokens\n", megabytes(double(bytes_done)).c_str(),
+                        megabytes(double(total_bytes)).c_str(), tokens.size());
+            std::fflush(stdout);
+          }
+        }
+      }
+      std::printf("loom-prepare: done %s (%zu tokens so far)\n", path.c_str(), tokens.size());
+    }
+
+    const int64_t total = int64_t(tokens.size());
+    const int64_t val_count =
+        val_tokens >= 0 ? val_tokens : int64_t(std::llround(double(total) * val_fraction));
+    LOOM_REQUIRE(val_count < total, "loom-prepare: ", val_count, " validation tokens leave none of the ", total,
+                 " for training");
+    fs::create_directories(output_dir);
+    std::vector<std::pair<std::string, int64_t>> written;
+    auto shard_path = [&](const char* split, int64_t index) {
+      char suffix[32];
+      std::snprintf(suffix, sizeof(suffix), "_%s_%06lld.bin", split, static_cast<long long>(index));
+      return (fs::path(output_dir) / (name + suffix)).string();
+    };
+    std::span<const int32_t> all(tokens);
+    if (val_count > 0) {
+      const std::string path = shard_path("val", 0);
+      loom::data::write_token_file(path, all.first(size_t(val_count)), width);
+      written.emplace_back(path, val_count);
+    }
+    int64_t shard = 0;
+    for (int64_t start = val_count; start < total; start += shard_tokens, ++shard) {
+      const int64_t n = std::min(shard_tokens, total - start);
+      const std::string path = shard_path("train", shard);
+      loom::data::write_token_file(path, all.subspan(size_t(start), size_t(n)), width);
+      written.emplace_back(path, n);
+    }
+
+    std::printf("loom-prepare: %lld documents, %lld tokens: val %lld, train %lld\n", static_cast<long long>(documents),
+                static_cast<long long>(total), static_cast<long long>(val_count),
+                static_cast<long long>(total - val_count));
+    for (const auto& [path, n] : written)
+      std::printf("  wrote %s (%lld tokens)\n", path.c_str(), static_cast<long long>(n));
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom-prepare: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

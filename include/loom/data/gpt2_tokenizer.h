@@ -1,0 +1,67 @@
+// GPT-2's byte-level BPE tokenizer (encoder.json + vocab.bpe), matching OpenAI's encoder.py token for token on the
+// text it covers. The pre-tokenizer regex is implemented by hand over UTF-8; see gpt2_pretokenize for its limits.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace loom::data {
+
+// GPT-2's pre-tokenizer: splits text like the regex
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// The pieces concatenate back to the text. Limits of the hand-written Unicode classes: \p{L} and \p{N} cover ASCII,
+// Latin-1, Latin Extended (A, B, Additional), IPA, Greek, Cyrillic, Armenian, Hebrew, Arabic, Devanagari, Thai,
+// Georgian, Hangul, kana, CJK ideographs and fullwidth forms, plus common number forms (superscripts, fractions,
+// Roman numerals, circled digits, non-Latin decimal digits); letters of scripts outside these tables count as
+// "other" (punctuation-like), which changes where such text is split. \s is the Unicode White_Space set. Combining
+// marks are "other", as in Unicode. Bytes that are not valid UTF-8 are each taken as one "other" character.
+std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
+
+// Splits text into chunks of about target_bytes that encode, one by one, to exactly the tokens of the whole text
+// (each cut falls before a space that follows a printable ASCII character, where the pre-tokenizer always splits).
+// For progress reports and bounded memory while encoding big files.
+std::vector<std::string_view> split_for_encoding(std::string_view text, size_t target_bytes);
+
+class GPT2Tokenizer {
+ public:
+  static constexpr int32_t kEndOfText = 50256;  // "<|endoftext|>"
+
+  // Loads encoder.json and vocab.bpe from the directory find_vocab_dir(vocab_dir) names.
+  explicit GPT2Tokenizer(const std::string& vocab_dir = "");
+  GPT2Tokenizer(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
+  ~GPT2Tokenizer();
+
+  // The directory holding encoder.json and vocab.bpe: `explicit_dir` when given, else $LOOM_CACHE_DIR/gpt2, else
+  // ~/.cache/loom/gpt2. Throws loom::Error listing where it looked and telling to run scripts/fetch_gpt2_vocab.sh.
+  static std::string find_vocab_dir(const std::string& explicit_dir = "");
+
+  // Plain text to tokens; "<|endoftext|>" in the text is encoded as text, as GPT-2's encoder does. Thread-safe.
+  std::vector<int32_t> encode(std::string_view text) const;
+  // Tokens back to bytes (a slice of tokens may end inside a UTF-8 character). Throws on an id outside the vocab.
+  std::string decode(std::span<const int32_t> tokens) const;
+  std::string decode_token(int32_t token) const;
+
+  int32_t eot_token() const { return eot_token_; }
+  int64_t vocab_size() const { return int64_t(token_bytes_.size()); }
+
+ private:
+  void load(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
+  std::vector<int32_t> bpe(std::string_view piece) const;
+
+  std::unordered_map<std::string, int32_t> encoder_;   // byte-mapped unicode string -> id
+  std::vector<std::string> token_bytes_;               // id -> raw bytes
+  std::unordered_map<std::string, int32_t> merge_rank_;  // "first second" -> rank
+  std::string byte_symbol_[256];                       // byte -> its printable stand-in, in UTF-8
+  int32_t eot_token_ = kEndOfText;
+
+  mutable std::mutex cache_mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;  // piece bytes -> tokens
+};
+
+}  // namespace loom::data

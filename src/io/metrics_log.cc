@@ -1,0 +1,300 @@
+// JSONL and TensorBoard metric writers; the protobuf wire format is small enough to write by hand.
+#include "loom/io/metrics_log.h"
+
+#include <unistd.h>
+
+#include <array>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "loom/common/error.h"
+
+namespace loom::io {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "tfrecord framing is little-endian");
+
+std::array<uint32_t, 256> make_crc32c_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;  // reflected Castagnoli polynomial
+    table[i] = c;
+  }
+  return table;
+}
+
+// Protobuf wire types.
+constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+
+void put_varint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out += char(uint8_t(v) | 0x80);
+    v >>= 7;
+  }
+  out += char(v);
+}
+void put_tag(std::string& out, int field, int wire_type) { put_varint(out, uint64_t(field << 3 | wire_type)); }
+void put_bytes_field(std::string& out, int field, const std::string& bytes) {
+  put_tag(out, field, kLengthDelimited);
+  put_varint(out, bytes.size());
+  out += bytes;
+}
+template <typename T>
+void put_fixed(std::string& out, T value) {
+  char buf[sizeof(T)];
+  std::memcpy(buf, &value, sizeof(T));
+  out.append(buf, sizeof(T));
+}
+
+// A cursor over one proto message; throws through `fail` with context on malformed input.
+struct ProtoReader {
+  const std::string& data;
+  size_t pos;
+  size_t end;
+  std::string context;
+
+  [[noreturn]] void fail(const std::string& what) const { LOOM_THROW(context, ": malformed Event proto: ", what); }
+  bool done() const { return pos >= end; }
+  uint64_t varint() {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (pos >= end) fail("truncated varint");
+      const auto b = uint8_t(data[pos++]);
+      v |= uint64_t(b & 0x7F) << shift;
+      if (!(b & 0x80)) return v;
+    }
+    fail("varint longer than 10 bytes");
+  }
+  template <typename T>
+  T fixed() {
+    if (end - pos < sizeof(T)) fail("truncated fixed-width field");
+    T v;
+    std::memcpy(&v, data.data() + pos, sizeof(T));
+    pos += sizeof(T);
+    return v;
+  }
+  ProtoReader sub() {  // a length-delimited field as its own reader
+    const uint64_t len = varint();
+    if (len > end - pos) fail("length-delimited field runs past its message");
+    ProtoReader r{data, pos, pos + size_t(len), context};
+    pos += size_t(len);
+    return r;
+  }
+  void skip(int wire_type) {
+    switch (wire_type) {
+      case kVarint: varint(); break;
+      case kFixed64: fixed<uint64_t>(); break;
+      case kLengthDelimited: sub(); break;
+      case kFixed32: fixed<uint32_t>(); break;
+      default: fail("unknown wire type " + std::to_string(wire_type));
+    }
+  }
+};
+
+TensorBoardEvent decode_event(const std::string& payload, const std::string& context) {
+  TensorBoardEvent event;
+  ProtoReader r{payload, 0, payload.size(), context};
+  while (!r.done()) {
+    const uint64_t key = r.varint();
+    const int field = int(key >> 3), wire = int(key & 7);
+    if (field == 1 && wire == kFixed64) {
+      event.wall_time = r.fixed<double>();
+    } else if (field == 2 && wire == kVarint) {
+      event.step = int64_t(r.varint());
+    } else if (field == 3 && wire == kLengthDelimited) {
+      ProtoReader s = r.sub();
+      event.file_version.assign(payload, s.pos, s.end - s.pos);
+    } else if (field == 5 && wire == kLengthDelimited) {
+      ProtoReader summary = r.sub();
+      while (!summary.done()) {
+        const uint64_t skey = summary.varint();
+        if ((skey >> 3) != 1 || (skey & 7) != kLengthDelimited) {
+          summary.skip(int(skey & 7));
+          continue;
+        }
+        ProtoReader value = summary.sub();
+        std::string tag;
+        float simple_value = 0;
+        while (!value.done()) {
+          const uint64_t vkey = value.varint();
+          if ((vkey >> 3) == 1 && (vkey & 7) == kLengthDelimited) {
+            ProtoReader t = value.sub();
+            tag.assign(payload, t.pos, t.end - t.pos);
+          } else if ((vkey >> 3) == 2 && (vkey & 7) == kFixed32) {
+            simple_value = value.fixed<float>();
+          } else {
+            value.skip(int(vkey & 7));
+          }
+        }
+        event.scalars.emplace_back(std::move(tag), simple_value);
+      }
+    } else {
+      r.skip(wire);
+    }
+  }
+  return event;
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0 || !buf[0]) return "localhost";
+  return buf;
+}
+
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = make_crc32c_table();
+  const auto* p = static_cast<const uint8_t*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint32_t masked_crc32c(const void* data, size_t size) {
+  const uint32_t crc = crc32c(data, size);
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+double wall_time_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// ---- JSONL ----
+
+JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path, bool append) : path_(path) {
+  std::error_code ec;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  LOOM_REQUIRE(file_ != nullptr, "JsonlMetricsWriter: cannot open ", path, ": ", std::strerror(errno));
+}
+
+JsonlMetricsWriter::~JsonlMetricsWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void JsonlMetricsWriter::write(int64_t step, const std::map<std::string, double>& values) {
+  nlohmann::ordered_json line;
+  line["step"] = step;
+  line["time"] = wall_time_now();
+  for (const auto& [name, value] : values) {
+    if (std::isfinite(value))
+      line[name] = value;
+    else
+      line[name] = nullptr;
+  }
+  const std::string text = line.dump() + "\n";
+  LOOM_REQUIRE(std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0,
+               "JsonlMetricsWriter: write to ", path_, " failed: ", std::strerror(errno));
+}
+
+// ---- TensorBoard ----
+
+std::string encode_tensorboard_event(const TensorBoardEvent& event) {
+  std::string out;
+  put_tag(out, 1, kFixed64);
+  put_fixed(out, event.wall_time);
+  put_tag(out, 2, kVarint);
+  put_varint(out, uint64_t(event.step));
+  if (!event.file_version.empty()) put_bytes_field(out, 3, event.file_version);
+  if (!event.scalars.empty()) {
+    std::string summary;
+    for (const auto& [tag, value] : event.scalars) {
+      std::string v;
+      put_bytes_field(v, 1, tag);
+      put_tag(v, 2, kFixed32);
+      put_fixed(v, value);
+      put_bytes_field(summary, 1, v);
+    }
+    put_bytes_field(out, 5, summary);
+  }
+  return out;
+}
+
+std::string frame_tfrecord(const std::string& payload) {
+  std::string out;
+  const uint64_t len = payload.size();
+  put_fixed(out, len);
+  put_fixed(out, masked_crc32c(&len, sizeof(len)));
+  out += payload;
+  put_fixed(out, masked_crc32c(payload.data(), payload.size()));
+  return out;
+}
+
+TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
+  std::error_code ec;
+  std::filesystem::create_directories(logdir, ec);
+  LOOM_REQUIRE(!ec, "TensorBoardWriter: cannot create ", logdir, ": ", ec.message());
+  const auto seconds = int64_t(wall_time_now());
+  path_ = (std::filesystem::path(logdir) /
+           ("events.out.tfevents." + std::to_string(seconds) + "." + host_name() + "." + std::to_string(::getpid())))
+              .string();
+  file_ = std::fopen(path_.c_str(), "wb");
+  LOOM_REQUIRE(file_ != nullptr, "TensorBoardWriter: cannot open ", path_, ": ", std::strerror(errno));
+  TensorBoardEvent first;
+  first.wall_time = wall_time_now();
+  first.file_version = "brain.Event:2";
+  write_record(encode_tensorboard_event(first));
+  flush();
+}
+
+TensorBoardWriter::~TensorBoardWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void TensorBoardWriter::write_record(const std::string& payload) {
+  const std::string record = frame_tfrecord(payload);
+  LOOM_REQUIRE(std::fwrite(record.data(), 1, record.size(), file_) == record.size(), "TensorBoardWriter: write to ",
+               path_, " failed: ", std::strerror(errno));
+}
+
+void TensorBoardWriter::add_scalar(const std::string& tag, float value, int64_t step, double wall_time) {
+  TensorBoardEvent event;
+  event.wall_time = wall_time;
+  event.step = step;
+  event.scalars.emplace_back(tag, value);
+  write_record(encode_tensorboard_event(event));
+}
+
+void TensorBoardWriter::flush() {
+  LOOM_REQUIRE(std::fflush(file_) == 0, "TensorBoardWriter: flush of ", path_, " failed: ", std::strerror(errno));
+}
+
+std::vector<TensorBoardEvent> read_tensorboard_events(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE(in, "read_tensorboard_events: cannot open ", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  const std::string data = ss.str();
+  std::vector<TensorBoardEvent> events;
+  size_t pos = 0;
+  for (int64_t record = 0; pos < data.size(); ++record) {
+    const std::string where = "read_tensorboard_events: " + path + ": record " + std::to_string(record);
+    LOOM_REQUIRE(data.size() - pos >= 12, where, ": truncated length header");
+    uint64_t len;
+    uint32_t len_crc;
+    std::memcpy(&len, data.data() + pos, 8);
+    std::memcpy(&len_crc, data.data() + pos + 8, 4);
+    LOOM_REQUIRE(len_crc == masked_crc32c(&len, 8), where, ": length CRC mismatch (corrupt file)");
+    pos += 12;
+    LOOM_REQUIRE(data.size() - pos >= 4 && len <= data.size() - pos - 4, where, ": truncated (", len,
+                 "-byte payload runs past the end)");
+    std::string payload = data.substr(pos, size_t(len));
+    uint32_t data_crc;
+    std::memcpy(&data_crc, data.data() + pos + len, 4);
+    LOOM_REQUIRE(data_crc == masked_crc32c(payload.data(), payload.size()), where, ": data CRC mismatch (corrupt file)");
+    pos += size_t(len) + 4;
+    events.push_back(decode_event(payload, where));
+  }
+  return events;
+}
+
+}  // namespace loom::io
