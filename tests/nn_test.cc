@@ -43,7 +43,8 @@ double grad_atol(DType dt) { return dt == kF64 ? 1e-7 : 4 * test::atol_for(dt); 
 ::testing::AssertionResult expect_match(const std::string& what, const Tensor& actual, const Values& expected,
                                         DType dt, bool backward = false) {
   auto r = test::all_close(actual, from_vector(expected, actual.shape()),
-                           backward ? grad_rtol(dt) : test::rtol_for(dt), backward ? grad_atol(dt) : test::atol_for(dt));
+                           backward ? grad_rtol(dt) : test::rtol_for(dt),
+                           backward ? grad_atol(dt) : test::atol_for(dt));
   if (!r) r << " [" << what << ", " << dtype_name(dt) << shape_str(actual.shape()) << "]";
   return r;
 }
@@ -355,7 +356,8 @@ TEST(NnEmbedding, BackwardAccumulatesRepeatedIndicesAndZeroesUnusedRows) {
       Values expected(size_t(vocab * cols), 0.0);
       auto iv = test::values(idx), gv = test::values(g);
       for (size_t n = 0; n < iv.size(); ++n)
-        for (int64_t c = 0; c < cols; ++c) expected[size_t(int64_t(iv[n]) * cols + c)] += gv[n * size_t(cols) + size_t(c)];
+        for (int64_t c = 0; c < cols; ++c)
+          expected[size_t(int64_t(iv[n]) * cols + c)] += gv[n * size_t(cols) + size_t(c)];
       Tensor gw = ops::embedding_backward(test::make_strided(g), idx, vocab);
       EXPECT_TRUE(expect_match("embedding_backward", gw, expected, dt));
       // The kernel writes every row, used or not.

@@ -10,8 +10,8 @@
 namespace loom {
 
 // dims: the reduced dims, non-negative, sorted and unique (the op layer normalizes them; empty means none here).
-// keepdim only shapes `out`, which the caller allocates contiguous; kernels write out's numel() elements in row-major order
-// of the kept dims either way.
+// keepdim only shapes `out`, which the caller allocates contiguous; kernels write out's numel() elements in
+// row-major order of the kept dims either way.
 struct ReduceAttrs {
   std::vector<int64_t> dims;
   bool keepdim = false;
