@@ -1,0 +1,31 @@
+// Checks on CUDA runtime and cuBLAS return codes: a failure throws loom::Error naming the call and the error.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "loom/common/error.h"
+
+namespace loom::cuda {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line);
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line);
+
+}  // namespace loom::cuda
+
+#define LOOM_CUDA_CHECK(EXPR)                                                                   \
+  do {                                                                                          \
+    cudaError_t loom_cuda_err_ = (EXPR);                                                        \
+    if (loom_cuda_err_ != cudaSuccess)                                                          \
+      ::loom::cuda::throw_cuda_error(loom_cuda_err_, #EXPR, __FILE__, __LINE__);                \
+  } while (0)
+
+#define LOOM_CUBLAS_CHECK(EXPR)                                                                 \
+  do {                                                                                          \
+    cublasStatus_t loom_cublas_status_ = (EXPR);                                                \
+    if (loom_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                           \
+      ::loom::cuda::throw_cublas_error(loom_cublas_status_, #EXPR, __FILE__, __LINE__);         \
+  } while (0)
+
+// After a kernel launch: reports a bad launch configuration at the call site rather than at the next sync.
+#define LOOM_CUDA_CHECK_LAUNCH() LOOM_CUDA_CHECK(cudaGetLastError())

@@ -1,0 +1,109 @@
+// CudaDeviceContext: lazily created streams, library handles and workspaces; the device guard.
+#include "backends/cuda/cuda_context.h"
+
+#include "backends/cuda/cuda_check.h"
+
+namespace loom {
+
+namespace cuda {
+
+DeviceGuard::DeviceGuard(int index) {
+  int current = -1;
+  LOOM_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != index) {
+    LOOM_CUDA_CHECK(cudaSetDevice(index));
+    previous_ = current;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
+  cudaGetLastError();  // clear a non-sticky error so that the next check does not report it again
+  LOOM_THROW("CUDA error: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ") from ", call, " at ", file, ":",
+             line);
+}
+
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line) {
+  LOOM_THROW("cuBLAS error: ", cublasGetStatusString(status), " (", int(status), ") from ", call, " at ", file, ":",
+             line);
+}
+
+}  // namespace cuda
+
+CudaDeviceContext::CudaDeviceContext(int index) : DeviceContext(Device(DeviceType::kCUDA, index)) {}
+
+// The runtime keeps its contexts for the life of the process; this runs only for contexts made elsewhere (none yet).
+CudaDeviceContext::~CudaDeviceContext() {
+  cuda::DeviceGuard guard(device().index);
+  for (auto& entry : workspaces_) cudaFree(entry.second);
+  if (cublas_) cublasDestroy(cublas_);
+  if (cublaslt_) cublasLtDestroy(cublaslt_);
+  if (default_stream_) cudaStreamDestroy(default_stream_);
+}
+
+cudaStream_t CudaDeviceContext::default_stream() const {
+  std::call_once(default_stream_once_, [this] {
+    cuda::DeviceGuard guard(device().index);
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&default_stream_, cudaStreamNonBlocking));
+  });
+  return default_stream_;
+}
+
+cudaStream_t CudaDeviceContext::cuda_stream() const {
+  cudaStream_t s = current_stream_.load(std::memory_order_acquire);
+  return s ? s : default_stream();
+}
+
+void CudaDeviceContext::set_current_stream(cudaStream_t stream) {
+  current_stream_.store(stream, std::memory_order_release);
+}
+
+cublasLtHandle_t CudaDeviceContext::cublaslt() const {
+  std::call_once(cublaslt_once_, [this] {
+    cuda::DeviceGuard guard(device().index);
+    LOOM_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
+  });
+  return cublaslt_;
+}
+
+cublasHandle_t CudaDeviceContext::cublas() const {
+  std::call_once(cublas_once_, [this] {
+    cuda::DeviceGuard guard(device().index);
+    LOOM_CUBLAS_CHECK(cublasCreate(&cublas_));
+  });
+  return cublas_;
+}
+
+void* CudaDeviceContext::workspace(cudaStream_t stream) const {
+  std::lock_guard<std::mutex> lock(workspace_mu_);
+  void*& ws = workspaces_[stream];
+  if (!ws) {
+    cuda::DeviceGuard guard(device().index);
+    cudaError_t err = cudaMalloc(&ws, kWorkspaceBytes);
+    if (err != cudaSuccess) {
+      ws = nullptr;
+      workspaces_.erase(stream);
+      LOOM_CUDA_CHECK(err);
+    }
+  }
+  return ws;
+}
+
+void CudaDeviceContext::release_workspace(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(workspace_mu_);
+  auto it = workspaces_.find(stream);
+  if (it == workspaces_.end()) return;
+  cuda::DeviceGuard guard(device().index);
+  LOOM_CUDA_CHECK(cudaFree(it->second));
+  workspaces_.erase(it);
+}
+
+const CudaDeviceContext& cuda_context(const DeviceContext& ctx) {
+  LOOM_CHECK(ctx.device().type == DeviceType::kCUDA, "a CUDA kernel got the context of ", ctx.device().str());
+  return static_cast<const CudaDeviceContext&>(ctx);
+}
+
+}  // namespace loom
