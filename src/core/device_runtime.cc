@@ -32,8 +32,13 @@ bool has_device_runtime(DeviceType type) { return table().runtimes[int(type)] !=
 DeviceRuntime& device_runtime(DeviceType type) {
   auto& rt = table().runtimes[int(type)];
   if (!rt) {
-    if (type == DeviceType::kCUDA)
+    if (type == DeviceType::kCUDA) {
+#ifdef LOOM_WITH_CUDA
+      LOOM_THROW("device cuda is not available: no CUDA device is visible to this process");
+#else
       LOOM_THROW("device cuda is not available: this build of Loom has no CUDA backend (configure with LOOM_CUDA=ON)");
+#endif
+    }
     LOOM_THROW("device type '", device_type_display_name(type), "' has no runtime registered");
   }
   return *rt;

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/generator.h"
@@ -67,8 +68,9 @@ double known_peak_flops(Device d) {
 
 Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
   device_ = Device::parse(opts_.device);
-  LOOM_REQUIRE(opts_.dtype == "f32", "loom-train: --dtype ", opts_.dtype,
-               " is not supported yet on this build (f32 only; bf16 mixed precision comes with the CUDA backend)");
+  autocast_dtype_ = dtype_from_name(opts_.dtype);
+  LOOM_REQUIRE(autocast_dtype_ == kF32 || autocast_dtype_ == kBF16 || autocast_dtype_ == kF16, "loom-train: --dtype ",
+               opts_.dtype, " is not a training precision (f32, bf16 or f16)");
   LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
   LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
   LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
@@ -141,8 +143,11 @@ StepStats Trainer::train_step() {
   for (int64_t micro = 0; micro < grad_accum_; ++micro) {
     data::Batch batch = train_loader_->next();
     Tensor x = batch.x.to(device_), y = batch.y.to(device_);
-    Tensor logits = model_->forward(x);
-    Tensor loss = model_->loss(logits, y);
+    Tensor loss;
+    {
+      amp::AutocastGuard autocast(autocast_dtype_);  // f32 master weights; matrix math in bf16 when asked
+      loss = model_->loss(model_->forward(x), y);
+    }
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
     scaled.backward();
     loss_sum += loss.item<double>();
@@ -172,6 +177,7 @@ double Trainer::evaluate(int64_t batches) {
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
+    amp::AutocastGuard autocast(autocast_dtype_);
     total += model_->loss(model_->forward(b.x.to(device_)), b.y.to(device_)).item<double>();
   }
   loader->set_position(saved);
@@ -196,6 +202,7 @@ std::string Trainer::sample(int64_t tokens) {
   g.temperature = 1.0;
   g.top_k = 40;
   g.seed = opts_.seed + uint64_t(step_);
+  amp::AutocastGuard autocast(autocast_dtype_);
   std::vector<int32_t> out = nn::generate(*model_, prompt, g);
   std::vector<int32_t> printable;
   for (int32_t t : out)

@@ -38,7 +38,7 @@ struct TrainOptions {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double clip = 1.0;                 // max global grad norm; <= 0 disables clipping
   std::string device = "cpu";
-  std::string dtype = "f32";
+  std::string dtype = "f32";         // f32, or bf16/f16 mixed precision (f32 master weights, see loom/amp.h)
   int64_t eval_interval = 50;        // 0 = never (and at the end)
   int64_t eval_batches = 8;
   int64_t sample_interval = 0;       // 0 = only at the end
@@ -94,6 +94,7 @@ class Trainer {
 
   TrainOptions opts_;
   Device device_;
+  DType autocast_dtype_ = kF32;
   std::shared_ptr<nn::LanguageModel> model_;
   std::unique_ptr<optim::AdamW> optimizer_;
   std::unique_ptr<data::DataLoader> train_loader_;

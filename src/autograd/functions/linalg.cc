@@ -1,5 +1,6 @@
 // Differentiable matrix products: matmul (with batch broadcasting), linear, and linear with a fused GELU epilogue.
 #include "autograd/functions/grad_util.h"
+#include "loom/amp.h"
 #include "loom/functional.h"
 
 namespace loom {
@@ -88,6 +89,7 @@ std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Te
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) {
+  if (amp::should_cast("matmul", {&a, &b})) return loom::matmul(amp::cast(a), amp::cast(b), opts);
   Tensor out = ops::matmul(a, b, opts);
   if (auto node = autograd::make_node<MatmulBackward>({&a, &b})) {
     if (node->needs_input_grad(0)) node->b = b.detach();
@@ -103,12 +105,16 @@ Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) 
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
+  if (amp::should_cast("linear", {&x, &weight, &bias}))
+    return loom::linear(amp::cast(x), amp::cast(weight), amp::cast(bias), opts);
   Tensor out = ops::linear(x, weight, bias, opts);
   record_linear<LinearBackward>(x, weight, bias, opts, out);
   return out;
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
+  if (amp::should_cast("linear_gelu", {&x, &weight, &bias}))
+    return loom::linear_gelu(amp::cast(x), amp::cast(weight), amp::cast(bias), opts);
   // The pre-activation is kept only when a gradient will need it.
   bool record = autograd::should_record({&x, &weight, &bias});
   Tensor pre_activation;

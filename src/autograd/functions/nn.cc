@@ -2,6 +2,7 @@
 // rotary embedding. Statistics the forward computes anyway (mean, rstd, log-sum-exp) are saved in the node; only the
 // main output is differentiable.
 #include "autograd/functions/grad_util.h"
+#include "loom/amp.h"
 #include "loom/functional.h"
 
 namespace loom {
@@ -179,6 +180,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale) {
+  if (amp::should_cast("scaled_dot_product_attention", {&q, &k, &v}))
+    return loom::scaled_dot_product_attention(amp::cast(q), amp::cast(k), amp::cast(v), causal, scale);
   ops::AttentionResult r = ops::scaled_dot_product_attention(q, k, v, causal, scale);
   if (auto node = autograd::make_node<AttentionBackward>({&q, &k, &v})) {
     node->q = q.detach();
