@@ -18,6 +18,7 @@
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/loader.h"
 #include "loom/io/atomic_file.h"
+#include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
@@ -86,11 +87,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
   model_ = nn::make_model(cfg);
   model_->init_weights(opts_.seed);
-  if (!opts_.init_from.empty()) model_->load_hf_state_dict(
-      [&] {
-        auto m = io::load_safetensors(opts_.init_from);
-        return std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end());
-      }());
+  if (!opts_.init_from.empty()) {
+    if (io::is_llmc_model_file(opts_.init_from)) {  // llm.c GPT-2 model file (by its magic)
+      io::load_llmc_model(opts_.init_from, *model_);
+    } else {
+      auto m = io::load_safetensors(opts_.init_from);
+      model_->load_hf_state_dict(std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end()));
+    }
+  }
   model_->to(device_);
   if (cfg.dropout > 0) model_->train(true);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());
