@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the GPU machine: configures and builds Loom with CUDA into build-dev/, using the dependencies carried in
+# .devdeps/ (tools/device/make_devdeps.sh). Source it (". tools/device/build.sh") to keep LD_LIBRARY_PATH.
+D=$PWD/.devdeps
+export PKG_CONFIG_PATH=$D/usr/lib/openblas/pkgconfig
+export LD_LIBRARY_PATH=$D/usr/lib/openblas:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON \
+  -DGTest_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/GTest -Dnlohmann_json_DIR=$D/usr/share/cmake/nlohmann_json \
+  -DCMAKE_CUDA_ARCHITECTURES=90 > build-dev.log 2>&1 || { tail -30 build-dev.log; return 1 2>/dev/null || exit 1; }
+cmake --build build-dev -j 16 >> build-dev.log 2>&1 || { grep -E "error|Error" build-dev.log | head -30; return 1 2>/dev/null || exit 1; }
+echo "build-dev: built"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Gathers, into .devdeps/ (git-ignored), the build dependencies the GPU machine lacks (OpenBLAS with its Fortran
+# runtime, GoogleTest, nlohmann-json), copied from this machine's Debian packages, so a device call can carry them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+D=.devdeps/usr
+mkdir -p $D/lib/openblas/pkgconfig $D/lib/openblas/include $D/include $D/share/cmake $D/lib/x86_64-linux-gnu/cmake
+grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >> .git/info/exclude
+blas=$(readlink -f /usr/lib/x86_64-linux-gnu/libopenblas.so.0)
+cp "$blas" $D/lib/openblas/libopenblas.so.0
+ln -sf libopenblas.so.0 $D/lib/openblas/libopenblas.so
+cp "$(readlink -f /usr/lib/x86_64-linux-gnu/libgfortran.so.5)" $D/lib/openblas/libgfortran.so.5
+cp /usr/include/x86_64-linux-gnu/openblas-pthread/*.h $D/lib/openblas/include/ 2>/dev/null || cp /usr/include/x86_64-linux-gnu/*/cblas.h $D/lib/openblas/include/
+cat > $D/lib/openblas/pkgconfig/openblas.pc <<'PC'
+prefix=${pcfiledir}/..
+libdir=${prefix}
+includedir=${prefix}/include
+Name: openblas
+Description: OpenBLAS (carried from the build machine)
+Version: 0.3.21
+Libs: -L${libdir} -lopenblas
+Cflags: -I${includedir}
+PC
+cp -r /usr/include/gtest /usr/include/gmock /usr/include/nlohmann $D/include/
+cp /usr/lib/x86_64-linux-gnu/libg{test,mock}*.a $D/lib/x86_64-linux-gnu/
+cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest $D/lib/x86_64-linux-gnu/cmake/
+cp -r /usr/share/cmake/nlohmann_json $D/share/cmake/
+du -sh .devdeps
