@@ -1,0 +1,176 @@
+// CUDA optimizer kernels: fused AdamW and SGD updates (math in the parameter's accumulate type, f32 for 16-bit
+// parameters, the step's scalars derived in double on the host as on the CPU), and a deterministic f64 sum of squares.
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/cuda_loops.cuh"
+#include "kernels/optimizer_kernel.h"
+
+namespace loom {
+namespace {
+
+using cuda::kLoopThreads;
+using cuda::loop_blocks;
+
+// A stored element (16-bit floats through float) in the math type.
+template <typename M, typename T>
+__device__ __forceinline__ M to_math(T v) {
+  if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) return M(float(v));
+  else return M(v);
+}
+
+__device__ __forceinline__ float sqrt_of(float x) { return sqrtf(x); }
+__device__ __forceinline__ double sqrt_of(double x) { return sqrt(x); }
+
+template <typename M>
+struct AdamWScalars {
+  M decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_bias_correction2_sqrt, eps;
+};
+
+template <typename P, typename G>
+__global__ void adamw_kernel(AdamWScalars<acc_t<P>> s, P* __restrict__ param, const G* __restrict__ grad,
+                             acc_t<P>* __restrict__ exp_avg, acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
+  using M = acc_t<P>;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    M g = to_math<M>(grad[i]);
+    M m = s.beta1 * exp_avg[i] + s.one_minus_beta1 * g;
+    M v = s.beta2 * exp_avg_sq[i] + s.one_minus_beta2 * g * g;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    M denom = sqrt_of(v) * s.inv_bias_correction2_sqrt + s.eps;
+    M p = to_math<M>(param[i]) * s.decay;
+    param[i] = P(p - s.step_size * m / denom);
+  }
+}
+
+void adamw_update_cuda(const DeviceContext& ctx, const AdamWAttrs& a, Tensor& param, const Tensor& grad,
+                       Tensor& exp_avg, Tensor& exp_avg_sq) {
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  const CudaDeviceContext& cuda_ctx = cuda_context(ctx);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_ctx.cuda_stream();
+  LOOM_DISPATCH_FLOATING(param.dtype(), "adamw_update", [&] {
+    using P = scalar_t;
+    using M = acc_t<P>;
+    const AdamWScalars<M> s{M(1.0 - a.lr * a.weight_decay),
+                            M(a.beta1),
+                            M(a.beta2),
+                            M(1.0 - a.beta1),
+                            M(1.0 - a.beta2),
+                            M(a.lr / (1.0 - std::pow(a.beta1, double(a.step)))),
+                            M(1.0 / std::sqrt(1.0 - std::pow(a.beta2, double(a.step)))),
+                            M(a.eps)};
+    LOOM_DISPATCH_FLOATING(grad.dtype(), "adamw_update", [&] {
+      adamw_kernel<P, scalar_t><<<loop_blocks(n), kLoopThreads, 0, stream>>>(
+          s, param.data_ptr<P>(), grad.data_ptr<scalar_t>(), exp_avg.data_ptr<M>(), exp_avg_sq.data_ptr<M>(), n);
+      LOOM_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+template <typename P, typename G>
+__global__ void sgd_kernel(acc_t<P> lr, acc_t<P> momentum, acc_t<P> weight_decay, bool use_weight_decay,
+                           bool use_momentum, bool first_step, P* __restrict__ param, const G* __restrict__ grad,
+                           acc_t<P>* __restrict__ momentum_buffer, int64_t n) {
+  using M = acc_t<P>;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    M p = to_math<M>(param[i]);
+    M d = to_math<M>(grad[i]);
+    if (use_weight_decay) d += weight_decay * p;
+    if (use_momentum) {
+      d = first_step ? d : momentum * momentum_buffer[i] + d;
+      momentum_buffer[i] = d;
+    }
+    param[i] = P(p - lr * d);
+  }
+}
+
+void sgd_update_cuda(const DeviceContext& ctx, const SgdAttrs& a, Tensor& param, const Tensor& grad,
+                     Tensor& momentum_buffer) {
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  const CudaDeviceContext& cuda_ctx = cuda_context(ctx);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_ctx.cuda_stream();
+  LOOM_DISPATCH_FLOATING(param.dtype(), "sgd_update", [&] {
+    using P = scalar_t;
+    using M = acc_t<P>;
+    M* buffer = a.momentum != 0.0 ? momentum_buffer.data_ptr<M>() : nullptr;
+    LOOM_DISPATCH_FLOATING(grad.dtype(), "sgd_update", [&] {
+      sgd_kernel<P, scalar_t><<<loop_blocks(n), kLoopThreads, 0, stream>>>(
+          M(a.lr), M(a.momentum), M(a.weight_decay), a.weight_decay != 0.0, a.momentum != 0.0, a.first_step,
+          param.data_ptr<P>(), grad.data_ptr<scalar_t>(), buffer, n);
+      LOOM_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+// The sum of squares in two passes with a partition that depends only on the element count: block b sums elements
+// [b * kSumChunk, (b + 1) * kSumChunk) with a fixed per-thread stride and a fixed tree, then one block sums the
+// partials the same way. No atomics, so every run gives the same bits.
+constexpr int kSumThreads = 256;
+constexpr int64_t kSumChunk = 8192;
+
+// Sums this thread's value with the block's in a fixed tree; thread 0 gets the total.
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double shared[kSumThreads];
+  shared[threadIdx.x] = v;
+  __syncthreads();
+#pragma unroll
+  for (int stride = kSumThreads / 2; stride > 0; stride >>= 1) {
+    if (int(threadIdx.x) < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSumThreads)
+    sum_squares_chunks_kernel(const T* __restrict__ x, int64_t n, double* __restrict__ partial) {
+  const int64_t begin = int64_t(blockIdx.x) * kSumChunk, end = min(n, begin + kSumChunk);
+  double s = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kSumThreads) {
+    double v = to_math<double>(x[i]);
+    s += v * v;
+  }
+  double total = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(const double* __restrict__ partial, int64_t count, double* __restrict__ out) {
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < count; i += kSumThreads) s += partial[i];
+  double total = block_sum(s);
+  if (threadIdx.x == 0) *out = total;
+}
+
+void grad_norm_squared_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& out) {
+  const int64_t n = x.numel();
+  const CudaDeviceContext& cuda_ctx = cuda_context(ctx);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_ctx.cuda_stream();
+  const int64_t chunks = std::max<int64_t>(1, (n + kSumChunk - 1) / kSumChunk);
+  LOOM_REQUIRE(chunks <= INT32_MAX, "grad_norm_squared (cuda): ", describe(x), " is too large");
+  // Freed at scope exit: the allocator reuses it only on this stream, after the second kernel in stream order.
+  Tensor partial = empty({chunks}, kF64, ctx.device());
+  LOOM_DISPATCH_FLOATING(x.dtype(), "grad_norm_squared", [&] {
+    sum_squares_chunks_kernel<scalar_t><<<unsigned(chunks), kSumThreads, 0, stream>>>(
+        x.data_ptr<scalar_t>(), n, partial.data_ptr<double>());
+    LOOM_CUDA_CHECK_LAUNCH();
+  });
+  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partial.data_ptr<double>(), chunks,
+                                                     static_cast<double*>(out.data()));
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+LOOM_REGISTER_KERNEL(adamw_update, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), adamw_update_cuda);
+LOOM_REGISTER_KERNEL(sgd_update, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), sgd_update_cuda);
+LOOM_REGISTER_KERNEL(grad_norm_squared, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), grad_norm_squared_cuda);
+
+}  // namespace loom
