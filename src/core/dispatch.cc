@@ -49,6 +49,32 @@ void ensure_policy_locked(Registry& r) {
   if (r.policy_set) return;
   r.policy_set = true;
   if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) r.policy = ProviderPolicy::parse(env);
+  dispatch::detail::shadow_active.store(!r.policy.shadows.empty());
+}
+
+struct FirstDispatchHooks {
+  std::mutex mu;
+  std::vector<void (*)()> hooks;
+  bool started = false;
+};
+FirstDispatchHooks& first_dispatch_hooks() {
+  static FirstDispatchHooks* h = new FirstDispatchHooks;
+  return *h;
+}
+std::atomic<bool> first_dispatch_done{false};
+
+void run_first_dispatch_hooks() {
+  if (first_dispatch_done.load(std::memory_order_acquire)) return;
+  std::vector<void (*)()> hooks;
+  {
+    FirstDispatchHooks& h = first_dispatch_hooks();
+    std::lock_guard<std::mutex> g(h.mu);
+    if (h.started) return;
+    h.started = true;
+    hooks = h.hooks;
+  }
+  first_dispatch_done.store(true, std::memory_order_release);
+  for (auto hook : hooks) hook();
 }
 
 int index_in(const std::vector<std::string>& v, const std::string& s) {
@@ -127,6 +153,24 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
     item.erase(0, item.find_first_not_of(" \t"));
     item.erase(item.find_last_not_of(" \t") + 1);
     if (item.empty()) continue;
+    if (item.rfind("shadow=", 0) == 0) {
+      std::string rest = item.substr(7);
+      auto colon = rest.find(':');
+      std::string provider = rest.substr(0, colon);
+      LOOM_REQUIRE(!provider.empty(), "provider policy '", spec, "': '", item, "' names no shadow provider");
+      if (colon == std::string::npos) {
+        p.shadows["*"] = provider;
+        continue;
+      }
+      std::stringstream ops(rest.substr(colon + 1));
+      std::string op;
+      while (std::getline(ops, op, ',')) {
+        if (op.empty()) continue;
+        find_op(op);
+        p.shadows[op] = provider;
+      }
+      continue;
+    }
     if (item[0] == '-' || item[0] == '!') {
       LOOM_REQUIRE(item.size() > 1, "provider policy '", spec, "': '", item, "' denies no provider");
       p.denied.insert(item.substr(1));
@@ -159,6 +203,7 @@ std::string ProviderPolicy::str() const {
     for (const auto& pr : provs) s += pr + ":" + op + ";";
   for (const auto& o : order) s += o + ";";
   for (const auto& d : denied) s += "-" + d + ";";
+  for (const auto& [op, pr] : shadows) s += "shadow=" + pr + (op == "*" ? "" : ":" + op) + ";";
   if (!s.empty()) s.pop_back();
   return s.empty() ? "(default: by priority)" : s;
 }
@@ -171,6 +216,31 @@ void register_entry(std::unique_ptr<KernelEntry> entry) {
   entry->sequence = r.next_sequence++;
   r.entries.push_back(std::move(entry));
   invalidate_locked(r);
+}
+
+void on_first_dispatch(void (*hook)()) {
+  {
+    FirstDispatchHooks& h = first_dispatch_hooks();
+    std::lock_guard<std::mutex> g(h.mu);
+    if (!h.started) {
+      h.hooks.push_back(hook);
+      return;
+    }
+  }
+  hook();
+}
+
+// The kernel of the provider the policy names to shadow this call, or null. Used by begin_shadow (shadow.cc).
+const KernelEntry* shadow_entry_for(OpId op, DeviceType device, DType dtype, const KernelEntry* primary) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  const auto& shadows = r.policy.shadows;
+  auto it = shadows.find(op_name(op));
+  if (it == shadows.end()) it = shadows.find("*");
+  if (it == shadows.end() || it->second == primary->provider) return nullptr;
+  for (const auto& e : r.entries)
+    if (e->op == op && e->device == device && e->provider == it->second && e->dtypes.contains(dtype)) return e.get();
+  return nullptr;
 }
 
 void unregister_provider(const std::string& provider) {
@@ -188,8 +258,10 @@ void set_policy(const ProviderPolicy& policy) {
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
   for (const auto& [op, provs] : policy.routes) (void)provs, find_op(op);
+  for (const auto& [op, pr] : policy.shadows) (void)pr, op == "*" || find_op(op);
   r.policy = policy;
   r.policy_set = true;
+  detail::shadow_active.store(!policy.shadows.empty());
   invalidate_locked(r);
 }
 
@@ -205,6 +277,7 @@ void reset_policy() {
   std::lock_guard<std::mutex> g(r.mu);
   r.policy = ProviderPolicy();
   r.policy_set = false;
+  detail::shadow_active.store(false);
   invalidate_locked(r);
 }
 
@@ -223,6 +296,7 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
     auto& slot = r.slots[op][int(device) * kNumDTypes + int(dtype)];
     if (slot.generation.load(std::memory_order_acquire) == gen) return *slot.list;
   }
+  run_first_dispatch_hooks();  // outside the lock: a hook registers kernels
   std::lock_guard<std::mutex> g(r.mu);
   ensure_policy_locked(r);
   if (r.slots.size() <= op) {

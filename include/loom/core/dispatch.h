@@ -23,7 +23,12 @@
 
 namespace loom {
 
+class Tensor;
+struct GemmParams;
 using OpId = uint32_t;
+namespace dispatch {
+class ShadowRun;
+}
 
 // Interns an op name and returns its id (the same name always gives the same id).
 OpId intern_op(const char* name);
@@ -40,6 +45,17 @@ struct KernelTraits<void(const DeviceContext&, Args...)> {
   using function = std::function<void(const DeviceContext&, Args...)>;
   using supports_ptr = bool (*)(Args...);
   using supports_function = std::function<bool(Args...)>;
+  // Shadow mode (policy "shadow=p:ops"): copies the arguments, runs the primary kernel on the originals, then the
+  // shadow kernel on the copies, and compares the outputs (the non-const Tensor arguments).
+  template <typename Shadow>
+  static void run_shadowed(Shadow& s, const function& primary, const DeviceContext& ctx, Args... args) {
+    (s.prepare(args), ...);
+    primary(ctx, args...);
+    const auto* sup = static_cast<const supports_function*>(s.entry()->supports.get());
+    if (sup && !(*sup)(s.arg(args)...)) return s.declined();
+    (*static_cast<const function*>(s.entry()->fn.get()))(ctx, s.arg(args)...);
+    s.compare();
+  }
 };
 
 // Declares op NAME with kernel signature SIG: defines NAME_op, a typed op id.
@@ -73,10 +89,13 @@ struct KernelEntry {
 //   LOOM_PROVIDERS="vendor:gemm,add;native;-slowlib"
 //   "p:op1,op2"  try provider p first for those ops;  "p"  prefer p for every op (in the order listed);
 //   "-p"  deny p everywhere.  Providers not listed follow by registration priority.
+//   "shadow=p:op1,op2"  also run provider p on copies of those ops' inputs and compare (see ShadowRun);
+//   "shadow=p"  shadow every op with p.
 struct ProviderPolicy {
   std::vector<std::string> order;
   std::map<std::string, std::vector<std::string>> routes;
   std::set<std::string> denied;
+  std::map<std::string, std::string> shadows;  // op name (or "*") -> the provider that shadows it
 
   static ProviderPolicy parse(const std::string& spec);
   std::string str() const;
@@ -108,6 +127,59 @@ void reset_policy();  // back to LOOM_PROVIDERS (or none)
 std::vector<std::string> providers();  // every provider with at least one kernel
 
 void register_entry(std::unique_ptr<KernelEntry> entry);
+// Runs `hook` once before the first candidate list is built (how LOOM_PROVIDER_PATH libraries load lazily); runs it
+// at once when dispatch has already started.
+void on_first_dispatch(void (*hook)());
+
+// Shadow mode: for an op the policy shadows, the shadow provider's kernel runs on copies of the arguments after the
+// primary kernel, outputs are compared with per-dtype tolerances, each divergence is logged (op, shapes, worst
+// error) and counted, and the primary's result stands. Implemented in src/providers/shadow.cc.
+struct ShadowStats {
+  uint64_t runs = 0;         // calls compared
+  uint64_t divergences = 0;  // calls with an output beyond tolerance
+  uint64_t declined = 0;     // calls the shadow's supports() declined
+  double worst_error = 0;    // max |a - b| / (atol + rtol |b|) seen (<= 1 is within tolerance)
+  std::string last_divergence;
+};
+std::map<std::string, ShadowStats> shadow_stats();  // by "op@provider"
+void reset_shadow_stats();
+// Tolerances a shadow comparison allows for outputs of a dtype (defaults: f64 1e-9/1e-12, f32 1e-4/1e-5,
+// f16 1e-2/1e-3, bf16 4e-2/1e-2, integers exact).
+void set_shadow_tolerance(DType dtype, double rtol, double atol);
+namespace detail {
+inline std::atomic<bool> shadow_active{false};  // any shadow route in the policy
+}
+class ShadowRun {
+ public:
+  ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow);
+  ~ShadowRun();
+  ShadowRun(const ShadowRun&) = delete;
+  ShadowRun& operator=(const ShadowRun&) = delete;
+  const KernelEntry* entry() const { return shadow_; }
+  void prepare(const Tensor& input);
+  void prepare(Tensor& output);
+  void prepare(const std::vector<Tensor>& inputs);
+  void prepare(const GemmParams& p);
+  template <typename T>
+  void prepare(const T&) {}  // attributes are shared
+  const Tensor& arg(const Tensor& input);
+  Tensor& arg(Tensor& output);
+  const std::vector<Tensor>& arg(const std::vector<Tensor>& inputs);
+  const GemmParams& arg(const GemmParams& p);
+  template <typename T>
+  const T& arg(const T& attrs) {
+    return attrs;
+  }
+  void declined();
+  void compare();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  const KernelEntry* shadow_;
+};
+// The shadow run for a call served by `primary`, or null when the policy shadows nothing here.
+std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, const KernelEntry* primary);
 // Removes every kernel of a provider (used when an external library unloads, and by tests).
 void unregister_provider(const std::string& provider);
 
@@ -163,6 +235,12 @@ void call(Op, Device device, DType dtype, Args&&... args) {
     }
     e->calls.fetch_add(1, std::memory_order_relaxed);
     const DeviceContext& ctx = device_runtime(device.type).context(device.index);
+    if (detail::shadow_active.load(std::memory_order_relaxed)) [[unlikely]] {
+      if (auto shadow = begin_shadow(Op::id(), device, dtype, e)) {
+        Op::traits::run_shadowed(*shadow, *static_cast<const function*>(e->fn.get()), ctx, args...);
+        return;
+      }
+    }
     (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
     return;
   }

@@ -1,0 +1,303 @@
+/* The C ABI between Loom and an external kernel library (a "provider"): the only header a vendor library includes.
+ * Plain C99, no Loom C++ headers. docs/PROVIDERS.md walks through writing, building, loading and checking one.
+ *
+ * Lifecycle
+ *   Loom dlopen()s the library and calls its one exported entry point
+ *       int loom_provider_init(const LoomHost* host, LoomProvider* provider);
+ *   with `provider` zeroed except provider->struct_size (the size of LoomProvider Loom knows). The library fills in
+ *   its name, the ABI version it was built against (LOOM_ABI_VERSION_MAJOR/MINOR), its op table and last_error, and
+ *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
+ *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
+ *   and every struct starts with its size so each side reads only what the other wrote).
+ *
+ * Memory and streams belong to Loom: outputs are allocated by Loom before a call; a library that needs scratch
+ * memory asks host->allocate_workspace, and runs its work on host->get_stream(device) (a cudaStream_t on CUDA, NULL
+ * on the CPU). A kernel may return before its work on a stream completes; Loom orders later work on that stream.
+ *
+ * Every kernel has ONE signature (LoomKernelFn): input descriptors, output descriptors, named attributes. It returns
+ * LOOM_STATUS_OK or an error status, with a message from provider->last_error(ctx). An op's optional supports()
+ * sees the same descriptors and attributes and returns non-zero to accept the call; when it declines, Loom runs the
+ * next candidate (another provider or the native kernel), so a library takes exactly the cases it is good at.
+ *
+ * ---------------------------------------------------------------------------------------------------------------
+ * ARGUMENT ORDER (one rule for every op)
+ *   inputs:  the tensors the op reads, in the order of Loom's kernel signature (src/kernels/<area>_kernel.h);
+ *   outputs: the tensors the op writes, in signature order (already allocated, any content: write every element);
+ *   attrs:   named scalars (LoomAttr), in no particular order: look them up by name (loom_attr_* below).
+ *   An optional tensor that is absent (no affine weight, say) has data == NULL. A backward op takes its gradients
+ *   as outputs; an output with data == NULL is not needed and must not be written.
+ *   Shapes and strides are in elements; data points at the first element (any view offset already applied).
+ *   Unless an op says "any strides", Loom passes contiguous tensors.
+ *   dtype masks are over the op's DISPATCH dtype (noted per op): the output's for elementwise ops, the inputs' for
+ *   comparisons, the logits' for cross_entropy, A/B's (input_dtype) for gemm.
+ *
+ *   Elementwise (every tensor has out's shape; inputs may be broadcast as stride-0 views: any strides; out may alias
+ *   an input element for element, so read each element before writing it):
+ *     neg abs exp log sqrt rsqrt tanh sigmoid gelu(tanh approx.) silu relu
+ *                                                   in: x                  out: out
+ *     gelu_backward silu_backward relu_backward tanh_backward sigmoid_backward
+ *                                                   in: grad, saved        out: grad_x
+ *                                                   (saved = forward input; forward output for tanh and sigmoid)
+ *     add sub mul div maximum minimum               in: a, b               out: out
+ *     eq ne lt le gt ge (out is bool; dispatch dtype = a's)
+ *                                                   in: a, b               out: out
+ *     add_scaled (out = a + alpha*b)                in: a, b               out: out      attrs: alpha (float)
+ *     add_scalar mul_scalar div_scalar rsub_scalar(value - x) maximum_scalar minimum_scalar pow_scalar(x**value)
+ *                                                   in: x                  out: out      attrs: value (float)
+ *     where (cond is bool)                          in: cond, a, b         out: out
+ *   Softmax (contiguous; dim is non-negative):
+ *     softmax log_softmax                           in: x                  out: out      attrs: dim (int)
+ *     softmax_backward log_softmax_backward         in: grad, out          out: grad_input  attrs: dim (int)
+ *   Normalization over the last dim (contiguous; mean/rstd are f32, f64 for f64 x):
+ *     layer_norm                                    in: x, weight?, bias?  out: out, mean, rstd   attrs: eps (float)
+ *     layer_norm_backward                           in: grad, x, weight?, mean, rstd
+ *                                                   out: grad_input?, grad_weight?, grad_bias?
+ *     rms_norm                                      in: x, weight?         out: out, rstd        attrs: eps (float)
+ *     rms_norm_backward                             in: grad, x, weight?, rstd   out: grad_input?, grad_weight?
+ *   Losses (logits [N, V], targets [N] i32/i64; loss is f32, f64 for f64 logits; dispatch dtype = logits'):
+ *     cross_entropy                                 in: logits, targets    out: loss
+ *                                                   attrs: ignore_index (int), reduction (int: 0 mean, 1 sum, 2 none)
+ *     cross_entropy_backward                        in: grad_loss, logits, targets   out: grad_logits   (same attrs)
+ *   Matrix product (every linear, matmul and outer in Loom goes through it):
+ *     gemm  C = alpha * op(A) * op(B) + beta * C, column-major (BLAS/cuBLAS convention), strided batch.
+ *                                                   in: A, B, bias?        out: C, pre_gelu?
+ *       A is described as stored: shape [batch, rows, cols], strides [stride_a, 1, lda] (rows = m, cols = k; or
+ *       k x m when trans_a), likewise B (k x n, or n x k when trans_b) and C ([batch, m, n], strides [stride_c, 1,
+ *       ldc]). bias has m entries (output dtype). C and pre_gelu have the output dtype, which may differ from A/B's.
+ *       attrs: trans_a trans_b (int 0/1), m n k lda ldb ldc batch stride_a stride_b stride_c (int),
+ *              alpha beta (float), compute (int: 0 f32, 1 tf32 allowed, 2 f64),
+ *              epilogue (int: 0 none, 1 bias: C[i,j] += bias[i], 2 gelu, 3 bias+gelu; pre_gelu gets C + bias
+ *              before the gelu when present).
+ *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN).
+ *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
+ *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)
+ *     scaled_dot_product_attention_backward         in: grad_out, q, k, v, out, lse   out: grad_q, grad_k, grad_v
+ *   Embedding (dispatch dtype = weight's):
+ *     embedding                                     in: weight, indices    out: out
+ *     embedding_backward                            in: grad, indices      out: grad_weight
+ *   Reductions (x contiguous; out contiguous in row-major order of the kept dims):
+ *     sum mean max argmax norm                      in: x                  out: out   attrs: dims (ints), keepdim (int)
+ *   Rotary embedding:
+ *     rope                                          in: x, cos, sin        out: out   attrs: inverse (int)
+ *   Data movement:
+ *     copy (dispatch dtype = dst's; any strides)    in: src                out: dst
+ *     fill                                          in: -                  out: out   attrs: value (float)
+ *   Every op that Loom declares and this list does not name is not (yet) reachable through the ABI; a library that
+ *   exports one is told so in a warning and the rest of its ops load.
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+#ifndef LOOM_KERNEL_ABI_H_
+#define LOOM_KERNEL_ABI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LOOM_ABI_VERSION_MAJOR 1
+#define LOOM_ABI_VERSION_MINOR 0
+
+#define LOOM_MAX_DIMS 8
+
+#if defined(_WIN32)
+#define LOOM_PROVIDER_EXPORT __declspec(dllexport)
+#else
+#define LOOM_PROVIDER_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* Status codes: every function that can fail returns one. */
+enum {
+  LOOM_STATUS_OK = 0,
+  LOOM_STATUS_ERROR = 1,           /* details in last_error() */
+  LOOM_STATUS_INVALID_ARGUMENT = 2,
+  LOOM_STATUS_UNSUPPORTED = 3,     /* only from init: the library cannot run with this host */
+  LOOM_STATUS_OUT_OF_MEMORY = 4
+};
+
+/* Element types: the values match loom::DType. */
+typedef enum LoomDType {
+  LOOM_DTYPE_F32 = 0,
+  LOOM_DTYPE_F64 = 1,
+  LOOM_DTYPE_F16 = 2,
+  LOOM_DTYPE_BF16 = 3,
+  LOOM_DTYPE_I8 = 4,
+  LOOM_DTYPE_U8 = 5,
+  LOOM_DTYPE_I32 = 6,
+  LOOM_DTYPE_I64 = 7,
+  LOOM_DTYPE_BOOL = 8
+} LoomDType;
+#define LOOM_DTYPE_BIT(t) (1u << (unsigned)(t))
+
+/* Device types: the values match loom::DeviceType. A device registered through a LoomRuntime gets a slot >= 2 at
+ * load time; an op entry names it with LOOM_DEVICE_OWN. */
+enum {
+  LOOM_DEVICE_CPU = 0,
+  LOOM_DEVICE_CUDA = 1,
+  LOOM_DEVICE_OWN = -1 /* op entries only: the device this library's runtime table registers */
+};
+
+/* A tensor: a view of memory Loom owns. data == NULL means the tensor is absent (or, as an output, not needed). */
+typedef struct LoomTensorDesc {
+  uint32_t struct_size;
+  int32_t dtype;        /* LoomDType */
+  int32_t device_type;  /* LOOM_DEVICE_CPU, LOOM_DEVICE_CUDA, or a registered slot */
+  int32_t device_index;
+  int32_t rank;         /* 0 .. LOOM_MAX_DIMS */
+  int32_t reserved0;
+  void* data;           /* the first element */
+  int64_t shape[LOOM_MAX_DIMS];
+  int64_t strides[LOOM_MAX_DIMS]; /* in elements */
+  uint64_t reserved[4];
+} LoomTensorDesc;
+
+typedef enum LoomAttrKind {
+  LOOM_ATTR_INT = 0,   /* also bools (0/1) and enums */
+  LOOM_ATTR_FLOAT = 1,
+  LOOM_ATTR_INTS = 2   /* an int64 array */
+} LoomAttrKind;
+
+/* A named attribute: a scalar or a small int array. Strings are static and NUL-terminated. */
+typedef struct LoomAttr {
+  uint32_t struct_size;
+  int32_t kind; /* LoomAttrKind */
+  const char* name;
+  int64_t i;
+  double f;
+  const int64_t* ints;
+  int64_t n_ints;
+  uint64_t reserved[2];
+} LoomAttr;
+
+/* The one kernel signature. ctx is LoomProvider.ctx. Returns a LOOM_STATUS_*. */
+typedef int (*LoomKernelFn)(void* ctx, const LoomTensorDesc* inputs, int n_inputs, const LoomTensorDesc* outputs,
+                            int n_outputs, const LoomAttr* attrs, int n_attrs);
+/* Optional: non-zero accepts the call, zero declines it (Loom then tries the next candidate). Must not fail. */
+typedef int (*LoomSupportsFn)(void* ctx, const LoomTensorDesc* inputs, int n_inputs, const LoomTensorDesc* outputs,
+                              int n_outputs, const LoomAttr* attrs, int n_attrs);
+
+/* One op a library implements on one device type. */
+typedef struct LoomOpEntry {
+  uint32_t struct_size;
+  int32_t device_type;      /* LOOM_DEVICE_CPU, LOOM_DEVICE_CUDA or LOOM_DEVICE_OWN */
+  const char* op;           /* Loom's op name: "gemm", "add", "softmax", ... (see the list above) */
+  uint32_t dtypes;          /* mask of LOOM_DTYPE_BIT(dispatch dtype) */
+  int32_t priority;         /* among candidates when no policy routes the op; native kernels have 0 */
+  LoomKernelFn fn;
+  LoomSupportsFn supports;  /* may be NULL: accepts every call with a dtype in the mask */
+  void* reserved[4];
+} LoomOpEntry;
+
+/* Log levels for LoomHost.log. */
+enum { LOOM_LOG_DEBUG = 0, LOOM_LOG_INFO = 1, LOOM_LOG_WARNING = 2, LOOM_LOG_ERROR = 3 };
+
+/* What Loom offers a library. Valid from init until the library is unloaded. */
+typedef struct LoomHost {
+  uint32_t struct_size;
+  uint32_t abi_major;  /* the ABI Loom implements */
+  uint32_t abi_minor;
+  uint32_t reserved0;
+  void* host_ctx;      /* pass back to every callback */
+  /* The stream the current call runs on (cudaStream_t for CUDA; NULL on the CPU or for the default stream). */
+  void* (*get_stream)(void* host_ctx, int32_t device_type, int32_t device_index);
+  /* Scratch memory from Loom's allocator (caching on CUDA). Free it before the kernel returns or keep it across
+   * calls; NULL when out of memory. */
+  void* (*allocate_workspace)(void* host_ctx, int32_t device_type, int32_t device_index, size_t bytes);
+  void (*free_workspace)(void* host_ctx, int32_t device_type, int32_t device_index, void* ptr);
+  void (*log)(void* host_ctx, int32_t level, const char* message);
+  void* reserved[8];
+} LoomHost;
+
+enum { LOOM_COPY_HOST_TO_DEVICE = 0, LOOM_COPY_DEVICE_TO_HOST = 1, LOOM_COPY_DEVICE_TO_DEVICE = 2,
+       LOOM_COPY_HOST_TO_HOST = 3 };
+
+/* A device Loom does not know: a library that fills LoomProvider.runtime registers a new device type named
+ * device_name ("npu"), usable as Device::parse("npu:0"), with tensors allocated and copied through these calls.
+ * Streams and events are opaque handles (NULL = the device's default stream). Optional entries may be NULL. */
+typedef struct LoomRuntime {
+  uint32_t struct_size;
+  uint32_t reserved0;
+  const char* device_name;
+  void* ctx;
+  int32_t (*device_count)(void* ctx);
+  void* (*allocate)(void* ctx, int32_t device_index, size_t bytes);  /* NULL when out of memory */
+  void (*free)(void* ctx, int32_t device_index, void* ptr);
+  int (*copy)(void* ctx, int32_t device_index, void* dst, const void* src, size_t bytes, int32_t kind);
+  int (*synchronize)(void* ctx, int32_t device_index);
+  /* Optional. */
+  void* (*current_stream)(void* ctx, int32_t device_index);
+  void* (*create_stream)(void* ctx, int32_t device_index);
+  void (*destroy_stream)(void* ctx, int32_t device_index, void* stream);
+  void (*set_current_stream)(void* ctx, int32_t device_index, void* stream);
+  void* (*create_event)(void* ctx, int32_t device_index);
+  void (*destroy_event)(void* ctx, int32_t device_index, void* event);
+  int (*record_event)(void* ctx, int32_t device_index, void* event, void* stream);
+  int (*wait_event)(void* ctx, int32_t device_index, void* stream, void* event); /* the stream waits */
+  int (*synchronize_event)(void* ctx, int32_t device_index, void* event);
+  void* reserved[8];
+} LoomRuntime;
+
+/* What a library fills in at init. */
+typedef struct LoomProvider {
+  uint32_t struct_size; /* set by Loom */
+  uint32_t abi_major;   /* set by the library: LOOM_ABI_VERSION_MAJOR */
+  uint32_t abi_minor;   /* set by the library: LOOM_ABI_VERSION_MINOR */
+  uint32_t reserved0;
+  const char* name;     /* the provider name policies route to: "acme" */
+  const char* version;  /* the library's own version string, for logs; may be NULL */
+  void* ctx;            /* passed to every kernel, supports and last_error */
+  const LoomOpEntry* ops;
+  int32_t n_ops;
+  int32_t reserved1;
+  /* The message of the last failure on the calling thread ("" when none). Required. */
+  const char* (*last_error)(void* ctx);
+  /* Called once before the library is unloaded; may be NULL. */
+  void (*shutdown)(void* ctx);
+  const LoomRuntime* runtime; /* a new device type, or NULL */
+  void* reserved[8];
+} LoomProvider;
+
+typedef int (*LoomProviderInitFn)(const LoomHost* host, LoomProvider* provider);
+#define LOOM_PROVIDER_INIT_SYMBOL "loom_provider_init"
+
+/* ---- Helpers for libraries (header-only). ---- */
+
+static inline const LoomAttr* loom_attr_find(const LoomAttr* attrs, int n_attrs, const char* name) {
+  for (int i = 0; i < n_attrs; ++i)
+    if (attrs[i].name && strcmp(attrs[i].name, name) == 0) return &attrs[i];
+  return NULL;
+}
+static inline int64_t loom_attr_int(const LoomAttr* attrs, int n_attrs, const char* name, int64_t fallback) {
+  const LoomAttr* a = loom_attr_find(attrs, n_attrs, name);
+  if (!a) return fallback;
+  return a->kind == LOOM_ATTR_FLOAT ? (int64_t)a->f : a->i;
+}
+static inline double loom_attr_float(const LoomAttr* attrs, int n_attrs, const char* name, double fallback) {
+  const LoomAttr* a = loom_attr_find(attrs, n_attrs, name);
+  if (!a) return fallback;
+  return a->kind == LOOM_ATTR_FLOAT ? a->f : (double)a->i;
+}
+static inline int64_t loom_desc_numel(const LoomTensorDesc* t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->rank; ++d) n *= t->shape[d];
+  return n;
+}
+static inline int loom_desc_is_contiguous(const LoomTensorDesc* t) {
+  int64_t expected = 1;
+  for (int d = t->rank - 1; d >= 0; --d) {
+    if (t->shape[d] != 1 && t->strides[d] != expected) return 0;
+    expected *= t->shape[d];
+  }
+  return 1;
+}
+
+/* The entry point a library exports. */
+LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* host, LoomProvider* provider);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOOM_KERNEL_ABI_H_ */

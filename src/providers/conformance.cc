@@ -1,0 +1,572 @@
+// The conformance runner: per case, builds random inputs, poisons outputs, runs the op through the dispatcher with
+// the policy routing it to one provider only, checks that every output element was written and no input changed,
+// and compares with the native CPU kernel run on the inputs upcast to float64.
+#include "providers/conformance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "kernels/cross_entropy_kernel.h"
+#include "kernels/elementwise_kernel.h"
+#include "kernels/gemm_kernel.h"
+#include "kernels/norm_kernel.h"
+#include "kernels/reduce_kernel.h"
+#include "kernels/softmax_kernel.h"
+#include "loom/core/dispatch.h"
+#include "loom/ops.h"
+
+namespace loom::conformance {
+namespace {
+
+using json = nlohmann::json;
+
+// What one op needs: its inputs (built on the CPU in the case's dtype), its outputs' shapes and dtypes, and the
+// dispatch call. Inputs arrive on the target device, outputs allocated there and poisoned.
+struct Harness {
+  bool any_strides = false;  // the kernel accepts non-contiguous inputs
+  std::function<std::vector<Tensor>(const Case&, DType, std::mt19937_64&)> inputs;
+  std::function<std::vector<std::pair<Shape, DType>>(const std::vector<Tensor>&, const json&, DType)> outputs;
+  std::function<void(Device, DType, const std::vector<Tensor>&, std::vector<Tensor>&, const json&)> call;
+};
+
+Tensor random_values(const Shape& shape, DType dtype, double low, double high, std::mt19937_64& eng) {
+  std::uniform_real_distribution<double> dist(low, high);
+  std::vector<double> v(size_t(numel_of(shape)));
+  for (auto& x : v) x = dist(eng);
+  return from_vector(v, shape).to(dtype);
+}
+
+std::vector<Tensor> random_inputs(const Case& c, DType dt, std::mt19937_64& eng) {
+  std::vector<Tensor> in;
+  for (const Shape& s : c.shapes) in.push_back(random_values(s, dt, c.low, c.high, eng));
+  return in;
+}
+
+Shape broadcast_all(const std::vector<Tensor>& in) {
+  Shape s = in.at(0).shape();
+  for (size_t i = 1; i < in.size(); ++i) s = broadcast_shapes(s, in[i].shape(), "conformance");
+  return s;
+}
+
+template <typename Op>
+Harness unary(Op op) {
+  Harness h;
+  h.any_strides = true;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in.at(0).shape(), dt}};
+  };
+  h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(op, d, dt, in[0], out[0]);
+  };
+  return h;
+}
+
+template <typename Op>
+Harness unary_backward(Op op) {
+  Harness h = unary(neg_op);
+  h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(op, d, dt, in[0], in[1], out[0]);
+  };
+  return h;
+}
+
+template <typename Op>
+Harness binary(Op op) {
+  Harness h;
+  h.any_strides = true;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{broadcast_all(in), dt}};
+  };
+  h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    // The kernel sees inputs with the output's shape: broadcast ones as stride-0 views.
+    Tensor a = in[0].expand(out[0].shape()), b = in[1].expand(out[0].shape());
+    dispatch::call(op, d, dt, a, b, out[0]);
+  };
+  return h;
+}
+
+template <typename Op>
+Harness softmax_like(Op op, bool backward) {
+  Harness h;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in.at(0).shape(), dt}};
+  };
+  h.call = [op, backward](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out,
+                          const json& a) {
+    int64_t dim = a.value("dim", int64_t(-1));
+    if (dim < 0) dim += in[0].dim();
+    if constexpr (std::is_same_v<Op, softmax_op_t>) {
+      (void)backward;
+      dispatch::call(op, d, dt, in[0], SoftmaxAttrs{dim}, out[0]);
+    } else {
+      dispatch::call(op, d, dt, in[0], in[1], SoftmaxAttrs{dim}, out[0]);
+    }
+  };
+  return h;
+}
+
+Harness log_softmax_harness() {
+  Harness h = softmax_like(softmax_op, false);
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    int64_t dim = a.value("dim", int64_t(-1));
+    if (dim < 0) dim += in[0].dim();
+    dispatch::call(log_softmax_op, d, dt, in[0], SoftmaxAttrs{dim}, out[0]);
+  };
+  return h;
+}
+
+DType stats_dtype(DType dt) { return dt == kF64 ? kF64 : kF32; }
+
+Harness layer_norm_harness(bool rms) {
+  Harness h;
+  // shapes: x [..., C]; weight and bias [C] are made here (absent when attrs.affine is false).
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    std::vector<Tensor> in = {random_values(c.shapes.at(0), dt, c.low, c.high, eng)};
+    int64_t C = c.shapes.at(0).back();
+    if (json::parse(c.attrs_json).value("affine", true)) {
+      in.push_back(random_values({C}, dt, 0.5, 1.5, eng));
+      in.push_back(random_values({C}, dt, -0.5, 0.5, eng));
+    }
+    return in;
+  };
+  h.outputs = [rms](const std::vector<Tensor>& in, const json&, DType dt) {
+    Shape rows(in[0].shape().begin(), in[0].shape().end() - 1);
+    std::vector<std::pair<Shape, DType>> o = {{in[0].shape(), dt}};
+    if (!rms) o.push_back({rows, stats_dtype(dt)});
+    o.push_back({rows, stats_dtype(dt)});
+    return o;
+  };
+  h.call = [rms](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    NormAttrs at{a.value("eps", 1e-5)};
+    Tensor w = in.size() > 1 ? in[1] : Tensor(), b = in.size() > 2 ? in[2] : Tensor();
+    if (rms) dispatch::call(rms_norm_op, d, dt, in[0], w, at, out[0], out[1]);
+    else dispatch::call(layer_norm_op, d, dt, in[0], w, b, at, out[0], out[1], out[2]);
+  };
+  return h;
+}
+
+CrossEntropyAttrs ce_attrs(const json& a) {
+  CrossEntropyAttrs at;
+  at.ignore_index = a.value("ignore_index", int64_t(-100));
+  std::string r = a.value("reduction", std::string("mean"));
+  at.reduction = r == "sum" ? ops::Reduction::kSum : r == "none" ? ops::Reduction::kNone : ops::Reduction::kMean;
+  return at;
+}
+
+Harness cross_entropy_harness(bool backward) {
+  Harness h;
+  // shapes: logits [N, V]. Targets (i64) are drawn here; every 5th row is ignored when attrs.ignore_index is set.
+  h.inputs = [backward](const Case& c, DType dt, std::mt19937_64& eng) {
+    const Shape& s = c.shapes.at(0);
+    std::vector<Tensor> in;
+    CrossEntropyAttrs at = ce_attrs(json::parse(c.attrs_json));
+    if (backward) {
+      Shape ls = at.reduction == ops::Reduction::kNone ? Shape{s[0]} : Shape{};
+      in.push_back(random_values(ls, stats_dtype(dt), 0.5, 1.5, eng));
+    }
+    in.push_back(random_values(s, dt, c.low, c.high, eng));
+    std::uniform_int_distribution<int64_t> pick(0, s[1] - 1);
+    std::vector<int64_t> t(static_cast<size_t>(s[0]));
+    for (size_t i = 0; i < t.size(); ++i) t[i] = i % 5 == 4 ? at.ignore_index : pick(eng);
+    in.push_back(from_vector(t, Shape{s[0]}));
+    return in;
+  };
+  h.outputs = [backward](const std::vector<Tensor>& in, const json& a, DType dt) {
+    if (backward) return std::vector<std::pair<Shape, DType>>{{in[1].shape(), dt}};
+    Shape ls = ce_attrs(a).reduction == ops::Reduction::kNone ? Shape{in[0].size(0)} : Shape{};
+    return std::vector<std::pair<Shape, DType>>{{ls, stats_dtype(dt)}};
+  };
+  h.call = [backward](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    if (backward) dispatch::call(cross_entropy_backward_op, d, dt, in[0], in[1], in[2], ce_attrs(a), out[0]);
+    else dispatch::call(cross_entropy_op, d, dt, in[0], in[1], ce_attrs(a), out[0]);
+  };
+  return h;
+}
+
+template <typename Op>
+Harness reduce(Op op) {
+  Harness h;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json& a, DType dt) {
+    auto dims = a.value("dims", std::vector<int64_t>{});
+    Shape s;
+    for (int64_t d = 0; d < in[0].dim(); ++d)
+      if (std::find(dims.begin(), dims.end(), d) == dims.end()) s.push_back(in[0].size(d));
+    return std::vector<std::pair<Shape, DType>>{{s, dt}};
+  };
+  h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    ReduceAttrs at;
+    at.dims = a.value("dims", std::vector<int64_t>{});
+    dispatch::call(op, d, dt, in[0], at, out[0]);
+  };
+  return h;
+}
+
+// gemm: attrs m, n, k, batch, trans_a, trans_b, alpha, beta, epilogue (0 or 1). Matrices are column-major with
+// leading dimension rows (+3 when the case is strided; the padding holds NaN that a kernel must not read).
+struct GemmShape {
+  int64_t m, n, k, batch, pad;
+  bool ta, tb;
+  int64_t rows_a() const { return ta ? k : m; }
+  int64_t cols_a() const { return ta ? m : k; }
+  int64_t rows_b() const { return tb ? n : k; }
+  int64_t cols_b() const { return tb ? k : n; }
+};
+GemmShape gemm_shape(const json& a, bool strided) {
+  return {a.at("m").get<int64_t>(), a.at("n").get<int64_t>(), a.at("k").get<int64_t>(), a.value("batch", int64_t(1)),
+          strided ? 3 : 0, a.value("trans_a", false), a.value("trans_b", false)};
+}
+
+Tensor padded_matrix(int64_t batch, int64_t rows, int64_t cols, int64_t pad, DType dt, double low, double high,
+                     std::mt19937_64& eng) {
+  Tensor m = random_values({batch, cols, rows + pad}, kF64, low, high, eng);
+  if (pad > 0) m.slice(2, rows, rows + pad).copy_from(full({batch, cols, pad}, std::nan(""), kF64));
+  return m.to(dt);
+}
+
+Harness gemm_harness() {
+  Harness h;
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    GemmShape g = gemm_shape(a, c.strided);
+    std::vector<Tensor> in = {padded_matrix(g.batch, g.rows_a(), g.cols_a(), g.pad, dt, c.low, c.high, eng),
+                              padded_matrix(g.batch, g.rows_b(), g.cols_b(), g.pad, dt, c.low, c.high, eng),
+                              random_values({g.m}, dt, c.low, c.high, eng),
+                              padded_matrix(g.batch, g.m, g.n, g.pad, dt, c.low, c.high, eng)};
+    return in;
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in[3].shape(), dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    GemmShape g = gemm_shape(a, false);
+    GemmParams p;
+    p.trans_a = g.ta, p.trans_b = g.tb, p.m = g.m, p.n = g.n, p.k = g.k, p.batch = g.batch;
+    p.a = in[0].data(), p.lda = in[0].size(2), p.stride_a = in[0].size(1) * in[0].size(2);
+    p.b = in[1].data(), p.ldb = in[1].size(2), p.stride_b = in[1].size(1) * in[1].size(2);
+    p.alpha = a.value("alpha", 1.0), p.beta = a.value("beta", 0.0);
+    if (p.beta != 0) {  // C's old content is an input: start from in[3] (only the valid rows)
+      out[0].slice(2, 0, g.m).copy_from(in[3].slice(2, 0, g.m));
+    }
+    p.c = out[0].data(), p.ldc = out[0].size(2), p.stride_c = out[0].size(1) * out[0].size(2);
+    p.input_dtype = p.output_dtype = dt;
+    p.compute = dt == kF64 ? ComputeType::kF64 : ComputeType::kF32;
+    if (a.value("epilogue", 0) == 1) p.epilogue = GemmEpilogue::kBias, p.bias = in[2].data();
+    p.device = d;
+    dispatch::call(gemm_op, d, dt, p);
+  };
+  return h;
+}
+
+const std::map<std::string, Harness>& harnesses() {
+  static const auto* table = new std::map<std::string, Harness>{
+      {"neg", unary(neg_op)}, {"abs", unary(abs_op)}, {"exp", unary(exp_op)}, {"log", unary(log_op)},
+      {"sqrt", unary(sqrt_op)}, {"rsqrt", unary(rsqrt_op)}, {"tanh", unary(tanh_op)},
+      {"sigmoid", unary(sigmoid_op)}, {"gelu", unary(gelu_op)}, {"silu", unary(silu_op)}, {"relu", unary(relu_op)},
+      {"gelu_backward", unary_backward(gelu_backward_op)}, {"silu_backward", unary_backward(silu_backward_op)},
+      {"relu_backward", unary_backward(relu_backward_op)}, {"tanh_backward", unary_backward(tanh_backward_op)},
+      {"sigmoid_backward", unary_backward(sigmoid_backward_op)},
+      {"add", binary(add_op)}, {"sub", binary(sub_op)}, {"mul", binary(mul_op)}, {"div", binary(div_op)},
+      {"maximum", binary(maximum_op)}, {"minimum", binary(minimum_op)},
+      {"softmax", softmax_like(softmax_op, false)}, {"log_softmax", log_softmax_harness()},
+      {"softmax_backward", softmax_like(softmax_backward_op, true)},
+      {"log_softmax_backward", softmax_like(log_softmax_backward_op, true)},
+      {"layer_norm", layer_norm_harness(false)}, {"rms_norm", layer_norm_harness(true)},
+      {"cross_entropy", cross_entropy_harness(false)}, {"cross_entropy_backward", cross_entropy_harness(true)},
+      {"sum", reduce(sum_op)}, {"mean", reduce(mean_op)}, {"max", reduce(max_op)}, {"norm", reduce(norm_op)},
+      {"gemm", gemm_harness()},
+  };
+  return *table;
+}
+
+std::pair<double, double> default_tolerance(DType t) {
+  switch (t) {
+    case kF64: return {1e-10, 1e-12};
+    case kF32: return {1e-4, 1e-5};
+    case kF16: return {5e-3, 5e-3};
+    case kBF16: return {3e-2, 2e-2};
+    default: return {0, 0};
+  }
+}
+
+// Non-contiguous copy with the same values (every other element of a wider buffer, NaN in the gaps).
+Tensor strided_copy(const Tensor& t) {
+  if (t.dim() == 0 || t.numel() == 0) return t;
+  Shape big = t.shape();
+  big.back() *= 2;
+  Tensor wide = full(big, std::nan(""), t.dtype(), t.device());
+  Tensor view = wide.slice(-1, 0, big.back(), 2);
+  view.copy_from(t);
+  return view;
+}
+
+bool same_values(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
+  return true;
+}
+
+// Runs `fn` with the policy routing `op` to `provider` and denying every other provider, then restores it.
+template <typename F>
+void with_only_provider(const std::string& op, const std::string& provider, F&& fn) {
+  ProviderPolicy saved = dispatch::policy();
+  ProviderPolicy p;
+  p.routes[op] = {provider};
+  for (const auto& other : dispatch::providers())
+    if (other != provider) p.denied.insert(other);
+  dispatch::set_policy(p);
+  try {
+    fn();
+  } catch (...) {
+    dispatch::set_policy(saved);
+    throw;
+  }
+  dispatch::set_policy(saved);
+}
+
+Result run_one(const Case& c, const Harness& h, DType dt, const std::string& provider, Device device,
+               uint64_t seed) {
+  Result r{c.name, c.op, dt, Status::kPass, 0, 0, ""};
+  bool provides = false;
+  for (const auto& cand : dispatch::explain(c.op, device.type, dt)) provides |= cand.provider == provider;
+  if (!provides) {
+    r.status = Status::kSkipped;
+    r.detail = "the provider has no kernel for this op on " + device.str();
+    return r;
+  }
+  json attrs = json::parse(c.attrs_json);
+  std::mt19937_64 eng(seed);
+  std::vector<Tensor> host_in = h.inputs(c, dt, eng);
+
+  // The provider's run, on the device, inputs strided when asked and allowed.
+  std::vector<Tensor> in;
+  for (const Tensor& t : host_in) {
+    Tensor d = t.to(device);
+    in.push_back(c.strided && h.any_strides && is_floating(t.dtype()) ? strided_copy(d) : d);
+  }
+  std::vector<std::vector<double>> before;
+  for (const Tensor& t : in) before.push_back(to_vector<double>(t));
+  std::vector<Tensor> out;
+  for (auto& [shape, odt] : h.outputs(host_in, attrs, dt))
+    out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt, device));
+
+  bool declined = false;
+  with_only_provider(c.op, provider, [&] {
+    try {
+      h.call(device, dt, in, out, attrs);
+    } catch (const Error& e) {
+      std::string msg = e.what();
+      if (msg.find("no kernel for dtype") == std::string::npos) throw;
+      declined = true;
+    }
+  });
+  if (declined) {
+    r.status = Status::kDeclined;
+    r.detail = "the provider declined this dtype or shape";
+    return r;
+  }
+  for (size_t i = 0; i < in.size(); ++i)
+    if (!same_values(before[i], to_vector<double>(in[i]))) {
+      r.status = Status::kFail;
+      r.detail = "input " + std::to_string(i) + " was modified";
+      return r;
+    }
+
+  // The reference: native CPU kernels on the inputs upcast to f64.
+  std::vector<Tensor> ref_in;
+  for (const Tensor& t : host_in) ref_in.push_back(is_floating(t.dtype()) ? t.to(kF64) : t);
+  std::vector<Tensor> ref_out;
+  for (auto& [shape, odt] : h.outputs(ref_in, attrs, kF64))
+    ref_out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt));
+  with_only_provider(c.op, "native", [&] { h.call(Device(), kF64, ref_in, ref_out, attrs); });
+
+  auto [rtol, atol] = default_tolerance(dt);
+  if (auto it = c.tolerances.find(dt); it != c.tolerances.end()) std::tie(rtol, atol) = it->second;
+  size_t total = 0, mismatches = 0;
+  for (size_t o = 0; o < out.size(); ++o) {
+    std::vector<double> got = to_vector<double>(out[o]), want = to_vector<double>(ref_out[o]);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ++total;
+      double g = got[i], w = want[i], err;
+      if (std::isnan(w)) {
+        if (std::isnan(g)) continue;  // both NaN (or padding neither wrote)
+        err = INFINITY;
+      } else if (std::isnan(g)) {
+        r.status = Status::kFail;
+        r.detail = "output " + std::to_string(o) + " element " + std::to_string(i) +
+                   " was not written (still poison) or is NaN; expected " + std::to_string(w);
+        r.worst_error = INFINITY;
+        return r;
+      } else if (g == w) {
+        err = 0;
+      } else {
+        err = std::abs(g - w) / (atol + rtol * std::abs(w));
+      }
+      if (err > 1) ++mismatches;
+      if (err > r.worst_error) {
+        r.worst_error = err;
+        std::ostringstream os;
+        os << "worst at output " << o << " element " << i << ": got " << g << ", expected " << w << " (rtol "
+           << rtol << ", atol " << atol << ")";
+        r.detail = os.str();
+      }
+    }
+  }
+  r.mismatch_ratio = total ? double(mismatches) / double(total) : 0;
+  if (mismatches > 0 && r.mismatch_ratio > c.max_mismatch_ratio) r.status = Status::kFail;
+  return r;
+}
+
+Shape to_shape(const json& j) { return j.get<std::vector<int64_t>>(); }
+
+}  // namespace
+
+std::vector<std::string> supported_ops() {
+  std::vector<std::string> out;
+  for (const auto& [name, h] : harnesses()) out.push_back(name);
+  return out;
+}
+
+std::vector<Case> load_cases(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;
+  if (fs::is_directory(path)) {
+    for (const auto& e : fs::directory_iterator(path))
+      if (e.path().extension() == ".json") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  LOOM_REQUIRE(!files.empty(), "conformance: no case files (*.json) in '", path, "'");
+  std::vector<Case> cases;
+  for (const auto& f : files) {
+    std::ifstream is(f);
+    LOOM_REQUIRE(is, "conformance: cannot open '", f, "'");
+    json doc;
+    try {
+      doc = json::parse(is);
+      const json& list = doc.at("cases");
+      for (size_t i = 0; i < list.size(); ++i) {
+        const json& j = list[i];
+        Case c;
+        c.op = j.at("op").get<std::string>();
+        c.name = fs::path(f).filename().string() + ":" + std::to_string(i) + " " + c.op;
+        LOOM_REQUIRE(harnesses().count(c.op), "conformance: ", c.name, ": the runner has no harness for op '",
+                     c.op, "'");
+        const json shapes = j.value("shapes", json::array());
+        for (const auto& s : shapes) c.shapes.push_back(to_shape(s));
+        for (const auto& d : j.at("dtypes")) c.dtypes.push_back(dtype_from_name(d.get<std::string>()));
+        c.strided = j.value("strided", false);
+        c.attrs_json = j.value("attrs", json::object()).dump();
+        if (j.contains("range")) c.low = j["range"][0].get<double>(), c.high = j["range"][1].get<double>();
+        const json tolerances = j.value("tolerance", json::object());
+        for (const auto& [dt, tol] : tolerances.items())
+          c.tolerances[dtype_from_name(dt)] = {tol.at("rtol").get<double>(), tol.at("atol").get<double>()};
+        c.max_mismatch_ratio = j.value("max_mismatch_ratio", 0.0);
+        cases.push_back(std::move(c));
+      }
+    } catch (const json::exception& e) {
+      LOOM_THROW("conformance: bad case file '", f, "': ", e.what());
+    }
+  }
+  return cases;
+}
+
+std::vector<Result> run(const std::vector<Case>& cases, const std::string& provider, Device device) {
+  std::vector<Result> results;
+  uint64_t seed = 20240601;
+  for (const Case& c : cases) {
+    const Harness& h = harnesses().at(c.op);
+    for (DType dt : c.dtypes) {
+      try {
+        results.push_back(run_one(c, h, dt, provider, device, seed++));
+      } catch (const Error& e) {
+        results.push_back({c.name, c.op, dt, Status::kFail, INFINITY, 0, std::string("error: ") + e.what()});
+      }
+    }
+  }
+  return results;
+}
+
+const char* status_name(Status s) {
+  switch (s) {
+    case Status::kPass: return "pass";
+    case Status::kFail: return "FAIL";
+    case Status::kDeclined: return "declined";
+    case Status::kSkipped: return "skipped";
+  }
+  return "?";
+}
+
+std::string format_table(const std::vector<Result>& results) {
+  // (op, dtype) -> worst status and error over its cases.
+  std::map<std::pair<std::string, std::string>, Result> agg;
+  for (const Result& r : results) {
+    auto key = std::make_pair(r.op, std::string(dtype_name(r.dtype)));
+    auto it = agg.find(key);
+    if (it == agg.end()) {
+      agg[key] = r;
+      continue;
+    }
+    Result& a = it->second;
+    if (r.status == Status::kFail && a.status != Status::kFail) a = r;
+    else if (r.status == a.status && r.worst_error > a.worst_error) a = r;
+    else if (a.status == Status::kDeclined && r.status == Status::kPass) a = r;
+  }
+  std::ostringstream os;
+  std::set<std::string> not_provided;
+  for (auto it = agg.begin(); it != agg.end();) {
+    if (it->second.status == Status::kSkipped) not_provided.insert(it->first.first), it = agg.erase(it);
+    else ++it;
+  }
+  os << std::left << std::setw(26) << "op" << std::setw(7) << "dtype" << std::setw(10) << "result"
+     << "worst error (x tolerance)\n";
+  for (const auto& [key, r] : agg) {
+    os << std::setw(26) << key.first << std::setw(7) << key.second << std::setw(10) << status_name(r.status);
+    if (r.status == Status::kPass || r.status == Status::kFail) os << std::setprecision(3) << r.worst_error;
+    if (r.status == Status::kFail) os << "  " << r.case_name << ": " << r.detail;
+    os << "\n";
+  }
+  if (!not_provided.empty()) {
+    os << "not provided (" << not_provided.size() << " ops):";
+    for (const auto& op : not_provided) os << " " << op;
+    os << "\n";
+  }
+  return os.str();
+}
+
+std::string to_json(const std::vector<Result>& results, const std::string& provider, Device device) {
+  json j;
+  j["provider"] = provider;
+  j["device"] = device.str();
+  j["failures"] = std::count_if(results.begin(), results.end(), [](auto& r) { return r.status == Status::kFail; });
+  json list = json::array();
+  for (const Result& r : results)
+    list.push_back({{"case", r.case_name},
+                    {"op", r.op},
+                    {"dtype", dtype_name(r.dtype)},
+                    {"status", status_name(r.status)},
+                    {"worst_error", std::isfinite(r.worst_error) ? json(r.worst_error) : json("inf")},
+                    {"mismatch_ratio", r.mismatch_ratio},
+                    {"detail", r.detail}});
+  j["results"] = list;
+  return j.dump(2);
+}
+
+bool any_failure(const std::vector<Result>& results) {
+  return std::any_of(results.begin(), results.end(), [](const Result& r) { return r.status == Status::kFail; });
+}
+
+}  // namespace loom::conformance
