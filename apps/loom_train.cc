@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
+  // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
+  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2)")->capture_default_str();
+  app.add_flag("--zero1", o.zero1, "shard AdamW state across data-parallel ranks (ZeRO-1)");
+  app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     loom::train::Trainer trainer(o);

@@ -17,6 +17,9 @@
 #include "loom/core/generator.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/loader.h"
+#include "loom/distributed/ddp.h"
+#include "loom/distributed/process_group.h"
+#include "loom/distributed/tensor_parallel.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
@@ -79,11 +82,28 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   nn::ModelConfig cfg = nn::ModelConfig::from_name(opts_.model);
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
+  // Distributed: the world splits into data-parallel x tensor-parallel ranks (TP groups are adjacent ranks).
+  if (opts_.device == "cuda" && !opts_.process_group)  // one GPU per local rank
+    if (auto launch = distributed::detect_launch()) device_ = Device(kCUDA, launch->local_rank);
+  world_ = opts_.process_group ? opts_.process_group
+                               : distributed::init_process_group({"auto", device_, opts_.dist_timeout_seconds});
+  LOOM_REQUIRE(opts_.tensor_parallel >= 1 && world_->size() % opts_.tensor_parallel == 0, "loom-train: --tp ",
+               opts_.tensor_parallel, " does not divide the world of ", world_->size(), " ranks");
+  if (world_->size() == 1) {
+    dp_group_ = tp_group_ = world_;
+  } else {
+    int tp = int(opts_.tensor_parallel);
+    tp_group_ = world_->split(world_->rank() / tp, world_->rank());
+    dp_group_ = world_->split(world_->rank() % tp, world_->rank());
+  }
+  is_rank0_ = world_->rank() == 0;
+  if (!is_rank0_) opts_.quiet = true;  // rank 0 speaks for the world
+  int64_t dp = dp_group_->size();
   int64_t micro_tokens = opts_.batch_size * opts_.seq_len;
-  int64_t total = opts_.total_batch_tokens > 0 ? opts_.total_batch_tokens : micro_tokens;
-  LOOM_REQUIRE(total % micro_tokens == 0, "loom-train: --total-batch-tokens ", total,
-               " is not a multiple of batch*seq_len = ", micro_tokens);
-  grad_accum_ = total / micro_tokens;
+  int64_t total = opts_.total_batch_tokens > 0 ? opts_.total_batch_tokens : micro_tokens * dp;
+  LOOM_REQUIRE(total % (micro_tokens * dp) == 0, "loom-train: --total-batch-tokens ", total,
+               " is not a multiple of batch*seq_len*data-parallel ranks = ", micro_tokens * dp);
+  grad_accum_ = total / (micro_tokens * dp);
 
   model_ = nn::make_model(cfg);
   model_->init_weights(opts_.seed);
@@ -95,12 +115,17 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
       model_->load_hf_state_dict(std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end()));
     }
   }
+  if (opts_.tensor_parallel > 1) {  // keep this rank's shard of the full model just built
+    tp_model_ = std::make_shared<distributed::TensorParallelGPT2>(cfg, tp_group_);
+    tp_model_->load_from_full(*model_);
+    model_ = tp_model_;
+  }
   model_->to(device_);
   if (cfg.dropout > 0) model_->train(true);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 
-  data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, 0, 1, opts_.shuffle, opts_.seed};
+  data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, dp_group_->rank(), dp, opts_.shuffle, opts_.seed};
   train_loader_ = std::make_unique<data::DataLoader>(opts_.train_data, lo);
   if (!opts_.val_data.empty()) {
     data::DataLoaderOptions vo = lo;
@@ -114,9 +139,29 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   ao.beta2 = opts_.beta2;
   ao.eps = opts_.eps;
   optimizer_ = std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
+  if (tp_model_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
+    std::vector<bool> sharded = tp_model_->sharded_mask();
+    std::map<const TensorImpl*, double> weight_of;
+    auto named = model_->named_parameters();
+    for (size_t i = 0; i < named.size(); ++i)
+      weight_of[&named[i].second.impl()] = sharded[i] ? 1.0 : 1.0 / double(tp_group_->size());
+    for (const Tensor& p : optimizer_->parameters()) norm_weights_.push_back(weight_of.at(&p.impl()));
+  }
+  LOOM_REQUIRE(opts_.reduce_dtype == "f32" || opts_.reduce_dtype == "bf16", "loom-train: --reduce-dtype must be f32 or "
+               "bf16, got ", opts_.reduce_dtype);
+  if (opts_.zero1) {
+    zero_ = std::make_unique<distributed::ZeroAdamW>(optim::adamw_param_groups(model_->named_parameters(),
+                                                                                opts_.weight_decay), ao, dp_group_);
+    if (tp_model_) zero_->set_norm_reduction(norm_weights_, world_);
+  } else if (dp > 1) {
+    distributed::DDPOptions ddp_options;
+    ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
+    ddp_ = std::make_unique<distributed::DistributedDataParallel>(optimizer_->parameters(), dp_group_, ddp_options);
+    ddp_->broadcast_parameters(0);
+  }
   logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, opts_.steps,
                                                         opts_.final_lr_fraction);
-  if (!opts_.log_dir.empty()) {
+  if (!opts_.log_dir.empty() && is_rank0_) {
     fs::create_directories(opts_.log_dir);
     bool resuming = !opts_.resume.empty();
     logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(), resuming);
@@ -139,6 +184,13 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
 Trainer::~Trainer() = default;
 
+double Trainer::all_ranks_mean(double local) {
+  if (dp_group_->size() == 1) return local;
+  Tensor t = full({1}, local, kF64, device_);
+  dp_group_->all_reduce(t, distributed::ReduceOp::kAvg);
+  return t.item<double>();
+}
+
 StepStats Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
   model_->train(true);
@@ -150,18 +202,27 @@ StepStats Trainer::train_step() {
     Tensor loss;
     {
       amp::AutocastGuard autocast(autocast_dtype_);  // f32 master weights; matrix math in bf16 when asked
-      loss = model_->loss(model_->forward(x), y);
+      loss = tp_model_ ? tp_model_->parallel_loss(tp_model_->forward_local(x), y) : model_->loss(model_->forward(x), y);
     }
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
+    if (ddp_) ddp_->set_require_sync(micro + 1 == grad_accum_);  // communicate on the last micro-step only
     scaled.backward();
     loss_sum += loss.item<double>();
   }
+  if (ddp_) ddp_->finish();
   StepStats s;
-  s.loss = loss_sum / double(grad_accum_);
-  s.grad_norm = optim::clip_grad_norm(optimizer_->parameters(), opts_.clip);
+  s.loss = all_ranks_mean(loss_sum / double(grad_accum_));
   s.lr = logs_->schedule->lr(step_);
-  optimizer_->set_lr(s.lr);
-  optimizer_->step();
+  if (zero_) {
+    zero_->set_lr(s.lr);
+    s.grad_norm = zero_->step(opts_.clip);
+  } else {
+    s.grad_norm = tp_model_ ? distributed::clip_grad_norm_distributed(optimizer_->parameters(), norm_weights_,
+                                                                      opts_.clip, *tp_group_)
+                            : optim::clip_grad_norm(optimizer_->parameters(), opts_.clip);
+    optimizer_->set_lr(s.lr);
+    optimizer_->step();
+  }
   device_runtime(device_.type).synchronize(device_.index);
   ++step_;
   s.step = step_;
@@ -186,15 +247,16 @@ double Trainer::evaluate(int64_t batches) {
   }
   loader->set_position(saved);
   model_->train(true);
-  return total / double(n);
+  return all_ranks_mean(total / double(n));
 }
 
 std::string Trainer::sample(int64_t tokens) {
+  if (!is_rank0_ && !tp_model_) return "";  // with TP every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
       logs_->tokenizer = std::make_unique<data::GPT2Tokenizer>();
     } catch (const Error& e) {
-      if (!logs_->tokenizer_missing_reported) std::cout << "(no sample: " << e.what() << ")\n";
+      if (!logs_->tokenizer_missing_reported && is_rank0_) std::cout << "(no sample: " << e.what() << ")\n";
       logs_->tokenizer_missing_reported = true;
       return "";
     }
@@ -240,6 +302,14 @@ void Trainer::log_step(const StepStats& s) {
 }
 
 void Trainer::run() {
+  // A rank that fails mid-run must not wait in MPI_Finalize for ranks stuck in a collective: it aborts the job instead.
+  struct FailureMark {
+    int exceptions;
+    bool distributed;
+    ~FailureMark() {
+      if (distributed && std::uncaught_exceptions() > exceptions) distributed::mark_failed();
+    }
+  } failure_mark{std::uncaught_exceptions(), world_->size() > 1};
   auto log_eval = [&](int64_t step) {
     double val = evaluate(opts_.eval_batches);
     if (!opts_.quiet) std::cout << "step " << step << ": val loss " << val << std::endl;
@@ -283,6 +353,12 @@ std::string Trainer::checkpoint_path(int64_t step) const {
   return (fs::path(opts_.checkpoint_dir) / name).string();
 }
 
+std::string Trainer::optimizer_shard_path(const std::string& checkpoint) const {
+  fs::path p = checkpoint;
+  return (p.parent_path() / (p.stem().string() + ".optim-rank" + std::to_string(world_->rank()) + ".safetensors"))
+      .string();
+}
+
 std::string Trainer::resolve_resume_path(const std::string& resume) const {
   fs::path p = resume;
   if (fs::is_directory(p)) {
@@ -303,8 +379,20 @@ void Trainer::save_checkpoint(const std::string& path) {
   fs::path dir = fs::path(path).parent_path();
   if (!dir.empty()) fs::create_directories(dir);
   io::TensorMap tensors;
-  for (auto& [name, p] : model_->named_parameters()) tensors["model." + name] = p.detach().to(Device());
-  for (auto& [name, t] : optimizer_->state_dict()) tensors["optim." + name] = t.to(Device());
+  // Distributed: rank 0 writes the (full) model; optimizer state that differs between ranks (ZeRO shards, TP shards)
+  // goes to one file per rank beside it.
+  auto model_params = tp_model_ ? tp_model_->full_named_parameters() : model_->named_parameters();  // collective
+  for (auto& [name, p] : model_params) tensors["model." + name] = p.detach().to(Device());
+  optim::OptimizerState optim_state = zero_ ? zero_->state_dict() : optimizer_->state_dict();
+  bool optimizer_per_rank = zero_ || tp_model_;
+  if (optimizer_per_rank) {
+    io::TensorMap shard;
+    for (auto& [name, t] : optim_state) shard["optim." + name] = t.to(Device());
+    io::save_safetensors(optimizer_shard_path(path), shard, {{"format", "loom-optimizer-shard-1"}});
+  } else {
+    for (auto& [name, t] : optim_state) tensors["optim." + name] = t.to(Device());
+  }
+  if (!is_rank0_) return;
   data::LoaderPosition pos = train_loader_->position();
   PhiloxState rng = default_generator().state();
   nlohmann::json meta{{"step", step_},
@@ -333,18 +421,29 @@ void Trainer::load_checkpoint(const std::string& path) {
   } catch (const std::exception& e) {
     LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
   }
-  for (auto& [name, p] : model_->named_parameters()) {
+  auto model_params = tp_model_ ? tp_model_->full_named_parameters() : model_->named_parameters();
+  std::vector<std::pair<std::string, Tensor>> loaded_full;
+  for (auto& [name, p] : model_params) {
     auto it = file.tensors.find("model." + name);
     LOOM_REQUIRE(it != file.tensors.end(), "resume: '", path, "' lacks parameter '", name,
                  "' (was it saved from a different model?)");
     LOOM_REQUIRE(it->second.shape() == p.shape(), "resume: parameter '", name, "' in '", path, "' has shape ",
                  shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
-    p.copy_from(it->second);
+    if (tp_model_) loaded_full.emplace_back(name, it->second);
+    else p.copy_from(it->second);
   }
+  if (tp_model_) tp_model_->load_full_named_parameters(loaded_full);
   optim::OptimizerState state;
-  for (auto& [name, t] : file.tensors)
-    if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
-  optimizer_->load_state_dict(state);
+  if (zero_ || tp_model_) {
+    io::SafetensorsFile shard = io::load_safetensors_file(optimizer_shard_path(path));
+    for (auto& [name, t] : shard.tensors)
+      if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
+  } else {
+    for (auto& [name, t] : file.tensors)
+      if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
+  }
+  if (zero_) zero_->load_state_dict(state);
+  else optimizer_->load_state_dict(state);
   step_ = meta.at("step").get<int64_t>();
   auto& l = meta.at("loader");
   train_loader_->set_position(data::LoaderPosition{l.at("shard_index").get<int64_t>(), l.at("batch_offset").get<int64_t>(),

@@ -18,6 +18,12 @@ class AdamW;
 namespace loom::data {
 class DataLoader;
 }
+namespace loom::distributed {
+class ProcessGroup;
+class DistributedDataParallel;
+class ZeroAdamW;
+class TensorParallelGPT2;
+}
 
 namespace loom::train {
 
@@ -54,6 +60,15 @@ struct TrainOptions {
   int64_t log_interval = 1;
   double peak_tflops = 0;            // for MFU; 0 = the device's known bf16 peak, if any
   bool quiet = false;                // no per-step lines (tests)
+
+  // Distributed training (docs/DISTRIBUTED.md). Started by mpirun/srun (CPU, MPI) or loom-run (GPUs, NCCL), the
+  // trainer joins the world by itself; the world splits into tensor_parallel x data-parallel ranks. total_batch_tokens
+  // counts the whole world's tokens per step.
+  int64_t tensor_parallel = 1;       // TP degree (GPT-2 only); ranks r and r+1.. of one TP group are adjacent
+  bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
+  std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
+  std::shared_ptr<distributed::ProcessGroup> process_group;  // the world; default: distributed::init_process_group()
+  double dist_timeout_seconds = 300;  // a collective waiting longer than this throws (a dead rank)
 };
 
 struct StepStats {
@@ -104,6 +119,15 @@ class Trainer {
   int64_t grad_accum_ = 1;
   int64_t step_ = 0;
   double flops_per_token_ = 0;
+  // Distributed state (world of one: groups of one, no DDP).
+  std::shared_ptr<distributed::ProcessGroup> world_, dp_group_, tp_group_;
+  std::shared_ptr<distributed::TensorParallelGPT2> tp_model_;
+  std::unique_ptr<distributed::DistributedDataParallel> ddp_;
+  std::unique_ptr<distributed::ZeroAdamW> zero_;
+  bool is_rank0_ = true;
+  std::vector<double> norm_weights_;  // per optimizer parameter, with TP (see clip_grad_norm_distributed)
+  double all_ranks_mean(double local);  // averaged over data-parallel ranks
+  std::string optimizer_shard_path(const std::string& checkpoint) const;
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
 };

@@ -1,0 +1,109 @@
+// Data parallelism: DistributedDataParallel (gradients averaged across ranks in buckets while backward runs, through
+// leaf-gradient hooks) and ZeroAdamW (ZeRO stage 1: AdamW state sharded across data-parallel ranks).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "loom/distributed/process_group.h"
+#include "loom/optim/optimizer.h"
+
+namespace loom::distributed {
+
+struct DDPOptions {
+  size_t bucket_bytes = size_t(25) << 20;  // gradient bytes (in reduce_dtype) per all-reduce
+  DType reduce_dtype = kF32;               // f32, or bf16 to halve the traffic (gradients are averaged in bf16)
+};
+
+// Which parameters share a bucket: parameters in reverse order (the order backward finishes them), a new bucket
+// whenever the next one would push the bucket past bucket_bytes (a parameter larger than that gets its own).
+// Returns indices into `numels`.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& numels, size_t bucket_bytes,
+                                                DType reduce_dtype);
+
+// Wraps a model's parameters (leaves requiring grad, all on one device). Usage per optimizer step:
+//   for each micro-batch but the last: { auto guard = ddp.no_sync(); loss.backward(); }
+//   last micro-batch: loss.backward();  ddp.finish();  then clip and step as usual.
+// During a synchronized backward, each parameter's hook copies its final gradient into its bucket; a full bucket is
+// all-reduced (averaged) at once, asynchronously, in bucket order on every rank. finish() reduces what is left
+// (parameters that got no gradient count as zeros), waits, and writes the averages into every parameter's .grad().
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::vector<Tensor> params, std::shared_ptr<ProcessGroup> group, DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Copies rank `root`'s parameter values to every rank (start every replica from the same weights).
+  void broadcast_parameters(int root = 0);
+
+  // While a NoSync lives, backward only accumulates gradients locally (gradient-accumulation micro-steps).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+  void set_require_sync(bool on);
+  bool require_sync() const;
+
+  void finish();
+
+  const std::vector<std::vector<size_t>>& buckets() const;
+  // Buckets launched from hooks (before finish) in the last step: how much communication overlapped backward.
+  int64_t buckets_launched_during_backward() const;
+  ProcessGroup& group() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+// The global L2 norm of the gradients of parameters spread over ranks, clipped like optim::clip_grad_norm. Each
+// parameter's squared norm counts with its weight (1 for a parameter sharded across `group`, 1/group.size() for one
+// replicated on every rank of it), summed over `group`.
+double clip_grad_norm_distributed(const std::vector<Tensor>& params, const std::vector<double>& weights,
+                                  double max_norm, ProcessGroup& group);
+
+// AdamW with ZeRO stage 1: every parameter (and gradient) is laid out in one flat buffer split into equal shards, one
+// per rank of the data-parallel group; each rank keeps the AdamW moments of its shard only. step(): reduce-scatters
+// (averages) the gradients, clips by the global norm, updates its shard, and all-gathers the parameters. Gives the same
+// parameters as AdamW on averaged gradients (a parameter without a gradient is updated with zeros, not skipped).
+class ZeroAdamW {
+ public:
+  ZeroAdamW(std::vector<optim::ParamGroup> groups, const optim::AdamWOptions& options,
+            std::shared_ptr<ProcessGroup> dp_group);
+  ~ZeroAdamW();
+
+  // With tensor parallelism the norm also sums over the TP ranks: norm_weights per parameter (see
+  // clip_grad_norm_distributed) and the group that spans all ranks holding a piece of the model (the world).
+  void set_norm_reduction(std::vector<double> norm_weights, std::shared_ptr<ProcessGroup> norm_group);
+
+  // Returns the global gradient norm before clipping (max_norm <= 0: no clipping). A non-finite norm skips nothing:
+  // the caller decides.
+  double step(double max_norm);
+  void zero_grad();
+  double lr() const { return lr_; }
+  void set_lr(double lr) { lr_ = lr; }
+  int64_t step_count() const { return step_; }
+  std::vector<Tensor> parameters() const;
+  // This rank's shard: "step", "lr", "shard.exp_avg", "shard.exp_avg_sq", "shard.layout" (i64 [offset, numel, total,
+  // ranks]). Loading checks the layout (the same model and data-parallel size).
+  optim::OptimizerState state_dict() const;
+  void load_state_dict(const optim::OptimizerState& state);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  double lr_;
+  int64_t step_ = 0;
+};
+
+}  // namespace loom::distributed

@@ -1,0 +1,338 @@
+// DistributedDataParallel (bucketed, hook-driven gradient averaging) and ZeroAdamW (sharded AdamW state).
+#include "loom/distributed/ddp.h"
+
+#include <cmath>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/ops.h"
+#include "loom/optim/update_ops.h"
+
+namespace loom::distributed {
+
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& numels, size_t bucket_bytes,
+                                                DType reduce_dtype) {
+  std::vector<std::vector<size_t>> buckets;
+  size_t item = dtype_size(reduce_dtype), current = 0;
+  for (size_t k = numels.size(); k-- > 0;) {
+    size_t bytes = size_t(numels[k]) * item;
+    if (buckets.empty() || (current > 0 && current + bytes > bucket_bytes)) {
+      buckets.emplace_back();
+      current = 0;
+    }
+    buckets.back().push_back(k);
+    current += bytes;
+  }
+  return buckets;
+}
+
+// ---- DDP ----
+
+struct DistributedDataParallel::State {
+  std::vector<Tensor> params;
+  std::shared_ptr<ProcessGroup> group;
+  DDPOptions options;
+  std::vector<std::vector<size_t>> buckets;
+  std::vector<size_t> bucket_of, offset_in_bucket;  // per parameter
+  std::vector<Tensor> buffers;                       // per bucket, flat, reduce dtype
+  // Per step:
+  std::vector<bool> param_ready;
+  std::vector<size_t> ready_count;
+  std::vector<std::shared_ptr<Work>> works;  // per bucket; null until launched
+  size_t next_to_launch = 0;
+  int64_t launched_in_backward = 0, launched_last_step = 0;
+  bool sync = true;
+
+  Tensor slot(size_t i) const { return buffers[bucket_of[i]].narrow(0, int64_t(offset_in_bucket[i]), params[i].numel()); }
+
+  void launch_ready_buckets() {
+    // Collectives must start in the same order on every rank: bucket order, never readiness order.
+    while (next_to_launch < buckets.size() && ready_count[next_to_launch] == buckets[next_to_launch].size()) {
+      works[next_to_launch] = group->all_reduce_async(buffers[next_to_launch], ReduceOp::kAvg);
+      ++next_to_launch;
+    }
+  }
+
+  void on_grad(size_t i, const Tensor& grad) {
+    if (!sync) return;
+    LOOM_REQUIRE(!param_ready[i], "DistributedDataParallel: the gradient of parameter ", i, " ", describe(params[i]),
+                 " became final twice in one synchronized step; run accumulation micro-steps under no_sync() and "
+                 "call finish() after the last backward");
+    autograd::NoGradGuard ng;
+    slot(i).copy_from(grad.reshape({grad.numel()}));
+    param_ready[i] = true;
+    ++ready_count[bucket_of[i]];
+    size_t before = next_to_launch;
+    launch_ready_buckets();
+    launched_in_backward += int64_t(next_to_launch - before);
+    for (size_t b = 0; b < before; ++b) works[b]->test();  // lets MPI make progress
+  }
+
+  void reset_step() {
+    std::fill(param_ready.begin(), param_ready.end(), false);
+    std::fill(ready_count.begin(), ready_count.end(), 0);
+    std::fill(works.begin(), works.end(), nullptr);
+    next_to_launch = 0;
+  }
+};
+
+DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std::shared_ptr<ProcessGroup> group,
+                                                 DDPOptions options)
+    : state_(std::make_shared<State>()) {
+  LOOM_REQUIRE(group, "DistributedDataParallel: no process group");
+  LOOM_REQUIRE(options.reduce_dtype == kF32 || options.reduce_dtype == kBF16,
+               "DistributedDataParallel: reduce dtype must be f32 or bf16, got ", dtype_name(options.reduce_dtype));
+  State& s = *state_;
+  for (Tensor& p : params) {
+    LOOM_REQUIRE(p.defined() && p.requires_grad() && p.is_leaf(), "DistributedDataParallel: parameter ",
+                 p.defined() ? describe(p) : std::string("(undefined)"), " is not a leaf that requires grad");
+    LOOM_REQUIRE(p.device() == params.front().device(), "DistributedDataParallel: parameters on different devices: ",
+                 describe(params.front()), " and ", describe(p));
+  }
+  s.params = std::move(params);
+  s.group = std::move(group);
+  s.options = options;
+  std::vector<int64_t> numels;
+  for (auto& p : s.params) numels.push_back(p.numel());
+  s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype);
+  s.bucket_of.resize(s.params.size());
+  s.offset_in_bucket.resize(s.params.size());
+  Device device = s.params.empty() ? Device() : s.params.front().device();
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    int64_t off = 0;
+    for (size_t i : s.buckets[b]) {
+      s.bucket_of[i] = b;
+      s.offset_in_bucket[i] = size_t(off);
+      off += s.params[i].numel();
+    }
+    s.buffers.push_back(zeros({off}, options.reduce_dtype, device));
+  }
+  s.param_ready.assign(s.params.size(), false);
+  s.ready_count.assign(s.buckets.size(), 0);
+  s.works.assign(s.buckets.size(), nullptr);
+  std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < s.params.size(); ++i)
+    s.params[i].register_grad_hook([weak, i](Tensor& grad) {
+      if (auto st = weak.lock()) st->on_grad(i, grad);
+    });
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  // Never leave a collective writing into buffers about to be freed.
+  for (auto& w : state_->works)
+    if (w) try {
+        w->wait();
+      } catch (...) {
+      }
+}
+
+void DistributedDataParallel::broadcast_parameters(int root) {
+  autograd::NoGradGuard ng;
+  for (Tensor& p : state_->params) {
+    Tensor t = p.detach();
+    state_->group->broadcast(t, root);
+  }
+}
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.require_sync()) {
+  ddp_.set_require_sync(false);
+}
+DistributedDataParallel::NoSync::~NoSync() { ddp_.set_require_sync(previous_); }
+void DistributedDataParallel::set_require_sync(bool on) { state_->sync = on; }
+bool DistributedDataParallel::require_sync() const { return state_->sync; }
+const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const { return state_->buckets; }
+int64_t DistributedDataParallel::buckets_launched_during_backward() const { return state_->launched_last_step; }
+ProcessGroup& DistributedDataParallel::group() const { return *state_->group; }
+
+void DistributedDataParallel::finish() {
+  State& s = *state_;
+  autograd::NoGradGuard ng;
+  // Parameters whose hooks did not fire (no gradient this backward, or the whole step ran under no_sync).
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (s.param_ready[i]) continue;
+    Tensor g = s.params[i].grad();
+    Tensor slot = s.slot(i);
+    if (g.defined()) slot.copy_from(g.reshape({g.numel()}));
+    else ops::fill_(slot, 0.0);
+    s.param_ready[i] = true;
+    ++s.ready_count[s.bucket_of[i]];
+  }
+  s.launch_ready_buckets();
+  for (auto& w : s.works) w->wait();
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    Tensor& p = s.params[i];
+    Tensor avg = s.slot(i).reshape(p.shape());
+    Tensor g = p.grad();
+    if (g.defined()) g.copy_from(avg);
+    else p.set_grad(ops::to_dtype(ops::clone(avg), p.dtype()));
+  }
+  s.launched_last_step = s.launched_in_backward;
+  s.launched_in_backward = 0;
+  s.reset_step();
+}
+
+// ---- distributed clipping ----
+
+double clip_grad_norm_distributed(const std::vector<Tensor>& params, const std::vector<double>& weights,
+                                  double max_norm, ProcessGroup& group) {
+  LOOM_REQUIRE(weights.size() == params.size(), "clip_grad_norm_distributed: ", weights.size(), " weights for ",
+               params.size(), " parameters");
+  autograd::NoGradGuard ng;
+  Device device = params.empty() ? Device() : params.front().device();
+  Tensor total = zeros({1}, kF64, device);
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor g = params[i].grad();
+    if (!g.defined()) continue;
+    ops::add_(total, optim::grad_norm_squared(g).reshape({1}), weights[i]);
+  }
+  group.all_reduce(total, ReduceOp::kSum);
+  double norm = std::sqrt(total.item<double>());
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
+    double scale = max_norm / (norm + 1e-6);
+    for (const Tensor& p : params) {
+      Tensor g = p.grad();
+      if (g.defined()) ops::mul_(g, scale);
+    }
+  }
+  return norm;
+}
+
+// ---- ZeRO-1 ----
+
+struct ZeroAdamW::Impl {
+  std::vector<Tensor> params;
+  std::vector<double> weight_decay;  // per parameter, from its group
+  std::vector<int64_t> offsets;      // of each parameter in the flat buffer
+  std::vector<double> norm_weights;
+  std::shared_ptr<ProcessGroup> dp, norm_group;
+  optim::AdamWOptions options;
+  int64_t total = 0, padded = 0, shard = 0, shard_begin = 0;
+  Tensor flat_grad, shard_grad, flat_param, exp_avg, exp_avg_sq;
+  struct Segment {
+    size_t param;
+    int64_t param_start, shard_start, length;
+  };
+  std::vector<Segment> segments;  // the pieces of parameters inside this rank's shard
+};
+
+ZeroAdamW::ZeroAdamW(std::vector<optim::ParamGroup> groups, const optim::AdamWOptions& options,
+                     std::shared_ptr<ProcessGroup> dp_group)
+    : impl_(std::make_unique<Impl>()), lr_(options.lr) {
+  LOOM_REQUIRE(dp_group, "ZeroAdamW: no process group");
+  Impl& m = *impl_;
+  m.dp = dp_group;
+  m.norm_group = dp_group;
+  m.options = options;
+  for (auto& g : groups)
+    for (auto& p : g.params) {
+      LOOM_REQUIRE(p.defined() && p.is_leaf(), "ZeroAdamW: every parameter must be a leaf tensor");
+      if (!m.params.empty())
+        LOOM_REQUIRE(p.device() == m.params.front().device() && p.dtype() == m.params.front().dtype(),
+                     "ZeroAdamW: parameters must share a device and dtype; got ", describe(m.params.front()), " and ",
+                     describe(p));
+      m.offsets.push_back(m.total);
+      m.total += p.numel();
+      m.params.push_back(p);
+      m.weight_decay.push_back(g.weight_decay);
+    }
+  LOOM_REQUIRE(!m.params.empty(), "ZeroAdamW: no parameters");
+  m.norm_weights.assign(m.params.size(), 1.0);
+  int64_t ranks = m.dp->size();
+  m.shard = (m.total + ranks - 1) / ranks;
+  m.padded = m.shard * ranks;
+  m.shard_begin = m.shard * m.dp->rank();
+  Device dev = m.params.front().device();
+  DType dt = m.params.front().dtype();
+  DType state_dt = optim::optimizer_state_dtype(dt);
+  m.flat_grad = zeros({m.padded}, dt, dev);
+  m.shard_grad = zeros({m.shard}, dt, dev);
+  m.flat_param = zeros({m.padded}, dt, dev);
+  m.exp_avg = zeros({m.shard}, state_dt, dev);
+  m.exp_avg_sq = zeros({m.shard}, state_dt, dev);
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    int64_t lo = std::max(m.offsets[i], m.shard_begin);
+    int64_t hi = std::min(m.offsets[i] + m.params[i].numel(), m.shard_begin + m.shard);
+    if (lo < hi) m.segments.push_back({i, lo - m.offsets[i], lo - m.shard_begin, hi - lo});
+  }
+}
+
+ZeroAdamW::~ZeroAdamW() = default;
+
+void ZeroAdamW::set_norm_reduction(std::vector<double> norm_weights, std::shared_ptr<ProcessGroup> norm_group) {
+  LOOM_REQUIRE(norm_weights.size() == impl_->params.size(), "ZeroAdamW: ", norm_weights.size(),
+               " norm weights for ", impl_->params.size(), " parameters");
+  LOOM_REQUIRE(norm_group, "ZeroAdamW: no norm group");
+  impl_->norm_weights = std::move(norm_weights);
+  impl_->norm_group = std::move(norm_group);
+}
+
+double ZeroAdamW::step(double max_norm) {
+  Impl& m = *impl_;
+  autograd::NoGradGuard ng;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    Tensor slot = m.flat_grad.narrow(0, m.offsets[i], m.params[i].numel());
+    Tensor g = m.params[i].grad();
+    if (g.defined()) slot.copy_from(g.reshape({g.numel()}));
+    else ops::fill_(slot, 0.0);
+  }
+  m.dp->reduce_scatter(m.flat_grad, m.shard_grad, ReduceOp::kAvg);
+
+  Tensor sq = zeros({1}, kF64, m.shard_grad.device());
+  for (auto& seg : m.segments)
+    ops::add_(sq, optim::grad_norm_squared(m.shard_grad.narrow(0, seg.shard_start, seg.length)).reshape({1}),
+              m.norm_weights[seg.param]);
+  m.norm_group->all_reduce(sq, ReduceOp::kSum);
+  double norm = std::sqrt(sq.item<double>());
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) ops::mul_(m.shard_grad, max_norm / (norm + 1e-6));
+
+  ++step_;
+  Tensor shard_param = m.flat_param.narrow(0, m.shard_begin, m.shard);
+  for (auto& seg : m.segments) {
+    Tensor p = shard_param.narrow(0, seg.shard_start, seg.length);
+    Tensor src = m.params[seg.param].detach().reshape({m.params[seg.param].numel()});
+    p.copy_from(src.narrow(0, seg.param_start, seg.length));
+    Tensor g = m.shard_grad.narrow(0, seg.shard_start, seg.length);
+    Tensor ea = m.exp_avg.narrow(0, seg.shard_start, seg.length);
+    Tensor eas = m.exp_avg_sq.narrow(0, seg.shard_start, seg.length);
+    optim::AdamWAttrs a{lr_, m.options.beta1, m.options.beta2, m.options.eps, m.weight_decay[seg.param], step_};
+    optim::adamw_update(p, g, ea, eas, a);
+  }
+  Tensor mine = m.flat_param.narrow(0, m.shard_begin, m.shard).clone();
+  m.dp->all_gather(mine, m.flat_param);
+  for (size_t i = 0; i < m.params.size(); ++i)
+    m.params[i].detach().copy_from(m.flat_param.narrow(0, m.offsets[i], m.params[i].numel()).reshape(m.params[i].shape()));
+  return norm;
+}
+
+void ZeroAdamW::zero_grad() {
+  for (Tensor& p : impl_->params) p.zero_grad();
+}
+
+std::vector<Tensor> ZeroAdamW::parameters() const { return impl_->params; }
+
+optim::OptimizerState ZeroAdamW::state_dict() const {
+  const Impl& m = *impl_;
+  optim::OptimizerState s;
+  s["step"] = from_vector<int64_t>({step_}, {});
+  s["lr"] = from_vector<double>({lr_}, {});
+  s["shard.exp_avg"] = m.exp_avg;
+  s["shard.exp_avg_sq"] = m.exp_avg_sq;
+  s["shard.layout"] = from_vector<int64_t>({m.shard_begin, m.shard, m.total, int64_t(m.dp->size())}, {4});
+  return s;
+}
+
+void ZeroAdamW::load_state_dict(const optim::OptimizerState& state) {
+  Impl& m = *impl_;
+  for (const char* k : {"step", "lr", "shard.exp_avg", "shard.exp_avg_sq", "shard.layout"})
+    LOOM_REQUIRE(state.count(k), "ZeroAdamW: optimizer state lacks '", k, "'");
+  std::vector<int64_t> layout = to_vector<int64_t>(state.at("shard.layout"));
+  std::vector<int64_t> mine{m.shard_begin, m.shard, m.total, int64_t(m.dp->size())};
+  LOOM_REQUIRE(layout == mine, "ZeroAdamW: the saved shard (offset ", layout.at(0), ", ", layout.at(1), " of ",
+               layout.at(2), " over ", layout.at(3), " ranks) does not fit this one (offset ", mine[0], ", ", mine[1],
+               " of ", mine[2], " over ", mine[3], " ranks): resume with the same model and data-parallel size");
+  m.exp_avg.copy_from(state.at("shard.exp_avg"));
+  m.exp_avg_sq.copy_from(state.at("shard.exp_avg_sq"));
+  step_ = state.at("step").item<int64_t>();
+  lr_ = state.at("lr").item<double>();
+}
+
+}  // namespace loom::distributed

@@ -1,0 +1,262 @@
+// Multi-process checks of the distributed layer, run by ctest as `mpirun -np 2 loom_distributed_mpi_check`: MPI
+// collectives, DDP and ZeRO-1 on the tiny GPT-2 against one process at the same global batch, TP=2 against TP=1.
+// Prints one line per check and exits non-zero on the first failure (on any rank).
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/distributed/ddp.h"
+#include "loom/distributed/process_group.h"
+#include "loom/distributed/tensor_parallel.h"
+#include "loom/functional.h"
+#include "loom/nn/model.h"
+#include "loom/optim/clip_grad.h"
+#include "loom/optim/optimizer.h"
+
+using namespace loom;
+namespace dist = loom::distributed;
+
+namespace {
+
+std::shared_ptr<dist::ProcessGroup> world;
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "[rank %d] FAILED: %s\n", world->rank(), what.c_str());
+  }
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  auto x = to_vector<double>(a), y = to_vector<double>(b);
+  if (x.size() != y.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
+}
+
+nn::ModelConfig tiny() {
+  nn::ModelConfig c = nn::ModelConfig::from_name("gpt2-tiny");
+  c.vocab_size = 250;  // a small vocabulary keeps the test fast; padded to 256 (divides by 2)
+  c.padded_vocab_size = 256;
+  c.max_seq_len = 32;
+  return c;
+}
+
+// The same tokens on every rank: [rows, T+1].
+Tensor tokens(int64_t rows, int64_t T, uint64_t seed) {
+  std::mt19937_64 eng(seed);
+  std::vector<int64_t> v(size_t(rows * (T + 1)));
+  for (auto& x : v) x = int64_t(eng() % 250);
+  return from_vector(v, {rows, T + 1});
+}
+
+Tensor loss_of(nn::LanguageModel& m, const Tensor& batch) {
+  int64_t T = batch.size(1) - 1;
+  Tensor x = batch.narrow(1, 0, T).contiguous(), y = batch.narrow(1, 1, T).contiguous();
+  return m.loss(m.forward(x), y);
+}
+
+void check_collectives() {
+  int r = world->rank(), n = world->size();
+  Tensor a = full({5}, double(r + 1));
+  world->all_reduce(a, dist::ReduceOp::kSum);
+  check(max_abs_diff(a, full({5}, n * (n + 1) / 2.0)) == 0, "all_reduce sum");
+  Tensor b = full({3}, double(r + 1), kBF16);
+  world->all_reduce(b, dist::ReduceOp::kAvg);
+  check(max_abs_diff(b, full({3}, (n + 1) / 2.0)) < 1e-2, "all_reduce avg bf16");
+  Tensor c = full({4}, double(r), kF64);
+  world->all_reduce(c, dist::ReduceOp::kMax);
+  check(max_abs_diff(c, full({4}, n - 1.0, kF64)) == 0, "all_reduce max f64");
+  Tensor in = arange(0, double(2 * n), 1, kF32);  // rank r's chunk r: [2r, 2r+1]
+  Tensor out = zeros({2});
+  world->reduce_scatter(in, out, dist::ReduceOp::kSum);
+  check(max_abs_diff(out, from_vector<float>({float(2 * r * n), float((2 * r + 1) * n)})) == 0, "reduce_scatter");
+  Tensor g = zeros({n, 2}, kI64);
+  world->all_gather(full({2}, double(r), kI64), g);
+  bool ok = true;
+  for (int k = 0; k < n; ++k) ok &= g.select(0, k).select(0, 1).item<int64_t>() == k;
+  check(ok, "all_gather");
+  Tensor bc = full({3}, double(r == 1 ? 7 : 0));
+  world->broadcast(bc, 1);
+  check(max_abs_diff(bc, full({3}, 7.0)) == 0, "broadcast");
+  if (n == 2) {
+    Tensor msg = full({2}, 42.0);
+    if (r == 0) world->send(msg, 1);
+    else {
+      Tensor got = zeros({2});
+      world->recv(got, 0);
+      check(max_abs_diff(got, msg) == 0, "send/recv");
+    }
+  }
+  auto sub = world->split(r % 2, r);
+  check(sub->size() == (n + 1 - r % 2) / 2, "split size");
+  Tensor s = ones({1});
+  sub->all_reduce(s);
+  check(s.item<double>() == sub->size(), "split all_reduce");
+  world->barrier();
+  bool threw = false;
+  try {
+    Tensor bad = zeros({4, 4}).t();
+    world->all_reduce(bad);
+  } catch (const Error&) {
+    threw = true;
+  }
+  check(threw, "non-contiguous tensor rejected");
+}
+
+// One process's reference: AdamW steps on the mean loss of the full global batch (micro-batches accumulated).
+// DDP: each rank takes its rows of each micro-batch.
+void check_ddp(DType reduce_dtype, bool zero1, double tol) {
+  int r = world->rank(), n = world->size();
+  const int64_t rows_per_rank = 2, T = 16, micro = 2, steps = 2;
+  optim::AdamWOptions ao;
+  ao.lr = 1e-2;
+  auto ref = nn::make_model(tiny());
+  ref->init_weights(7);
+  auto model = nn::make_model(tiny());
+  model->init_weights(7);
+  optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
+  optim::AdamW opt(optim::adamw_param_groups(model->named_parameters(), 0.1), ao);
+  std::unique_ptr<dist::ZeroAdamW> zero;
+  std::unique_ptr<dist::DistributedDataParallel> ddp;
+  if (zero1) zero = std::make_unique<dist::ZeroAdamW>(optim::adamw_param_groups(model->named_parameters(), 0.1), ao, world);
+  else {
+    dist::DDPOptions o;
+    o.reduce_dtype = reduce_dtype;
+    o.bucket_bytes = 64 << 10;  // several buckets on the tiny model
+    ddp = std::make_unique<dist::DistributedDataParallel>(opt.parameters(), world, o);
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    for (int64_t m = 0; m < micro; ++m) {
+      Tensor batch = tokens(rows_per_rank * n, T, uint64_t(100 + step * 10 + m));
+      mul(loss_of(*ref, batch), 1.0 / micro).backward();
+      Tensor mine = batch.narrow(0, r * rows_per_rank, rows_per_rank).contiguous();
+      if (ddp) ddp->set_require_sync(m + 1 == micro);
+      mul(loss_of(*model, mine), 1.0 / micro).backward();
+    }
+    double norm;
+    if (zero) {
+      norm = zero->step(0.5);
+    } else {
+      ddp->finish();
+      // Averaged gradients against the full batch's, relative to the largest gradient.
+      double worst = 0, largest = 0;
+      auto a = ref_opt.parameters(), b = opt.parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        worst = std::max(worst, max_abs_diff(a[i].grad(), b[i].grad()));
+        largest = std::max(largest, max_abs_diff(a[i].grad(), zeros(a[i].shape())));
+      }
+      check(worst <= tol * largest, std::string("DDP (") + dtype_name(reduce_dtype) + ") gradients: max diff " +
+                                        std::to_string(worst) + " of " + std::to_string(largest));
+      norm = optim::clip_grad_norm(opt.parameters(), 0.5);
+      opt.step();
+    }
+    double ref_norm = optim::clip_grad_norm(ref_opt.parameters(), 0.5);
+    ref_opt.step();
+    check(std::abs(norm - ref_norm) < tol * std::max(1.0, ref_norm),
+          "grad norm " + std::to_string(norm) + " vs " + std::to_string(ref_norm));
+  }
+  if (ddp) check(ddp->buckets().size() > 1 && ddp->buckets_launched_during_backward() > 0,
+                 "buckets launched while backward ran");
+  if (reduce_dtype != kF32) return;  // AdamW turns bf16 rounding of tiny gradients into lr-sized steps
+  double worst = 0;
+  auto a = ref->named_parameters(), b = model->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, max_abs_diff(a[i].second, b[i].second));
+  check(worst < tol, std::string(zero1 ? "ZeRO-1" : "DDP") + " (" + dtype_name(reduce_dtype) +
+                         ") parameters match one process: max diff " + std::to_string(worst));
+}
+
+void check_tensor_parallel() {
+  nn::ModelConfig cfg = tiny();
+  auto full = nn::make_model(cfg);
+  full->init_weights(11);
+  dist::TensorParallelGPT2 tp(cfg, world);
+  tp.init_weights(11);
+  Tensor batch = tokens(2, 16, 5);
+  Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
+  Tensor ref_loss = full->loss(full->forward(x), y);
+  ref_loss.backward();
+  Tensor loss = tp.parallel_loss(tp.forward_local(x), y);
+  loss.backward();
+  check(std::abs(loss.item<double>() - ref_loss.item<double>()) < 1e-5,
+        "TP=2 loss " + std::to_string(loss.item<double>()) + " matches TP=1 " + std::to_string(ref_loss.item<double>()));
+  // Gradients: gather TP grads into full shapes by putting them in a TP model's parameters.
+  dist::TensorParallelGPT2 grads(cfg, world);
+  {
+    autograd::NoGradGuard ng;
+    auto src = tp.named_parameters();
+    auto dst = grads.named_parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_from(src[i].second.grad());
+  }
+  std::map<std::string, Tensor> full_grads;
+  for (auto& [n, t] : grads.full_named_parameters()) full_grads[n] = t;
+  double worst = 0;
+  for (auto& [n, p] : full->named_parameters()) worst = std::max(worst, max_abs_diff(p.grad(), full_grads.at(n)));
+  check(worst < 1e-5, "TP=2 gradients match TP=1: max diff " + std::to_string(worst));
+  std::vector<double> w;
+  for (bool s : tp.sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
+  double norm = dist::clip_grad_norm_distributed(tp.parameters(), w, 0, *world);
+  double ref_norm = optim::clip_grad_norm(full->parameters(), 0);
+  check(std::abs(norm - ref_norm) < 1e-5 * ref_norm, "TP grad norm matches");
+  {
+    autograd::NoGradGuard ng;
+    Tensor logits = tp.forward(x), ref_logits = full->forward(x);
+    check(max_abs_diff(logits, ref_logits) < 1e-5, "TP=2 gathered logits match TP=1");
+  }
+  std::vector<int32_t> prompt{1, 2, 3};
+  nn::GenerateOptions g;
+  g.max_new_tokens = 4;
+  g.temperature = 0;
+  check(nn::generate(tp, prompt, g) == nn::generate(*full, prompt, g), "TP=2 greedy generation (KV cache) matches");
+}
+
+void run(const char* name, const std::function<void()>& f) {
+  int before = failures;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    check(false, std::string(name) + " threw: " + e.what());
+  }
+  if (world->rank() == 0) std::printf("%s %s\n", failures == before ? "ok  " : "FAIL", name);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool stuck_rank = argc > 1 && std::string(argv[1]) == "--stuck-rank";
+  try {
+    world = dist::init_process_group({"mpi", Device(), stuck_rank ? 1.0 : 60.0});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "init failed: %s\n", e.what());
+    return 1;
+  }
+  if (stuck_rank) {  // rank 1 is late: rank 0's all-reduce must throw within its 1 s timeout, not hang
+    if (world->rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+    Tensor t = ones({4});
+    try {
+      world->all_reduce(t);
+    } catch (const Error& e) {
+      std::printf("rank %d: %s\n", world->rank(), e.what());
+      std::fflush(stdout);
+      return 1;  // at exit the job is aborted (not finalized), so the late rank cannot hang either
+    }
+    return 0;
+  }
+  run("collectives", check_collectives);
+  run("ddp f32", [] { check_ddp(kF32, false, 2e-5); });
+  run("ddp bf16 reduction", [] { check_ddp(kBF16, false, 2e-2); });
+  run("zero-1", [] { check_ddp(kF32, true, 2e-5); });
+  run("tensor parallel", check_tensor_parallel);
+  Tensor f = full({1}, double(failures));
+  world->all_reduce(f, dist::ReduceOp::kMax);
+  return f.item<double>() > 0 ? 1 : 0;
+}
