@@ -108,6 +108,11 @@ class CudaRuntime final : public DeviceRuntime {
   }
 
   const DeviceContext& context(int index) override { return at(index).context; }
+  loom::MemoryStats memory_stats(int index) override {
+    cuda::MemoryStats s = at(index).allocator.stats();
+    return loom::MemoryStats{s.allocated_bytes, s.reserved_bytes, s.peak_allocated_bytes, size_t(s.num_device_mallocs)};
+  }
+  void reset_peak_memory(int index) override { at(index).allocator.reset_peak(); }
 
   cuda::CachingAllocator& allocator(int index) { return at(index).allocator; }
 
