@@ -2,6 +2,7 @@
 #include "loom/core/device_runtime.h"
 
 #include <array>
+#include <functional>
 #include <mutex>
 
 #include "loom/common/error.h"
@@ -12,6 +13,7 @@ struct RuntimeTable {
   std::mutex mu;
   std::array<std::unique_ptr<DeviceRuntime>, kMaxDeviceTypes> runtimes;
   std::array<std::string, kMaxDeviceTypes> names{"cpu", "cuda"};
+  std::array<std::function<std::unique_ptr<DeviceRuntime>()>, kMaxDeviceTypes> factories;
 };
 RuntimeTable& table() {
   static RuntimeTable* t = new RuntimeTable;  // outlives every tensor freed at exit
@@ -27,10 +29,33 @@ void register_device_runtime(std::unique_ptr<DeviceRuntime> rt) {
   t.runtimes[i] = std::move(rt);
 }
 
-bool has_device_runtime(DeviceType type) { return table().runtimes[int(type)] != nullptr; }
+void register_device_runtime_factory(DeviceType type, std::function<std::unique_ptr<DeviceRuntime>()> factory) {
+  auto& t = table();
+  std::lock_guard<std::mutex> g(t.mu);
+  t.factories[int(type)] = std::move(factory);
+}
+
+namespace {
+// Runs a pending factory once, on first use, so no device API is touched while libraries load (tools such as
+// compute-sanitizer must attach before the first CUDA call).
+DeviceRuntime* lookup(DeviceType type) {
+  auto& t = table();
+  DeviceRuntime* rt = t.runtimes[int(type)].get();
+  if (rt) return rt;
+  std::lock_guard<std::mutex> g(t.mu);
+  if (!t.runtimes[int(type)] && t.factories[int(type)]) {
+    auto factory = std::move(t.factories[int(type)]);
+    t.factories[int(type)] = nullptr;
+    t.runtimes[int(type)] = factory();
+  }
+  return t.runtimes[int(type)].get();
+}
+}  // namespace
+
+bool has_device_runtime(DeviceType type) { return lookup(type) != nullptr; }
 
 DeviceRuntime& device_runtime(DeviceType type) {
-  auto& rt = table().runtimes[int(type)];
+  DeviceRuntime* rt = lookup(type);
   if (!rt) {
     if (type == DeviceType::kCUDA) {
 #ifdef LOOM_WITH_CUDA

@@ -194,10 +194,12 @@ class NcclProcessGroup final : public ProcessGroup {
     cuda::DeviceGuard guard(comm_->device.index);
     auto sub = std::make_shared<Comm>();
     sub->device = comm_->device;
+    // The parent must be idle before a split; the split itself blocks (it happens once, at start-up, after the
+    // world has already met, so a timeout matters less here than NCCL's non-blocking split semantics).
+    comm_->settle("split (waiting for the parent communicator)", timeout_s_);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = 1;
     comm_->check(ncclCommSplit(comm_->comm, color, key, &sub->comm, &config), "split", timeout_s_);
-    sub->settle("split", timeout_s_);
     ncclCommCount(sub->comm, &sub->size);
     ncclCommUserRank(sub->comm, &sub->rank);
     LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sub->stream, cudaStreamNonBlocking));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -77,6 +78,8 @@ class DeviceRuntime {
 // when compiled in.
 void register_device_runtime(std::unique_ptr<DeviceRuntime> rt);
 // The runtime for a type; throws naming the device if none is registered (e.g. CUDA in a CPU-only build).
+// Registers a factory that creates the runtime on first use (and may return null: no device present).
+void register_device_runtime_factory(DeviceType t, std::function<std::unique_ptr<DeviceRuntime>()> factory);
 DeviceRuntime& device_runtime(DeviceType t);
 bool has_device_runtime(DeviceType t);
 // Reserves a device type for a new accelerator named `name` ("npu"), so Device::parse("npu:0") works.

@@ -145,9 +145,13 @@ int visible_devices() {
   return count;
 }
 
+// Created on first use, not at load: tools like compute-sanitizer must see the first CUDA call.
 const bool registered = [] {
-  int count = visible_devices();
-  if (count > 0) register_device_runtime(std::make_unique<CudaRuntime>(count));
+  register_device_runtime_factory(DeviceType::kCUDA, []() -> std::unique_ptr<DeviceRuntime> {
+    int count = visible_devices();
+    if (count == 0) return nullptr;
+    return std::make_unique<CudaRuntime>(count);
+  });
   return true;
 }();
 
