@@ -68,7 +68,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
-                     ops::Reduction reduction = ops::Reduction::kMean);
+                     ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
                                     std::optional<double> scale = std::nullopt);
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);

@@ -2,9 +2,14 @@
 #include "loom/core/dispatch.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iomanip>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 namespace loom {
@@ -366,6 +371,124 @@ void throw_no_kernel(OpId op, Device device, DType dtype, bool all_declined) {
   std::string why = all_declined ? "every candidate declined this call" : "no kernel supports it";
   LOOM_THROW(op_name(op), ": no kernel for dtype ", dtype_name(dtype), " on ", device.str(), " (", why, ")\n",
              explain_str(op_name(op), device.type, dtype));
+}
+
+// ---- Per-op profiling (LOOM_PROFILE_OPS) ----
+
+namespace {
+
+struct OpProfile {
+  std::mutex mu;
+  std::map<std::tuple<OpId, int, int>, OpProfileRow> rows;  // by (op, device type, dtype)
+  size_t peak_device_bytes = 0;
+};
+
+OpProfile& op_profile_state() {
+  static OpProfile* p = new OpProfile;  // never destroyed: the exit report reads it
+  return *p;
+}
+
+// Nested dispatches (an op whose kernel dispatches another) are timed once, by the outermost call.
+thread_local int profile_depth = 0;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void write_profile_report() {
+  std::fputs(op_profile_table().c_str(), stderr);
+  if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path && *path) {
+    std::ofstream f(path);
+    f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\n";
+    for (const auto& r : op_profile())
+      f << r.op << '\t' << device_type_display_name(r.device) << '\t' << dtype_name(r.dtype) << '\t' << r.calls
+        << '\t' << r.total_ms << '\t' << r.max_ms << '\n';
+  }
+}
+
+[[maybe_unused]] const bool profile_from_env = [] {
+  const char* env = std::getenv("LOOM_PROFILE_OPS");
+  if (!env || !*env || std::string(env) == "0") return false;
+  dispatch::detail::profile_ops.store(true);
+  std::atexit(write_profile_report);
+  return true;
+}();
+
+}  // namespace
+
+void set_op_profiling(bool on) { detail::profile_ops.store(on); }
+bool op_profiling() { return detail::profile_ops.load(); }
+
+int64_t detail::profile_begin(Device device) {
+  if (profile_depth++ == 0) device_runtime(device.type).synchronize(device.index);
+  return now_ns();
+}
+
+void detail::profile_end(OpId op, Device device, DType dtype, int64_t begin_ns) {
+  if (--profile_depth != 0) return;
+  DeviceRuntime& rt = device_runtime(device.type);
+  rt.synchronize(device.index);
+  const double ms = double(now_ns() - begin_ns) / 1e6;
+  const size_t peak = rt.memory_stats(device.index).peak_allocated;
+  OpProfile& p = op_profile_state();
+  std::lock_guard<std::mutex> g(p.mu);
+  OpProfileRow& r = p.rows[{op, int(device.type), int(dtype)}];
+  if (r.calls == 0) r.op = op_name(op), r.device = device.type, r.dtype = dtype;
+  ++r.calls;
+  r.total_ms += ms;
+  r.max_ms = std::max(r.max_ms, ms);
+  p.peak_device_bytes = std::max(p.peak_device_bytes, peak);
+}
+
+void detail::profile_abort() { --profile_depth; }
+
+std::vector<OpProfileRow> op_profile() {
+  OpProfile& p = op_profile_state();
+  std::vector<OpProfileRow> out;
+  {
+    std::lock_guard<std::mutex> g(p.mu);
+    for (const auto& [key, row] : p.rows) out.push_back(row);
+  }
+  std::sort(out.begin(), out.end(), [](const OpProfileRow& a, const OpProfileRow& b) { return a.total_ms > b.total_ms; });
+  return out;
+}
+
+void reset_op_profile() {
+  OpProfile& p = op_profile_state();
+  std::lock_guard<std::mutex> g(p.mu);
+  p.rows.clear();
+  p.peak_device_bytes = 0;
+}
+
+std::string op_profile_table() {
+  const auto rows = op_profile();
+  double total = 0;
+  uint64_t calls = 0;
+  for (const auto& r : rows) total += r.total_ms, calls += r.calls;
+  std::ostringstream os;
+  os << "op profile: device-synchronized time per kernel call (LOOM_PROFILE_OPS)\n"
+     << std::left << std::setw(34) << "op" << std::setw(8) << "device" << std::setw(6) << "dtype" << std::right
+     << std::setw(9) << "calls" << std::setw(12) << "total ms" << std::setw(11) << "mean us" << std::setw(11)
+     << "max us" << std::setw(8) << "share" << "\n";
+  os << std::fixed;
+  for (const auto& r : rows) {
+    os << std::left << std::setw(34) << r.op << std::setw(8) << device_type_display_name(r.device) << std::setw(6)
+       << dtype_name(r.dtype) << std::right << std::setw(9) << r.calls << std::setw(12) << std::setprecision(3)
+       << r.total_ms << std::setw(11) << std::setprecision(1) << 1000.0 * r.total_ms / double(r.calls)
+       << std::setw(11) << 1000.0 * r.max_ms << std::setw(7) << (total > 0 ? 100.0 * r.total_ms / total : 0.0)
+       << "%\n";
+  }
+  size_t peak;
+  {
+    OpProfile& p = op_profile_state();
+    std::lock_guard<std::mutex> g(p.mu);
+    peak = p.peak_device_bytes;
+  }
+  os << std::left << std::setw(48) << "total" << std::right << std::setw(9) << calls << std::setw(12)
+     << std::setprecision(3) << total << "\n"
+     << "peak device memory allocated: " << std::setprecision(1) << double(peak) / double(1 << 20) << " MiB\n";
+  return os.str();
 }
 
 }  // namespace dispatch

@@ -153,9 +153,11 @@ double ModelConfig::flops_per_token(int64_t seq_len, int64_t num_params) const {
 }
 
 Tensor LanguageModel::loss(const Tensor& logits, const Tensor& targets) const {
+  // The padded columns are left out inside the kernel (vocab_limit): narrowing would copy the logits forward and
+  // backward and pad the gradient again, three extra passes over the largest activation of the step.
   Tensor flat = logits.reshape({-1, logits.size(-1)});
-  if (cfg_.padded_vocab_size > cfg_.vocab_size) flat = flat.narrow(1, 0, cfg_.vocab_size);
-  return cross_entropy(flat, targets.reshape({-1}));
+  const int64_t classes = flat.size(1) > cfg_.vocab_size ? cfg_.vocab_size : -1;
+  return loom::cross_entropy(flat, targets.reshape({-1}), -100, ops::Reduction::kMean, classes);
 }
 
 namespace {

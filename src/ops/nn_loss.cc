@@ -25,22 +25,35 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   return grad_weight;
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, Reduction reduction) {
+namespace {
+
+CrossEntropyAttrs cross_entropy_attrs(const char* op, const Tensor& logits, int64_t ignore_index, Reduction reduction,
+                                      int64_t vocab_limit) {
+  LOOM_REQUIRE(vocab_limit == -1 || (vocab_limit >= 1 && vocab_limit <= logits.size(1)), op, ": vocab_limit ",
+               vocab_limit, " must be -1 (all columns) or in [1, ", logits.size(1), "] for logits ", describe(logits));
+  return CrossEntropyAttrs{ignore_index, reduction, vocab_limit == logits.size(1) ? -1 : vocab_limit};
+}
+
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, Reduction reduction,
+                     int64_t vocab_limit) {
   const char* op = "cross_entropy";
   ops_detail::check_same_device(op, {&logits, &targets});
   Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
   Tensor x = logits.contiguous(), t = targets.contiguous();
   Tensor loss = empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device());
-  dispatch::call(cross_entropy_op, logits.device(), logits.dtype(), x, t, CrossEntropyAttrs{ignore_index, reduction},
-                 loss);
+  dispatch::call(cross_entropy_op, logits.device(), logits.dtype(), x, t, attrs, loss);
   return loss;
 }
 
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
-                              int64_t ignore_index, Reduction reduction) {
+                              int64_t ignore_index, Reduction reduction, int64_t vocab_limit) {
   const char* op = "cross_entropy_backward";
   ops_detail::check_same_device(op, {&grad_loss, &logits, &targets});
   Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
   ops_detail::check_floating(op, grad_loss);
   bool shape_ok = reduction == Reduction::kNone ? grad_loss.shape() == loss_shape : grad_loss.numel() == 1;
   LOOM_REQUIRE(shape_ok, op, ": grad_loss must be ", reduction == Reduction::kNone ? shape_str(loss_shape) : "a scalar",
@@ -48,8 +61,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   Tensor g = grad_loss.to(cross_entropy_loss_dtype(logits.dtype())).contiguous();
   Tensor x = logits.contiguous(), t = targets.contiguous();
   Tensor grad_logits = empty(logits.shape(), logits.dtype(), logits.device());
-  dispatch::call(cross_entropy_backward_op, logits.device(), logits.dtype(), g, x, t,
-                 CrossEntropyAttrs{ignore_index, reduction}, grad_logits);
+  dispatch::call(cross_entropy_backward_op, logits.device(), logits.dtype(), g, x, t, attrs, grad_logits);
   return grad_logits;
 }
 

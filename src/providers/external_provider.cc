@@ -248,6 +248,7 @@ const auto pack_rms_norm_backward = [](Call& c, const Tensor& grad, const Tensor
 void cross_entropy_attrs(Call& c, const CrossEntropyAttrs& at) {
   c.attr_int("ignore_index", at.ignore_index);
   c.attr_int("reduction", int64_t(at.reduction));
+  c.attr_int("vocab_limit", at.vocab_limit);  // -1: every column is a class
 }
 const auto pack_cross_entropy = [](Call& c, const Tensor& logits, const Tensor& targets,
                                    const CrossEntropyAttrs& at, Tensor& loss) {

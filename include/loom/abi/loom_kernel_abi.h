@@ -56,7 +56,9 @@
  *     rms_norm_backward                             in: grad, x, weight?, rstd   out: grad_input?, grad_weight?
  *   Losses (logits [N, V], targets [N] i32/i64; loss is f32, f64 for f64 logits; dispatch dtype = logits'):
  *     cross_entropy                                 in: logits, targets    out: loss
- *                                                   attrs: ignore_index (int), reduction (int: 0 mean, 1 sum, 2 none)
+ *                                                   attrs: ignore_index (int), reduction (int: 0 mean, 1 sum, 2 none),
+ *                                                   vocab_limit (int: the first vocab_limit columns are the classes,
+ *                                                   the rest get zero gradient; -1: all V)
  *     cross_entropy_backward                        in: grad_loss, logits, targets   out: grad_logits   (same attrs)
  *   Matrix product (every linear, matmul and outer in Loom goes through it):
  *     gemm  C = alpha * op(A) * op(B) + beta * C, column-major (BLAS/cuBLAS convention), strided batch.

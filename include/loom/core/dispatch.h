@@ -183,6 +183,31 @@ std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, con
 // Removes every kernel of a provider (used when an external library unloads, and by tests).
 void unregister_provider(const std::string& provider);
 
+// Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the dispatcher synchronizes the device
+// before and after each kernel call and adds the wall time to its (op, device, dtype) row, so a row is the kernel's
+// device time plus one launch. Off, it costs one relaxed atomic load per call. With the variable set, the table goes
+// to stderr at exit, and also, tab-separated, to the file LOOM_PROFILE_OPS_FILE names.
+struct OpProfileRow {
+  std::string op;
+  DeviceType device = DeviceType::kCPU;
+  DType dtype = kF32;
+  uint64_t calls = 0;
+  double total_ms = 0;
+  double max_ms = 0;
+};
+void set_op_profiling(bool on);
+bool op_profiling();
+std::vector<OpProfileRow> op_profile();  // by total time, largest first
+void reset_op_profile();
+// The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
+std::string op_profile_table();
+namespace detail {
+inline std::atomic<bool> profile_ops{false};
+int64_t profile_begin(Device device);  // synchronizes; returns a steady-clock time in ns
+void profile_end(OpId op, Device device, DType dtype, int64_t begin_ns);
+void profile_abort();  // the kernel threw: nothing is recorded
+}  // namespace detail
+
 // The eligible entries for (op, device, dtype) in policy order; cached until the registry or policy changes.
 const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DType dtype);
 [[noreturn]] void throw_no_kernel(OpId op, Device device, DType dtype, bool all_declined);
@@ -240,6 +265,17 @@ void call(Op, Device device, DType dtype, Args&&... args) {
         Op::traits::run_shadowed(*shadow, *static_cast<const function*>(e->fn.get()), ctx, args...);
         return;
       }
+    }
+    if (detail::profile_ops.load(std::memory_order_relaxed)) [[unlikely]] {
+      const int64_t begin = detail::profile_begin(device);
+      try {
+        (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
+      } catch (...) {
+        detail::profile_abort();
+        throw;
+      }
+      detail::profile_end(Op::id(), device, dtype, begin);
+      return;
     }
     (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
     return;

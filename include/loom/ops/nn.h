@@ -40,11 +40,14 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
 enum class Reduction { kMean, kSum, kNone };
 // logits [N, V] (any float dtype; math in f32 or f64), targets [N] (i32/i64). Targets equal to ignore_index add
 // nothing and are not counted in the mean. Result: f32 scalar (or [N] for kNone), f64 for f64 logits.
+// vocab_limit (1..V, or -1 for V): only the first vocab_limit columns are classes; the rest (a padded vocabulary)
+// are left out of the softmax and get a zero gradient, with no copy of the logits.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
-                     Reduction reduction = Reduction::kMean);
+                     Reduction reduction = Reduction::kMean, int64_t vocab_limit = -1);
 // grad_loss: the gradient of the loss (scalar, or [N] for kNone). Returns grad of logits, logits' dtype.
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
-                              int64_t ignore_index = -100, Reduction reduction = Reduction::kMean);
+                              int64_t ignore_index = -100, Reduction reduction = Reduction::kMean,
+                              int64_t vocab_limit = -1);
 
 // Scaled dot-product attention, q [B, H, T, D], k and v [B, Hkv, S, D] with H a multiple of Hkv (grouped-query).
 // scale defaults to 1/sqrt(D). Causal masking aligns the last query with the last key (query t sees keys

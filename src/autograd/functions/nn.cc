@@ -87,10 +87,12 @@ class CrossEntropyBackward final : public autograd::Node {
   Tensor logits, targets;
   int64_t ignore_index = -100;
   ops::Reduction reduction = ops::Reduction::kMean;
+  int64_t vocab_limit = -1;
   std::string name() const override { return "CrossEntropyBackward"; }
   tensor_list apply(tensor_list&& grads) override {
     if (!grads[0].defined() || !needs_input_grad(0)) return {Tensor()};
-    return {as_dtype(ops::cross_entropy_backward(grads[0], logits, targets, ignore_index, reduction), logits.dtype())};
+    return {as_dtype(ops::cross_entropy_backward(grads[0], logits, targets, ignore_index, reduction, vocab_limit),
+                     logits.dtype())};
   }
   void release_saved() override { logits = targets = Tensor(); }
 };
@@ -166,13 +168,15 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   return out;
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction) {
-  Tensor loss = ops::cross_entropy(logits, targets, ignore_index, reduction);
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
+                     int64_t vocab_limit) {
+  Tensor loss = ops::cross_entropy(logits, targets, ignore_index, reduction, vocab_limit);
   if (auto node = autograd::make_node<CrossEntropyBackward>({&logits})) {
     node->logits = logits.detach();
     node->targets = targets.detach();
     node->ignore_index = ignore_index;
     node->reduction = reduction;
+    node->vocab_limit = vocab_limit;
     autograd::set_history(loss, node);
   }
   return loss;

@@ -40,10 +40,10 @@ template <typename T, typename I>
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const CrossEntropyAttrs& attrs,
                            Tensor& loss) {
   using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   const T* x = static_cast<const T*>(logits.data());
   const I* tgt = static_cast<const I*>(targets.data());
-  const int64_t counted = count_targets("cross_entropy", tgt, n, vocab, attrs.ignore_index);
+  const int64_t counted = count_targets("cross_entropy", tgt, n, classes, attrs.ignore_index);
   std::vector<C> row_loss(static_cast<size_t>(n));
   cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -54,7 +54,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Cr
       }
       const T* row = x + i * vocab;
       C m, log_sum;
-      row_logsumexp(row, vocab, m, log_sum);
+      row_logsumexp(row, classes, m, log_sum);
       row_loss[size_t(i)] = (m - C(row[t])) + log_sum;
     }
   });
@@ -74,10 +74,10 @@ template <typename T, typename I>
 void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
                                  const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
   using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   const T* x = static_cast<const T*>(logits.data());
   const I* tgt = static_cast<const I*>(targets.data());
-  const int64_t counted = count_targets("cross_entropy_backward", tgt, n, vocab, attrs.ignore_index);
+  const int64_t counted = count_targets("cross_entropy_backward", tgt, n, classes, attrs.ignore_index);
   const C* gl = grad_loss.data_ptr<C>();
   const bool per_row = attrs.reduction == ops::Reduction::kNone;
   // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite.
@@ -93,22 +93,23 @@ void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, 
       }
       const T* row = x + i * vocab;
       const C g = (per_row ? gl[i] : gl[0]) * scale;
+      std::fill(grow + classes, grow + vocab, T(C(0)));
       if constexpr (std::is_same_v<T, C>) {
         // The gradient row holds exp(x - m) exactly: one exp per element.
         C m = -std::numeric_limits<C>::infinity();
-        for (int64_t j = 0; j < vocab; ++j) m = std::max(m, row[j]);
+        for (int64_t j = 0; j < classes; ++j) m = std::max(m, row[j]);
         double s = 0;
-        for (int64_t j = 0; j < vocab; ++j) {
+        for (int64_t j = 0; j < classes; ++j) {
           grow[j] = std::exp(row[j] - m);
           s += double(grow[j]);
         }
         const C factor = C(double(g) / s);
-        for (int64_t j = 0; j < vocab; ++j) grow[j] *= factor;
+        for (int64_t j = 0; j < classes; ++j) grow[j] *= factor;
         grow[t] -= g;
       } else {
         C m, log_sum;
-        row_logsumexp(row, vocab, m, log_sum);
-        for (int64_t j = 0; j < vocab; ++j) {
+        row_logsumexp(row, classes, m, log_sum);
+        for (int64_t j = 0; j < classes; ++j) {
           C d = std::exp((C(row[j]) - m) - log_sum) * g;  // (x - m) first, as in log_softmax
           grow[j] = T(j == t ? d - g : d);
         }

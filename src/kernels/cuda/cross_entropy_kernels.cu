@@ -44,18 +44,18 @@ __device__ __forceinline__ OnlineSoftmax<compute_t<T>> row_softmax_stats(const T
 // Per-row losses (0 for ignored or invalid targets).
 template <typename T, typename I>
 __global__ void cross_entropy_rows_kernel(const T* logits, const I* targets, int64_t n, int64_t vocab,
-                                          int64_t ignore_index, loss_t<T>* row_loss) {
+                                          int64_t classes, int64_t ignore_index, loss_t<T>* row_loss) {
   using C = compute_t<T>;
   __shared__ OnlineSoftmax<C> scratch[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= n) return;  // uniform over a block when rows span several warps
   const int64_t t = int64_t(targets[row]);
-  if (t == ignore_index || t < 0 || t >= vocab) {  // the same for every thread of the row
+  if (t == ignore_index || t < 0 || t >= classes) {  // the same for every thread of the row
     if (threadIdx.x == 0) row_loss[row] = loss_t<T>(0);
     return;
   }
   const T* x = logits + row * vocab;
-  const OnlineSoftmax<C> stats = row_softmax_stats(x, vocab, scratch);
+  const OnlineSoftmax<C> stats = row_softmax_stats(x, classes, scratch);
   if (threadIdx.x == 0) row_loss[row] = (stats.max - C(x[t])) + cuda::log_of(stats.sum);
 }
 
@@ -80,15 +80,15 @@ __global__ void cross_entropy_reduce_kernel(const C* row_loss, int64_t n, const 
 template <typename T, typename I>
 __global__ void cross_entropy_backward_rows_kernel(const loss_t<T>* grad_loss, bool per_row, bool mean,
                                                    const unsigned long long* counted, const T* logits,
-                                                   const I* targets, int64_t n, int64_t vocab, int64_t ignore_index,
-                                                   T* grad_logits) {
+                                                   const I* targets, int64_t n, int64_t vocab, int64_t classes,
+                                                   int64_t ignore_index, T* grad_logits) {
   using C = compute_t<T>;
   __shared__ OnlineSoftmax<C> scratch[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= n) return;
   const int64_t t = int64_t(targets[row]);
   T* grow = grad_logits + row * vocab;
-  if (t == ignore_index || t < 0 || t >= vocab) {
+  if (t == ignore_index || t < 0 || t >= classes) {
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) grow[j] = T(C(0));
     return;
   }
@@ -100,9 +100,13 @@ __global__ void cross_entropy_backward_rows_kernel(const loss_t<T>* grad_loss, b
   }
   const C g = C(per_row ? grad_loss[row] : grad_loss[0]) * scale;
   const T* x = logits + row * vocab;
-  const OnlineSoftmax<C> stats = row_softmax_stats(x, vocab, scratch);
+  const OnlineSoftmax<C> stats = row_softmax_stats(x, classes, scratch);
   const C factor = g / stats.sum;
   for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+    if (j >= classes) {  // padded columns: no probability, no gradient
+      grow[j] = T(C(0));
+      continue;
+    }
     C d = cuda::exp_of(C(x[j]) - stats.max) * factor;
     grow[j] = T(j == t ? d - g : d);
   }
@@ -132,11 +136,11 @@ template <typename T, typename I>
 void cross_entropy_forward(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
                            const CrossEntropyAttrs& attrs, Tensor& loss) {
   using C = loss_t<T>;
-  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
   cuda::IndexStatus status(ctx, stream);
-  check_targets<I>(targets, vocab, attrs.ignore_index, status, stream);
+  check_targets<I>(targets, classes, attrs.ignore_index, status, stream);
   const bool per_row = attrs.reduction == ops::Reduction::kNone;
   Tensor row_buffer;
   C* row_loss = static_cast<C*>(loss.data());
@@ -145,10 +149,10 @@ void cross_entropy_forward(const DeviceContext& ctx, const Tensor& logits, const
     row_loss = static_cast<C*>(row_buffer.data());
   }
   if (n > 0) {
-    const cuda::RowGroups g = cuda::row_groups_for(vocab);
+    const cuda::RowGroups g = cuda::row_groups_for(classes);
     cross_entropy_rows_kernel<T, I><<<cuda::row_blocks(n, g), dim3(g.threads_per_row, g.rows_per_block), 0,
                                       stream>>>(static_cast<const T*>(logits.data()),
-                                                static_cast<const I*>(targets.data()), n, vocab,
+                                                static_cast<const I*>(targets.data()), n, vocab, classes,
                                                 attrs.ignore_index, row_loss);
     LOOM_CUDA_CHECK_LAUNCH();
   }
@@ -157,27 +161,28 @@ void cross_entropy_forward(const DeviceContext& ctx, const Tensor& logits, const
         row_loss, n, status.counter(), attrs.reduction == ops::Reduction::kMean, static_cast<C*>(loss.data()));
     LOOM_CUDA_CHECK_LAUNCH();
   }
-  throw_if_bad_target("cross_entropy", targets, vocab, attrs.ignore_index, status, stream);
+  throw_if_bad_target("cross_entropy", targets, classes, attrs.ignore_index, status, stream);
 }
 
 template <typename T, typename I>
 void cross_entropy_backward_rows(const DeviceContext& ctx, const Tensor& grad_loss, const Tensor& logits,
                                  const Tensor& targets, const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
-  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
   cuda::IndexStatus status(ctx, stream);
-  check_targets<I>(targets, vocab, attrs.ignore_index, status, stream);
+  check_targets<I>(targets, classes, attrs.ignore_index, status, stream);
   if (n > 0 && vocab > 0) {
     const cuda::RowGroups g = cuda::row_groups_for(vocab);
     cross_entropy_backward_rows_kernel<T, I><<<cuda::row_blocks(n, g), dim3(g.threads_per_row, g.rows_per_block),
                                                0, stream>>>(
         static_cast<const loss_t<T>*>(grad_loss.data()), attrs.reduction == ops::Reduction::kNone,
         attrs.reduction == ops::Reduction::kMean, status.counter(), static_cast<const T*>(logits.data()),
-        static_cast<const I*>(targets.data()), n, vocab, attrs.ignore_index, static_cast<T*>(grad_logits.data()));
+        static_cast<const I*>(targets.data()), n, vocab, classes, attrs.ignore_index,
+        static_cast<T*>(grad_logits.data()));
     LOOM_CUDA_CHECK_LAUNCH();
   }
-  throw_if_bad_target("cross_entropy_backward", targets, vocab, attrs.ignore_index, status, stream);
+  throw_if_bad_target("cross_entropy_backward", targets, classes, attrs.ignore_index, status, stream);
 }
 
 void cross_entropy_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,

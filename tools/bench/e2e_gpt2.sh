@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# End-to-end GPT-2 training benchmark: Loom's loom-train and the PyTorch reference (tools/bench/pytorch_gpt2.py) on
+# the same llm.c shard, one after the other on the same GPU, then a table of tokens/s, MFU, peak memory, the ratio
+# Loom/PyTorch and both loss curves. Run from the repository root on a GPU machine after building (build-dev/ by
+# tools/device/build.sh). Options (environment): B (16), STEPS (30), MODEL (124m or 350m), DATA (a shard; default:
+# a synthetic Markov-chain shard from tools/bench/make_shard.py), LOOM (build-dev/loom-train), DIR (where logs go;
+# default $OUT/e2e or /tmp/e2e), PROFILE=1 to also take Loom's per-op breakdown of one step
+# (tools/bench/op_profile.py), SKIP_TORCH=1 to run Loom alone.
+set -uo pipefail
+B=${B:-16}; T=1024; STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
+LOOM=${LOOM:-build-dev/loom-train}
+DIR=${DIR:-${OUT:-/tmp}/e2e}
+mkdir -p "$DIR"
+DATA=${DATA:-}
+if [ -z "$DATA" ]; then
+  DATA=/tmp/e2e_shard.bin
+  need=$(( (STEPS + 2) * B * T + 1 ))
+  [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens $(( need > 2000000 ? need : 2000000 )) || exit 1
+fi
+echo "== device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+
+if [ "${SKIP_TORCH:-0}" != 1 ]; then
+  echo "== pytorch: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS"
+  PYTHONUNBUFFERED=1 python3 tools/bench/pytorch_gpt2.py --model $MODEL -b $B -t $T --steps $STEPS --data "$DATA" \
+    2>&1 | grep -v Warning | tee "$DIR/torch_${MODEL}_b$B.log"
+fi
+
+echo "== loom: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS"
+timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
+  --sample-tokens 0 --train-data "$DATA" --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
+
+if [ "${PROFILE:-0}" = 1 ]; then
+  # Two profiled runs, 2 and 6 steps: their difference over 4 is one step without the first step's warm-up.
+  for s in 2 6; do
+    LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}_s$s.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL \
+      --dtype bf16 -b $B -t $T --steps $s --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 --eval-batches 1 \
+      --train-data "$DATA" > "$DIR/profile_${MODEL}_b${B}_s$s.log" 2>&1
+  done
+  grep "peak device memory" "$DIR/profile_${MODEL}_b${B}_s6.log"
+  python3 tools/bench/op_profile.py "$DIR/profile_${MODEL}_b${B}_s2.tsv" "$DIR/profile_${MODEL}_b${B}_s6.tsv" 4 \
+    | tee "$DIR/breakdown_${MODEL}_b$B.txt"
+fi
+
+python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b${B}_s6.log" \
+  $B $T $MODEL <<'PY'
+import json, re, statistics, sys, os
+loom_log, torch_log, prof_log, B, T, model = sys.argv[1:7]
+B, T = int(B), int(T)
+L, H, C = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}[model]
+params = 50304 * C + 1024 * C + L * (12 * C * C + 13 * C) + 2 * C
+flops_per_token = 6 * params + 6 * L * C * T
+WARM = 5
+def read(path, pat):
+    if not os.path.exists(path): return [], []
+    ms, loss = [], []
+    for line in open(path):
+        m = re.search(pat, line)
+        if m: loss.append(float(m.group(1))); ms.append(float(m.group(2)))
+    return ms, loss
+lms, lloss = [], []  # loom-train's metrics.jsonl: full-precision step times
+if os.path.exists(loom_log):
+    for line in open(loom_log):
+        j = json.loads(line)
+        if j.get("perf/ms_per_step") is not None:
+            lms.append(j["perf/ms_per_step"]); lloss.append(j["train/loss"] if j["train/loss"] is not None else float("nan"))
+tms, tloss = read(torch_log, r"^step\s+\d+/\d+ \| loss ([\d.naninf]+) .*\|\s+([\d.]+) ms")
+def mib(path, pat):
+    if not os.path.exists(path): return None
+    for line in open(path):
+        m = re.search(pat, line)
+        if m: return float(m.group(1))
+rows = []
+for name, ms, mem in (("loom", lms, mib(prof_log, r"peak device memory allocated: ([\d.]+) MiB")),
+                      ("pytorch", tms, mib(torch_log, r"peak_mem_mib (\d+)"))):
+    if not ms: rows.append((name, None, None, mem)); continue
+    tok = B * T / (statistics.median(ms[WARM:] or ms) / 1000)
+    rows.append((name, tok, flops_per_token * tok / 989e12 * 100, mem))
+print(f"\n== GPT-2 {model}, bf16, B={B}, T={T}, {len(lms)} Loom / {len(tms)} PyTorch steps; "
+      f"median over steps > {WARM}; MFU = (6N + 6LCT) tokens/s / 989 TFLOP/s, N = {params}")
+print(f"{'':10}{'tokens/s':>12}{'MFU %':>8}{'peak MiB':>10}")
+for name, tok, mfu, mem in rows:
+    f = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
+    print(f"{name:10}{f(tok, '12.0f')}{f(mfu, '8.1f')}{f(mem, '10.0f')}")
+if rows[0][1] and rows[1][1]:
+    print(f"{'ratio':10}{rows[0][1] / rows[1][1]:12.3f}{'':8}"
+          f"{(rows[0][3] / rows[1][3]) if rows[0][3] and rows[1][3] else float('nan'):10.3f}   (Loom / PyTorch)")
+if lloss and tloss:
+    n = min(len(lloss), len(tloss))
+    print("loss  step: " + " ".join(f"{i + 1:>6}" for i in range(0, n, max(1, n // 10))))
+    print("      loom: " + " ".join(f"{lloss[i]:6.3f}" for i in range(0, n, max(1, n // 10))))
+    print("   pytorch: " + " ".join(f"{tloss[i]:6.3f}" for i in range(0, n, max(1, n // 10))))
+PY
