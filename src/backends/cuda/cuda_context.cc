@@ -9,7 +9,14 @@ namespace cuda {
 
 DeviceGuard::DeviceGuard(int index) {
   int current = -1;
-  LOOM_CUDA_CHECK(cudaGetDevice(&current));
+  cudaError_t err = cudaGetDevice(&current);
+  // At process exit the runtime may unload before the last destructors (communicators, cached memory) run: there is
+  // nothing left to switch, and throwing from a destructor would abort.
+  if (err == cudaErrorCudartUnloading) {
+    cudaGetLastError();
+    return;
+  }
+  LOOM_CUDA_CHECK(err);
   if (current != index) {
     LOOM_CUDA_CHECK(cudaSetDevice(index));
     previous_ = current;
