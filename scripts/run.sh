@@ -14,7 +14,7 @@ if [ ! -f "$DATA_DIR/tinyshakespeare_train_000000.bin" ]; then
 fi
 "$BIN/loom-train" --model configs/gpt2-shakespeare.json \
   --train-data "$DATA_DIR/tinyshakespeare_train_*.bin" --val-data "$DATA_DIR/tinyshakespeare_val_*.bin" \
-  --batch-size 8 --seq-len 128 --steps "${LOOM_STEPS:-300}" --lr 1e-3 --warmup 20 --decay cosine \
+  --batch-size 8 --seq-len 128 --steps "${LOOM_STEPS:-200}" --lr 1e-3 --warmup 20 --decay cosine \
   --eval-interval 50 --eval-batches 8 --sample-tokens 96 --sample-prompt "ROMEO:" \
   --device "${LOOM_DEVICE:-cpu}" --log-dir out/shakespeare --checkpoint-dir out/shakespeare/checkpoints \
   --log-interval 10
