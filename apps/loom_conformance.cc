@@ -2,6 +2,7 @@
 //
 //   loom-conformance --provider cpu_sample --load build/plugins/libloom_cpu_sample.so --json report.json
 //   loom-conformance --provider native --device cuda
+//   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
 //
 // Prints pass / FAIL (worst error) / declined per op and dtype and exits 1 on any failure. Cases are the JSON files
 // in conformance/ (found from the working directory or beside the executable), or --cases FILE_OR_DIR.
@@ -9,6 +10,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -36,20 +38,64 @@ std::string find_cases_dir() {
   return "conformance";
 }
 
+// One line per op: for each dtype, the providers in the order the dispatcher tries them ("a>b": a first, b when a
+// declines), "-" when none serves it. The policy in force (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) applies.
+void list_kernels(loom::Device device, const std::string& dtype_filter) {
+  std::vector<loom::DType> dtypes;
+  for (int i = 0; i < loom::kNumDTypes; ++i) {
+    auto dt = loom::DType(i);
+    if (dtype_filter.empty() || dtype_filter == loom::dtype_name(dt)) dtypes.push_back(dt);
+  }
+  if (dtypes.empty()) throw loom::Error("--dtype: unknown dtype '" + dtype_filter + "'");
+  auto ops = loom::op_names();
+  std::sort(ops.begin(), ops.end());
+  std::vector<std::vector<std::string>> rows;
+  std::vector<size_t> width(dtypes.size() + 1, 0);
+  rows.push_back({"op"});
+  for (auto dt : dtypes) rows.back().push_back(loom::dtype_name(dt));
+  for (const auto& op : ops) {
+    std::vector<std::string> row{op};
+    bool any = false;
+    for (auto dt : dtypes) {
+      std::string cell;
+      for (const auto& c : loom::dispatch::explain(op, device.type, dt))
+        if (c.eligible) cell += (cell.empty() ? "" : ">") + c.provider;
+      any |= !cell.empty();
+      row.push_back(cell.empty() ? "-" : cell);
+    }
+    if (any) rows.push_back(row);
+  }
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size() + 2);
+  std::cout << "kernels on " << device.str() << " (policy: " << loom::dispatch::policy().str() << ")\n";
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) {
+      std::cout << row[i];
+      if (i + 1 < row.size()) std::cout << std::string(width[i] - row[i].size(), ' ');
+    }
+    std::cout << "\n";
+  }
+  std::cout << "(\"a>b\": a runs, b when a declines; loom::dispatch::explain_str(op, device, dtype) says why)\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Check a kernel provider against Loom's float64 CPU reference"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter;
   std::vector<std::string> libraries;
-  bool list = false;
-  app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)")->required();
+  std::string dtype_filter;
+  bool list = false, list_kernels_flag = false;
+  app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
   app.add_option("--load", libraries, "kernel library to load first (repeatable)");
   app.add_option("--cases", cases_path, "a case file or a directory of them (default: conformance/)");
   app.add_option("--json", json_path, "write the full report as JSON");
   app.add_option("--op", op_filter, "only cases of this op");
   app.add_flag("--list-ops", list, "list the ops the runner has harnesses for and exit");
+  app.add_flag("--list-kernels", list_kernels_flag,
+               "list which provider serves each op on --device, per dtype, under the current policy, and exit");
+  app.add_option("--dtype", dtype_filter, "with --list-kernels: only this dtype (f32, bf16, ...)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -59,6 +105,14 @@ int main(int argc, char** argv) {
     }
     loom::providers::load_from_env();
     for (const auto& lib : libraries) loom::providers::load(lib);
+    if (list_kernels_flag) {
+      list_kernels(loom::Device::parse(device_name), dtype_filter);
+      return 0;
+    }
+    if (provider.empty()) {
+      std::cerr << "loom-conformance: --provider is required (or use --list-ops / --list-kernels)\n";
+      return 2;
+    }
     auto providers = loom::dispatch::providers();
     if (std::find(providers.begin(), providers.end(), provider) == providers.end()) {
       std::cerr << "loom-conformance: no provider named '" << provider << "' (have:";

@@ -50,11 +50,24 @@ Registry& registry() {
   return *r;
 }
 
+// Publishes the policy's modes to the lock-free flags dispatch::call reads.
+void apply_modes(const ProviderPolicy& p) {
+  dispatch::detail::configure_autotune(p.autotune, p.autotune_cache);
+  uint32_t modes = (p.shadows.empty() ? 0u : uint32_t(dispatch::detail::kModeShadow)) |
+                   (p.autotune.empty() ? 0u : uint32_t(dispatch::detail::kModeAutotune));
+  dispatch::detail::modes.store(modes);
+  dispatch::detail::cpu_fallback.store(p.cpu_fallback);
+}
+
 void ensure_policy_locked(Registry& r) {
   if (r.policy_set) return;
+  // A bad file or spec throws at every dispatch until it is fixed, rather than running without the policy.
+  ProviderPolicy p;
+  if (const char* file = std::getenv("LOOM_PROVIDERS_FILE"); file && *file) p = ProviderPolicy::load_file(file);
+  if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) p.merge(ProviderPolicy::parse(env));
+  apply_modes(p);
+  r.policy = std::move(p);
   r.policy_set = true;
-  if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) r.policy = ProviderPolicy::parse(env);
-  dispatch::detail::shadow_active.store(!r.policy.shadows.empty());
 }
 
 struct FirstDispatchHooks {
@@ -90,9 +103,7 @@ int index_in(const std::vector<std::string>& v, const std::string& s) {
 // Orders eligible entries: ops routed to a provider first, then the global preference order, then priority.
 CandidateList build_candidates(Registry& r, OpId op, DeviceType device, DType dtype) {
   CandidateList out;
-  const std::string& name = op_name(op);
-  const std::vector<std::string>* route = nullptr;
-  if (auto it = r.policy.routes.find(name); it != r.policy.routes.end()) route = &it->second;
+  const std::vector<std::string>* route = r.policy.route_for(op_name(op), device);
   for (const auto& e : r.entries) {
     if (e->op != op || e->device != device || !e->dtypes.contains(dtype)) continue;
     if (r.policy.denied.count(e->provider)) continue;
@@ -109,6 +120,11 @@ CandidateList build_candidates(Registry& r, OpId op, DeviceType device, DType dt
 }
 
 void invalidate_locked(Registry& r) { r.generation.fetch_add(1); }
+
+// Whether a device string ("cuda:0") names a device of type t (without parsing: the type may not be registered).
+bool on_device_type(const std::string& device, DeviceType t) {
+  return device.substr(0, device.find(':')) == device_type_display_name(t);
+}
 
 }  // namespace
 
@@ -176,6 +192,29 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
       }
       continue;
     }
+    if (item == "autotune") {
+      p.autotune.insert("*");
+      continue;
+    }
+    if (item.rfind("autotune=", 0) == 0) {
+      std::stringstream ops(item.substr(9));
+      std::string op;
+      while (std::getline(ops, op, ',')) {
+        if (op.empty()) continue;
+        find_op(op);
+        p.autotune.insert(op);
+      }
+      LOOM_REQUIRE(!p.autotune.empty(), "provider policy '", spec, "': '", item, "' names no op");
+      continue;
+    }
+    if (item.rfind("autotune_cache=", 0) == 0) {
+      p.autotune_cache = item.substr(15);
+      continue;
+    }
+    if (item == "cpu_fallback") {
+      p.cpu_fallback = true;
+      continue;
+    }
     if (item[0] == '-' || item[0] == '!') {
       LOOM_REQUIRE(item.size() > 1, "provider policy '", spec, "': '", item, "' denies no provider");
       p.denied.insert(item.substr(1));
@@ -186,15 +225,21 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
       p.order.push_back(item);
       continue;
     }
-    std::string provider = item.substr(0, colon);
+    std::string provider = item.substr(0, colon), device;
+    if (auto at = provider.find('@'); at != std::string::npos) {  // "p@cuda:ops": routes on one device type
+      device = provider.substr(at + 1);
+      provider.resize(at);
+      LOOM_REQUIRE(!device.empty(), "provider policy '", spec, "': '", item, "' names no device after '@'");
+    }
     LOOM_REQUIRE(!provider.empty(), "provider policy '", spec, "': '", item, "' names no provider");
+    auto& routes = device.empty() ? p.routes : p.device_routes[device];
     std::stringstream ops(item.substr(colon + 1));
     std::string op;
     int count = 0;
     while (std::getline(ops, op, ',')) {
       if (op.empty()) continue;
       find_op(op);  // an unknown op name is a user error, reported with the known ones
-      p.routes[op].push_back(provider);
+      routes[op].push_back(provider);
       ++count;
     }
     LOOM_REQUIRE(count > 0, "provider policy '", spec, "': '", item, "' routes no op to ", provider);
@@ -202,13 +247,46 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
   return p;
 }
 
+void ProviderPolicy::merge(const ProviderPolicy& other) {
+  for (const auto& [op, provs] : other.routes) routes[op] = provs;
+  for (const auto& [device, ops] : other.device_routes)
+    for (const auto& [op, provs] : ops) device_routes[device][op] = provs;
+  for (const auto& o : other.order)
+    if (std::find(order.begin(), order.end(), o) == order.end()) order.push_back(o);
+  denied.insert(other.denied.begin(), other.denied.end());
+  for (const auto& [op, pr] : other.shadows) shadows[op] = pr;
+  autotune.insert(other.autotune.begin(), other.autotune.end());
+  if (!other.autotune_cache.empty()) autotune_cache = other.autotune_cache;
+  cpu_fallback = cpu_fallback || other.cpu_fallback;
+}
+
+const std::vector<std::string>* ProviderPolicy::route_for(const std::string& op, DeviceType device) const {
+  if (!device_routes.empty()) {
+    if (auto d = device_routes.find(device_type_display_name(device)); d != device_routes.end())
+      if (auto it = d->second.find(op); it != d->second.end()) return &it->second;
+  }
+  auto it = routes.find(op);
+  return it == routes.end() ? nullptr : &it->second;
+}
+
 std::string ProviderPolicy::str() const {
   std::string s;
   for (const auto& [op, provs] : routes)
     for (const auto& pr : provs) s += pr + ":" + op + ";";
+  for (const auto& [device, ops] : device_routes)
+    for (const auto& [op, provs] : ops)
+      for (const auto& pr : provs) s += pr + "@" + device + ":" + op + ";";
   for (const auto& o : order) s += o + ";";
   for (const auto& d : denied) s += "-" + d + ";";
   for (const auto& [op, pr] : shadows) s += "shadow=" + pr + (op == "*" ? "" : ":" + op) + ";";
+  if (autotune.count("*")) s += "autotune;";
+  else if (!autotune.empty()) {
+    s += "autotune=";
+    for (const auto& op : autotune) s += op + ",";
+    s.back() = ';';
+  }
+  if (!autotune_cache.empty()) s += "autotune_cache=" + autotune_cache + ";";
+  if (cpu_fallback) s += "cpu_fallback;";
   if (!s.empty()) s.pop_back();
   return s.empty() ? "(default: by priority)" : s;
 }
@@ -264,9 +342,12 @@ void set_policy(const ProviderPolicy& policy) {
   std::lock_guard<std::mutex> g(r.mu);
   for (const auto& [op, provs] : policy.routes) (void)provs, find_op(op);
   for (const auto& [op, pr] : policy.shadows) (void)pr, op == "*" || find_op(op);
+  for (const auto& [device, ops] : policy.device_routes)
+    for (const auto& [op, provs] : ops) (void)device, (void)provs, find_op(op);
+  for (const auto& op : policy.autotune) (void)(op == "*" || find_op(op));
+  apply_modes(policy);  // first: a cache file it cannot read leaves the old policy in force
   r.policy = policy;
   r.policy_set = true;
-  detail::shadow_active.store(!policy.shadows.empty());
   invalidate_locked(r);
 }
 
@@ -282,7 +363,7 @@ void reset_policy() {
   std::lock_guard<std::mutex> g(r.mu);
   r.policy = ProviderPolicy();
   r.policy_set = false;
-  detail::shadow_active.store(false);
+  apply_modes(r.policy);
   invalidate_locked(r);
 }
 
@@ -323,30 +404,38 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
 std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType device, DType dtype) {
   OpId op = find_op(op_name_str);
   const auto& eligible = candidates(op, device, dtype);
+  // Autotuned winners for this (op, device type, dtype), counted per provider. Read before taking the registry lock.
+  std::map<std::string, uint64_t> wins;
+  for (const auto& choice : autotune_choices())
+    if (choice.op == op_name_str && choice.dtype == dtype_name(dtype) && on_device_type(choice.device, device))
+      ++wins[choice.provider];
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
+  const bool tuned = eligible.size() > 1 && (r.policy.autotune.count("*") || r.policy.autotune.count(op_name_str));
   std::vector<CandidateReport> out;
   for (size_t i = 0; i < eligible.size(); ++i) {
     const KernelEntry* e = eligible[i];
     CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), true, int(i), e->supports != nullptr,
-                      e->calls.load(), e->declines.load(), "", e->source};
+                      e->calls.load(), e->declines.load(), "", e->source, wins[e->provider]};
     if (i == 0) {
       c.reason = e->supports ? "selected when its supports() accepts the call; else the next candidate runs"
                              : "selected";
-      auto rit = r.policy.routes.find(op_name_str);
-      if (rit != r.policy.routes.end() && index_in(rit->second, e->provider) >= 0) c.reason += " (routed by policy)";
+      const std::vector<std::string>* route = r.policy.route_for(op_name_str, device);
+      if (route && index_in(*route, e->provider) >= 0) c.reason += " (routed by policy)";
       else if (index_in(r.policy.order, e->provider) >= 0) c.reason += " (preferred by policy)";
       else c.reason += " (highest priority)";
     } else {
       c.reason = "fallback #" + std::to_string(i) + ": runs if every candidate before it declines";
     }
+    if (tuned) c.reason += "; autotune on: for each shape the fastest that accepts it runs (won " +
+                           std::to_string(c.autotune_wins) + " shapes)";
     out.push_back(c);
   }
   for (const auto& e : r.entries) {
     if (e->op != op || e->device != device) continue;
     if (std::find(eligible.begin(), eligible.end(), e.get()) != eligible.end()) continue;
     CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), false, -1, e->supports != nullptr,
-                      e->calls.load(), e->declines.load(), "", e->source};
+                      e->calls.load(), e->declines.load(), "", e->source, 0};
     if (r.policy.denied.count(e->provider)) c.reason = "denied by policy";
     else c.reason = std::string("does not support dtype ") + dtype_name(dtype);
     out.push_back(c);
@@ -363,6 +452,19 @@ std::string explain_str(const std::string& op, DeviceType device, DType dtype) {
     os << "\n  " << (c.rank == 0 ? "* " : "  ") << c.provider << " (priority " << c.priority << ", dtypes "
        << c.dtypes << (c.has_predicate ? ", has supports()" : "") << ", calls " << c.calls << ", declines "
        << c.declines << "): " << c.reason;
+  }
+  bool header = false;
+  for (const auto& choice : autotune_choices()) {
+    if (choice.op != op || choice.dtype != dtype_name(dtype) || !on_device_type(choice.device, device)) continue;
+    if (!header) os << "\n  autotuned (fastest per shape, best of the repetitions):", header = true;
+    os << "\n    " << choice.device << " " << choice.shapes << ": " << choice.provider;
+    std::string others;
+    for (const auto& [provider, us] : choice.timings_us) {
+      std::ostringstream t;
+      t << provider << " " << std::fixed << std::setprecision(1) << us << " us";
+      others += (others.empty() ? "" : ", ") + t.str();
+    }
+    os << " (" << others << ")";
   }
   return os.str();
 }

@@ -26,6 +26,7 @@ namespace loom {
 class Tensor;
 struct GemmParams;
 using OpId = uint32_t;
+struct KernelEntry;
 namespace dispatch {
 class ShadowRun;
 }
@@ -56,6 +57,19 @@ struct KernelTraits<void(const DeviceContext&, Args...)> {
     (*static_cast<const function*>(s.entry()->fn.get()))(ctx, s.arg(args)...);
     s.compare();
   }
+  // The slow paths of dispatch::call, instantiated once per signature rather than per call site (defined below).
+  // With a policy mode on (shadow, autotune): picks the kernel (the autotuned winner for these shapes, else the
+  // first that accepts) and runs it, shadowed when the policy says so.
+  static void call_with_modes(uint32_t modes, OpId op, Device device, DType dtype,
+                              const std::vector<const KernelEntry*>& cands, Args... args);
+  // When no kernel ran: the CPU kernel on copies when the policy allows CPU fallback, else the "no kernel" error.
+  static void fallback_or_throw(OpId op, Device device, DType dtype, bool all_declined, Args... args);
+
+ private:
+  static bool accepts(const KernelEntry* e, Args... args);
+  static void run(const KernelEntry* e, OpId op, Device device, DType dtype, Args... args);  // profiled when on
+  static const KernelEntry* autotuned(OpId op, Device device, DType dtype,
+                                      const std::vector<const KernelEntry*>& cands, Args... args);
 };
 
 // Declares op NAME with kernel signature SIG: defines NAME_op, a typed op id.
@@ -85,19 +99,37 @@ struct KernelEntry {
   mutable std::atomic<uint64_t> declines{0};
 };
 
-// Which provider serves which op. Set by API or by LOOM_PROVIDERS (read on first dispatch when no API call set one).
+// Which provider serves which op. Set by API, by LOOM_PROVIDERS, or by the JSON file LOOM_PROVIDERS_FILE names (read
+// on first dispatch when no API call set one; with both, the variable's items apply on top of the file's).
 //   LOOM_PROVIDERS="vendor:gemm,add;native;-slowlib"
 //   "p:op1,op2"  try provider p first for those ops;  "p"  prefer p for every op (in the order listed);
+//   "p@cuda:op1,op2"  the same on one device type only (it wins over a route for every device);
 //   "-p"  deny p everywhere.  Providers not listed follow by registration priority.
 //   "shadow=p:op1,op2"  also run provider p on copies of those ops' inputs and compare (see ShadowRun);
 //   "shadow=p"  shadow every op with p.
+//   "autotune"  time every eligible candidate once per (op, device, dtype, shapes) and keep the fastest;
+//   "autotune=op1,op2"  only those ops;  "autotune_cache=PATH"  persist the choices there (see set_autotune_cache).
+//   "cpu_fallback"  an op with no kernel on a device (or only declining ones) runs on the CPU, its inputs copied to
+//   the host and its outputs copied back. Off by default.
 struct ProviderPolicy {
   std::vector<std::string> order;
   std::map<std::string, std::vector<std::string>> routes;
+  std::map<std::string, std::map<std::string, std::vector<std::string>>> device_routes;  // device type -> op -> ...
   std::set<std::string> denied;
   std::map<std::string, std::string> shadows;  // op name (or "*") -> the provider that shadows it
+  std::set<std::string> autotune;              // op names, or "*" for every op
+  std::string autotune_cache;                  // "" leaves the cache file as it is (LOOM_AUTOTUNE_CACHE)
+  bool cpu_fallback = false;
 
   static ProviderPolicy parse(const std::string& spec);
+  // A JSON policy file (docs/PROVIDERS.md): {"routes": {"gemm": ["acme", "native"]}, "devices": {"cuda": {"gemm":
+  // ["acme"]}}, "order": [...], "deny": [...], "shadow": {"softmax": "native"}, "autotune": ["gemm"] or true,
+  // "autotune_cache": "tune.json", "cpu_fallback": true}. Throws naming the file and the bad entry.
+  static ProviderPolicy load_file(const std::string& path);
+  // Adds other's items: its routes replace these for the same op (and device), orders append, sets unite.
+  void merge(const ProviderPolicy& other);
+  // The routes for an op on a device type: the device's own, else the ones for every device, else null.
+  const std::vector<std::string>* route_for(const std::string& op, DeviceType device) const;
   std::string str() const;
 };
 
@@ -114,6 +146,7 @@ struct CandidateReport {
   uint64_t declines = 0;
   std::string reason;  // why it won, lost or was skipped
   std::string source;
+  uint64_t autotune_wins = 0;  // shapes for which autotuning found this candidate the fastest
 };
 
 // Every kernel registered for (op, device type), in dispatch order, with why each won or lost for this dtype.
@@ -147,8 +180,14 @@ void reset_shadow_stats();
 // f16 1e-2/1e-3, bf16 4e-2/1e-2, integers exact).
 void set_shadow_tolerance(DType dtype, double rtol, double atol);
 namespace detail {
-inline std::atomic<bool> shadow_active{false};  // any shadow route in the policy
-}
+// The policy's opt-in modes, as bits: dispatch::call reads this once (relaxed) and takes the plain path when it is 0.
+enum : uint32_t { kModeShadow = 1u, kModeAutotune = 2u };
+inline std::atomic<uint32_t> modes{0};
+// Read only after every candidate declined (or none exists), so it costs nothing on the hot path.
+inline std::atomic<bool> cpu_fallback{false};
+// Tells autotune.cc which ops the policy autotunes and where its cache file is (set_policy calls it).
+void configure_autotune(const std::set<std::string>& ops, const std::string& cache_path);
+}  // namespace detail
 class ShadowRun {
  public:
   ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow);
@@ -182,6 +221,89 @@ class ShadowRun {
 std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, const KernelEntry* primary);
 // Removes every kernel of a provider (used when an external library unloads, and by tests).
 void unregister_provider(const std::string& provider);
+
+// Autotune mode (policy "autotune" or "autotune=op1,op2"; src/providers/autotune.cc). The first call for a key (op,
+// device, dtype, and every argument's dtype, shape and strides, the gemm problem, plain attributes) times each
+// eligible candidate that accepts it: on copies of the arguments (so in-place ops are safe), one warm-up and a few
+// repetitions, the device synchronized around each; the fastest is kept in memory, written to the cache file, and
+// serves every later call with that key. A cache file read at start skips the timing for the keys it holds.
+struct AutotuneChoice {
+  std::string op, device, dtype, shapes;
+  std::string provider;                      // the winner
+  std::map<std::string, double> timings_us;  // best repetition per candidate; one that threw is absent
+};
+std::vector<AutotuneChoice> autotune_choices();
+// The JSON file the choices persist in: read now when it exists, rewritten at each new choice; "" keeps them in
+// memory only. Default: LOOM_AUTOTUNE_CACHE (read when autotuning first runs).
+void set_autotune_cache(const std::string& path);
+void set_autotune_repetitions(int repetitions);  // timed runs per candidate after one warm-up (default 3)
+void reset_autotune();  // forgets the choices in memory; the file stays
+class AutotuneRun {
+ public:
+  // Whether the policy autotunes `op` and this call is not nested in a timing run (the copies dispatch too).
+  static bool applies(OpId op);
+  AutotuneRun(OpId op, Device device, DType dtype);
+  ~AutotuneRun();
+  AutotuneRun(const AutotuneRun&) = delete;
+  AutotuneRun& operator=(const AutotuneRun&) = delete;
+  void key(const Tensor& t);
+  void key(const std::vector<Tensor>& ts);
+  void key(const GemmParams& p);
+  template <typename T>
+  void key(const T& attrs) {  // attribute structs whose bytes are their value; others do not enter the key
+    if constexpr (std::is_trivially_copyable_v<T> && std::has_unique_object_representations_v<T>)
+      key_bytes(&attrs, sizeof attrs);
+  }
+  // The stored winner for this key among the candidates, or null (none stored, or no longer a candidate).
+  const KernelEntry* cached(const std::vector<const KernelEntry*>& cands);
+  // Times one candidate; `run` launches it on the copies. A candidate that throws is left out.
+  void time(const KernelEntry* candidate, const std::function<void()>& run);
+  // Keeps and persists the fastest; null when no candidate ran.
+  const KernelEntry* finish();
+
+ private:
+  void key_bytes(const void* data, size_t n);
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// CPU fallback (policy "cpu_fallback"): an op with no kernel on a device that takes the call runs on the CPU, on
+// host copies of its arguments (ArgumentCopies), and its outputs are copied back.
+std::map<std::string, uint64_t> cpu_fallback_counts();  // "op@device type" -> calls that ran on the CPU
+void reset_cpu_fallback_counts();
+namespace detail {
+void note_cpu_fallback(OpId op, Device device, DType dtype);  // counts, and says so once per op on stderr
+}
+
+// Copies of a call's arguments on device `to`, with the same shapes and strides (src/providers/argument_copies.cc).
+// The memory each tensor spans moves with the runtimes' raw copies, never with a kernel (the device may have none).
+// Autotune times candidates on copies on the call's own device; CPU fallback runs the CPU kernel on host copies.
+class ArgumentCopies {
+ public:
+  ArgumentCopies(Device from, Device to);
+  ~ArgumentCopies();
+  ArgumentCopies(const ArgumentCopies&) = delete;
+  ArgumentCopies& operator=(const ArgumentCopies&) = delete;
+  void prepare(const Tensor& input);
+  void prepare(Tensor& output);  // keeps the content: in-place and accumulating kernels read it
+  void prepare(const std::vector<Tensor>& inputs);
+  void prepare(const GemmParams& p);
+  template <typename T>
+  void prepare(const T&) {}  // attributes are shared
+  const Tensor& arg(const Tensor& input);
+  Tensor& arg(Tensor& output);
+  const std::vector<Tensor>& arg(const std::vector<Tensor>& inputs);
+  const GemmParams& arg(const GemmParams& p);
+  template <typename T>
+  const T& arg(const T& attrs) {
+    return attrs;
+  }
+  void write_back();  // copies the outputs' memory back to the originals
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 // Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the dispatcher synchronizes the device
 // before and after each kernel call and adds the wall time to its (op, device, dtype) row, so a row is the kernel's
@@ -253,6 +375,10 @@ void call(Op, Device device, DType dtype, Args&&... args) {
   static_assert(std::is_invocable_v<function, const DeviceContext&, Args&&...>,
                 "arguments do not match the op's kernel signature");
   const auto& cands = candidates(Op::id(), device.type, dtype);
+  if (const uint32_t modes = detail::modes.load(std::memory_order_relaxed)) [[unlikely]] {
+    Op::traits::call_with_modes(modes, Op::id(), device, dtype, cands, args...);
+    return;
+  }
   for (const KernelEntry* e : cands) {
     if (e->supports && !(*static_cast<const supports_function*>(e->supports.get()))(args...)) {
       e->declines.fetch_add(1, std::memory_order_relaxed);
@@ -260,12 +386,6 @@ void call(Op, Device device, DType dtype, Args&&... args) {
     }
     e->calls.fetch_add(1, std::memory_order_relaxed);
     const DeviceContext& ctx = device_runtime(device.type).context(device.index);
-    if (detail::shadow_active.load(std::memory_order_relaxed)) [[unlikely]] {
-      if (auto shadow = begin_shadow(Op::id(), device, dtype, e)) {
-        Op::traits::run_shadowed(*shadow, *static_cast<const function*>(e->fn.get()), ctx, args...);
-        return;
-      }
-    }
     if (detail::profile_ops.load(std::memory_order_relaxed)) [[unlikely]] {
       const int64_t begin = detail::profile_begin(device);
       try {
@@ -280,10 +400,99 @@ void call(Op, Device device, DType dtype, Args&&... args) {
     (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
     return;
   }
-  throw_no_kernel(Op::id(), device, dtype, !cands.empty());
+  Op::traits::fallback_or_throw(Op::id(), device, dtype, !cands.empty(), args...);
 }
 
 }  // namespace dispatch
+
+template <typename... Args>
+bool KernelTraits<void(const DeviceContext&, Args...)>::accepts(const KernelEntry* e, Args... args) {
+  return !e->supports || (*static_cast<const supports_function*>(e->supports.get()))(args...);
+}
+
+template <typename... Args>
+void KernelTraits<void(const DeviceContext&, Args...)>::run(const KernelEntry* e, OpId op, Device device, DType dtype,
+                                                            Args... args) {
+  e->calls.fetch_add(1, std::memory_order_relaxed);
+  const function& fn = *static_cast<const function*>(e->fn.get());
+  const DeviceContext& ctx = device_runtime(device.type).context(device.index);
+  if (!dispatch::detail::profile_ops.load(std::memory_order_relaxed)) return fn(ctx, args...);
+  const int64_t begin = dispatch::detail::profile_begin(device);
+  try {
+    fn(ctx, args...);
+  } catch (...) {
+    dispatch::detail::profile_abort();
+    throw;
+  }
+  dispatch::detail::profile_end(op, device, dtype, begin);
+}
+
+template <typename... Args>
+void KernelTraits<void(const DeviceContext&, Args...)>::call_with_modes(uint32_t modes, OpId op, Device device,
+                                                                        DType dtype,
+                                                                        const std::vector<const KernelEntry*>& cands,
+                                                                        Args... args) {
+  const KernelEntry* chosen = nullptr;
+  if ((modes & dispatch::detail::kModeAutotune) && cands.size() > 1)
+    chosen = autotuned(op, device, dtype, cands, args...);
+  for (size_t i = 0; !chosen && i < cands.size(); ++i) {
+    if (accepts(cands[i], args...)) chosen = cands[i];
+    else cands[i]->declines.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!chosen) return fallback_or_throw(op, device, dtype, !cands.empty(), args...);
+  if (modes & dispatch::detail::kModeShadow) {
+    if (auto shadow = dispatch::begin_shadow(op, device, dtype, chosen)) {
+      chosen->calls.fetch_add(1, std::memory_order_relaxed);
+      run_shadowed(*shadow, *static_cast<const function*>(chosen->fn.get()),
+                   device_runtime(device.type).context(device.index), args...);
+      return;
+    }
+  }
+  run(chosen, op, device, dtype, args...);
+}
+
+template <typename... Args>
+const KernelEntry* KernelTraits<void(const DeviceContext&, Args...)>::autotuned(
+    OpId op, Device device, DType dtype, const std::vector<const KernelEntry*>& cands, Args... args) {
+  if (!dispatch::AutotuneRun::applies(op)) return nullptr;
+  dispatch::AutotuneRun tune(op, device, dtype);
+  (tune.key(args), ...);
+  const KernelEntry* winner = tune.cached(cands);
+  if (!winner) {
+    {
+      dispatch::ArgumentCopies copies(device, device);  // the real outputs are written once, by the winner
+      (copies.prepare(args), ...);
+      const DeviceContext& ctx = device_runtime(device.type).context(device.index);
+      for (const KernelEntry* e : cands) {
+        if (!accepts(e, copies.arg(args)...)) continue;
+        tune.time(e, [&] { (*static_cast<const function*>(e->fn.get()))(ctx, copies.arg(args)...); });
+      }
+    }
+    winner = tune.finish();
+  }
+  return winner && accepts(winner, args...) ? winner : nullptr;
+}
+
+template <typename... Args>
+void KernelTraits<void(const DeviceContext&, Args...)>::fallback_or_throw(OpId op, Device device, DType dtype,
+                                                                          bool all_declined, Args... args) {
+  if (device.type != DeviceType::kCPU && dispatch::detail::cpu_fallback.load(std::memory_order_relaxed)) {
+    dispatch::ArgumentCopies host(device, Device());
+    (host.prepare(args), ...);
+    for (const KernelEntry* e : dispatch::candidates(op, DeviceType::kCPU, dtype)) {
+      if (!accepts(e, host.arg(args)...)) {
+        e->declines.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      dispatch::detail::note_cpu_fallback(op, device, dtype);
+      run(e, op, Device(), dtype, host.arg(args)...);
+      host.write_back();
+      return;
+    }
+  }
+  dispatch::throw_no_kernel(op, device, dtype, all_declined);
+}
+
 }  // namespace loom
 
 #define LOOM_CONCAT_INNER(a, b) a##b

@@ -1,0 +1,98 @@
+// The JSON provider policy file (LOOM_PROVIDERS_FILE, ProviderPolicy::load_file): the same policy LOOM_PROVIDERS
+// spells, with routes per device type. docs/PROVIDERS.md shows a complete file.
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "loom/core/dispatch.h"
+
+namespace loom {
+namespace {
+
+using json = nlohmann::json;
+
+// A string or an array of strings.
+std::vector<std::string> string_list(const json& v, const std::string& where) {
+  if (v.is_string()) return {v.get<std::string>()};
+  LOOM_REQUIRE(v.is_array(), where, " must be a string or an array of strings, got ", v.dump());
+  std::vector<std::string> out;
+  for (const auto& s : v) {
+    LOOM_REQUIRE(s.is_string(), where, " must hold strings, got ", s.dump());
+    out.push_back(s.get<std::string>());
+  }
+  return out;
+}
+
+// {"op": "provider" or ["p1", "p2"], ...}
+std::map<std::string, std::vector<std::string>> op_routes(const json& v, const std::string& where) {
+  LOOM_REQUIRE(v.is_object(), where, " must be an object of op -> providers, got ", v.dump());
+  std::map<std::string, std::vector<std::string>> out;
+  for (const auto& [op, providers] : v.items()) {
+    find_op(op);
+    out[op] = string_list(providers, where + "." + op);
+  }
+  return out;
+}
+
+ProviderPolicy parse_policy(const json& j) {
+  static const std::set<std::string> known = {"routes", "devices", "order",         "deny",
+                                              "shadow", "autotune", "autotune_cache", "cpu_fallback"};
+  LOOM_REQUIRE(j.is_object(), "expected a JSON object");
+  ProviderPolicy p;
+  for (const auto& [key, value] : j.items()) {
+    if (!known.count(key))
+      LOOM_THROW("unknown key '", key, "' (known: routes, devices, order, deny, shadow, autotune, autotune_cache, ",
+                 "cpu_fallback)");
+    if (key == "routes") {
+      p.routes = op_routes(value, "routes");
+    } else if (key == "devices") {
+      LOOM_REQUIRE(value.is_object(), "devices must be an object of device type -> routes");
+      for (const auto& [device, routes] : value.items())
+        p.device_routes[device] = op_routes(routes, "devices." + device);
+    } else if (key == "order") {
+      p.order = string_list(value, "order");
+    } else if (key == "deny") {
+      for (const auto& d : string_list(value, "deny")) p.denied.insert(d);
+    } else if (key == "shadow") {
+      if (value.is_string()) {
+        p.shadows["*"] = value.get<std::string>();
+      } else {
+        LOOM_REQUIRE(value.is_object(), "shadow must be a provider name or an object of op -> provider");
+        for (const auto& [op, provider] : value.items()) {
+          if (op != "*") find_op(op);
+          LOOM_REQUIRE(provider.is_string(), "shadow.", op, " must be a provider name");
+          p.shadows[op] = provider.get<std::string>();
+        }
+      }
+    } else if (key == "autotune") {
+      if (value.is_boolean()) {
+        if (value.get<bool>()) p.autotune.insert("*");
+      } else {
+        for (const auto& op : string_list(value, "autotune")) {
+          if (op != "*") find_op(op);
+          p.autotune.insert(op);
+        }
+      }
+    } else if (key == "autotune_cache") {
+      LOOM_REQUIRE(value.is_string(), "autotune_cache must be a path");
+      p.autotune_cache = value.get<std::string>();
+    } else if (key == "cpu_fallback") {
+      LOOM_REQUIRE(value.is_boolean(), "cpu_fallback must be true or false");
+      p.cpu_fallback = value.get<bool>();
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+ProviderPolicy ProviderPolicy::load_file(const std::string& path) {
+  std::ifstream f(path);
+  LOOM_REQUIRE(f, "provider policy file '", path, "' cannot be opened");
+  try {
+    return parse_policy(json::parse(f));
+  } catch (const std::exception& e) {
+    LOOM_THROW("provider policy file '", path, "': ", e.what());
+  }
+}
+
+}  // namespace loom
