@@ -46,12 +46,13 @@ double relative_error(const Tensor& a, const Tensor& b) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-void check_against_pytorch(const std::string& name) {
+void check_against_pytorch(const std::string& name, Device device = Device()) {
   Fixture fx = load_fixture(name);
   nn::ModelConfig cfg = nn::ModelConfig::from_json(fx.meta["config"].dump());
   auto model = nn::make_model(cfg);
   model->load_hf_state_dict(prefixed(fx.tensors, "param."));
-  Tensor x = fx.tensors.at("x").to(kI32), y = fx.tensors.at("y").to(kI32);
+  model->to(device);
+  Tensor x = fx.tensors.at("x").to(kI32).to(device), y = fx.tensors.at("y").to(kI32).to(device);
 
   Tensor logits = model->forward(x);
   Tensor ref_logits = fx.tensors.at("logits");
@@ -90,6 +91,7 @@ void check_against_pytorch(const std::string& name) {
   // Three AdamW steps from the same start, decaying only matrices, as the fixture's PyTorch run.
   auto fresh = nn::make_model(cfg);
   fresh->load_hf_state_dict(prefixed(fx.tensors, "param."));
+  fresh->to(device);
   auto& a = fx.meta["adamw"];
   optim::AdamWOptions o;
   o.lr = a["lr"].get<double>();
@@ -109,6 +111,14 @@ void check_against_pytorch(const std::string& name) {
 
 TEST(ModelFixture, Gpt2TinyMatchesPyTorch) { check_against_pytorch("gpt2_tiny"); }
 TEST(ModelFixture, LlamaTinyMatchesPyTorch) { check_against_pytorch("llama_tiny"); }
+TEST(CudaModelFixture, Gpt2TinyMatchesPyTorchOnCuda) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_against_pytorch("gpt2_tiny", Device(kCUDA, 0));
+}
+TEST(CudaModelFixture, LlamaTinyMatchesPyTorchOnCuda) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_against_pytorch("llama_tiny", Device(kCUDA, 0));
+}
 
 TEST(Model, ConfigsByNameAndJson) {
   auto c = nn::ModelConfig::from_name("gpt2-124m");

@@ -114,7 +114,11 @@ inline bool cuda_available() {
   return device_runtime(kCUDA).device_count() > 0;
 }
 
-#define LOOM_SKIP_WITHOUT_CUDA() \
-  if (!::loom::test::cuda_available()) GTEST_SKIP() << "no CUDA device visible"
+#define LOOM_SKIP_WITHOUT_CUDA()                                 \
+  do {                                                           \
+    if (!::loom::test::cuda_available()) {                       \
+      GTEST_SKIP() << "no CUDA device visible";                  \
+    }                                                            \
+  } while (0)
 
 }  // namespace loom::test

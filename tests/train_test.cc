@@ -123,6 +123,34 @@ TEST(Train, AutocastRunsMatrixMathInBf16) {
   EXPECT_EQ(linear(x, w).dtype(), kF32) << "outside the guard nothing is cast";
 }
 
+TEST(CudaTrain, SteadyStepsMakeNoCudaMallocAndTrackTheCpu) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  TempDir dir;
+  auto o = tiny_setup(dir);
+  o.shuffle = false;
+  std::vector<double> cpu;
+  {
+    train::Trainer t(o);
+    for (int i = 0; i < 6; ++i) cpu.push_back(t.train_step().loss);
+  }
+  for (const char* dtype : {"f32", "bf16"}) {
+    auto oc = o;
+    oc.device = "cuda";
+    oc.dtype = dtype;
+    train::Trainer t(oc);
+    std::vector<double> gpu;
+    size_t mallocs_after_warmup = 0;
+    for (int i = 0; i < 6; ++i) {
+      gpu.push_back(t.train_step().loss);
+      size_t mallocs = device_runtime(kCUDA).memory_stats(0).num_device_allocs;
+      if (i == 1) mallocs_after_warmup = mallocs;
+      if (i > 1) EXPECT_EQ(mallocs, mallocs_after_warmup) << dtype << ": step " << i + 1 << " called cudaMalloc";
+    }
+    double tol = std::string(dtype) == "f32" ? 1e-4 : 2e-2;
+    for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], tol * cpu[i]) << dtype << " step " << i + 1;
+  }
+}
+
 TEST(Train, BadInputsGiveClearErrors) {
   TempDir dir;
   auto o = tiny_setup(dir);
