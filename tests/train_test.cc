@@ -144,7 +144,9 @@ TEST(CudaTrain, SteadyStepsMakeNoCudaMallocAndTrackTheCpu) {
       gpu.push_back(t.train_step().loss);
       size_t mallocs = device_runtime(kCUDA).memory_stats(0).num_device_allocs;
       if (i == 1) mallocs_after_warmup = mallocs;
-      if (i > 1) EXPECT_EQ(mallocs, mallocs_after_warmup) << dtype << ": step " << i + 1 << " called cudaMalloc";
+      if (i > 1) {
+        EXPECT_EQ(mallocs, mallocs_after_warmup) << dtype << ": step " << i + 1 << " called cudaMalloc";
+      }
     }
     double tol = std::string(dtype) == "f32" ? 1e-4 : 2e-2;
     for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], tol * cpu[i]) << dtype << " step " << i + 1;
