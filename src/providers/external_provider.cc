@@ -83,6 +83,9 @@ struct Library {
 struct Libraries {
   std::mutex mu;
   std::vector<std::shared_ptr<Library>> all;  // never erased: adapters hold them, libraries stay mapped
+  // Libraries refused after their init ran. Their host tables must stay valid: the library may have kept the
+  // pointer (a second load of an already loaded file runs the same library's init again with a new table).
+  std::vector<std::shared_ptr<Library>> refused;
 };
 Libraries& libraries() {
   static Libraries* l = new Libraries;
@@ -484,6 +487,7 @@ std::string load(const std::string& path, const std::string& name_override) {
   LoomProvider& t = lib->table;
   auto refuse = [&](const std::string& why) {
     // Not dlclose'd: a library that failed init may have started threads or registered atexit handlers.
+    libs.refused.push_back(lib);
     LOOM_THROW("kernel library '", path, "' refused: ", why);
   };
   if (t.abi_major != LOOM_ABI_VERSION_MAJOR)
