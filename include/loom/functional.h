@@ -76,6 +76,10 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim);
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim);
 std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim);
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim);
+// Splits x [B, T, (h_0 + h_1 + ...) * head_dim] (a fused projection such as qkv) into per-group head views
+// [B, h_i, T, head_dim], without copies. The backward writes every incoming gradient into its slice of one
+// gradient of x's shape (no zero fill and no sum of per-piece gradients, as a narrow per piece would need).
+std::vector<Tensor> split_heads(const Tensor& x, const std::vector<int64_t>& heads, int64_t head_dim);
 
 // Operators.
 inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }

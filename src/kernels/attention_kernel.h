@@ -26,4 +26,10 @@ using AttentionBackwardKernel = void(const DeviceContext&, const Tensor& grad_ou
                                      Tensor& grad_q, Tensor& grad_k, Tensor& grad_v);
 LOOM_DECLARE_OP(scaled_dot_product_attention_backward, AttentionBackwardKernel);
 
+// The same two ops on strided views: every [B, H, T, D] tensor (inputs and outputs, not lse) may have any strides
+// for B, H and T as long as D's stride is 1. Only kernels that read and write such layouts register here (the flash
+// kernels); the op layer uses these when one accepts the views, and otherwise makes copies for the ops above.
+LOOM_DECLARE_OP(scaled_dot_product_attention_strided, AttentionForwardKernel);
+LOOM_DECLARE_OP(scaled_dot_product_attention_backward_strided, AttentionBackwardKernel);
+
 }  // namespace loom

@@ -76,22 +76,19 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   LOOM_REQUIRE(x.dim() == 3 && x.size(2) == cfg.dim, "CausalSelfAttention: expected input [B, T, ", cfg.dim,
                "], got ", describe(x));
   int64_t B = x.size(0), T = x.size(1), D = head_dim;
-  int64_t kv_dim = cfg.n_kv_head * D;
   Tensor q, k, v;
   if (cfg.fused_qkv) {
-    Tensor qkv = c_attn->forward(x);  // [B, T, C + 2 kv_dim]
-    q = qkv.narrow(2, 0, cfg.dim);
-    k = qkv.narrow(2, cfg.dim, kv_dim);
-    v = qkv.narrow(2, cfg.dim + kv_dim, kv_dim);
+    // [B, T, C + 2 kv_dim] -> views [B, H, T, D] (attention reads them strided; one gradient buffer in backward)
+    std::vector<Tensor> heads = split_heads(c_attn->forward(x), {cfg.n_head, cfg.n_kv_head, cfg.n_kv_head}, D);
+    q = heads[0];
+    k = heads[1];
+    v = heads[2];
   } else {
-    q = q_proj->forward(x);
-    k = k_proj->forward(x);
-    v = v_proj->forward(x);
+    // [B, T, H*D] -> [B, H, T, D]
+    q = q_proj->forward(x).reshape({B, T, cfg.n_head, D}).transpose(1, 2);
+    k = k_proj->forward(x).reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
+    v = v_proj->forward(x).reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
   }
-  // [B, T, H*D] -> [B, H, T, D]
-  q = q.reshape({B, T, cfg.n_head, D}).transpose(1, 2);
-  k = k.reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
-  v = v.reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
   int64_t past = cache ? cache->length() : 0;
   if (rope_cos.defined()) {
     Tensor cos = rope_cos.narrow(0, past, T), sin = rope_sin.narrow(0, past, T);

@@ -6,6 +6,7 @@
 #include "kernels/attention_kernel.h"
 #include "kernels/rope_kernel.h"
 #include "loom/ops/nn.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -30,6 +31,22 @@ AttentionAttrs attention_attrs(const char* op, const AttentionMeta& meta, bool c
 
 DType lse_dtype_for(DType input) { return input == kF64 ? kF64 : kF32; }
 
+// Whether some kernel of `op` (the strided variants) would take these arguments.
+template <typename Op, typename... Args>
+bool kernel_accepts(Op, Device device, DType dtype, Args&... args) {
+  using supports_function = typename Op::traits::supports_function;
+  for (const KernelEntry* e : dispatch::candidates(Op::id(), device.type, dtype))
+    if (!e->supports || (*static_cast<const supports_function*>(e->supports.get()))(args...)) return true;
+  return false;
+}
+
+// An uninitialized [B, H, T, D] tensor laid out as [B, T, H, D]: its transpose(1, 2) is contiguous, so a caller that
+// merges the heads back into [B, T, H * D] gets a view instead of a copy.
+Tensor empty_heads_last(const Tensor& like) {
+  const Shape& s = like.shape();
+  return ops::transpose(empty({s[0], s[2], s[1], s[3]}, like.dtype(), like.device()), 1, 2);
+}
+
 }  // namespace
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -40,6 +57,17 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
   AttentionResult result{empty(q.shape(), q.dtype(), q.device()),
                          empty({meta.batch, meta.heads, meta.q_len}, lse_dtype_for(q.dtype()), q.device())};
   if (q.numel() == 0) return result;
+  if (q.dim() == 4) {
+    // Strided views straight to a kernel that reads them (the flash kernels): no copies of q, k, v.
+    Tensor out = empty_heads_last(q);
+    if (kernel_accepts(scaled_dot_product_attention_strided_op, q.device(), q.dtype(), q, k, v, attrs, out,
+                       result.lse)) {
+      result.out = out;
+      dispatch::call(scaled_dot_product_attention_strided_op, q.device(), q.dtype(), q, k, v, attrs, result.out,
+                     result.lse);
+      return result;
+    }
+  }
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   dispatch::call(scaled_dot_product_attention_op, q.device(), q.dtype(), qc, kc, vc, attrs, result.out, result.lse);
   return result;
@@ -60,12 +88,23 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
   LOOM_REQUIRE(lse.shape() == (Shape{meta.batch, meta.heads, meta.q_len}), op, ": lse ", describe(lse),
                " must be [B, H, T] for q ", describe(q));
   AttentionAttrs attrs = attention_attrs(op, meta, causal, scale);
+  if (q.numel() == 0 || k.numel() == 0) {
+    return AttentionGrads{zeros(q.shape(), q.dtype(), q.device()), zeros(k.shape(), k.dtype(), k.device()),
+                          zeros(v.shape(), v.dtype(), v.device())};
+  }
+  if (q.dim() == 4 && lse.is_contiguous()) {
+    // Strided views straight to a kernel that reads them; the gradients laid out as [B, T, H, D] (like the
+    // forward's out), which is what a fused [B, T, 3C] projection's gradient is made of.
+    AttentionGrads grads{empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)};
+    if (kernel_accepts(scaled_dot_product_attention_backward_strided_op, q.device(), q.dtype(), grad_out, q, k, v,
+                       out, lse, attrs, grads.grad_q, grads.grad_k, grads.grad_v)) {
+      dispatch::call(scaled_dot_product_attention_backward_strided_op, q.device(), q.dtype(), grad_out, q, k, v, out,
+                     lse, attrs, grads.grad_q, grads.grad_k, grads.grad_v);
+      return grads;
+    }
+  }
   AttentionGrads grads{empty(q.shape(), q.dtype(), q.device()), empty(k.shape(), k.dtype(), k.device()),
                        empty(v.shape(), v.dtype(), v.device())};
-  if (q.numel() == 0 || k.numel() == 0) {
-    for (Tensor* g : {&grads.grad_q, &grads.grad_k, &grads.grad_v}) *g = zeros(g->shape(), q.dtype(), q.device());
-    return grads;
-  }
   Tensor gc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
          oc = out.contiguous(), lc = lse.contiguous();
   dispatch::call(scaled_dot_product_attention_backward_op, q.device(), q.dtype(), gc, qc, kc, vc, oc, lc, attrs,

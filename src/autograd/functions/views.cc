@@ -50,7 +50,66 @@ std::function<Tensor(const Tensor&)> scatter_back(const Tensor& x, std::function
   };
 }
 
+// Backward of split_heads: one gradient buffer of x's shape, each piece's gradient copied into its slice.
+class SplitHeadsBackward final : public autograd::Node {
+ public:
+  SplitHeadsBackward(const Tensor& x, std::vector<int64_t> heads, int64_t head_dim)
+      : shape_(x.shape()), dtype_(x.dtype()), device_(x.device()), heads_(std::move(heads)), head_dim_(head_dim) {}
+  autograd::tensor_list apply(autograd::tensor_list&& grads) override {
+    bool all_defined = true, any_defined = false;
+    for (const Tensor& g : grads) {
+      all_defined = all_defined && g.defined();
+      any_defined = any_defined || g.defined();
+    }
+    if (!any_defined) return {Tensor()};
+    Tensor out = all_defined ? empty(shape_, dtype_, device_) : zeros(shape_, dtype_, device_);
+    const int64_t B = shape_[0], T = shape_[1];
+    int64_t column = 0;
+    for (size_t i = 0; i < heads_.size(); ++i) {
+      const int64_t width = heads_[i] * head_dim_;
+      if (grads[i].defined()) {
+        Tensor slice = ops::view(ops::narrow(out, 2, column, width), {B, T, heads_[i], head_dim_});
+        ops::transpose(slice, 1, 2).copy_from(grads[i]);
+      }
+      column += width;
+    }
+    return {out};
+  }
+  std::string name() const override { return "SplitHeadsBackward"; }
+
+ private:
+  Shape shape_;
+  DType dtype_;
+  Device device_;
+  std::vector<int64_t> heads_;
+  int64_t head_dim_;
+};
+
 }  // namespace
+
+std::vector<Tensor> split_heads(const Tensor& x, const std::vector<int64_t>& heads, int64_t head_dim) {
+  int64_t total = 0;
+  for (int64_t h : heads) {
+    LOOM_REQUIRE(h > 0, "split_heads: head counts must be positive, got ", h);
+    total += h;
+  }
+  LOOM_REQUIRE(x.dim() == 3 && head_dim > 0 && x.size(2) == total * head_dim, "split_heads: expected [B, T, ",
+               total, " * ", head_dim, "], got ", describe(x));
+  const int64_t B = x.size(0), T = x.size(1);
+  std::vector<Tensor> pieces;
+  int64_t column = 0;
+  for (int64_t h : heads) {
+    Tensor slice = ops::reshape(ops::narrow(x, 2, column, h * head_dim), {B, T, h, head_dim});
+    pieces.push_back(ops::transpose(slice, 1, 2));
+    column += h * head_dim;
+  }
+  auto node = autograd::make_node<SplitHeadsBackward>({&x}, x, heads, head_dim);
+  if (node) {
+    node->set_num_outputs(uint32_t(pieces.size()));
+    for (size_t i = 0; i < pieces.size(); ++i) autograd::set_history(pieces[i], node, uint32_t(i));
+  }
+  return pieces;
+}
 
 Tensor view(const Tensor& x, const Shape& shape) { return record_view("ViewBackward", x, ops::view(x, shape), reshape_back(x.shape())); }
 Tensor reshape(const Tensor& x, const Shape& shape) {

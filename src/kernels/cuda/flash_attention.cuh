@@ -21,7 +21,15 @@ namespace loom::cuda::flash {
 // Registration priority: above the simple exact kernel (0), which serves whatever supports() declines.
 inline constexpr int kFlashPriority = 10;
 
-// One attention problem: q [B, H, T, D], k/v [B, Hkv, S, D], contiguous; query t sees keys s <= t + S - T when causal.
+// Where one [B, H, T, D] tensor's rows lie: element strides of B, H and T (D's stride is 1).
+struct Layout {
+  int64_t b, h, t;
+  __host__ __device__ int64_t head(int batch, int head) const { return int64_t(batch) * b + int64_t(head) * h; }
+};
+Layout layout_of(const Tensor& t);  // t 4-d with stride(3) == 1 (supports_layout)
+
+// One attention problem: q [B, H, T, D], k/v [B, Hkv, S, D], rows strided as in their Layouts; query t sees keys
+// s <= t + S - T when causal.
 struct Problem {
   int batch, heads, kv_heads, q_len, kv_len;
   int group;          // heads / kv_heads
@@ -33,10 +41,12 @@ struct Problem {
 
 Problem problem_of(const Tensor& q, const Tensor& k, const AttentionAttrs& attrs);
 
-// The shapes, dtypes and layouts these kernels take: bf16/f16, head dim 64 or 128, contiguous 16-byte aligned
-// tensors on a device of compute capability >= 8.0, T <= S when causal, sizes that fit 32-bit row indices.
+// The shapes, dtypes and layouts these kernels take: bf16/f16, head dim 64 or 128, tensors whose rows are
+// contiguous and 16-byte aligned (any strides of B, H and T that are multiples of 8 elements) on a device of compute
+// capability >= 8.0, T <= S when causal, sizes that fit 32-bit row indices.
 bool supports_problem(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs);
-bool supports_like(const Tensor& t, const Tensor& like);  // same shape and dtype, contiguous, aligned
+bool supports_layout(const Tensor& t);                    // rows contiguous and 16-byte aligned
+bool supports_like(const Tensor& t, const Tensor& like);  // same shape and dtype, supports_layout
 // The integer in environment variable `name`, 0 when unset: picks alternative tile shapes for benchmarking.
 int env_variant(const char* name);
 
@@ -86,10 +96,10 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Loads rows [row0, row0 + kRows) of a row-major [*, kCols] global matrix into a swizzled tile; rows >= row_limit
-// become zeros (so that padding rows and keys never carry NaN into a product).
+// Loads rows [row0, row0 + kRows) of a [*, kCols] global matrix (rows row_stride elements apart) into a swizzled
+// tile; rows >= row_limit become zeros (so that padding rows and keys never carry NaN into a product).
 template <int kRows, int kCols, int kThreads, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const T* src, int row0, int row_limit) {
+__device__ __forceinline__ void load_tile_async(T* tile, const T* src, int64_t row_stride, int row0, int row_limit) {
   constexpr int kChunks = kCols / 8;
   static_assert((kRows * kChunks) % kThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
@@ -97,7 +107,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* src, int row0,
     const int i = int(threadIdx.x) + step * kThreads;
     const int row = i / kChunks, chunk = i % kChunks;
     const bool valid = row0 + row < row_limit;
-    const T* from = src + (valid ? int64_t(row0 + row) * kCols + chunk * 8 : 0);
+    const T* from = src + (valid ? int64_t(row0 + row) * row_stride + chunk * 8 : 0);
     cp_async_16(tile + swizzled<kCols>(row, chunk * 8), from, valid);
   }
 }
@@ -183,17 +193,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Copies rows [0, rows) of a swizzled tile to global memory (row-major [*, kCols]), 16 bytes a lane, rows
-// >= row_limit - row0 skipped. Called by one warp for its own rows.
+// Copies rows [0, rows) of a swizzled tile to global memory ([*, kCols], rows row_stride elements apart), 16 bytes
+// a lane, rows >= row_limit - row0 skipped. Called by one warp for its own rows.
 template <int kCols, typename T>
-__device__ __forceinline__ void store_rows_from_tile(T* dst, const T* tile, int tile_row0, int rows, int row0,
-                                                     int row_limit) {
+__device__ __forceinline__ void store_rows_from_tile(T* dst, int64_t row_stride, const T* tile, int tile_row0,
+                                                     int rows, int row0, int row_limit) {
   constexpr int kChunks = kCols / 8;
   const int lane = int(threadIdx.x) & 31;
   for (int i = lane; i < rows * kChunks; i += 32) {
     const int row = tile_row0 + i / kChunks, chunk = i % kChunks;
     if (row0 + row < row_limit)
-      *reinterpret_cast<uint4*>(dst + int64_t(row0 + row) * kCols + chunk * 8) =
+      *reinterpret_cast<uint4*>(dst + int64_t(row0 + row) * row_stride + chunk * 8) =
           *reinterpret_cast<const uint4*>(tile + swizzled<kCols>(row, chunk * 8));
   }
 }

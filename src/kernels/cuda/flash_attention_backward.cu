@@ -24,7 +24,8 @@ __global__ void __launch_bounds__(256)
     backward_preprocess_kernel(const typename Elem<kBF16>::type* __restrict__ out,
                                const typename Elem<kBF16>::type* __restrict__ grad_out,
                                const float* __restrict__ lse, float* __restrict__ lse_log2,
-                               float* __restrict__ delta, int q_len, int padded_len, int64_t padded_rows) {
+                               float* __restrict__ delta, int heads, int q_len, int padded_len, int64_t padded_rows,
+                               Layout out_layout, Layout grad_out_layout) {
   using T = typename Elem<kBF16>::type;
   constexpr int kLanesPerRow = kD / 8;  // 16 bytes a lane
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
@@ -34,9 +35,11 @@ __global__ void __launch_bounds__(256)
   const int t = int(row % padded_len);
   float sum = 0.f;
   if (t < q_len) {
-    const int64_t offset = (head * q_len + t) * kD + part * 8;
-    const uint4 o_raw = *reinterpret_cast<const uint4*>(out + offset);
-    const uint4 g_raw = *reinterpret_cast<const uint4*>(grad_out + offset);
+    const int b = int(head / heads), h = int(head % heads);
+    const uint4 o_raw =
+        *reinterpret_cast<const uint4*>(out + out_layout.head(b, h) + t * out_layout.t + part * 8);
+    const uint4 g_raw =
+        *reinterpret_cast<const uint4*>(grad_out + grad_out_layout.head(b, h) + t * grad_out_layout.t + part * 8);
     const T* o8 = reinterpret_cast<const T*>(&o_raw);
     const T* g8 = reinterpret_cast<const T*>(&g_raw);
 #pragma unroll
@@ -70,6 +73,7 @@ struct BackwardPointers {
   float* grad_q_accum;            // [B, H, T, D] f32, or null when grad_q is not needed
   void *grad_k, *grad_v;          // or null when not needed
   int padded_len;
+  Layout q_layout, k_layout, v_layout, grad_out_layout, grad_k_layout, grad_v_layout;
 };
 
 template <bool kBF16, int kD, int kBM, int kWarps>
@@ -94,21 +98,21 @@ __global__ void __launch_bounds__(kWarps * 32) flash_backward_kernel(BackwardPoi
   const int n0 = int(blockIdx.x) * kBN;  // causal: the first key blocks see the most queries, so they start first
   const int bkv = int(blockIdx.y);
   const int b = bkv / p.kv_heads, kv_head = bkv % p.kv_heads;
-  const int64_t kv_offset = int64_t(bkv) * p.kv_len * kD;
 
   // Query blocks that see any of this block's keys, for each query head of the group.
   const int m_first = p.causal ? max(0, n0 - p.causal_offset) / kBM : 0;
   const int m_count = (p.q_len + kBM - 1) / kBM - m_first;
   const int iterations = m_count * p.group;
-  auto head_of = [&](int it) { return b * p.heads + kv_head * p.group + it / m_count; };
+  auto head_of = [&](int it) { return kv_head * p.group + it / m_count; };  // within batch b
   auto block_of = [&](int it) { return m_first + it % m_count; };
 
   auto issue_loads = [&](int it, int stage) {
-    const int bh = head_of(it), m0 = block_of(it) * kBM;
-    const int64_t head_offset = int64_t(bh) * p.q_len * kD;
-    load_tile_async<kBM, kD, kThreads>(s_q + stage * kBM * kD, q + head_offset, m0, p.q_len);
-    load_tile_async<kBM, kD, kThreads>(s_do + stage * kBM * kD, grad_out + head_offset, m0, p.q_len);
-    const int64_t row_offset = int64_t(bh) * ptr.padded_len + m0;
+    const int h = head_of(it), m0 = block_of(it) * kBM;
+    load_tile_async<kBM, kD, kThreads>(s_q + stage * kBM * kD, q + ptr.q_layout.head(b, h), ptr.q_layout.t, m0,
+                                       p.q_len);
+    load_tile_async<kBM, kD, kThreads>(s_do + stage * kBM * kD, grad_out + ptr.grad_out_layout.head(b, h),
+                                       ptr.grad_out_layout.t, m0, p.q_len);
+    const int64_t row_offset = (int64_t(b) * p.heads + h) * ptr.padded_len + m0;
     for (int i = int(threadIdx.x); i < kBM / 2; i += kThreads) {  // kBM / 4 chunks of each
       if (i < kBM / 4)
         cp_async_16(s_lse + stage * kBM + i * 4, ptr.lse_log2 + row_offset + i * 4, true);
@@ -117,8 +121,10 @@ __global__ void __launch_bounds__(kWarps * 32) flash_backward_kernel(BackwardPoi
     }
   };
 
-  load_tile_async<kBN, kD, kThreads>(s_k, static_cast<const T*>(ptr.k) + kv_offset, n0, p.kv_len);
-  load_tile_async<kBN, kD, kThreads>(s_v, static_cast<const T*>(ptr.v) + kv_offset, n0, p.kv_len);
+  load_tile_async<kBN, kD, kThreads>(s_k, static_cast<const T*>(ptr.k) + ptr.k_layout.head(b, kv_head),
+                                     ptr.k_layout.t, n0, p.kv_len);
+  load_tile_async<kBN, kD, kThreads>(s_v, static_cast<const T*>(ptr.v) + ptr.v_layout.head(b, kv_head),
+                                     ptr.v_layout.t, n0, p.kv_len);
   if (iterations > 0) issue_loads(0, 0);
   cp_async_commit();
 
@@ -135,7 +141,7 @@ __global__ void __launch_bounds__(kWarps * 32) flash_backward_kernel(BackwardPoi
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    const int bh = head_of(it), m0 = block_of(it) * kBM;
+    const int bh = b * p.heads + head_of(it), m0 = block_of(it) * kBM;
     const T* tile_q = s_q + stage * kBM * kD;
     const T* tile_do = s_do + stage * kBM * kD;
     const float* tile_lse = s_lse + stage * kBM;
@@ -264,23 +270,28 @@ __global__ void __launch_bounds__(kWarps * 32) flash_backward_kernel(BackwardPoi
     }
   __syncwarp();
   if (ptr.grad_k != nullptr)
-    store_rows_from_tile<kD>(static_cast<T*>(ptr.grad_k) + kv_offset, s_k, key_row0, 16, n0, p.kv_len);
+    store_rows_from_tile<kD>(static_cast<T*>(ptr.grad_k) + ptr.grad_k_layout.head(b, kv_head), ptr.grad_k_layout.t,
+                             s_k, key_row0, 16, n0, p.kv_len);
   if (ptr.grad_v != nullptr)
-    store_rows_from_tile<kD>(static_cast<T*>(ptr.grad_v) + kv_offset, s_v, key_row0, 16, n0, p.kv_len);
+    store_rows_from_tile<kD>(static_cast<T*>(ptr.grad_v) + ptr.grad_v_layout.head(b, kv_head), ptr.grad_v_layout.t,
+                             s_v, key_row0, 16, n0, p.kv_len);
 }
 
-// ---- 3. grad_q = scale * accumulator ----
-template <bool kBF16>
+// ---- 3. grad_q = scale * accumulator (contiguous [B, H, T, D] f32) into grad_q's layout ----
+template <bool kBF16, int kD>
 __global__ void __launch_bounds__(256)
     grad_q_convert_kernel(const float* __restrict__ accum, typename Elem<kBF16>::type* __restrict__ grad_q,
-                          float scale, int64_t quads) {
+                          float scale, int64_t quads, int heads, int q_len, Layout grad_q_layout) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= quads) return;
   const float4 a = reinterpret_cast<const float4*>(accum)[i];
   uint2 packed;
   packed.x = pack2<kBF16>(a.x * scale, a.y * scale);
   packed.y = pack2<kBF16>(a.z * scale, a.w * scale);
-  reinterpret_cast<uint2*>(grad_q)[i] = packed;
+  const int64_t row = i / (kD / 4), bh = row / q_len;
+  const int col = int(i % (kD / 4)) * 4, t = int(row % q_len);
+  const int64_t offset = grad_q_layout.head(int(bh / heads), int(bh % heads)) + t * grad_q_layout.t + col;
+  *reinterpret_cast<uint2*>(grad_q + offset) = packed;
 }
 
 template <bool kBF16, int kD, int kBM, int kWarps>
@@ -299,8 +310,8 @@ void launch_backward(const DeviceContext& ctx, const Tensor& grad_out, const Ten
     const unsigned blocks = unsigned((padded_rows + kRowsPerBlock - 1) / kRowsPerBlock);
     backward_preprocess_kernel<kBF16, kD><<<blocks, 256, 0, stream>>>(
         static_cast<const T*>(out.data()), static_cast<const T*>(grad_out.data()),
-        static_cast<const float*>(lse.data()), lse_log2.data_ptr<float>(), delta.data_ptr<float>(), p.q_len,
-        padded_len, padded_rows);
+        static_cast<const float*>(lse.data()), lse_log2.data_ptr<float>(), delta.data_ptr<float>(), p.heads, p.q_len,
+        padded_len, padded_rows, layout_of(out), layout_of(grad_out));
     LOOM_CUDA_CHECK_LAUNCH();
   }
   Tensor accum;
@@ -317,7 +328,13 @@ void launch_backward(const DeviceContext& ctx, const Tensor& grad_out, const Ten
                        accum.defined() ? accum.data_ptr<float>() : nullptr,
                        grad_k.defined() ? grad_k.data() : nullptr,
                        grad_v.defined() ? grad_v.data() : nullptr,
-                       padded_len};
+                       padded_len,
+                       layout_of(q),
+                       layout_of(k),
+                       layout_of(v),
+                       layout_of(grad_out),
+                       grad_k.defined() ? layout_of(grad_k) : Layout{},
+                       grad_v.defined() ? layout_of(grad_v) : Layout{}};
   auto kernel = flash_backward_kernel<kBF16, kD, kBM, kWarps>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_shared_memory(kernel, Cfg::kSmemBytes, ctx.device().index, opted_in);
@@ -326,8 +343,9 @@ void launch_backward(const DeviceContext& ctx, const Tensor& grad_out, const Ten
   LOOM_CUDA_CHECK_LAUNCH();
   if (grad_q.defined()) {
     const int64_t quads = q.numel() / 4;  // D is a multiple of 4
-    grad_q_convert_kernel<kBF16><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(
-        accum.data_ptr<float>(), static_cast<T*>(grad_q.data()), p.scale, quads);
+    grad_q_convert_kernel<kBF16, kD><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(
+        accum.data_ptr<float>(), static_cast<T*>(grad_q.data()), p.scale, quads, p.heads, p.q_len,
+        layout_of(grad_q));
     LOOM_CUDA_CHECK_LAUNCH();
   }
 }
@@ -378,5 +396,9 @@ bool flash_backward_supports(const Tensor& grad_out, const Tensor& q, const Tens
 
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention_backward, kCUDA, "native", dtypes(kF16, kBF16),
                      flash_backward_cuda, kFlashPriority, flash_backward_supports, __FILE__);
+
+// The same kernel for strided views (supports() checks the layouts).
+LOOM_REGISTER_KERNEL(scaled_dot_product_attention_backward_strided, kCUDA, "native", dtypes(kF16, kBF16), flash_backward_cuda, kFlashPriority,
+                     flash_backward_supports, __FILE__);
 
 }  // namespace loom::cuda::flash

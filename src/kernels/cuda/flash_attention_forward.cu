@@ -55,8 +55,19 @@ int env_variant(const char* name) {
   return value != nullptr ? std::atoi(value) : 0;
 }
 
+Layout layout_of(const Tensor& t) { return Layout{t.stride(0), t.stride(1), t.stride(2)}; }
+
+bool supports_layout(const Tensor& t) {
+  if (t.dim() != 4 || !aligned16(t)) return false;
+  if (t.size(3) > 1 && t.stride(3) != 1) return false;
+  // Every row starts 16 bytes aligned: the strides of B, H and T are multiples of 8 elements (or their dim is 1).
+  for (int d = 0; d < 3; ++d)
+    if (t.size(d) > 1 && (t.stride(d) % 8 != 0 || t.stride(d) < 0)) return false;
+  return true;
+}
+
 bool supports_like(const Tensor& t, const Tensor& like) {
-  return t.defined() && t.shape() == like.shape() && t.dtype() == like.dtype() && t.is_contiguous() && aligned16(t);
+  return t.defined() && t.shape() == like.shape() && t.dtype() == like.dtype() && supports_layout(t);
 }
 
 bool supports_problem(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs) {
@@ -74,7 +85,7 @@ bool supports_problem(const Tensor& q, const Tensor& k, const Tensor& v, const A
   // Grid y holds batch * heads.
   if (q.size(0) * q.size(1) > 65535) return false;
   for (const Tensor* t : {&q, &k, &v})
-    if (!t->is_contiguous() || !aligned16(*t)) return false;
+    if (!supports_layout(*t)) return false;
   return q.device().type == kCUDA && device_has_bf16_mma(q.device().index);
 }
 
@@ -97,7 +108,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     flash_forward_kernel(const typename Elem<kBF16>::type* __restrict__ q,
                          const typename Elem<kBF16>::type* __restrict__ k,
                          const typename Elem<kBF16>::type* __restrict__ v, typename Elem<kBF16>::type* __restrict__ out,
-                         float* __restrict__ lse, Problem p) {
+                         float* __restrict__ lse, Problem p, Layout q_layout, Layout k_layout, Layout v_layout,
+                         Layout out_layout) {
   using T = typename Elem<kBF16>::type;
   using Cfg = ForwardConfig<kBF16, kD, kBM, kBN, kWarps>;
   constexpr int kThreads = Cfg::kThreads, kMT = Cfg::kMTiles;
@@ -115,18 +127,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int bh = int(blockIdx.y);
   const int b = bh / p.heads, h = bh % p.heads;
   const int m0 = m_block * kBM;
-  const T* q_head = q + int64_t(bh) * p.q_len * kD;
-  const int64_t kv_offset = (int64_t(b) * p.kv_heads + h / p.group) * p.kv_len * kD;
-  const T* k_head = k + kv_offset;
-  const T* v_head = v + kv_offset;
+  const T* q_head = q + q_layout.head(b, h);
+  const T* k_head = k + k_layout.head(b, h / p.group);
+  const T* v_head = v + v_layout.head(b, h / p.group);
 
   const int key_end = p.causal ? min(p.kv_len, m0 + kBM + p.causal_offset) : p.kv_len;
   const int n_blocks = (key_end + kBN - 1) / kBN;
   const int warp_row0 = warp * Cfg::kRowsPerWarp;
 
-  load_tile_async<kBM, kD, kThreads>(s_q, q_head, m0, p.q_len);
-  load_tile_async<kBN, kD, kThreads>(s_k, k_head, 0, p.kv_len);
-  load_tile_async<kBN, kD, kThreads>(s_v, v_head, 0, p.kv_len);
+  load_tile_async<kBM, kD, kThreads>(s_q, q_head, q_layout.t, m0, p.q_len);
+  load_tile_async<kBN, kD, kThreads>(s_k, k_head, k_layout.t, 0, p.kv_len);
+  load_tile_async<kBN, kD, kThreads>(s_v, v_head, v_layout.t, 0, p.kv_len);
   cp_async_commit();
 
   float o[kMT][kD / 8][4];
@@ -145,8 +156,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int j = 0; j < n_blocks; ++j) {
     const int stage = j & 1;
     if (j + 1 < n_blocks) {
-      load_tile_async<kBN, kD, kThreads>(s_k + (stage ^ 1) * kBN * kD, k_head, (j + 1) * kBN, p.kv_len);
-      load_tile_async<kBN, kD, kThreads>(s_v + (stage ^ 1) * kBN * kD, v_head, (j + 1) * kBN, p.kv_len);
+      load_tile_async<kBN, kD, kThreads>(s_k + (stage ^ 1) * kBN * kD, k_head, k_layout.t, (j + 1) * kBN,
+                                         p.kv_len);
+      load_tile_async<kBN, kD, kThreads>(s_v + (stage ^ 1) * kBN * kD, v_head, v_layout.t, (j + 1) * kBN,
+                                         p.kv_len);
     }
     cp_async_commit();  // possibly empty: keeps one group per iteration for wait<1>
     cp_async_wait<1>();
@@ -279,7 +292,8 @@ __global__ void __launch_bounds__(kWarps * 32)
             pack2<kBF16>(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
     }
   __syncwarp();
-  store_rows_from_tile<kD>(out + int64_t(bh) * p.q_len * kD, s_q, warp_row0, Cfg::kRowsPerWarp, m0, p.q_len);
+  store_rows_from_tile<kD>(out + out_layout.head(b, h), out_layout.t, s_q, warp_row0, Cfg::kRowsPerWarp, m0,
+                           p.q_len);
 }
 
 template <bool kBF16, int kD, int kBM, int kBN, int kWarps>
@@ -293,7 +307,8 @@ void launch_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o
   const dim3 grid(unsigned((p.q_len + kBM - 1) / kBM), unsigned(p.batch * p.heads));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
       static_cast<const T*>(q.data()), static_cast<const T*>(k.data()), static_cast<const T*>(v.data()),
-      static_cast<T*>(out.data()), static_cast<float*>(lse.data()), p);
+      static_cast<T*>(out.data()), static_cast<float*>(lse.data()), p, layout_of(q), layout_of(k), layout_of(v),
+      layout_of(out));
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -335,5 +350,9 @@ bool flash_forward_supports(const Tensor& q, const Tensor& k, const Tensor& v, c
 // Above the simple kernel (priority 0): declined calls fall through to it.
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention, kCUDA, "native", dtypes(kF16, kBF16), flash_forward_cuda,
                      kFlashPriority, flash_forward_supports, __FILE__);
+
+// The same kernel for strided views (supports() checks the layouts).
+LOOM_REGISTER_KERNEL(scaled_dot_product_attention_strided, kCUDA, "native", dtypes(kF16, kBF16), flash_forward_cuda, kFlashPriority,
+                     flash_forward_supports, __FILE__);
 
 }  // namespace loom::cuda::flash
