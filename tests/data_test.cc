@@ -14,45 +14,18 @@
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/loader.h"
 #include "loom/data/token_file.h"
+#include "test_files.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error_mentioning;
+using test::read_all;
+using test::TempDir;
+using test::write_all;
 using data::TokenWidth;
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("loom_data_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-// Runs f, expecting loom::Error whose message contains every one of `parts`.
-template <typename F>
-void expect_error_mentioning(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nlacks: " << p;
-  }
-}
 
 std::vector<int32_t> iota_tokens(int64_t n, int32_t base = 0) {
   std::vector<int32_t> v(static_cast<size_t>(n));
@@ -366,12 +339,6 @@ std::string tinyshakespeare_path() {
   return "";
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::vector<std::string> pieces(std::string_view text) {
   std::vector<std::string> out;

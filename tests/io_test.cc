@@ -14,54 +14,20 @@
 #include "loom/io/atomic_file.h"
 #include "loom/io/metrics_log.h"
 #include "loom/io/safetensors.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error_mentioning;
+using test::read_all;
+using test::TempDir;
+using test::write_all;
 
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() / ("loom_io_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  size_t count() const { return size_t(std::distance(fs::directory_iterator(path_), fs::directory_iterator())); }
 
- private:
-  fs::path path_;
-};
 
-template <typename F>
-void expect_error_mentioning(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nlacks: " << p;
-  }
-}
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_all(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), std::streamsize(bytes.size()));
-}
 
 bool bytes_equal(const Tensor& a, const Tensor& b) {
   Tensor ca = a.contiguous(), cb = b.contiguous();

@@ -16,54 +16,20 @@
 #include "loom/io/llmc_model.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error_mentioning;
+using test::read_all;
+using test::TempDir;
+using test::write_all;
 
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("loom_llmc_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
 
- private:
-  fs::path path_;
-};
 
-template <typename F>
-void expect_error_mentioning(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nlacks: " << p;
-  }
-}
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_all(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), std::streamsize(bytes.size()));
-}
 
 int32_t int_at(const std::string& bytes, size_t index) {
   int32_t v;

@@ -8,6 +8,7 @@
 #include "loom/data/token_file.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -15,28 +16,21 @@ namespace fs = std::filesystem;
 namespace loom {
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("loom_train_test_" + std::to_string(test::fresh_seed()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using test::TempDir;
 
 // Token shards with learnable structure (a repeating pattern with noise) and a tiny GPT-2 config.
 train::TrainOptions tiny_setup(const TempDir& dir) {
   std::mt19937 eng(5);
   std::vector<int32_t> tokens(20000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path / "train_000000.bin").string(), tokens);
-  data::write_token_file((dir.path / "val_000000.bin").string(), std::vector<int32_t>(tokens.begin(), tokens.begin() + 4000));
-  std::ofstream((dir.path / "model.json").string())
+  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  data::write_token_file((dir.path() / "val_000000.bin").string(), std::vector<int32_t>(tokens.begin(), tokens.begin() + 4000));
+  std::ofstream((dir.path() / "model.json").string())
       << R"({"family": "gpt2", "vocab_size": 200, "max_seq_len": 64, "n_layer": 2, "n_head": 2, "n_embd": 32})";
   train::TrainOptions o;
-  o.model = (dir.path / "model.json").string();
-  o.train_data = (dir.path / "train_*.bin").string();
-  o.val_data = (dir.path / "val_*.bin").string();
+  o.model = (dir.path() / "model.json").string();
+  o.train_data = (dir.path() / "train_*.bin").string();
+  o.val_data = (dir.path() / "val_*.bin").string();
   o.batch_size = 4;
   o.seq_len = 32;
   o.steps = 6;
@@ -69,7 +63,7 @@ TEST(Train, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
     train::Trainer t(o);
     for (int i = 0; i < 6; ++i) straight.push_back(t.train_step().loss);
   }
-  std::string ckpt = (dir.path / "ckpt" / "step_3.safetensors").string();
+  std::string ckpt = (dir.path() / "ckpt" / "step_3.safetensors").string();
   std::vector<double> resumed;
   {
     train::Trainer t(o);
@@ -165,7 +159,7 @@ TEST(Train, BadInputsGiveClearErrors) {
     }
   };
   auto bad = o;
-  bad.train_data = (dir.path / "missing_*.bin").string();
+  bad.train_data = (dir.path() / "missing_*.bin").string();
   expect_error(bad, "missing_");
   bad = o;
   bad.seq_len = 1000;
@@ -177,12 +171,12 @@ TEST(Train, BadInputsGiveClearErrors) {
   bad.dtype = "i32";
   expect_error(bad, "not a training precision");
   bad = o;
-  bad.resume = (dir.path / "nope.safetensors").string();
+  bad.resume = (dir.path() / "nope.safetensors").string();
   expect_error(bad, "does not exist");
   // A corrupt checkpoint.
-  std::ofstream((dir.path / "corrupt.safetensors").string()) << "garbage";
+  std::ofstream((dir.path() / "corrupt.safetensors").string()) << "garbage";
   bad = o;
-  bad.resume = (dir.path / "corrupt.safetensors").string();
+  bad.resume = (dir.path() / "corrupt.safetensors").string();
   expect_error(bad, "corrupt.safetensors");
 }
 
