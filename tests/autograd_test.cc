@@ -476,3 +476,86 @@ TEST(AutogradEngine, ScalarReshapes) {
 }
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+// The raw op layer (loom::ops) must record no autograd nodes, even internally (a Tensor method such as
+// x.contiguous() inside an op records a node when x requires grad), for inputs that require grad.
+TEST(AutogradRawOps, RecordNothingForInputsThatRequireGrad) {
+  auto f32_leaf = [](const Shape& shape) {
+    Tensor t = test::random_tensor(shape, kF32, -1.0, 1.0);
+    t.set_requires_grad(true);
+    return t;
+  };
+  Tensor x = f32_leaf({3, 4}), y = f32_leaf({3, 5}), w = f32_leaf({3, 5}), ln_w = f32_leaf({3});
+  Tensor r = f32_leaf({1, 2, 6, 3});
+  // Non-contiguous inputs that require grad, made by differentiable methods before counting starts.
+  Tensor t = x.t();                        // [4, 3]
+  Tensor wt = w.t();                       // [5, 3], a transposed weight
+  Tensor q = t.unsqueeze(0).unsqueeze(0);  // [1, 1, 4, 3]
+  Tensor rope_in = r.transpose(-1, -2);    // [1, 2, 3, 6]
+  ASSERT_FALSE(t.is_contiguous());
+  ASSERT_TRUE(t.requires_grad());
+  Tensor targets = from_vector<int64_t>({0, 2, 1, 0});
+  Tensor index = from_vector<int64_t>({0, 2, 1, 1, 2, 0, 0, 0}, {4, 2});
+  auto [cos, sin] = ops::rope_tables(3, 6, 10000.0, std::nullopt);
+
+  const uint64_t before = autograd::detail::nodes_created();
+  std::vector<std::pair<std::string, Tensor>> results;
+  auto add = [&](const std::string& name, const Tensor& out) { results.emplace_back(name, out); };
+  add("softmax", ops::softmax(t, 1));
+  add("log_softmax", ops::log_softmax(t, 0));
+  add("matmul", ops::matmul(t, y));
+  add("matmul vector", ops::matmul(t, ops::select(y, 1, 0)));
+  add("matmul_backward_input", ops::matmul_backward_input(ops::matmul(t, y), y, t.shape()));
+  add("matmul_backward_other", ops::matmul_backward_other(ops::matmul(t, y), t, y.shape()));
+  add("outer", ops::outer(ops::select(t, 1, 0), ops::select(t, 0, 1)));
+  add("linear", ops::linear(t, wt, ops::select(w, 0, 0)));
+  add("linear_backward_input", ops::linear_backward_input(ops::matmul(t, y), wt));
+  add("linear_backward_weight", ops::linear_backward_weight(ops::matmul(t, y), t));
+  add("linear_backward_bias", ops::linear_backward_bias(ops::matmul(t, y)));
+  add("sum", ops::sum(t, {0}));
+  add("mean", ops::mean(t, {1}));
+  add("max", ops::max(t, {0}));
+  add("norm", ops::norm(t));
+  add("sum_to", ops::sum_to(t, {1, 3}));
+  ops::NormResult ln = ops::layer_norm(t, ln_w, ln_w);
+  add("layer_norm", ln.out);
+  add("layer_norm_backward", ops::layer_norm_backward(t, t, ln_w, ln.mean, ln.rstd, true, true, true).grad_input);
+  ops::NormResult rms = ops::rms_norm(t, ln_w);
+  add("rms_norm", rms.out);
+  add("rms_norm_backward", ops::rms_norm_backward(t, t, ln_w, rms.rstd, true, true).grad_weight);
+  Tensor loss = ops::cross_entropy(t, targets);
+  add("cross_entropy", loss);
+  add("cross_entropy_backward", ops::cross_entropy_backward(loss, t, targets));
+  add("embedding", ops::embedding(t, targets));
+  add("embedding_backward", ops::embedding_backward(ops::embedding(t, targets), targets, 4));
+  ops::AttentionResult attn = ops::scaled_dot_product_attention(q, q, q);
+  add("attention", attn.out);
+  add("attention_backward", ops::scaled_dot_product_attention_backward(q, q, q, q, attn.out, attn.lse).grad_q);
+  add("rope", ops::rope(rope_in, cos, sin));
+  add("cat", ops::cat({t, t}, 1));
+  add("stack", ops::stack({t, t}, 0));
+  add("split", ops::split(t, 3, 0).back());
+  add("index_select", ops::index_select(t, 0, targets));
+  add("gather", ops::gather(t, 1, index));
+  add("scatter_add", ops::scatter_add(t, 1, index, ops::gather(t, 1, index)));
+  add("triu", ops::triu(t));
+  add("reshape (a copy)", ops::reshape(t, {12}));
+  add("to_dtype", ops::to_dtype(t, kF64));
+  add("exp", ops::exp(t));
+  add("add", ops::add(t, t));
+  EXPECT_NE(t.str().find("requires_grad"), std::string::npos);
+  EXPECT_EQ(to_vector<float>(t).size(), 12u);
+  EXPECT_EQ(ops::select(ops::select(t, 0, 1), 0, 2).item<float>(), to_vector<float>(x)[2 * 4 + 1]);
+  EXPECT_EQ(autograd::detail::nodes_created(), before) << "a raw op recorded autograd nodes";
+  for (const auto& [name, out] : results) {
+    EXPECT_FALSE(out.requires_grad()) << name;
+    EXPECT_EQ(out.grad_fn(), nullptr) << name;
+  }
+  // The counter does move for a differentiable method, so the check above can fail.
+  Tensor recorded = t.contiguous();
+  EXPECT_GT(autograd::detail::nodes_created(), before);
+}
+}  // namespace
+}  // namespace loom

@@ -22,6 +22,8 @@ void set_grad_enabled(bool enabled) { grad_enabled = enabled; }
 
 Node::Node() : sequence_nr_(next_sequence_nr.fetch_add(1)) {}
 
+uint64_t detail::nodes_created() { return next_sequence_nr.load(); }
+
 tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   Tensor g = std::move(grads[0]);
   if (!g.defined()) return {};

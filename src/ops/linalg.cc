@@ -7,6 +7,7 @@
 #include "kernels/copy_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "loom/ops/linalg.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -93,11 +94,11 @@ GemmOperand batched_operand(Tensor x, const Shape& batch) {
     Shape full = batch;
     full.push_back(rows);
     full.push_back(cols);
-    x = x.expand(full);
+    x = ops::expand(x, full);
     batch_stride = collapsed_stride(x, 0, x.dim() - 2);
   }
   if (!layout || !batch_stride) {
-    x = x.contiguous();
+    x = ops::contiguous(x);
     layout = MatrixLayout{false, std::max<int64_t>(1, cols)};
     batch_stride = shared ? 0 : rows * cols;
   }
@@ -125,7 +126,7 @@ void batched_product(const Tensor& a, const Tensor& b, const Shape& batch, Tenso
     std::optional<int64_t> row_stride;
     if (k == 1 || a.stride(-1) == 1) row_stride = collapsed_stride(a, 0, a.dim() - 1);
     if (!row_stride || *row_stride < k) {
-      rows_of_a = a.contiguous();
+      rows_of_a = ops::contiguous(a);
       row_stride = k;
     }
     p.n = count * m;
@@ -184,17 +185,17 @@ Tensor sum_to_shape(const Tensor& full, const Shape& target) {
       kept.push_back(d);
     }
   }
-  if (order.empty()) return full.reshape(target);
+  if (order.empty()) return ops::reshape(full, target);
   order.insert(order.end(), kept.begin(), kept.end());
-  Tensor rows_first = full.permute(order).contiguous();
-  return column_sums(rows_first.view({reduced_rows, numel_of(target)})).view(target);
+  Tensor rows_first = ops::contiguous(ops::permute(full, order));
+  return ops::view(column_sums(ops::view(rows_first, {reduced_rows, numel_of(target)})), target);
 }
 
 // grad of matmul's output as [batch..., M, N], putting back the dims that 1-D operands dropped.
 Tensor grad_as_matrices(const Tensor& grad, bool a_vector, bool b_vector) {
   Tensor g = grad;
-  if (b_vector) g = g.unsqueeze(g.dim());
-  if (a_vector) g = g.unsqueeze(g.dim() - 1);
+  if (b_vector) g = ops::unsqueeze(g, g.dim());
+  if (a_vector) g = ops::unsqueeze(g, g.dim() - 1);
   return g;
 }
 
@@ -224,9 +225,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const MatmulOptions& opts) {
   check_operands("matmul", a, b);
   MatmulMeta meta = infer_matmul(a.shape(), b.shape());
   Tensor out = empty(with_matrix(meta.batch, meta.m, meta.n), a.dtype(), a.device());
-  batched_product(a.dim() == 1 ? a.unsqueeze(0) : a, b.dim() == 1 ? b.unsqueeze(1) : b, meta.batch, out,
+  batched_product(a.dim() == 1 ? ops::unsqueeze(a, 0) : a, b.dim() == 1 ? ops::unsqueeze(b, 1) : b, meta.batch, out,
                   compute_type_for(a.dtype(), opts));
-  return out.view(meta.out_shape);
+  return ops::view(out, meta.out_shape);
 }
 
 Tensor matmul_backward_input(const Tensor& grad, const Tensor& b, const Shape& a_shape, const MatmulOptions& opts) {
@@ -236,10 +237,10 @@ Tensor matmul_backward_input(const Tensor& grad, const Tensor& b, const Shape& a
   check_matmul_grad(op, grad, meta);
   bool a_vector = a_shape.size() == 1;
   Tensor g = grad_as_matrices(grad, a_vector, b.dim() == 1);
-  Tensor b_transposed = (b.dim() == 1 ? b.unsqueeze(1) : b).transpose(-1, -2);  // [..., N, K], a view
+  Tensor b_transposed = ops::transpose(b.dim() == 1 ? ops::unsqueeze(b, 1) : b, -1, -2);  // [..., N, K], a view
   Tensor full = empty(with_matrix(meta.batch, meta.m, meta.k), grad.dtype(), grad.device());
   batched_product(g, b_transposed, meta.batch, full, compute_type_for(grad.dtype(), opts));
-  return sum_to_shape(full, a_vector ? Shape{1, meta.k} : a_shape).view(a_shape);
+  return ops::view(sum_to_shape(full, a_vector ? Shape{1, meta.k} : a_shape), a_shape);
 }
 
 Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b_shape, const MatmulOptions& opts) {
@@ -249,7 +250,7 @@ Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b
   check_matmul_grad(op, grad, meta);
   bool b_vector = b_shape.size() == 1;
   Tensor g = grad_as_matrices(grad, a.dim() == 1, b_vector);
-  Tensor a_matrices = a.dim() == 1 ? a.unsqueeze(0) : a;  // [..., M, K]
+  Tensor a_matrices = a.dim() == 1 ? ops::unsqueeze(a, 0) : a;  // [..., M, K]
   ComputeType compute = compute_type_for(grad.dtype(), opts);
   int64_t count = numel_of(meta.batch);
   bool b_shared = b_shape.size() <= 2 || numel_of(Shape(b_shape.begin(), b_shape.end() - 2)) == 1;
@@ -259,9 +260,9 @@ Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b
     int64_t rows = count * meta.m;
     if (rows == 0 || meta.k == 0 || meta.n == 0) {
       fill_zero(out);
-      return out.view(b_shape);
+      return ops::view(out, b_shape);
     }
-    Tensor a_rows = a_matrices.contiguous(), g_rows = g.contiguous();
+    Tensor a_rows = ops::contiguous(a_matrices), g_rows = ops::contiguous(g);
     GemmParams p = gemm_params_for(out, compute);
     p.m = meta.n;
     p.n = meta.k;
@@ -273,18 +274,18 @@ Tensor matmul_backward_other(const Tensor& grad, const Tensor& a, const Shape& b
     p.ldb = meta.k;
     p.ldc = meta.n;
     gemm(p);
-    return out.view(b_shape);
+    return ops::view(out, b_shape);
   }
   Tensor full = empty(with_matrix(meta.batch, meta.k, meta.n), grad.dtype(), grad.device());
-  batched_product(a_matrices.transpose(-1, -2), g, meta.batch, full, compute);
-  return sum_to_shape(full, b_vector ? Shape{meta.k, 1} : b_shape).view(b_shape);
+  batched_product(ops::transpose(a_matrices, -1, -2), g, meta.batch, full, compute);
+  return ops::view(sum_to_shape(full, b_vector ? Shape{meta.k, 1} : b_shape), b_shape);
 }
 
 Tensor outer(const Tensor& a, const Tensor& b) {
   check_operands("outer", a, b);
   LOOM_REQUIRE(a.dim() == 1 && b.dim() == 1, "outer: both operands must be 1-D, got ", describe(a), " and ",
                describe(b));
-  return matmul(a.unsqueeze(1), b.unsqueeze(0));
+  return matmul(ops::unsqueeze(a, 1), ops::unsqueeze(b, 0));
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const MatmulOptions& opts,
@@ -303,7 +304,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
   int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
   if (out.numel() == 0) return out;
 
-  Tensor rows_of_x = x.contiguous(), w = weight;
+  Tensor rows_of_x = ops::contiguous(x), w = weight;
   if (in_features == 0) {
     // An empty sum: a zero column keeps the bias and GELU in the epilogue.
     rows_of_x = zeros({rows, 1}, x.dtype(), x.device());
@@ -312,10 +313,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
   }
   std::optional<MatrixLayout> w_layout = matrix_layout(out_features, in_features, w.stride(0), w.stride(1));
   if (!w_layout) {
-    w = w.contiguous();
+    w = ops::contiguous(w);
     w_layout = MatrixLayout{false, in_features};
   }
-  Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+  Tensor b = bias.defined() ? ops::contiguous(bias) : Tensor();
   GemmParams p = gemm_params_for(out, compute_type_for(x.dtype(), opts));
   p.trans_a = !w_layout->transposed;  // a row-major weight is the column-major [in x out] matrix W^T
   p.m = out_features;
@@ -352,10 +353,10 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
     fill_zero(out);
     return out;
   }
-  Tensor g = grad.contiguous(), w = weight;
+  Tensor g = ops::contiguous(grad), w = weight;
   std::optional<MatrixLayout> w_layout = matrix_layout(out_features, in_features, w.stride(0), w.stride(1));
   if (!w_layout) {
-    w = w.contiguous();
+    w = ops::contiguous(w);
     w_layout = MatrixLayout{false, in_features};
   }
   GemmParams p = gemm_params_for(out, compute_type_for(grad.dtype(), opts));
@@ -386,7 +387,7 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
     fill_zero(out);
     return out;
   }
-  Tensor g = grad.contiguous(), xc = x.contiguous();
+  Tensor g = ops::contiguous(grad), xc = ops::contiguous(x);
   // grad_w^T [in x out] = x^T [in x rows] @ grad [rows x out], the sum over every row in one gemm.
   GemmParams p = gemm_params_for(out, compute_type_for(grad.dtype(), opts));
   p.m = in_features;
@@ -408,7 +409,7 @@ Tensor linear_backward_bias(const Tensor& grad) {
                "linear_backward_bias: expected a floating grad [..., out], got ", describe(grad));
   int64_t out_features = grad.size(-1);
   int64_t rows = numel_of(Shape(grad.shape().begin(), grad.shape().end() - 1));
-  return column_sums(grad.contiguous().view({rows, out_features}));
+  return column_sums(ops::view(ops::contiguous(grad), {rows, out_features}));
 }
 
 }  // namespace loom::ops

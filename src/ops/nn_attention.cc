@@ -68,7 +68,7 @@ AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, c
       return result;
     }
   }
-  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  Tensor qc = ops::contiguous(q), kc = ops::contiguous(k), vc = ops::contiguous(v);
   dispatch::call(scaled_dot_product_attention_op, q.device(), q.dtype(), qc, kc, vc, attrs, result.out, result.lse);
   return result;
 }
@@ -105,8 +105,8 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
   }
   AttentionGrads grads{empty(q.shape(), q.dtype(), q.device()), empty(k.shape(), k.dtype(), k.device()),
                        empty(v.shape(), v.dtype(), v.device())};
-  Tensor gc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
-         oc = out.contiguous(), lc = lse.contiguous();
+  Tensor gc = ops::contiguous(grad_out), qc = ops::contiguous(q), kc = ops::contiguous(k), vc = ops::contiguous(v),
+         oc = ops::contiguous(out), lc = ops::contiguous(lse);
   dispatch::call(scaled_dot_product_attention_backward_op, q.device(), q.dtype(), gc, qc, kc, vc, oc, lc, attrs,
                  grads.grad_q, grads.grad_k, grads.grad_v);
   return grads;
@@ -120,7 +120,7 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   check_rope_shapes(x.shape(), cos.shape(), sin.shape());
   Tensor out = empty(x.shape(), x.dtype(), x.device());
   if (out.numel() == 0) return out;
-  Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  Tensor xc = ops::contiguous(x), cc = ops::contiguous(cos), sc = ops::contiguous(sin);
   dispatch::call(rope_op, x.device(), x.dtype(), xc, cc, sc, RopeAttrs{inverse}, out);
   return out;
 }

@@ -3,6 +3,7 @@
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/embedding_kernel.h"
 #include "loom/ops/nn.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -10,7 +11,7 @@ namespace loom::ops {
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   ops_detail::check_same_device("embedding", {&weight, &indices});
   Shape out_shape = infermeta::infer_embedding(weight, indices);
-  Tensor w = weight.contiguous(), idx = indices.contiguous();
+  Tensor w = ops::contiguous(weight), idx = ops::contiguous(indices);
   Tensor out = empty(out_shape, weight.dtype(), weight.device());
   dispatch::call(embedding_op, weight.device(), weight.dtype(), w, idx, out);
   return out;
@@ -19,7 +20,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_embeddings) {
   ops_detail::check_same_device("embedding_backward", {&grad, &indices});
   Shape out_shape = infermeta::infer_embedding_backward(grad, indices, num_embeddings);
-  Tensor g = grad.contiguous(), idx = indices.contiguous();
+  Tensor g = ops::contiguous(grad), idx = ops::contiguous(indices);
   Tensor grad_weight = empty(out_shape, grad.dtype(), grad.device());
   dispatch::call(embedding_backward_op, grad.device(), grad.dtype(), g, idx, grad_weight);
   return grad_weight;
@@ -42,7 +43,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   ops_detail::check_same_device(op, {&logits, &targets});
   Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
   CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
-  Tensor x = logits.contiguous(), t = targets.contiguous();
+  Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
   Tensor loss = empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device());
   dispatch::call(cross_entropy_op, logits.device(), logits.dtype(), x, t, attrs, loss);
   return loss;
@@ -58,8 +59,8 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   bool shape_ok = reduction == Reduction::kNone ? grad_loss.shape() == loss_shape : grad_loss.numel() == 1;
   LOOM_REQUIRE(shape_ok, op, ": grad_loss must be ", reduction == Reduction::kNone ? shape_str(loss_shape) : "a scalar",
                " for logits ", describe(logits), ", got ", describe(grad_loss));
-  Tensor g = grad_loss.to(cross_entropy_loss_dtype(logits.dtype())).contiguous();
-  Tensor x = logits.contiguous(), t = targets.contiguous();
+  Tensor g = ops::contiguous(ops::to_dtype(grad_loss, cross_entropy_loss_dtype(logits.dtype())));
+  Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
   Tensor grad_logits = empty(logits.shape(), logits.dtype(), logits.device());
   dispatch::call(cross_entropy_backward_op, logits.device(), logits.dtype(), g, x, t, attrs, grad_logits);
   return grad_logits;

@@ -3,6 +3,7 @@
 #include "kernels/norm_kernel.h"
 #include "kernels/softmax_kernel.h"
 #include "loom/ops/nn.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -12,7 +13,7 @@ template <typename Op>
 Tensor run_softmax(Op op, const char* name, const Tensor& x, int64_t dim) {
   ops_detail::check_same_device(name, {&x});
   SoftmaxAttrs attrs{infermeta::infer_softmax_dim(name, x, dim)};
-  Tensor in = x.contiguous();
+  Tensor in = ops::contiguous(x);
   Tensor out = empty(x.shape(), x.dtype(), x.device());
   dispatch::call(op, x.device(), x.dtype(), in, attrs, out);
   return out;
@@ -25,13 +26,13 @@ Tensor run_softmax_backward(Op op, const char* name, const Tensor& grad, const T
   ops_detail::check_same_dtype(name, grad, out);
   LOOM_REQUIRE(grad.shape() == out.shape(), name, ": grad and out shapes differ (", describe(grad), " vs ",
                describe(out), ")");
-  Tensor g = grad.contiguous(), y = out.contiguous();
+  Tensor g = ops::contiguous(grad), y = ops::contiguous(out);
   Tensor grad_input = empty(out.shape(), out.dtype(), out.device());
   dispatch::call(op, out.device(), out.dtype(), g, y, attrs, grad_input);
   return grad_input;
 }
 
-Tensor contiguous_or_undefined(const Tensor& t) { return t.defined() ? t.contiguous() : Tensor(); }
+Tensor contiguous_or_undefined(const Tensor& t) { return t.defined() ? ops::contiguous(t) : Tensor(); }
 
 void check_norm_devices(const char* op, std::initializer_list<const Tensor*> ts) {
   std::vector<const Tensor*> defined;
@@ -73,7 +74,7 @@ NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
   check_norm_devices(op, {&x, &weight, &bias});
   LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
   infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, bias);
-  Tensor in = x.contiguous(), w = contiguous_or_undefined(weight), b = contiguous_or_undefined(bias);
+  Tensor in = ops::contiguous(x), w = contiguous_or_undefined(weight), b = contiguous_or_undefined(bias);
   NormResult r;
   r.out = empty(x.shape(), x.dtype(), x.device());
   r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
@@ -98,8 +99,8 @@ NormGrads layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor&
   if (need_input) r.grad_input = empty(x.shape(), x.dtype(), x.device());
   if (need_weight) r.grad_weight = empty({channels}, x.dtype(), x.device());
   if (need_bias) r.grad_bias = empty({channels}, x.dtype(), x.device());
-  Tensor g = grad.contiguous(), in = x.contiguous(), w = contiguous_or_undefined(weight);
-  Tensor m = mean.contiguous(), s = rstd.contiguous();
+  Tensor g = ops::contiguous(grad), in = ops::contiguous(x), w = contiguous_or_undefined(weight);
+  Tensor m = ops::contiguous(mean), s = ops::contiguous(rstd);
   dispatch::call(layer_norm_backward_op, x.device(), x.dtype(), g, in, w, m, s, r.grad_input, r.grad_weight,
                  r.grad_bias);
   return r;
@@ -111,7 +112,7 @@ NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_norm_devices(op, {&x, &weight});
   LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
   infermeta::NormMeta meta = infermeta::infer_norm(op, x, weight, Tensor());
-  Tensor in = x.contiguous(), w = contiguous_or_undefined(weight);
+  Tensor in = ops::contiguous(x), w = contiguous_or_undefined(weight);
   NormResult r;
   r.out = empty(x.shape(), x.dtype(), x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
@@ -132,8 +133,8 @@ NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& w
   if (!need_input && !need_weight) return r;
   if (need_input) r.grad_input = empty(x.shape(), x.dtype(), x.device());
   if (need_weight) r.grad_weight = empty({x.shape().back()}, x.dtype(), x.device());
-  Tensor g = grad.contiguous(), in = x.contiguous(), w = contiguous_or_undefined(weight);
-  Tensor s = rstd.contiguous();
+  Tensor g = ops::contiguous(grad), in = ops::contiguous(x), w = contiguous_or_undefined(weight);
+  Tensor s = ops::contiguous(rstd);
   dispatch::call(rms_norm_backward_op, x.device(), x.dtype(), g, in, w, s, r.grad_input, r.grad_weight);
   return r;
 }

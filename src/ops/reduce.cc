@@ -3,6 +3,7 @@
 
 #include "infermeta/reduce_meta.h"
 #include "kernels/reduce_kernel.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -15,7 +16,7 @@ Tensor run_reduce(Op op, const char* name, const Tensor& x, const std::vector<in
   infermeta::ReduceMeta meta = infermeta::infer_reduce(name, x.shape(), dims, keepdim);
   LOOM_REQUIRE(!needs_elements || meta.reduced_numel > 0, name, ": cannot reduce over zero elements of ",
                describe(x));
-  Tensor in = x.contiguous();
+  Tensor in = ops::contiguous(x);
   Tensor out = empty(meta.out_shape, out_dtype, x.device());
   ReduceAttrs attrs{meta.dims, keepdim};
   dispatch::call(op, x.device(), x.dtype(), in, attrs, out);
@@ -56,7 +57,7 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   std::vector<int64_t> dims = infermeta::infer_sum_to_dims(x.shape(), shape);
   if (dims.empty()) return x;
   // The kept dims of x are, in order, the dims of `shape` that are not reduced, so `shape` is the output's layout.
-  Tensor in = x.contiguous();
+  Tensor in = ops::contiguous(x);
   Tensor out = empty(shape, infermeta::infer_sum_dtype(x.dtype()), x.device());
   ReduceAttrs attrs{dims, true};
   dispatch::call(sum_op, x.device(), x.dtype(), in, attrs, out);

@@ -5,6 +5,7 @@
 #include "infermeta/shape_meta.h"
 #include "kernels/shape_kernel.h"
 #include "loom/ops/shape.h"
+#include "loom/ops/views.h"
 #include "ops/op_common.h"
 
 namespace loom::ops {
@@ -50,7 +51,7 @@ std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim) {
   std::vector<Tensor> parts;
   if (n == 0) return {x};
   for (int64_t start = 0; start < n; start += split_size)
-    parts.push_back(x.narrow(dim, start, std::min(split_size, n - start)));
+    parts.push_back(ops::narrow(x, dim, start, std::min(split_size, n - start)));
   return parts;
 }
 
@@ -70,7 +71,7 @@ Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
   for (const Tensor& x : xs) shapes.push_back(x.shape());
   infer_stack(shapes, dim);
   std::vector<Tensor> expanded;
-  for (const Tensor& x : xs) expanded.push_back(x.unsqueeze(dim));
+  for (const Tensor& x : xs) expanded.push_back(ops::unsqueeze(x, dim));
   return cat(expanded, dim);
 }
 
@@ -80,7 +81,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   dim = wrap_dim(dim, x.dim(), "index_select");
   Tensor out = empty(infer_index_select(x.shape(), dim, index.shape()), x.dtype(), x.device());
   if (out.numel() == 0) return out;
-  Tensor xc = x.contiguous(), ic = index.contiguous();
+  Tensor xc = ops::contiguous(x), ic = ops::contiguous(index);
   dispatch::call(index_select_op, x.device(), x.dtype(), xc, ic, IndexAttrs{dim}, out);
   return out;
 }
@@ -91,7 +92,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   dim = wrap_dim(dim, x.dim(), "gather");
   Tensor out = empty(infer_gather(x.shape(), dim, index.shape()), x.dtype(), x.device());
   if (out.numel() == 0) return out;
-  Tensor ic = index.contiguous();
+  Tensor ic = ops::contiguous(index);
   dispatch::call(gather_op, x.device(), x.dtype(), x, ic, IndexAttrs{dim}, out);
   return out;
 }
@@ -103,9 +104,9 @@ Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tens
   LOOM_REQUIRE(x.dim() > 0, "scatter_add: input must have at least one dim, got ", describe(x));
   dim = wrap_dim(dim, x.dim(), "scatter_add");
   infer_scatter_add(x.shape(), dim, index.shape(), src.shape());
-  Tensor out = x.clone();
+  Tensor out = ops::clone(x);
   if (index.numel() == 0) return out;
-  Tensor ic = index.contiguous();
+  Tensor ic = ops::contiguous(index);
   dispatch::call(scatter_add_op, x.device(), x.dtype(), ic, src, IndexAttrs{dim}, out);
   return out;
 }
@@ -115,7 +116,7 @@ Tensor triangular(const char* op, const Tensor& x, int64_t diagonal, bool upper)
   LOOM_REQUIRE(x.defined(), op, ": input is undefined");
   Tensor out = empty(infer_triangular(op, x.shape()), x.dtype(), x.device());
   if (out.numel() == 0) return out;
-  Tensor xc = x.contiguous();
+  Tensor xc = ops::contiguous(x);
   dispatch::call(triangular_op, x.device(), x.dtype(), xc, TriangularAttrs{diagonal, upper}, out);
   return out;
 }

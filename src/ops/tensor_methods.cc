@@ -265,7 +265,7 @@ Tensor& Tensor::copy_from(const Tensor& src_in) {
 template <typename T>
 T Tensor::item() const {
   LOOM_REQUIRE(numel() == 1, "item: expected a tensor with one element, got ", describe(*this));
-  Tensor host = to(Device()).to(dtype_of<T>::value);
+  Tensor host = ops::to_dtype(ops::to_device(*this, Device()), dtype_of<T>::value);
   return *static_cast<const T*>(host.data());
 }
 
@@ -279,12 +279,12 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device devi
   } else {
     std::copy(values.begin(), values.end(), static_cast<T*>(host.data()));
   }
-  return host.to(device);
+  return ops::to_device(host, device);
 }
 
 template <typename T>
 std::vector<T> to_vector(const Tensor& t) {
-  Tensor host = t.to(Device()).to(dtype_of<T>::value).contiguous();
+  Tensor host = ops::contiguous(ops::to_dtype(ops::to_device(t, Device()), dtype_of<T>::value));
   const T* p = static_cast<const T*>(host.data());
   return std::vector<T>(p, p + host.numel());
 }
@@ -367,7 +367,7 @@ std::string Tensor::str() const {
   std::ostringstream os;
   if (!defined()) return "Tensor(undefined)";
   os << "Tensor(";
-  Tensor host = to(Device()).to(kF64).contiguous();
+  Tensor host = ops::contiguous(ops::to_dtype(ops::to_device(*this, Device()), kF64));
   print_values(os, static_cast<const double*>(host.data()), shape(), host.strides(), 0, 0, numel() > 1000,
                is_integral(dtype()));
   os << ", shape=" << shape_str(shape()) << ", dtype=" << dtype_name(dtype()) << ", device=" << device().str();

@@ -68,4 +68,10 @@ class AccumulateGrad final : public Node {
   Tensor leaf_;
 };
 
+namespace detail {
+// How many autograd nodes (of any kind) this process has constructed. For tests and diagnostics: a raw op that
+// leaves it unchanged recorded nothing.
+uint64_t nodes_created();
+}  // namespace detail
+
 }  // namespace loom::autograd
