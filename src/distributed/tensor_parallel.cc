@@ -276,17 +276,7 @@ class TPAttention : public nn::Module {
     Tensor q = qkv.narrow(2, 0, local).reshape({B, T, local_heads, head_dim}).transpose(1, 2);
     Tensor k = qkv.narrow(2, local, local).reshape({B, T, local_heads, head_dim}).transpose(1, 2);
     Tensor v = qkv.narrow(2, 2 * local, local).reshape({B, T, local_heads, head_dim}).transpose(1, 2);
-    if (cache) {
-      if (cache->k.defined()) {
-        k = cat({cache->k, k}, 2);
-        v = cat({cache->v, v}, 2);
-      } else {
-        k = k.contiguous();
-        v = v.contiguous();
-      }
-      cache->k = k.detach();
-      cache->v = v.detach();
-    }
+    if (cache) cache->append(k, v);
     Tensor y = scaled_dot_product_attention(q, k, v, /*causal=*/true);
     return c_proj->forward(y.transpose(1, 2).reshape({B, T, local}));
   }

@@ -53,6 +53,18 @@ Tensor SwiGLUMLP::forward(const Tensor& x) const {
   return down_proj->forward(mul(silu(gate_proj->forward(x)), up_proj->forward(x)));
 }
 
+void KVCache::append(Tensor& new_k, Tensor& new_v) {
+  if (k.defined()) {
+    new_k = cat({k, new_k}, 2);
+    new_v = cat({v, new_v}, 2);
+  } else {
+    new_k = new_k.contiguous();
+    new_v = new_v.contiguous();
+  }
+  k = new_k.detach();
+  v = new_v.detach();
+}
+
 CausalSelfAttention::CausalSelfAttention(const AttentionConfig& c) : cfg(c) {
   LOOM_REQUIRE(c.n_head > 0 && c.dim % c.n_head == 0, "CausalSelfAttention: dim ", c.dim,
                " is not divisible by n_head ", c.n_head);
@@ -95,17 +107,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
     q = rope(q, cos, sin);
     k = rope(k, cos, sin);
   }
-  if (cache) {
-    if (cache->k.defined()) {
-      k = cat({cache->k, k}, 2);
-      v = cat({cache->v, v}, 2);
-    } else {
-      k = k.contiguous();
-      v = v.contiguous();
-    }
-    cache->k = k.detach();
-    cache->v = v.detach();
-  }
+  if (cache) cache->append(k, v);
   Tensor y = scaled_dot_product_attention(q, k, v, /*causal=*/true);  // [B, H, T, D]
   y = y.transpose(1, 2).reshape({B, T, cfg.dim});
   return cfg.fused_qkv ? c_proj->forward(y) : o_proj->forward(y);

@@ -71,6 +71,8 @@ class SwiGLUMLP : public Module {
 struct KVCache {
   Tensor k, v;  // [B, Hkv, S, D]
   int64_t length() const { return k.defined() ? k.size(2) : 0; }
+  // Appends this call's keys and values ([B, Hkv, T, D]) and replaces k and v with everything cached so far.
+  void append(Tensor& new_k, Tensor& new_v);
 };
 
 struct AttentionConfig {
