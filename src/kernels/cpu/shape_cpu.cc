@@ -4,22 +4,11 @@
 #include <cstring>
 
 #include "kernels/primitives/cpu_loops.h"
+#include "kernels/primitives/element_size.h"
 #include "kernels/shape_kernel.h"
 
 namespace loom {
 namespace {
-
-// Calls f with an unsigned integer as wide as one element.
-template <typename F>
-void dispatch_element_size(DType dtype, const char* op, F&& f) {
-  switch (dtype_size(dtype)) {
-    case 1: return f(uint8_t{});
-    case 2: return f(uint16_t{});
-    case 4: return f(uint32_t{});
-    case 8: return f(uint64_t{});
-    default: LOOM_THROW(op, ": unsupported element size of dtype ", dtype_name(dtype));
-  }
-}
 
 // Checked before any parallel work, so that the error propagates.
 template <typename I>

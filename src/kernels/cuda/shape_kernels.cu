@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernels/primitives/element_size.h"
 #include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/shape_kernel.h"
 
@@ -20,18 +21,6 @@ using cuda::kLoopThreads;
 using cuda::loop_blocks;
 
 constexpr unsigned long long kNoBadIndex = std::numeric_limits<unsigned long long>::max();
-
-// Calls f with an unsigned integer as wide as one element.
-template <typename F>
-void dispatch_element_size(DType dtype, const char* op, F&& f) {
-  switch (dtype_size(dtype)) {
-    case 1: return f(uint8_t{});
-    case 2: return f(uint16_t{});
-    case 4: return f(uint32_t{});
-    case 8: return f(uint64_t{});
-    default: LOOM_THROW(op, " (cuda): unsupported element size of dtype ", dtype_name(dtype));
-  }
-}
 
 template <typename I>
 __device__ __forceinline__ bool index_in_range(I value, int64_t limit) {
