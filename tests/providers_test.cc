@@ -172,6 +172,17 @@ TEST_F(Providers, ConformancePassesTheSampleAndCatchesAWrongSoftmax) {
   EXPECT_FALSE(conformance::any_failure(conformance::run(cases_for({"add"}), "cpu_sample_wrong", Device())));
 }
 
+TEST_F(Providers, ConformanceReportsOpsThePluginLacksAsNotProvided) {
+  auto cases = cases_for({"where", "pow_scalar", "embedding", "scatter_add", "rope", "scaled_dot_product_attention",
+                          "adamw_update", "grad_norm_squared"});
+  ASSERT_GE(cases.size(), 8u);
+  auto results = conformance::run(cases, "cpu_sample", Device());
+  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  for (const auto& r : results) EXPECT_EQ(r.status, conformance::Status::kSkipped) << r.case_name;
+  EXPECT_NE(conformance::format_table(results).find("not provided (8 ops)"), std::string::npos)
+      << conformance::format_table(results);
+}
+
 TEST_F(Providers, NativeKernelsPassTheSuite) {
   auto results = conformance::run(conformance::load_cases(std::string(LOOM_SOURCE_DIR) + "/conformance"), "native",
                                   Device());

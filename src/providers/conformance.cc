@@ -14,11 +14,16 @@
 #include <set>
 #include <sstream>
 
+#include "kernels/attention_kernel.h"
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/elementwise_kernel.h"
+#include "kernels/embedding_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/norm_kernel.h"
+#include "kernels/optimizer_kernel.h"
 #include "kernels/reduce_kernel.h"
+#include "kernels/rope_kernel.h"
+#include "kernels/shape_kernel.h"
 #include "kernels/softmax_kernel.h"
 #include "loom/core/dispatch.h"
 #include "loom/ops.h"
@@ -32,6 +37,11 @@ using json = nlohmann::json;
 // dispatch call. Inputs arrive on the target device, outputs allocated there and poisoned.
 struct Harness {
   bool any_strides = false;  // the kernel accepts non-contiguous inputs
+  // Inputs whose dtype is fixed by the kernel (rope's f32 cos and sin): the reference gets them as they are.
+  std::set<size_t> fixed_dtype_inputs;
+  // For kernels that update a buffer in place (scatter_add, optimizer steps): fills the outputs from the inputs
+  // before the call, under the policy in force (not the provider's), so that no input is ever modified.
+  std::function<void(const std::vector<Tensor>&, std::vector<Tensor>&)> init_outputs;
   std::function<std::vector<Tensor>(const Case&, DType, std::mt19937_64&)> inputs;
   std::function<std::vector<std::pair<Shape, DType>>(const std::vector<Tensor>&, const json&, DType)> outputs;
   std::function<void(Device, DType, const std::vector<Tensor>&, std::vector<Tensor>&, const json&)> call;
@@ -269,6 +279,326 @@ Harness gemm_harness() {
   return h;
 }
 
+// ---- Scalar elementwise ops, comparisons and where. ----
+
+template <typename Op>
+Harness scalar(Op op) {
+  Harness h = unary(neg_op);
+  h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(op, d, dt, in[0], ScalarAttrs{a.value("value", 0.0)}, out[0]);
+  };
+  return h;
+}
+
+// Values on a grid of quarters, exact in every floating dtype, so that comparisons meet ties.
+std::vector<Tensor> quantized_inputs(const Case& c, DType dt, std::mt19937_64& eng) {
+  std::vector<Tensor> in;
+  for (const Shape& s : c.shapes) {
+    std::vector<double> v = to_vector<double>(random_values(s, kF64, c.low, c.high, eng));
+    for (auto& x : v) x = std::round(x * 4) / 4;
+    in.push_back(from_vector(v, s).to(dt));
+  }
+  return in;
+}
+
+template <typename Op>
+Harness compare(Op op) {
+  Harness h = binary(op);
+  h.inputs = quantized_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType) {
+    return std::vector<std::pair<Shape, DType>>{{broadcast_all(in), kBool}};
+  };
+  return h;
+}
+
+// shapes: cond, a, b (broadcast together); cond is drawn as bool here.
+Harness where_harness() {
+  Harness h;
+  h.any_strides = true;
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    std::bernoulli_distribution coin(0.5);
+    std::vector<double> cond(size_t(numel_of(c.shapes.at(0))));
+    for (auto& x : cond) x = coin(eng) ? 1 : 0;
+    return std::vector<Tensor>{from_vector(cond, c.shapes[0]).to(kBool),
+                               random_values(c.shapes.at(1), dt, c.low, c.high, eng),
+                               random_values(c.shapes.at(2), dt, c.low, c.high, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{broadcast_all(in), dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    const Shape& s = out[0].shape();
+    dispatch::call(where_op, d, dt, in[0].expand(s), in[1].expand(s), in[2].expand(s), out[0]);
+  };
+  return h;
+}
+
+// ---- Embedding and the indexing ops. Index tensors are drawn in range, i64 unless attrs.index_dtype is "i32". ----
+
+Tensor random_indices(const Shape& shape, int64_t bound, const json& a, std::mt19937_64& eng) {
+  std::uniform_int_distribution<int64_t> pick(0, bound - 1);
+  std::vector<int64_t> v(size_t(numel_of(shape)));
+  for (auto& x : v) x = pick(eng);
+  Tensor t = from_vector(v, shape);
+  return a.value("index_dtype", std::string("i64")) == "i32" ? t.to(kI32) : t;
+}
+
+int64_t attr_dim(const json& a, int64_t rank) {
+  int64_t dim = a.value("dim", int64_t(0));
+  return dim < 0 ? dim + rank : dim;
+}
+
+// shapes: weight [V, C], indices (any shape); out is indices' shape + [C].
+Harness embedding_harness() {
+  Harness h;
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    return std::vector<Tensor>{random_values(c.shapes.at(0), dt, c.low, c.high, eng),
+                               random_indices(c.shapes.at(1), c.shapes[0].at(0), a, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    Shape s = in[1].shape();
+    s.push_back(in[0].size(1));
+    return std::vector<std::pair<Shape, DType>>{{s, dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(embedding_op, d, dt, in[0], in[1], out[0]);
+  };
+  return h;
+}
+
+// shapes: grad [N, C]; attrs.vocab V (small, so that indices repeat); out grad_weight [V, C].
+Harness embedding_backward_harness() {
+  Harness h;
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    return std::vector<Tensor>{random_values(c.shapes.at(0), dt, c.low, c.high, eng),
+                               random_indices({c.shapes[0].at(0)}, a.at("vocab").get<int64_t>(), a, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json& a, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{{a.at("vocab").get<int64_t>(), in[0].size(1)}, dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(embedding_backward_op, d, dt, in[0], in[1], out[0]);
+  };
+  return h;
+}
+
+// shapes: x; attrs.dim, attrs.count (the index's length).
+Harness index_select_harness() {
+  Harness h;
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    const Shape& s = c.shapes.at(0);
+    int64_t dim = attr_dim(a, int64_t(s.size()));
+    return std::vector<Tensor>{random_values(s, dt, c.low, c.high, eng),
+                               random_indices({a.at("count").get<int64_t>()}, s.at(size_t(dim)), a, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json& a, DType dt) {
+    Shape s = in[0].shape();
+    s[size_t(attr_dim(a, in[0].dim()))] = in[1].numel();
+    return std::vector<std::pair<Shape, DType>>{{s, dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(index_select_op, d, dt, in[0], in[1], IndexAttrs{attr_dim(a, in[0].dim())}, out[0]);
+  };
+  return h;
+}
+
+// shapes: x, index (same rank, no larger than x off dim); attrs.dim. out has index's shape.
+Harness gather_harness() {
+  Harness h;
+  h.any_strides = true;  // x; the index stays contiguous
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    const Shape& s = c.shapes.at(0);
+    int64_t dim = attr_dim(a, int64_t(s.size()));
+    return std::vector<Tensor>{random_values(s, dt, c.low, c.high, eng),
+                               random_indices(c.shapes.at(1), s.at(size_t(dim)), a, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in[1].shape(), dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(gather_op, d, dt, in[0], in[1], IndexAttrs{attr_dim(a, in[0].dim())}, out[0]);
+  };
+  return h;
+}
+
+// shapes: out (its starting values are input 0), index (src has index's shape); attrs.dim.
+Harness scatter_add_harness() {
+  Harness h;
+  h.any_strides = true;  // src; the index stays contiguous
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    json a = json::parse(c.attrs_json);
+    const Shape& s = c.shapes.at(0);
+    int64_t dim = attr_dim(a, int64_t(s.size()));
+    return std::vector<Tensor>{random_values(s, dt, c.low, c.high, eng),
+                               random_indices(c.shapes.at(1), s.at(size_t(dim)), a, eng),
+                               random_values(c.shapes.at(1), dt, c.low, c.high, eng)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in[0].shape(), dt}};
+  };
+  h.init_outputs = [](const std::vector<Tensor>& in, std::vector<Tensor>& out) { out[0].copy_from(in[0]); };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(scatter_add_op, d, dt, in[1], in[2], IndexAttrs{attr_dim(a, in[0].dim())}, out[0]);
+  };
+  return h;
+}
+
+// shapes: the inputs, equal except along attrs.dim.
+Harness cat_harness() {
+  Harness h;
+  h.any_strides = true;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json& a, DType dt) {
+    Shape s = in.at(0).shape();
+    size_t dim = size_t(attr_dim(a, in[0].dim()));
+    s[dim] = 0;
+    for (const Tensor& t : in) s[dim] += t.size(int64_t(dim));
+    return std::vector<std::pair<Shape, DType>>{{s, dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(cat_op, d, dt, in, CatAttrs{attr_dim(a, in[0].dim())}, out[0]);
+  };
+  return h;
+}
+
+// attrs: diagonal, upper.
+Harness triangular_harness() {
+  Harness h = unary(neg_op);
+  h.any_strides = false;
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    TriangularAttrs at{a.value("diagonal", int64_t(0)), a.value("upper", true)};
+    dispatch::call(triangular_op, d, dt, in[0], at, out[0]);
+  };
+  return h;
+}
+
+// ---- Rotary embedding and attention. ----
+
+// shapes: x [B, H, T, D]; cos and sin [T, D/2] (f32) come from random angles. attrs.inverse.
+Harness rope_harness() {
+  Harness h;
+  h.fixed_dtype_inputs = {1, 2};
+  h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
+    const Shape& s = c.shapes.at(0);
+    Tensor angle = random_values({s.at(2), s.at(3) / 2}, kF64, -3.2, 3.2, eng);
+    std::vector<double> cs = to_vector<double>(angle), sn = cs;
+    for (auto& x : cs) x = std::cos(x);
+    for (auto& x : sn) x = std::sin(x);
+    return std::vector<Tensor>{random_values(s, dt, c.low, c.high, eng), from_vector(cs, angle.shape()).to(kF32),
+                               from_vector(sn, angle.shape()).to(kF32)};
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in[0].shape(), dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    dispatch::call(rope_op, d, dt, in[0], in[1], in[2], RopeAttrs{a.value("inverse", false)}, out[0]);
+  };
+  return h;
+}
+
+AttentionAttrs attention_attrs(const json& a, int64_t head_dim) {
+  return {a.value("causal", true), a.value("scale", 1.0 / std::sqrt(double(head_dim)))};
+}
+
+// shapes: q [B, H, T, D], k [B, Hkv, S, D] (v like k); attrs causal, scale (default 1/sqrt(D)). The backward's
+// out and lse come from the native forward on the CPU, in the case's dtype.
+Harness attention_harness(bool backward) {
+  Harness h;
+  h.inputs = [backward](const Case& c, DType dt, std::mt19937_64& eng) {
+    const Shape &qs = c.shapes.at(0), &ks = c.shapes.at(1);
+    Tensor q = random_values(qs, dt, c.low, c.high, eng), k = random_values(ks, dt, c.low, c.high, eng),
+           v = random_values(ks, dt, c.low, c.high, eng);
+    if (!backward) return std::vector<Tensor>{q, k, v};
+    Tensor out = empty(qs, dt), lse = empty({qs[0], qs[1], qs[2]}, stats_dtype(dt));
+    dispatch::call(scaled_dot_product_attention_op, Device(), dt, q, k, v,
+                   attention_attrs(json::parse(c.attrs_json), qs[3]), out, lse);
+    return std::vector<Tensor>{random_values(qs, dt, c.low, c.high, eng), q, k, v, out, lse};
+  };
+  h.outputs = [backward](const std::vector<Tensor>& in, const json&, DType dt) {
+    if (backward)
+      return std::vector<std::pair<Shape, DType>>{{in[1].shape(), dt}, {in[2].shape(), dt}, {in[3].shape(), dt}};
+    const Shape& q = in[0].shape();
+    return std::vector<std::pair<Shape, DType>>{{q, dt}, {{q[0], q[1], q[2]}, stats_dtype(dt)}};
+  };
+  h.call = [backward](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    if (backward)
+      dispatch::call(scaled_dot_product_attention_backward_op, d, dt, in[0], in[1], in[2], in[3], in[4], in[5],
+                     attention_attrs(a, in[1].size(3)), out[0], out[1], out[2]);
+    else
+      dispatch::call(scaled_dot_product_attention_op, d, dt, in[0], in[1], in[2], attention_attrs(a, in[0].size(3)),
+                     out[0], out[1]);
+  };
+  return h;
+}
+
+// ---- Optimizer updates: the updated param and states are the outputs, started from copies of the inputs. ----
+
+AdamWAttrs adamw_attrs(const json& a) {
+  AdamWAttrs at;
+  at.lr = a.value("lr", at.lr), at.beta1 = a.value("beta1", at.beta1), at.beta2 = a.value("beta2", at.beta2);
+  at.eps = a.value("eps", at.eps), at.weight_decay = a.value("weight_decay", at.weight_decay);
+  at.step = a.value("step", at.step);
+  return at;
+}
+
+SgdAttrs sgd_attrs(const json& a) {
+  SgdAttrs at;
+  at.lr = a.value("lr", at.lr), at.momentum = a.value("momentum", at.momentum);
+  at.weight_decay = a.value("weight_decay", at.weight_decay), at.first_step = a.value("first_step", false);
+  return at;
+}
+
+// shapes: param; grad has param's dtype, the states optim::optimizer_state_dtype (exp_avg_sq drawn >= 0).
+Harness optimizer_harness(bool adamw) {
+  Harness h;
+  h.inputs = [adamw](const Case& c, DType dt, std::mt19937_64& eng) {
+    const Shape& s = c.shapes.at(0);
+    DType state = optim::optimizer_state_dtype(dt);
+    std::vector<Tensor> in = {random_values(s, dt, c.low, c.high, eng), random_values(s, dt, c.low, c.high, eng)};
+    if (adamw) {
+      in.push_back(random_values(s, state, -0.1, 0.1, eng));
+      in.push_back(random_values(s, state, 0.0, 0.01, eng));
+    } else if (sgd_attrs(json::parse(c.attrs_json)).momentum != 0) {
+      in.push_back(random_values(s, state, c.low, c.high, eng));
+    }
+    return in;
+  };
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType) {
+    std::vector<std::pair<Shape, DType>> o = {{in[0].shape(), in[0].dtype()}};
+    for (size_t i = 2; i < in.size(); ++i) o.push_back({in[i].shape(), in[i].dtype()});
+    return o;
+  };
+  h.init_outputs = [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+    out[0].copy_from(in[0]);
+    for (size_t i = 2; i < in.size(); ++i) out[i - 1].copy_from(in[i]);
+  };
+  h.call = [adamw](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json& a) {
+    if (adamw) {
+      dispatch::call(adamw_update_op, d, dt, adamw_attrs(a), out[0], in[1], out[1], out[2]);
+    } else {
+      Tensor buffer = out.size() > 1 ? out[1] : Tensor();
+      dispatch::call(sgd_update_op, d, dt, sgd_attrs(a), out[0], in[1], buffer);
+    }
+  };
+  return h;
+}
+
+Harness grad_norm_squared_harness() {
+  Harness h;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>&, const json&, DType) {
+    return std::vector<std::pair<Shape, DType>>{{Shape{}, kF64}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(grad_norm_squared_op, d, dt, in[0], out[0]);
+  };
+  return h;
+}
+
 const std::map<std::string, Harness>& harnesses() {
   static const auto* table = new std::map<std::string, Harness>{
       {"neg", unary(neg_op)}, {"abs", unary(abs_op)}, {"exp", unary(exp_op)}, {"log", unary(log_op)},
@@ -286,6 +616,20 @@ const std::map<std::string, Harness>& harnesses() {
       {"cross_entropy", cross_entropy_harness(false)}, {"cross_entropy_backward", cross_entropy_harness(true)},
       {"sum", reduce(sum_op)}, {"mean", reduce(mean_op)}, {"max", reduce(max_op)}, {"norm", reduce(norm_op)},
       {"gemm", gemm_harness()},
+      {"add_scalar", scalar(add_scalar_op)}, {"mul_scalar", scalar(mul_scalar_op)},
+      {"div_scalar", scalar(div_scalar_op)}, {"rsub_scalar", scalar(rsub_scalar_op)},
+      {"maximum_scalar", scalar(maximum_scalar_op)}, {"minimum_scalar", scalar(minimum_scalar_op)},
+      {"pow_scalar", scalar(pow_scalar_op)},
+      {"eq", compare(eq_op)}, {"ne", compare(ne_op)}, {"lt", compare(lt_op)}, {"le", compare(le_op)},
+      {"gt", compare(gt_op)}, {"ge", compare(ge_op)}, {"where", where_harness()},
+      {"embedding", embedding_harness()}, {"embedding_backward", embedding_backward_harness()},
+      {"index_select", index_select_harness()}, {"gather", gather_harness()},
+      {"scatter_add", scatter_add_harness()}, {"cat", cat_harness()}, {"triangular", triangular_harness()},
+      {"rope", rope_harness()},
+      {"scaled_dot_product_attention", attention_harness(false)},
+      {"scaled_dot_product_attention_backward", attention_harness(true)},
+      {"adamw_update", optimizer_harness(true)}, {"sgd_update", optimizer_harness(false)},
+      {"grad_norm_squared", grad_norm_squared_harness()},
   };
   return *table;
 }
@@ -361,6 +705,7 @@ Result run_one(const Case& c, const Harness& h, DType dt, const std::string& pro
   std::vector<Tensor> out;
   for (auto& [shape, odt] : h.outputs(host_in, attrs, dt))
     out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt, device));
+  if (h.init_outputs) h.init_outputs(in, out);
 
   bool declined = false;
   with_only_provider(c.op, provider, [&] {
@@ -386,10 +731,14 @@ Result run_one(const Case& c, const Harness& h, DType dt, const std::string& pro
 
   // The reference: native CPU kernels on the inputs upcast to f64.
   std::vector<Tensor> ref_in;
-  for (const Tensor& t : host_in) ref_in.push_back(is_floating(t.dtype()) ? t.to(kF64) : t);
+  for (size_t i = 0; i < host_in.size(); ++i) {
+    const Tensor& t = host_in[i];
+    ref_in.push_back(is_floating(t.dtype()) && !h.fixed_dtype_inputs.count(i) ? t.to(kF64) : t);
+  }
   std::vector<Tensor> ref_out;
   for (auto& [shape, odt] : h.outputs(ref_in, attrs, kF64))
     ref_out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt));
+  if (h.init_outputs) h.init_outputs(ref_in, ref_out);
   with_only_provider(c.op, "native", [&] { h.call(Device(), kF64, ref_in, ref_out, attrs); });
 
   auto [rtol, atol] = default_tolerance(dt);
@@ -531,10 +880,10 @@ std::string format_table(const std::vector<Result>& results) {
     if (it->second.status == Status::kSkipped) not_provided.insert(it->first.first), it = agg.erase(it);
     else ++it;
   }
-  os << std::left << std::setw(26) << "op" << std::setw(7) << "dtype" << std::setw(10) << "result"
+  os << std::left << std::setw(40) << "op" << std::setw(7) << "dtype" << std::setw(10) << "result"
      << "worst error (x tolerance)\n";
   for (const auto& [key, r] : agg) {
-    os << std::setw(26) << key.first << std::setw(7) << key.second << std::setw(10) << status_name(r.status);
+    os << std::setw(40) << key.first << std::setw(7) << key.second << std::setw(10) << status_name(r.status);
     if (r.status == Status::kPass || r.status == Status::kFail) os << std::setprecision(3) << r.worst_error;
     if (r.status == Status::kFail) os << "  " << r.case_name << ": " << r.detail;
     os << "\n";
