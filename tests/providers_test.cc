@@ -4,10 +4,9 @@
 #include <filesystem>
 
 #include "kernels/gemm_kernel.h"
-#include "loom/nn/model.h"
-#include "loom/optim/optimizer.h"
 #include "loom/providers.h"
 #include "providers/conformance.h"
+#include "test_models.h"
 #include "test_util.h"
 
 namespace loom {
@@ -210,32 +209,11 @@ TEST_F(Providers, ShadowModeComparesAndCountsDivergences) {
   EXPECT_NE(ProviderPolicy::parse("shadow=native:gemm").str().find("shadow=native:gemm"), std::string::npos);
 }
 
-std::vector<double> train_three_steps() {
-  nn::ModelConfig cfg = nn::ModelConfig::from_name("gpt2-tiny");
-  cfg.vocab_size = cfg.padded_vocab_size = 128;
-  cfg.max_seq_len = 16;
-  auto model = nn::make_model(cfg);
-  model->init_weights(1234);
-  optim::AdamWOptions o;
-  o.lr = 1e-2;
-  optim::AdamW opt(model->parameters(), o);
-  Tensor x = test::random_indices({2, 16}, 0, 128, kI64, 7), y = test::random_indices({2, 16}, 0, 128, kI64, 8);
-  std::vector<double> losses;
-  for (int step = 0; step < 3; ++step) {
-    opt.zero_grad();
-    Tensor loss = model->loss(model->forward(x), y);
-    losses.push_back(loss.item<double>());
-    loss.backward();
-    opt.step();
-  }
-  return losses;
-}
-
 TEST_F(Providers, TinyGpt2TrainsWithGemmFromThePlugin) {
-  std::vector<double> native = train_three_steps();
+  std::vector<double> native = test::train_tiny_gpt2_three_steps();
   route("cpu_sample:gemm");
   uint64_t calls = calls_of("gemm", "cpu_sample");
-  std::vector<double> plugin = train_three_steps();
+  std::vector<double> plugin = test::train_tiny_gpt2_three_steps();
   EXPECT_GT(calls_of("gemm", "cpu_sample"), calls + 20);  // forward and backward products
   ASSERT_EQ(plugin.size(), native.size());
   for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(plugin[i], native[i], 1e-4 * std::abs(native[i])) << i;
