@@ -1,13 +1,16 @@
-// Multi-process checks of the distributed layer, run by ctest as `mpirun -np 2 loom_distributed_mpi_check`: MPI
-// collectives, DDP and ZeRO-1 on the tiny GPT-2 against one process at the same global batch, TP=2 against TP=1.
-// Prints one line per check and exits non-zero on the first failure (on any rank).
+// Multi-process checks of the distributed layer: collectives, DDP and ZeRO-1 on the tiny GPT-2 against one process at
+// the same global batch, TP=2 against TP=1. On CPU ctest runs it as `mpirun -np 2 loom_distributed_check` (MPI); on
+// GPUs `loom-run --nproc-per-node 2 loom_distributed_check --device cuda` runs the same checks over NCCL.
+// Prints one line per check and exits non-zero on any failure (on any rank).
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
 
+#include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/process_group.h"
@@ -23,6 +26,7 @@ namespace dist = loom::distributed;
 namespace {
 
 std::shared_ptr<dist::ProcessGroup> world;
+Device dev;  // where every tensor of the checks lives: the CPU (MPI) or this rank's GPU (NCCL)
 int failures = 0;
 
 void check(bool ok, const std::string& what) {
@@ -53,7 +57,14 @@ Tensor tokens(int64_t rows, int64_t T, uint64_t seed) {
   std::mt19937_64 eng(seed);
   std::vector<int64_t> v(size_t(rows * (T + 1)));
   for (auto& x : v) x = int64_t(eng() % 250);
-  return from_vector(v, {rows, T + 1});
+  return from_vector(v, {rows, T + 1}, dev);
+}
+
+std::shared_ptr<nn::LanguageModel> tiny_model(uint64_t seed) {
+  auto m = nn::make_model(tiny());
+  m->init_weights(seed);
+  m->to(dev);
+  return m;
 }
 
 Tensor loss_of(nn::LanguageModel& m, const Tensor& batch) {
@@ -64,45 +75,49 @@ Tensor loss_of(nn::LanguageModel& m, const Tensor& batch) {
 
 void check_collectives() {
   int r = world->rank(), n = world->size();
-  Tensor a = full({5}, double(r + 1));
+  Tensor a = full({5}, double(r + 1), kF32, dev);
   world->all_reduce(a, dist::ReduceOp::kSum);
-  check(max_abs_diff(a, full({5}, n * (n + 1) / 2.0)) == 0, "all_reduce sum");
-  Tensor b = full({3}, double(r + 1), kBF16);
+  check(max_abs_diff(a, full({5}, n * (n + 1) / 2.0, kF32, dev)) == 0, "all_reduce sum");
+  Tensor b = full({3}, double(r + 1), kBF16, dev);
   world->all_reduce(b, dist::ReduceOp::kAvg);
-  check(max_abs_diff(b, full({3}, (n + 1) / 2.0)) < 1e-2, "all_reduce avg bf16");
-  Tensor c = full({4}, double(r), kF64);
+  check(max_abs_diff(b, full({3}, (n + 1) / 2.0, kF32, dev)) < 1e-2, "all_reduce avg bf16");
+  Tensor c = full({4}, double(r), kF64, dev);
   world->all_reduce(c, dist::ReduceOp::kMax);
-  check(max_abs_diff(c, full({4}, n - 1.0, kF64)) == 0, "all_reduce max f64");
-  Tensor in = arange(0, double(2 * n), 1, kF32);  // rank r's chunk r: [2r, 2r+1]
-  Tensor out = zeros({2});
+  check(max_abs_diff(c, full({4}, n - 1.0, kF64, dev)) == 0, "all_reduce max f64");
+  Tensor sq = zeros({1}, kF64, dev);
+  ops::add_(sq, full({}, 0.25 * (r + 1), kF64, dev).reshape({1}), 2.0);  // the grad-norm reductions' pattern
+  world->all_reduce(sq, dist::ReduceOp::kSum);
+  check(std::abs(sq.item<double>() - 0.25 * n * (n + 1)) < 1e-12, "all_reduce sum of one f64: " + std::to_string(sq.item<double>()));
+  Tensor in = arange(0, double(2 * n), 1, kF32, dev);  // rank r's chunk r: [2r, 2r+1]
+  Tensor out = zeros({2}, kF32, dev);
   world->reduce_scatter(in, out, dist::ReduceOp::kSum);
-  check(max_abs_diff(out, from_vector<float>({float(2 * r * n), float((2 * r + 1) * n)})) == 0, "reduce_scatter");
-  Tensor g = zeros({n, 2}, kI64);
-  world->all_gather(full({2}, double(r), kI64), g);
+  check(max_abs_diff(out, from_vector<float>({float(2 * r * n), float((2 * r + 1) * n)}, {2}, dev)) == 0, "reduce_scatter");
+  Tensor g = zeros({n, 2}, kI64, dev);
+  world->all_gather(full({2}, double(r), kI64, dev), g);
   bool ok = true;
   for (int k = 0; k < n; ++k) ok &= g.select(0, k).select(0, 1).item<int64_t>() == k;
   check(ok, "all_gather");
-  Tensor bc = full({3}, double(r == 1 ? 7 : 0));
+  Tensor bc = full({3}, double(r == 1 ? 7 : 0), kF32, dev);
   world->broadcast(bc, 1);
-  check(max_abs_diff(bc, full({3}, 7.0)) == 0, "broadcast");
+  check(max_abs_diff(bc, full({3}, 7.0, kF32, dev)) == 0, "broadcast");
   if (n == 2) {
-    Tensor msg = full({2}, 42.0);
+    Tensor msg = full({2}, 42.0, kF32, dev);
     if (r == 0) world->send(msg, 1);
     else {
-      Tensor got = zeros({2});
+      Tensor got = zeros({2}, kF32, dev);
       world->recv(got, 0);
       check(max_abs_diff(got, msg) == 0, "send/recv");
     }
   }
   auto sub = world->split(r % 2, r);
   check(sub->size() == (n + 1 - r % 2) / 2, "split size");
-  Tensor s = ones({1});
+  Tensor s = ones({1}, kF32, dev);
   sub->all_reduce(s);
   check(s.item<double>() == sub->size(), "split all_reduce");
   world->barrier();
   bool threw = false;
   try {
-    Tensor bad = zeros({4, 4}).t();
+    Tensor bad = zeros({4, 4}, kF32, dev).t();
     world->all_reduce(bad);
   } catch (const Error&) {
     threw = true;
@@ -117,10 +132,8 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
   const int64_t rows_per_rank = 2, T = 16, micro = 2, steps = 2;
   optim::AdamWOptions ao;
   ao.lr = 1e-2;
-  auto ref = nn::make_model(tiny());
-  ref->init_weights(7);
-  auto model = nn::make_model(tiny());
-  model->init_weights(7);
+  auto ref = tiny_model(7);
+  auto model = tiny_model(7);
   optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
   optim::AdamW opt(optim::adamw_param_groups(model->named_parameters(), 0.1), ao);
   std::unique_ptr<dist::ZeroAdamW> zero;
@@ -152,7 +165,7 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
       auto a = ref_opt.parameters(), b = opt.parameters();
       for (size_t i = 0; i < a.size(); ++i) {
         worst = std::max(worst, max_abs_diff(a[i].grad(), b[i].grad()));
-        largest = std::max(largest, max_abs_diff(a[i].grad(), zeros(a[i].shape())));
+        largest = std::max(largest, max_abs_diff(a[i].grad(), zeros(a[i].shape(), kF32, dev)));
       }
       check(worst <= tol * largest, std::string("DDP (") + dtype_name(reduce_dtype) + ") gradients: max diff " +
                                         std::to_string(worst) + " of " + std::to_string(largest));
@@ -176,10 +189,10 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
 
 void check_tensor_parallel() {
   nn::ModelConfig cfg = tiny();
-  auto full = nn::make_model(cfg);
-  full->init_weights(11);
+  auto full = tiny_model(11);
   dist::TensorParallelGPT2 tp(cfg, world);
   tp.init_weights(11);
+  tp.to(dev);
   Tensor batch = tokens(2, 16, 5);
   Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
   Tensor ref_loss = full->loss(full->forward(x), y);
@@ -190,6 +203,7 @@ void check_tensor_parallel() {
         "TP=2 loss " + std::to_string(loss.item<double>()) + " matches TP=1 " + std::to_string(ref_loss.item<double>()));
   // Gradients: gather TP grads into full shapes by putting them in a TP model's parameters.
   dist::TensorParallelGPT2 grads(cfg, world);
+  grads.to(dev);
   {
     autograd::NoGradGuard ng;
     auto src = tp.named_parameters();
@@ -218,6 +232,50 @@ void check_tensor_parallel() {
   check(nn::generate(tp, prompt, g) == nn::generate(*full, prompt, g), "TP=2 greedy generation (KV cache) matches");
 }
 
+// A few AdamW steps with clipping (the trainer's loop): TP=2 losses and grad norms against TP=1, optionally under
+// autocast (bf16 matrix math, as loom-train runs on GPUs).
+void check_tensor_parallel_training(DType autocast_dtype, double tol) {
+  nn::ModelConfig cfg = tiny();
+  auto full = tiny_model(13);
+  dist::TensorParallelGPT2 tp(cfg, world);
+  tp.init_weights(13);
+  tp.to(dev);
+  optim::AdamWOptions ao;
+  ao.lr = 3e-3;
+  optim::AdamW full_opt(optim::adamw_param_groups(full->named_parameters(), 0.1), ao);
+  optim::AdamW tp_opt(optim::adamw_param_groups(tp.named_parameters(), 0.1), ao);
+  std::map<const void*, double> weight_of;
+  auto named = tp.named_parameters();
+  auto sharded = tp.sharded_mask();
+  for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = sharded[i] ? 1.0 : 1.0 / world->size();
+  std::vector<double> weights;
+  for (const Tensor& p : tp_opt.parameters()) weights.push_back(weight_of.at(&p.impl()));
+  for (int step = 0; step < 4; ++step) {
+    Tensor batch = tokens(4, 16, uint64_t(300 + step));
+    Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
+    full_opt.zero_grad();
+    tp_opt.zero_grad();
+    Tensor ref_loss, loss;
+    {
+      amp::AutocastGuard autocast(autocast_dtype);
+      ref_loss = full->loss(full->forward(x), y);
+      loss = tp.parallel_loss(tp.forward_local(x), y);
+    }
+    ref_loss.backward();
+    loss.backward();
+    double ref_norm = optim::clip_grad_norm(full_opt.parameters(), 0.05);  // small, so that clipping acts
+    double norm = dist::clip_grad_norm_distributed(tp_opt.parameters(), weights, 0.05, *world);
+    full_opt.step();
+    tp_opt.step();
+    double l = loss.item<double>(), rl = ref_loss.item<double>();
+    check(std::abs(l - rl) < tol * std::max(1.0, std::abs(rl)), "step " + std::to_string(step) + ": TP=2 loss " +
+                                                                     std::to_string(l) + " vs TP=1 " + std::to_string(rl));
+    check(std::abs(norm - ref_norm) < tol * std::max(1.0, ref_norm), "step " + std::to_string(step) + ": TP=2 grad norm " +
+                                                                         std::to_string(norm) + " vs TP=1 " +
+                                                                         std::to_string(ref_norm));
+  }
+}
+
 void run(const char* name, const std::function<void()>& f) {
   int before = failures;
   try {
@@ -232,16 +290,29 @@ void run(const char* name, const std::function<void()>& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool stuck_rank = argc > 1 && std::string(argv[1]) == "--stuck-rank";
+  bool stuck_rank = false, cuda = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--stuck-rank") stuck_rank = true;
+    else if (a == "--device" && i + 1 < argc) cuda = std::string(argv[++i]) == "cuda";
+    else {
+      std::fprintf(stderr, "usage: loom_distributed_check [--device cpu|cuda] [--stuck-rank]\n");
+      return 2;
+    }
+  }
   try {
-    world = dist::init_process_group({"mpi", Device(), stuck_rank ? 1.0 : 60.0});
+    if (cuda) {  // one GPU per local rank, as loom-run or torchrun start it
+      auto launch = dist::detect_launch();
+      dev = Device(kCUDA, launch ? launch->local_rank : 0);
+    }
+    world = dist::init_process_group({cuda ? "nccl" : "mpi", dev, stuck_rank ? 1.0 : 60.0});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "init failed: %s\n", e.what());
     return 1;
   }
   if (stuck_rank) {  // rank 1 is late: rank 0's all-reduce must throw within its 1 s timeout, not hang
     if (world->rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
-    Tensor t = ones({4});
+    Tensor t = ones({4}, kF32, dev);
     try {
       world->all_reduce(t);
     } catch (const Error& e) {
@@ -256,7 +327,9 @@ int main(int argc, char** argv) {
   run("ddp bf16 reduction", [] { check_ddp(kBF16, false, 2e-2); });
   run("zero-1", [] { check_ddp(kF32, true, 2e-5); });
   run("tensor parallel", check_tensor_parallel);
-  Tensor f = full({1}, double(failures));
+  run("tensor parallel training", [] { check_tensor_parallel_training(kF32, 1e-4); });
+  if (dev.is_cuda()) run("tensor parallel training (bf16 autocast)", [] { check_tensor_parallel_training(kBF16, 2e-2); });
+  Tensor f = full({1}, double(failures), kF32, dev);
   world->all_reduce(f, dist::ReduceOp::kMax);
   return f.item<double>() > 0 ? 1 : 0;
 }
