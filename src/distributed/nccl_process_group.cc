@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -190,23 +191,9 @@ class NcclProcessGroup final : public ProcessGroup {
     all_reduce(one, ReduceOp::kSum);
     device_runtime(kCUDA).synchronize(comm_->device.index);
   }
-  std::shared_ptr<ProcessGroup> split(int color, int key) override {
-    cuda::DeviceGuard guard(comm_->device.index);
-    auto sub = std::make_shared<Comm>();
-    sub->device = comm_->device;
-    // The parent must be idle before a split; the split itself blocks (it happens once, at start-up, after the
-    // world has already met, so a timeout matters less here than NCCL's non-blocking split semantics).
-    comm_->settle("split (waiting for the parent communicator)", timeout_s_);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 1;
-    comm_->check(ncclCommSplit(comm_->comm, color, key, &sub->comm, &config), "split", timeout_s_);
-    ncclCommCount(sub->comm, &sub->size);
-    ncclCommUserRank(sub->comm, &sub->rank);
-    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sub->stream, cudaStreamNonBlocking));
-    auto g = std::make_shared<NcclProcessGroup>(sub);
-    g->set_timeout_seconds(timeout_s_);
-    return g;
-  }
+  // Subgroups get communicators of their own from a unique id handed out over this group (not ncclCommSplit,
+  // whose children of a non-blocking parent came back unusable, e.g. a null communicator for one-rank groups).
+  std::shared_ptr<ProcessGroup> split(int color, int key) override;
 
  private:
   Tensor cuda_flat(const Tensor& t, const char* what) const {
@@ -246,6 +233,51 @@ class NcclProcessGroup final : public ProcessGroup {
   std::shared_ptr<Comm> comm_;
 };
 
+// A communicator of `ranks` ranks from `id`, on `device`; non-blocking, so a missing rank times out.
+std::shared_ptr<Comm> init_comm(int rank, int ranks, Device device, const ncclUniqueId& id, double timeout_seconds) {
+  cuda::DeviceGuard guard(device.index);
+  auto comm = std::make_shared<Comm>();
+  comm->device = device;
+  comm->rank = rank;
+  comm->size = ranks;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t rc = ncclCommInitRankConfig(&comm->comm, ranks, id, rank, &config);
+  if (rc != ncclSuccess && rc != ncclInProgress)
+    LOOM_THROW("ncclCommInitRankConfig failed on rank ", rank, " of ", ranks, ": ", ncclGetErrorString(rc));
+  comm->settle("NCCL communicator initialization", timeout_seconds);
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&comm->stream, cudaStreamNonBlocking));
+  return comm;
+}
+
+std::shared_ptr<ProcessGroup> NcclProcessGroup::split(int color, int key) {
+  // Everyone's (color, key), then the members of my color ordered by (key, rank in this group).
+  Tensor mine = from_vector<int64_t>({color, key}, {2}, comm_->device);
+  Tensor all = empty({size(), 2}, kI64, comm_->device);
+  all_gather(mine, all);
+  std::vector<int64_t> v = to_vector<int64_t>(all);
+  std::vector<std::pair<int64_t, int>> members;  // (key, rank)
+  for (int r = 0; r < size(); ++r)
+    if (v[size_t(2 * r)] == color) members.emplace_back(v[size_t(2 * r + 1)], r);
+  std::sort(members.begin(), members.end());
+  int new_rank = int(std::find(members.begin(), members.end(), std::make_pair(int64_t(key), rank())) - members.begin());
+  // The first member of each color makes the id; every rank gathers all ranks' id slots and takes its leader's.
+  ncclUniqueId id{};
+  if (new_rank == 0) {
+    ncclResult_t rc = ncclGetUniqueId(&id);
+    LOOM_REQUIRE(rc == ncclSuccess, "split: ncclGetUniqueId failed: ", ncclGetErrorString(rc));
+  }
+  std::vector<uint8_t> bytes(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof id);
+  Tensor my_id = from_vector(bytes, {int64_t(sizeof id)}, comm_->device);
+  Tensor ids = empty({size(), int64_t(sizeof id)}, kU8, comm_->device);
+  all_gather(my_id, ids);
+  std::vector<uint8_t> all_ids = to_vector<uint8_t>(ids);
+  std::memcpy(&id, all_ids.data() + size_t(members.front().second) * sizeof id, sizeof id);
+  auto g = std::make_shared<NcclProcessGroup>(init_comm(new_rank, int(members.size()), comm_->device, id, timeout_s_));
+  g->set_timeout_seconds(timeout_s_);
+  return g;
+}
+
 }  // namespace
 
 bool nccl_available() { return true; }
@@ -264,20 +296,9 @@ std::shared_ptr<ProcessGroup> make_nccl_group(int rank, int world_size, Device d
   LOOM_REQUIRE(device.is_cuda(), "make_nccl_group: needs a CUDA device, got ", device.str());
   LOOM_REQUIRE(id.size() == sizeof(ncclUniqueId), "make_nccl_group: the unique id has ", id.size(), " bytes, NCCL's has ",
                sizeof(ncclUniqueId));
-  cuda::DeviceGuard guard(device.index);
-  auto comm = std::make_shared<Comm>();
-  comm->device = device;
-  comm->rank = rank;
-  comm->size = world_size;
   ncclUniqueId uid;
   std::memcpy(&uid, id.data(), sizeof uid);
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;  // so that a missing rank times out instead of blocking here forever
-  ncclResult_t rc = ncclCommInitRankConfig(&comm->comm, world_size, uid, rank, &config);
-  if (rc != ncclSuccess && rc != ncclInProgress)
-    LOOM_THROW("ncclCommInitRankConfig failed on rank ", rank, " of ", world_size, ": ", ncclGetErrorString(rc));
-  comm->settle("NCCL communicator initialization", timeout_seconds);
-  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&comm->stream, cudaStreamNonBlocking));
+  auto comm = init_comm(rank, world_size, device, uid, timeout_seconds);
   auto g = std::make_shared<NcclProcessGroup>(comm);
   g->set_timeout_seconds(timeout_seconds);
   return g;
