@@ -115,6 +115,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
       model_->load_hf_state_dict(std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end()));
     }
   }
+  flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
   if (opts_.tensor_parallel > 1) {  // keep this rank's shard of the full model just built
     tp_model_ = std::make_shared<distributed::TensorParallelGPT2>(cfg, tp_group_);
     tp_model_->load_from_full(*model_);
@@ -122,7 +123,6 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   model_->to(device_);
   if (cfg.dropout > 0) model_->train(true);
-  flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 
   data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, dp_group_->rank(), dp, opts_.shuffle, opts_.seed};
@@ -227,7 +227,8 @@ StepStats Trainer::train_step() {
   ++step_;
   s.step = step_;
   s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  s.tokens_per_second = double(grad_accum_ * opts_.batch_size * opts_.seq_len) / (s.ms / 1000.0);
+  // The whole world's tokens: every data-parallel rank takes its own batch (tensor-parallel ranks share one).
+  s.tokens_per_second = double(grad_accum_ * opts_.batch_size * opts_.seq_len * dp_group_->size()) / (s.ms / 1000.0);
   history_.push_back(s);
   return s;
 }
@@ -280,7 +281,8 @@ void Trainer::log_step(const StepStats& s) {
   logs_->smoothed_ms = logs_->smoothed_ms == 0 ? s.ms : 0.9 * logs_->smoothed_ms + 0.1 * s.ms;
   double eta = logs_->smoothed_ms / 1000.0 * double(opts_.steps - s.step);
   MemoryStats mem = device_runtime(device_.type).memory_stats(device_.index);
-  double mfu = peak_flops_ > 0 ? flops_per_token_ * s.tokens_per_second / peak_flops_ : -1;
+  // Per GPU: the full model's flops over the world's tokens, against the world's peak.
+  double mfu = peak_flops_ > 0 ? flops_per_token_ * s.tokens_per_second / (peak_flops_ * world_->size()) : -1;
   if (!opts_.quiet && (s.step % opts_.log_interval == 0 || s.step == opts_.steps)) {
     char line[256];
     std::snprintf(line, sizeof line,

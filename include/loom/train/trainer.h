@@ -77,7 +77,7 @@ struct StepStats {
   double lr = 0;
   double grad_norm = 0;
   double ms = 0;
-  double tokens_per_second = 0;
+  double tokens_per_second = 0;  // of the whole world (all data-parallel ranks)
 };
 
 class Trainer {
