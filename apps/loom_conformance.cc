@@ -3,9 +3,12 @@
 //   loom-conformance --provider cpu_sample --load build/plugins/libloom_cpu_sample.so --json report.json
 //   loom-conformance --provider native --device cuda
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
+//   loom-conformance --provider native --reference pytorch         (only the PyTorch reference cases)
 //
 // Prints pass / FAIL (worst error) / declined per op and dtype and exits 1 on any failure. Cases are the JSON files
-// in conformance/ (found from the working directory or beside the executable), or --cases FILE_OR_DIR.
+// in conformance/ (found from the working directory or beside the executable), or --cases FILE_OR_DIR, checked
+// against Loom's native CPU kernels in float64; plus, when conformance/reference/pytorch_refs.json exists (or with
+// --reference pytorch|all), the stored PyTorch cases, checked against PyTorch's float64 results (rows "[pytorch]").
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -84,7 +87,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Check a kernel provider against Loom's float64 CPU reference"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter;
   std::vector<std::string> libraries;
-  std::string dtype_filter;
+  std::string dtype_filter, reference = "auto", reference_file;
   bool list = false, list_kernels_flag = false;
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
@@ -92,6 +95,12 @@ int main(int argc, char** argv) {
   app.add_option("--cases", cases_path, "a case file or a directory of them (default: conformance/)");
   app.add_option("--json", json_path, "write the full report as JSON");
   app.add_option("--op", op_filter, "only cases of this op");
+  app.add_option("--reference", reference,
+                 "auto: the declarative cases, plus the PyTorch reference cases when their file exists (default); "
+                 "loom: the declarative cases only; pytorch: the PyTorch reference cases only; all: both")
+      ->check(CLI::IsMember({"auto", "loom", "pytorch", "all"}));
+  app.add_option("--reference-file", reference_file,
+                 "the PyTorch reference description (default: <cases dir>/reference/pytorch_refs.json)");
   app.add_flag("--list-ops", list, "list the ops the runner has harnesses for and exit");
   app.add_flag("--list-kernels", list_kernels_flag,
                "list which provider serves each op on --device, per dtype, under the current policy, and exit");
@@ -121,13 +130,41 @@ int main(int argc, char** argv) {
       return 2;
     }
     loom::Device device = loom::Device::parse(device_name);
-    auto cases = loom::conformance::load_cases(cases_path.empty() ? find_cases_dir() : cases_path);
-    if (!op_filter.empty())
-      cases.erase(std::remove_if(cases.begin(), cases.end(), [&](auto& c) { return c.op != op_filter; }),
-                  cases.end());
+    const std::string cases_dir = cases_path.empty() ? find_cases_dir() : cases_path;
+    if (reference_file.empty() && fs::is_directory(cases_dir))
+      reference_file = (fs::path(cases_dir) / "reference" / "pytorch_refs.json").string();
+    bool with_declarative = reference != "pytorch";
+    bool with_stored = reference == "pytorch" || reference == "all" ||
+                       (reference == "auto" && !reference_file.empty() && fs::exists(reference_file));
+    if (with_stored && reference_file.empty())
+      throw loom::Error("--reference " + reference + ": no reference file (give --reference-file)");
+    std::vector<loom::conformance::Case> cases, stored;
+    if (with_declarative) cases = loom::conformance::load_cases(cases_dir);
+    if (with_stored) stored = loom::conformance::load_reference_cases(reference_file);
+    auto keep_op = [&](std::vector<loom::conformance::Case>& v) {
+      if (!op_filter.empty())
+        v.erase(std::remove_if(v.begin(), v.end(), [&](auto& c) { return c.op != op_filter; }), v.end());
+    };
+    keep_op(cases);
+    keep_op(stored);
+    std::cout << "provider " << provider << " on " << device.str() << ": ";
+    if (with_declarative) std::cout << cases.size() << " cases against Loom's float64 CPU kernels";
+    if (with_declarative && with_stored) std::cout << " + ";
+    if (with_stored) {
+      std::string version = stored.empty() ? "?" : stored.front().stored->torch_version;
+      std::cout << stored.size() << " reference cases against PyTorch's float64 results (torch " << version
+                << ", " << reference_file << ")";
+    } else if (reference == "auto") {
+      if (reference_file.empty())
+        std::cout << " (no PyTorch reference cases: --cases is a file; give --reference-file)";
+      else
+        std::cout << " (no PyTorch reference cases: " << reference_file
+                  << " not found; tools/reference/make_conformance_refs.py writes it)";
+    }
+    std::cout << "\n";
+    cases.insert(cases.end(), stored.begin(), stored.end());
     auto results = loom::conformance::run(cases, provider, device);
-    std::cout << "provider " << provider << " on " << device.str() << ": " << cases.size() << " cases\n"
-              << loom::conformance::format_table(results);
+    std::cout << loom::conformance::format_table(results);
     if (!json_path.empty()) {
       std::ofstream os(json_path);
       os << loom::conformance::to_json(results, provider, device) << "\n";

@@ -171,6 +171,21 @@ TEST_F(Providers, ConformancePassesTheSampleAndCatchesAWrongSoftmax) {
   EXPECT_FALSE(conformance::any_failure(conformance::run(cases_for({"add"}), "cpu_sample_wrong", Device())));
 }
 
+TEST_F(Providers, PyTorchReferenceCasesCatchAWrongSoftmax) {
+  const std::string path = std::string(LOOM_SOURCE_DIR) + "/conformance/reference/pytorch_refs.json";
+  if (!fs::exists(path)) GTEST_SKIP() << path << " not generated";
+  std::vector<conformance::Case> softmax;
+  for (const auto& c : conformance::load_reference_cases(path))
+    if (c.op == "softmax") softmax.push_back(c);
+  ASSERT_FALSE(softmax.empty());
+  auto good = conformance::run(softmax, "cpu_sample", Device());
+  EXPECT_FALSE(conformance::any_failure(good)) << conformance::format_table(good);
+  ensure_loaded("loom_cpu_sample_wrong_softmax", "cpu_sample_wrong");
+  auto wrong = conformance::run(softmax, "cpu_sample_wrong", Device());
+  EXPECT_TRUE(conformance::any_failure(wrong)) << conformance::format_table(wrong);
+  EXPECT_NE(conformance::format_table(wrong).find("softmax [pytorch]"), std::string::npos);
+}
+
 TEST_F(Providers, ConformanceReportsOpsThePluginLacksAsNotProvided) {
   auto cases = cases_for({"where", "pow_scalar", "embedding", "scatter_add", "rope", "scaled_dot_product_attention",
                           "adamw_update", "grad_norm_squared"});

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -26,6 +27,7 @@
 #include "kernels/shape_kernel.h"
 #include "kernels/softmax_kernel.h"
 #include "loom/core/dispatch.h"
+#include "loom/io/safetensors.h"
 #include "loom/ops.h"
 
 namespace loom::conformance {
@@ -37,6 +39,8 @@ using json = nlohmann::json;
 // dispatch call. Inputs arrive on the target device, outputs allocated there and poisoned.
 struct Harness {
   bool any_strides = false;  // the kernel accepts non-contiguous inputs
+  // How many inputs the harness takes: a stored case must bring that many (the functions below index them).
+  size_t min_inputs = 1, max_inputs = 1;
   // Inputs whose dtype is fixed by the kernel (rope's f32 cos and sin): the reference gets them as they are.
   std::set<size_t> fixed_dtype_inputs;
   // For kernels that update a buffer in place (scatter_add, optimizer steps): fills the outputs from the inputs
@@ -83,6 +87,7 @@ Harness unary(Op op) {
 template <typename Op>
 Harness unary_backward(Op op) {
   Harness h = unary(neg_op);
+  h.min_inputs = h.max_inputs = 2;
   h.call = [op](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
     dispatch::call(op, d, dt, in[0], in[1], out[0]);
   };
@@ -93,6 +98,7 @@ template <typename Op>
 Harness binary(Op op) {
   Harness h;
   h.any_strides = true;
+  h.min_inputs = h.max_inputs = 2;
   h.inputs = random_inputs;
   h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
     return std::vector<std::pair<Shape, DType>>{{broadcast_all(in), dt}};
@@ -108,6 +114,7 @@ Harness binary(Op op) {
 template <typename Op>
 Harness softmax_like(Op op, bool backward) {
   Harness h;
+  h.min_inputs = h.max_inputs = backward ? 2 : 1;
   h.inputs = random_inputs;
   h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
     return std::vector<std::pair<Shape, DType>>{{in.at(0).shape(), dt}};
@@ -137,9 +144,12 @@ Harness log_softmax_harness() {
 }
 
 DType stats_dtype(DType dt) { return dt == kF64 ? kF64 : kF32; }
+// The input count of a norm backward with weight: grad, x, weight, (mean,) rstd.
+size_t norm_backward_affine_inputs(bool rms) { return rms ? 4 : 5; }
 
 Harness layer_norm_harness(bool rms) {
   Harness h;
+  h.max_inputs = rms ? 2 : 3;
   // shapes: x [..., C]; weight and bias [C] are made here (absent when attrs.affine is false).
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     std::vector<Tensor> in = {random_values(c.shapes.at(0), dt, c.low, c.high, eng)};
@@ -166,6 +176,51 @@ Harness layer_norm_harness(bool rms) {
   return h;
 }
 
+// shapes: x [..., C]. Inputs: grad (like x), x, weight [C] (absent when attrs.affine is false), mean (layer norm
+// only) and rstd, the statistics from the forward run here on the CPU in the case's dtype (attrs.eps).
+Harness norm_backward_harness(bool rms) {
+  Harness h;
+  h.min_inputs = rms ? 3 : 4;
+  h.max_inputs = h.min_inputs + 1;
+  h.inputs = [rms](const Case& c, DType dt, std::mt19937_64& eng) {
+    const Shape& s = c.shapes.at(0);
+    json a = json::parse(c.attrs_json);
+    Tensor x = random_values(s, dt, c.low, c.high, eng), grad = random_values(s, dt, c.low, c.high, eng);
+    Tensor w = a.value("affine", true) ? random_values({s.back()}, dt, 0.5, 1.5, eng) : Tensor();
+    Tensor b = w.defined() ? zeros({s.back()}, dt) : Tensor();
+    Shape rows(s.begin(), s.end() - 1);
+    Tensor out = empty(s, dt), mean = empty(rows, stats_dtype(dt)), rstd = empty(rows, stats_dtype(dt));
+    NormAttrs at{a.value("eps", 1e-5)};
+    if (rms) dispatch::call(rms_norm_op, Device(), dt, x, w, at, out, rstd);
+    else dispatch::call(layer_norm_op, Device(), dt, x, w, b, at, out, mean, rstd);
+    std::vector<Tensor> in = {grad, x};
+    if (w.defined()) in.push_back(w);
+    if (!rms) in.push_back(mean);
+    in.push_back(rstd);
+    return in;
+  };
+  h.outputs = [rms](const std::vector<Tensor>& in, const json&, DType dt) {
+    std::vector<std::pair<Shape, DType>> o = {{in[1].shape(), dt}};
+    if (in.size() == norm_backward_affine_inputs(rms)) {
+      o.push_back({{in[1].shape().back()}, dt});
+      if (!rms) o.push_back({{in[1].shape().back()}, dt});
+    }
+    return o;
+  };
+  h.call = [rms](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    bool affine = in.size() == norm_backward_affine_inputs(rms);
+    Tensor w = affine ? in[2] : Tensor(), grad_weight = affine ? out[1] : Tensor();
+    if (rms) {
+      dispatch::call(rms_norm_backward_op, d, dt, in[0], in[1], w, in.back(), out[0], grad_weight);
+    } else {
+      Tensor grad_bias = affine ? out[2] : Tensor();
+      dispatch::call(layer_norm_backward_op, d, dt, in[0], in[1], w, in[in.size() - 2], in.back(), out[0],
+                     grad_weight, grad_bias);
+    }
+  };
+  return h;
+}
+
 CrossEntropyAttrs ce_attrs(const json& a) {
   CrossEntropyAttrs at;
   at.ignore_index = a.value("ignore_index", int64_t(-100));
@@ -176,6 +231,7 @@ CrossEntropyAttrs ce_attrs(const json& a) {
 
 Harness cross_entropy_harness(bool backward) {
   Harness h;
+  h.min_inputs = h.max_inputs = backward ? 3 : 2;
   // shapes: logits [N, V]. Targets (i64) are drawn here; every 5th row is ignored when attrs.ignore_index is set.
   h.inputs = [backward](const Case& c, DType dt, std::mt19937_64& eng) {
     const Shape& s = c.shapes.at(0);
@@ -247,6 +303,7 @@ Tensor padded_matrix(int64_t batch, int64_t rows, int64_t cols, int64_t pad, DTy
 
 Harness gemm_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 4;
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
     GemmShape g = gemm_shape(a, c.strided);
@@ -314,6 +371,7 @@ Harness compare(Op op) {
 // shapes: cond, a, b (broadcast together); cond is drawn as bool here.
 Harness where_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 3;
   h.any_strides = true;
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     std::bernoulli_distribution coin(0.5);
@@ -351,6 +409,7 @@ int64_t attr_dim(const json& a, int64_t rank) {
 // shapes: weight [V, C], indices (any shape); out is indices' shape + [C].
 Harness embedding_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 2;
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
     return std::vector<Tensor>{random_values(c.shapes.at(0), dt, c.low, c.high, eng),
@@ -370,6 +429,7 @@ Harness embedding_harness() {
 // shapes: grad [N, C]; attrs.vocab V (small, so that indices repeat); out grad_weight [V, C].
 Harness embedding_backward_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 2;
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
     return std::vector<Tensor>{random_values(c.shapes.at(0), dt, c.low, c.high, eng),
@@ -387,6 +447,7 @@ Harness embedding_backward_harness() {
 // shapes: x; attrs.dim, attrs.count (the index's length).
 Harness index_select_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 2;
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
     const Shape& s = c.shapes.at(0);
@@ -408,6 +469,7 @@ Harness index_select_harness() {
 // shapes: x, index (same rank, no larger than x off dim); attrs.dim. out has index's shape.
 Harness gather_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 2;
   h.any_strides = true;  // x; the index stays contiguous
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
@@ -428,6 +490,7 @@ Harness gather_harness() {
 // shapes: out (its starting values are input 0), index (src has index's shape); attrs.dim.
 Harness scatter_add_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 3;
   h.any_strides = true;  // src; the index stays contiguous
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     json a = json::parse(c.attrs_json);
@@ -450,6 +513,7 @@ Harness scatter_add_harness() {
 // shapes: the inputs, equal except along attrs.dim.
 Harness cat_harness() {
   Harness h;
+  h.max_inputs = std::numeric_limits<size_t>::max();
   h.any_strides = true;
   h.inputs = random_inputs;
   h.outputs = [](const std::vector<Tensor>& in, const json& a, DType dt) {
@@ -481,6 +545,7 @@ Harness triangular_harness() {
 // shapes: x [B, H, T, D]; cos and sin [T, D/2] (f32) come from random angles. attrs.inverse.
 Harness rope_harness() {
   Harness h;
+  h.min_inputs = h.max_inputs = 3;
   h.fixed_dtype_inputs = {1, 2};
   h.inputs = [](const Case& c, DType dt, std::mt19937_64& eng) {
     const Shape& s = c.shapes.at(0);
@@ -508,6 +573,7 @@ AttentionAttrs attention_attrs(const json& a, int64_t head_dim) {
 // out and lse come from the native forward on the CPU, in the case's dtype.
 Harness attention_harness(bool backward) {
   Harness h;
+  h.min_inputs = h.max_inputs = backward ? 6 : 3;
   h.inputs = [backward](const Case& c, DType dt, std::mt19937_64& eng) {
     const Shape &qs = c.shapes.at(0), &ks = c.shapes.at(1);
     Tensor q = random_values(qs, dt, c.low, c.high, eng), k = random_values(ks, dt, c.low, c.high, eng),
@@ -555,6 +621,8 @@ SgdAttrs sgd_attrs(const json& a) {
 // shapes: param; grad has param's dtype, the states optim::optimizer_state_dtype (exp_avg_sq drawn >= 0).
 Harness optimizer_harness(bool adamw) {
   Harness h;
+  h.min_inputs = adamw ? 4 : 2;
+  h.max_inputs = adamw ? 4 : 3;
   h.inputs = [adamw](const Case& c, DType dt, std::mt19937_64& eng) {
     const Shape& s = c.shapes.at(0);
     DType state = optim::optimizer_state_dtype(dt);
@@ -613,6 +681,7 @@ const std::map<std::string, Harness>& harnesses() {
       {"softmax_backward", softmax_like(softmax_backward_op, true)},
       {"log_softmax_backward", softmax_like(log_softmax_backward_op, true)},
       {"layer_norm", layer_norm_harness(false)}, {"rms_norm", layer_norm_harness(true)},
+      {"layer_norm_backward", norm_backward_harness(false)}, {"rms_norm_backward", norm_backward_harness(true)},
       {"cross_entropy", cross_entropy_harness(false)}, {"cross_entropy_backward", cross_entropy_harness(true)},
       {"sum", reduce(sum_op)}, {"mean", reduce(mean_op)}, {"max", reduce(max_op)}, {"norm", reduce(norm_op)},
       {"gemm", gemm_harness()},
@@ -680,9 +749,31 @@ void with_only_provider(const std::string& op, const std::string& provider, F&& 
   dispatch::set_policy(saved);
 }
 
+// The reference of a declarative case: native CPU kernels on the inputs upcast to f64.
+std::vector<Tensor> native_reference(const Harness& h, const std::vector<Tensor>& host_in, const json& attrs,
+                                     const std::string& op) {
+  std::vector<Tensor> ref_in;
+  for (size_t i = 0; i < host_in.size(); ++i) {
+    const Tensor& t = host_in[i];
+    ref_in.push_back(is_floating(t.dtype()) && !h.fixed_dtype_inputs.count(i) ? t.to(kF64) : t);
+  }
+  std::vector<Tensor> ref_out;
+  for (auto& [shape, odt] : h.outputs(ref_in, attrs, kF64))
+    ref_out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt));
+  if (h.init_outputs) h.init_outputs(ref_in, ref_out);
+  with_only_provider(op, "native", [&] { h.call(Device(), kF64, ref_in, ref_out, attrs); });
+  return ref_out;
+}
+
 Result run_one(const Case& c, const Harness& h, DType dt, const std::string& provider, Device device,
                uint64_t seed) {
-  Result r{c.name, c.op, dt, Status::kPass, 0, 0, ""};
+  Result r;
+  r.case_name = c.name, r.op = c.op, r.dtype = dt, r.status = Status::kPass;
+  if (c.stored) {
+    r.reference = c.stored->source;
+    r.peer_worst_error = c.stored->peer_worst_error;
+    r.peer = c.stored->peer;
+  }
   bool provides = false;
   for (const auto& cand : dispatch::explain(c.op, device.type, dt)) provides |= cand.provider == provider;
   if (!provides) {
@@ -692,7 +783,12 @@ Result run_one(const Case& c, const Harness& h, DType dt, const std::string& pro
   }
   json attrs = json::parse(c.attrs_json);
   std::mt19937_64 eng(seed);
-  std::vector<Tensor> host_in = h.inputs(c, dt, eng);
+  std::vector<Tensor> host_in;
+  if (c.stored) {
+    for (const Tensor& t : c.stored->inputs) host_in.push_back(t.clone());  // the shared case stays untouched
+  } else {
+    host_in = h.inputs(c, dt, eng);
+  }
 
   // The provider's run, on the device, inputs strided when asked and allowed.
   std::vector<Tensor> in;
@@ -729,23 +825,14 @@ Result run_one(const Case& c, const Harness& h, DType dt, const std::string& pro
       return r;
     }
 
-  // The reference: native CPU kernels on the inputs upcast to f64.
-  std::vector<Tensor> ref_in;
-  for (size_t i = 0; i < host_in.size(); ++i) {
-    const Tensor& t = host_in[i];
-    ref_in.push_back(is_floating(t.dtype()) && !h.fixed_dtype_inputs.count(i) ? t.to(kF64) : t);
-  }
-  std::vector<Tensor> ref_out;
-  for (auto& [shape, odt] : h.outputs(ref_in, attrs, kF64))
-    ref_out.push_back(full(shape, is_floating(odt) ? std::nan("") : -123456.0, odt));
-  if (h.init_outputs) h.init_outputs(ref_in, ref_out);
-  with_only_provider(c.op, "native", [&] { h.call(Device(), kF64, ref_in, ref_out, attrs); });
+  std::vector<Tensor> ref_out = c.stored ? c.stored->outputs : native_reference(h, host_in, attrs, c.op);
 
   auto [rtol, atol] = default_tolerance(dt);
   if (auto it = c.tolerances.find(dt); it != c.tolerances.end()) std::tie(rtol, atol) = it->second;
   size_t total = 0, mismatches = 0;
   for (size_t o = 0; o < out.size(); ++o) {
     std::vector<double> got = to_vector<double>(out[o]), want = to_vector<double>(ref_out[o]);
+    LOOM_CHECK(got.size() == want.size(), "conformance: ", c.name, ": output ", o, " size differs from the reference");
     for (size_t i = 0; i < got.size(); ++i) {
       ++total;
       double g = got[i], w = want[i], err;
@@ -833,6 +920,140 @@ std::vector<Case> load_cases(const std::string& path) {
   return cases;
 }
 
+namespace {
+
+const json& required(const json& j, const char* key, const std::string& where) {
+  LOOM_REQUIRE(j.is_object() && j.contains(key), where, ": missing \"", key, "\"");
+  return j[key];
+}
+
+}  // namespace
+
+std::vector<Case> load_reference_cases(const std::string& json_path) {
+  namespace fs = std::filesystem;
+  LOOM_REQUIRE(fs::is_regular_file(json_path), "conformance: no reference file '", json_path,
+               "' (tools/reference/make_conformance_refs.py writes it)");
+  std::ifstream is(json_path);
+  LOOM_REQUIRE(is, "conformance: cannot open '", json_path, "'");
+  json doc;
+  try {
+    doc = json::parse(is);
+  } catch (const json::exception& e) {
+    LOOM_THROW("conformance: corrupt reference file '", json_path, "': ", e.what());
+  }
+  const std::string where = "conformance: reference file '" + json_path + "'";
+  std::vector<Case> cases;
+  try {
+    std::string format = required(doc, "format", where).get<std::string>();
+    LOOM_REQUIRE(format == kReferenceFormat, where, ": format '", format, "', expected '", kReferenceFormat, "'");
+    fs::path tensors_path = fs::path(json_path).parent_path() / required(doc, "tensors", where).get<std::string>();
+    io::SafetensorsFile file = io::load_safetensors_file(tensors_path.string());
+    auto meta = file.metadata.find("format");
+    LOOM_REQUIRE(meta != file.metadata.end() && meta->second == kReferenceFormat, where, ": its tensor file '",
+                 tensors_path.string(), "' is not a reference set (metadata format '",
+                 meta == file.metadata.end() ? "" : meta->second, "')");
+    const std::string source = doc.value("reference", std::string("pytorch"));
+    const std::string torch_version = doc.value("torch_version", std::string("?"));
+    const std::string stem = fs::path(json_path).filename().string();
+    auto tensor = [&](const json& entry, const std::string& case_where) {
+      std::string name = required(entry, "tensor", case_where).get<std::string>();
+      auto it = file.tensors.find(name);
+      LOOM_REQUIRE(it != file.tensors.end(), case_where, ": tensor '", name, "' is not in '", tensors_path.string(),
+                   "'");
+      return it->second;
+    };
+    for (const json& j : required(doc, "cases", where)) {
+      Case c;
+      c.op = required(j, "op", where).get<std::string>();
+      c.name = stem + ":" + required(j, "name", where).get<std::string>();
+      const std::string case_where = where + ", case " + c.name;
+      auto h = harnesses().find(c.op);
+      LOOM_REQUIRE(h != harnesses().end(), case_where, ": the runner has no harness for op '", c.op, "'");
+      DType dt = dtype_from_name(required(j, "dtype", case_where).get<std::string>());
+      c.dtypes = {dt};
+      c.strided = j.value("strided", false);
+      c.attrs_json = j.value("attrs", json::object()).dump();
+      if (j.contains("tolerance"))
+        c.tolerances[dt] = {j["tolerance"].at("rtol").get<double>(), j["tolerance"].at("atol").get<double>()};
+      c.max_mismatch_ratio = j.value("max_mismatch_ratio", 0.0);
+      auto ref = std::make_shared<StoredReference>();
+      ref->source = source;
+      ref->torch_version = torch_version;
+      for (const json& t : required(j, "inputs", case_where)) ref->inputs.push_back(tensor(t, case_where));
+      for (const json& t : required(j, "outputs", case_where)) {
+        ref->outputs.push_back(tensor(t, case_where));
+        LOOM_REQUIRE(ref->outputs.back().dtype() == kF64, case_where, ": reference output '", t["tensor"], "' is ",
+                     dtype_name(ref->outputs.back().dtype()), ", expected f64");
+      }
+      LOOM_REQUIRE(ref->inputs.size() >= h->second.min_inputs && ref->inputs.size() <= h->second.max_inputs,
+                   case_where, ": ", ref->inputs.size(), " inputs; op ", c.op, " takes ", h->second.min_inputs,
+                   h->second.min_inputs == h->second.max_inputs ? "" : " or more");
+      auto expected = h->second.outputs(ref->inputs, json::parse(c.attrs_json), dt);
+      LOOM_REQUIRE(expected.size() == ref->outputs.size(), case_where, ": ", ref->outputs.size(),
+                   " reference outputs; op ", c.op, " writes ", expected.size());
+      for (size_t o = 0; o < expected.size(); ++o)
+        LOOM_REQUIRE(expected[o].first == ref->outputs[o].shape(), case_where, ": reference output ", o, " is ",
+                     describe(ref->outputs[o]), ", the op's output is ", shape_str(expected[o].first));
+      if (j.contains("peer")) {
+        const json& peer = j["peer"];
+        ref->peer = peer.value("device", doc.value("peer_device", std::string("?")));
+        if (peer.contains("worst_error"))
+          ref->peer_worst_error = peer["worst_error"].is_number() ? peer["worst_error"].get<double>() : INFINITY;
+      }
+      c.stored = ref;
+      cases.push_back(std::move(c));
+    }
+  } catch (const json::exception& e) {
+    LOOM_THROW(where, " is malformed: ", e.what());
+  }
+  return cases;
+}
+
+std::string write_reference_cases(const std::vector<Case>& cases, const std::string& dir, const std::string& stem) {
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  io::TensorMap tensors;
+  json list = json::array();
+  uint64_t seed = 20240601;  // as run() draws them
+  for (const Case& c : cases) {
+    const Harness& h = harnesses().at(c.op);
+    json attrs = json::parse(c.attrs_json);
+    for (DType dt : c.dtypes) {
+      std::mt19937_64 eng(seed++);
+      std::vector<Tensor> in = c.stored ? c.stored->inputs : h.inputs(c, dt, eng);
+      std::vector<Tensor> ref = c.stored ? c.stored->outputs : native_reference(h, in, attrs, c.op);
+      std::string name = c.name + " " + dtype_name(dt);
+      json entry = {{"name", name}, {"op", c.op}, {"dtype", dtype_name(dt)}, {"attrs", attrs},
+                    {"strided", c.strided}, {"max_mismatch_ratio", c.max_mismatch_ratio},
+                    {"inputs", json::array()}, {"outputs", json::array()}};
+      auto [rtol, atol] = default_tolerance(dt);
+      if (auto it = c.tolerances.find(dt); it != c.tolerances.end()) std::tie(rtol, atol) = it->second;
+      entry["tolerance"] = {{"rtol", rtol}, {"atol", atol}};
+      for (size_t i = 0; i < in.size(); ++i) {
+        std::string t = name + ":in:" + std::to_string(i);
+        tensors[t] = in[i];
+        entry["inputs"].push_back({{"tensor", t}});
+      }
+      for (size_t i = 0; i < ref.size(); ++i) {
+        std::string t = name + ":ref:" + std::to_string(i);
+        tensors[t] = ref[i];
+        entry["outputs"].push_back({{"tensor", t}});
+      }
+      list.push_back(entry);
+    }
+  }
+  io::save_safetensors((fs::path(dir) / (stem + ".safetensors")).string(), tensors, {{"format", kReferenceFormat}});
+  json doc = {{"format", kReferenceFormat}, {"reference", "loom-stored"},
+              {"generator", "loom::conformance::write_reference_cases"},
+              {"torch_version", "none (Loom's float64 CPU kernels)"}, {"tensors", stem + ".safetensors"},
+              {"cases", list}};
+  std::string path = (fs::path(dir) / (stem + ".json")).string();
+  std::ofstream os(path);
+  os << doc.dump(1) << "\n";
+  LOOM_REQUIRE(os, "conformance: cannot write '", path, "'");
+  return path;
+}
+
 std::vector<Result> run(const std::vector<Case>& cases, const std::string& provider, Device device) {
   std::vector<Result> results;
   uint64_t seed = 20240601;
@@ -842,7 +1063,10 @@ std::vector<Result> run(const std::vector<Case>& cases, const std::string& provi
       try {
         results.push_back(run_one(c, h, dt, provider, device, seed++));
       } catch (const Error& e) {
-        results.push_back({c.name, c.op, dt, Status::kFail, INFINITY, 0, std::string("error: ") + e.what()});
+        Result& r = results.emplace_back();
+        r.case_name = c.name, r.op = c.op, r.dtype = dt, r.status = Status::kFail, r.worst_error = INFINITY;
+        r.detail = std::string("error: ") + e.what();
+        if (c.stored) r.reference = c.stored->source;
       }
     }
   }
@@ -862,8 +1086,10 @@ const char* status_name(Status s) {
 std::string format_table(const std::vector<Result>& results) {
   // (op, dtype) -> worst status and error over its cases.
   std::map<std::pair<std::string, std::string>, Result> agg;
+  // Stored-reference rows are their own rows: "gemm [pytorch]".
   for (const Result& r : results) {
-    auto key = std::make_pair(r.op, std::string(dtype_name(r.dtype)));
+    std::string op = r.reference == "loom" ? r.op : r.op + " [" + r.reference + "]";
+    auto key = std::make_pair(op, std::string(dtype_name(r.dtype)));
     auto it = agg.find(key);
     if (it == agg.end()) {
       agg[key] = r;
@@ -877,14 +1103,17 @@ std::string format_table(const std::vector<Result>& results) {
   std::ostringstream os;
   std::set<std::string> not_provided;
   for (auto it = agg.begin(); it != agg.end();) {
-    if (it->second.status == Status::kSkipped) not_provided.insert(it->first.first), it = agg.erase(it);
+    if (it->second.status == Status::kSkipped) not_provided.insert(it->second.op), it = agg.erase(it);
     else ++it;
   }
-  os << std::left << std::setw(40) << "op" << std::setw(7) << "dtype" << std::setw(10) << "result"
+  os << std::left << std::setw(48) << "op" << std::setw(7) << "dtype" << std::setw(10) << "result"
      << "worst error (x tolerance)\n";
   for (const auto& [key, r] : agg) {
-    os << std::setw(40) << key.first << std::setw(7) << key.second << std::setw(10) << status_name(r.status);
+    os << std::setw(48) << key.first << std::setw(7) << key.second << std::setw(10) << status_name(r.status);
     if (r.status == Status::kPass || r.status == Status::kFail) os << std::setprecision(3) << r.worst_error;
+    if (!std::isnan(r.peer_worst_error) && (r.status == Status::kPass || r.status == Status::kFail))
+      os << "  (" << r.reference << " on " << r.peer << " in " << key.second << ": " << std::setprecision(3)
+         << r.peer_worst_error << ")";
     if (r.status == Status::kFail) os << "  " << r.case_name << ": " << r.detail;
     os << "\n";
   }
@@ -902,14 +1131,20 @@ std::string to_json(const std::vector<Result>& results, const std::string& provi
   j["device"] = device.str();
   j["failures"] = std::count_if(results.begin(), results.end(), [](auto& r) { return r.status == Status::kFail; });
   json list = json::array();
-  for (const Result& r : results)
+  for (const Result& r : results) {
     list.push_back({{"case", r.case_name},
                     {"op", r.op},
                     {"dtype", dtype_name(r.dtype)},
                     {"status", status_name(r.status)},
                     {"worst_error", std::isfinite(r.worst_error) ? json(r.worst_error) : json("inf")},
                     {"mismatch_ratio", r.mismatch_ratio},
-                    {"detail", r.detail}});
+                    {"detail", r.detail},
+                    {"reference", r.reference}});
+    if (!std::isnan(r.peer_worst_error)) {
+      list.back()["peer"] = r.peer;
+      list.back()["peer_worst_error"] = std::isfinite(r.peer_worst_error) ? json(r.peer_worst_error) : json("inf");
+    }
+  }
   j["results"] = list;
   return j.dump(2);
 }
