@@ -34,6 +34,15 @@ void fill_zero(Tensor& t) {
   if (t.numel()) dispatch::call(fill_op, t.device(), t.dtype(), FillAttrs{0.0}, t);
 }
 
+// A gradient product's output dtype: the gradient's own, or f32 widened from bf16/f16.
+DType checked_gradient_dtype(const char* op, const Tensor& grad, std::optional<DType> requested) {
+  DType d = requested.value_or(grad.dtype());
+  LOOM_REQUIRE(d == grad.dtype() || (d == kF32 && (grad.dtype() == kBF16 || grad.dtype() == kF16)), op,
+               ": cannot write the gradient of ", describe(grad), " as ", dtype_name(d),
+               " (same dtype, or f32 from bf16/f16)");
+  return d;
+}
+
 GemmParams gemm_params_for(const Tensor& out, ComputeType compute) {
   GemmParams p;
   p.input_dtype = out.dtype();
@@ -148,9 +157,9 @@ void batched_product(const Tensor& a, const Tensor& b, const Shape& batch, Tenso
 }
 
 // Sums of the columns of a contiguous [rows, cols] matrix, as one gemm against a vector of ones.
-Tensor column_sums(const Tensor& matrix) {
+Tensor column_sums(const Tensor& matrix, DType out_dtype) {
   int64_t rows = matrix.size(0), cols = matrix.size(1);
-  Tensor out = empty({cols}, matrix.dtype(), matrix.device());
+  Tensor out = empty({cols}, out_dtype, matrix.device());
   if (cols == 0) return out;
   if (rows == 0) {
     fill_zero(out);
@@ -159,6 +168,7 @@ Tensor column_sums(const Tensor& matrix) {
   Tensor ones_column = ones({rows}, matrix.dtype(), matrix.device());
   // A sum is not a product to approximate: never TF32.
   GemmParams p = gemm_params_for(out, matrix.dtype() == kF64 ? ComputeType::kF64 : ComputeType::kF32);
+  p.input_dtype = matrix.dtype();
   p.m = cols;
   p.n = 1;
   p.k = rows;
@@ -188,7 +198,7 @@ Tensor sum_to_shape(const Tensor& full, const Shape& target) {
   if (order.empty()) return ops::reshape(full, target);
   order.insert(order.end(), kept.begin(), kept.end());
   Tensor rows_first = ops::contiguous(ops::permute(full, order));
-  return ops::view(column_sums(ops::view(rows_first, {reduced_rows, numel_of(target)})), target);
+  return ops::view(column_sums(ops::view(rows_first, {reduced_rows, numel_of(target)}), rows_first.dtype()), target);
 }
 
 // grad of matmul's output as [batch..., M, N], putting back the dims that 1-D operands dropped.
@@ -373,15 +383,17 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
   return out;
 }
 
-Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts) {
+Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts,
+                              std::optional<DType> out_dtype) {
   const char* op = "linear_backward_weight";
   check_operands(op, grad, x);
+  DType result_dtype = checked_gradient_dtype(op, grad, out_dtype);
   LOOM_REQUIRE(grad.dim() >= 1 && grad.dim() == x.dim() &&
                    std::equal(grad.shape().begin(), grad.shape().end() - 1, x.shape().begin()),
                op, ": grad ", describe(grad), " and input ", describe(x), " must agree on every dim but the last");
   int64_t out_features = grad.size(-1), in_features = x.size(-1);
   int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
-  Tensor out = empty({out_features, in_features}, grad.dtype(), grad.device());
+  Tensor out = empty({out_features, in_features}, result_dtype, grad.device());
   if (out.numel() == 0) return out;
   if (rows == 0) {
     fill_zero(out);
@@ -390,6 +402,7 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
   Tensor g = ops::contiguous(grad), xc = ops::contiguous(x);
   // grad_w^T [in x out] = x^T [in x rows] @ grad [rows x out], the sum over every row in one gemm.
   GemmParams p = gemm_params_for(out, compute_type_for(grad.dtype(), opts));
+  p.input_dtype = grad.dtype();
   p.m = in_features;
   p.n = out_features;
   p.k = rows;
@@ -403,13 +416,14 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
   return out;
 }
 
-Tensor linear_backward_bias(const Tensor& grad) {
+Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype) {
   LOOM_REQUIRE(grad.defined(), "linear_backward_bias: grad is undefined");
   LOOM_REQUIRE(is_floating(grad.dtype()) && grad.dim() >= 1,
                "linear_backward_bias: expected a floating grad [..., out], got ", describe(grad));
+  DType result_dtype = checked_gradient_dtype("linear_backward_bias", grad, out_dtype);
   int64_t out_features = grad.size(-1);
   int64_t rows = numel_of(Shape(grad.shape().begin(), grad.shape().end() - 1));
-  return column_sums(ops::view(ops::contiguous(grad), {rows, out_features}));
+  return column_sums(ops::view(ops::contiguous(grad), {rows, out_features}), result_dtype);
 }
 
 }  // namespace loom::ops

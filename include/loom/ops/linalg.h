@@ -27,7 +27,10 @@ enum class LinearActivation { kNone, kGelu };
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const MatmulOptions& opts = {},
               LinearActivation activation = LinearActivation::kNone, Tensor* pre_activation = nullptr);
 Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {});
-Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {});
-Tensor linear_backward_bias(const Tensor& grad);
+// The weight and bias gradients may be written in f32 from bf16/f16 operands (out_dtype kF32): the product
+// accumulates in f32 either way, so an f32 master weight gets its gradient without a rounding and a cast.
+Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {},
+                              std::optional<DType> out_dtype = std::nullopt);
+Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype = std::nullopt);
 
 }  // namespace loom::ops

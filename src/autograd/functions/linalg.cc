@@ -1,4 +1,6 @@
 // Differentiable matrix products: matmul (with batch broadcasting), linear, and linear with a fused GELU epilogue.
+#include <optional>
+
 #include "autograd/functions/grad_util.h"
 #include "loom/amp.h"
 #include "loom/functional.h"
@@ -28,21 +30,31 @@ class MatmulBackward final : public autograd::Node {
   void release_saved() override { a = b = Tensor(); }
 };
 
-// Gradients of x @ weight^T + bias given the gradient of that (pre-activation) output.
+// The dtype a product's gradient can be written in directly for an input of dtype `target`: f32 from bf16/f16
+// products (an f32 master weight under autocast), else the product's own dtype (converted afterwards if needed).
+std::optional<DType> widened(DType product, DType target) {
+  if (target == kF32 && (product == kBF16 || product == kF16)) return kF32;
+  return std::nullopt;
+}
+
+// Gradients of x @ weight^T + bias given the gradient of that (pre-activation) output. The node's edges go to the
+// caller's tensors; x and weight are saved as the product saw them (bf16 copies under autocast).
 class LinearNode : public autograd::Node {
  public:
   Tensor x, weight;  // x is saved only for weight's gradient, weight only for x's
-  DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
+  DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32, product_dtype = kF32;
   ops::MatmulOptions opts;
 
   void release_saved() override { x = weight = Tensor(); }
 
  protected:
-  tensor_list linear_gradients(const Tensor& g) const {
+  tensor_list linear_gradients(const Tensor& grad) const {
+    Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
-    if (needs_input_grad(1)) out[1] = as_dtype(ops::linear_backward_weight(g, x, opts), weight_dtype);
-    if (needs_input_grad(2)) out[2] = as_dtype(ops::linear_backward_bias(g), bias_dtype);
+    if (needs_input_grad(1))
+      out[1] = as_dtype(ops::linear_backward_weight(g, x, opts, widened(product_dtype, weight_dtype)), weight_dtype);
+    if (needs_input_grad(2)) out[2] = as_dtype(ops::linear_backward_bias(g, widened(product_dtype, bias_dtype)), bias_dtype);
     return out;
   }
 };
@@ -71,16 +83,30 @@ class LinearGeluBackward final : public LinearNode {
   }
 };
 
+// The operands of a linear product: under autocast, copies in the autocast dtype made outside autograd (the node
+// records the caller's tensors, so no cast nodes and no f32 round trip of the weight gradient).
+struct LinearOperands {
+  Tensor x, weight, bias;
+};
+
+LinearOperands product_operands(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (!amp::should_cast(op, {&x, &weight, &bias})) return {x, weight, bias};
+  DType d = amp::autocast_dtype();
+  auto cast = [d](const Tensor& t) { return t.defined() && is_floating(t.dtype()) ? ops::to_dtype(t, d) : t; };
+  return {cast(x), cast(weight), cast(bias)};
+}
+
 template <typename N>
-std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
+std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const LinearOperands& used,
                                  const ops::MatmulOptions& opts, Tensor& out) {
   auto node = autograd::make_node<N>({&x, &weight, &bias});
   if (!node) return nullptr;
-  if (node->needs_input_grad(0)) node->weight = weight.detach();
-  if (node->needs_input_grad(1)) node->x = x.detach();
+  if (node->needs_input_grad(0)) node->weight = used.weight.detach();
+  if (node->needs_input_grad(1)) node->x = used.x.detach();
   node->x_dtype = x.dtype();
   node->weight_dtype = weight.dtype();
   if (bias.defined()) node->bias_dtype = bias.dtype();
+  node->product_dtype = used.weight.dtype();
   node->opts = opts;
   autograd::set_history(out, node);
   return node;
@@ -105,22 +131,21 @@ Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) 
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
-  if (amp::should_cast("linear", {&x, &weight, &bias}))
-    return loom::linear(amp::cast(x), amp::cast(weight), amp::cast(bias), opts);
-  Tensor out = ops::linear(x, weight, bias, opts);
-  record_linear<LinearBackward>(x, weight, bias, opts, out);
+  LinearOperands used = product_operands("linear", x, weight, bias);
+  Tensor out = ops::linear(used.x, used.weight, used.bias, opts);
+  record_linear<LinearBackward>(x, weight, bias, used, opts, out);
   return out;
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
-  if (amp::should_cast("linear_gelu", {&x, &weight, &bias}))
-    return loom::linear_gelu(amp::cast(x), amp::cast(weight), amp::cast(bias), opts);
+  LinearOperands used = product_operands("linear_gelu", x, weight, bias);
   // The pre-activation is kept only when a gradient will need it.
   bool record = autograd::should_record({&x, &weight, &bias});
   Tensor pre_activation;
-  Tensor out = ops::linear(x, weight, bias, opts, ops::LinearActivation::kGelu, record ? &pre_activation : nullptr);
+  Tensor out = ops::linear(used.x, used.weight, used.bias, opts, ops::LinearActivation::kGelu,
+                           record ? &pre_activation : nullptr);
   if (record) {
-    if (auto node = record_linear<LinearGeluBackward>(x, weight, bias, opts, out))
+    if (auto node = record_linear<LinearGeluBackward>(x, weight, bias, used, opts, out))
       node->pre_activation = pre_activation.detach();
   }
   return out;

@@ -1,5 +1,6 @@
 // CPU gemm through OpenBLAS. f32 and f64 go straight to sgemm/dgemm; bf16 and f16 are widened to f32 (storage
-// types only: the math is f32, as on the GPU), computed by sgemm and rounded back.
+// types only: the math is f32, as on the GPU), computed by sgemm and rounded back, or kept in f32 when the output is
+// f32 (a widening product).
 #include <cblas.h>
 
 #include <atomic>
@@ -70,8 +71,10 @@ void apply_epilogue(const GemmParams& p, T* c) {
 
 CBLAS_TRANSPOSE blas_trans(bool t) { return t ? CblasTrans : CblasNoTrans; }
 
-template <typename T>
-void gemm_one(const GemmParams& p, const T* a, const T* b, T* c) {
+// T: the inputs' dtype; O: the output's (T, or f32 for a widening bf16/f16 product, as a weight gradient of
+// bf16 activations into f32 master weights).
+template <typename T, typename O>
+void gemm_one(const GemmParams& p, const T* a, const T* b, O* c) {
   int64_t rows_a = p.trans_a ? p.k : p.m, cols_a = p.trans_a ? p.m : p.k;
   int64_t rows_b = p.trans_b ? p.n : p.k, cols_b = p.trans_b ? p.k : p.n;
   if (p.m == 0 || p.n == 0) return;
@@ -81,6 +84,11 @@ void gemm_one(const GemmParams& p, const T* a, const T* b, T* c) {
   } else if constexpr (std::is_same_v<T, float>) {
     cblas_sgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, float(p.alpha), a,
                 p.lda, b, p.ldb, float(p.beta), c, p.ldc);
+  } else if constexpr (std::is_same_v<O, float>) {  // widening: accumulate straight into the f32 output
+    std::vector<float> af = p.k ? widen<T>(a, rows_a, cols_a, p.lda) : std::vector<float>(1);
+    std::vector<float> bf = p.k ? widen<T>(b, rows_b, cols_b, p.ldb) : std::vector<float>(1);
+    cblas_sgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, float(p.alpha),
+                af.data(), p.lda, bf.data(), p.ldb, float(p.beta), c, p.ldc);
   } else {
     std::vector<float> af = p.k ? widen<T>(a, rows_a, cols_a, p.lda) : std::vector<float>(1);
     std::vector<float> bf = p.k ? widen<T>(b, rows_b, cols_b, p.ldb) : std::vector<float>(1);
@@ -97,13 +105,21 @@ void gemm_one(const GemmParams& p, const T* a, const T* b, T* c) {
 
 void gemm_cpu(const DeviceContext&, const GemmParams& p) {
   validate_gemm_params(p);
-  LOOM_REQUIRE(p.input_dtype == p.output_dtype, "gemm (cpu): input dtype ", dtype_name(p.input_dtype),
-               " and output dtype ", dtype_name(p.output_dtype), " must match");
+  bool widening = (p.input_dtype == kBF16 || p.input_dtype == kF16) && p.output_dtype == kF32;
+  LOOM_REQUIRE(p.input_dtype == p.output_dtype || widening, "gemm (cpu): input dtype ", dtype_name(p.input_dtype),
+               " with output dtype ", dtype_name(p.output_dtype), " is not supported");
   LOOM_DISPATCH_FLOATING(p.input_dtype, "gemm", [&] {
     const scalar_t* a = static_cast<const scalar_t*>(p.a);
     const scalar_t* b = static_cast<const scalar_t*>(p.b);
+    if (widening) {
+      if constexpr (std::is_same_v<scalar_t, BFloat16> || std::is_same_v<scalar_t, Half>) {
+        float* c = static_cast<float*>(p.c);
+        for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, float>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
+      }
+      return;
+    }
     scalar_t* c = static_cast<scalar_t*>(p.c);
-    for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
+    for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, scalar_t>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
   });
 }
 
