@@ -195,7 +195,7 @@ StepStats Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
   model_->train(true);
   optimizer_->zero_grad();
-  double loss_sum = 0;
+  Tensor loss_sum;  // stays on the device until the step is queued: reading it each micro-step would stall the GPU
   for (int64_t micro = 0; micro < grad_accum_; ++micro) {
     data::Batch batch = train_loader_->next();
     Tensor x = batch.x.to(device_), y = batch.y.to(device_);
@@ -207,11 +207,11 @@ StepStats Trainer::train_step() {
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
     if (ddp_) ddp_->set_require_sync(micro + 1 == grad_accum_);  // communicate on the last micro-step only
     scaled.backward();
-    loss_sum += loss.item<double>();
+    Tensor l = loss.detach();
+    loss_sum = loss_sum.defined() ? ops::add(loss_sum, l) : l;
   }
   if (ddp_) ddp_->finish();
   StepStats s;
-  s.loss = all_ranks_mean(loss_sum / double(grad_accum_));
   s.lr = logs_->schedule->lr(step_);
   if (zero_) {
     zero_->set_lr(s.lr);
@@ -223,6 +223,7 @@ StepStats Trainer::train_step() {
     optimizer_->set_lr(s.lr);
     optimizer_->step();
   }
+  s.loss = all_ranks_mean(loss_sum.item<double>() / double(grad_accum_));
   device_runtime(device_.type).synchronize(device_.index);
   ++step_;
   s.step = step_;
