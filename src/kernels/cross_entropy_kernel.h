@@ -36,4 +36,18 @@ using CrossEntropyBackwardKernel = void(const DeviceContext&, const Tensor& grad
                                         const Tensor& targets, const CrossEntropyAttrs&, Tensor& grad_logits);
 LOOM_DECLARE_OP(cross_entropy_backward, CrossEntropyBackwardKernel);
 
+// The forward and the backward in one pass over the logits, for training: loss as cross_entropy's (kMean or kSum
+// only, a scalar) and grad_logits [N, V] (logits' dtype) = d loss / d logits for a loss gradient of 1, that is
+// cross_entropy_backward's result for grad_loss = 1. The backward then only scales grad_logits by the real loss
+// gradient (cross_entropy_scale_grad), so the logits need not be kept. Same target checks and errors.
+using CrossEntropyWithGradKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
+                                        const CrossEntropyAttrs&, Tensor& loss, Tensor& grad_logits);
+LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel);
+
+// grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a one-element tensor of
+// cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
+// exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it.
+using CrossEntropyScaleGradKernel = void(const DeviceContext&, const Tensor& scale, Tensor& grad_logits);
+LOOM_DECLARE_OP(cross_entropy_scale_grad, CrossEntropyScaleGradKernel);
+
 }  // namespace loom

@@ -66,4 +66,30 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   return grad_logits;
 }
 
+CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                             Reduction reduction, int64_t vocab_limit) {
+  const char* op = "cross_entropy_with_grad";
+  ops_detail::check_same_device(op, {&logits, &targets});
+  LOOM_REQUIRE(reduction != Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss) for logits ",
+               describe(logits));
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
+  Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
+  CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
+                         empty(logits.shape(), logits.dtype(), logits.device())};
+  dispatch::call(cross_entropy_with_grad_op, logits.device(), logits.dtype(), x, t, attrs, r.loss, r.grad_logits);
+  return r;
+}
+
+void cross_entropy_scale_grad_(Tensor& grad_logits, const Tensor& grad_loss) {
+  const char* op = "cross_entropy_scale_grad_";
+  ops_detail::check_same_device(op, {&grad_logits, &grad_loss});
+  ops_detail::check_floating(op, grad_logits);
+  ops_detail::check_floating(op, grad_loss);
+  LOOM_REQUIRE(grad_logits.is_contiguous(), op, ": grad_logits must be contiguous, got ", describe(grad_logits));
+  LOOM_REQUIRE(grad_loss.numel() == 1, op, ": grad_loss must have one element, got ", describe(grad_loss));
+  Tensor scale = ops::contiguous(ops::to_dtype(grad_loss, cross_entropy_loss_dtype(grad_logits.dtype())));
+  dispatch::call(cross_entropy_scale_grad_op, grad_logits.device(), grad_logits.dtype(), scale, grad_logits);
+}
+
 }  // namespace loom::ops

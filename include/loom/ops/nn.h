@@ -48,6 +48,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
                               int64_t ignore_index = -100, Reduction reduction = Reduction::kMean,
                               int64_t vocab_limit = -1);
+// Training's cross-entropy: the loss (kMean or kSum: a scalar as cross_entropy's) and, from the same pass over the
+// logits, grad_logits = cross_entropy_backward(1, logits, ...) (logits' dtype), so that the backward needs only
+// grad_logits scaled by the loss gradient (cross_entropy_scale_grad_), not the logits.
+struct CrossEntropyWithGrad {
+  Tensor loss;
+  Tensor grad_logits;
+};
+CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
+                                             Reduction reduction = Reduction::kMean, int64_t vocab_limit = -1);
+// grad_logits *= grad_loss in place, grad_logits contiguous (from cross_entropy_with_grad), grad_loss a one-element
+// floating tensor on its device. Reads grad_loss where it lives: no host synchronization, and no pass over grad_logits
+// when grad_loss is exactly 1.
+void cross_entropy_scale_grad_(Tensor& grad_logits, const Tensor& grad_loss);
 
 // Scaled dot-product attention, q [B, H, T, D], k and v [B, Hkv, S, D] with H a multiple of Hkv (grouped-query).
 // scale defaults to 1/sqrt(D). Causal masking aligns the last query with the last key (query t sees keys

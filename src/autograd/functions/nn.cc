@@ -97,6 +97,28 @@ class CrossEntropyBackward final : public autograd::Node {
   void release_saved() override { logits = targets = Tensor(); }
 };
 
+// The training path (kMean/kSum): the forward computed d loss / d logits for a loss gradient of 1, so the node keeps
+// that gradient instead of the logits and scales it by the loss gradient in place, reading the scale on the device
+// (no pass at all when it is 1). It hands grad_logits itself on; a graph retained for a later backward gets, there,
+// the first backward's tensor rescaled out of place by new / first (exact when the first scale was 1 or a power of 2).
+class FusedCrossEntropyBackward final : public autograd::Node {
+ public:
+  Tensor grad_logits;
+  Tensor first_scale;  // the loss gradient the first backward scaled grad_logits by
+  std::string name() const override { return "CrossEntropyBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    if (!grads[0].defined() || !needs_input_grad(0)) return {Tensor()};
+    const Tensor& scale = grads[0];
+    if (!first_scale.defined()) {
+      ops::cross_entropy_scale_grad_(grad_logits, scale);
+      first_scale = ops::clone(scale);  // the caller may change the tensor it passed to backward
+      return {grad_logits};
+    }
+    return {as_dtype(ops::mul(grad_logits, ops::div(scale, first_scale)), grad_logits.dtype())};
+  }
+  void release_saved() override { grad_logits = first_scale = Tensor(); }
+};
+
 // The attention backward kernel produces all three gradients in one pass over the same saved tensors, so they are
 // saved whichever inputs need a gradient.
 class AttentionBackward final : public autograd::Node {
@@ -170,6 +192,13 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
                      int64_t vocab_limit) {
+  if (reduction != ops::Reduction::kNone && autograd::should_record({&logits})) {
+    ops::CrossEntropyWithGrad r = ops::cross_entropy_with_grad(logits, targets, ignore_index, reduction, vocab_limit);
+    auto node = autograd::make_node<FusedCrossEntropyBackward>({&logits});
+    node->grad_logits = r.grad_logits;
+    autograd::set_history(r.loss, node);
+    return r.loss;
+  }
   Tensor loss = ops::cross_entropy(logits, targets, ignore_index, reduction, vocab_limit);
   if (auto node = autograd::make_node<CrossEntropyBackward>({&logits})) {
     node->logits = logits.detach();

@@ -70,6 +70,44 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Cr
   out[0] = C(total);
 }
 
+// Writes one row's gradient, (softmax - onehot(t)) * g over the classes and zeros past them, and returns the row's
+// loss logsumexp - x[t] (computed as the forward computes it).
+template <typename T, typename C>
+C gradient_row(const T* row, int64_t t, int64_t classes, int64_t vocab, C g, T* grow) {
+  std::fill(grow + classes, grow + vocab, T(C(0)));
+  if constexpr (std::is_same_v<T, C>) {
+    // The gradient row holds exp(x - m) exactly: one exp per element.
+    C m = -std::numeric_limits<C>::infinity();
+    for (int64_t j = 0; j < classes; ++j) m = std::max(m, row[j]);
+    double s = 0;
+    for (int64_t j = 0; j < classes; ++j) {
+      grow[j] = std::exp(row[j] - m);
+      s += double(grow[j]);
+    }
+    const C loss = (m - row[t]) + C(std::log(s));
+    const C factor = C(double(g) / s);
+    for (int64_t j = 0; j < classes; ++j) grow[j] *= factor;
+    grow[t] -= g;
+    return loss;
+  } else {
+    C m, log_sum;
+    row_logsumexp(row, classes, m, log_sum);
+    for (int64_t j = 0; j < classes; ++j) {
+      C d = std::exp((C(row[j]) - m) - log_sum) * g;  // (x - m) first, as in log_softmax
+      grow[j] = T(j == t ? d - g : d);
+    }
+    return (m - C(row[t])) + log_sum;
+  }
+}
+
+// The gradient's factor from the reduction: 1/counted for kMean (0 when nothing is counted: that loss has no gradient
+// path, and 0 keeps the gradient finite), 1 otherwise.
+template <typename C>
+C reduction_scale(ops::Reduction reduction, int64_t counted) {
+  if (reduction != ops::Reduction::kMean) return C(1);
+  return counted ? C(1.0 / double(counted)) : C(0);
+}
+
 template <typename T, typename I>
 void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
                                  const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
@@ -80,8 +118,7 @@ void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, 
   const int64_t counted = count_targets("cross_entropy_backward", tgt, n, classes, attrs.ignore_index);
   const C* gl = grad_loss.data_ptr<C>();
   const bool per_row = attrs.reduction == ops::Reduction::kNone;
-  // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite.
-  const C scale = attrs.reduction == ops::Reduction::kMean ? (counted ? C(1.0 / double(counted)) : C(0)) : C(1);
+  const C scale = reduction_scale<C>(attrs.reduction, counted);
   T* gx = static_cast<T*>(grad_logits.data());
   cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -91,30 +128,52 @@ void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, 
         std::fill(grow, grow + vocab, T(C(0)));
         continue;
       }
-      const T* row = x + i * vocab;
-      const C g = (per_row ? gl[i] : gl[0]) * scale;
-      std::fill(grow + classes, grow + vocab, T(C(0)));
-      if constexpr (std::is_same_v<T, C>) {
-        // The gradient row holds exp(x - m) exactly: one exp per element.
-        C m = -std::numeric_limits<C>::infinity();
-        for (int64_t j = 0; j < classes; ++j) m = std::max(m, row[j]);
-        double s = 0;
-        for (int64_t j = 0; j < classes; ++j) {
-          grow[j] = std::exp(row[j] - m);
-          s += double(grow[j]);
-        }
-        const C factor = C(double(g) / s);
-        for (int64_t j = 0; j < classes; ++j) grow[j] *= factor;
-        grow[t] -= g;
-      } else {
-        C m, log_sum;
-        row_logsumexp(row, classes, m, log_sum);
-        for (int64_t j = 0; j < classes; ++j) {
-          C d = std::exp((C(row[j]) - m) - log_sum) * g;  // (x - m) first, as in log_softmax
-          grow[j] = T(j == t ? d - g : d);
-        }
-      }
+      gradient_row<T, C>(x + i * vocab, t, classes, vocab, (per_row ? gl[i] : gl[0]) * scale, grow);
     }
+  });
+}
+
+// The forward and the backward for a loss gradient of 1 in one pass: the per-row losses come from the same row
+// statistics the gradient uses, and are reduced serially in row order as in the forward.
+template <typename T, typename I>
+void cross_entropy_with_grad_rows(const Tensor& logits, const Tensor& targets, const CrossEntropyAttrs& attrs,
+                                  Tensor& loss, Tensor& grad_logits) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  LOOM_CHECK(attrs.reduction != ops::Reduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
+  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
+  const T* x = static_cast<const T*>(logits.data());
+  const I* tgt = static_cast<const I*>(targets.data());
+  const int64_t counted = count_targets("cross_entropy_with_grad", tgt, n, classes, attrs.ignore_index);
+  const C scale = reduction_scale<C>(attrs.reduction, counted);
+  T* gx = static_cast<T*>(grad_logits.data());
+  std::vector<C> row_loss(static_cast<size_t>(n));
+  cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      int64_t t = int64_t(tgt[i]);
+      T* grow = gx + i * vocab;
+      if (t == attrs.ignore_index) {
+        std::fill(grow, grow + vocab, T(C(0)));
+        row_loss[size_t(i)] = C(0);
+        continue;
+      }
+      row_loss[size_t(i)] = gradient_row<T, C>(x + i * vocab, t, classes, vocab, scale, grow);
+    }
+  });
+  double total = 0;
+  for (C v : row_loss) total += double(v);
+  if (attrs.reduction == ops::Reduction::kMean)
+    total = counted ? total / double(counted) : std::numeric_limits<double>::quiet_NaN();
+  loss.data_ptr<C>()[0] = C(total);
+}
+
+template <typename T>
+void scale_grad_in_place(const Tensor& scale, Tensor& grad) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const C s = scale.data_ptr<C>()[0];
+  if (s == C(1)) return;
+  T* g = static_cast<T*>(grad.data());
+  cpu::parallel_for(grad.numel(), 32768, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) g[i] = T(C(g[i]) * s);
   });
 }
 
@@ -135,10 +194,29 @@ void cross_entropy_backward_cpu(const DeviceContext&, const Tensor& grad_loss, c
   });
 }
 
+void cross_entropy_with_grad_cpu(const DeviceContext&, const Tensor& logits, const Tensor& targets,
+                                 const CrossEntropyAttrs& attrs, Tensor& loss, Tensor& grad_logits) {
+  LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy_with_grad", [&] {
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_with_grad", [&] {
+      cross_entropy_with_grad_rows<scalar_t, index_t>(logits, targets, attrs, loss, grad_logits);
+    });
+  });
+}
+
+void cross_entropy_scale_grad_cpu(const DeviceContext&, const Tensor& scale, Tensor& grad_logits) {
+  LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
+                         [&] { scale_grad_in_place<scalar_t>(scale, grad_logits); });
+}
+
 }  // namespace
 
 LOOM_REGISTER_KERNEL(cross_entropy, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), cross_entropy_cpu);
 LOOM_REGISTER_KERNEL(cross_entropy_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
                      cross_entropy_backward_cpu);
+
+LOOM_REGISTER_KERNEL(cross_entropy_with_grad, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     cross_entropy_with_grad_cpu);
+LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     cross_entropy_scale_grad_cpu);
 
 }  // namespace loom

@@ -1,10 +1,16 @@
-// CUDA cross-entropy, fused: a warp or block per row computes the running max, the sum of exponentials
-// (OnlineSoftmax, one pass over the logits) and reads the target logit; loss = max + log(sum) - logit[target].
-// The mean/sum over rows is a second kernel that sums the per-row losses in a fixed order (deterministic). The
-// backward recomputes the row's max and sum and writes (softmax - onehot) * grad, zero rows for ignored targets.
+// CUDA cross-entropy: one block per row. Pass 1 reads the row's classes once with 16-byte vector loads (a scalar
+// head up to the first 16-byte boundary and a scalar tail) into a running max and sum of exponentials
+// (OnlineSoftmax, rescaled once per vector); loss = max + log(sum) - logit[target]. Pass 2 (the backward, and the
+// fused forward + backward cross_entropy_with_grad) reads the row again, mostly from L2 since the block just read it,
+// and writes (softmax - onehot) * g, zero rows for ignored targets and zero columns past the classes. The mean/sum
+// over rows is a second kernel that sums the per-row losses in a fixed order (deterministic, no float atomics).
 // Math in float (double for f64 logits). Targets are validated on the device: an out-of-range one sets a flag that
 // the host reads back after the kernels, and throws with the CPU kernel's message.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "kernels/cross_entropy_kernel.h"
+#include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/cuda/reduce_nn_common.cuh"
 
 namespace loom {
@@ -32,31 +38,210 @@ __global__ void cross_entropy_targets_kernel(const I* targets, int64_t n, int64_
   if (threadIdx.x % 32 == 0 && local) atomicAdd(counted, local);  // integers: the total does not depend on order
 }
 
+// 16 bytes of a row: 8 bf16/f16, 4 f32 or 2 f64 elements.
 template <typename T>
-__device__ __forceinline__ OnlineSoftmax<compute_t<T>> row_softmax_stats(const T* row, int64_t vocab,
+inline constexpr int kVec = int(16 / sizeof(T));
+template <typename T>
+using Vec = cuda::AlignedVector<T, kVec<T>>;
+
+// A row of `length` elements at p split into a scalar head (up to the first 16-byte boundary), whole vectors, and a
+// scalar tail from tail_begin. Elements of a tensor are aligned to their size, so the head is whole elements.
+struct RowSplit {
+  int64_t head, vectors, tail_begin;
+};
+
+template <typename T>
+__device__ __forceinline__ RowSplit split_row(const T* p, int64_t length) {
+  const unsigned misaligned = unsigned(reinterpret_cast<uintptr_t>(p) % 16);
+  const int64_t head = min(length, misaligned ? int64_t((16 - misaligned) / sizeof(T)) : int64_t(0));
+  const int64_t vectors = (length - head) / kVec<T>;
+  return {head, vectors, head + vectors * kVec<T>};
+}
+
+// Loads and stores with the evict-first hint: a row's last read, and gradient stores, should not push out of L2 the
+// rows that other blocks are about to read a second time.
+template <typename T>
+__device__ __forceinline__ Vec<T> load_last_use(const Vec<T>* p) {
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  Vec<T> v;
+  memcpy(&v, &raw, sizeof(v));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_streaming(Vec<T>* p, const Vec<T>& v) {
+  uint4 raw;
+  memcpy(&raw, &v, sizeof(raw));
+  __stcs(reinterpret_cast<uint4*>(p), raw);
+}
+
+// 16-bit logits take exp(x - max) as one FMA and the hardware's approximate 2^x (about 1e-6 relative error, far
+// below their precision), and store through the hardware's round-to-nearest-even conversion: with the accurate expf
+// and a software conversion the fused kernel would be bound by arithmetic, not memory. f32 and f64 keep expf/exp.
+template <typename T>
+inline constexpr bool kFastMath = sizeof(T) == 2;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T, typename C>
+__device__ __forceinline__ T to_storage(C v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    return BFloat16::from_bits(__bfloat16_as_ushort(h));
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return Half::from_bits(__half_as_ushort(__float2half_rn(v)));
+  } else {
+    return T(v);
+  }
+}
+
+// Adds a vector's elements to the running max and sum: one rescale per vector rather than per element. -inf elements
+// add nothing; NaN propagates into the sum (fmax skips it, exp does not).
+template <typename T, typename C>
+__device__ __forceinline__ void add_vector(OnlineSoftmax<C>& acc, const Vec<T>& v) {
+  C x[kVec<T>];
+  C m = acc.max;
+#pragma unroll
+  for (int e = 0; e < kVec<T>; ++e) {
+    x[e] = C(v.v[e]);
+    m = fmax(m, x[e]);
+  }
+  if (m > acc.max) {
+    acc.sum *= cuda::exp_of(acc.max - m);  // 0 while the max was -inf (and the sum 0)
+    acc.max = m;
+  }
+  if constexpr (kFastMath<T>) {
+    if (acc.max != cuda::negative_infinity<C>()) {  // (else every element so far is -inf or NaN)
+      const float offset = -acc.max * kLog2e;
+#pragma unroll
+      for (int e = 0; e < kVec<T>; ++e) acc.sum += exp2_approx(fmaf(x[e], kLog2e, offset));
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kVec<T>; ++e) acc.sum += x[e] == cuda::negative_infinity<C>() ? C(0) : cuda::exp_of(x[e] - acc.max);
+}
+
+// The row's max and sum of exp(x - max) over x[0, classes), the same in every thread of the block.
+template <typename T>
+__device__ __forceinline__ OnlineSoftmax<compute_t<T>> row_softmax_stats(const T* x, int64_t classes,
                                                                          OnlineSoftmax<compute_t<T>>* scratch) {
   using C = compute_t<T>;
   OnlineSoftmax<C> acc{cuda::negative_infinity<C>(), C(0)};
-  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) acc.add(C(row[j]));
+  const RowSplit split = split_row(x, classes);
+  for (int64_t j = threadIdx.x; j < split.head; j += blockDim.x) acc.add(C(x[j]));
+  const Vec<T>* vx = reinterpret_cast<const Vec<T>*>(x + split.head);
+  // Two independent loads in flight per thread before their math.
+  int64_t k = threadIdx.x;
+  for (; k + blockDim.x < split.vectors; k += 2 * int64_t(blockDim.x)) {
+    const Vec<T> a = vx[k], b = vx[k + blockDim.x];
+    add_vector(acc, a);
+    add_vector(acc, b);
+  }
+  if (k < split.vectors) add_vector(acc, vx[k]);
+  for (int64_t j = split.tail_begin + threadIdx.x; j < classes; j += blockDim.x) acc.add(C(x[j]));
   return cuda::row_allreduce_softmax(acc, scratch);
 }
 
-// Per-row losses (0 for ignored or invalid targets).
-template <typename T, typename I>
-__global__ void cross_entropy_rows_kernel(const T* logits, const I* targets, int64_t n, int64_t vocab,
-                                          int64_t classes, int64_t ignore_index, loss_t<T>* row_loss) {
-  using C = compute_t<T>;
-  __shared__ OnlineSoftmax<C> scratch[32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= n) return;  // uniform over a block when rows span several warps
-  const int64_t t = int64_t(targets[row]);
-  if (t == ignore_index || t < 0 || t >= classes) {  // the same for every thread of the row
-    if (threadIdx.x == 0) row_loss[row] = loss_t<T>(0);
+template <typename T>
+__device__ __forceinline__ void zero_row(T* out, int64_t vocab) {
+  const RowSplit split = split_row(out, vocab);
+  for (int64_t j = threadIdx.x; j < split.head; j += blockDim.x) out[j] = T(0.0f);
+  Vec<T> zero;
+#pragma unroll
+  for (int e = 0; e < kVec<T>; ++e) zero.v[e] = T(0.0f);
+  Vec<T>* vo = reinterpret_cast<Vec<T>*>(out + split.head);
+  for (int64_t k = threadIdx.x; k < split.vectors; k += blockDim.x) store_streaming(vo + k, zero);
+  for (int64_t j = split.tail_begin + threadIdx.x; j < vocab; j += blockDim.x) out[j] = T(0.0f);
+}
+
+// The gradient of one element: (exp(x - max) / sum - onehot) * g over the classes, 0 past them.
+template <typename T, typename C>
+struct GradientOf {
+  int64_t classes, target;
+  C max, factor, g;  // factor = g / sum
+  C offset;          // -max * log2(e), for the fast exp
+  __device__ __forceinline__ T operator()(int64_t j, C x) const {
+    if (j >= classes) return T(C(0));
+    C e;
+    if constexpr (kFastMath<T>) e = exp2_approx(fmaf(x, kLog2e, offset));
+    else e = cuda::exp_of(x - max);
+    const C d = e * factor;
+    return to_storage<T>(j == target ? d - g : d);
+  }
+};
+
+// Writes the gradient row grow[0, vocab) from the logits row x. `vectors` says that x and grow share their offset
+// from a 16-byte boundary (so both can be read and written by vectors at the same columns).
+template <typename T, typename C>
+__device__ __forceinline__ void write_gradient_row(const T* x, T* grow, int64_t vocab, const GradientOf<T, C>& f,
+                                                   bool vectors) {
+  if (!vectors) {
+    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) grow[j] = f(j, C(x[j]));
     return;
   }
-  const T* x = logits + row * vocab;
-  const OnlineSoftmax<C> stats = row_softmax_stats(x, classes, scratch);
-  if (threadIdx.x == 0) row_loss[row] = (stats.max - C(x[t])) + cuda::log_of(stats.sum);
+  const RowSplit split = split_row(grow, vocab);
+  for (int64_t j = threadIdx.x; j < split.head; j += blockDim.x) grow[j] = f(j, C(x[j]));
+  const Vec<T>* vx = reinterpret_cast<const Vec<T>*>(x + split.head);
+  Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow + split.head);
+  for (int64_t k = threadIdx.x; k < split.vectors; k += blockDim.x) {
+    const Vec<T> in = load_last_use(vx + k);
+    Vec<T> out;
+    const int64_t base = split.head + k * kVec<T>;
+#pragma unroll
+    for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
+    store_streaming(vg + k, out);
+  }
+  for (int64_t j = split.tail_begin + threadIdx.x; j < vocab; j += blockDim.x) grow[j] = f(j, C(x[j]));
+}
+
+// What one launch of cross_entropy_rows_kernel computes. row_loss: the per-row losses (0 for ignored or invalid
+// targets), or null. grad_logits: the gradient, or null; its per-row loss gradient is grad_loss[row] (per_row_grad)
+// or grad_loss[0], or 1 when grad_loss is null, times 1/counted for a mean.
+template <typename T, typename I>
+struct RowArgs {
+  const T* logits;
+  const I* targets;
+  int64_t vocab, classes, ignore_index;
+  loss_t<T>* row_loss;
+  T* grad_logits;
+  const loss_t<T>* grad_loss;
+  bool per_row_grad, mean;
+  const unsigned long long* counted;
+  bool grad_vectors;  // logits and grad_logits rows share their 16-byte phase
+};
+
+// One block (blockDim.x threads, blockDim.y == 1) per row.
+template <typename T, typename I>
+__global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowArgs<T, I> a) {
+  using C = compute_t<T>;
+  __shared__ OnlineSoftmax<C> scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t t = int64_t(a.targets[row]);
+  const T* x = a.logits + row * a.vocab;
+  T* grow = a.grad_logits ? a.grad_logits + row * a.vocab : nullptr;
+  if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
+    if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
+    if (grow) zero_row(grow, a.vocab);
+    return;
+  }
+  const OnlineSoftmax<C> stats = row_softmax_stats(x, a.classes, scratch);
+  if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - C(x[t])) + cuda::log_of(stats.sum);
+  if (!grow) return;
+  // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite, as on the CPU.
+  C scale = C(1);
+  if (a.mean) {
+    const unsigned long long count = *a.counted;
+    scale = count ? C(1) / C(count) : C(0);
+  }
+  const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
+  const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
+  write_gradient_row(x, grow, a.vocab, f, a.grad_vectors);
 }
 
 // One block of kReduceThreads: each thread sums a strided slice of the rows, then the block combines in thread order.
@@ -77,39 +262,23 @@ __global__ void cross_entropy_reduce_kernel(const C* row_loss, int64_t n, const 
   *loss = total;
 }
 
-template <typename T, typename I>
-__global__ void cross_entropy_backward_rows_kernel(const loss_t<T>* grad_loss, bool per_row, bool mean,
-                                                   const unsigned long long* counted, const T* logits,
-                                                   const I* targets, int64_t n, int64_t vocab, int64_t classes,
-                                                   int64_t ignore_index, T* grad_logits) {
+// grad *= *scale in place; every thread returns at once when the scale is 1.
+template <typename T>
+__global__ void scale_grad_kernel(T* grad, int64_t n, const loss_t<T>* scale) {
   using C = compute_t<T>;
-  __shared__ OnlineSoftmax<C> scratch[32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= n) return;
-  const int64_t t = int64_t(targets[row]);
-  T* grow = grad_logits + row * vocab;
-  if (t == ignore_index || t < 0 || t >= classes) {
-    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) grow[j] = T(C(0));
-    return;
+  const C s = *scale;
+  if (s == C(1)) return;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  const RowSplit split = split_row(grad, n);
+  for (int64_t j = first; j < split.head; j += step) grad[j] = T(C(grad[j]) * s);
+  Vec<T>* vg = reinterpret_cast<Vec<T>*>(grad + split.head);
+  for (int64_t k = first; k < split.vectors; k += step) {
+    Vec<T> v = vg[k];
+#pragma unroll
+    for (int e = 0; e < kVec<T>; ++e) v.v[e] = to_storage<T>(C(v.v[e]) * s);
+    vg[k] = v;
   }
-  // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite, as on the CPU.
-  C scale = C(1);
-  if (mean) {
-    const unsigned long long count = *counted;
-    scale = count ? C(1) / C(count) : C(0);
-  }
-  const C g = C(per_row ? grad_loss[row] : grad_loss[0]) * scale;
-  const T* x = logits + row * vocab;
-  const OnlineSoftmax<C> stats = row_softmax_stats(x, classes, scratch);
-  const C factor = g / stats.sum;
-  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-    if (j >= classes) {  // padded columns: no probability, no gradient
-      grow[j] = T(C(0));
-      continue;
-    }
-    C d = cuda::exp_of(C(x[j]) - stats.max) * factor;
-    grow[j] = T(j == t ? d - g : d);
-  }
+  for (int64_t j = split.tail_begin + first; j < n; j += step) grad[j] = T(C(grad[j]) * s);
 }
 
 // Launches the target check (and count); returns the status to read back after the main kernels.
@@ -132,64 +301,90 @@ void throw_if_bad_target(const char* op, const Tensor& targets, int64_t vocab, i
              vocab, ") or ignore_index ", ignore_index, ")");
 }
 
+// Threads per row block: about four vectors per thread, a warp at least; the two-pass kernels take up to 1024 (two
+// blocks per SM, so the rows being read twice stay in L2), the one-pass forward up to 512 (more rows in flight).
+unsigned row_threads(int64_t length, int vector_elements, bool two_passes) {
+  const int64_t vectors = (length + vector_elements - 1) / vector_elements;
+  const unsigned most = two_passes ? 1024 : 512;
+  unsigned threads = 32;
+  while (threads < most && int64_t(threads) * 4 < vectors) threads *= 2;
+  return threads;
+}
+
+// The one launcher of the forward (loss), the backward (grad_loss and grad_logits) and the fused pass (loss and
+// grad_logits): checks and counts the targets, runs the row kernel, reduces the losses, then throws for a bad target.
+// loss: [N] for kNone or the reduced scalar, or null; grad_loss: null for a loss gradient of 1; grad_logits: null
+// for the forward only.
 template <typename T, typename I>
-void cross_entropy_forward(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
-                           const CrossEntropyAttrs& attrs, Tensor& loss) {
+void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, const Tensor& targets,
+              const CrossEntropyAttrs& attrs, Tensor* loss, const Tensor* grad_loss, Tensor* grad_logits) {
   using C = loss_t<T>;
   const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
+  LOOM_CHECK(n <= int64_t(INT32_MAX), "cross-entropy kernels: ", n, " rows exceed the grid");
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
   cuda::IndexStatus status(ctx, stream);
   check_targets<I>(targets, classes, attrs.ignore_index, status, stream);
   const bool per_row = attrs.reduction == ops::Reduction::kNone;
   Tensor row_buffer;
-  C* row_loss = static_cast<C*>(loss.data());
-  if (!per_row) {
-    row_buffer = cuda::scratch_bytes(ctx, n * int64_t(sizeof(C)));
-    row_loss = static_cast<C*>(row_buffer.data());
+  C* row_loss = nullptr;
+  if (loss) {
+    if (per_row) {
+      row_loss = static_cast<C*>(loss->data());
+    } else {
+      row_buffer = cuda::scratch_bytes(ctx, n * int64_t(sizeof(C)));
+      row_loss = static_cast<C*>(row_buffer.data());
+    }
   }
   if (n > 0) {
-    const cuda::RowGroups g = cuda::row_groups_for(classes);
-    cross_entropy_rows_kernel<T, I><<<cuda::row_blocks(n, g), dim3(g.threads_per_row, g.rows_per_block), 0,
-                                      stream>>>(static_cast<const T*>(logits.data()),
-                                                static_cast<const I*>(targets.data()), n, vocab, classes,
-                                                attrs.ignore_index, row_loss);
+    T* grad = grad_logits ? static_cast<T*>(grad_logits->data()) : nullptr;
+    const uintptr_t phase_gap = reinterpret_cast<uintptr_t>(logits.data()) - reinterpret_cast<uintptr_t>(grad);
+    const RowArgs<T, I> args{
+        static_cast<const T*>(logits.data()),
+        static_cast<const I*>(targets.data()),
+        vocab,
+        classes,
+        attrs.ignore_index,
+        row_loss,
+        grad,
+        grad_loss ? static_cast<const C*>(grad_loss->data()) : nullptr,
+        per_row,
+        attrs.reduction == ops::Reduction::kMean,
+        status.counter(),
+        grad != nullptr && phase_gap % 16 == 0,
+    };
+    const unsigned threads = row_threads(grad ? vocab : classes, kVec<T>, grad != nullptr);
+    cross_entropy_rows_kernel<T, I><<<unsigned(n), threads, 0, stream>>>(args);
     LOOM_CUDA_CHECK_LAUNCH();
   }
-  if (!per_row) {
+  if (loss && !per_row) {
     cross_entropy_reduce_kernel<C><<<1, kReduceThreads, 0, stream>>>(
-        row_loss, n, status.counter(), attrs.reduction == ops::Reduction::kMean, static_cast<C*>(loss.data()));
+        row_loss, n, status.counter(), attrs.reduction == ops::Reduction::kMean, static_cast<C*>(loss->data()));
     LOOM_CUDA_CHECK_LAUNCH();
   }
-  throw_if_bad_target("cross_entropy", targets, classes, attrs.ignore_index, status, stream);
+  throw_if_bad_target(op, targets, classes, attrs.ignore_index, status, stream);
 }
 
-template <typename T, typename I>
-void cross_entropy_backward_rows(const DeviceContext& ctx, const Tensor& grad_loss, const Tensor& logits,
-                                 const Tensor& targets, const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
-  const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
+template <typename T>
+void scale_grad(const DeviceContext& ctx, const Tensor& scale, Tensor& grad) {
+  const int64_t n = grad.numel();
+  if (n == 0) return;
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
-  cuda::IndexStatus status(ctx, stream);
-  check_targets<I>(targets, classes, attrs.ignore_index, status, stream);
-  if (n > 0 && vocab > 0) {
-    const cuda::RowGroups g = cuda::row_groups_for(vocab);
-    cross_entropy_backward_rows_kernel<T, I><<<cuda::row_blocks(n, g), dim3(g.threads_per_row, g.rows_per_block),
-                                               0, stream>>>(
-        static_cast<const loss_t<T>*>(grad_loss.data()), attrs.reduction == ops::Reduction::kNone,
-        attrs.reduction == ops::Reduction::kMean, status.counter(), static_cast<const T*>(logits.data()),
-        static_cast<const I*>(targets.data()), n, vocab, classes, attrs.ignore_index,
-        static_cast<T*>(grad_logits.data()));
-    LOOM_CUDA_CHECK_LAUNCH();
-  }
-  throw_if_bad_target("cross_entropy_backward", targets, classes, attrs.ignore_index, status, stream);
+  constexpr unsigned kThreads = 256;
+  const int64_t work = n / kVec<T> + kVec<T>;  // vectors plus at most a head's worth of scalars
+  const unsigned blocks = unsigned(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, 4096));
+  scale_grad_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(grad.data()), n,
+                                                        static_cast<const loss_t<T>*>(scale.data()));
+  LOOM_CUDA_CHECK_LAUNCH();
 }
 
 void cross_entropy_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
                         const CrossEntropyAttrs& attrs, Tensor& loss) {
   LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy", [&] {
-    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy",
-                        [&] { cross_entropy_forward<scalar_t, index_t>(ctx, logits, targets, attrs, loss); });
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy", [&] {
+      run_rows<scalar_t, index_t>(ctx, "cross_entropy", logits, targets, attrs, &loss, nullptr, nullptr);
+    });
   });
 }
 
@@ -197,9 +392,26 @@ void cross_entropy_backward_cuda(const DeviceContext& ctx, const Tensor& grad_lo
                                  const Tensor& targets, const CrossEntropyAttrs& attrs, Tensor& grad_logits) {
   LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy_backward", [&] {
     LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_backward", [&] {
-      cross_entropy_backward_rows<scalar_t, index_t>(ctx, grad_loss, logits, targets, attrs, grad_logits);
+      run_rows<scalar_t, index_t>(ctx, "cross_entropy_backward", logits, targets, attrs, nullptr, &grad_loss,
+                                  &grad_logits);
     });
   });
+}
+
+void cross_entropy_with_grad_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
+                                  const CrossEntropyAttrs& attrs, Tensor& loss, Tensor& grad_logits) {
+  LOOM_CHECK(attrs.reduction != ops::Reduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
+  LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy_with_grad", [&] {
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_with_grad", [&] {
+      run_rows<scalar_t, index_t>(ctx, "cross_entropy_with_grad", logits, targets, attrs, &loss, nullptr,
+                                  &grad_logits);
+    });
+  });
+}
+
+void cross_entropy_scale_grad_cuda(const DeviceContext& ctx, const Tensor& scale, Tensor& grad_logits) {
+  LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
+                         [&] { scale_grad<scalar_t>(ctx, scale, grad_logits); });
 }
 
 }  // namespace
@@ -207,5 +419,9 @@ void cross_entropy_backward_cuda(const DeviceContext& ctx, const Tensor& grad_lo
 LOOM_REGISTER_KERNEL(cross_entropy, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), cross_entropy_cuda);
 LOOM_REGISTER_KERNEL(cross_entropy_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
                      cross_entropy_backward_cuda);
+LOOM_REGISTER_KERNEL(cross_entropy_with_grad, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     cross_entropy_with_grad_cuda);
+LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     cross_entropy_scale_grad_cuda);
 
 }  // namespace loom
