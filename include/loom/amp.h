@@ -1,9 +1,12 @@
 // Automatic mixed precision. Inside an AutocastGuard(kBF16), the ops whose cost is matrix math (linear, matmul,
 // attention) run in bf16 on bf16 casts of their inputs, while parameters stay f32 (master weights, f32 gradients
-// through the differentiable casts, f32 optimizer state). Everything else runs in the dtype its inputs promote to;
-// softmax, norms and the loss compute their statistics in f32 whatever the storage dtype.
+// through the differentiable casts, f32 optimizer state). The norms compute in f32 from the f32 residual stream but
+// write their output in the autocast dtype (it feeds a linear layer that would cast it anyway). Everything else runs
+// in the dtype its inputs promote to; softmax, norms and the loss compute their statistics in f32 whatever the
+// storage dtype.
 //
-// The policy, which ops cast, lives in one place: autocast_ops() in src/autograd/amp.cc.
+// The policy lives in one place, src/autograd/amp.cc: autocast_ops() (which ops cast their inputs) and
+// autocast_output_ops() (which ops write their output in the autocast dtype).
 #pragma once
 
 #include <initializer_list>
@@ -33,7 +36,17 @@ class AutocastGuard {
 const std::vector<std::string>& autocast_ops();
 // True when autocast is on, `op` is in the policy, and some floating input is not yet in the autocast dtype.
 bool should_cast(const char* op, std::initializer_list<const Tensor*> inputs);
+// The ops that read f32 inputs but write their output in the autocast dtype (by functional name).
+const std::vector<std::string>& autocast_output_ops();
+// The dtype `op` writes its output in for an input of dtype `input`: the autocast dtype when autocast is on, `op`
+// is in autocast_output_ops() and the input is f32; `input` otherwise.
+DType output_dtype(const char* op, DType input);
 // A differentiable cast of a floating tensor to the autocast dtype (undefined and integer tensors pass through).
 Tensor cast(const Tensor& t);
+// A parameter (a leaf that requires grad) in the autocast dtype, not differentiable (the caller's node records the
+// parameter itself). Cast once per outermost AutocastGuard and per storage: every parameter of an optimizer's flat
+// buffer comes from one cast kernel. As PyTorch's autocast cache, it assumes parameters do not change inside the
+// region. Other tensors get a plain cast.
+Tensor cast_parameter(const Tensor& t);
 
 }  // namespace loom::amp

@@ -10,6 +10,15 @@ namespace loom::amp {
 namespace {
 thread_local bool enabled = false;
 thread_local DType dtype = kBF16;
+
+// Parameters cast in the current outermost autocast region, by storage: the cast covers the whole storage, so
+// parameters that share one (an optimizer's flat buffer) are cast by one kernel and read as views of it.
+struct CastEntry {
+  std::weak_ptr<Storage> source;
+  DType dtype;
+  Tensor cast;  // the whole storage in the autocast dtype, 1-D
+};
+thread_local std::vector<CastEntry> parameter_casts;
 }  // namespace
 
 bool is_autocast_enabled() { return enabled; }
@@ -24,6 +33,7 @@ AutocastGuard::AutocastGuard(DType d, bool on) : previous_enabled_(enabled), pre
 AutocastGuard::~AutocastGuard() {
   enabled = previous_enabled_;
   dtype = previous_dtype_;
+  if (!enabled) parameter_casts.clear();  // the outermost region ends: parameters may change before the next
 }
 
 const std::vector<std::string>& autocast_ops() {
@@ -31,6 +41,19 @@ const std::vector<std::string>& autocast_ops() {
   // alone: their kernels accumulate in f32 already, and the residual stream stays f32 by promotion.
   static const std::vector<std::string> ops{"linear", "linear_gelu", "matmul", "scaled_dot_product_attention"};
   return ops;
+}
+
+const std::vector<std::string>& autocast_output_ops() {
+  // A norm's output feeds a linear layer; writing it in bf16 from the norm kernel saves the cast's extra pass. The
+  // statistics and the residual stream (residual_* ops' residual output) stay f32.
+  static const std::vector<std::string> ops{"layer_norm", "rms_norm", "residual_layer_norm", "residual_rms_norm"};
+  return ops;
+}
+
+DType output_dtype(const char* op, DType input) {
+  if (!enabled || input != kF32) return input;
+  const auto& list = autocast_output_ops();
+  return std::find(list.begin(), list.end(), op) == list.end() ? input : dtype;
 }
 
 bool should_cast(const char* op, std::initializer_list<const Tensor*> inputs) {
@@ -45,6 +68,21 @@ bool should_cast(const char* op, std::initializer_list<const Tensor*> inputs) {
 Tensor cast(const Tensor& t) {
   if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
   return to(t, dtype);
+}
+
+Tensor cast_parameter(const Tensor& t) {
+  if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
+  if (!enabled || !t.is_leaf() || !t.requires_grad()) return ops::to_dtype(t, dtype);
+  const std::shared_ptr<Storage>& storage = t.storage();
+  Tensor whole;
+  for (const CastEntry& e : parameter_casts)
+    if (e.dtype == dtype && e.source.lock() == storage) whole = e.cast;
+  if (!whole.defined()) {
+    int64_t elements = int64_t(storage->nbytes() / t.itemsize());
+    whole = ops::to_dtype(t.detach().as_strided({elements}, {1}, 0), dtype);
+    parameter_casts.push_back({storage, dtype, whole});
+  }
+  return whole.as_strided(t.shape(), t.strides(), t.storage_offset());
 }
 
 }  // namespace loom::amp

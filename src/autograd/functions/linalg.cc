@@ -92,8 +92,8 @@ struct LinearOperands {
 LinearOperands product_operands(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (!amp::should_cast(op, {&x, &weight, &bias})) return {x, weight, bias};
   DType d = amp::autocast_dtype();
-  auto cast = [d](const Tensor& t) { return t.defined() && is_floating(t.dtype()) ? ops::to_dtype(t, d) : t; };
-  return {cast(x), cast(weight), cast(bias)};
+  Tensor xc = x.defined() && is_floating(x.dtype()) ? ops::to_dtype(x, d) : x;
+  return {xc, amp::cast_parameter(weight), amp::cast_parameter(bias)};
 }
 
 template <typename N>
