@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "loom/core/tensor.h"
@@ -66,6 +67,14 @@ Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+// The residual add fused into the norm that follows it: returns {residual, normed} = {x + delta, norm(x + delta)}
+// from one kernel pass. delta may be undefined: {x, norm(x)}. The residual has x's dtype (a delta the kernel does not
+// pair with x is cast to it first); under autocast the normed output is in the autocast dtype (amp::output_dtype).
+// Chaining blocks through it fuses each block's residual add into the next block's norm.
+std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                              const Tensor& bias, double eps = 1e-5);
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                            double eps = 1e-6);
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
                      ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1);

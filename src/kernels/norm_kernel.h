@@ -1,5 +1,7 @@
-// Layer norm and RMS norm over the last dim, forward and backward.
+// Layer norm and RMS norm over the last dim, forward and backward, plain and with the residual add fused in.
 #pragma once
+
+#include <type_traits>
 
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
@@ -32,5 +34,81 @@ LOOM_DECLARE_OP(rms_norm, RmsNormKernel);
 using RmsNormBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& weight,
                                    const Tensor& rstd, Tensor& grad_input, Tensor& grad_weight);
 LOOM_DECLARE_OP(rms_norm_backward, RmsNormBackwardKernel);
+
+// ---- Residual add fused into the norm -------------------------------------------------------------------------
+// One pass per row: residual = x + delta, out = norm(residual) (* weight + bias), with out written in a storage
+// dtype of its own (autocast's bf16 beside an f32 residual stream). x [..., C] contiguous; delta undefined (no add:
+// the residual is x itself and `residual` is undefined, not written) or contiguous like x; weight and bias [C] with
+// x's dtype, or undefined. residual has x's dtype; delta and out have x's dtype or, for an f32 x, bf16 or f16
+// (residual_norm_dtype_supported). The residual is rounded to its dtype before it is normalized, so the backward,
+// which reads the stored residual, sees the values the forward normalized. mean and rstd as for layer_norm.
+using ResidualLayerNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                     const Tensor& bias, const NormAttrs&, Tensor& residual, Tensor& out,
+                                     Tensor& mean, Tensor& rstd);
+LOOM_DECLARE_OP(residual_layer_norm, ResidualLayerNormKernel);
+
+// grad_out: the gradient of out (out's dtype); grad_residual: the gradient of the residual output (its dtype), or
+// undefined (zero). grad_x = grad_residual + the norm's input gradient, in the residual's dtype; grad_delta is the
+// same values in delta's dtype (one kernel writes both). grad_weight and grad_bias (weight's dtype) are summed over
+// rows in f32 (f64 for f64) in a fixed order. Undefined outputs are not computed.
+using ResidualLayerNormBackwardKernel = void(const DeviceContext&, const Tensor& grad_out,
+                                             const Tensor& grad_residual, const Tensor& residual,
+                                             const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                                             Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight,
+                                             Tensor& grad_bias);
+LOOM_DECLARE_OP(residual_layer_norm_backward, ResidualLayerNormBackwardKernel);
+
+// The same for RMS norm (no mean, no bias).
+using ResidualRmsNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                   const NormAttrs&, Tensor& residual, Tensor& out, Tensor& rstd);
+LOOM_DECLARE_OP(residual_rms_norm, ResidualRmsNormKernel);
+
+using ResidualRmsNormBackwardKernel = void(const DeviceContext&, const Tensor& grad_out, const Tensor& grad_residual,
+                                           const Tensor& residual, const Tensor& weight, const Tensor& rstd,
+                                           Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight);
+LOOM_DECLARE_OP(residual_rms_norm_backward, ResidualRmsNormBackwardKernel);
+
+// The dtypes a fused norm takes beside its residual dtype `main` (for delta, out and their gradients): main itself
+// or, for an f32 main, the 16-bit autocast dtypes.
+inline bool residual_norm_dtype_supported(DType main, DType other) {
+  return other == main || (main == kF32 && (other == kBF16 || other == kF16));
+}
+
+template <typename T>
+struct NormTypeTag {
+  using type = T;
+};
+
+// Calls fn(NormTypeTag<M>{}, NormTypeTag<A>{}, NormTypeTag<B>{}) with the C++ types of main, a and b, where a and
+// b are each main or (for an f32 main) bf16 or f16: 12 combinations in all, so the kernels instantiate modestly.
+template <typename F>
+void dispatch_residual_norm(const char* op, DType main, DType a, DType b, F&& fn) {
+  LOOM_REQUIRE(residual_norm_dtype_supported(main, a) && residual_norm_dtype_supported(main, b), op,
+               ": unsupported dtype combination (", dtype_name(main), " with ", dtype_name(a), " and ",
+               dtype_name(b), ")");
+  auto with_b = [&](auto m, auto at) {
+    using M = typename decltype(m)::type;
+    if constexpr (std::is_same_v<M, float>) {
+      if (b == kBF16) return fn(m, at, NormTypeTag<BFloat16>{});
+      if (b == kF16) return fn(m, at, NormTypeTag<Half>{});
+    }
+    return fn(m, at, m);
+  };
+  auto with_a = [&](auto m) {
+    using M = typename decltype(m)::type;
+    if constexpr (std::is_same_v<M, float>) {
+      if (a == kBF16) return with_b(m, NormTypeTag<BFloat16>{});
+      if (a == kF16) return with_b(m, NormTypeTag<Half>{});
+    }
+    return with_b(m, m);
+  };
+  switch (main) {
+    case kF32: return with_a(NormTypeTag<float>{});
+    case kF64: return with_a(NormTypeTag<double>{});
+    case kBF16: return with_a(NormTypeTag<BFloat16>{});
+    case kF16: return with_a(NormTypeTag<Half>{});
+    default: LOOM_THROW(op, ": dtype ", dtype_name(main), " is not a floating type");
+  }
+}
 
 }  // namespace loom

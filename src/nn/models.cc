@@ -5,6 +5,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -183,10 +184,15 @@ class GPT2Block : public Module {
     ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<GeluMLP>(c.n_embd, c.ffn_hidden));
   }
-  Tensor forward(const Tensor& x, double p_drop, KVCache* cache) {
-    Tensor a = dropout(attn->forward(ln_1->forward(x), Tensor(), Tensor(), cache), p_drop, is_training());
-    Tensor h = add(x, a);
-    return add(h, dropout(mlp->forward(ln_2->forward(h)), p_drop, is_training()));
+  // The block computes x + attn(ln_1(x)) + mlp(ln_2(...)), but leaves its last residual add to whoever normalizes
+  // next: given the residual stream x and the previous block's pending output (undefined for the first block), it
+  // returns the stream after its attention add and its own pending MLP output. Each add is thus fused into the norm
+  // that reads it (residual_layer_norm), and under autocast the norms write bf16 for the linears directly.
+  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, double p_drop, KVCache* cache) {
+    auto [h, normed_1] = residual_layer_norm(x, pending, ln_1->weight, ln_1->bias, ln_1->eps);
+    Tensor a = dropout(attn->forward(normed_1, Tensor(), Tensor(), cache), p_drop, is_training());
+    auto [h2, normed_2] = residual_layer_norm(h, a, ln_2->weight, ln_2->bias, ln_2->eps);
+    return {h2, dropout(mlp->forward(normed_2), p_drop, is_training())};
   }
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
@@ -213,9 +219,11 @@ class GPT2 final : public LanguageModel {
     Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
     Tensor x = add(wte->forward(idx), wpe->forward(pos));
     x = dropout(x, cfg_.dropout, is_training());
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, cfg_.dropout, caches ? &(*caches)[i] : nullptr);
-    x = ln_f->forward(x);
-    return linear(x, wte->weight);  // tied classifier
+    Tensor pending;  // the last block's output, added to the stream inside the next norm
+    for (size_t i = 0; i < blocks.size(); ++i)
+      std::tie(x, pending) = blocks[i]->forward(x, pending, cfg_.dropout, caches ? &(*caches)[i] : nullptr);
+    Tensor normed = residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
+    return linear(normed, wte->weight);  // tied classifier
   }
 
   void init_weights(uint64_t seed) override {
@@ -292,9 +300,14 @@ class LlamaBlock : public Module {
         register_module("post_attention_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(c.n_embd, c.ffn_hidden));
   }
-  Tensor forward(const Tensor& x, const Tensor& cos, const Tensor& sin, KVCache* cache) {
-    Tensor h = add(x, self_attn->forward(input_layernorm->forward(x), cos, sin, cache));
-    return add(h, mlp->forward(post_attention_layernorm->forward(h)));
+  // As GPT2Block: returns the stream after the attention add and the pending MLP output (residual_rms_norm fuses
+  // each add into the next norm).
+  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, const Tensor& cos, const Tensor& sin,
+                                    KVCache* cache) {
+    auto [h, normed_1] = residual_rms_norm(x, pending, input_layernorm->weight, input_layernorm->eps);
+    Tensor a = self_attn->forward(normed_1, cos, sin, cache);
+    auto [h2, normed_2] = residual_rms_norm(h, a, post_attention_layernorm->weight, post_attention_layernorm->eps);
+    return {h2, mlp->forward(normed_2)};
   }
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<CausalSelfAttention> self_attn;
@@ -333,10 +346,12 @@ class Llama final : public LanguageModel {
                  " exceeds the model's context ", cfg_.max_seq_len);
     if (caches) caches->resize(size_t(cfg_.n_layer));
     Tensor x = model->embed_tokens->forward(idx);
+    Tensor pending;
     for (size_t i = 0; i < model->blocks.size(); ++i)
-      x = model->blocks[i]->forward(x, rope_cos, rope_sin, caches ? &(*caches)[i] : nullptr);
-    x = model->norm->forward(x);
-    return lm_head ? lm_head->forward(x) : linear(x, model->embed_tokens->weight);
+      std::tie(x, pending) =
+          model->blocks[i]->forward(x, pending, rope_cos, rope_sin, caches ? &(*caches)[i] : nullptr);
+    Tensor normed = residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
+    return lm_head ? lm_head->forward(normed) : linear(normed, model->embed_tokens->weight);
   }
 
   void init_weights(uint64_t seed) override {

@@ -1,5 +1,7 @@
-// Softmax, log-softmax, layer norm and RMS norm ops, forward and backward.
+// Softmax, log-softmax, layer norm and RMS norm ops (plain and with the residual add fused in), forward and
+// backward.
 #include "infermeta/nn_meta.h"
+#include "infermeta/norm_meta.h"
 #include "kernels/norm_kernel.h"
 #include "kernels/softmax_kernel.h"
 #include "loom/ops/nn.h"
@@ -137,6 +139,89 @@ NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& w
   Tensor s = ops::contiguous(rstd);
   dispatch::call(rms_norm_backward_op, x.device(), x.dtype(), g, in, w, s, r.grad_input, r.grad_weight);
   return r;
+}
+
+namespace {
+
+// The fused forward for layer norm (centered) or RMS norm.
+ResidualNormResult run_residual_norm(const char* op, bool centered, const Tensor& x, const Tensor& delta,
+                                     const Tensor& weight, const Tensor& bias, double eps,
+                                     std::optional<DType> out_dtype) {
+  LOOM_REQUIRE(x.defined(), op, ": input is undefined");
+  check_norm_devices(op, {&x, &delta, &weight, &bias});
+  LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
+  infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm(op, x, delta, weight, bias, out_dtype);
+  Tensor in = ops::contiguous(x), d = contiguous_or_undefined(delta);
+  Tensor w = contiguous_or_undefined(weight), b = contiguous_or_undefined(bias);
+  ResidualNormResult r;
+  // Without a delta the residual is x itself: nothing to add or write.
+  r.residual = delta.defined() ? empty(meta.shape, meta.residual_dtype, x.device()) : x;
+  Tensor written_residual = delta.defined() ? r.residual : Tensor();
+  r.out = empty(meta.shape, meta.out_dtype, x.device());
+  if (centered) r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  if (centered)
+    dispatch::call(residual_layer_norm_op, x.device(), x.dtype(), in, d, w, b, NormAttrs{eps}, written_residual,
+                   r.out, r.mean, r.rstd);
+  else
+    dispatch::call(residual_rms_norm_op, x.device(), x.dtype(), in, d, w, NormAttrs{eps}, written_residual, r.out,
+                   r.rstd);
+  return r;
+}
+
+ResidualNormGrads run_residual_norm_backward(const char* op, bool centered, const Tensor& grad_out,
+                                             const Tensor& grad_residual, const Tensor& residual,
+                                             const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight,
+                                             bool need_bias) {
+  check_norm_devices(op, {&grad_out, &grad_residual, &residual, &weight, &mean, &rstd});
+  infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm_backward(
+      op, grad_out, grad_residual, residual, weight, mean, rstd, centered, delta_dtype);
+  LOOM_REQUIRE(!need_weight || weight.defined(), op, ": need_weight is set but there is no weight");
+  ResidualNormGrads r;
+  const Device device = residual.device();
+  const int64_t channels = residual.shape().back();
+  if (need_x) r.grad_x = empty(meta.shape, residual.dtype(), device);
+  if (delta_dtype) r.grad_delta = empty(meta.shape, *delta_dtype, device);
+  if (need_weight) r.grad_weight = empty({channels}, weight.dtype(), device);
+  if (need_bias) r.grad_bias = empty({channels}, residual.dtype(), device);
+  if (!need_x && !delta_dtype && !need_weight && !need_bias) return r;
+  Tensor g = ops::contiguous(grad_out), gr = contiguous_or_undefined(grad_residual), in = ops::contiguous(residual);
+  Tensor w = contiguous_or_undefined(weight), m = contiguous_or_undefined(mean), s = ops::contiguous(rstd);
+  if (centered)
+    dispatch::call(residual_layer_norm_backward_op, device, residual.dtype(), g, gr, in, w, m, s, r.grad_x,
+                   r.grad_delta, r.grad_weight, r.grad_bias);
+  else
+    dispatch::call(residual_rms_norm_backward_op, device, residual.dtype(), g, gr, in, w, s, r.grad_x, r.grad_delta,
+                   r.grad_weight);
+  return r;
+}
+
+}  // namespace
+
+ResidualNormResult residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
+                                       double eps, std::optional<DType> out_dtype) {
+  return run_residual_norm("residual_layer_norm", true, x, delta, weight, bias, eps, out_dtype);
+}
+
+ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                     std::optional<DType> out_dtype) {
+  return run_residual_norm("residual_rms_norm", false, x, delta, weight, Tensor(), eps, out_dtype);
+}
+
+ResidualNormGrads residual_layer_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
+                                               const Tensor& residual, const Tensor& weight, const Tensor& mean,
+                                               const Tensor& rstd, bool need_x, std::optional<DType> delta_dtype,
+                                               bool need_weight, bool need_bias) {
+  return run_residual_norm_backward("residual_layer_norm_backward", true, grad_out, grad_residual, residual, weight,
+                                    mean, rstd, need_x, delta_dtype, need_weight, need_bias);
+}
+
+ResidualNormGrads residual_rms_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
+                                             const Tensor& residual, const Tensor& weight, const Tensor& rstd,
+                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight) {
+  return run_residual_norm_backward("residual_rms_norm_backward", false, grad_out, grad_residual, residual, weight,
+                                    Tensor(), rstd, need_x, delta_dtype, need_weight, false);
 }
 
 }  // namespace loom::ops

@@ -33,6 +33,38 @@ NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
 NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                             bool need_input, bool need_weight);
 
+// The residual add fused into the norm that follows it: residual = x + delta, out = layer_norm(residual) (or
+// rms_norm), one pass over each row. delta may be undefined (a plain norm: residual is then x itself, not a copy).
+// delta and out may have another dtype than x: x's, or bf16/f16 beside an f32 x (autocast's residual stream stays
+// f32 while the normalized activations feed bf16 matrix math). residual has x's dtype; out_dtype defaults to x's;
+// mean and rstd are f32 (f64 for an f64 x). residual_rms_norm leaves mean undefined.
+struct ResidualNormResult {
+  Tensor residual;
+  Tensor out;
+  Tensor mean;
+  Tensor rstd;
+};
+ResidualNormResult residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
+                                       double eps = 1e-5, std::optional<DType> out_dtype = std::nullopt);
+ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps = 1e-6,
+                                     std::optional<DType> out_dtype = std::nullopt);
+// grad_out: out's gradient (any supported dtype); grad_residual: the residual's gradient, or undefined (zero).
+// grad_x = grad_residual + the norm's input gradient, in the residual's dtype (when need_x); grad_delta: the same
+// values in delta_dtype (when set), written by the same kernel. grad_weight and grad_bias in weight's dtype.
+struct ResidualNormGrads {
+  Tensor grad_x;
+  Tensor grad_delta;
+  Tensor grad_weight;
+  Tensor grad_bias;
+};
+ResidualNormGrads residual_layer_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
+                                               const Tensor& residual, const Tensor& weight, const Tensor& mean,
+                                               const Tensor& rstd, bool need_x, std::optional<DType> delta_dtype,
+                                               bool need_weight, bool need_bias);
+ResidualNormGrads residual_rms_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
+                                             const Tensor& residual, const Tensor& weight, const Tensor& rstd,
+                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight);
+
 // weight [V, C], indices (i32/i64, any shape) -> [..., C]. Throws on an index outside [0, V).
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_embeddings);

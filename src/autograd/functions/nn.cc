@@ -160,6 +160,9 @@ Tensor softmax(const Tensor& x, int64_t dim) { return record_softmax(x, ops::sof
 Tensor log_softmax(const Tensor& x, int64_t dim) { return record_softmax(x, ops::log_softmax(x, dim), dim, true); }
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  // Under autocast the fused kernel writes the output in the autocast dtype (statistics stay f32).
+  if (amp::output_dtype("layer_norm", x.dtype()) != x.dtype())
+    return residual_layer_norm(x, Tensor(), weight, bias, eps).second;
   ops::NormResult r = ops::layer_norm(x, weight, bias, eps);
   if (auto node = autograd::make_node<NormBackward>({&x, &weight, &bias})) {
     save_norm(*node, x, weight, r);
@@ -170,6 +173,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  if (amp::output_dtype("rms_norm", x.dtype()) != x.dtype()) return residual_rms_norm(x, Tensor(), weight, eps).second;
   ops::NormResult r = ops::rms_norm(x, weight, eps);
   if (auto node = autograd::make_node<NormBackward>({&x, &weight})) {
     node->rms = true;

@@ -245,6 +245,380 @@ void rms_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad, const 
   });
 }
 
+// ---- Residual add fused into the norm ---------------------------------------------------------------------------
+// One block per row (forward) or per fixed chunk of rows (backward); a thread takes packs of 4 consecutive columns,
+// loaded with one 8/16-byte access when every row pointer is aligned (C % 4 == 0 and aligned bases), else element
+// by element with bounds checks. Later passes over a row re-read it (from L1/L2) rather than holding it, so any C
+// works. The backward accumulates the weight and bias gradients of its rows per column (each thread owns its
+// columns, in shared memory when they fit, else in the block's row of the partial-sum workspace), and a second
+// kernel adds the blocks' partials in block order: deterministic, no atomics.
+
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
+template <typename T>
+bool pack_aligned(const T* p) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % alignof(Pack4<T>) == 0;
+}
+
+// Elements 4k .. 4k+3 of a row (zeros past the end).
+template <typename T, typename C>
+__device__ __forceinline__ void load_pack(const T* row, int64_t k, int64_t cols, bool vectorized, C (&out)[4]) {
+  if (vectorized) {
+    const Pack4<T> p = reinterpret_cast<const Pack4<T>*>(row)[k];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = C(p.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c = 4 * k + i;
+      out[i] = c < cols ? C(row[c]) : C(0);
+    }
+  }
+}
+
+template <typename T, typename C>
+__device__ __forceinline__ void store_pack(T* row, int64_t k, int64_t cols, bool vectorized, const C (&in)[4]) {
+  if (vectorized) {
+    Pack4<T> p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p.v[i] = T(in[i]);
+    reinterpret_cast<Pack4<T>*>(row)[k] = p;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c = 4 * k + i;
+      if (c < cols) row[c] = T(in[i]);
+    }
+  }
+}
+
+// T: x and residual; D: delta; O: out. mean_out null for RMS norm; delta null for a plain norm (residual null too).
+template <typename T, typename D, typename O>
+__global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
+                                             O* out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t cols,
+                                             compute_t<T> eps, bool vectorized) {
+  using C = compute_t<T>;
+  __shared__ C scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t packs = (cols + 3) / 4;
+  const T* xr = x + row * cols;
+  const D* dr = delta ? delta + row * cols : nullptr;
+  T* rr = residual ? residual + row * cols : nullptr;
+  O* orow = out + row * cols;
+  // The residual as stored: rounded to T, so the statistics describe what the backward will read.
+  auto residual_pack = [&](int64_t k, C (&v)[4]) {
+    load_pack(xr, k, cols, vectorized, v);
+    if (dr) {
+      C d[4];
+      load_pack(dr, k, cols, vectorized, d);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = C(T(v[i] + d[i]));
+    }
+  };
+
+  C mean = 0;
+  if (mean_out || rr) {
+    C sum = 0;
+    for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+      C v[4];
+      residual_pack(k, v);
+      if (rr) store_pack(rr, k, cols, vectorized, v);
+      sum += (v[0] + v[1]) + (v[2] + v[3]);  // zeros past the end
+    }
+    if (mean_out) mean = cuda::row_allreduce_sum(sum, scratch) / C(cols);
+  }
+  C squares = 0;
+  for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+    C v[4];
+    residual_pack(k, v);
+    const int valid = int(min(int64_t(4), cols - 4 * k));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const C d = v[i] - mean;
+      if (i < valid) squares += d * d;
+    }
+  }
+  squares = cuda::row_allreduce_sum(squares, scratch);
+  const C rstd = C(1) / cuda::sqrt_of(squares / C(cols) + eps);
+  if (threadIdx.x == 0) {
+    if (mean_out) mean_out[row] = stats_t<T>(mean);
+    rstd_out[row] = stats_t<T>(rstd);
+  }
+  for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+    C v[4], w[4] = {1, 1, 1, 1}, b[4] = {0, 0, 0, 0};
+    residual_pack(k, v);
+    if (weight) load_pack(weight, k, cols, vectorized, w);
+    if (bias) load_pack(bias, k, cols, vectorized, b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = (v[i] - mean) * rstd * w[i] + b[i];
+    store_pack(orow, k, cols, vectorized, v);
+  }
+}
+
+// T: residual, grad_residual and grad_x; G: grad_out; D: grad_delta. mean null for RMS norm. Block b takes rows
+// [b * rows_per_block, ...). With partial_weight / partial_bias set it leaves its rows' column sums of
+// grad_out * xhat / grad_out in row b of them; accumulate_in_shared keeps the running sums in shared memory
+// (laid out [4][packs], so that consecutive threads hit consecutive banks) instead of in that row.
+template <typename T, typename G, typename D>
+__global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_residual, const T* residual,
+                                              const T* weight, const stats_t<T>* mean, const stats_t<T>* rstd,
+                                              T* grad_x, D* grad_delta, compute_t<T>* partial_weight,
+                                              compute_t<T>* partial_bias, int64_t rows, int64_t cols,
+                                              int64_t rows_per_block, bool accumulate_in_shared, bool vectorized) {
+  using C = compute_t<T>;
+  __shared__ C scratch[32];
+  extern __shared__ __align__(16) unsigned char shared_sums[];
+  const int64_t packs = (cols + 3) / 4;
+  const bool want_inputs = grad_x || grad_delta;
+  C* sum_w = nullptr;
+  C* sum_b = nullptr;
+  int64_t stride_i = 1, stride_k = 4;  // element (k, i) of the running sums sits at k * stride_k + i * stride_i
+  if (accumulate_in_shared) {
+    sum_w = reinterpret_cast<C*>(shared_sums);
+    sum_b = sum_w + 4 * packs;
+    stride_i = packs;
+    stride_k = 1;
+  } else {
+    if (partial_weight) sum_w = partial_weight + int64_t(blockIdx.x) * cols;
+    if (partial_bias) sum_b = partial_bias + int64_t(blockIdx.x) * cols;
+  }
+  const bool want_w = partial_weight != nullptr, want_b = partial_bias != nullptr;
+  // Each thread owns the columns of its packs: no other thread touches its sums, so no synchronization.
+  for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+    const int valid = int(min(int64_t(4), cols - 4 * k));
+    for (int i = 0; i < valid; ++i) {
+      if (want_w) sum_w[k * stride_k + i * stride_i] = C(0);
+      if (want_b) sum_b[k * stride_k + i * stride_i] = C(0);
+    }
+  }
+
+  const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t r1 = min(rows, r0 + rows_per_block);
+  for (int64_t row = r0; row < r1; ++row) {
+    const G* gr = grad_out + row * cols;
+    const T* xr = residual + row * cols;
+    const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
+    C mean_g = 0, mean_g_xhat = 0;
+    if (want_inputs) {
+      C sum_g = 0, sum_g_xhat = 0;
+      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+        C g[4], xv[4], w[4] = {1, 1, 1, 1};
+        load_pack(gr, k, cols, vectorized, g);
+        load_pack(xr, k, cols, vectorized, xv);
+        if (weight) load_pack(weight, k, cols, vectorized, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const C gw = g[i] * w[i];  // zero past the end
+          sum_g += gw;
+          sum_g_xhat += gw * ((xv[i] - m) * s);
+        }
+      }
+      if (mean) sum_g = cuda::row_allreduce_sum(sum_g, scratch);
+      sum_g_xhat = cuda::row_allreduce_sum(sum_g_xhat, scratch);
+      if (mean) mean_g = sum_g / C(cols);
+      mean_g_xhat = sum_g_xhat / C(cols);
+    }
+    for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+      C g[4], xv[4];
+      load_pack(gr, k, cols, vectorized, g);
+      load_pack(xr, k, cols, vectorized, xv);
+      const int valid = int(min(int64_t(4), cols - 4 * k));
+      if (want_w || want_b) {
+        // Unrolled with a guard (not a loop to `valid`), so g and xv stay in registers.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i >= valid) continue;
+          if (want_w) sum_w[k * stride_k + i * stride_i] += g[i] * ((xv[i] - m) * s);
+          if (want_b) sum_b[k * stride_k + i * stride_i] += g[i];
+        }
+      }
+      if (!want_inputs) continue;
+      C w[4] = {1, 1, 1, 1}, res[4] = {0, 0, 0, 0}, gi[4];
+      if (weight) load_pack(weight, k, cols, vectorized, w);
+      if (grad_residual) load_pack(grad_residual + row * cols, k, cols, vectorized, res);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) gi[i] = s * (g[i] * w[i] - mean_g - (xv[i] - m) * s * mean_g_xhat) + res[i];
+      if (grad_x) store_pack(grad_x + row * cols, k, cols, vectorized, gi);
+      if (grad_delta) store_pack(grad_delta + row * cols, k, cols, vectorized, gi);
+    }
+  }
+
+  if (!accumulate_in_shared) return;
+  for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+    const int valid = int(min(int64_t(4), cols - 4 * k));
+    for (int i = 0; i < valid; ++i) {
+      const int64_t c = 4 * k + i;
+      if (want_w) partial_weight[int64_t(blockIdx.x) * cols + c] = sum_w[k * stride_k + i * stride_i];
+      if (want_b) partial_bias[int64_t(blockIdx.x) * cols + c] = sum_b[k * stride_k + i * stride_i];
+    }
+  }
+}
+
+constexpr unsigned kPartialColumns = 32;  // blockDim.x of the partial-sum reduction
+constexpr unsigned kPartialSplit = 16;    // blockDim.y: threads splitting the blocks' partials
+
+// out[c] = sum over b of partial[b][c], each thread summing a fixed strided subset in order, then the subsets
+// combined in order: the same bits on every run. With no partials (no rows) the sums are zero.
+template <typename T>
+__global__ void sum_block_partials_kernel(const compute_t<T>* partial, int64_t blocks, int64_t cols, T* out) {
+  using C = compute_t<T>;
+  __shared__ C tile[kPartialSplit][kPartialColumns];
+  const int64_t c = int64_t(blockIdx.x) * kPartialColumns + threadIdx.x;
+  C acc = 0;
+  if (c < cols)
+    for (int64_t b = threadIdx.y; b < blocks; b += kPartialSplit) acc += partial[b * cols + c];
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  for (unsigned y = 1; y < kPartialSplit; ++y) acc += tile[y][threadIdx.x];
+  out[c] = T(acc);
+}
+
+// Threads per row: a pack of 4 columns each, in whole warps, at most 1024.
+unsigned residual_norm_threads(int64_t cols) {
+  const int64_t packs = (cols + 3) / 4;
+  return unsigned(std::clamp<int64_t>(ceil_div(packs, 32) * 32, 32, 1024));
+}
+
+constexpr int64_t kMaxGridX = 2147483647;
+
+template <typename T, typename D, typename O>
+void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                           const Tensor& bias, double eps, Tensor& residual, Tensor& out, stats_t<T>* mean_out,
+                           stats_t<T>* rstd_out) {
+  const int64_t cols = columns_of(x);
+  const int64_t rows = cols ? x.numel() / cols : 0;
+  if (rows == 0) return;
+  LOOM_CHECK(rows <= kMaxGridX, "residual_norm: too many rows for one grid");
+  LOOM_CHECK(delta.defined() == residual.defined(), "residual_norm: a delta needs a residual output");
+  const T* xp = static_cast<const T*>(x.data());
+  const D* dp = data_or_null<D>(delta);
+  const T* wp = data_or_null<T>(weight);
+  const T* bp = data_or_null<T>(bias);
+  T* rp = mutable_data_or_null<T>(residual);
+  O* op = static_cast<O*>(out.data());
+  const bool vectorized = cols % 4 == 0 && pack_aligned(xp) && pack_aligned(dp) && pack_aligned(wp) &&
+                          pack_aligned(bp) && pack_aligned<T>(rp) && pack_aligned<O>(op);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  residual_norm_forward_kernel<T, D, O><<<unsigned(rows), residual_norm_threads(cols), 0, stream>>>(
+      xp, dp, wp, bp, rp, op, mean_out, rstd_out, cols, compute_t<T>(eps), vectorized);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, typename G, typename D>
+void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, const Tensor& grad_residual,
+                            const Tensor& residual, const Tensor& weight, const stats_t<T>* mean,
+                            const stats_t<T>* rstd, Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight,
+                            Tensor& grad_bias) {
+  using C = compute_t<T>;
+  const int64_t cols = columns_of(residual);
+  const int64_t rows = cols ? residual.numel() / cols : 0;
+  if (cols == 0) return;
+  T* gw = mutable_data_or_null<T>(grad_weight);
+  T* gb = mutable_data_or_null<T>(grad_bias);
+  T* gx = mutable_data_or_null<T>(grad_x);
+  D* gd = mutable_data_or_null<D>(grad_delta);
+  const bool want_params = gw || gb;
+  if (!want_params && !gx && !gd) return;
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+
+  // Row chunks depend only on the shape (so the sums' order does): up to 1024 blocks, fewer for wide rows so the
+  // partials stay small; without parameter gradients, a block per row.
+  const int64_t target_blocks = want_params ? std::clamp<int64_t>((int64_t(1) << 21) / cols, 256, 1024) : rows;
+  const int64_t wanted = std::max<int64_t>(1, std::min(rows, target_blocks));
+  const int64_t rows_per_block = std::max<int64_t>(1, ceil_div(rows, wanted));
+  const int64_t blocks = ceil_div(rows, rows_per_block);  // 0 when there are no rows
+  LOOM_CHECK(blocks <= kMaxGridX, "residual_norm_backward: too many rows for one grid");
+
+  Tensor workspace;
+  C *partial_w = nullptr, *partial_b = nullptr;
+  const int64_t packs = (cols + 3) / 4;
+  const int64_t shared_bytes = 2 * 4 * packs * int64_t(sizeof(C));
+  // The default 48 KiB per block, less room for the kernel's static reduction scratch (no opt-in attribute needed).
+  const bool in_shared = want_params && shared_bytes <= 46 * 1024;
+  if (want_params && blocks > 0) {
+    workspace = cuda::scratch_bytes(ctx, 2 * blocks * cols * int64_t(sizeof(C)));
+    if (gw) partial_w = static_cast<C*>(workspace.data());
+    if (gb) partial_b = static_cast<C*>(workspace.data()) + blocks * cols;
+  }
+  const G* gp = static_cast<const G*>(grad_out.data());
+  const T* grp = data_or_null<T>(grad_residual);
+  const T* xp = static_cast<const T*>(residual.data());
+  const T* wp = data_or_null<T>(weight);
+  const bool vectorized = cols % 4 == 0 && pack_aligned(gp) && pack_aligned(grp) && pack_aligned(xp) &&
+                          pack_aligned(wp) && pack_aligned<T>(gx) && pack_aligned<D>(gd);
+  if (blocks > 0) {
+    residual_norm_backward_kernel<T, G, D><<<unsigned(blocks), residual_norm_threads(cols),
+                                             in_shared ? size_t(shared_bytes) : 0, stream>>>(
+        gp, grp, xp, wp, mean, rstd, gx, gd, partial_w, partial_b, rows, cols, rows_per_block, in_shared,
+        vectorized);
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
+  if (!want_params) return;
+  const dim3 grid(unsigned(ceil_div(cols, kPartialColumns))), block(kPartialColumns, kPartialSplit);
+  if (gw) sum_block_partials_kernel<T><<<grid, block, 0, stream>>>(partial_w, blocks, cols, gw);
+  if (gb) sum_block_partials_kernel<T><<<grid, block, 0, stream>>>(partial_b, blocks, cols, gb);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+DType dtype_or(const Tensor& t, DType fallback) { return t.defined() ? t.dtype() : fallback; }
+
+void residual_layer_norm_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                              const Tensor& bias, const NormAttrs& attrs, Tensor& residual, Tensor& out,
+                              Tensor& mean, Tensor& rstd) {
+  dispatch_residual_norm("residual_layer_norm", x.dtype(), dtype_or(delta, x.dtype()), out.dtype(),
+                         [&](auto t, auto d, auto o) {
+                           using T = typename decltype(t)::type;
+                           using S = stats_t<T>;
+                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
+                               ctx, x, delta, weight, bias, attrs.eps, residual, out, mean.data_ptr<S>(),
+                               rstd.data_ptr<S>());
+                         });
+}
+
+void residual_rms_norm_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                            const NormAttrs& attrs, Tensor& residual, Tensor& out, Tensor& rstd) {
+  dispatch_residual_norm("residual_rms_norm", x.dtype(), dtype_or(delta, x.dtype()), out.dtype(),
+                         [&](auto t, auto d, auto o) {
+                           using T = typename decltype(t)::type;
+                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
+                               ctx, x, delta, weight, Tensor(), attrs.eps, residual, out, nullptr,
+                               rstd.data_ptr<stats_t<T>>());
+                         });
+}
+
+void residual_layer_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad_out,
+                                       const Tensor& grad_residual, const Tensor& residual, const Tensor& weight,
+                                       const Tensor& mean, const Tensor& rstd, Tensor& grad_x, Tensor& grad_delta,
+                                       Tensor& grad_weight, Tensor& grad_bias) {
+  dispatch_residual_norm("residual_layer_norm_backward", residual.dtype(), grad_out.dtype(),
+                         dtype_or(grad_delta, residual.dtype()), [&](auto t, auto g, auto d) {
+                           using T = typename decltype(t)::type;
+                           using S = stats_t<T>;
+                           residual_norm_backward<T, typename decltype(g)::type, typename decltype(d)::type>(
+                               ctx, grad_out, grad_residual, residual, weight, mean.data_ptr<S>(),
+                               rstd.data_ptr<S>(), grad_x, grad_delta, grad_weight, grad_bias);
+                         });
+}
+
+void residual_rms_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad_out, const Tensor& grad_residual,
+                                     const Tensor& residual, const Tensor& weight, const Tensor& rstd,
+                                     Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight) {
+  dispatch_residual_norm("residual_rms_norm_backward", residual.dtype(), grad_out.dtype(),
+                         dtype_or(grad_delta, residual.dtype()), [&](auto t, auto g, auto d) {
+                           using T = typename decltype(t)::type;
+                           Tensor no_bias;
+                           residual_norm_backward<T, typename decltype(g)::type, typename decltype(d)::type>(
+                               ctx, grad_out, grad_residual, residual, weight, nullptr,
+                               rstd.data_ptr<stats_t<T>>(), grad_x, grad_delta, grad_weight, no_bias);
+                         });
+}
+
 }  // namespace
 
 LOOM_REGISTER_KERNEL(layer_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), layer_norm_cuda);
@@ -252,5 +626,12 @@ LOOM_REGISTER_KERNEL(layer_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF
                      layer_norm_backward_cuda);
 LOOM_REGISTER_KERNEL(rms_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), rms_norm_cuda);
 LOOM_REGISTER_KERNEL(rms_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), rms_norm_backward_cuda);
+
+LOOM_REGISTER_KERNEL(residual_layer_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), residual_layer_norm_cuda);
+LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     residual_layer_norm_backward_cuda);
+LOOM_REGISTER_KERNEL(residual_rms_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cuda);
+LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     residual_rms_norm_backward_cuda);
 
 }  // namespace loom
