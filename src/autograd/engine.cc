@@ -30,17 +30,25 @@ tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   LOOM_REQUIRE(g.shape() == leaf_.shape(), "backward: gradient ", describe(g), " does not match the leaf ",
                describe(leaf_));
   NoGradGuard no_grad;
-  if (g.dtype() != leaf_.dtype()) g = ops::to_dtype(g, leaf_.dtype());
+  AutogradMeta& meta = leaf_.autograd_meta();
   Tensor current = leaf_.grad();
-  if (!current.defined()) {
+  if (current.defined()) {
+    ops::add_(current, g);  // converts g to the gradient's dtype on the way
+  } else if (const Tensor* destination = meta.grad_destination.get();
+             destination && destination->shape() == leaf_.shape() && destination->dtype() == leaf_.dtype() &&
+             destination->device() == leaf_.device() && g.device() == leaf_.device()) {
+    // An optimizer's flat slot: one copy (converting dtype), so its update runs over one buffer.
+    Tensor slot = *destination;
+    slot.copy_from(g);
+    leaf_.set_grad(slot);
+  } else {
+    if (g.dtype() != leaf_.dtype()) g = ops::to_dtype(g, leaf_.dtype());
     // Keep the gradient only if nothing else can see its storage; otherwise copy it.
     bool exclusive = g.is_contiguous() && g.storage().use_count() == 1;
     leaf_.set_grad(exclusive ? g : ops::clone(g));
-  } else {
-    ops::add_(current, g);
   }
   Tensor accumulated = leaf_.grad();
-  for (auto& hook : leaf_.autograd_meta().grad_hooks) hook(accumulated);
+  for (auto& hook : meta.grad_hooks) hook(accumulated);
   return {};
 }
 

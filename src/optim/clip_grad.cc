@@ -1,6 +1,9 @@
-// Global-norm gradient clipping: per-tensor sums of squares land in one f64 buffer per device, read back once.
+// Global-norm gradient clipping: sums of squares land in one f64 buffer per device, read back once. Gradients that
+// tile a range of one storage side by side (an optimizer's flat gradient buffer) are measured and scaled as that
+// one range: one norm kernel and one scale kernel per run instead of one per parameter.
 #include "loom/optim/clip_grad.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "loom/autograd/grad_mode.h"
@@ -8,6 +11,39 @@
 #include "loom/optim/update_ops.h"
 
 namespace loom::optim {
+
+namespace {
+
+// The tensors to measure and scale for `grads` (all on one device): each maximal run of contiguous gradients of one
+// dtype that follow each other in one storage (gaps break a run) becomes one 1-D view; the rest stay as they are.
+// If two gradients overlap (one tensor listed twice, say), every gradient stays as it is, so each counts as often
+// as it is listed.
+std::vector<Tensor> merged_ranges(const std::vector<Tensor>& grads) {
+  std::vector<const Tensor*> flat, other;
+  for (const Tensor& g : grads) (g.is_contiguous() && g.numel() > 0 ? flat : other).push_back(&g);
+  std::sort(flat.begin(), flat.end(), [](const Tensor* a, const Tensor* b) {
+    if (a->storage() != b->storage()) return std::less<const Storage*>()(a->storage().get(), b->storage().get());
+    return a->storage_offset() < b->storage_offset();
+  });
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < flat.size();) {
+    const Tensor& first = *flat[i];
+    int64_t end = first.storage_offset() + first.numel();
+    size_t j = i + 1;
+    for (; j < flat.size() && flat[j]->storage() == first.storage() && flat[j]->dtype() == first.dtype(); ++j) {
+      if (flat[j]->storage_offset() < end) return grads;  // overlap
+      if (flat[j]->storage_offset() != end) break;
+      end += flat[j]->numel();
+    }
+    if (j < flat.size() && flat[j]->storage() == first.storage() && flat[j]->storage_offset() < end) return grads;
+    out.push_back(j == i + 1 ? first : first.as_strided({end - first.storage_offset()}, {1}, first.storage_offset()));
+    i = j;
+  }
+  for (const Tensor* g : other) out.push_back(*g);
+  return out;
+}
+
+}  // namespace
 
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   autograd::NoGradGuard no_grad;
@@ -19,26 +55,29 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   }
   // One buffer per device so that each device is read back once, not once per tensor.
   std::vector<Device> devices;
-  std::vector<std::vector<size_t>> members;
-  for (size_t i = 0; i < grads.size(); ++i) {
+  std::vector<std::vector<Tensor>> members;
+  for (const Tensor& g : grads) {
     size_t d = 0;
-    while (d < devices.size() && devices[d] != grads[i].device()) ++d;
-    if (d == devices.size()) devices.push_back(grads[i].device()), members.emplace_back();
-    members[d].push_back(i);
+    while (d < devices.size() && devices[d] != g.device()) ++d;
+    if (d == devices.size()) devices.push_back(g.device()), members.emplace_back();
+    members[d].push_back(g);
   }
   double total = 0;
+  std::vector<Tensor> ranges;
   for (size_t d = 0; d < devices.size(); ++d) {
-    Tensor sums = empty({int64_t(members[d].size())}, kF64, devices[d]);
-    for (size_t k = 0; k < members[d].size(); ++k) {
+    std::vector<Tensor> device_ranges = merged_ranges(members[d]);
+    Tensor sums = empty({int64_t(device_ranges.size())}, kF64, devices[d]);
+    for (size_t k = 0; k < device_ranges.size(); ++k) {
       Tensor slot = sums.select(0, int64_t(k));
-      grad_norm_squared_out(grads[members[d][k]], slot);
+      grad_norm_squared_out(device_ranges[k], slot);
     }
     for (double s : to_vector<double>(sums)) total += s;
+    ranges.insert(ranges.end(), device_ranges.begin(), device_ranges.end());
   }
   double norm = std::sqrt(total);
   if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) {
     double scale = max_norm / (norm + 1e-6);
-    for (Tensor& g : grads) ops::mul_(g, scale);
+    for (Tensor& r : ranges) ops::mul_(r, scale);
   }
   return norm;
 }

@@ -31,6 +31,9 @@ struct AutogradMeta {
   std::vector<std::function<void(Tensor&)>> grad_hooks;  // run on a leaf's gradient after accumulation
   bool retains_grad = false;
   std::weak_ptr<autograd::Node> grad_accumulator;  // a leaf's AccumulateGrad node, shared by every graph using it
+  // Where backward writes a leaf's gradient when it has none (a view into an optimizer's flat gradient buffer, so
+  // that the optimizer updates all parameters in one launch); null: backward makes a new tensor.
+  std::shared_ptr<Tensor> grad_destination;
 };
 
 struct TensorImpl {
