@@ -116,8 +116,11 @@ void check_against_cpu(const DTypes& dts, int64_t rows, int64_t cols, bool rms, 
     EXPECT_TRUE(close_to("mean", gpu.mean, cpu.mean, stats_dt, 2.0));
   }
   EXPECT_TRUE(close_to("rstd", gpu.rstd, cpu.rstd, stats_dt, 2.0));
-  EXPECT_TRUE(close_to("grad_x", gpu.grad_x, cpu.grad_x, dts.x, 8.0));
-  EXPECT_TRUE(close_to("grad_delta", gpu.grad_delta, cpu.grad_delta, dts.delta.value_or(dts.x), 8.0));
+  // One column: x - mean is rounding noise times rstd = 1/sqrt(eps) ~ 316, so the two devices' f32 orders of
+  // summation differ visibly in an input gradient that is zero in exact arithmetic (the CPU test checks it in f64).
+  const double grad_factor = cols == 1 ? 64.0 : 8.0;
+  EXPECT_TRUE(close_to("grad_x", gpu.grad_x, cpu.grad_x, dts.x, grad_factor));
+  EXPECT_TRUE(close_to("grad_delta", gpu.grad_delta, cpu.grad_delta, dts.delta.value_or(dts.x), grad_factor));
   const double sum_atol = 4.0 * test::atol_for(dts.x) * std::sqrt(double(rows));
   if (affine) {
     EXPECT_TRUE(close_to("grad_weight", gpu.grad_weight, cpu.grad_weight, dts.x, 2.0, sum_atol));
@@ -206,7 +209,8 @@ TEST(CudaNormFused, AutogradUnderAutocastMatchesCpu) {
   Tensor b = test::random_tensor({768}, kF32, -1, 1, seed + 3);
   Tensor r = test::random_tensor({64, 768}, kBF16, -1, 1, seed + 4);
   auto run_on = [&](Device device) {
-    std::vector<Tensor> leaves{x.to(device), d.to(device), w.to(device), b.to(device)};
+    // detach(): on the CPU to() returns the tensor itself, which the second run must not find requiring grad.
+    std::vector<Tensor> leaves{x.detach().to(device), d.detach().to(device), w.detach().to(device), b.detach().to(device)};
     for (Tensor& t : leaves) t.set_requires_grad(true);
     Tensor h, n;
     {

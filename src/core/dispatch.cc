@@ -481,7 +481,7 @@ namespace {
 
 struct OpProfile {
   std::mutex mu;
-  std::map<std::tuple<OpId, int, int>, OpProfileRow> rows;  // by (op, device type, dtype)
+  std::map<std::tuple<OpId, int, int, std::string>, OpProfileRow> rows;  // by (op, device type, dtype, detail)
   size_t peak_device_bytes = 0;
 };
 
@@ -502,10 +502,10 @@ void write_profile_report() {
   std::fputs(op_profile_table().c_str(), stderr);
   if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path && *path) {
     std::ofstream f(path);
-    f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\n";
+    f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\tdetail\n";
     for (const auto& r : op_profile())
       f << r.op << '\t' << device_type_display_name(r.device) << '\t' << dtype_name(r.dtype) << '\t' << r.calls
-        << '\t' << r.total_ms << '\t' << r.max_ms << '\n';
+        << '\t' << r.total_ms << '\t' << r.max_ms << '\t' << r.detail << '\n';
   }
 }
 
@@ -513,6 +513,7 @@ void write_profile_report() {
   const char* env = std::getenv("LOOM_PROFILE_OPS");
   if (!env || !*env || std::string(env) == "0") return false;
   dispatch::detail::profile_ops.store(true);
+  dispatch::detail::profile_shapes.store(std::string(env) == "shapes");
   std::atexit(write_profile_report);
   return true;
 }();
@@ -527,7 +528,7 @@ int64_t detail::profile_begin(Device device) {
   return now_ns();
 }
 
-void detail::profile_end(OpId op, Device device, DType dtype, int64_t begin_ns) {
+void detail::profile_end(OpId op, Device device, DType dtype, int64_t begin_ns, const std::string& detail) {
   if (--profile_depth != 0) return;
   DeviceRuntime& rt = device_runtime(device.type);
   rt.synchronize(device.index);
@@ -535,8 +536,8 @@ void detail::profile_end(OpId op, Device device, DType dtype, int64_t begin_ns) 
   const size_t peak = rt.memory_stats(device.index).peak_allocated;
   OpProfile& p = op_profile_state();
   std::lock_guard<std::mutex> g(p.mu);
-  OpProfileRow& r = p.rows[{op, int(device.type), int(dtype)}];
-  if (r.calls == 0) r.op = op_name(op), r.device = device.type, r.dtype = dtype;
+  OpProfileRow& r = p.rows[{op, int(device.type), int(dtype), detail}];
+  if (r.calls == 0) r.op = op_name(op), r.detail = detail, r.device = device.type, r.dtype = dtype;
   ++r.calls;
   r.total_ms += ms;
   r.max_ms = std::max(r.max_ms, ms);
@@ -575,7 +576,7 @@ std::string op_profile_table() {
      << "max us" << std::setw(8) << "share" << "\n";
   os << std::fixed;
   for (const auto& r : rows) {
-    os << std::left << std::setw(34) << r.op << std::setw(8) << device_type_display_name(r.device) << std::setw(6)
+    os << std::left << std::setw(34) << (r.detail.empty() ? r.op : r.op + " " + r.detail) << std::setw(8) << device_type_display_name(r.device) << std::setw(6)
        << dtype_name(r.dtype) << std::right << std::setw(9) << r.calls << std::setw(12) << std::setprecision(3)
        << r.total_ms << std::setw(11) << std::setprecision(1) << 1000.0 * r.total_ms / double(r.calls)
        << std::setw(11) << 1000.0 * r.max_ms << std::setw(7) << (total > 0 ? 100.0 * r.total_ms / total : 0.0)

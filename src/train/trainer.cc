@@ -324,8 +324,11 @@ void Trainer::run() {
     if (!text.empty() && !opts_.quiet) std::cout << "--- sample at step " << step_ << " ---\n" << text << "\n---" << std::endl;
   };
   if (step_ == 0 && opts_.eval_interval > 0) log_eval(0);
+  const int64_t first_step = step_ + 1;
   while (step_ < opts_.steps) {
     StepStats s = train_step();
+    // The first step's plan creation, first allocations and module loading would swamp the per-op table.
+    if (s.step == first_step && dispatch::op_profiling()) dispatch::reset_op_profile();
     log_step(s);
     if (!std::isfinite(s.loss)) LOOM_THROW("loom-train: the loss became ", s.loss, " at step ", s.step);
     if (opts_.explain_kernels && s.step == 1) {

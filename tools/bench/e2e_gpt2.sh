@@ -30,18 +30,16 @@ timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL --dtype bf16 -b $B -t $
   --sample-tokens 0 --train-data "$DATA" --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 if [ "${PROFILE:-0}" = 1 ]; then
-  # Two profiled runs, 2 and 6 steps: their difference over 4 is one step without the first step's warm-up.
-  for s in 2 6; do
-    LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}_s$s.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL \
-      --dtype bf16 -b $B -t $T --steps $s --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 --eval-batches 1 \
-      --train-data "$DATA" > "$DIR/profile_${MODEL}_b${B}_s$s.log" 2>&1
-  done
-  grep "peak device memory" "$DIR/profile_${MODEL}_b${B}_s6.log"
-  python3 tools/bench/op_profile.py "$DIR/profile_${MODEL}_b${B}_s2.tsv" "$DIR/profile_${MODEL}_b${B}_s6.tsv" 4 \
-    | tee "$DIR/breakdown_${MODEL}_b$B.txt"
+  # One profiled run of 7 steps; loom-train resets the table after the first (warm-up), so it covers 6 steps (and the
+  # one batch of the final evaluation). LOOM_PROFILE_OPS=shapes splits rows by shape.
+  LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" \
+    --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 \
+    --eval-batches 1 --train-data "$DATA" > "$DIR/profile_${MODEL}_b$B.log" 2>&1
+  grep "peak device memory" "$DIR/profile_${MODEL}_b$B.log"
+  python3 tools/bench/op_profile.py - "$DIR/profile_${MODEL}_b$B.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b$B.txt"
 fi
 
-python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b${B}_s6.log" \
+python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b$B.log" \
   $B $T $MODEL <<'PY'
 import json, re, statistics, sys, os
 loom_log, torch_log, prof_log, B, T, model = sys.argv[1:7]

@@ -308,9 +308,11 @@ class ArgumentCopies {
 // Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the dispatcher synchronizes the device
 // before and after each kernel call and adds the wall time to its (op, device, dtype) row, so a row is the kernel's
 // device time plus one launch. Off, it costs one relaxed atomic load per call. With the variable set, the table goes
-// to stderr at exit, and also, tab-separated, to the file LOOM_PROFILE_OPS_FILE names.
+// to stderr at exit, and also, tab-separated, to the file LOOM_PROFILE_OPS_FILE names. LOOM_PROFILE_OPS=shapes
+// splits each row by the shape of the call's first tensor argument (gemm: by m, n, k), to tell calls apart.
 struct OpProfileRow {
   std::string op;
+  std::string detail;  // the first tensor argument's shape (gemm: m n k), in the shapes mode
   DeviceType device = DeviceType::kCPU;
   DType dtype = kF32;
   uint64_t calls = 0;
@@ -325,8 +327,41 @@ void reset_op_profile();
 std::string op_profile_table();
 namespace detail {
 inline std::atomic<bool> profile_ops{false};
+inline std::atomic<bool> profile_shapes{false};
 int64_t profile_begin(Device device);  // synchronizes; returns a steady-clock time in ns
-void profile_end(OpId op, Device device, DType dtype, int64_t begin_ns);
+void profile_end(OpId op, Device device, DType dtype, int64_t begin_ns, const std::string& detail = {});
+
+// The shapes mode's label of a call: the first argument that has a shape (a tensor), or gemm's problem size.
+template <typename T>
+void label_argument(std::string& label, const T& a) {
+  if (!label.empty()) return;
+  if constexpr (requires { a.shape(); a.defined(); }) {
+    if (!a.defined()) return;
+    label = "[";
+    for (size_t i = 0; i < a.shape().size(); ++i) {
+      if (i) label += ", ";
+      label += std::to_string(a.shape()[i]);
+    }
+    label += "]";
+  } else if constexpr (requires { a.m; a.n; a.k; a.trans_a; a.batch; }) {
+    label = "m";
+    label += std::to_string(a.m);
+    label += " n";
+    label += std::to_string(a.n);
+    label += " k";
+    label += std::to_string(a.k);
+    if (a.batch > 1) {
+      label += " batch";
+      label += std::to_string(a.batch);
+    }
+  }
+}
+template <typename... A>
+std::string profile_label(const A&... args) {
+  std::string label;
+  if (profile_shapes.load(std::memory_order_relaxed)) (label_argument(label, args), ...);
+  return label;
+}
 void profile_abort();  // the kernel threw: nothing is recorded
 }  // namespace detail
 
@@ -394,7 +429,7 @@ void call(Op, Device device, DType dtype, Args&&... args) {
         detail::profile_abort();
         throw;
       }
-      detail::profile_end(Op::id(), device, dtype, begin);
+      detail::profile_end(Op::id(), device, dtype, begin, detail::profile_label(args...));
       return;
     }
     (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
@@ -424,7 +459,7 @@ void KernelTraits<void(const DeviceContext&, Args...)>::run(const KernelEntry* e
     dispatch::detail::profile_abort();
     throw;
   }
-  dispatch::detail::profile_end(op, device, dtype, begin);
+  dispatch::detail::profile_end(op, device, dtype, begin, dispatch::detail::profile_label(args...));
 }
 
 template <typename... Args>
