@@ -1,5 +1,6 @@
 // split_heads (include/loom/functional.h): per-group head views of a fused [B, T, N * D] projection, and a backward
 // that writes each piece's gradient into its slice of one buffer; checked against narrow + reshape + transpose.
+#include "loom/autograd/engine.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/functional.h"
 #include "test_util.h"
@@ -49,6 +50,44 @@ TEST(SplitHeads, ViewsAndGradientMatchNarrow) {
       EXPECT_TRUE(test::all_close(a.grad(), b.grad(), 0, 0));
     }
   }
+}
+
+// Gradients that already are the head groups of one [B, T, W] buffer (as the attention backward writes them) become
+// x's gradient as they are; gradients elsewhere are copied into a new buffer. Both give the same values.
+TEST(SplitHeads, BackwardTakesAFusedGradientBufferAsIs) {
+  const std::vector<int64_t> heads{4, 2, 2};
+  const int64_t B = 3, T = 7, D = 8, W = 8 * D;
+  Tensor g = test::random_tensor({B, T, W}, kF32);
+  for (bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "grads are views of one buffer" : "grads are separate tensors");
+    Tensor x = test::random_tensor({B, T, W}, kF32).set_requires_grad(true);
+    std::vector<Tensor> pieces = split_heads(x, heads, D);
+    std::vector<Tensor> grads = split_by_narrow(g.detach(), heads, D);
+    if (!fused)
+      for (Tensor& t : grads) t = t.contiguous();
+    autograd::backward(pieces, grads);
+    EXPECT_TRUE(test::all_close(x.grad(), g, 0, 0));
+  }
+}
+
+// On the GPU the attention backward writes dq, dk, dv into one buffer laid out as the fused qkv: the gradient equals
+// the one through contiguous copies of q, k and v (same kernel, separate buffers and a copy).
+TEST(SplitHeads, CudaAttentionGradientOfFusedQkvMatchesSeparateCopies) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const int64_t B = 2, T = 67, H = 3, D = 64;
+  const Device gpu(kCUDA, 0);
+  Tensor base = test::random_tensor({B, T, 3 * H * D}, kBF16, -1, 1, test::fresh_seed(), gpu);
+  Tensor dy = test::random_tensor({B, H, T, D}, kBF16, -1, 1, test::fresh_seed(), gpu);
+  std::vector<Tensor> result;
+  for (bool copies : {false, true}) {
+    Tensor qkv = base.detach().clone().set_requires_grad(true);
+    std::vector<Tensor> p = split_heads(qkv, {H, H, H}, D);
+    if (copies)
+      for (Tensor& t : p) t = t.contiguous();
+    scaled_dot_product_attention(p[0], p[1], p[2], /*causal=*/true).backward(dy);
+    result.push_back(qkv.grad());
+  }
+  EXPECT_TRUE(test::all_close(result[0], result[1], 0, 0));
 }
 
 TEST(SplitHeads, StridedInputAndNoGradMode) {

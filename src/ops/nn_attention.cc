@@ -2,6 +2,8 @@
 #include <cmath>
 #include <vector>
 
+#include <optional>
+
 #include "infermeta/attention_meta.h"
 #include "kernels/attention_kernel.h"
 #include "kernels/rope_kernel.h"
@@ -45,6 +47,24 @@ bool kernel_accepts(Op, Device device, DType dtype, Args&... args) {
 Tensor empty_heads_last(const Tensor& like) {
   const Shape& s = like.shape();
   return ops::transpose(empty({s[0], s[2], s[1], s[3]}, like.dtype(), like.device()), 1, 2);
+}
+
+// When q, k and v are the three head groups of one [B, T, (Hq + 2 Hkv) * D] tensor (split_heads of a fused qkv
+// projection), gradients of the same layout in one new buffer: split_heads' backward then takes that buffer as the
+// projection's gradient without copying the three pieces into it.
+std::optional<AttentionGrads> fused_gradients(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return std::nullopt;
+  if (q.storage() != k.storage() || q.storage() != v.storage()) return std::nullopt;
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
+  if (k.size(2) != T || v.size(2) != T || v.size(1) != Hkv) return std::nullopt;
+  const int64_t W = (Hq + 2 * Hkv) * D;
+  const Shape strides{T * W, D, W, 1};
+  if (q.strides() != strides || k.strides() != strides || v.strides() != strides) return std::nullopt;
+  if (k.storage_offset() - q.storage_offset() != Hq * D || v.storage_offset() - k.storage_offset() != Hkv * D)
+    return std::nullopt;
+  Tensor buffer = empty({B, T, W}, q.dtype(), q.device());
+  return AttentionGrads{buffer.as_strided(q.shape(), strides, 0), buffer.as_strided(k.shape(), strides, Hq * D),
+                        buffer.as_strided(v.shape(), strides, (Hq + Hkv) * D)};
 }
 
 }  // namespace
@@ -95,7 +115,8 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
   if (q.dim() == 4 && lse.is_contiguous()) {
     // Strided views straight to a kernel that reads them; the gradients laid out as [B, T, H, D] (like the
     // forward's out), which is what a fused [B, T, 3C] projection's gradient is made of.
-    AttentionGrads grads{empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)};
+    std::optional<AttentionGrads> fused = fused_gradients(q, k, v);
+    AttentionGrads grads = fused ? *fused : AttentionGrads{empty_heads_last(q), empty_heads_last(k), empty_heads_last(v)};
     if (kernel_accepts(scaled_dot_product_attention_backward_strided_op, q.device(), q.dtype(), grad_out, q, k, v,
                        out, lse, attrs, grads.grad_q, grads.grad_k, grads.grad_v)) {
       dispatch::call(scaled_dot_product_attention_backward_strided_op, q.device(), q.dtype(), grad_out, q, k, v, out,

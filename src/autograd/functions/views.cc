@@ -62,6 +62,9 @@ class SplitHeadsBackward final : public autograd::Node {
       any_defined = any_defined || g.defined();
     }
     if (!any_defined) return {Tensor()};
+    if (all_defined) {
+      if (Tensor whole = adopt_fused(grads); whole.defined()) return {whole};
+    }
     Tensor out = all_defined ? empty(shape_, dtype_, device_) : zeros(shape_, dtype_, device_);
     const int64_t B = shape_[0], T = shape_[1];
     int64_t column = 0;
@@ -78,6 +81,24 @@ class SplitHeadsBackward final : public autograd::Node {
   std::string name() const override { return "SplitHeadsBackward"; }
 
  private:
+  // The pieces' gradients when they already are the head groups of one contiguous [B, T, W] buffer (the attention
+  // backward writes them so): that buffer, else undefined.
+  Tensor adopt_fused(const autograd::tensor_list& grads) const {
+    const int64_t B = shape_[0], T = shape_[1], W = shape_[2];
+    const int64_t base = grads[0].storage_offset();
+    const Shape strides{T * W, head_dim_, W, 1};
+    int64_t column = 0;
+    for (size_t i = 0; i < heads_.size(); ++i) {
+      const Tensor& g = grads[i];
+      if (g.storage() != grads[0].storage() || g.dtype() != dtype_ || g.strides() != strides ||
+          g.shape() != Shape{B, heads_[i], T, head_dim_} || g.storage_offset() != base + column)
+        return Tensor();
+      column += heads_[i] * head_dim_;
+    }
+    if (column != W || grads[0].storage()->nbytes() < size_t(base + B * T * W) * grads[0].itemsize()) return Tensor();
+    return grads[0].as_strided({B, T, W}, {T * W, W, 1}, base);
+  }
+
   Shape shape_;
   DType dtype_;
   Device device_;
