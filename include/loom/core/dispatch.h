@@ -337,14 +337,14 @@ void label_argument(std::string& label, const T& a) {
   if (!label.empty()) return;
   if constexpr (requires { a.shape(); a.defined(); }) {
     if (!a.defined()) return;
-    label = "[";
+    label += '[';  // label is empty here; += rather than = "[" (GCC 12 warns falsely on the assignment)
     for (size_t i = 0; i < a.shape().size(); ++i) {
       if (i) label += ", ";
       label += std::to_string(a.shape()[i]);
     }
-    label += "]";
+    label += ']';
   } else if constexpr (requires { a.m; a.n; a.k; a.trans_a; a.batch; }) {
-    label = "m";
+    label += 'm';
     label += std::to_string(a.m);
     label += " n";
     label += std::to_string(a.n);
