@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "infermeta/linalg_meta.h"
+#include "kernels/column_sums_kernel.h"
 #include "kernels/copy_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "loom/ops/linalg.h"
@@ -156,28 +157,11 @@ void batched_product(const Tensor& a, const Tensor& b, const Shape& batch, Tenso
   gemm(p);
 }
 
-// Sums of the columns of a contiguous [rows, cols] matrix, as one gemm against a vector of ones.
+// Sums of the columns of a contiguous [rows, cols] matrix: one deterministic column_sums kernel (f32 accumulation
+// for 16-bit and f32 matrices, f64 for f64), out in the matrix's dtype or f32 widened from bf16/f16.
 Tensor column_sums(const Tensor& matrix, DType out_dtype) {
-  int64_t rows = matrix.size(0), cols = matrix.size(1);
-  Tensor out = empty({cols}, out_dtype, matrix.device());
-  if (cols == 0) return out;
-  if (rows == 0) {
-    fill_zero(out);
-    return out;
-  }
-  Tensor ones_column = ones({rows}, matrix.dtype(), matrix.device());
-  // A sum is not a product to approximate: never TF32.
-  GemmParams p = gemm_params_for(out, matrix.dtype() == kF64 ? ComputeType::kF64 : ComputeType::kF32);
-  p.input_dtype = matrix.dtype();
-  p.m = cols;
-  p.n = 1;
-  p.k = rows;
-  p.a = matrix.data();
-  p.lda = cols;
-  p.b = ones_column.data();
-  p.ldb = rows;
-  p.ldc = cols;
-  gemm(p);
+  Tensor out = empty({matrix.size(1)}, out_dtype, matrix.device());
+  dispatch::call(column_sums_op, matrix.device(), matrix.dtype(), matrix, out);
   return out;
 }
 
