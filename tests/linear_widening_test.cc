@@ -2,6 +2,7 @@
 // weights under autocast), on the CPU and on CUDA, against float64 references of the rounded operands.
 #include "loom/amp.h"
 #include "loom/functional.h"
+#include "loom/optim/optimizer.h"
 #include "test_util.h"
 
 namespace loom {
@@ -97,6 +98,36 @@ TEST(LinearWidening, CudaAutocastLinearGivesF32Gradients) {
   LOOM_SKIP_WITHOUT_CUDA();
   check_autocast_linear(Device(kCUDA, 0), false);
   check_autocast_linear(Device(kCUDA, 0), true);
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// With an optimizer's flat gradient buffer, linear writes the weight gradient straight into the slot; a weight used
+// by two linears in one graph (the second finds the slot claimed) still gets the sum, and a second backward
+// (accumulation) adds to it. Reference: the same graph without an optimizer.
+TEST(LinearWidening, WeightGradientIntoTheFlatSlotSumsTwoUses) {
+  for (bool autocast : {false, true}) {
+    SCOPED_TRACE(autocast ? "bf16 autocast" : "f32");
+    Tensor w0 = test::random_tensor({6, 6}), x = test::random_tensor({4, 6});
+    Tensor w = w0.clone().set_requires_grad(true), ref = w0.clone().set_requires_grad(true);
+    optim::AdamW opt(std::vector<Tensor>{w}, optim::AdamWOptions{});
+    auto run = [&](const Tensor& weight) {
+      amp::AutocastGuard guard(kBF16, autocast);
+      Tensor y = linear(linear(x, weight), weight);  // two uses of one weight
+      sum(y.to(kF32)).backward();
+    };
+    for (int round = 0; round < 2; ++round) {
+      run(w);
+      run(ref);
+      ASSERT_TRUE(w.grad().defined());
+      EXPECT_TRUE(test::all_close(w.grad(), ref.grad(), 1e-6, 1e-6)) << "round " << round;
+    }
+    EXPECT_EQ(w.grad().storage(), opt.flat_gradient_buffers().at(0).storage());
+  }
 }
 
 }  // namespace

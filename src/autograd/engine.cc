@@ -31,11 +31,15 @@ tensor_list AccumulateGrad::apply(tensor_list&& grads) {
                describe(leaf_));
   NoGradGuard no_grad;
   AutogradMeta& meta = leaf_.autograd_meta();
+  meta.grad_destination_claimed = false;
   Tensor current = leaf_.grad();
-  if (current.defined()) {
+  const Tensor* destination = meta.grad_destination.get();
+  if (!current.defined() && destination && g.data() == destination->data() && g.dtype() == destination->dtype() &&
+      g.shape() == destination->shape() && g.strides() == destination->strides()) {
+    leaf_.set_grad(*destination);  // a node already wrote the gradient into the slot (claim_gradient_destination)
+  } else if (current.defined()) {
     ops::add_(current, g);  // converts g to the gradient's dtype on the way
-  } else if (const Tensor* destination = meta.grad_destination.get();
-             destination && destination->shape() == leaf_.shape() && destination->dtype() == leaf_.dtype() &&
+  } else if (destination && destination->shape() == leaf_.shape() && destination->dtype() == leaf_.dtype() &&
              destination->device() == leaf_.device() && g.device() == leaf_.device()) {
     // An optimizer's flat slot: one copy (converting dtype), so its update runs over one buffer.
     Tensor slot = *destination;

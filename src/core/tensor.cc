@@ -98,7 +98,10 @@ Tensor Tensor::grad() const {
 
 void Tensor::set_grad(const Tensor& g) {
   if (!g.defined()) {
-    if (has_autograd_meta()) impl_->autograd->grad.reset();
+    if (has_autograd_meta()) {
+      impl_->autograd->grad.reset();
+      impl_->autograd->grad_destination_claimed = false;  // a backward cut short may have left its claim
+    }
     return;
   }
   LOOM_REQUIRE(g.shape() == shape() && g.device() == device(), "set_grad: gradient ", describe(g),

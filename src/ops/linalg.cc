@@ -369,19 +369,30 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
 
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts,
                               std::optional<DType> out_dtype) {
+  LOOM_REQUIRE(grad.defined() && x.defined() && grad.dim() >= 1 && x.dim() >= 1,
+               "linear_backward_weight: grad and input must be defined tensors with at least one dim");
+  DType result_dtype = checked_gradient_dtype("linear_backward_weight", grad, out_dtype);
+  Tensor out = empty({grad.size(-1), x.size(-1)}, result_dtype, grad.device());
+  linear_backward_weight_out(grad, x, out, opts);
+  return out;
+}
+
+void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts) {
   const char* op = "linear_backward_weight";
   check_operands(op, grad, x);
-  DType result_dtype = checked_gradient_dtype(op, grad, out_dtype);
   LOOM_REQUIRE(grad.dim() >= 1 && grad.dim() == x.dim() &&
                    std::equal(grad.shape().begin(), grad.shape().end() - 1, x.shape().begin()),
                op, ": grad ", describe(grad), " and input ", describe(x), " must agree on every dim but the last");
   int64_t out_features = grad.size(-1), in_features = x.size(-1);
+  checked_gradient_dtype(op, grad, out.dtype());
+  LOOM_REQUIRE(out.shape() == (Shape{out_features, in_features}) && out.is_contiguous() && out.device() == grad.device(),
+               op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
+               grad.device().str());
   int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
-  Tensor out = empty({out_features, in_features}, result_dtype, grad.device());
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return;
   if (rows == 0) {
     fill_zero(out);
-    return out;
+    return;
   }
   Tensor g = ops::contiguous(grad), xc = ops::contiguous(x);
   // grad_w^T [in x out] = x^T [in x rows] @ grad [rows x out], the sum over every row in one gemm.
@@ -397,7 +408,6 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
   p.ldb = out_features;
   p.ldc = in_features;
   gemm(p);
-  return out;
 }
 
 Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype) {

@@ -34,6 +34,9 @@ struct AutogradMeta {
   // Where backward writes a leaf's gradient when it has none (a view into an optimizer's flat gradient buffer, so
   // that the optimizer updates all parameters in one launch); null: backward makes a new tensor.
   std::shared_ptr<Tensor> grad_destination;
+  // Set while a backward node has written this leaf's gradient straight into grad_destination and AccumulateGrad
+  // has not taken it yet: a second node of the same backward must then make its own tensor.
+  bool grad_destination_claimed = false;
 };
 
 struct TensorImpl {

@@ -32,5 +32,8 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {},
                               std::optional<DType> out_dtype = std::nullopt);
 Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype = std::nullopt);
+// linear_backward_weight into a caller's contiguous [out, in] tensor (e.g. an optimizer's flat gradient slot) of
+// grad's dtype or f32.
+void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts = {});
 
 }  // namespace loom::ops

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "autograd/record.h"
+#include "loom/autograd/node.h"
 #include "loom/ops.h"
 
 namespace loom::autograd {
@@ -17,6 +18,23 @@ inline Tensor as_dtype(const Tensor& g, DType dtype) { return g.dtype() == dtype
 // the input's dtype (mixed-precision graphs hand every input a gradient of its own dtype).
 inline Tensor fit_gradient(const Tensor& g, const Shape& shape, DType dtype) {
   return as_dtype(g.shape() == shape ? g : ops::sum_to(g, shape), dtype);
+}
+
+// Where a node may write input `input`'s gradient directly: the flat-buffer slot of a leaf that has no gradient yet
+// (AccumulateGrad then takes the slot as it is, with no copy), or undefined. Claims the slot for this backward.
+inline Tensor claim_gradient_destination(const Node& node, size_t input) {
+  if (input >= node.next_edges().size()) return Tensor();
+  const auto* acc = dynamic_cast<const AccumulateGrad*>(node.next_edges()[input].node.get());
+  if (!acc) return Tensor();
+  const Tensor& leaf = acc->leaf();
+  AutogradMeta& meta = leaf.autograd_meta();
+  if (leaf.grad().defined() || !meta.grad_destination || meta.grad_destination_claimed) return Tensor();
+  const Tensor& slot = *meta.grad_destination;
+  if (slot.shape() != leaf.shape() || slot.dtype() != leaf.dtype() || slot.device() != leaf.device() ||
+      !slot.is_contiguous())
+    return Tensor();
+  meta.grad_destination_claimed = true;
+  return slot;
 }
 
 // make_node for a runtime list of inputs (cat, stack).

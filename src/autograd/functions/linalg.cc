@@ -52,8 +52,17 @@ class LinearNode : public autograd::Node {
     Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
-    if (needs_input_grad(1))
-      out[1] = as_dtype(ops::linear_backward_weight(g, x, opts, widened(product_dtype, weight_dtype)), weight_dtype);
+    if (needs_input_grad(1)) {
+      Tensor slot = weight_dtype == product_dtype || widened(product_dtype, weight_dtype)
+                        ? autograd::claim_gradient_destination(*this, 1)
+                        : Tensor();
+      if (slot.defined()) {  // straight into the optimizer's flat gradient buffer
+        ops::linear_backward_weight_out(g, x, slot, opts);
+        out[1] = slot;
+      } else {
+        out[1] = as_dtype(ops::linear_backward_weight(g, x, opts, widened(product_dtype, weight_dtype)), weight_dtype);
+      }
+    }
     if (needs_input_grad(2)) out[2] = as_dtype(ops::linear_backward_bias(g, widened(product_dtype, bias_dtype)), bias_dtype);
     return out;
   }
