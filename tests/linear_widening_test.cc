@@ -106,28 +106,50 @@ TEST(LinearWidening, CudaAutocastLinearGivesF32Gradients) {
 namespace loom {
 namespace {
 
-// With an optimizer's flat gradient buffer, linear writes the weight gradient straight into the slot; a weight used
-// by two linears in one graph (the second finds the slot claimed) still gets the sum, and a second backward
-// (accumulation) adds to it. Reference: the same graph without an optimizer.
-TEST(LinearWidening, WeightGradientIntoTheFlatSlotSumsTwoUses) {
+// With an optimizer's flat gradient buffer, linear writes the weight and bias gradients straight into their slots;
+// a weight used by two linears in one graph (the second finds the slot claimed) still gets the sum, and a second
+// backward (accumulation) adds to it. Reference: the same graph without an optimizer.
+void check_gradients_into_flat_slots(Device device) {
   for (bool autocast : {false, true}) {
     SCOPED_TRACE(autocast ? "bf16 autocast" : "f32");
-    Tensor w0 = test::random_tensor({6, 6}), x = test::random_tensor({4, 6});
-    Tensor w = w0.clone().set_requires_grad(true), ref = w0.clone().set_requires_grad(true);
-    optim::AdamW opt(std::vector<Tensor>{w}, optim::AdamWOptions{});
-    auto run = [&](const Tensor& weight) {
+    auto random = [&](Shape shape) { return test::random_tensor(shape, kF32, -1, 1, test::fresh_seed(), device); };
+    Tensor w0 = random({6, 6}), b0 = random({6}), x = random({5, 4, 6});
+    Tensor w = w0.clone().set_requires_grad(true), b = b0.clone().set_requires_grad(true);
+    Tensor w_ref = w0.clone().set_requires_grad(true), b_ref = b0.clone().set_requires_grad(true);
+    optim::AdamW opt(std::vector<Tensor>{w, b}, optim::AdamWOptions{});
+    auto run = [&](const Tensor& weight, const Tensor& bias) {
       amp::AutocastGuard guard(kBF16, autocast);
-      Tensor y = linear(linear(x, weight), weight);  // two uses of one weight
-      sum(y.to(kF32)).backward();
+      Tensor y = linear(linear(x, weight, bias), weight, bias);  // two uses of each
+      sum(y.to(kF32) * y.to(kF32)).backward();
     };
     for (int round = 0; round < 2; ++round) {
-      run(w);
-      run(ref);
-      ASSERT_TRUE(w.grad().defined());
-      EXPECT_TRUE(test::all_close(w.grad(), ref.grad(), 1e-6, 1e-6)) << "round " << round;
+      run(w, b);
+      run(w_ref, b_ref);
+      ASSERT_TRUE(w.grad().defined() && b.grad().defined());
+      EXPECT_TRUE(test::all_close(w.grad(), w_ref.grad(), 1e-6, 1e-6)) << "round " << round;
+      EXPECT_TRUE(test::all_close(b.grad(), b_ref.grad(), 1e-6, 1e-6)) << "round " << round;
     }
     EXPECT_EQ(w.grad().storage(), opt.flat_gradient_buffers().at(0).storage());
+    EXPECT_EQ(b.grad().storage(), opt.flat_gradient_buffers().at(0).storage());
+    opt.zero_grad();
+    // One use: the gradient is the slot itself, and equals a fresh reference.
+    Tensor w1 = w0.clone().set_requires_grad(true), b1 = b0.clone().set_requires_grad(true);
+    {
+      amp::AutocastGuard guard(kBF16, autocast);
+      sum(linear(x, w, b).to(kF32)).backward();
+      sum(linear(x, w1, b1).to(kF32)).backward();
+    }
+    EXPECT_EQ(w.grad().data(), opt.flat_gradient_buffers().at(0).data());
+    EXPECT_TRUE(test::all_close(w.grad(), w1.grad(), 1e-6, 1e-6));
+    EXPECT_TRUE(test::all_close(b.grad(), b1.grad(), 1e-6, 1e-6));
   }
+}
+
+TEST(LinearWidening, WeightAndBiasGradientsIntoTheFlatSlotsSumTwoUses) { check_gradients_into_flat_slots(Device()); }
+
+TEST(LinearWidening, CudaWeightAndBiasGradientsIntoTheFlatSlotsSumTwoUses) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_gradients_into_flat_slots(Device(kCUDA, 0));
 }
 
 }  // namespace

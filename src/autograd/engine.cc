@@ -24,6 +24,13 @@ Node::Node() : sequence_nr_(next_sequence_nr.fetch_add(1)) {}
 
 uint64_t detail::nodes_created() { return next_sequence_nr.load(); }
 
+bool AccumulateGrad::is_gradient_slot(const Tensor& g) const {
+  if (!leaf_.has_autograd_meta() || !g.defined()) return false;
+  const Tensor* destination = leaf_.autograd_meta().grad_destination.get();
+  return destination && g.data() == destination->data() && g.dtype() == destination->dtype() &&
+         g.shape() == destination->shape() && g.strides() == destination->strides();
+}
+
 tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   Tensor g = std::move(grads[0]);
   if (!g.defined()) return {};
@@ -34,8 +41,7 @@ tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   meta.grad_destination_claimed = false;
   Tensor current = leaf_.grad();
   const Tensor* destination = meta.grad_destination.get();
-  if (!current.defined() && destination && g.data() == destination->data() && g.dtype() == destination->dtype() &&
-      g.shape() == destination->shape() && g.strides() == destination->strides()) {
+  if (!current.defined() && is_gradient_slot(g)) {
     leaf_.set_grad(*destination);  // a node already wrote the gradient into the slot (claim_gradient_destination)
   } else if (current.defined()) {
     ops::add_(current, g);  // converts g to the gradient's dtype on the way
@@ -116,8 +122,13 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   auto accumulate = [&](const std::shared_ptr<Node>& node, uint32_t input_nr, Tensor g) {
     tensor_list& buf = buffers[node.get()];
     if (buf.size() < node->num_outputs()) buf.resize(node->num_outputs());
-    if (!buf[input_nr].defined()) buf[input_nr] = std::move(g);
-    else buf[input_nr] = ops::add(buf[input_nr], g);
+    if (!buf[input_nr].defined()) {
+      buf[input_nr] = std::move(g);
+    } else if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get()); acc && acc->is_gradient_slot(buf[input_nr])) {
+      ops::add_(buf[input_nr], g);  // the flat slot a node claimed for this backward: sum in place, no new buffer
+    } else {
+      buf[input_nr] = ops::add(buf[input_nr], g);
+    }
   };
 
   for (size_t i = 0; i < roots.size(); ++i) {

@@ -411,13 +411,25 @@ void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out
 }
 
 Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype) {
-  LOOM_REQUIRE(grad.defined(), "linear_backward_bias: grad is undefined");
-  LOOM_REQUIRE(is_floating(grad.dtype()) && grad.dim() >= 1,
+  LOOM_REQUIRE(grad.defined() && grad.dim() >= 1,
                "linear_backward_bias: expected a floating grad [..., out], got ", describe(grad));
   DType result_dtype = checked_gradient_dtype("linear_backward_bias", grad, out_dtype);
+  Tensor out = empty({grad.size(-1)}, result_dtype, grad.device());
+  linear_backward_bias_out(grad, out);
+  return out;
+}
+
+void linear_backward_bias_out(const Tensor& grad, Tensor& out) {
+  const char* op = "linear_backward_bias";
+  LOOM_REQUIRE(grad.defined() && is_floating(grad.dtype()) && grad.dim() >= 1, op,
+               ": expected a floating grad [..., out], got ", describe(grad));
+  checked_gradient_dtype(op, grad, out.dtype());
   int64_t out_features = grad.size(-1);
+  LOOM_REQUIRE(out.shape() == (Shape{out_features}) && out.is_contiguous() && out.device() == grad.device(), op,
+               ": out ", describe(out), " must be a contiguous [", out_features, "] tensor on ", grad.device().str());
   int64_t rows = numel_of(Shape(grad.shape().begin(), grad.shape().end() - 1));
-  return column_sums(ops::view(ops::contiguous(grad), {rows, out_features}), result_dtype);
+  dispatch::call(column_sums_op, grad.device(), grad.dtype(), ops::view(ops::contiguous(grad), {rows, out_features}),
+                 out);
 }
 
 }  // namespace loom::ops

@@ -63,6 +63,8 @@ class AccumulateGrad final : public Node {
   tensor_list apply(tensor_list&& grads) override;
   std::string name() const override { return "AccumulateGrad"; }
   const Tensor& leaf() const { return leaf_; }
+  // True when g is the leaf's flat-buffer gradient slot (grad_destination) itself: a node wrote into it directly.
+  bool is_gradient_slot(const Tensor& g) const;
 
  private:
   Tensor leaf_;

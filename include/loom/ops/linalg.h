@@ -35,5 +35,7 @@ Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype =
 // linear_backward_weight into a caller's contiguous [out, in] tensor (e.g. an optimizer's flat gradient slot) of
 // grad's dtype or f32.
 void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts = {});
+// linear_backward_bias into a caller's contiguous [out] tensor of grad's dtype or f32.
+void linear_backward_bias_out(const Tensor& grad, Tensor& out);
 
 }  // namespace loom::ops

@@ -48,22 +48,29 @@ class LinearNode : public autograd::Node {
   void release_saved() override { x = weight = Tensor(); }
 
  protected:
+  // Input `input`'s gradient, written straight into the optimizer's flat gradient slot when the leaf has one
+  // (no copy afterwards), else made by `make` in the product's dtype or f32 and converted to `target`.
+  template <typename WriteInto, typename Make>
+  Tensor gradient_for(size_t input, DType target, WriteInto write_into, Make make) const {
+    std::optional<DType> wide = widened(product_dtype, target);
+    Tensor slot = target == product_dtype || wide ? autograd::claim_gradient_destination(*this, input) : Tensor();
+    if (!slot.defined()) return as_dtype(make(wide), target);
+    write_into(slot);
+    return slot;
+  }
+
   tensor_list linear_gradients(const Tensor& grad) const {
     Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
-    if (needs_input_grad(1)) {
-      Tensor slot = weight_dtype == product_dtype || widened(product_dtype, weight_dtype)
-                        ? autograd::claim_gradient_destination(*this, 1)
-                        : Tensor();
-      if (slot.defined()) {  // straight into the optimizer's flat gradient buffer
-        ops::linear_backward_weight_out(g, x, slot, opts);
-        out[1] = slot;
-      } else {
-        out[1] = as_dtype(ops::linear_backward_weight(g, x, opts, widened(product_dtype, weight_dtype)), weight_dtype);
-      }
-    }
-    if (needs_input_grad(2)) out[2] = as_dtype(ops::linear_backward_bias(g, widened(product_dtype, bias_dtype)), bias_dtype);
+    if (needs_input_grad(1))
+      out[1] = gradient_for(
+          1, weight_dtype, [&](Tensor& slot) { ops::linear_backward_weight_out(g, x, slot, opts); },
+          [&](std::optional<DType> dtype) { return ops::linear_backward_weight(g, x, opts, dtype); });
+    if (needs_input_grad(2))
+      out[2] = gradient_for(
+          2, bias_dtype, [&](Tensor& slot) { ops::linear_backward_bias_out(g, slot); },
+          [&](std::optional<DType> dtype) { return ops::linear_backward_bias(g, dtype); });
     return out;
   }
 };
