@@ -129,6 +129,14 @@ void check_fused(Device device, const std::vector<DType>& dtypes) {
         EXPECT_TRUE(test::all_close(r.grad_logits.to(kCpu).to(kF64), grad_cpu, 0, 0));
         Tensor unfused = ops::cross_entropy_backward(ones({}, loss_dt, device), x, t, -100, reduction, c.limit);
         EXPECT_TRUE(test::all_close(unfused.to(kCpu).to(kF64), grad_cpu, 1e-6, 1e-12));
+        // Written over the logits themselves (grad_over_logits): the same loss and gradient, in the logits' buffer.
+        Tensor y = at_offset(logits, c.logits_offset, device);
+        ops::CrossEntropyWithGrad over = ops::cross_entropy_with_grad(y, t, -100, reduction, c.limit, true);
+        EXPECT_EQ(over.grad_logits.data(), y.data());
+        EXPECT_TRUE(test::all_close(over.grad_logits.to(kCpu).to(kF64), grad_cpu, 0, 0));
+        if (!std::isnan(ref.loss)) {
+          EXPECT_EQ(over.loss.to(kCpu).to(kF64).item<double>(), got_loss);
+        }
         Tensor forward_loss = ops::cross_entropy(x, t, -100, reduction, c.limit);
         if (!std::isnan(ref.loss)) {
           EXPECT_NEAR(forward_loss.to(kCpu).to(kF64).item<double>(), got_loss,
@@ -233,6 +241,30 @@ TEST(CrossEntropyFused, GraphDoesNotKeepTheLogits) {
     autograd::NoGradGuard no_grad;
     EXPECT_FALSE(loom::cross_entropy(logits, targets).requires_grad());
   }
+}
+
+// cross_entropy_consuming writes the gradient over logits that nothing else holds (read back through the raw
+// buffer, which the graph keeps alive as the gradient), and leaves logits that the caller still holds untouched.
+TEST(CrossEntropyFused, ConsumingWritesTheGradientOverLogitsNothingElseHolds) {
+  Tensor w = test::random_tensor({6, 11}, kF32, -3, 3).set_requires_grad(true);
+  Tensor targets = from_vector<int64_t>({1, 0, 10, -100, 4, 4}, {6});
+  Tensor expected = ops::cross_entropy_backward(ones({}, kF32), ops::mul(w.detach(), 2.0), targets);
+
+  Tensor logits = loom::mul(w, 2.0);
+  const float* raw = logits.data_ptr<float>();
+  Tensor loss = loom::cross_entropy_consuming(std::move(logits), targets);
+  EXPECT_TRUE(test::all_close(from_vector(std::vector<float>(raw, raw + 66), {6, 11}), expected, 0, 0));
+  loss.backward();
+  EXPECT_TRUE(test::all_close(w.grad(), ops::mul(expected, 2.0), 1e-6, 1e-7));
+
+  w.zero_grad();
+  Tensor kept = loom::mul(w, 2.0);
+  Tensor before = kept.detach().clone();
+  Tensor loss_kept = loom::cross_entropy_consuming(kept, targets);  // a copy of the handle: not exclusive
+  EXPECT_TRUE(test::all_close(kept, before, 0, 0));
+  EXPECT_EQ(loss_kept.item<float>(), loss.item<float>());
+  loss_kept.backward();
+  EXPECT_TRUE(test::all_close(w.grad(), ops::mul(expected, 2.0), 1e-6, 1e-7));
 }
 
 TEST(CrossEntropyFused, RetainedGraphBackwardsTwice) {

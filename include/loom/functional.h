@@ -78,6 +78,11 @@ std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
                      ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1);
+// cross_entropy for a caller that is done with the logits (pass them with std::move): when nothing else holds them or
+// their storage, the training path writes their gradient over them instead of into a new logits-sized buffer (the
+// largest activation of a language model's step). Same result as cross_entropy.
+Tensor cross_entropy_consuming(Tensor logits, const Tensor& targets, int64_t ignore_index = -100,
+                               ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
                                     std::optional<double> scale = std::nullopt);
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);

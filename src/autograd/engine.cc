@@ -54,7 +54,7 @@ tensor_list AccumulateGrad::apply(tensor_list&& grads) {
   } else {
     if (g.dtype() != leaf_.dtype()) g = ops::to_dtype(g, leaf_.dtype());
     // Keep the gradient only if nothing else can see its storage; otherwise copy it.
-    bool exclusive = g.is_contiguous() && g.storage().use_count() == 1;
+    bool exclusive = g.is_contiguous() && g.storage().use_count() == 1;  // (g's handle may be shared: read-only)
     leaf_.set_grad(exclusive ? g : ops::clone(g));
   }
   Tensor accumulated = leaf_.grad();

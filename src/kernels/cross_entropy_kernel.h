@@ -39,7 +39,8 @@ LOOM_DECLARE_OP(cross_entropy_backward, CrossEntropyBackwardKernel);
 // The forward and the backward in one pass over the logits, for training: loss as cross_entropy's (kMean or kSum
 // only, a scalar) and grad_logits [N, V] (logits' dtype) = d loss / d logits for a loss gradient of 1, that is
 // cross_entropy_backward's result for grad_loss = 1. The backward then only scales grad_logits by the real loss
-// gradient (cross_entropy_scale_grad), so the logits need not be kept. Same target checks and errors.
+// gradient (cross_entropy_scale_grad), so the logits need not be kept. Same target checks and errors. grad_logits may
+// be the logits themselves (same data): a kernel must read every logit it needs before writing over it.
 using CrossEntropyWithGradKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
                                         const CrossEntropyAttrs&, Tensor& loss, Tensor& grad_logits);
 LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel);

@@ -153,12 +153,19 @@ double ModelConfig::flops_per_token(int64_t seq_len, int64_t num_params) const {
   return 6.0 * double(num_params) + 6.0 * double(n_layer) * double(n_embd) * double(seq_len);
 }
 
+// The padded columns are left out inside the kernel (vocab_limit): narrowing would copy the logits forward and
+// backward and pad the gradient again, three extra passes over the largest activation of the step.
 Tensor LanguageModel::loss(const Tensor& logits, const Tensor& targets) const {
-  // The padded columns are left out inside the kernel (vocab_limit): narrowing would copy the logits forward and
-  // backward and pad the gradient again, three extra passes over the largest activation of the step.
   Tensor flat = logits.reshape({-1, logits.size(-1)});
   const int64_t classes = flat.size(1) > cfg_.vocab_size ? cfg_.vocab_size : -1;
   return loom::cross_entropy(flat, targets.reshape({-1}), -100, ops::Reduction::kMean, classes);
+}
+
+Tensor LanguageModel::loss(Tensor&& logits, const Tensor& targets) const {
+  Tensor flat = logits.reshape({-1, logits.size(-1)});
+  logits = Tensor();  // flat is then the only handle on the logits' storage
+  const int64_t classes = flat.size(1) > cfg_.vocab_size ? cfg_.vocab_size : -1;
+  return loom::cross_entropy_consuming(std::move(flat), targets.reshape({-1}), -100, ops::Reduction::kMean, classes);
 }
 
 namespace {

@@ -67,16 +67,18 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
 }
 
 CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
-                                             Reduction reduction, int64_t vocab_limit) {
+                                             Reduction reduction, int64_t vocab_limit, bool grad_over_logits) {
   const char* op = "cross_entropy_with_grad";
   ops_detail::check_same_device(op, {&logits, &targets});
   LOOM_REQUIRE(reduction != Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss) for logits ",
                describe(logits));
   Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
   CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
+  LOOM_REQUIRE(!grad_over_logits || logits.is_contiguous(), op, ": writing the gradient over the logits needs them "
+               "contiguous, got ", describe(logits));
   Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
   CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
-                         empty(logits.shape(), logits.dtype(), logits.device())};
+                         grad_over_logits ? logits : empty(logits.shape(), logits.dtype(), logits.device())};
   dispatch::call(cross_entropy_with_grad_op, logits.device(), logits.dtype(), x, t, attrs, r.loss, r.grad_logits);
   return r;
 }

@@ -69,6 +69,9 @@ class Tensor {
   const std::shared_ptr<Storage>& storage() const { return impl().storage; }
   bool shares_storage_with(const Tensor& other) const;
   bool is_same(const Tensor& other) const { return impl_ == other.impl_; }
+  // True when this handle is the only one on its tensor and no other tensor (view) shares its storage: nothing else
+  // can observe a write into it.
+  bool is_exclusive() const { return impl_ && impl_.use_count() == 1 && impl_->storage.use_count() == 1; }
 
   // Address of the first element.
   void* data() const;

@@ -50,6 +50,9 @@ class LanguageModel : public Module {
   virtual Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr) = 0;
   // Mean cross-entropy of the logits over the real vocabulary against targets [B, T].
   Tensor loss(const Tensor& logits, const Tensor& targets) const;
+  // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
+  // them, so the step holds one logits-sized buffer instead of two.
+  Tensor loss(Tensor&& logits, const Tensor& targets) const;
   // Initializes every parameter as the reference implementations do, from a seeded generator.
   virtual void init_weights(uint64_t seed) = 0;
   // The model's parameters by the names Hugging Face uses in its safetensors files, with the tensor layout it

@@ -87,8 +87,11 @@ struct CrossEntropyWithGrad {
   Tensor loss;
   Tensor grad_logits;
 };
+// grad_over_logits: write the gradient over the (contiguous) logits themselves, which then are the gradient; saves a
+// logits-sized buffer when the caller no longer needs them.
 CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
-                                             Reduction reduction = Reduction::kMean, int64_t vocab_limit = -1);
+                                             Reduction reduction = Reduction::kMean, int64_t vocab_limit = -1,
+                                             bool grad_over_logits = false);
 // grad_logits *= grad_loss in place, grad_logits contiguous (from cross_entropy_with_grad), grad_loss a one-element
 // floating tensor on its device. Reads grad_loss where it lives: no host synchronization, and no pass over grad_logits
 // when grad_loss is exactly 1.

@@ -194,10 +194,12 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   return out;
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
-                     int64_t vocab_limit) {
+namespace {
+Tensor record_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
+                            int64_t vocab_limit, bool grad_over_logits) {
   if (reduction != ops::Reduction::kNone && autograd::should_record({&logits})) {
-    ops::CrossEntropyWithGrad r = ops::cross_entropy_with_grad(logits, targets, ignore_index, reduction, vocab_limit);
+    ops::CrossEntropyWithGrad r =
+        ops::cross_entropy_with_grad(logits, targets, ignore_index, reduction, vocab_limit, grad_over_logits);
     auto node = autograd::make_node<FusedCrossEntropyBackward>({&logits});
     node->grad_logits = r.grad_logits;
     autograd::set_history(r.loss, node);
@@ -213,6 +215,18 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     autograd::set_history(loss, node);
   }
   return loss;
+}
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
+                     int64_t vocab_limit) {
+  return record_cross_entropy(logits, targets, ignore_index, reduction, vocab_limit, false);
+}
+
+Tensor cross_entropy_consuming(Tensor logits, const Tensor& targets, int64_t ignore_index, ops::Reduction reduction,
+                               int64_t vocab_limit) {
+  const bool overwrite = logits.is_exclusive() && logits.is_contiguous();
+  return record_cross_entropy(logits, targets, ignore_index, reduction, vocab_limit, overwrite);
 }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,

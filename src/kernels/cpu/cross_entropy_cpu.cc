@@ -74,6 +74,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Cr
 // loss logsumexp - x[t] (computed as the forward computes it).
 template <typename T, typename C>
 C gradient_row(const T* row, int64_t t, int64_t classes, int64_t vocab, C g, T* grow) {
+  const C target_logit = C(row[t]);  // grow may be row itself (cross_entropy_with_grad over the logits)
   std::fill(grow + classes, grow + vocab, T(C(0)));
   if constexpr (std::is_same_v<T, C>) {
     // The gradient row holds exp(x - m) exactly: one exp per element.
@@ -84,7 +85,7 @@ C gradient_row(const T* row, int64_t t, int64_t classes, int64_t vocab, C g, T* 
       grow[j] = std::exp(row[j] - m);
       s += double(grow[j]);
     }
-    const C loss = (m - row[t]) + C(std::log(s));
+    const C loss = (m - target_logit) + C(std::log(s));
     const C factor = C(double(g) / s);
     for (int64_t j = 0; j < classes; ++j) grow[j] *= factor;
     grow[t] -= g;
@@ -96,7 +97,7 @@ C gradient_row(const T* row, int64_t t, int64_t classes, int64_t vocab, C g, T* 
       C d = std::exp((C(row[j]) - m) - log_sum) * g;  // (x - m) first, as in log_softmax
       grow[j] = T(j == t ? d - g : d);
     }
-    return (m - C(row[t])) + log_sum;
+    return (m - target_logit) + log_sum;
   }
 }
 

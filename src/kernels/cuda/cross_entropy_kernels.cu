@@ -230,8 +230,10 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
     if (grow) zero_row(grow, a.vocab);
     return;
   }
+  // Read before the statistics' block barrier: the gradient may be written over the logits (grow == x).
+  const C target_logit = C(x[t]);
   const OnlineSoftmax<C> stats = row_softmax_stats(x, a.classes, scratch);
-  if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - C(x[t])) + cuda::log_of(stats.sum);
+  if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
   if (!grow) return;
   // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite, as on the CPU.
   C scale = C(1);
