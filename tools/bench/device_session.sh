@@ -3,6 +3,7 @@
 # builds Loom (tools/device/build.sh) while a short PyTorch run fills torch.compile's cache in the background, runs
 # the CUDA tests matching $TESTS, then the end-to-end benchmark (tools/bench/e2e_gpt2.sh) for each batch size in
 # $BATCHES (Loom's per-op breakdown for those in $PROFILE_BATCHES, default 16), and packs the logs into $OUT/bench.tgz.
+# SAME_INIT=1 starts Loom from PyTorch's initial weights (see e2e_gpt2.sh) for step-by-step loss comparison.
 #   TESTS='Cuda*' BATCHES='16 32' MODELS='124m' tools/bench/device_session.sh
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/bench; mkdir -p $W
@@ -25,7 +26,7 @@ for m in ${MODELS:-124m}; do
   for b in ${BATCHES:-16}; do
     stamp "e2e $m B=$b"
     prof=0; case " ${PROFILE_BATCHES:-16} " in *" $b "*) prof=1;; esac
-    DIR=$W MODEL=$m B=$b PROFILE=$prof STEPS=${STEPS:-30} DATA=/tmp/e2e_shard.bin \
+    DIR=$W MODEL=$m B=$b PROFILE=$prof STEPS=${STEPS:-30} DATA=/tmp/e2e_shard.bin SAME_INIT=${SAME_INIT:-0} \
       timeout ${E2E_TIMEOUT:-300} tools/bench/e2e_gpt2.sh > $W/e2e_${m}_b$b.txt 2>&1
     grep -v "^step" $W/e2e_${m}_b$b.txt | tail -${TAIL:-60}
   done

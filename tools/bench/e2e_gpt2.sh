@@ -5,7 +5,10 @@
 # tools/device/build.sh). Options (environment): B (16), STEPS (30), MODEL (124m or 350m), DATA (a shard; default:
 # a synthetic Markov-chain shard from tools/bench/make_shard.py), LOOM (build-dev/loom-train), DIR (where logs go;
 # default $OUT/e2e or /tmp/e2e), PROFILE=1 to also take Loom's per-op breakdown of one step
-# (tools/bench/op_profile.py), SKIP_TORCH=1 to run Loom alone.
+# (tools/bench/op_profile.py), SKIP_TORCH=1 to run Loom alone. SAME_INIT=1 starts both from the same weights: PyTorch
+# writes its initial weights (pytorch_gpt2.py --save-init: f32 safetensors, Hugging Face names) to INIT_FILE (default
+# /tmp/e2e_init_$MODEL.safetensors, outside $OUT and $DIR: 0.5 GB for 124m) and loom-train starts from them
+# (--init-from), so the loss curves compare step by step (with SKIP_TORCH=1 an existing file is reused).
 set -uo pipefail
 B=${B:-16}; T=1024; STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 LOOM=${LOOM:-build-dev/loom-train}
@@ -17,32 +20,42 @@ if [ -z "$DATA" ]; then
   need=$(( (STEPS + 2) * B * T + 1 ))
   [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens $(( need > 2000000 ? need : 2000000 )) || exit 1
 fi
+SAME_INIT=${SAME_INIT:-0}
+INIT=${INIT_FILE:-/tmp/e2e_init_${MODEL}.safetensors}
+SAVE_INIT=(); INIT_FROM=()
+if [ "$SAME_INIT" = 1 ]; then
+  SAVE_INIT=(--save-init "$INIT"); INIT_FROM=(--init-from "$INIT")
+  [ "${SKIP_TORCH:-0}" = 1 ] || rm -f "$INIT"  # never start Loom from a stale file
+fi
 echo "== device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 
 if [ "${SKIP_TORCH:-0}" != 1 ]; then
   echo "== pytorch: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS"
   PYTHONUNBUFFERED=1 python3 tools/bench/pytorch_gpt2.py --model $MODEL -b $B -t $T --steps $STEPS --data "$DATA" \
-    2>&1 | grep -v Warning | tee "$DIR/torch_${MODEL}_b$B.log"
+    ${SAVE_INIT[@]+"${SAVE_INIT[@]}"} 2>&1 | grep -v Warning | tee "$DIR/torch_${MODEL}_b$B.log"
 fi
 
-echo "== loom: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS"
+if [ "$SAME_INIT" = 1 ] && [ ! -s "$INIT" ]; then
+  echo "SAME_INIT=1: no initial weights at $INIT (the PyTorch run did not write them)"; exit 1
+fi
+echo "== loom: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-from $INIT)}"
 timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
-  --sample-tokens 0 --train-data "$DATA" --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
+  --sample-tokens 0 --train-data "$DATA" ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 if [ "${PROFILE:-0}" = 1 ]; then
   # One profiled run of 7 steps; loom-train resets the table after the first (warm-up), so it covers 6 steps (and the
   # one batch of the final evaluation). LOOM_PROFILE_OPS=shapes splits rows by shape.
   LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" \
     --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 \
-    --eval-batches 1 --train-data "$DATA" > "$DIR/profile_${MODEL}_b$B.log" 2>&1
+    --eval-batches 1 --train-data "$DATA" ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$DIR/profile_${MODEL}_b$B.log" 2>&1
   grep "peak device memory" "$DIR/profile_${MODEL}_b$B.log"
   python3 tools/bench/op_profile.py - "$DIR/profile_${MODEL}_b$B.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b$B.txt"
 fi
 
 python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b$B.log" \
-  $B $T $MODEL <<'PY'
-import json, re, statistics, sys, os
-loom_log, torch_log, prof_log, B, T, model = sys.argv[1:7]
+  $B $T $MODEL $SAME_INIT <<'PY'
+import json, math, re, statistics, sys, os
+loom_log, torch_log, prof_log, B, T, model, same_init = sys.argv[1:8]
 B, T = int(B), int(T)
 L, H, C = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}[model]
 params = 50304 * C + 1024 * C + L * (12 * C * C + 13 * C) + 2 * C
@@ -74,6 +87,7 @@ for name, ms, mem in (("loom", lms, mib(prof_log, r"peak device memory allocated
     tok = B * T / (statistics.median(ms[WARM:] or ms) / 1000)
     rows.append((name, tok, flops_per_token * tok / 989e12 * 100, mem))
 print(f"\n== GPT-2 {model}, bf16, B={B}, T={T}, {len(lms)} Loom / {len(tms)} PyTorch steps; "
+      f"{'same initial weights' if same_init == '1' else 'each framework initialized on its own'}; "
       f"median over steps > {WARM}; MFU = (6N + 6LCT) tokens/s / 989 TFLOP/s, N = {params}")
 print(f"{'':10}{'tokens/s':>12}{'MFU %':>8}{'peak MiB':>10}")
 for name, tok, mfu, mem in rows:
@@ -87,4 +101,14 @@ if lloss and tloss:
     print("loss  step: " + " ".join(f"{i + 1:>6}" for i in range(0, n, max(1, n // 10))))
     print("      loom: " + " ".join(f"{lloss[i]:6.3f}" for i in range(0, n, max(1, n // 10))))
     print("   pytorch: " + " ".join(f"{tloss[i]:6.3f}" for i in range(0, n, max(1, n // 10))))
+    diffs = [(abs(a - b), i + 1) for i, (a, b) in enumerate(zip(lloss[:n], tloss[:n]))]
+    finite = [d for d in diffs if math.isfinite(d[0])]
+    if finite:
+        d, at = max(finite)
+        print(f"max |loom - pytorch| loss over {len(finite)} steps: {d:.4f} (step {at}); "
+              f"first step {diffs[0][0]:.4f}, last {diffs[-1][0]:.4f}"
+              + (f"; {n - len(finite)} steps not finite" if len(finite) < n else "")
+              + ("" if same_init == "1" else " (different initial weights: SAME_INIT=1 for a step-by-step comparison)"))
+    else:
+        print(f"max |loom - pytorch| loss: no finite step among {n}")
 PY

@@ -6,12 +6,17 @@ F.scaled_dot_product_attention, fused AdamW (lr 6e-4, weight decay 0.1 on matric
 clipping at 1.0 and loom-train's schedule (linear warmup, cosine to 10%). Batches come from an llm.c token shard
 read in order, as loom-train reads it (x = tokens[i*B*T : (i+1)*B*T], y shifted by one), or from random tokens.
 Prints each step's loss, then tokens/s (median over the steps after --timing-warmup), MFU (6N + 6*L*C*T flops per
-token against --peak-tflops) and peak memory (torch.cuda.max_memory_allocated).
+token against --peak-tflops) and peak memory (torch.cuda.max_memory_allocated). --save-init PATH writes the freshly
+initialized weights (before any step) as f32 safetensors with Hugging Face GPT-2 names, which loom-train --init-from
+loads, so both frameworks start from the same weights.
 
   python3 tools/bench/pytorch_gpt2.py --model 124m --batch-size 16 --steps 30 --data shard.bin
 """
 import argparse
+import json
 import math
+import re
+import struct
 import statistics
 import time
 
@@ -69,6 +74,65 @@ class GPT2(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+# This model's parameter names -> Hugging Face GPT-2's (the names Loom's GPT-2 loader, load_hf_state_dict in
+# src/nn/models.cc, looks up; it also accepts them with a "transformer." prefix and ignores names it does not know).
+HF_RENAMES = [(r"^h\.(\d+)\.c_attn\.", r"h.\1.attn.c_attn."), (r"^h\.(\d+)\.attn_proj\.", r"h.\1.attn.c_proj."),
+              (r"^h\.(\d+)\.c_fc\.", r"h.\1.mlp.c_fc."), (r"^h\.(\d+)\.mlp_proj\.", r"h.\1.mlp.c_proj.")]
+HF_KEPT = re.compile(r"^(wte\.weight|wpe\.weight|ln_f\.(weight|bias)|h\.\d+\.ln_[12]\.(weight|bias))$")
+
+
+def hf_conv1d(hf_name):
+    """Loom's GPT2::is_conv1d: Hugging Face stores these as Conv1D, [in, out], the transpose of nn.Linear's."""
+    return ".weight" in hf_name and any(k in hf_name for k in ("c_attn", "c_proj", "c_fc"))
+
+
+def hf_gpt2_tensors(named):
+    """(name, f32 numpy array) pairs of this model -> {Hugging Face name: array in Hugging Face's layout}.
+
+    wte keeps all PADDED_VOCAB rows (Loom's loader takes up to its padded vocabulary, so the padding rows match too);
+    lm_head is tied to wte and not written (named_parameters lists a shared tensor once)."""
+    out = {}
+    for name, a in named:
+        hf = name
+        for pat, rep in HF_RENAMES:
+            hf = re.sub(pat, rep, hf)
+        if hf == name and not HF_KEPT.match(name):
+            raise ValueError(f"save-init: no Hugging Face name for parameter {name!r}")
+        a = np.asarray(a, dtype=np.float32)
+        if hf_conv1d(hf):
+            assert a.ndim == 2, (name, a.shape)
+            a = a.T
+        assert hf not in out, hf
+        out[hf] = np.ascontiguousarray(a, dtype="<f4")
+    return out
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: f32 numpy array} as safetensors: u64 little-endian header length, a JSON header (dtype, shape,
+    data_offsets per tensor, padded with spaces to 8 bytes), then the tensors' little-endian bytes in header order."""
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, a in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+
+
+def save_init(model, path, args):
+    tensors = hf_gpt2_tensors((n, p.detach().cpu().float().numpy()) for n, p in model.named_parameters())
+    write_safetensors(path, tensors, {"format": "pt", "source": "tools/bench/pytorch_gpt2.py",
+                                      "model": args.model, "seed": args.seed})
+    n = sum(a.size for a in tensors.values())
+    print(f"save-init: {len(tensors)} tensors, {n} parameters (f32, Hugging Face names) -> {path}", flush=True)
+
+
 def read_shard(path):
     header = np.fromfile(path, dtype=np.int32, count=256)
     assert header[0] == 20240520 and header[1] == 1, f"{path}: not an llm.c uint16 token shard"
@@ -96,6 +160,9 @@ def main():
     ap.add_argument("--timing-warmup", type=int, default=5, help="steps left out of the tokens/s median")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--save-init", metavar="PATH",
+                    help="write the initial weights (before any step) as f32 safetensors with Hugging Face GPT-2 "
+                         "names, for loom-train --init-from")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -110,7 +177,10 @@ def main():
     windows = (tokens.numel() - 1) // (B * T)
     assert windows > 0, f"{tokens.numel()} tokens is fewer than one batch of {B}x{T}"
 
-    model = GPT2(*MODELS[args.model]).to(dev)
+    model = GPT2(*MODELS[args.model])
+    if args.save_init:
+        save_init(model, args.save_init, args)
+    model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     n_layer, _, dim = MODELS[args.model]
     flops_per_token = 6 * n_params + 6 * n_layer * dim * T
