@@ -377,7 +377,8 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
   return out;
 }
 
-void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts) {
+void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts,
+                                Tensor* bias_out) {
   const char* op = "linear_backward_weight";
   check_operands(op, grad, x);
   LOOM_REQUIRE(grad.dim() >= 1 && grad.dim() == x.dim() &&
@@ -388,10 +389,14 @@ void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out
   LOOM_REQUIRE(out.shape() == (Shape{out_features, in_features}) && out.is_contiguous() && out.device() == grad.device(),
                op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
                grad.device().str());
+  LOOM_REQUIRE(!bias_out || (bias_out->dtype() == out.dtype() && bias_out->is_contiguous() &&
+                               bias_out->shape() == Shape{out_features} && bias_out->device() == grad.device()),
+               op, ": bias_out ", bias_out ? describe(*bias_out) : "", " must be a contiguous [", out_features,
+               "] tensor of out's dtype ", dtype_name(out.dtype()), " on ", grad.device().str());
   int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
-  if (out.numel() == 0) return;
-  if (rows == 0) {
-    fill_zero(out);
+  if (out.numel() == 0 || rows == 0) {
+    if (out.numel() != 0) fill_zero(out);
+    if (bias_out) linear_backward_bias_out(grad, *bias_out);
     return;
   }
   Tensor g = ops::contiguous(grad), xc = ops::contiguous(x);
@@ -407,6 +412,10 @@ void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out
   p.trans_b = true;
   p.ldb = out_features;
   p.ldc = in_features;
+  if (bias_out) {  // the bias gradient, grad's column sums, from the same pass over grad (the gemm's B)
+    p.epilogue = GemmEpilogue::kBiasGradB;
+    p.bias_grad = bias_out->data();
+  }
   gemm(p);
 }
 

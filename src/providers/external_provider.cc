@@ -271,6 +271,11 @@ const auto pack_gemm = [](Call& c, const GemmParams& p) {
   c.in.push_back(bias);
   c.out.push_back(matrix_desc(p.c, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c));
   c.out.push_back(matrix_desc(p.pre_gelu, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c));
+  if (p.epilogue == GemmEpilogue::kBiasGradB) {  // a third output only then: libraries built before it see two
+    LoomTensorDesc bias_grad = matrix_desc(p.bias_grad, p.output_dtype, p.device, 1, p.n, 1, p.n, 0);
+    bias_grad.rank = 1, bias_grad.shape[0] = p.n, bias_grad.strides[0] = 1;
+    c.out.push_back(bias_grad);
+  }
   c.attr_int("trans_a", p.trans_a), c.attr_int("trans_b", p.trans_b);
   c.attr_int("m", p.m), c.attr_int("n", p.n), c.attr_int("k", p.k);
   c.attr_int("lda", p.lda), c.attr_int("ldb", p.ldb), c.attr_int("ldc", p.ldc);

@@ -62,14 +62,16 @@
  *     cross_entropy_backward                        in: grad_loss, logits, targets   out: grad_logits   (same attrs)
  *   Matrix product (every linear, matmul and outer in Loom goes through it):
  *     gemm  C = alpha * op(A) * op(B) + beta * C, column-major (BLAS/cuBLAS convention), strided batch.
- *                                                   in: A, B, bias?        out: C, pre_gelu?
+ *                                                   in: A, B, bias?        out: C, pre_gelu?, bias_grad (epilogue 4 only)
  *       A is described as stored: shape [batch, rows, cols], strides [stride_a, 1, lda] (rows = m, cols = k; or
  *       k x m when trans_a), likewise B (k x n, or n x k when trans_b) and C ([batch, m, n], strides [stride_c, 1,
  *       ldc]). bias has m entries (output dtype). C and pre_gelu have the output dtype, which may differ from A/B's.
  *       attrs: trans_a trans_b (int 0/1), m n k lda ldb ldc batch stride_a stride_b stride_c (int),
  *              alpha beta (float), compute (int: 0 f32, 1 tf32 allowed, 2 f64),
  *              epilogue (int: 0 none, 1 bias: C[i,j] += bias[i], 2 gelu, 3 bias+gelu; pre_gelu gets C + bias
- *              before the gelu when present).
+ *              before the gelu when present; 4 bias gradient of B: C as 0, and bias_grad [n] (output dtype) gets
+ *              the sums over k of op(B), which is then a dense row-major [k, n] matrix (trans_b, ldb == n), batch 1,
+ *              alpha 1). A library that does not know an epilogue value declines the call in supports().
  *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN).
  *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
  *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)

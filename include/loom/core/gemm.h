@@ -21,6 +21,10 @@ enum class GemmEpilogue : uint8_t {
   kBias,      // C[i, j] += bias[i]  (bias has m entries: one per output feature)
   kGelu,      // C = gelu(C)           (tanh approximation)
   kBiasGelu,  // C = gelu(C + bias); pre_gelu receives C + bias when set (for the backward pass)
+  // C as kNone, and bias_grad[j] = sum over k of op(B)[k, j] (n entries, output_dtype): a linear layer's bias gradient
+  // from the weight gradient's product, B being the output gradient. Needs op(B) stored as a dense row-major [k, n]
+  // matrix (trans_b, ldb == n), batch 1 and alpha 1.
+  kBiasGradB,
 };
 
 struct GemmParams {
@@ -44,6 +48,7 @@ struct GemmParams {
   GemmEpilogue epilogue = GemmEpilogue::kNone;
   const void* bias = nullptr;  // output_dtype, m entries
   void* pre_gelu = nullptr;    // output_dtype, same layout as C, for kBiasGelu / kGelu when set
+  void* bias_grad = nullptr;   // output_dtype, n entries, for kBiasGradB
   Device device;               // where every pointer lives
 };
 

@@ -33,8 +33,9 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
                               std::optional<DType> out_dtype = std::nullopt);
 Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype = std::nullopt);
 // linear_backward_weight into a caller's contiguous [out, in] tensor (e.g. an optimizer's flat gradient slot) of
-// grad's dtype or f32.
-void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts = {});
+// grad's dtype or f32; with bias_out (contiguous [out], out's dtype), the bias gradient too, from the same gemm.
+void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts = {},
+                                Tensor* bias_out = nullptr);
 // linear_backward_bias into a caller's contiguous [out] tensor of grad's dtype or f32.
 void linear_backward_bias_out(const Tensor& grad, Tensor& out);
 

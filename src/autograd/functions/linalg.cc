@@ -48,29 +48,35 @@ class LinearNode : public autograd::Node {
   void release_saved() override { x = weight = Tensor(); }
 
  protected:
-  // Input `input`'s gradient, written straight into the optimizer's flat gradient slot when the leaf has one
-  // (no copy afterwards), else made by `make` in the product's dtype or f32 and converted to `target`.
-  template <typename WriteInto, typename Make>
-  Tensor gradient_for(size_t input, DType target, WriteInto write_into, Make make) const {
+  // Where input `input`'s gradient goes: the optimizer's flat gradient slot when the leaf has one (claimed for this
+  // backward; no copy afterwards), else a new tensor in the product's dtype or f32 (converted to `target` after).
+  Tensor destination(size_t input, DType target, const Shape& shape, const Device& device, bool& is_slot) const {
     std::optional<DType> wide = widened(product_dtype, target);
     Tensor slot = target == product_dtype || wide ? autograd::claim_gradient_destination(*this, input) : Tensor();
-    if (!slot.defined()) return as_dtype(make(wide), target);
-    write_into(slot);
-    return slot;
+    is_slot = slot.defined();
+    return is_slot ? slot : empty(shape, wide.value_or(product_dtype), device);
   }
 
   tensor_list linear_gradients(const Tensor& grad) const {
     Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
-    if (needs_input_grad(1))
-      out[1] = gradient_for(
-          1, weight_dtype, [&](Tensor& slot) { ops::linear_backward_weight_out(g, x, slot, opts); },
-          [&](std::optional<DType> dtype) { return ops::linear_backward_weight(g, x, opts, dtype); });
-    if (needs_input_grad(2))
-      out[2] = gradient_for(
-          2, bias_dtype, [&](Tensor& slot) { ops::linear_backward_bias_out(g, slot); },
-          [&](std::optional<DType> dtype) { return ops::linear_backward_bias(g, dtype); });
+    const bool want_weight = needs_input_grad(1), want_bias = needs_input_grad(2);
+    const int64_t out_features = g.size(-1);
+    bool weight_in_slot = false, bias_in_slot = false;
+    Tensor dw, db;
+    if (want_bias) db = destination(2, bias_dtype, {out_features}, g.device(), bias_in_slot);
+    if (want_weight) {
+      dw = destination(1, weight_dtype, {out_features, x.size(-1)}, g.device(), weight_in_slot);
+      // The bias gradient from the weight gradient's gemm (its epilogue reads grad once) when the dtypes agree.
+      const bool together = want_bias && db.dtype() == dw.dtype();
+      ops::linear_backward_weight_out(g, x, dw, opts, together ? &db : nullptr);
+      if (want_bias && !together) ops::linear_backward_bias_out(g, db);
+      out[1] = weight_in_slot ? dw : as_dtype(dw, weight_dtype);
+    } else if (want_bias) {
+      ops::linear_backward_bias_out(g, db);
+    }
+    if (want_bias) out[2] = bias_in_slot ? db : as_dtype(db, bias_dtype);
     return out;
   }
 };

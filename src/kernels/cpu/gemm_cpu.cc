@@ -33,6 +33,11 @@ void validate_gemm_params(const GemmParams& p) {
   LOOM_REQUIRE(p.ldc >= std::max<int64_t>(1, p.m), "gemm: ldc=", p.ldc, " is less than m=", p.m);
   bool needs_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   LOOM_REQUIRE(!needs_bias || p.bias, "gemm: the bias epilogue needs a bias pointer");
+  if (p.epilogue == GemmEpilogue::kBiasGradB)
+    LOOM_REQUIRE(p.bias_grad && p.trans_b && p.ldb == p.n && p.batch == 1 && p.alpha == 1.0,
+                 "gemm: the bias-gradient epilogue needs a bias_grad pointer, op(B) as a dense row-major [k, n] "
+                 "matrix (trans_b, ldb == n), batch 1 and alpha 1; got trans_b=", p.trans_b, " ldb=", p.ldb, " n=", p.n,
+                 " batch=", p.batch, " alpha=", p.alpha);
 }
 
 namespace {
@@ -47,9 +52,23 @@ std::vector<float> widen(const void* src, int64_t rows, int64_t cols, int64_t ld
   return out;
 }
 
+// kBiasGradB: the sums over k of op(B), a dense row-major [k, n] matrix of the inputs' dtype I, accumulated in
+// acc_t and written in the output dtype O.
+template <typename I, typename O>
+void bias_grad_of_b(const GemmParams& p, const I* b) {
+  using A = std::conditional_t<std::is_same_v<I, double>, double, float>;
+  O* out = static_cast<O*>(p.bias_grad);
+  cpu::parallel_for(p.n, 64, [&](int64_t jb, int64_t je) {
+    std::vector<A> sums(size_t(je - jb), A(0));
+    for (int64_t kk = 0; kk < p.k; ++kk)
+      for (int64_t j = jb; j < je; ++j) sums[size_t(j - jb)] += A(b[kk * p.n + j]);
+    for (int64_t j = jb; j < je; ++j) out[j] = O(sums[size_t(j - jb)]);
+  });
+}
+
 template <typename T>
 void apply_epilogue(const GemmParams& p, T* c) {
-  if (p.epilogue == GemmEpilogue::kNone) return;
+  if (p.epilogue == GemmEpilogue::kNone || p.epilogue == GemmEpilogue::kBiasGradB) return;
   const T* bias = static_cast<const T*>(p.bias);
   T* pre = static_cast<T*>(p.pre_gelu);
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
@@ -77,6 +96,7 @@ template <typename T, typename O>
 void gemm_one(const GemmParams& p, const T* a, const T* b, O* c) {
   int64_t rows_a = p.trans_a ? p.k : p.m, cols_a = p.trans_a ? p.m : p.k;
   int64_t rows_b = p.trans_b ? p.n : p.k, cols_b = p.trans_b ? p.k : p.n;
+  if (p.epilogue == GemmEpilogue::kBiasGradB) bias_grad_of_b<T, O>(p, b);
   if (p.m == 0 || p.n == 0) return;
   if constexpr (std::is_same_v<T, double>) {
     cblas_dgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, p.alpha, a, p.lda, b,

@@ -1,5 +1,6 @@
 // CUDA gemm through cuBLASLt: f32 (TF32 only when GemmParams asks for it), bf16 and f16 with f32 compute, f64;
-// strided batch; bias, GELU and bias+GELU epilogues fused into the matmul where cuBLASLt offers them.
+// strided batch; bias, GELU and bias+GELU epilogues, and the bias gradient of B (BGRADB: a linear layer's bias
+// gradient from its weight gradient's product), fused into the matmul where cuBLASLt offers them.
 //
 // Descriptors, layouts and the heuristic's algorithm are cached per problem (shapes, layouts, dtypes, epilogue and
 // pointer alignments). Where cuBLASLt has no fused epilogue for a problem (f64, an aux buffer whose leading dimension is
@@ -13,6 +14,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/column_sums_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/primitives/gelu.h"
 
@@ -134,6 +136,10 @@ std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const PlanKey& k
   set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, tb);
   set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, key.epilogue);
   if (key.epilogue & CUBLASLT_EPILOGUE_BIAS) set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias);
+  if (key.epilogue == CUBLASLT_EPILOGUE_BGRADB) {  // the bias gradient in D's dtype (f32 for a widening product)
+    set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_grad);
+    set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_data_type(key.output)));
+  }
   if (key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX || key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, p.pre_gelu);
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, key.ldc);
@@ -182,7 +188,7 @@ PlanKey make_key(const GemmParams& p, cublasLtEpilogue_t epilogue) {
   key.align_a = alignment_of(p.a);
   key.align_b = alignment_of(p.b);
   key.align_c = alignment_of(p.c);
-  key.align_aux = p.pre_gelu ? alignment_of(p.pre_gelu) : 0;
+  key.align_aux = p.pre_gelu ? alignment_of(p.pre_gelu) : p.bias_grad ? alignment_of(p.bias_grad) : 0;
   return key;
 }
 
@@ -195,6 +201,7 @@ bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEp
   void* workspace = cuda.workspace(stream);
   std::lock_guard<std::mutex> lock(plan.mu);
   if (epilogue & CUBLASLT_EPILOGUE_BIAS) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias);
+  if (epilogue == CUBLASLT_EPILOGUE_BGRADB) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_grad);
   if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
     set_attr(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, p.pre_gelu);
   float alpha32 = float(p.alpha), beta32 = float(p.beta);
@@ -268,6 +275,8 @@ void run_epilogue(const CudaDeviceContext& cuda, const GemmParams& p, bool scale
 // The cuBLASLt epilogue for the request, or DEFAULT when it has to run unfused.
 cublasLtEpilogue_t fused_epilogue(const GemmParams& p) {
   if (p.epilogue == GemmEpilogue::kNone || p.input_dtype == kF64) return CUBLASLT_EPILOGUE_DEFAULT;
+  if (p.epilogue == GemmEpilogue::kBiasGradB)
+    return alignment_of(p.bias_grad) < 16 ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BGRADB;
   bool bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
   if (bias && alignment_of(p.bias) < 16) return CUBLASLT_EPILOGUE_DEFAULT;
@@ -278,6 +287,13 @@ cublasLtEpilogue_t fused_epilogue(const GemmParams& p) {
   if (!gelu) return CUBLASLT_EPILOGUE_BIAS;
   if (aux) return bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
   return bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+}
+
+// kBiasGradB without cuBLASLt's epilogue: the deterministic column-sum kernel over op(B), a dense [k, n] matrix.
+void bias_grad_unfused(const DeviceContext& ctx, const GemmParams& p) {
+  Tensor b = from_blob(const_cast<void*>(p.b), {p.k, p.n}, p.input_dtype, p.device);
+  Tensor sums = from_blob(p.bias_grad, {p.n}, p.output_dtype, p.device);
+  dispatch::call(column_sums_op, ctx.device(), p.input_dtype, b, sums);
 }
 
 void gemm_cuda(const DeviceContext& ctx, const GemmParams& p) {
@@ -292,11 +308,13 @@ void gemm_cuda(const DeviceContext& ctx, const GemmParams& p) {
   cuda::DeviceGuard guard(ctx.device().index);
   if (p.k == 0) {  // an empty sum: C = beta * C, then the epilogue
     run_epilogue(cuda, p, /*scale_by_beta=*/true);
+    if (p.epilogue == GemmEpilogue::kBiasGradB) bias_grad_unfused(ctx, p);
     return;
   }
   cublasLtEpilogue_t fused = fused_epilogue(p);
   if (fused != CUBLASLT_EPILOGUE_DEFAULT && run_cublaslt(cuda, p, fused)) return;
   if (!run_cublaslt(cuda, p, CUBLASLT_EPILOGUE_DEFAULT)) run_cublas(cuda, p);
+  if (p.epilogue == GemmEpilogue::kBiasGradB) return bias_grad_unfused(ctx, p);
   run_epilogue(cuda, p, /*scale_by_beta=*/false);
 }
 
