@@ -132,6 +132,8 @@ int main(int argc, char** argv) {
       double bias_ms = median_ms([&] { ops::linear_backward_bias_out(dy, db); }, stream);
       std::printf("%-44s %9.1f %9s %9s %8s  (%.0f GB/s)\n", (std::string(l.name) + " bias grad").c_str(),
                   bias_ms * 1e3, "-", "-", "-", double(tokens * l.out * 2) / (bias_ms * 1e-3) / 1e9);
+      double both = median_ms([&] { ops::linear_backward_weight_out(dy, x, dw, {}, &db); }, stream);
+      report(std::string(l.name) + " weight + bias grad (one gemm)", l.in, l.out, tokens, both, bwd_w);
     }
     if (l.gelu) {
       double gb_ms = median_ms([&] { ops::gelu_backward(dy, pre); }, stream);
