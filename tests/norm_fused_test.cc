@@ -397,3 +397,50 @@ TEST(NormFusedAutograd, AutocastWritesTheNormedOutputInBf16) {
 
 }  // namespace
 }  // namespace loom
+
+#include "loom/optim/optimizer.h"
+
+namespace loom {
+namespace {
+
+// With an optimizer's flat gradient buffer the fused norms write their weight and bias gradients straight into the
+// slots: the same values as without an optimizer, the gradients living in the flat buffer; a second backward adds.
+void check_norm_params_into_flat_slots(Device device) {
+  for (bool rms : {false, true}) {
+    SCOPED_TRACE(rms ? "rms" : "layer norm");
+    auto random = [&](Shape shape) { return test::random_tensor(shape, kF32, -1, 1, test::fresh_seed(), device); };
+    Tensor x = random({3, 5, 24}), delta = random({3, 5, 24}), w0 = random({24}), b0 = random({24});
+    Tensor w = w0.clone().set_requires_grad(true), b = b0.clone().set_requires_grad(true);
+    Tensor w_ref = w0.clone().set_requires_grad(true), b_ref = b0.clone().set_requires_grad(true);
+    std::vector<Tensor> params;
+    params.push_back(w);
+    if (!rms) params.push_back(b);
+    optim::AdamW opt(params, optim::AdamWOptions{});
+    auto run = [&](const Tensor& weight, const Tensor& bias) {
+      auto [h, out] = rms ? residual_rms_norm(x, delta, weight) : residual_layer_norm(x, delta, weight, bias);
+      sum(mul(out, out)).backward();
+    };
+    for (int round = 0; round < 2; ++round) {
+      run(w, b);
+      run(w_ref, b_ref);
+      EXPECT_TRUE(test::all_close(w.grad(), w_ref.grad(), 1e-5, 1e-6)) << "round " << round;
+      if (!rms) {
+        EXPECT_TRUE(test::all_close(b.grad(), b_ref.grad(), 1e-5, 1e-6)) << "round " << round;
+      }
+    }
+    EXPECT_EQ(w.grad().storage(), opt.flat_gradient_buffers().at(0).storage());
+    if (!rms) {
+      EXPECT_EQ(b.grad().storage(), opt.flat_gradient_buffers().at(0).storage());
+    }
+  }
+}
+
+TEST(NormFusedAutograd, ParameterGradientsIntoTheFlatSlots) { check_norm_params_into_flat_slots(Device()); }
+
+TEST(NormFusedAutograd, CudaParameterGradientsIntoTheFlatSlots) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_norm_params_into_flat_slots(Device(kCUDA, 0));
+}
+
+}  // namespace
+}  // namespace loom

@@ -173,7 +173,7 @@ ResidualNormGrads run_residual_norm_backward(const char* op, bool centered, cons
                                              const Tensor& grad_residual, const Tensor& residual,
                                              const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                                              bool need_x, std::optional<DType> delta_dtype, bool need_weight,
-                                             bool need_bias) {
+                                             bool need_bias, const NormParamGradOutputs& into) {
   check_norm_devices(op, {&grad_out, &grad_residual, &residual, &weight, &mean, &rstd});
   infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm_backward(
       op, grad_out, grad_residual, residual, weight, mean, rstd, centered, delta_dtype);
@@ -183,8 +183,16 @@ ResidualNormGrads run_residual_norm_backward(const char* op, bool centered, cons
   const int64_t channels = residual.shape().back();
   if (need_x) r.grad_x = empty(meta.shape, residual.dtype(), device);
   if (delta_dtype) r.grad_delta = empty(meta.shape, *delta_dtype, device);
-  if (need_weight) r.grad_weight = empty({channels}, weight.dtype(), device);
-  if (need_bias) r.grad_bias = empty({channels}, residual.dtype(), device);
+  auto output = [&](const Tensor& given, DType dtype, const char* what) {
+    if (!given.defined()) return empty({channels}, dtype, device);
+    LOOM_REQUIRE(given.shape() == Shape{channels} && given.dtype() == dtype && given.is_contiguous() &&
+                     given.device() == device,
+                 op, ": the ", what, " gradient's buffer ", describe(given), " must be a contiguous [", channels,
+                 "] ", dtype_name(dtype), " tensor on ", device.str());
+    return given;
+  };
+  if (need_weight) r.grad_weight = output(into.weight, weight.dtype(), "weight");
+  if (need_bias) r.grad_bias = output(into.bias, residual.dtype(), "bias");
   if (!need_x && !delta_dtype && !need_weight && !need_bias) return r;
   Tensor g = ops::contiguous(grad_out), gr = contiguous_or_undefined(grad_residual), in = ops::contiguous(residual);
   Tensor w = contiguous_or_undefined(weight), m = contiguous_or_undefined(mean), s = ops::contiguous(rstd);
@@ -212,16 +220,17 @@ ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const
 ResidualNormGrads residual_layer_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
                                                const Tensor& residual, const Tensor& weight, const Tensor& mean,
                                                const Tensor& rstd, bool need_x, std::optional<DType> delta_dtype,
-                                               bool need_weight, bool need_bias) {
+                                               bool need_weight, bool need_bias, const NormParamGradOutputs& into) {
   return run_residual_norm_backward("residual_layer_norm_backward", true, grad_out, grad_residual, residual, weight,
-                                    mean, rstd, need_x, delta_dtype, need_weight, need_bias);
+                                    mean, rstd, need_x, delta_dtype, need_weight, need_bias, into);
 }
 
 ResidualNormGrads residual_rms_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
                                              const Tensor& residual, const Tensor& weight, const Tensor& rstd,
-                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight) {
+                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight,
+                                             const NormParamGradOutputs& into) {
   return run_residual_norm_backward("residual_rms_norm_backward", false, grad_out, grad_residual, residual, weight,
-                                    Tensor(), rstd, need_x, delta_dtype, need_weight, false);
+                                    Tensor(), rstd, need_x, delta_dtype, need_weight, false, into);
 }
 
 }  // namespace loom::ops

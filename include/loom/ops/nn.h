@@ -57,13 +57,21 @@ struct ResidualNormGrads {
   Tensor grad_weight;
   Tensor grad_bias;
 };
+// Caller buffers for the parameter gradients (an optimizer's flat slots): contiguous [channels] tensors of the dtype
+// the op writes (weight's for grad_weight, the residual's for grad_bias); undefined: new tensors.
+struct NormParamGradOutputs {
+  Tensor weight;
+  Tensor bias;
+};
 ResidualNormGrads residual_layer_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
                                                const Tensor& residual, const Tensor& weight, const Tensor& mean,
                                                const Tensor& rstd, bool need_x, std::optional<DType> delta_dtype,
-                                               bool need_weight, bool need_bias);
+                                               bool need_weight, bool need_bias,
+                                               const NormParamGradOutputs& into = {});
 ResidualNormGrads residual_rms_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,
                                              const Tensor& residual, const Tensor& weight, const Tensor& rstd,
-                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight);
+                                             bool need_x, std::optional<DType> delta_dtype, bool need_weight,
+                                             const NormParamGradOutputs& into = {});
 
 // weight [V, C], indices (i32/i64, any shape) -> [..., C]. Throws on an index outside [0, V).
 Tensor embedding(const Tensor& weight, const Tensor& indices);

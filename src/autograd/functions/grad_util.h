@@ -20,6 +20,14 @@ inline Tensor fit_gradient(const Tensor& g, const Shape& shape, DType dtype) {
   return as_dtype(g.shape() == shape ? g : ops::sum_to(g, shape), dtype);
 }
 
+// The flat-buffer slot of input `input`'s leaf, if any (not claimed): to check its dtype before claiming it.
+inline const Tensor* gradient_destination_of(const Node& node, size_t input) {
+  if (input >= node.next_edges().size()) return nullptr;
+  const auto* acc = dynamic_cast<const AccumulateGrad*>(node.next_edges()[input].node.get());
+  if (!acc || !acc->leaf().has_autograd_meta()) return nullptr;
+  return acc->leaf().autograd_meta().grad_destination.get();
+}
+
 // Where a node may write input `input`'s gradient directly: the flat-buffer slot of a leaf that has no gradient yet
 // (AccumulateGrad then takes the slot as it is, with no copy), or undefined. Claims the slot for this backward.
 inline Tensor claim_gradient_destination(const Node& node, size_t input) {
