@@ -61,6 +61,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts =
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), const ops::MatmulOptions& opts = {});
 // linear followed by GELU, fused into the gemm epilogue.
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts = {});
+// linear(linear_gelu(x, w1, b1), w2, b2) as one autograd node: the backward applies the GELU derivative inside the
+// product grad @ w2 (a gemm epilogue) instead of in a pass of its own. Biases may be undefined.
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                const ops::MatmulOptions& opts = {});
 
 // Neural-network ops.
 Tensor softmax(const Tensor& x, int64_t dim);

@@ -42,7 +42,10 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
   c_fc = register_module("c_fc", std::make_shared<Linear>(dim, hidden));
   c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, dim));
 }
-Tensor GeluMLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
+// One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue.
+Tensor GeluMLP::forward(const Tensor& x) const {
+  return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);
+}
 
 SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
   gate_proj = register_module("gate_proj", std::make_shared<Linear>(dim, hidden, false));

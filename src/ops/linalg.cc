@@ -332,7 +332,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
   return out;
 }
 
-Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts) {
+Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts,
+                             const Tensor& gelu_pre_activation) {
   const char* op = "linear_backward_input";
   check_operands(op, grad, weight);
   LOOM_REQUIRE(weight.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == weight.size(0), op, ": grad ",
@@ -341,6 +342,14 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
   int64_t out_features = weight.size(0), in_features = weight.size(1);
   Shape out_shape = grad.shape();
   out_shape.back() = in_features;
+  Tensor pre;
+  if (gelu_pre_activation.defined()) {
+    LOOM_REQUIRE(gelu_pre_activation.shape() == out_shape && gelu_pre_activation.dtype() == grad.dtype() &&
+                     gelu_pre_activation.device() == grad.device(),
+                 op, ": the GELU pre-activation ", describe(gelu_pre_activation), " must be ", shape_str(out_shape),
+                 " ", dtype_name(grad.dtype()), " on ", grad.device().str());
+    pre = ops::contiguous(gelu_pre_activation);
+  }
   Tensor out = empty(out_shape, grad.dtype(), grad.device());
   if (out.numel() == 0) return out;
   if (out_features == 0) {
@@ -363,6 +372,10 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
   p.b = g.data();
   p.ldb = out_features;
   p.ldc = in_features;
+  if (pre.defined()) {  // the GELU derivative in the gemm's epilogue
+    p.epilogue = GemmEpilogue::kDGelu;
+    p.pre_gelu = pre.data();
+  }
   gemm(p);
   return out;
 }

@@ -71,7 +71,9 @@
  *              epilogue (int: 0 none, 1 bias: C[i,j] += bias[i], 2 gelu, 3 bias+gelu; pre_gelu gets C + bias
  *              before the gelu when present; 4 bias gradient of B: C as 0, and bias_grad [n] (output dtype) gets
  *              the sums over k of op(B), which is then a dense row-major [k, n] matrix (trans_b, ldb == n), batch 1,
- *              alpha 1). A library that does not know an epilogue value declines the call in supports().
+ *              alpha 1; 5 GELU derivative: C = op(A) op(B) * gelu'(pre_gelu), pre_gelu then read (the forward's
+ *              pre-activation), batch 1, beta 0). A library that does not know an epilogue value declines the call in
+ *              supports().
  *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN).
  *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
  *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)

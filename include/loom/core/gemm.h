@@ -25,6 +25,9 @@ enum class GemmEpilogue : uint8_t {
   // from the weight gradient's product, B being the output gradient. Needs op(B) stored as a dense row-major [k, n]
   // matrix (trans_b, ldb == n), batch 1 and alpha 1.
   kBiasGradB,
+  // C = (alpha op(A) op(B)) * gelu'(pre_gelu): the gradient of a GELU's input from its output's gradient, pre_gelu
+  // (read, C's layout) being the forward's pre-activation. Batch 1, beta 0.
+  kDGelu,
 };
 
 struct GemmParams {
@@ -47,7 +50,7 @@ struct GemmParams {
   ComputeType compute = ComputeType::kF32;
   GemmEpilogue epilogue = GemmEpilogue::kNone;
   const void* bias = nullptr;  // output_dtype, m entries
-  void* pre_gelu = nullptr;    // output_dtype, same layout as C, for kBiasGelu / kGelu when set
+  void* pre_gelu = nullptr;    // output_dtype, same layout as C: written by kBiasGelu / kGelu when set, read by kDGelu
   void* bias_grad = nullptr;   // output_dtype, n entries, for kBiasGradB
   Device device;               // where every pointer lives
 };

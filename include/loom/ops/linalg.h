@@ -26,7 +26,11 @@ Tensor outer(const Tensor& a, const Tensor& b);
 enum class LinearActivation { kNone, kGelu };
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const MatmulOptions& opts = {},
               LinearActivation activation = LinearActivation::kNone, Tensor* pre_activation = nullptr);
-Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {});
+// With gelu_pre_activation (the pre-activation of a GELU whose output was the linear's input: the result's shape,
+// grad's dtype), the gradient of that pre-activation instead: (grad @ weight) * gelu'(pre), the derivative applied
+// in the gemm's epilogue.
+Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {},
+                             const Tensor& gelu_pre_activation = Tensor());
 // The weight and bias gradients may be written in f32 from bf16/f16 operands (out_dtype kF32): the product
 // accumulates in f32 either way, so an f32 master weight gets its gradient without a rounding and a cast.
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {},

@@ -37,6 +37,47 @@ std::optional<DType> widened(DType product, DType target) {
   return std::nullopt;
 }
 
+// Where edge `input` of `node` gets its gradient: the optimizer's flat gradient slot when the leaf has one (claimed
+// for this backward; no copy afterwards), else a new tensor in the product's dtype or f32 (converted to `target`
+// after).
+Tensor gradient_destination(const autograd::Node& node, size_t input, DType target, DType product, const Shape& shape,
+                            const Device& device, bool& is_slot) {
+  std::optional<DType> wide = widened(product, target);
+  Tensor slot = target == product || wide ? autograd::claim_gradient_destination(node, input) : Tensor();
+  is_slot = slot.defined();
+  return is_slot ? slot : empty(shape, wide.value_or(product), device);
+}
+
+// The parameters of one linear product x @ weight^T + bias inside a node: which edges they are, their dtypes.
+struct LinearParams {
+  size_t weight_edge, bias_edge;
+  DType weight_dtype = kF32, bias_dtype = kF32;
+};
+
+// Fills out[weight_edge] and out[bias_edge] (those the node needs) from g, the gradient of the product's output in
+// the product's dtype, and x, its input as the product saw it: one gemm for both when their dtypes agree.
+void linear_parameter_gradients(const autograd::Node& node, const LinearParams& lp, DType product, const Tensor& g,
+                                const Tensor& x, const ops::MatmulOptions& opts, tensor_list& out) {
+  const bool want_weight = node.needs_input_grad(lp.weight_edge), want_bias = node.needs_input_grad(lp.bias_edge);
+  const int64_t out_features = g.size(-1);
+  bool weight_in_slot = false, bias_in_slot = false;
+  Tensor dw, db;
+  if (want_bias)
+    db = gradient_destination(node, lp.bias_edge, lp.bias_dtype, product, {out_features}, g.device(), bias_in_slot);
+  if (want_weight) {
+    dw = gradient_destination(node, lp.weight_edge, lp.weight_dtype, product, {out_features, x.size(-1)}, g.device(),
+                              weight_in_slot);
+    // The bias gradient from the weight gradient's gemm (its epilogue reads grad once) when the dtypes agree.
+    const bool together = want_bias && db.dtype() == dw.dtype();
+    ops::linear_backward_weight_out(g, x, dw, opts, together ? &db : nullptr);
+    if (want_bias && !together) ops::linear_backward_bias_out(g, db);
+    out[lp.weight_edge] = weight_in_slot ? dw : as_dtype(dw, lp.weight_dtype);
+  } else if (want_bias) {
+    ops::linear_backward_bias_out(g, db);
+  }
+  if (want_bias) out[lp.bias_edge] = bias_in_slot ? db : as_dtype(db, lp.bias_dtype);
+}
+
 // Gradients of x @ weight^T + bias given the gradient of that (pre-activation) output. The node's edges go to the
 // caller's tensors; x and weight are saved as the product saw them (bf16 copies under autocast).
 class LinearNode : public autograd::Node {
@@ -48,35 +89,11 @@ class LinearNode : public autograd::Node {
   void release_saved() override { x = weight = Tensor(); }
 
  protected:
-  // Where input `input`'s gradient goes: the optimizer's flat gradient slot when the leaf has one (claimed for this
-  // backward; no copy afterwards), else a new tensor in the product's dtype or f32 (converted to `target` after).
-  Tensor destination(size_t input, DType target, const Shape& shape, const Device& device, bool& is_slot) const {
-    std::optional<DType> wide = widened(product_dtype, target);
-    Tensor slot = target == product_dtype || wide ? autograd::claim_gradient_destination(*this, input) : Tensor();
-    is_slot = slot.defined();
-    return is_slot ? slot : empty(shape, wide.value_or(product_dtype), device);
-  }
-
   tensor_list linear_gradients(const Tensor& grad) const {
     Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
-    const bool want_weight = needs_input_grad(1), want_bias = needs_input_grad(2);
-    const int64_t out_features = g.size(-1);
-    bool weight_in_slot = false, bias_in_slot = false;
-    Tensor dw, db;
-    if (want_bias) db = destination(2, bias_dtype, {out_features}, g.device(), bias_in_slot);
-    if (want_weight) {
-      dw = destination(1, weight_dtype, {out_features, x.size(-1)}, g.device(), weight_in_slot);
-      // The bias gradient from the weight gradient's gemm (its epilogue reads grad once) when the dtypes agree.
-      const bool together = want_bias && db.dtype() == dw.dtype();
-      ops::linear_backward_weight_out(g, x, dw, opts, together ? &db : nullptr);
-      if (want_bias && !together) ops::linear_backward_bias_out(g, db);
-      out[1] = weight_in_slot ? dw : as_dtype(dw, weight_dtype);
-    } else if (want_bias) {
-      ops::linear_backward_bias_out(g, db);
-    }
-    if (want_bias) out[2] = bias_in_slot ? db : as_dtype(db, bias_dtype);
+    linear_parameter_gradients(*this, {1, 2, weight_dtype, bias_dtype}, product_dtype, g, x, opts, out);
     return out;
   }
 };
@@ -103,6 +120,32 @@ class LinearGeluBackward final : public LinearNode {
     LinearNode::release_saved();
     pre_activation = Tensor();
   }
+};
+
+// The GELU MLP gelu(x @ w1^T + b1) @ w2^T + b2 as one node, so that its backward takes the GELU derivative in the
+// epilogue of the product grad @ w2 (no pass of its own over the hidden activations). Edges: x, w1, b1, w2, b2.
+// Tensors are saved as the products saw them (bf16 copies under autocast), each only when a gradient needs it.
+class GeluMlpBackward final : public autograd::Node {
+ public:
+  Tensor x, w1, w2, pre_activation, hidden;
+  DType x_dtype = kF32, product_dtype = kF32;
+  LinearParams first{1, 2}, second{3, 4};
+  ops::MatmulOptions opts;
+
+  std::string name() const override { return "GeluMlpBackward"; }
+  bool needs_pre_activation_grad() const { return needs_input_grad(0) || needs_input_grad(1) || needs_input_grad(2); }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(5);
+    if (!grads[0].defined()) return out;
+    Tensor g = as_dtype(grads[0], product_dtype);
+    linear_parameter_gradients(*this, second, product_dtype, g, hidden, opts, out);
+    if (!needs_pre_activation_grad()) return out;
+    Tensor grad_pre = ops::linear_backward_input(g, w2, opts, pre_activation);
+    if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(grad_pre, w1, opts), x_dtype);
+    linear_parameter_gradients(*this, first, product_dtype, grad_pre, x, opts, out);
+    return out;
+  }
+  void release_saved() override { x = w1 = w2 = pre_activation = hidden = Tensor(); }
 };
 
 // The operands of a linear product: under autocast, copies in the autocast dtype made outside autograd (the node
@@ -156,6 +199,35 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const o
   LinearOperands used = product_operands("linear", x, weight, bias);
   Tensor out = ops::linear(used.x, used.weight, used.bias, opts);
   record_linear<LinearBackward>(x, weight, bias, used, opts, out);
+  return out;
+}
+
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                const ops::MatmulOptions& opts) {
+  LinearOperands up = product_operands("linear_gelu", x, w1, b1);
+  const bool record = autograd::should_record({&x, &w1, &b1, &w2, &b2});
+  Tensor pre_activation;
+  Tensor hidden = ops::linear(up.x, up.weight, up.bias, opts, ops::LinearActivation::kGelu,
+                              record ? &pre_activation : nullptr);
+  LinearOperands down = product_operands("linear", hidden, w2, b2);
+  Tensor out = ops::linear(down.x, down.weight, down.bias, opts);
+  if (!record) return out;
+  LOOM_REQUIRE(up.weight.dtype() == down.weight.dtype(), "gelu_mlp: the two products' dtypes differ (",
+               dtype_name(up.weight.dtype()), ", ", dtype_name(down.weight.dtype()), ")");
+  auto node = autograd::make_node<GeluMlpBackward>({&x, &w1, &b1, &w2, &b2});
+  node->x_dtype = x.dtype();
+  node->product_dtype = down.weight.dtype();
+  node->first = {1, 2, w1.dtype(), b1.defined() ? b1.dtype() : w1.dtype()};
+  node->second = {3, 4, w2.dtype(), b2.defined() ? b2.dtype() : w2.dtype()};
+  node->opts = opts;
+  if (node->needs_input_grad(3)) node->hidden = down.x.detach();
+  if (node->needs_pre_activation_grad()) {
+    node->w2 = down.weight.detach();
+    node->pre_activation = pre_activation.detach();
+  }
+  if (node->needs_input_grad(0)) node->w1 = up.weight.detach();
+  if (node->needs_input_grad(1)) node->x = up.x.detach();
+  autograd::set_history(out, node);
   return out;
 }
 

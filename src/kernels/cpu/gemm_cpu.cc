@@ -33,6 +33,10 @@ void validate_gemm_params(const GemmParams& p) {
   LOOM_REQUIRE(p.ldc >= std::max<int64_t>(1, p.m), "gemm: ldc=", p.ldc, " is less than m=", p.m);
   bool needs_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   LOOM_REQUIRE(!needs_bias || p.bias, "gemm: the bias epilogue needs a bias pointer");
+  if (p.epilogue == GemmEpilogue::kDGelu)
+    LOOM_REQUIRE(p.pre_gelu && p.batch == 1 && p.beta == 0.0,
+                 "gemm: the GELU-derivative epilogue needs pre_gelu (the pre-activation), batch 1 and beta 0; got batch=",
+                 p.batch, " beta=", p.beta);
   if (p.epilogue == GemmEpilogue::kBiasGradB)
     LOOM_REQUIRE(p.bias_grad && p.trans_b && p.ldb == p.n && p.batch == 1 && p.alpha == 1.0,
                  "gemm: the bias-gradient epilogue needs a bias_grad pointer, op(B) as a dense row-major [k, n] "
@@ -73,10 +77,12 @@ void apply_epilogue(const GemmParams& p, T* c) {
   T* pre = static_cast<T*>(p.pre_gelu);
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
+  bool dgelu = p.epilogue == GemmEpilogue::kDGelu;
   cpu::parallel_for(p.n, 64, [&](int64_t jb, int64_t je) {
     for (int64_t j = jb; j < je; ++j) {
       for (int64_t i = 0; i < p.m; ++i) {
         acc_t<T> v = acc_t<T>(c[j * p.ldc + i]);
+        if (dgelu) v *= gelu_tanh_derivative(acc_t<T>(pre[j * p.ldc + i]));
         if (add_bias) v += acc_t<T>(bias[i]);
         if (gelu) {
           if (pre) pre[j * p.ldc + i] = T(v);

@@ -1,6 +1,7 @@
 // CUDA gemm through cuBLASLt: f32 (TF32 only when GemmParams asks for it), bf16 and f16 with f32 compute, f64;
-// strided batch; bias, GELU and bias+GELU epilogues, and the bias gradient of B (BGRADB: a linear layer's bias
-// gradient from its weight gradient's product), fused into the matmul where cuBLASLt offers them.
+// strided batch; bias, GELU and bias+GELU epilogues, the bias gradient of B (BGRADB: a linear layer's bias gradient
+// from its weight gradient's product) and the GELU derivative (DGELU, the MLP's backward), fused into the matmul where
+// cuBLASLt offers them.
 //
 // Descriptors, layouts and the heuristic's algorithm are cached per problem (shapes, layouts, dtypes, epilogue and
 // pointer alignments). Where cuBLASLt has no fused epilogue for a problem (f64, an aux buffer whose leading dimension is
@@ -140,7 +141,8 @@ std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const PlanKey& k
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_grad);
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_data_type(key.output)));
   }
-  if (key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX || key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+  if (key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX || key.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+      key.epilogue == CUBLASLT_EPILOGUE_DGELU) {
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, p.pre_gelu);
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, key.ldc);
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, key.batch > 1 ? key.stride_c : int64_t(0));
@@ -202,7 +204,8 @@ bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEp
   std::lock_guard<std::mutex> lock(plan.mu);
   if (epilogue & CUBLASLT_EPILOGUE_BIAS) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias);
   if (epilogue == CUBLASLT_EPILOGUE_BGRADB) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_grad);
-  if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+  if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+      epilogue == CUBLASLT_EPILOGUE_DGELU)
     set_attr(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, p.pre_gelu);
   float alpha32 = float(p.alpha), beta32 = float(p.beta);
   bool f64 = key.compute == CUBLAS_COMPUTE_64F;
@@ -239,7 +242,8 @@ void run_cublas(const CudaDeviceContext& cuda, const GemmParams& p) {
 // The unfused epilogue, and the whole result when k == 0 (C = beta * C, which cuBLAS is not asked to do).
 template <typename T>
 __global__ void epilogue_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, int64_t n, int64_t total,
-                                bool scale_by_beta, double beta, const T* bias, T* pre_gelu, bool gelu) {
+                                bool scale_by_beta, double beta, const T* bias, T* pre_gelu, bool gelu,
+                                bool dgelu) {
   using acc = acc_t<T>;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -249,6 +253,7 @@ __global__ void epilogue_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, 
     if (scale_by_beta) v = beta == 0 ? acc(0) : acc(beta) * acc(c[offset]);  // beta == 0 never reads C (may be NaN)
     else v = acc(c[offset]);
     if (bias) v += acc(bias[i]);
+    if (dgelu) v *= gelu_tanh_derivative(acc(pre_gelu[offset]));
     if (gelu) {
       if (pre_gelu) pre_gelu[offset] = T(v);
       v = gelu_tanh(v);
@@ -260,14 +265,15 @@ __global__ void epilogue_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, 
 void run_epilogue(const CudaDeviceContext& cuda, const GemmParams& p, bool scale_by_beta) {
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
-  if (!scale_by_beta && !add_bias && !gelu) return;
+  bool dgelu = p.epilogue == GemmEpilogue::kDGelu;
+  if (!scale_by_beta && !add_bias && !gelu && !dgelu) return;
   int64_t total = p.m * p.n * p.batch;
   unsigned grid = unsigned(std::min<int64_t>((total + 255) / 256, 65536));
   LOOM_DISPATCH_FLOATING(p.output_dtype, "gemm", [&] {
     epilogue_kernel<scalar_t><<<grid, 256, 0, cuda.cuda_stream()>>>(
         static_cast<scalar_t*>(p.c), p.ldc, p.stride_c, p.m, p.n, total, scale_by_beta, p.beta,
         add_bias ? static_cast<const scalar_t*>(p.bias) : nullptr,
-        gelu ? static_cast<scalar_t*>(p.pre_gelu) : nullptr, gelu);
+        gelu || dgelu ? static_cast<scalar_t*>(p.pre_gelu) : nullptr, gelu, dgelu);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -277,6 +283,8 @@ cublasLtEpilogue_t fused_epilogue(const GemmParams& p) {
   if (p.epilogue == GemmEpilogue::kNone || p.input_dtype == kF64) return CUBLASLT_EPILOGUE_DEFAULT;
   if (p.epilogue == GemmEpilogue::kBiasGradB)
     return alignment_of(p.bias_grad) < 16 ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BGRADB;
+  if (p.epilogue == GemmEpilogue::kDGelu)  // the aux (pre-activation) has C's layout: ld a multiple of 8, aligned
+    return p.ldc % 8 != 0 || alignment_of(p.pre_gelu) < 16 ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_DGELU;
   bool bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
   if (bias && alignment_of(p.bias) < 16) return CUBLASLT_EPILOGUE_DEFAULT;

@@ -1,0 +1,146 @@
+// The GELU MLP as one autograd node (gelu_mlp) and the gemm's GELU-derivative epilogue behind its backward
+// (GemmEpilogue::kDGelu: cuBLASLt DGELU on CUDA, the epilogue kernel when the layout does not fit it): the epilogue
+// against a float64 reference on awkward sizes with poisoned outputs, on the CPU and on CUDA; gelu_mlp against the
+// composition linear(linear_gelu(x)) (values and every gradient, f32 and bf16 autocast, with and without biases),
+// gradcheck in f64, and gradients written into an optimizer's flat slots.
+#include <cmath>
+#include <vector>
+
+#include "kernels/gemm_kernel.h"
+#include "kernels/primitives/gelu.h"
+#include "loom/amp.h"
+#include "loom/autograd/gradcheck.h"
+#include "loom/functional.h"
+#include "loom/optim/optimizer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// C [m x n] = A [m x k] (column-major, trans_a as given) B [k x n] times gelu'(pre), pre with C's layout (ld = ldc).
+void check_dgelu(Device device, int64_t m, int64_t n, int64_t k, int64_t ldc, bool trans_a, DType dt) {
+  SCOPED_TRACE(testing::Message() << device.str() << " m=" << m << " n=" << n << " k=" << k << " ldc=" << ldc
+                                  << " trans_a=" << trans_a << " " << dtype_name(dt));
+  const int64_t lda = trans_a ? k : m;
+  Tensor a = test::random_tensor({std::max<int64_t>(1, m * k)}, dt, -1, 1, test::fresh_seed());
+  Tensor b = test::random_tensor({std::max<int64_t>(1, k * n)}, dt, -1, 1, test::fresh_seed());
+  Tensor pre = test::random_tensor({ldc * n}, dt, -3, 3, test::fresh_seed());
+  const std::vector<double> va = test::values(a), vb = test::values(b), vpre = test::values(pre);
+  Tensor gc = test::poisoned({ldc * n}, dt, device);
+  Tensor ga = a.to(device), gb = b.to(device), gpre = pre.to(device);
+  GemmParams p;
+  p.trans_a = trans_a;
+  p.m = m, p.n = n, p.k = k;
+  p.a = ga.data(), p.lda = std::max<int64_t>(1, lda), p.b = gb.data(), p.ldb = std::max<int64_t>(1, k);
+  p.c = gc.data(), p.ldc = ldc;
+  p.input_dtype = dt, p.output_dtype = dt;
+  p.epilogue = GemmEpilogue::kDGelu;
+  p.pre_gelu = gpre.data();
+  p.device = device;
+  dispatch::call(gemm_op, device, dt, p);
+  const std::vector<double> got = test::values(gc);
+  const double rtol = dt == kBF16 ? 2e-2 : 1e-5;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) {
+      double dot = 0, size = 0;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const double t = va[size_t(trans_a ? i * k + kk : kk * m + i)] * vb[size_t(j * k + kk)];
+        dot += t, size += std::abs(t);
+      }
+      const double d = gelu_tanh_derivative(vpre[size_t(j * ldc + i)]);
+      ASSERT_NEAR(got[size_t(j * ldc + i)], dot * d, rtol * size * std::abs(d) + 1e-6) << "C(" << i << ", " << j << ")";
+    }
+}
+
+void check_dgelu_cases(Device device) {
+  check_dgelu(device, 24, 40, 37, 24, false, kF32);
+  check_dgelu(device, 13, 9, 5, 13, true, kF32);   // ldc not a multiple of 8: the epilogue kernel on CUDA
+  check_dgelu(device, 64, 33, 96, 64, false, kBF16);
+  check_dgelu(device, 96, 17, 64, 96, true, kBF16);
+  check_dgelu(device, 8, 5, 0, 8, false, kF32);    // k = 0: zeros
+}
+
+TEST(GeluMlp, GemmDGeluEpilogueMatchesFloat64) { check_dgelu_cases(Device()); }
+
+TEST(GeluMlp, CudaGemmDGeluEpilogueMatchesFloat64) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_dgelu_cases(Device(kCUDA, 0));
+}
+
+TEST(GeluMlp, PassesGradcheck) {
+  auto leaf = [](Shape shape) { return test::random_tensor(shape, kF64, -1, 1, test::fresh_seed()).set_requires_grad(true); };
+  Tensor x = leaf({2, 3, 6}), w1 = leaf({10, 6}), b1 = leaf({10}), w2 = leaf({4, 10}), b2 = leaf({4});
+  auto r = autograd::gradcheck([](const std::vector<Tensor>& in) { return gelu_mlp(in[0], in[1], in[2], in[3], in[4]); },
+                               {x, w1, b1, w2, b2});
+  EXPECT_TRUE(r.ok) << r.message;
+  Tensor fixed_x = test::random_tensor({5, 6}, kF64);
+  auto no_bias = autograd::gradcheck(
+      [&](const std::vector<Tensor>& in) { return gelu_mlp(fixed_x, in[0], Tensor(), in[1], Tensor()); }, {w1, w2});
+  EXPECT_TRUE(no_bias.ok) << no_bias.message;
+}
+
+// gelu_mlp against linear(linear_gelu(...)): output and every gradient, with and without autocast and biases.
+void check_against_composition(Device device, bool autocast, bool biases) {
+  SCOPED_TRACE(testing::Message() << device.str() << (autocast ? " bf16 autocast" : " f32")
+                                  << (biases ? " biases" : " no biases"));
+  auto random = [&](Shape shape) { return test::random_tensor(shape, kF32, -1, 1, test::fresh_seed(), device); };
+  std::vector<Tensor> init{random({3, 7, 16}), random({48, 16}), random({48}), random({16, 48}), random({16})};
+  auto fresh = [&] {
+    std::vector<Tensor> t;
+    for (const Tensor& v : init) t.push_back(v.clone().set_requires_grad(true));
+    if (!biases) t[2] = t[4] = Tensor();
+    return t;
+  };
+  std::vector<Tensor> a = fresh(), b = fresh();
+  Tensor dy = random({3, 7, 16});
+  Tensor ya, yb;
+  {
+    amp::AutocastGuard guard(kBF16, autocast);
+    ya = gelu_mlp(a[0], a[1], a[2], a[3], a[4]);
+    yb = linear(linear_gelu(b[0], b[1], b[2]), b[3], b[4]);
+  }
+  EXPECT_EQ(ya.dtype(), yb.dtype());
+  const double tol = autocast ? 3e-2 : 1e-5;
+  EXPECT_TRUE(test::all_close(ya.to(kF32), yb.to(kF32), tol, tol));
+  sum(mul(ya.to(kF32), dy)).backward();
+  sum(mul(yb.to(kF32), dy)).backward();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].defined()) continue;
+    ASSERT_TRUE(a[i].grad().defined()) << "input " << i;
+    EXPECT_EQ(a[i].grad().dtype(), kF32) << "input " << i;
+    EXPECT_TRUE(test::all_close(a[i].grad(), b[i].grad(), tol, tol)) << "input " << i;
+  }
+}
+
+TEST(GeluMlp, MatchesTheComposition) {
+  for (bool biases : {true, false}) check_against_composition(Device(), false, biases);
+  check_against_composition(Device(), true, true);
+}
+
+TEST(GeluMlp, CudaMatchesTheComposition) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  for (bool autocast : {false, true})
+    for (bool biases : {true, false}) check_against_composition(Device(kCUDA, 0), autocast, biases);
+}
+
+// With an optimizer's flat gradient buffer, all four parameter gradients land in their slots with the values of the
+// same graph without an optimizer.
+TEST(GeluMlp, ParameterGradientsIntoTheFlatSlots) {
+  std::vector<Tensor> init{test::random_tensor({4, 8}), test::random_tensor({24, 8}), test::random_tensor({24}),
+                           test::random_tensor({8, 24}), test::random_tensor({8})};
+  std::vector<Tensor> p, ref;
+  for (size_t i = 1; i < init.size(); ++i) {
+    p.push_back(init[i].clone().set_requires_grad(true));
+    ref.push_back(init[i].clone().set_requires_grad(true));
+  }
+  optim::AdamW opt(p, optim::AdamWOptions{});
+  sum(gelu_mlp(init[0], p[0], p[1], p[2], p[3])).backward();
+  sum(gelu_mlp(init[0], ref[0], ref[1], ref[2], ref[3])).backward();
+  for (size_t i = 0; i < p.size(); ++i) {
+    EXPECT_EQ(p[i].grad().storage(), opt.flat_gradient_buffers().at(0).storage()) << i;
+    EXPECT_TRUE(test::all_close(p[i].grad(), ref[i].grad(), 1e-6, 1e-6)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace loom
