@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2)")->capture_default_str();
   app.add_flag("--zero1", o.zero1, "shard AdamW state across data-parallel ranks (ZeRO-1)");
+  app.add_flag("--recompute-mlp", o.recompute_mlp,
+               "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {

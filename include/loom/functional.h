@@ -62,9 +62,11 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 // linear followed by GELU, fused into the gemm epilogue.
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts = {});
 // linear(linear_gelu(x, w1, b1), w2, b2) as one autograd node: the backward applies the GELU derivative inside the
-// product grad @ w2 (a gemm epilogue) instead of in a pass of its own. Biases may be undefined.
+// product grad @ w2 (a gemm epilogue) instead of in a pass of its own. Biases may be undefined. recompute_hidden:
+// keep only the pre-activation and recompute the GELU output in the backward (one elementwise pass) instead of
+// keeping both: less activation memory for more time.
 Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-                const ops::MatmulOptions& opts = {});
+                const ops::MatmulOptions& opts = {}, bool recompute_hidden = false);
 
 // Neural-network ops.
 Tensor softmax(const Tensor& x, int64_t dim);

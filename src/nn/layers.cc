@@ -44,7 +44,7 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
 }
 // One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue.
 Tensor GeluMLP::forward(const Tensor& x) const {
-  return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);
+  return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, {}, recompute_hidden);
 }
 
 SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {

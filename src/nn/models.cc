@@ -190,6 +190,7 @@ class GPT2Block : public Module {
                                        AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, true, true}));
     ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<GeluMLP>(c.n_embd, c.ffn_hidden));
+    mlp->recompute_hidden = c.recompute_mlp;
   }
   // The block computes x + attn(ln_1(x)) + mlp(ln_2(...)), but leaves its last residual add to whoever normalizes
   // next: given the residual stream x and the previous block's pending output (undefined for the first block), it

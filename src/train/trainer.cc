@@ -80,6 +80,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
 
   nn::ModelConfig cfg = nn::ModelConfig::from_name(opts_.model);
+  cfg.recompute_mlp = opts_.recompute_mlp;
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
   // Distributed: the world splits into data-parallel x tensor-parallel ranks (TP groups are adjacent ranks).

@@ -9,6 +9,7 @@
 # writes its initial weights (pytorch_gpt2.py --save-init: f32 safetensors, Hugging Face names) to INIT_FILE (default
 # /tmp/e2e_init_$MODEL.safetensors, outside $OUT and $DIR: 0.5 GB for 124m) and loom-train starts from them
 # (--init-from), so the loss curves compare step by step (with SKIP_TORCH=1 an existing file is reused).
+# LOOM_FLAGS: more loom-train flags for both Loom runs (e.g. --recompute-mlp).
 set -uo pipefail
 B=${B:-16}; T=1024; STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 LOOM=${LOOM:-build-dev/loom-train}
@@ -40,14 +41,14 @@ if [ "$SAME_INIT" = 1 ] && [ ! -s "$INIT" ]; then
 fi
 echo "== loom: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-from $INIT)}"
 timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
-  --sample-tokens 0 --train-data "$DATA" ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
+  --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 if [ "${PROFILE:-0}" = 1 ]; then
   # One profiled run of 7 steps; loom-train resets the table after the first (warm-up), so it covers 6 steps (and the
   # one batch of the final evaluation). LOOM_PROFILE_OPS=shapes splits rows by shape.
   LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" \
     --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 \
-    --eval-batches 1 --train-data "$DATA" ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$DIR/profile_${MODEL}_b$B.log" 2>&1
+    --eval-batches 1 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$DIR/profile_${MODEL}_b$B.log" 2>&1
   grep "peak device memory" "$DIR/profile_${MODEL}_b$B.log"
   python3 tools/bench/op_profile.py - "$DIR/profile_${MODEL}_b$B.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b$B.txt"
 fi

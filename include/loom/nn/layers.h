@@ -57,6 +57,7 @@ class GeluMLP : public Module {
   GeluMLP(int64_t dim, int64_t hidden);
   Tensor forward(const Tensor& x) const;
   std::shared_ptr<Linear> c_fc, c_proj;
+  bool recompute_hidden = false;  // keep only the pre-activation for the backward (gelu_mlp's recompute_hidden)
 };
 
 // LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).

@@ -27,6 +27,9 @@ struct ModelConfig {
   std::optional<ops::RopeScaling> rope_scaling;
   bool tie_embeddings = true;
   double dropout = 0.0;
+  // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
+  // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
+  bool recompute_mlp = false;
 
   // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
   // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), or a

@@ -66,6 +66,7 @@ struct TrainOptions {
   // counts the whole world's tokens per step.
   int64_t tensor_parallel = 1;       // TP degree (GPT-2 only); ranks r and r+1.. of one TP group are adjacent
   bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
+  bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
   std::shared_ptr<distributed::ProcessGroup> process_group;  // the world; default: distributed::init_process_group()
   double dist_timeout_seconds = 300;  // a collective waiting longer than this throws (a dead rank)

@@ -127,7 +127,7 @@ class LinearGeluBackward final : public LinearNode {
 // Tensors are saved as the products saw them (bf16 copies under autocast), each only when a gradient needs it.
 class GeluMlpBackward final : public autograd::Node {
  public:
-  Tensor x, w1, w2, pre_activation, hidden;
+  Tensor x, w1, w2, pre_activation, hidden;  // hidden undefined when recomputed from pre_activation
   DType x_dtype = kF32, product_dtype = kF32;
   LinearParams first{1, 2}, second{3, 4};
   ops::MatmulOptions opts;
@@ -138,7 +138,10 @@ class GeluMlpBackward final : public autograd::Node {
     tensor_list out(5);
     if (!grads[0].defined()) return out;
     Tensor g = as_dtype(grads[0], product_dtype);
-    linear_parameter_gradients(*this, second, product_dtype, g, hidden, opts, out);
+    if (needs_input_grad(second.weight_edge) || needs_input_grad(second.bias_edge)) {
+      const Tensor h = hidden.defined() || !needs_input_grad(second.weight_edge) ? hidden : ops::gelu(pre_activation);
+      linear_parameter_gradients(*this, second, product_dtype, g, h, opts, out);
+    }
     if (!needs_pre_activation_grad()) return out;
     Tensor grad_pre = ops::linear_backward_input(g, w2, opts, pre_activation);
     if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(grad_pre, w1, opts), x_dtype);
@@ -203,7 +206,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const o
 }
 
 Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-                const ops::MatmulOptions& opts) {
+                const ops::MatmulOptions& opts, bool recompute_hidden) {
   LinearOperands up = product_operands("linear_gelu", x, w1, b1);
   const bool record = autograd::should_record({&x, &w1, &b1, &w2, &b2});
   Tensor pre_activation;
@@ -220,7 +223,10 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   node->first = {1, 2, w1.dtype(), b1.defined() ? b1.dtype() : w1.dtype()};
   node->second = {3, 4, w2.dtype(), b2.defined() ? b2.dtype() : w2.dtype()};
   node->opts = opts;
-  if (node->needs_input_grad(3)) node->hidden = down.x.detach();
+  if (node->needs_input_grad(3)) {
+    if (recompute_hidden) node->pre_activation = pre_activation.detach();
+    else node->hidden = down.x.detach();
+  }
   if (node->needs_pre_activation_grad()) {
     node->w2 = down.weight.detach();
     node->pre_activation = pre_activation.detach();
