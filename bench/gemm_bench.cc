@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_timing.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
 #include "loom/ops.h"
@@ -31,29 +32,7 @@ const Device kGpu(DeviceType::kCUDA, 0);
     }                                                                     \
   } while (0)
 
-template <typename Fn>
-double median_ms(Fn&& fn, cudaStream_t stream, int warmup = 3, int reps = 20) {
-  for (int i = 0; i < warmup; ++i) fn();
-  BENCH_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "sync");
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(start, stream);
-    fn();
-    cudaEventRecord(stop, stream);
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms);
-  }
-  BENCH_CHECK(cudaGetLastError() == cudaSuccess, "kernels");
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using bench::median_ms;
 
 Tensor random_bf16(Shape shape) { return ops::to_dtype(randn(shape, kF32, kGpu), kBF16); }
 
