@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_timing.h"
 #include "kernels/attention_kernel.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
@@ -24,15 +25,6 @@ namespace {
 using namespace loom;
 
 const Device kGpu(DeviceType::kCUDA, 0);
-
-#define BENCH_CUDA(EXPR)                                                                    \
-  do {                                                                                      \
-    cudaError_t err_ = (EXPR);                                                              \
-    if (err_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #EXPR, cudaGetErrorString(err_), __FILE__, __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Shape4 {
   const char* name;
@@ -48,29 +40,10 @@ Tensor random_gpu(const Shape& shape, uint64_t seed) {
   return from_vector(v, shape).to(kBF16).to(kGpu);
 }
 
-// Median milliseconds of `reps` runs of fn, each between two events on the dispatcher's stream, after `warmup` runs.
+// Five warm-up runs: the first calls of a shape build plans and allocate.
 template <typename Fn>
-double median_ms(Fn&& fn, cudaStream_t stream, int warmup = 5, int reps = 20) {
-  for (int i = 0; i < warmup; ++i) fn();
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  BENCH_CUDA(cudaEventCreate(&start));
-  BENCH_CUDA(cudaEventCreate(&stop));
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA(cudaEventRecord(start, stream));
-    fn();
-    BENCH_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  BENCH_CUDA(cudaGetLastError());
-  BENCH_CUDA(cudaEventDestroy(start));
-  BENCH_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+double median_ms(Fn&& fn, cudaStream_t stream) {
+  return bench::median_ms(fn, stream, 5);
 }
 
 // The provider and source file of the kernel that served an op last (the one whose call count moved).
