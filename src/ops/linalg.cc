@@ -159,9 +159,13 @@ void batched_product(const Tensor& a, const Tensor& b, const Shape& batch, Tenso
 
 // Sums of the columns of a contiguous [rows, cols] matrix: one deterministic column_sums kernel (f32 accumulation
 // for 16-bit and f32 matrices, f64 for f64), out in the matrix's dtype or f32 widened from bf16/f16.
+void column_sums_out(const Tensor& matrix, Tensor& out) {
+  dispatch::call(column_sums_op, matrix.device(), matrix.dtype(), matrix, out);
+}
+
 Tensor column_sums(const Tensor& matrix, DType out_dtype) {
   Tensor out = empty({matrix.size(1)}, out_dtype, matrix.device());
-  dispatch::call(column_sums_op, matrix.device(), matrix.dtype(), matrix, out);
+  column_sums_out(matrix, out);
   return out;
 }
 
@@ -450,8 +454,7 @@ void linear_backward_bias_out(const Tensor& grad, Tensor& out) {
   LOOM_REQUIRE(out.shape() == (Shape{out_features}) && out.is_contiguous() && out.device() == grad.device(), op,
                ": out ", describe(out), " must be a contiguous [", out_features, "] tensor on ", grad.device().str());
   int64_t rows = numel_of(Shape(grad.shape().begin(), grad.shape().end() - 1));
-  dispatch::call(column_sums_op, grad.device(), grad.dtype(), ops::view(ops::contiguous(grad), {rows, out_features}),
-                 out);
+  column_sums_out(ops::view(ops::contiguous(grad), {rows, out_features}), out);
 }
 
 }  // namespace loom::ops

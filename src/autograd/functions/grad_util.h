@@ -20,17 +20,10 @@ inline Tensor fit_gradient(const Tensor& g, const Shape& shape, DType dtype) {
   return as_dtype(g.shape() == shape ? g : ops::sum_to(g, shape), dtype);
 }
 
-// The flat-buffer slot of input `input`'s leaf, if any (not claimed): to check its dtype before claiming it.
-inline const Tensor* gradient_destination_of(const Node& node, size_t input) {
-  if (input >= node.next_edges().size()) return nullptr;
-  const auto* acc = dynamic_cast<const AccumulateGrad*>(node.next_edges()[input].node.get());
-  if (!acc || !acc->leaf().has_autograd_meta()) return nullptr;
-  return acc->leaf().autograd_meta().grad_destination.get();
-}
-
-// Where a node may write input `input`'s gradient directly: the flat-buffer slot of a leaf that has no gradient yet
-// (AccumulateGrad then takes the slot as it is, with no copy), or undefined. Claims the slot for this backward.
-inline Tensor claim_gradient_destination(const Node& node, size_t input) {
+// Where a node may write input `input`'s gradient directly, given the dtype its kernel writes: the flat-buffer slot
+// of a leaf that has no gradient yet, when the slot has that dtype (AccumulateGrad then takes the slot as it is,
+// with no copy), or undefined. Claims the slot for this backward.
+inline Tensor claim_gradient_destination(const Node& node, size_t input, DType written) {
   if (input >= node.next_edges().size()) return Tensor();
   const auto* acc = dynamic_cast<const AccumulateGrad*>(node.next_edges()[input].node.get());
   if (!acc) return Tensor();
@@ -38,8 +31,8 @@ inline Tensor claim_gradient_destination(const Node& node, size_t input) {
   AutogradMeta& meta = leaf.autograd_meta();
   if (leaf.grad().defined() || !meta.grad_destination || meta.grad_destination_claimed) return Tensor();
   const Tensor& slot = *meta.grad_destination;
-  if (slot.shape() != leaf.shape() || slot.dtype() != leaf.dtype() || slot.device() != leaf.device() ||
-      !slot.is_contiguous())
+  if (slot.dtype() != written || slot.shape() != leaf.shape() || slot.dtype() != leaf.dtype() ||
+      slot.device() != leaf.device() || !slot.is_contiguous())
     return Tensor();
   meta.grad_destination_claimed = true;
   return slot;

@@ -37,15 +37,15 @@ std::optional<DType> widened(DType product, DType target) {
   return std::nullopt;
 }
 
-// Where edge `input` of `node` gets its gradient: the optimizer's flat gradient slot when the leaf has one (claimed
-// for this backward; no copy afterwards), else a new tensor in the product's dtype or f32 (converted to `target`
-// after).
+// Where edge `input` of `node` gets its gradient, written in the product's dtype or f32 (widened): the optimizer's
+// flat gradient slot when the leaf has one of that dtype (claimed for this backward; no copy afterwards), else a new
+// tensor (converted to `target` after).
 Tensor gradient_destination(const autograd::Node& node, size_t input, DType target, DType product, const Shape& shape,
                             const Device& device, bool& is_slot) {
-  std::optional<DType> wide = widened(product, target);
-  Tensor slot = target == product || wide ? autograd::claim_gradient_destination(node, input) : Tensor();
+  const DType written = widened(product, target).value_or(product);
+  Tensor slot = autograd::claim_gradient_destination(node, input, written);
   is_slot = slot.defined();
-  return is_slot ? slot : empty(shape, wide.value_or(product), device);
+  return is_slot ? slot : empty(shape, written, device);
 }
 
 // The parameters of one linear product x @ weight^T + bias inside a node: which edges they are, their dtypes.

@@ -39,8 +39,8 @@ class ResidualNormBackward final : public autograd::Node {
     const std::optional<DType> delta_grad_dtype = need_delta ? std::optional<DType>(delta_dtype) : std::nullopt;
     // The weight and bias gradients straight into the optimizer's flat slots when the leaves have them (no copy).
     ops::NormParamGradOutputs into;
-    if (need_weight) into.weight = slot_if(2, weight.dtype());
-    if (need_bias) into.bias = slot_if(3, residual.dtype());
+    if (need_weight) into.weight = autograd::claim_gradient_destination(*this, 2, weight.dtype());
+    if (need_bias) into.bias = autograd::claim_gradient_destination(*this, 3, residual.dtype());
     ops::ResidualNormGrads g =
         rms ? ops::residual_rms_norm_backward(grad_out, grad_residual, residual, weight, rstd, need_x,
                                               delta_grad_dtype, need_weight, into)
@@ -53,13 +53,6 @@ class ResidualNormBackward final : public autograd::Node {
     return result;
   }
   void release_saved() override { residual = weight = mean = rstd = Tensor(); }
-
- private:
-  // Input `input`'s flat gradient slot when it has the dtype the kernel writes (then claimed), else undefined.
-  Tensor slot_if(size_t input, DType written) const {
-    const Tensor* slot = autograd::gradient_destination_of(*this, input);
-    return slot && slot->dtype() == written ? autograd::claim_gradient_destination(*this, input) : Tensor();
-  }
 };
 
 std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor& delta_in, const Tensor& weight,
