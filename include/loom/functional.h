@@ -89,6 +89,14 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 // largest activation of a language model's step). Same result as cross_entropy.
 Tensor cross_entropy_consuming(Tensor logits, const Tensor& targets, int64_t ignore_index = -100,
                                ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1);
+// cross_entropy(linear(x, weight), targets) without the whole logits [N, V] in memory: a language model's classifier
+// and loss over blocks of at most block_rows rows (0: blocks whose logits hold at most 2^29 values). When a gradient
+// is wanted, each block's logits gradient is taken at once (over the logits) and turned into its share of x's and
+// weight's gradients in the forward, so the step holds one block of logits, x's gradient and an f32 weight gradient
+// instead of the logits; the backward only scales them by the loss gradient. reduction: kMean or kSum.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets, int64_t ignore_index = -100,
+                            ops::Reduction reduction = ops::Reduction::kMean, int64_t vocab_limit = -1,
+                            int64_t block_rows = 0);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
                                     std::optional<double> scale = std::nullopt);
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);

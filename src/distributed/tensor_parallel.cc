@@ -370,6 +370,10 @@ Tensor TensorParallelGPT2::parallel_loss(const Tensor& local_logits, const Tenso
   return vocab_parallel_cross_entropy(flat, targets.reshape({-1}), impl_->wte->vocab_start(), cfg_.vocab_size, group_);
 }
 
+Tensor TensorParallelGPT2::forward_loss(const Tensor& idx, const Tensor& targets) {
+  return parallel_loss(forward_local(idx), targets);
+}
+
 TensorParallelGPT2::Layout TensorParallelGPT2::layout_of(const std::string& name) const {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
   if (name == "wte.weight") return {0, 1, true};

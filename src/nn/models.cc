@@ -168,6 +168,13 @@ Tensor LanguageModel::loss(Tensor&& logits, const Tensor& targets) const {
   return loom::cross_entropy_consuming(std::move(flat), targets.reshape({-1}), -100, ops::Reduction::kMean, classes);
 }
 
+Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) { return loss(forward(idx), targets); }
+
+Tensor LanguageModel::classifier_loss(const Tensor& hidden, const Tensor& weight, const Tensor& targets) const {
+  const int64_t classes = weight.size(0) > cfg_.vocab_size ? cfg_.vocab_size : -1;
+  return loom::linear_cross_entropy(hidden, weight, targets, -100, ops::Reduction::kMean, classes);
+}
+
 namespace {
 
 // Children named "0", "1", ... so parameters read "h.3.attn.c_attn.weight".
@@ -218,6 +225,14 @@ class GPT2 final : public LanguageModel {
   }
 
   Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
+    return linear(hidden(idx, caches), wte->weight);  // tied classifier
+  }
+  Tensor forward_loss(const Tensor& idx, const Tensor& targets) override {
+    return classifier_loss(hidden(idx, nullptr), wte->weight, targets);
+  }
+
+  // The final norm's output [B, T, C], the classifier's input.
+  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) {
     LOOM_REQUIRE(idx.dim() == 2, "GPT2: expected token ids [B, T], got ", describe(idx));
     int64_t T = idx.size(1);
     int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
@@ -230,8 +245,7 @@ class GPT2 final : public LanguageModel {
     Tensor pending;  // the last block's output, added to the stream inside the next norm
     for (size_t i = 0; i < blocks.size(); ++i)
       std::tie(x, pending) = blocks[i]->forward(x, pending, cfg_.dropout, caches ? &(*caches)[i] : nullptr);
-    Tensor normed = residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
-    return linear(normed, wte->weight);  // tied classifier
+    return residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
   }
 
   void init_weights(uint64_t seed) override {
@@ -348,6 +362,15 @@ class Llama final : public LanguageModel {
   }
 
   Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
+    return linear(hidden(idx, caches), classifier_weight());
+  }
+  Tensor forward_loss(const Tensor& idx, const Tensor& targets) override {
+    return classifier_loss(hidden(idx, nullptr), classifier_weight(), targets);
+  }
+
+  const Tensor& classifier_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
+  // The final norm's output [B, T, C], the classifier's input.
+  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) {
     LOOM_REQUIRE(idx.dim() == 2, "Llama: expected token ids [B, T], got ", describe(idx));
     int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
     LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "Llama: sequence length ", past + idx.size(1),
@@ -358,8 +381,7 @@ class Llama final : public LanguageModel {
     for (size_t i = 0; i < model->blocks.size(); ++i)
       std::tie(x, pending) =
           model->blocks[i]->forward(x, pending, rope_cos, rope_sin, caches ? &(*caches)[i] : nullptr);
-    Tensor normed = residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
-    return lm_head ? lm_head->forward(normed) : linear(normed, model->embed_tokens->weight);
+    return residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
   }
 
   void init_weights(uint64_t seed) override {

@@ -173,6 +173,24 @@ Tensor add(const Tensor& a, const Tensor& b) { return binary(add_op, "add", a, b
 Tensor sub(const Tensor& a, const Tensor& b) { return binary(sub_op, "sub", a, b); }
 Tensor mul(const Tensor& a, const Tensor& b) { return binary(mul_op, "mul", a, b); }
 Tensor div(const Tensor& a, const Tensor& b) { return binary(div_op, "div", a, b, /*true_division=*/true); }
+
+void mul_out(const Tensor& a, const Tensor& b, Tensor& out) {
+  check_writable("mul_out", out);
+  check_same_device("mul_out", {&a, &b, &out});
+  ElementwiseMeta meta = infer_binary("mul", a.shape(), a.dtype(), b.shape(), b.dtype(), false);
+  LOOM_REQUIRE(out.shape() == meta.shape && out.dtype() == meta.dtype, "mul_out: out ", describe(out),
+               " must be the product's ", shape_str(meta.shape), " ", dtype_name(meta.dtype));
+  // Elementwise kernels may write an element over the same element of an input, nothing else.
+  for (const Tensor* in : {&a, &b}) {
+    LOOM_REQUIRE(!in->shares_storage_with(out) || (in->shape() == out.shape() && in->strides() == out.strides() &&
+                                                    in->storage_offset() == out.storage_offset()),
+                 "mul_out: out ", describe(out), " overlaps an input other than element for element");
+  }
+  if (out.numel()) {
+    dispatch::call(mul_op, a.device(), meta.dtype, prepared(a, meta.dtype, meta.shape),
+                   prepared(b, meta.dtype, meta.shape), out);
+  }
+}
 Tensor maximum(const Tensor& a, const Tensor& b) { return binary(maximum_op, "maximum", a, b); }
 Tensor minimum(const Tensor& a, const Tensor& b) { return binary(minimum_op, "minimum", a, b); }
 

@@ -336,29 +336,15 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
   return out;
 }
 
-Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts,
-                             const Tensor& gelu_pre_activation) {
-  const char* op = "linear_backward_input";
-  check_operands(op, grad, weight);
-  LOOM_REQUIRE(weight.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == weight.size(0), op, ": grad ",
-               describe(grad), " does not fit weight ", describe(weight), " (expected grad [..., ",
-               weight.dim() == 2 ? weight.size(0) : -1, "])");
+namespace {
+// out [..., in] = grad [..., out] @ weight [out, in], times gelu'(pre) when pre is defined (contiguous, out's layout).
+void backward_input_into(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts, const Tensor& pre,
+                         Tensor& out) {
   int64_t out_features = weight.size(0), in_features = weight.size(1);
-  Shape out_shape = grad.shape();
-  out_shape.back() = in_features;
-  Tensor pre;
-  if (gelu_pre_activation.defined()) {
-    LOOM_REQUIRE(gelu_pre_activation.shape() == out_shape && gelu_pre_activation.dtype() == grad.dtype() &&
-                     gelu_pre_activation.device() == grad.device(),
-                 op, ": the GELU pre-activation ", describe(gelu_pre_activation), " must be ", shape_str(out_shape),
-                 " ", dtype_name(grad.dtype()), " on ", grad.device().str());
-    pre = ops::contiguous(gelu_pre_activation);
-  }
-  Tensor out = empty(out_shape, grad.dtype(), grad.device());
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return;
   if (out_features == 0) {
     fill_zero(out);
-    return out;
+    return;
   }
   Tensor g = ops::contiguous(grad), w = weight;
   std::optional<MatrixLayout> w_layout = matrix_layout(out_features, in_features, w.stride(0), w.stride(1));
@@ -381,7 +367,44 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
     p.pre_gelu = pre.data();
   }
   gemm(p);
+}
+
+Shape checked_backward_input_shape(const char* op, const Tensor& grad, const Tensor& weight) {
+  check_operands(op, grad, weight);
+  LOOM_REQUIRE(weight.dim() == 2 && grad.dim() >= 1 && grad.size(-1) == weight.size(0), op, ": grad ",
+               describe(grad), " does not fit weight ", describe(weight), " (expected grad [..., ",
+               weight.dim() == 2 ? weight.size(0) : -1, "])");
+  Shape out_shape = grad.shape();
+  out_shape.back() = weight.size(1);
+  return out_shape;
+}
+}  // namespace
+
+Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts,
+                             const Tensor& gelu_pre_activation) {
+  const char* op = "linear_backward_input";
+  Shape out_shape = checked_backward_input_shape(op, grad, weight);
+  Tensor pre;
+  if (gelu_pre_activation.defined()) {
+    LOOM_REQUIRE(gelu_pre_activation.shape() == out_shape && gelu_pre_activation.dtype() == grad.dtype() &&
+                     gelu_pre_activation.device() == grad.device(),
+                 op, ": the GELU pre-activation ", describe(gelu_pre_activation), " must be ", shape_str(out_shape),
+                 " ", dtype_name(grad.dtype()), " on ", grad.device().str());
+    pre = ops::contiguous(gelu_pre_activation);
+  }
+  Tensor out = empty(out_shape, grad.dtype(), grad.device());
+  backward_input_into(grad, weight, opts, pre, out);
   return out;
+}
+
+void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts) {
+  const char* op = "linear_backward_input";
+  Shape out_shape = checked_backward_input_shape(op, grad, weight);
+  LOOM_REQUIRE(out.shape() == out_shape && out.dtype() == grad.dtype() && out.is_contiguous() &&
+                   out.device() == grad.device(),
+               op, ": out ", describe(out), " must be a contiguous ", shape_str(out_shape), " ",
+               dtype_name(grad.dtype()), " tensor on ", grad.device().str());
+  backward_input_into(grad, weight, opts, Tensor(), out);
 }
 
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts,
@@ -395,7 +418,7 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
 }
 
 void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts,
-                                Tensor* bias_out) {
+                                Tensor* bias_out, bool accumulate) {
   const char* op = "linear_backward_weight";
   check_operands(op, grad, x);
   LOOM_REQUIRE(grad.dim() >= 1 && grad.dim() == x.dim() &&
@@ -410,9 +433,10 @@ void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out
                                bias_out->shape() == Shape{out_features} && bias_out->device() == grad.device()),
                op, ": bias_out ", bias_out ? describe(*bias_out) : "", " must be a contiguous [", out_features,
                "] tensor of out's dtype ", dtype_name(out.dtype()), " on ", grad.device().str());
+  LOOM_REQUIRE(!(accumulate && bias_out), op, ": accumulating into out does not take a bias gradient");
   int64_t rows = numel_of(Shape(x.shape().begin(), x.shape().end() - 1));
   if (out.numel() == 0 || rows == 0) {
-    if (out.numel() != 0) fill_zero(out);
+    if (out.numel() != 0 && !accumulate) fill_zero(out);
     if (bias_out) linear_backward_bias_out(grad, *bias_out);
     return;
   }
@@ -429,6 +453,7 @@ void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out
   p.trans_b = true;
   p.ldb = out_features;
   p.ldc = in_features;
+  p.beta = accumulate ? 1.0 : 0.0;
   if (bias_out) {  // the bias gradient, grad's column sums, from the same pass over grad (the gemm's B)
     p.epilogue = GemmEpilogue::kBiasGradB;
     p.bias_grad = bias_out->data();

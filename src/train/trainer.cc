@@ -203,7 +203,7 @@ StepStats Trainer::train_step() {
     Tensor loss;
     {
       amp::AutocastGuard autocast(autocast_dtype_);  // f32 master weights; matrix math in bf16 when asked
-      loss = tp_model_ ? tp_model_->parallel_loss(tp_model_->forward_local(x), y) : model_->loss(model_->forward(x), y);
+      loss = model_->forward_loss(x, y);  // tensor-parallel: the vocabulary-parallel loss
     }
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
     if (ddp_) ddp_->set_require_sync(micro + 1 == grad_accum_);  // communicate on the last micro-step only
@@ -246,7 +246,7 @@ double Trainer::evaluate(int64_t batches) {
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
     amp::AutocastGuard autocast(autocast_dtype_);
-    total += model_->loss(model_->forward(b.x.to(device_)), b.y.to(device_)).item<double>();
+    total += model_->forward_loss(b.x.to(device_), b.y.to(device_)).item<double>();
   }
   loader->set_position(saved);
   model_->train(true);

@@ -83,6 +83,8 @@ class TensorParallelGPT2 : public nn::LanguageModel {
   Tensor forward_local(const Tensor& idx);
   // Mean cross-entropy over the real vocabulary from forward_local's logits (equals loss(forward(idx), targets)).
   Tensor parallel_loss(const Tensor& local_logits, const Tensor& targets) const;
+  // parallel_loss(forward_local(idx), targets). Collective.
+  Tensor forward_loss(const Tensor& idx, const Tensor& targets) override;
 
   // Same seed, same model as the single-rank GPT-2: builds the full model on the CPU and keeps this rank's shard.
   void init_weights(uint64_t seed) override;

@@ -56,6 +56,10 @@ class LanguageModel : public Module {
   // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
   // them, so the step holds one logits-sized buffer instead of two.
   Tensor loss(Tensor&& logits, const Tensor& targets) const;
+  // loss(forward(idx), targets) without the whole logits in memory: GPT-2 and LLaMA run the classifier and the loss
+  // in blocks of rows (linear_cross_entropy), and with autograd on they take the classifier's gradients in the
+  // forward, one block of logits at a time. What training and evaluation use.
+  virtual Tensor forward_loss(const Tensor& idx, const Tensor& targets);
   // Initializes every parameter as the reference implementations do, from a seeded generator.
   virtual void init_weights(uint64_t seed) = 0;
   // The model's parameters by the names Hugging Face uses in its safetensors files, with the tensor layout it
@@ -64,6 +68,9 @@ class LanguageModel : public Module {
   virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
  protected:
+  // The mean loss of the classifier `weight` over the final hidden states, as forward_loss computes it.
+  Tensor classifier_loss(const Tensor& hidden, const Tensor& weight, const Tensor& targets) const;
+
   ModelConfig cfg_;
 };
 

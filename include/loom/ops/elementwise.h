@@ -32,6 +32,8 @@ Tensor sigmoid_backward(const Tensor& grad, const Tensor& out);
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
+// mul into a caller's tensor of the result's shape and dtype (out may be a itself, element for element).
+void mul_out(const Tensor& a, const Tensor& b, Tensor& out);
 Tensor div(const Tensor& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor minimum(const Tensor& a, const Tensor& b);

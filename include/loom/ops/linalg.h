@@ -31,6 +31,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
 // in the gemm's epilogue.
 Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {},
                              const Tensor& gelu_pre_activation = Tensor());
+// linear_backward_input (no GELU) into a caller's contiguous tensor of grad's shape but the last dim in_features and
+// grad's dtype (e.g. a block of rows of a larger gradient).
+void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts = {});
 // The weight and bias gradients may be written in f32 from bf16/f16 operands (out_dtype kF32): the product
 // accumulates in f32 either way, so an f32 master weight gets its gradient without a rounding and a cast.
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {},
@@ -38,8 +41,9 @@ Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulO
 Tensor linear_backward_bias(const Tensor& grad, std::optional<DType> out_dtype = std::nullopt);
 // linear_backward_weight into a caller's contiguous [out, in] tensor (e.g. an optimizer's flat gradient slot) of
 // grad's dtype or f32; with bias_out (contiguous [out], out's dtype), the bias gradient too, from the same gemm.
+// accumulate adds the product to what out holds (the gemm's beta = 1; not with bias_out).
 void linear_backward_weight_out(const Tensor& grad, const Tensor& x, Tensor& out, const MatmulOptions& opts = {},
-                                Tensor* bias_out = nullptr);
+                                Tensor* bias_out = nullptr, bool accumulate = false);
 // linear_backward_bias into a caller's contiguous [out] tensor of grad's dtype or f32.
 void linear_backward_bias_out(const Tensor& grad, Tensor& out);
 

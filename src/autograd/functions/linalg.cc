@@ -151,6 +151,45 @@ class GeluMlpBackward final : public autograd::Node {
   void release_saved() override { x = w1 = w2 = pre_activation = hidden = Tensor(); }
 };
 
+// linear_cross_entropy's gradients, taken in the forward for a loss gradient of 1 (the sum over rows; scaled by
+// 1/counted targets for a mean): the backward scales them by the real loss gradient. Edges: x, weight.
+class LinearCrossEntropyBackward final : public autograd::Node {
+ public:
+  Tensor grad_x, grad_weight;  // [rows, in] in the product's dtype, [V, in] in the dtype the gemm wrote
+  Tensor mean_scale;           // 1 / max(1, counted targets) for a mean, on the device; undefined for a sum
+  Shape x_shape;
+  DType x_dtype = kF32, weight_dtype = kF32;
+
+  std::string name() const override { return "LinearCrossEntropyBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(2);
+    if (!grads[0].defined()) return out;
+    const Tensor s = mean_scale.defined() ? ops::mul(grads[0], mean_scale) : grads[0];
+    if (needs_input_grad(0)) out[0] = as_dtype(ops::mul(grad_x, s), x_dtype).reshape(x_shape);
+    if (needs_input_grad(1)) {
+      Tensor slot = autograd::claim_gradient_destination(*this, 1, grad_weight.dtype());
+      if (slot.defined()) {
+        ops::mul_out(grad_weight, s, slot);  // straight into the optimizer's flat buffer
+        out[1] = slot;
+      } else {
+        out[1] = as_dtype(ops::mul(grad_weight, s), weight_dtype);
+      }
+    }
+    return out;
+  }
+  void release_saved() override { grad_x = grad_weight = mean_scale = Tensor(); }
+};
+
+// Rows per block of linear_cross_entropy: blocks of about equal size whose logits hold at most 2^29 values (1 GiB
+// in bf16), in multiples of 64 rows.
+int64_t classifier_block_rows(int64_t rows, int64_t classes) {
+  constexpr int64_t kBlockValues = int64_t(1) << 29;
+  const int64_t per_block = std::max<int64_t>(1, kBlockValues / std::max<int64_t>(1, classes));
+  const int64_t blocks = std::max<int64_t>(1, (rows + per_block - 1) / per_block);
+  const int64_t even = (rows + blocks - 1) / blocks;
+  return std::max<int64_t>(1, std::min(rows, (even + 63) / 64 * 64));
+}
+
 // The operands of a linear product: under autocast, copies in the autocast dtype made outside autograd (the node
 // records the caller's tensors, so no cast nodes and no f32 round trip of the weight gradient).
 struct LinearOperands {
@@ -249,6 +288,80 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, co
       node->pre_activation = pre_activation.detach();
   }
   return out;
+}
+
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets, int64_t ignore_index,
+                            ops::Reduction reduction, int64_t vocab_limit, int64_t block_rows) {
+  const char* op = "linear_cross_entropy";
+  LOOM_REQUIRE(x.defined() && weight.defined() && targets.defined(), op, ": x, weight and targets must be defined");
+  LOOM_REQUIRE(reduction != ops::Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss)");
+  LOOM_REQUIRE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": x ", describe(x),
+               " does not fit the classifier weight ", describe(weight), " (expected x [..., ",
+               weight.dim() == 2 ? weight.size(1) : -1, "])");
+  const int64_t in_features = weight.size(1);
+  const int64_t rows = x.numel() / std::max<int64_t>(1, in_features);
+  LOOM_REQUIRE(targets.numel() == rows, op, ": targets ", describe(targets), " must hold one class per row of x ",
+               describe(x), " (", rows, ")");
+  LOOM_REQUIRE(block_rows >= 0, op, ": block_rows must be >= 0, got ", block_rows);
+  LinearOperands used = product_operands("linear", x, weight, Tensor());
+  const Tensor xs = ops::contiguous(used.x).reshape({rows, in_features});
+  const Tensor t = ops::contiguous(targets).reshape({rows});
+  const DType product = used.weight.dtype();
+  const DType loss_dtype = product == kF64 ? kF64 : kF32;  // as cross_entropy's loss
+
+  auto node = autograd::make_node<LinearCrossEntropyBackward>({&x, &weight});
+  const bool want_x = node && node->needs_input_grad(0), want_weight = node && node->needs_input_grad(1);
+  Tensor grad_x = want_x ? empty({rows, in_features}, product, x.device()) : Tensor();
+  Tensor grad_weight =
+      want_weight ? empty(weight.shape(), widened(product, weight.dtype()).value_or(product), x.device()) : Tensor();
+  if (want_weight && rows == 0) ops::fill_(grad_weight, 0.0);
+
+  const int64_t block = block_rows > 0 ? block_rows : classifier_block_rows(rows, weight.size(0));
+  Tensor total = zeros({}, loss_dtype, x.device());
+  for (int64_t r0 = 0; r0 < rows; r0 += block) {
+    const int64_t n = std::min(block, rows - r0);
+    const Tensor xb = xs.narrow(0, r0, n), tb = t.narrow(0, r0, n);
+    Tensor logits = ops::linear(xb, used.weight, Tensor());
+    Tensor block_loss;
+    if (want_x || want_weight) {
+      ops::CrossEntropyWithGrad r;
+      try {  // the kernels name positions within the block
+        r = ops::cross_entropy_with_grad(logits, tb, ignore_index, ops::Reduction::kSum, vocab_limit, true);
+      } catch (const Error& e) {
+        LOOM_THROW(op, ": in rows [", r0, ", ", r0 + n, ") of ", rows, ": ", e.what());
+      }
+      block_loss = r.loss;
+      if (want_x) {
+        Tensor rows_of_grad = grad_x.narrow(0, r0, n);
+        ops::linear_backward_input_out(r.grad_logits, used.weight, rows_of_grad);
+      }
+      if (want_weight) ops::linear_backward_weight_out(r.grad_logits, xb, grad_weight, {}, nullptr, r0 > 0);
+    } else {
+      try {
+        block_loss = ops::cross_entropy(logits, tb, ignore_index, ops::Reduction::kSum, vocab_limit);
+      } catch (const Error& e) {
+        LOOM_THROW(op, ": in rows [", r0, ", ", r0 + n, ") of ", rows, ": ", e.what());
+      }
+    }
+    total = ops::add(total, block_loss);
+  }
+
+  Tensor loss = total, mean_scale;
+  if (reduction == ops::Reduction::kMean) {
+    // Counted targets on the device (no host synchronization): rows minus the ignored ones. A mean over none is NaN.
+    Tensor counted = ops::rsub(ops::sum(ops::cast(ops::eq(t, double(ignore_index)), loss_dtype)), double(rows));
+    loss = ops::div(total, counted);
+    mean_scale = ops::pow(ops::maximum(counted, 1.0), -1.0);
+  }
+  if (!node) return loss;
+  node->grad_x = grad_x;
+  node->grad_weight = grad_weight;
+  node->mean_scale = mean_scale;
+  node->x_shape = x.shape();
+  node->x_dtype = x.dtype();
+  node->weight_dtype = weight.dtype();
+  autograd::set_history(loss, node);
+  return loss;
 }
 
 }  // namespace loom
