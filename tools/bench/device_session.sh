@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # One device call's worth of performance work, from the repository root on the GPU machine (carry .devdeps):
 # builds Loom (tools/device/build.sh) while a short PyTorch run fills torch.compile's cache in the background, runs
-# the CUDA tests matching $TESTS, then the end-to-end benchmark (tools/bench/e2e_gpt2.sh) for each batch size in
-# $BATCHES (Loom's per-op breakdown for those in $PROFILE_BATCHES, default 16), and packs the logs into $OUT/bench.tgz.
-# SAME_INIT=1 starts Loom from PyTorch's initial weights (see e2e_gpt2.sh) for step-by-step loss comparison.
+# the CUDA tests matching $TESTS, then the end-to-end benchmark (tools/bench/e2e_gpt2.sh) for each model in $MODELS
+# (default 124m; GPT-2 sizes or llama3-1b, as e2e_gpt2.sh's MODEL) and each batch size: $BATCHES for GPT-2 (default 16,
+# T = 1024), $LLAMA_BATCHES for LLaMA (default 4, T = $LLAMA_T: default 2048, 256 for llama3-tiny), with Loom's per-op
+# breakdown for the batch sizes in $PROFILE_BATCHES (default 16), and packs the logs into $OUT/bench.tgz. With a LLaMA
+# model in $MODELS, a short PyTorch LLaMA run at its first batch size also fills torch.compile's cache during the
+# build. E2E_TIMEOUT: seconds per benchmark (default 300 for GPT-2, 420 for LLaMA). SAME_INIT=1 starts Loom from
+# PyTorch's initial weights (see e2e_gpt2.sh) for step-by-step loss comparison.
 #   TESTS='Cuda*' BATCHES='16 32' MODELS='124m' tools/bench/device_session.sh
+#   MODELS='124m llama3-1b' BATCHES=16 LLAMA_BATCHES=4 STEPS=20 SAME_INIT=1 tools/bench/device_session.sh
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/bench; mkdir -p $W
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $W/gpu.txt
 python3 tools/bench/make_shard.py /tmp/e2e_shard.bin --tokens ${SHARD_TOKENS:-2000000} > $W/shard.log 2>&1 &
-(PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/pytorch_gpt2.py -b 16 --steps 2 > $W/torch_warm.log 2>&1) &
+is_llama() { case "$1" in llama*) return 0;; esac; return 1; }
+gpt2_models=0; llama_warm=""
+for m in ${MODELS:-124m}; do
+  if ! is_llama $m; then gpt2_models=1; elif [ -z "$llama_warm" ] && [ $m != llama3-tiny ]; then llama_warm=$m; fi
+done
+read -r llama_b0 _ <<< "${LLAMA_BATCHES:-4}"
+(if [ $gpt2_models = 1 ]; then
+   PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/pytorch_gpt2.py -b 16 --steps 2 > $W/torch_warm.log 2>&1
+ fi
+ if [ -n "$llama_warm" ]; then
+   PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/pytorch_llama.py --model $llama_warm -b $llama_b0 \
+     -t ${LLAMA_T:-2048} --steps 2 > $W/torch_warm_llama.log 2>&1
+ fi) &
 warm=$!
 stamp "building"
 . tools/device/build.sh || { cp build-dev.log $O/; exit 1; }
@@ -21,13 +38,17 @@ if [ -n "${TESTS:-}" ]; then
   echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED) |FAILED TEST|tests ran" $W/tests.log | head -30
   stamp "tests done"
 fi
-wait; tail -2 $W/torch_warm.log
+wait; tail -2 $W/torch_warm.log 2>/dev/null; tail -2 $W/torch_warm_llama.log 2>/dev/null
 for m in ${MODELS:-124m}; do
-  for b in ${BATCHES:-16}; do
-    stamp "e2e $m B=$b"
+  if is_llama $m; then batches=${LLAMA_BATCHES:-4}; t=${LLAMA_T:-2048}; limit=${E2E_TIMEOUT:-420}
+    [ $m = llama3-tiny ] && t=${LLAMA_T:-256}  # its context
+  else batches=${BATCHES:-16}; t=1024; limit=${E2E_TIMEOUT:-300}; fi
+  data=/tmp/e2e_shard.bin; [ $m = llama3-tiny ] && data=  # e2e_gpt2.sh makes a shard of its 512-token vocabulary
+  for b in $batches; do
+    stamp "e2e $m B=$b T=$t"
     prof=0; case " ${PROFILE_BATCHES:-16} " in *" $b "*) prof=1;; esac
-    DIR=$W MODEL=$m B=$b PROFILE=$prof STEPS=${STEPS:-30} DATA=/tmp/e2e_shard.bin SAME_INIT=${SAME_INIT:-0} \
-      timeout ${E2E_TIMEOUT:-300} tools/bench/e2e_gpt2.sh > $W/e2e_${m}_b$b.txt 2>&1
+    DIR=$W MODEL=$m B=$b T=$t PROFILE=$prof STEPS=${STEPS:-30} DATA=$data SAME_INIT=${SAME_INIT:-0} \
+      timeout $limit tools/bench/e2e_gpt2.sh > $W/e2e_${m}_b$b.txt 2>&1
     grep -v "^step" $W/e2e_${m}_b$b.txt | tail -${TAIL:-60}
   done
 done

@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# End-to-end GPT-2 training benchmark: Loom's loom-train and the PyTorch reference (tools/bench/pytorch_gpt2.py) on
-# the same llm.c shard, one after the other on the same GPU, then a table of tokens/s, MFU, peak memory, the ratio
-# Loom/PyTorch and both loss curves. Run from the repository root on a GPU machine after building (build-dev/ by
-# tools/device/build.sh). Options (environment): B (16), STEPS (30), MODEL (124m or 350m), DATA (a shard; default:
-# a synthetic Markov-chain shard from tools/bench/make_shard.py), LOOM (build-dev/loom-train), DIR (where logs go;
-# default $OUT/e2e or /tmp/e2e), PROFILE=1 to also take Loom's per-op breakdown of one step
-# (tools/bench/op_profile.py), SKIP_TORCH=1 to run Loom alone. SAME_INIT=1 starts both from the same weights: PyTorch
-# writes its initial weights (pytorch_gpt2.py --save-init: f32 safetensors, Hugging Face names) to INIT_FILE (default
-# /tmp/e2e_init_$MODEL.safetensors, outside $OUT and $DIR: 0.5 GB for 124m) and loom-train starts from them
-# (--init-from), so the loss curves compare step by step (with SKIP_TORCH=1 an existing file is reused).
-# LOOM_FLAGS: more loom-train flags for both Loom runs (e.g. --recompute-mlp).
+# End-to-end training benchmark, GPT-2 or LLaMA-3: Loom's loom-train and the PyTorch reference
+# (tools/bench/pytorch_gpt2.py, or tools/bench/pytorch_llama.py for MODEL=llama3-*) on the same llm.c shard, one after
+# the other on the same GPU, then a table of tokens/s, MFU, peak memory, the ratio Loom/PyTorch and both loss curves.
+# Run from the repository root on a GPU machine after building (build-dev/ by tools/device/build.sh). Options
+# (environment): MODEL (124m, 350m or 774m for GPT-2; llama3-1b, or llama3-tiny for a smoke test), B (16 for GPT-2, 4
+# for LLaMA), T (1024 for GPT-2, 2048 for LLaMA, 256 for llama3-tiny), STEPS (30), DATA (a shard; default: a synthetic
+# Markov-chain shard from tools/bench/make_shard.py), LOOM (build-dev/loom-train), DIR (where logs go; default
+# $OUT/e2e or /tmp/e2e), PROFILE=1 to also take Loom's per-op breakdown of one step (tools/bench/op_profile.py),
+# SKIP_TORCH=1 to run Loom alone. SAME_INIT=1 starts both from the same weights: PyTorch writes its initial weights
+# (--save-init: f32 safetensors, Hugging Face names) to INIT_FILE (default /tmp/e2e_init_$MODEL.safetensors, outside
+# $OUT and $DIR: 0.5 GB for 124m, 4.9 GB for llama3-1b) and loom-train starts from them (--init-from), so the loss
+# curves compare step by step (with SKIP_TORCH=1 an existing file is reused).
+# LOOM_FLAGS: more loom-train flags for both Loom runs (e.g. --recompute-mlp); TORCH_FLAGS: more flags for the
+# PyTorch script (e.g. --repeat-kv for LLaMA). LOOM_TIMEOUT: seconds per Loom run (200 for GPT-2, 300 for LLaMA).
 set -uo pipefail
-B=${B:-16}; T=1024; STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
+STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
+case "$MODEL" in
+  llama*) LOOM_MODEL=$MODEL; TORCH_SCRIPT=tools/bench/pytorch_llama.py; B=${B:-4}
+          if [ "$MODEL" = llama3-tiny ]; then T=${T:-256}; else T=${T:-2048}; fi
+          LOOM_TIMEOUT=${LOOM_TIMEOUT:-300} ;;
+  *) LOOM_MODEL=gpt2-$MODEL; TORCH_SCRIPT=tools/bench/pytorch_gpt2.py; B=${B:-16}; T=${T:-1024}
+     LOOM_TIMEOUT=${LOOM_TIMEOUT:-200} ;;
+esac
 LOOM=${LOOM:-build-dev/loom-train}
 DIR=${DIR:-${OUT:-/tmp}/e2e}
 mkdir -p "$DIR"
 DATA=${DATA:-}
 if [ -z "$DATA" ]; then
-  DATA=/tmp/e2e_shard.bin
+  DATA=/tmp/e2e_shard.bin; VOCAB=()
+  [ "$MODEL" = llama3-tiny ] && { DATA=/tmp/e2e_shard_v512.bin; VOCAB=(--vocab 512); }  # its vocabulary is 512
   need=$(( (STEPS + 2) * B * T + 1 ))
-  [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens $(( need > 2000000 ? need : 2000000 )) || exit 1
+  [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens $(( need > 2000000 ? need : 2000000 )) \
+    ${VOCAB[@]+"${VOCAB[@]}"} || exit 1
 fi
 SAME_INIT=${SAME_INIT:-0}
 INIT=${INIT_FILE:-/tmp/e2e_init_${MODEL}.safetensors}
@@ -31,23 +43,23 @@ fi
 echo "== device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 
 if [ "${SKIP_TORCH:-0}" != 1 ]; then
-  echo "== pytorch: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS"
-  PYTHONUNBUFFERED=1 python3 tools/bench/pytorch_gpt2.py --model $MODEL -b $B -t $T --steps $STEPS --data "$DATA" \
+  echo "== pytorch: $LOOM_MODEL bf16 B=$B T=$T steps=$STEPS"
+  PYTHONUNBUFFERED=1 python3 $TORCH_SCRIPT --model $MODEL -b $B -t $T --steps $STEPS --data "$DATA" ${TORCH_FLAGS:-} \
     ${SAVE_INIT[@]+"${SAVE_INIT[@]}"} 2>&1 | grep -v Warning | tee "$DIR/torch_${MODEL}_b$B.log"
 fi
 
 if [ "$SAME_INIT" = 1 ] && [ ! -s "$INIT" ]; then
   echo "SAME_INIT=1: no initial weights at $INIT (the PyTorch run did not write them)"; exit 1
 fi
-echo "== loom: gpt2-$MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-from $INIT)}"
-timeout ${LOOM_TIMEOUT:-200} "$LOOM" --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
+echo "== loom: $LOOM_MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-from $INIT)}"
+timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
   --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 if [ "${PROFILE:-0}" = 1 ]; then
   # One profiled run of 7 steps; loom-train resets the table after the first (warm-up), so it covers 6 steps (and the
   # one batch of the final evaluation). LOOM_PROFILE_OPS=shapes splits rows by shape.
-  LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}.tsv" timeout ${LOOM_TIMEOUT:-200} "$LOOM" \
-    --model gpt2-$MODEL --dtype bf16 -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 \
+  LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$DIR/profile_${MODEL}_b${B}.tsv" timeout $LOOM_TIMEOUT "$LOOM" \
+    --model $LOOM_MODEL --dtype bf16 -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 --sample-tokens 0 \
     --eval-batches 1 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$DIR/profile_${MODEL}_b$B.log" 2>&1
   grep "peak device memory" "$DIR/profile_${MODEL}_b$B.log"
   python3 tools/bench/op_profile.py - "$DIR/profile_${MODEL}_b$B.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b$B.txt"
@@ -58,8 +70,19 @@ python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "
 import json, math, re, statistics, sys, os
 loom_log, torch_log, prof_log, B, T, model, same_init = sys.argv[1:8]
 B, T = int(B), int(T)
-L, H, C = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}[model]
-params = 50304 * C + 1024 * C + L * (12 * C * C + 13 * C) + 2 * C
+GPT2 = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}
+# LLaMA: layers, heads, kv heads, dim, ffn, vocab (unpadded: Loom's padded_vocab_size for LLaMA), tied embeddings
+LLAMA = {"llama3-1b": (16, 32, 8, 2048, 8192, 128256, True), "llama3-8b": (32, 32, 8, 4096, 14336, 128256, False),
+         "llama3-tiny": (2, 4, 2, 64, 160, 512, False)}
+if model in LLAMA:  # Loom's num_parameters: the tied embedding once; no biases; RMSNorm weights only
+    L, H, KV, C, FFN, V, tied = LLAMA[model]
+    kv_dim = KV * (C // H)
+    params = V * C * (1 if tied else 2) + L * (2 * C * C + 2 * C * kv_dim + 3 * C * FFN + 2 * C) + C
+    label = f"LLaMA {model}"
+else:
+    L, H, C = GPT2[model]
+    params = 50304 * C + 1024 * C + L * (12 * C * C + 13 * C) + 2 * C
+    label = f"GPT-2 {model}"
 flops_per_token = 6 * params + 6 * L * C * T
 WARM = 5
 def read(path, pat):
@@ -87,7 +110,7 @@ for name, ms, mem in (("loom", lms, mib(prof_log, r"peak device memory allocated
     if not ms: rows.append((name, None, None, mem)); continue
     tok = B * T / (statistics.median(ms[WARM:] or ms) / 1000)
     rows.append((name, tok, flops_per_token * tok / 989e12 * 100, mem))
-print(f"\n== GPT-2 {model}, bf16, B={B}, T={T}, {len(lms)} Loom / {len(tms)} PyTorch steps; "
+print(f"\n== {label}, bf16, B={B}, T={T}, {len(lms)} Loom / {len(tms)} PyTorch steps; "
       f"{'same initial weights' if same_init == '1' else 'each framework initialized on its own'}; "
       f"median over steps > {WARM}; MFU = (6N + 6LCT) tokens/s / 989 TFLOP/s, N = {params}")
 print(f"{'':10}{'tokens/s':>12}{'MFU %':>8}{'peak MiB':>10}")
