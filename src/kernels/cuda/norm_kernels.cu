@@ -246,12 +246,19 @@ void rms_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad, const 
 }
 
 // ---- Residual add fused into the norm ---------------------------------------------------------------------------
-// One block per row (forward) or per fixed chunk of rows (backward); a thread takes packs of 4 consecutive columns,
-// loaded with one 8/16-byte access when every row pointer is aligned (C % 4 == 0 and aligned bases), else element
-// by element with bounds checks. Later passes over a row re-read it (from L1/L2) rather than holding it, so any C
-// works. The backward accumulates the weight and bias gradients of its rows per column (each thread owns its
-// columns, in shared memory when they fit, else in the block's row of the partial-sum workspace), and a second
-// kernel adds the blocks' partials in block order: deterministic, no atomics.
+// Fast path (f32/f16/bf16 residual, C % 4 == 0, every pointer aligned for pack loads, C <= 2048 forward, <= 1024
+// backward; GPT-2's 768 and 1024 among them): a warp per row with the whole row in registers, each element loaded
+// once with 8/16-byte accesses and every load of a row issued before its warp-shuffle reductions, 4 rows per block.
+// That is about memory bandwidth, where the block kernels below, with a block per row and passes that re-read the
+// row after __syncthreads reductions, were latency-bound. The backward's warps each take a fixed set of rows and
+// keep their parameter sums in shared memory; each block writes one row of partials.
+// Otherwise one block per row (forward) or per fixed chunk of rows (backward); a thread takes packs of 4
+// consecutive columns, loaded with one 8/16-byte access when every row pointer is aligned (C % 4 == 0 and aligned
+// bases), else element by element with bounds checks. Later passes over a row re-read it (from L1/L2) rather than
+// holding it, so any C works. The backward accumulates the weight and bias gradients of its rows per column (each
+// thread owns its columns, in shared memory when they fit, else in the block's row of the partial-sum workspace).
+// Both backwards leave per-block partials that a second kernel adds in block order: deterministic, no atomics,
+// and the rows of a block depend only on the shape.
 
 template <typename T>
 struct alignas(4 * sizeof(T)) Pack4 {
@@ -457,19 +464,229 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
   }
 }
 
+// ---- Fast paths: a warp per row, the row in registers --------------------------------------------------------------
+// For rows of 4-column packs that vector loads reach (C % 4 == 0, aligned pointers, not f64) and fit in a warp's
+// registers: lane l holds packs l, l + 32, ..., so each load instruction of the warp reads consecutive bytes. kPacks
+// is a bound on the packs per lane (the exact count is a runtime guard), so a few instantiations cover every width.
+
+constexpr int kRowWarps = 4;  // warps (rows at a time) per block of the warp-per-row kernels
+
+// Every load of the row is issued before the first reduction, and each element is read from memory once: the
+// residual is rounded to T before the statistics (as stored, as in the block kernel), both from registers.
+template <typename T, typename D, typename O, int kPacks>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    residual_norm_forward_warp_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
+                                      O* out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t rows, int cols,
+                                      compute_t<T> eps) {
+  using C = compute_t<T>;
+  const int64_t row = int64_t(blockIdx.x) * kRowWarps + threadIdx.y;
+  if (row >= rows) return;  // whole warps; no block-wide synchronization below
+  const int lane = int(threadIdx.x), packs = cols / 4;
+  const int64_t base = row * cols;
+  C v[kPacks][4];
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = k * 32 + lane;
+    if (p < packs) {
+      load_pack(x + base, p, cols, true, v[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k][i] = C(0);
+    }
+  }
+  if (delta) {
+    // All of delta's loads before the first residual store, which the compiler may not move loads across.
+    C d[kPacks][4];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+      if (p < packs) load_pack(delta + base, p, cols, true, d[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+      if (p >= packs) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k][i] = C(T(v[k][i] + d[k][i]));
+      if (residual) store_pack(residual + base, p, cols, true, v[k]);
+    }
+  }
+
+  C mean = 0;
+  if (mean_out) {
+    C sum = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) sum += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);  // zeros past the end
+    mean = cuda::warp_allreduce_sum(sum) / C(cols);
+  }
+  C squares = 0;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    if (k * 32 + lane >= packs) continue;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const C d = v[k][i] - mean;
+      squares += d * d;
+    }
+  }
+  squares = cuda::warp_allreduce_sum(squares);
+  const C rstd = C(1) / cuda::sqrt_of(squares / C(cols) + eps);
+  if (lane == 0) {
+    if (mean_out) mean_out[row] = stats_t<T>(mean);
+    rstd_out[row] = stats_t<T>(rstd);
+  }
+  // Weight and bias (L1/L2 hits) a chunk of packs at a time, loaded before the chunk's stores for the same reason.
+  constexpr int kChunk = kPacks < 8 ? kPacks : 8;
+#pragma unroll
+  for (int k0 = 0; k0 < kPacks; k0 += kChunk) {
+    C w[kChunk][4], b[kChunk][4];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int p = (k0 + j) * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[j][i] = C(1);
+        b[j][i] = C(0);
+      }
+      if (p >= packs) continue;
+      if (weight) load_pack(weight, p, cols, true, w[j]);
+      if (bias) load_pack(bias, p, cols, true, b[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int p = (k0 + j) * 32 + lane;
+      if (p >= packs) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k0 + j][i] = (v[k0 + j][i] - mean) * rstd * w[j][i] + b[j][i];
+      store_pack(out + base, p, cols, true, v[k0 + j]);
+    }
+  }
+}
+
+// Warp w of block b takes rows b * rows_per_block + w, + kRowWarps, ...: the assignment, and so the order of the
+// parameter sums, depends only on the shape. Per row, grad_out, the residual and grad_residual are all loaded
+// (once) before the two reductions, so one memory latency per row. Each warp keeps the weight / bias sums of its
+// rows in its own slice of shared memory, each lane reading and writing only its own columns (registers would
+// take 8 * kPacks more a lane and halve the warps an SM holds); at the end the block adds its warps in warp order
+// and writes row b of partial_weight / partial_bias, which sum_block_partials_kernel adds in block order.
+template <typename T, typename G, typename D, int kPacks>
+__global__ void __launch_bounds__(kRowWarps * 32, 4)
+    residual_norm_backward_warp_kernel(const G* grad_out, const T* grad_residual, const T* residual,
+                                       const T* weight, const stats_t<T>* mean, const stats_t<T>* rstd, T* grad_x,
+                                       D* grad_delta, compute_t<T>* partial_weight, compute_t<T>* partial_bias,
+                                       int64_t rows, int cols, int64_t rows_per_block) {
+  using C = compute_t<T>;
+  using Sums = Pack4<C>;
+  __shared__ Sums warp_sums[2][kRowWarps][kPacks * 32];  // [weight, bias][warp][pack]
+  const int lane = int(threadIdx.x), warp = int(threadIdx.y), packs = cols / 4;
+  const bool want_inputs = grad_x || grad_delta, want_params = partial_weight || partial_bias;
+  if (want_params) {
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) warp_sums[0][warp][k * 32 + lane] = warp_sums[1][warp][k * 32 + lane] = Sums{};
+  }
+
+  const int64_t r0 = int64_t(blockIdx.x) * rows_per_block, r1 = min(rows, r0 + rows_per_block);
+  for (int64_t row = r0 + warp; row < r1; row += kRowWarps) {
+    const int64_t base = row * cols;
+    const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
+    // g, then g * w; xv, then xhat. Zeros past the end, so they add nothing to the input-gradient sums.
+    C g[kPacks][4], xv[kPacks][4], res[kPacks][4];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) g[k][i] = xv[k][i] = res[k][i] = C(0);
+      if (p >= packs) continue;
+      load_pack(grad_out + base, p, cols, true, g[k]);
+      load_pack(residual + base, p, cols, true, xv[k]);
+      if (grad_residual && want_inputs) load_pack(grad_residual + base, p, cols, true, res[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xv[k][i] = (xv[k][i] - m) * s;
+      if (!want_params || p >= packs) continue;
+      Sums sw = warp_sums[0][warp][p], sb = warp_sums[1][warp][p];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sw.v[i] += g[k][i] * xv[k][i];
+        sb.v[i] += g[k][i];
+      }
+      warp_sums[0][warp][p] = sw;
+      warp_sums[1][warp][p] = sb;
+    }
+    if (!want_inputs) continue;
+    C sum_g = 0, sum_g_xhat = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+      if (p >= packs) continue;
+      C w[4] = {1, 1, 1, 1};
+      if (weight) load_pack(weight, p, cols, true, w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        g[k][i] *= w[i];
+        sum_g += g[k][i];
+        sum_g_xhat += g[k][i] * xv[k][i];
+      }
+    }
+    C mean_g = 0;
+    if (mean) mean_g = cuda::warp_allreduce_sum(sum_g) / C(cols);
+    const C mean_g_xhat = cuda::warp_allreduce_sum(sum_g_xhat) / C(cols);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = k * 32 + lane;
+      if (p >= packs) continue;
+      C gi[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) gi[i] = s * (g[k][i] - mean_g - xv[k][i] * mean_g_xhat) + res[k][i];
+      if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
+      if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
+    }
+  }
+
+  if (!want_params) return;  // uniform over the block
+  __syncthreads();
+  const C* sums = &warp_sums[0][0][0].v[0];
+  constexpr int kSlice = kPacks * 32 * 4;  // values per warp
+  for (int c = warp * 32 + lane; c < cols; c += kRowWarps * 32) {
+    if (partial_weight) {
+      C acc = sums[c];
+#pragma unroll
+      for (int w = 1; w < kRowWarps; ++w) acc += sums[w * kSlice + c];
+      partial_weight[int64_t(blockIdx.x) * cols + c] = acc;
+    }
+    if (partial_bias) {
+      C acc = sums[kRowWarps * kSlice + c];
+#pragma unroll
+      for (int w = 1; w < kRowWarps; ++w) acc += sums[(kRowWarps + w) * kSlice + c];
+      partial_bias[int64_t(blockIdx.x) * cols + c] = acc;
+    }
+  }
+}
+
 constexpr unsigned kPartialColumns = 32;  // blockDim.x of the partial-sum reduction
-constexpr unsigned kPartialSplit = 16;    // blockDim.y: threads splitting the blocks' partials
+constexpr unsigned kPartialSplit = 32;    // blockDim.y: threads splitting the blocks' partials
 
 // out[c] = sum over b of partial[b][c], each thread summing a fixed strided subset in order, then the subsets
-// combined in order: the same bits on every run. With no partials (no rows) the sums are zero.
+// combined in order: the same bits on every run. With no partials (no rows) the sums are zero. blockIdx.y picks
+// the weight (0) or the bias (1) sums, so one launch does both; a null out skips its half.
 template <typename T>
-__global__ void sum_block_partials_kernel(const compute_t<T>* partial, int64_t blocks, int64_t cols, T* out) {
+__global__ void sum_block_partials_kernel(const compute_t<T>* partial_w, T* out_w, const compute_t<T>* partial_b,
+                                          T* out_b, int64_t blocks, int64_t cols) {
   using C = compute_t<T>;
   __shared__ C tile[kPartialSplit][kPartialColumns];
+  const C* partial = blockIdx.y ? partial_b : partial_w;
+  T* out = blockIdx.y ? out_b : out_w;
+  if (!out) return;  // uniform over the block
   const int64_t c = int64_t(blockIdx.x) * kPartialColumns + threadIdx.x;
   C acc = 0;
-  if (c < cols)
+  if (c < cols) {
+    // Unrolled so that several loads are in flight: only a few dozen blocks run this.
+#pragma unroll 8
     for (int64_t b = threadIdx.y; b < blocks; b += kPartialSplit) acc += partial[b * cols + c];
+  }
   tile[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y != 0 || c >= cols) return;
@@ -484,6 +701,19 @@ unsigned residual_norm_threads(int64_t cols) {
 }
 
 constexpr int64_t kMaxGridX = 2147483647;
+
+// Widest rows of the warp-per-row kernels: the forward holds a row (kPacks * 4 values a lane), the backward three
+// rows and two rows of sums.
+constexpr int64_t kWarpForwardMaxCols = 2048;
+constexpr int64_t kWarpBackwardMaxCols = 1024;
+constexpr int64_t kWarpBackwardMaxBlocks = 512;  // with parameter gradients: the partials' rows
+
+// The packs-per-lane bound (kPacks) that covers a row of `cols` (a multiple of 4, at most 2048): 4, 6, 8 or 16.
+// 6 is for GPT-2's 768 columns, which would otherwise hold registers for 8 (the row is most of them).
+int warp_row_packs(int64_t cols) {
+  const int64_t per_lane = ceil_div(cols / 4, 32);
+  return per_lane <= 4 ? 4 : per_lane <= 6 ? 6 : per_lane <= 8 ? 8 : 16;
+}
 
 template <typename T, typename D, typename O>
 void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
@@ -504,6 +734,23 @@ void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tens
                           pack_aligned(bp) && pack_aligned<T>(rp) && pack_aligned<O>(op);
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
+  if constexpr (!std::is_same_v<T, double>) {
+    if (vectorized && cols <= kWarpForwardMaxCols) {
+      const dim3 grid(unsigned(ceil_div(rows, kRowWarps))), block(32, kRowWarps);
+      auto launch = [&](auto kernel) {
+        kernel<<<grid, block, 0, stream>>>(xp, dp, wp, bp, rp, op, mean_out, rstd_out, rows, int(cols),
+                                           compute_t<T>(eps));
+      };
+      switch (warp_row_packs(cols)) {
+        case 4: launch(residual_norm_forward_warp_kernel<T, D, O, 4>); break;
+        case 6: launch(residual_norm_forward_warp_kernel<T, D, O, 6>); break;
+        case 8: launch(residual_norm_forward_warp_kernel<T, D, O, 8>); break;
+        default: launch(residual_norm_forward_warp_kernel<T, D, O, 16>); break;
+      }
+      LOOM_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   residual_norm_forward_kernel<T, D, O><<<unsigned(rows), residual_norm_threads(cols), 0, stream>>>(
       xp, dp, wp, bp, rp, op, mean_out, rstd_out, cols, compute_t<T>(eps), vectorized);
   LOOM_CUDA_CHECK_LAUNCH();
@@ -527,11 +774,24 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
 
-  // Row chunks depend only on the shape (so the sums' order does): up to 1024 blocks, fewer for wide rows so the
-  // partials stay small; without parameter gradients, a block per row.
-  const int64_t target_blocks = want_params ? std::clamp<int64_t>((int64_t(1) << 21) / cols, 256, 1024) : rows;
-  const int64_t wanted = std::max<int64_t>(1, std::min(rows, target_blocks));
-  const int64_t rows_per_block = std::max<int64_t>(1, ceil_div(rows, wanted));
+  const G* gp = static_cast<const G*>(grad_out.data());
+  const T* grp = data_or_null<T>(grad_residual);
+  const T* xp = static_cast<const T*>(residual.data());
+  const T* wp = data_or_null<T>(weight);
+  const bool vectorized = cols % 4 == 0 && pack_aligned(gp) && pack_aligned(grp) && pack_aligned(xp) &&
+                          pack_aligned(wp) && pack_aligned<T>(gx) && pack_aligned<D>(gd);
+  const bool warp_rows = !std::is_same_v<T, double> && vectorized && cols <= kWarpBackwardMaxCols;
+
+  // Row chunks depend only on the shape (so the sums' order does). Block kernel: up to 1024 blocks, fewer for wide
+  // rows so the partials stay small; without parameter gradients, a block per row. Warp kernel: up to 512 blocks
+  // (a warp's rows cost no more for being many, and fewer partial rows are less to write and add); without
+  // parameter gradients, a row per warp.
+  int64_t wanted = 0;
+  if (warp_rows)
+    wanted = want_params ? std::min(ceil_div(rows, kRowWarps), kWarpBackwardMaxBlocks) : ceil_div(rows, kRowWarps);
+  else
+    wanted = want_params ? std::min(rows, std::clamp<int64_t>((int64_t(1) << 21) / cols, 256, 1024)) : rows;
+  const int64_t rows_per_block = std::max<int64_t>(1, ceil_div(rows, std::max<int64_t>(1, wanted)));
   const int64_t blocks = ceil_div(rows, rows_per_block);  // 0 when there are no rows
   LOOM_CHECK(blocks <= kMaxGridX, "residual_norm_backward: too many rows for one grid");
 
@@ -546,13 +806,21 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
     if (gw) partial_w = static_cast<C*>(workspace.data());
     if (gb) partial_b = static_cast<C*>(workspace.data()) + blocks * cols;
   }
-  const G* gp = static_cast<const G*>(grad_out.data());
-  const T* grp = data_or_null<T>(grad_residual);
-  const T* xp = static_cast<const T*>(residual.data());
-  const T* wp = data_or_null<T>(weight);
-  const bool vectorized = cols % 4 == 0 && pack_aligned(gp) && pack_aligned(grp) && pack_aligned(xp) &&
-                          pack_aligned(wp) && pack_aligned<T>(gx) && pack_aligned<D>(gd);
-  if (blocks > 0) {
+  if constexpr (!std::is_same_v<T, double>) {
+    if (warp_rows && blocks > 0) {
+      auto launch = [&](auto kernel) {
+        kernel<<<unsigned(blocks), dim3(32, kRowWarps), 0, stream>>>(gp, grp, xp, wp, mean, rstd, gx, gd, partial_w,
+                                                                     partial_b, rows, int(cols), rows_per_block);
+      };
+      switch (warp_row_packs(cols)) {
+        case 4: launch(residual_norm_backward_warp_kernel<T, G, D, 4>); break;
+        case 6: launch(residual_norm_backward_warp_kernel<T, G, D, 6>); break;
+        default: launch(residual_norm_backward_warp_kernel<T, G, D, 8>); break;
+      }
+      LOOM_CUDA_CHECK_LAUNCH();
+    }
+  }
+  if (!warp_rows && blocks > 0) {
     residual_norm_backward_kernel<T, G, D><<<unsigned(blocks), residual_norm_threads(cols),
                                              in_shared ? size_t(shared_bytes) : 0, stream>>>(
         gp, grp, xp, wp, mean, rstd, gx, gd, partial_w, partial_b, rows, cols, rows_per_block, in_shared,
@@ -560,9 +828,8 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
     LOOM_CUDA_CHECK_LAUNCH();
   }
   if (!want_params) return;
-  const dim3 grid(unsigned(ceil_div(cols, kPartialColumns))), block(kPartialColumns, kPartialSplit);
-  if (gw) sum_block_partials_kernel<T><<<grid, block, 0, stream>>>(partial_w, blocks, cols, gw);
-  if (gb) sum_block_partials_kernel<T><<<grid, block, 0, stream>>>(partial_b, blocks, cols, gb);
+  const dim3 grid(unsigned(ceil_div(cols, kPartialColumns)), 2), block(kPartialColumns, kPartialSplit);
+  sum_block_partials_kernel<T><<<grid, block, 0, stream>>>(partial_w, gw, partial_b, gb, blocks, cols);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
