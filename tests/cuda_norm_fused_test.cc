@@ -162,12 +162,54 @@ TEST(CudaNormFused, MatchesCpuOnWideRowsAndManyRows) {
   check_against_cpu({kF32, kF32, kF32}, 4099, 64, false, true, false);
 }
 
+// The shapes of training (GPT-2 124M and 350M at B = 16 and 32: many rows per warp in the warp-per-row kernels),
+// LLaMA-1B's RMS norm width, and widths that leave a lane's last 4-column groups partly empty.
+TEST(CudaNormFused, MatchesCpuOnTrainingShapes) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{16384, 768}, {32768, 1024}}) {
+    for (bool rms : {false, true}) {
+      check_against_cpu({kF32, kBF16, kBF16}, rows, cols, rms, true, true);
+      check_against_cpu({kF32, kBF16, kBF16}, rows, cols, rms, true, false);
+    }
+  }
+  check_against_cpu({kBF16, kBF16, kBF16}, 4096, 1024, false, true, true);
+  check_against_cpu({kF32, kBF16, kBF16}, 1000, 2048, true, true, true);
+  for (int64_t cols : {100, 516, 896, 1152})
+    for (const DTypes& dts : {DTypes{kF32, kBF16, kBF16}, DTypes{kF16, kF16, kF16}}) {
+      check_against_cpu(dts, 301, cols, false, true, true);
+      check_against_cpu(dts, 301, cols, true, true, false);
+    }
+}
+
 TEST(CudaNormFused, MatchesCpuOnMisalignedRows) {
   LOOM_SKIP_WITHOUT_CUDA();
   for (const DTypes& dts : kDTypeCases) {
     check_against_cpu(dts, 19, 768, false, true, true, /*misaligned=*/true);
     check_against_cpu(dts, 19, 64, true, true, true, /*misaligned=*/true);
   }
+}
+
+TEST(CudaNormFused, RmsBackwardIsBitwiseDeterministicAtTrainingShape) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const Shape shape{16384, 1024};
+  Tensor x = test::random_tensor(shape, kF32, -2, 2, test::fresh_seed(), kGpu);
+  Tensor d = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
+  Tensor w = test::random_tensor({1024}, kF32, 0.5, 1.5, test::fresh_seed(), kGpu);
+  Tensor g = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
+  Tensor grad_x[2], grad_d[2], grad_w[2];
+  for (int i = 0; i < 2; ++i) {
+    Tensor residual = test::poisoned(shape, kF32, kGpu), out = test::poisoned(shape, kBF16, kGpu);
+    Tensor rstd = test::poisoned({shape[0]}, kF32, kGpu), none;
+    dispatch::call(residual_rms_norm_op, kGpu, kF32, x, d, w, NormAttrs{1e-5}, residual, out, rstd);
+    grad_x[i] = test::poisoned(shape, kF32, kGpu);
+    grad_d[i] = test::poisoned(shape, kBF16, kGpu);
+    grad_w[i] = test::poisoned({1024}, kF32, kGpu);
+    dispatch::call(residual_rms_norm_backward_op, kGpu, kF32, g, none, residual, w, rstd, grad_x[i], grad_d[i],
+                   grad_w[i]);
+  }
+  EXPECT_TRUE(bitwise_equal(grad_x[0], grad_x[1]));
+  EXPECT_TRUE(bitwise_equal(grad_d[0], grad_d[1]));
+  EXPECT_TRUE(bitwise_equal(grad_w[0], grad_w[1]));
 }
 
 TEST(CudaNormFused, BackwardIsBitwiseDeterministic) {
@@ -190,6 +232,16 @@ TEST(CudaNormFused, BackwardIsBitwiseDeterministic) {
     EXPECT_TRUE(bitwise_equal(again.grad_weight, first.grad_weight));
     EXPECT_TRUE(bitwise_equal(again.grad_bias, first.grad_bias));
   }
+  // One input gradient only: the same values as with both.
+  ops::ResidualNormGrads x_only =
+      ops::residual_layer_norm_backward(g, gr, f.residual, w, f.mean, f.rstd, true, std::nullopt, true, true);
+  EXPECT_FALSE(x_only.grad_delta.defined());
+  EXPECT_TRUE(bitwise_equal(x_only.grad_x, first.grad_x));
+  ops::ResidualNormGrads delta_only =
+      ops::residual_layer_norm_backward(g, gr, f.residual, w, f.mean, f.rstd, false, kBF16, true, true);
+  EXPECT_FALSE(delta_only.grad_x.defined());
+  EXPECT_TRUE(bitwise_equal(delta_only.grad_delta, first.grad_delta));
+  EXPECT_TRUE(bitwise_equal(delta_only.grad_weight, first.grad_weight));
   // Only the parameter gradients (no input gradients): the same sums.
   ops::ResidualNormGrads params =
       ops::residual_layer_norm_backward(g, gr, f.residual, w, f.mean, f.rstd, false, std::nullopt, true, true);
