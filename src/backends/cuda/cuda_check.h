@@ -4,6 +4,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "loom/common/error.h"
 
 namespace loom::cuda {
@@ -29,3 +32,16 @@ namespace loom::cuda {
 
 // After a kernel launch: reports a bad launch configuration at the call site rather than at the next sync.
 #define LOOM_CUDA_CHECK_LAUNCH() LOOM_CUDA_CHECK(cudaGetLastError())
+
+namespace loom::cuda {
+
+// Above 48 KB of dynamic shared memory a kernel must opt in, per device; `done` remembers the devices (one bit each).
+template <typename Kernel>
+void opt_in_shared_memory(Kernel kernel, int bytes, int device, std::atomic<uint64_t>& done) {
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_release);
+}
+
+}  // namespace loom::cuda

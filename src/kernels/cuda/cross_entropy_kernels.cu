@@ -2,7 +2,8 @@
 // head up to the first 16-byte boundary and a scalar tail) into a running max and sum of exponentials
 // (OnlineSoftmax, rescaled once per vector); loss = max + log(sum) - logit[target]. Pass 2 (the backward, and the
 // fused forward + backward cross_entropy_with_grad) reads the row again, mostly from L2 since the block just read it,
-// and writes (softmax - onehot) * g, zero rows for ignored targets and zero columns past the classes. The mean/sum
+// and writes (softmax - onehot) * g, zero rows for ignored targets and zero columns past the classes; 16-bit rows of
+// 16-104 KB (GPT-2's vocabulary) stage the row in shared memory instead and read it from there twice. The mean/sum
 // over rows is a second kernel that sums the per-row losses in a fixed order (deterministic, no float atomics).
 // Math in float (double for f64 logits). Targets are validated on the device: an out-of-range one sets a flag that
 // the host reads back after the kernels, and throws with the CPU kernel's message.
@@ -189,14 +190,21 @@ __device__ __forceinline__ void write_gradient_row(const T* x, T* grow, int64_t 
   for (int64_t j = threadIdx.x; j < split.head; j += blockDim.x) grow[j] = f(j, C(x[j]));
   const Vec<T>* vx = reinterpret_cast<const Vec<T>*>(x + split.head);
   Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow + split.head);
-  for (int64_t k = threadIdx.x; k < split.vectors; k += blockDim.x) {
-    const Vec<T> in = load_last_use(vx + k);
+  auto write_vector = [&](int64_t k, const Vec<T>& in) {
     Vec<T> out;
     const int64_t base = split.head + k * kVec<T>;
 #pragma unroll
     for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
     store_streaming(vg + k, out);
+  };
+  // Two loads in flight per thread before their math, as in the statistics pass.
+  int64_t k = threadIdx.x;
+  for (; k + blockDim.x < split.vectors; k += 2 * int64_t(blockDim.x)) {
+    const Vec<T> a = load_last_use(vx + k), b = load_last_use(vx + k + blockDim.x);
+    write_vector(k, a);
+    write_vector(k + blockDim.x, b);
   }
+  if (k < split.vectors) write_vector(k, load_last_use(vx + k));
   for (int64_t j = split.tail_begin + threadIdx.x; j < vocab; j += blockDim.x) grow[j] = f(j, C(x[j]));
 }
 
@@ -244,6 +252,78 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
   const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
   write_gradient_row(x, grow, a.vocab, f, a.grad_vectors);
+}
+
+// The same for 16-bit logits whose gradient is wanted, with the row staged in shared memory: the block copies its
+// row there once (cp.async, every copy in flight at once), and both passes read it back from there, so no logit is
+// read from global memory twice and the gradient pass waits on no load (the two-pass kernel's re-read from L2 held
+// it to about half the bandwidth). Two blocks fit an SM (a 50K-class row is 100 KB), so one block's loads overlap the
+// other's arithmetic and stores. Rows must start on a 16-byte boundary and hold whole vectors, as must the gradient.
+constexpr unsigned kStagedThreads = 512;
+constexpr int64_t kStagedRowBytes = 104 * 1024;  // two blocks of it in an SM's 228 KB
+
+__device__ __forceinline__ void copy_async_16(void* shared_dst, const void* global_src) {
+  const unsigned dst = unsigned(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_kernel(const RowArgs<T, I> a) {
+  static_assert(kFastMath<T>, "16-bit logits only");
+  using C = compute_t<T>;
+  extern __shared__ __align__(16) unsigned char staged_raw[];
+  __shared__ OnlineSoftmax<C> scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t t = int64_t(a.targets[row]);
+  const T* x = a.logits + row * a.vocab;
+  T* grow = a.grad_logits + row * a.vocab;
+  if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
+    if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
+    zero_row(grow, a.vocab);
+    return;
+  }
+  const C target_logit = C(x[t]);  // before any thread writes the gradient over the logits
+  const int vectors = int(a.vocab / kVec<T>), full_vectors = int(a.classes / kVec<T>);
+  const Vec<T>* vx = reinterpret_cast<const Vec<T>*>(x);
+  Vec<T>* staged = reinterpret_cast<Vec<T>*>(staged_raw);
+  // Each thread copies, and later reads, only its own vectors: its wait makes them visible to it, no barrier needed.
+  for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) copy_async_16(staged + k, vx + k);
+  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+  OnlineSoftmax<C> acc{cuda::negative_infinity<C>(), C(0)};
+  for (int k = int(threadIdx.x); k < full_vectors; k += int(blockDim.x)) add_vector(acc, staged[k]);
+  if (full_vectors < vectors && int(threadIdx.x) == full_vectors % int(blockDim.x)) {
+    const Vec<T> v = staged[full_vectors];  // the vector the last classes end in (a padded vocabulary)
+    for (int e = 0; e < kVec<T> && int64_t(full_vectors) * kVec<T> + e < a.classes; ++e) acc.add(C(v.v[e]));
+  }
+  const OnlineSoftmax<C> stats = cuda::row_allreduce_softmax(acc, scratch);
+  if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
+  C scale = C(1);
+  if (a.mean) {
+    const unsigned long long count = *a.counted;
+    scale = count ? C(1) / C(count) : C(0);
+  }
+  const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
+  const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
+  Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow);
+  for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) {
+    const Vec<T> in = staged[k];
+    Vec<T> out;
+    const int64_t base = int64_t(k) * kVec<T>;
+#pragma unroll
+    for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
+    store_streaming(vg + k, out);
+  }
+}
+
+// Whether a launch can take the staged kernel: a gradient of 16-bit logits in whole aligned vectors, rows large
+// enough to gain from it and small enough for two per SM.
+template <typename T>
+bool staged_rows_fit(const T* logits, const T* grad, bool grad_vectors, int64_t vocab) {
+  const int64_t bytes = vocab * int64_t(sizeof(T));
+  return grad != nullptr && grad_vectors && vocab % kVec<T> == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+         bytes >= 16 * 1024 && bytes <= kStagedRowBytes;
 }
 
 // One block of kReduceThreads: each thread sums a strided slice of the rows, then the block combines in thread order.
@@ -355,8 +435,20 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
         status.counter(),
         grad != nullptr && phase_gap % 16 == 0,
     };
-    const unsigned threads = row_threads(grad ? vocab : classes, kVec<T>, grad != nullptr);
-    cross_entropy_rows_kernel<T, I><<<unsigned(n), threads, 0, stream>>>(args);
+    bool staged = false;
+    if constexpr (kFastMath<T>) {
+      staged = staged_rows_fit(args.logits, grad, args.grad_vectors, vocab);
+      if (staged) {
+        auto kernel = cross_entropy_staged_rows_kernel<T, I>;
+        static std::atomic<uint64_t> opted_in{0};
+        cuda::opt_in_shared_memory(kernel, int(kStagedRowBytes), ctx.device().index, opted_in);
+        kernel<<<unsigned(n), kStagedThreads, size_t(vocab) * sizeof(T), stream>>>(args);
+      }
+    }
+    if (!staged) {
+      const unsigned threads = row_threads(grad ? vocab : classes, kVec<T>, grad != nullptr);
+      cross_entropy_rows_kernel<T, I><<<unsigned(n), threads, 0, stream>>>(args);
+    }
     LOOM_CUDA_CHECK_LAUNCH();
   }
   if (loss && !per_row) {

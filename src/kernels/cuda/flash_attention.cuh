@@ -50,14 +50,7 @@ bool supports_like(const Tensor& t, const Tensor& like);  // same shape and dtyp
 // The integer in environment variable `name`, 0 when unset: picks alternative tile shapes for benchmarking.
 int env_variant(const char* name);
 
-// Above 48 KB of dynamic shared memory a kernel must opt in, per device; `done` remembers the devices (one bit each).
-template <typename Kernel>
-void opt_in_shared_memory(Kernel kernel, int bytes, int device, std::atomic<uint64_t>& done) {
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (done.load(std::memory_order_acquire) & bit) return;
-  LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.fetch_or(bit, std::memory_order_release);
-}
+using cuda::opt_in_shared_memory;
 
 // Element type tags: the storage type and which MMA instruction it takes.
 template <bool kBF16>
