@@ -237,6 +237,27 @@ TEST(Rope, MatchesFormulaAndInverts) {
   EXPECT_TRUE(test::all_close(ops::rope(strided, cos, sin), reference_rope(strided, cos, sin, false), 1e-12, 1e-12));
 }
 
+// A view with unit stride along D (the heads of a [B, T, H * D] projection) is rotated without a copy: the output
+// keeps the view's layout (so transposing it back to [B, T, H * D] is free) and equals the contiguous result.
+TEST(Rope, ViewsKeepTheirLayout) {
+  auto [cos, sin] = ops::rope_tables(5, 8, 10000.0, std::nullopt);
+  for (DType dt : test::cpu_float_dtypes()) {
+    Tensor projection = test::random_tensor({2, 5, 3 * 8}, dt);
+    Tensor heads = projection.reshape({2, 5, 3, 8}).transpose(1, 2);  // [2, 3, 5, 8], strides {120, 8, 24, 1}
+    for (bool inverse : {false, true}) {
+      Tensor got = ops::rope(heads, cos, sin, inverse);
+      EXPECT_EQ(got.strides(), heads.strides()) << dtype_name(dt);
+      EXPECT_TRUE(got.transpose(1, 2).is_contiguous());
+      EXPECT_TRUE(test::all_close(got, ops::rope(heads.contiguous(), cos, sin, inverse), 0, 0)) << dtype_name(dt);
+    }
+  }
+  // Through the kernel directly, from a view into a contiguous poisoned output (each with its own strides).
+  Tensor heads = test::random_tensor({3, 5, 2, 8}, kF64).transpose(1, 2);  // [3, 2, 5, 8]
+  Tensor out = test::poisoned({3, 2, 5, 8}, kF64);
+  dispatch::call(rope_strided_op, Device(), kF64, heads, cos, sin, RopeAttrs{false}, out);
+  EXPECT_TRUE(test::all_close(out, reference_rope(heads, cos, sin, false), 1e-12, 1e-12));
+}
+
 TEST(Rope, KernelWritesEveryElementAndInverseIsTheGradient) {
   auto [cos, sin] = ops::rope_tables(3, 4, 10.0, std::nullopt);
   Tensor x = test::random_tensor({1, 2, 3, 4}, kF64), grad = test::random_tensor({1, 2, 3, 4}, kF64);

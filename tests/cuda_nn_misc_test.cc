@@ -318,6 +318,25 @@ TEST(CudaMiscRope, MatchesCpuBothDirections) {
   }
 }
 
+// Heads viewed in a [B, T, H * D] projection: rotated in place of a copy, into the same layout, equal to the CPU.
+TEST(CudaMiscRope, ViewsMatchCpuAndKeepTheirLayout) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const int64_t B = 2, T = 37, H = 3, D = 64;
+  auto [cos_table, sin_table] = ops::rope_tables(T, D, 10000.0, std::nullopt);
+  for (DType dt : float_dtypes()) {
+    Tensor projection = test::random_tensor({B, T, H * D}, dt);
+    Tensor heads = projection.reshape({B, T, H, D}).transpose(1, 2);
+    Tensor gpu_heads = projection.to(kGpu).reshape({B, T, H, D}).transpose(1, 2);
+    for (bool inverse : {false, true}) {
+      Tensor got = ops::rope(gpu_heads, cos_table.to(kGpu), sin_table.to(kGpu), inverse);
+      EXPECT_EQ(got.strides(), gpu_heads.strides());
+      Tensor expected = ops::rope(heads.contiguous(), cos_table, sin_table, inverse);
+      EXPECT_TRUE(test::all_close(got, expected, test::rtol_for(dt), test::atol_for(dt)))
+          << dtype_name(dt) << " inverse " << inverse;
+    }
+  }
+}
+
 // ---- optimizers ----
 
 // Optimizer states differ from the CPU's only by rounding in the math type.

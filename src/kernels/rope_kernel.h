@@ -18,4 +18,9 @@ using RopeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& cos
                         const RopeAttrs&, Tensor& out);
 LOOM_DECLARE_OP(rope, RopeKernel);
 
+// The same for views: x and out [B, H, T, D] with unit stride along D and any other strides (each its own), e.g. the
+// heads of a [B, T, H * D] projection seen as [B, H, T, D], rotated without a copy into and out of that layout. A
+// kernel that takes only contiguous tensors declines with supports(); the caller then copies.
+LOOM_DECLARE_OP(rope_strided, RopeKernel);
+
 }  // namespace loom

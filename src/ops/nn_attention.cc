@@ -1,4 +1,5 @@
 // Scaled dot-product attention and rotary embedding ops: checks, allocation, dispatch; and the rotary tables.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -47,6 +48,22 @@ bool kernel_accepts(Op, Device device, DType dtype, Args&... args) {
 Tensor empty_heads_last(const Tensor& like) {
   const Shape& s = like.shape();
   return ops::transpose(empty({s[0], s[2], s[1], s[3]}, like.dtype(), like.device()), 1, 2);
+}
+
+// An uninitialized dense tensor of t's shape whose dims lie in memory in the order of t's strides (largest first):
+// t's own strides when t is dense, e.g. a [B, T, H, D] buffer viewed as [B, H, T, D].
+Tensor empty_like_layout(const Tensor& t) {
+  std::vector<int64_t> order(size_t(t.dim()));
+  for (int64_t d = 0; d < t.dim(); ++d) order[size_t(d)] = d;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  Shape dense_shape, strides(size_t(t.dim()));
+  for (int64_t d : order) dense_shape.push_back(t.size(d));
+  int64_t step = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    strides[size_t(*it)] = step;
+    step *= std::max<int64_t>(1, t.size(*it));
+  }
+  return empty({t.numel()}, t.dtype(), t.device()).as_strided(t.shape(), strides, 0);
 }
 
 // When q, k and v are the three head groups of one [B, T, (Hq + 2 Hkv) * D] tensor (split_heads of a fused qkv
@@ -139,9 +156,20 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   ops_detail::check_dtype("rope", "cos", cos, kF32);
   ops_detail::check_dtype("rope", "sin", sin, kF32);
   check_rope_shapes(x.shape(), cos.shape(), sin.shape());
+  Tensor cc = ops::contiguous(cos), sc = ops::contiguous(sin);
+  if (!x.is_contiguous() && x.numel() > 0 && x.stride(3) == 1) {
+    // A view (the heads of a [B, T, H * D] projection): rotated in place of a copy, into the same layout, so what
+    // reads it next (attention, and in the backward the projection's gradient) finds it as it expects.
+    Tensor out = empty_like_layout(x);
+    const RopeAttrs attrs{inverse};
+    if (kernel_accepts(rope_strided_op, x.device(), x.dtype(), x, cc, sc, attrs, out)) {
+      dispatch::call(rope_strided_op, x.device(), x.dtype(), x, cc, sc, attrs, out);
+      return out;
+    }
+  }
   Tensor out = empty(x.shape(), x.dtype(), x.device());
   if (out.numel() == 0) return out;
-  Tensor xc = ops::contiguous(x), cc = ops::contiguous(cos), sc = ops::contiguous(sin);
+  Tensor xc = ops::contiguous(x);
   dispatch::call(rope_op, x.device(), x.dtype(), xc, cc, sc, RopeAttrs{inverse}, out);
   return out;
 }
