@@ -40,6 +40,10 @@ Tensor sigmoid(const Tensor& x);
 Tensor gelu(const Tensor& x);
 Tensor silu(const Tensor& x);
 Tensor relu(const Tensor& x);
+// silu(gate) * up, LLaMA's MLP activation, in one kernel (gate and up: one shape, one floating dtype, which the
+// result keeps; not autocast). The backward keeps gate and up, not silu(gate), and computes both gradients in one
+// pass.
+Tensor swiglu(const Tensor& gate, const Tensor& up);
 Tensor pow(const Tensor& x, double exponent);
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);

@@ -27,6 +27,26 @@ ElementwiseMeta infer_unary_backward(const char* op, const Shape& grad, DType gr
   return {grad, grad_dtype};
 }
 
+ElementwiseMeta infer_swiglu(const char* op, const Shape& gate, DType gate_dtype, const Shape& up, DType up_dtype) {
+  LOOM_REQUIRE(gate == up, op, ": gate ", shape_str(gate), " and up ", shape_str(up),
+               " must have the same shape (no broadcasting)");
+  LOOM_REQUIRE(gate_dtype == up_dtype, op, ": gate (", dtype_name(gate_dtype), ") and up (", dtype_name(up_dtype),
+               ") must have the same dtype");
+  LOOM_REQUIRE(is_floating(gate_dtype), op, ": expected floating tensors (f32, f64, f16, bf16), got ",
+               dtype_name(gate_dtype));
+  return {gate, gate_dtype};
+}
+
+ElementwiseMeta infer_swiglu_backward(const char* op, const Shape& grad, DType grad_dtype, const Shape& gate,
+                                      DType gate_dtype, const Shape& up, DType up_dtype) {
+  ElementwiseMeta meta = infer_swiglu(op, gate, gate_dtype, up, up_dtype);
+  LOOM_REQUIRE(grad == gate, op, ": grad ", shape_str(grad), " must have the shape of gate and up ",
+               shape_str(gate));
+  LOOM_REQUIRE(grad_dtype == gate_dtype, op, ": grad (", dtype_name(grad_dtype),
+               ") must have the dtype of gate and up (", dtype_name(gate_dtype), ")");
+  return meta;
+}
+
 ElementwiseMeta infer_binary(const char* op, const Shape& a, DType a_dtype, const Shape& b, DType b_dtype,
                              bool true_division) {
   Shape shape = broadcast_shapes(a, b, op);

@@ -19,6 +19,12 @@ DType infer_unary_keep_dtype(const char* op, DType x);
 // Activation gradients: grad and saved must match in shape and be the same floating dtype.
 ElementwiseMeta infer_unary_backward(const char* op, const Shape& grad, DType grad_dtype, const Shape& saved,
                                      DType saved_dtype);
+// swiglu(gate, up): gate and up must have one shape and one floating dtype (no broadcasting, no promotion), which
+// the output takes.
+ElementwiseMeta infer_swiglu(const char* op, const Shape& gate, DType gate_dtype, const Shape& up, DType up_dtype);
+// swiglu_backward: grad, gate and up must all have one shape and one floating dtype, which both gradients take.
+ElementwiseMeta infer_swiglu_backward(const char* op, const Shape& grad, DType grad_dtype, const Shape& gate,
+                                      DType gate_dtype, const Shape& up, DType up_dtype);
 
 // add, sub, mul, maximum, minimum, add_scaled: broadcast shape, promoted dtype (bool with bool is rejected).
 // div with `true_division` also turns integers into f32.

@@ -43,6 +43,15 @@ LOOM_DECLARE_OP(div, BinaryKernel);
 LOOM_DECLARE_OP(maximum, BinaryKernel);
 LOOM_DECLARE_OP(minimum, BinaryKernel);
 
+// SwiGLU (LLaMA's MLP activation): out = silu(gate) * up, computed in acc_t; (gate, up, out) as a binary op (any
+// strides, out's shape and dtype).
+LOOM_DECLARE_OP(swiglu, BinaryKernel);
+// Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
+// contiguous with one shape and dtype; an undefined grad_gate or grad_up is not computed (at least one is defined).
+using SwigluBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                  Tensor& grad_gate, Tensor& grad_up);
+LOOM_DECLARE_OP(swiglu_backward, SwigluBackwardKernel);
+
 // out = a + alpha * b.
 struct AddScaledAttrs {
   double alpha = 1.0;

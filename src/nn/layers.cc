@@ -53,7 +53,7 @@ SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
   down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, dim, false));
 }
 Tensor SwiGLUMLP::forward(const Tensor& x) const {
-  return down_proj->forward(mul(silu(gate_proj->forward(x)), up_proj->forward(x)));
+  return down_proj->forward(swiglu(gate_proj->forward(x), up_proj->forward(x)));
 }
 
 void KVCache::append(Tensor& new_k, Tensor& new_v) {

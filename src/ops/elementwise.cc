@@ -169,6 +169,33 @@ Tensor sigmoid_backward(const Tensor& grad, const Tensor& out) {
   return unary_backward(sigmoid_backward_op, "sigmoid_backward", grad, out);
 }
 
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  LOOM_REQUIRE(gate.defined() && up.defined(), "swiglu: gate and up must both be defined");
+  check_same_device("swiglu", {&gate, &up});
+  ElementwiseMeta meta = infer_swiglu("swiglu", gate.shape(), gate.dtype(), up.shape(), up.dtype());
+  Tensor out = empty(meta.shape, meta.dtype, gate.device());
+  // The kernels take any strides (the CUDA one vectorizes when all three are contiguous).
+  if (out.numel()) dispatch::call(swiglu_op, gate.device(), meta.dtype, gate, up, out);
+  return out;
+}
+
+SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate, bool need_up) {
+  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined(),
+               "swiglu_backward: grad, gate and up must all be defined");
+  check_same_device("swiglu_backward", {&grad, &gate, &up});
+  ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
+                                               gate.dtype(), up.shape(), up.dtype());
+  SwigluGrads grads;
+  if (need_gate) grads.grad_gate = empty(meta.shape, meta.dtype, grad.device());
+  if (need_up) grads.grad_up = empty(meta.shape, meta.dtype, grad.device());
+  if ((need_gate || need_up) && numel_of(meta.shape)) {
+    // The kernel contract is contiguous operands: one flat, vectorized pass.
+    dispatch::call(swiglu_backward_op, grad.device(), meta.dtype, made_contiguous(grad), made_contiguous(gate),
+                   made_contiguous(up), grads.grad_gate, grads.grad_up);
+  }
+  return grads;
+}
+
 Tensor add(const Tensor& a, const Tensor& b) { return binary(add_op, "add", a, b); }
 Tensor sub(const Tensor& a, const Tensor& b) { return binary(sub_op, "sub", a, b); }
 Tensor mul(const Tensor& a, const Tensor& b) { return binary(mul_op, "mul", a, b); }

@@ -111,6 +111,20 @@ Harness binary(Op op) {
   return h;
 }
 
+// grad, gate, up of one shape (contiguous); both gradients are outputs.
+Harness swiglu_backward_harness() {
+  Harness h;
+  h.min_inputs = h.max_inputs = 3;
+  h.inputs = random_inputs;
+  h.outputs = [](const std::vector<Tensor>& in, const json&, DType dt) {
+    return std::vector<std::pair<Shape, DType>>{{in.at(0).shape(), dt}, {in.at(0).shape(), dt}};
+  };
+  h.call = [](Device d, DType dt, const std::vector<Tensor>& in, std::vector<Tensor>& out, const json&) {
+    dispatch::call(swiglu_backward_op, d, dt, in[0], in[1], in[2], out[0], out[1]);
+  };
+  return h;
+}
+
 template <typename Op>
 Harness softmax_like(Op op, bool backward) {
   Harness h;
@@ -677,6 +691,7 @@ const std::map<std::string, Harness>& harnesses() {
       {"sigmoid_backward", unary_backward(sigmoid_backward_op)},
       {"add", binary(add_op)}, {"sub", binary(sub_op)}, {"mul", binary(mul_op)}, {"div", binary(div_op)},
       {"maximum", binary(maximum_op)}, {"minimum", binary(minimum_op)},
+      {"swiglu", binary(swiglu_op)}, {"swiglu_backward", swiglu_backward_harness()},
       {"softmax", softmax_like(softmax_op, false)}, {"log_softmax", log_softmax_harness()},
       {"softmax_backward", softmax_like(softmax_backward_op, true)},
       {"log_softmax_backward", softmax_like(log_softmax_backward_op, true)},

@@ -215,6 +215,10 @@ const auto pack_unary_backward = [](Call& c, const Tensor& grad, const Tensor& s
 const auto pack_binary = [](Call& c, const Tensor& a, const Tensor& b, Tensor& out) {
   c.input(a), c.input(b), c.output(out);
 };
+const auto pack_swiglu_backward = [](Call& c, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                     Tensor& grad_gate, Tensor& grad_up) {
+  c.input(grad), c.input(gate), c.input(up), c.output(grad_gate), c.output(grad_up);
+};
 const auto pack_add_scaled = [](Call& c, const Tensor& a, const Tensor& b, const AddScaledAttrs& at, Tensor& out) {
   c.input(a), c.input(b), c.output(out), c.attr_float("alpha", at.alpha);
 };
@@ -327,6 +331,7 @@ const std::unordered_map<std::string, Binder>& binders() {
       LOOM_ABI_OP(sigmoid_backward, pack_unary_backward),
       LOOM_ABI_OP(add, pack_binary), LOOM_ABI_OP(sub, pack_binary), LOOM_ABI_OP(mul, pack_binary),
       LOOM_ABI_OP(div, pack_binary), LOOM_ABI_OP(maximum, pack_binary), LOOM_ABI_OP(minimum, pack_binary),
+      LOOM_ABI_OP(swiglu, pack_binary), LOOM_ABI_OP(swiglu_backward, pack_swiglu_backward),
       LOOM_ABI_OP(eq, pack_binary), LOOM_ABI_OP(ne, pack_binary), LOOM_ABI_OP(lt, pack_binary),
       LOOM_ABI_OP(le, pack_binary), LOOM_ABI_OP(gt, pack_binary), LOOM_ABI_OP(ge, pack_binary),
       LOOM_ABI_OP(add_scaled, pack_add_scaled),

@@ -45,6 +45,10 @@
  *     add_scalar mul_scalar div_scalar rsub_scalar(value - x) maximum_scalar minimum_scalar pow_scalar(x**value)
  *                                                   in: x                  out: out      attrs: value (float)
  *     where (cond is bool)                          in: cond, a, b         out: out
+ *     swiglu (out = silu(gate) * up; gate and up have one shape and dtype, no broadcasting)
+ *                                                   in: gate, up           out: out
+ *     swiglu_backward (contiguous; grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate))
+ *                                                   in: grad, gate, up     out: grad_gate?, grad_up?
  *   Softmax (contiguous; dim is non-negative):
  *     softmax log_softmax                           in: x                  out: out      attrs: dim (int)
  *     softmax_backward log_softmax_backward         in: grad, out          out: grad_input  attrs: dim (int)

@@ -60,7 +60,7 @@ class GeluMLP : public Module {
   bool recompute_hidden = false;  // keep only the pre-activation for the backward (gelu_mlp's recompute_hidden)
 };
 
-// LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+// LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), the activation and product fused (loom::swiglu).
 class SwiGLUMLP : public Module {
  public:
   SwiGLUMLP(int64_t dim, int64_t hidden);

@@ -28,6 +28,18 @@ Tensor relu_backward(const Tensor& grad, const Tensor& x);
 Tensor tanh_backward(const Tensor& grad, const Tensor& out);
 Tensor sigmoid_backward(const Tensor& grad, const Tensor& out);
 
+// SwiGLU, LLaMA's MLP activation, in one pass: silu(gate) * up. gate and up have one shape and one floating dtype
+// (no broadcasting or promotion); the result has them too, computed in f32 (f64 for f64).
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+// Its gradients in one pass over grad, gate and up (grad with their shape and dtype): grad_gate = grad * up *
+// silu'(gate), grad_up = grad * silu(gate). Each is computed only when its flag is set (undefined otherwise).
+struct SwigluGrads {
+  Tensor grad_gate;
+  Tensor grad_up;
+};
+SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate = true,
+                            bool need_up = true);
+
 // Binary with broadcasting; the result dtype is promote_types of the inputs.
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);

@@ -207,6 +207,27 @@ std::shared_ptr<N> record_binary(const Tensor& a, const Tensor& b, Tensor& out) 
   return node;
 }
 
+// swiglu(gate, up) = silu(gate) * up: saves gate (and up, for gate's gradient) rather than silu(gate), and computes
+// both gradients in one kernel pass. gate, up and the output share one dtype.
+class SwigluBackward final : public autograd::Node {
+ public:
+  Tensor gate, up;
+  DType dtype = kF32;
+  std::string name() const override { return "SwigluBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(2);
+    const bool need_gate = needs_input_grad(0), need_up = needs_input_grad(1);
+    if (!grads[0].defined() || (!need_gate && !need_up)) return out;
+    // up is saved only for gate's gradient; without it gate stands in (the kernel reads up only for grad_gate).
+    ops::SwigluGrads g = ops::swiglu_backward(as_dtype(grads[0], dtype), gate, need_gate ? up : gate, need_gate,
+                                              need_up);
+    out[0] = g.grad_gate;
+    out[1] = g.grad_up;
+    return out;
+  }
+  void release_saved() override { gate = up = Tensor(); }
+};
+
 class WhereBackward final : public BinaryNode {
  public:
   Tensor cond;
@@ -257,6 +278,17 @@ Tensor sigmoid(const Tensor& x) { return unary<SigmoidBackward>(x, ops::sigmoid(
 Tensor gelu(const Tensor& x) { return unary<GeluBackward>(x, ops::gelu(x), Saves::kInput); }
 Tensor silu(const Tensor& x) { return unary<SiluBackward>(x, ops::silu(x), Saves::kInput); }
 Tensor relu(const Tensor& x) { return unary<ReluBackward>(x, ops::relu(x), Saves::kInput); }
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  Tensor out = ops::swiglu(gate, up);
+  if (auto node = autograd::make_node<SwigluBackward>({&gate, &up})) {
+    node->gate = gate.detach();
+    if (node->needs_input_grad(0)) node->up = up.detach();
+    node->dtype = out.dtype();
+    autograd::set_history(out, node);
+  }
+  return out;
+}
 
 Tensor pow(const Tensor& x, double exponent) {
   Tensor out = ops::pow(x, exponent);

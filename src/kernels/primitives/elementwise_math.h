@@ -55,6 +55,19 @@ struct SigmoidBackward {
   template <typename T> LOOM_HOST_DEVICE T operator()(T g, T y) const { return g * y * (T(1) - y); }
 };
 
+// SwiGLU: silu(gate) * up, and both of its gradients from one sigmoid.
+struct Swiglu {
+  template <typename T> LOOM_HOST_DEVICE T operator()(T gate, T up) const { return gate * sigmoid_value(gate) * up; }
+};
+struct SwigluBackward {
+  // grad_gate = g * up * s * (1 + gate * (1 - s)), grad_up = g * gate * s with s = sigmoid(gate).
+  template <typename T> LOOM_HOST_DEVICE void operator()(T g, T gate, T up, T& grad_gate, T& grad_up) const {
+    T s = sigmoid_value(gate);
+    grad_up = g * gate * s;
+    grad_gate = g * up * s * (T(1) + gate * (T(1) - s));
+  }
+};
+
 // Binary; the scalar variants call these with the scalar as b (or a, for rsub).
 struct Add { template <typename T> LOOM_HOST_DEVICE T operator()(T a, T b) const { return T(a + b); } };
 struct Sub { template <typename T> LOOM_HOST_DEVICE T operator()(T a, T b) const { return T(a - b); } };
