@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str();
   app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
-  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2)")->capture_default_str();
+  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str();
   app.add_flag("--zero1", o.zero1, "shard AdamW state across data-parallel ranks (ZeRO-1)");
   app.add_flag("--recompute-mlp", o.recompute_mlp,
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");

@@ -1,8 +1,9 @@
-// Tensor parallelism: region functions as autograd nodes, parallel layers, vocab-parallel cross-entropy, and GPT-2
-// built from them.
+// Tensor parallelism: region functions as autograd nodes, parallel layers, vocab-parallel cross-entropy, and GPT-2 and
+// LLaMA-3 built from them.
 #include "loom/distributed/tensor_parallel.h"
 
 #include <map>
+#include <tuple>
 
 #include "autograd/record.h"
 #include "loom/autograd/grad_mode.h"
@@ -138,6 +139,7 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) const {
 Tensor ColumnParallelLinear::forward_gelu(const Tensor& x) const {
   return linear_gelu(copy_to_tensor_parallel_region(x, group), weight, bias);
 }
+Tensor ColumnParallelLinear::forward_in_region(const Tensor& x) const { return linear(x, weight, bias); }
 
 RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool has_bias, std::shared_ptr<ProcessGroup> g)
     : group(std::move(g)) {
@@ -247,7 +249,90 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
   return loss;
 }
 
-// ---- GPT-2 ----
+// ---- the model base: full <-> shard plumbing shared by every family ----
+
+TensorParallelModel::TensorParallelModel(const nn::ModelConfig& c, std::shared_ptr<ProcessGroup> group,
+                                         const char* name)
+    : LanguageModel(c), group_(std::move(group)), name_(name) {
+  LOOM_REQUIRE(group_, name_, ": no process group");
+  LOOM_REQUIRE(c.dropout == 0, name_, ": dropout is not supported with tensor parallelism (got ", c.dropout, ")");
+  LOOM_REQUIRE(c.padded_vocab_size % group_->size() == 0, name_, ": the padded vocabulary of ", c.padded_vocab_size,
+               " does not divide by the tensor-parallel size ", group_->size());
+}
+
+Tensor TensorParallelModel::forward_local(const Tensor& idx) {
+  return linear(copy_to_tensor_parallel_region(hidden(idx, nullptr), group_), classifier_weight());
+}
+
+Tensor TensorParallelModel::forward(const Tensor& idx, std::vector<nn::KVCache>* caches) {
+  Tensor local = linear(copy_to_tensor_parallel_region(hidden(idx, caches), group_), classifier_weight());
+  return gather_from_tensor_parallel_region(local, group_);
+}
+
+Tensor TensorParallelModel::parallel_loss(const Tensor& local_logits, const Tensor& targets) const {
+  Tensor flat = local_logits.reshape({-1, local_logits.size(-1)});
+  int64_t vocab_start = group_->rank() * (cfg_.padded_vocab_size / group_->size());
+  return vocab_parallel_cross_entropy(flat, targets.reshape({-1}), vocab_start, cfg_.vocab_size, group_);
+}
+
+Tensor TensorParallelModel::forward_loss(const Tensor& idx, const Tensor& targets) {
+  return parallel_loss(forward_local(idx), targets);
+}
+
+std::vector<bool> TensorParallelModel::sharded_mask() const {
+  std::vector<bool> out;
+  for (auto& [name, p] : named_parameters()) out.push_back(layout_of(name).sharded);
+  return out;
+}
+
+void TensorParallelModel::load_from_full(const nn::LanguageModel& full) {
+  load_full_named_parameters(full.named_parameters());
+}
+
+void TensorParallelModel::load_full_named_parameters(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  for (auto& [name, p] : named_parameters()) {
+    auto it = by_name.find(name);
+    LOOM_REQUIRE(it != by_name.end(), name_, ": tensor '", name, "' is missing");
+    Layout l = layout_of(name);
+    Tensor src = l.sharded ? shard_tensor(it->second, l.dim, l.parts, group_->rank(), group_->size()) : it->second;
+    LOOM_REQUIRE(src.shape() == p.shape(), name_, ": tensor '", name, "' has shape ", shape_str(it->second.shape()),
+                 ", which does not shard to ", shape_str(p.shape()));
+    p.copy_from(src);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> TensorParallelModel::full_named_parameters() const {
+  autograd::NoGradGuard ng;
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [name, p] : named_parameters()) {
+    Layout l = layout_of(name);
+    out.emplace_back(name, l.sharded ? unshard_tensor(p.detach(), l.dim, l.parts, *group_) : p.detach());
+  }
+  return out;
+}
+
+void TensorParallelModel::init_weights(uint64_t seed) {
+  auto full = nn::make_model(cfg_);
+  full->init_weights(seed);
+  load_from_full(*full);
+}
+
+std::vector<std::pair<std::string, Tensor>> TensorParallelModel::hf_state_dict() const {
+  auto full = nn::make_model(cfg_);
+  std::map<std::string, Tensor> own;
+  for (auto& [n, t] : full_named_parameters()) own[n] = t;
+  autograd::NoGradGuard ng;
+  for (auto& [name, p] : full->named_parameters()) p.copy_from(own.at(name));
+  return full->hf_state_dict();
+}
+
+void TensorParallelModel::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  auto full = nn::make_model(cfg_);
+  full->load_hf_state_dict(tensors);
+  load_from_full(*full);
+}
 
 namespace {
 
@@ -261,6 +346,14 @@ class TPModuleList : public nn::Module {
  private:
   int64_t size_ = 0;
 };
+
+bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+// ---- GPT-2 ----
+
+namespace {
 
 class TPAttention : public nn::Module {
  public:
@@ -321,31 +414,14 @@ struct TensorParallelGPT2::Impl {
   std::shared_ptr<TPModuleList> h;
   std::vector<std::shared_ptr<TPBlock>> blocks;
   std::shared_ptr<nn::LayerNorm> ln_f;
-
-  Tensor hidden(const nn::ModelConfig& cfg, const Tensor& idx, std::vector<nn::KVCache>* caches) const {
-    LOOM_REQUIRE(idx.dim() == 2, "TensorParallelGPT2: expected token ids [B, T], got ", describe(idx));
-    int64_t T = idx.size(1);
-    int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
-    LOOM_REQUIRE(past + T <= cfg.max_seq_len, "TensorParallelGPT2: sequence length ", past + T,
-                 " exceeds the model's context ", cfg.max_seq_len);
-    if (caches) caches->resize(size_t(cfg.n_layer));
-    Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
-    Tensor x = add(wte->forward(idx), wpe->forward(pos));
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches ? &(*caches)[i] : nullptr);
-    return ln_f->forward(x);
-  }
 };
 
 TensorParallelGPT2::TensorParallelGPT2(const nn::ModelConfig& c, std::shared_ptr<ProcessGroup> group)
-    : LanguageModel(c), impl_(std::make_shared<Impl>()), group_(std::move(group)) {
-  LOOM_REQUIRE(group_, "TensorParallelGPT2: no process group");
+    : TensorParallelModel(c, std::move(group), "TensorParallelGPT2"), impl_(std::make_shared<Impl>()) {
   LOOM_REQUIRE(c.family == nn::ModelFamily::kGPT2, "TensorParallelGPT2: the model must be a GPT-2");
-  LOOM_REQUIRE(c.dropout == 0, "TensorParallelGPT2: dropout is not supported with tensor parallelism (got ", c.dropout,
-               ")");
-  LOOM_REQUIRE(c.n_head % group_->size() == 0 && c.ffn_hidden % group_->size() == 0 &&
-                   c.padded_vocab_size % group_->size() == 0,
-               "TensorParallelGPT2: n_head ", c.n_head, ", ffn_hidden ", c.ffn_hidden, " and padded vocabulary ",
-               c.padded_vocab_size, " must all divide by the tensor-parallel size ", group_->size());
+  LOOM_REQUIRE(c.n_head % group_->size() == 0 && c.ffn_hidden % group_->size() == 0,
+               "TensorParallelGPT2: n_head ", c.n_head, " and ffn_hidden ", c.ffn_hidden,
+               " must divide by the tensor-parallel size ", group_->size());
   Impl& m = *impl_;
   m.wte = register_module("wte", std::make_shared<VocabParallelEmbedding>(c.padded_vocab_size, c.n_embd, group_));
   m.wpe = register_module("wpe", std::make_shared<nn::Embedding>(c.max_seq_len, c.n_embd));
@@ -354,88 +430,185 @@ TensorParallelGPT2::TensorParallelGPT2(const nn::ModelConfig& c, std::shared_ptr
   m.ln_f = register_module("ln_f", std::make_shared<nn::LayerNorm>(c.n_embd, c.norm_eps));
 }
 
-Tensor TensorParallelGPT2::forward_local(const Tensor& idx) {
-  Tensor x = impl_->hidden(cfg_, idx, nullptr);
-  return linear(copy_to_tensor_parallel_region(x, group_), impl_->wte->weight);  // tied, vocab-parallel classifier
+Tensor TensorParallelGPT2::hidden(const Tensor& idx, std::vector<nn::KVCache>* caches) {
+  const Impl& m = *impl_;
+  LOOM_REQUIRE(idx.dim() == 2, "TensorParallelGPT2: expected token ids [B, T], got ", describe(idx));
+  int64_t T = idx.size(1);
+  int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+  LOOM_REQUIRE(past + T <= cfg_.max_seq_len, "TensorParallelGPT2: sequence length ", past + T,
+               " exceeds the model's context ", cfg_.max_seq_len);
+  if (caches) caches->resize(size_t(cfg_.n_layer));
+  Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
+  Tensor x = add(m.wte->forward(idx), m.wpe->forward(pos));
+  for (size_t i = 0; i < m.blocks.size(); ++i) x = m.blocks[i]->forward(x, caches ? &(*caches)[i] : nullptr);
+  return m.ln_f->forward(x);
 }
 
-Tensor TensorParallelGPT2::forward(const Tensor& idx, std::vector<nn::KVCache>* caches) {
-  Tensor x = impl_->hidden(cfg_, idx, caches);
-  Tensor local = linear(copy_to_tensor_parallel_region(x, group_), impl_->wte->weight);
-  return gather_from_tensor_parallel_region(local, group_);
-}
+const Tensor& TensorParallelGPT2::classifier_weight() const { return impl_->wte->weight; }  // tied
 
-Tensor TensorParallelGPT2::parallel_loss(const Tensor& local_logits, const Tensor& targets) const {
-  Tensor flat = local_logits.reshape({-1, local_logits.size(-1)});
-  return vocab_parallel_cross_entropy(flat, targets.reshape({-1}), impl_->wte->vocab_start(), cfg_.vocab_size, group_);
-}
-
-Tensor TensorParallelGPT2::forward_loss(const Tensor& idx, const Tensor& targets) {
-  return parallel_loss(forward_local(idx), targets);
-}
-
-TensorParallelGPT2::Layout TensorParallelGPT2::layout_of(const std::string& name) const {
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+TensorParallelModel::Layout TensorParallelGPT2::layout_of(const std::string& name) const {
   if (name == "wte.weight") return {0, 1, true};
-  if (has("attn.c_attn.")) return {0, 3, true};
-  if (has("mlp.c_fc.")) return {0, 1, true};
-  if (has("c_proj.weight")) return {1, 1, true};
+  if (contains(name, "attn.c_attn.")) return {0, 3, true};
+  if (contains(name, "mlp.c_fc.")) return {0, 1, true};
+  if (contains(name, "c_proj.weight")) return {1, 1, true};
   return {};
 }
 
-std::vector<bool> TensorParallelGPT2::sharded_mask() const {
-  std::vector<bool> out;
-  for (auto& [name, p] : named_parameters()) out.push_back(layout_of(name).sharded);
-  return out;
-}
+// ---- LLaMA-3 ----
 
-void TensorParallelGPT2::load_from_full(const nn::LanguageModel& full) {
-  load_full_named_parameters(full.named_parameters());
-}
+namespace {
 
-void TensorParallelGPT2::load_full_named_parameters(const std::vector<std::pair<std::string, Tensor>>& tensors) {
-  autograd::NoGradGuard ng;
-  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
-  for (auto& [name, p] : named_parameters()) {
-    auto it = by_name.find(name);
-    LOOM_REQUIRE(it != by_name.end(), "TensorParallelGPT2: tensor '", name, "' is missing");
-    Layout l = layout_of(name);
-    Tensor src = l.sharded ? shard_tensor(it->second, l.dim, l.parts, group_->rank(), group_->size()) : it->second;
-    LOOM_REQUIRE(src.shape() == p.shape(), "TensorParallelGPT2: tensor '", name, "' has shape ",
-                 shape_str(it->second.shape()), ", which does not shard to ", shape_str(p.shape()));
-    p.copy_from(src);
+// Names as the single-rank LLaMA (q_proj, k_proj, v_proj, o_proj under self_attn), so shards map to its parameters.
+class TPLlamaAttention : public nn::Module {
+ public:
+  TPLlamaAttention(const nn::ModelConfig& c, const std::shared_ptr<ProcessGroup>& g) : group(g) {
+    head_dim = c.n_embd / c.n_head;
+    local_heads = c.n_head / g->size();
+    local_kv_heads = c.n_kv_head / g->size();
+    // q and k/v differ in width under grouped-query attention: each splits by its own head count.
+    q_proj = register_module("q_proj", std::make_shared<ColumnParallelLinear>(c.n_embd, c.n_embd, false, g));
+    k_proj = register_module("k_proj",
+                             std::make_shared<ColumnParallelLinear>(c.n_embd, c.n_kv_head * head_dim, false, g));
+    v_proj = register_module("v_proj",
+                             std::make_shared<ColumnParallelLinear>(c.n_embd, c.n_kv_head * head_dim, false, g));
+    o_proj = register_module("o_proj", std::make_shared<RowParallelLinear>(c.n_embd, c.n_embd, false, g));
   }
-}
-
-std::vector<std::pair<std::string, Tensor>> TensorParallelGPT2::full_named_parameters() const {
-  autograd::NoGradGuard ng;
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [name, p] : named_parameters()) {
-    Layout l = layout_of(name);
-    out.emplace_back(name, l.sharded ? unshard_tensor(p.detach(), l.dim, l.parts, *group_) : p.detach());
+  // Rank r holds query heads [r Hq/R, (r+1) Hq/R) and kv heads [r Hkv/R, (r+1) Hkv/R): since Hq/R = (Hq/Hkv) Hkv/R,
+  // its query heads read exactly its kv heads, in the same order as attention groups them locally.
+  Tensor forward(const Tensor& x, const Tensor& rope_cos, const Tensor& rope_sin, nn::KVCache* cache) const {
+    int64_t B = x.size(0), T = x.size(1), D = head_dim;
+    Tensor xr = copy_to_tensor_parallel_region(x, group);
+    Tensor q = q_proj->forward_in_region(xr).reshape({B, T, local_heads, D}).transpose(1, 2);
+    Tensor k = k_proj->forward_in_region(xr).reshape({B, T, local_kv_heads, D}).transpose(1, 2);
+    Tensor v = v_proj->forward_in_region(xr).reshape({B, T, local_kv_heads, D}).transpose(1, 2);
+    int64_t past = cache ? cache->length() : 0;
+    Tensor cos = rope_cos.narrow(0, past, T), sin = rope_sin.narrow(0, past, T);
+    q = rope(q, cos, sin);
+    k = rope(k, cos, sin);
+    if (cache) cache->append(k, v);
+    Tensor y = scaled_dot_product_attention(q, k, v, /*causal=*/true);  // [B, Hq/R, T, D]
+    return o_proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * D}));
   }
-  return out;
+  int64_t head_dim, local_heads, local_kv_heads;
+  std::shared_ptr<ColumnParallelLinear> q_proj, k_proj, v_proj;
+  std::shared_ptr<RowParallelLinear> o_proj;
+  std::shared_ptr<ProcessGroup> group;
+};
+
+class TPSwiGLUMLP : public nn::Module {
+ public:
+  TPSwiGLUMLP(const nn::ModelConfig& c, const std::shared_ptr<ProcessGroup>& g) : group(g) {
+    gate_proj = register_module("gate_proj", std::make_shared<ColumnParallelLinear>(c.n_embd, c.ffn_hidden, false, g));
+    up_proj = register_module("up_proj", std::make_shared<ColumnParallelLinear>(c.n_embd, c.ffn_hidden, false, g));
+    down_proj = register_module("down_proj", std::make_shared<RowParallelLinear>(c.ffn_hidden, c.n_embd, false, g));
+  }
+  // gate and up hold the same hidden units on this rank, so swiglu pairs them locally.
+  Tensor forward(const Tensor& x) const {
+    Tensor xr = copy_to_tensor_parallel_region(x, group);
+    return down_proj->forward(swiglu(gate_proj->forward_in_region(xr), up_proj->forward_in_region(xr)));
+  }
+  std::shared_ptr<ColumnParallelLinear> gate_proj, up_proj;
+  std::shared_ptr<RowParallelLinear> down_proj;
+  std::shared_ptr<ProcessGroup> group;
+};
+
+class TPLlamaBlock : public nn::Module {
+ public:
+  TPLlamaBlock(const nn::ModelConfig& c, const std::shared_ptr<ProcessGroup>& g) {
+    input_layernorm = register_module("input_layernorm", std::make_shared<nn::RMSNorm>(c.n_embd, c.norm_eps));
+    self_attn = register_module("self_attn", std::make_shared<TPLlamaAttention>(c, g));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", std::make_shared<nn::RMSNorm>(c.n_embd, c.norm_eps));
+    mlp = register_module("mlp", std::make_shared<TPSwiGLUMLP>(c, g));
+  }
+  // As the single-rank block: returns the stream after the attention add and the pending (all-reduced, so
+  // replicated) MLP output, whose add residual_rms_norm fuses into the next norm.
+  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, const Tensor& cos, const Tensor& sin,
+                                    nn::KVCache* cache) const {
+    auto [h, normed_1] = residual_rms_norm(x, pending, input_layernorm->weight, input_layernorm->eps);
+    Tensor a = self_attn->forward(normed_1, cos, sin, cache);
+    auto [h2, normed_2] = residual_rms_norm(h, a, post_attention_layernorm->weight, post_attention_layernorm->eps);
+    return {h2, mlp->forward(normed_2)};
+  }
+  std::shared_ptr<nn::RMSNorm> input_layernorm, post_attention_layernorm;
+  std::shared_ptr<TPLlamaAttention> self_attn;
+  std::shared_ptr<TPSwiGLUMLP> mlp;
+};
+
+// The "model." prefix of the single-rank (Hugging Face) names.
+class TPLlamaBody : public nn::Module {
+ public:
+  TPLlamaBody(const nn::ModelConfig& c, const std::shared_ptr<ProcessGroup>& g) {
+    embed_tokens =
+        register_module("embed_tokens", std::make_shared<VocabParallelEmbedding>(c.padded_vocab_size, c.n_embd, g));
+    layers = register_module("layers", std::make_shared<TPModuleList>());
+    for (int64_t i = 0; i < c.n_layer; ++i) blocks.push_back(layers->push_back(std::make_shared<TPLlamaBlock>(c, g)));
+    norm = register_module("norm", std::make_shared<nn::RMSNorm>(c.n_embd, c.norm_eps));
+  }
+  std::shared_ptr<VocabParallelEmbedding> embed_tokens;
+  std::shared_ptr<TPModuleList> layers;
+  std::vector<std::shared_ptr<TPLlamaBlock>> blocks;
+  std::shared_ptr<nn::RMSNorm> norm;
+};
+
+}  // namespace
+
+struct TensorParallelLlama::Impl {
+  std::shared_ptr<TPLlamaBody> model;
+  std::shared_ptr<ColumnParallelLinear> lm_head;  // untied only
+  Tensor rope_cos, rope_sin;
+};
+
+TensorParallelLlama::TensorParallelLlama(const nn::ModelConfig& c, std::shared_ptr<ProcessGroup> group)
+    : TensorParallelModel(c, std::move(group), "TensorParallelLlama"), impl_(std::make_shared<Impl>()) {
+  LOOM_REQUIRE(c.family == nn::ModelFamily::kLlama, "TensorParallelLlama: the model must be a LLaMA");
+  int64_t ranks = group_->size();
+  LOOM_REQUIRE(c.n_head % ranks == 0 && c.n_kv_head % ranks == 0, "TensorParallelLlama: n_head ", c.n_head,
+               " and n_kv_head ", c.n_kv_head, " must both divide by the tensor-parallel size ", ranks,
+               " (each rank owns whole query and key/value heads)");
+  LOOM_REQUIRE(c.ffn_hidden % ranks == 0, "TensorParallelLlama: ffn_hidden ", c.ffn_hidden,
+               " does not divide by the tensor-parallel size ", ranks);
+  Impl& m = *impl_;
+  m.model = register_module("model", std::make_shared<TPLlamaBody>(c, group_));
+  if (!c.tie_embeddings)
+    m.lm_head = register_module("lm_head",
+                                std::make_shared<ColumnParallelLinear>(c.n_embd, c.padded_vocab_size, false, group_));
+  auto [cos, sin] = ops::rope_tables(c.max_seq_len, c.n_embd / c.n_head, c.rope_theta, c.rope_scaling);
+  m.rope_cos = register_buffer("rope_cos", cos);
+  m.rope_sin = register_buffer("rope_sin", sin);
 }
 
-void TensorParallelGPT2::init_weights(uint64_t seed) {
-  auto full = nn::make_model(cfg_);
-  full->init_weights(seed);
-  load_from_full(*full);
+Tensor TensorParallelLlama::hidden(const Tensor& idx, std::vector<nn::KVCache>* caches) {
+  const Impl& m = *impl_;
+  LOOM_REQUIRE(idx.dim() == 2, "TensorParallelLlama: expected token ids [B, T], got ", describe(idx));
+  int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+  LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "TensorParallelLlama: sequence length ", past + idx.size(1),
+               " exceeds the model's context ", cfg_.max_seq_len);
+  if (caches) caches->resize(size_t(cfg_.n_layer));
+  Tensor x = m.model->embed_tokens->forward(idx);
+  Tensor pending;
+  for (size_t i = 0; i < m.model->blocks.size(); ++i)
+    std::tie(x, pending) =
+        m.model->blocks[i]->forward(x, pending, m.rope_cos, m.rope_sin, caches ? &(*caches)[i] : nullptr);
+  return residual_rms_norm(x, pending, m.model->norm->weight, m.model->norm->eps).second;
 }
 
-std::vector<std::pair<std::string, Tensor>> TensorParallelGPT2::hf_state_dict() const {
-  auto full = nn::make_model(cfg_);
-  std::map<std::string, Tensor> own;
-  for (auto& [n, t] : full_named_parameters()) own[n] = t;
-  autograd::NoGradGuard ng;
-  for (auto& [name, p] : full->named_parameters()) p.copy_from(own.at(name));
-  return full->hf_state_dict();
+const Tensor& TensorParallelLlama::classifier_weight() const {
+  return impl_->lm_head ? impl_->lm_head->weight : impl_->model->embed_tokens->weight;
 }
 
-void TensorParallelGPT2::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) {
-  auto full = nn::make_model(cfg_);
-  full->load_hf_state_dict(tensors);
-  load_from_full(*full);
+TensorParallelModel::Layout TensorParallelLlama::layout_of(const std::string& name) const {
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return {0, 1, true};
+  if (contains(name, "_proj.weight")) return {contains(name, "o_proj") || contains(name, "down_proj") ? 1 : 0, 1, true};
+  return {};  // RMSNorm weights
+}
+
+// ---- by family ----
+
+std::shared_ptr<TensorParallelModel> make_tensor_parallel_model(const nn::ModelConfig& cfg,
+                                                                std::shared_ptr<ProcessGroup> group) {
+  if (cfg.family == nn::ModelFamily::kGPT2) return std::make_shared<TensorParallelGPT2>(cfg, std::move(group));
+  return std::make_shared<TensorParallelLlama>(cfg, std::move(group));
 }
 
 }  // namespace loom::distributed

@@ -118,7 +118,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
   if (opts_.tensor_parallel > 1) {  // keep this rank's shard of the full model just built
-    tp_model_ = std::make_shared<distributed::TensorParallelGPT2>(cfg, tp_group_);
+    tp_model_ = distributed::make_tensor_parallel_model(cfg, tp_group_);  // GPT-2 or LLaMA, by cfg.family
     tp_model_->load_from_full(*model_);
     model_ = tp_model_;
   }

@@ -1,6 +1,7 @@
 // Multi-process checks of the distributed layer: collectives, DDP and ZeRO-1 on the tiny GPT-2 against one process at
-// the same global batch, TP=2 against TP=1. On CPU ctest runs it as `mpirun -np 2 loom_distributed_check` (MPI); on
-// GPUs `loom-run --nproc-per-node 2 loom_distributed_check --device cuda` runs the same checks over NCCL.
+// the same global batch, TP=2 against TP=1 for the tiny GPT-2 and LLaMA-3 (grouped-query, tied and untied). On CPU
+// ctest runs it as `mpirun -np 2 loom_distributed_check` (MPI); on GPUs
+// `loom-run --nproc-per-node 2 loom_distributed_check --device cuda` runs the same checks over NCCL.
 // Prints one line per check and exits non-zero on any failure (on any rank).
 #include <cmath>
 #include <cstdio>
@@ -52,6 +53,16 @@ nn::ModelConfig tiny() {
   return c;
 }
 
+// LLaMA-3 tiny: grouped-query attention (4 query heads, 2 kv heads), SwiGLU hidden 160, RoPE with scaling.
+nn::ModelConfig tiny_llama(bool tie) {
+  nn::ModelConfig c = nn::ModelConfig::from_name("llama3-tiny");
+  c.vocab_size = 250;
+  c.padded_vocab_size = 256;
+  c.max_seq_len = 32;
+  c.tie_embeddings = tie;
+  return c;
+}
+
 // The same tokens on every rank: [rows, T+1].
 Tensor tokens(int64_t rows, int64_t T, uint64_t seed) {
   std::mt19937_64 eng(seed);
@@ -60,8 +71,8 @@ Tensor tokens(int64_t rows, int64_t T, uint64_t seed) {
   return from_vector(v, {rows, T + 1}, dev);
 }
 
-std::shared_ptr<nn::LanguageModel> tiny_model(uint64_t seed) {
-  auto m = nn::make_model(tiny());
+std::shared_ptr<nn::LanguageModel> tiny_model(uint64_t seed, const nn::ModelConfig& cfg = tiny()) {
+  auto m = nn::make_model(cfg);
   m->init_weights(seed);
   m->to(dev);
   return m;
@@ -187,69 +198,120 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
                          ") parameters match one process: max diff " + std::to_string(worst));
 }
 
-void check_tensor_parallel() {
-  nn::ModelConfig cfg = tiny();
-  auto full = tiny_model(11);
-  dist::TensorParallelGPT2 tp(cfg, world);
-  tp.init_weights(11);
-  tp.to(dev);
+// The full (gathered) gradients of a TP model: copied into the parameters of a second TP model and gathered from there.
+std::map<std::string, Tensor> full_gradients(dist::TensorParallelModel& tp) {
+  auto grads = dist::make_tensor_parallel_model(tp.config(), world);
+  grads->to(dev);
+  {
+    autograd::NoGradGuard ng;
+    auto src = tp.named_parameters();
+    auto dst = grads->named_parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_from(src[i].second.grad());
+  }
+  std::map<std::string, Tensor> out;
+  for (auto& [n, t] : grads->full_named_parameters()) out[n] = t;
+  return out;
+}
+
+// Largest difference between the full model's parameters and the TP model's gathered ones (same names, same order).
+double max_param_diff(const nn::LanguageModel& full, const dist::TensorParallelModel& tp) {
+  auto a = full.named_parameters();
+  auto b = tp.full_named_parameters();
+  if (a.size() != b.size()) return INFINITY;
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, a[i].first == b[i].first ? max_abs_diff(a[i].second, b[i].second) : INFINITY);
+  return worst;
+}
+
+std::vector<double> norm_weights(const dist::TensorParallelModel& tp) {
+  std::vector<double> w;
+  for (bool s : tp.sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
+  return w;
+}
+
+void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) {
+  auto full = tiny_model(11, cfg);
+  auto tp = dist::make_tensor_parallel_model(cfg, world);
+  tp->init_weights(11);
+  tp->to(dev);
+  check(max_param_diff(*full, *tp) == 0, what + ": init_weights(seed) shards the single-rank model of that seed");
   Tensor batch = tokens(2, 16, 5);
   Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
   Tensor ref_loss = full->loss(full->forward(x), y);
   ref_loss.backward();
-  Tensor loss = tp.parallel_loss(tp.forward_local(x), y);
+  Tensor loss = tp->parallel_loss(tp->forward_local(x), y);
   loss.backward();
-  check(std::abs(loss.item<double>() - ref_loss.item<double>()) < 1e-5,
-        "TP=2 loss " + std::to_string(loss.item<double>()) + " matches TP=1 " + std::to_string(ref_loss.item<double>()));
-  // Gradients: gather TP grads into full shapes by putting them in a TP model's parameters.
-  dist::TensorParallelGPT2 grads(cfg, world);
-  grads.to(dev);
-  {
-    autograd::NoGradGuard ng;
-    auto src = tp.named_parameters();
-    auto dst = grads.named_parameters();
-    for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_from(src[i].second.grad());
-  }
-  std::map<std::string, Tensor> full_grads;
-  for (auto& [n, t] : grads.full_named_parameters()) full_grads[n] = t;
+  double loss_diff = std::abs(loss.item<double>() - ref_loss.item<double>());
+  check(loss_diff < 1e-5, what + ": TP=2 loss " + std::to_string(loss.item<double>()) + " matches TP=1 " +
+                              std::to_string(ref_loss.item<double>()));
+  std::map<std::string, Tensor> full_grads = full_gradients(*tp);
   double worst = 0;
   for (auto& [n, p] : full->named_parameters()) worst = std::max(worst, max_abs_diff(p.grad(), full_grads.at(n)));
-  check(worst < 1e-5, "TP=2 gradients match TP=1: max diff " + std::to_string(worst));
-  std::vector<double> w;
-  for (bool s : tp.sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
-  double norm = dist::clip_grad_norm_distributed(tp.parameters(), w, 0, *world);
+  check(worst < 1e-5, what + ": TP=2 gradients match TP=1: max diff " + std::to_string(worst));
+  double norm = dist::clip_grad_norm_distributed(tp->parameters(), norm_weights(*tp), 0, *world);
   double ref_norm = optim::clip_grad_norm(full->parameters(), 0);
-  check(std::abs(norm - ref_norm) < 1e-5 * ref_norm, "TP grad norm matches");
+  check(std::abs(norm - ref_norm) < 1e-5 * ref_norm, what + ": TP grad norm matches");
+  double logits_diff;
   {
     autograd::NoGradGuard ng;
-    Tensor logits = tp.forward(x), ref_logits = full->forward(x);
-    check(max_abs_diff(logits, ref_logits) < 1e-5, "TP=2 gathered logits match TP=1");
+    Tensor logits = tp->forward(x), ref_logits = full->forward(x);
+    logits_diff = max_abs_diff(logits, ref_logits);
+    check(logits_diff < 1e-5, what + ": TP=2 gathered logits match TP=1: max diff " + std::to_string(logits_diff));
   }
   std::vector<int32_t> prompt{1, 2, 3};
   nn::GenerateOptions g;
   g.max_new_tokens = 4;
   g.temperature = 0;
-  check(nn::generate(tp, prompt, g) == nn::generate(*full, prompt, g), "TP=2 greedy generation (KV cache) matches");
+  check(nn::generate(*tp, prompt, g) == nn::generate(*full, prompt, g),
+        what + ": TP=2 greedy generation (KV cache) matches");
+  if (world->rank() == 0)
+    std::printf("  %s: loss %.7f vs %.7f (diff %.3g), max gradient diff %.3g, logits diff %.3g\n", what.c_str(),
+                loss.item<double>(), ref_loss.item<double>(), loss_diff, worst, logits_diff);
 }
 
-// A few AdamW steps with clipping (the trainer's loop): TP=2 losses and grad norms against TP=1, optionally under
-// autocast (bf16 matrix math, as loom-train runs on GPUs).
-void check_tensor_parallel_training(DType autocast_dtype, double tol) {
-  nn::ModelConfig cfg = tiny();
-  auto full = tiny_model(13);
-  dist::TensorParallelGPT2 tp(cfg, world);
-  tp.init_weights(13);
-  tp.to(dev);
+// load_from_full and full_named_parameters are inverses, and a full model of another seed loads exactly.
+void check_tensor_parallel_round_trip(const nn::ModelConfig& cfg, const std::string& what) {
+  auto full = tiny_model(21, cfg);
+  auto tp = dist::make_tensor_parallel_model(cfg, world);
+  tp->init_weights(22);
+  tp->to(dev);
+  tp->load_from_full(*full);
+  check(max_param_diff(*full, *tp) == 0, what + ": load_from_full then full_named_parameters gives the model back");
+  auto other = dist::make_tensor_parallel_model(cfg, world);
+  other->to(dev);
+  other->load_full_named_parameters(tp->full_named_parameters());
+  bool same = true;
+  auto a = tp->named_parameters(), b = other->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) same &= max_abs_diff(a[i].second, b[i].second) == 0;
+  check(same, what + ": load_full_named_parameters(full_named_parameters()) gives the same shards");
+  auto hf = tp->hf_state_dict();
+  auto ref_hf = full->hf_state_dict();
+  bool hf_same = hf.size() == ref_hf.size();
+  for (size_t i = 0; hf_same && i < hf.size(); ++i)
+    hf_same = hf[i].first == ref_hf[i].first && max_abs_diff(hf[i].second, ref_hf[i].second) == 0;
+  check(hf_same, what + ": hf_state_dict matches the single-rank model's");
+}
+
+// A few AdamW steps with clipping (the trainer's loop): TP=2 losses, grad norms and final parameters against TP=1,
+// optionally under autocast (bf16 matrix math, as loom-train runs on GPUs).
+void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::string& what, DType autocast_dtype,
+                                    double tol) {
+  auto full = tiny_model(13, cfg);
+  auto tp = dist::make_tensor_parallel_model(cfg, world);
+  tp->init_weights(13);
+  tp->to(dev);
   optim::AdamWOptions ao;
   ao.lr = 3e-3;
   optim::AdamW full_opt(optim::adamw_param_groups(full->named_parameters(), 0.1), ao);
-  optim::AdamW tp_opt(optim::adamw_param_groups(tp.named_parameters(), 0.1), ao);
+  optim::AdamW tp_opt(optim::adamw_param_groups(tp->named_parameters(), 0.1), ao);
   std::map<const void*, double> weight_of;
-  auto named = tp.named_parameters();
-  auto sharded = tp.sharded_mask();
-  for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = sharded[i] ? 1.0 : 1.0 / world->size();
+  auto named = tp->named_parameters();
+  auto w = norm_weights(*tp);
+  for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = w[i];
   std::vector<double> weights;
   for (const Tensor& p : tp_opt.parameters()) weights.push_back(weight_of.at(&p.impl()));
+  double worst_loss = 0;
   for (int step = 0; step < 4; ++step) {
     Tensor batch = tokens(4, 16, uint64_t(300 + step));
     Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
@@ -259,7 +321,7 @@ void check_tensor_parallel_training(DType autocast_dtype, double tol) {
     {
       amp::AutocastGuard autocast(autocast_dtype);
       ref_loss = full->loss(full->forward(x), y);
-      loss = tp.parallel_loss(tp.forward_local(x), y);
+      loss = tp->parallel_loss(tp->forward_local(x), y);
     }
     ref_loss.backward();
     loss.backward();
@@ -268,12 +330,33 @@ void check_tensor_parallel_training(DType autocast_dtype, double tol) {
     full_opt.step();
     tp_opt.step();
     double l = loss.item<double>(), rl = ref_loss.item<double>();
-    check(std::abs(l - rl) < tol * std::max(1.0, std::abs(rl)), "step " + std::to_string(step) + ": TP=2 loss " +
-                                                                     std::to_string(l) + " vs TP=1 " + std::to_string(rl));
-    check(std::abs(norm - ref_norm) < tol * std::max(1.0, ref_norm), "step " + std::to_string(step) + ": TP=2 grad norm " +
-                                                                         std::to_string(norm) + " vs TP=1 " +
-                                                                         std::to_string(ref_norm));
+    worst_loss = std::max(worst_loss, std::abs(l - rl));
+    std::string at = what + " step " + std::to_string(step);
+    check(std::abs(l - rl) < tol * std::max(1.0, std::abs(rl)),
+          at + ": TP=2 loss " + std::to_string(l) + " vs TP=1 " + std::to_string(rl));
+    check(std::abs(norm - ref_norm) < tol * std::max(1.0, ref_norm),
+          at + ": TP=2 grad norm " + std::to_string(norm) + " vs TP=1 " + std::to_string(ref_norm));
   }
+  double worst_param = max_param_diff(*full, *tp);
+  check(worst_param < tol,
+        what + ": parameters after 4 AdamW steps match TP=1: max diff " + std::to_string(worst_param));
+  if (world->rank() == 0)
+    std::printf("  %s (%s): max loss diff %.3g, max parameter diff after 4 steps %.3g\n", what.c_str(),
+                dtype_name(autocast_dtype), worst_loss, worst_param);
+}
+
+// Heads that do not split across the group are refused with the values named.
+void check_tensor_parallel_llama_heads() {
+  nn::ModelConfig cfg = tiny_llama(false);
+  cfg.n_kv_head = 1;  // 4 query heads share one kv head: cannot split across 2 ranks
+  std::string message;
+  try {
+    dist::TensorParallelLlama tp(cfg, world);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  check(message.find("n_kv_head 1") != std::string::npos && message.find("size 2") != std::string::npos,
+        "n_kv_head 1 on 2 ranks gives an error naming both, got: '" + message + "'");
 }
 
 void run(const char* name, const std::function<void()>& f) {
@@ -326,9 +409,24 @@ int main(int argc, char** argv) {
   run("ddp f32", [] { check_ddp(kF32, false, 2e-5); });
   run("ddp bf16 reduction", [] { check_ddp(kBF16, false, 2e-2); });
   run("zero-1", [] { check_ddp(kF32, true, 2e-5); });
-  run("tensor parallel", check_tensor_parallel);
-  run("tensor parallel training", [] { check_tensor_parallel_training(kF32, 1e-4); });
-  if (dev.is_cuda()) run("tensor parallel training (bf16 autocast)", [] { check_tensor_parallel_training(kBF16, 2e-2); });
+  run("tensor parallel", [] { check_tensor_parallel(tiny(), "gpt2"); });
+  run("tensor parallel training", [] { check_tensor_parallel_training(tiny(), "gpt2", kF32, 1e-4); });
+  if (dev.is_cuda())
+    run("tensor parallel training (bf16 autocast)",
+        [] { check_tensor_parallel_training(tiny(), "gpt2", kBF16, 2e-2); });
+  for (bool tie : {false, true}) {
+    std::string name = tie ? "llama tied" : "llama";
+    if (world->size() != 2) break;  // the tiny LLaMA's 2 kv heads split across 2 ranks at most
+    run(("tensor parallel " + name).c_str(), [&] { check_tensor_parallel(tiny_llama(tie), name); });
+    run(("tensor parallel " + name + " round trip").c_str(),
+        [&] { check_tensor_parallel_round_trip(tiny_llama(tie), name); });
+    run(("tensor parallel " + name + " training").c_str(),
+        [&] { check_tensor_parallel_training(tiny_llama(tie), name, kF32, 1e-4); });
+    if (dev.is_cuda())
+      run(("tensor parallel " + name + " training (bf16 autocast)").c_str(),
+          [&] { check_tensor_parallel_training(tiny_llama(tie), name, kBF16, 2e-2); });
+  }
+  if (world->size() == 2) run("tensor parallel llama: kv heads that do not split", check_tensor_parallel_llama_heads);
   Tensor f = full({1}, double(failures), kF32, dev);
   world->all_reduce(f, dist::ReduceOp::kMax);
   return f.item<double>() > 0 ? 1 : 0;

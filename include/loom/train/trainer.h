@@ -22,7 +22,7 @@ namespace loom::distributed {
 class ProcessGroup;
 class DistributedDataParallel;
 class ZeroAdamW;
-class TensorParallelGPT2;
+class TensorParallelModel;
 }
 
 namespace loom::train {
@@ -64,7 +64,7 @@ struct TrainOptions {
   // Distributed training (docs/DISTRIBUTED.md). Started by mpirun/srun (CPU, MPI) or loom-run (GPUs, NCCL), the
   // trainer joins the world by itself; the world splits into tensor_parallel x data-parallel ranks. total_batch_tokens
   // counts the whole world's tokens per step.
-  int64_t tensor_parallel = 1;       // TP degree (GPT-2 only); ranks r and r+1.. of one TP group are adjacent
+  int64_t tensor_parallel = 1;       // TP degree (GPT-2, LLaMA-3); ranks r and r+1.. of one TP group are adjacent
   bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
@@ -122,7 +122,7 @@ class Trainer {
   double flops_per_token_ = 0;
   // Distributed state (world of one: groups of one, no DDP).
   std::shared_ptr<distributed::ProcessGroup> world_, dp_group_, tp_group_;
-  std::shared_ptr<distributed::TensorParallelGPT2> tp_model_;
+  std::shared_ptr<distributed::TensorParallelModel> tp_model_;  // GPT-2 or LLaMA
   std::unique_ptr<distributed::DistributedDataParallel> ddp_;
   std::unique_ptr<distributed::ZeroAdamW> zero_;
   bool is_rank0_ = true;
