@@ -302,7 +302,8 @@ TEST(CudaMiscAttention, OpOnGpuAndUnsupportedHeadDim) {
 
 TEST(CudaMiscRope, MatchesCpuBothDirections) {
   LOOM_SKIP_WITHOUT_CUDA();
-  for (const Shape& shape : {Shape{2, 3, 37, 64}, Shape{1, 2, 5, 6}, Shape{1, 1, 3, 2}}) {
+  // D = 64 takes the widest vectors, 12 and 6 narrower ones (D/2 = 6, 3), 2 one pair per row.
+  for (const Shape& shape : {Shape{2, 3, 37, 64}, Shape{1, 2, 5, 12}, Shape{1, 2, 5, 6}, Shape{1, 1, 3, 2}}) {
     auto [cos_table, sin_table] = ops::rope_tables(shape[2], shape[3], 10000.0, std::nullopt);
     for (DType dt : float_dtypes()) {
       Tensor x = test::random_tensor(shape, dt);
@@ -334,6 +335,13 @@ TEST(CudaMiscRope, ViewsMatchCpuAndKeepTheirLayout) {
       EXPECT_TRUE(test::all_close(got, expected, test::rtol_for(dt), test::atol_for(dt)))
           << dtype_name(dt) << " inverse " << inverse;
     }
+    // Heads two elements into a wider row: misaligned for the widest vectors, so narrower ones (or none) are used.
+    Tensor wide = test::random_tensor({B, T, H * D + 2}, dt);
+    Tensor ragged = wide.to(kGpu).narrow(2, 2, H * D).reshape({B, T, H, D}).transpose(1, 2);
+    Tensor got = ops::rope(ragged, cos_table.to(kGpu), sin_table.to(kGpu), false);
+    Tensor expected = ops::rope(wide.narrow(2, 2, H * D).reshape({B, T, H, D}).transpose(1, 2).contiguous(),
+                                cos_table, sin_table, false);
+    EXPECT_TRUE(test::all_close(got, expected, test::rtol_for(dt), test::atol_for(dt))) << dtype_name(dt) << " ragged";
   }
 }
 
