@@ -160,14 +160,16 @@ def main():
     ap.add_argument("--timing-warmup", type=int, default=5, help="steps left out of the tokens/s median")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
+                    help="bf16: autocast over f32 weights; f32: no autocast and no TF32 (a reference for noise)")
     ap.add_argument("--save-init", metavar="PATH",
                     help="write the initial weights (before any step) as f32 safetensors with Hugging Face GPT-2 "
                          "names, for loom-train --init-from")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "bf16"
+    torch.backends.cudnn.allow_tf32 = args.precision == "bf16"
     dev = "cuda"
     B, T = args.batch_size, args.seq_len
     if args.data:
@@ -191,7 +193,7 @@ def main():
     step_fn = model if args.no_compile else torch.compile(model)
     print(f"pytorch {torch.__version__}: GPT-2 {args.model}, {n_params / 1e6:.1f}M parameters, batch {B}x{T}, "
           f"{args.steps} steps, {'random tokens' if not args.data else args.data}, "
-          f"compile {'off' if args.no_compile else 'on'}", flush=True)
+          f"compile {'off' if args.no_compile else 'on'}, {args.precision}", flush=True)
 
     times = []
     for step in range(args.steps):
@@ -201,7 +203,7 @@ def main():
         y = chunk[1:].view(B, T).to(dev, non_blocking=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = step_fn(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
