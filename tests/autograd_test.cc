@@ -7,6 +7,7 @@
 #include "loom/autograd/grad_mode.h"
 #include "loom/autograd/gradcheck.h"
 #include "loom/autograd/node.h"
+#include "loom/core/dispatch.h"
 #include "loom/functional.h"
 #include "test_util.h"
 
@@ -270,6 +271,39 @@ TEST(AutogradEngine, DiamondAccumulatesBothPaths) {
   sum(y).backward();
   std::vector<double> xv = test::values(x), g = test::values(x.grad());
   for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(g[i], 2 * std::exp(xv[i]) * (1 + xv[i]), 1e-12);
+}
+
+// An activation feeding several linear layers (LLaMA's q/k/v): each later layer adds its input gradient into the
+// sum so far inside its gemm (beta = 1), so the backward runs no add, and the result is the same.
+TEST(AutogradEngine, LinearsSharingAnInputSumTheirGradientsInTheGemm) {
+  Tensor x = leaf({3, 4, 6}), wq = leaf({5, 6}), wk = leaf({2, 6}), wv = leaf({2, 6}), bq = leaf({5});
+  auto f = [](const std::vector<Tensor>& in) {
+    Tensor h = tanh(in[0]);  // not a leaf: its gradient is summed by the engine
+    return sum(linear(h, in[1], in[4]) * 0.5) + sum(exp(linear(h, in[2]))) + sum(linear(h, in[3]) * linear(h, in[3]));
+  };
+  EXPECT_GRADCHECK(f, {x, wq, wk, wv, bq});
+
+  Tensor loss = f({x, wq, wk, wv, bq});
+  dispatch::set_op_profiling(true);
+  dispatch::reset_op_profile();
+  loss.backward();
+  uint64_t adds = 0;
+  for (const auto& row : dispatch::op_profile())
+    if (row.op == "add") adds += row.calls;
+  dispatch::set_op_profiling(false);
+  // One add is wv's: its two weight gradients meet at the leaf. h's four input gradients need none.
+  EXPECT_EQ(adds, 1u) << "the input gradients of the linears sharing h were summed by separate adds";
+}
+
+// When the gradient summed so far is shared (add's backward hands the same tensor to both operands), the linear
+// must not add into it in place: that would also change the gradient flowing into the linear itself.
+TEST(AutogradEngine, SharedPendingGradientIsNotSummedInPlace) {
+  Tensor x = leaf({4, 5}), w = leaf({5, 5});
+  EXPECT_GRADCHECK([](const auto& in) {
+    Tensor h = tanh(in[0]);
+    Tensor z = linear(h, in[1]) + h;  // add's backward: the same g for linear's output and for h
+    return sum(z * z);
+  }, {x, w});
 }
 
 TEST(AutogradEngine, LeafHookFiresOncePerBackwardWithTheFinalGradient) {

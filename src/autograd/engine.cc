@@ -15,6 +15,8 @@ namespace loom::autograd {
 namespace {
 thread_local bool grad_enabled = true;
 std::atomic<uint64_t> next_sequence_nr{0};
+// The gradients being summed by the backward running on this thread, per node (for pending_gradient).
+thread_local std::unordered_map<Node*, tensor_list>* running_buffers = nullptr;
 }  // namespace
 
 bool is_grad_enabled() { return grad_enabled; }
@@ -110,12 +112,33 @@ void set_history(Tensor& out, const std::shared_ptr<Node>& node, uint32_t output
   meta.requires_grad = true;
 }
 
+Tensor pending_gradient(const Node& node, size_t input, const Shape& shape, DType dtype) {
+  if (!running_buffers || input >= node.next_edges().size()) return Tensor();
+  const Edge& e = node.next_edges()[input];
+  if (!e.valid() || dynamic_cast<const AccumulateGrad*>(e.node.get())) return Tensor();
+  auto it = running_buffers->find(e.node.get());
+  if (it == running_buffers->end() || e.input_nr >= it->second.size()) return Tensor();
+  const Tensor& g = it->second[e.input_nr];
+  // Exclusive: neither another buffer (a gradient passed through unchanged, as add's) nor the node's own incoming
+  // gradient can see the in-place sum.
+  if (!g.defined() || !g.is_exclusive() || !g.is_contiguous() || g.shape() != shape || g.dtype() != dtype)
+    return Tensor();
+  return g;
+}
+
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
   LOOM_REQUIRE(grads.empty() || grads.size() == roots.size(), "backward: got ", grads.size(), " gradients for ",
                roots.size(), " roots");
   NoGradGuard no_grad;  // backward ops record nothing (no double backward)
 
   std::unordered_map<Node*, tensor_list> buffers;
+  struct RunningBuffers {  // a backward inside a hook gets its own, the outer one's comes back after
+    std::unordered_map<Node*, tensor_list>* previous;
+    explicit RunningBuffers(std::unordered_map<Node*, tensor_list>* mine) : previous(running_buffers) {
+      running_buffers = mine;
+    }
+    ~RunningBuffers() { running_buffers = previous; }
+  } running(&buffers);
   std::unordered_map<Node*, int> dependencies;
   std::vector<std::shared_ptr<Node>> root_nodes;
 

@@ -17,6 +17,13 @@ bool should_record(std::initializer_list<const Tensor*> inputs);
 std::vector<Edge> collect_edges(std::initializer_list<const Tensor*> inputs);
 void set_history(Tensor& out, const std::shared_ptr<Node>& node, uint32_t output_nr = 0);
 
+// During a node's backward: the gradient summed so far for its input `input` (from the nodes that ran before it),
+// when the engine alone holds it (no other tensor shares its storage), is contiguous and has `shape` and `dtype`, and
+// its input is not a leaf; else undefined. The node may then add its own contribution into it in place (e.g. a gemm
+// with beta = 1) and return no gradient for that input: the sum costs no extra pass and no extra buffer (an
+// activation feeding several linear layers, as LLaMA's q/k/v and gate/up projections).
+Tensor pending_gradient(const Node& node, size_t input, const Shape& shape, DType dtype);
+
 // A node of type N wired to `inputs`, or null when grad mode is off or no input requires grad.
 template <typename N, typename... Args>
 std::shared_ptr<N> make_node(std::initializer_list<const Tensor*> inputs, Args&&... args) {

@@ -339,11 +339,11 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
 namespace {
 // out [..., in] = grad [..., out] @ weight [out, in], times gelu'(pre) when pre is defined (contiguous, out's layout).
 void backward_input_into(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts, const Tensor& pre,
-                         Tensor& out) {
+                         Tensor& out, bool accumulate = false) {
   int64_t out_features = weight.size(0), in_features = weight.size(1);
   if (out.numel() == 0) return;
   if (out_features == 0) {
-    fill_zero(out);
+    if (!accumulate) fill_zero(out);
     return;
   }
   Tensor g = ops::contiguous(grad), w = weight;
@@ -362,6 +362,7 @@ void backward_input_into(const Tensor& grad, const Tensor& weight, const MatmulO
   p.b = g.data();
   p.ldb = out_features;
   p.ldc = in_features;
+  p.beta = accumulate ? 1.0 : 0.0;
   if (pre.defined()) {  // the GELU derivative in the gemm's epilogue
     p.epilogue = GemmEpilogue::kDGelu;
     p.pre_gelu = pre.data();
@@ -397,14 +398,15 @@ Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const Mat
   return out;
 }
 
-void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts) {
+void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts,
+                               bool accumulate) {
   const char* op = "linear_backward_input";
   Shape out_shape = checked_backward_input_shape(op, grad, weight);
   LOOM_REQUIRE(out.shape() == out_shape && out.dtype() == grad.dtype() && out.is_contiguous() &&
                    out.device() == grad.device(),
                op, ": out ", describe(out), " must be a contiguous ", shape_str(out_shape), " ",
                dtype_name(grad.dtype()), " tensor on ", grad.device().str());
-  backward_input_into(grad, weight, opts, Tensor(), out);
+  backward_input_into(grad, weight, opts, Tensor(), out, accumulate);
 }
 
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts,

@@ -32,8 +32,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const M
 Tensor linear_backward_input(const Tensor& grad, const Tensor& weight, const MatmulOptions& opts = {},
                              const Tensor& gelu_pre_activation = Tensor());
 // linear_backward_input (no GELU) into a caller's contiguous tensor of grad's shape but the last dim in_features and
-// grad's dtype (e.g. a block of rows of a larger gradient).
-void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts = {});
+// grad's dtype (e.g. a block of rows of a larger gradient); accumulate adds the product to what out holds (beta = 1).
+void linear_backward_input_out(const Tensor& grad, const Tensor& weight, Tensor& out, const MatmulOptions& opts = {},
+                               bool accumulate = false);
 // The weight and bias gradients may be written in f32 from bf16/f16 operands (out_dtype kF32): the product
 // accumulates in f32 either way, so an f32 master weight gets its gradient without a rounding and a cast.
 Tensor linear_backward_weight(const Tensor& grad, const Tensor& x, const MatmulOptions& opts = {},

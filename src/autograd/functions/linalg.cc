@@ -92,7 +92,14 @@ class LinearNode : public autograd::Node {
   tensor_list linear_gradients(const Tensor& grad) const {
     Tensor g = as_dtype(grad, product_dtype);
     tensor_list out(3);
-    if (needs_input_grad(0)) out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
+    if (needs_input_grad(0)) {
+      Shape x_shape = g.shape();
+      x_shape.back() = weight.size(1);
+      // x also feeds layers whose gradients came first (q/k/v, gate/up): add this one into their sum in the gemm.
+      Tensor sum = x_dtype == product_dtype ? autograd::pending_gradient(*this, 0, x_shape, x_dtype) : Tensor();
+      if (sum.defined()) ops::linear_backward_input_out(g, weight, sum, opts, /*accumulate=*/true);
+      else out[0] = as_dtype(ops::linear_backward_input(g, weight, opts), x_dtype);
+    }
     linear_parameter_gradients(*this, {1, 2, weight_dtype, bias_dtype}, product_dtype, g, x, opts, out);
     return out;
   }
