@@ -150,6 +150,27 @@ TEST(DistributedTensorParallel, GroupOfOneMatchesGPT2) {
   EXPECT_THROW(dist::TensorParallelGPT2(bad, dist::make_single_process_group()), Error);
 }
 
+// LLaMA through the family-picking factory: a group of one is the single-process model, gradients included.
+TEST(DistributedTensorParallel, GroupOfOneMatchesLlama) {
+  nn::ModelConfig cfg = nn::ModelConfig::from_name("llama3-tiny");
+  auto full = nn::make_model(cfg);
+  full->init_weights(5);
+  auto tp = dist::make_tensor_parallel_model(cfg, dist::make_single_process_group());
+  tp->init_weights(5);
+  Tensor x = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+  Tensor y = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+  Tensor ref = full->forward_loss(x, y), loss = tp->forward_loss(x, y);
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  ref.backward();
+  loss.backward();
+  auto a = full->named_parameters(), b = tp->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_LT(max_diff(a[i].second.grad(), b[i].second.grad()), 1e-5) << a[i].first;
+  }
+}
+
 TEST(DistributedTensorParallel, VocabParallelCrossEntropyOfOne) {
   auto g = dist::make_single_process_group();
   Tensor logits = test::random_tensor({5, 11}, kF32, -3, 3).set_requires_grad();
