@@ -100,6 +100,7 @@ void check_case(const FlashCase& c) {
 
 TEST(CudaFlashAttention, CausalMatchesFloat64Reference) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   for (int64_t head_dim : {64, 128})
     for (int64_t kv_heads : {4, 2})
       for (int64_t len : {1, 17, 64, 129, 1024}) check_case({2, 4, kv_heads, len, len, head_dim, true});
@@ -107,6 +108,7 @@ TEST(CudaFlashAttention, CausalMatchesFloat64Reference) {
 
 TEST(CudaFlashAttention, KvCacheAlignmentAndNonCausal) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   check_case({1, 4, 2, 1, 37, 64, true});     // one new query against a cache of 37 keys
   check_case({1, 2, 1, 5, 300, 128, true});   // several new queries aligned to the last key
   check_case({2, 2, 2, 70, 129, 64, false});  // full attention, partial tiles on both sides
@@ -115,6 +117,7 @@ TEST(CudaFlashAttention, KvCacheAlignmentAndNonCausal) {
 
 TEST(CudaFlashAttention, GradientsNotNeededAreSkipped) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   const FlashCase c{1, 4, 2, 77, 77, 64, true};
   const Shape q_shape{c.batch, c.heads, c.q_len, c.head_dim}, kv_shape{c.batch, c.kv_heads, c.kv_len, c.head_dim};
   const DType dt = kBF16;
@@ -143,6 +146,7 @@ TEST(CudaFlashAttention, GradientsNotNeededAreSkipped) {
 
 TEST(CudaFlashAttention, OtherCasesFallBackToTheSimpleKernel) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   // Head dim 40, and f32: declined by (or not registered for) the flash kernel, served by the simple one.
   for (auto [dt, head_dim] : {std::pair{kBF16, int64_t(40)}, std::pair{kF32, int64_t(64)}}) {
     SCOPED_TRACE(std::string(dtype_name(dt)) + " D=" + std::to_string(head_dim));
@@ -161,6 +165,7 @@ TEST(CudaFlashAttention, OtherCasesFallBackToTheSimpleKernel) {
 
 TEST(CudaFlashAttention, OpLevelBf16TrainingShape) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   // Through the ops (which allocate and dispatch) on a GPT-2-like head: the flash kernels run end to end.
   Tensor q = test::random_tensor({1, 2, 256, 64}, kBF16), k = test::random_tensor({1, 2, 256, 64}, kBF16),
          v = test::random_tensor({1, 2, 256, 64}, kBF16), grad_out = test::random_tensor({1, 2, 256, 64}, kBF16);

@@ -69,6 +69,7 @@ void check_fused(int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t D, DType 
 
 TEST(CudaFlashStrided, FusedQkvViewsMatchContiguous) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   check_fused(2, 4, 4, 129, 64, kBF16);
   check_fused(1, 4, 2, 77, 128, kF16);
   check_fused(2, 2, 1, 1, 64, kBF16);
@@ -76,6 +77,7 @@ TEST(CudaFlashStrided, FusedQkvViewsMatchContiguous) {
 
 TEST(CudaFlashStrided, DeclinesMisalignedRows) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   // Rows 4 elements (8 bytes) apart from a 16-byte boundary: declined, so the op layer copies instead.
   Tensor fused = test::random_tensor({1, 9, 3 * 64 + 4}, kBF16).to(kGpu);
   Tensor q = heads_view(fused, 4, 1, 64), k = heads_view(fused, 68, 1, 64), v = heads_view(fused, 132, 1, 64);
@@ -89,6 +91,7 @@ TEST(CudaFlashStrided, DeclinesMisalignedRows) {
 
 TEST(CudaFlashStrided, AutogradSplitHeadsMatchesNarrowPath) {
   LOOM_SKIP_WITHOUT_CUDA();
+  const test::ScopedPolicy native_attention("-cudnn");  // these test Loom's own flash kernels
   const int64_t B = 2, H = 4, T = 65, D = 64;
   Tensor base = test::random_tensor({B, T, 3 * H * D}, kBF16).to(kGpu);
   Tensor weight = test::random_tensor({B, T, H * D}, kBF16).to(kGpu);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "loom/core/device_runtime.h"
+#include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
 #include "loom/ops.h"
 
@@ -120,5 +121,20 @@ inline bool cuda_available() {
       GTEST_SKIP() << "no CUDA device visible";                  \
     }                                                            \
   } while (0)
+
+// A dispatch policy for one test's scope, the previous one restored after (e.g. "-cudnn": tests of Loom's own flash
+// kernels keep them serving where the cudnn provider, which ranks above them, is available).
+class ScopedPolicy {
+ public:
+  explicit ScopedPolicy(const std::string& spec) : previous_(dispatch::policy()) {
+    dispatch::set_policy(ProviderPolicy::parse(spec));
+  }
+  ~ScopedPolicy() { dispatch::set_policy(previous_); }
+  ScopedPolicy(const ScopedPolicy&) = delete;
+  ScopedPolicy& operator=(const ScopedPolicy&) = delete;
+
+ private:
+  ProviderPolicy previous_;
+};
 
 }  // namespace loom::test

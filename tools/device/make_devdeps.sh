@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Gathers, into .devdeps/ (git-ignored), the build dependencies the GPU machine lacks (OpenBLAS with its Fortran
-# runtime, GoogleTest, nlohmann-json), copied from this machine's Debian packages, so a device call can carry them.
+# runtime, GoogleTest, nlohmann-json) and cuDNN's headers, copied from this machine, so a device call can carry them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 D=.devdeps/usr
@@ -25,4 +25,5 @@ cp -r /usr/include/gtest /usr/include/gmock /usr/include/nlohmann $D/include/
 cp /usr/lib/x86_64-linux-gnu/libg{test,mock}*.a $D/lib/x86_64-linux-gnu/
 cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest $D/lib/x86_64-linux-gnu/cmake/
 cp -r /usr/share/cmake/nlohmann_json $D/share/cmake/
+mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
 du -sh .devdeps
