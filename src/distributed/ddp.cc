@@ -1,6 +1,7 @@
 // DistributedDataParallel (bucketed, hook-driven gradient averaging) and ZeroAdamW (sharded AdamW state).
 #include "loom/distributed/ddp.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "loom/autograd/grad_mode.h"
@@ -27,13 +28,55 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& nume
 
 // ---- DDP ----
 
+namespace {
+
+// When every parameter's gradient lands in an optimizer's flat slot (AutogradMeta::grad_destination) of the reduce
+// dtype, and each bucket's slots fill a range of one flat buffer that no other parameter's slot shares (padding
+// between slots stays zero), fills `ranges` with those ranges and `offsets` with each slot's place in its range, and
+// returns true: the buckets are then all-reduced in the flat buffer itself, with no copy in or out.
+bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
+                        DType reduce_dtype, std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
+  std::vector<const Tensor*> slots;
+  for (const Tensor& p : params) {
+    const Tensor* d = p.has_autograd_meta() ? p.autograd_meta().grad_destination.get() : nullptr;
+    if (!d || !d->defined() || d->dtype() != reduce_dtype || d->dtype() != p.dtype() || !d->is_contiguous() ||
+        d->device() != p.device() || d->numel() != p.numel())
+      return false;
+    slots.push_back(d);
+  }
+  ranges.clear();
+  for (const auto& bucket : buckets) {
+    const Tensor& first = *slots[bucket.front()];
+    int64_t lo = first.storage_offset(), hi = lo;
+    for (size_t i : bucket) {
+      if (slots[i]->storage() != first.storage()) return false;
+      lo = std::min(lo, slots[i]->storage_offset());
+      hi = std::max(hi, slots[i]->storage_offset() + slots[i]->numel());
+    }
+    for (size_t j = 0; j < slots.size(); ++j) {
+      if (std::find(bucket.begin(), bucket.end(), j) != bucket.end() || slots[j]->storage() != first.storage())
+        continue;
+      const int64_t a = slots[j]->storage_offset(), z = a + slots[j]->numel();
+      if (a < hi && z > lo) return false;  // another bucket's slot inside this range
+    }
+    for (size_t i : bucket) offsets[i] = size_t(slots[i]->storage_offset() - lo);
+    ranges.push_back(Tensor::make(first.storage(), {hi - lo}, {1}, lo, reduce_dtype));
+  }
+  return true;
+}
+
+}  // namespace
+
 struct DistributedDataParallel::State {
   std::vector<Tensor> params;
   std::shared_ptr<ProcessGroup> group;
   DDPOptions options;
   std::vector<std::vector<size_t>> buckets;
   std::vector<size_t> bucket_of, offset_in_bucket;  // per parameter
-  std::vector<Tensor> buffers;                       // per bucket, flat, reduce dtype
+  // Per bucket, flat, reduce dtype: its own buffer, or (in_place) the range of the optimizer's flat gradient buffer
+  // that holds the bucket's gradient slots, all-reduced where the gradients already are.
+  std::vector<Tensor> buffers;
+  bool in_place = false;
   // Per step:
   std::vector<bool> param_ready;
   std::vector<size_t> ready_count;
@@ -58,7 +101,8 @@ struct DistributedDataParallel::State {
                  " became final twice in one synchronized step; run accumulation micro-steps under no_sync() and "
                  "call finish() after the last backward");
     autograd::NoGradGuard ng;
-    slot(i).copy_from(grad.reshape({grad.numel()}));
+    Tensor into = slot(i);
+    if (grad.data() != into.data()) into.copy_from(grad.reshape({grad.numel()}));  // in place: usually the slot itself
     param_ready[i] = true;
     ++ready_count[bucket_of[i]];
     size_t before = next_to_launch;
@@ -97,14 +141,19 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std
   s.bucket_of.resize(s.params.size());
   s.offset_in_bucket.resize(s.params.size());
   Device device = s.params.empty() ? Device() : s.params.front().device();
-  for (size_t b = 0; b < s.buckets.size(); ++b) {
-    int64_t off = 0;
-    for (size_t i : s.buckets[b]) {
-      s.bucket_of[i] = b;
-      s.offset_in_bucket[i] = size_t(off);
-      off += s.params[i].numel();
+  for (size_t b = 0; b < s.buckets.size(); ++b)
+    for (size_t i : s.buckets[b]) s.bucket_of[i] = b;
+  s.in_place = flat_bucket_ranges(s.params, s.buckets, options.reduce_dtype, s.buffers, s.offset_in_bucket);
+  if (!s.in_place) {
+    s.buffers.clear();
+    for (size_t b = 0; b < s.buckets.size(); ++b) {
+      int64_t off = 0;
+      for (size_t i : s.buckets[b]) {
+        s.offset_in_bucket[i] = size_t(off);
+        off += s.params[i].numel();
+      }
+      s.buffers.push_back(zeros({off}, options.reduce_dtype, device));
     }
-    s.buffers.push_back(zeros({off}, options.reduce_dtype, device));
   }
   s.param_ready.assign(s.params.size(), false);
   s.ready_count.assign(s.buckets.size(), 0);
@@ -140,6 +189,7 @@ DistributedDataParallel::NoSync::~NoSync() { ddp_.set_require_sync(previous_); }
 void DistributedDataParallel::set_require_sync(bool on) { state_->sync = on; }
 bool DistributedDataParallel::require_sync() const { return state_->sync; }
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const { return state_->buckets; }
+bool DistributedDataParallel::reduces_in_place() const { return state_->in_place; }
 int64_t DistributedDataParallel::buckets_launched_during_backward() const { return state_->launched_last_step; }
 ProcessGroup& DistributedDataParallel::group() const { return *state_->group; }
 
@@ -151,8 +201,8 @@ void DistributedDataParallel::finish() {
     if (s.param_ready[i]) continue;
     Tensor g = s.params[i].grad();
     Tensor slot = s.slot(i);
-    if (g.defined()) slot.copy_from(g.reshape({g.numel()}));
-    else ops::fill_(slot, 0.0);
+    if (!g.defined()) ops::fill_(slot, 0.0);
+    else if (g.data() != slot.data()) slot.copy_from(g.reshape({g.numel()}));
     s.param_ready[i] = true;
     ++s.ready_count[s.bucket_of[i]];
   }
@@ -162,8 +212,11 @@ void DistributedDataParallel::finish() {
     Tensor& p = s.params[i];
     Tensor avg = s.slot(i).reshape(p.shape());
     Tensor g = p.grad();
-    if (g.defined()) g.copy_from(avg);
-    else p.set_grad(ops::to_dtype(ops::clone(avg), p.dtype()));
+    if (g.defined()) {
+      if (g.data() != avg.data()) g.copy_from(avg);
+    } else {
+      p.set_grad(s.in_place ? avg : ops::to_dtype(ops::clone(avg), p.dtype()));  // in place: the flat slot itself
+    }
   }
   s.launched_last_step = s.launched_in_backward;
   s.launched_in_backward = 0;

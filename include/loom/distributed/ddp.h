@@ -25,8 +25,9 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& nume
 // Wraps a model's parameters (leaves requiring grad, all on one device). Usage per optimizer step:
 //   for each micro-batch but the last: { auto guard = ddp.no_sync(); loss.backward(); }
 //   last micro-batch: loss.backward();  ddp.finish();  then clip and step as usual.
-// During a synchronized backward, each parameter's hook copies its final gradient into its bucket; a full bucket is
-// all-reduced (averaged) at once, asynchronously, in bucket order on every rank. finish() reduces what is left
+// During a synchronized backward, each parameter's hook copies its final gradient into its bucket (nothing to copy when
+// the bucket is a range of the optimizer's flat gradient buffer: reduces_in_place); a full bucket is all-reduced
+// (averaged) at once, asynchronously, in bucket order on every rank. finish() reduces what is left
 // (parameters that got no gradient count as zeros), waits, and writes the averages into every parameter's .grad().
 class DistributedDataParallel {
  public:
@@ -57,6 +58,9 @@ class DistributedDataParallel {
   void finish();
 
   const std::vector<std::vector<size_t>>& buckets() const;
+  // Whether the buckets are ranges of an optimizer's flat gradient buffer, all-reduced where backward wrote the
+  // gradients (no copy in or out): parameters in a flat optimizer (constructed before DDP) and reduce dtype f32.
+  bool reduces_in_place() const;
   // Buckets launched from hooks (before finish) in the last step: how much communication overlapped backward.
   int64_t buckets_launched_during_backward() const;
   ProcessGroup& group() const;
