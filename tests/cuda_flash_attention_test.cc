@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/attention_kernel.h"
+#include "attention_test_util.h"
 #include "test_util.h"
 
 namespace loom {
@@ -13,39 +14,12 @@ namespace {
 
 const Device kGpu(DeviceType::kCUDA, 0);
 
-struct FlashCase {
-  int64_t batch, heads, kv_heads, q_len, kv_len, head_dim;
-  bool causal;
-};
+using FlashCase = test::AttentionCase;
+using test::describe_case;
+using test::max_abs_difference;
+using test::relative_error;
 
-std::string describe_case(const FlashCase& c) {
-  return "B=" + std::to_string(c.batch) + " H=" + std::to_string(c.heads) + " Hkv=" + std::to_string(c.kv_heads) +
-         " T=" + std::to_string(c.q_len) + " S=" + std::to_string(c.kv_len) + " D=" + std::to_string(c.head_dim) +
-         (c.causal ? " causal" : " full");
-}
-
-// ||actual - expected|| / ||expected||, NaN when actual has a NaN (an unwritten poisoned element). The norm is
-// floored at an RMS of 1e-3 per element: a gradient that is zero in exact arithmetic (grad_q and grad_k with a
-// single key) is compared on its absolute error.
-double relative_error(const Tensor& actual, const Tensor& expected) {
-  auto a = test::values(actual), e = test::values(expected);
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff += (a[i] - e[i]) * (a[i] - e[i]);
-    norm += e[i] * e[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-3 * std::sqrt(double(a.size())));
-}
-
-double max_abs_difference(const Tensor& actual, const Tensor& expected) {
-  auto a = test::values(actual), e = test::values(expected);
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::isnan(a[i]) ? INFINITY : std::max(worst, std::abs(a[i] - e[i]));
-  return worst;
-}
-
-// Tolerances on the relative norm of the error: 16-bit probabilities and outputs, f32 accumulation.
-double tolerance(DType dt) { return dt == kBF16 ? 2e-2 : 5e-3; }
+double tolerance(DType dt) { return test::attention_tolerance(dt); }
 
 // Calls and declines of the flash kernel (registered from flash_attention_<file>.cu) for an op.
 std::pair<uint64_t, uint64_t> flash_counts(const std::string& op, DType dt, const std::string& file) {

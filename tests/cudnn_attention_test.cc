@@ -10,6 +10,7 @@
 
 #include "kernels/attention_kernel.h"
 #include "loom/functional.h"
+#include "attention_test_util.h"
 #include "test_util.h"
 
 #ifdef LOOM_WITH_CUDA
@@ -25,37 +26,12 @@ const char* const kAllOps =
     "cudnn:scaled_dot_product_attention,scaled_dot_product_attention_backward,scaled_dot_product_attention_strided,"
     "scaled_dot_product_attention_backward_strided";
 
-struct Case {
-  int64_t batch, heads, kv_heads, q_len, kv_len, head_dim;
-  bool causal;
-};
+using Case = test::AttentionCase;
+using test::describe_case;
+using test::max_abs_difference;
+using test::relative_error;
 
-std::string describe_case(const Case& c) {
-  return "B=" + std::to_string(c.batch) + " H=" + std::to_string(c.heads) + " Hkv=" + std::to_string(c.kv_heads) +
-         " T=" + std::to_string(c.q_len) + " S=" + std::to_string(c.kv_len) + " D=" + std::to_string(c.head_dim) +
-         (c.causal ? " causal" : " full");
-}
-
-// ||actual - expected|| / ||expected|| (floored at an RMS of 1e-3), NaN for an unwritten poisoned element; as in the
-// CudaFlash tests.
-double relative_error(const Tensor& actual, const Tensor& expected) {
-  auto a = test::values(actual), e = test::values(expected);
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff += (a[i] - e[i]) * (a[i] - e[i]);
-    norm += e[i] * e[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-3 * std::sqrt(double(a.size())));
-}
-
-double max_abs_difference(const Tensor& actual, const Tensor& expected) {
-  auto a = test::values(actual), e = test::values(expected);
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::isnan(a[i]) ? INFINITY : std::max(worst, std::abs(a[i] - e[i]));
-  return worst;
-}
-
-double tolerance(DType dt) { return dt == kBF16 ? 2e-2 : 5e-3; }
+double tolerance(DType dt) { return test::attention_tolerance(dt); }
 
 // Calls and declines of the cudnn kernel of an op.
 std::pair<uint64_t, uint64_t> cudnn_counts(const std::string& op, DType dt) {

@@ -626,16 +626,22 @@ void build_backward(GraphBuilder& g, const Problem& p, const Dims& qs, const Dim
   cudnnBackendDescriptor_t probs = g.virt(CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, centered, nullptr, nullptr, probs);
 
-  // dV = P^T dO, summed over the query heads of each kv head.
+  // a @ b into a kv-head gradient: per query head, then summed over the query heads of each kv head (GQA).
+  auto matmul_into_kv_heads = [&](cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                                  cudnnBackendDescriptor_t kv_grad) {
+    if (p.H == p.Hkv) {
+      g.matmul(a, b, kv_grad);
+      return;
+    }
+    cudnnBackendDescriptor_t per_head = g.virt(dt, per_query_head_kv, per_query_head_kv_strides);
+    g.matmul(a, b, per_head);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, per_head, kv_grad);
+  };
+
+  // dV = P^T dO.
   cudnnBackendDescriptor_t probs_t = g.virt(dt, td, ts);
   g.reshape(probs, probs_t);
-  if (p.H == p.Hkv) {
-    g.matmul(probs_t, d_o, dv);
-  } else {
-    cudnnBackendDescriptor_t dv_heads = g.virt(dt, per_query_head_kv, per_query_head_kv_strides);
-    g.matmul(probs_t, d_o, dv_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
-  }
+  matmul_into_kv_heads(probs_t, d_o, dv);
 
   // dS = scale * P * (dO V^T - Dsum).
   cudnnBackendDescriptor_t dp = g.virt(CUDNN_DATA_FLOAT, sd, ss);
@@ -649,16 +655,10 @@ void build_backward(GraphBuilder& g, const Problem& p, const Dims& qs, const Dim
   cudnnBackendDescriptor_t ds = g.virt(CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, ds_unscaled, scale, nullptr, ds);
 
-  // dK = dS^T Q, summed over the query heads of each kv head.
+  // dK = dS^T Q.
   cudnnBackendDescriptor_t ds_t = g.virt(dt, td, ts);
   g.reshape(ds, ds_t);
-  if (p.H == p.Hkv) {
-    g.matmul(ds_t, q, dk);
-  } else {
-    cudnnBackendDescriptor_t dk_heads = g.virt(dt, per_query_head_kv, per_query_head_kv_strides);
-    g.matmul(ds_t, q, dk_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
-  }
+  matmul_into_kv_heads(ds_t, q, dk);
 
   // dQ = dS K, accumulated in f32 (a zeroed buffer in cuDNN's F16x16 order), then converted.
   cudnnBackendDescriptor_t k_again = g.virt(CUDNN_DATA_FLOAT, kd, ks);
