@@ -1,5 +1,5 @@
-// Helpers shared by the CUDA attention tests (Loom's flash kernels and the cudnn provider): a problem shape, and
-// error measures against a float64 reference.
+// Helpers shared by the CUDA attention tests (Loom's flash kernels and the cudnn provider): a problem shape, head
+// views of a fused projection, and error measures against a float64 reference.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +39,11 @@ inline double max_abs_difference(const Tensor& actual, const Tensor& expected) {
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) worst = std::isnan(a[i]) ? INFINITY : std::max(worst, std::abs(a[i] - e[i]));
   return worst;
+}
+
+// Head views [B, h, T, D] of columns [column, column + h D) of a [B, T, N] tensor (q, k, v of a fused projection).
+inline Tensor heads_view(const Tensor& fused, int64_t column, int64_t h, int64_t D) {
+  return ops::transpose(ops::view(ops::narrow(fused, 2, column, h * D), {fused.size(0), fused.size(1), h, D}), 1, 2);
 }
 
 // Tolerances on the relative norm of the error: 16-bit probabilities and outputs, f32 accumulation.

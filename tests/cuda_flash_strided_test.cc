@@ -7,6 +7,7 @@
 
 #include "kernels/attention_kernel.h"
 #include "loom/functional.h"
+#include "attention_test_util.h"
 #include "test_util.h"
 
 namespace loom {
@@ -14,10 +15,7 @@ namespace {
 
 const Device kGpu(DeviceType::kCUDA, 0);
 
-// Head views [B, h, T, D] of columns [column, column + h D) of a [B, T, N] tensor.
-Tensor heads_view(const Tensor& fused, int64_t column, int64_t h, int64_t D) {
-  return ops::transpose(ops::view(ops::narrow(fused, 2, column, h * D), {fused.size(0), fused.size(1), h, D}), 1, 2);
-}
+using test::heads_view;
 
 uint64_t strided_calls(const std::string& op, DType dt) {
   for (const auto& r : dispatch::explain(op, kCUDA, dt))

@@ -146,10 +146,7 @@ TEST_F(CudnnAttention, CausalBottomRightAlignment) {
   check_contiguous({1, 2, 2, 5, 37, 64, true}, /*must_serve=*/false);  // declined up front (not multiples of 64)
 }
 
-// Head views [B, h, T, D] of columns [column, column + h D) of a [B, T, N] tensor.
-Tensor heads_view(const Tensor& fused, int64_t column, int64_t h, int64_t D) {
-  return ops::transpose(ops::view(ops::narrow(fused, 2, column, h * D), {fused.size(0), fused.size(1), h, D}), 1, 2);
-}
+using test::heads_view;
 
 // q, k, v as head views of one fused [B, T, (H + 2 Hkv) D] projection, out written into a [B, T, H, D]-ordered
 // view and the gradients into slices of one fused gradient buffer, through the strided ops.

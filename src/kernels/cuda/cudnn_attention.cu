@@ -502,7 +502,7 @@ bool problem_ok(const Tensor& q, const Tensor& k, const Tensor& v, const Attenti
 }
 
 // On unless LOOM_CUDNN_ATTENTION=0 (a policy can deny the provider as any other).
-bool enabled_for(const char*) {
+bool enabled() {
   static const bool disabled = [] {
     const char* e = std::getenv("LOOM_CUDNN_ATTENTION");
     return e != nullptr && std::strcmp(e, "0") == 0;
@@ -780,21 +780,34 @@ bool lse_ok(const Tensor& lse, const Tensor& q) {
          lse.numel() == q.size(0) * q.size(1) * q.size(2) && aligned16(lse);
 }
 
-bool forward_supports_impl(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionAttrs& attrs, Tensor& out, Tensor& lse) {
-  if (!api().ok || !enabled_for(op)) return false;
+// One predicate for the plain and the strided op: the plain op's contiguous tensors are one case of the views.
+bool forward_supports(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs, Tensor& out,
+                      Tensor& lse) {
+  if (!api().ok || !enabled()) return false;
   if (!problem_ok(q, k, v, attrs) || !like(out, q) || !lse_ok(lse, q)) return false;
   return forward_plan(q, k, v, attrs, out)->ok;
 }
 
-bool forward_supports(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs, Tensor& out,
-                      Tensor& lse) {
-  return forward_supports_impl("scaled_dot_product_attention", q, k, v, attrs, out, lse);
-}
+// What both directions pass: q, k, v, out, lse, and the run-time scalars (scale, the mask value, the causal offset's
+// lengths), which must live until execute() returns.
+struct CommonArgs {
+  float scale, mask_value;
+  int32_t skv, sq;
+};
 
-bool forward_strided_supports(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs,
-                              Tensor& out, Tensor& lse) {
-  return forward_supports_impl("scaled_dot_product_attention_strided", q, k, v, attrs, out, lse);
+void bind_common(Binding& b, const Plan& plan, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                 const Tensor& lse, CommonArgs& args) {
+  b.add(kUidQ, q.data());
+  b.add(kUidK, k.data());
+  b.add(kUidV, v.data());
+  b.add(kUidO, out.data());
+  b.add(kUidStats, lse.data());
+  b.add(kUidScale, &args.scale);
+  if (plan.causal) b.add(kUidMaskValue, &args.mask_value);
+  if (plan.bottom_right) {
+    b.add(kUidSkv, &args.skv);
+    b.add(kUidSq, &args.sq);
+  }
 }
 
 void cudnn_forward(const DeviceContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -803,45 +816,20 @@ void cudnn_forward(const DeviceContext& ctx, const Tensor& q, const Tensor& k, c
   cuda::DeviceGuard guard(ctx.device().index);
   const std::shared_ptr<const Plan> plan = forward_plan(q, k, v, attrs, out);
   cudaStream_t stream = cuda_context(ctx).cuda_stream();
-  float scale = float(attrs.scale), mask_value = forward_mask_value();
-  int32_t skv = int32_t(p.S), sq = int32_t(p.T);
+  CommonArgs args{float(attrs.scale), forward_mask_value(), int32_t(p.S), int32_t(p.T)};
   Binding b;
-  b.add(kUidQ, q.data());
-  b.add(kUidK, k.data());
-  b.add(kUidV, v.data());
-  b.add(kUidO, out.data());
-  b.add(kUidStats, lse.data());
-  b.add(kUidScale, &scale);
-  if (plan->causal) b.add(kUidMaskValue, &mask_value);
-  if (plan->bottom_right) {
-    b.add(kUidSkv, &skv);
-    b.add(kUidSq, &sq);
-  }
+  bind_common(b, *plan, q, k, v, out, lse, args);
   execute(*plan, p, false, stream, b);
-}
-
-bool backward_supports_impl(const char* op, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                            const Tensor& v, const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs,
-                            Tensor& grad_q, Tensor& grad_k, Tensor& grad_v) {
-  if (!api().ok || !enabled_for(op)) return false;
-  if (!problem_ok(q, k, v, attrs) || !like(out, q) || !like(grad_out, q) || !lse_ok(lse, q)) return false;
-  // cuDNN writes all three gradients: a call that needs only some is left to the native kernels.
-  if (!like(grad_q, q) || !like(grad_k, k) || !like(grad_v, v)) return false;
-  return backward_plan(grad_out, q, k, v, out, attrs, grad_q, grad_k, grad_v)->ok;
 }
 
 bool backward_supports(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                        const Tensor& lse, const AttentionAttrs& attrs, Tensor& grad_q, Tensor& grad_k,
                        Tensor& grad_v) {
-  return backward_supports_impl("scaled_dot_product_attention_backward", grad_out, q, k, v, out, lse, attrs, grad_q,
-                                grad_k, grad_v);
-}
-
-bool backward_strided_supports(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs, Tensor& grad_q,
-                               Tensor& grad_k, Tensor& grad_v) {
-  return backward_supports_impl("scaled_dot_product_attention_backward_strided", grad_out, q, k, v, out, lse, attrs,
-                                grad_q, grad_k, grad_v);
+  if (!api().ok || !enabled()) return false;
+  if (!problem_ok(q, k, v, attrs) || !like(out, q) || !like(grad_out, q) || !lse_ok(lse, q)) return false;
+  // cuDNN writes all three gradients: a call that needs only some is left to the native kernels.
+  if (!like(grad_q, q) || !like(grad_k, k) || !like(grad_v, v)) return false;
+  return backward_plan(grad_out, q, k, v, out, attrs, grad_q, grad_k, grad_v)->ok;
 }
 
 void cudnn_backward(const DeviceContext& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
@@ -854,26 +842,16 @@ void cudnn_backward(const DeviceContext& ctx, const Tensor& grad_out, const Tens
   // The dQ accumulator, zeroed on the call's stream (freed at scope exit, after the work queued here).
   Tensor dq_accum = empty({plan->dq_accum_elements}, kF32, ctx.device());
   LOOM_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, dq_accum.nbytes(), stream));
-  float scale = float(attrs.scale), mask_value = backward_mask_value(), one = 1.0f;
-  int32_t skv = int32_t(p.S), sq = int32_t(p.T);
+  CommonArgs args{float(attrs.scale), backward_mask_value(), int32_t(p.S), int32_t(p.T)};
+  float one = 1.0f;
   Binding b;
-  b.add(kUidQ, q.data());
-  b.add(kUidK, k.data());
-  b.add(kUidV, v.data());
-  b.add(kUidO, out.data());
-  b.add(kUidStats, lse.data());
+  bind_common(b, *plan, q, k, v, out, lse, args);
   b.add(kUidDO, grad_out.data());
   b.add(kUidDQ, grad_q.data());
   b.add(kUidDK, grad_k.data());
   b.add(kUidDV, grad_v.data());
   b.add(kUidDQAccum, dq_accum.data());
-  b.add(kUidScale, &scale);
   b.add(kUidOne, &one);
-  if (plan->causal) b.add(kUidMaskValue, &mask_value);
-  if (plan->bottom_right) {
-    b.add(kUidSkv, &skv);
-    b.add(kUidSq, &sq);
-  }
   execute(*plan, p, true, stream, b);
 }
 
@@ -892,11 +870,11 @@ constexpr int kCudnnPriority = 20;
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention, kCUDA, "cudnn", dtypes(kF16, kBF16), cudnn_forward, kCudnnPriority,
                      forward_supports, __FILE__);
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention_strided, kCUDA, "cudnn", dtypes(kF16, kBF16), cudnn_forward,
-                     kCudnnPriority, forward_strided_supports, __FILE__);
+                     kCudnnPriority, forward_supports, __FILE__);
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention_backward, kCUDA, "cudnn", dtypes(kF16, kBF16), cudnn_backward,
                      kCudnnPriority, backward_supports, __FILE__);
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention_backward_strided, kCUDA, "cudnn", dtypes(kF16, kBF16),
-                     cudnn_backward, kCudnnPriority, backward_strided_supports, __FILE__);
+                     cudnn_backward, kCudnnPriority, backward_supports, __FILE__);
 
 }  // namespace loom::cuda::cudnn_attention
 
