@@ -397,9 +397,13 @@ class TPBlock : public nn::Module {
     ln_2 = register_module("ln_2", std::make_shared<nn::LayerNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<TPMLP>(c, g));
   }
-  Tensor forward(const Tensor& x, nn::KVCache* cache) const {
-    Tensor h = add(x, attn->forward(ln_1->forward(x), cache));
-    return add(h, mlp->forward(ln_2->forward(h)));
+  // As the single-rank block: returns the stream after the attention add and the pending (all-reduced, so
+  // replicated) MLP output, whose add residual_layer_norm fuses into the next norm.
+  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, nn::KVCache* cache) const {
+    auto [h, normed_1] = residual_layer_norm(x, pending, ln_1->weight, ln_1->bias, ln_1->eps);
+    Tensor a = attn->forward(normed_1, cache);
+    auto [h2, normed_2] = residual_layer_norm(h, a, ln_2->weight, ln_2->bias, ln_2->eps);
+    return {h2, mlp->forward(normed_2)};
   }
   std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
   std::shared_ptr<TPAttention> attn;
@@ -440,8 +444,10 @@ Tensor TensorParallelGPT2::hidden(const Tensor& idx, std::vector<nn::KVCache>* c
   if (caches) caches->resize(size_t(cfg_.n_layer));
   Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
   Tensor x = add(m.wte->forward(idx), m.wpe->forward(pos));
-  for (size_t i = 0; i < m.blocks.size(); ++i) x = m.blocks[i]->forward(x, caches ? &(*caches)[i] : nullptr);
-  return m.ln_f->forward(x);
+  Tensor pending;  // the last block's output, added to the stream inside the next norm
+  for (size_t i = 0; i < m.blocks.size(); ++i)
+    std::tie(x, pending) = m.blocks[i]->forward(x, pending, caches ? &(*caches)[i] : nullptr);
+  return residual_layer_norm(x, pending, m.ln_f->weight, m.ln_f->bias, m.ln_f->eps).second;
 }
 
 const Tensor& TensorParallelGPT2::classifier_weight() const { return impl_->wte->weight; }  // tied
