@@ -1,7 +1,8 @@
-// CPU layer norm and RMS norm over the last dim. Row statistics are computed in double; the backward's weight and
-// bias gradients are summed per column block over all rows in row order, so they are deterministic.
+// CPU layer norm and RMS norm over the last dim, forward and backward, with or without a residual add fused in (the
+// plain norms are the residual kernels without a delta): the reference for the CUDA kernels. Row statistics and the
+// input gradient are computed in double; the weight and bias gradients are summed per column block over all rows in
+// row order, so they are deterministic.
 #include <cmath>
-#include <vector>
 
 #include "kernels/norm_kernel.h"
 #include "kernels/primitives/cpu_loops.h"
@@ -9,7 +10,6 @@
 namespace loom {
 namespace {
 
-// The dtype of mean and rstd for input type T.
 template <typename T>
 using stats_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
@@ -18,22 +18,40 @@ const T* data_or_null(const Tensor& t) {
   return t.defined() ? static_cast<const T*>(t.data()) : nullptr;
 }
 
-// Layer norm (centered) or RMS norm (mean_out null) forward.
 template <typename T>
-void norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, Tensor& out,
-                  stats_t<T>* mean_out, stats_t<T>* rstd_out) {
+T* mutable_data_or_null(Tensor& t) {
+  return t.defined() ? static_cast<T*>(t.data()) : nullptr;
+}
+
+int64_t columns_of(const Tensor& t) { return t.dim() ? t.shape().back() : 1; }
+
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, cols)); }
+
+// T: x and residual; D: delta; O: out. mean_out null for RMS norm.
+template <typename T, typename D, typename O>
+void residual_norm_forward(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
+                           double eps, Tensor& residual, Tensor& out, stats_t<T>* mean_out, stats_t<T>* rstd_out) {
   using C = acc_t<T>;
-  const int64_t cols = x.dim() ? x.shape().back() : 1;
+  const int64_t cols = columns_of(x);
   const int64_t rows = cols ? x.numel() / cols : 0;
   const T* in = static_cast<const T*>(x.data());
+  const D* d = data_or_null<D>(delta);
+  T* res = mutable_data_or_null<T>(residual);
+  LOOM_CHECK(!d || res, "residual_norm: a delta needs a residual output");
   const T* w = data_or_null<T>(weight);
   const T* b = data_or_null<T>(bias);
-  T* o = static_cast<T*>(out.data());
+  O* o = static_cast<O*>(out.data());
   const bool centered = mean_out != nullptr;
-  cpu::parallel_for(rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, cols)), [&](int64_t rb, int64_t re) {
+  cpu::parallel_for(rows, row_grain(cols), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const T* xr = in + r * cols;
-      T* orow = o + r * cols;
+      if (d) {
+        T* rr = res + r * cols;
+        const D* dr = d + r * cols;
+        for (int64_t c = 0; c < cols; ++c) rr[c] = T(C(xr[c]) + C(dr[c]));
+        xr = rr;  // normalize the stored (rounded) residual
+      }
+      O* orow = o + r * cols;
       double mean = 0;
       if (centered) {
         for (int64_t c = 0; c < cols; ++c) mean += double(C(xr[c]));
@@ -41,8 +59,8 @@ void norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
       }
       double sq = 0;
       for (int64_t c = 0; c < cols; ++c) {
-        double d = double(C(xr[c])) - mean;
-        sq += d * d;
+        double dev = double(C(xr[c])) - mean;
+        sq += dev * dev;
       }
       double rstd = 1.0 / std::sqrt((cols ? sq / double(cols) : 0.0) + eps);
       if (centered) mean_out[r] = stats_t<T>(mean);
@@ -52,33 +70,36 @@ void norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
         C v = (C(xr[c]) - m) * s;
         if (w) v *= C(w[c]);
         if (b) v += C(b[c]);
-        orow[c] = T(v);
+        orow[c] = O(v);
       }
     }
   });
 }
 
-// Layer norm (mean non-null) or RMS norm (mean null) backward; undefined outputs are skipped.
-template <typename T>
-void norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const stats_t<T>* mean,
-                   const stats_t<T>* rstd, Tensor& grad_input, Tensor& grad_weight, Tensor& grad_bias) {
+// T: residual and grad_residual; G: grad_out; D: grad_delta. mean null for RMS norm.
+template <typename T, typename G, typename D>
+void residual_norm_backward(const Tensor& grad_out, const Tensor& grad_residual, const Tensor& residual,
+                            const Tensor& weight, const stats_t<T>* mean, const stats_t<T>* rstd, Tensor& grad_x,
+                            Tensor& grad_delta, Tensor& grad_weight, Tensor& grad_bias) {
   using C = acc_t<T>;
-  const int64_t cols = x.dim() ? x.shape().back() : 1;
-  const int64_t rows = cols ? x.numel() / cols : 0;
-  const T* in = static_cast<const T*>(x.data());
-  const T* g = static_cast<const T*>(grad.data());
+  const int64_t cols = columns_of(residual);
+  const int64_t rows = cols ? residual.numel() / cols : 0;
+  const T* in = static_cast<const T*>(residual.data());
+  const G* g = static_cast<const G*>(grad_out.data());
+  const T* gres = data_or_null<T>(grad_residual);
   const T* w = data_or_null<T>(weight);
   // In double: with few columns rstd is large and amplifies any rounding in the cancellations below.
   auto xhat = [&](int64_t r, int64_t c) {
     return (double(C(in[r * cols + c])) - (mean ? double(mean[r]) : 0.0)) * double(rstd[r]);
   };
 
-  if (grad_input.defined()) {
-    T* gi = static_cast<T*>(grad_input.data());
-    cpu::parallel_for(rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, cols)), [&](int64_t rb, int64_t re) {
+  T* gx = mutable_data_or_null<T>(grad_x);
+  D* gd = mutable_data_or_null<D>(grad_delta);
+  if (gx || gd) {
+    cpu::parallel_for(rows, row_grain(cols), [&](int64_t rb, int64_t re) {
       for (int64_t r = rb; r < re; ++r) {
-        const T* gr = g + r * cols;
-        auto weighted_grad = [&](int64_t c) { return double(C(gr[c])) * (w ? double(C(w[c])) : 1.0); };
+        const G* gr = g + r * cols;
+        auto weighted_grad = [&](int64_t c) { return double(acc_t<G>(gr[c])) * (w ? double(C(w[c])) : 1.0); };
         double sum_g = 0, sum_g_xhat = 0;
         for (int64_t c = 0; c < cols; ++c) {
           double gw = weighted_grad(c);
@@ -88,43 +109,102 @@ void norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, co
         const double mean_g = mean ? sum_g / double(cols) : 0.0;
         const double mean_g_xhat = sum_g_xhat / double(cols);
         const double s = double(rstd[r]);
-        for (int64_t c = 0; c < cols; ++c)
-          gi[r * cols + c] = T(C(s * (weighted_grad(c) - mean_g - xhat(r, c) * mean_g_xhat)));
+        for (int64_t c = 0; c < cols; ++c) {
+          double v = s * (weighted_grad(c) - mean_g - xhat(r, c) * mean_g_xhat);
+          if (gres) v += double(C(gres[r * cols + c]));
+          if (gx) gx[r * cols + c] = T(C(v));
+          if (gd) gd[r * cols + c] = D(acc_t<D>(v));
+        }
       }
     });
   }
 
-  if (grad_weight.defined() || grad_bias.defined()) {
-    T* gw = grad_weight.defined() ? static_cast<T*>(grad_weight.data()) : nullptr;
-    T* gb = grad_bias.defined() ? static_cast<T*>(grad_bias.data()) : nullptr;
-    constexpr int64_t kBlock = 32;
-    const int64_t blocks = (cols + kBlock - 1) / kBlock;
-    cpu::parallel_for(blocks, 1, [&](int64_t bb, int64_t be) {
-      double acc_w[kBlock], acc_b[kBlock];
-      for (int64_t blk = bb; blk < be; ++blk) {
-        const int64_t c0 = blk * kBlock, width = std::min(kBlock, cols - c0);
-        for (int64_t i = 0; i < width; ++i) acc_w[i] = acc_b[i] = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          const T* gr = g + r * cols + c0;
-          if (gw)
-            for (int64_t i = 0; i < width; ++i) acc_w[i] += double(C(gr[i])) * xhat(r, c0 + i);
-          if (gb)
-            for (int64_t i = 0; i < width; ++i) acc_b[i] += double(C(gr[i]));
-        }
-        for (int64_t i = 0; i < width; ++i) {
-          if (gw) gw[c0 + i] = T(C(acc_w[i]));
-          if (gb) gb[c0 + i] = T(C(acc_b[i]));
-        }
+  T* gw = mutable_data_or_null<T>(grad_weight);
+  T* gb = mutable_data_or_null<T>(grad_bias);
+  if (!gw && !gb) return;
+  constexpr int64_t kBlock = 32;
+  const int64_t blocks = (cols + kBlock - 1) / kBlock;
+  cpu::parallel_for(blocks, 1, [&](int64_t bb, int64_t be) {
+    double acc_w[kBlock], acc_b[kBlock];
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t c0 = blk * kBlock, width = std::min(kBlock, cols - c0);
+      for (int64_t i = 0; i < width; ++i) acc_w[i] = acc_b[i] = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const G* gr = g + r * cols + c0;
+        if (gw)
+          for (int64_t i = 0; i < width; ++i) acc_w[i] += double(acc_t<G>(gr[i])) * xhat(r, c0 + i);
+        if (gb)
+          for (int64_t i = 0; i < width; ++i) acc_b[i] += double(acc_t<G>(gr[i]));
       }
-    });
-  }
+      for (int64_t i = 0; i < width; ++i) {
+        if (gw) gw[c0 + i] = T(C(acc_w[i]));
+        if (gb) gb[c0 + i] = T(C(acc_b[i]));
+      }
+    }
+  });
 }
 
+DType dtype_or(const Tensor& t, DType fallback) { return t.defined() ? t.dtype() : fallback; }
+
+void residual_layer_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                             const Tensor& bias, const NormAttrs& attrs, Tensor& residual, Tensor& out,
+                             Tensor& mean, Tensor& rstd) {
+  dispatch_residual_norm("residual_layer_norm", x.dtype(), dtype_or(delta, x.dtype()), out.dtype(),
+                         [&](auto t, auto d, auto o) {
+                           using T = typename decltype(t)::type;
+                           using S = stats_t<T>;
+                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
+                               x, delta, weight, bias, attrs.eps, residual, out, mean.data_ptr<S>(),
+                               rstd.data_ptr<S>());
+                         });
+}
+
+void residual_rms_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                           const NormAttrs& attrs, Tensor& residual, Tensor& out, Tensor& rstd) {
+  dispatch_residual_norm("residual_rms_norm", x.dtype(), dtype_or(delta, x.dtype()), out.dtype(),
+                         [&](auto t, auto d, auto o) {
+                           using T = typename decltype(t)::type;
+                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
+                               x, delta, weight, Tensor(), attrs.eps, residual, out, nullptr,
+                               rstd.data_ptr<stats_t<T>>());
+                         });
+}
+
+void residual_layer_norm_backward_cpu(const DeviceContext&, const Tensor& grad_out, const Tensor& grad_residual,
+                                      const Tensor& residual, const Tensor& weight, const Tensor& mean,
+                                      const Tensor& rstd, Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight,
+                                      Tensor& grad_bias) {
+  dispatch_residual_norm("residual_layer_norm_backward", residual.dtype(), grad_out.dtype(),
+                         dtype_or(grad_delta, residual.dtype()), [&](auto t, auto g, auto d) {
+                           using T = typename decltype(t)::type;
+                           using S = stats_t<T>;
+                           residual_norm_backward<T, typename decltype(g)::type, typename decltype(d)::type>(
+                               grad_out, grad_residual, residual, weight, mean.data_ptr<S>(), rstd.data_ptr<S>(),
+                               grad_x, grad_delta, grad_weight, grad_bias);
+                         });
+}
+
+void residual_rms_norm_backward_cpu(const DeviceContext&, const Tensor& grad_out, const Tensor& grad_residual,
+                                    const Tensor& residual, const Tensor& weight, const Tensor& rstd,
+                                    Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight) {
+  dispatch_residual_norm("residual_rms_norm_backward", residual.dtype(), grad_out.dtype(),
+                         dtype_or(grad_delta, residual.dtype()), [&](auto t, auto g, auto d) {
+                           using T = typename decltype(t)::type;
+                           Tensor no_bias;
+                           residual_norm_backward<T, typename decltype(g)::type, typename decltype(d)::type>(
+                               grad_out, grad_residual, residual, weight, nullptr, rstd.data_ptr<stats_t<T>>(),
+                               grad_x, grad_delta, grad_weight, no_bias);
+                         });
+}
+
+// The plain norms: no delta in (so no residual out) and no residual gradient in, one dtype throughout.
 void layer_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& weight, const Tensor& bias,
                     const NormAttrs& attrs, Tensor& out, Tensor& mean, Tensor& rstd) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "layer_norm", [&] {
     using S = stats_t<scalar_t>;
-    norm_forward<scalar_t>(x, weight, bias, attrs.eps, out, mean.data_ptr<S>(), rstd.data_ptr<S>());
+    Tensor no_residual;
+    residual_norm_forward<scalar_t, scalar_t, scalar_t>(x, Tensor(), weight, bias, attrs.eps, no_residual, out,
+                                                        mean.data_ptr<S>(), rstd.data_ptr<S>());
   });
 }
 
@@ -133,25 +213,29 @@ void layer_norm_backward_cpu(const DeviceContext&, const Tensor& grad, const Ten
                              Tensor& grad_bias) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "layer_norm_backward", [&] {
     using S = stats_t<scalar_t>;
-    norm_backward<scalar_t>(grad, x, weight, mean.data_ptr<S>(), rstd.data_ptr<S>(), grad_input, grad_weight,
-                            grad_bias);
+    Tensor no_delta;
+    residual_norm_backward<scalar_t, scalar_t, scalar_t>(grad, Tensor(), x, weight, mean.data_ptr<S>(),
+                                                         rstd.data_ptr<S>(), grad_input, no_delta, grad_weight,
+                                                         grad_bias);
   });
 }
 
 void rms_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& weight, const NormAttrs& attrs, Tensor& out,
                   Tensor& rstd) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "rms_norm", [&] {
-    using S = stats_t<scalar_t>;
-    norm_forward<scalar_t>(x, weight, Tensor(), attrs.eps, out, nullptr, rstd.data_ptr<S>());
+    Tensor no_residual;
+    residual_norm_forward<scalar_t, scalar_t, scalar_t>(x, Tensor(), weight, Tensor(), attrs.eps, no_residual, out,
+                                                        nullptr, rstd.data_ptr<stats_t<scalar_t>>());
   });
 }
 
 void rms_norm_backward_cpu(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& weight,
                            const Tensor& rstd, Tensor& grad_input, Tensor& grad_weight) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "rms_norm_backward", [&] {
-    using S = stats_t<scalar_t>;
-    Tensor no_bias;
-    norm_backward<scalar_t>(grad, x, weight, nullptr, rstd.data_ptr<S>(), grad_input, grad_weight, no_bias);
+    Tensor no_delta, no_bias;
+    residual_norm_backward<scalar_t, scalar_t, scalar_t>(grad, Tensor(), x, weight, nullptr,
+                                                         rstd.data_ptr<stats_t<scalar_t>>(), grad_input, no_delta,
+                                                         grad_weight, no_bias);
   });
 }
 
@@ -162,5 +246,12 @@ LOOM_REGISTER_KERNEL(layer_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF1
                      layer_norm_backward_cpu);
 LOOM_REGISTER_KERNEL(rms_norm, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), rms_norm_cpu);
 LOOM_REGISTER_KERNEL(rms_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), rms_norm_backward_cpu);
+
+LOOM_REGISTER_KERNEL(residual_layer_norm, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), residual_layer_norm_cpu);
+LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     residual_layer_norm_backward_cpu);
+LOOM_REGISTER_KERNEL(residual_rms_norm, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cpu);
+LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
+                     residual_rms_norm_backward_cpu);
 
 }  // namespace loom
