@@ -1,12 +1,14 @@
 // cross_entropy_with_grad (the loss and the logits' gradient from one pass) and cross_entropy_scale_grad_, on the CPU
 // and (where a GPU is visible) on CUDA: against a float64 reference on awkward shapes (V = 1, 3, odd and padded
 // vocabularies, rows that do not start on a 16-byte boundary, ignored rows, every row ignored), outputs poisoned; the
-// autograd path that uses them (gradients equal to the unfused path's, logits not saved, retain_graph, gradcheck).
+// autograd path that uses them (gradients equal to the unfused path's, logits not saved, any sequence of loss
+// gradients through a retained graph, no logits-sized buffer in a backward that releases it, gradcheck).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kernels/cross_entropy_kernel.h"
+#include "loom/core/device_runtime.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/autograd/gradcheck.h"
 #include "loom/functional.h"
@@ -279,6 +281,90 @@ TEST(CrossEntropyFused, RetainedGraphBackwardsTwice) {
     Tensor expected = ops::cross_entropy_backward(full({}, grad_output, kF32), logits.detach(), targets);
     EXPECT_TRUE(test::all_close(from_vector(first, {5, 9}), expected.to(kF64), 1e-6, 1e-7));
     for (size_t i = 0; i < first.size(); ++i) EXPECT_NEAR(second[i], 2 * first[i], 1e-6) << i;
+  }
+}
+
+// Any sequence of backwards through one retained graph, with a first loss gradient of 0 or a negative one: each
+// backward's gradient is exactly what a graph used once gives for its loss gradient (the same kernel), and within the
+// dtype's rounding of the unfused backward in float64. Both entries: cross_entropy on a leaf (the gradient in a buffer
+// of its own) and cross_entropy_consuming (the gradient written over logits that nothing else holds).
+void check_retained_sequences(Device device, const std::vector<DType>& dtypes) {
+  const std::vector<std::vector<double>> sequences = {
+      {0.0, 1.0}, {0.0, 0.0, 0.3}, {-0.75, 0.3, 2.0}, {0.3, 1.0, 0.0, -1.5}, {1.0, 1.0}, {0.1}};
+  const int64_t n = 7, v = 29, limit = 27;
+  for (DType dt : dtypes) {
+    for (bool consuming : {false, true}) {
+      for (ops::Reduction reduction : {ops::Reduction::kMean, ops::Reduction::kSum}) {
+        for (const std::vector<double>& scales : sequences) {
+          const uint64_t seed = test::fresh_seed();
+          testing::Message sequence;
+          for (double s : scales) sequence << " " << s;
+          SCOPED_TRACE(testing::Message() << device.str() << " " << dtype_name(dt)
+                                          << (consuming ? " consuming" : " leaf") << " reduction " << int(reduction)
+                                          << " loss gradients" << sequence << " seed " << seed);
+          Tensor values = test::random_tensor({n, v}, dt, -4, 4, seed);
+          Tensor targets = test::random_indices({n}, 0, limit, kI64, seed + 1);
+          ops::narrow(targets, 0, 2, 1).copy_from(full({1}, -100.0, kI64));
+          targets = targets.to(device);
+          // The loss of fresh logits from w (w itself, or w * 1 when consumed: the same gradient, exactly).
+          auto loss_of = [&](const Tensor& w) {
+            if (!consuming) return loom::cross_entropy(w, targets, -100, reduction, limit);
+            return loom::cross_entropy_consuming(loom::mul(w, 1.0), targets, -100, reduction, limit);
+          };
+          Tensor w = values.clone().to(device).set_requires_grad(true);
+          Tensor loss = loss_of(w);
+          for (size_t i = 0; i < scales.size(); ++i) {
+            SCOPED_TRACE(testing::Message() << "backward " << i);
+            const bool last = i + 1 == scales.size();
+            const Tensor grad_loss = full({}, scales[i], loss.dtype(), device);
+            w.zero_grad();
+            loss.backward(grad_loss, /*retain_graph=*/!last);
+            ASSERT_TRUE(w.grad().defined());
+            const std::vector<double> got = test::values(w.grad().to(kCpu));
+
+            Tensor once = values.clone().to(device).set_requires_grad(true);
+            loss_of(once).backward(grad_loss);
+            EXPECT_EQ(got, test::values(once.grad().to(kCpu)));
+
+            Tensor expected = ops::cross_entropy_backward(full({}, scales[i], kF64), values.to(kF64),
+                                                          targets.to(kCpu), -100, reduction, limit);
+            EXPECT_TRUE(test::all_close(from_vector(got, {n, v}), expected, test::rtol_for(dt),
+                                        test::atol_for(dt)));
+          }
+          EXPECT_THROW(loss.backward(), Error);  // the last backward released the graph
+        }
+      }
+    }
+  }
+}
+
+TEST(CrossEntropyFused, CpuRetainedGraphAnySequenceOfLossGradients) {
+  check_retained_sequences(kCpu, {kF32, kF64, kBF16});
+}
+
+TEST(CrossEntropyFused, CudaRetainedGraphAnySequenceOfLossGradients) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_retained_sequences(kGpu, {kF32, kF64, kBF16});
+}
+
+// A backward that releases the graph scales the saved gradient in place and hands it on: no logits-sized buffer is
+// allocated (the leaf adopts it as its gradient). A backward that retains the graph allocates one copy.
+TEST(CrossEntropyFused, BackwardThatReleasesTheGraphAllocatesNoLogitsBuffer) {
+  DeviceRuntime& cpu = device_runtime(DeviceType::kCPU);
+  const int64_t n = 64, v = 2048;
+  const size_t logits_bytes = size_t(n * v) * sizeof(float);
+  Tensor targets = test::random_indices({n}, 0, v, kI64, test::fresh_seed());
+  for (bool retain : {false, true}) {
+    SCOPED_TRACE(retain ? "retained" : "released");
+    Tensor logits = test::random_tensor({n, v}, kF32, -3, 3, test::fresh_seed()).set_requires_grad(true);
+    Tensor loss = loom::cross_entropy(logits, targets);
+    const Tensor grad_loss = full({}, 0.5, kF32);
+    const size_t before = cpu.memory_stats(0).allocated;
+    cpu.reset_peak_memory(0);
+    loss.backward(grad_loss, retain);
+    const size_t added = cpu.memory_stats(0).peak_allocated - before;
+    if (retain) EXPECT_GE(added, logits_bytes);
+    else EXPECT_LT(added, logits_bytes / 4);
   }
 }
 

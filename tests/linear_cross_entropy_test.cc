@@ -1,9 +1,11 @@
 // linear_cross_entropy (a language model's classifier and loss in blocks of rows, gradients taken in the forward):
 // against cross_entropy(linear(x, weight)) for the loss and both gradients (f32 and f64 on the CPU, f32 and bf16
 // autocast on CUDA), blocks that do not divide the rows, ignored rows, every row ignored, a padded vocabulary, a sum,
-// a loss gradient other than 1, retain_graph, no_grad, gradcheck, gradients into an optimizer's flat slots (with the
-// weight used a second time, as a tied embedding), bad inputs; and a model's forward_loss against loss(forward).
+// a loss gradient other than 1, retain_graph (any sequence of loss gradients, against an unfused composition, also
+// for linear + cross_entropy_consuming), no_grad, gradcheck, gradients into an optimizer's flat slots (with the weight
+// used a second time, as a tied embedding), bad inputs; and a model's forward_loss against loss(forward).
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "loom/amp.h"
@@ -131,6 +133,83 @@ TEST(LinearCrossEntropy, KeepsTheShapeOfXAndRetainsTheGraph) {
   loss.backward();  // a second backward adds the same gradients again
   EXPECT_TRUE(test::all_close(x.grad(), mul(gx, 2.0), 1e-6, 1e-6));
   EXPECT_TRUE(test::all_close(w.grad(), mul(gw, 2.0), 1e-6, 1e-6));
+}
+
+// The unfused composition: linear's whole logits, log_softmax, and the target classes picked by a one-hot mask (no
+// fused cross-entropy node anywhere), the mean over the counted targets or the sum.
+Tensor unfused_loss(const Tensor& x, const Tensor& w, const std::vector<int64_t>& targets, ops::Reduction reduction) {
+  const int64_t rows = int64_t(targets.size()), classes = w.size(0);
+  std::vector<double> picked(size_t(rows * classes), 0.0);
+  int64_t counted = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    if (targets[size_t(i)] != -100) picked[size_t(i * classes + targets[size_t(i)])] = 1.0, ++counted;
+  Tensor mask = from_vector(picked, {rows, classes}).to(x.dtype());
+  Tensor loss = neg(sum(mul(log_softmax(linear(x, w), -1), mask)));
+  return reduction == ops::Reduction::kMean ? mul(loss, 1.0 / double(counted)) : loss;
+}
+
+// Any sequence of backwards through one retained graph, with a first loss gradient of 0 or a negative one: every
+// backward gives the unfused composition's gradients for its own loss gradient (float64), with the weight's gradient
+// in an optimizer's flat slot or not.
+TEST(LinearCrossEntropy, RetainedGraphAnySequenceOfLossGradients) {
+  const std::vector<std::vector<double>> sequences = {
+      {0.0, 1.0}, {0.0, 0.0, 0.3}, {-0.75, 0.3, 2.0}, {0.3, 1.0, 0.0, -1.5}, {1.0, 1.0}};
+  const std::vector<int64_t> targets = {3, 0, -100, 12, 7, 7, 1, -100, 9, 4};
+  const Tensor t = from_vector(targets, {10});
+  for (bool flat : {false, true}) {
+    for (ops::Reduction reduction : {ops::Reduction::kMean, ops::Reduction::kSum}) {
+      for (const std::vector<double>& scales : sequences) {
+        testing::Message sequence;
+        for (double s : scales) sequence << " " << s;
+        SCOPED_TRACE(testing::Message() << (flat ? "flat slot" : "no optimizer") << " reduction " << int(reduction)
+                                        << " loss gradients" << sequence);
+        Tensor x0 = test::random_tensor({10, 6}, kF64, -1, 1, test::fresh_seed());
+        Tensor w0 = test::random_tensor({13, 6}, kF64, -1, 1, test::fresh_seed());
+        Tensor x = x0.clone().set_requires_grad(true), w = w0.clone().set_requires_grad(true);
+        std::unique_ptr<optim::AdamW> opt;
+        if (flat) opt = std::make_unique<optim::AdamW>(std::vector<Tensor>{w}, optim::AdamWOptions{});
+        Tensor loss = linear_cross_entropy(x, w, t, -100, reduction, -1, 3);  // blocks of 3 rows
+        for (size_t i = 0; i < scales.size(); ++i) {
+          SCOPED_TRACE(testing::Message() << "backward " << i);
+          const bool last = i + 1 == scales.size();
+          x.zero_grad();
+          w.zero_grad();
+          loss.backward(full({}, scales[i], kF64), /*retain_graph=*/!last);
+          Tensor xr = x0.clone().set_requires_grad(true), wr = w0.clone().set_requires_grad(true);
+          unfused_loss(xr, wr, targets, reduction).backward(full({}, scales[i], kF64));
+          ASSERT_TRUE(x.grad().defined() && w.grad().defined());
+          EXPECT_TRUE(test::all_close(x.grad(), xr.grad(), 1e-10, 1e-13));
+          EXPECT_TRUE(test::all_close(w.grad(), wr.grad(), 1e-10, 1e-13));
+          if (flat) {
+            EXPECT_EQ(w.grad().storage(), opt->flat_gradient_buffers().at(0).storage());
+          }
+        }
+        EXPECT_THROW(loss.backward(), Error);  // the last backward released the graph
+      }
+    }
+  }
+}
+
+// The classifier's logits handed to cross_entropy_consuming (the model's loss(forward) path: the gradient written over
+// the logits, the fused cross-entropy node) through a retained graph, against the unfused composition.
+TEST(LinearCrossEntropy, ConsumingComposedRetainedGraphMatchesUnfused) {
+  const std::vector<int64_t> targets = {3, 0, -100, 12, 7, 7, 1, -100, 9, 4};
+  const Tensor t = from_vector(targets, {10});
+  Tensor x0 = test::random_tensor({10, 6}, kF64, -1, 1, test::fresh_seed());
+  Tensor w0 = test::random_tensor({13, 6}, kF64, -1, 1, test::fresh_seed());
+  Tensor x = x0.clone().set_requires_grad(true), w = w0.clone().set_requires_grad(true);
+  Tensor loss = cross_entropy_consuming(linear(x, w), t);
+  const std::vector<double> scales = {0.0, -2.0, 1.0, 0.5};
+  for (size_t i = 0; i < scales.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "backward " << i << ", loss gradient " << scales[i]);
+    x.zero_grad();
+    w.zero_grad();
+    loss.backward(full({}, scales[i], kF64), /*retain_graph=*/i + 1 < scales.size());
+    Tensor xr = x0.clone().set_requires_grad(true), wr = w0.clone().set_requires_grad(true);
+    unfused_loss(xr, wr, targets, ops::Reduction::kMean).backward(full({}, scales[i], kF64));
+    EXPECT_TRUE(test::all_close(x.grad(), xr.grad(), 1e-10, 1e-13));
+    EXPECT_TRUE(test::all_close(w.grad(), wr.grad(), 1e-10, 1e-13));
+  }
 }
 
 TEST(LinearCrossEntropy, WithoutGradRecordsNothing) {

@@ -17,6 +17,8 @@ thread_local bool grad_enabled = true;
 std::atomic<uint64_t> next_sequence_nr{0};
 // The gradients being summed by the backward running on this thread, per node (for pending_gradient).
 thread_local std::unordered_map<Node*, tensor_list>* running_buffers = nullptr;
+// Whether the backward running on this thread keeps the graph for a later one (for graph_retained).
+thread_local bool running_retains_graph = false;
 }  // namespace
 
 bool is_grad_enabled() { return grad_enabled; }
@@ -126,19 +128,27 @@ Tensor pending_gradient(const Node& node, size_t input, const Shape& shape, DTyp
   return g;
 }
 
+bool graph_retained() { return running_retains_graph; }
+
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
   LOOM_REQUIRE(grads.empty() || grads.size() == roots.size(), "backward: got ", grads.size(), " gradients for ",
                roots.size(), " roots");
   NoGradGuard no_grad;  // backward ops record nothing (no double backward)
 
   std::unordered_map<Node*, tensor_list> buffers;
-  struct RunningBuffers {  // a backward inside a hook gets its own, the outer one's comes back after
-    std::unordered_map<Node*, tensor_list>* previous;
-    explicit RunningBuffers(std::unordered_map<Node*, tensor_list>* mine) : previous(running_buffers) {
+  struct Running {  // a backward inside a hook gets its own, the outer one's comes back after
+    std::unordered_map<Node*, tensor_list>* previous_buffers;
+    bool previous_retains;
+    Running(std::unordered_map<Node*, tensor_list>* mine, bool retains)
+        : previous_buffers(running_buffers), previous_retains(running_retains_graph) {
       running_buffers = mine;
+      running_retains_graph = retains;
     }
-    ~RunningBuffers() { running_buffers = previous; }
-  } running(&buffers);
+    ~Running() {
+      running_buffers = previous_buffers;
+      running_retains_graph = previous_retains;
+    }
+  } running(&buffers, retain_graph);
   std::unordered_map<Node*, int> dependencies;
   std::vector<std::shared_ptr<Node>> root_nodes;
 

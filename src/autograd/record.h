@@ -24,6 +24,12 @@ void set_history(Tensor& out, const std::shared_ptr<Node>& node, uint32_t output
 // activation feeding several linear layers, as LLaMA's q/k/v and gate/up projections).
 Tensor pending_gradient(const Node& node, size_t input, const Shape& shape, DType dtype);
 
+// During a node's backward: whether the running backward retains the graph (retain_graph), so that the node may run
+// again and must leave what it saved unchanged. Without it, the node's saved tensors are released right after its
+// apply(), so it may hand them on or overwrite them (the fused cross-entropy scales its saved gradient in place).
+// False outside a backward.
+bool graph_retained();
+
 // A node of type N wired to `inputs`, or null when grad mode is off or no input requires grad.
 template <typename N, typename... Args>
 std::shared_ptr<N> make_node(std::initializer_list<const Tensor*> inputs, Args&&... args) {

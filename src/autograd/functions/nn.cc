@@ -98,25 +98,22 @@ class CrossEntropyBackward final : public autograd::Node {
 };
 
 // The training path (kMean/kSum): the forward computed d loss / d logits for a loss gradient of 1, so the node keeps
-// that gradient instead of the logits and scales it by the loss gradient in place, reading the scale on the device
-// (no pass at all when it is 1). It hands grad_logits itself on; a graph retained for a later backward gets, there,
-// the first backward's tensor rescaled out of place by new / first (exact when the first scale was 1 or a power of 2).
+// that gradient instead of the logits. A backward that frees the graph (a training step's) scales it by the loss
+// gradient in place, reading the scale on the device (no pass at all when it is 1), and hands the tensor itself on:
+// no logits-sized buffer. A backward that retains the graph scales a copy instead (the same kernel, so the same
+// values) and leaves the saved gradient as it was, so every backward through the node, retained or last, scales the
+// gradient for a loss gradient of 1 by its own loss gradient (whatever the earlier ones were: 0, negative, ...).
 class FusedCrossEntropyBackward final : public autograd::Node {
  public:
-  Tensor grad_logits;
-  Tensor first_scale;  // the loss gradient the first backward scaled grad_logits by
+  Tensor grad_logits;  // for a loss gradient of 1, until the backward that releases the graph
   std::string name() const override { return "CrossEntropyBackward"; }
   tensor_list apply(tensor_list&& grads) override {
     if (!grads[0].defined() || !needs_input_grad(0)) return {Tensor()};
-    const Tensor& scale = grads[0];
-    if (!first_scale.defined()) {
-      ops::cross_entropy_scale_grad_(grad_logits, scale);
-      first_scale = ops::clone(scale);  // the caller may change the tensor it passed to backward
-      return {grad_logits};
-    }
-    return {as_dtype(ops::mul(grad_logits, ops::div(scale, first_scale)), grad_logits.dtype())};
+    Tensor g = autograd::graph_retained() ? ops::clone(grad_logits) : std::move(grad_logits);
+    ops::cross_entropy_scale_grad_(g, grads[0]);
+    return {g};
   }
-  void release_saved() override { grad_logits = first_scale = Tensor(); }
+  void release_saved() override { grad_logits = Tensor(); }
 };
 
 // The attention backward kernel produces all three gradients in one pass over the same saved tensors, so they are
