@@ -33,7 +33,7 @@ void unload(const std::string& name);
 
 std::vector<LoadedProvider> loaded();
 
-// The ABI version this Loom implements, "1.0".
+// The ABI version this Loom implements, "1.1".
 std::string abi_version();
 
 }  // namespace loom::providers

@@ -10,12 +10,14 @@
 #include <unordered_map>
 
 #include "kernels/attention_kernel.h"
+#include "kernels/column_sums_kernel.h"
 #include "kernels/copy_kernel.h"
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/elementwise_kernel.h"
 #include "kernels/embedding_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/norm_kernel.h"
+#include "kernels/optimizer_kernel.h"
 #include "kernels/reduce_kernel.h"
 #include "kernels/rope_kernel.h"
 #include "kernels/softmax_kernel.h"
@@ -208,6 +210,7 @@ void bind(Op op, const Registration& r, Pack pack) {
 
 // ---- Argument packers, one per kernel signature family (the order is the one the ABI header documents). ----
 
+// One input, one output (also column_sums, cross_entropy_scale_grad and grad_norm_squared).
 const auto pack_unary = [](Call& c, const Tensor& x, Tensor& out) { c.input(x), c.output(out); };
 const auto pack_unary_backward = [](Call& c, const Tensor& grad, const Tensor& saved, Tensor& grad_x) {
   c.input(grad), c.input(saved), c.output(grad_x);
@@ -252,6 +255,30 @@ const auto pack_rms_norm_backward = [](Call& c, const Tensor& grad, const Tensor
                                        const Tensor& rstd, Tensor& gi, Tensor& gw) {
   c.input(grad), c.input(x), c.input(w), c.input(rstd), c.output(gi), c.output(gw);
 };
+const auto pack_residual_layer_norm = [](Call& c, const Tensor& x, const Tensor& delta, const Tensor& w,
+                                         const Tensor& b, const NormAttrs& at, Tensor& residual, Tensor& out,
+                                         Tensor& mean, Tensor& rstd) {
+  c.input(x), c.input(delta), c.input(w), c.input(b);
+  c.output(residual), c.output(out), c.output(mean), c.output(rstd), c.attr_float("eps", at.eps);
+};
+const auto pack_residual_layer_norm_backward = [](Call& c, const Tensor& grad_out, const Tensor& grad_residual,
+                                                  const Tensor& residual, const Tensor& w, const Tensor& mean,
+                                                  const Tensor& rstd, Tensor& gx, Tensor& gd, Tensor& gw,
+                                                  Tensor& gb) {
+  c.input(grad_out), c.input(grad_residual), c.input(residual), c.input(w), c.input(mean), c.input(rstd);
+  c.output(gx), c.output(gd), c.output(gw), c.output(gb);
+};
+const auto pack_residual_rms_norm = [](Call& c, const Tensor& x, const Tensor& delta, const Tensor& w,
+                                       const NormAttrs& at, Tensor& residual, Tensor& out, Tensor& rstd) {
+  c.input(x), c.input(delta), c.input(w);
+  c.output(residual), c.output(out), c.output(rstd), c.attr_float("eps", at.eps);
+};
+const auto pack_residual_rms_norm_backward = [](Call& c, const Tensor& grad_out, const Tensor& grad_residual,
+                                                const Tensor& residual, const Tensor& w, const Tensor& rstd,
+                                                Tensor& gx, Tensor& gd, Tensor& gw) {
+  c.input(grad_out), c.input(grad_residual), c.input(residual), c.input(w), c.input(rstd);
+  c.output(gx), c.output(gd), c.output(gw);
+};
 void cross_entropy_attrs(Call& c, const CrossEntropyAttrs& at) {
   c.attr_int("ignore_index", at.ignore_index);
   c.attr_int("reduction", int64_t(at.reduction));
@@ -264,6 +291,10 @@ const auto pack_cross_entropy = [](Call& c, const Tensor& logits, const Tensor& 
 const auto pack_cross_entropy_backward = [](Call& c, const Tensor& grad_loss, const Tensor& logits,
                                             const Tensor& targets, const CrossEntropyAttrs& at, Tensor& grad_logits) {
   c.input(grad_loss), c.input(logits), c.input(targets), c.output(grad_logits), cross_entropy_attrs(c, at);
+};
+const auto pack_cross_entropy_with_grad = [](Call& c, const Tensor& logits, const Tensor& targets,
+                                             const CrossEntropyAttrs& at, Tensor& loss, Tensor& grad_logits) {
+  c.input(logits), c.input(targets), c.output(loss), c.output(grad_logits), cross_entropy_attrs(c, at);
 };
 const auto pack_gemm = [](Call& c, const GemmParams& p) {
   c.in.push_back(matrix_desc(p.a, p.input_dtype, p.device, p.batch, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k,
@@ -314,14 +345,40 @@ const auto pack_copy = [](Call& c, const Tensor& src, Tensor& dst) { c.input(src
 const auto pack_fill = [](Call& c, const FillAttrs& at, Tensor& out) {
   c.output(out), c.attr_float("value", at.value);
 };
+// The updated buffers are outputs (read and written in place); grad is the one input.
+const auto pack_adamw_update = [](Call& c, const AdamWAttrs& at, Tensor& param, const Tensor& grad, Tensor& exp_avg,
+                                  Tensor& exp_avg_sq) {
+  c.input(grad), c.output(param), c.output(exp_avg), c.output(exp_avg_sq);
+  c.attr_float("lr", at.lr), c.attr_float("beta1", at.beta1), c.attr_float("beta2", at.beta2);
+  c.attr_float("eps", at.eps), c.attr_float("weight_decay", at.weight_decay), c.attr_int("step", at.step);
+};
+const auto pack_sgd_update = [](Call& c, const SgdAttrs& at, Tensor& param, const Tensor& grad,
+                                Tensor& momentum_buffer) {
+  c.input(grad), c.output(param), c.output(momentum_buffer);
+  c.attr_float("lr", at.lr), c.attr_float("momentum", at.momentum), c.attr_float("weight_decay", at.weight_decay);
+  c.attr_int("first_step", at.first_step);
+};
 
 using Binder = void (*)(const Registration&);
 #define LOOM_ABI_OP(NAME, PACK) \
   { #NAME, [](const Registration& r) { bind(NAME##_op, r, PACK); } }
 
-// Every op reachable through the ABI. Keep in step with the list in loom_kernel_abi.h.
-const std::unordered_map<std::string, Binder>& binders() {
-  static const auto* table = new std::unordered_map<std::string, Binder>{
+// An op reachable through the ABI and the minor version that added it: a library built against an older minor
+// does not get it bound (for that library the name is unknown, as it was when it was built).
+struct AbiOp {
+  Binder bind;
+  uint32_t since_minor;
+};
+
+// Every op reachable through the ABI, by the minor version that added it. Keep in step with the list in
+// loom_kernel_abi.h (its [1.1] marks).
+const std::unordered_map<std::string, AbiOp>& binders() {
+  static const auto* table = [] {
+    auto* t = new std::unordered_map<std::string, AbiOp>;
+    auto add = [t](uint32_t minor, std::initializer_list<std::pair<const char*, Binder>> ops) {
+      for (const auto& [name, binder] : ops) t->emplace(name, AbiOp{binder, minor});
+    };
+    add(0, {
       LOOM_ABI_OP(neg, pack_unary), LOOM_ABI_OP(abs, pack_unary), LOOM_ABI_OP(exp, pack_unary),
       LOOM_ABI_OP(log, pack_unary), LOOM_ABI_OP(sqrt, pack_unary), LOOM_ABI_OP(rsqrt, pack_unary),
       LOOM_ABI_OP(tanh, pack_unary), LOOM_ABI_OP(sigmoid, pack_unary), LOOM_ABI_OP(gelu, pack_unary),
@@ -355,7 +412,23 @@ const std::unordered_map<std::string, Binder>& binders() {
       LOOM_ABI_OP(argmax, pack_reduce), LOOM_ABI_OP(norm, pack_reduce),
       LOOM_ABI_OP(rope, pack_rope),
       LOOM_ABI_OP(copy, pack_copy), LOOM_ABI_OP(fill, pack_fill),
-  };
+    });
+    add(1, {
+      LOOM_ABI_OP(residual_layer_norm, pack_residual_layer_norm),
+      LOOM_ABI_OP(residual_layer_norm_backward, pack_residual_layer_norm_backward),
+      LOOM_ABI_OP(residual_rms_norm, pack_residual_rms_norm),
+      LOOM_ABI_OP(residual_rms_norm_backward, pack_residual_rms_norm_backward),
+      LOOM_ABI_OP(cross_entropy_with_grad, pack_cross_entropy_with_grad),
+      LOOM_ABI_OP(cross_entropy_scale_grad, pack_unary),
+      LOOM_ABI_OP(column_sums, pack_unary),
+      LOOM_ABI_OP(rope_strided, pack_rope),
+      LOOM_ABI_OP(scaled_dot_product_attention_strided, pack_attention),
+      LOOM_ABI_OP(scaled_dot_product_attention_backward_strided, pack_attention_backward),
+      LOOM_ABI_OP(adamw_update, pack_adamw_update), LOOM_ABI_OP(sgd_update, pack_sgd_update),
+      LOOM_ABI_OP(grad_norm_squared, pack_unary),
+    });
+    return t;
+  }();
   return *table;
 }
 #undef LOOM_ABI_OP
@@ -553,6 +626,13 @@ std::string load(const std::string& path, const std::string& name_override) {
       warn(*lib, "op '" + op + "' is not an op the kernel ABI " + abi_version() + " knows; skipped");
       continue;
     }
+    if (it->second.since_minor > t.abi_minor) {
+      warn(*lib, "op '" + op + "' came with kernel ABI " + std::to_string(LOOM_ABI_VERSION_MAJOR) + "." +
+                     std::to_string(it->second.since_minor) + ", and the library was built against " +
+                     std::to_string(t.abi_major) + "." + std::to_string(t.abi_minor) +
+                     ", which does not define it: rebuild against this header to export it; skipped");
+      continue;
+    }
     if (!e.fn) {
       warn(*lib, "op '" + op + "' has no function; skipped");
       continue;
@@ -582,7 +662,7 @@ std::string load(const std::string& path, const std::string& name_override) {
     b->fn = e.fn;
     b->supports = e.supports;
     Registration r{b, dts, e.priority, path};
-    it->second(r);
+    it->second.bind(r);
     lib->info.ops.push_back(op + "@" + device_type_display_name(device));
   }
   libs.all.push_back(lib);

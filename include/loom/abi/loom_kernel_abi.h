@@ -8,7 +8,10 @@
  *   its name, the ABI version it was built against (LOOM_ABI_VERSION_MAJOR/MINOR), its op table and last_error, and
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
- *   and every struct starts with its size so each side reads only what the other wrote).
+ *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
+ *   versions: the list below marks those of 1.1 with [1.1], and Loom binds an op only for a library built against
+ *   the minor that added it or a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest
+ *   of its ops load).
  *
  * Memory and streams belong to Loom: outputs are allocated by Loom before a call; a library that needs scratch
  * memory asks host->allocate_workspace, and runs its work on host->get_stream(device) (a cudaStream_t on CUDA, NULL
@@ -22,14 +25,17 @@
  * ---------------------------------------------------------------------------------------------------------------
  * ARGUMENT ORDER (one rule for every op)
  *   inputs:  the tensors the op reads, in the order of Loom's kernel signature (src/kernels/<area>_kernel.h);
- *   outputs: the tensors the op writes, in signature order (already allocated, any content: write every element);
+ *   outputs: the tensors the op writes, in signature order (already allocated, any content: write every element;
+ *            an op that updates a buffer in place reads it there: gemm's C when beta != 0,
+ *            cross_entropy_scale_grad's grad_logits, the optimizer updates' param and states);
  *   attrs:   named scalars (LoomAttr), in no particular order: look them up by name (loom_attr_* below).
  *   An optional tensor that is absent (no affine weight, say) has data == NULL. A backward op takes its gradients
  *   as outputs; an output with data == NULL is not needed and must not be written.
  *   Shapes and strides are in elements; data points at the first element (any view offset already applied).
  *   Unless an op says "any strides", Loom passes contiguous tensors.
  *   dtype masks are over the op's DISPATCH dtype (noted per op): the output's for elementwise ops, the inputs' for
- *   comparisons, the logits' for cross_entropy, A/B's (input_dtype) for gemm.
+ *   comparisons, the logits' for cross_entropy, A/B's (input_dtype) for gemm, x's for the fused norms (the
+ *   residual's for their backward), param's for the optimizer updates.
  *
  *   Elementwise (every tensor has out's shape; inputs may be broadcast as stride-0 views: any strides; out may alias
  *   an input element for element, so read each element before writing it):
@@ -58,12 +64,37 @@
  *                                                   out: grad_input?, grad_weight?, grad_bias?
  *     rms_norm                                      in: x, weight?         out: out, rstd        attrs: eps (float)
  *     rms_norm_backward                             in: grad, x, weight?, rstd   out: grad_input?, grad_weight?
+ *   The residual add fused into the norm [1.1] (what GPT-2 and LLaMA training call; contiguous):
+ *     residual = x + delta, rounded to x's dtype, then out = norm(residual) (* weight (+ bias)). Without delta
+ *     (data == NULL) the residual is x itself and the residual output has data == NULL. residual, weight and bias
+ *     have x's dtype; delta and out each have x's dtype or, for an f32 x, bf16 or f16 (autocast's bf16 activations
+ *     beside an f32 residual stream: decline in supports() the combinations you do not do). mean/rstd as above.
+ *     residual_layer_norm                           in: x, delta?, weight?, bias?
+ *                                                   out: residual?, out, mean, rstd          attrs: eps (float)
+ *     residual_rms_norm                             in: x, delta?, weight?
+ *                                                   out: residual?, out, rstd                attrs: eps (float)
+ *     The backward: grad_out has out's dtype, grad_residual the residual's (NULL: zero). grad_x = grad_residual + the
+ *     norm's input gradient in the residual's dtype; grad_delta the same values in delta's dtype. grad_weight and
+ *     grad_bias (weight's dtype) are summed over rows in f32 (f64 for f64). Any of the outputs may be NULL.
+ *     residual_layer_norm_backward                  in: grad_out, grad_residual?, residual, weight?, mean, rstd
+ *                                                   out: grad_x?, grad_delta?, grad_weight?, grad_bias?
+ *     residual_rms_norm_backward                    in: grad_out, grad_residual?, residual, weight?, rstd
+ *                                                   out: grad_x?, grad_delta?, grad_weight?
  *   Losses (logits [N, V], targets [N] i32/i64; loss is f32, f64 for f64 logits; dispatch dtype = logits'):
  *     cross_entropy                                 in: logits, targets    out: loss
  *                                                   attrs: ignore_index (int), reduction (int: 0 mean, 1 sum, 2 none),
  *                                                   vocab_limit (int: the first vocab_limit columns are the classes,
  *                                                   the rest get zero gradient; -1: all V)
  *     cross_entropy_backward                        in: grad_loss, logits, targets   out: grad_logits   (same attrs)
+ *     cross_entropy_with_grad [1.1] (training's loss: the forward and, from the same pass over the logits, the
+ *     gradient for a loss gradient of 1; reduction 0 or 1 only, loss a scalar)
+ *                                                   in: logits, targets    out: loss, grad_logits   (same attrs)
+ *       grad_logits [N, V] (logits' dtype) is what cross_entropy_backward writes for grad_loss = 1. It may be the
+ *       logits themselves (same data): read every logit of a row you need before writing over that row.
+ *     cross_entropy_scale_grad [1.1] (grad_logits *= scale in place; dispatch dtype = grad_logits')
+ *                                                   in: scale              out: grad_logits
+ *       scale: one element, f32 (f64 for f64 grad_logits), read where it lives (device memory on CUDA: no host
+ *       read); when it is exactly 1 the pass may be skipped. grad_logits is contiguous.
  *   Matrix product (every linear, matmul and outer in Loom goes through it):
  *     gemm  C = alpha * op(A) * op(B) + beta * C, column-major (BLAS/cuBLAS convention), strided batch.
  *                                                   in: A, B, bias?        out: C, pre_gelu?, bias_grad (epilogue 4 only)
@@ -82,18 +113,42 @@
  *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
  *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)
  *     scaled_dot_product_attention_backward         in: grad_out, q, k, v, out, lse   out: grad_q, grad_k, grad_v
+ *     scaled_dot_product_attention_strided [1.1], scaled_dot_product_attention_backward_strided [1.1]: the same
+ *       arguments and attrs on views: every [B, H, T, D] / [B, Hkv, S, D] tensor (inputs and outputs; not lse, which
+ *       stays contiguous) may have any strides for its first three dims, with unit stride along D (q, k and v the
+ *       heads of one [B, T, (H + 2 Hkv) * D] projection; out and the gradients laid out as [B, T, H, D]).
+ *   Loom calls a _strided op when one of its kernels accepts the views, else the plain op on contiguous copies.
  *   Embedding (dispatch dtype = weight's):
  *     embedding                                     in: weight, indices    out: out
  *     embedding_backward                            in: grad, indices      out: grad_weight
  *   Reductions (x contiguous; out contiguous in row-major order of the kept dims):
  *     sum mean max argmax norm                      in: x                  out: out   attrs: dims (ints), keepdim (int)
+ *     column_sums [1.1] (a linear layer's bias gradient; dispatch dtype = matrix's)
+ *                                                   in: matrix [rows, cols]   out: out [cols]
+ *       out has the matrix's dtype or, for a bf16/f16 matrix, f32; sums in f32 (f64 for f64); rows == 0 gives zeros.
  *   Rotary embedding:
  *     rope                                          in: x, cos, sin        out: out   attrs: inverse (int)
+ *     rope_strided [1.1] (the same on views: x and out [B, H, T, D] with unit stride along D and any other strides,
+ *     each its own, e.g. the heads of a [B, T, H * D] projection; cos and sin contiguous)
+ *                                                   in: x, cos, sin        out: out   attrs: inverse (int)
  *   Data movement:
  *     copy (dispatch dtype = dst's; any strides)    in: src                out: dst
  *     fill                                          in: -                  out: out   attrs: value (float)
- *   Every op that Loom declares and this list does not name is not (yet) reachable through the ABI; a library that
- *   exports one is told so in a warning and the rest of its ops load.
+ *   Optimizer updates [1.1] (contiguous, every tensor with param's numel; dispatch dtype = param's; grad has any
+ *   floating dtype; the states are f32, f64 for an f64 param; param and the states are updated in place):
+ *     adamw_update                                  in: grad               out: param, exp_avg, exp_avg_sq
+ *       attrs: lr beta1 beta2 eps weight_decay (float), step (int: 1-based, this update included). As PyTorch's
+ *       AdamW: param *= 1 - lr*weight_decay; m = beta1*m + (1-beta1)*g; v = beta2*v + (1-beta2)*g^2;
+ *       param -= lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps).
+ *     sgd_update                                    in: grad               out: param, momentum_buffer?
+ *       attrs: lr momentum weight_decay (float), first_step (int). d = g + weight_decay*param; with momentum,
+ *       buf = d on the first step and momentum*buf + d afterwards, and d = buf; param -= lr*d. No buffer when
+ *       momentum == 0.
+ *     grad_norm_squared                             in: x                  out: out (one f64 element: sum(x^2) in f64)
+ *   Every op that Loom declares and this list does not name is not (yet) reachable through the ABI (as of 1.1:
+ *   dropout, dropout_backward and random, whose Philox streams a library would have to reproduce; arange, cat,
+ *   index_select, gather, scatter_add, triangular); a library that exports one is told so in a warning and the rest
+ *   of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
  */
 #ifndef LOOM_KERNEL_ABI_H_
@@ -108,7 +163,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 0
+#define LOOM_ABI_VERSION_MINOR 1
 
 #define LOOM_MAX_DIMS 8
 
