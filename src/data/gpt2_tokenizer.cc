@@ -102,25 +102,6 @@ std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   return pieces;
 }
 
-std::vector<std::string_view> split_for_encoding(std::string_view text, size_t target_bytes) {
-  std::vector<std::string_view> chunks;
-  size_t start = 0;
-  target_bytes = std::max<size_t>(target_bytes, 1);
-  while (start < text.size()) {
-    size_t cut = text.size();
-    for (size_t p = start + target_bytes; p < text.size(); ++p) {
-      const char prev = text[p - 1];
-      if (text[p] == ' ' && prev >= '!' && prev <= '~') {
-        cut = p;
-        break;
-      }
-    }
-    chunks.push_back(text.substr(start, cut - start));
-    start = cut;
-  }
-  return chunks;
-}
-
 GPT2Tokenizer::GPT2Tokenizer(const std::string& vocab_dir) {
   std::filesystem::path dir = find_vocab_dir(vocab_dir);
   load((dir / "encoder.json").string(), (dir / "vocab.bpe").string());

@@ -10,6 +10,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "loom/data/tokenizer.h"
+
 namespace loom::data {
 
 // GPT-2's pre-tokenizer: splits text like the regex
@@ -22,32 +24,29 @@ namespace loom::data {
 // marks are "other", as in Unicode. Bytes that are not valid UTF-8 are each taken as one "other" character.
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
 
-// Splits text into chunks of about target_bytes that encode, one by one, to exactly the tokens of the whole text
-// (each cut falls before a space that follows a printable ASCII character, where the pre-tokenizer always splits).
-// For progress reports and bounded memory while encoding big files.
-std::vector<std::string_view> split_for_encoding(std::string_view text, size_t target_bytes);
-
-class GPT2Tokenizer {
+class GPT2Tokenizer : public Tokenizer {
  public:
   static constexpr int32_t kEndOfText = 50256;  // "<|endoftext|>"
 
   // Loads encoder.json and vocab.bpe from the directory find_vocab_dir(vocab_dir) names.
   explicit GPT2Tokenizer(const std::string& vocab_dir = "");
   GPT2Tokenizer(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
-  ~GPT2Tokenizer();
+  ~GPT2Tokenizer() override;
 
   // The directory holding encoder.json and vocab.bpe: `explicit_dir` when given, else $LOOM_CACHE_DIR/gpt2, else
   // ~/.cache/loom/gpt2. Throws loom::Error listing where it looked and telling to run scripts/fetch_gpt2_vocab.sh.
   static std::string find_vocab_dir(const std::string& explicit_dir = "");
 
   // Plain text to tokens; "<|endoftext|>" in the text is encoded as text, as GPT-2's encoder does. Thread-safe.
-  std::vector<int32_t> encode(std::string_view text) const;
+  std::vector<int32_t> encode(std::string_view text) const override;
   // Tokens back to bytes (a slice of tokens may end inside a UTF-8 character). Throws on an id outside the vocab.
-  std::string decode(std::span<const int32_t> tokens) const;
+  std::string decode(std::span<const int32_t> tokens) const override;
   std::string decode_token(int32_t token) const;
 
+  std::string name() const override { return "gpt2"; }
   int32_t eot_token() const { return eot_token_; }
-  int64_t vocab_size() const { return int64_t(token_bytes_.size()); }
+  int32_t document_token() const override { return eot_token_; }
+  int64_t vocab_size() const override { return int64_t(token_bytes_.size()); }
 
  private:
   void load(const std::string& encoder_json_path, const std::string& vocab_bpe_path);

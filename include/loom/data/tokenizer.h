@@ -1,0 +1,46 @@
+// What loom-prepare and the trainer need of a tokenizer, whichever model it belongs to: GPT-2's BPE
+// (gpt2_tokenizer.h) or LLaMA-3's tiktoken BPE (llama3_tokenizer.h). load_tokenizer picks one by name.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::data {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+
+  // "gpt2" or "llama3": the name load_tokenizer takes.
+  virtual std::string name() const = 0;
+  // Plain text to tokens. Special-token strings in the text ("<|endoftext|>", "<|begin_of_text|>", ...) are encoded
+  // as text. Thread-safe.
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Tokens back to bytes (a slice of tokens may end inside a UTF-8 character); special tokens decode to their
+  // names. Throws loom::Error naming the first id outside the vocabulary.
+  virtual std::string decode(std::span<const int32_t> tokens) const = 0;
+  // Token ids are 0 .. vocab_size() - 1, special tokens included.
+  virtual int64_t vocab_size() const = 0;
+  // The token in front of every document of a token shard: GPT-2's <|endoftext|> (llm.c's convention), LLaMA-3's
+  // <|begin_of_text|> (as Meta's and llm.c's LLaMA-3 data preparation do).
+  virtual int32_t document_token() const = 0;
+};
+
+// The tokenizer called `name`:
+//   "gpt2"    GPT-2's encoder.json and vocab.bpe in the directory `path` (empty: GPT2Tokenizer::find_vocab_dir's
+//             search of $LOOM_CACHE_DIR/gpt2 and ~/.cache/loom/gpt2)
+//   "llama3"  Meta's LLaMA-3 tokenizer.model at `path` (required: the vocabulary is gated, see docs/TRAINING.md)
+// Throws loom::Error for another name, a missing path or an unreadable vocabulary.
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& name, const std::string& path = "");
+
+// Splits text into chunks of about target_bytes that encode, one by one, to exactly the tokens of the whole text
+// with either tokenizer (each cut falls before a space that follows a printable ASCII character, where both
+// pre-tokenizers always split, and never inside a special-token string). For progress reports and bounded memory
+// while encoding big files.
+std::vector<std::string_view> split_for_encoding(std::string_view text, size_t target_bytes);
+
+}  // namespace loom::data

@@ -1,0 +1,284 @@
+// LLaMA-3's tokenizer against an independent Python reference (tools/reference/make_llama3_tokenizer_fixture.py:
+// the `regex` module with LLaMA-3's pattern, plain rank-merge BPE, on a small synthetic tiktoken vocabulary), its
+// special tokens and errors, and the common Tokenizer interface.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/llama3_tokenizer.h"
+#include "loom/data/tokenizer.h"
+#include "test_files.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using data::Llama3Tokenizer;
+using data::SpecialTokens;
+using test::expect_error_mentioning;
+using test::read_all;
+using test::TempDir;
+using test::write_all;
+using Ids = std::vector<int32_t>;
+
+const std::string kFixtureDir = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/";
+
+std::string from_hex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += char(std::stoi(hex.substr(i, 2), nullptr, 16));
+  return out;
+}
+
+std::string to_base64(const std::string& bytes) {
+  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    uint32_t v = uint32_t(uint8_t(bytes[i])) << 16;
+    if (i + 1 < bytes.size()) v |= uint32_t(uint8_t(bytes[i + 1])) << 8;
+    if (i + 2 < bytes.size()) v |= uint32_t(uint8_t(bytes[i + 2]));
+    out += digits[(v >> 18) & 63];
+    out += digits[(v >> 12) & 63];
+    out += i + 1 < bytes.size() ? digits[(v >> 6) & 63] : '=';
+    out += i + 2 < bytes.size() ? digits[v & 63] : '=';
+  }
+  return out;
+}
+
+const nlohmann::json& fixture() {
+  static const nlohmann::json f = nlohmann::json::parse(read_all(kFixtureDir + "llama3_tokenizer_cases.json"));
+  return f;
+}
+
+// The fixture's vocabulary: 724 ranks, so the special tokens start at 724.
+const Llama3Tokenizer& tiny() {
+  static const Llama3Tokenizer tok(kFixtureDir + "llama3_tiny_tokenizer.model", {.num_base_tokens = 0});
+  return tok;
+}
+
+// A tokenizer.model of LLaMA-3's size (128000 ranks, so LLaMA-3's special ids): the 256 bytes, every pair of bytes,
+// then triples over 40 common characters. Meta's own file is gated.
+void write_full_size_vocab(const std::string& path) {
+  std::ofstream out(path, std::ios::binary);
+  int rank = 0;
+  auto emit = [&](const std::string& token) { out << to_base64(token) << ' ' << rank++ << '\n'; };
+  for (int a = 0; a < 256; ++a) emit(std::string(1, char(a)));
+  for (int a = 0; a < 256; ++a)
+    for (int b = 0; b < 256; ++b) emit(std::string{char(a), char(b)});
+  const std::string chars = " etaoinshrdlucmfwypvbgkjqxzETAOINSHRD.,'";
+  for (char a : chars)
+    for (char b : chars)
+      for (char c : chars)
+        if (rank < Llama3Tokenizer::kNumBaseTokens) emit(std::string{a, b, c});
+}
+
+const std::string& full_size_vocab_path() {
+  static TempDir dir;
+  static const std::string path = [] {
+    std::string p = dir.file("tokenizer.model");
+    write_full_size_vocab(p);
+    return p;
+  }();
+  return path;
+}
+
+std::vector<std::string> pieces(std::string_view text) {
+  std::vector<std::string> out;
+  for (auto p : data::llama3_pretokenize(text)) out.emplace_back(p);
+  return out;
+}
+
+// ---------------------------------------------------------------- against the Python reference
+
+TEST(Llama3Tokenizer, MatchesThePythonReferenceOnTrickyTexts) {
+  const auto& f = fixture();
+  const auto& tok = tiny();
+  ASSERT_EQ(tok.num_base_tokens(), f.at("num_base_tokens").get<int64_t>());
+  EXPECT_EQ(tok.vocab_size(), tok.num_base_tokens() + 256);
+  EXPECT_EQ(f.at("special_tokens").get<std::vector<std::string>>(), Llama3Tokenizer::special_token_names());
+  int with_special = 0;
+  for (const auto& c : f.at("cases")) {
+    const std::string text = from_hex(c.at("text_hex").get<std::string>());
+    std::vector<std::string> expected_pieces;
+    for (const auto& p : c.at("pieces_hex")) expected_pieces.push_back(from_hex(p.get<std::string>()));
+    ASSERT_EQ(pieces(text), expected_pieces) << "text (hex) " << c.at("text_hex");
+    const Ids ids = tok.encode(text);
+    ASSERT_EQ(ids, c.at("ids").get<Ids>()) << "text (hex) " << c.at("text_hex");
+    ASSERT_EQ(tok.decode(ids), text);
+    if (c.contains("ids_with_special")) {
+      ++with_special;
+      const Ids special = tok.encode(text, SpecialTokens::kAsIds);
+      ASSERT_EQ(special, c.at("ids_with_special").get<Ids>()) << "text (hex) " << c.at("text_hex");
+      ASSERT_EQ(tok.decode(special), text);
+    }
+  }
+  EXPECT_GT(f.at("cases").size(), 300u);
+  EXPECT_GE(with_special, 4);
+}
+
+TEST(Llama3Pretokenize, SplitsLikeTheLlama3Regex) {
+  using S = std::vector<std::string>;
+  EXPECT_EQ(pieces("I'M we'Ll"), (S{"I", "'M", " we", "'Ll"}));    // contractions in any case
+  EXPECT_EQ(pieces("1234567"), (S{"123", "456", "7"}));               // at most 3 digits
+  EXPECT_EQ(pieces("x  \r\n  y  "), (S{"x", "  \r\n", " ", " y", "  "}));
+  EXPECT_EQ(pieces("Hi!!\n\n(a)"), (S{"Hi", "!!\n\n", "(a", ")"}));  // punctuation takes the newlines after it
+  EXPECT_EQ(pieces("\tword \u00a0x"), (S{"\tword", " ", "\u00a0x"}));  // any non-newline space or mark leads letters
+  EXPECT_EQ(pieces(" 12"), (S{" ", "12"}));
+  EXPECT_EQ(pieces(""), S{});
+}
+
+TEST(Llama3Pretokenize, PiecesCoverAnyBytes) {
+  std::mt19937 eng(4321);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string text(size_t(eng() % 64), '\0');
+    for (auto& c : text) c = char(eng() % 3 == 0 ? " \n\r'"[eng() % 4] : eng() % 256);
+    std::string joined;
+    for (auto p : data::llama3_pretokenize(text)) {
+      ASSERT_FALSE(p.empty());
+      joined += p;
+    }
+    ASSERT_EQ(joined, text);
+  }
+}
+
+TEST(Llama3Tokenizer, DecodeRoundTripsRandomBytes) {
+  const auto& tok = tiny();
+  std::mt19937 eng(77);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string text(size_t(eng() % 200), '\0');
+    for (auto& c : text) c = char(eng() % 2 ? eng() % 256 : "the quick\n\r 'S1.é"[eng() % 16]);
+    const Ids ids = tok.encode(text);
+    for (int32_t t : ids) ASSERT_LT(t, tok.num_base_tokens());  // specials only by request
+    ASSERT_EQ(tok.decode(ids), text);
+  }
+}
+
+TEST(Llama3Tokenizer, LongPiecesAndChunkedEncoding) {
+  const auto& tok = tiny();
+  // One whitespace piece of 300k bytes: BPE over it must not be quadratic.
+  const std::string spaces(300000, ' ');
+  EXPECT_EQ(tok.decode(tok.encode(spaces + "x")), spaces + "x");
+  // Chunks cut by split_for_encoding encode to the tokens of the whole text.
+  std::string text;
+  std::mt19937 eng(3);
+  const char* words[] = {"The", " quick", " fox's", " 12345", ",", " \n\n", "\r\n", "  ", " —", " café", "!!\n", "\t"};
+  while (text.size() < 50000) text += words[eng() % 12];
+  const Ids whole = tok.encode(text);
+  Ids chunked;
+  const auto chunks = data::split_for_encoding(text, 997);
+  EXPECT_GT(chunks.size(), 20u);
+  for (auto c : chunks) {
+    Ids part = tok.encode(c);
+    chunked.insert(chunked.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(chunked, whole);
+}
+
+// ---------------------------------------------------------------- LLaMA-3's special tokens
+
+TEST(Llama3Tokenizer, SpecialTokensOfAFullSizeVocabulary) {
+  Llama3Tokenizer tok(full_size_vocab_path());
+  EXPECT_EQ(tok.num_base_tokens(), 128000);
+  EXPECT_EQ(tok.vocab_size(), 128256);
+  EXPECT_EQ(tok.begin_of_text(), Llama3Tokenizer::kBeginOfText);
+  EXPECT_EQ(tok.end_of_text(), Llama3Tokenizer::kEndOfText);
+  EXPECT_EQ(tok.document_token(), 128000);
+  EXPECT_EQ(tok.special_token_id("<|start_header_id|>"), Llama3Tokenizer::kStartHeaderId);
+  EXPECT_EQ(tok.special_token_id("<|end_header_id|>"), Llama3Tokenizer::kEndHeaderId);
+  EXPECT_EQ(tok.special_token_id("<|eot_id|>"), Llama3Tokenizer::kEotId);
+  EXPECT_EQ(tok.special_token_id("<|eot|>"), -1);
+  const std::pair<int32_t, const char*> named[] = {
+      {128000, "<|begin_of_text|>"},           {128001, "<|end_of_text|>"},
+      {128002, "<|reserved_special_token_0|>"}, {128005, "<|reserved_special_token_3|>"},
+      {128006, "<|start_header_id|>"},          {128007, "<|end_header_id|>"},
+      {128008, "<|reserved_special_token_4|>"}, {128009, "<|eot_id|>"},
+      {128010, "<|reserved_special_token_5|>"}, {128255, "<|reserved_special_token_250|>"}};
+  for (const auto& [id, name] : named) {
+    EXPECT_EQ(tok.decode(Ids{id}), name);
+    EXPECT_EQ(tok.special_token_id(name), id);
+  }
+  // Special-token strings are text unless asked for.
+  const std::string chat = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>";
+  const Ids as_text = tok.encode(chat);
+  for (int32_t t : as_text) EXPECT_LT(t, 128000);
+  EXPECT_EQ(tok.decode(as_text), chat);
+  const Ids as_ids = tok.encode(chat, SpecialTokens::kAsIds);
+  ASSERT_GE(as_ids.size(), 6u);
+  EXPECT_EQ(as_ids[0], 128000);
+  EXPECT_EQ(as_ids[1], 128006);
+  EXPECT_EQ(as_ids.back(), 128009);
+  EXPECT_EQ(tok.decode(as_ids), chat);
+  // Every id decodes; one past the end names itself.
+  for (int32_t id = 0; id < 128256; id += 997) EXPECT_NO_THROW(tok.decode(Ids{id}));
+  expect_error_mentioning([&] { tok.decode(Ids{1, 128256}); }, {"128256", "outside the vocabulary"});
+  expect_error_mentioning([&] { tok.decode(Ids{-1}); }, {"-1", "outside the vocabulary"});
+}
+
+// ---------------------------------------------------------------- bad files
+
+TEST(Llama3Tokenizer, BadFilesNameTheFileAndLine) {
+  TempDir dir;
+  const std::string path = dir.file("tokenizer.model");
+  std::string good;  // 256 single bytes, ranks 0..255
+  for (int b = 0; b < 256; ++b) good += to_base64(std::string(1, char(b))) + " " + std::to_string(b) + "\n";
+  auto load = [&](const std::string& content) {
+    write_all(path, content);
+    Llama3Tokenizer t(path, {.num_base_tokens = 0});
+  };
+  load(good);  // fine
+  expect_error_mentioning([&] { Llama3Tokenizer t(dir.file("absent.model")); },
+                          {dir.file("absent.model"), "not found", "tokenizer.model", "docs/TRAINING.md"});
+  expect_error_mentioning([&] { Llama3Tokenizer t(dir.path().string()); }, {"is not a file"});
+  expect_error_mentioning([&] { load(good + "YWJj! 256\n"); }, {path, "line 257", "base64"});
+  expect_error_mentioning([&] { load(good + "YWJj 256\nYWI 257\n"); }, {path, "line 258", "base64"});
+  expect_error_mentioning([&] { load(good + "YWJj twelve\n"); }, {path, "line 257", "\"twelve\"", "integer"});
+  expect_error_mentioning([&] { load(good + "YWJj -3\n"); }, {path, "line 257", "integer"});
+  expect_error_mentioning([&] { load(good + "YWJj 2.5\n"); }, {path, "line 257", "integer"});
+  expect_error_mentioning([&] { load(good + "YWJj\n"); }, {path, "line 257", "expected"});
+  expect_error_mentioning([&] { load(good + "YWJj 256 7\n"); }, {path, "line 257", "more fields"});
+  expect_error_mentioning([&] { load(good + "YWJj 17\n"); }, {path, "line 257", "duplicate rank 17", "line 18"});
+  expect_error_mentioning([&] { load(good + "YWJj 256\nYWJj 257\n"); },
+                          {path, "line 258", "duplicate token", "line 257"});
+  expect_error_mentioning([&] { load(good + "YWJj 300\n"); }, {path, "rank 256 is missing"});
+  expect_error_mentioning([&] { load(good.substr(good.find('\n') + 1) + "YWJj 0\n"); },
+                          {path, "single byte 0x00", "not a token"});
+  expect_error_mentioning([&] { load(""); }, {path, "no ranks"});
+  // Truncated: inside the last line, or after a line short of LLaMA-3's 128000 ranks.
+  expect_error_mentioning([&] { load(good + "YWJj 256\nYWJjZA"); }, {path, "line 258", "truncated"});
+  expect_error_mentioning([&] { load(good + "YWJj 256\nYWJjZA== 2"); }, {path, "line 258", "duplicate rank", "truncated"});
+  write_all(path, good);
+  expect_error_mentioning([&] { Llama3Tokenizer t(path); }, {path, "256 ranks", "128000", "truncated"});
+  // CRLF line ends and blank lines are accepted, as tiktoken's reader does.
+  std::string crlf;
+  for (int b = 0; b < 256; ++b) crlf += to_base64(std::string(1, char(b))) + " " + std::to_string(b) + "\r\n\n";
+  load(crlf);
+}
+
+// ---------------------------------------------------------------- the common interface
+
+TEST(Tokenizer, LoadByName) {
+  std::unique_ptr<data::Tokenizer> llama = data::load_tokenizer("llama3", full_size_vocab_path());
+  EXPECT_EQ(llama->name(), "llama3");
+  EXPECT_EQ(llama->vocab_size(), 128256);
+  EXPECT_EQ(llama->document_token(), 128000);
+  EXPECT_EQ(llama->decode(llama->encode("Hello, world")), "Hello, world");
+  expect_error_mentioning([] { data::load_tokenizer("llama3", ""); }, {"tokenizer.model", "--tokenizer-path"});
+  expect_error_mentioning([] { data::load_tokenizer("llama2", "x"); }, {"llama2", "gpt2", "llama3"});
+  try {
+    std::unique_ptr<data::Tokenizer> gpt2 = data::load_tokenizer("gpt2");
+    EXPECT_EQ(gpt2->name(), "gpt2");
+    EXPECT_EQ(gpt2->document_token(), 50256);
+    EXPECT_EQ(gpt2->vocab_size(), 50257);
+  } catch (const Error&) {
+    GTEST_SKIP() << "GPT-2 vocabulary absent: run scripts/fetch_gpt2_vocab.sh";
+  }
+}
+
+}  // namespace
+}  // namespace loom
