@@ -1,8 +1,12 @@
-// loom-prepare: tokenizes text files with GPT-2's BPE into llm.c token shards, a validation split and train shards.
+// loom-prepare: tokenizes text files with GPT-2's or LLaMA-3's tokenizer into llm.c token shards, a validation split
+// and train shards.
 //
 //   loom-prepare --input tinyshakespeare.txt --output-dir data/tinyshakespeare --val-fraction 0.1
+//   loom-prepare --input tinyshakespeare.txt --tokenizer llama3 --tokenizer-path Meta-Llama-3-8B/tokenizer.model
 //
-// Every document starts with the end-of-text token (llm.c's convention). A document is one input file, or with
+// Every document starts with the tokenizer's document token: GPT-2's end-of-text (llm.c's convention), LLaMA-3's
+// <|begin_of_text|> (as Meta's and llm.c's LLaMA-3 data preparation do). Shards hold uint16 tokens when the
+// tokenizer's ids fit (GPT-2), else uint32 (LLaMA-3: llm.c's uint32 format). A document is one input file, or with
 // --paragraph-documents each "\n\n"-separated section of a file (as llm.c's tinyshakespeare.py does). The first
 // val-fraction of all tokens (or exactly --val-tokens) becomes <name>_val_000000.bin, the rest
 // <name>_train_NNNNNN.bin in shards of at most --shard-tokens. llm.c's tinyshakespeare split is
@@ -17,13 +21,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "loom/common/error.h"
-#include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/token_file.h"
+#include "loom/data/tokenizer.h"
 
 namespace fs = std::filesystem;
 
@@ -88,9 +93,10 @@ std::vector<std::string_view> split_documents(std::string_view text, bool paragr
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Tokenizes text files with GPT-2 BPE into llm.c token shards (train and validation)."};
+  CLI::App app{"Tokenizes text files with GPT-2's or LLaMA-3's tokenizer into llm.c token shards (train and "
+               "validation)."};
   std::vector<std::string> inputs;
-  std::string output_dir, name, vocab_dir, width_name = "u16";
+  std::string output_dir, name, tokenizer_name = "gpt2", tokenizer_path, width_name;
   double val_fraction = 0.1;
   int64_t val_tokens = -1;
   int64_t shard_tokens = 100'000'000;
@@ -105,10 +111,15 @@ int main(int argc, char** argv) {
   app.add_option("--val-tokens", val_tokens, "exact number of validation tokens (overrides --val-fraction)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--shard-tokens", shard_tokens, "most tokens per train shard")->check(CLI::PositiveNumber);
-  app.add_option("--token-width", width_name, "u16 (GPT-2's llm.c format) or u32")
+  app.add_option("--tokenizer", tokenizer_name, "gpt2 or llama3")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"gpt2", "llama3"}));
+  app.add_option("--tokenizer-path,--vocab-dir", tokenizer_path,
+                 "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
+                 "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (required)");
+  app.add_option("--token-width", width_name,
+                 "u16 or u32 (default: u16 when the tokenizer's ids fit, as GPT-2's; else u32, as LLaMA-3's)")
       ->check(CLI::IsMember({"u16", "u32"}));
-  app.add_option("--vocab-dir", vocab_dir, "directory with encoder.json and vocab.bpe "
-                                           "(default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2)");
   app.add_flag("--paragraph-documents", paragraph_documents,
                "each \"\\n\\n\"-separated section is a document (llm.c's tinyshakespeare convention)");
   CLI11_PARSE(app, argc, argv);
@@ -118,12 +129,18 @@ int main(int argc, char** argv) {
     for (const auto& in : inputs) paths.push_back(resolve_input(in));
     if (name.empty()) name = fs::path(paths[0]).stem().string();
     if (output_dir.empty()) output_dir = (fs::path("data") / name).string();
-    const auto width = width_name == "u32" ? loom::data::TokenWidth::kU32 : loom::data::TokenWidth::kU16;
 
-    loom::data::GPT2Tokenizer tokenizer(vocab_dir);
+    const std::unique_ptr<loom::data::Tokenizer> tokenizer = loom::data::load_tokenizer(tokenizer_name, tokenizer_path);
+    const bool ids_fit_u16 = tokenizer->vocab_size() <= 65536;
+    if (width_name.empty()) width_name = ids_fit_u16 ? "u16" : "u32";
+    LOOM_REQUIRE(width_name == "u32" || ids_fit_u16, "loom-prepare: --token-width u16 cannot hold the ",
+                 tokenizer->name(), " tokenizer's ids (a vocabulary of ", tokenizer->vocab_size(),
+                 "); use u32, or leave --token-width out");
+    const auto width = width_name == "u32" ? loom::data::TokenWidth::kU32 : loom::data::TokenWidth::kU16;
     uint64_t total_bytes = 0;
     for (const auto& p : paths) total_bytes += fs::file_size(p);
-    std::printf("loom-prepare: tokenizing %zu file(s), %s\n", paths.size(), megabytes(double(total_bytes)).c_str());
+    std::printf("loom-prepare: tokenizing %zu file(s), %s, with the %s tokenizer into %s shards\n", paths.size(),
+                megabytes(double(total_bytes)).c_str(), tokenizer->name().c_str(), width_name.c_str());
 
     std::vector<int32_t> tokens;
     uint64_t bytes_done = 0, last_report = 0;
@@ -132,11 +149,11 @@ int main(int argc, char** argv) {
     for (const auto& path : paths) {
       const std::string text = read_file(path);
       for (std::string_view doc : split_documents(text, paragraph_documents)) {
-        tokens.push_back(tokenizer.eot_token());
+        tokens.push_back(tokenizer->document_token());
         ++documents;
         // Chunks encode to exactly the tokens of the whole document, and give progress on big files.
         for (std::string_view chunk : loom::data::split_for_encoding(doc, 1 << 18)) {
-          auto ids = tokenizer.encode(chunk);
+          auto ids = tokenizer->encode(chunk);
           tokens.insert(tokens.end(), ids.begin(), ids.end());
           bytes_done += chunk.size();
           if (bytes_done - last_report >= report_every) {

@@ -1,7 +1,9 @@
 // LLaMA-3's tokenizer against an independent Python reference (tools/reference/make_llama3_tokenizer_fixture.py:
 // the `regex` module with LLaMA-3's pattern, plain rank-merge BPE, on a small synthetic tiktoken vocabulary), its
-// special tokens and errors, and the common Tokenizer interface.
+// special tokens and errors, the common Tokenizer interface, and loom-prepare --tokenizer llama3 end to end.
 #include <gtest/gtest.h>
+
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,6 +15,7 @@
 
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/llama3_tokenizer.h"
+#include "loom/data/token_file.h"
 #include "loom/data/tokenizer.h"
 #include "test_files.h"
 
@@ -279,6 +282,100 @@ TEST(Tokenizer, LoadByName) {
     GTEST_SKIP() << "GPT-2 vocabulary absent: run scripts/fetch_gpt2_vocab.sh";
   }
 }
+
+// ---------------------------------------------------------------- loom-prepare
+
+#ifdef LOOM_PREPARE_EXE
+// Runs loom-prepare with `args`; returns its exit status, with its stdout and stderr in `output`.
+int run_prepare(const TempDir& dir, const std::string& args, std::string& output) {
+  const std::string log = dir.file("prepare.log");
+  const std::string cmd = std::string(LOOM_PREPARE_EXE) + " " + args + " > " + log + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  output = read_all(log);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(LoomPrepare, Llama3WritesUint32ShardsWithBeginOfTextPerDocument) {
+  TempDir dir;
+  const std::string model = full_size_vocab_path();
+  const std::string doc1 = "First, the quick brown fox.\n\nIt's 2024: na\u00efve caf\u00e9!\r\n";
+  const std::string doc2 = "<|begin_of_text|> is text here.\n\n\nEnd   ";
+  write_all(dir.file("a.txt"), doc1);
+  write_all(dir.file("b.txt"), doc2);
+  std::string out;
+  ASSERT_EQ(run_prepare(dir,
+                        "--input " + dir.file("a.txt") + " " + dir.file("b.txt") + " --output-dir " +
+                            dir.file("shards") + " --name t --val-tokens 5 --tokenizer llama3 --tokenizer-path " + model,
+                        out),
+            0)
+      << out;
+  EXPECT_NE(out.find("llama3"), std::string::npos) << out;
+  EXPECT_NE(out.find("u32"), std::string::npos) << out;
+  Llama3Tokenizer tok(model);
+  Ids expected{128000};
+  for (int32_t t : tok.encode(doc1)) expected.push_back(t);
+  expected.push_back(128000);
+  for (int32_t t : tok.encode(doc2)) expected.push_back(t);
+  const std::string val = dir.file("shards/t_val_000000.bin"), train = dir.file("shards/t_train_000000.bin");
+  EXPECT_EQ(data::read_token_file_info(val).width, data::TokenWidth::kU32);
+  EXPECT_EQ(data::read_token_file_info(train).width, data::TokenWidth::kU32);
+  Ids all = data::read_token_file(val);
+  ASSERT_EQ(all.size(), 5u);
+  for (int32_t t : data::read_token_file(train)) all.push_back(t);
+  EXPECT_EQ(all, expected);
+  EXPECT_GT(*std::max_element(all.begin(), all.end()), 65535);  // the pair tokens need u32
+
+  // Paragraph documents each start with <|begin_of_text|>.
+  ASSERT_EQ(run_prepare(dir,
+                        "--input " + dir.file("a.txt") + " --output-dir " + dir.file("para") +
+                            " --name p --val-tokens 0 --paragraph-documents --tokenizer llama3 --tokenizer-path " +
+                            model,
+                        out),
+            0)
+      << out;
+  const Ids para = data::read_token_file(dir.file("para/p_train_000000.bin"));
+  EXPECT_EQ(std::count(para.begin(), para.end(), 128000), 2);
+  EXPECT_EQ(para[0], 128000);
+}
+
+TEST(LoomPrepare, Llama3Errors) {
+  TempDir dir;
+  write_all(dir.file("a.txt"), "some text to tokenize");
+  std::string out;
+  const std::string base = "--input " + dir.file("a.txt") + " --output-dir " + dir.file("o") + " --tokenizer llama3";
+  EXPECT_NE(run_prepare(dir, base + " --tokenizer-path " + full_size_vocab_path() + " --token-width u16", out), 0);
+  EXPECT_NE(out.find("u16"), std::string::npos) << out;
+  EXPECT_NE(out.find("128256"), std::string::npos) << out;
+  EXPECT_NE(run_prepare(dir, base, out), 0);
+  EXPECT_NE(out.find("--tokenizer-path"), std::string::npos) << out;
+  EXPECT_NE(run_prepare(dir, base + " --tokenizer-path " + dir.file("missing.model"), out), 0);
+  EXPECT_NE(out.find(dir.file("missing.model")), std::string::npos) << out;
+  EXPECT_NE(run_prepare(dir, base + " --tokenizer-path " + kFixtureDir + "llama3_tiny_tokenizer.model", out), 0);
+  EXPECT_NE(out.find("128000"), std::string::npos) << out;
+  EXPECT_NE(run_prepare(dir, "--input " + dir.file("a.txt") + " --tokenizer llama2", out), 0);
+  EXPECT_FALSE(fs::exists(dir.file("o")));
+}
+
+TEST(LoomPrepare, Gpt2StaysTheDefault) {
+  TempDir dir;
+  try {
+    data::GPT2Tokenizer::find_vocab_dir();
+  } catch (const Error&) {
+    GTEST_SKIP() << "GPT-2 vocabulary absent: run scripts/fetch_gpt2_vocab.sh";
+  }
+  write_all(dir.file("a.txt"), "Hello world, hello again.");
+  std::string out;
+  ASSERT_EQ(run_prepare(dir, "--input " + dir.file("a.txt") + " --output-dir " + dir.file("o") + " --val-tokens 0", out),
+            0)
+      << out;
+  const std::string shard = dir.file("o/a_train_000000.bin");
+  EXPECT_EQ(data::read_token_file_info(shard).width, data::TokenWidth::kU16);
+  data::GPT2Tokenizer gpt2;
+  Ids expected{50256};
+  for (int32_t t : gpt2.encode("Hello world, hello again.")) expected.push_back(t);
+  EXPECT_EQ(data::read_token_file(shard), expected);
+}
+#endif
 
 }  // namespace
 }  // namespace loom
