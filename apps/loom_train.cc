@@ -32,6 +32,11 @@ int main(int argc, char** argv) {
   app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str();
   app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample")->capture_default_str();
   app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
+      ->check(CLI::IsMember({"gpt2", "llama3"}));
+  app.add_option("--tokenizer-path", o.tokenizer_path,
+                 "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
+                 "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str();
   app.add_option("--resume", o.resume, "resume from a checkpoint file or a checkpoint directory's latest");

@@ -1,6 +1,7 @@
 // LLaMA-3's tokenizer against an independent Python reference (tools/reference/make_llama3_tokenizer_fixture.py:
 // the `regex` module with LLaMA-3's pattern, plain rank-merge BPE, on a small synthetic tiktoken vocabulary), its
-// special tokens and errors, the common Tokenizer interface, and loom-prepare --tokenizer llama3 end to end.
+// special tokens and errors, the common Tokenizer interface, loom-prepare --tokenizer llama3 end to end, and the
+// tokenizer of loom-train's samples.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -17,6 +18,7 @@
 #include "loom/data/llama3_tokenizer.h"
 #include "loom/data/token_file.h"
 #include "loom/data/tokenizer.h"
+#include "loom/train/trainer.h"
 #include "test_files.h"
 
 namespace loom {
@@ -281,6 +283,62 @@ TEST(Tokenizer, LoadByName) {
   } catch (const Error&) {
     GTEST_SKIP() << "GPT-2 vocabulary absent: run scripts/fetch_gpt2_vocab.sh";
   }
+}
+
+// ---------------------------------------------------------------- loom-train's samples
+
+// Trainer options over a small shard and a one-layer model of `family` with a vocabulary of `vocab`.
+train::TrainOptions sample_setup(const TempDir& dir, const std::string& family, int64_t vocab) {
+  std::vector<int32_t> tokens(512);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7 % 200);
+  data::write_token_file(dir.file("train.bin"), tokens, data::TokenWidth::kU32);
+  write_all(dir.file("model.json"), "{\"family\": \"" + family + "\", \"vocab_size\": " + std::to_string(vocab) +
+                                        ", \"max_seq_len\": 64, \"n_layer\": 1, \"n_head\": 2, \"n_kv_head\": 2, "
+                                        "\"n_embd\": 16, \"ffn_hidden\": 32}");
+  train::TrainOptions o;
+  o.model = dir.file("model.json");
+  o.train_data = dir.file("train.bin");
+  o.batch_size = 1;
+  o.seq_len = 16;
+  o.steps = 1;
+  o.warmup_steps = 0;
+  o.quiet = true;
+  o.sample_prompt = "Hello";
+  return o;
+}
+
+TEST(TrainSample, LlamaModelsSampleWithTheLlama3Tokenizer) {
+  TempDir dir;
+  auto o = sample_setup(dir, "llama", 128256);
+  o.tokenizer_path = full_size_vocab_path();  // the model's family picks llama3
+  train::Trainer t(o);
+  const std::string text = t.sample(8);
+  EXPECT_EQ(text.rfind("Hello", 0), 0u) << text;
+  EXPECT_GT(text.size(), 5u);
+}
+
+TEST(TrainSample, LlamaModelsWithoutTokenizerPathSayHowToGetSamples) {
+  TempDir dir;
+  train::Trainer t(sample_setup(dir, "llama", 512));
+  testing::internal::CaptureStdout();
+  EXPECT_EQ(t.sample(8), "");
+  EXPECT_EQ(t.sample(8), "");
+  const std::string said = testing::internal::GetCapturedStdout();
+  EXPECT_NE(said.find("no sample"), std::string::npos) << said;
+  EXPECT_NE(said.find("--tokenizer-path"), std::string::npos) << said;
+  EXPECT_EQ(said.find("no sample"), said.rfind("no sample")) << "said once: " << said;
+}
+
+TEST(TrainSample, TokenizerErrorsStopAtTheStart) {
+  TempDir dir;
+  auto o = sample_setup(dir, "gpt2", 200);
+  o.tokenizer = "llama3";
+  expect_error_mentioning([&] { train::Trainer t(o); }, {"--tokenizer-path"});
+  o.tokenizer_path = full_size_vocab_path();
+  expect_error_mentioning([&] { train::Trainer t(o); }, {"llama3", "128256", "200"});
+  o.tokenizer = "";
+  o.tokenizer_path = dir.file("absent.model");
+  expect_error_mentioning([&] { train::Trainer t(o); }, {dir.file("absent.model")});
 }
 
 // ---------------------------------------------------------------- loom-prepare

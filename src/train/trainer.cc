@@ -1,6 +1,7 @@
 // The training loop behind loom-train.
 #include "loom/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,8 +16,8 @@
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/generator.h"
-#include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/loader.h"
+#include "loom/data/tokenizer.h"
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/process_group.h"
 #include "loom/distributed/tensor_parallel.h"
@@ -37,7 +38,8 @@ struct Trainer::Logs {
   std::unique_ptr<io::JsonlMetricsWriter> jsonl;
   std::unique_ptr<io::TensorBoardWriter> tensorboard;
   std::unique_ptr<optim::LrSchedule> schedule;
-  std::unique_ptr<data::GPT2Tokenizer> tokenizer;
+  std::string tokenizer_name;  // of samples: options.tokenizer, or the model family's
+  std::unique_ptr<data::Tokenizer> tokenizer;
   bool tokenizer_missing_reported = false;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   double smoothed_ms = 0;
@@ -117,6 +119,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     }
   }
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
+  logs_->tokenizer_name = !opts_.tokenizer.empty() ? opts_.tokenizer
+                          : cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
+  if (!opts_.tokenizer.empty() || !opts_.tokenizer_path.empty()) {  // asked for: load it now, errors stop the run
+    logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name, opts_.tokenizer_path);
+    LOOM_REQUIRE(logs_->tokenizer->vocab_size() <= cfg.vocab_size, "loom-train: the ", logs_->tokenizer_name,
+                 " tokenizer's ", logs_->tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ",
+                 cfg.vocab_size, " (--tokenizer/--tokenizer-path do not match --model)");
+  }
   if (opts_.tensor_parallel > 1) {  // keep this rank's shard of the full model just built
     tp_model_ = distributed::make_tensor_parallel_model(cfg, tp_group_);  // GPT-2 or LLaMA, by cfg.family
     tp_model_->load_from_full(*model_);
@@ -257,15 +267,16 @@ std::string Trainer::sample(int64_t tokens) {
   if (!is_rank0_ && !tp_model_) return "";  // with TP every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
-      logs_->tokenizer = std::make_unique<data::GPT2Tokenizer>();
+      logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name);
     } catch (const Error& e) {
       if (!logs_->tokenizer_missing_reported && is_rank0_) std::cout << "(no sample: " << e.what() << ")\n";
       logs_->tokenizer_missing_reported = true;
       return "";
     }
   }
-  std::vector<int32_t> prompt = logs_->tokenizer->encode(opts_.sample_prompt);
-  if (prompt.empty()) prompt.push_back(data::GPT2Tokenizer::kEndOfText);
+  const data::Tokenizer& tokenizer = *logs_->tokenizer;
+  std::vector<int32_t> prompt = tokenizer.encode(opts_.sample_prompt);
+  if (prompt.empty()) prompt.push_back(tokenizer.document_token());
   nn::GenerateOptions g;
   g.max_new_tokens = tokens;
   g.temperature = 1.0;
@@ -274,9 +285,10 @@ std::string Trainer::sample(int64_t tokens) {
   amp::AutocastGuard autocast(autocast_dtype_);
   std::vector<int32_t> out = nn::generate(*model_, prompt, g);
   std::vector<int32_t> printable;
+  const int64_t known = std::min(model_->config().vocab_size, tokenizer.vocab_size());
   for (int32_t t : out)
-    if (t < int32_t(model_->config().vocab_size) && t != data::GPT2Tokenizer::kEndOfText) printable.push_back(t);
-  return logs_->tokenizer->decode(prompt) + logs_->tokenizer->decode(printable);
+    if (t < known && t != tokenizer.document_token()) printable.push_back(t);
+  return tokenizer.decode(prompt) + tokenizer.decode(printable);
 }
 
 void Trainer::log_step(const StepStats& s) {

@@ -50,6 +50,11 @@ struct TrainOptions {
   int64_t sample_interval = 0;       // 0 = only at the end
   int64_t sample_tokens = 64;
   std::string sample_prompt = "\n";
+  // The tokenizer of samples (data::load_tokenizer): "gpt2" or "llama3"; empty = the model's (GPT-2 models: gpt2,
+  // LLaMA models: llama3). A tokenizer named here or given a path is loaded at the start (errors stop the run);
+  // without either, GPT-2's vocabulary is looked for at the first sample, and LLaMA models print how to get samples.
+  std::string tokenizer;
+  std::string tokenizer_path;        // gpt2: the encoder.json/vocab.bpe directory; llama3: Meta's tokenizer.model
   std::string checkpoint_dir;        // empty = no checkpoints
   int64_t checkpoint_interval = 0;   // 0 = only at the end
   std::string resume;                // a checkpoint file, a checkpoint dir (its latest), or empty
