@@ -1,8 +1,10 @@
 // External kernel libraries through the C ABI: loading the sample plugin (plugins/cpu_sample), routing ops to it,
 // fallback when it declines, version checks, shadow mode, the conformance runner, and a few training steps with
-// gemm served by the plugin.
+// gemm, and with the fused norms and loss (ABI 1.1), served by the plugin.
+#include <cstring>
 #include <filesystem>
 
+#include "kernels/attention_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "loom/abi/loom_kernel_abi.h"
 #include "loom/providers.h"
@@ -57,8 +59,11 @@ TEST_F(Providers, LoadReportsOpsAndUnknownNames) {
     if (p.name != "cpu_sample") continue;
     found = true;
     EXPECT_EQ(p.abi_major, 1u);
+    EXPECT_EQ(p.abi_minor, unsigned(LOOM_ABI_VERSION_MINOR));
     EXPECT_EQ(p.version, "0.1");
-    EXPECT_EQ(p.ops, (std::vector<std::string>{"gemm@cpu", "add@cpu", "softmax@cpu"}));
+    EXPECT_EQ(p.ops, (std::vector<std::string>{"gemm@cpu", "add@cpu", "softmax@cpu", "residual_layer_norm@cpu",
+                                               "residual_layer_norm_backward@cpu", "residual_rms_norm@cpu",
+                                               "residual_rms_norm_backward@cpu", "cross_entropy_with_grad@cpu"}));
     ASSERT_EQ(p.warnings.size(), 1u);
     EXPECT_NE(p.warnings[0].find("sample_frobnicate"), std::string::npos);
   }
@@ -142,6 +147,32 @@ TEST_F(Providers, RefusesBadLibraries) {
   EXPECT_THROW(providers::unload("no_such_provider"), Error);
 }
 
+// A library built against ABI 1.0 (the same sample, claiming minor 0) keeps loading: its 1.0 ops are bound, and the
+// ops that came with 1.1 are skipped with a warning, as a 1.0 Loom skipped names it did not know.
+TEST_F(Providers, LoadsAnAbi10LibraryWithoutItsNewerOps) {
+  ensure_loaded("loom_cpu_sample_abi10", "cpu_sample_abi10");
+  bool found = false;
+  for (const auto& p : providers::loaded()) {
+    if (p.name != "cpu_sample_abi10") continue;
+    found = true;
+    EXPECT_EQ(p.abi_major, 1u);
+    EXPECT_EQ(p.abi_minor, 0u);
+    EXPECT_EQ(p.ops, (std::vector<std::string>{"gemm@cpu", "add@cpu", "softmax@cpu"}));
+    int newer = 0;
+    for (const auto& w : p.warnings) newer += w.find("came with kernel ABI 1.1") != std::string::npos;
+    EXPECT_EQ(newer, 5) << ::testing::PrintToString(p.warnings);
+  }
+  EXPECT_TRUE(found);
+  for (const auto& c : dispatch::explain("residual_rms_norm", kCPU, kF32)) EXPECT_NE(c.provider, "cpu_sample_abi10");
+  // Its 1.0 ops serve as before.
+  Tensor a = test::random_tensor({13, 29}), b = test::random_tensor({29, 7});
+  Tensor want = ops::matmul(a, b);
+  route("cpu_sample_abi10:gemm");
+  uint64_t calls = calls_of("gemm", "cpu_sample_abi10");
+  EXPECT_TRUE(test::all_close(ops::matmul(a, b), want, 1e-5, 1e-5));
+  EXPECT_EQ(calls_of("gemm", "cpu_sample_abi10"), calls + 1);
+}
+
 std::vector<conformance::Case> cases_for(const std::vector<std::string>& ops) {
   std::vector<conformance::Case> out;
   for (const auto& c : conformance::load_cases(std::string(LOOM_SOURCE_DIR) + "/conformance"))
@@ -170,6 +201,124 @@ TEST_F(Providers, ConformancePassesTheSampleAndCatchesAWrongSoftmax) {
   EXPECT_TRUE(conformance::any_failure(wrong)) << conformance::format_table(wrong);
   // Its add and gemm are the correct ones.
   EXPECT_FALSE(conformance::any_failure(conformance::run(cases_for({"add"}), "cpu_sample_wrong", Device())));
+}
+
+TEST_F(Providers, ConformanceChecksTheFusedOpsAndCatchesWrongOnes) {
+  const std::vector<std::string> fused = {"residual_layer_norm", "residual_layer_norm_backward", "residual_rms_norm",
+                                          "residual_rms_norm_backward", "cross_entropy_with_grad"};
+  auto cases = cases_for(fused);
+  ASSERT_GE(cases.size(), 10u);
+  auto results = conformance::run(cases, "cpu_sample", Device());
+  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  std::set<std::string> passed;
+  int declined = 0;
+  for (const auto& r : results) {
+    if (r.status == conformance::Status::kPass) {
+      passed.insert(r.op);
+      EXPECT_EQ(r.dtype, kF32);
+    }
+    if (r.status == conformance::Status::kDeclined) ++declined;
+  }
+  EXPECT_EQ(passed.size(), fused.size());  // every op passes its f32 cases
+  EXPECT_GT(declined, 0);                  // f64, bf16, and f32 beside bf16 activations
+
+  // Wrong fused kernels: the norms' backward drops grad_residual, the loss's mean counts ignored rows.
+  ensure_loaded("loom_cpu_sample_wrong_fused", "cpu_sample_wrong_fused");
+  for (const char* op : {"residual_layer_norm_backward", "residual_rms_norm_backward", "cross_entropy_with_grad"}) {
+    auto wrong = conformance::run(cases_for({op}), "cpu_sample_wrong_fused", Device());
+    EXPECT_TRUE(conformance::any_failure(wrong)) << op << "\n" << conformance::format_table(wrong);
+  }
+  // Its forward norms are the correct ones.
+  auto right = conformance::run(cases_for({"residual_layer_norm", "residual_rms_norm"}), "cpu_sample_wrong_fused",
+                                Device());
+  EXPECT_FALSE(conformance::any_failure(right)) << conformance::format_table(right);
+}
+
+// The strided attention ops have native kernels on CUDA only, so their cases compare with the plain ops on copies.
+// A CPU provider registered here copies the views out with plain loops (the conformance policy denies every other
+// kernel, copy included) and runs the native plain kernel: it passes. One that reads the views as if they were
+// contiguous fails.
+namespace strided_attention {
+
+void copy_4d(const Tensor& src, Tensor& dst, bool ignore_strides) {
+  const size_t bytes = dtype_size(src.dtype());
+  const char* s = static_cast<const char*>(src.data());
+  char* d = static_cast<char*>(dst.data());
+  if (ignore_strides) {
+    std::memcpy(d, s, size_t(src.numel()) * bytes);
+    return;
+  }
+  for (int64_t i = 0; i < src.size(0); ++i)
+    for (int64_t j = 0; j < src.size(1); ++j)
+      for (int64_t k = 0; k < src.size(2); ++k)
+        for (int64_t l = 0; l < src.size(3); ++l)
+          std::memcpy(d + (i * dst.stride(0) + j * dst.stride(1) + k * dst.stride(2) + l * dst.stride(3)) * bytes,
+                      s + (i * src.stride(0) + j * src.stride(1) + k * src.stride(2) + l * src.stride(3)) * bytes,
+                      bytes);
+}
+
+Tensor dense(const Tensor& view, bool ignore_strides) {
+  Tensor t = empty(view.shape(), view.dtype());
+  copy_4d(view, t, ignore_strides);
+  return t;
+}
+
+template <typename Op>
+typename Op::traits::function native_kernel(Op) {
+  for (const KernelEntry* e : dispatch::candidates(Op::id(), kCPU, kF32))
+    if (e->provider == "native") return *static_cast<const typename Op::traits::function*>(e->fn.get());
+  return nullptr;
+}
+
+void register_provider(const std::string& name, bool ignore_strides) {
+  auto forward = native_kernel(scaled_dot_product_attention_op);
+  auto backward = native_kernel(scaled_dot_product_attention_backward_op);
+  ASSERT_TRUE(forward && backward);
+  dispatch::register_kernel_function(
+      scaled_dot_product_attention_strided_op, kCPU, name, dtypes(kF32, kF64),
+      [=](const DeviceContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& at,
+          Tensor& out, Tensor& lse) {
+        Tensor o = empty(out.shape(), out.dtype());
+        forward(ctx, dense(q, ignore_strides), dense(k, ignore_strides), dense(v, ignore_strides), at, o, lse);
+        copy_4d(o, out, false);
+      });
+  dispatch::register_kernel_function(
+      scaled_dot_product_attention_backward_strided_op, kCPU, name, dtypes(kF32, kF64),
+      [=](const DeviceContext& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+          const Tensor& out, const Tensor& lse, const AttentionAttrs& at, Tensor& gq, Tensor& gk, Tensor& gv) {
+        Tensor dq = empty(gq.shape(), gq.dtype()), dk = empty(gk.shape(), gk.dtype());
+        Tensor dv = empty(gv.shape(), gv.dtype());
+        backward(ctx, dense(grad_out, ignore_strides), dense(q, ignore_strides), dense(k, ignore_strides),
+                 dense(v, ignore_strides), dense(out, ignore_strides), lse, at, dq, dk, dv);
+        copy_4d(dq, gq, false), copy_4d(dk, gk, false), copy_4d(dv, gv, false);
+      });
+}
+
+}  // namespace strided_attention
+
+TEST_F(Providers, ConformanceChecksTheStridedAttentionOpsAgainstThePlainOnes) {
+  auto cases = cases_for({"scaled_dot_product_attention_strided", "scaled_dot_product_attention_backward_strided"});
+  ASSERT_GE(cases.size(), 4u);
+  struct Unregister {
+    ~Unregister() {
+      dispatch::unregister_provider("test_strided");
+      dispatch::unregister_provider("test_strided_wrong");
+    }
+  } unregister;
+  strided_attention::register_provider("test_strided", false);
+  strided_attention::register_provider("test_strided_wrong", true);
+  auto results = conformance::run(cases, "test_strided", Device());
+  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  int passed = 0;
+  for (const auto& r : results) passed += r.status == conformance::Status::kPass;
+  EXPECT_GE(passed, 6);  // f32 and f64 of both ops (bf16 and f16 declined)
+  for (const char* op : {"scaled_dot_product_attention_strided", "scaled_dot_product_attention_backward_strided"}) {
+    auto wrong = conformance::run(cases_for({op}), "test_strided_wrong", Device());
+    EXPECT_TRUE(conformance::any_failure(wrong)) << op << "\n" << conformance::format_table(wrong);
+  }
+  // Native has no CPU kernel for them: reported as not provided, not as failures.
+  auto native = conformance::run(cases, "native", Device());
+  for (const auto& r : native) EXPECT_EQ(r.status, conformance::Status::kSkipped) << r.case_name;
 }
 
 TEST_F(Providers, PyTorchReferenceCasesCatchAWrongSoftmax) {
@@ -234,6 +383,37 @@ TEST_F(Providers, TinyGpt2TrainsWithGemmFromThePlugin) {
   ASSERT_EQ(plugin.size(), native.size());
   for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(plugin[i], native[i], 1e-4 * std::abs(native[i])) << i;
   EXPECT_LT(native.back(), native.front());
+}
+
+// A training step through forward_loss (what loom-train runs) with the fused norms and the fused loss routed to the
+// plugin: its kernels serve every call, forward and backward, and the losses are the native ones within f32
+// rounding.
+void expect_fused_ops_train_like_native(const std::string& model, const std::string& norm) {
+  const std::vector<std::string> ops = {norm, norm + "_backward", "cross_entropy_with_grad"};
+  std::vector<double> native = test::train_tiny_three_steps(model, Device(), true);
+  std::vector<uint64_t> before;
+  for (const auto& op : ops) before.push_back(calls_of(op, "cpu_sample"));
+  dispatch::set_policy(ProviderPolicy::parse("cpu_sample:" + norm + "," + norm + "_backward,cross_entropy_with_grad"));
+  std::vector<double> plugin = test::train_tiny_three_steps(model, Device(), true);
+  const std::string explained = dispatch::explain_str(norm, kCPU, kF32);
+  dispatch::reset_policy();
+  // Per step: one norm before each block's attention and MLP, one final norm (forward and backward), one loss.
+  const int64_t n_layer = nn::ModelConfig::from_name(model).n_layer;
+  const std::vector<uint64_t> per_step = {uint64_t(2 * n_layer + 1), uint64_t(2 * n_layer + 1), 1};
+  for (size_t i = 0; i < ops.size(); ++i)
+    EXPECT_EQ(calls_of(ops[i], "cpu_sample") - before[i], 3 * per_step[i]) << ops[i];
+  EXPECT_NE(explained.find("* cpu_sample"), std::string::npos) << explained;
+  ASSERT_EQ(plugin.size(), native.size());
+  for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(plugin[i], native[i], 1e-6 * std::abs(native[i])) << i;
+  EXPECT_NE(native[1], native[0]);  // the steps trained the model
+}
+
+TEST_F(Providers, TinyLlamaTrainsWithTheFusedNormAndLossFromThePlugin) {
+  expect_fused_ops_train_like_native("llama3-tiny", "residual_rms_norm");
+}
+
+TEST_F(Providers, TinyGpt2TrainsWithTheFusedNormAndLossFromThePlugin) {
+  expect_fused_ops_train_like_native("gpt2-tiny", "residual_layer_norm");
 }
 
 }  // namespace

@@ -1,11 +1,18 @@
 /* A sample CPU kernel library for Loom, written only against loom/abi/loom_kernel_abi.h (plain C, no Loom C++).
- * It implements gemm (a cache-blocked loop, not OpenBLAS), add (any strides, broadcasting) and softmax, all for
- * float32, and declines the gemm epilogues with a gelu through supports(), so Loom falls back to its own kernel.
+ * It implements gemm (a cache-blocked loop, not OpenBLAS), add (any strides, broadcasting) and softmax, and the
+ * fused ops a training step calls (ABI 1.1): residual_layer_norm and residual_rms_norm with their backwards, and
+ * cross_entropy_with_grad; all for float32. It declines through supports() what it does not do (the gemm
+ * epilogues with a gelu, the norms' bf16/f16 activations beside an f32 residual), so Loom falls back to its own
+ * kernels.
  *
  * Test-only variants (compile definitions):
  *   LOOM_SAMPLE_WRONG_SOFTMAX   softmax leaves the last element of each row out of the sum: the conformance suite
  *                               must catch it;
- *   LOOM_SAMPLE_ABI_MAJOR=N     claims ABI major version N: Loom must refuse to load it.
+ *   LOOM_SAMPLE_WRONG_FUSED     the fused norms' backward drops grad_residual, and cross_entropy_with_grad's mean
+ *                               divides by every row instead of the counted ones: the suite must catch both;
+ *   LOOM_SAMPLE_ABI_MAJOR=N     claims ABI major version N: Loom must refuse to load it;
+ *   LOOM_SAMPLE_ABI_MINOR=N     claims ABI minor version N (0: a library built before the fused ops; Loom must load
+ *                               it, binding its 1.0 ops and skipping the 1.1 ones with a warning).
  */
 #include <math.h>
 #include <stdio.h>
@@ -15,6 +22,9 @@
 
 #ifndef LOOM_SAMPLE_ABI_MAJOR
 #define LOOM_SAMPLE_ABI_MAJOR LOOM_ABI_VERSION_MAJOR
+#endif
+#ifndef LOOM_SAMPLE_ABI_MINOR
+#define LOOM_SAMPLE_ABI_MINOR LOOM_ABI_VERSION_MINOR
 #endif
 #ifndef LOOM_SAMPLE_NAME
 #define LOOM_SAMPLE_NAME "cpu_sample"
@@ -167,11 +177,243 @@ static int sample_softmax(void* ctx, const LoomTensorDesc* in, int n_in, const L
   return LOOM_STATUS_OK;
 }
 
+/* ---- The residual add fused into layer norm (centered) or RMS norm, over the last dim of contiguous f32 tensors.
+ * Row statistics in double, as Loom's CPU kernels compute them. ---- */
+
+static int all_f32_contiguous(const LoomTensorDesc* t, int n) {
+  for (int i = 0; i < n; ++i)
+    if (t[i].data && (t[i].dtype != LOOM_DTYPE_F32 || !loom_desc_is_contiguous(&t[i]))) return 0;
+  return 1;
+}
+
+/* Declines autocast's bf16/f16 delta and out beside an f32 residual: the statistics (mean, rstd) are f32 too. */
+static int sample_f32_only_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                    int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  return all_f32_contiguous(in, n_in) && all_f32_contiguous(out, n_out);
+}
+
+static void rows_and_cols(const LoomTensorDesc* x, int64_t* rows, int64_t* cols) {
+  *cols = x->rank > 0 ? x->shape[x->rank - 1] : 1;
+  *rows = *cols > 0 ? loom_desc_numel(x) / *cols : 0;
+}
+
+/* in: x, delta?, weight?, bias? (centered only); out: residual?, out, mean (centered only), rstd. */
+static int residual_norm_forward(const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                                 const LoomAttr* attrs, int n_attrs, int centered) {
+  if (n_in != 3 + centered || n_out != 3 + centered)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "residual norm: unexpected argument count");
+  const float* x = (const float*)in[0].data;
+  const float* delta = (const float*)in[1].data;
+  const float* weight = (const float*)in[2].data;
+  const float* bias = centered ? (const float*)in[3].data : NULL;
+  float* residual = (float*)out[0].data;
+  float* y = (float*)out[1].data;
+  float* mean_out = centered ? (float*)out[2].data : NULL;
+  float* rstd_out = (float*)out[2 + centered].data;
+  if (delta && !residual) return fail(LOOM_STATUS_INVALID_ARGUMENT, "residual norm: a delta needs a residual");
+  const double eps = loom_attr_float(attrs, n_attrs, "eps", 1e-5);
+  int64_t rows, cols;
+  rows_and_cols(&in[0], &rows, &cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    if (delta) { /* the residual, rounded to f32, is what gets normalized */
+      float* rr = residual + r * cols;
+      for (int64_t c = 0; c < cols; ++c) rr[c] = xr[c] + delta[r * cols + c];
+      xr = rr;
+    }
+    double mean = 0, sq = 0;
+    if (centered) {
+      for (int64_t c = 0; c < cols; ++c) mean += xr[c];
+      mean = cols ? mean / (double)cols : 0.0;
+    }
+    for (int64_t c = 0; c < cols; ++c) sq += ((double)xr[c] - mean) * ((double)xr[c] - mean);
+    const double rstd = 1.0 / sqrt((cols ? sq / (double)cols : 0.0) + eps);
+    if (centered) mean_out[r] = (float)mean;
+    rstd_out[r] = (float)rstd;
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = (xr[c] - (float)mean) * (float)rstd;
+      if (weight) v *= weight[c];
+      if (bias) v += bias[c];
+      y[r * cols + c] = v;
+    }
+  }
+  return LOOM_STATUS_OK;
+}
+
+/* in: grad_out, grad_residual?, residual, weight?, mean (centered only), rstd;
+ * out: grad_x?, grad_delta?, grad_weight?, grad_bias? (centered only). */
+static int residual_norm_backward(const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                                  int centered) {
+  if (n_in != 5 + centered || n_out != 3 + centered)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "residual norm backward: unexpected argument count");
+  const float* g = (const float*)in[0].data;
+  const float* grad_residual = (const float*)in[1].data;
+#ifdef LOOM_SAMPLE_WRONG_FUSED
+  grad_residual = NULL; /* the deliberate bug: the residual's own gradient is dropped */
+#endif
+  const float* x = (const float*)in[2].data;
+  const float* weight = (const float*)in[3].data;
+  const float* mean = centered ? (const float*)in[4].data : NULL;
+  const float* rstd = (const float*)in[4 + centered].data;
+  float* gx = (float*)out[0].data;
+  float* gd = (float*)out[1].data;
+  float* gw = (float*)out[2].data;
+  float* gb = centered ? (float*)out[3].data : NULL;
+  int64_t rows, cols;
+  rows_and_cols(&in[2], &rows, &cols);
+#define XHAT(r, c) (((double)x[(r) * cols + (c)] - (mean ? (double)mean[r] : 0.0)) * (double)rstd[r])
+  if (gx || gd) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gr = g + r * cols;
+      double sum_g = 0, sum_g_xhat = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double wg = (double)gr[c] * (weight ? (double)weight[c] : 1.0);
+        sum_g += wg;
+        sum_g_xhat += wg * XHAT(r, c);
+      }
+      const double mean_g = mean ? sum_g / (double)cols : 0.0, mean_g_xhat = sum_g_xhat / (double)cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double wg = (double)gr[c] * (weight ? (double)weight[c] : 1.0);
+        double v = (double)rstd[r] * (wg - mean_g - XHAT(r, c) * mean_g_xhat);
+        if (grad_residual) v += grad_residual[r * cols + c];
+        if (gx) gx[r * cols + c] = (float)v;
+        if (gd) gd[r * cols + c] = (float)v;
+      }
+    }
+  }
+  for (int64_t c = 0; c < cols && (gw || gb); ++c) {
+    double acc_w = 0, acc_b = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_w += (double)g[r * cols + c] * XHAT(r, c);
+      acc_b += g[r * cols + c];
+    }
+    if (gw) gw[c] = (float)acc_w;
+    if (gb) gb[c] = (float)acc_b;
+  }
+#undef XHAT
+  return LOOM_STATUS_OK;
+}
+
+static int sample_residual_layer_norm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                      int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  return residual_norm_forward(in, n_in, out, n_out, attrs, n_attrs, 1);
+}
+static int sample_residual_rms_norm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                    int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  return residual_norm_forward(in, n_in, out, n_out, attrs, n_attrs, 0);
+}
+static int sample_residual_layer_norm_backward(void* ctx, const LoomTensorDesc* in, int n_in,
+                                               const LoomTensorDesc* out, int n_out, const LoomAttr* attrs,
+                                               int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  return residual_norm_backward(in, n_in, out, n_out, 1);
+}
+static int sample_residual_rms_norm_backward(void* ctx, const LoomTensorDesc* in, int n_in,
+                                             const LoomTensorDesc* out, int n_out, const LoomAttr* attrs,
+                                             int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  return residual_norm_backward(in, n_in, out, n_out, 0);
+}
+
+/* ---- cross_entropy_with_grad: the loss (mean or sum) and the logits' gradient for a loss gradient of 1, in one
+ * pass over f32 logits [N, V]. grad_logits may be the logits themselves: each row is read before it is written. ---- */
+
+static int64_t target_at(const LoomTensorDesc* t, int64_t i) {
+  return t->dtype == LOOM_DTYPE_I32 ? (int64_t)((const int32_t*)t->data)[i] : ((const int64_t*)t->data)[i];
+}
+
+static int sample_cross_entropy_with_grad_supports(void* ctx, const LoomTensorDesc* in, int n_in,
+                                                   const LoomTensorDesc* out, int n_out, const LoomAttr* attrs,
+                                                   int n_attrs) {
+  (void)ctx;
+  (void)n_in;
+  (void)n_out;
+  (void)attrs;
+  (void)n_attrs;
+  return (in[1].dtype == LOOM_DTYPE_I32 || in[1].dtype == LOOM_DTYPE_I64) && out[0].dtype == LOOM_DTYPE_F32 &&
+         out[1].dtype == LOOM_DTYPE_F32;
+}
+
+static int sample_cross_entropy_with_grad(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                          int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_in != 2 || n_out != 2 || in[0].rank != 2)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "cross_entropy_with_grad: expected logits [N, V], targets, 2 outputs");
+  const int64_t n = in[0].shape[0], vocab = in[0].shape[1];
+  const int64_t ignore_index = loom_attr_int(attrs, n_attrs, "ignore_index", -100);
+  const int64_t reduction = loom_attr_int(attrs, n_attrs, "reduction", 0);
+  const int64_t limit = loom_attr_int(attrs, n_attrs, "vocab_limit", -1);
+  const int64_t classes = limit < 0 ? vocab : limit;
+  if (reduction != 0 && reduction != 1)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "cross_entropy_with_grad: reduction must be mean or sum");
+  const float* logits = (const float*)in[0].data;
+  float* grad = (float*)out[1].data;
+  int64_t counted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = target_at(&in[1], i);
+    if (t == ignore_index) continue;
+    if (t < 0 || t >= classes) {
+      snprintf(last_error_message, sizeof last_error_message,
+               "cross_entropy_with_grad: target %lld at position %lld is out of range for %lld classes",
+               (long long)t, (long long)i, (long long)classes);
+      return LOOM_STATUS_INVALID_ARGUMENT;
+    }
+    ++counted;
+  }
+#ifdef LOOM_SAMPLE_WRONG_FUSED
+  const int64_t divisor = n; /* the deliberate bug: ignored rows counted in the mean */
+#else
+  const int64_t divisor = counted;
+#endif
+  const double scale = reduction == 0 ? (divisor ? 1.0 / (double)divisor : 0.0) : 1.0;
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = logits + i * vocab;
+    float* grow = grad + i * vocab;
+    const int64_t t = target_at(&in[1], i);
+    if (t == ignore_index) {
+      for (int64_t j = 0; j < vocab; ++j) grow[j] = 0.0f;
+      continue;
+    }
+    const double target_logit = row[t];
+    double m = -INFINITY, s = 0;
+    for (int64_t j = 0; j < classes; ++j) m = row[j] > m ? row[j] : m;
+    for (int64_t j = 0; j < classes; ++j) s += exp((double)row[j] - m);
+    total += (m - target_logit) + log(s);
+    for (int64_t j = 0; j < classes; ++j) grow[j] = (float)(exp((double)row[j] - m) / s * scale);
+    for (int64_t j = classes; j < vocab; ++j) grow[j] = 0.0f;
+    grow[t] -= (float)scale;
+  }
+  if (reduction == 0) total = divisor ? total / (double)divisor : NAN;
+  *(float*)out[0].data = (float)total;
+  return LOOM_STATUS_OK;
+}
+
 static const LoomOpEntry sample_ops[] = {
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "gemm", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_gemm,
      sample_gemm_supports, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "add", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_add, NULL, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "softmax", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_softmax, NULL, {0}},
+    /* ABI 1.1: the fused ops of a training step. */
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "residual_layer_norm", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_residual_layer_norm, sample_f32_only_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "residual_layer_norm_backward", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_residual_layer_norm_backward, sample_f32_only_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "residual_rms_norm", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_residual_rms_norm, sample_f32_only_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "residual_rms_norm_backward", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_residual_rms_norm_backward, sample_f32_only_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "cross_entropy_with_grad", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_cross_entropy_with_grad, sample_cross_entropy_with_grad_supports, {0}},
     /* Not a Loom op: Loom warns and loads the rest. */
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "sample_frobnicate", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_add, NULL,
      {0}},
@@ -180,7 +422,7 @@ static const LoomOpEntry sample_ops[] = {
 LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* h, LoomProvider* p) {
   /* Fill in the version first: Loom checks it even when init fails. */
   p->abi_major = LOOM_SAMPLE_ABI_MAJOR;
-  p->abi_minor = LOOM_ABI_VERSION_MINOR;
+  p->abi_minor = LOOM_SAMPLE_ABI_MINOR;
   p->last_error = sample_last_error;
   if (h->struct_size < sizeof(LoomHost) - sizeof(h->reserved) || h->abi_major != LOOM_SAMPLE_ABI_MAJOR)
     return fail(LOOM_STATUS_UNSUPPORTED, "cpu_sample: host ABI does not match");
