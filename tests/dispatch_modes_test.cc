@@ -1,6 +1,7 @@
 // The dispatcher's opt-in modes (core/dispatch.h, src/providers/{autotune,cpu_fallback,policy_file}.cc): autotune
 // (fastest candidate per shape, on copies, persisted and reused), CPU fallback with copies for a device without
-// kernels, the JSON policy file, routes per device type.
+// kernels, shadow mode on copies (in place, strided, every output of a gemm), the JSON policy file, routes per device
+// type.
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -278,6 +279,127 @@ TEST_F(DispatchModes, CpuFallbackRunsOpsWithoutAKernelOnTheCpu) {
   EXPECT_GE(counts["gemm@kernelless"], 2u);
   dispatch::reset_policy();
   EXPECT_THROW(ops::add(da, db.t()), Error);
+}
+
+// ---- Shadow mode (src/providers/shadow.cc): the shadow kernel runs on ArgumentCopies of the call's arguments. ----
+
+// The probe off by one: every shadow comparison against it diverges.
+void probe_wrong(const DeviceContext&, const Tensor& x, const ScalarAttrs& a, Tensor& out) {
+  probe(x, ScalarAttrs{a.value + 1.0}, out);
+}
+
+TEST_F(DispatchModes, ShadowRunsOnCopiesAndThePrimaryResultStands) {
+  dispatch::register_kernel(modes_test_probe_op, kCPU, "probe_wrong", dtypes(kF32), probe_wrong, -2);
+  dispatch::reset_shadow_stats();
+  route("tune_fast:modes_test_probe;shadow=tune_slow:modes_test_probe");
+  Tensor x = test::random_tensor({5, 7});
+  const int fast = fast_runs, slow = slow_runs;
+  EXPECT_TRUE(test::all_close(run_probe(x, 2.0), ops::add(x, 2.0), 0, 0));
+  EXPECT_EQ(fast_runs, fast + 1);
+  EXPECT_EQ(slow_runs, slow + 1);
+  // In place: the shadow reads the input as it was before the primary wrote it, and writes only its copy.
+  Tensor y = x.clone();
+  add_one_in_place(y);
+  EXPECT_TRUE(test::all_close(y, ops::add(x, 1.0), 0, 0));
+  auto stats = dispatch::shadow_stats();
+  EXPECT_EQ(stats["modes_test_probe@tune_slow"].runs, 2u);
+  EXPECT_EQ(stats["modes_test_probe@tune_slow"].divergences, 0u);
+  EXPECT_EQ(stats["modes_test_probe@tune_slow"].declined, 0u);
+  // The shadow sees the arguments with the call's layout: tune_slow declines a strided input.
+  Tensor strided = test::make_strided(test::random_tensor({4, 6}));
+  EXPECT_TRUE(test::all_close(run_probe(strided, 1.0), ops::add(strided, 1.0), 0, 0));
+  EXPECT_EQ(dispatch::shadow_stats()["modes_test_probe@tune_slow"].declined, 1u);
+
+  // A wrong shadow: counted and logged with the providers and the inputs; the primary's result stands.
+  route("tune_fast:modes_test_probe;shadow=probe_wrong:modes_test_probe");
+  EXPECT_TRUE(test::all_close(run_probe(x, 2.0), ops::add(x, 2.0), 0, 0));
+  EXPECT_TRUE(test::all_close(run_probe(strided, 2.0), ops::add(strided, 2.0), 0, 0));
+  stats = dispatch::shadow_stats();
+  EXPECT_EQ(stats["modes_test_probe@probe_wrong"].runs, 2u);
+  EXPECT_EQ(stats["modes_test_probe@probe_wrong"].divergences, 2u);
+  const std::string& message = stats["modes_test_probe@probe_wrong"].last_divergence;
+  EXPECT_NE(message.find("tune_fast and shadow probe_wrong diverge"), std::string::npos) << message;
+  EXPECT_NE(message.find("inputs: " + describe(strided)), std::string::npos) << message;
+  dispatch::unregister_provider("probe_wrong");
+}
+
+// A second CPU gemm provider: native's kernel (through a nested dispatch, never shadowed), then `gemm_twin_error`
+// added to C's first element and to the bias gradient's.
+float gemm_twin_error = 0;
+void gemm_twin(const DeviceContext&, const GemmParams& p) {
+  dispatch::call(gemm_op, p.device, p.input_dtype, p);
+  static_cast<float*>(p.c)[0] += gemm_twin_error;
+  if (p.bias_grad) static_cast<float*>(p.bias_grad)[0] += gemm_twin_error;
+}
+
+// Every output a gemm writes is the shadow's own copy and is compared: C (with its content for beta = 1, and with a
+// leading dimension larger than m), the GELU pre-activation, the bias gradient.
+TEST_F(DispatchModes, ShadowGemmComparesEveryOutputOnCopies) {
+  dispatch::register_kernel(gemm_op, kCPU, "gemm_twin", dtypes(kF32), gemm_twin, -100);
+  Tensor x = test::random_tensor({6, 5}), w = test::random_tensor({4, 5}), b = test::random_tensor({4});
+  Tensor g = test::random_tensor({6, 4}), sum0 = test::random_tensor({6, 5}), wide = test::random_tensor({6, 9});
+  struct Results {
+    Tensor y, pre, dw, db, sum, block;
+  };
+  auto run_all = [&] {
+    Results r;
+    r.y = ops::linear(x, w, b, {}, ops::LinearActivation::kGelu, &r.pre);  // bias + GELU, pre_gelu written
+    r.dw = empty({4, 5}, kF32);
+    r.db = empty({4}, kF32);
+    ops::linear_backward_weight_out(g, x, r.dw, {}, &r.db);  // the bias gradient from the same gemm
+    r.sum = sum0.clone();
+    ops::linear_backward_input_out(g, w, r.sum, {}, /*accumulate=*/true);  // beta = 1: C is read
+    r.block = wide.clone();
+    Tensor columns = ops::narrow(r.block, 1, 2, 4);  // C's leading dimension 9 > m = 4
+    GemmParams p;
+    p.trans_a = true;
+    p.m = 4, p.n = 6, p.k = 5;
+    p.a = w.data(), p.lda = 5;
+    p.b = x.data(), p.ldb = 5;
+    p.c = columns.data(), p.ldc = 9;
+    p.device = Device();
+    dispatch::call(gemm_op, Device(), kF32, p);
+    return r;
+  };
+  const Results expected = run_all();
+
+  dispatch::reset_shadow_stats();
+  route("shadow=gemm_twin:gemm");
+  Results shadowed = run_all();
+  auto stats = dispatch::shadow_stats();
+  EXPECT_EQ(stats["gemm@gemm_twin"].runs, 4u);
+  EXPECT_EQ(stats["gemm@gemm_twin"].divergences, 0u) << stats["gemm@gemm_twin"].last_divergence;
+
+  gemm_twin_error = 1;
+  Results wrong = run_all();
+  gemm_twin_error = 0;
+  stats = dispatch::shadow_stats();
+  EXPECT_EQ(stats["gemm@gemm_twin"].runs, 8u);
+  EXPECT_EQ(stats["gemm@gemm_twin"].divergences, 4u);
+  for (const Results* r : {&shadowed, &wrong}) {  // the primary's outputs, untouched by the shadow
+    EXPECT_TRUE(test::all_close(r->y, expected.y, 0, 0));
+    EXPECT_TRUE(test::all_close(r->pre, expected.pre, 0, 0));
+    EXPECT_TRUE(test::all_close(r->dw, expected.dw, 0, 0));
+    EXPECT_TRUE(test::all_close(r->db, expected.db, 0, 0));
+    EXPECT_TRUE(test::all_close(r->sum, expected.sum, 0, 0));
+    EXPECT_TRUE(test::all_close(r->block, expected.block, 0, 0));
+  }
+  // Only the bias gradient wrong: still caught.
+  dispatch::reset_shadow_stats();
+  dispatch::unregister_provider("gemm_twin");
+  dispatch::register_kernel(
+      gemm_op, kCPU, "gemm_twin", dtypes(kF32),
+      [](const DeviceContext&, const GemmParams& p) {
+        dispatch::call(gemm_op, p.device, p.input_dtype, p);
+        if (p.bias_grad) static_cast<float*>(p.bias_grad)[1] += 1.0f;
+      },
+      -100);
+  route("shadow=gemm_twin:gemm");
+  Tensor dw = empty({4, 5}, kF32), db = empty({4}, kF32);
+  ops::linear_backward_weight_out(g, x, dw, {}, &db);
+  EXPECT_TRUE(test::all_close(db, expected.db, 0, 0));
+  EXPECT_EQ(dispatch::shadow_stats()["gemm@gemm_twin"].divergences, 1u);
+  dispatch::unregister_provider("gemm_twin");
 }
 
 // ---- The policy file. ----

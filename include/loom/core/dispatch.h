@@ -14,6 +14,7 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "loom/common/device.h"
@@ -46,15 +47,16 @@ struct KernelTraits<void(const DeviceContext&, Args...)> {
   using function = std::function<void(const DeviceContext&, Args...)>;
   using supports_ptr = bool (*)(Args...);
   using supports_function = std::function<bool(Args...)>;
-  // Shadow mode (policy "shadow=p:ops"): copies the arguments, runs the primary kernel on the originals, then the
-  // shadow kernel on the copies, and compares the outputs (the non-const Tensor arguments).
+  // Shadow mode (policy "shadow=p:ops"): copies the arguments (the shadow's ArgumentCopies), runs the primary kernel
+  // on the originals, then the shadow kernel on the copies, and compares what each wrote.
   template <typename Shadow>
   static void run_shadowed(Shadow& s, const function& primary, const DeviceContext& ctx, Args... args) {
-    (s.prepare(args), ...);
+    auto& copies = s.copies();
+    (copies.prepare(args), ...);
     primary(ctx, args...);
     const auto* sup = static_cast<const supports_function*>(s.entry()->supports.get());
-    if (sup && !(*sup)(s.arg(args)...)) return s.declined();
-    (*static_cast<const function*>(s.entry()->fn.get()))(ctx, s.arg(args)...);
+    if (sup && !(*sup)(copies.arg(args)...)) return s.declined();
+    (*static_cast<const function*>(s.entry()->fn.get()))(ctx, copies.arg(args)...);
     s.compare();
   }
   // The slow paths of dispatch::call, instantiated once per signature rather than per call site (defined below).
@@ -188,13 +190,19 @@ inline std::atomic<bool> cpu_fallback{false};
 // Tells autotune.cc which ops the policy autotunes and where its cache file is (set_policy calls it).
 void configure_autotune(const std::set<std::string>& ops, const std::string& cache_path);
 }  // namespace detail
-class ShadowRun {
+// Copies of a call's arguments on device `to`, with the same shapes and strides (src/providers/argument_copies.cc).
+// The memory each tensor spans moves with the runtimes' raw copies, never with a kernel (the device may have none).
+// Shadow mode runs the shadow kernel on copies on the call's own device, autotune times candidates on them, and CPU
+// fallback runs the CPU kernel on host copies. Every output (a non-const Tensor, a gemm's C, pre_gelu and bias_grad)
+// gets a copy that keeps its content (in-place and accumulating kernels read it); an output not on `from` is copied
+// on its own device. Input tensors not on `from` (a CPU scalar beside device tensors) are shared, and on one device
+// (from == to) so are a gemm's read-only A, B and bias.
+class ArgumentCopies {
  public:
-  ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow);
-  ~ShadowRun();
-  ShadowRun(const ShadowRun&) = delete;
-  ShadowRun& operator=(const ShadowRun&) = delete;
-  const KernelEntry* entry() const { return shadow_; }
+  ArgumentCopies(Device from, Device to);
+  ~ArgumentCopies();
+  ArgumentCopies(const ArgumentCopies&) = delete;
+  ArgumentCopies& operator=(const ArgumentCopies&) = delete;
   void prepare(const Tensor& input);
   void prepare(Tensor& output);
   void prepare(const std::vector<Tensor>& inputs);
@@ -209,13 +217,38 @@ class ShadowRun {
   const T& arg(const T& attrs) {
     return attrs;
   }
-  void declined();
-  void compare();
+  void write_back();  // copies the outputs' memory back to the originals
+  // (original, copy) for every output, in the order prepared, with gemm outputs as [batch, n, m] views over C's
+  // layout (bias_grad as [n]): after the call ran on both, what shadow mode compares.
+  std::vector<std::pair<Tensor, Tensor>> outputs() const;
+  // The prepared input tensors (describe()) and gemm problems, in order, for messages.
+  const std::vector<std::string>& input_descriptions() const;
 
  private:
   struct State;
   std::unique_ptr<State> state_;
+};
+
+// One shadowed call (begin_shadow): the shadow kernel runs on copies() (on the call's device, made before the primary
+// runs), then compare() checks every output the primary wrote against the shadow's copy of it.
+class ShadowRun {
+ public:
+  ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow);
+  ~ShadowRun();
+  ShadowRun(const ShadowRun&) = delete;
+  ShadowRun& operator=(const ShadowRun&) = delete;
+  const KernelEntry* entry() const { return shadow_; }
+  ArgumentCopies& copies() { return copies_; }
+  void declined();
+  void compare();
+
+ private:
+  OpId op_;
+  Device device_;
+  DType dtype_;
+  const KernelEntry* primary_;
   const KernelEntry* shadow_;
+  ArgumentCopies copies_;
 };
 // The shadow run for a call served by `primary`, or null when the policy shadows nothing here.
 std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, const KernelEntry* primary);
@@ -274,36 +307,6 @@ void reset_cpu_fallback_counts();
 namespace detail {
 void note_cpu_fallback(OpId op, Device device, DType dtype);  // counts, and says so once per op on stderr
 }
-
-// Copies of a call's arguments on device `to`, with the same shapes and strides (src/providers/argument_copies.cc).
-// The memory each tensor spans moves with the runtimes' raw copies, never with a kernel (the device may have none).
-// Autotune times candidates on copies on the call's own device; CPU fallback runs the CPU kernel on host copies.
-class ArgumentCopies {
- public:
-  ArgumentCopies(Device from, Device to);
-  ~ArgumentCopies();
-  ArgumentCopies(const ArgumentCopies&) = delete;
-  ArgumentCopies& operator=(const ArgumentCopies&) = delete;
-  void prepare(const Tensor& input);
-  void prepare(Tensor& output);  // keeps the content: in-place and accumulating kernels read it
-  void prepare(const std::vector<Tensor>& inputs);
-  void prepare(const GemmParams& p);
-  template <typename T>
-  void prepare(const T&) {}  // attributes are shared
-  const Tensor& arg(const Tensor& input);
-  Tensor& arg(Tensor& output);
-  const std::vector<Tensor>& arg(const std::vector<Tensor>& inputs);
-  const GemmParams& arg(const GemmParams& p);
-  template <typename T>
-  const T& arg(const T& attrs) {
-    return attrs;
-  }
-  void write_back();  // copies the outputs' memory back to the originals
-
- private:
-  struct State;
-  std::unique_ptr<State> state_;
-};
 
 // Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the dispatcher synchronizes the device
 // before and after each kernel call and adds the wall time to its (op, device, dtype) row, so a row is the kernel's
