@@ -61,9 +61,11 @@ TEST_F(Providers, LoadReportsOpsAndUnknownNames) {
     EXPECT_EQ(p.abi_major, 1u);
     EXPECT_EQ(p.abi_minor, unsigned(LOOM_ABI_VERSION_MINOR));
     EXPECT_EQ(p.version, "0.1");
-    EXPECT_EQ(p.ops, (std::vector<std::string>{"gemm@cpu", "add@cpu", "softmax@cpu", "residual_layer_norm@cpu",
-                                               "residual_layer_norm_backward@cpu", "residual_rms_norm@cpu",
-                                               "residual_rms_norm_backward@cpu", "cross_entropy_with_grad@cpu"}));
+    EXPECT_EQ(p.ops, (std::vector<std::string>{
+                         "gemm@cpu", "add@cpu", "softmax@cpu", "residual_layer_norm@cpu",
+                         "residual_layer_norm_backward@cpu", "residual_rms_norm@cpu", "residual_rms_norm_backward@cpu",
+                         "cross_entropy_with_grad@cpu", "cross_entropy_scale_grad@cpu", "column_sums@cpu",
+                         "rope_strided@cpu", "adamw_update@cpu", "sgd_update@cpu", "grad_norm_squared@cpu"}));
     ASSERT_EQ(p.warnings.size(), 1u);
     EXPECT_NE(p.warnings[0].find("sample_frobnicate"), std::string::npos);
   }
@@ -160,7 +162,7 @@ TEST_F(Providers, LoadsAnAbi10LibraryWithoutItsNewerOps) {
     EXPECT_EQ(p.ops, (std::vector<std::string>{"gemm@cpu", "add@cpu", "softmax@cpu"}));
     int newer = 0;
     for (const auto& w : p.warnings) newer += w.find("came with kernel ABI 1.1") != std::string::npos;
-    EXPECT_EQ(newer, 5) << ::testing::PrintToString(p.warnings);
+    EXPECT_EQ(newer, 11) << ::testing::PrintToString(p.warnings);
   }
   EXPECT_TRUE(found);
   for (const auto& c : dispatch::explain("residual_rms_norm", kCPU, kF32)) EXPECT_NE(c.provider, "cpu_sample_abi10");
@@ -203,11 +205,15 @@ TEST_F(Providers, ConformancePassesTheSampleAndCatchesAWrongSoftmax) {
   EXPECT_FALSE(conformance::any_failure(conformance::run(cases_for({"add"}), "cpu_sample_wrong", Device())));
 }
 
-TEST_F(Providers, ConformanceChecksTheFusedOpsAndCatchesWrongOnes) {
+// The ops of ABI 1.1 the plugin serves pass their cases through the adapters (argument order, optional tensors,
+// attributes, buffers updated in place), and wrong fused kernels are caught.
+TEST_F(Providers, ConformanceChecksTheAbi11OpsAndCatchesWrongOnes) {
   const std::vector<std::string> fused = {"residual_layer_norm", "residual_layer_norm_backward", "residual_rms_norm",
-                                          "residual_rms_norm_backward", "cross_entropy_with_grad"};
+                                          "residual_rms_norm_backward", "cross_entropy_with_grad",
+                                          "cross_entropy_scale_grad", "column_sums", "rope_strided", "adamw_update",
+                                          "sgd_update", "grad_norm_squared"};
   auto cases = cases_for(fused);
-  ASSERT_GE(cases.size(), 10u);
+  ASSERT_GE(cases.size(), 25u);
   auto results = conformance::run(cases, "cpu_sample", Device());
   EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
   std::set<std::string> passed;
@@ -220,7 +226,7 @@ TEST_F(Providers, ConformanceChecksTheFusedOpsAndCatchesWrongOnes) {
     if (r.status == conformance::Status::kDeclined) ++declined;
   }
   EXPECT_EQ(passed.size(), fused.size());  // every op passes its f32 cases
-  EXPECT_GT(declined, 0);                  // f64, bf16, and f32 beside bf16 activations
+  EXPECT_GT(declined, 0);                  // f64, bf16, and f32 norms beside bf16 activations
 
   // Wrong fused kernels: the norms' backward drops grad_residual, the loss's mean counts ignored rows.
   ensure_loaded("loom_cpu_sample_wrong_fused", "cpu_sample_wrong_fused");
@@ -338,7 +344,7 @@ TEST_F(Providers, PyTorchReferenceCasesCatchAWrongSoftmax) {
 
 TEST_F(Providers, ConformanceReportsOpsThePluginLacksAsNotProvided) {
   auto cases = cases_for({"where", "pow_scalar", "embedding", "scatter_add", "rope", "scaled_dot_product_attention",
-                          "adamw_update", "grad_norm_squared"});
+                          "embedding_backward", "cross_entropy"});
   ASSERT_GE(cases.size(), 8u);
   auto results = conformance::run(cases, "cpu_sample", Device());
   EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
@@ -385,35 +391,49 @@ TEST_F(Providers, TinyGpt2TrainsWithGemmFromThePlugin) {
   EXPECT_LT(native.back(), native.front());
 }
 
-// A training step through forward_loss (what loom-train runs) with the fused norms and the fused loss routed to the
-// plugin: its kernels serve every call, forward and backward, and the losses are the native ones within f32
-// rounding.
-void expect_fused_ops_train_like_native(const std::string& model, const std::string& norm) {
-  const std::vector<std::string> ops = {norm, norm + "_backward", "cross_entropy_with_grad"};
+// Three training steps through forward_loss (what loom-train runs) with ops of ABI 1.1 routed to the plugin: its
+// kernels serve every call of those ops, forward and backward (calls per step as given), and the losses are the
+// native ones within f32 rounding.
+void expect_plugin_trains_like_native(const std::string& model,
+                                      const std::vector<std::pair<std::string, int64_t>>& calls_per_step) {
   std::vector<double> native = test::train_tiny_three_steps(model, Device(), true);
+  std::string spec = "cpu_sample:";
   std::vector<uint64_t> before;
-  for (const auto& op : ops) before.push_back(calls_of(op, "cpu_sample"));
-  dispatch::set_policy(ProviderPolicy::parse("cpu_sample:" + norm + "," + norm + "_backward,cross_entropy_with_grad"));
+  for (const auto& [op, n] : calls_per_step) {
+    spec += op + ",";
+    before.push_back(calls_of(op, "cpu_sample"));
+  }
+  dispatch::set_policy(ProviderPolicy::parse(spec));
   std::vector<double> plugin = test::train_tiny_three_steps(model, Device(), true);
-  const std::string explained = dispatch::explain_str(norm, kCPU, kF32);
+  const std::string explained = dispatch::explain_str(calls_per_step[0].first, kCPU, kF32);
   dispatch::reset_policy();
-  // Per step: one norm before each block's attention and MLP, one final norm (forward and backward), one loss.
-  const int64_t n_layer = nn::ModelConfig::from_name(model).n_layer;
-  const std::vector<uint64_t> per_step = {uint64_t(2 * n_layer + 1), uint64_t(2 * n_layer + 1), 1};
-  for (size_t i = 0; i < ops.size(); ++i)
-    EXPECT_EQ(calls_of(ops[i], "cpu_sample") - before[i], 3 * per_step[i]) << ops[i];
+  for (size_t i = 0; i < calls_per_step.size(); ++i)
+    EXPECT_EQ(calls_of(calls_per_step[i].first, "cpu_sample") - before[i], uint64_t(3 * calls_per_step[i].second))
+        << calls_per_step[i].first;
   EXPECT_NE(explained.find("* cpu_sample"), std::string::npos) << explained;
   ASSERT_EQ(plugin.size(), native.size());
   for (size_t i = 0; i < native.size(); ++i) EXPECT_NEAR(plugin[i], native[i], 1e-6 * std::abs(native[i])) << i;
   EXPECT_NE(native[1], native[0]);  // the steps trained the model
 }
 
-TEST_F(Providers, TinyLlamaTrainsWithTheFusedNormAndLossFromThePlugin) {
-  expect_fused_ops_train_like_native("llama3-tiny", "residual_rms_norm");
+// Per step: a norm before each block's attention and MLP and a final one (forward and backward), one loss (the
+// batch is one block of rows), the rotary embedding of q and k in each block (the backward rotates contiguous
+// gradients with plain rope), one AdamW update over the flat parameter buffer.
+TEST_F(Providers, TinyLlamaTrainsWithTheFusedOpsFromThePlugin) {
+  const int64_t layers = nn::ModelConfig::from_name("llama3-tiny").n_layer;
+  expect_plugin_trains_like_native("llama3-tiny", {{"residual_rms_norm", 2 * layers + 1},
+                                                   {"residual_rms_norm_backward", 2 * layers + 1},
+                                                   {"cross_entropy_with_grad", 1},
+                                                   {"rope_strided", 2 * layers},
+                                                   {"adamw_update", 1}});
 }
 
-TEST_F(Providers, TinyGpt2TrainsWithTheFusedNormAndLossFromThePlugin) {
-  expect_fused_ops_train_like_native("gpt2-tiny", "residual_layer_norm");
+TEST_F(Providers, TinyGpt2TrainsWithTheFusedOpsFromThePlugin) {
+  const int64_t layers = nn::ModelConfig::from_name("gpt2-tiny").n_layer;
+  expect_plugin_trains_like_native("gpt2-tiny", {{"residual_layer_norm", 2 * layers + 1},
+                                                 {"residual_layer_norm_backward", 2 * layers + 1},
+                                                 {"cross_entropy_with_grad", 1},
+                                                 {"adamw_update", 1}});
 }
 
 }  // namespace

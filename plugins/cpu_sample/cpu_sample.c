@@ -1,8 +1,9 @@
 /* A sample CPU kernel library for Loom, written only against loom/abi/loom_kernel_abi.h (plain C, no Loom C++).
- * It implements gemm (a cache-blocked loop, not OpenBLAS), add (any strides, broadcasting) and softmax, and the
- * fused ops a training step calls (ABI 1.1): residual_layer_norm and residual_rms_norm with their backwards, and
- * cross_entropy_with_grad; all for float32. It declines through supports() what it does not do (the gemm
- * epilogues with a gelu, the norms' bf16/f16 activations beside an f32 residual), so Loom falls back to its own
+ * It implements gemm (a cache-blocked loop, not OpenBLAS), add (any strides, broadcasting) and softmax, and from
+ * ABI 1.1 the fused ops a training step calls: residual_layer_norm and residual_rms_norm with their backwards,
+ * cross_entropy_with_grad and cross_entropy_scale_grad, column_sums, rope_strided, adamw_update, sgd_update and
+ * grad_norm_squared; all for float32. It declines through supports() what it does not do (the gemm epilogues with a
+ * gelu, the norms' bf16/f16 activations beside an f32 residual, a 16-bit gradient), so Loom falls back to its own
  * kernels.
  *
  * Test-only variants (compile definitions):
@@ -398,6 +399,141 @@ static int sample_cross_entropy_with_grad(void* ctx, const LoomTensorDesc* in, i
   return LOOM_STATUS_OK;
 }
 
+/* grad_logits *= scale, in place; scale is one f32 element. */
+static int sample_cross_entropy_scale_grad(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                           int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 1 || n_out != 1) return fail(LOOM_STATUS_INVALID_ARGUMENT, "cross_entropy_scale_grad: 1 in, 1 out");
+  const float scale = *(const float*)in[0].data;
+  if (scale == 1.0f) return LOOM_STATUS_OK;
+  float* g = (float*)out[0].data;
+  for (int64_t i = 0, n = loom_desc_numel(&out[0]); i < n; ++i) g[i] *= scale;
+  return LOOM_STATUS_OK;
+}
+
+/* out[c] = sum over rows of matrix[r, c], in double. */
+static int sample_column_sums(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                              const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 1 || n_out != 1 || in[0].rank != 2)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "column_sums: expected a [rows, cols] matrix and one output");
+  const int64_t rows = in[0].shape[0], cols = in[0].shape[1];
+  const float* m = (const float*)in[0].data;
+  float* o = (float*)out[0].data;
+  for (int64_t c = 0; c < cols; ++c) {
+    double acc = 0;
+    for (int64_t r = 0; r < rows; ++r) acc += m[r * cols + c];
+    o[c] = (float)acc;
+  }
+  return LOOM_STATUS_OK;
+}
+
+/* Rotary embedding on [B, H, T, D] views (x and out each with their own strides), pairs (i, i + D/2). */
+static int sample_rope_strided(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                               const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_in != 3 || n_out != 1 || in[0].rank != 4 || out[0].rank != 4)
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "rope_strided: expected x [B, H, T, D], cos, sin and out");
+  const LoomTensorDesc *x = &in[0], *y = &out[0];
+  const int64_t half = x->shape[3] / 2;
+  const float* cs = (const float*)in[1].data;
+  const float* sn = (const float*)in[2].data;
+  const float sign = loom_attr_int(attrs, n_attrs, "inverse", 0) ? -1.0f : 1.0f;
+  for (int64_t b = 0; b < x->shape[0]; ++b)
+    for (int64_t h = 0; h < x->shape[1]; ++h)
+      for (int64_t t = 0; t < x->shape[2]; ++t) {
+        const float* xr = (const float*)x->data + b * x->strides[0] + h * x->strides[1] + t * x->strides[2];
+        float* yr = (float*)y->data + b * y->strides[0] + h * y->strides[1] + t * y->strides[2];
+        for (int64_t i = 0; i < half; ++i) {
+          const float first = xr[i * x->strides[3]], second = xr[(i + half) * x->strides[3]];
+          const float c = cs[t * half + i], s = sign * sn[t * half + i];
+          yr[i * y->strides[3]] = first * c - second * s;
+          yr[(i + half) * y->strides[3]] = second * c + first * s;
+        }
+      }
+  return LOOM_STATUS_OK;
+}
+
+/* ---- Optimizer updates on f32 parameters with f32 gradients, in place (param and states are outputs). ---- */
+
+static int sample_f32_grad_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                    int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)n_in;
+  (void)out;
+  (void)n_out;
+  (void)attrs;
+  (void)n_attrs;
+  return in[0].dtype == LOOM_DTYPE_F32;
+}
+
+static int sample_adamw_update(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                               const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_in != 1 || n_out != 3) return fail(LOOM_STATUS_INVALID_ARGUMENT, "adamw_update: expected grad; param, m, v");
+  const double lr = loom_attr_float(attrs, n_attrs, "lr", 1e-3);
+  const double wd = loom_attr_float(attrs, n_attrs, "weight_decay", 0);
+  const double beta1 = loom_attr_float(attrs, n_attrs, "beta1", 0.9);
+  const double beta2 = loom_attr_float(attrs, n_attrs, "beta2", 0.999);
+  const double eps = loom_attr_float(attrs, n_attrs, "eps", 1e-8);
+  const double step = (double)loom_attr_int(attrs, n_attrs, "step", 1);
+  const double step_size = lr / (1 - pow(beta1, step)), root_correction = sqrt(1 - pow(beta2, step));
+  const float* g = (const float*)in[0].data;
+  float* p = (float*)out[0].data;
+  float* m = (float*)out[1].data;
+  float* v = (float*)out[2].data;
+  for (int64_t i = 0, n = loom_desc_numel(&out[0]); i < n; ++i) {
+    const double gi = g[i];
+    const double mi = beta1 * m[i] + (1 - beta1) * gi, vi = beta2 * v[i] + (1 - beta2) * gi * gi;
+    const double pi = p[i] * (1 - lr * wd);
+    p[i] = (float)(pi - step_size * mi / (sqrt(vi) / root_correction + eps));
+    m[i] = (float)mi;
+    v[i] = (float)vi;
+  }
+  return LOOM_STATUS_OK;
+}
+
+static int sample_sgd_update(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                             const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_in != 1 || n_out != 2) return fail(LOOM_STATUS_INVALID_ARGUMENT, "sgd_update: expected grad; param, buffer");
+  const double lr = loom_attr_float(attrs, n_attrs, "lr", 1e-2);
+  const double wd = loom_attr_float(attrs, n_attrs, "weight_decay", 0);
+  const double momentum = loom_attr_float(attrs, n_attrs, "momentum", 0);
+  const int first_step = (int)loom_attr_int(attrs, n_attrs, "first_step", 0);
+  const float* g = (const float*)in[0].data;
+  float* p = (float*)out[0].data;
+  float* buf = (float*)out[1].data; /* NULL when momentum == 0 */
+  if (momentum != 0 && !buf) return fail(LOOM_STATUS_INVALID_ARGUMENT, "sgd_update: momentum without a buffer");
+  for (int64_t i = 0, n = loom_desc_numel(&out[0]); i < n; ++i) {
+    double d = g[i] + wd * p[i];
+    if (momentum != 0) {
+      d = first_step ? d : momentum * buf[i] + d;
+      buf[i] = (float)d;
+    }
+    p[i] = (float)(p[i] - lr * d);
+  }
+  return LOOM_STATUS_OK;
+}
+
+/* out (one f64 element) = sum of x^2, in double. */
+static int sample_grad_norm_squared(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                                    int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 1 || n_out != 1) return fail(LOOM_STATUS_INVALID_ARGUMENT, "grad_norm_squared: 1 in, 1 out");
+  const float* x = (const float*)in[0].data;
+  double acc = 0;
+  for (int64_t i = 0, n = loom_desc_numel(&in[0]); i < n; ++i) acc += (double)x[i] * x[i];
+  *(double*)out[0].data = acc;
+  return LOOM_STATUS_OK;
+}
+
 static const LoomOpEntry sample_ops[] = {
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "gemm", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_gemm,
      sample_gemm_supports, {0}},
@@ -414,6 +550,18 @@ static const LoomOpEntry sample_ops[] = {
      sample_residual_rms_norm_backward, sample_f32_only_supports, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "cross_entropy_with_grad", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
      sample_cross_entropy_with_grad, sample_cross_entropy_with_grad_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "cross_entropy_scale_grad", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_cross_entropy_scale_grad, NULL, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "column_sums", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_column_sums, NULL,
+     {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "rope_strided", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_rope_strided,
+     NULL, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "adamw_update", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_adamw_update,
+     sample_f32_grad_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "sgd_update", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_sgd_update,
+     sample_f32_grad_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "grad_norm_squared", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
+     sample_grad_norm_squared, NULL, {0}},
     /* Not a Loom op: Loom warns and loads the rest. */
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "sample_frobnicate", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_add, NULL,
      {0}},
