@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str();
   app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str();
-  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample")->capture_default_str();
+  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample (0: no samples)")->capture_default_str();
   app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
       ->check(CLI::IsMember({"gpt2", "llama3"}));

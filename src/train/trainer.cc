@@ -264,6 +264,7 @@ double Trainer::evaluate(int64_t batches) {
 }
 
 std::string Trainer::sample(int64_t tokens) {
+  if (tokens <= 0) return "";  // --sample-tokens 0: no samples
   if (!is_rank0_ && !tp_model_) return "";  // with TP every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
