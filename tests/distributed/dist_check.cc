@@ -108,8 +108,9 @@ void check_collectives() {
   bool ok = true;
   for (int k = 0; k < n; ++k) ok &= g.select(0, k).select(0, 1).item<int64_t>() == k;
   check(ok, "all_gather");
-  Tensor bc = full({3}, double(r == 1 ? 7 : 0), kF32, dev);
-  world->broadcast(bc, 1);
+  const int root = n - 1;  // not rank 0, where the world has more than one rank
+  Tensor bc = full({3}, double(r == root ? 7 : 0), kF32, dev);
+  world->broadcast(bc, root);
   check(max_abs_diff(bc, full({3}, 7.0, kF32, dev)) == 0, "broadcast");
   if (n == 2) {
     Tensor msg = full({2}, 42.0, kF32, dev);
