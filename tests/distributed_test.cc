@@ -1,6 +1,7 @@
 // Distributed layer in one process: bucketing, groups of one, DDP/ZeRO/TP with world size 1 against the plain
 // model, vocab-parallel cross-entropy, launch detection and the TCP rendezvous (ranks as threads). The multi-process
 // checks run under mpirun (tests/distributed/mpi_check.cc, ctest Distributed.mpi_np2).
+#include <algorithm>
 #include <cstdlib>
 #include <future>
 #include <random>
@@ -46,6 +47,51 @@ TEST(DistributedBuckets, ReverseOrderCappedBySize) {
   auto h = dist::assign_buckets({10, 30, 10, 10, 5}, 100, kBF16);
   EXPECT_EQ(h[0], (std::vector<size_t>{4, 3, 2}));
   EXPECT_TRUE(dist::assign_buckets({}, 100, kF32).empty());
+}
+
+TEST(DistributedBuckets, FlatSlotsKeepABucketOneRunOfNeighbours) {
+  // Parameters 2 and 3 sit first in the flat buffer, 0 and 1 after them: walking back from 3, parameter 1 is not
+  // next to the run {3, 2}, so it starts a bucket even though the size would allow one.
+  auto b = dist::assign_buckets({10, 10, 10, 10}, 1000, kF32, {2, 3, 0, 1});
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[0], (std::vector<size_t>{3, 2}));
+  EXPECT_EQ(b[1], (std::vector<size_t>{1, 0}));
+  // Neighbours in either direction join, and the size cap still applies.
+  auto c = dist::assign_buckets({10, 10, 10, 10}, 80, kF32, {0, 1, 2, 3});
+  EXPECT_EQ(c, (std::vector<std::vector<size_t>>{{3, 2}, {1, 0}}));
+}
+
+TEST(DistributedSingle, FlatAdamWBucketsGoOutWhileBackwardRuns) {
+  // loom-train's set-up: a flat AdamW (its groups: matrices, then vectors) and DDP over parameters_for_ddp. Every
+  // bucket is a range of the flat gradient buffer, and the buckets go out in the order backward finishes them, the
+  // first long before backward ends (with the optimizer's own order, the first bucket held the first layer's norm
+  // weights, so no bucket went out before the last hooks).
+  auto model = nn::make_model(tiny());
+  model->init_weights(5);
+  optim::AdamW adam(optim::adamw_param_groups(model->named_parameters(), 0.1), optim::AdamWOptions{});
+  dist::DDPOptions o;
+  o.bucket_bytes = 1 << 13;
+  dist::DistributedDataParallel ddp(dist::parameters_for_ddp(adam), dist::make_single_process_group(), o);
+  EXPECT_TRUE(ddp.reduces_in_place());
+  ASSERT_GT(ddp.buckets().size(), 3u);
+  Tensor x = test::random_indices({2, 8}, 0, 250, kI64), y = test::random_indices({2, 8}, 0, 250, kI64);
+  adam.zero_grad();
+  model->loss(model->forward(x), y).backward();
+  ddp.finish();
+  const std::vector<int64_t>& points = ddp.bucket_launch_points();
+  ASSERT_EQ(points.size(), ddp.buckets().size());
+  const int64_t hooks = int64_t(adam.parameters().size());
+  EXPECT_LT(points.front(), hooks / 2);
+  EXPECT_TRUE(std::is_sorted(points.begin(), points.end()));
+  // Most of the gradient bytes go out before backward's last hook.
+  const std::vector<Tensor> params = dist::parameters_for_ddp(adam);
+  int64_t early = 0, total = 0;
+  for (size_t b = 0; b < points.size(); ++b)
+    for (size_t i : ddp.buckets()[b]) {
+      total += params[i].numel();
+      if (points[b] < hooks - 2) early += params[i].numel();
+    }
+  EXPECT_GT(early, total / 2) << early << " of " << total << " elements";
 }
 
 TEST(DistributedSingle, CollectivesAreIdentity) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/ops.h"
@@ -11,19 +12,33 @@
 namespace loom::distributed {
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& numels, size_t bucket_bytes,
-                                                DType reduce_dtype) {
+                                                DType reduce_dtype, const std::vector<size_t>& slot_order) {
+  LOOM_CHECK(slot_order.empty() || slot_order.size() == numels.size(), "assign_buckets: one slot position per parameter");
   std::vector<std::vector<size_t>> buckets;
   size_t item = dtype_size(reduce_dtype), current = 0;
+  size_t first_slot = 0, last_slot = 0;  // the current bucket's run of slot positions
   for (size_t k = numels.size(); k-- > 0;) {
     size_t bytes = size_t(numels[k]) * item;
-    if (buckets.empty() || (current > 0 && current + bytes > bucket_bytes)) {
+    const bool joins_run = slot_order.empty() || slot_order[k] + 1 == first_slot || slot_order[k] == last_slot + 1;
+    if (buckets.empty() || (current > 0 && (current + bytes > bucket_bytes || !joins_run))) {
       buckets.emplace_back();
       current = 0;
+      if (!slot_order.empty()) first_slot = last_slot = slot_order[k];
+    } else if (!slot_order.empty()) {
+      first_slot = std::min(first_slot, slot_order[k]);
+      last_slot = std::max(last_slot, slot_order[k]);
     }
     buckets.back().push_back(k);
     current += bytes;
   }
   return buckets;
+}
+
+std::vector<Tensor> parameters_for_ddp(const optim::Optimizer& optimizer) {
+  std::vector<Tensor> params;
+  const auto& groups = optimizer.param_groups();
+  for (auto g = groups.rbegin(); g != groups.rend(); ++g) params.insert(params.end(), g->params.begin(), g->params.end());
+  return params;
 }
 
 // ---- DDP ----
@@ -34,16 +49,35 @@ namespace {
 // dtype, and each bucket's slots fill a range of one flat buffer that no other parameter's slot shares (padding
 // between slots stays zero), fills `ranges` with those ranges and `offsets` with each slot's place in its range, and
 // returns true: the buckets are then all-reduced in the flat buffer itself, with no copy in or out.
-bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
-                        DType reduce_dtype, std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
+// Every parameter's flat gradient slot (AutogradMeta::grad_destination) when each has one of the reduce dtype; empty
+// otherwise.
+std::vector<const Tensor*> flat_gradient_slots(const std::vector<Tensor>& params, DType reduce_dtype) {
   std::vector<const Tensor*> slots;
   for (const Tensor& p : params) {
     const Tensor* d = p.has_autograd_meta() ? p.autograd_meta().grad_destination.get() : nullptr;
     if (!d || !d->defined() || d->dtype() != reduce_dtype || d->dtype() != p.dtype() || !d->is_contiguous() ||
         d->device() != p.device() || d->numel() != p.numel())
-      return false;
+      return {};
     slots.push_back(d);
   }
+  return slots;
+}
+
+// Each slot's position in address order (for assign_buckets: neighbours in one flat buffer are neighbours here), or
+// empty without slots.
+std::vector<size_t> slot_positions(const std::vector<const Tensor*>& slots) {
+  std::vector<size_t> by_offset(slots.size()), position(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) by_offset[i] = i;
+  std::sort(by_offset.begin(), by_offset.end(),
+            [&](size_t a, size_t b) { return std::less<>()(slots[a]->data(), slots[b]->data()); });
+  for (size_t r = 0; r < by_offset.size(); ++r) position[by_offset[r]] = r;
+  return position;
+}
+
+bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
+                        DType reduce_dtype, std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
+  std::vector<const Tensor*> slots = flat_gradient_slots(params, reduce_dtype);
+  if (slots.empty()) return false;
   ranges.clear();
   for (const auto& bucket : buckets) {
     const Tensor& first = *slots[bucket.front()];
@@ -81,6 +115,8 @@ struct DistributedDataParallel::State {
   std::vector<bool> param_ready;
   std::vector<size_t> ready_count;
   std::vector<std::shared_ptr<Work>> works;  // per bucket; null until launched
+  std::vector<int64_t> launched_after, launched_after_last_step;  // per bucket: gradient hooks fired before its launch
+  int64_t hooks_fired = 0;
   size_t next_to_launch = 0;
   int64_t launched_in_backward = 0, launched_last_step = 0;
   bool sync = true;
@@ -91,6 +127,7 @@ struct DistributedDataParallel::State {
     // Collectives must start in the same order on every rank: bucket order, never readiness order.
     while (next_to_launch < buckets.size() && ready_count[next_to_launch] == buckets[next_to_launch].size()) {
       works[next_to_launch] = group->all_reduce_async(buffers[next_to_launch], ReduceOp::kAvg);
+      launched_after[next_to_launch] = hooks_fired;
       ++next_to_launch;
     }
   }
@@ -105,6 +142,7 @@ struct DistributedDataParallel::State {
     if (grad.data() != into.data()) into.copy_from(grad.reshape({grad.numel()}));  // in place: usually the slot itself
     param_ready[i] = true;
     ++ready_count[bucket_of[i]];
+    ++hooks_fired;
     size_t before = next_to_launch;
     launch_ready_buckets();
     launched_in_backward += int64_t(next_to_launch - before);
@@ -115,6 +153,7 @@ struct DistributedDataParallel::State {
     std::fill(param_ready.begin(), param_ready.end(), false);
     std::fill(ready_count.begin(), ready_count.end(), 0);
     std::fill(works.begin(), works.end(), nullptr);
+    hooks_fired = 0;
     next_to_launch = 0;
   }
 };
@@ -137,7 +176,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std
   s.options = options;
   std::vector<int64_t> numels;
   for (auto& p : s.params) numels.push_back(p.numel());
-  s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype);
+  // With flat gradient slots, a bucket is a run of neighbouring slots, so it can be reduced in place.
+  s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype,
+                             slot_positions(flat_gradient_slots(s.params, options.reduce_dtype)));
   s.bucket_of.resize(s.params.size());
   s.offset_in_bucket.resize(s.params.size());
   Device device = s.params.empty() ? Device() : s.params.front().device();
@@ -158,6 +199,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std
   s.param_ready.assign(s.params.size(), false);
   s.ready_count.assign(s.buckets.size(), 0);
   s.works.assign(s.buckets.size(), nullptr);
+  s.launched_after.assign(s.buckets.size(), 0);
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.params.size(); ++i)
     s.params[i].register_grad_hook([weak, i](Tensor& grad) {
@@ -191,6 +233,9 @@ bool DistributedDataParallel::require_sync() const { return state_->sync; }
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const { return state_->buckets; }
 bool DistributedDataParallel::reduces_in_place() const { return state_->in_place; }
 int64_t DistributedDataParallel::buckets_launched_during_backward() const { return state_->launched_last_step; }
+const std::vector<int64_t>& DistributedDataParallel::bucket_launch_points() const {
+  return state_->launched_after_last_step;
+}
 ProcessGroup& DistributedDataParallel::group() const { return *state_->group; }
 
 void DistributedDataParallel::finish() {
@@ -219,6 +264,7 @@ void DistributedDataParallel::finish() {
     }
   }
   s.launched_last_step = s.launched_in_backward;
+  s.launched_after_last_step = s.launched_after;
   s.launched_in_backward = 0;
   s.reset_step();
 }

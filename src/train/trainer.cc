@@ -167,7 +167,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   } else if (dp > 1) {
     distributed::DDPOptions ddp_options;
     ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
-    ddp_ = std::make_unique<distributed::DistributedDataParallel>(optimizer_->parameters(), dp_group_, ddp_options);
+    ddp_ = std::make_unique<distributed::DistributedDataParallel>(distributed::parameters_for_ddp(*optimizer_),
+                                                                  dp_group_, ddp_options);
     ddp_->broadcast_parameters(0);
   }
   logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, opts_.steps,

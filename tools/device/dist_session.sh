@@ -26,7 +26,7 @@ train() {  # model shard name launcher... -- per-run flags
     --eval-interval 0 --sample-tokens 0 --log-interval 4 ${TRAIN_ARGS:-}"
   timeout 180 "$@" $C --log-dir /tmp/o_${model}_$name > $O/train_${model}_$name.log 2>&1
   echo "$model $name rc=$?"
-  grep -E "^step" $O/train_${model}_$name.log | sed "s/^/  $name /" | cut -c1-110
+  grep -E "^(\[rank 0\] )?step" $O/train_${model}_$name.log | sed -e "s/^\[rank 0\] //" -e "s/^/  $name /" | cut -c1-110
 }
 for spec in "d4 /tmp/gpt2_shard.bin" "llama3-tiny /tmp/v512_shard.bin"; do
   set -- $spec

@@ -18,9 +18,19 @@ struct DDPOptions {
 
 // Which parameters share a bucket: parameters in reverse order (the order backward finishes them), a new bucket
 // whenever the next one would push the bucket past bucket_bytes (a parameter larger than that gets its own).
-// Returns indices into `numels`.
+// slot_order, when given, is each parameter's position among the flat gradient slots: a bucket then also stays one
+// run of neighbouring slots (a new bucket where the next parameter's slot is not next to the run), so that it is a
+// range of the flat buffer. Returns indices into `numels`.
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<int64_t>& numels, size_t bucket_bytes,
-                                                DType reduce_dtype);
+                                                DType reduce_dtype, const std::vector<size_t>& slot_order = {});
+
+// An optimizer's parameters in the order to hand to DistributedDataParallel (which reduces its buckets in reverse
+// order): its groups in reverse, each in its own (model) order. Backward finishes every group from the last layer to
+// the first, and a bucket of a flat optimizer's gradients is a run of neighbouring slots, so it never spans groups:
+// with AdamW's groups (matrices, then the small vectors) reversed, the matrices' buckets go out layer by layer while
+// backward runs and the vectors' after them, where the optimizer's own order would hold every bucket until the first
+// layer's norm weights are done.
+std::vector<Tensor> parameters_for_ddp(const optim::Optimizer& optimizer);
 
 // Wraps a model's parameters (leaves requiring grad, all on one device). Usage per optimizer step:
 //   for each micro-batch but the last: { auto guard = ddp.no_sync(); loss.backward(); }
@@ -63,6 +73,9 @@ class DistributedDataParallel {
   bool reduces_in_place() const;
   // Buckets launched from hooks (before finish) in the last step: how much communication overlapped backward.
   int64_t buckets_launched_during_backward() const;
+  // Per bucket, in the last synchronized step: how many parameters' gradient hooks had fired when it was launched.
+  // Buckets launched by finish() show all of them; points spread over the backward mean the communication overlaps it.
+  const std::vector<int64_t>& bucket_launch_points() const;
   ProcessGroup& group() const;
 
  private:
