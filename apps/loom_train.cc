@@ -52,6 +52,8 @@ int main(int argc, char** argv) {
   app.add_flag("--recompute-mlp", o.recompute_mlp,
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
+  app.add_option("--bucket-mb", o.bucket_mb, "DDP: gradient MiB per all-reduce bucket")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     loom::train::Trainer trainer(o);

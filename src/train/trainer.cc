@@ -167,6 +167,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   } else if (dp > 1) {
     distributed::DDPOptions ddp_options;
     ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
+    ddp_options.bucket_bytes = size_t(opts_.bucket_mb * double(1 << 20));
     ddp_ = std::make_unique<distributed::DistributedDataParallel>(distributed::parameters_for_ddp(*optimizer_),
                                                                   dp_group_, ddp_options);
     ddp_->broadcast_parameters(0);

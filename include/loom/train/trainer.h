@@ -73,6 +73,7 @@ struct TrainOptions {
   bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
+  double bucket_mb = 25;             // DDP gradient bytes per all-reduce (MiB)
   std::shared_ptr<distributed::ProcessGroup> process_group;  // the world; default: distributed::init_process_group()
   double dist_timeout_seconds = 300;  // a collective waiting longer than this throws (a dead rank)
 };
