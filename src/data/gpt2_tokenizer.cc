@@ -64,8 +64,6 @@ bool vocab_files_in(const std::filesystem::path& dir) {
          std::filesystem::is_regular_file(dir / "vocab.bpe", ec);
 }
 
-constexpr size_t kMaxCacheEntries = 1 << 20;
-
 }  // namespace
 
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
@@ -237,22 +235,8 @@ std::vector<int32_t> GPT2Tokenizer::bpe(std::string_view piece) const {
 std::vector<int32_t> GPT2Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
-  for (std::string_view piece : gpt2_pretokenize(text)) {
-    std::string key(piece);
-    {
-      std::lock_guard<std::mutex> lock(cache_mutex_);
-      auto it = cache_.find(key);
-      if (it != cache_.end()) {
-        out.insert(out.end(), it->second.begin(), it->second.end());
-        continue;
-      }
-    }
-    std::vector<int32_t> ids = bpe(piece);
-    out.insert(out.end(), ids.begin(), ids.end());
-    std::lock_guard<std::mutex> lock(cache_mutex_);
-    if (cache_.size() >= kMaxCacheEntries) cache_.clear();  // bounds memory on huge, diverse corpora
-    cache_.emplace(std::move(key), std::move(ids));
-  }
+  for (std::string_view piece : gpt2_pretokenize(text))
+    cache_.append(piece, out, [&](std::string_view p) { return bpe(p); });
   return out;
 }
 

@@ -20,7 +20,6 @@ using detail::CharClass;
 using detail::class_at;
 using detail::run_end;
 
-constexpr size_t kMaxCacheEntries = 1 << 20;
 constexpr const char* kWhereToGetIt =
     "Meta's LLaMA-3 tokenizer.model comes with the model weights (original/tokenizer.model in the Hugging Face "
     "repository meta-llama/Meta-Llama-3-8B, after accepting Meta's license); see docs/TRAINING.md";
@@ -258,24 +257,12 @@ void Llama3Tokenizer::bpe(std::string_view piece, std::vector<int32_t>& out) con
 std::vector<int32_t> Llama3Tokenizer::encode_ordinary(std::string_view text) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
-  std::vector<int32_t> ids;
-  for (std::string_view piece : llama3_pretokenize(text)) {
-    std::string key(piece);
-    {
-      std::lock_guard<std::mutex> lock(cache_mutex_);
-      auto it = cache_.find(key);
-      if (it != cache_.end()) {
-        out.insert(out.end(), it->second.begin(), it->second.end());
-        continue;
-      }
-    }
-    ids.clear();
-    bpe(piece, ids);
-    out.insert(out.end(), ids.begin(), ids.end());
-    std::lock_guard<std::mutex> lock(cache_mutex_);
-    if (cache_.size() >= kMaxCacheEntries) cache_.clear();  // bounds memory on huge, diverse corpora
-    cache_.emplace(std::move(key), ids);
-  }
+  for (std::string_view piece : llama3_pretokenize(text))
+    cache_.append(piece, out, [&](std::string_view p) {
+      std::vector<int32_t> ids;
+      bpe(p, ids);
+      return ids;
+    });
   return out;
 }
 

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -58,8 +57,7 @@ class GPT2Tokenizer : public Tokenizer {
   std::string byte_symbol_[256];                       // byte -> its printable stand-in, in UTF-8
   int32_t eot_token_ = kEndOfText;
 
-  mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;  // piece bytes -> tokens
+  PieceCache cache_;
 };
 
 }  // namespace loom::data

@@ -8,7 +8,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -92,8 +91,7 @@ class Llama3Tokenizer : public Tokenizer {
   std::vector<std::string> token_bytes_;  // id -> bytes, special tokens included
   int64_t num_base_tokens_ = 0;
 
-  mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;  // piece bytes -> tokens
+  PieceCache cache_;
 };
 
 }  // namespace loom::data

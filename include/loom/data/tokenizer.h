@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace loom::data {
@@ -28,6 +30,37 @@ class Tokenizer {
   // The token in front of every document of a token shard: GPT-2's <|endoftext|> (llm.c's convention), LLaMA-3's
   // <|begin_of_text|> (as Meta's and llm.c's LLaMA-3 data preparation do).
   virtual int32_t document_token() const = 0;
+};
+
+// The ids of pre-tokenized pieces already encoded, shared by every thread encoding with one tokenizer: text repeats
+// its pieces, and BPE of a piece is the costly part. Cleared when it reaches kMaxEntries (bounded memory on huge,
+// diverse corpora).
+class PieceCache {
+ public:
+  static constexpr size_t kMaxEntries = size_t(1) << 20;
+
+  // Appends the ids of `piece` to `out`: the cached ones, else encode_piece(piece) (a std::vector<int32_t>), which
+  // are then cached. encode_piece runs without the lock held.
+  template <typename EncodePiece>
+  void append(std::string_view piece, std::vector<int32_t>& out, EncodePiece&& encode_piece) const {
+    std::string key(piece);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (auto it = ids_.find(key); it != ids_.end()) {
+        out.insert(out.end(), it->second.begin(), it->second.end());
+        return;
+      }
+    }
+    std::vector<int32_t> ids = encode_piece(piece);
+    out.insert(out.end(), ids.begin(), ids.end());
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ids_.size() >= kMaxEntries) ids_.clear();
+    ids_.emplace(std::move(key), std::move(ids));
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> ids_;  // piece bytes -> tokens
 };
 
 // The tokenizer called `name`:
