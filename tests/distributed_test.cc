@@ -94,6 +94,35 @@ TEST(DistributedSingle, FlatAdamWBucketsGoOutWhileBackwardRuns) {
   EXPECT_GT(early, total / 2) << early << " of " << total << " elements";
 }
 
+TEST(DistributedSingle, Bf16ReductionCastsWholeFlatBuckets) {
+  // bf16 reduction over a flat AdamW: each bucket is a range of the flat gradient buffer, cast to bf16 whole for the
+  // all-reduce and back; the averaged gradients (here, a world of one: the gradients rounded to bf16) are the slots.
+  auto model = nn::make_model(tiny());
+  model->init_weights(6);
+  auto ref = nn::make_model(tiny());
+  ref->init_weights(6);
+  optim::AdamW adam(optim::adamw_param_groups(model->named_parameters(), 0.1), optim::AdamWOptions{});
+  dist::DDPOptions o;
+  o.bucket_bytes = 1 << 13;
+  o.reduce_dtype = kBF16;
+  dist::DistributedDataParallel ddp(dist::parameters_for_ddp(adam), dist::make_single_process_group(), o);
+  EXPECT_TRUE(ddp.buckets_are_flat_ranges());
+  EXPECT_FALSE(ddp.reduces_in_place());
+  Tensor x = test::random_indices({2, 8}, 0, 250, kI64), y = test::random_indices({2, 8}, 0, 250, kI64);
+  for (int micro = 0; micro < 2; ++micro) {  // an accumulation micro-step, then the synchronized one
+    ddp.set_require_sync(micro == 1);
+    model->loss(model->forward(x), y).backward();
+    ref->loss(ref->forward(x), y).backward();
+  }
+  ddp.finish();
+  auto a = model->parameters(), b = ref->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_TRUE(a[i].grad().defined());
+    EXPECT_EQ(a[i].grad().data(), a[i].autograd_meta().grad_destination->data());
+    EXPECT_EQ(max_diff(a[i].grad(), b[i].grad().to(kBF16).to(kF32)), 0) << i;  // exactly the bf16 rounding
+  }
+}
+
 TEST(DistributedSingle, CollectivesAreIdentity) {
   auto g = dist::make_single_process_group();
   Tensor a = test::random_tensor({7});

@@ -45,18 +45,13 @@ std::vector<Tensor> parameters_for_ddp(const optim::Optimizer& optimizer) {
 
 namespace {
 
-// When every parameter's gradient lands in an optimizer's flat slot (AutogradMeta::grad_destination) of the reduce
-// dtype, and each bucket's slots fill a range of one flat buffer that no other parameter's slot shares (padding
-// between slots stays zero), fills `ranges` with those ranges and `offsets` with each slot's place in its range, and
-// returns true: the buckets are then all-reduced in the flat buffer itself, with no copy in or out.
-// Every parameter's flat gradient slot (AutogradMeta::grad_destination) when each has one of the reduce dtype; empty
-// otherwise.
-std::vector<const Tensor*> flat_gradient_slots(const std::vector<Tensor>& params, DType reduce_dtype) {
+// Every parameter's flat gradient slot (AutogradMeta::grad_destination) when each has one; empty otherwise.
+std::vector<const Tensor*> flat_gradient_slots(const std::vector<Tensor>& params) {
   std::vector<const Tensor*> slots;
   for (const Tensor& p : params) {
     const Tensor* d = p.has_autograd_meta() ? p.autograd_meta().grad_destination.get() : nullptr;
-    if (!d || !d->defined() || d->dtype() != reduce_dtype || d->dtype() != p.dtype() || !d->is_contiguous() ||
-        d->device() != p.device() || d->numel() != p.numel())
+    if (!d || !d->defined() || d->dtype() != p.dtype() || !d->is_contiguous() || d->device() != p.device() ||
+        d->numel() != p.numel())
       return {};
     slots.push_back(d);
   }
@@ -74,16 +69,19 @@ std::vector<size_t> slot_positions(const std::vector<const Tensor*>& slots) {
   return position;
 }
 
+// When every parameter's gradient lands in an optimizer's flat slot, and each bucket's slots fill a range of one flat
+// buffer that no other parameter's slot shares (padding between slots stays zero), fills `ranges` with those ranges
+// (in the slots' dtype) and `offsets` with each slot's place in its range, and returns true.
 bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
-                        DType reduce_dtype, std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
-  std::vector<const Tensor*> slots = flat_gradient_slots(params, reduce_dtype);
+                        std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
+  std::vector<const Tensor*> slots = flat_gradient_slots(params);
   if (slots.empty()) return false;
   ranges.clear();
   for (const auto& bucket : buckets) {
     const Tensor& first = *slots[bucket.front()];
     int64_t lo = first.storage_offset(), hi = lo;
     for (size_t i : bucket) {
-      if (slots[i]->storage() != first.storage()) return false;
+      if (slots[i]->storage() != first.storage() || slots[i]->dtype() != first.dtype()) return false;
       lo = std::min(lo, slots[i]->storage_offset());
       hi = std::max(hi, slots[i]->storage_offset() + slots[i]->numel());
     }
@@ -94,7 +92,7 @@ bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std
       if (a < hi && z > lo) return false;  // another bucket's slot inside this range
     }
     for (size_t i : bucket) offsets[i] = size_t(slots[i]->storage_offset() - lo);
-    ranges.push_back(Tensor::make(first.storage(), {hi - lo}, {1}, lo, reduce_dtype));
+    ranges.push_back(Tensor::make(first.storage(), {hi - lo}, {1}, lo, first.dtype()));
   }
   return true;
 }
@@ -107,10 +105,12 @@ struct DistributedDataParallel::State {
   DDPOptions options;
   std::vector<std::vector<size_t>> buckets;
   std::vector<size_t> bucket_of, offset_in_bucket;  // per parameter
-  // Per bucket, flat, reduce dtype: its own buffer, or (in_place) the range of the optimizer's flat gradient buffer
-  // that holds the bucket's gradient slots, all-reduced where the gradients already are.
-  std::vector<Tensor> buffers;
-  bool in_place = false;
+  // Per bucket, flat, reduce dtype: what is all-reduced. flat: `ranges` holds each bucket's range of the optimizer's
+  // flat gradient buffer, where backward wrote the gradients; in_place (the reduce dtype is theirs): the buffers are
+  // those ranges; else each buffer takes its range in one cast at launch and gives it back in one cast after.
+  // Without flat slots each bucket has a buffer of its own that the hooks copy every gradient into.
+  std::vector<Tensor> buffers, ranges;
+  bool flat = false, in_place = false;
   // Per step:
   std::vector<bool> param_ready;
   std::vector<size_t> ready_count;
@@ -121,11 +121,16 @@ struct DistributedDataParallel::State {
   int64_t launched_in_backward = 0, launched_last_step = 0;
   bool sync = true;
 
-  Tensor slot(size_t i) const { return buffers[bucket_of[i]].narrow(0, int64_t(offset_in_bucket[i]), params[i].numel()); }
+  // Where parameter i's gradient waits for (and, after finish, holds) its reduction: its flat slot, or its place in
+  // its bucket's own buffer.
+  Tensor slot(size_t i) const {
+    return (flat ? ranges : buffers)[bucket_of[i]].narrow(0, int64_t(offset_in_bucket[i]), params[i].numel());
+  }
 
   void launch_ready_buckets() {
     // Collectives must start in the same order on every rank: bucket order, never readiness order.
     while (next_to_launch < buckets.size() && ready_count[next_to_launch] == buckets[next_to_launch].size()) {
+      if (flat && !in_place) buffers[next_to_launch].copy_from(ranges[next_to_launch]);  // one cast per bucket
       works[next_to_launch] = group->all_reduce_async(buffers[next_to_launch], ReduceOp::kAvg);
       launched_after[next_to_launch] = hooks_fired;
       ++next_to_launch;
@@ -176,17 +181,23 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std
   s.options = options;
   std::vector<int64_t> numels;
   for (auto& p : s.params) numels.push_back(p.numel());
-  // With flat gradient slots, a bucket is a run of neighbouring slots, so it can be reduced in place.
+  // With flat gradient slots, a bucket is a run of neighbouring slots: a range of the flat buffer.
   s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype,
-                             slot_positions(flat_gradient_slots(s.params, options.reduce_dtype)));
+                             slot_positions(flat_gradient_slots(s.params)));
   s.bucket_of.resize(s.params.size());
   s.offset_in_bucket.resize(s.params.size());
   Device device = s.params.empty() ? Device() : s.params.front().device();
   for (size_t b = 0; b < s.buckets.size(); ++b)
     for (size_t i : s.buckets[b]) s.bucket_of[i] = b;
-  s.in_place = flat_bucket_ranges(s.params, s.buckets, options.reduce_dtype, s.buffers, s.offset_in_bucket);
-  if (!s.in_place) {
-    s.buffers.clear();
+  s.flat = flat_bucket_ranges(s.params, s.buckets, s.ranges, s.offset_in_bucket);
+  s.in_place = s.flat && std::all_of(s.ranges.begin(), s.ranges.end(),
+                                     [&](const Tensor& r) { return r.dtype() == options.reduce_dtype; });
+  if (s.in_place) {
+    s.buffers = s.ranges;
+  } else if (s.flat) {
+    for (const Tensor& r : s.ranges) s.buffers.push_back(zeros({r.numel()}, options.reduce_dtype, device));
+  } else {
+    s.ranges.clear();
     for (size_t b = 0; b < s.buckets.size(); ++b) {
       int64_t off = 0;
       for (size_t i : s.buckets[b]) {
@@ -232,6 +243,7 @@ void DistributedDataParallel::set_require_sync(bool on) { state_->sync = on; }
 bool DistributedDataParallel::require_sync() const { return state_->sync; }
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const { return state_->buckets; }
 bool DistributedDataParallel::reduces_in_place() const { return state_->in_place; }
+bool DistributedDataParallel::buckets_are_flat_ranges() const { return state_->flat; }
 int64_t DistributedDataParallel::buckets_launched_during_backward() const { return state_->launched_last_step; }
 const std::vector<int64_t>& DistributedDataParallel::bucket_launch_points() const {
   return state_->launched_after_last_step;
@@ -253,6 +265,8 @@ void DistributedDataParallel::finish() {
   }
   s.launch_ready_buckets();
   for (auto& w : s.works) w->wait();
+  if (s.flat && !s.in_place)
+    for (size_t b = 0; b < s.buckets.size(); ++b) s.ranges[b].copy_from(s.buffers[b]);  // one cast back per bucket
   for (size_t i = 0; i < s.params.size(); ++i) {
     Tensor& p = s.params[i];
     Tensor avg = s.slot(i).reshape(p.shape());
@@ -260,7 +274,7 @@ void DistributedDataParallel::finish() {
     if (g.defined()) {
       if (g.data() != avg.data()) g.copy_from(avg);
     } else {
-      p.set_grad(s.in_place ? avg : ops::to_dtype(ops::clone(avg), p.dtype()));  // in place: the flat slot itself
+      p.set_grad(s.flat ? avg : ops::to_dtype(ops::clone(avg), p.dtype()));  // flat: the slot itself
     }
   }
   s.launched_last_step = s.launched_in_backward;

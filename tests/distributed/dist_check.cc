@@ -191,12 +191,14 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
   }
   if (ddp) check(ddp->buckets().size() > 1 && ddp->buckets_launched_during_backward() > 0,
                  "buckets launched while backward ran");
-  if (ddp) {  // f32 over the flat AdamW: the buckets are ranges of its gradient buffer, the gradients its slots
+  if (ddp) {  // over the flat AdamW the buckets are ranges of its gradient buffer (cast whole for bf16), the
+              // averaged gradients its slots
     bool slots = true;
     for (const Tensor& p : opt.parameters())
       slots = slots && p.grad().defined() && p.grad().data() == p.autograd_meta().grad_destination->data();
-    check(ddp->reduces_in_place() == (reduce_dtype == kF32) && (reduce_dtype != kF32 || slots),
-          std::string("DDP (") + dtype_name(reduce_dtype) + ") reduces in the flat gradient buffer: " +
+    check(ddp->buckets_are_flat_ranges() && slots && ddp->reduces_in_place() == (reduce_dtype == kF32),
+          std::string("DDP (") + dtype_name(reduce_dtype) + ") buckets are ranges of the flat gradient buffer: " +
+              (ddp->buckets_are_flat_ranges() ? "yes" : "no") + ", reduced in place: " +
               (ddp->reduces_in_place() ? "yes" : "no"));
   }
   if (reduce_dtype != kF32) return;  // AdamW turns bf16 rounding of tiny gradients into lr-sized steps

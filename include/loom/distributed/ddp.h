@@ -36,8 +36,8 @@ std::vector<Tensor> parameters_for_ddp(const optim::Optimizer& optimizer);
 //   for each micro-batch but the last: { auto guard = ddp.no_sync(); loss.backward(); }
 //   last micro-batch: loss.backward();  ddp.finish();  then clip and step as usual.
 // During a synchronized backward, each parameter's hook copies its final gradient into its bucket (nothing to copy when
-// the bucket is a range of the optimizer's flat gradient buffer: reduces_in_place); a full bucket is all-reduced
-// (averaged) at once, asynchronously, in bucket order on every rank. finish() reduces what is left
+// the bucket is a range of the optimizer's flat gradient buffer: buckets_are_flat_ranges); a full bucket is
+// all-reduced (averaged) at once, asynchronously, in bucket order on every rank. finish() reduces what is left
 // (parameters that got no gradient count as zeros), waits, and writes the averages into every parameter's .grad().
 class DistributedDataParallel {
  public:
@@ -71,6 +71,10 @@ class DistributedDataParallel {
   // Whether the buckets are ranges of an optimizer's flat gradient buffer, all-reduced where backward wrote the
   // gradients (no copy in or out): parameters in a flat optimizer (constructed before DDP) and reduce dtype f32.
   bool reduces_in_place() const;
+  // Whether each bucket is a range of an optimizer's flat gradient buffer (parameters in a flat optimizer constructed
+  // before DDP): reduced there (reduces_in_place), or, with bf16 reduction, through one cast of the whole range to
+  // bf16 at launch and one back after, with no per-parameter copies.
+  bool buckets_are_flat_ranges() const;
   // Buckets launched from hooks (before finish) in the last step: how much communication overlapped backward.
   int64_t buckets_launched_during_backward() const;
   // Per bucket, in the last synchronized step: how many parameters' gradient hooks had fired when it was launched.
