@@ -136,7 +136,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 
-  data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, dp_group_->rank(), dp, opts_.shuffle, opts_.seed};
+  data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, dp_group_->rank(), dp, opts_.shuffle, opts_.seed,
+                             cfg.vocab_size};
   train_loader_ = std::make_unique<data::DataLoader>(opts_.train_data, lo);
   if (!opts_.val_data.empty()) {
     data::DataLoaderOptions vo = lo;

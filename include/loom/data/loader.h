@@ -19,6 +19,7 @@ struct DataLoaderOptions {
   int64_t world_size = 1;
   bool shuffle = false;    // shuffles shard order and batch order within each shard, anew every epoch
   uint64_t seed = 1337;
+  int64_t vocab_size = 0;  // > 0: next() throws, naming the shard and token, for a token not below it
 };
 
 // Where the loader stands: the next batch is batch `batch_offset` (in this epoch's order) of the shard at
