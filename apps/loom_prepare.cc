@@ -148,6 +148,7 @@ int main(int argc, char** argv) {
     int64_t documents = 0;
     for (const auto& path : paths) {
       const std::string text = read_file(path);
+      LOOM_REQUIRE(!text.empty(), "loom-prepare: input file ", path, " is empty");
       for (std::string_view doc : split_documents(text, paragraph_documents)) {
         tokens.push_back(tokenizer->document_token());
         ++documents;

@@ -411,6 +411,10 @@ TEST(LoomPrepare, Llama3Errors) {
   EXPECT_NE(run_prepare(dir, base + " --tokenizer-path " + kFixtureDir + "llama3_tiny_tokenizer.model", out), 0);
   EXPECT_NE(out.find("128000"), std::string::npos) << out;
   EXPECT_NE(run_prepare(dir, "--input " + dir.file("a.txt") + " --tokenizer llama2", out), 0);
+  write_all(dir.file("empty.txt"), "");
+  EXPECT_NE(run_prepare(dir, "--input " + dir.file("empty.txt") + " --output-dir " + dir.file("o") +
+                                 " --tokenizer llama3 --tokenizer-path " + full_size_vocab_path(), out), 0);
+  EXPECT_NE(out.find("empty.txt is empty"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(dir.file("o")));
 }
 
