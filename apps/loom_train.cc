@@ -10,7 +10,8 @@ int main(int argc, char** argv) {
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards"};
   app.add_option("--model", o.model, "model name (gpt2-124m, gpt2-350m, d<N>, llama3-1b, ...) or JSON config")->capture_default_str();
-  app.add_option("--init-from", o.init_from, "start from safetensors weights with Hugging Face names");
+  app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Loom "
+                 "checkpoint (weights only) or an llm.c GPT-2 .bin");
   app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
   app.add_option("--val-data", o.val_data, "validation shard(s)");
   app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(CLI::PositiveNumber);

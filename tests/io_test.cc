@@ -20,6 +20,8 @@
 namespace loom {
 namespace {
 
+using test::bytes_equal;
+
 namespace fs = std::filesystem;
 using test::expect_error_mentioning;
 using test::read_all;
@@ -28,11 +30,6 @@ using test::write_all;
 
 
 
-
-bool bytes_equal(const Tensor& a, const Tensor& b) {
-  Tensor ca = a.contiguous(), cb = b.contiguous();
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0;
-}
 
 // ---------------------------------------------------------------- atomic files
 

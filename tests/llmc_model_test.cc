@@ -22,6 +22,8 @@
 namespace loom {
 namespace {
 
+using test::bytes_equal;
+
 namespace fs = std::filesystem;
 using test::expect_error_mentioning;
 using test::read_all;
@@ -50,11 +52,6 @@ std::shared_ptr<nn::LanguageModel> small_model(uint64_t seed, int64_t layers = 2
   auto m = nn::make_model(small_config(layers, padded_vocab));
   m->init_weights(seed);
   return m;
-}
-
-bool bytes_equal(const Tensor& a, const Tensor& b) {
-  Tensor ca = a.contiguous(), cb = b.contiguous();
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0;
 }
 
 TEST(LlmcModel, RoundTripF32IsExact) {

@@ -113,13 +113,21 @@ void check_backward(Device device) {
         Tensor grad_gate = which != 2 ? test::poisoned(shape, dt, device) : Tensor();
         Tensor grad_up = which != 1 ? test::poisoned(shape, dt, device) : Tensor();
         dispatch::call(swiglu_backward_op, device, dt, grad, gate, up, grad_gate, grad_up);
-        if (grad_gate.defined()) EXPECT_TRUE(close(grad_gate, expected_gate, dt, device));
-        if (grad_up.defined()) EXPECT_TRUE(close(grad_up, expected_up, dt, device));
+        if (grad_gate.defined()) {
+          EXPECT_TRUE(close(grad_gate, expected_gate, dt, device));
+        }
+        if (grad_up.defined()) {
+          EXPECT_TRUE(close(grad_up, expected_up, dt, device));
+        }
         ops::SwigluGrads g = ops::swiglu_backward(grad, gate, up, which != 2, which != 1);
         EXPECT_EQ(g.grad_gate.defined(), which != 2);
         EXPECT_EQ(g.grad_up.defined(), which != 1);
-        if (g.grad_gate.defined()) EXPECT_TRUE(close(g.grad_gate, expected_gate, dt, device));
-        if (g.grad_up.defined()) EXPECT_TRUE(close(g.grad_up, expected_up, dt, device));
+        if (g.grad_gate.defined()) {
+          EXPECT_TRUE(close(g.grad_gate, expected_gate, dt, device));
+        }
+        if (g.grad_up.defined()) {
+          EXPECT_TRUE(close(g.grad_up, expected_up, dt, device));
+        }
       }
       // The op on strided inputs (made contiguous) and on misaligned contiguous ones (the scalar path on CUDA).
       ops::SwigluGrads s = ops::swiglu_backward(test::make_strided(grad), gate, test::make_strided(up));

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -58,6 +59,12 @@ inline Tensor poisoned(const Shape& shape, DType dtype, Device device = Device()
 }
 
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// Same dtype, shape and bytes (CPU tensors).
+inline bool bytes_equal(const Tensor& a, const Tensor& b) {
+  Tensor ca = a.contiguous(), cb = b.contiguous();
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0;
+}
 
 // Max over elements of |a - b| / (atol + rtol * |b|); <= 1 means within tolerance. NaN anywhere fails.
 inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double rtol,

@@ -16,6 +16,7 @@ namespace fs = std::filesystem;
 namespace loom {
 namespace {
 
+using test::bytes_equal;
 using test::TempDir;
 
 // Token shards with learnable structure (a repeating pattern with noise) and a tiny GPT-2 config.
@@ -80,6 +81,41 @@ TEST(Train, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
   }
   ASSERT_EQ(resumed.size(), straight.size());
   for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(resumed[i], straight[i]) << "step " << i + 1;
+}
+
+TEST(Train, InitFromATrainingCheckpointTakesItsWeightsOnly) {
+  TempDir dir;
+  auto o = tiny_setup(dir);
+  std::string ckpt = (dir.path() / "ckpt" / "step_3.safetensors").string();
+  std::vector<std::pair<std::string, Tensor>> trained;
+  {
+    train::Trainer t(o);
+    for (int i = 0; i < 3; ++i) t.train_step();
+    t.save_checkpoint(ckpt);
+    for (auto& [name, p] : t.model().named_parameters()) trained.emplace_back(name, p.clone());
+  }
+  auto o2 = o;
+  o2.init_from = ckpt;
+  o2.seed = 999;  // the weights must come from the checkpoint
+  train::Trainer t(o2);
+  EXPECT_EQ(t.step(), 0);  // a fresh run: step, optimizer state and schedule start over
+  auto params = t.model().named_parameters();
+  ASSERT_EQ(params.size(), trained.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(bytes_equal(params[i].second, trained[i].second)) << params[i].first;
+  // Another model's checkpoint: the first mismatching parameter, named.
+  auto o3 = o;
+  std::ofstream((dir.path() / "wider.json").string())
+      << R"({"family": "gpt2", "vocab_size": 200, "max_seq_len": 64, "n_layer": 2, "n_head": 2, "n_embd": 64})";
+  o3.model = (dir.path() / "wider.json").string();
+  o3.init_from = ckpt;
+  try {
+    train::Trainer bad(o3);
+    FAIL() << "expected a shape error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--init-from: parameter"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("has shape"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Train, Bf16AutocastTracksF32) {

@@ -70,6 +70,29 @@ double known_peak_flops(Device d) {
   return 989e12;  // H100 SXM bf16 dense; pass --peak-tflops for other GPUs
 }
 
+constexpr const char* kCheckpointFormat = "loom-checkpoint-1";
+
+bool is_loom_checkpoint(const io::SafetensorsFile& file) {
+  auto fmt = file.metadata.find("format");
+  return fmt != file.metadata.end() && fmt->second == kCheckpointFormat;
+}
+
+// A Loom training checkpoint's weights for `params` (full-model names; stored as "model.<name>"), in their order,
+// every name and shape checked. `what` names the option in errors.
+std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const std::string& path, const char* what,
+                                       const std::vector<std::pair<std::string, Tensor>>& params) {
+  std::vector<Tensor> out;
+  for (const auto& [name, p] : params) {
+    auto it = file.tensors.find("model." + name);
+    LOOM_REQUIRE(it != file.tensors.end(), what, ": '", path, "' lacks parameter '", name,
+                 "' (was it saved from a different model?)");
+    LOOM_REQUIRE(it->second.shape() == p.shape(), what, ": parameter '", name, "' in '", path, "' has shape ",
+                 shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
+    out.push_back(it->second);
+  }
+  return out;
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
@@ -114,8 +137,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     if (io::is_llmc_model_file(opts_.init_from)) {  // llm.c GPT-2 model file (by its magic)
       io::load_llmc_model(opts_.init_from, *model_);
     } else {
-      auto m = io::load_safetensors(opts_.init_from);
-      model_->load_hf_state_dict(std::vector<std::pair<std::string, Tensor>>(m.begin(), m.end()));
+      io::SafetensorsFile file = io::load_safetensors_file(opts_.init_from);
+      if (is_loom_checkpoint(file)) {  // a training checkpoint: its weights, without its optimizer state or step
+        autograd::NoGradGuard ng;
+        auto params = model_->named_parameters();
+        std::vector<Tensor> weights = checkpoint_weights(file, opts_.init_from, "--init-from", params);
+        for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_from(weights[i]);
+      } else {
+        model_->load_hf_state_dict(
+            std::vector<std::pair<std::string, Tensor>>(file.tensors.begin(), file.tensors.end()));
+      }
     }
   }
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
@@ -424,7 +455,7 @@ void Trainer::save_checkpoint(const std::string& path) {
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
                       {"model", opts_.model}};
   io::save_safetensors(path, tensors,
-                       {{"format", "loom-checkpoint-1"}, {"state", meta.dump()}, {"config", model_->config().to_json()}});
+                       {{"format", kCheckpointFormat}, {"state", meta.dump()}, {"config", model_->config().to_json()}});
   if (!opts_.checkpoint_dir.empty() && fs::path(path).parent_path() == fs::path(opts_.checkpoint_dir)) {
     std::string name = fs::path(path).filename().string() + "\n";
     io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
@@ -435,9 +466,8 @@ void Trainer::save_checkpoint(const std::string& path) {
 void Trainer::load_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
   io::SafetensorsFile file = io::load_safetensors_file(path);
-  auto fmt = file.metadata.find("format");
-  LOOM_REQUIRE(fmt != file.metadata.end() && fmt->second == "loom-checkpoint-1", "resume: '", path,
-               "' is not a Loom training checkpoint (no format=loom-checkpoint-1 in its metadata)");
+  LOOM_REQUIRE(is_loom_checkpoint(file), "resume: '", path, "' is not a Loom training checkpoint (no format=",
+               kCheckpointFormat, " in its metadata)");
   nlohmann::json meta;
   try {
     meta = nlohmann::json::parse(file.metadata.at("state"));
@@ -445,17 +475,14 @@ void Trainer::load_checkpoint(const std::string& path) {
     LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
   }
   auto model_params = tp_model_ ? tp_model_->full_named_parameters() : model_->named_parameters();
-  std::vector<std::pair<std::string, Tensor>> loaded_full;
-  for (auto& [name, p] : model_params) {
-    auto it = file.tensors.find("model." + name);
-    LOOM_REQUIRE(it != file.tensors.end(), "resume: '", path, "' lacks parameter '", name,
-                 "' (was it saved from a different model?)");
-    LOOM_REQUIRE(it->second.shape() == p.shape(), "resume: parameter '", name, "' in '", path, "' has shape ",
-                 shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
-    if (tp_model_) loaded_full.emplace_back(name, it->second);
-    else p.copy_from(it->second);
+  std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
+  if (tp_model_) {
+    std::vector<std::pair<std::string, Tensor>> loaded_full;
+    for (size_t i = 0; i < model_params.size(); ++i) loaded_full.emplace_back(model_params[i].first, weights[i]);
+    tp_model_->load_full_named_parameters(loaded_full);
+  } else {
+    for (size_t i = 0; i < model_params.size(); ++i) model_params[i].second.copy_from(weights[i]);
   }
-  if (tp_model_) tp_model_->load_full_named_parameters(loaded_full);
   optim::OptimizerState state;
   if (zero_ || tp_model_) {
     io::SafetensorsFile shard = io::load_safetensors_file(optimizer_shard_path(path));
