@@ -188,21 +188,23 @@ TEST(DataLoader, TokensOutsideTheVocabularyNameTheShard) {
   TempDir dir;
   std::vector<int32_t> tokens = iota_tokens(40);
   tokens[20] = 512;
-  data::write_token_file(dir.file("s.bin"), tokens);
-  data::DataLoader loader(dir.file("s.bin"), {.batch_size = 2, .seq_len = 3, .vocab_size = 512});
-  EXPECT_EQ(to_vector<int32_t>(loader.next().x)[0], 0);  // windows of tokens 0..6, 6..12, 12..18: all below 512
-  loader.next();
-  loader.next();
-  try {
-    loader.next();  // tokens 18..24
-    FAIL() << "expected an error for token 512";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("s.bin: token 512 at index 20 is outside the model's vocabulary of 512"),
-              std::string::npos)
-        << e.what();
+  for (TokenWidth width : {TokenWidth::kU16, TokenWidth::kU32}) {
+    data::write_token_file(dir.file("s.bin"), tokens, width);
+    data::DataLoader loader(dir.file("s.bin"), {.batch_size = 2, .seq_len = 3, .vocab_size = 512});
+    EXPECT_EQ(to_vector<int32_t>(loader.next().x)[0], 0);  // windows of tokens 0..6, 6..12, 12..18: all below 512
+    loader.next();
+    loader.next();
+    try {
+      loader.next();  // tokens 18..24
+      FAIL() << "expected an error for token 512";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("s.bin: token 512 at index 20 is outside the model's vocabulary of 512"),
+                std::string::npos)
+          << e.what();
+    }
+    data::DataLoader unchecked(dir.file("s.bin"), {.batch_size = 2, .seq_len = 3});  // vocab_size 0: no check
+    for (int i = 0; i < 6; ++i) unchecked.next();
   }
-  data::DataLoader unchecked(dir.file("s.bin"), {.batch_size = 2, .seq_len = 3});  // vocab_size 0: no check
-  for (int i = 0; i < 6; ++i) unchecked.next();
 }
 
 TEST(DataLoader, ManyShardsByGlobAndList) {

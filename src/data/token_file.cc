@@ -126,7 +126,7 @@ void write_token_file(const std::string& path, std::span<const int32_t> tokens, 
   out.commit();
 }
 
-TokenFileReader::TokenFileReader(const std::string& path) {
+TokenFileReader::TokenFileReader(const std::string& path, int64_t token_limit) : token_limit_(token_limit) {
   fd_ = open_token_file(path);
   try {
     info_ = read_info_from_fd(fd_, path);
@@ -145,12 +145,20 @@ void TokenFileReader::read(int64_t start, int64_t count, int32_t* out) const {
                ": read of tokens [", start, ", ", start + count, ") outside the shard's ", info_.num_tokens,
                " tokens");
   const int64_t offset = kTokenHeaderBytes + start * info_.token_bytes();
+  // A shard tokenized for another model: said here, naming the shard, not later as an embedding index error.
+  auto check_limit = [&](int64_t i) {
+    LOOM_REQUIRE(token_limit_ <= 0 || out[i] < token_limit_, "token file ", info_.path, ": token ", out[i],
+                 " at index ", start + i, " is outside the model's vocabulary of ", token_limit_,
+                 " (were these shards tokenized for another model?)");
+  };
   if (info_.width == TokenWidth::kU32) {
     LOOM_REQUIRE(pread_all(fd_, out, size_t(count) * 4, offset), "token file ", info_.path,
                  ": short read (file changed while open?)");
-    for (int64_t i = 0; i < count; ++i)
+    for (int64_t i = 0; i < count; ++i) {
       LOOM_REQUIRE(out[i] >= 0, "token file ", info_.path, ": token ", uint32_t(out[i]), " at index ", start + i,
                    " exceeds INT32_MAX");
+      check_limit(i);
+    }
     return;
   }
   // Widen in place from the back: the uint16 data occupies the first half of the output buffer.
@@ -162,6 +170,8 @@ void TokenFileReader::read(int64_t start, int64_t count, int32_t* out) const {
     std::memcpy(&v, bytes + 2 * i, 2);
     out[i] = int32_t(v);
   }
+  if (token_limit_ > 0)
+    for (int64_t i = 0; i < count; ++i) check_limit(i);  // in order, so the first bad token is the one named
 }
 
 }  // namespace loom::data

@@ -41,7 +41,8 @@ void write_token_file(const std::string& path, std::span<const int32_t> tokens, 
 // An open, validated shard that reads token ranges on demand (pread), so a loader never holds a whole shard.
 class TokenFileReader {
  public:
-  explicit TokenFileReader(const std::string& path);
+  // token_limit > 0: every token read must be below it (a model's vocabulary), else read() throws naming it.
+  explicit TokenFileReader(const std::string& path, int64_t token_limit = 0);
   ~TokenFileReader();
   TokenFileReader(const TokenFileReader&) = delete;
   TokenFileReader& operator=(const TokenFileReader&) = delete;
@@ -53,6 +54,7 @@ class TokenFileReader {
 
  private:
   TokenFileInfo info_;
+  int64_t token_limit_ = 0;
   int fd_ = -1;
 };
 
