@@ -69,12 +69,11 @@ std::vector<size_t> slot_positions(const std::vector<const Tensor*>& slots) {
   return position;
 }
 
-// When every parameter's gradient lands in an optimizer's flat slot, and each bucket's slots fill a range of one flat
+// Given every parameter's flat slot (flat_gradient_slots), when each bucket's slots fill a range of one flat
 // buffer that no other parameter's slot shares (padding between slots stays zero), fills `ranges` with those ranges
 // (in the slots' dtype) and `offsets` with each slot's place in its range, and returns true.
-bool flat_bucket_ranges(const std::vector<Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
+bool flat_bucket_ranges(const std::vector<const Tensor*>& slots, const std::vector<std::vector<size_t>>& buckets,
                         std::vector<Tensor>& ranges, std::vector<size_t>& offsets) {
-  std::vector<const Tensor*> slots = flat_gradient_slots(params);
   if (slots.empty()) return false;
   ranges.clear();
   for (const auto& bucket : buckets) {
@@ -182,14 +181,14 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Tensor> params, std
   std::vector<int64_t> numels;
   for (auto& p : s.params) numels.push_back(p.numel());
   // With flat gradient slots, a bucket is a run of neighbouring slots: a range of the flat buffer.
-  s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype,
-                             slot_positions(flat_gradient_slots(s.params)));
+  const std::vector<const Tensor*> slots = flat_gradient_slots(s.params);
+  s.buckets = assign_buckets(numels, options.bucket_bytes, options.reduce_dtype, slot_positions(slots));
   s.bucket_of.resize(s.params.size());
   s.offset_in_bucket.resize(s.params.size());
   Device device = s.params.empty() ? Device() : s.params.front().device();
   for (size_t b = 0; b < s.buckets.size(); ++b)
     for (size_t i : s.buckets[b]) s.bucket_of[i] = b;
-  s.flat = flat_bucket_ranges(s.params, s.buckets, s.ranges, s.offset_in_bucket);
+  s.flat = flat_bucket_ranges(slots, s.buckets, s.ranges, s.offset_in_bucket);
   s.in_place = s.flat && std::all_of(s.ranges.begin(), s.ranges.end(),
                                      [&](const Tensor& r) { return r.dtype() == options.reduce_dtype; });
   if (s.in_place) {

@@ -78,7 +78,8 @@ class DistributedDataParallel {
   // Buckets launched from hooks (before finish) in the last step: how much communication overlapped backward.
   int64_t buckets_launched_during_backward() const;
   // Per bucket, in the last synchronized step: how many parameters' gradient hooks had fired when it was launched.
-  // Buckets launched by finish() show all of them; points spread over the backward mean the communication overlaps it.
+  // Buckets launched by finish() show every hook that fired; points spread over the backward mean the communication
+  // overlaps it.
   const std::vector<int64_t>& bucket_launch_points() const;
   ProcessGroup& group() const;
 
