@@ -1,0 +1,365 @@
+/* planted: a CPU kernel library for testing the conformance suite. Its kernels (gemm, add, mul, relu, softmax,
+ * layer_norm; f32 and bf16) are correct, except for ONE deliberately wrong kernel chosen by the environment variable
+ * LOOM_PLANTED, read at init:
+ *
+ *   none (or unset)     every kernel is correct: the suite must pass this library
+ *   gemm_residue        gemm is wrong when m % 7 == 3
+ *   gemm_beta           gemm is wrong when beta != 0
+ *   gemm_trans          gemm is wrong when trans_b is set
+ *   add_bf16            add is wrong in bf16 only
+ *   add_strided         add is wrong when input b is not contiguous
+ *   mul_oob             mul writes one element past the end of out
+ *   relu_input          relu writes into its input
+ *   softmax_long        softmax is wrong for rows longer than 4096
+ *   layer_norm_residue  layer_norm is wrong when C % 8 == 5
+ *
+ * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "loom_kernel_abi.h"
+
+#if defined(__GNUC__)
+#define PLANTED_THREAD_LOCAL __thread
+#else
+#define PLANTED_THREAD_LOCAL
+#endif
+
+enum {
+  PLANT_NONE,
+  PLANT_GEMM_RESIDUE,
+  PLANT_GEMM_BETA,
+  PLANT_GEMM_TRANS,
+  PLANT_ADD_BF16,
+  PLANT_ADD_STRIDED,
+  PLANT_MUL_OOB,
+  PLANT_RELU_INPUT,
+  PLANT_SOFTMAX_LONG,
+  PLANT_LAYER_NORM_RESIDUE
+};
+/* The LOOM_PLANTED values, in the order of the enum. */
+static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
+                                          "add_bf16",    "add_strided",  "mul_oob",    "relu_input",
+                                          "softmax_long", "layer_norm_residue"};
+static int plant = PLANT_NONE;
+
+static PLANTED_THREAD_LOCAL char error_message[512];
+static const char* planted_last_error(void* ctx) {
+  (void)ctx;
+  return error_message;
+}
+static int fail(int status, const char* message) {
+  snprintf(error_message, sizeof error_message, "planted: %s", message);
+  return status;
+}
+
+/* ---- Elements: f32 or bf16, read as double, written with round-to-nearest-even. ---- */
+
+static float bf16_to_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest, ties to even */
+  return (uint16_t)(u >> 16);
+}
+static int is_float_dtype(int32_t dtype) { return dtype == LOOM_DTYPE_F32 || dtype == LOOM_DTYPE_BF16; }
+
+static double get(const LoomTensorDesc* t, int64_t offset) {
+  if (t->dtype == LOOM_DTYPE_BF16) return bf16_to_float(((const uint16_t*)t->data)[offset]);
+  return ((const float*)t->data)[offset];
+}
+static void set(const LoomTensorDesc* t, int64_t offset, double v) {
+  if (t->dtype == LOOM_DTYPE_BF16)
+    ((uint16_t*)t->data)[offset] = float_to_bf16((float)v);
+  else
+    ((float*)t->data)[offset] = (float)v;
+}
+
+/* The offset of the i-th element (row-major over `shape`) in a tensor with `strides`. */
+static int64_t offset_of(int rank, const int64_t* shape, const int64_t* strides, int64_t i) {
+  int64_t offset = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    offset += (i % shape[d]) * strides[d];
+    i /= shape[d];
+  }
+  return offset;
+}
+static int same_shape(const LoomTensorDesc* a, const LoomTensorDesc* b) {
+  if (a->rank != b->rank) return 0;
+  for (int d = 0; d < a->rank; ++d)
+    if (a->shape[d] != b->shape[d]) return 0;
+  return 1;
+}
+
+/* ---- gemm: C = alpha * op(A) * op(B) + beta * C, column-major, strided batch, accumulated in double. ---- */
+
+static int gemm_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                         const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  return n_in >= 2 && n_out >= 1 && loom_attr_int(attrs, n_attrs, "epilogue", 0) == 0 &&
+         in[0].dtype == in[1].dtype && is_float_dtype(in[0].dtype) && is_float_dtype(out[0].dtype);
+}
+
+static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                        const LoomAttr* attrs, int n_attrs) {
+  if (!gemm_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "gemm: only epilogue 0 on f32/bf16");
+  const int ta = (int)loom_attr_int(attrs, n_attrs, "trans_a", 0), tb = (int)loom_attr_int(attrs, n_attrs, "trans_b", 0);
+  const int64_t m = loom_attr_int(attrs, n_attrs, "m", 0), n = loom_attr_int(attrs, n_attrs, "n", 0);
+  const int64_t k = loom_attr_int(attrs, n_attrs, "k", 0), batch = loom_attr_int(attrs, n_attrs, "batch", 1);
+  const int64_t lda = loom_attr_int(attrs, n_attrs, "lda", 0), ldb = loom_attr_int(attrs, n_attrs, "ldb", 0);
+  const int64_t ldc = loom_attr_int(attrs, n_attrs, "ldc", 0);
+  const int64_t sa = loom_attr_int(attrs, n_attrs, "stride_a", 0), sb = loom_attr_int(attrs, n_attrs, "stride_b", 0);
+  const int64_t sc = loom_attr_int(attrs, n_attrs, "stride_c", 0);
+  const double alpha = loom_attr_float(attrs, n_attrs, "alpha", 1), beta = loom_attr_float(attrs, n_attrs, "beta", 0);
+  const LoomTensorDesc *A = &in[0], *B = &in[1], *C = &out[0];
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < m; ++i) {
+        int64_t k_end = k;
+        /* PLANT gemm_residue: rows are done in blocks of 7, and the remainder block of 3 rows (m % 7 == 3) stops
+         * one k step early: the last k term is dropped for those rows. */
+        if (plant == PLANT_GEMM_RESIDUE && m % 7 == 3 && i >= m - 3 && k_end > 0) k_end = k - 1;
+        double acc = 0;
+        for (int64_t p = 0; p < k_end; ++p) {
+          const double a = get(A, b * sa + (ta ? p + i * lda : i + p * lda));
+          int64_t b_offset = b * sb + (tb ? j + p * ldb : p + j * ldb);
+          /* PLANT gemm_trans: with trans_b, the k = 1 step reads B one element early (an off-by-one). */
+          if (plant == PLANT_GEMM_TRANS && tb && p == 1) b_offset -= 1;
+          acc += a * get(B, b_offset);
+        }
+        const int64_t c_offset = b * sc + i + j * ldc;
+        double v = alpha * acc;
+        /* PLANT gemm_beta: C's old value is dropped (the beta == 0 path is taken for every beta). */
+        if (beta != 0 && plant != PLANT_GEMM_BETA) v += beta * get(C, c_offset);
+        set(C, c_offset, v);
+      }
+  return LOOM_STATUS_OK;
+}
+
+/* ---- Elementwise: every tensor has out's shape, any strides (stride 0 for a broadcast input). ---- */
+
+static int elementwise_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                                const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_out != 1 || !is_float_dtype(out[0].dtype)) return 0;
+  for (int i = 0; i < n_in; ++i)
+    if (in[i].dtype != out[0].dtype || !same_shape(&in[i], &out[0])) return 0;
+  return 1;
+}
+
+/* The strides b would have if its non-broadcast dims were packed (row-major), 0 for the broadcast ones. */
+static void packed_strides(const LoomTensorDesc* t, int64_t* strides) {
+  int64_t run = 1;
+  for (int d = t->rank - 1; d >= 0; --d) {
+    strides[d] = t->strides[d] == 0 ? 0 : run;
+    if (t->strides[d] != 0) run *= t->shape[d];
+  }
+}
+
+enum { OP_ADD, OP_MUL };
+
+static int binary(int op, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out) {
+  if (n_in != 2 || n_out != 1 || !elementwise_supports(NULL, in, n_in, out, n_out, NULL, 0))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "add/mul: expected a, b and out of one shape and dtype (f32/bf16)");
+  const LoomTensorDesc *a = &in[0], *b = &in[1], *o = &out[0];
+  const int rank = o->rank;
+  int64_t b_strides[LOOM_MAX_DIMS];
+  memcpy(b_strides, b->strides, sizeof b_strides);
+  /* PLANT add_strided: b is read as if its (non-broadcast) dims were packed: wrong for a strided or transposed b. */
+  if (op == OP_ADD && plant == PLANT_ADD_STRIDED) packed_strides(b, b_strides);
+  const int64_t numel = loom_desc_numel(o);
+  for (int64_t i = 0; i < numel; ++i) {
+    const double x = get(a, offset_of(rank, o->shape, a->strides, i));
+    const double y = get(b, offset_of(rank, o->shape, b_strides, i));
+    const int64_t at = offset_of(rank, o->shape, o->strides, i);
+    const double v = op == OP_ADD ? x + y : x * y;
+    if (op == OP_ADD && plant == PLANT_ADD_BF16 && o->dtype == LOOM_DTYPE_BF16) {
+      /* PLANT add_bf16: the bf16 sum is truncated (rounded toward zero) instead of rounded to nearest even. */
+      float f = (float)v;
+      uint32_t u;
+      memcpy(&u, &f, sizeof u);
+      ((uint16_t*)o->data)[at] = (uint16_t)(u >> 16);
+    } else {
+      set(o, at, v);
+    }
+  }
+  if (op == OP_MUL && plant == PLANT_MUL_OOB && numel > 0) {
+    /* PLANT mul_oob: the element just past the end of out is written (its bits flipped, so any guard value
+     * changes). */
+    int64_t end = 1;
+    for (int d = 0; d < rank; ++d) end += (o->shape[d] - 1) * o->strides[d];
+    if (o->dtype == LOOM_DTYPE_BF16) {
+      uint16_t* p = (uint16_t*)o->data + end;
+      *p = (uint16_t)~*p;
+    } else {
+      uint32_t* p = (uint32_t*)o->data + end;
+      *p = ~*p;
+    }
+  }
+  return LOOM_STATUS_OK;
+}
+
+static int planted_add(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                       const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  return binary(OP_ADD, in, n_in, out, n_out);
+}
+static int planted_mul(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                       const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  return binary(OP_MUL, in, n_in, out, n_out);
+}
+
+static int planted_relu(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                        const LoomAttr* attrs, int n_attrs) {
+  if (n_in != 1 || n_out != 1 || !elementwise_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "relu: expected x and out of one shape and dtype (f32/bf16)");
+  const LoomTensorDesc *x = &in[0], *o = &out[0];
+  for (int64_t i = 0, numel = loom_desc_numel(o); i < numel; ++i) {
+    const int64_t from = offset_of(o->rank, o->shape, x->strides, i);
+    const double v = get(x, from);
+    const double r = v < 0 ? 0.0 : v; /* NaN stays NaN, as Loom's relu */
+    /* PLANT relu_input: x is clamped in place and then copied to out (the result is right, the input is not). */
+    if (plant == PLANT_RELU_INPUT) set(x, from, r);
+    set(o, offset_of(o->rank, o->shape, o->strides, i), r);
+  }
+  return LOOM_STATUS_OK;
+}
+
+/* ---- softmax over the last dim of a contiguous tensor, in double. ---- */
+
+static int64_t normalized_dim(int64_t dim, int rank) { return dim < 0 ? dim + rank : dim; }
+
+static int softmax_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                            const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_in != 1 || n_out != 1 || in[0].rank < 1 || in[0].dtype != out[0].dtype || !same_shape(&in[0], &out[0]))
+    return 0;
+  return normalized_dim(loom_attr_int(attrs, n_attrs, "dim", -1), in[0].rank) == in[0].rank - 1 &&
+         loom_desc_is_contiguous(&in[0]) && loom_desc_is_contiguous(&out[0]);
+}
+
+static int planted_softmax(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                           const LoomAttr* attrs, int n_attrs) {
+  if (!softmax_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "softmax: only the last dim of contiguous f32/bf16 tensors");
+  const LoomTensorDesc *x = &in[0], *o = &out[0];
+  const int64_t cols = x->shape[x->rank - 1];
+  if (cols == 0) return LOOM_STATUS_OK;
+  const int64_t rows = loom_desc_numel(x) / cols;
+  /* PLANT softmax_long: the normalizing sum covers only the first 4096 elements of a row (a fixed-size block
+   * reduction that forgets the tail): longer rows come out too large, but finite. */
+  const int64_t sum_end = plant == PLANT_SOFTMAX_LONG && cols > 4096 ? 4096 : cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * cols;
+    double max = -INFINITY, sum = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double v = get(x, base + c);
+      if (v > max) max = v;
+    }
+    for (int64_t c = 0; c < sum_end; ++c) sum += exp(get(x, base + c) - max);
+    for (int64_t c = 0; c < cols; ++c) set(o, base + c, exp(get(x, base + c) - max) / sum);
+  }
+  return LOOM_STATUS_OK;
+}
+
+/* ---- layer_norm over the last dim (contiguous): out = (x - mean) * rstd * weight + bias; mean, rstd in f32. ---- */
+
+static int layer_norm_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out,
+                               int n_out, const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 3 || n_out != 3 || in[0].rank < 1 || !loom_desc_is_contiguous(&in[0])) return 0;
+  if (out[0].dtype != in[0].dtype || !same_shape(&in[0], &out[0]) || !loom_desc_is_contiguous(&out[0])) return 0;
+  for (int i = 1; i < 3; ++i) /* weight, bias: absent, or [C] in x's dtype */
+    if (in[i].data && (in[i].dtype != in[0].dtype || loom_desc_numel(&in[i]) != in[0].shape[in[0].rank - 1]))
+      return 0;
+  for (int i = 1; i < 3; ++i) /* mean, rstd: f32 */
+    if (out[i].dtype != LOOM_DTYPE_F32 || !loom_desc_is_contiguous(&out[i])) return 0;
+  return 1;
+}
+
+static int planted_layer_norm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                              const LoomAttr* attrs, int n_attrs) {
+  if (!layer_norm_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "layer_norm: expected contiguous f32/bf16 x, f32 mean and rstd");
+  const LoomTensorDesc *x = &in[0], *w = &in[1], *bias = &in[2], *o = &out[0];
+  const double eps = loom_attr_float(attrs, n_attrs, "eps", 1e-5);
+  const int64_t cols = x->shape[x->rank - 1];
+  if (cols == 0) return LOOM_STATUS_OK;
+  const int64_t rows = loom_desc_numel(x) / cols;
+  /* PLANT layer_norm_residue: when C % 8 == 5 the variance is divided by C - 1 (the unbiased estimate). */
+  const double divisor = plant == PLANT_LAYER_NORM_RESIDUE && cols % 8 == 5 ? (double)(cols - 1) : (double)cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t base = r * cols;
+    double mean = 0, var = 0;
+    for (int64_t c = 0; c < cols; ++c) mean += get(x, base + c);
+    mean /= (double)cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double d = get(x, base + c) - mean;
+      var += d * d;
+    }
+    const double rstd = 1.0 / sqrt(var / divisor + eps);
+    for (int64_t c = 0; c < cols; ++c) {
+      double v = (get(x, base + c) - mean) * rstd;
+      if (w->data) v *= get(w, c);
+      if (bias->data) v += get(bias, c);
+      set(o, base + c, v);
+    }
+    set(&out[1], r, mean);
+    set(&out[2], r, rstd);
+  }
+  return LOOM_STATUS_OK;
+}
+
+#define F32_BF16 (LOOM_DTYPE_BIT(LOOM_DTYPE_F32) | LOOM_DTYPE_BIT(LOOM_DTYPE_BF16))
+static const LoomOpEntry planted_ops[] = {
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "gemm", F32_BF16, 0, planted_gemm, gemm_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "add", F32_BF16, 0, planted_add, elementwise_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "mul", F32_BF16, 0, planted_mul, elementwise_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "relu", F32_BF16, 0, planted_relu, elementwise_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "softmax", F32_BF16, 0, planted_softmax, softmax_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "layer_norm", F32_BF16, 0, planted_layer_norm, layer_norm_supports, {0}},
+};
+
+LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* host, LoomProvider* p) {
+  p->abi_major = LOOM_ABI_VERSION_MAJOR;
+  p->abi_minor = LOOM_ABI_VERSION_MINOR;
+  p->last_error = planted_last_error;
+  if (host->abi_major != LOOM_ABI_VERSION_MAJOR) return fail(LOOM_STATUS_UNSUPPORTED, "host ABI does not match");
+  const char* which = getenv("LOOM_PLANTED");
+  plant = -1;
+  if (!which || !*which) which = "none";
+  for (int i = 0; i < (int)(sizeof plant_names / sizeof plant_names[0]); ++i)
+    if (strcmp(which, plant_names[i]) == 0) plant = i;
+  if (plant < 0) {
+    snprintf(error_message, sizeof error_message,
+             "planted: unknown LOOM_PLANTED '%.64s' (none, gemm_residue, gemm_beta, gemm_trans, add_bf16, "
+             "add_strided, mul_oob, relu_input, softmax_long, layer_norm_residue)",
+             which);
+    return LOOM_STATUS_UNSUPPORTED;
+  }
+  p->name = "planted";
+  p->version = plant_names[plant];
+  p->ctx = NULL;
+  p->ops = planted_ops;
+  p->n_ops = (int32_t)(sizeof planted_ops / sizeof planted_ops[0]);
+  return LOOM_STATUS_OK;
+}

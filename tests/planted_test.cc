@@ -1,0 +1,129 @@
+// The conformance suite against planted bugs. tests/planted/planted.c is a kernel library (provider "planted":
+// gemm, add, mul, relu, softmax and layer_norm in f32 and bf16) whose kernels are correct, or have one deliberately
+// wrong kernel chosen by LOOM_PLANTED: wrong for one residue class of a dimension, only when beta != 0, only in
+// bf16, only for transposed or strided inputs, an out-of-bounds write, an input overwritten, only for long rows.
+// loom-conformance, run as a subprocess on the library, must exit 1 with a FAIL row for the planted op (and for no
+// other op) for every plant, and must pass the clean library (LOOM_PLANTED=none), so that the failures come from
+// the plants and not from the harness.
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_files.h"
+
+namespace loom {
+namespace {
+
+using test::TempDir;
+
+// The ops the library serves.
+const std::vector<std::string> kPlantedOps = {"gemm", "add", "mul", "relu", "softmax", "layer_norm"};
+
+struct ConformanceRun {
+  int exit_code = -1;  // 128 + n: killed by signal n (a crash)
+  std::string output;  // stdout and stderr
+  // op -> the results of its rows ("pass", "FAIL", "declined"); a stored-reference row "gemm [pytorch]" counts
+  // for gemm.
+  std::map<std::string, std::multiset<std::string>> rows;
+
+  bool failed(const std::string& op) const { return rows.count(op) && rows.at(op).count("FAIL"); }
+  bool passed(const std::string& op) const { return rows.count(op) && rows.at(op).count("pass"); }
+};
+
+#ifdef LOOM_CONFORMANCE_EXE
+// Runs loom-conformance on the library with LOOM_PLANTED=plant over the suite in conformance/.
+ConformanceRun run_conformance(const std::string& plant) {
+  TempDir dir;
+  const std::string log = dir.file("conformance.log");
+  const std::string cmd = "LOOM_PLANTED=" + plant + " " + std::string(LOOM_CONFORMANCE_EXE) +
+                          " --provider planted --load " + std::string(LOOM_PLANTED_LIBRARY) + " --cases " +
+                          std::string(LOOM_SOURCE_DIR) + "/conformance > " + log + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  ConformanceRun run;
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.output = test::read_all(log);
+  // A result row: "<op> [<reference>] <dtype> <result> ...", the result one of pass, FAIL, declined.
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line);
+    std::vector<std::string> w;
+    for (std::string s; words >> s && w.size() < 4;) w.push_back(s);
+    for (size_t i = 2; i < w.size(); ++i)
+      if (w[i] == "pass" || w[i] == "FAIL" || w[i] == "declined") {
+        run.rows[w[0]].insert(w[i]);
+        break;
+      }
+  }
+  return run;
+}
+#endif
+
+struct Plant {
+  std::string kind;  // LOOM_PLANTED
+  std::string op;    // the op it makes wrong
+};
+void PrintTo(const Plant& p, std::ostream* os) { *os << p.kind << " (" << p.op << ")"; }
+
+std::vector<Plant> plants() {
+  return {{"gemm_residue", "gemm"},  {"gemm_beta", "gemm"},    {"gemm_trans", "gemm"},
+          {"add_bf16", "add"},       {"add_strided", "add"},   {"mul_oob", "mul"},
+          {"relu_input", "relu"},    {"softmax_long", "softmax"}, {"layer_norm_residue", "layer_norm"}};
+}
+
+class PlantedBug : public ::testing::TestWithParam<Plant> {};
+
+// Each plant fails its op: exit status 1 (failures found; not 2, an error, nor a crash), a FAIL row for the op,
+// and no FAIL row for the ops the plant leaves alone.
+TEST_P(PlantedBug, ConformanceFailsThePlantedOp) {
+#ifndef LOOM_CONFORMANCE_EXE
+  GTEST_SKIP() << "loom-conformance is not built (LOOM_APPS=OFF)";
+#else
+  const Plant& p = GetParam();
+  ConformanceRun run = run_conformance(p.kind);
+  EXPECT_EQ(run.exit_code, 1) << "LOOM_PLANTED=" << p.kind << ": exit status (128 + n: killed by signal n)";
+  EXPECT_TRUE(run.failed(p.op)) << "LOOM_PLANTED=" << p.kind << ": no FAIL row for " << p.op;
+  for (const auto& op : kPlantedOps) {
+    if (op == p.op) continue;
+    EXPECT_FALSE(run.failed(op)) << "LOOM_PLANTED=" << p.kind << " leaves " << op << " correct";
+  }
+  if (HasFailure()) std::cout << "loom-conformance with LOOM_PLANTED=" << p.kind << ":\n" << run.output;
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(PlantedBugs, PlantedBug, ::testing::ValuesIn(plants()),
+                         [](const ::testing::TestParamInfo<Plant>& param) { return param.param.kind; });
+
+// Without a plant the library passes: every op has passing rows and none fails.
+TEST(PlantedBugs, CleanLibraryPasses) {
+#ifndef LOOM_CONFORMANCE_EXE
+  GTEST_SKIP() << "loom-conformance is not built (LOOM_APPS=OFF)";
+#else
+  ConformanceRun run = run_conformance("none");
+  EXPECT_EQ(run.exit_code, 0) << "exit status (128 + n: killed by signal n)";
+  for (const auto& op : kPlantedOps) {
+    EXPECT_TRUE(run.passed(op)) << op << " has no passing row";
+    EXPECT_FALSE(run.failed(op)) << op << " fails without a plant";
+  }
+  if (HasFailure()) std::cout << "loom-conformance with LOOM_PLANTED=none:\n" << run.output;
+#endif
+}
+
+// A LOOM_PLANTED the library does not know stops the load (a typo must not run the clean kernels).
+TEST(PlantedBugs, UnknownPlantIsAnError) {
+#ifndef LOOM_CONFORMANCE_EXE
+  GTEST_SKIP() << "loom-conformance is not built (LOOM_APPS=OFF)";
+#else
+  ConformanceRun run = run_conformance("gemm_typo");
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_NE(run.output.find("gemm_typo"), std::string::npos) << run.output;
+#endif
+}
+
+}  // namespace
+}  // namespace loom
