@@ -129,6 +129,9 @@ int main(int argc, char** argv) {
       std::cerr << "); load one with --load or LOOM_PROVIDER_PATH\n";
       return 2;
     }
+    // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
+    // failure in every case: building a candidate list checks the policy.
+    loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
     loom::Device device = loom::Device::parse(device_name);
     const std::string cases_dir = cases_path.empty() ? find_cases_dir() : cases_path;
     if (reference_file.empty() && fs::is_directory(cases_dir))

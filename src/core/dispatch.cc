@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <unordered_map>
@@ -34,6 +36,13 @@ struct Registry {
   uint64_t next_sequence = 0;
   bool policy_set = false;
   ProviderPolicy policy;
+  // The provider names LOOM_PROVIDERS_FILE and LOOM_PROVIDERS gave, each with where it came from, for the error
+  // when the policy names a provider no kernel is registered under (any other name came from set_policy). It
+  // outlives set_policy, so a policy read with policy() and set back (test::ScopedPolicy, the conformance runner)
+  // still names the variable. The check runs when candidate lists are built, after the first-dispatch hooks have
+  // loaded LOOM_PROVIDER_PATH's libraries: a policy may name a provider before it is loaded.
+  std::map<std::string, std::string> env_sources;
+  uint64_t policy_checked_generation = 0;  // the generation whose providers the policy was last checked against
   // Cache: slot per (op, device type, dtype); rebuilt when generation moves.
   std::atomic<uint64_t> generation{1};
   struct Slot {
@@ -59,15 +68,53 @@ void apply_modes(const ProviderPolicy& p) {
   dispatch::detail::cpu_fallback.store(p.cpu_fallback);
 }
 
+// Every provider name a policy mentions: routes, order, denials, shadows.
+std::set<std::string> named_providers(const ProviderPolicy& p) {
+  std::set<std::string> names(p.order.begin(), p.order.end());
+  for (const auto& [op, provs] : p.routes) names.insert(provs.begin(), provs.end());
+  for (const auto& [device, ops] : p.device_routes)
+    for (const auto& [op, provs] : ops) names.insert(provs.begin(), provs.end());
+  names.insert(p.denied.begin(), p.denied.end());
+  for (const auto& [op, provider] : p.shadows) names.insert(provider);
+  return names;
+}
+
 void ensure_policy_locked(Registry& r) {
   if (r.policy_set) return;
   // A bad file or spec throws at every dispatch until it is fixed, rather than running without the policy.
   ProviderPolicy p;
-  if (const char* file = std::getenv("LOOM_PROVIDERS_FILE"); file && *file) p = ProviderPolicy::load_file(file);
-  if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) p.merge(ProviderPolicy::parse(env));
+  std::map<std::string, std::string> sources;
+  if (const char* file = std::getenv("LOOM_PROVIDERS_FILE"); file && *file) {
+    p = ProviderPolicy::load_file(file);
+    for (const auto& name : named_providers(p)) sources[name] = std::string("provider policy file '") + file + "'";
+  }
+  if (const char* env = std::getenv("LOOM_PROVIDERS"); env && *env) {
+    ProviderPolicy e = ProviderPolicy::parse(env);
+    for (const auto& name : named_providers(e)) sources[name] = "LOOM_PROVIDERS";
+    p.merge(e);
+  }
   apply_modes(p);
   r.policy = std::move(p);
+  r.env_sources = std::move(sources);
   r.policy_set = true;
+}
+
+// A policy naming a provider no kernel is registered under is an error (a typo would otherwise be ignored), listing
+// the providers there are in registration order.
+void check_policy_providers_locked(Registry& r) {
+  std::set<std::string> registered;
+  std::vector<std::string> in_order;
+  for (const auto& e : r.entries)
+    if (registered.insert(e->provider).second) in_order.push_back(e->provider);
+  for (const auto& name : named_providers(r.policy)) {
+    if (registered.count(name)) continue;
+    auto it = r.env_sources.find(name);
+    std::string known;
+    for (const auto& p : in_order) known += (known.empty() ? "" : ", ") + p;
+    LOOM_THROW(it != r.env_sources.end() ? it->second : std::string("the policy given to dispatch::set_policy"),
+               " names provider '", name, "', which no kernel is registered under; providers: ",
+               known.empty() ? "(none)" : known);
+  }
 }
 
 struct FirstDispatchHooks {
@@ -362,6 +409,7 @@ void reset_policy() {
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
   r.policy = ProviderPolicy();
+  r.env_sources.clear();
   r.policy_set = false;
   apply_modes(r.policy);
   invalidate_locked(r);
@@ -385,6 +433,11 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
   run_first_dispatch_hooks();  // outside the lock: a hook registers kernels
   std::lock_guard<std::mutex> g(r.mu);
   ensure_policy_locked(r);
+  // Once per registry or policy change, after the hooks above loaded the libraries a policy may name.
+  if (const uint64_t now = r.generation.load(); r.policy_checked_generation != now) {
+    check_policy_providers_locked(r);
+    r.policy_checked_generation = now;
+  }
   if (r.slots.size() <= op) {
     r.slots.reserve(4096);  // never reallocates below 4096 ops, so lock-free readers above stay valid
     LOOM_CHECK(op < 4096, "too many ops");
