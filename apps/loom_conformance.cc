@@ -6,7 +6,8 @@
 //   loom-conformance --provider native --reference pytorch         (only the PyTorch reference cases)
 //
 // Prints pass / FAIL (worst error) / declined per op and dtype and exits 1 on any failure. Cases are the JSON files
-// in conformance/ (found from the working directory or beside the executable), or --cases FILE_OR_DIR, checked
+// in conformance/ (found from the working directory, at <prefix>/share/loom/conformance for an installed
+// executable, or above the executable in a build tree), or --cases FILE_OR_DIR, checked
 // against Loom's native CPU kernels in float64; plus, when conformance/reference/pytorch_refs.json exists (or with
 // --reference pytorch|all), the stored PyTorch cases, checked against PyTorch's float64 results (rows "[pytorch]").
 #include <CLI/CLI.hpp>
@@ -27,16 +28,28 @@ namespace fs = std::filesystem;
 
 namespace {
 
+#ifndef LOOM_INSTALLED_CASES_DIR
+#define LOOM_INSTALLED_CASES_DIR "../share/loom/conformance"  // from the installed executable's directory
+#endif
+
+// conformance/ in the working directory or a directory above it (a checkout); else the installed cases beside the
+// executable (<prefix>/bin/../share/loom/conformance); else conformance/ in a directory above the executable (a
+// build tree in the checkout).
 std::string find_cases_dir() {
-  std::vector<fs::path> starts{fs::current_path()};
-  std::error_code ec;
-  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) starts.push_back(exe.parent_path());
-  for (fs::path dir : starts) {
+  auto walk_up = [](fs::path dir) -> std::string {
     for (int up = 0; up < 5 && !dir.empty(); ++up, dir = dir.parent_path()) {
       if (fs::is_directory(dir / "conformance")) return (dir / "conformance").string();
       if (dir == dir.parent_path()) break;
     }
+    return "";
+  };
+  if (std::string found = walk_up(fs::current_path()); !found.empty()) return found;
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    fs::path installed = (exe.parent_path() / LOOM_INSTALLED_CASES_DIR).lexically_normal();
+    if (fs::is_directory(installed)) return installed.string();
+    if (std::string found = walk_up(exe.parent_path()); !found.empty()) return found;
   }
   return "conformance";
 }
@@ -92,7 +105,9 @@ int main(int argc, char** argv) {
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
   app.add_option("--load", libraries, "kernel library to load first (repeatable)");
-  app.add_option("--cases", cases_path, "a case file or a directory of them (default: conformance/)");
+  app.add_option("--cases", cases_path,
+                 "a case file or a directory of them (default: conformance/ in or above the working directory, "
+                 "else the installed <prefix>/share/loom/conformance, else conformance/ above the executable)");
   app.add_option("--json", json_path, "write the full report as JSON");
   app.add_option("--op", op_filter, "only cases of this op");
   app.add_option("--reference", reference,
