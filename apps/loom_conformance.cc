@@ -1,15 +1,16 @@
-// loom-conformance: checks one provider's kernels against Loom's native CPU kernels in float64, case by case.
+// loom-conformance: checks one provider's kernels case by case, with cases made from each op's description.
 //
 //   loom-conformance --provider cpu_sample --load build/plugins/libloom_cpu_sample.so --json report.json
-//   loom-conformance --provider native --device cuda
+//   loom-conformance --provider native --device cuda [--fuzz 200 --seed 7]
+//   loom-conformance --provider acme --op gemm --dtype bf16 --case 41     (rerun one case, as a failure prints it)
+//   loom-conformance --describe [OP]          (each op's arguments, dtypes, shapes and attributes: what a case is)
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
-//   loom-conformance --provider native --reference pytorch         (only the PyTorch reference cases)
 //
-// Prints pass / FAIL (worst error) / declined per op and dtype and exits 1 on any failure. Cases are the JSON files
-// in conformance/ (found from the working directory, at <prefix>/share/loom/conformance for an installed
-// executable, or above the executable in a build tree), or --cases FILE_OR_DIR, checked
-// against Loom's native CPU kernels in float64; plus, when conformance/reference/pytorch_refs.json exists (or with
-// --reference pytorch|all), the stored PyTorch cases, checked against PyTorch's float64 results (rows "[pytorch]").
+// Every op and dtype the provider registers on the device is checked against Loom's native CPU kernel in float64
+// (docs/PROVIDERS.md says how the cases are made); plus the stored PyTorch cases (conformance/reference/, found
+// from the working directory, at <prefix>/share/loom/conformance for an installed executable, or above the
+// executable in a build tree), checked against PyTorch's float64 results (rows "op [pytorch]"). Prints one row per
+// (op, dtype), each failing case with the command that reruns it, and exits 1 on any failure.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -97,34 +98,45 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Check a kernel provider against Loom's float64 CPU reference"};
-  std::string provider, device_name = "cpu", cases_path, json_path, op_filter;
+  CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
+  std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
+  std::string reference_file, describe_op;
   std::vector<std::string> libraries;
-  std::string dtype_filter, reference = "auto", reference_file;
-  bool list = false, list_kernels_flag = false;
+  bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
+  int fuzz = 0, case_index = -1;
+  uint64_t seed = 1;
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
   app.add_option("--load", libraries, "kernel library to load first (repeatable)");
-  app.add_option("--cases", cases_path,
-                 "a case file or a directory of them (default: conformance/ in or above the working directory, "
-                 "else the installed <prefix>/share/loom/conformance, else conformance/ above the executable)");
-  app.add_option("--json", json_path, "write the full report as JSON");
-  app.add_option("--op", op_filter, "only cases of this op");
+  app.add_option("--json", json_path, "write every case's result as JSON");
+  app.add_option("--op", op_filter, "only this op");
+  app.add_option("--dtype", dtype_filter, "only this dtype (f32, bf16, ...), also with --list-kernels");
+  app.add_option("--fuzz", fuzz, "also run N random cases per op and dtype, drawn from --seed")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
+  app.add_option("--case", case_index, "run only this case of --op and --dtype (what a failure's rerun line gives)");
+  app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
   app.add_option("--reference", reference,
-                 "auto: the declarative cases, plus the PyTorch reference cases when their file exists (default); "
-                 "loom: the declarative cases only; pytorch: the PyTorch reference cases only; all: both")
-      ->check(CLI::IsMember({"auto", "loom", "pytorch", "all"}));
+                 "auto: the stored PyTorch cases too when their file exists (default); pytorch: only them; none")
+      ->check(CLI::IsMember({"auto", "pytorch", "none"}));
   app.add_option("--reference-file", reference_file,
-                 "the PyTorch reference description (default: <cases dir>/reference/pytorch_refs.json)");
-  app.add_flag("--list-ops", list, "list the ops the runner has harnesses for and exit");
+                 "the stored PyTorch cases (default: conformance/reference/pytorch_refs.json, found as above)");
+  app.add_option("--cases", cases_path, "the conformance/ directory holding reference/ (default: found as above)");
+  app.add_flag("--list-ops", list, "list the declared ops and exit");
+  auto* describe_flag = app.add_option("--describe", describe_op, "print the description of OP (or of every op)")
+                            ->expected(0, 1);
   app.add_flag("--list-kernels", list_kernels_flag,
                "list which provider serves each op on --device, per dtype, under the current policy, and exit");
-  app.add_option("--dtype", dtype_filter, "with --list-kernels: only this dtype (f32, bf16, ...)");
   CLI11_PARSE(app, argc, argv);
+  describe = describe_flag->count() > 0;
 
   try {
     if (list) {
-      for (const auto& op : loom::conformance::supported_ops()) std::cout << op << "\n";
+      for (const auto* s : loom::op_schemas()) std::cout << s->name << "\n";
+      return 0;
+    }
+    if (describe) {
+      for (const auto* s : loom::op_schemas())
+        if (describe_op.empty() || s->name == describe_op) std::cout << s->str() << "\n";
       return 0;
     }
     loom::providers::load_from_env();
@@ -134,7 +146,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (provider.empty()) {
-      std::cerr << "loom-conformance: --provider is required (or use --list-ops / --list-kernels)\n";
+      std::cerr << "loom-conformance: --provider is required (or use --list-ops / --describe / --list-kernels)\n";
       return 2;
     }
     auto providers = loom::dispatch::providers();
@@ -147,49 +159,53 @@ int main(int argc, char** argv) {
     // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
     // failure in every case: building a candidate list checks the policy.
     loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
-    loom::Device device = loom::Device::parse(device_name);
-    const std::string cases_dir = cases_path.empty() ? find_cases_dir() : cases_path;
-    if (reference_file.empty() && fs::is_directory(cases_dir))
-      reference_file = (fs::path(cases_dir) / "reference" / "pytorch_refs.json").string();
-    bool with_declarative = reference != "pytorch";
-    bool with_stored = reference == "pytorch" || reference == "all" ||
-                       (reference == "auto" && !reference_file.empty() && fs::exists(reference_file));
-    if (with_stored && reference_file.empty())
-      throw loom::Error("--reference " + reference + ": no reference file (give --reference-file)");
-    std::vector<loom::conformance::Case> cases, stored;
-    if (with_declarative) cases = loom::conformance::load_cases(cases_dir);
-    if (with_stored) stored = loom::conformance::load_reference_cases(reference_file);
-    auto keep_op = [&](std::vector<loom::conformance::Case>& v) {
-      if (!op_filter.empty())
-        v.erase(std::remove_if(v.begin(), v.end(), [&](auto& c) { return c.op != op_filter; }), v.end());
-    };
-    keep_op(cases);
-    keep_op(stored);
-    std::cout << "provider " << provider << " on " << device.str() << ": ";
-    if (with_declarative) std::cout << cases.size() << " cases against Loom's float64 CPU kernels";
-    if (with_declarative && with_stored) std::cout << " + ";
-    if (with_stored) {
-      std::string version = stored.empty() ? "?" : stored.front().stored->torch_version;
-      std::cout << stored.size() << " reference cases against PyTorch's float64 results (torch " << version
-                << ", " << reference_file << ")";
-    } else if (reference == "auto") {
-      if (reference_file.empty())
-        std::cout << " (no PyTorch reference cases: --cases is a file; give --reference-file)";
-      else
-        std::cout << " (no PyTorch reference cases: " << reference_file
-                  << " not found; tools/reference/make_conformance_refs.py writes it)";
+    // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
+    // failure in every case: building a candidate list checks the policy.
+    loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
+    if (!op_filter.empty() && !loom::find_op_schema(op_filter))
+      throw loom::Error("--op: no op named '" + op_filter + "' (loom-conformance --list-ops lists them)");
+    loom::conformance::SuiteOptions o;
+    o.provider = provider, o.device = loom::Device::parse(device_name), o.fuzz = fuzz, o.seed = seed;
+    o.only_case = case_index;
+    o.generated = !no_generated;
+    if (!op_filter.empty()) o.ops = {op_filter};
+    if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
+    std::string rerun = "loom-conformance --provider " + provider + " --device " + o.device.str();
+    for (const auto& lib : libraries) rerun += " --load " + lib;
+    if (fuzz) rerun += " --fuzz " + std::to_string(fuzz);
+    if (seed != 1) rerun += " --seed " + std::to_string(seed);
+
+    std::vector<loom::conformance::CaseResult> results;
+    if (reference != "pytorch" && (o.generated || o.fuzz > 0)) {
+      results = loom::conformance::run_suite(o);
+      std::cout << "provider " << provider << " on " << o.device.str() << ": " << results.size()
+                << " cases made from the op descriptions (seed " << seed << ", fuzz " << fuzz
+                << "), against Loom's native CPU kernels in float64\n";
     }
-    std::cout << "\n";
-    cases.insert(cases.end(), stored.begin(), stored.end());
-    auto results = loom::conformance::run(cases, provider, device);
-    std::cout << loom::conformance::format_table(results);
+    if (reference != "none" && case_index < 0) {
+      if (reference_file.empty()) {
+        const std::string dir = cases_path.empty() ? find_cases_dir() : cases_path;
+        reference_file = (fs::path(dir) / "reference" / "pytorch_refs.json").string();
+      }
+      if (fs::exists(reference_file) || reference == "pytorch") {
+        auto stored = loom::conformance::load_stored_cases(reference_file);
+        auto checked = loom::conformance::run_stored(stored, o);
+        std::cout << checked.size() << " stored cases against PyTorch's float64 results (torch "
+                  << (stored.empty() ? "?" : stored.front().torch_version) << ", " << reference_file << ")\n";
+        results.insert(results.end(), checked.begin(), checked.end());
+      } else {
+        std::cout << "(no stored PyTorch cases: " << reference_file
+                  << " not found; tools/reference/make_conformance_refs.py writes it)\n";
+      }
+    }
+    std::cout << loom::conformance::suite_table(results, rerun);
     if (!json_path.empty()) {
       std::ofstream os(json_path);
-      os << loom::conformance::to_json(results, provider, device) << "\n";
+      os << loom::conformance::suite_json(results, o) << "\n";
       if (!os) throw loom::Error("cannot write " + json_path);
     }
-    bool failed = loom::conformance::any_failure(results);
-    std::cout << (failed ? "FAILED" : "all passed or declined") << "\n";
+    const bool failed = loom::conformance::suite_failed(results);
+    std::cout << (failed ? "FAILED" : "every case passed or was declined") << "\n";
     return failed ? 1 : 0;
   } catch (const std::exception& e) {
     std::cerr << "loom-conformance: " << e.what() << "\n";

@@ -56,7 +56,7 @@ int main() {
   for (auto& t : target_values) t = pick(eng);
   Tensor targets = from_vector(target_values, {rows}).to(kGpu);
 
-  const CrossEntropyAttrs attrs{-100, ops::Reduction::kMean, classes};
+  const CrossEntropyAttrs attrs{-100, LossReduction::kMean, classes};
   Tensor loss = empty({}, kF32, kGpu), grad = empty({rows, vocab}, kBF16, kGpu), copy = empty({rows, vocab}, kBF16, kGpu);
   Tensor one = ones({}, kF32, kGpu), quarter = full({}, 0.25, kF32, kGpu);
 

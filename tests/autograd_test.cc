@@ -8,6 +8,7 @@
 #include "loom/autograd/gradcheck.h"
 #include "loom/autograd/node.h"
 #include "loom/core/dispatch.h"
+#include "loom/dispatch_modes.h"
 #include "loom/functional.h"
 #include "test_util.h"
 

@@ -100,7 +100,7 @@ void check_fused(Device device, const std::vector<DType>& dtypes) {
         const std::vector<int64_t> tv = draw_targets(c, seed + 1);
         const Reference ref = reference(logits, tv, c.limit, reduction);
         const DType loss_dt = cross_entropy_loss_dtype(dt);
-        const CrossEntropyAttrs attrs{-100, reduction, c.limit == c.vocab ? -1 : c.limit};
+        const CrossEntropyAttrs attrs{-100, LossReduction(reduction), c.limit == c.vocab ? -1 : c.limit};
 
         Tensor x = at_offset(logits, c.logits_offset, device);
         Tensor t = from_vector(tv, {c.n}).to(index_dt).to(device);

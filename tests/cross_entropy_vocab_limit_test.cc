@@ -65,7 +65,7 @@ void check_device(Device device, const std::vector<DType>& dtypes) {
           const Reference ref = reference(logits, tv, c.limit, -100);
           const bool per_row = reduction == ops::Reduction::kNone;
           const DType loss_dt = cross_entropy_loss_dtype(dt);
-          const CrossEntropyAttrs attrs{-100, reduction, c.limit == c.vocab ? -1 : c.limit};
+          const CrossEntropyAttrs attrs{-100, LossReduction(reduction), c.limit == c.vocab ? -1 : c.limit};
 
           Tensor x = logits.to(device), t = targets.to(device);
           Tensor loss = test::poisoned(per_row ? Shape{c.n} : Shape{}, loss_dt, device);

@@ -449,7 +449,7 @@ TEST(CudaReduceNnCrossEntropy, ForwardAndBackwardMatchCpu) {
                                             << dtype_name(index_dt) << " ignore " << ignore_index << " reduction "
                                             << int(reduction) << " seed " << seed);
             const bool per_row = reduction == ops::Reduction::kNone;
-            const CrossEntropyAttrs attrs{ignore_index, reduction};
+            const CrossEntropyAttrs attrs{ignore_index, LossReduction(reduction)};
             Tensor loss = test::poisoned(per_row ? Shape{c.n} : Shape{}, loss_dt, kGpu);
             Tensor targets_gpu = targets.to(kGpu);
             dispatch::call(cross_entropy_op, kGpu, dt, logits_gpu, targets_gpu, attrs, loss);

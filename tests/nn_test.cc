@@ -481,7 +481,7 @@ TEST(NnCrossEntropy, BackwardMatchesFiniteDifferences) {
         Tensor poisoned = test::poisoned({n, vocab}, dt);
         Tensor gl_c = gl.contiguous();
         dispatch::call(cross_entropy_backward_op, Device(), dt, gl_c, x, t,
-                       CrossEntropyAttrs{ignore_index, reduction}, poisoned);
+                       CrossEntropyAttrs{ignore_index, LossReduction(reduction)}, poisoned);
         EXPECT_TRUE(expect_match("cross_entropy_backward kernel", poisoned, expected, dt, true));
       }
     }

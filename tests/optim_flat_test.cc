@@ -7,6 +7,7 @@
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
+#include "loom/dispatch_modes.h"
 #include "loom/functional.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/optimizer.h"

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "kernels/gemm_kernel.h"
+#include "loom/dispatch_modes.h"
 #include "loom/providers.h"
 #include "providers/conformance.h"
 #include "test_models.h"
@@ -148,22 +149,23 @@ TEST_F(ProvidersCuda, AddMatchesNativeWithBroadcastAndStrides) {
   }
 }
 
-std::vector<conformance::Case> cases_for(const std::vector<std::string>& ops) {
-  std::vector<conformance::Case> out;
-  for (const auto& c : conformance::load_cases(std::string(LOOM_SOURCE_DIR) + "/conformance"))
-    if (std::find(ops.begin(), ops.end(), c.op) != ops.end()) out.push_back(c);
-  return out;
+// The cases made from the ops' descriptions, for one provider.
+std::vector<conformance::CaseResult> suite(const std::vector<std::string>& ops, const std::string& provider,
+                                          Device device) {
+  conformance::SuiteOptions o;
+  o.provider = provider, o.device = device, o.ops = ops;
+  return conformance::run_suite(o);
 }
 
 TEST_F(ProvidersCuda, PassesTheConformanceSuiteForItsOps) {
-  auto results = conformance::run(cases_for({"gemm", "add"}), "cuda_sample", kGpu);
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  auto results = suite({"gemm", "add"}, "cuda_sample", kGpu);
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
   int passed = 0, declined = 0;
   for (const auto& r : results) {
-    passed += r.status == conformance::Status::kPass;
-    declined += r.status == conformance::Status::kDeclined;
+    passed += r.status == conformance::CaseStatus::kPass;
+    declined += r.status == conformance::CaseStatus::kDeclined;
   }
-  EXPECT_GT(passed, 5) << conformance::format_table(results);
+  EXPECT_GT(passed, 5) << conformance::suite_table(results, "");
   EXPECT_GT(declined, 0);  // f64, and the GELU epilogues
 }
 
@@ -183,7 +185,7 @@ TEST_F(ProvidersCuda, ShadowAndAutotuneOnTheDevice) {
   ASSERT_EQ(choices.size(), 1u);
   EXPECT_EQ(choices[0].device, "cuda:0");
   EXPECT_EQ(choices[0].timings_us.size(), 2u);  // native and cuda_sample both timed
-  std::string explained = dispatch::explain_str("gemm", kCUDA, kBF16);
+  std::string explained = dispatch::autotune_report("gemm", kCUDA, kBF16);
   EXPECT_NE(explained.find("autotuned"), std::string::npos) << explained;
   std::cout << explained << "\n";
 }

@@ -7,6 +7,7 @@
 #include "kernels/attention_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "loom/abi/loom_kernel_abi.h"
+#include "loom/dispatch_modes.h"
 #include "loom/providers.h"
 #include "providers/conformance.h"
 #include "test_models.h"
@@ -175,34 +176,34 @@ TEST_F(Providers, LoadsAnAbi10LibraryWithoutItsNewerOps) {
   EXPECT_EQ(calls_of("gemm", "cpu_sample_abi10"), calls + 1);
 }
 
-std::vector<conformance::Case> cases_for(const std::vector<std::string>& ops) {
-  std::vector<conformance::Case> out;
-  for (const auto& c : conformance::load_cases(std::string(LOOM_SOURCE_DIR) + "/conformance"))
-    if (std::find(ops.begin(), ops.end(), c.op) != ops.end()) out.push_back(c);
-  return out;
+// The cases made from the ops' descriptions, for one provider.
+std::vector<conformance::CaseResult> suite(const std::vector<std::string>& ops, const std::string& provider,
+                                          Device device) {
+  conformance::SuiteOptions o;
+  o.provider = provider, o.device = device, o.ops = ops;
+  return conformance::run_suite(o);
 }
 
 TEST_F(Providers, ConformancePassesTheSampleAndCatchesAWrongSoftmax) {
-  auto cases = cases_for({"gemm", "add", "softmax"});
-  ASSERT_FALSE(cases.empty());
-  auto results = conformance::run(cases, "cpu_sample", Device());
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  auto results = suite({"gemm", "add", "softmax"}, "cpu_sample", Device());
+  ASSERT_FALSE(results.empty());
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
   int passed = 0, declined = 0;
   for (const auto& r : results) {
-    if (r.status == conformance::Status::kPass) {
+    if (r.status == conformance::CaseStatus::kPass) {
       ++passed;
       EXPECT_EQ(r.dtype, kF32);
     }
-    if (r.status == conformance::Status::kDeclined) ++declined;
+    if (r.status == conformance::CaseStatus::kDeclined) ++declined;
   }
   EXPECT_GT(passed, 5);
   EXPECT_GT(declined, 0);  // f64, bf16 and f16 are outside the plugin's dtype mask
 
   ensure_loaded("loom_cpu_sample_wrong_softmax", "cpu_sample_wrong");
-  auto wrong = conformance::run(cases_for({"softmax"}), "cpu_sample_wrong", Device());
-  EXPECT_TRUE(conformance::any_failure(wrong)) << conformance::format_table(wrong);
+  auto wrong = suite({"softmax"}, "cpu_sample_wrong", Device());
+  EXPECT_TRUE(conformance::suite_failed(wrong)) << conformance::suite_table(wrong, "");
   // Its add and gemm are the correct ones.
-  EXPECT_FALSE(conformance::any_failure(conformance::run(cases_for({"add"}), "cpu_sample_wrong", Device())));
+  EXPECT_FALSE(conformance::suite_failed(suite({"add"}, "cpu_sample_wrong", Device())));
 }
 
 // The ops of ABI 1.1 the plugin serves pass their cases through the adapters (argument order, optional tensors,
@@ -212,18 +213,17 @@ TEST_F(Providers, ConformanceChecksTheAbi11OpsAndCatchesWrongOnes) {
                                           "residual_rms_norm_backward", "cross_entropy_with_grad",
                                           "cross_entropy_scale_grad", "column_sums", "rope_strided", "adamw_update",
                                           "sgd_update", "grad_norm_squared"};
-  auto cases = cases_for(fused);
-  ASSERT_GE(cases.size(), 25u);
-  auto results = conformance::run(cases, "cpu_sample", Device());
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  auto results = suite(fused, "cpu_sample", Device());
+  ASSERT_FALSE(results.empty());
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
   std::set<std::string> passed;
   int declined = 0;
   for (const auto& r : results) {
-    if (r.status == conformance::Status::kPass) {
+    if (r.status == conformance::CaseStatus::kPass) {
       passed.insert(r.op);
       EXPECT_EQ(r.dtype, kF32);
     }
-    if (r.status == conformance::Status::kDeclined) ++declined;
+    if (r.status == conformance::CaseStatus::kDeclined) ++declined;
   }
   EXPECT_EQ(passed.size(), fused.size());  // every op passes its f32 cases
   EXPECT_GT(declined, 0);                  // f64, bf16, and f32 norms beside bf16 activations
@@ -231,13 +231,13 @@ TEST_F(Providers, ConformanceChecksTheAbi11OpsAndCatchesWrongOnes) {
   // Wrong fused kernels: the norms' backward drops grad_residual, the loss's mean counts ignored rows.
   ensure_loaded("loom_cpu_sample_wrong_fused", "cpu_sample_wrong_fused");
   for (const char* op : {"residual_layer_norm_backward", "residual_rms_norm_backward", "cross_entropy_with_grad"}) {
-    auto wrong = conformance::run(cases_for({op}), "cpu_sample_wrong_fused", Device());
-    EXPECT_TRUE(conformance::any_failure(wrong)) << op << "\n" << conformance::format_table(wrong);
+    auto wrong = suite({op}, "cpu_sample_wrong_fused", Device());
+    EXPECT_TRUE(conformance::suite_failed(wrong)) << op << "\n" << conformance::suite_table(wrong, "");
   }
   // Its forward norms are the correct ones.
-  auto right = conformance::run(cases_for({"residual_layer_norm", "residual_rms_norm"}), "cpu_sample_wrong_fused",
+  auto right = suite({"residual_layer_norm", "residual_rms_norm"}, "cpu_sample_wrong_fused",
                                 Device());
-  EXPECT_FALSE(conformance::any_failure(right)) << conformance::format_table(right);
+  EXPECT_FALSE(conformance::suite_failed(right)) << conformance::suite_table(right, "");
 }
 
 // The strided attention ops have native kernels on CUDA only, so their cases compare with the plain ops on copies.
@@ -303,8 +303,8 @@ void register_provider(const std::string& name, bool ignore_strides) {
 }  // namespace strided_attention
 
 TEST_F(Providers, ConformanceChecksTheStridedAttentionOpsAgainstThePlainOnes) {
-  auto cases = cases_for({"scaled_dot_product_attention_strided", "scaled_dot_product_attention_backward_strided"});
-  ASSERT_GE(cases.size(), 4u);
+  const std::vector<std::string> ops = {"scaled_dot_product_attention_strided",
+                                        "scaled_dot_product_attention_backward_strided"};
   struct Unregister {
     ~Unregister() {
       dispatch::unregister_provider("test_strided");
@@ -313,51 +313,49 @@ TEST_F(Providers, ConformanceChecksTheStridedAttentionOpsAgainstThePlainOnes) {
   } unregister;
   strided_attention::register_provider("test_strided", false);
   strided_attention::register_provider("test_strided_wrong", true);
-  auto results = conformance::run(cases, "test_strided", Device());
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
+  auto results = suite(ops, "test_strided", Device());
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
   int passed = 0;
-  for (const auto& r : results) passed += r.status == conformance::Status::kPass;
+  for (const auto& r : results) passed += r.status == conformance::CaseStatus::kPass;
   EXPECT_GE(passed, 6);  // f32 and f64 of both ops (bf16 and f16 declined)
   for (const char* op : {"scaled_dot_product_attention_strided", "scaled_dot_product_attention_backward_strided"}) {
-    auto wrong = conformance::run(cases_for({op}), "test_strided_wrong", Device());
-    EXPECT_TRUE(conformance::any_failure(wrong)) << op << "\n" << conformance::format_table(wrong);
+    auto wrong = suite({op}, "test_strided_wrong", Device());
+    EXPECT_TRUE(conformance::suite_failed(wrong)) << op << "\n" << conformance::suite_table(wrong, "");
   }
-  // Native has no CPU kernel for them: reported as not provided, not as failures.
-  auto native = conformance::run(cases, "native", Device());
-  for (const auto& r : native) EXPECT_EQ(r.status, conformance::Status::kSkipped) << r.case_name;
+  // Native has no CPU kernel for them: nothing to check, and no failure.
+  EXPECT_TRUE(suite(ops, "native", Device()).empty());
 }
 
 TEST_F(Providers, PyTorchReferenceCasesCatchAWrongSoftmax) {
   const std::string path = std::string(LOOM_SOURCE_DIR) + "/conformance/reference/pytorch_refs.json";
   if (!fs::exists(path)) GTEST_SKIP() << path << " not generated";
-  std::vector<conformance::Case> softmax;
-  for (const auto& c : conformance::load_reference_cases(path))
+  std::vector<conformance::StoredCase> softmax;
+  for (const auto& c : conformance::load_stored_cases(path))
     if (c.op == "softmax") softmax.push_back(c);
   ASSERT_FALSE(softmax.empty());
-  auto good = conformance::run(softmax, "cpu_sample", Device());
-  EXPECT_FALSE(conformance::any_failure(good)) << conformance::format_table(good);
+  conformance::SuiteOptions o;
+  o.provider = "cpu_sample";
+  auto good = conformance::run_stored(softmax, o);
+  ASSERT_FALSE(good.empty());
+  EXPECT_FALSE(conformance::suite_failed(good)) << conformance::suite_table(good, "");
   ensure_loaded("loom_cpu_sample_wrong_softmax", "cpu_sample_wrong");
-  auto wrong = conformance::run(softmax, "cpu_sample_wrong", Device());
-  EXPECT_TRUE(conformance::any_failure(wrong)) << conformance::format_table(wrong);
-  EXPECT_NE(conformance::format_table(wrong).find("softmax [pytorch]"), std::string::npos);
+  o.provider = "cpu_sample_wrong";
+  auto wrong = conformance::run_stored(softmax, o);
+  EXPECT_TRUE(conformance::suite_failed(wrong)) << conformance::suite_table(wrong, "");
+  EXPECT_NE(conformance::suite_table(wrong, "").find("softmax [pytorch]"), std::string::npos);
 }
 
-TEST_F(Providers, ConformanceReportsOpsThePluginLacksAsNotProvided) {
-  auto cases = cases_for({"where", "pow_scalar", "embedding", "scatter_add", "rope", "scaled_dot_product_attention",
-                          "embedding_backward", "cross_entropy"});
-  ASSERT_GE(cases.size(), 8u);
-  auto results = conformance::run(cases, "cpu_sample", Device());
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
-  for (const auto& r : results) EXPECT_EQ(r.status, conformance::Status::kSkipped) << r.case_name;
-  EXPECT_NE(conformance::format_table(results).find("not provided (8 ops)"), std::string::npos)
-      << conformance::format_table(results);
+TEST_F(Providers, ConformanceRunsNothingForOpsThePluginLacks) {
+  auto results = suite({"where", "pow_scalar", "embedding", "scatter_add", "rope", "scaled_dot_product_attention",
+                          "embedding_backward", "cross_entropy"}, "cpu_sample", Device());
+  EXPECT_TRUE(results.empty()) << conformance::suite_table(results, "");  // no case runs for what it lacks
 }
 
 TEST_F(Providers, NativeKernelsPassTheSuite) {
-  auto results = conformance::run(conformance::load_cases(std::string(LOOM_SOURCE_DIR) + "/conformance"), "native",
-                                  Device());
-  EXPECT_FALSE(conformance::any_failure(results)) << conformance::format_table(results);
-  for (const auto& r : results) EXPECT_NE(r.status, conformance::Status::kDeclined) << r.case_name;
+  // Every declared op and dtype native registers on the CPU, every generated case.
+  auto results = conformance::run_suite(conformance::SuiteOptions{});
+  EXPECT_GT(results.size(), 10000u);
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
 }
 
 TEST_F(Providers, ShadowModeComparesAndCountsDivergences) {

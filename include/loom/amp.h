@@ -5,8 +5,8 @@
 // in the dtype its inputs promote to; softmax, norms and the loss compute their statistics in f32 whatever the
 // storage dtype.
 //
-// The policy lives in one place, src/autograd/amp.cc: autocast_ops() (which ops cast their inputs) and
-// autocast_output_ops() (which ops write their output in the autocast dtype).
+// The policy is part of each kernel op's description (op_schema.h, Autocast::kCastInputs for gemm and attention,
+// kNarrowOutput for the norms), beside the op's declaration; the functions below read it by kernel op name.
 #pragma once
 
 #include <initializer_list>
@@ -32,12 +32,12 @@ class AutocastGuard {
   DType previous_dtype_;
 };
 
-// The ops that run in the autocast dtype (by functional name).
-const std::vector<std::string>& autocast_ops();
-// True when autocast is on, `op` is in the policy, and some floating input is not yet in the autocast dtype.
+// The kernel ops that run in the autocast dtype (linear and matmul run gemm).
+std::vector<std::string> autocast_ops();
+// True when autocast is on, kernel op `op` casts its inputs, and some floating input is not yet in the autocast dtype.
 bool should_cast(const char* op, std::initializer_list<const Tensor*> inputs);
-// The ops that read f32 inputs but write their output in the autocast dtype (by functional name).
-const std::vector<std::string>& autocast_output_ops();
+// The kernel ops that read f32 inputs but write their output in the autocast dtype.
+std::vector<std::string> autocast_output_ops();
 // The dtype `op` writes its output in for an input of dtype `input`: the autocast dtype when autocast is on, `op`
 // is in autocast_output_ops() and the input is f32; `input` otherwise.
 DType output_dtype(const char* op, DType input);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "loom/core/op_schema.h"
 #include "loom/functional.h"
 
 namespace loom::amp {
@@ -36,30 +37,35 @@ AutocastGuard::~AutocastGuard() {
   if (!enabled) parameter_casts.clear();  // the outermost region ends: parameters may change before the next
 }
 
-const std::vector<std::string>& autocast_ops() {
-  // Matrix math gains from bf16 tensor cores and halves its memory traffic. Losses, softmax and norms are left
-  // alone: their kernels accumulate in f32 already, and the residual stream stays f32 by promotion.
-  static const std::vector<std::string> ops{"linear", "linear_gelu", "matmul", "scaled_dot_product_attention"};
-  return ops;
+namespace {
+// The ops whose description (op_schema.h, beside the kernel declaration) carries this autocast rule.
+std::vector<std::string> ops_with(Autocast rule) {
+  std::vector<std::string> out;
+  for (const OpSchema* s : op_schemas())
+    if (s->autocast_rule == rule) out.push_back(s->name);
+  return out;
 }
+Autocast rule_of(const char* op) {
+  const OpSchema* s = find_op_schema(op);
+  return s ? s->autocast_rule : Autocast::kNone;
+}
+}  // namespace
 
-const std::vector<std::string>& autocast_output_ops() {
-  // A norm's output feeds a linear layer; writing it in bf16 from the norm kernel saves the cast's extra pass. The
-  // statistics and the residual stream (residual_* ops' residual output) stay f32.
-  static const std::vector<std::string> ops{"layer_norm", "rms_norm", "residual_layer_norm", "residual_rms_norm"};
-  return ops;
-}
+// Matrix math (gemm, attention) gains from bf16 tensor cores and halves its memory traffic. Losses, softmax and norms
+// are left alone: their kernels accumulate in f32 already, and the residual stream stays f32 by promotion.
+std::vector<std::string> autocast_ops() { return ops_with(Autocast::kCastInputs); }
+
+// A norm's output feeds a linear layer; writing it in bf16 from the norm kernel saves the cast's extra pass. The
+// statistics and the residual stream (residual_* ops' residual output) stay f32.
+std::vector<std::string> autocast_output_ops() { return ops_with(Autocast::kNarrowOutput); }
 
 DType output_dtype(const char* op, DType input) {
   if (!enabled || input != kF32) return input;
-  const auto& list = autocast_output_ops();
-  return std::find(list.begin(), list.end(), op) == list.end() ? input : dtype;
+  return rule_of(op) == Autocast::kNarrowOutput ? dtype : input;
 }
 
 bool should_cast(const char* op, std::initializer_list<const Tensor*> inputs) {
-  if (!enabled) return false;
-  const auto& list = autocast_ops();
-  if (std::find(list.begin(), list.end(), op) == list.end()) return false;
+  if (!enabled || rule_of(op) != Autocast::kCastInputs) return false;
   for (const Tensor* t : inputs)
     if (t->defined() && is_floating(t->dtype()) && t->dtype() != dtype) return true;
   return false;

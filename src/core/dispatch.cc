@@ -59,13 +59,15 @@ Registry& registry() {
   return *r;
 }
 
-// Publishes the policy's modes to the lock-free flags dispatch::call reads.
+// Publishes the policy's modes to the lock-free bits dispatch::call reads (op profiling's bit is not the policy's).
 void apply_modes(const ProviderPolicy& p) {
-  dispatch::detail::configure_autotune(p.autotune, p.autotune_cache);
-  uint32_t modes = (p.shadows.empty() ? 0u : uint32_t(dispatch::detail::kModeShadow)) |
-                   (p.autotune.empty() ? 0u : uint32_t(dispatch::detail::kModeAutotune));
-  dispatch::detail::modes.store(modes);
-  dispatch::detail::cpu_fallback.store(p.cpu_fallback);
+  namespace d = dispatch::detail;
+  uint32_t modes = (p.shadows.empty() ? 0u : uint32_t(d::kModeShadow)) |
+                   (p.autotune.empty() ? 0u : uint32_t(d::kModeAutotune)) |
+                   (p.cpu_fallback ? uint32_t(d::kModeCpuFallback) : 0u);
+  uint32_t old = d::modes.load();
+  while (!d::modes.compare_exchange_weak(old, (old & d::kModeProfile) | modes)) {
+  }
 }
 
 // Every provider name a policy mentions: routes, order, denials, shadows.
@@ -167,11 +169,6 @@ CandidateList build_candidates(Registry& r, OpId op, DeviceType device, DType dt
 }
 
 void invalidate_locked(Registry& r) { r.generation.fetch_add(1); }
-
-// Whether a device string ("cuda:0") names a device of type t (without parsing: the type may not be registered).
-bool on_device_type(const std::string& device, DeviceType t) {
-  return device.substr(0, device.find(':')) == device_type_display_name(t);
-}
 
 }  // namespace
 
@@ -360,17 +357,17 @@ void on_first_dispatch(void (*hook)()) {
   hook();
 }
 
-// The kernel of the provider the policy names to shadow this call, or null. Used by begin_shadow (shadow.cc).
-const KernelEntry* shadow_entry_for(OpId op, DeviceType device, DType dtype, const KernelEntry* primary) {
+std::vector<const KernelEntry*> provider_entries(OpId op, DeviceType device, DType dtype, const std::string& provider) {
+  run_first_dispatch_hooks();
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
-  const auto& shadows = r.policy.shadows;
-  auto it = shadows.find(op_name(op));
-  if (it == shadows.end()) it = shadows.find("*");
-  if (it == shadows.end() || it->second == primary->provider) return nullptr;
+  std::vector<const KernelEntry*> out;
   for (const auto& e : r.entries)
-    if (e->op == op && e->device == device && e->provider == it->second && e->dtypes.contains(dtype)) return e.get();
-  return nullptr;
+    if (e->op == op && e->device == device && e->provider == provider && e->dtypes.contains(dtype)) out.push_back(e.get());
+  std::stable_sort(out.begin(), out.end(), [](auto* a, auto* b) {  // as candidate lists order them
+    return std::make_tuple(-a->priority, a->sequence) < std::make_tuple(-b->priority, b->sequence);
+  });
+  return out;
 }
 
 void unregister_provider(const std::string& provider) {
@@ -397,6 +394,8 @@ void set_policy(const ProviderPolicy& policy) {
   r.policy_set = true;
   invalidate_locked(r);
 }
+
+uint64_t policy_generation() { return registry().generation.load(); }
 
 ProviderPolicy policy() {
   Registry& r = registry();
@@ -457,19 +456,13 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
 std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType device, DType dtype) {
   OpId op = find_op(op_name_str);
   const auto& eligible = candidates(op, device, dtype);
-  // Autotuned winners for this (op, device type, dtype), counted per provider. Read before taking the registry lock.
-  std::map<std::string, uint64_t> wins;
-  for (const auto& choice : autotune_choices())
-    if (choice.op == op_name_str && choice.dtype == dtype_name(dtype) && on_device_type(choice.device, device))
-      ++wins[choice.provider];
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
-  const bool tuned = eligible.size() > 1 && (r.policy.autotune.count("*") || r.policy.autotune.count(op_name_str));
   std::vector<CandidateReport> out;
   for (size_t i = 0; i < eligible.size(); ++i) {
     const KernelEntry* e = eligible[i];
     CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), true, int(i), e->supports != nullptr,
-                      e->calls.load(), e->declines.load(), "", e->source, wins[e->provider]};
+                      e->calls.load(), e->declines.load(), "", e->source};
     if (i == 0) {
       c.reason = e->supports ? "selected when its supports() accepts the call; else the next candidate runs"
                              : "selected";
@@ -480,15 +473,13 @@ std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType 
     } else {
       c.reason = "fallback #" + std::to_string(i) + ": runs if every candidate before it declines";
     }
-    if (tuned) c.reason += "; autotune on: for each shape the fastest that accepts it runs (won " +
-                           std::to_string(c.autotune_wins) + " shapes)";
     out.push_back(c);
   }
   for (const auto& e : r.entries) {
     if (e->op != op || e->device != device) continue;
     if (std::find(eligible.begin(), eligible.end(), e.get()) != eligible.end()) continue;
     CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), false, -1, e->supports != nullptr,
-                      e->calls.load(), e->declines.load(), "", e->source, 0};
+                      e->calls.load(), e->declines.load(), "", e->source};
     if (r.policy.denied.count(e->provider)) c.reason = "denied by policy";
     else c.reason = std::string("does not support dtype ") + dtype_name(dtype);
     out.push_back(c);
@@ -506,19 +497,6 @@ std::string explain_str(const std::string& op, DeviceType device, DType dtype) {
        << c.dtypes << (c.has_predicate ? ", has supports()" : "") << ", calls " << c.calls << ", declines "
        << c.declines << "): " << c.reason;
   }
-  bool header = false;
-  for (const auto& choice : autotune_choices()) {
-    if (choice.op != op || choice.dtype != dtype_name(dtype) || !on_device_type(choice.device, device)) continue;
-    if (!header) os << "\n  autotuned (fastest per shape, best of the repetitions):", header = true;
-    os << "\n    " << choice.device << " " << choice.shapes << ": " << choice.provider;
-    std::string others;
-    for (const auto& [provider, us] : choice.timings_us) {
-      std::ostringstream t;
-      t << provider << " " << std::fixed << std::setprecision(1) << us << " us";
-      others += (others.empty() ? "" : ", ") + t.str();
-    }
-    os << " (" << others << ")";
-  }
   return os.str();
 }
 
@@ -528,124 +506,17 @@ void throw_no_kernel(OpId op, Device device, DType dtype, bool all_declined) {
              explain_str(op_name(op), device.type, dtype));
 }
 
-// ---- Per-op profiling (LOOM_PROFILE_OPS) ----
-
+namespace detail {
 namespace {
-
-struct OpProfile {
-  std::mutex mu;
-  std::map<std::tuple<OpId, int, int, std::string>, OpProfileRow> rows;  // by (op, device type, dtype, detail)
-  size_t peak_device_bytes = 0;
-};
-
-OpProfile& op_profile_state() {
-  static OpProfile* p = new OpProfile;  // never destroyed: the exit report reads it
-  return *p;
+std::atomic<ModeHook> the_mode_hook{nullptr};
 }
-
-// Nested dispatches (an op whose kernel dispatches another) are timed once, by the outermost call.
-thread_local int profile_depth = 0;
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+void set_mode_hook(ModeHook hook) { the_mode_hook.store(hook); }
+ModeHook mode_hook() {
+  ModeHook h = the_mode_hook.load();
+  LOOM_CHECK(h, "a dispatch mode is on but no mode hook is installed");
+  return h;
 }
-
-void write_profile_report() {
-  std::fputs(op_profile_table().c_str(), stderr);
-  if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path && *path) {
-    std::ofstream f(path);
-    f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\tdetail\n";
-    for (const auto& r : op_profile())
-      f << r.op << '\t' << device_type_display_name(r.device) << '\t' << dtype_name(r.dtype) << '\t' << r.calls
-        << '\t' << r.total_ms << '\t' << r.max_ms << '\t' << r.detail << '\n';
-  }
-}
-
-[[maybe_unused]] const bool profile_from_env = [] {
-  const char* env = std::getenv("LOOM_PROFILE_OPS");
-  if (!env || !*env || std::string(env) == "0") return false;
-  dispatch::detail::profile_ops.store(true);
-  dispatch::detail::profile_shapes.store(std::string(env) == "shapes");
-  std::atexit(write_profile_report);
-  return true;
-}();
-
-}  // namespace
-
-void set_op_profiling(bool on) { detail::profile_ops.store(on); }
-bool op_profiling() { return detail::profile_ops.load(); }
-
-int64_t detail::profile_begin(Device device) {
-  if (profile_depth++ == 0) device_runtime(device.type).synchronize(device.index);
-  return now_ns();
-}
-
-void detail::profile_end(OpId op, Device device, DType dtype, int64_t begin_ns, const std::string& detail) {
-  if (--profile_depth != 0) return;
-  DeviceRuntime& rt = device_runtime(device.type);
-  rt.synchronize(device.index);
-  const double ms = double(now_ns() - begin_ns) / 1e6;
-  const size_t peak = rt.memory_stats(device.index).peak_allocated;
-  OpProfile& p = op_profile_state();
-  std::lock_guard<std::mutex> g(p.mu);
-  OpProfileRow& r = p.rows[{op, int(device.type), int(dtype), detail}];
-  if (r.calls == 0) r.op = op_name(op), r.detail = detail, r.device = device.type, r.dtype = dtype;
-  ++r.calls;
-  r.total_ms += ms;
-  r.max_ms = std::max(r.max_ms, ms);
-  p.peak_device_bytes = std::max(p.peak_device_bytes, peak);
-}
-
-void detail::profile_abort() { --profile_depth; }
-
-std::vector<OpProfileRow> op_profile() {
-  OpProfile& p = op_profile_state();
-  std::vector<OpProfileRow> out;
-  {
-    std::lock_guard<std::mutex> g(p.mu);
-    for (const auto& [key, row] : p.rows) out.push_back(row);
-  }
-  std::sort(out.begin(), out.end(), [](const OpProfileRow& a, const OpProfileRow& b) { return a.total_ms > b.total_ms; });
-  return out;
-}
-
-void reset_op_profile() {
-  OpProfile& p = op_profile_state();
-  std::lock_guard<std::mutex> g(p.mu);
-  p.rows.clear();
-  p.peak_device_bytes = 0;
-}
-
-std::string op_profile_table() {
-  const auto rows = op_profile();
-  double total = 0;
-  uint64_t calls = 0;
-  for (const auto& r : rows) total += r.total_ms, calls += r.calls;
-  std::ostringstream os;
-  os << "op profile: device-synchronized time per kernel call (LOOM_PROFILE_OPS)\n"
-     << std::left << std::setw(34) << "op" << std::setw(8) << "device" << std::setw(6) << "dtype" << std::right
-     << std::setw(9) << "calls" << std::setw(12) << "total ms" << std::setw(11) << "mean us" << std::setw(11)
-     << "max us" << std::setw(8) << "share" << "\n";
-  os << std::fixed;
-  for (const auto& r : rows) {
-    os << std::left << std::setw(34) << (r.detail.empty() ? r.op : r.op + " " + r.detail) << std::setw(8) << device_type_display_name(r.device) << std::setw(6)
-       << dtype_name(r.dtype) << std::right << std::setw(9) << r.calls << std::setw(12) << std::setprecision(3)
-       << r.total_ms << std::setw(11) << std::setprecision(1) << 1000.0 * r.total_ms / double(r.calls)
-       << std::setw(11) << 1000.0 * r.max_ms << std::setw(7) << (total > 0 ? 100.0 * r.total_ms / total : 0.0)
-       << "%\n";
-  }
-  size_t peak;
-  {
-    OpProfile& p = op_profile_state();
-    std::lock_guard<std::mutex> g(p.mu);
-    peak = p.peak_device_bytes;
-  }
-  os << std::left << std::setw(48) << "total" << std::right << std::setw(9) << calls << std::setw(12)
-     << std::setprecision(3) << total << "\n"
-     << "peak device memory allocated: " << std::setprecision(1) << double(peak) / double(1 << 20) << " MiB\n";
-  return os.str();
-}
+}  // namespace detail
 
 }  // namespace dispatch
 }  // namespace loom

@@ -50,14 +50,14 @@ Shape infer_embedding_backward(const Tensor& grad, const Tensor& indices, int64_
   return Shape{num_embeddings, grad.shape().back()};
 }
 
-Shape infer_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, ops::Reduction reduction) {
+Shape infer_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, bool per_row) {
   LOOM_REQUIRE(logits.dim() == 2, op, ": logits must be [N, V], got ", describe(logits));
   LOOM_REQUIRE(is_floating(logits.dtype()), op, ": logits must be floating, got ", describe(logits));
   LOOM_REQUIRE(targets.dtype() == kI32 || targets.dtype() == kI64, op, ": targets must be i32 or i64, got ",
                describe(targets));
   LOOM_REQUIRE(targets.dim() == 1 && targets.size(0) == logits.size(0), op, ": targets must be [",
                logits.size(0), "] for logits ", describe(logits), ", got ", describe(targets));
-  if (reduction == ops::Reduction::kNone) return Shape{logits.size(0)};
+  if (per_row) return Shape{logits.size(0)};
   return Shape{};
 }
 

@@ -2,7 +2,6 @@
 #pragma once
 
 #include "loom/core/tensor.h"
-#include "loom/ops/nn.h"
 
 namespace loom::infermeta {
 
@@ -24,6 +23,7 @@ Shape infer_embedding(const Tensor& weight, const Tensor& indices);
 Shape infer_embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_embeddings);
 
 // logits [N, V] floating, targets [N] i32/i64. Returns the loss shape: [] or [N] for kNone.
-Shape infer_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, ops::Reduction reduction);
+// per_row: the loss keeps one value per row (no reduction); else it is a scalar.
+Shape infer_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, bool per_row);
 
 }  // namespace loom::infermeta

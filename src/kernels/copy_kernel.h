@@ -11,20 +11,37 @@ namespace loom {
 // dst and src have the same shape and device, any strides; src's dtype is converted to dst's.
 // Dispatched on dst's dtype.
 using CopyKernel = void(const DeviceContext&, const Tensor& src, Tensor& dst);
-LOOM_DECLARE_OP(copy, CopyKernel);
+LOOM_DECLARE_OP(copy, CopyKernel,
+                OpSchema().in("src", "A B C", DTypeRule::kAny).layout(Layout::kStrided).out("dst", "A B C")
+                    .layout(Layout::kStrided));
 
 struct FillAttrs {
   double value = 0;
+  LOOM_FIELDS(FillAttrs, value);
 };
 using FillKernel = void(const DeviceContext&, const FillAttrs&, Tensor& out);
-LOOM_DECLARE_OP(fill, FillKernel);
+// A negative value has no u8 meaning (C++ leaves the conversion undefined): the suite does not try one there.
+inline void skip_negative_u8(SuiteCase& c, std::initializer_list<const char*> attrs) {
+  for (const char* a : attrs)
+    if (c.dtype == kU8 && c.attr_float(a) < 0) c.skip = true;
+}
+LOOM_DECLARE_OP(fill, FillKernel,
+                OpSchema().out("out", "A B C").layout(Layout::kStrided).attr("value", {0.0, -1.5, 3.0})
+                    .case_rule([](SuiteCase& c, const OpSchema&) { skip_negative_u8(c, {"value"}); }));
 
 struct ArangeAttrs {
   double start = 0;
   double step = 1;
+  LOOM_FIELDS(ArangeAttrs, start, step);
 };
 using ArangeKernel = void(const DeviceContext&, const ArangeAttrs&, Tensor& out);  // out[i] = start + i * step
-LOOM_DECLARE_OP(arange, ArangeKernel);
+LOOM_DECLARE_OP(arange, ArangeKernel,
+                OpSchema().out("out", "N").attr("start", {0.0, -3.0}).attr("step", {1.0, 0.5, -2.0}).abi_since(2)
+                    .case_rule([](SuiteCase& c, const OpSchema&) {
+                      skip_negative_u8(c, {"start"});
+                      if (c.dtype == kU8 && c.attr_float("start") + c.attr_float("step") * double(c.dim("N") - 1) < 0)
+                        c.skip = true;
+                    }));
 
 enum class Distribution { kUniform, kNormal };
 struct RandomAttrs {
@@ -32,9 +49,15 @@ struct RandomAttrs {
   double a = 0;  // uniform: low; normal: mean
   double b = 1;  // uniform: high; normal: std
   PhiloxState state;
+  LOOM_FIELDS(RandomAttrs, distribution, a, b, state);
 };
 // out (contiguous) element i gets the i-th draw of the Philox stream at `state`, the same on every device.
 using RandomKernel = void(const DeviceContext&, const RandomAttrs&, Tensor& out);
-LOOM_DECLARE_OP(random, RandomKernel);
+LOOM_DECLARE_OP(random, RandomKernel,
+                OpSchema().out("out", "R C").attr("distribution", {0.0, 1.0}).attr("seed", {1.0, 99.0})
+                    .attr("offset", {0.0, 5.0}).abi_since(2)
+                    // A normal draw is computed in f32 (Box-Muller with logf, cosf, sinf): devices agree to f32
+                    // rounding, which an f64 output shows.
+                    .tolerance(kF64, 1e-6, 1e-6));
 
 }  // namespace loom

@@ -1,23 +1,50 @@
 // Cross-entropy over logits: a fused log-softmax and negative log-likelihood, forward and backward.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
-#include "loom/ops/nn.h"
 
 namespace loom {
 
+// How the per-row losses combine (the values of loom::ops::Reduction, which the op layer passes through).
+enum class LossReduction : uint8_t { kMean, kSum, kNone };
+
 struct CrossEntropyAttrs {
   int64_t ignore_index = -100;
-  ops::Reduction reduction = ops::Reduction::kMean;
+  LossReduction reduction = LossReduction::kMean;
   // The classes are the first vocab_limit columns of each row (-1: all V). Columns past it (a padded vocabulary)
   // take no part in the softmax and get a zero gradient, so a caller need not narrow and copy the logits.
   int64_t vocab_limit = -1;
   int64_t classes(int64_t vocab) const { return vocab_limit < 0 ? vocab : vocab_limit; }
+  LOOM_FIELDS(CrossEntropyAttrs, ignore_index, reduction, vocab_limit);
 };
+
+// The suite's cases: reductions, an ignore_index that some targets hit, and a vocabulary limit below V (the
+// variant -2 stands for V - 2).
+inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
+  OpSchema s;
+  if (with_grad_loss)
+    s.in("grad_loss", "", DTypeRule::kStats).shape_fn([](const SuiteCase& c) {
+      return c.attr_int("reduction") == 2 ? Shape{c.dim("N")} : Shape{};
+    });
+  return s.in("logits", "N V").in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
+}
+inline OpSchema& cross_entropy_schema_finish(OpSchema& s, bool scalar_only) {
+  return s.attr("ignore_index", {-100.0, 1.0})
+      .attr("reduction", scalar_only ? std::initializer_list<double>{0.0, 1.0} : std::initializer_list<double>{0.0, 1.0, 2.0})
+      .attr_names("reduction", {"mean", "sum", "none"}).attr("vocab_limit", {-1.0, -2.0})
+      .row_dim("V").accumulates("V").dispatch_on("logits")
+      .case_rule([](SuiteCase& c, const OpSchema&) {
+        if (AttrValue* limit = c.attr("vocab_limit"); limit && limit->i == -2) limit->i = std::max<int64_t>(1, c.dim("V") - 2);
+      });
+}
+inline Shape cross_entropy_loss_shape(const SuiteCase& c) {
+  return c.attr_int("reduction") == 2 ? Shape{c.dim("N")} : Shape{};
+}
 
 // The dtype of the loss (and of grad_loss): f64 for f64 logits, f32 otherwise.
 inline DType cross_entropy_loss_dtype(DType logits) { return logits == kF64 ? kF64 : kF32; }
@@ -27,14 +54,18 @@ inline DType cross_entropy_loss_dtype(DType logits) { return logits == kF64 ? kF
 // Throws loom::Error for a target outside [0, classes) that is not ignore_index.
 using CrossEntropyKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
                                 const CrossEntropyAttrs&, Tensor& loss);
-LOOM_DECLARE_OP(cross_entropy, CrossEntropyKernel);
+LOOM_DECLARE_OP(cross_entropy, CrossEntropyKernel,
+                cross_entropy_schema_finish(cross_entropy_schema_start(false)
+                                                .out("loss", "", DTypeRule::kStats).shape_fn(cross_entropy_loss_shape),
+                                            false));
 
 // grad_loss like the forward's loss (contiguous). grad_logits [N, V] with logits' dtype:
 // (softmax - onehot(target)) * grad_loss, divided by the counted targets for kMean, zero rows for ignored targets,
 // zero columns past the classes.
 using CrossEntropyBackwardKernel = void(const DeviceContext&, const Tensor& grad_loss, const Tensor& logits,
                                         const Tensor& targets, const CrossEntropyAttrs&, Tensor& grad_logits);
-LOOM_DECLARE_OP(cross_entropy_backward, CrossEntropyBackwardKernel);
+LOOM_DECLARE_OP(cross_entropy_backward, CrossEntropyBackwardKernel,
+                cross_entropy_schema_finish(cross_entropy_schema_start(true).out("grad_logits", "N V"), false));
 
 // The forward and the backward in one pass over the logits, for training: loss as cross_entropy's (kMean or kSum
 // only, a scalar) and grad_logits [N, V] (logits' dtype) = d loss / d logits for a loss gradient of 1, that is
@@ -43,12 +74,17 @@ LOOM_DECLARE_OP(cross_entropy_backward, CrossEntropyBackwardKernel);
 // be the logits themselves (same data): a kernel must read every logit it needs before writing over it.
 using CrossEntropyWithGradKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
                                         const CrossEntropyAttrs&, Tensor& loss, Tensor& grad_logits);
-LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel);
+LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel,
+                cross_entropy_schema_finish(cross_entropy_schema_start(false).out("loss", "", DTypeRule::kStats)
+                                                .out("grad_logits", "N V"), true)
+                    .abi_since(1));
 
 // grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a one-element tensor of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
 // exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it.
 using CrossEntropyScaleGradKernel = void(const DeviceContext&, const Tensor& scale, Tensor& grad_logits);
-LOOM_DECLARE_OP(cross_entropy_scale_grad, CrossEntropyScaleGradKernel);
+LOOM_DECLARE_OP(cross_entropy_scale_grad, CrossEntropyScaleGradKernel,
+                OpSchema().in("scale", "1", DTypeRule::kStats).values(Values::kPositive).in_place("grad_logits", "N V")
+                    .row_dim("V").abi_since(1));
 
 }  // namespace loom

@@ -12,89 +12,128 @@
 
 namespace loom {
 
+// The descriptions of the families: every tensor has out's shape [A B C]; inputs may be broadcast or strided views,
+// out may be a strided view.
+inline OpSchema unary_schema(Values x_values = Values::kUniform) {
+  return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values).out("out", "A B C")
+      .layout(Layout::kStrided);
+}
+inline OpSchema unary_backward_schema() {
+  return OpSchema().in("grad", "A B C").layout(Layout::kBroadcast).in("saved", "A B C").layout(Layout::kBroadcast)
+      .out("grad_x", "A B C").layout(Layout::kStrided);
+}
+inline OpSchema binary_schema(Values b_values = Values::kUniform) {
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
+      .values(b_values).out("out", "A B C").layout(Layout::kStrided);
+}
+inline OpSchema compare_schema() {
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
+      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a");
+}
+inline OpSchema scalar_schema(std::initializer_list<double> values, Values x_values = Values::kUniform) {
+  return unary_schema(x_values).attr("value", values);
+}
+
 // out = f(x).
 using UnaryKernel = void(const DeviceContext&, const Tensor& x, Tensor& out);
-LOOM_DECLARE_OP(neg, UnaryKernel);
-LOOM_DECLARE_OP(abs, UnaryKernel);
-LOOM_DECLARE_OP(exp, UnaryKernel);
-LOOM_DECLARE_OP(log, UnaryKernel);
-LOOM_DECLARE_OP(sqrt, UnaryKernel);
-LOOM_DECLARE_OP(rsqrt, UnaryKernel);
-LOOM_DECLARE_OP(tanh, UnaryKernel);
-LOOM_DECLARE_OP(sigmoid, UnaryKernel);
-LOOM_DECLARE_OP(gelu, UnaryKernel);  // tanh approximation
-LOOM_DECLARE_OP(silu, UnaryKernel);
-LOOM_DECLARE_OP(relu, UnaryKernel);
+LOOM_DECLARE_OP(neg, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(abs, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(exp, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(log, UnaryKernel, unary_schema(Values::kPositive));
+LOOM_DECLARE_OP(sqrt, UnaryKernel, unary_schema(Values::kPositive));
+LOOM_DECLARE_OP(rsqrt, UnaryKernel, unary_schema(Values::kPositive));
+LOOM_DECLARE_OP(tanh, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(sigmoid, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(gelu, UnaryKernel, unary_schema());  // tanh approximation
+LOOM_DECLARE_OP(silu, UnaryKernel, unary_schema());
+LOOM_DECLARE_OP(relu, UnaryKernel, unary_schema());
 
 // grad_x = grad * f'(saved); saved is the forward's input x, or its output for tanh and sigmoid.
 using UnaryBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& saved, Tensor& grad_x);
-LOOM_DECLARE_OP(gelu_backward, UnaryBackwardKernel);
-LOOM_DECLARE_OP(silu_backward, UnaryBackwardKernel);
-LOOM_DECLARE_OP(relu_backward, UnaryBackwardKernel);
-LOOM_DECLARE_OP(tanh_backward, UnaryBackwardKernel);
-LOOM_DECLARE_OP(sigmoid_backward, UnaryBackwardKernel);
+LOOM_DECLARE_OP(gelu_backward, UnaryBackwardKernel, unary_backward_schema());
+LOOM_DECLARE_OP(silu_backward, UnaryBackwardKernel, unary_backward_schema());
+LOOM_DECLARE_OP(relu_backward, UnaryBackwardKernel, unary_backward_schema());
+LOOM_DECLARE_OP(tanh_backward, UnaryBackwardKernel, unary_backward_schema());
+LOOM_DECLARE_OP(sigmoid_backward, UnaryBackwardKernel, unary_backward_schema());
 
 // out = f(a, b).
 using BinaryKernel = void(const DeviceContext&, const Tensor& a, const Tensor& b, Tensor& out);
-LOOM_DECLARE_OP(add, BinaryKernel);
-LOOM_DECLARE_OP(sub, BinaryKernel);
-LOOM_DECLARE_OP(mul, BinaryKernel);
-LOOM_DECLARE_OP(div, BinaryKernel);
-LOOM_DECLARE_OP(maximum, BinaryKernel);
-LOOM_DECLARE_OP(minimum, BinaryKernel);
+LOOM_DECLARE_OP(add, BinaryKernel, binary_schema());
+LOOM_DECLARE_OP(sub, BinaryKernel, binary_schema());
+LOOM_DECLARE_OP(mul, BinaryKernel, binary_schema());
+LOOM_DECLARE_OP(div, BinaryKernel, binary_schema(Values::kAwayFromZero));
+LOOM_DECLARE_OP(maximum, BinaryKernel, binary_schema());
+LOOM_DECLARE_OP(minimum, BinaryKernel, binary_schema());
 
 // SwiGLU (LLaMA's MLP activation): out = silu(gate) * up, computed in acc_t; (gate, up, out) as a binary op (any
 // strides, out's shape and dtype).
-LOOM_DECLARE_OP(swiglu, BinaryKernel);
+LOOM_DECLARE_OP(swiglu, BinaryKernel,
+                OpSchema().in("gate", "A B C").layout(Layout::kStrided).in("up", "A B C").layout(Layout::kStrided)
+                    .out("out", "A B C").layout(Layout::kStrided));
 // Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
 // contiguous with one shape and dtype; an undefined grad_gate or grad_up is not computed (at least one is defined).
 using SwigluBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
                                   Tensor& grad_gate, Tensor& grad_up);
-LOOM_DECLARE_OP(swiglu_backward, SwigluBackwardKernel);
+LOOM_DECLARE_OP(swiglu_backward, SwigluBackwardKernel,
+                OpSchema().in("grad", "R C").in("gate", "R C").in("up", "R C").out_opt("grad_gate", "R C")
+                    .out_opt("grad_up", "R C").case_rule([](SuiteCase& c, const OpSchema& s) {
+                      c.skip = !c.present[size_t(s.tensor_index("grad_gate"))] &&
+                               !c.present[size_t(s.tensor_index("grad_up"))];  // at least one is wanted
+                    }));
 
 // out = a + alpha * b.
 struct AddScaledAttrs {
   double alpha = 1.0;
+  LOOM_FIELDS(AddScaledAttrs, alpha);
 };
 using AddScaledKernel = void(const DeviceContext&, const Tensor& a, const Tensor& b, const AddScaledAttrs&,
                              Tensor& out);
-LOOM_DECLARE_OP(add_scaled, AddScaledKernel);
+LOOM_DECLARE_OP(add_scaled, AddScaledKernel, binary_schema().attr("alpha", {1.0, -0.5, 2.5}));
 
 // out = f(x, value). The value stays double until the kernel converts it to its math type (acc_t of the dtype;
 // int64 for integer dtypes).
 struct ScalarAttrs {
   double value = 0;
+  LOOM_FIELDS(ScalarAttrs, value);
 };
 using ScalarKernel = void(const DeviceContext&, const Tensor& x, const ScalarAttrs&, Tensor& out);
-LOOM_DECLARE_OP(add_scalar, ScalarKernel);
-LOOM_DECLARE_OP(mul_scalar, ScalarKernel);
-LOOM_DECLARE_OP(div_scalar, ScalarKernel);
-LOOM_DECLARE_OP(rsub_scalar, ScalarKernel);  // value - x
-LOOM_DECLARE_OP(maximum_scalar, ScalarKernel);
-LOOM_DECLARE_OP(minimum_scalar, ScalarKernel);
-LOOM_DECLARE_OP(pow_scalar, ScalarKernel);  // x ** value
+LOOM_DECLARE_OP(add_scalar, ScalarKernel, scalar_schema({0.5, -2.0}));
+LOOM_DECLARE_OP(mul_scalar, ScalarKernel, scalar_schema({0.0, -1.5, 3.0}));
+LOOM_DECLARE_OP(div_scalar, ScalarKernel, scalar_schema({0.5, -3.0}));
+LOOM_DECLARE_OP(rsub_scalar, ScalarKernel, scalar_schema({1.0, -2.0}));  // value - x
+LOOM_DECLARE_OP(maximum_scalar, ScalarKernel, scalar_schema({0.0, 0.3}));
+LOOM_DECLARE_OP(minimum_scalar, ScalarKernel, scalar_schema({0.0, -0.3}));
+LOOM_DECLARE_OP(pow_scalar, ScalarKernel, scalar_schema({2.0, 0.5, -1.5, 3.0}, Values::kPositive));  // x ** value
 
 // out (bool) = a <op> b; a and b share a dtype, on which the call dispatches.
 using CompareKernel = BinaryKernel;
-LOOM_DECLARE_OP(eq, CompareKernel);
-LOOM_DECLARE_OP(ne, CompareKernel);
-LOOM_DECLARE_OP(lt, CompareKernel);
-LOOM_DECLARE_OP(le, CompareKernel);
-LOOM_DECLARE_OP(gt, CompareKernel);
-LOOM_DECLARE_OP(ge, CompareKernel);
+LOOM_DECLARE_OP(eq, CompareKernel, compare_schema());
+LOOM_DECLARE_OP(ne, CompareKernel, compare_schema());
+LOOM_DECLARE_OP(lt, CompareKernel, compare_schema());
+LOOM_DECLARE_OP(le, CompareKernel, compare_schema());
+LOOM_DECLARE_OP(gt, CompareKernel, compare_schema());
+LOOM_DECLARE_OP(ge, CompareKernel, compare_schema());
 
 // out = cond ? a : b; cond is bool, a, b and out share a dtype.
 using WhereKernel = void(const DeviceContext&, const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out);
-LOOM_DECLARE_OP(where, WhereKernel);
+LOOM_DECLARE_OP(where, WhereKernel,
+                OpSchema().in("cond", "A B C", DTypeRule::kBool).layout(Layout::kBroadcast).values(Values::kBits)
+                    .in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
+                    .out("out", "A B C").layout(Layout::kStrided));
 
 // Dropout keeps element i (in row-major order) when philox_uniform(state, i) >= p and scales it by 1/(1-p); the
 // backward regenerates the same mask from the state. Input and output are contiguous; 0 <= p < 1.
 struct DropoutAttrs {
   double p = 0;
   PhiloxState state;
+  LOOM_FIELDS(DropoutAttrs, p, state);
 };
 using DropoutKernel = void(const DeviceContext&, const Tensor& x, const DropoutAttrs&, Tensor& out);
-LOOM_DECLARE_OP(dropout, DropoutKernel);
-LOOM_DECLARE_OP(dropout_backward, DropoutKernel);  // x is the gradient of dropout's output
+inline OpSchema dropout_schema() {
+  return OpSchema().in("x", "R C").out("out", "R C").attr("p", {0.0, 0.1, 0.5}).attr("seed", {7.0, 12345.0})
+      .attr("offset", {0.0, 3.0}).abi_since(2);
+}
+LOOM_DECLARE_OP(dropout, DropoutKernel, dropout_schema());
+LOOM_DECLARE_OP(dropout_backward, DropoutKernel, dropout_schema());  // x is the gradient of dropout's output
 
 }  // namespace loom

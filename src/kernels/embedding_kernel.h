@@ -10,12 +10,16 @@ namespace loom {
 // weight [V, C] and indices (i32/i64, N elements) contiguous; out [N, C] (any leading shape with N rows).
 // Dispatched on weight's dtype. Throws loom::Error for an index outside [0, V).
 using EmbeddingKernel = void(const DeviceContext&, const Tensor& weight, const Tensor& indices, Tensor& out);
-LOOM_DECLARE_OP(embedding, EmbeddingKernel);
+LOOM_DECLARE_OP(embedding, EmbeddingKernel,
+                OpSchema().in("weight", "V C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
+                    .out("out", "N C"));
 
 // grad [N, C] and indices (N elements) contiguous; grad_weight [V, C] with grad's dtype is fully written: row v is
 // the sum, in index order, of the grad rows whose index is v (zero where none).
 using EmbeddingBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& indices,
                                      Tensor& grad_weight);
-LOOM_DECLARE_OP(embedding_backward, EmbeddingBackwardKernel);
+LOOM_DECLARE_OP(embedding_backward, EmbeddingBackwardKernel,
+                OpSchema().in("grad", "N C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
+                    .out("grad_weight", "V C").accumulates("N"));
 
 }  // namespace loom

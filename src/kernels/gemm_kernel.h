@@ -2,14 +2,36 @@
 // that supplies gemm serves all of them.
 #pragma once
 
+#include <algorithm>
+
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/gemm.h"
+#include "loom/core/op_schema.h"
 
 namespace loom {
 
+// GemmParams as arguments (op_schema.h): its six matrices are tensor views of the memory they describe, each as
+// stored, [batch, rows, cols] with strides [batch stride, 1, ld] (bias [m], bias_grad [n]; undefined when the
+// pointer is null), and its scalars are attributes. A GemmParams is rebuilt from such views, so every generic user
+// (the kernel ABI, conformance, argument copies) treats a gemm as tensors and attributes like any other op.
+template <>
+struct ArgTraits<GemmParams> {
+  static constexpr int slots = 6;  // a, b, bias, c, pre_gelu, bias_grad
+  static void slot_kinds(std::vector<bool>& is_input) {
+    for (bool in : {true, true, true, false, false, false}) is_input.push_back(in);
+  }
+  static GemmParams defaults() { return GemmParams{}; }
+  static void gather(const GemmParams& p, CallArgs& c);
+  static GemmParams build(const CallArgs& c, size_t& next);
+};
+
 using GemmKernel = void(const DeviceContext&, const GemmParams&);
-LOOM_DECLARE_OP(gemm, GemmKernel);  // dispatched on input_dtype
+
+// The suite's cases: every transpose, padded leading dimensions, strided batches, alpha and beta (C is read when
+// beta != 0 and poisoned when beta == 0), every epilogue with the operands it needs, and a wider output dtype.
+OpSchema gemm_schema();
+LOOM_DECLARE_OP(gemm, GemmKernel, gemm_schema());  // dispatched on input_dtype
 
 // Checks what every gemm implementation relies on; throws naming the bad field.
 void validate_gemm_params(const GemmParams& p);

@@ -11,29 +11,44 @@ namespace loom {
 
 struct NormAttrs {
   double eps = 1e-5;
+  LOOM_FIELDS(NormAttrs, eps);
 };
 
 // x contiguous [..., C]; weight and bias [C] with x's dtype, or undefined (no affine part). out like x.
 // mean and rstd have x.shape()[:-1] and dtype f32 (f64 for an f64 x); the statistics are computed in f64.
 using LayerNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& weight, const Tensor& bias,
                              const NormAttrs&, Tensor& out, Tensor& mean, Tensor& rstd);
-LOOM_DECLARE_OP(layer_norm, LayerNormKernel);
+LOOM_DECLARE_OP(layer_norm, LayerNormKernel,
+                OpSchema().in("x", "R C").in_opt("weight", "C").in_opt("bias", "C").out("out", "R C")
+                    .out("mean", "R", DTypeRule::kStats).out("rstd", "R", DTypeRule::kStats)
+                    .attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C").autocast(Autocast::kNarrowOutput));
 
 // Gradients are outputs: an undefined grad_input, grad_weight or grad_bias is not computed. grad_weight and
 // grad_bias are reduced over rows deterministically (each column summed in row order).
 using LayerNormBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x,
                                      const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                                      Tensor& grad_input, Tensor& grad_weight, Tensor& grad_bias);
-LOOM_DECLARE_OP(layer_norm_backward, LayerNormBackwardKernel);
+LOOM_DECLARE_OP(layer_norm_backward, LayerNormBackwardKernel,
+                OpSchema().in("grad", "R C").in("x", "R C").in_opt("weight", "C")
+                    .in("mean", "R", DTypeRule::kStats).in("rstd", "R", DTypeRule::kStats).values(Values::kPositive)
+                    .out_opt("grad_input", "R C").out_opt("grad_weight", "C").out_opt("grad_bias", "C")
+                    .row_dim("C").accumulates("C").dispatch_on("x"));
 
 // out = x * rstd * weight with rstd = 1 / sqrt(mean(x^2) + eps); weight may be undefined.
 using RmsNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& weight, const NormAttrs&,
                            Tensor& out, Tensor& rstd);
-LOOM_DECLARE_OP(rms_norm, RmsNormKernel);
+LOOM_DECLARE_OP(rms_norm, RmsNormKernel,
+                OpSchema().in("x", "R C").in_opt("weight", "C").out("out", "R C")
+                    .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
+                    .autocast(Autocast::kNarrowOutput));
 
 using RmsNormBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& weight,
                                    const Tensor& rstd, Tensor& grad_input, Tensor& grad_weight);
-LOOM_DECLARE_OP(rms_norm_backward, RmsNormBackwardKernel);
+LOOM_DECLARE_OP(rms_norm_backward, RmsNormBackwardKernel,
+                OpSchema().in("grad", "R C").in("x", "R C").in_opt("weight", "C")
+                    .in("rstd", "R", DTypeRule::kStats).values(Values::kPositive)
+                    .out_opt("grad_input", "R C").out_opt("grad_weight", "C").row_dim("C").accumulates("C")
+                    .dispatch_on("x"));
 
 // ---- Residual add fused into the norm -------------------------------------------------------------------------
 // One pass per row: residual = x + delta, out = norm(residual) (* weight + bias), with out written in a storage
@@ -45,7 +60,13 @@ LOOM_DECLARE_OP(rms_norm_backward, RmsNormBackwardKernel);
 using ResidualLayerNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
                                      const Tensor& bias, const NormAttrs&, Tensor& residual, Tensor& out,
                                      Tensor& mean, Tensor& rstd);
-LOOM_DECLARE_OP(residual_layer_norm, ResidualLayerNormKernel);
+LOOM_DECLARE_OP(residual_layer_norm, ResidualLayerNormKernel,
+                OpSchema().in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
+                    .in_opt("bias", "C").out_opt("residual", "R C").present_with("delta")
+                    .out("out", "R C", DTypeRule::kNarrowOrSame).out("mean", "R", DTypeRule::kStats)
+                    .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
+                    .dispatch_on("x").abi_since(1).autocast(Autocast::kNarrowOutput)
+                    .tolerance(kBF16, 5e-2, 5e-2).tolerance(kF16, 1e-2, 1e-2));
 
 // grad_out: the gradient of out (out's dtype); grad_residual: the gradient of the residual output (its dtype), or
 // undefined (zero). grad_x = grad_residual + the norm's input gradient, in the residual's dtype; grad_delta is the
@@ -56,17 +77,32 @@ using ResidualLayerNormBackwardKernel = void(const DeviceContext&, const Tensor&
                                              const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                                              Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight,
                                              Tensor& grad_bias);
-LOOM_DECLARE_OP(residual_layer_norm_backward, ResidualLayerNormBackwardKernel);
+LOOM_DECLARE_OP(residual_layer_norm_backward, ResidualLayerNormBackwardKernel,
+                OpSchema().in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
+                    .in("residual", "R C").in_opt("weight", "C").in("mean", "R", DTypeRule::kStats)
+                    .in("rstd", "R", DTypeRule::kStats).values(Values::kPositive).out_opt("grad_x", "R C")
+                    .out_opt("grad_delta", "R C", DTypeRule::kNarrowOrSame).out_opt("grad_weight", "C")
+                    .out_opt("grad_bias", "C").row_dim("C").accumulates("C").dispatch_on("residual").abi_since(1));
 
 // The same for RMS norm (no mean, no bias).
 using ResidualRmsNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
                                    const NormAttrs&, Tensor& residual, Tensor& out, Tensor& rstd);
-LOOM_DECLARE_OP(residual_rms_norm, ResidualRmsNormKernel);
+LOOM_DECLARE_OP(residual_rms_norm, ResidualRmsNormKernel,
+                OpSchema().in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
+                    .out_opt("residual", "R C").present_with("delta").out("out", "R C", DTypeRule::kNarrowOrSame)
+                    .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
+                    .dispatch_on("x").abi_since(1).autocast(Autocast::kNarrowOutput)
+                    .tolerance(kBF16, 5e-2, 5e-2).tolerance(kF16, 1e-2, 1e-2));
 
 using ResidualRmsNormBackwardKernel = void(const DeviceContext&, const Tensor& grad_out, const Tensor& grad_residual,
                                            const Tensor& residual, const Tensor& weight, const Tensor& rstd,
                                            Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight);
-LOOM_DECLARE_OP(residual_rms_norm_backward, ResidualRmsNormBackwardKernel);
+LOOM_DECLARE_OP(residual_rms_norm_backward, ResidualRmsNormBackwardKernel,
+                OpSchema().in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
+                    .in("residual", "R C").in_opt("weight", "C").in("rstd", "R", DTypeRule::kStats)
+                    .values(Values::kPositive).out_opt("grad_x", "R C")
+                    .out_opt("grad_delta", "R C", DTypeRule::kNarrowOrSame).out_opt("grad_weight", "C")
+                    .row_dim("C").accumulates("C").dispatch_on("residual").abi_since(1));
 
 // The dtypes a fused norm takes beside its residual dtype `main` (for delta, out and their gradients): main itself
 // or, for an f32 main, the 16-bit autocast dtypes.

@@ -4,27 +4,53 @@
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
-#include "loom/optim/update_ops.h"
 
 namespace loom {
 
-using optim::AdamWAttrs;
-using optim::SgdAttrs;
+// The update's attributes (the optimizer layer, loom/optim/update_ops.h, fills them from its own settings).
+struct AdamWUpdateAttrs {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;  // 1-based count of updates this parameter has had, including this one (bias correction)
+  LOOM_FIELDS(AdamWUpdateAttrs, lr, beta1, beta2, eps, weight_decay, step);
+};
+struct SgdUpdateAttrs {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double weight_decay = 0.0;
+  bool first_step = false;  // the momentum buffer is initialized to d instead of being read
+  LOOM_FIELDS(SgdUpdateAttrs, lr, momentum, weight_decay, first_step);
+};
 
 // All tensors contiguous with param's numel, on one device. Dispatched on param's dtype; grad has any floating
-// dtype; exp_avg and exp_avg_sq have optim::optimizer_state_dtype(param). Updates param and both states in place.
-using AdamWUpdateKernel = void(const DeviceContext&, const AdamWAttrs& attrs, Tensor& param, const Tensor& grad,
+// dtype; exp_avg and exp_avg_sq have f32 (f64 for an f64 param). Updates param and both states in place.
+using AdamWUpdateKernel = void(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                                Tensor& exp_avg, Tensor& exp_avg_sq);
-LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel);
+LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
+                OpSchema().in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
+                    .in_place("exp_avg", "N", DTypeRule::kStats).in_place("exp_avg_sq", "N", DTypeRule::kStats)
+                    .values(Values::kPositive).attr("lr", {1e-3, 0.1}).attr("weight_decay", {0.0, 0.1})
+                    .attr("step", {1.0, 7.0}).row_dim("N").dispatch_on("param").abi_since(1));
 
 // As above; momentum_buffer is undefined when attrs.momentum == 0.
-using SgdUpdateKernel = void(const DeviceContext&, const SgdAttrs& attrs, Tensor& param, const Tensor& grad,
+using SgdUpdateKernel = void(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                              Tensor& momentum_buffer);
-LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel);
+LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel,
+                OpSchema().in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
+                    .in_place("momentum_buffer", "N", DTypeRule::kStats).attr("lr", {1e-2, 0.5})
+                    .attr("momentum", {0.0, 0.9}).attr("weight_decay", {0.0, 0.1}).attr("first_step", {0.0, 1.0})
+                    .row_dim("N").dispatch_on("param").abi_since(1).case_rule([](SuiteCase& c, const OpSchema& s) {
+                      c.present[size_t(s.tensor_index("momentum_buffer"))] = c.attr_float("momentum") != 0;
+                    }));
 
 // x contiguous, any floating dtype (dispatched on it); out a one-element f64 tensor receiving sum(x^2), accumulated
 // in f64 in an order that does not depend on the thread count.
 using GradNormSquaredKernel = void(const DeviceContext&, const Tensor& x, Tensor& out);
-LOOM_DECLARE_OP(grad_norm_squared, GradNormSquaredKernel);
+LOOM_DECLARE_OP(grad_norm_squared, GradNormSquaredKernel,
+                OpSchema().in("x", "N").out("out", "1", DTypeRule::kF64).row_dim("N").accumulates("N")
+                    .dispatch_on("x").abi_since(1));
 
 }  // namespace loom

@@ -28,11 +28,15 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
 
 namespace {
 
+static_assert(int(Reduction::kMean) == int(LossReduction::kMean) && int(Reduction::kSum) == int(LossReduction::kSum) &&
+                  int(Reduction::kNone) == int(LossReduction::kNone),
+              "ops::Reduction passes through to the kernels' LossReduction");
+
 CrossEntropyAttrs cross_entropy_attrs(const char* op, const Tensor& logits, int64_t ignore_index, Reduction reduction,
                                       int64_t vocab_limit) {
   LOOM_REQUIRE(vocab_limit == -1 || (vocab_limit >= 1 && vocab_limit <= logits.size(1)), op, ": vocab_limit ",
                vocab_limit, " must be -1 (all columns) or in [1, ", logits.size(1), "] for logits ", describe(logits));
-  return CrossEntropyAttrs{ignore_index, reduction, vocab_limit == logits.size(1) ? -1 : vocab_limit};
+  return CrossEntropyAttrs{ignore_index, LossReduction(int(reduction)), vocab_limit == logits.size(1) ? -1 : vocab_limit};
 }
 
 }  // namespace
@@ -41,7 +45,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
                      int64_t vocab_limit) {
   const char* op = "cross_entropy";
   ops_detail::check_same_device(op, {&logits, &targets});
-  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction == Reduction::kNone);
   CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
   Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
   Tensor loss = empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device());
@@ -53,7 +57,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                               int64_t ignore_index, Reduction reduction, int64_t vocab_limit) {
   const char* op = "cross_entropy_backward";
   ops_detail::check_same_device(op, {&grad_loss, &logits, &targets});
-  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction == Reduction::kNone);
   CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
   ops_detail::check_floating(op, grad_loss);
   bool shape_ok = reduction == Reduction::kNone ? grad_loss.shape() == loss_shape : grad_loss.numel() == 1;
@@ -72,7 +76,7 @@ CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor&
   ops_detail::check_same_device(op, {&logits, &targets});
   LOOM_REQUIRE(reduction != Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss) for logits ",
                describe(logits));
-  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction);
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, reduction == Reduction::kNone);
   CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
   LOOM_REQUIRE(!grad_over_logits || logits.is_contiguous(), op, ": writing the gradient over the logits needs them "
                "contiguous, got ", describe(logits));

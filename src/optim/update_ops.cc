@@ -58,7 +58,8 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& ex
   if (param.numel() == 0) return;
   Tensor g = ops::contiguous(grad);
   with_contiguous({&param, &exp_avg, &exp_avg_sq}, [&](std::vector<Tensor>& w) {
-    dispatch::call(adamw_update_op, param.device(), param.dtype(), attrs, w[0], g, w[1], w[2]);
+    const AdamWUpdateAttrs k{attrs.lr, attrs.beta1, attrs.beta2, attrs.eps, attrs.weight_decay, attrs.step};
+    dispatch::call(adamw_update_op, param.device(), param.dtype(), k, w[0], g, w[1], w[2]);
   });
 }
 
@@ -79,7 +80,8 @@ void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, cons
   Tensor no_buffer;
   Tensor& buffer = attrs.momentum != 0 ? momentum_buffer : no_buffer;
   with_contiguous({&param, &buffer}, [&](std::vector<Tensor>& w) {
-    dispatch::call(sgd_update_op, param.device(), param.dtype(), attrs, w[0], g, w[1]);
+    const SgdUpdateAttrs k{attrs.lr, attrs.momentum, attrs.weight_decay, attrs.first_step};
+    dispatch::call(sgd_update_op, param.device(), param.dtype(), k, w[0], g, w[1]);
   });
 }
 

@@ -1,5 +1,5 @@
-// Autotune mode (declared in core/dispatch.h): for each (op, device, dtype, shapes) the candidates are timed once on
-// copies of the arguments, the fastest is kept in memory and in a JSON cache file that the next run reads.
+// Autotune mode (loom/dispatch_modes.h): for each (op, device, dtype, shapes and attributes) the candidates are timed
+// once on copies of the arguments, the fastest is kept in memory and in a JSON cache file that the next run reads.
 #include <unistd.h>
 
 #include <chrono>
@@ -10,9 +10,14 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include <iomanip>
+#include <sstream>
+
 #include "loom/core/dispatch.h"
-#include "loom/core/gemm.h"
 #include "loom/core/tensor.h"
+#include "loom/dispatch_modes.h"
+#include "providers/argument_copies.h"
+#include "providers/modes.h"
 
 namespace loom::dispatch {
 namespace {
@@ -30,6 +35,7 @@ struct Book {
   std::string path;
   bool path_chosen = false;  // by API or policy; else LOOM_AUTOTUNE_CACHE is read on first use
   int repetitions = 3;
+  uint64_t policy_generation = 0;  // the policy the op flags were read from
 };
 Book& book() {
   static Book* b = new Book;  // never destroyed: dispatches may run during static teardown
@@ -98,138 +104,130 @@ double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-}  // namespace
-
-struct AutotuneRun::State {
-  OpId op;
-  Device device;
-  DType dtype;
-  std::string shapes;
-  std::vector<std::pair<const KernelEntry*, double>> timings;  // microseconds
-};
-
-void detail::configure_autotune(const std::set<std::string>& ops, const std::string& cache_path) {
+// The ops the policy autotunes and its cache file, read again when the policy changes.
+void configure_from_policy_locked(Book& b) {
+  const ProviderPolicy p = policy();
   std::vector<char> flags;
-  for (const auto& op : ops) {
+  for (const auto& op : p.autotune) {
     if (op == "*") continue;
     OpId id = find_op(op);
     if (flags.size() <= id) flags.resize(id + 1, 0);
     flags[id] = 1;
   }
-  Book& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  if (!cache_path.empty() && !(b.path_chosen && cache_path == b.path)) {
-    load_locked(b, cache_path);  // first: a bad file leaves the configuration as it was
-    b.path = cache_path;
+  if (!p.autotune_cache.empty() && !(b.path_chosen && p.autotune_cache == b.path)) {
+    load_locked(b, p.autotune_cache);  // first: a bad file leaves the configuration as it was
+    b.path = p.autotune_cache;
     b.path_chosen = true;
   }
-  b.all_ops = ops.count("*") > 0;
+  b.all_ops = p.autotune.count("*") > 0;
   b.op_flags = std::move(flags);
 }
 
-bool AutotuneRun::applies(OpId op) {
-  if (tuning_depth > 0) return false;
-  Book& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  return b.all_ops || (op < b.op_flags.size() && b.op_flags[op]);
-}
-
-AutotuneRun::AutotuneRun(OpId op, Device device, DType dtype) : state_(new State{op, device, dtype, "", {}}) {
-  ++tuning_depth;
-}
-AutotuneRun::~AutotuneRun() { --tuning_depth; }
-
-void AutotuneRun::key(const Tensor& t) {
-  std::string& s = state_->shapes;
-  if (!s.empty()) s += ' ';
-  if (!t.defined()) {
-    s += '-';
-    return;
-  }
-  s += std::string(dtype_name(t.dtype())) + shape_str(t.shape());
-  if (!t.is_contiguous()) s += "/strides" + shape_str(t.strides());
-}
-
-void AutotuneRun::key(const std::vector<Tensor>& ts) {
-  state_->shapes += state_->shapes.empty() ? "(" : " (";
-  for (const Tensor& t : ts) key(t);
-  state_->shapes += ")";
-}
-
-void AutotuneRun::key(const GemmParams& p) {
+// The key of a call: every tensor's dtype, shape and (when not contiguous) strides, and the attributes.
+std::string shapes_key(const CallArgs& args) {
   std::ostringstream os;
-  os << (state_->shapes.empty() ? "" : " ") << "gemm " << (p.trans_a ? "T" : "N") << (p.trans_b ? "T" : "N")
-     << " m=" << p.m << " n=" << p.n << " k=" << p.k << " lda=" << p.lda << " ldb=" << p.ldb << " ldc=" << p.ldc;
-  if (p.batch != 1) os << " batch=" << p.batch << " strides=" << p.stride_a << "," << p.stride_b << "," << p.stride_c;
-  os << " " << dtype_name(p.input_dtype) << "->" << dtype_name(p.output_dtype) << " compute=" << int(p.compute)
-     << " epilogue=" << int(p.epilogue) << (p.beta != 0 ? " beta" : "") << (p.pre_gelu ? " pre_gelu" : "");
-  state_->shapes += os.str();
-}
-
-void AutotuneRun::key_bytes(const void* data, size_t n) {
-  static const char* hex = "0123456789abcdef";
-  std::string& s = state_->shapes;
-  s += s.empty() ? "#" : " #";
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char c = static_cast<const unsigned char*>(data)[i];
-    s += hex[c >> 4];
-    s += hex[c & 15];
+  auto tensor = [&](const Tensor& t) {
+    if (!t.defined()) return void(os << " -");
+    os << " " << dtype_name(t.dtype()) << shape_str(t.shape());
+    if (!t.is_contiguous()) os << "/strides" << shape_str(t.strides());
+  };
+  for (const ArgSlot& s : args.slots) {
+    if (!s.is_list) tensor(s.tensor);
+    else {
+      os << " (";
+      for (const Tensor& t : s.list) tensor(t);
+      os << " )";
+    }
   }
+  for (const auto& [name, value] : args.attrs) os << " " << name << "=" << value.str();
+  std::string k = os.str();
+  return k.empty() ? k : k.substr(1);
 }
 
-const KernelEntry* AutotuneRun::cached(const std::vector<const KernelEntry*>& cands) {
-  Book& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  ensure_path_locked(b);
-  auto it = b.choices.find(key_of({op_name(state_->op), device_key(state_->device), dtype_name(state_->dtype),
-                                   state_->shapes, "", {}}));
-  if (it == b.choices.end()) return nullptr;
-  for (const KernelEntry* e : cands)
-    if (e->provider == it->second.provider) return e;
-  return nullptr;  // the winner is gone (unloaded, denied): tune again
-}
+}  // namespace
 
-void AutotuneRun::time(const KernelEntry* candidate, const std::function<void()>& run) {
-  DeviceRuntime& rt = device_runtime(state_->device.type);
-  const int index = state_->device.index;
+namespace detail {
+
+const KernelEntry* autotuned(OpId op, Device device, DType dtype, const std::vector<const KernelEntry*>& cands,
+                             const CallArgs& args) {
+  if (tuning_depth > 0) return nullptr;
+  AutotuneChoice choice{op_name(op), device_key(device), dtype_name(dtype), shapes_key(args), "", {}};
   int repetitions;
   {
-    std::lock_guard<std::mutex> g(book().mu);
-    repetitions = book().repetitions;
-  }
-  try {
-    rt.synchronize(index);
-    run();  // warm-up: first-use costs (handles, plans, caches) are not the candidate's speed
-    rt.synchronize(index);
-    double best = std::numeric_limits<double>::infinity();
-    for (int i = 0; i < repetitions; ++i) {
-      double begin = now_us();
-      run();
-      rt.synchronize(index);
-      best = std::min(best, now_us() - begin);
+    Book& b = book();
+    std::lock_guard<std::mutex> g(b.mu);
+    if (b.policy_generation != policy_generation()) {
+      configure_from_policy_locked(b);
+      b.policy_generation = policy_generation();
     }
-    state_->timings.emplace_back(candidate, best);
-  } catch (const std::exception& e) {
-    std::cerr << "[loom autotune] " << op_name(state_->op) << " on " << state_->device.str() << ": candidate "
-              << candidate->provider << " failed and is left out: " << e.what() << "\n";
+    if (!(b.all_ops || (op < b.op_flags.size() && b.op_flags[op]))) return nullptr;
+    ensure_path_locked(b);
+    if (auto it = b.choices.find(key_of(choice)); it != b.choices.end()) {
+      for (const KernelEntry* e : cands)
+        if (e->provider == it->second.provider) return e->accepts_generic(e, args) ? e : nullptr;
+    }  // the winner is gone (unloaded, denied): tune again
+    repetitions = b.repetitions;
   }
-}
-
-const KernelEntry* AutotuneRun::finish() {
-  if (state_->timings.empty()) return nullptr;
-  AutotuneChoice c{op_name(state_->op), device_key(state_->device), dtype_name(state_->dtype), state_->shapes, "", {}};
+  ++tuning_depth;
+  struct Leave {
+    ~Leave() { --tuning_depth; }
+  } leave;
   const KernelEntry* winner = nullptr;
-  double best = std::numeric_limits<double>::infinity();
-  for (const auto& [e, us] : state_->timings) {
-    c.timings_us[e->provider] = us;
-    if (us < best) best = us, winner = e;  // ties keep the policy's order
+  {
+    ArgumentCopies copies(op_schema(op), args, device, device);  // the real outputs are written once, by the winner
+    DeviceRuntime& rt = device_runtime(device.type);
+    const DeviceContext& ctx = rt.context(device.index);
+    double best_all = std::numeric_limits<double>::infinity();
+    for (const KernelEntry* e : cands) {
+      if (!e->accepts_generic(e, copies.args())) continue;
+      try {
+        rt.synchronize(device.index);
+        e->run_generic(e, ctx, copies.args());  // warm-up: first-use costs are not the candidate's speed
+        rt.synchronize(device.index);
+        double best = std::numeric_limits<double>::infinity();
+        for (int i = 0; i < repetitions; ++i) {
+          double begin = now_us();
+          e->run_generic(e, ctx, copies.args());
+          rt.synchronize(device.index);
+          best = std::min(best, now_us() - begin);
+        }
+        choice.timings_us[e->provider] = best;
+        if (best < best_all) best_all = best, winner = e;  // ties keep the policy's order
+      } catch (const std::exception& ex) {
+        std::cerr << "[loom autotune] " << op_name(op) << " on " << device.str() << ": candidate " << e->provider
+                  << " failed and is left out: " << ex.what() << "\n";
+      }
+    }
   }
-  c.provider = winner->provider;
+  if (!winner) return nullptr;
+  choice.provider = winner->provider;
   Book& b = book();
   std::lock_guard<std::mutex> g(b.mu);
-  b.choices[key_of(c)] = c;
+  b.choices[key_of(choice)] = choice;
   save_locked(b);
-  return winner;
+  return winner->accepts_generic(winner, args) ? winner : nullptr;
+}
+
+}  // namespace detail
+
+std::string autotune_report(const std::string& op, DeviceType device, DType dtype) {
+  std::ostringstream os;
+  const std::string device_name = device_type_display_name(device);
+  for (const auto& choice : autotune_choices()) {
+    if (choice.op != op || choice.dtype != dtype_name(dtype) || choice.device.rfind(device_name + ":", 0) != 0)
+      continue;
+    if (os.tellp() == 0) os << op << " on " << device_name << " for " << dtype_name(dtype)
+                            << ", autotuned (fastest per shape, best of the repetitions):";
+    os << "\n    " << choice.device << " " << choice.shapes << ": " << choice.provider;
+    std::string others;
+    for (const auto& [provider, us] : choice.timings_us) {
+      std::ostringstream t;
+      t << provider << " " << std::fixed << std::setprecision(1) << us << " us";
+      others += (others.empty() ? "" : ", ") + t.str();
+    }
+    os << " (" << others << ")";
+  }
+  return os.str();
 }
 
 std::vector<AutotuneChoice> autotune_choices() {

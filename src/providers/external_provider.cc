@@ -1,5 +1,6 @@
 // Loads kernel libraries written against the C ABI (loom/abi/loom_kernel_abi.h) and registers, for every op they
-// export, an adapter kernel that turns Loom's typed arguments into descriptors and attributes and calls the library.
+// export, an adapter kernel that turns the call's arguments into descriptors and attributes as the op's description
+// (op_schema.h) says, and calls the library. No op is named here: every declared op is reachable.
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -9,19 +10,9 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "kernels/attention_kernel.h"
-#include "kernels/column_sums_kernel.h"
-#include "kernels/copy_kernel.h"
-#include "kernels/cross_entropy_kernel.h"
-#include "kernels/elementwise_kernel.h"
-#include "kernels/embedding_kernel.h"
-#include "kernels/gemm_kernel.h"
-#include "kernels/norm_kernel.h"
-#include "kernels/optimizer_kernel.h"
-#include "kernels/reduce_kernel.h"
-#include "kernels/rope_kernel.h"
-#include "kernels/softmax_kernel.h"
 #include "loom/abi/loom_kernel_abi.h"
+#include "loom/core/dispatch.h"
+#include "loom/core/op_schema.h"
 #include "loom/providers.h"
 
 namespace loom::providers {
@@ -117,321 +108,65 @@ LoomTensorDesc to_desc(const Tensor& t) {
   return d;
 }
 
-// A column-major matrix of a gemm as stored: [batch, rows, cols] with strides [batch_stride, 1, ld].
-LoomTensorDesc matrix_desc(const void* data, DType dtype, const Device& dev, int64_t batch, int64_t rows,
-                           int64_t cols, int64_t ld, int64_t batch_stride) {
-  LoomTensorDesc d = empty_desc();
-  d.dtype = int32_t(dtype);
-  d.device_type = int32_t(dev.type);
-  d.device_index = dev.index;
-  d.rank = 3;
-  d.data = const_cast<void*>(data);
-  d.shape[0] = batch, d.shape[1] = rows, d.shape[2] = cols;
-  d.strides[0] = batch_stride, d.strides[1] = 1, d.strides[2] = ld;
-  return d;
-}
-
+// The call's descriptors and attributes, from its arguments and the op's description: tensors in signature order,
+// inputs to `in` and outputs (in place ones too) to `out`, a list's tensors each in turn, and an argument that the
+// description omits when absent left out then; attributes by name.
 struct Call {
   std::vector<LoomTensorDesc> in, out;
   std::vector<LoomAttr> attrs;
 
-  void input(const Tensor& t) { in.push_back(to_desc(t)); }
-  void output(const Tensor& t) { out.push_back(to_desc(t)); }
-  LoomAttr& attr(const char* name, LoomAttrKind kind) {
-    LoomAttr a;
-    std::memset(&a, 0, sizeof a);
-    a.struct_size = sizeof a;
-    a.kind = kind;
-    a.name = name;
-    attrs.push_back(a);
-    return attrs.back();
-  }
-  void attr_int(const char* name, int64_t v) { attr(name, LOOM_ATTR_INT).i = v; }
-  void attr_float(const char* name, double v) { attr(name, LOOM_ATTR_FLOAT).f = v; }
-  void attr_ints(const char* name, const std::vector<int64_t>& v) {  // v outlives the call
-    LoomAttr& a = attr(name, LOOM_ATTR_INTS);
-    a.ints = v.data();
-    a.n_ints = int64_t(v.size());
+  Call(const OpSchema& schema, const CallArgs& args) {
+    for (size_t i = 0; i < args.slots.size(); ++i) {
+      const TensorSpec& spec = schema.tensors.at(i);
+      const ArgSlot& slot = args.slots[i];
+      auto& side = is_input(spec.role) ? in : out;
+      if (slot.is_list) {
+        for (const Tensor& t : slot.list) side.push_back(to_desc(t));
+      } else if (slot.tensor.defined() || !spec.omit_when_absent) {
+        side.push_back(to_desc(slot.tensor));
+      }
+    }
+    for (const auto& [name, value] : args.attrs) {  // args outlives the call: names and arrays stay valid
+      LoomAttr a;
+      std::memset(&a, 0, sizeof a);
+      a.struct_size = sizeof a;
+      a.name = name.c_str();
+      a.kind = value.kind == AttrValue::kInt ? LOOM_ATTR_INT : value.kind == AttrValue::kFloat ? LOOM_ATTR_FLOAT
+                                                                                             : LOOM_ATTR_INTS;
+      a.i = value.i;
+      a.f = value.f;
+      a.ints = value.ints.data();
+      a.n_ints = int64_t(value.ints.size());
+      attrs.push_back(a);
+    }
   }
 };
 
 // One op of one library on one device type.
 struct Binding {
   std::shared_ptr<Library> lib;
-  std::string op;
+  const OpSchema* schema = nullptr;
   DeviceType device = kCPU;
   LoomKernelFn fn = nullptr;
   LoomSupportsFn supports = nullptr;
 
-  void run(const DeviceContext& ctx, Call& c) const {
+  void run(const DeviceContext& ctx, const CallArgs& args) const {
+    Call c(*schema, args);
     const DeviceContext* saved = current_call_context;
     current_call_context = &ctx;
     int status = fn(lib->table.ctx, c.in.data(), int(c.in.size()), c.out.data(), int(c.out.size()), c.attrs.data(),
                     int(c.attrs.size()));
     current_call_context = saved;
     if (status != LOOM_STATUS_OK)
-      LOOM_THROW("provider '", lib->name, "' failed in op ", op, " on ", ctx.device().str(), " (status ", status,
-                 "): ", lib->last_error());
+      LOOM_THROW("provider '", lib->name, "' failed in op ", schema->name, " on ", ctx.device().str(), " (status ",
+                 status, "): ", lib->last_error());
   }
-  bool accepts(Call& c) const {
+  bool accepts(const CallArgs& args) const {
+    Call c(*schema, args);
     return supports(lib->table.ctx, c.in.data(), int(c.in.size()), c.out.data(), int(c.out.size()),
                     c.attrs.data(), int(c.attrs.size())) != 0;
   }
 };
-using BindingPtr = std::shared_ptr<const Binding>;
-
-struct Registration {
-  BindingPtr binding;
-  DTypeSet dtypes;
-  int priority = 0;
-  std::string source;
-};
-
-// Registers the adapter for op Op: `pack` moves the typed kernel arguments into a Call.
-template <typename Op, typename Pack>
-void bind(Op op, const Registration& r, Pack pack) {
-  BindingPtr b = r.binding;
-  typename Op::traits::function fn = [b, pack](const DeviceContext& ctx, auto&... args) {
-    Call c;
-    pack(c, args...);
-    b->run(ctx, c);
-  };
-  typename Op::traits::supports_function supports;
-  if (b->supports) {
-    supports = [b, pack](auto&... args) {
-      Call c;
-      pack(c, args...);
-      return b->accepts(c);
-    };
-  }
-  dispatch::register_kernel_function(op, b->device, b->lib->name, r.dtypes, std::move(fn), r.priority,
-                                     std::move(supports), r.source.c_str());
-}
-
-// ---- Argument packers, one per kernel signature family (the order is the one the ABI header documents). ----
-
-// One input, one output (also column_sums, cross_entropy_scale_grad and grad_norm_squared).
-const auto pack_unary = [](Call& c, const Tensor& x, Tensor& out) { c.input(x), c.output(out); };
-const auto pack_unary_backward = [](Call& c, const Tensor& grad, const Tensor& saved, Tensor& grad_x) {
-  c.input(grad), c.input(saved), c.output(grad_x);
-};
-const auto pack_binary = [](Call& c, const Tensor& a, const Tensor& b, Tensor& out) {
-  c.input(a), c.input(b), c.output(out);
-};
-const auto pack_swiglu_backward = [](Call& c, const Tensor& grad, const Tensor& gate, const Tensor& up,
-                                     Tensor& grad_gate, Tensor& grad_up) {
-  c.input(grad), c.input(gate), c.input(up), c.output(grad_gate), c.output(grad_up);
-};
-const auto pack_add_scaled = [](Call& c, const Tensor& a, const Tensor& b, const AddScaledAttrs& at, Tensor& out) {
-  c.input(a), c.input(b), c.output(out), c.attr_float("alpha", at.alpha);
-};
-const auto pack_scalar = [](Call& c, const Tensor& x, const ScalarAttrs& at, Tensor& out) {
-  c.input(x), c.output(out), c.attr_float("value", at.value);
-};
-const auto pack_where = [](Call& c, const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out) {
-  c.input(cond), c.input(a), c.input(b), c.output(out);
-};
-const auto pack_softmax = [](Call& c, const Tensor& x, const SoftmaxAttrs& at, Tensor& out) {
-  c.input(x), c.output(out), c.attr_int("dim", at.dim);
-};
-const auto pack_softmax_backward = [](Call& c, const Tensor& grad, const Tensor& out, const SoftmaxAttrs& at,
-                                      Tensor& grad_input) {
-  c.input(grad), c.input(out), c.output(grad_input), c.attr_int("dim", at.dim);
-};
-const auto pack_layer_norm = [](Call& c, const Tensor& x, const Tensor& w, const Tensor& b, const NormAttrs& at,
-                                Tensor& out, Tensor& mean, Tensor& rstd) {
-  c.input(x), c.input(w), c.input(b), c.output(out), c.output(mean), c.output(rstd), c.attr_float("eps", at.eps);
-};
-const auto pack_layer_norm_backward = [](Call& c, const Tensor& grad, const Tensor& x, const Tensor& w,
-                                         const Tensor& mean, const Tensor& rstd, Tensor& gi, Tensor& gw, Tensor& gb) {
-  c.input(grad), c.input(x), c.input(w), c.input(mean), c.input(rstd);
-  c.output(gi), c.output(gw), c.output(gb);
-};
-const auto pack_rms_norm = [](Call& c, const Tensor& x, const Tensor& w, const NormAttrs& at, Tensor& out,
-                              Tensor& rstd) {
-  c.input(x), c.input(w), c.output(out), c.output(rstd), c.attr_float("eps", at.eps);
-};
-const auto pack_rms_norm_backward = [](Call& c, const Tensor& grad, const Tensor& x, const Tensor& w,
-                                       const Tensor& rstd, Tensor& gi, Tensor& gw) {
-  c.input(grad), c.input(x), c.input(w), c.input(rstd), c.output(gi), c.output(gw);
-};
-const auto pack_residual_layer_norm = [](Call& c, const Tensor& x, const Tensor& delta, const Tensor& w,
-                                         const Tensor& b, const NormAttrs& at, Tensor& residual, Tensor& out,
-                                         Tensor& mean, Tensor& rstd) {
-  c.input(x), c.input(delta), c.input(w), c.input(b);
-  c.output(residual), c.output(out), c.output(mean), c.output(rstd), c.attr_float("eps", at.eps);
-};
-const auto pack_residual_layer_norm_backward = [](Call& c, const Tensor& grad_out, const Tensor& grad_residual,
-                                                  const Tensor& residual, const Tensor& w, const Tensor& mean,
-                                                  const Tensor& rstd, Tensor& gx, Tensor& gd, Tensor& gw,
-                                                  Tensor& gb) {
-  c.input(grad_out), c.input(grad_residual), c.input(residual), c.input(w), c.input(mean), c.input(rstd);
-  c.output(gx), c.output(gd), c.output(gw), c.output(gb);
-};
-const auto pack_residual_rms_norm = [](Call& c, const Tensor& x, const Tensor& delta, const Tensor& w,
-                                       const NormAttrs& at, Tensor& residual, Tensor& out, Tensor& rstd) {
-  c.input(x), c.input(delta), c.input(w);
-  c.output(residual), c.output(out), c.output(rstd), c.attr_float("eps", at.eps);
-};
-const auto pack_residual_rms_norm_backward = [](Call& c, const Tensor& grad_out, const Tensor& grad_residual,
-                                                const Tensor& residual, const Tensor& w, const Tensor& rstd,
-                                                Tensor& gx, Tensor& gd, Tensor& gw) {
-  c.input(grad_out), c.input(grad_residual), c.input(residual), c.input(w), c.input(rstd);
-  c.output(gx), c.output(gd), c.output(gw);
-};
-void cross_entropy_attrs(Call& c, const CrossEntropyAttrs& at) {
-  c.attr_int("ignore_index", at.ignore_index);
-  c.attr_int("reduction", int64_t(at.reduction));
-  c.attr_int("vocab_limit", at.vocab_limit);  // -1: every column is a class
-}
-const auto pack_cross_entropy = [](Call& c, const Tensor& logits, const Tensor& targets,
-                                   const CrossEntropyAttrs& at, Tensor& loss) {
-  c.input(logits), c.input(targets), c.output(loss), cross_entropy_attrs(c, at);
-};
-const auto pack_cross_entropy_backward = [](Call& c, const Tensor& grad_loss, const Tensor& logits,
-                                            const Tensor& targets, const CrossEntropyAttrs& at, Tensor& grad_logits) {
-  c.input(grad_loss), c.input(logits), c.input(targets), c.output(grad_logits), cross_entropy_attrs(c, at);
-};
-const auto pack_cross_entropy_with_grad = [](Call& c, const Tensor& logits, const Tensor& targets,
-                                             const CrossEntropyAttrs& at, Tensor& loss, Tensor& grad_logits) {
-  c.input(logits), c.input(targets), c.output(loss), c.output(grad_logits), cross_entropy_attrs(c, at);
-};
-const auto pack_gemm = [](Call& c, const GemmParams& p) {
-  c.in.push_back(matrix_desc(p.a, p.input_dtype, p.device, p.batch, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k,
-                             p.lda, p.stride_a));
-  c.in.push_back(matrix_desc(p.b, p.input_dtype, p.device, p.batch, p.trans_b ? p.n : p.k, p.trans_b ? p.k : p.n,
-                             p.ldb, p.stride_b));
-  LoomTensorDesc bias = matrix_desc(p.bias, p.output_dtype, p.device, 1, p.m, 1, p.m, 0);
-  bias.rank = 1, bias.shape[0] = p.m, bias.strides[0] = 1;
-  c.in.push_back(bias);
-  c.out.push_back(matrix_desc(p.c, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c));
-  c.out.push_back(matrix_desc(p.pre_gelu, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c));
-  if (p.epilogue == GemmEpilogue::kBiasGradB) {  // a third output only then: libraries built before it see two
-    LoomTensorDesc bias_grad = matrix_desc(p.bias_grad, p.output_dtype, p.device, 1, p.n, 1, p.n, 0);
-    bias_grad.rank = 1, bias_grad.shape[0] = p.n, bias_grad.strides[0] = 1;
-    c.out.push_back(bias_grad);
-  }
-  c.attr_int("trans_a", p.trans_a), c.attr_int("trans_b", p.trans_b);
-  c.attr_int("m", p.m), c.attr_int("n", p.n), c.attr_int("k", p.k);
-  c.attr_int("lda", p.lda), c.attr_int("ldb", p.ldb), c.attr_int("ldc", p.ldc);
-  c.attr_int("batch", p.batch);
-  c.attr_int("stride_a", p.stride_a), c.attr_int("stride_b", p.stride_b), c.attr_int("stride_c", p.stride_c);
-  c.attr_float("alpha", p.alpha), c.attr_float("beta", p.beta);
-  c.attr_int("compute", int64_t(p.compute)), c.attr_int("epilogue", int64_t(p.epilogue));
-};
-const auto pack_attention = [](Call& c, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& at,
-                               Tensor& out, Tensor& lse) {
-  c.input(q), c.input(k), c.input(v), c.output(out), c.output(lse);
-  c.attr_int("causal", at.causal), c.attr_float("scale", at.scale);
-};
-const auto pack_attention_backward = [](Call& c, const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                                        const Tensor& v, const Tensor& out, const Tensor& lse,
-                                        const AttentionAttrs& at, Tensor& gq, Tensor& gk, Tensor& gv) {
-  c.input(grad_out), c.input(q), c.input(k), c.input(v), c.input(out), c.input(lse);
-  c.output(gq), c.output(gk), c.output(gv);
-  c.attr_int("causal", at.causal), c.attr_float("scale", at.scale);
-};
-const auto pack_embedding = [](Call& c, const Tensor& weight, const Tensor& indices, Tensor& out) {
-  c.input(weight), c.input(indices), c.output(out);
-};
-const auto pack_reduce = [](Call& c, const Tensor& x, const ReduceAttrs& at, Tensor& out) {
-  c.input(x), c.output(out), c.attr_ints("dims", at.dims), c.attr_int("keepdim", at.keepdim);
-};
-const auto pack_rope = [](Call& c, const Tensor& x, const Tensor& cos, const Tensor& sin, const RopeAttrs& at,
-                          Tensor& out) {
-  c.input(x), c.input(cos), c.input(sin), c.output(out), c.attr_int("inverse", at.inverse);
-};
-const auto pack_copy = [](Call& c, const Tensor& src, Tensor& dst) { c.input(src), c.output(dst); };
-const auto pack_fill = [](Call& c, const FillAttrs& at, Tensor& out) {
-  c.output(out), c.attr_float("value", at.value);
-};
-// The updated buffers are outputs (read and written in place); grad is the one input.
-const auto pack_adamw_update = [](Call& c, const AdamWAttrs& at, Tensor& param, const Tensor& grad, Tensor& exp_avg,
-                                  Tensor& exp_avg_sq) {
-  c.input(grad), c.output(param), c.output(exp_avg), c.output(exp_avg_sq);
-  c.attr_float("lr", at.lr), c.attr_float("beta1", at.beta1), c.attr_float("beta2", at.beta2);
-  c.attr_float("eps", at.eps), c.attr_float("weight_decay", at.weight_decay), c.attr_int("step", at.step);
-};
-const auto pack_sgd_update = [](Call& c, const SgdAttrs& at, Tensor& param, const Tensor& grad,
-                                Tensor& momentum_buffer) {
-  c.input(grad), c.output(param), c.output(momentum_buffer);
-  c.attr_float("lr", at.lr), c.attr_float("momentum", at.momentum), c.attr_float("weight_decay", at.weight_decay);
-  c.attr_int("first_step", at.first_step);
-};
-
-using Binder = void (*)(const Registration&);
-#define LOOM_ABI_OP(NAME, PACK) \
-  { #NAME, [](const Registration& r) { bind(NAME##_op, r, PACK); } }
-
-// An op reachable through the ABI and the minor version that added it: a library built against an older minor
-// does not get it bound (for that library the name is unknown, as it was when it was built).
-struct AbiOp {
-  Binder bind;
-  uint32_t since_minor;
-};
-
-// Every op reachable through the ABI, by the minor version that added it. Keep in step with the list in
-// loom_kernel_abi.h (its [1.1] marks).
-const std::unordered_map<std::string, AbiOp>& binders() {
-  static const auto* table = [] {
-    auto* t = new std::unordered_map<std::string, AbiOp>;
-    auto add = [t](uint32_t minor, std::initializer_list<std::pair<const char*, Binder>> ops) {
-      for (const auto& [name, binder] : ops) t->emplace(name, AbiOp{binder, minor});
-    };
-    add(0, {
-      LOOM_ABI_OP(neg, pack_unary), LOOM_ABI_OP(abs, pack_unary), LOOM_ABI_OP(exp, pack_unary),
-      LOOM_ABI_OP(log, pack_unary), LOOM_ABI_OP(sqrt, pack_unary), LOOM_ABI_OP(rsqrt, pack_unary),
-      LOOM_ABI_OP(tanh, pack_unary), LOOM_ABI_OP(sigmoid, pack_unary), LOOM_ABI_OP(gelu, pack_unary),
-      LOOM_ABI_OP(silu, pack_unary), LOOM_ABI_OP(relu, pack_unary),
-      LOOM_ABI_OP(gelu_backward, pack_unary_backward), LOOM_ABI_OP(silu_backward, pack_unary_backward),
-      LOOM_ABI_OP(relu_backward, pack_unary_backward), LOOM_ABI_OP(tanh_backward, pack_unary_backward),
-      LOOM_ABI_OP(sigmoid_backward, pack_unary_backward),
-      LOOM_ABI_OP(add, pack_binary), LOOM_ABI_OP(sub, pack_binary), LOOM_ABI_OP(mul, pack_binary),
-      LOOM_ABI_OP(div, pack_binary), LOOM_ABI_OP(maximum, pack_binary), LOOM_ABI_OP(minimum, pack_binary),
-      LOOM_ABI_OP(swiglu, pack_binary), LOOM_ABI_OP(swiglu_backward, pack_swiglu_backward),
-      LOOM_ABI_OP(eq, pack_binary), LOOM_ABI_OP(ne, pack_binary), LOOM_ABI_OP(lt, pack_binary),
-      LOOM_ABI_OP(le, pack_binary), LOOM_ABI_OP(gt, pack_binary), LOOM_ABI_OP(ge, pack_binary),
-      LOOM_ABI_OP(add_scaled, pack_add_scaled),
-      LOOM_ABI_OP(add_scalar, pack_scalar), LOOM_ABI_OP(mul_scalar, pack_scalar),
-      LOOM_ABI_OP(div_scalar, pack_scalar), LOOM_ABI_OP(rsub_scalar, pack_scalar),
-      LOOM_ABI_OP(maximum_scalar, pack_scalar), LOOM_ABI_OP(minimum_scalar, pack_scalar),
-      LOOM_ABI_OP(pow_scalar, pack_scalar),
-      LOOM_ABI_OP(where, pack_where),
-      LOOM_ABI_OP(softmax, pack_softmax), LOOM_ABI_OP(log_softmax, pack_softmax),
-      LOOM_ABI_OP(softmax_backward, pack_softmax_backward),
-      LOOM_ABI_OP(log_softmax_backward, pack_softmax_backward),
-      LOOM_ABI_OP(layer_norm, pack_layer_norm), LOOM_ABI_OP(layer_norm_backward, pack_layer_norm_backward),
-      LOOM_ABI_OP(rms_norm, pack_rms_norm), LOOM_ABI_OP(rms_norm_backward, pack_rms_norm_backward),
-      LOOM_ABI_OP(cross_entropy, pack_cross_entropy),
-      LOOM_ABI_OP(cross_entropy_backward, pack_cross_entropy_backward),
-      LOOM_ABI_OP(gemm, pack_gemm),
-      LOOM_ABI_OP(scaled_dot_product_attention, pack_attention),
-      LOOM_ABI_OP(scaled_dot_product_attention_backward, pack_attention_backward),
-      LOOM_ABI_OP(embedding, pack_embedding), LOOM_ABI_OP(embedding_backward, pack_embedding),
-      LOOM_ABI_OP(sum, pack_reduce), LOOM_ABI_OP(mean, pack_reduce), LOOM_ABI_OP(max, pack_reduce),
-      LOOM_ABI_OP(argmax, pack_reduce), LOOM_ABI_OP(norm, pack_reduce),
-      LOOM_ABI_OP(rope, pack_rope),
-      LOOM_ABI_OP(copy, pack_copy), LOOM_ABI_OP(fill, pack_fill),
-    });
-    add(1, {
-      LOOM_ABI_OP(residual_layer_norm, pack_residual_layer_norm),
-      LOOM_ABI_OP(residual_layer_norm_backward, pack_residual_layer_norm_backward),
-      LOOM_ABI_OP(residual_rms_norm, pack_residual_rms_norm),
-      LOOM_ABI_OP(residual_rms_norm_backward, pack_residual_rms_norm_backward),
-      LOOM_ABI_OP(cross_entropy_with_grad, pack_cross_entropy_with_grad),
-      LOOM_ABI_OP(cross_entropy_scale_grad, pack_unary),
-      LOOM_ABI_OP(column_sums, pack_unary),
-      LOOM_ABI_OP(rope_strided, pack_rope),
-      LOOM_ABI_OP(scaled_dot_product_attention_strided, pack_attention),
-      LOOM_ABI_OP(scaled_dot_product_attention_backward_strided, pack_attention_backward),
-      LOOM_ABI_OP(adamw_update, pack_adamw_update), LOOM_ABI_OP(sgd_update, pack_sgd_update),
-      LOOM_ABI_OP(grad_norm_squared, pack_unary),
-    });
-    return t;
-  }();
-  return *table;
-}
-#undef LOOM_ABI_OP
 
 DTypeSet dtypes_from_mask(uint32_t mask) {
   DType first = kF32;
@@ -613,7 +348,6 @@ std::string load(const std::string& path, const std::string& name_override) {
     lib->info.device_type = rt->device_name;
   }
 
-  const auto& table = binders();
   for (int i = 0; i < t.n_ops; ++i) {
     const LoomOpEntry& e = t.ops[i];
     std::string op = e.op ? e.op : "";
@@ -621,14 +355,14 @@ std::string load(const std::string& path, const std::string& name_override) {
       warn(*lib, "op entry " + std::to_string(i) + " ('" + op + "') is too small; skipped");
       continue;
     }
-    auto it = table.find(op);
-    if (it == table.end()) {
+    const OpSchema* schema = find_op_schema(op);
+    if (!schema) {
       warn(*lib, "op '" + op + "' is not an op the kernel ABI " + abi_version() + " knows; skipped");
       continue;
     }
-    if (it->second.since_minor > t.abi_minor) {
+    if (schema->abi_minor > t.abi_minor) {
       warn(*lib, "op '" + op + "' came with kernel ABI " + std::to_string(LOOM_ABI_VERSION_MAJOR) + "." +
-                     std::to_string(it->second.since_minor) + ", and the library was built against " +
+                     std::to_string(schema->abi_minor) + ", and the library was built against " +
                      std::to_string(t.abi_major) + "." + std::to_string(t.abi_minor) +
                      ", which does not define it: rebuild against this header to export it; skipped");
       continue;
@@ -657,12 +391,15 @@ std::string load(const std::string& path, const std::string& name_override) {
     }
     auto b = std::make_shared<Binding>();
     b->lib = lib;
-    b->op = op;
+    b->schema = schema;
     b->device = device;
     b->fn = e.fn;
     b->supports = e.supports;
-    Registration r{b, dts, e.priority, path};
-    it->second.bind(r);
+    OpSchema::ErasedSupports supports;
+    if (b->supports) supports = [b](const CallArgs& args) { return b->accepts(args); };
+    schema->register_erased(device, lib->name, dts, e.priority,
+                            [b](const DeviceContext& ctx, const CallArgs& args) { b->run(ctx, args); },
+                            std::move(supports), path);
     lib->info.ops.push_back(op + "@" + device_type_display_name(device));
   }
   libs.all.push_back(lib);

@@ -1,6 +1,6 @@
-// Shadow mode (declared in core/dispatch.h): a second provider runs on copies of a call's arguments (ArgumentCopies on
-// the call's device) and its outputs are compared with the primary's, divergences logged and counted; the primary's
-// result stands.
+// Shadow mode (loom/dispatch_modes.h): a second provider runs on copies of a call's arguments (ArgumentCopies on the
+// call's device, made before the primary runs) and its outputs are compared with the primary's, divergences logged
+// and counted; the primary's result stands.
 #include <cmath>
 #include <iostream>
 #include <mutex>
@@ -11,10 +11,11 @@
 
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
+#include "loom/dispatch_modes.h"
+#include "providers/argument_copies.h"
+#include "providers/modes.h"
 
 namespace loom::dispatch {
-
-const KernelEntry* shadow_entry_for(OpId op, DeviceType device, DType dtype, const KernelEntry* primary);
 
 namespace {
 
@@ -36,20 +37,39 @@ ShadowBook& book() {
 
 }  // namespace
 
-ShadowRun::ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow)
-    : op_(op), device_(device), dtype_(dtype), primary_(primary), shadow_(shadow), copies_(device, device) {
+namespace detail {
+
+const KernelEntry* shadow_entry(OpId op, Device device, DType dtype, const KernelEntry* primary) {
+  if (shadow_depth > 0) return nullptr;
+  const ProviderPolicy p = policy();
+  auto it = p.shadows.find(op_name(op));
+  if (it == p.shadows.end()) it = p.shadows.find("*");
+  if (it == p.shadows.end() || it->second == primary->provider) return nullptr;
+  const auto entries = provider_entries(op, device.type, dtype, it->second);
+  return entries.empty() ? nullptr : entries.front();
+}
+
+void run_shadowed(const KernelEntry* primary, const KernelEntry* shadow, OpId op, Device device, DType dtype,
+                  const CallArgs& args) {
   ++shadow_depth;
-}
-ShadowRun::~ShadowRun() { --shadow_depth; }
-
-void ShadowRun::declined() {
-  ShadowBook& b = book();
-  std::lock_guard<std::mutex> g(b.mu);
-  b.stats[op_name(op_) + "@" + shadow_->provider].declined++;
-}
-
-void ShadowRun::compare() {
-  const std::vector<std::pair<Tensor, Tensor>> pairs = copies_.outputs();  // (primary's, shadow's)
+  struct Leave {
+    ~Leave() { --shadow_depth; }
+  } leave;
+  ArgumentCopies copies(op_schema(op), args, device, device);  // before the primary writes anything
+  run_entry(primary, op, device, dtype, args);
+  const std::string key = op_name(op) + "@" + shadow->provider;
+  for (const KernelEntry* e : provider_entries(op, device.type, dtype, shadow->provider))  // its first that accepts
+    if (e->accepts_generic(e, copies.args())) {
+      shadow = e;
+      break;
+    }
+  if (!shadow->accepts_generic(shadow, copies.args())) {
+    std::lock_guard<std::mutex> g(book().mu);
+    book().stats[key].declined++;
+    return;
+  }
+  shadow->run_generic(shadow, device_runtime(device.type).context(device.index), copies.args());
+  const std::vector<std::pair<Tensor, Tensor>> pairs = copies.outputs();  // (primary's, shadow's)
   double worst = 0;
   std::string detail;
   for (size_t i = 0; i < pairs.size(); ++i) {
@@ -75,15 +95,14 @@ void ShadowRun::compare() {
       }
     }
   }
-  std::string key = op_name(op_) + "@" + shadow_->provider;
   bool diverged = worst > 1.0;
   std::string message;
   if (diverged) {
     std::ostringstream os;
-    os << op_name(op_) << " (" << dtype_name(dtype_) << ") on " << device_.str() << ": " << primary_->provider
-       << " and shadow " << shadow_->provider << " diverge, worst error " << worst << "x the tolerance, " << detail
+    os << op_name(op) << " (" << dtype_name(dtype) << ") on " << device.str() << ": " << primary->provider
+       << " and shadow " << shadow->provider << " diverge, worst error " << worst << "x the tolerance, " << detail
        << "; inputs:";
-    for (const auto& s : copies_.input_descriptions()) os << " " << s;
+    for (const auto& s : copies.input_descriptions()) os << " " << s;
     message = os.str();
     std::cerr << "[loom shadow] " << message << "\n";
   }
@@ -95,12 +114,7 @@ void ShadowRun::compare() {
   if (diverged) st.divergences++, st.last_divergence = message;
 }
 
-std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, const KernelEntry* primary) {
-  if (shadow_depth > 0) return nullptr;
-  const KernelEntry* shadow = shadow_entry_for(op, device.type, dtype, primary);
-  if (!shadow) return nullptr;
-  return std::make_unique<ShadowRun>(op, device, dtype, primary, shadow);
-}
+}  // namespace detail
 
 std::map<std::string, ShadowStats> shadow_stats() {
   std::lock_guard<std::mutex> g(book().mu);

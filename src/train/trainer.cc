@@ -15,6 +15,7 @@
 #include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
+#include "loom/dispatch_modes.h"
 #include "loom/core/generator.h"
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
@@ -386,7 +387,10 @@ void Trainer::run() {
           auto reports = dispatch::explain(op, device_.type, dt);
           bool used = false;
           for (auto& r : reports) used |= r.calls > 0;
-          if (used) std::cout << dispatch::explain_str(op, device_.type, dt) << "\n";
+          if (!used) continue;
+          std::cout << dispatch::explain_str(op, device_.type, dt) << "\n";
+          if (std::string tuned = dispatch::autotune_report(op, device_.type, dt); !tuned.empty())
+            std::cout << "  " << tuned << "\n";
         }
     }
     if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && s.step != opts_.steps) log_eval(s.step);

@@ -8,7 +8,10 @@
 # model in $MODELS, a short PyTorch LLaMA run at its first batch size also fills torch.compile's cache during the
 # build. E2E_TIMEOUT: seconds per benchmark (default 300 for GPT-2, 420 for LLaMA). SAME_INIT=1 starts Loom from
 # PyTorch's initial weights (see e2e_gpt2.sh) for step-by-step loss comparison.
+# CONFORMANCE='...' also runs `loom-conformance --provider native --device cuda ...` with those flags (CONF_TIMEOUT
+# seconds, default 240) after the tests; MODELS=none skips the benchmarks.
 #   TESTS='Cuda*' BATCHES='16 32' MODELS='124m' tools/bench/device_session.sh
+#   TESTS='*Cuda*' CONFORMANCE='--fuzz 20' MODELS=none tools/bench/device_session.sh
 #   MODELS='124m llama3-1b' BATCHES=16 LLAMA_BATCHES=4 STEPS=20 SAME_INIT=1 tools/bench/device_session.sh
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/bench; mkdir -p $W
@@ -21,6 +24,7 @@ for m in ${MODELS:-124m}; do
   if ! is_llama $m; then gpt2_models=1; elif [ -z "$llama_warm" ] && [ $m != llama3-tiny ]; then llama_warm=$m; fi
 done
 read -r llama_b0 _ <<< "${LLAMA_BATCHES:-4}"
+[ "${MODELS:-124m}" = none ] && gpt2_models=0
 (if [ $gpt2_models = 1 ]; then
    PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/pytorch_gpt2.py -b 16 --steps 2 > $W/torch_warm.log 2>&1
  fi
@@ -38,6 +42,14 @@ if [ -n "${TESTS:-}" ]; then
   echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED) |FAILED TEST|tests ran" $W/tests.log | head -30
   stamp "tests done"
 fi
+if [ -n "${CONFORMANCE:-}" ]; then
+  stamp "conformance"
+  timeout ${CONF_TIMEOUT:-240} build-dev/loom-conformance --provider native --device cuda $CONFORMANCE \
+    --json $W/conformance.json > $W/conformance.txt 2>&1
+  echo "conformance rc=$?"; grep -v " pass " $W/conformance.txt | head -40; grep -c " pass " $W/conformance.txt
+  stamp "conformance done"
+fi
+[ "${MODELS:-124m}" = none ] && { tar czf $O/bench.tgz -C /tmp bench; stamp "done"; exit 0; }
 wait; tail -2 $W/torch_warm.log 2>/dev/null; tail -2 $W/torch_warm_llama.log 2>/dev/null
 for m in ${MODELS:-124m}; do
   if is_llama $m; then batches=${LLAMA_BATCHES:-4}; t=${LLAMA_T:-2048}; limit=${E2E_TIMEOUT:-420}

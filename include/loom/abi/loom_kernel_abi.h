@@ -9,7 +9,7 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], and Loom binds an op only for a library built against
+ *   versions: the list below marks those of 1.1 with [1.1] and of 1.2 with [1.2], and Loom binds an op only for a library built against
  *   the minor that added it or a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest
  *   of its ops load).
  *
@@ -145,10 +145,23 @@
  *       buf = d on the first step and momentum*buf + d afterwards, and d = buf; param -= lr*d. No buffer when
  *       momentum == 0.
  *     grad_norm_squared                             in: x                  out: out (one f64 element: sum(x^2) in f64)
- *   Every op that Loom declares and this list does not name is not (yet) reachable through the ABI (as of 1.1:
- *   dropout, dropout_backward and random, whose Philox streams a library would have to reproduce; arange, cat,
- *   index_select, gather, scatter_add, triangular); a library that exports one is told so in a warning and the rest
- *   of its ops load.
+ *   Added in 1.2: every op Loom declares is reachable. The packing is derived from each op's description (Loom's
+ *   src/kernels/<area>_kernel.h, next to the op: `loom-conformance --describe OP` prints it), by the rule above.
+ *     dropout dropout_backward [1.2]                in: x                  out: out
+ *       attrs: p (float), seed offset (int: the Philox4x32-10 stream; element i of the row-major output is kept when
+ *       the i-th uniform draw of the stream at (seed, offset) is >= p, and scaled by 1/(1-p))
+ *     random [1.2]                                  in: -                  out: out
+ *       attrs: distribution (int: 0 uniform [a, b), 1 normal (mean a, std b)), a b (float), seed offset (int)
+ *     arange [1.2]                                  in: -                  out: out   attrs: start step (float)
+ *     cat [1.2] (the inputs, any strides, one after another: n_inputs is their count)
+ *                                                   in: inputs...          out: out   attrs: dim (int)
+ *     index_select [1.2]                            in: x, index           out: out   attrs: dim (int)
+ *     gather [1.2] (x any strides)                  in: x, index           out: out   attrs: dim (int)
+ *     scatter_add [1.2] (out in place: out[.. index ..] += src)
+ *                                                   in: index, src         out: out   attrs: dim (int)
+ *     triangular [1.2]                              in: x                  out: out   attrs: diagonal (int), upper (int)
+ *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
+ *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
  */
 #ifndef LOOM_KERNEL_ABI_H_
@@ -163,7 +176,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 1
+#define LOOM_ABI_VERSION_MINOR 2
 
 #define LOOM_MAX_DIMS 8
 

@@ -21,16 +21,12 @@
 #include "loom/common/dtype.h"
 #include "loom/common/error.h"
 #include "loom/core/device_runtime.h"
+#include "loom/core/op_schema.h"
 
 namespace loom {
 
 class Tensor;
-struct GemmParams;
-using OpId = uint32_t;
 struct KernelEntry;
-namespace dispatch {
-class ShadowRun;
-}
 
 // Interns an op name and returns its id (the same name always gives the same id).
 OpId intern_op(const char* name);
@@ -47,35 +43,27 @@ struct KernelTraits<void(const DeviceContext&, Args...)> {
   using function = std::function<void(const DeviceContext&, Args...)>;
   using supports_ptr = bool (*)(Args...);
   using supports_function = std::function<bool(Args...)>;
-  // Shadow mode (policy "shadow=p:ops"): copies the arguments (the shadow's ArgumentCopies), runs the primary kernel
-  // on the originals, then the shadow kernel on the copies, and compares what each wrote.
-  template <typename Shadow>
-  static void run_shadowed(Shadow& s, const function& primary, const DeviceContext& ctx, Args... args) {
-    auto& copies = s.copies();
-    (copies.prepare(args), ...);
-    primary(ctx, args...);
-    const auto* sup = static_cast<const supports_function*>(s.entry()->supports.get());
-    if (sup && !(*sup)(copies.arg(args)...)) return s.declined();
-    (*static_cast<const function*>(s.entry()->fn.get()))(ctx, copies.arg(args)...);
-    s.compare();
+  // The arguments as slots and attributes (op_schema.h), and back: what generic code (the kernel ABI, the
+  // conformance suite) works with.
+  static void gather(CallArgs& c, const Args&... args) { (ArgTraits<std::decay_t<Args>>::gather(args, c), ...); }
+  static std::tuple<std::decay_t<Args>...> build(const CallArgs& c) {
+    size_t next = 0;
+    return std::tuple<std::decay_t<Args>...>{ArgTraits<std::decay_t<Args>>::build(c, next)...};  // in order
   }
-  // The slow paths of dispatch::call, instantiated once per signature rather than per call site (defined below).
-  // With a policy mode on (shadow, autotune): picks the kernel (the autotuned winner for these shapes, else the
-  // first that accepts) and runs it, shadowed when the policy says so.
-  static void call_with_modes(uint32_t modes, OpId op, Device device, DType dtype,
-                              const std::vector<const KernelEntry*>& cands, Args... args);
-  // When no kernel ran: the CPU kernel on copies when the policy allows CPU fallback, else the "no kernel" error.
-  static void fallback_or_throw(OpId op, Device device, DType dtype, bool all_declined, Args... args);
-
- private:
   static bool accepts(const KernelEntry* e, Args... args);
-  static void run(const KernelEntry* e, OpId op, Device device, DType dtype, Args... args);  // profiled when on
-  static const KernelEntry* autotuned(OpId op, Device device, DType dtype,
-                                      const std::vector<const KernelEntry*>& cands, Args... args);
+  // Runs an entry's kernel on arguments in generic form (the mode hook's way to call any kernel).
+  static void run_generic(const KernelEntry* e, const DeviceContext& ctx, const CallArgs& c);
+  static bool accepts_generic(const KernelEntry* e, const CallArgs& c);
 };
 
-// Declares op NAME with kernel signature SIG: defines NAME_op, a typed op id.
-#define LOOM_DECLARE_OP(NAME, SIG)                                              \
+namespace detail {
+template <typename Op>
+bool declare_op(OpSchema schema);
+}
+
+// Declares op NAME with kernel signature SIG and its description (an OpSchema expression, op_schema.h; without one
+// the arguments are named by position): defines NAME_op, a typed op id, and registers the description once.
+#define LOOM_DECLARE_OP(NAME, SIG, ...)                                         \
   struct NAME##_op_t {                                                          \
     using signature = SIG;                                                      \
     using traits = ::loom::KernelTraits<SIG>;                                   \
@@ -84,8 +72,10 @@ struct KernelTraits<void(const DeviceContext&, Args...)> {
       static const ::loom::OpId value = ::loom::intern_op(#NAME);               \
       return value;                                                             \
     }                                                                           \
+    static ::loom::OpSchema describe() { return ::loom::OpSchema{__VA_ARGS__}; } \
   };                                                                            \
-  inline constexpr NAME##_op_t NAME##_op {}
+  inline constexpr NAME##_op_t NAME##_op {};                                    \
+  inline const bool NAME##_op_described = ::loom::detail::declare_op<NAME##_op_t>(NAME##_op_t::describe())
 
 struct KernelEntry {
   OpId op = 0;
@@ -95,6 +85,10 @@ struct KernelEntry {
   int priority = 0;
   std::shared_ptr<void> fn;        // a KernelTraits<Sig>::function
   std::shared_ptr<void> supports;  // a KernelTraits<Sig>::supports_function, or null
+  // The kernel on arguments in generic form (op_schema.h's CallArgs): what the mode hook (shadow, autotune,
+  // profiling, CPU fallback) calls, for any op.
+  void (*run_generic)(const KernelEntry*, const DeviceContext&, const CallArgs&) = nullptr;
+  bool (*accepts_generic)(const KernelEntry*, const CallArgs&) = nullptr;
   std::string source;              // where it was registered (file), for explain()
   uint64_t sequence = 0;           // registration order, the last tie-breaker
   mutable std::atomic<uint64_t> calls{0};
@@ -148,7 +142,6 @@ struct CandidateReport {
   uint64_t declines = 0;
   std::string reason;  // why it won, lost or was skipped
   std::string source;
-  uint64_t autotune_wins = 0;  // shapes for which autotuning found this candidate the fastest
 };
 
 // Every kernel registered for (op, device type), in dispatch order, with why each won or lost for this dtype.
@@ -157,6 +150,7 @@ std::string explain_str(const std::string& op, DeviceType device, DType dtype);
 
 void set_policy(const ProviderPolicy& policy);
 ProviderPolicy policy();
+uint64_t policy_generation();  // moves whenever the policy or the registry changes
 void reset_policy();  // back to LOOM_PROVIDERS (or none)
 
 std::vector<std::string> providers();  // every provider with at least one kernel
@@ -166,207 +160,27 @@ void register_entry(std::unique_ptr<KernelEntry> entry);
 // at once when dispatch has already started.
 void on_first_dispatch(void (*hook)());
 
-// Shadow mode: for an op the policy shadows, the shadow provider's kernel runs on copies of the arguments after the
-// primary kernel, outputs are compared with per-dtype tolerances, each divergence is logged (op, shapes, worst
-// error) and counted, and the primary's result stands. Implemented in src/providers/shadow.cc.
-struct ShadowStats {
-  uint64_t runs = 0;         // calls compared
-  uint64_t divergences = 0;  // calls with an output beyond tolerance
-  uint64_t declined = 0;     // calls the shadow's supports() declined
-  double worst_error = 0;    // max |a - b| / (atol + rtol |b|) seen (<= 1 is within tolerance)
-  std::string last_divergence;
-};
-std::map<std::string, ShadowStats> shadow_stats();  // by "op@provider"
-void reset_shadow_stats();
-// Tolerances a shadow comparison allows for outputs of a dtype (defaults: f64 1e-9/1e-12, f32 1e-4/1e-5,
-// f16 1e-2/1e-3, bf16 4e-2/1e-2, integers exact).
-void set_shadow_tolerance(DType dtype, double rtol, double atol);
 namespace detail {
-// The policy's opt-in modes, as bits: dispatch::call reads this once (relaxed) and takes the plain path when it is 0.
-enum : uint32_t { kModeShadow = 1u, kModeAutotune = 2u };
+// The policy's opt-in modes, as bits. dispatch::call reads them once (relaxed): with none of the first three on it
+// takes the plain path; CPU fallback is looked at only when no candidate took a call.
+enum : uint32_t { kModeShadow = 1u, kModeAutotune = 2u, kModeProfile = 4u, kModeCpuFallback = 8u };
 inline std::atomic<uint32_t> modes{0};
-// Read only after every candidate declined (or none exists), so it costs nothing on the hot path.
-inline std::atomic<bool> cpu_fallback{false};
-// Tells autotune.cc which ops the policy autotunes and where its cache file is (set_policy calls it).
-void configure_autotune(const std::set<std::string>& ops, const std::string& cache_path);
+// The one hook of the dispatcher: src/providers/ installs it (shadow mode, autotune, op profiling, CPU fallback;
+// loom/dispatch_modes.h). It runs a call whose arguments are in generic form when a mode is on, or, with
+// `none_accepted`, when no candidate took the call and CPU fallback is on; it throws the "no kernel" error itself
+// when it cannot help.
+using ModeHook = void (*)(OpId op, Device device, DType dtype, const std::vector<const KernelEntry*>& candidates,
+                          const CallArgs& args, bool none_accepted);
+void set_mode_hook(ModeHook hook);
+ModeHook mode_hook();
 }  // namespace detail
-// Copies of a call's arguments on device `to`, with the same shapes and strides (src/providers/argument_copies.cc).
-// The memory each tensor spans moves with the runtimes' raw copies, never with a kernel (the device may have none).
-// Shadow mode runs the shadow kernel on copies on the call's own device, autotune times candidates on them, and CPU
-// fallback runs the CPU kernel on host copies. Every output (a non-const Tensor, a gemm's C, pre_gelu and bias_grad)
-// gets a copy that keeps its content (in-place and accumulating kernels read it); an output not on `from` is copied
-// on its own device. Input tensors not on `from` (a CPU scalar beside device tensors) are shared, and on one device
-// (from == to) so are a gemm's read-only A, B and bias.
-class ArgumentCopies {
- public:
-  ArgumentCopies(Device from, Device to);
-  ~ArgumentCopies();
-  ArgumentCopies(const ArgumentCopies&) = delete;
-  ArgumentCopies& operator=(const ArgumentCopies&) = delete;
-  void prepare(const Tensor& input);
-  void prepare(Tensor& output);
-  void prepare(const std::vector<Tensor>& inputs);
-  void prepare(const GemmParams& p);
-  template <typename T>
-  void prepare(const T&) {}  // attributes are shared
-  const Tensor& arg(const Tensor& input);
-  Tensor& arg(Tensor& output);
-  const std::vector<Tensor>& arg(const std::vector<Tensor>& inputs);
-  const GemmParams& arg(const GemmParams& p);
-  template <typename T>
-  const T& arg(const T& attrs) {
-    return attrs;
-  }
-  void write_back();  // copies the outputs' memory back to the originals
-  // (original, copy) for every output, in the order prepared, with gemm outputs as [batch, n, m] views over C's
-  // layout (bias_grad as [n]): after the call ran on both, what shadow mode compares.
-  std::vector<std::pair<Tensor, Tensor>> outputs() const;
-  // The prepared input tensors (describe()) and gemm problems, in order, for messages.
-  const std::vector<std::string>& input_descriptions() const;
 
- private:
-  struct State;
-  std::unique_ptr<State> state_;
-};
-
-// One shadowed call (begin_shadow): the shadow kernel runs on copies() (on the call's device, made before the primary
-// runs), then compare() checks every output the primary wrote against the shadow's copy of it.
-class ShadowRun {
- public:
-  ShadowRun(OpId op, Device device, DType dtype, const KernelEntry* primary, const KernelEntry* shadow);
-  ~ShadowRun();
-  ShadowRun(const ShadowRun&) = delete;
-  ShadowRun& operator=(const ShadowRun&) = delete;
-  const KernelEntry* entry() const { return shadow_; }
-  ArgumentCopies& copies() { return copies_; }
-  void declined();
-  void compare();
-
- private:
-  OpId op_;
-  Device device_;
-  DType dtype_;
-  const KernelEntry* primary_;
-  const KernelEntry* shadow_;
-  ArgumentCopies copies_;
-};
-// The shadow run for a call served by `primary`, or null when the policy shadows nothing here.
-std::unique_ptr<ShadowRun> begin_shadow(OpId op, Device device, DType dtype, const KernelEntry* primary);
 // Removes every kernel of a provider (used when an external library unloads, and by tests).
 void unregister_provider(const std::string& provider);
 
-// Autotune mode (policy "autotune" or "autotune=op1,op2"; src/providers/autotune.cc). The first call for a key (op,
-// device, dtype, and every argument's dtype, shape and strides, the gemm problem, plain attributes) times each
-// eligible candidate that accepts it: on copies of the arguments (so in-place ops are safe), one warm-up and a few
-// repetitions, the device synchronized around each; the fastest is kept in memory, written to the cache file, and
-// serves every later call with that key. A cache file read at start skips the timing for the keys it holds.
-struct AutotuneChoice {
-  std::string op, device, dtype, shapes;
-  std::string provider;                      // the winner
-  std::map<std::string, double> timings_us;  // best repetition per candidate; one that threw is absent
-};
-std::vector<AutotuneChoice> autotune_choices();
-// The JSON file the choices persist in: read now when it exists, rewritten at each new choice; "" keeps them in
-// memory only. Default: LOOM_AUTOTUNE_CACHE (read when autotuning first runs).
-void set_autotune_cache(const std::string& path);
-void set_autotune_repetitions(int repetitions);  // timed runs per candidate after one warm-up (default 3)
-void reset_autotune();  // forgets the choices in memory; the file stays
-class AutotuneRun {
- public:
-  // Whether the policy autotunes `op` and this call is not nested in a timing run (the copies dispatch too).
-  static bool applies(OpId op);
-  AutotuneRun(OpId op, Device device, DType dtype);
-  ~AutotuneRun();
-  AutotuneRun(const AutotuneRun&) = delete;
-  AutotuneRun& operator=(const AutotuneRun&) = delete;
-  void key(const Tensor& t);
-  void key(const std::vector<Tensor>& ts);
-  void key(const GemmParams& p);
-  template <typename T>
-  void key(const T& attrs) {  // attribute structs whose bytes are their value; others do not enter the key
-    if constexpr (std::is_trivially_copyable_v<T> && std::has_unique_object_representations_v<T>)
-      key_bytes(&attrs, sizeof attrs);
-  }
-  // The stored winner for this key among the candidates, or null (none stored, or no longer a candidate).
-  const KernelEntry* cached(const std::vector<const KernelEntry*>& cands);
-  // Times one candidate; `run` launches it on the copies. A candidate that throws is left out.
-  void time(const KernelEntry* candidate, const std::function<void()>& run);
-  // Keeps and persists the fastest; null when no candidate ran.
-  const KernelEntry* finish();
-
- private:
-  void key_bytes(const void* data, size_t n);
-  struct State;
-  std::unique_ptr<State> state_;
-};
-
-// CPU fallback (policy "cpu_fallback"): an op with no kernel on a device that takes the call runs on the CPU, on
-// host copies of its arguments (ArgumentCopies), and its outputs are copied back.
-std::map<std::string, uint64_t> cpu_fallback_counts();  // "op@device type" -> calls that ran on the CPU
-void reset_cpu_fallback_counts();
-namespace detail {
-void note_cpu_fallback(OpId op, Device device, DType dtype);  // counts, and says so once per op on stderr
-}
-
-// Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the dispatcher synchronizes the device
-// before and after each kernel call and adds the wall time to its (op, device, dtype) row, so a row is the kernel's
-// device time plus one launch. Off, it costs one relaxed atomic load per call. With the variable set, the table goes
-// to stderr at exit, and also, tab-separated, to the file LOOM_PROFILE_OPS_FILE names. LOOM_PROFILE_OPS=shapes
-// splits each row by the shape of the call's first tensor argument (gemm: by m, n, k), to tell calls apart.
-struct OpProfileRow {
-  std::string op;
-  std::string detail;  // the first tensor argument's shape (gemm: m n k), in the shapes mode
-  DeviceType device = DeviceType::kCPU;
-  DType dtype = kF32;
-  uint64_t calls = 0;
-  double total_ms = 0;
-  double max_ms = 0;
-};
-void set_op_profiling(bool on);
-bool op_profiling();
-std::vector<OpProfileRow> op_profile();  // by total time, largest first
-void reset_op_profile();
-// The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
-std::string op_profile_table();
-namespace detail {
-inline std::atomic<bool> profile_ops{false};
-inline std::atomic<bool> profile_shapes{false};
-int64_t profile_begin(Device device);  // synchronizes; returns a steady-clock time in ns
-void profile_end(OpId op, Device device, DType dtype, int64_t begin_ns, const std::string& detail = {});
-
-// The shapes mode's label of a call: the first argument that has a shape (a tensor), or gemm's problem size.
-template <typename T>
-void label_argument(std::string& label, const T& a) {
-  if (!label.empty()) return;
-  if constexpr (requires { a.shape(); a.defined(); }) {
-    if (!a.defined()) return;
-    label += '[';  // label is empty here; += rather than = "[" (GCC 12 warns falsely on the assignment)
-    for (size_t i = 0; i < a.shape().size(); ++i) {
-      if (i) label += ", ";
-      label += std::to_string(a.shape()[i]);
-    }
-    label += ']';
-  } else if constexpr (requires { a.m; a.n; a.k; a.trans_a; a.batch; }) {
-    label += 'm';
-    label += std::to_string(a.m);
-    label += " n";
-    label += std::to_string(a.n);
-    label += " k";
-    label += std::to_string(a.k);
-    if (a.batch > 1) {
-      label += " batch";
-      label += std::to_string(a.batch);
-    }
-  }
-}
-template <typename... A>
-std::string profile_label(const A&... args) {
-  std::string label;
-  if (profile_shapes.load(std::memory_order_relaxed)) (label_argument(label, args), ...);
-  return label;
-}
-void profile_abort();  // the kernel threw: nothing is recorded
-}  // namespace detail
+// A provider's kernels for (op, device type, dtype), whatever the policy says, in the order the dispatcher tries them
+// (a provider may have several: a fast path that declines most shapes, then a general one); empty when it has none.
+std::vector<const KernelEntry*> provider_entries(OpId op, DeviceType device, DType dtype, const std::string& provider);
 
 // The eligible entries for (op, device, dtype) in policy order; cached until the registry or policy changes.
 const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DType dtype);
@@ -384,6 +198,8 @@ void register_kernel(Op, DeviceType device, const std::string& provider, DTypeSe
   e->priority = priority;
   e->fn = std::make_shared<typename Op::traits::function>(fn);
   if (supports) e->supports = std::make_shared<typename Op::traits::supports_function>(supports);
+  e->run_generic = &Op::traits::run_generic;
+  e->accepts_generic = &Op::traits::accepts_generic;
   e->source = source;
   register_entry(std::move(e));
 }
@@ -401,6 +217,8 @@ void register_kernel_function(Op, DeviceType device, const std::string& provider
   e->priority = priority;
   e->fn = std::make_shared<typename Op::traits::function>(std::move(fn));
   if (supports) e->supports = std::make_shared<typename Op::traits::supports_function>(std::move(supports));
+  e->run_generic = &Op::traits::run_generic;
+  e->accepts_generic = &Op::traits::accepts_generic;
   e->source = source;
   register_entry(std::move(e));
 }
@@ -413,9 +231,11 @@ void call(Op, Device device, DType dtype, Args&&... args) {
   static_assert(std::is_invocable_v<function, const DeviceContext&, Args&&...>,
                 "arguments do not match the op's kernel signature");
   const auto& cands = candidates(Op::id(), device.type, dtype);
-  if (const uint32_t modes = detail::modes.load(std::memory_order_relaxed)) [[unlikely]] {
-    Op::traits::call_with_modes(modes, Op::id(), device, dtype, cands, args...);
-    return;
+  const uint32_t modes = detail::modes.load(std::memory_order_relaxed);
+  if (modes & ~detail::kModeCpuFallback) [[unlikely]] {
+    CallArgs c;
+    Op::traits::gather(c, args...);
+    return detail::mode_hook()(Op::id(), device, dtype, cands, c, false);
   }
   for (const KernelEntry* e : cands) {
     if (e->supports && !(*static_cast<const supports_function*>(e->supports.get()))(args...)) {
@@ -424,24 +244,90 @@ void call(Op, Device device, DType dtype, Args&&... args) {
     }
     e->calls.fetch_add(1, std::memory_order_relaxed);
     const DeviceContext& ctx = device_runtime(device.type).context(device.index);
-    if (detail::profile_ops.load(std::memory_order_relaxed)) [[unlikely]] {
-      const int64_t begin = detail::profile_begin(device);
-      try {
-        (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
-      } catch (...) {
-        detail::profile_abort();
-        throw;
-      }
-      detail::profile_end(Op::id(), device, dtype, begin, detail::profile_label(args...));
-      return;
-    }
     (*static_cast<const function*>(e->fn.get()))(ctx, std::forward<Args>(args)...);
     return;
   }
-  Op::traits::fallback_or_throw(Op::id(), device, dtype, !cands.empty(), args...);
+  if ((modes & detail::kModeCpuFallback) && device.type != DeviceType::kCPU) {
+    CallArgs c;
+    Op::traits::gather(c, args...);
+    return detail::mode_hook()(Op::id(), device, dtype, cands, c, true);
+  }
+  throw_no_kernel(Op::id(), device, dtype, !cands.empty());
 }
 
 }  // namespace dispatch
+
+namespace detail {
+template <typename T, typename Arg>
+void slot_kinds(std::vector<bool>& is_input) {
+  if constexpr (std::is_same_v<T, Tensor>) is_input.push_back(std::is_const_v<std::remove_reference_t<Arg>>);
+  else ArgTraits<T>::slot_kinds(is_input);
+}
+template <typename T>
+void default_fields(std::vector<std::pair<std::string, AttrValue>>& fields) {
+  if constexpr (ArgTraits<T>::slots == 0 || requires { ArgTraits<T>::defaults(); }) {
+    CallArgs c;
+    if constexpr (requires { ArgTraits<T>::defaults(); }) ArgTraits<T>::gather(ArgTraits<T>::defaults(), c);
+    else ArgTraits<T>::gather(T{}, c);
+    for (auto& a : c.attrs) fields.push_back(a);
+  }
+}
+
+// Fills the description's name, id, slot checks and the type-erased operations from the signature.
+template <typename Op, typename... Args>
+bool declare_op_impl(OpSchema schema, void (*)(const DeviceContext&, Args...)) {
+  using traits = typename Op::traits;
+  schema.name = Op::name;
+  schema.id = Op::id();
+  std::vector<bool> is_input;
+  (slot_kinds<std::decay_t<Args>, Args>(is_input), ...);
+  std::vector<std::pair<std::string, AttrValue>> fields;
+  (default_fields<std::decay_t<Args>>(fields), ...);
+  check_schema(schema, is_input, fields);  // also names unnamed slots and fills the attribute specs
+  schema.call = [](Device device, DType dtype, const CallArgs& c) {
+    auto args = traits::build(c);
+    std::apply([&](auto&... a) { dispatch::call(Op{}, device, dtype, a...); }, args);
+  };
+  schema.provider_accepts = [](const std::string& provider, Device device, DType dtype, const CallArgs& c) {
+    const auto entries = dispatch::provider_entries(Op::id(), device.type, dtype, provider);
+    if (entries.empty()) return -1;
+    for (const KernelEntry* e : entries)
+      if (traits::accepts_generic(e, c)) return 1;
+    return 0;
+  };
+  schema.run_provider = [](const std::string& provider, Device device, DType dtype, const CallArgs& c) {
+    for (const KernelEntry* e : dispatch::provider_entries(Op::id(), device.type, dtype, provider))
+      if (traits::accepts_generic(e, c)) return traits::run_generic(e, device_runtime(device.type).context(device.index), c);
+    LOOM_THROW("op ", Op::name, ": provider '", provider, "' has no kernel for ", dtype_name(dtype), " on ",
+               device_type_display_name(device.type), " that takes these arguments");
+  };
+  schema.register_erased = [](DeviceType device, const std::string& provider, DTypeSet dtypes, int priority,
+                              OpSchema::ErasedKernel kernel, OpSchema::ErasedSupports supports,
+                              const std::string& source) {
+    typename traits::function fn = [kernel](const DeviceContext& ctx, Args... args) {
+      CallArgs c;
+      traits::gather(c, args...);
+      kernel(ctx, c);
+    };
+    typename traits::supports_function sup;
+    if (supports)
+      sup = [supports](Args... args) {
+        CallArgs c;
+        traits::gather(c, args...);
+        return supports(c);
+      };
+    dispatch::register_kernel_function(Op{}, device, provider, dtypes, std::move(fn), priority, std::move(sup),
+                                       source.c_str());
+  };
+  register_op_schema(std::move(schema));
+  return true;
+}
+
+template <typename Op>
+bool declare_op(OpSchema schema) {
+  return declare_op_impl<Op>(std::move(schema), static_cast<typename Op::traits::fn_ptr>(nullptr));
+}
+}  // namespace detail
 
 template <typename... Args>
 bool KernelTraits<void(const DeviceContext&, Args...)>::accepts(const KernelEntry* e, Args... args) {
@@ -449,86 +335,17 @@ bool KernelTraits<void(const DeviceContext&, Args...)>::accepts(const KernelEntr
 }
 
 template <typename... Args>
-void KernelTraits<void(const DeviceContext&, Args...)>::run(const KernelEntry* e, OpId op, Device device, DType dtype,
-                                                            Args... args) {
-  e->calls.fetch_add(1, std::memory_order_relaxed);
-  const function& fn = *static_cast<const function*>(e->fn.get());
-  const DeviceContext& ctx = device_runtime(device.type).context(device.index);
-  if (!dispatch::detail::profile_ops.load(std::memory_order_relaxed)) return fn(ctx, args...);
-  const int64_t begin = dispatch::detail::profile_begin(device);
-  try {
-    fn(ctx, args...);
-  } catch (...) {
-    dispatch::detail::profile_abort();
-    throw;
-  }
-  dispatch::detail::profile_end(op, device, dtype, begin, dispatch::detail::profile_label(args...));
+void KernelTraits<void(const DeviceContext&, Args...)>::run_generic(const KernelEntry* e, const DeviceContext& ctx,
+                                                                    const CallArgs& c) {
+  auto args = build(c);
+  std::apply([&](auto&... a) { (*static_cast<const function*>(e->fn.get()))(ctx, a...); }, args);
 }
 
 template <typename... Args>
-void KernelTraits<void(const DeviceContext&, Args...)>::call_with_modes(uint32_t modes, OpId op, Device device,
-                                                                        DType dtype,
-                                                                        const std::vector<const KernelEntry*>& cands,
-                                                                        Args... args) {
-  const KernelEntry* chosen = nullptr;
-  if ((modes & dispatch::detail::kModeAutotune) && cands.size() > 1)
-    chosen = autotuned(op, device, dtype, cands, args...);
-  for (size_t i = 0; !chosen && i < cands.size(); ++i) {
-    if (accepts(cands[i], args...)) chosen = cands[i];
-    else cands[i]->declines.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (!chosen) return fallback_or_throw(op, device, dtype, !cands.empty(), args...);
-  if (modes & dispatch::detail::kModeShadow) {
-    if (auto shadow = dispatch::begin_shadow(op, device, dtype, chosen)) {
-      chosen->calls.fetch_add(1, std::memory_order_relaxed);
-      run_shadowed(*shadow, *static_cast<const function*>(chosen->fn.get()),
-                   device_runtime(device.type).context(device.index), args...);
-      return;
-    }
-  }
-  run(chosen, op, device, dtype, args...);
-}
-
-template <typename... Args>
-const KernelEntry* KernelTraits<void(const DeviceContext&, Args...)>::autotuned(
-    OpId op, Device device, DType dtype, const std::vector<const KernelEntry*>& cands, Args... args) {
-  if (!dispatch::AutotuneRun::applies(op)) return nullptr;
-  dispatch::AutotuneRun tune(op, device, dtype);
-  (tune.key(args), ...);
-  const KernelEntry* winner = tune.cached(cands);
-  if (!winner) {
-    {
-      dispatch::ArgumentCopies copies(device, device);  // the real outputs are written once, by the winner
-      (copies.prepare(args), ...);
-      const DeviceContext& ctx = device_runtime(device.type).context(device.index);
-      for (const KernelEntry* e : cands) {
-        if (!accepts(e, copies.arg(args)...)) continue;
-        tune.time(e, [&] { (*static_cast<const function*>(e->fn.get()))(ctx, copies.arg(args)...); });
-      }
-    }
-    winner = tune.finish();
-  }
-  return winner && accepts(winner, args...) ? winner : nullptr;
-}
-
-template <typename... Args>
-void KernelTraits<void(const DeviceContext&, Args...)>::fallback_or_throw(OpId op, Device device, DType dtype,
-                                                                          bool all_declined, Args... args) {
-  if (device.type != DeviceType::kCPU && dispatch::detail::cpu_fallback.load(std::memory_order_relaxed)) {
-    dispatch::ArgumentCopies host(device, Device());
-    (host.prepare(args), ...);
-    for (const KernelEntry* e : dispatch::candidates(op, DeviceType::kCPU, dtype)) {
-      if (!accepts(e, host.arg(args)...)) {
-        e->declines.fetch_add(1, std::memory_order_relaxed);
-        continue;
-      }
-      dispatch::detail::note_cpu_fallback(op, device, dtype);
-      run(e, op, Device(), dtype, host.arg(args)...);
-      host.write_back();
-      return;
-    }
-  }
-  dispatch::throw_no_kernel(op, device, dtype, all_declined);
+bool KernelTraits<void(const DeviceContext&, Args...)>::accepts_generic(const KernelEntry* e, const CallArgs& c) {
+  if (!e->supports) return true;
+  auto args = build(c);
+  return std::apply([&](auto&... a) { return accepts(e, a...); }, args);
 }
 
 }  // namespace loom

@@ -6,12 +6,14 @@
 #include <mutex>
 
 #include "loom/common/half.h"
+#include "loom/core/op_schema.h"
 
 namespace loom {
 
 struct PhiloxState {
   uint64_t seed = 0;
   uint64_t offset = 0;  // in 4-number blocks already consumed
+  LOOM_FIELDS(PhiloxState, seed, offset);
 };
 
 // One Philox4x32-10 block: four 32-bit numbers for counter (offset + block) under key seed.

@@ -203,6 +203,7 @@ struct LinearOperands {
   Tensor x, weight, bias;
 };
 
+// `op` is the kernel op the product runs (gemm): its description says whether autocast applies.
 LinearOperands product_operands(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (!amp::should_cast(op, {&x, &weight, &bias})) return {x, weight, bias};
   DType d = amp::autocast_dtype();
@@ -229,7 +230,7 @@ std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Te
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) {
-  if (amp::should_cast("matmul", {&a, &b})) return loom::matmul(amp::cast(a), amp::cast(b), opts);
+  if (amp::should_cast("gemm", {&a, &b})) return loom::matmul(amp::cast(a), amp::cast(b), opts);
   Tensor out = ops::matmul(a, b, opts);
   if (auto node = autograd::make_node<MatmulBackward>({&a, &b})) {
     if (node->needs_input_grad(0)) node->b = b.detach();
@@ -245,7 +246,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) 
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
-  LinearOperands used = product_operands("linear", x, weight, bias);
+  LinearOperands used = product_operands("gemm", x, weight, bias);
   Tensor out = ops::linear(used.x, used.weight, used.bias, opts);
   record_linear<LinearBackward>(x, weight, bias, used, opts, out);
   return out;
@@ -253,12 +254,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const o
 
 Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
                 const ops::MatmulOptions& opts, bool recompute_hidden) {
-  LinearOperands up = product_operands("linear_gelu", x, w1, b1);
+  LinearOperands up = product_operands("gemm", x, w1, b1);
   const bool record = autograd::should_record({&x, &w1, &b1, &w2, &b2});
   Tensor pre_activation;
   Tensor hidden = ops::linear(up.x, up.weight, up.bias, opts, ops::LinearActivation::kGelu,
                               record ? &pre_activation : nullptr);
-  LinearOperands down = product_operands("linear", hidden, w2, b2);
+  LinearOperands down = product_operands("gemm", hidden, w2, b2);
   Tensor out = ops::linear(down.x, down.weight, down.bias, opts);
   if (!record) return out;
   LOOM_REQUIRE(up.weight.dtype() == down.weight.dtype(), "gelu_mlp: the two products' dtypes differ (",
@@ -284,7 +285,7 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
-  LinearOperands used = product_operands("linear_gelu", x, weight, bias);
+  LinearOperands used = product_operands("gemm", x, weight, bias);
   // The pre-activation is kept only when a gradient will need it.
   bool record = autograd::should_record({&x, &weight, &bias});
   Tensor pre_activation;
@@ -310,7 +311,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   LOOM_REQUIRE(targets.numel() == rows, op, ": targets ", describe(targets), " must hold one class per row of x ",
                describe(x), " (", rows, ")");
   LOOM_REQUIRE(block_rows >= 0, op, ": block_rows must be >= 0, got ", block_rows);
-  LinearOperands used = product_operands("linear", x, weight, Tensor());
+  LinearOperands used = product_operands("gemm", x, weight, Tensor());
   const Tensor xs = ops::contiguous(used.x).reshape({rows, in_features});
   const Tensor t = ops::contiguous(targets).reshape({rows});
   const DType product = used.weight.dtype();

@@ -59,13 +59,13 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Cr
     }
   });
   C* out = loss.data_ptr<C>();
-  if (attrs.reduction == ops::Reduction::kNone) {
+  if (attrs.reduction == LossReduction::kNone) {
     std::copy(row_loss.begin(), row_loss.end(), out);
     return;
   }
   double total = 0;
   for (C v : row_loss) total += double(v);
-  if (attrs.reduction == ops::Reduction::kMean)
+  if (attrs.reduction == LossReduction::kMean)
     total = counted ? total / double(counted) : std::numeric_limits<double>::quiet_NaN();
   out[0] = C(total);
 }
@@ -104,8 +104,8 @@ C gradient_row(const T* row, int64_t t, int64_t classes, int64_t vocab, C g, T* 
 // The gradient's factor from the reduction: 1/counted for kMean (0 when nothing is counted: that loss has no gradient
 // path, and 0 keeps the gradient finite), 1 otherwise.
 template <typename C>
-C reduction_scale(ops::Reduction reduction, int64_t counted) {
-  if (reduction != ops::Reduction::kMean) return C(1);
+C reduction_scale(LossReduction reduction, int64_t counted) {
+  if (reduction != LossReduction::kMean) return C(1);
   return counted ? C(1.0 / double(counted)) : C(0);
 }
 
@@ -118,7 +118,7 @@ void cross_entropy_backward_rows(const Tensor& grad_loss, const Tensor& logits, 
   const I* tgt = static_cast<const I*>(targets.data());
   const int64_t counted = count_targets("cross_entropy_backward", tgt, n, classes, attrs.ignore_index);
   const C* gl = grad_loss.data_ptr<C>();
-  const bool per_row = attrs.reduction == ops::Reduction::kNone;
+  const bool per_row = attrs.reduction == LossReduction::kNone;
   const C scale = reduction_scale<C>(attrs.reduction, counted);
   T* gx = static_cast<T*>(grad_logits.data());
   cpu::parallel_for(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, vocab)), [&](int64_t b, int64_t e) {
@@ -140,7 +140,7 @@ template <typename T, typename I>
 void cross_entropy_with_grad_rows(const Tensor& logits, const Tensor& targets, const CrossEntropyAttrs& attrs,
                                   Tensor& loss, Tensor& grad_logits) {
   using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  LOOM_CHECK(attrs.reduction != ops::Reduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
+  LOOM_CHECK(attrs.reduction != LossReduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
   const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   const T* x = static_cast<const T*>(logits.data());
   const I* tgt = static_cast<const I*>(targets.data());
@@ -162,7 +162,7 @@ void cross_entropy_with_grad_rows(const Tensor& logits, const Tensor& targets, c
   });
   double total = 0;
   for (C v : row_loss) total += double(v);
-  if (attrs.reduction == ops::Reduction::kMean)
+  if (attrs.reduction == LossReduction::kMean)
     total = counted ? total / double(counted) : std::numeric_limits<double>::quiet_NaN();
   loss.data_ptr<C>()[0] = C(total);
 }

@@ -3,7 +3,6 @@
 // f32 (a widening product).
 #include <cblas.h>
 
-#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -12,37 +11,6 @@
 #include "kernels/primitives/gelu.h"
 
 namespace loom {
-
-namespace {
-std::atomic<bool> g_allow_tf32{false};
-}
-
-void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
-bool allow_tf32() { return g_allow_tf32; }
-ComputeType f32_compute_type(std::optional<bool> override_) {
-  return override_.value_or(allow_tf32()) ? ComputeType::kTF32 : ComputeType::kF32;
-}
-
-void validate_gemm_params(const GemmParams& p) {
-  LOOM_REQUIRE(p.m >= 0 && p.n >= 0 && p.k >= 0 && p.batch >= 0, "gemm: negative size m=", p.m, " n=", p.n,
-               " k=", p.k, " batch=", p.batch);
-  int64_t rows_a = p.trans_a ? p.k : p.m;
-  int64_t rows_b = p.trans_b ? p.n : p.k;
-  LOOM_REQUIRE(p.lda >= std::max<int64_t>(1, rows_a), "gemm: lda=", p.lda, " is less than ", rows_a);
-  LOOM_REQUIRE(p.ldb >= std::max<int64_t>(1, rows_b), "gemm: ldb=", p.ldb, " is less than ", rows_b);
-  LOOM_REQUIRE(p.ldc >= std::max<int64_t>(1, p.m), "gemm: ldc=", p.ldc, " is less than m=", p.m);
-  bool needs_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
-  LOOM_REQUIRE(!needs_bias || p.bias, "gemm: the bias epilogue needs a bias pointer");
-  if (p.epilogue == GemmEpilogue::kDGelu)
-    LOOM_REQUIRE(p.pre_gelu && p.batch == 1 && p.beta == 0.0,
-                 "gemm: the GELU-derivative epilogue needs pre_gelu (the pre-activation), batch 1 and beta 0; got batch=",
-                 p.batch, " beta=", p.beta);
-  if (p.epilogue == GemmEpilogue::kBiasGradB)
-    LOOM_REQUIRE(p.bias_grad && p.trans_b && p.ldb == p.n && p.batch == 1 && p.alpha == 1.0,
-                 "gemm: the bias-gradient epilogue needs a bias_grad pointer, op(B) as a dense row-major [k, n] "
-                 "matrix (trans_b, ldb == n), batch 1 and alpha 1; got trans_b=", p.trans_b, " ldb=", p.ldb, " n=", p.n,
-                 " batch=", p.batch, " alpha=", p.alpha);
-}
 
 namespace {
 
@@ -71,10 +39,10 @@ void bias_grad_of_b(const GemmParams& p, const I* b) {
 }
 
 template <typename T>
-void apply_epilogue(const GemmParams& p, T* c) {
+// c and pre: this batch entry's C and pre-activation (pre_gelu shares C's layout, batch stride included).
+void apply_epilogue(const GemmParams& p, T* c, T* pre) {
   if (p.epilogue == GemmEpilogue::kNone || p.epilogue == GemmEpilogue::kBiasGradB) return;
   const T* bias = static_cast<const T*>(p.bias);
-  T* pre = static_cast<T*>(p.pre_gelu);
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
   bool dgelu = p.epilogue == GemmEpilogue::kDGelu;
@@ -99,7 +67,7 @@ CBLAS_TRANSPOSE blas_trans(bool t) { return t ? CblasTrans : CblasNoTrans; }
 // T: the inputs' dtype; O: the output's (T, or f32 for a widening bf16/f16 product, as a weight gradient of
 // bf16 activations into f32 master weights).
 template <typename T, typename O>
-void gemm_one(const GemmParams& p, const T* a, const T* b, O* c) {
+void gemm_one(const GemmParams& p, int64_t batch_index, const T* a, const T* b, O* c) {
   int64_t rows_a = p.trans_a ? p.k : p.m, cols_a = p.trans_a ? p.m : p.k;
   int64_t rows_b = p.trans_b ? p.n : p.k, cols_b = p.trans_b ? p.k : p.n;
   if (p.epilogue == GemmEpilogue::kBiasGradB) bias_grad_of_b<T, O>(p, b);
@@ -124,13 +92,12 @@ void gemm_one(const GemmParams& p, const T* a, const T* b, O* c) {
     for (int64_t j = 0; j < p.n; ++j)
       for (int64_t i = 0; i < p.m; ++i) c[j * p.ldc + i] = T(cf[size_t(j * p.ldc + i)]);
   }
-  apply_epilogue(p, c);
+  apply_epilogue(p, c, p.pre_gelu ? static_cast<O*>(p.pre_gelu) + batch_index * p.stride_c : nullptr);
 }
 
 }  // namespace
 
 void gemm_cpu(const DeviceContext&, const GemmParams& p) {
-  validate_gemm_params(p);
   bool widening = (p.input_dtype == kBF16 || p.input_dtype == kF16) && p.output_dtype == kF32;
   LOOM_REQUIRE(p.input_dtype == p.output_dtype || widening, "gemm (cpu): input dtype ", dtype_name(p.input_dtype),
                " with output dtype ", dtype_name(p.output_dtype), " is not supported");
@@ -140,12 +107,12 @@ void gemm_cpu(const DeviceContext&, const GemmParams& p) {
     if (widening) {
       if constexpr (std::is_same_v<scalar_t, BFloat16> || std::is_same_v<scalar_t, Half>) {
         float* c = static_cast<float*>(p.c);
-        for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, float>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
+        for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, float>(p, i, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
       }
       return;
     }
     scalar_t* c = static_cast<scalar_t*>(p.c);
-    for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, scalar_t>(p, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
+    for (int64_t i = 0; i < p.batch; ++i) gemm_one<scalar_t, scalar_t>(p, i, a + i * p.stride_a, b + i * p.stride_b, c + i * p.stride_c);
   });
 }
 

@@ -17,7 +17,7 @@ inline M to_math(T v) {
 }
 
 template <typename P, typename G>
-void adamw_contiguous(const AdamWAttrs& a, P* param, const G* grad, acc_t<P>* exp_avg, acc_t<P>* exp_avg_sq,
+void adamw_contiguous(const AdamWUpdateAttrs& a, P* param, const G* grad, acc_t<P>* exp_avg, acc_t<P>* exp_avg_sq,
                       int64_t n) {
   using M = acc_t<P>;
   // Scalars derived in double, then rounded once to the math type.
@@ -41,7 +41,7 @@ void adamw_contiguous(const AdamWAttrs& a, P* param, const G* grad, acc_t<P>* ex
   });
 }
 
-void adamw_update_cpu(const DeviceContext&, const AdamWAttrs& attrs, Tensor& param, const Tensor& grad,
+void adamw_update_cpu(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                       Tensor& exp_avg, Tensor& exp_avg_sq) {
   LOOM_DISPATCH_FLOATING(param.dtype(), "adamw_update", [&] {
     using param_t = scalar_t;
@@ -55,7 +55,7 @@ void adamw_update_cpu(const DeviceContext&, const AdamWAttrs& attrs, Tensor& par
 }
 
 template <typename P, typename G>
-void sgd_contiguous(const SgdAttrs& a, P* param, const G* grad, acc_t<P>* momentum_buffer, int64_t n) {
+void sgd_contiguous(const SgdUpdateAttrs& a, P* param, const G* grad, acc_t<P>* momentum_buffer, int64_t n) {
   using M = acc_t<P>;
   const M lr = M(a.lr), momentum = M(a.momentum), weight_decay = M(a.weight_decay);
   const bool use_momentum = a.momentum != 0.0;
@@ -73,7 +73,7 @@ void sgd_contiguous(const SgdAttrs& a, P* param, const G* grad, acc_t<P>* moment
   });
 }
 
-void sgd_update_cpu(const DeviceContext&, const SgdAttrs& attrs, Tensor& param, const Tensor& grad,
+void sgd_update_cpu(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                     Tensor& momentum_buffer) {
   LOOM_DISPATCH_FLOATING(param.dtype(), "sgd_update", [&] {
     using param_t = scalar_t;

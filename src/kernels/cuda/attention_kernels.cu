@@ -298,11 +298,25 @@ void attention_backward_cuda(const DeviceContext& ctx, const Tensor& grad_out, c
   });
 }
 
-}  // namespace
+// The sizes these kernels take (a head dim up to kMaxHeadDim, rows a grid holds); others are declined, so a caller
+// sees "no kernel" (or the CPU fallback runs) instead of an error from inside the kernel.
+bool takes(const Tensor& q, const Tensor& k) {
+  return q.size(3) <= kMaxHeadDim && q.numel() / std::max<int64_t>(1, q.size(3)) <= INT32_MAX &&
+         k.numel() / std::max<int64_t>(1, k.size(3)) <= INT32_MAX;
+}
+bool forward_takes(const Tensor& q, const Tensor& k, const Tensor&, const AttentionAttrs&, Tensor&, Tensor&) {
+  return takes(q, k);
+}
+bool backward_takes(const Tensor&, const Tensor& q, const Tensor& k, const Tensor&, const Tensor&, const Tensor&,
+                    const AttentionAttrs&, Tensor&, Tensor&, Tensor&) {
+  return takes(q, k);
+}
 
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
-                     attention_forward_cuda);
+                     attention_forward_cuda, 0, forward_takes);
 LOOM_REGISTER_KERNEL(scaled_dot_product_attention_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
-                     attention_backward_cuda);
+                     attention_backward_cuda, 0, backward_takes);
+
+}  // namespace
 
 }  // namespace loom

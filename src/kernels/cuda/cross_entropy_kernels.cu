@@ -407,7 +407,7 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
   cudaStream_t stream = cuda::stream_of(ctx);
   cuda::IndexStatus status(ctx, stream);
   check_targets<I>(targets, classes, attrs.ignore_index, status, stream);
-  const bool per_row = attrs.reduction == ops::Reduction::kNone;
+  const bool per_row = attrs.reduction == LossReduction::kNone;
   Tensor row_buffer;
   C* row_loss = nullptr;
   if (loss) {
@@ -431,7 +431,7 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
         grad,
         grad_loss ? static_cast<const C*>(grad_loss->data()) : nullptr,
         per_row,
-        attrs.reduction == ops::Reduction::kMean,
+        attrs.reduction == LossReduction::kMean,
         status.counter(),
         grad != nullptr && phase_gap % 16 == 0,
     };
@@ -453,7 +453,7 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
   }
   if (loss && !per_row) {
     cross_entropy_reduce_kernel<C><<<1, kReduceThreads, 0, stream>>>(
-        row_loss, n, status.counter(), attrs.reduction == ops::Reduction::kMean, static_cast<C*>(loss->data()));
+        row_loss, n, status.counter(), attrs.reduction == LossReduction::kMean, static_cast<C*>(loss->data()));
     LOOM_CUDA_CHECK_LAUNCH();
   }
   throw_if_bad_target(op, targets, classes, attrs.ignore_index, status, stream);
@@ -494,7 +494,7 @@ void cross_entropy_backward_cuda(const DeviceContext& ctx, const Tensor& grad_lo
 
 void cross_entropy_with_grad_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
                                   const CrossEntropyAttrs& attrs, Tensor& loss, Tensor& grad_logits) {
-  LOOM_CHECK(attrs.reduction != ops::Reduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
+  LOOM_CHECK(attrs.reduction != LossReduction::kNone, "cross_entropy_with_grad: reduction none has no scalar loss");
   LOOM_DISPATCH_FLOATING(logits.dtype(), "cross_entropy_with_grad", [&] {
     LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_with_grad", [&] {
       run_rows<scalar_t, index_t>(ctx, "cross_entropy_with_grad", logits, targets, attrs, &loss, nullptr,

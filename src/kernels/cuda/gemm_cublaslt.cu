@@ -311,7 +311,6 @@ void bias_grad_unfused(const DeviceContext& ctx, const GemmParams& p) {
 }
 
 void gemm_cuda(const DeviceContext& ctx, const GemmParams& p) {
-  validate_gemm_params(p);
   LOOM_REQUIRE(p.device.type == DeviceType::kCUDA && p.device == ctx.device(), "gemm (cuda): the operands are on ",
                p.device.str(), " but the kernel runs on ", ctx.device().str());
   bool widening = (p.input_dtype == kBF16 || p.input_dtype == kF16) && p.output_dtype == kF32;

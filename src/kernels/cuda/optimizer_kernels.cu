@@ -44,7 +44,7 @@ __global__ void adamw_kernel(AdamWScalars<acc_t<P>> s, P* __restrict__ param, co
   }
 }
 
-void adamw_update_cuda(const DeviceContext& ctx, const AdamWAttrs& a, Tensor& param, const Tensor& grad,
+void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
                        Tensor& exp_avg, Tensor& exp_avg_sq) {
   const int64_t n = param.numel();
   if (n == 0) return;
@@ -88,7 +88,7 @@ __global__ void sgd_kernel(acc_t<P> lr, acc_t<P> momentum, acc_t<P> weight_decay
   }
 }
 
-void sgd_update_cuda(const DeviceContext& ctx, const SgdAttrs& a, Tensor& param, const Tensor& grad,
+void sgd_update_cuda(const DeviceContext& ctx, const SgdUpdateAttrs& a, Tensor& param, const Tensor& grad,
                      Tensor& momentum_buffer) {
   const int64_t n = param.numel();
   if (n == 0) return;

@@ -1,0 +1,78 @@
+// The dispatcher's opt-in modes, served by the providers layer behind the core's one hook (src/providers/modes.cc):
+// shadow mode, autotune, CPU fallback (all set by the provider policy, loom/core/dispatch.h) and per-op profiling.
+// Every mode works on a call's arguments in generic form (op_schema.h), so each works for every op.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/common/device.h"
+#include "loom/common/dtype.h"
+
+namespace loom::dispatch {
+
+// Shadow mode (policy "shadow=p:ops"): for an op the policy shadows, the shadow provider's kernel runs on copies of
+// the arguments made before the primary kernel runs, outputs are compared with per-dtype tolerances, each divergence
+// is logged (op, shapes, worst error) and counted, and the primary's result stands.
+struct ShadowStats {
+  uint64_t runs = 0;         // calls compared
+  uint64_t divergences = 0;  // calls with an output beyond tolerance
+  uint64_t declined = 0;     // calls the shadow's supports() declined
+  double worst_error = 0;    // max |a - b| / (atol + rtol |b|) seen (<= 1 is within tolerance)
+  std::string last_divergence;
+};
+std::map<std::string, ShadowStats> shadow_stats();  // by "op@provider"
+void reset_shadow_stats();
+// Tolerances a shadow comparison allows for outputs of a dtype (defaults: f64 1e-9/1e-12, f32 1e-4/1e-5,
+// f16 1e-2/1e-3, bf16 4e-2/1e-2, integers exact).
+void set_shadow_tolerance(DType dtype, double rtol, double atol);
+
+// Autotune mode (policy "autotune" or "autotune=op1,op2"). The first call for a key (op, device, dtype, and every
+// argument's dtype, shape and strides and the attributes) times each eligible candidate that accepts it: on copies
+// of the arguments (so in-place ops are safe), one warm-up and a few repetitions, the device synchronized around
+// each; the fastest is kept in memory, written to the cache file, and serves every later call with that key. A
+// cache file read at start skips the timing for the keys it holds.
+struct AutotuneChoice {
+  std::string op, device, dtype, shapes;
+  std::string provider;                      // the winner
+  std::map<std::string, double> timings_us;  // best repetition per candidate; one that threw is absent
+};
+std::vector<AutotuneChoice> autotune_choices();
+// The JSON file the choices persist in: read now when it exists, rewritten at each new choice; "" keeps them in
+// memory only. Default: the policy's autotune_cache, else LOOM_AUTOTUNE_CACHE (read when autotuning first runs).
+void set_autotune_cache(const std::string& path);
+void set_autotune_repetitions(int repetitions);  // timed runs per candidate after one warm-up (default 3)
+void reset_autotune();  // forgets the choices in memory; the file stays
+// The choices for (op, device type, dtype), one line per shape with each candidate's time ("" when none), to print
+// beside dispatch::explain_str.
+std::string autotune_report(const std::string& op, DeviceType device, DType dtype);
+
+// CPU fallback (policy "cpu_fallback"): an op with no kernel on a device that takes the call runs on the CPU, on
+// host copies of its arguments, and its outputs are copied back.
+std::map<std::string, uint64_t> cpu_fallback_counts();  // "op@device type" -> calls that ran on the CPU
+void reset_cpu_fallback_counts();
+
+// Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the device is synchronized before and after
+// each kernel call and the wall time added to its (op, device, dtype) row, so a row is the kernel's device time plus
+// one launch. With the variable set, the table goes to stderr at exit, and also, tab-separated, to the file
+// LOOM_PROFILE_OPS_FILE names. LOOM_PROFILE_OPS=shapes splits each row by the shapes of the call's first two tensor
+// arguments (a gemm's A and B as stored), to tell calls apart.
+struct OpProfileRow {
+  std::string op;
+  std::string detail;  // the first tensor arguments' shapes, in the shapes mode
+  DeviceType device = DeviceType::kCPU;
+  DType dtype = kF32;
+  uint64_t calls = 0;
+  double total_ms = 0;
+  double max_ms = 0;
+};
+void set_op_profiling(bool on);
+bool op_profiling();
+std::vector<OpProfileRow> op_profile();  // by total time, largest first
+void reset_op_profile();
+// The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
+std::string op_profile_table();
+
+}  // namespace loom::dispatch

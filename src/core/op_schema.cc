@@ -1,0 +1,346 @@
+// Op descriptions: the builder, the checks against the kernel signature, and the registry by name.
+#include "loom/core/op_schema.h"
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "loom/common/error.h"
+#include "loom/core/dispatch.h"
+
+namespace loom {
+
+std::string AttrValue::str() const {
+  std::ostringstream os;
+  if (kind == kInt) os << i;
+  else if (kind == kFloat) os << f;
+  else {
+    os << '[';
+    for (size_t k = 0; k < ints.size(); ++k) os << (k ? "," : "") << ints[k];
+    os << ']';
+  }
+  return os.str();
+}
+
+const AttrValue* CallArgs::attr(const std::string& name) const {
+  for (const auto& [n, v] : attrs)
+    if (n == name) return &v;
+  return nullptr;
+}
+
+AttrValue* SuiteCase::attr(const std::string& name) {
+  for (auto& [n, v] : attrs)
+    if (n == name) return &v;
+  return nullptr;
+}
+const AttrValue* SuiteCase::attr(const std::string& name) const {
+  for (const auto& [n, v] : attrs)
+    if (n == name) return &v;
+  return nullptr;
+}
+int64_t SuiteCase::attr_int(const std::string& name, int64_t fallback) const {
+  const AttrValue* a = attr(name);
+  return a ? a->as_int() : fallback;
+}
+double SuiteCase::attr_float(const std::string& name, double fallback) const {
+  const AttrValue* a = attr(name);
+  return a ? a->as_double() : fallback;
+}
+
+namespace {
+
+std::vector<std::string> split_dims(const char* shape) {
+  std::vector<std::string> dims;
+  std::istringstream is(shape ? shape : "");
+  std::string d;
+  while (is >> d) dims.push_back(d);
+  return dims;
+}
+
+TensorSpec make_spec(std::string name, ArgRole role, const char* shape, DTypeRule dtype) {
+  TensorSpec t;
+  t.name = std::move(name);
+  t.role = role;
+  t.shape = split_dims(shape);
+  t.dtype = dtype;
+  return t;
+}
+
+}  // namespace
+
+OpSchema& OpSchema::in(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kInput, shape, dtype));
+  return *this;
+}
+OpSchema& OpSchema::in_opt(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kOptionalInput, shape, dtype));
+  return *this;
+}
+OpSchema& OpSchema::in_list(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kInput, shape, dtype));
+  tensors.back().list = true;
+  return *this;
+}
+OpSchema& OpSchema::out(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kOutput, shape, dtype));
+  return *this;
+}
+OpSchema& OpSchema::out_opt(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kOptionalOutput, shape, dtype));
+  return *this;
+}
+OpSchema& OpSchema::in_place(std::string name, const char* shape, DTypeRule dtype) {
+  tensors.push_back(make_spec(std::move(name), ArgRole::kInPlace, shape, dtype));
+  return *this;
+}
+TensorSpec& OpSchema::last() {
+  LOOM_CHECK(!tensors.empty(), "op description: a modifier before any tensor argument");
+  return tensors.back();
+}
+OpSchema& OpSchema::layout(Layout l) {
+  last().layout = l;
+  return *this;
+}
+OpSchema& OpSchema::values(Values v, std::string dim) {
+  last().values = v;
+  last().values_dim = std::move(dim);
+  return *this;
+}
+OpSchema& OpSchema::omit_when_absent() {
+  last().omit_when_absent = true;
+  return *this;
+}
+OpSchema& OpSchema::shape_fn(ShapeFn fn) {
+  last().shape_fn = std::move(fn);
+  return *this;
+}
+OpSchema& OpSchema::present_with(std::string other) {
+  last().present_with = std::move(other);
+  return *this;
+}
+OpSchema& OpSchema::attr(const std::string& name, std::vector<AttrValue> variants) {
+  AttrSpec a;
+  a.name = name;
+  a.variants = std::move(variants);
+  attrs.push_back(std::move(a));
+  return *this;
+}
+OpSchema& OpSchema::attr(const std::string& name, std::initializer_list<double> variants) {
+  std::vector<AttrValue> v;
+  for (double x : variants) v.push_back(AttrValue::of_float(x));  // converted to the field's kind when declared
+  return attr(name, std::move(v));
+}
+OpSchema& OpSchema::attr_dim(const std::string& name, const std::string& tensor) {
+  AttrSpec a;
+  a.name = name;
+  a.dim_of = tensor;
+  attrs.push_back(std::move(a));
+  return *this;
+}
+OpSchema& OpSchema::attr_names(const std::string& name, std::vector<std::string> value_names) {
+  AttrSpec a;
+  a.name = name;
+  a.value_names = std::move(value_names);
+  attrs.push_back(std::move(a));
+  return *this;
+}
+OpSchema& OpSchema::dim(const std::string& name, std::vector<int64_t> values, int64_t base) {
+  dims[name] = DimSpec{std::move(values), base};
+  return *this;
+}
+OpSchema& OpSchema::row_dim(const std::string& name) {
+  DimSpec& d = dims[name];
+  for (int64_t v : {1023, 1025, 2047, 2049, 4095, 4097, 8191, 8193}) d.values.push_back(v);
+  return *this;
+}
+OpSchema& OpSchema::case_rule(CaseRule fn) {
+  rule = std::move(fn);
+  return *this;
+}
+OpSchema& OpSchema::dispatch_on(const std::string& tensor) {
+  dispatch_tensor = tensor;
+  return *this;
+}
+OpSchema& OpSchema::dtypes_only(std::vector<DType> d) {
+  suite_dtypes = std::move(d);
+  return *this;
+}
+OpSchema& OpSchema::abi_since(uint32_t minor) {
+  abi_minor = minor;
+  return *this;
+}
+OpSchema& OpSchema::autocast(Autocast a) {
+  autocast_rule = a;
+  return *this;
+}
+OpSchema& OpSchema::reference_op(std::string op) {
+  reference = std::move(op);
+  return *this;
+}
+OpSchema& OpSchema::accumulates(std::string dim) {
+  accumulate_dim = std::move(dim);
+  return *this;
+}
+OpSchema& OpSchema::tolerance(DType dtype, double rtol, double atol) {
+  tolerances[dtype] = {rtol, atol};
+  return *this;
+}
+OpSchema& OpSchema::note(std::string text) {
+  notes = std::move(text);
+  return *this;
+}
+
+const TensorSpec* OpSchema::tensor(const std::string& n) const {
+  for (const auto& t : tensors)
+    if (t.name == n) return &t;
+  return nullptr;
+}
+int OpSchema::tensor_index(const std::string& n) const {
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (tensors[i].name == n) return int(i);
+  return -1;
+}
+const AttrSpec* OpSchema::attr_spec(const std::string& n) const {
+  for (const auto& a : attrs)
+    if (a.name == n) return &a;
+  return nullptr;
+}
+
+std::string OpSchema::str() const {
+  std::ostringstream os;
+  auto shape = [](const TensorSpec& t) {
+    std::string s = "[";
+    for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? " " : "") + t.shape[i];
+    return s + "]";
+  };
+  os << name << "(";
+  bool first = true;
+  for (const auto& t : tensors) {
+    if (!is_input(t.role)) continue;
+    os << (first ? "" : ", ") << t.name << (t.role == ArgRole::kOptionalInput ? "?" : "") << (t.list ? "..." : "")
+       << " " << shape(t);
+    first = false;
+  }
+  for (const auto& a : attrs) os << (first ? "" : ", ") << a.name, first = false;
+  os << ") -> ";
+  first = true;
+  for (const auto& t : tensors) {
+    if (is_input(t.role)) continue;
+    os << (first ? "" : ", ") << t.name << (t.role == ArgRole::kOptionalOutput ? "?" : "")
+       << (t.role == ArgRole::kInPlace ? " (in place)" : "") << " " << shape(t);
+    first = false;
+  }
+  return os.str();
+}
+
+namespace {
+
+struct SchemaRegistry {
+  std::mutex mu;
+  std::unordered_map<std::string, std::unique_ptr<OpSchema>> by_name;
+  std::unordered_map<OpId, const OpSchema*> by_id;
+};
+SchemaRegistry& registry() {
+  static SchemaRegistry* r = new SchemaRegistry;
+  return *r;
+}
+
+}  // namespace
+
+namespace detail {
+
+void check_schema(const OpSchema& schema_in, const std::vector<bool>& slot_is_input,
+                  const std::vector<std::pair<std::string, AttrValue>>& fields) {
+  auto& schema = const_cast<OpSchema&>(schema_in);
+  const std::string who = "op " + schema.name + "'s description";
+  if (schema.tensors.empty()) {  // no description: arguments named by position, roles by constness
+    for (size_t i = 0; i < slot_is_input.size(); ++i)
+      schema.tensors.push_back(make_spec((slot_is_input[i] ? "in" : "out") + std::to_string(i),
+                                         slot_is_input[i] ? ArgRole::kInput : ArgRole::kOutput, "", DTypeRule::kDispatch));
+  }
+  LOOM_REQUIRE(schema.tensors.size() == slot_is_input.size(), who, " lists ", schema.tensors.size(),
+             " tensor arguments; the kernel signature has ", slot_is_input.size());
+  for (size_t i = 0; i < slot_is_input.size(); ++i)
+    LOOM_REQUIRE(is_input(schema.tensors[i].role) == bool(slot_is_input[i]), who, ": argument '",
+               schema.tensors[i].name, "' is ", is_input(schema.tensors[i].role) ? "an input" : "an output",
+               " but the signature passes it as ", slot_is_input[i] ? "const Tensor&" : "Tensor&");
+  // Attribute specs: the struct's fields in order, with the description's variants.
+  std::vector<AttrSpec> given = std::move(schema.attrs);
+  schema.attrs.clear();
+  for (const auto& [fname, value] : fields) {
+    AttrSpec a;
+    a.name = fname;
+    a.kind = value.kind;
+    a.default_value = value;
+    for (auto& g : given) {
+      if (g.name != fname) continue;
+      if (!g.dim_of.empty()) a.dim_of = g.dim_of;
+      if (!g.value_names.empty()) a.value_names = g.value_names;
+      for (AttrValue v : g.variants) {
+        if (a.kind == AttrValue::kInt && v.kind == AttrValue::kFloat) v = AttrValue::of_int(int64_t(v.f));
+        if (a.kind == AttrValue::kFloat && v.kind == AttrValue::kInt) v = AttrValue::of_float(double(v.i));
+        a.variants.push_back(v);
+      }
+      g.name.clear();
+    }
+    schema.attrs.push_back(std::move(a));
+  }
+  for (const auto& g : given)
+    LOOM_REQUIRE(g.name.empty(), who, " gives values for attribute '", g.name, "', which its attribute struct lacks");
+  for (const auto& t : schema.tensors)
+    if (!t.values_dim.empty() || t.values == Values::kIndexBelow)
+      LOOM_REQUIRE(!t.values_dim.empty(), who, ": '", t.name, "' takes indices but names no dim");
+  if (schema.dispatch_tensor.empty()) {
+    for (const auto& t : schema.tensors)
+      if (!is_input(t.role) && t.dtype == DTypeRule::kDispatch) {
+        schema.dispatch_tensor = t.name;
+        break;
+      }
+    if (schema.dispatch_tensor.empty())
+      for (const auto& t : schema.tensors)
+        if (t.dtype == DTypeRule::kDispatch) {
+          schema.dispatch_tensor = t.name;
+          break;
+        }
+  }
+}
+
+void register_op_schema(OpSchema schema) {
+  SchemaRegistry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  // An op whose header is compiled into two binaries (Loom and a test program) is declared by each: the first stays.
+  if (r.by_name.count(schema.name)) return;
+  auto owned = std::make_unique<OpSchema>(std::move(schema));
+  r.by_id[owned->id] = owned.get();
+  r.by_name[owned->name] = std::move(owned);
+}
+
+}  // namespace detail
+
+const OpSchema* find_op_schema(const std::string& name) {
+  SchemaRegistry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  auto it = r.by_name.find(name);
+  return it == r.by_name.end() ? nullptr : it->second.get();
+}
+
+const OpSchema& op_schema(OpId id) {
+  SchemaRegistry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  auto it = r.by_id.find(id);
+  LOOM_CHECK(it != r.by_id.end(), "op ", op_name(id), " has no description");
+  return *it->second;
+}
+
+std::vector<const OpSchema*> op_schemas() {
+  SchemaRegistry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  std::vector<const OpSchema*> out;
+  for (const auto& [name, s] : r.by_name) out.push_back(s.get());
+  std::sort(out.begin(), out.end(), [](auto* a, auto* b) { return a->name < b->name; });
+  return out;
+}
+
+}  // namespace loom
