@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 
 #include "loom/common/error.h"
@@ -175,6 +176,13 @@ int main(int argc, char** argv) {
     if (fuzz) rerun += " --fuzz " + std::to_string(fuzz);
     if (seed != 1) rerun += " --seed " + std::to_string(seed);
 
+    // Progress on stderr, one line per op and dtype (the whole suite takes a minute or more).
+    o.progress = [](const std::string& op, loom::DType dt, int cases, int failed, int declined, double seconds) {
+      std::cerr << "  " << op << " " << loom::dtype_name(dt) << ": " << cases << " cases";
+      if (failed) std::cerr << ", " << failed << " FAILED";
+      if (declined) std::cerr << ", " << declined << " declined";
+      std::cerr << " (" << std::fixed << std::setprecision(1) << seconds << " s)\n";
+    };
     std::vector<loom::conformance::CaseResult> results;
     if (reference != "pytorch" && (o.generated || o.fuzz > 0)) {
       results = loom::conformance::run_suite(o);

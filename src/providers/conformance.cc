@@ -3,6 +3,7 @@
 #include "providers/conformance.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
@@ -643,6 +644,8 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
   for (const OpSchema* s : op_schemas()) {
     if (!o.ops.empty() && std::find(o.ops.begin(), o.ops.end(), s->name) == o.ops.end()) continue;
     for (DType dt : provider_dtypes(*s, o)) {
+      const auto start = std::chrono::steady_clock::now();
+      const size_t first = results.size();
       auto plans = generate(*s, dt, o);
       for (size_t k = 0; k < plans.size(); ++k) {
         if (o.only_case >= 0 && int(k) != o.only_case) continue;
@@ -654,6 +657,13 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
           r.op = s->name, r.dtype = dt, r.index = int(k), r.status = CaseStatus::kFail, r.worst_error = INFINITY;
           r.detail = std::string("error: ") + e.what();
         }
+      }
+      if (o.progress) {
+        int failed = 0, declined = 0;
+        for (size_t k = first; k < results.size(); ++k)
+          failed += results[k].status == CaseStatus::kFail, declined += results[k].status == CaseStatus::kDeclined;
+        o.progress(s->name, dt, int(results.size() - first), failed, declined,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
     }
   }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,8 @@ struct SuiteOptions {
   uint64_t seed = 1;
   int only_case = -1;            // run only this case index (the repro command's --case)
   bool generated = true;         // false: only the fuzz cases
+  // Called after each (op, dtype) with its results so far (loom-conformance prints a progress line).
+  std::function<void(const std::string& op, DType dtype, int cases, int failed, int declined, double seconds)> progress;
 };
 
 enum class CaseStatus { kPass, kFail, kDeclined };
