@@ -26,7 +26,9 @@
 namespace loom::conformance {
 namespace {
 
-constexpr int64_t kGuard = 4;                  // poisoned elements before and after every output
+// Poisoned guard bytes before and after every output: 256, so an output's first element keeps the alignment its
+// buffer has (kernels that need 16-byte rows still take it); the offset variant misaligns on purpose.
+constexpr int64_t kGuardBytes = 256;
 constexpr int64_t kMaxCaseElements = 1 << 22;  // a case whose tensors are larger is not generated
 
 // ---- Host values in any dtype, without a kernel. ----
@@ -110,7 +112,8 @@ void lay_out(CaseTensor& t, const TensorSpec& spec, LayoutVariant v, bool dense,
   const size_t r = t.shape.size();
   Shape& st = t.strides;
   st.assign(r, 0);
-  t.offset = t.is_input ? 0 : kGuard;
+  const int64_t guard = kGuardBytes / int64_t(dtype_size(t.dtype));
+  t.offset = t.is_input ? 0 : guard;
   if (spec.layout == Layout::kColumnMajor && r == 3) {  // [batch, rows, cols]
     const bool pad = !dense && v != LayoutVariant::kPlain;
     int64_t ld = std::max<int64_t>(1, t.shape[1]) + (pad ? 3 : 0);
@@ -126,7 +129,7 @@ void lay_out(CaseTensor& t, const TensorSpec& spec, LayoutVariant v, bool dense,
     if (strided && spec.layout == Layout::kStrided) {
       for (auto& s : st) s *= 2;  // every other element
     } else if (strided && spec.layout == Layout::kUnitInner && r >= 2) {
-      int64_t pitch = t.shape[r - 1] + 3;  // padded rows
+      int64_t pitch = t.shape[r - 1] + (bcast_dim % 2 ? 8 : 3);  // padded rows, aligned or not
       st[r - 2] = pitch;
       for (int64_t d = int64_t(r) - 3; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * std::max<int64_t>(1, t.shape[size_t(d) + 1]);
     }
@@ -134,14 +137,14 @@ void lay_out(CaseTensor& t, const TensorSpec& spec, LayoutVariant v, bool dense,
       size_t d = size_t(bcast_dim) % r;
       st[d] = 0;  // one slice, seen along d
     }
-    if (v == LayoutVariant::kOffset || (v != LayoutVariant::kPlain && t.is_input)) t.offset += 3;
+    if (v == LayoutVariant::kOffset) t.offset += 3;  // a view that starts off its buffer's alignment
   }
   int64_t span = 1;
   for (size_t d = 0; d < r; ++d) {
     if (t.shape[d] == 0) { span = 0; break; }
     span += (t.shape[d] - 1) * st[d];
   }
-  t.buffer_elems = t.offset + span + (t.is_input ? 0 : kGuard);
+  t.buffer_elems = t.offset + span + (t.is_input ? 0 : guard);
 }
 
 struct Built {
