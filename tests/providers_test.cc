@@ -240,6 +240,25 @@ TEST_F(Providers, ConformanceChecksTheAbi11OpsAndCatchesWrongOnes) {
   EXPECT_FALSE(conformance::suite_failed(right)) << conformance::suite_table(right, "");
 }
 
+// Ops added in ABI 1.2 reach a library through the generic packing: arange (no input) and cat (a list of inputs,
+// any strides), with the suite's generated cases; a library built against 1.0 is not bound to them.
+TEST_F(Providers, Abi12OpsReachTheSampleLibrary) {
+  auto results = suite({"arange", "cat"}, "cpu_sample", Device());
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
+  std::set<std::string> passed;
+  for (const auto& r : results)
+    if (r.status == conformance::CaseStatus::kPass) passed.insert(r.op);
+  EXPECT_EQ(passed, (std::set<std::string>{"arange", "cat"})) << conformance::suite_table(results, "");
+  Tensor a = test::random_tensor({3, 4}), b = test::random_tensor({2, 4});
+  route("cpu_sample:cat");
+  uint64_t calls = calls_of("cat", "cpu_sample");
+  EXPECT_TRUE(test::all_close(loom::cat({a, b}, 0), ops::cat({a, b}, 0), 0, 0));
+  EXPECT_GT(calls_of("cat", "cpu_sample"), calls);
+  ensure_loaded("loom_cpu_sample_abi10", "cpu_sample_abi10");
+  EXPECT_EQ(calls_of("cat", "cpu_sample_abi10"), 0u);
+  EXPECT_TRUE(suite({"cat", "arange"}, "cpu_sample_abi10", Device()).empty());  // not bound for a 1.0 library
+}
+
 // The strided attention ops have native kernels on CUDA only, so their cases compare with the plain ops on copies.
 // A CPU provider registered here copies the views out with plain loops (the conformance policy denies every other
 // kernel, copy included) and runs the native plain kernel: it passes. One that reads the views as if they were

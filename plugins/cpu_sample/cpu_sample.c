@@ -534,6 +534,47 @@ static int sample_grad_norm_squared(void* ctx, const LoomTensorDesc* in, int n_i
   return LOOM_STATUS_OK;
 }
 
+/* ---- ABI 1.2: arange, and cat (a list of inputs: n_in is their count, any strides; out contiguous). ---- */
+
+static int sample_arange(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                         const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)in;
+  if (n_in != 0 || n_out != 1) return fail(LOOM_STATUS_INVALID_ARGUMENT, "arange: expected no input and 1 output");
+  const double start = loom_attr_float(attrs, n_attrs, "start", 0), step = loom_attr_float(attrs, n_attrs, "step", 1);
+  float* o = (float*)out[0].data;
+  for (int64_t i = 0, n = loom_desc_numel(&out[0]); i < n; ++i) o[i * out[0].strides[0]] = (float)(start + (double)i * step);
+  return LOOM_STATUS_OK;
+}
+
+static int sample_cat(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                      const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  if (n_out != 1 || !loom_desc_is_contiguous(&out[0])) return fail(LOOM_STATUS_INVALID_ARGUMENT, "cat: one contiguous output");
+  const LoomTensorDesc* o = &out[0];
+  const int64_t dim = loom_attr_int(attrs, n_attrs, "dim", 0);
+  if (dim < 0 || dim >= o->rank) return fail(LOOM_STATUS_INVALID_ARGUMENT, "cat: dim out of range");
+  int64_t base = 0; /* where along dim the current input starts */
+  for (int t = 0; t < n_in; ++t) {
+    const LoomTensorDesc* x = &in[t];
+    int64_t index[LOOM_MAX_DIMS] = {0};
+    for (int64_t e = 0, n = loom_desc_numel(x); e < n; ++e) {
+      int64_t src = 0, dst = 0;
+      for (int d = 0; d < x->rank; ++d) {
+        src += index[d] * x->strides[d];
+        dst += (index[d] + (d == dim ? base : 0)) * o->strides[d];
+      }
+      ((float*)o->data)[dst] = ((const float*)x->data)[src];
+      for (int d = x->rank - 1; d >= 0; --d) {
+        if (++index[d] < x->shape[d]) break;
+        index[d] = 0;
+      }
+    }
+    base += x->shape[dim];
+  }
+  return LOOM_STATUS_OK;
+}
+
 static const LoomOpEntry sample_ops[] = {
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "gemm", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_gemm,
      sample_gemm_supports, {0}},
@@ -562,6 +603,9 @@ static const LoomOpEntry sample_ops[] = {
      sample_f32_grad_supports, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "grad_norm_squared", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0,
      sample_grad_norm_squared, NULL, {0}},
+    /* ABI 1.2. */
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "arange", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_arange, NULL, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "cat", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_cat, NULL, {0}},
     /* Not a Loom op: Loom warns and loads the rest. */
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "sample_frobnicate", LOOM_DTYPE_BIT(LOOM_DTYPE_F32), 0, sample_add, NULL,
      {0}},
