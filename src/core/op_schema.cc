@@ -70,30 +70,28 @@ TensorSpec make_spec(std::string name, ArgRole role, const char* shape, DTypeRul
 
 }  // namespace
 
-OpSchema& OpSchema::in(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kInput, shape, dtype));
+OpSchema& OpSchema::add(std::string name, ArgRole role, const char* shape, DTypeRule dtype, bool list) {
+  tensors.push_back(make_spec(std::move(name), role, shape, dtype));
+  tensors.back().list = list;
   return *this;
+}
+OpSchema& OpSchema::in(std::string name, const char* shape, DTypeRule dtype) {
+  return add(std::move(name), ArgRole::kInput, shape, dtype);
 }
 OpSchema& OpSchema::in_opt(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kOptionalInput, shape, dtype));
-  return *this;
+  return add(std::move(name), ArgRole::kOptionalInput, shape, dtype);
 }
 OpSchema& OpSchema::in_list(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kInput, shape, dtype));
-  tensors.back().list = true;
-  return *this;
+  return add(std::move(name), ArgRole::kInput, shape, dtype, true);
 }
 OpSchema& OpSchema::out(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kOutput, shape, dtype));
-  return *this;
+  return add(std::move(name), ArgRole::kOutput, shape, dtype);
 }
 OpSchema& OpSchema::out_opt(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kOptionalOutput, shape, dtype));
-  return *this;
+  return add(std::move(name), ArgRole::kOptionalOutput, shape, dtype);
 }
 OpSchema& OpSchema::in_place(std::string name, const char* shape, DTypeRule dtype) {
-  tensors.push_back(make_spec(std::move(name), ArgRole::kInPlace, shape, dtype));
-  return *this;
+  return add(std::move(name), ArgRole::kInPlace, shape, dtype);
 }
 TensorSpec& OpSchema::last() {
   LOOM_CHECK(!tensors.empty(), "op description: a modifier before any tensor argument");

@@ -352,6 +352,7 @@ class OpSchema {
   std::string str() const;  // "layer_norm(x [R C], weight? [C], ...; eps) -> out [R C], ..."
 
  private:
+  OpSchema& add(std::string name, ArgRole role, const char* shape, DTypeRule dtype, bool list = false);
   TensorSpec& last();
 };
 
