@@ -66,7 +66,8 @@ TEST_F(Providers, LoadReportsOpsAndUnknownNames) {
                          "gemm@cpu", "add@cpu", "softmax@cpu", "residual_layer_norm@cpu",
                          "residual_layer_norm_backward@cpu", "residual_rms_norm@cpu", "residual_rms_norm_backward@cpu",
                          "cross_entropy_with_grad@cpu", "cross_entropy_scale_grad@cpu", "column_sums@cpu",
-                         "rope_strided@cpu", "adamw_update@cpu", "sgd_update@cpu", "grad_norm_squared@cpu"}));
+                         "rope_strided@cpu", "adamw_update@cpu", "sgd_update@cpu", "grad_norm_squared@cpu",
+                         "arange@cpu", "cat@cpu"}));
     ASSERT_EQ(p.warnings.size(), 1u);
     EXPECT_NE(p.warnings[0].find("sample_frobnicate"), std::string::npos);
   }
