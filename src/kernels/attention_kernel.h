@@ -28,7 +28,7 @@ inline OpSchema attention_schema(bool backward, Layout layout) {
     s.out("out", "B H T D").layout(layout).out("lse", "B H T", DTypeRule::kStats);
   return s.attr("causal", {1.0, 0.0}).attr("scale", {0.125, 0.3})
       .dim("D", {8, 16, 40, 64, 128}, 64).dim("Hkv", {1, 2, 3}, 2).dim("H", {}, 4).dim("T", {1, 17, 64, 129})
-      .dim("S", {1, 17, 64, 129, 257}).accumulates("S").dispatch_on("q").autocast(Autocast::kCastInputs)
+      .dim("S", {1, 17, 64, 129, 257}).row_dim("S").accumulates("S").dispatch_on("q").autocast(Autocast::kCastInputs)
       .case_rule([](SuiteCase& c, const OpSchema&) {
         c.dim("H") = c.dim("Hkv") * std::max<int64_t>(1, c.dim("H") / c.dim("Hkv"));  // whole groups of query heads
         if (c.attr_int("causal") && c.dim("T") > c.dim("S")) c.dim("T") = c.dim("S");

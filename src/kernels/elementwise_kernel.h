@@ -16,19 +16,19 @@ namespace loom {
 // out may be a strided view.
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
   return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values).out("out", "A B C")
-      .layout(Layout::kStrided);
+      .layout(Layout::kStrided).row_dim("C");
 }
 inline OpSchema unary_backward_schema() {
   return OpSchema().in("grad", "A B C").layout(Layout::kBroadcast).in("saved", "A B C").layout(Layout::kBroadcast)
-      .out("grad_x", "A B C").layout(Layout::kStrided);
+      .out("grad_x", "A B C").layout(Layout::kStrided).row_dim("C");
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .values(b_values).out("out", "A B C").layout(Layout::kStrided);
+      .values(b_values).out("out", "A B C").layout(Layout::kStrided).row_dim("C");
 }
 inline OpSchema compare_schema() {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a");
+      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C");
 }
 inline OpSchema scalar_schema(std::initializer_list<double> values, Values x_values = Values::kUniform) {
   return unary_schema(x_values).attr("value", values);

@@ -121,7 +121,7 @@ OpSchema gemm_schema() {
       .out_opt("bias_grad", "N", DTypeRule::kWideOrSame).omit_when_absent()
       .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5})
       .attr("beta", {0.0, 1.0, 0.75}).attr("epilogue", {0.0, 1.0, 2.0, 3.0, 4.0, 5.0})
-      .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).accumulates("K").dispatch_on("a").autocast(Autocast::kCastInputs)
+      .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K").dispatch_on("a").autocast(Autocast::kCastInputs)
       .case_rule([](SuiteCase& c, const OpSchema& s) {
         auto idx = [&](const char* n) { return size_t(s.tensor_index(n)); };
         const auto e = GemmEpilogue(c.attr_int("epilogue"));
