@@ -249,9 +249,8 @@ SchemaRegistry& registry() {
 
 namespace detail {
 
-void check_schema(const OpSchema& schema_in, const std::vector<bool>& slot_is_input,
+void check_schema(OpSchema& schema, const std::vector<bool>& slot_is_input,
                   const std::vector<std::pair<std::string, AttrValue>>& fields) {
-  auto& schema = const_cast<OpSchema&>(schema_in);
   const std::string who = "op " + schema.name + "'s description";
   if (schema.tensors.empty()) {  // no description: arguments named by position, roles by constness
     for (size_t i = 0; i < slot_is_input.size(); ++i)

@@ -363,9 +363,9 @@ std::vector<const OpSchema*> op_schemas();  // sorted by name
 
 namespace detail {
 void register_op_schema(OpSchema schema);
-// Checks a description against the signature's slots (count, and input vs output by constness); throws naming
-// the op and the argument.
-void check_schema(const OpSchema& schema, const std::vector<bool>& slot_is_input,
+// Checks a description against the signature's slots (count, and input vs output by constness) and completes it
+// (names unnamed slots, fills the attribute specs from the struct's fields); throws naming the op and the argument.
+void check_schema(OpSchema& schema, const std::vector<bool>& slot_is_input,
                   const std::vector<std::pair<std::string, AttrValue>>& fields);
 }  // namespace detail
 
