@@ -67,7 +67,7 @@ struct Unregister {
 TEST(OpDescription, TheWorkedExampleReachesConformance) {
   const OpSchema* s = find_op_schema("example_scale_shift");
   ASSERT_NE(s, nullptr);
-  EXPECT_EQ(s->str(), "example_scale_shift(x [R C], scale, shift) -> out [R C]");
+  EXPECT_EQ(s->str(), "example_scale_shift(x [R C], scale, shift) -> out [R C] (dispatched on out)");
   auto results = suite_for("native");
   EXPECT_GT(results.size(), 100u);  // both dtypes, every size of R and C, every attribute pair, strided x
   EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");

@@ -161,10 +161,6 @@ OpSchema& OpSchema::dispatch_on(const std::string& tensor) {
   dispatch_tensor = tensor;
   return *this;
 }
-OpSchema& OpSchema::dtypes_only(std::vector<DType> d) {
-  suite_dtypes = std::move(d);
-  return *this;
-}
 OpSchema& OpSchema::abi_since(uint32_t minor) {
   abi_minor = minor;
   return *this;
@@ -183,10 +179,6 @@ OpSchema& OpSchema::accumulates(std::string dim) {
 }
 OpSchema& OpSchema::tolerance(DType dtype, double rtol, double atol) {
   tolerances[dtype] = {rtol, atol};
-  return *this;
-}
-OpSchema& OpSchema::note(std::string text) {
-  notes = std::move(text);
   return *this;
 }
 
@@ -230,6 +222,7 @@ std::string OpSchema::str() const {
        << (t.role == ArgRole::kInPlace ? " (in place)" : "") << " " << shape(t);
     first = false;
   }
+  if (!dispatch_tensor.empty()) os << " (dispatched on " << dispatch_tensor << ")";
   return os.str();
 }
 

@@ -302,7 +302,6 @@ class OpSchema {
   OpSchema& case_rule(CaseRule fn);
   // Which tensor's dtype the call dispatches on (default: the first output, or the first input for comparisons).
   OpSchema& dispatch_on(const std::string& tensor);
-  OpSchema& dtypes_only(std::vector<DType> dtypes);  // the suite's dtypes, when the registry's would be too many
   OpSchema& abi_since(uint32_t minor);               // the kernel ABI minor version that added the op
   OpSchema& autocast(Autocast a);
   // The suite's reference for an op with no native CPU kernel: the named op on the same arguments made contiguous.
@@ -312,8 +311,6 @@ class OpSchema {
   // The suite's tolerance for outputs of a dtype, where the contract rounds in between (a fused norm normalizes its
   // residual rounded to bf16, which a float64 reference does not).
   OpSchema& tolerance(DType dtype, double rtol, double atol);
-  // A note for the reader of `loom-conformance --describe` and the ABI docs.
-  OpSchema& note(std::string text);
 
   // Filled from the kernel signature when the op is declared.
   std::string name;
@@ -323,13 +320,11 @@ class OpSchema {
   std::map<std::string, DimSpec> dims;
   CaseRule rule;
   std::string dispatch_tensor;
-  std::vector<DType> suite_dtypes;
   uint32_t abi_minor = 0;
   Autocast autocast_rule = Autocast::kNone;
   std::string reference;
   std::string accumulate_dim;
   std::map<DType, std::pair<double, double>> tolerances;
-  std::string notes;
 
   // Type-erased operations made from the signature.
   // Dispatches the op with arguments built from `args` (as the typed call would).
@@ -349,7 +344,7 @@ class OpSchema {
   const TensorSpec* tensor(const std::string& name) const;
   int tensor_index(const std::string& name) const;
   const AttrSpec* attr_spec(const std::string& name) const;
-  std::string str() const;  // "layer_norm(x [R C], weight? [C], ...; eps) -> out [R C], ..."
+  std::string str() const;  // "layer_norm(x [R C], weight? [C], ..., eps) -> out [R C], ... (dispatched on x)"
 
  private:
   OpSchema& add(std::string name, ArgRole role, const char* shape, DTypeRule dtype, bool list = false);
