@@ -3,6 +3,10 @@
  * loads it like any vendor's library; the framework provides the diopirt runtime (tensor accessors, scratch
  * allocation, generators), which this library calls and never defines.
  *
+ * Functions: mm, bmm, addmm, baddbmm, linear (+backward), layerNorm, rmsNorm, softmax, logSoftmax, gelu, silu,
+ * embedding, crossEntropyLoss (each +backward), adamW, flashAttention (+backward), rotaryEmbedding, add, addScalar,
+ * mul, mulScalar, fill, sum, castDtype, copyInp, clipGradNorm, dropout.
+ *
  * Every kernel runs on the host (tensors whose device is diopi_host; a device tensor gets diopiNoImplement so the
  * caller falls back). Floating dtypes float16, bfloat16, float32 and float64 are served; each kernel reads its
  * inputs through their shape and strides into float64 scratch (from diopiRequireBuffer, i.e. the framework's
@@ -536,6 +540,20 @@ diopiError_t diopiAddmm(diopiContextHandle_t ctx, diopiTensorHandle_t out, diopi
   CHECK(broadcast_to(&c, &o, &cb, fn, "input"));
   View o3 = as_batch1(&o), a3 = as_batch1(&a), b3 = as_batch1(&b), c3 = as_batch1(&cb);
   return batched_matmul(ctx, fn, &o3, &a3, &b3, &c3, scalar_value(alpha, 1), scalar_value(beta, 1));
+}
+
+diopiError_t diopiBaddbmm(diopiContextHandle_t ctx, diopiTensorHandle_t out, diopiConstTensorHandle_t input,
+                          diopiConstTensorHandle_t batch1, diopiConstTensorHandle_t batch2, double beta, double alpha) {
+  const char* fn = "diopiBaddbmm";
+  View o, c, a, b, cb;
+  CHECK(view_of(out, fn, "out", &o));
+  CHECK(view_of(input, fn, "input", &c));
+  CHECK(view_of(batch1, fn, "batch1", &a));
+  CHECK(view_of(batch2, fn, "batch2", &b));
+  CHECK(check_matmul(fn, &o, &a, &b, 3));
+  CHECK(need_float(&c, fn, "input"));
+  CHECK(broadcast_to(&c, &o, &cb, fn, "input"));
+  return batched_matmul(ctx, fn, &o, &a, &b, &cb, alpha, beta);
 }
 
 /* input [..., I] seen as rows [R, I]; `last` is its size. */

@@ -334,7 +334,7 @@ static bool expect_status(const char* what, diopiError_t got, diopiError_t want,
 /* ---- The library under test ----------------------------------------------------------------------------------- */
 
 #define FUNCS(X)                                                                                                   \
-  X(diopiMm) X(diopiBmm) X(diopiAddmm) X(diopiLinear) X(diopiLinearBackward) X(diopiLayerNorm)                      \
+  X(diopiMm) X(diopiBmm) X(diopiAddmm) X(diopiBaddbmm) X(diopiLinear) X(diopiLinearBackward) X(diopiLayerNorm)                      \
   X(diopiLayerNormBackward) X(diopiRMSNorm) X(diopiRMSNormBackward) X(diopiSoftmax) X(diopiSoftmaxBackward)         \
   X(diopiLogSoftmax) X(diopiLogSoftmaxBackward) X(diopiGelu) X(diopiGeluBackward) X(diopiSilu) X(diopiSiluBackward) \
   X(diopiEmbedding) X(diopiEmbeddingBackward) X(diopiCrossEntropyLoss) X(diopiCrossEntropyLossBackward)              \
@@ -430,6 +430,12 @@ static void test_matmul(diopiDtype_t dt, enum Layout la, enum Layout lb, enum La
         }
     if (expect_status("diopiBmm", CALL(diopiBmm, o, a, b), diopiSuccess, L.diopiGetLastErrorString))
       expect_near("bmm out", o, e, scale);
+    /* baddbmm in place: out = 0.75 * out + 1.5 * product, out being the input it adds */
+    double* vo = vals(o);
+    for (int64_t i = 0; i < bsz * m * n; ++i) e[i] = 0.75 * vo[i] + 1.5 * e[i];
+    if (expect_status("diopiBaddbmm", CALL(diopiBaddbmm, o, o, a, b, 0.75, 1.5), diopiSuccess, L.diopiGetLastErrorString))
+      expect_near("baddbmm out", o, e, 2 * scale);
+    free(vo);
     free(va), free(vb), free(e);
   }
   free_all();
