@@ -20,8 +20,9 @@
  *   - diopiFlashAttention: q [B,Tq,H,D], k and v [B,Tk,Hk,D(v)] with H % Hk == 0 (grouped queries); a causal mask
  *     and sliding windows are aligned to the bottom right (key j is visible to query i when j <= i + Tk - Tq), as
  *     in FlashAttention 2; a row with no visible key gets out 0 and lse +inf. softmax_lse is [B,H,Tq]. No dropout
- *     (p_dropout != 0 -> NoImplement), no ALiBi. The backward recomputes the softmax from q and k (it does not
- *     depend on the caller's attention_out or softmax_lse, which may be null).
+ *     (p_dropout != 0 -> NoImplement), no ALiBi. The backward, as FlashAttention's, takes the probabilities from
+ *     softmax_lse (P = exp(scale q.k - lse)) and the row term from attention_out (sum(dO * O)); either may be null,
+ *     and is then recomputed from q, k and v.
  *   - diopiCrossEntropyLoss: class-index targets only (probability targets -> NoImplement), label_smoothing 0.
  *   - diopiEmbeddingBackward: sparse -> NoImplement; padding_idx < 0 means none.
  *
@@ -1629,10 +1630,10 @@ diopiError_t diopiFlashAttentionBackward(diopiContextHandle_t ctx, diopiTensorHa
                                          diopiConstTensorHandle_t attention_out, diopiConstTensorHandle_t softmax_lse,
                                          float p_dropout, float softmax_scale, bool is_causal, int32_t window_size_left,
                                          int32_t window_size_right) {
-  (void)gen, (void)attention_out, (void)softmax_lse; /* the softmax is recomputed from q and k */
+  (void)gen;
   const char* fn = "diopiFlashAttentionBackward";
-  View g, vq, vk, vv, gq, gk, gv;
-  bool want_q, want_k, want_v;
+  View g, vq, vk, vv, gq, gk, gv, vo, vl;
+  bool want_q, want_k, want_v, has_out, has_lse;
   Attn a;
   CHECK(attn_common(fn, alibi_slopes, p_dropout, is_causal, window_size_left, window_size_right, &a));
   CHECK(view_of(grad_output, fn, "grad_output", &g));
@@ -1649,7 +1650,20 @@ diopiError_t diopiFlashAttentionBackward(diopiContextHandle_t ctx, diopiTensorHa
   if (want_q) CHECK(need_same_shape(&gq, &vq, fn, "grad_q", "q"));
   if (want_k) CHECK(need_same_shape(&gk, &vk, fn, "grad_k", "k"));
   if (want_v) CHECK(need_same_shape(&gv, &vv, fn, "grad_v", "v"));
-  double *pq, *pk, *pv, *pg, *dq, *dk, *dv, *p, *dp;
+  CHECK(opt_view(attention_out, fn, "attention_out", &vo, &has_out));
+  CHECK(opt_view(softmax_lse, fn, "softmax_lse", &vl, &has_lse));
+  if (has_out) {
+    CHECK(need_float(&vo, fn, "attention_out"));
+    CHECK(need_same_shape(&vo, &g, fn, "attention_out", "grad_output"));
+  }
+  if (has_lse) {
+    CHECK(need_float(&vl, fn, "softmax_lse"));
+    if (vl.nd != 3 || vl.shape[0] != a.b || vl.shape[1] != a.h || vl.shape[2] != a.tq)
+      return fail(diopiErrorOccurred, "%s: softmax_lse must be [batch, heads, seq_q]", fn);
+  }
+  double *pq, *pk, *pv, *pg, *dq, *dk, *dv, *p, *dp, *po = NULL, *pl = NULL;
+  if (has_out) CHECK(packed(ctx, &vo, fn, &po));
+  if (has_lse) CHECK(packed(ctx, &vl, fn, &pl));
   CHECK(packed(ctx, &vq, fn, &pq));
   CHECK(packed(ctx, &vk, fn, &pk));
   CHECK(packed(ctx, &vv, fn, &pv));
@@ -1667,15 +1681,21 @@ diopiError_t diopiFlashAttentionBackward(diopiContextHandle_t ctx, diopiTensorHa
     for (int64_t h = 0; h < a.h; ++h) {
       const int64_t hk = h / (a.h / a.hk);
       for (int64_t i = 0; i < a.tq; ++i) {
-        attn_row(&a, pq, pk, b, h, i, scale, p);
+        const double lse = attn_row(&a, pq, pk, b, h, i, scale, p);
+        if (pl && !isinf(lse)) { /* the caller's lse: p = exp(s - lse) = p_recomputed * exp(lse_recomputed - lse_given) */
+          const double given = pl[(b * a.h + h) * a.tq + i];
+          const double f = isinf(given) && given > 0 ? 0 : exp(lse - given);
+          for (int64_t j = 0; j < a.tk; ++j) p[j] *= f;
+        }
         const double* grow = pg + ((b * a.tq + i) * a.h + h) * a.dv;
         const double* qrow = pq + ((b * a.tq + i) * a.h + h) * a.d;
         double* dqrow = dq + ((b * a.tq + i) * a.h + h) * a.d;
-        double rowsum = 0; /* sum_j p_j dp_j, which equals dO_i . O_i */
+        double rowsum = 0; /* dO_i . O_i, or sum_j p_j dp_j (equal when O is the forward's output) */
         for (int64_t j = 0; j < a.tk; ++j) {
           dp[j] = p[j] ? dot(grow, pv + ((b * a.tk + j) * a.hk + hk) * a.dv, a.dv) : 0;
           rowsum += p[j] * dp[j];
         }
+        if (po) rowsum = dot(grow, po + ((b * a.tq + i) * a.h + h) * a.dv, a.dv);
         for (int64_t j = 0; j < a.tk; ++j) {
           if (p[j] == 0) continue;
           const double ds = p[j] * (dp[j] - rowsum) * scale;

@@ -970,6 +970,38 @@ static void test_attention(bool causal, bool window, bool small, bool gqa) {
       fd_check("attention grad_v", a.v, a.o, vg, attn_forward, &a, av);
       free(aq), free(ak), free(av);
     }
+    /* The backward takes P from the given lse and the row term from the given out (FlashAttention's contract):
+     * with an lse and an out unrelated to q, k and v, it must follow them. */
+    T *lse2 = mk(diopi_dtype_float64, 3, sl, rl()), *o2 = mk(dt, 4, sq, rl());
+    fill(lse2, 0, 2), fill(o2, -1, 1);
+    double *vl2 = vals(lse2), *vo2 = vals(o2), *eq = dalloc(b * tq * h * d), *ek = dalloc(b * tk * hk * d);
+    double* ev = dalloc(b * tk * hk * d);
+    for (int64_t z = 0; z < b; ++z)
+      for (int64_t y = 0; y < h; ++y)
+        for (int64_t i = 0; i < tq; ++i) {
+          const int64_t kh = y / (h / hk), diag = i + tk - tq, qi = ((z * tq + i) * h + y) * d;
+          double rowterm = 0;
+          for (int64_t t = 0; t < d; ++t) rowterm += vg[qi + t] * vo2[qi + t];
+          for (int64_t j = 0; j < tk; ++j) {
+            const bool vis = !(causal && j > diag) && !(a.wl >= 0 && j < diag - a.wl) && !(a.wr >= 0 && j > diag + a.wr);
+            if (!vis) continue;
+            const int64_t kj = ((z * tk + j) * hk + kh) * d;
+            double s = 0, dpv = 0;
+            for (int64_t t = 0; t < d; ++t) s += vq[qi + t] * vk[kj + t], dpv += vg[qi + t] * vv[kj + t];
+            const double pr = exp(s * a.scale - vl2[(z * h + y) * tq + i]), ds = pr * (dpv - rowterm) * a.scale;
+            for (int64_t t = 0; t < d; ++t) {
+              eq[qi + t] += ds * vk[kj + t], ek[kj + t] += ds * vq[qi + t], ev[kj + t] += pr * vg[qi + t];
+            }
+          }
+        }
+    if (OK("diopiFlashAttentionBackward with a given lse and out",
+           CALL(diopiFlashAttentionBackward, gq, gk, gv, g, NULL, a.q, a.k, a.v, NULL, o2, lse2, 0.0f, a.scale,
+                a.causal, a.wl, a.wr))) {
+      expect_near("attention grad_q from the given lse and out", gq, eq, 8);
+      expect_near("attention grad_k from the given lse and out", gk, ek, 8);
+      expect_near("attention grad_v from the given lse and out", gv, ev, 8);
+    }
+    free(vl2), free(vo2), free(eq), free(ek), free(ev);
     free(vg);
   }
   ++checks;
