@@ -24,6 +24,9 @@
 #include "loom/common/error.h"
 #include "loom/core/dispatch.h"
 #include "loom/providers.h"
+#ifdef LOOM_WITH_DIOPI
+#include "loom/diopi.h"
+#endif
 #include "providers/conformance.h"
 
 namespace fs = std::filesystem;
@@ -102,13 +105,16 @@ int main(int argc, char** argv) {
   CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
   std::string reference_file, describe_op;
-  std::vector<std::string> libraries;
+  std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
   int fuzz = 0, case_index = -1;
   uint64_t seed = 1;
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
   app.add_option("--load", libraries, "kernel library to load first (repeatable)");
+  app.add_option("--load-diopi", diopi_libraries,
+                 "DIOPI implementation library (libdiopi_impl.so) to load first as provider 'diopi' (repeatable: "
+                 "diopi2, ...)");
   app.add_option("--json", json_path, "write every case's result as JSON");
   app.add_option("--op", op_filter, "only this op");
   app.add_option("--dtype", dtype_filter, "only this dtype (f32, bf16, ...), also with --list-kernels");
@@ -142,6 +148,11 @@ int main(int argc, char** argv) {
     }
     loom::providers::load_from_env();
     for (const auto& lib : libraries) loom::providers::load(lib);
+#ifdef LOOM_WITH_DIOPI
+    loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(device_name).type);
+#else
+    if (!diopi_libraries.empty()) throw loom::Error("--load-diopi: this Loom was built without the DIOPI bridge (LOOM_DIOPI)");
+#endif
     if (list_kernels_flag) {
       list_kernels(loom::Device::parse(device_name), dtype_filter);
       return 0;
@@ -173,6 +184,7 @@ int main(int argc, char** argv) {
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
     std::string rerun = "loom-conformance --provider " + provider + " --device " + o.device.str();
     for (const auto& lib : libraries) rerun += " --load " + lib;
+    for (const auto& lib : diopi_libraries) rerun += " --load-diopi " + lib;
     if (fuzz) rerun += " --fuzz " + std::to_string(fuzz);
     if (seed != 1) rerun += " --seed " + std::to_string(seed);
 

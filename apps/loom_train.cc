@@ -5,6 +5,9 @@
 
 #include "loom/common/error.h"
 #include "loom/train/trainer.h"
+#ifdef LOOM_WITH_DIOPI
+#include "loom/diopi.h"
+#endif
 
 int main(int argc, char** argv) {
   loom::train::TrainOptions o;
@@ -55,8 +58,17 @@ int main(int argc, char** argv) {
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
   app.add_option("--bucket-mb", o.bucket_mb, "DDP: gradient MiB per all-reduce bucket")
       ->check(CLI::PositiveNumber)->capture_default_str();
+  std::vector<std::string> diopi_libraries;
+  app.add_option("--load-diopi", diopi_libraries,
+                 "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
+                 "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
   CLI11_PARSE(app, argc, argv);
   try {
+#ifdef LOOM_WITH_DIOPI
+    loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(o.device).type);
+#else
+    if (!diopi_libraries.empty()) throw loom::Error("--load-diopi: this Loom was built without the DIOPI bridge (LOOM_DIOPI)");
+#endif
     loom::train::Trainer trainer(o);
     trainer.run();
   } catch (const loom::Error& e) {
