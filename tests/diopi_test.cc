@@ -114,8 +114,7 @@ TEST_F(Diopi, RoutedCallsMatchNative) {
   EXPECT_TRUE(test::all_close(sm, ref_sm, 1e-5, 1e-7));
 }
 
-// The generated suite through the bridge: every case an op accepts passes, and each op serves most of its cases
-// (dropout only p = 0, a third of them: DIOPI's dropout mask is not Loom's Philox stream).
+// The generated suite through the bridge: every case an op accepts passes, and each op serves most of its cases.
 TEST_F(Diopi, ConformanceThroughTheBridge) {
   conformance::SuiteOptions o;
   o.provider = "diopi";
@@ -134,7 +133,9 @@ TEST_F(Diopi, ConformanceThroughTheBridge) {
     const std::string name = op.substr(0, op.find('@'));
     ASSERT_TRUE(served.count(name)) << name << " ran no case";
     const auto [acc, dec] = served[name];
-    if (name == "dropout") EXPECT_GT(acc, 0) << name;
+    // dropout serves p = 0 only; adamw_update declines f64 calls whose hyper-parameters a float does not hold
+    // (DIOPI's signature) and gradients or states of another dtype than the parameter.
+    if (name == "dropout" || name == "adamw_update") EXPECT_GT(acc, 0) << name;
     else EXPECT_GT(acc, dec) << name << ": accepted " << acc << ", declined " << dec;
   }
   // The full library answers every call itself: nothing fell back to native behind the suite's back.

@@ -159,7 +159,8 @@ diopiReduction_t reduction_of(int64_t loom) {
 // with strides [batch stride, 1, ld], i.e. already the matrices A, B, C element (i, j) at i + j ld; op(X) is a
 // transposed view. C = alpha op(A) op(B) + beta C becomes mm / bmm (alpha 1, beta 0), with mulScalar for another
 // alpha, addmm / baddbmm on a copy of C for beta != 0; the bias epilogue is linear on the transposed problem
-// (C^T = op(B)^T op(A)^T + bias); the bias-gradient epilogue adds a sum over op(B)'s rows.
+// (C^T = op(B)^T op(A)^T + bias); the bias-gradient epilogue adds a sum over op(B)'s rows; the GELU epilogues add
+// gelu (tanh) after the product, and the GELU-derivative one is geluBackward of the product at pre_gelu.
 enum GemmEpi { kNone = 0, kBias = 1, kGelu = 2, kBiasGelu = 3, kBiasGradB = 4, kDGelu = 5 };
 struct GemmView {
   Tensor a, b, c;  // op(A) [batch, m, k], op(B) [batch, k, n], C [batch, m, n]
@@ -179,12 +180,16 @@ GemmView gemm_view(const Args& x) {
   return g;
 }
 std::string gemm_decline(const Args& x) {
+  if (!x.t("a").defined() || !x.t("b").defined() || !x.t("c").defined())
+    return "an empty product (no memory behind A, B or C)";
   const GemmView g = gemm_view(x);
   if (g.c.dtype() != g.a.dtype()) return "C's dtype differs from A's (DIOPI's products write their inputs' dtype)";
-  if (g.epilogue == kGelu || g.epilogue == kBiasGelu || g.epilogue == kDGelu)
-    return "the GELU epilogues have no DIOPI function";
-  if (g.epilogue == kBias) {
-    if (g.batch != 1 || g.alpha != 1 || g.beta != 0) return "the bias epilogue maps to linear: batch 1, alpha 1, beta 0";
+  const bool gelu = g.epilogue == kGelu || g.epilogue == kBiasGelu, dgelu = g.epilogue == kDGelu;
+  if ((gelu && !x.has("diopiGelu")) || (dgelu && !x.has("diopiGeluBackward")))
+    return "the GELU epilogue needs diopiGelu / diopiGeluBackward";
+  if (gelu && g.beta != 0) return "a GELU epilogue with beta != 0";
+  if (g.epilogue == kBias || g.epilogue == kBiasGelu) {
+    if (g.batch != 1 || g.alpha != 1 || g.beta != 0) return "the bias epilogues map to linear: batch 1, alpha 1, beta 0";
     return x.has("diopiLinear") ? "" : "the library has no diopiLinear";
   }
   if (g.epilogue == kBiasGradB && !x.has("diopiSum")) return "the library has no diopiSum";
@@ -193,26 +198,41 @@ std::string gemm_decline(const Args& x) {
   const char* need = g.batch == 1 ? (g.beta != 0 ? "diopiAddmm" : "diopiMm") : (g.beta != 0 ? "diopiBaddbmm" : "diopiBmm");
   return x.has(need) ? "" : std::string("the library has no ") + need;
 }
-diopiError_t gemm_run(Call& c) {
-  const GemmView g = gemm_view(c);
+// out = alpha op(A) op(B) + beta out (+ bias, through linear) for the views of one call.
+diopiError_t gemm_product(Call& c, const GemmView& g, const Tensor& a, const Tensor& b, const Tensor& out, bool bias) {
   const bool one = g.batch == 1;
-  Tensor a = one ? g.a.select(0, 0) : g.a, b = one ? g.b.select(0, 0) : g.b, out = one ? g.c.select(0, 0) : g.c;
-  if (g.epilogue == kBias)  // C^T [n, m] = op(B)^T [n, k] op(A)^T + bias [m]: linear(input op(B)^T, weight op(A))
+  if (bias)  // C^T [n, m] = op(B)^T [n, k] op(A)^T + bias [m]: linear(input op(B)^T, weight op(A))
     return DIOPI(c, diopiLinear, c.h(out.t()), c.h(b.t()), c.h(a), c.h(c.t("bias")));
   if (g.beta != 0) {
     Tensor old = c.scratch(out.shape(), out.dtype());  // addmm must not read C while writing it
     DIOPI_TRY(DIOPI(c, diopiCopyInp, c.h(out), c.h(old)));
     const diopiScalar_t beta = scalar(g.beta), alpha = scalar(g.alpha);
-    if (one) DIOPI_TRY(DIOPI(c, diopiAddmm, c.h(out), c.h(old), c.h(a), c.h(b), &beta, &alpha));
-    else DIOPI_TRY(DIOPI(c, diopiBaddbmm, c.h(out), c.h(old), c.h(a), c.h(b), g.beta, g.alpha));
-  } else {
-    if (one) DIOPI_TRY(DIOPI(c, diopiMm, c.h(out), c.h(a), c.h(b)));
-    else DIOPI_TRY(DIOPI(c, diopiBmm, c.h(out), c.h(a), c.h(b)));
-    if (g.alpha != 1) {
-      const diopiScalar_t alpha = scalar(g.alpha);
-      DIOPI_TRY(DIOPI(c, diopiMulScalar, c.h(out), c.h(out), &alpha));
-    }
+    if (one) return DIOPI(c, diopiAddmm, c.h(out), c.h(old), c.h(a), c.h(b), &beta, &alpha);
+    return DIOPI(c, diopiBaddbmm, c.h(out), c.h(old), c.h(a), c.h(b), g.beta, g.alpha);
   }
+  if (one) DIOPI_TRY(DIOPI(c, diopiMm, c.h(out), c.h(a), c.h(b)));
+  else DIOPI_TRY(DIOPI(c, diopiBmm, c.h(out), c.h(a), c.h(b)));
+  if (g.alpha == 1) return diopiSuccess;
+  const diopiScalar_t alpha = scalar(g.alpha);
+  return DIOPI(c, diopiMulScalar, c.h(out), c.h(out), &alpha);
+}
+diopiError_t gemm_run(Call& c) {
+  const GemmView g = gemm_view(c);
+  const bool one = g.batch == 1;
+  auto first = [&](const Tensor& t) { return one && t.defined() ? t.select(0, 0) : t; };
+  const Tensor a = first(g.a), b = first(g.b), out = first(g.c), pre = first(c.t("pre_gelu"));
+  const bool bias = g.epilogue == kBias || g.epilogue == kBiasGelu;
+  if (g.epilogue == kGelu || g.epilogue == kBiasGelu) {  // the product (+ bias) into pre_gelu (or C), then GELU
+    const Tensor& target = pre.defined() ? pre : out;
+    DIOPI_TRY(gemm_product(c, g, a, b, target, bias));
+    return DIOPI(c, diopiGelu, c.h(out), c.h(target), "tanh");
+  }
+  if (g.epilogue == kDGelu) {  // C = (alpha op(A) op(B)) * gelu'(pre_gelu): GELU's backward of the product
+    Tensor prod = c.scratch(out.shape(), out.dtype());
+    DIOPI_TRY(gemm_product(c, g, a, b, prod, false));
+    return DIOPI(c, diopiGeluBackward, c.h(out), c.h(prod), c.h(pre), "tanh");
+  }
+  DIOPI_TRY(gemm_product(c, g, a, b, out, bias));
   if (g.epilogue == kBiasGradB) {  // bias_grad[j] = sum over k of op(B)[k, j]
     const std::vector<int64_t> dims{0};
     DIOPI_TRY(DIOPI(c, diopiSum, c.h(c.t("bias_grad")), c.h(b), size_of(dims)));
@@ -245,7 +265,7 @@ Tensor bthd(const Tensor& t) { return t.defined() ? t.transpose(1, 2) : t; }
 const std::vector<Row>& rows() {
   static const std::vector<Row> r = {
       {"gemm", {}, {"diopiMm", "diopiBmm", "diopiAddmm", "diopiBaddbmm", "diopiLinear", "diopiMulScalar", "diopiSum",
-                    "diopiCopyInp"},
+                    "diopiCopyInp", "diopiGelu", "diopiGeluBackward"},
        kFloats, gemm_decline, gemm_run},
       {"layer_norm", {"diopiLayerNorm"}, {}, kFloats, serves_all,
        [](Call& c) {
@@ -533,6 +553,8 @@ struct Binding {
   }
 
   bool accepts(const CallArgs& a) const {
+    const ArgSlot& d = a.slots.at(size_t(dispatch_slot));
+    if (!d.is_list && !d.tensor.defined()) return false;  // an empty gemm (k = 0) has no A
     if (lib->refused(schema->id, device, dispatch_dtype(a))) return false;
     return row->decline(Args{*schema, a, *lib}).empty();
   }
