@@ -5,6 +5,8 @@
 //   loom-conformance --provider acme --op gemm --dtype bf16 --case 41     (rerun one case, as a failure prints it)
 //   loom-conformance --describe [OP]          (each op's arguments, dtypes, shapes and attributes: what a case is)
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
+//   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
+//   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
 //
 // Every op and dtype the provider registers on the device is checked against Loom's native CPU kernel in float64
 // (docs/PROVIDERS.md says how the cases are made); plus the stored PyTorch cases (conformance/reference/, found
@@ -27,7 +29,9 @@
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
 #endif
+#include "loom/dispatch_modes.h"
 #include "providers/conformance.h"
+#include "providers/verify.h"
 
 namespace fs = std::filesystem;
 
@@ -107,6 +111,8 @@ int main(int argc, char** argv) {
   std::string reference_file, describe_op;
   std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
+  bool verify = false, list_verified = false;
+  std::string verify_cache;
   int fuzz = 0, case_index = -1;
   uint64_t seed = 1;
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
@@ -133,6 +139,13 @@ int main(int argc, char** argv) {
                             ->expected(0, 1);
   app.add_flag("--list-kernels", list_kernels_flag,
                "list which provider serves each op on --device, per dtype, under the current policy, and exit");
+  app.add_flag("--verify", verify,
+               "record each (op, dtype)'s result for verified routing (policy \"verify\"): verified, failed or "
+               "declined, keyed by the library file's hash, its interface and this device model");
+  app.add_option("--verify-cache", verify_cache,
+                 "the verified-routing cache file (default: LOOM_VERIFY_CACHE, else ~/.cache/loom/verified.json)");
+  app.add_flag("--list-verified", list_verified,
+               "print the recorded verified-routing results for the loaded providers on --device, and exit");
   CLI11_PARSE(app, argc, argv);
   describe = describe_flag->count() > 0;
 
@@ -153,8 +166,13 @@ int main(int argc, char** argv) {
 #else
     if (!diopi_libraries.empty()) throw loom::Error("--load-diopi: this Loom was built without the DIOPI bridge (LOOM_DIOPI)");
 #endif
+    if (!verify_cache.empty()) loom::dispatch::set_verify_cache(verify_cache);
     if (list_kernels_flag) {
       list_kernels(loom::Device::parse(device_name), dtype_filter);
+      return 0;
+    }
+    if (list_verified) {
+      std::cout << loom::dispatch::verification_report(loom::Device::parse(device_name).type);
       return 0;
     }
     if (provider.empty()) {
@@ -168,9 +186,6 @@ int main(int argc, char** argv) {
       std::cerr << "); load one with --load or LOOM_PROVIDER_PATH\n";
       return 2;
     }
-    // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
-    // failure in every case: building a candidate list checks the policy.
-    loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
     // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
     // failure in every case: building a candidate list checks the policy.
     loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
@@ -219,6 +234,18 @@ int main(int argc, char** argv) {
       }
     }
     std::cout << loom::conformance::suite_table(results, rerun);
+    if (verify) {
+      if (provider == "native")
+        std::cerr << "loom-conformance: note: verified routing trusts 'native' without results; recording anyway\n";
+      auto summary = loom::dispatch::summarize_verification(results, provider, o.device, rerun);
+      loom::dispatch::record_verifications(summary);
+      int counts[3] = {0, 0, 0};
+      for (const auto& v : summary) ++counts[v.status == "verified" ? 0 : v.status == "failed" ? 1 : 2];
+      const std::string path = loom::dispatch::verify_cache_path();
+      std::cout << "verified routing: " << counts[0] << " (op, dtype) verified, " << counts[1] << " failed, "
+                << counts[2] << " declined on " << (summary.empty() ? o.device.str() : summary.front().device)
+                << "; recorded in " << (path.empty() ? "(memory only: no cache path)" : path) << "\n";
+    }
     if (!json_path.empty()) {
       std::ofstream os(json_path);
       os << loom::conformance::suite_json(results, o) << "\n";

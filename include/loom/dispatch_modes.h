@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -74,5 +75,44 @@ std::vector<OpProfileRow> op_profile();  // by total time, largest first
 void reset_op_profile();
 // The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
 std::string op_profile_table();
+
+// Verified routing (policy "verify"): a provider other than Loom's own `native` serves (op, dtype) on a device only
+// after its kernels passed the conformance cases for them on that device model. The first time a candidate list is
+// built for an unverified (provider, op, dtype, device), the cases run (a second or two; one line on stderr), and
+// the result is recorded in the cache file, keyed by the provider's library (its file's content hash) and interface,
+// the device model and the op and dtype; `loom-conformance --verify` records the same ahead of time. A provider that
+// failed or declined every case is kept out; dispatch::explain says which are verified, failed or unverified, when.
+struct Verification {
+  std::string provider, op, dtype;
+  std::string device;     // "cuda: NVIDIA H100 80GB HBM3 (sm_90)", "cpu: <model name>"
+  std::string library;    // the file holding the provider's kernels, and its content hash (FNV-1a 64, hex)
+  std::string library_hash;
+  std::string interface;  // "loom-abi 1.2", "diopi 1.0", ... ("loom" for kernels compiled into Loom)
+  std::string status;     // "verified", "failed", or "declined" (it declined every case)
+  int cases = 0, failed = 0, declined = 0;
+  std::string when;       // UTC, ISO 8601
+  std::string detail;     // the first failure, with the command that reruns it
+};
+// A provider whose kernels come from a library Loom loaded: `library` is the file (whose hash keys the results),
+// `interface` what Loom talks to it through. Other providers are identified by Loom's own library file.
+void declare_provider_library(const std::string& provider, const std::string& library, const std::string& interface);
+// Runs the conformance cases for `provider` on `device` (ops and dtypes: empty means every one it registers there)
+// and records a result per (op, dtype). `progress` gets one line per (op, dtype).
+std::vector<Verification> verify_provider(const std::string& provider, Device device,
+                                          const std::vector<std::string>& ops = {},
+                                          const std::vector<DType>& dtypes = {},
+                                          const std::function<void(const Verification&)>& progress = nullptr);
+// Records results a conformance run produced elsewhere (loom-conformance --verify with its fuzz and stored cases).
+void record_verifications(const std::vector<Verification>& results);
+// The results held for the current library builds on this machine's devices (cache file and this process).
+std::vector<Verification> verifications();
+// The cache file: LOOM_VERIFY_CACHE, else $XDG_CACHE_HOME/loom/verified.json, else ~/.cache/loom/verified.json.
+// "" keeps results in this process only.
+std::string verify_cache_path();
+void set_verify_cache(const std::string& path);
+// Forgets the results in memory (the file stays; it is read again on next use).
+void reset_verifications();
+// One line per (provider, op, dtype) held for a device type: status, cases, when.
+std::string verification_report(DeviceType device);
 
 }  // namespace loom::dispatch

@@ -59,6 +59,18 @@ Registry& registry() {
   return *r;
 }
 
+dispatch::detail::VerifyHook& verify_hook() {
+  static dispatch::detail::VerifyHook hook;
+  return hook;
+}
+
+// Verified routing's word on an entry: whether it may serve, and the note explain() shows ("" when not verifying).
+std::string verify_verdict(const Registry& r, const KernelEntry& e, DeviceType device, DType dtype, bool& may_serve) {
+  may_serve = true;
+  if (!r.policy.verify || !verify_hook().verdict) return "";
+  return verify_hook().verdict(e, device, dtype, may_serve);
+}
+
 // Publishes the policy's modes to the lock-free bits dispatch::call reads (op profiling's bit is not the policy's).
 void apply_modes(const ProviderPolicy& p) {
   namespace d = dispatch::detail;
@@ -156,6 +168,9 @@ CandidateList build_candidates(Registry& r, OpId op, DeviceType device, DType dt
   for (const auto& e : r.entries) {
     if (e->op != op || e->device != device || !e->dtypes.contains(dtype)) continue;
     if (r.policy.denied.count(e->provider)) continue;
+    bool may_serve;
+    verify_verdict(r, *e, device, dtype, may_serve);
+    if (!may_serve) continue;
     out.push_back(e.get());
   }
   auto key = [&](const KernelEntry* e) {
@@ -259,6 +274,10 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
       p.cpu_fallback = true;
       continue;
     }
+    if (item == "verify") {
+      p.verify = true;
+      continue;
+    }
     if (item[0] == '-' || item[0] == '!') {
       LOOM_REQUIRE(item.size() > 1, "provider policy '", spec, "': '", item, "' denies no provider");
       p.denied.insert(item.substr(1));
@@ -302,6 +321,7 @@ void ProviderPolicy::merge(const ProviderPolicy& other) {
   autotune.insert(other.autotune.begin(), other.autotune.end());
   if (!other.autotune_cache.empty()) autotune_cache = other.autotune_cache;
   cpu_fallback = cpu_fallback || other.cpu_fallback;
+  verify = verify || other.verify;
 }
 
 const std::vector<std::string>* ProviderPolicy::route_for(const std::string& op, DeviceType device) const {
@@ -331,6 +351,7 @@ std::string ProviderPolicy::str() const {
   }
   if (!autotune_cache.empty()) s += "autotune_cache=" + autotune_cache + ";";
   if (cpu_fallback) s += "cpu_fallback;";
+  if (verify) s += "verify;";
   if (!s.empty()) s.pop_back();
   return s.empty() ? "(default: by priority)" : s;
 }
@@ -430,6 +451,15 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
     if (slot.generation.load(std::memory_order_acquire) == gen) return *slot.list;
   }
   run_first_dispatch_hooks();  // outside the lock: a hook registers kernels
+  if (verify_hook().prepare) {  // outside the lock: verifying runs conformance cases, which dispatch
+    bool verify;
+    {
+      std::lock_guard<std::mutex> g(r.mu);
+      ensure_policy_locked(r);
+      verify = r.policy.verify;
+    }
+    if (verify) verify_hook().prepare(op, device, dtype);
+  }
   std::lock_guard<std::mutex> g(r.mu);
   ensure_policy_locked(r);
   // Once per registry or policy change, after the hooks above loaded the libraries a policy may name.
@@ -473,6 +503,8 @@ std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType 
     } else {
       c.reason = "fallback #" + std::to_string(i) + ": runs if every candidate before it declines";
     }
+    bool may_serve;
+    if (std::string note = verify_verdict(r, *e, device, dtype, may_serve); !note.empty()) c.reason += "; " + note;
     out.push_back(c);
   }
   for (const auto& e : r.entries) {
@@ -481,7 +513,11 @@ std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType 
     CandidateReport c{e->provider, e->priority, e->dtypes.to_string(), false, -1, e->supports != nullptr,
                       e->calls.load(), e->declines.load(), "", e->source};
     if (r.policy.denied.count(e->provider)) c.reason = "denied by policy";
-    else c.reason = std::string("does not support dtype ") + dtype_name(dtype);
+    else if (!e->dtypes.contains(dtype)) c.reason = std::string("does not support dtype ") + dtype_name(dtype);
+    else {
+      bool may_serve;
+      c.reason = verify_verdict(r, *e, device, dtype, may_serve);
+    }
     out.push_back(c);
   }
   return out;
@@ -511,6 +547,17 @@ namespace {
 std::atomic<ModeHook> the_mode_hook{nullptr};
 }
 void set_mode_hook(ModeHook hook) { the_mode_hook.store(hook); }
+void set_verify_hook(VerifyHook hook) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  verify_hook() = hook;
+  invalidate_locked(r);
+}
+void invalidate_candidates() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  invalidate_locked(r);
+}
 ModeHook mode_hook() {
   ModeHook h = the_mode_hook.load();
   LOOM_CHECK(h, "a dispatch mode is on but no mode hook is installed");

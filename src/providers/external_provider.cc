@@ -13,6 +13,7 @@
 #include "loom/abi/loom_kernel_abi.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/op_schema.h"
+#include "loom/dispatch_modes.h"
 #include "loom/providers.h"
 
 namespace loom::providers {
@@ -403,6 +404,9 @@ std::string load(const std::string& path, const std::string& name_override) {
     lib->info.ops.push_back(op + "@" + device_type_display_name(device));
   }
   libs.all.push_back(lib);
+  // Verified routing keys its results by this file's content and the ABI the library was built against.
+  dispatch::declare_provider_library(lib->name, path, "loom-abi " + std::to_string(t.abi_major) + "." +
+                                                          std::to_string(t.abi_minor));
   host_log(host.host_ctx, LOOM_LOG_DEBUG,
            ("loaded " + path + " (" + std::to_string(lib->info.ops.size()) + " ops)").c_str());
   return lib->name;

@@ -35,13 +35,13 @@ std::map<std::string, std::vector<std::string>> op_routes(const json& v, const s
 
 ProviderPolicy parse_policy(const json& j) {
   static const std::set<std::string> known = {"routes", "devices", "order",         "deny",
-                                              "shadow", "autotune", "autotune_cache", "cpu_fallback"};
+                                              "shadow", "autotune", "autotune_cache", "cpu_fallback", "verify"};
   LOOM_REQUIRE(j.is_object(), "expected a JSON object");
   ProviderPolicy p;
   for (const auto& [key, value] : j.items()) {
     if (!known.count(key))
       LOOM_THROW("unknown key '", key, "' (known: routes, devices, order, deny, shadow, autotune, autotune_cache, ",
-                 "cpu_fallback)");
+                 "cpu_fallback, verify)");
     if (key == "routes") {
       p.routes = op_routes(value, "routes");
     } else if (key == "devices") {
@@ -78,6 +78,9 @@ ProviderPolicy parse_policy(const json& j) {
     } else if (key == "cpu_fallback") {
       LOOM_REQUIRE(value.is_boolean(), "cpu_fallback must be true or false");
       p.cpu_fallback = value.get<bool>();
+    } else if (key == "verify") {
+      LOOM_REQUIRE(value.is_boolean(), "verify must be true or false");
+      p.verify = value.get<bool>();
     }
   }
   return p;

@@ -50,6 +50,10 @@ class DeviceRuntime {
   virtual DeviceType type() const = 0;
   virtual std::string name() const = 0;
   virtual int device_count() const = 0;
+  // The model of one device ("NVIDIA H100 80GB HBM3", the CPU's model name): what a verified-routing result is
+  // recorded for. The device this thread works on (cudaGetDevice for CUDA).
+  virtual std::string describe(int /*index*/) { return name(); }
+  virtual int current_index() { return 0; }
 
   virtual void* allocate(size_t bytes, int index) = 0;
   virtual void deallocate(void* ptr, int index) = 0;

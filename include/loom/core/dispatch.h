@@ -107,6 +107,8 @@ struct KernelEntry {
 //   "autotune=op1,op2"  only those ops;  "autotune_cache=PATH"  persist the choices there (see set_autotune_cache).
 //   "cpu_fallback"  an op with no kernel on a device (or only declining ones) runs on the CPU, its inputs copied to
 //   the host and its outputs copied back. Off by default.
+//   "verify"  a vendor library's kernel serves (op, dtype) on a device only after it passed the conformance cases
+//   for them there (run on first use, or ahead by `loom-conformance --verify`; results cached, loom/dispatch_modes.h).
 struct ProviderPolicy {
   std::vector<std::string> order;
   std::map<std::string, std::vector<std::string>> routes;
@@ -116,11 +118,12 @@ struct ProviderPolicy {
   std::set<std::string> autotune;              // op names, or "*" for every op
   std::string autotune_cache;                  // "" leaves the cache file as it is (LOOM_AUTOTUNE_CACHE)
   bool cpu_fallback = false;
+  bool verify = false;
 
   static ProviderPolicy parse(const std::string& spec);
   // A JSON policy file (docs/PROVIDERS.md): {"routes": {"gemm": ["acme", "native"]}, "devices": {"cuda": {"gemm":
   // ["acme"]}}, "order": [...], "deny": [...], "shadow": {"softmax": "native"}, "autotune": ["gemm"] or true,
-  // "autotune_cache": "tune.json", "cpu_fallback": true}. Throws naming the file and the bad entry.
+  // "autotune_cache": "tune.json", "cpu_fallback": true, "verify": true}. Throws naming the file and the bad entry.
   static ProviderPolicy load_file(const std::string& path);
   // Adds other's items: its routes replace these for the same op (and device), orders append, sets unite.
   void merge(const ProviderPolicy& other);
@@ -173,6 +176,18 @@ using ModeHook = void (*)(OpId op, Device device, DType dtype, const std::vector
                           const CallArgs& args, bool none_accepted);
 void set_mode_hook(ModeHook hook);
 ModeHook mode_hook();
+
+// Verified routing (ProviderPolicy::verify), served by src/providers/verify.cc. `prepare` runs before a candidate
+// list for (op, device type, dtype) is built, outside the registry's lock: it may run conformance cases, which
+// dispatch. `verdict` runs under the lock and only reads what prepare recorded: whether an entry may serve, and a
+// note for explain() ("verified 2026-11-26: 812 cases", "failed 3 of 812 cases: ...").
+struct VerifyHook {
+  void (*prepare)(OpId op, DeviceType device, DType dtype) = nullptr;
+  std::string (*verdict)(const KernelEntry& entry, DeviceType device, DType dtype, bool& may_serve) = nullptr;
+};
+void set_verify_hook(VerifyHook hook);
+// Drops every cached candidate list (the verify hook calls it when it has recorded new results).
+void invalidate_candidates();
 }  // namespace detail
 
 // Removes every kernel of a provider (used when an external library unloads, and by tests).

@@ -2,6 +2,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "loom/common/error.h"
 #include "loom/core/device_runtime.h"
@@ -14,6 +16,13 @@ class CpuRuntime final : public DeviceRuntime {
   DeviceType type() const override { return DeviceType::kCPU; }
   std::string name() const override { return "cpu"; }
   int device_count() const override { return 1; }
+  std::string describe(int) override {
+    std::ifstream f("/proc/cpuinfo");
+    for (std::string line; std::getline(f, line);)
+      if (line.rfind("model name", 0) == 0)
+        if (auto colon = line.find(':'); colon != std::string::npos) return line.substr(colon + 2);
+    return "cpu";
+  }
 
   void* allocate(size_t bytes, int) override {
     size_t rounded = (bytes + 63) / 64 * 64;  // 64-byte alignment suits AVX-512 and cache lines

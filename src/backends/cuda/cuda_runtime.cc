@@ -23,6 +23,17 @@ class CudaRuntime final : public DeviceRuntime {
   DeviceType type() const override { return DeviceType::kCUDA; }
   std::string name() const override { return "cuda"; }
   int device_count() const override { return int(devices_.size()); }
+  std::string describe(int index) override {
+    at(index);
+    cudaDeviceProp prop{};
+    LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+    return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
+  }
+  int current_index() override {
+    int index = 0;
+    LOOM_CUDA_CHECK(cudaGetDevice(&index));
+    return index;
+  }
 
   void* allocate(size_t bytes, int index) override {
     PerDevice& d = at(index);
