@@ -25,6 +25,7 @@
 
 #include "loom/core/dispatch.h"
 #include "loom/core/op_schema.h"
+#include "loom/dispatch_modes.h"
 #include "loom/diopi.h"
 #include "loom/providers.h"
 #include "providers/diopi/diopi_handles.h"
@@ -691,6 +692,9 @@ std::string load_diopi(const std::string& path, const DiopiOptions& options) {
     }
   }
   st.libs.push_back(lib);
+  // Verified routing keys its results by this file's content (loom/dispatch_modes.h).
+  dispatch::declare_provider_library(options.name, path, "diopi " + (lib->info.version.empty() ? std::string("?")
+                                                                                                 : lib->info.version));
   if (std::getenv("LOOM_PROVIDER_DEBUG"))
     std::cerr << "[loom diopi] loaded " << path << " as '" << options.name << "': " << lib->info.ops.size()
               << " ops bound\n";

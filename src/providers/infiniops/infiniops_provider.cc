@@ -13,6 +13,8 @@
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 #include <infini/operator_call_instantiations.h>
 
+#include <link.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -30,6 +32,7 @@
 #include "loom/common/error.h"
 #include "loom/core/device_runtime.h"
 #include "loom/core/op_schema.h"
+#include "loom/dispatch_modes.h"
 
 namespace loom::providers::infiniops {
 
@@ -435,6 +438,20 @@ struct Registered {
   std::vector<RowInfo> rows;
 };
 
+// The loaded libinfiniops.so's path: verified routing keys its results by that file's content.
+std::string infiniops_library_path() {
+  std::string found;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        const std::string name = info->dlpi_name ? info->dlpi_name : "";
+        if (name.find("libinfiniops") == std::string::npos) return 0;
+        *static_cast<std::string*>(data) = name;
+        return 1;
+      },
+      &found);
+  return found;
+}
+
 Registered& registered() {
   static Registered r = [] {
     Registered out;
@@ -460,6 +477,8 @@ Registered& registered() {
       }
       out.rows.push_back(std::move(info));
     }
+    if (const std::string lib = infiniops_library_path(); !lib.empty())
+      dispatch::declare_provider_library(kProviderName, lib, "infiniops");
     return out;
   }();
   return r;
