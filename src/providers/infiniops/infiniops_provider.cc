@@ -216,6 +216,10 @@ const char* gemm_decline(const Call& c) {
     // cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32 for f32: only where Loom allows TF32.
     if (a.dtype() == kF32 && ComputeType(int(c.attr("compute"))) != ComputeType::kTF32)
       return "f32 without TF32 allowed (InfiniOps' NVIDIA gemm computes f32 in TF32)";
+    // A product with one row (m = 1) or a sum of one term (k = 1) leaves C unwritten (NaN) in 16-bit on the H100
+    // (conformance, 2026-11-26): an operand with a dim of 1 has two unit strides, which its layout inference misreads.
+    const bool ta = c.attr("trans_a") != 0;
+    if ((ta ? a.size(2) : a.size(1)) == 1 || (ta ? a.size(1) : a.size(2)) == 1) return "m = 1 or k = 1";
   }
   if (c.attr("beta") != 0 && !has_impl<io::Add>(c.device())) return "beta != 0 (no InfiniOps Add on the device)";
   return nullptr;
@@ -355,6 +359,8 @@ const Row kRows[] = {
      [](const Call& c) -> const char* {
        const Tensor &g = c.t("gate"), &u = c.t("up"), &out = c.t("out");
        if (const char* r = cpu_f16(c, out)) return r;
+       // Its NVIDIA kernel computes the sigmoid of f64 in f32 (6e-8 off; conformance on the H100, 2026-11-26).
+       if (c.device() != io::Device::Type::kCpu && out.dtype() == kF64) return "f64 on NVIDIA (f32 sigmoid)";
        if (const char* r = same_dtypes({&g, &u, &out})) return r;
        return mappable({&g, &u, &out});
      },
@@ -410,6 +416,15 @@ const Row kRows[] = {
        const Tensor &w = c.t("weight"), &out = c.t("out");
        if (w.dtype() != out.dtype()) return "mixed dtypes";
        if (!out.is_contiguous()) return "a non-contiguous output";
+       // Its row copy loads rows of an even width two elements at a time (float2, or a 32-bit word of two 16-bit
+       // values) without checking that the rows are aligned to that (found by conformance on the H100: misaligned
+       // address at an odd element offset).
+       if (w.size(1) % 2 == 0 && w.stride(1) == 1) {
+         const uintptr_t pair = 2 * uintptr_t(w.itemsize());
+         const uintptr_t row_bytes = uintptr_t(w.stride(0)) * w.itemsize();
+         if (uintptr_t(w.data()) % pair || uintptr_t(out.data()) % pair || row_bytes % pair)
+           return "rows not aligned to two elements";
+       }
        return mappable({&w, &c.t("indices"), &out});
      },
      [](const Call& c) {
