@@ -228,6 +228,8 @@ target_link_libraries(loom PRIVATE loom_infiniops)
 target_link_options(loom INTERFACE "LINKER:-rpath-link,${_io_prefix}/lib")
 # An installed Loom carries the two libraries beside libloom.so.
 install(FILES "${_io_lib_ops}" "${_io_lib_rt}" DESTINATION ${CMAKE_INSTALL_LIBDIR})
+# ... and finds them there: RUNPATH is not inherited from the executables, and the build-tree prefix is dropped.
+set_property(TARGET loom APPEND PROPERTY INSTALL_RPATH "$ORIGIN")
 
 list(LENGTH _io_ops _io_n)
 if(_io_has_nvidia EQUAL -1)
