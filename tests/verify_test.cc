@@ -90,7 +90,15 @@ TEST_F(VerifiedRouting, WrongLibraryIsKeptOutRightOneServes) {
   }
   {
     test::ScopedPolicy p("verify;cpu_sample_wrong:softmax");
-    const uint64_t before = calls_of("softmax", "cpu_sample_wrong");  // builds the list: verification runs here
+    {  // A query does not verify: unverified providers read so until the first call.
+      std::vector<dispatch::CandidateReport> reports;
+      const auto* wrong = report_of("softmax", "cpu_sample_wrong", reports);
+      ASSERT_NE(wrong, nullptr);
+      EXPECT_FALSE(wrong->eligible);
+      EXPECT_NE(wrong->reason.find("not verified on cpu"), std::string::npos) << wrong->reason;
+    }
+    ops::softmax(x, -1);  // the first call builds the list: verification runs here
+    const uint64_t before = calls_of("softmax", "cpu_sample_wrong");
     Tensor got = ops::softmax(x, -1);
     EXPECT_LE(max_abs_diff(got, native), 1e-6);
     EXPECT_EQ(calls_of("softmax", "cpu_sample_wrong"), before);
@@ -103,6 +111,7 @@ TEST_F(VerifiedRouting, WrongLibraryIsKeptOutRightOneServes) {
   }
   {
     test::ScopedPolicy p("verify;cpu_sample:softmax");
+    ops::softmax(x, -1);
     const uint64_t before = calls_of("softmax", "cpu_sample");
     EXPECT_LE(max_abs_diff(ops::softmax(x, -1), native), 1e-6);
     EXPECT_EQ(calls_of("softmax", "cpu_sample"), before + 1);
@@ -150,6 +159,7 @@ TEST_F(VerifiedRouting, CachedResultsAreKeyedByTheLibraryFile) {
   dispatch::reset_verifications();  // read the file again
   {
     test::ScopedPolicy p("verify;cpu_sample:softmax");
+    ops::softmax(test::random_tensor({2, 3}), -1);
     std::vector<dispatch::CandidateReport> reports;
     const auto* c = report_of("softmax", "cpu_sample", reports);
     ASSERT_NE(c, nullptr);
@@ -163,6 +173,7 @@ TEST_F(VerifiedRouting, CachedResultsAreKeyedByTheLibraryFile) {
   dispatch::reset_verifications();
   {
     test::ScopedPolicy p("verify;cpu_sample:softmax");
+    ops::softmax(test::random_tensor({2, 3}), -1);
     std::vector<dispatch::CandidateReport> reports;
     const auto* c = report_of("softmax", "cpu_sample", reports);
     ASSERT_NE(c, nullptr);

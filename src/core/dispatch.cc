@@ -485,9 +485,23 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
 
 std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType device, DType dtype) {
   OpId op = find_op(op_name_str);
-  const auto& eligible = candidates(op, device, dtype);
   Registry& r = registry();
+  bool verify;
+  {
+    std::lock_guard<std::mutex> g(r.mu);
+    ensure_policy_locked(r);
+    verify = r.policy.verify;
+  }
+  // Under verified routing a query does not start the checks (a list built without them is not cached): a provider
+  // not yet verified reads "not verified", and the first call of the op verifies it.
+  CandidateList eligible;
+  if (!verify) eligible = candidates(op, device, dtype);
+  else run_first_dispatch_hooks();
   std::lock_guard<std::mutex> g(r.mu);
+  if (verify) {
+    check_policy_providers_locked(r);
+    eligible = build_candidates(r, op, device, dtype);
+  }
   std::vector<CandidateReport> out;
   for (size_t i = 0; i < eligible.size(); ++i) {
     const KernelEntry* e = eligible[i];
