@@ -4,12 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 
 #include "loom/core/dispatch.h"
 #include "kernels/norm_kernel.h"
+#include "kernels/rope_kernel.h"
 #include "loom/core/device_runtime.h"
+#include "loom/ops/nn.h"
 #include "providers/conformance.h"
 #include "providers/infiniops/infiniops_provider.h"
 #include "test_models.h"
@@ -157,6 +161,66 @@ TEST(InfiniOpsCuda, TinyGpt2TrainsLikeNative) {
   set_allow_tf32(true);
   expect_trains_like_native("gpt2-tiny", Device(kCUDA), {"gemm"}, 2e-3);
   set_allow_tf32(false);
+}
+
+// rope and rope_strided through InfiniOps' RotaryEmbedding equal the native CUDA kernel, on awkward sizes (T = 17;
+// D = 10 is five pairs), both directions, bf16 and f32, into NaN-filled outputs; each call is counted on infiniops.
+// The layouts: contiguous [B, H, T, D], heads viewed in a [B, T, H * D] projection (token stride H * D, head stride
+// D), and rows with a gap at an odd element offset (token stride D + 3), with x and out in different layouts: the
+// adapter's per-batch views must carry out's own batch, head and token strides.
+TEST(InfiniOpsCuda, RopeMatchesNative) {
+  if (!have_infiniops_cuda()) GTEST_SKIP() << "no GPU, or InfiniOps built without its NVIDIA backend";
+  const std::vector<std::string> on_cuda = ops_on(kCUDA);
+  for (const char* op : {"rope", "rope_strided"})
+    ASSERT_NE(std::find(on_cuda.begin(), on_cuda.end(), op), on_cuda.end()) << op << " is not served on CUDA";
+  const Device gpu(kCUDA);
+  const int64_t B = 2, H = 3, T = 17;
+  for (int64_t D : {int64_t(64), int64_t(10)}) {
+    auto [cos_table, sin_table] = ops::rope_tables(T, D, 10000.0, std::nullopt);
+    const Tensor cs = cos_table.to(gpu), sn = sin_table.to(gpu);
+    // The layouts of x and out: a fresh NaN-filled buffer seen as [B, H, T, D].
+    auto contiguous = [&](DType dt) { return test::poisoned({B, H, T, D}, dt, gpu); };
+    auto projection = [&](DType dt) {
+      return test::poisoned({B, T, H * D}, dt, gpu).view({B, T, H, D}).transpose(1, 2);
+    };
+    auto gapped = [&](DType dt) { return test::poisoned({B, H, T, D + 3}, dt, gpu).narrow(3, 1, D); };
+    struct Case {
+      const char* name;
+      bool strided;  // rope_strided (else rope, contiguous)
+      std::function<Tensor(DType)> x, out;
+    };
+    const std::vector<Case> layouts = {{"contiguous", false, contiguous, contiguous},
+                                       {"contiguous", true, contiguous, contiguous},
+                                       {"projection", true, projection, projection},
+                                       {"gapped x, projection out", true, gapped, projection},
+                                       {"projection x, gapped out", true, projection, gapped}};
+    for (DType dt : {kBF16, kF32})
+      for (bool inverse : {false, true})
+        for (const Case& l : layouts) {
+          const std::string what = std::string(l.strided ? "rope_strided " : "rope ") + l.name + " D=" +
+                                   std::to_string(D) + " " + dtype_name(dt) + (inverse ? " inverse" : "");
+          Tensor x = l.x(dt);
+          const Tensor x_host = test::random_tensor({B, H, T, D}, dt, -2.0, 2.0);
+          x.copy_from(x_host);
+          auto run = [&](const std::string& spec) {
+            Tensor out = l.out(dt);
+            dispatch::set_policy(ProviderPolicy::parse(spec));
+            if (l.strided) dispatch::call(rope_strided_op, gpu, dt, x, cs, sn, RopeAttrs{inverse}, out);
+            else dispatch::call(rope_op, gpu, dt, x, cs, sn, RopeAttrs{inverse}, out);
+            dispatch::reset_policy();
+            return out;
+          };
+          const char* op = l.strided ? "rope_strided" : "rope";
+          const uint64_t io0 = calls_of(op, io::kProviderName, kCUDA, dt);
+          const Tensor got = run(std::string("infiniops:") + op + ";native");
+          EXPECT_EQ(calls_of(op, io::kProviderName, kCUDA, dt) - io0, 1u) << what << ": infiniops did not run";
+          const Tensor expected = run("native");
+          // Both compute in f32 and round once: bf16 may differ by its last bit where the f32 sums straddle it.
+          EXPECT_TRUE(test::all_close(got, expected, test::rtol_for(dt), test::atol_for(dt))) << what;
+          // x is read, never written (InfiniOps rotates in place: the adapter must do so on out only).
+          EXPECT_TRUE(test::bytes_equal(x.to(Device()), x_host)) << what << ": x was written";
+        }
+  }
 }
 
 }  // namespace

@@ -62,7 +62,7 @@ fi
 if [ $STAGE = bench ] || [ $STAGE = all ]; then
   DATA=/tmp/io_shard.bin
   [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens 2000000 > /dev/null || exit 1
-  OPS=gemm,add,mul,silu,swiglu,rms_norm,residual_rms_norm,copy,gelu,softmax,embedding
+  OPS=gemm,add,mul,silu,swiglu,rms_norm,residual_rms_norm,copy,gelu,softmax,embedding,rope,rope_strided
   run() {  # name, LOOM_PROVIDERS value
     LOOM_VERIFY_CACHE="$VERIFY_CACHE" LOOM_PROVIDERS="$2" timeout ${TRAIN_TIMEOUT:-170} build-io/loom-train \
       --model llama3-1b --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 --sample-tokens 0 \

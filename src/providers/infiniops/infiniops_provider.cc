@@ -19,7 +19,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
+#include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -28,6 +30,7 @@
 #include "kernels/embedding_kernel.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/norm_kernel.h"
+#include "kernels/rope_kernel.h"
 #include "kernels/softmax_kernel.h"
 #include "loom/common/error.h"
 #include "loom/core/device_runtime.h"
@@ -343,6 +346,71 @@ void copy_run(const Call& c) {
 #endif
 }
 
+#if defined(LOOM_INFINIOPS_HAS_RotaryEmbedding) && defined(LOOM_INFINIOPS_HAS_Copy)
+// rope, rope_strided: RotaryEmbedding with is_neox (element i pairs with i + D/2, Loom's rotate-half layout), math in
+// f32, sin negated when inverse, cos and sin read from one cache row [cos | sin] per position: Loom's formula
+// exactly. It rotates a query [tokens, heads, D] in place, with its own token and head strides (unit inner stride),
+// and steps from token to token by that one stride, so a [B, H, T, D] tensor goes in one call per batch. The adapter
+// copies x into out and cos, sin into the cache [T, D] (f32, as Loom's tables are) with InfiniOps' Copy: a
+// provider's kernel calls no Loom op, which the policy may route nowhere (conformance allows the provider alone).
+
+// Positions 0..n-1 (int64) on a device, made once and grown on demand: RotaryEmbedding reads each token's position
+// from memory. Written from the host on the device's stream, then waited for (the host buffer goes), so only a first
+// use and a longer T wait. Never freed: freeing device memory after the CUDA runtime's teardown crashes at exit.
+Tensor positions_on(Device dev, int64_t n) {
+  static std::mutex mu;
+  static auto* buffers = new std::map<std::pair<int, int>, Tensor>();
+  std::lock_guard<std::mutex> g(mu);
+  Tensor& buf = (*buffers)[{int(dev.type), dev.index}];
+  if (!buf.defined() || buf.numel() < n) {
+    std::vector<int64_t> host(size_t(std::max<int64_t>(n, 4096)));
+    std::iota(host.begin(), host.end(), int64_t(0));
+    Tensor fresh = empty({int64_t(host.size())}, kI64, dev);
+    DeviceRuntime& rt = device_runtime(dev.type);
+    rt.copy(fresh.data(), host.data(), host.size() * sizeof(int64_t), CopyKind::kHostToDevice, dev.index);
+    rt.synchronize(dev.index);
+    buf = fresh;
+  }
+  return buf.as_strided({n}, {1}, 0);
+}
+
+bool rope_available(io::Device::Type d) { return has_impl<io::RotaryEmbedding>(d) && has_impl<io::Copy>(d); }
+const char* rope_decline(const Call& c) {
+  const Tensor &x = c.t("x"), &cs = c.t("cos"), &sn = c.t("sin"), &out = c.t("out");
+  if (const char* r = same_dtypes({&x, &out})) return r;
+  if (x.dtype() != kF32 && x.dtype() != kBF16 && x.dtype() != kF16)
+    return "a dtype other than f32, bf16, f16 (RotaryEmbedding computes in f32)";
+  if (cs.dtype() != kF32 || sn.dtype() != kF32) return "cos/sin not f32";
+  if (x.dim() != 4 || x.shape() != out.shape()) return "x/out not of one [B, H, T, D] shape";
+  const int64_t T = x.size(2), D = x.size(3);
+  if (D % 2) return "an odd D";
+  if (cs.shape() != Shape{T, D / 2} || sn.shape() != Shape{T, D / 2}) return "cos/sin not [T, D/2]";
+  if (!cs.is_contiguous() || !sn.is_contiguous()) return "non-contiguous cos/sin";
+  if (x.numel() && (x.stride(3) != 1 || out.stride(3) != 1)) return "a non-unit stride along D";
+  return mappable({&x, &cs, &sn, &out});
+}
+void rope_run(const Call& c) {
+  const Tensor &x = c.t("x"), &cs = c.t("cos"), &sn = c.t("sin"), &out = c.t("out");
+  if (out.numel() == 0) return;
+  const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3), half = D / 2;
+  const io::Handle h = c.handle();
+  // In place on out: x goes in first, unless out is x itself (same elements, same layout).
+  if (!(x.data() == out.data() && x.strides() == out.strides()))
+    io::Operator<io::Copy>::Call(h, io::Config{}, view(x), false, view(out));
+  Tensor cache = scratch(cs, {T, D});
+  io::Operator<io::Copy>::Call(h, io::Config{}, view(cs), false, view(cache, {T, half}, {D, 1}));
+  io::Operator<io::Copy>::Call(h, io::Config{}, view(sn), false, view(cache.as_strided({T, half}, {D, 1}, half)));
+  const io::Tensor pos = view(positions_on(out.device(), T)), cos_sin = view(cache);
+  const bool inverse = c.attr("inverse") != 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor q =
+        out.as_strided({T, H, D}, {out.stride(2), out.stride(1), 1}, out.storage_offset() + b * out.stride(0));
+    io::Operator<io::RotaryEmbedding>::Call(h, io::Config{}, pos, view(q), std::optional<io::Tensor>{}, cos_sin,
+                                            int64_t(D), true, int64_t(0), inverse);
+  }
+}
+#endif
+
 const DTypeSet kFloats = dtypes(kF32, kBF16, kF16);
 const DTypeSet kFloats64 = dtypes(kF32, kF64, kBF16, kF16);
 
@@ -409,6 +477,12 @@ const Row kRows[] = {
        io::Operator<io::Softmax>::Call(c.handle(), io::Config{}, view(x), int64_t(x.dim() - 1),
                                        std::optional<io::DataType>{}, view(c.t("out")));
      }},
+#endif
+#if defined(LOOM_INFINIOPS_HAS_RotaryEmbedding) && defined(LOOM_INFINIOPS_HAS_Copy)
+    {"rope", "RotaryEmbedding (is_neox; Copy of x into out)", kFloats, "f64", rope_available, rope_decline,
+     rope_run},
+    {"rope_strided", "RotaryEmbedding (is_neox; Copy of x into out)", kFloats,
+     "f64; a non-unit stride along D", rope_available, rope_decline, rope_run},
 #endif
 #ifdef LOOM_INFINIOPS_HAS_Embedding
     {"embedding", "Embedding", kFloats, "-", has_impl<io::Embedding>,
