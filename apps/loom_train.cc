@@ -1,6 +1,7 @@
 // loom-train: trains a GPT-2 or LLaMA model on llm.c token shards. See docs/TRAINING.md.
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <iostream>
 
 #include "loom/common/error.h"
@@ -12,15 +13,33 @@
 int main(int argc, char** argv) {
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards"};
+  // NaN and infinities pass CLI11's number checks (and every comparison a setting is checked with later).
+  const CLI::Validator finite(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double d = std::strtod(v.c_str(), &end);
+        return end != v.c_str() && !std::isfinite(d) ? "must be a finite number, got " + v : "";
+      },
+      "FINITE");
+  // CLI11's PositiveNumber / NonNegativeNumber print their range as a 300-digit number: say the bound instead.
+  auto at_least = [](long long lo) {
+    return CLI::Validator(
+        [lo](std::string& v) -> std::string {
+          char* end = nullptr;
+          const double d = std::strtod(v.c_str(), &end);
+          return end != v.c_str() && d < double(lo) ? "must be at least " + std::to_string(lo) + ", got " + v : "";
+        },
+        ">= " + std::to_string(lo));
+  };
   app.add_option("--model", o.model, "model name (gpt2-124m, gpt2-350m, d<N>, llama3-1b, ...) or JSON config")->capture_default_str();
   app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Loom "
                  "checkpoint (weights only) or an llm.c GPT-2 .bin");
   app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
   app.add_option("--val-data", o.val_data, "validation shard(s)");
-  app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--total-batch-tokens", o.total_batch_tokens, "tokens per optimizer step (gradient accumulation); 0 = B*T")->capture_default_str();
-  app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
+  app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(at_least(1));
+  app.add_option("--total-batch-tokens", o.total_batch_tokens, "tokens per optimizer step (gradient accumulation); 0 = B*T")->capture_default_str()->check(at_least(0));
+  app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(at_least(1));
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
   app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str();
   app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")->capture_default_str();
@@ -28,13 +47,13 @@ int main(int argc, char** argv) {
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str();
   app.add_option("--beta1", o.beta1, "AdamW beta1")->capture_default_str();
   app.add_option("--beta2", o.beta2, "AdamW beta2")->capture_default_str();
-  app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)")->capture_default_str();
+  app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)")->capture_default_str()->check(finite);
   app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", o.dtype, "training precision")->capture_default_str();
   app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str();
-  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str();
+  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str()->check(at_least(0));
   app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str();
-  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample (0: no samples)")->capture_default_str();
+  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample (0: no samples)")->capture_default_str()->check(at_least(0));
   app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
       ->check(CLI::IsMember({"gpt2", "llama3"}));
@@ -42,13 +61,13 @@ int main(int argc, char** argv) {
                  "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
                  "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
-  app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str();
+  app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
   app.add_option("--resume", o.resume, "resume from a checkpoint file or a checkpoint directory's latest");
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
   app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
-  app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str();
+  app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
   app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str();
@@ -57,7 +76,7 @@ int main(int argc, char** argv) {
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
   app.add_option("--bucket-mb", o.bucket_mb, "DDP: gradient MiB per all-reduce bucket")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(at_least(1))->capture_default_str();
   std::vector<std::string> diopi_libraries;
   app.add_option("--load-diopi", diopi_libraries,
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "

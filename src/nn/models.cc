@@ -120,6 +120,7 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   } catch (const nlohmann::json::exception& e) {
     LOOM_THROW("bad field in config: ", e.what());
   }
+  LOOM_REQUIRE(c.n_kv_head > 0, "inconsistent config: n_kv_head=", c.n_kv_head, " (must be at least 1)");
   LOOM_REQUIRE(c.n_layer > 0 && c.n_head > 0 && c.n_embd % c.n_head == 0 && c.n_head % c.n_kv_head == 0,
                "inconsistent config: n_layer=", c.n_layer, " n_head=", c.n_head, " n_kv_head=", c.n_kv_head,
                " n_embd=", c.n_embd);

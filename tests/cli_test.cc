@@ -1,0 +1,61 @@
+// loom-train's command line: a bad number is one line naming the flag and a non-zero exit, before anything is built
+// or read (issue 19: --log-interval 0 divided by zero, --clip nan and negative counts were taken).
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "loom/common/error.h"
+#include "loom/nn/model.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+#ifdef LOOM_TRAIN_EXE
+struct AppRun {
+  int status = 0;
+  std::string output;
+};
+AppRun run_loom_train(const std::string& args) {
+  AppRun r;
+  FILE* p = popen((std::string(LOOM_TRAIN_EXE) + " " + args + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) r.output.append(buf.data(), n);
+  r.status = pclose(p);
+  return r;
+}
+
+TEST(LoomTrainCli, BadNumbersAreOneLineNamingTheFlag) {
+  const struct {
+    const char* args;
+    const char* flag;
+  } cases[] = {
+      {"--log-interval 0", "--log-interval"},        {"--clip nan", "--clip"},
+      {"--clip inf", "--clip"},                      {"--total-batch-tokens -8", "--total-batch-tokens"},
+      {"--checkpoint-interval -1", "--checkpoint-interval"}, {"--eval-batches -2", "--eval-batches"},
+      {"--sample-tokens -5", "--sample-tokens"},
+  };
+  for (const auto& c : cases) {
+    // The data file does not exist: a flag that got through would fail later, on the data, with another message.
+    AppRun r = run_loom_train(std::string("--train-data /nonexistent/shard.bin ") + c.args);
+    EXPECT_NE(r.status, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.flag), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " got past the flags\n" << r.output;
+  }
+  AppRun ok = run_loom_train("--train-data /nonexistent/shard.bin --clip 0.5 --log-interval 3");
+  EXPECT_NE(ok.output.find("nonexistent"), std::string::npos) << "good flags must reach the data\n" << ok.output;
+}
+#endif
+
+TEST(ModelConfigChecks, ZeroKvHeadsIsAnErrorNotADivisionByZero) {
+  try {
+    nn::ModelConfig::from_json(R"({"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 0, "n_embd": 64})");
+    FAIL() << "n_kv_head 0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("n_kv_head=0"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace loom
