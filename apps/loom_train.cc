@@ -93,6 +93,12 @@ int main(int argc, char** argv) {
   } catch (const loom::Error& e) {
     std::cerr << "loom-train: error: " << e.what() << std::endl;
     return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "loom-train: error: out of host memory (is the model or the batch larger than this machine?)\n";
+    return 1;
+  } catch (const std::exception& e) {  // a directory that cannot be made, a malformed checkpoint: never an abort
+    std::cerr << "loom-train: error: " << e.what() << std::endl;
+    return 1;
   }
   return 0;
 }

@@ -1,10 +1,13 @@
 // loom-train's command line: a bad number is one line naming the flag and a non-zero exit, before anything is built
 // or read (issue 19: --log-interval 0 divided by zero, --clip nan and negative counts were taken).
+#include <sys/wait.h>
+
 #include <array>
 #include <cstdio>
 #include <string>
 
 #include "loom/common/error.h"
+#include "loom/data/token_file.h"
 #include "loom/nn/model.h"
 #include "test_util.h"
 
@@ -45,6 +48,22 @@ TEST(LoomTrainCli, BadNumbersAreOneLineNamingTheFlag) {
   }
   AppRun ok = run_loom_train("--train-data /nonexistent/shard.bin --clip 0.5 --log-interval 3");
   EXPECT_NE(ok.output.find("nonexistent"), std::string::npos) << "good flags must reach the data\n" << ok.output;
+}
+
+// Errors that are not loom::Error (a log directory that cannot be made throws std::filesystem_error) end the run with
+// one line and exit status 1, not an abort.
+TEST(LoomTrainCli, AnUnwritableLogDirIsAnErrorNotAnAbort) {
+  const std::string shard = ::testing::TempDir() + "loom_cli_shard_" + std::to_string(test::fresh_seed()) + ".bin";
+  std::vector<int32_t> tokens(4096);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7919 % 50000);
+  data::write_token_file(shard, tokens);
+  AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --steps 1 --warmup 0 --sample-tokens 0 " +
+                            "--log-dir /proc/loom_cannot_be_here");
+  std::remove(shard.c_str());
+  ASSERT_TRUE(WIFEXITED(r.status)) << "killed by a signal\n" << r.output;
+  EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
+  EXPECT_NE(r.output.find("loom-train: error:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("/proc/loom_cannot_be_here"), std::string::npos) << r.output;
 }
 #endif
 
