@@ -82,8 +82,11 @@ TEST(InfiniOps, RegistersTheTrainingOpsOnTheCpu) {
   for (const char* op : {"gemm", "add", "mul", "silu", "swiglu", "rms_norm", "residual_rms_norm", "copy"})
     EXPECT_NE(std::find(ops.begin(), ops.end(), op), ops.end()) << op;
   // Below native: without a route, native serves.
-  for (const auto& c : dispatch::explain("gemm", kCPU, kF32))
-    if (c.provider == io::kProviderName) EXPECT_LT(c.priority, 0);
+  for (const auto& c : dispatch::explain("gemm", kCPU, kF32)) {
+    if (c.provider == io::kProviderName) {
+      EXPECT_LT(c.priority, 0);
+    }
+  }
 }
 
 TEST(InfiniOps, ConformanceCpu) { expect_conformance(kCPU); }
