@@ -91,6 +91,9 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::cerr << "loom-export: error: " << e.what() << std::endl;
     return 1;
+  } catch (const std::exception& e) {  // a malformed checkpoint's metadata, a directory that cannot be made
+    std::cerr << "loom-export: error: " << e.what() << std::endl;
+    return 1;
   }
   return 0;
 }

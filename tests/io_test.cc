@@ -52,6 +52,24 @@ TEST(AtomicFile, CommitReplacesAndAbandonLeavesOldFile) {
   expect_error_mentioning([&] { io::write_file_atomic(dir.file("no/such/dir/f"), "x"); }, {"no/such/dir/f"});
 }
 
+// A link planted in the directory at a temporary name is never followed: the writer makes its own fresh file (the
+// name was "<path>.tmp.<pid>", predictable, and opened without O_EXCL / O_NOFOLLOW).
+TEST(AtomicFile, PlantedLinksAreNotFollowed) {
+  TempDir dir;
+  const auto path = dir.file("ckpt.safetensors");
+  const auto victim = dir.file("victim.txt");
+  write_all(victim, "precious");
+  fs::create_symlink(victim, path + ".tmp." + std::to_string(::getpid()));
+  for (int i = 0; i < 3; ++i) {
+    io::AtomicFileWriter w(path);
+    EXPECT_FALSE(fs::is_symlink(w.temp_path())) << w.temp_path();
+    w.write("new contents");
+    w.commit();
+  }
+  EXPECT_EQ(read_all(victim), "precious");
+  EXPECT_EQ(read_all(path), "new contents");
+}
+
 // ---------------------------------------------------------------- safetensors
 
 TEST(Safetensors, RoundTripEveryDtype) {

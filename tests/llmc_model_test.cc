@@ -259,6 +259,15 @@ TEST(LlmcModel, TruncatedAndCorruptFilesNameTheFile) {
   write_all(padded, bad);
   expect_error_mentioning([&] { io::llmc_read_config(padded); }, {padded, "inconsistent header"});
 
+  // Sizes whose product overflows 64 bits (it wrapped before and could pass the size check): an error, no UB.
+  bad = bytes;
+  set_int_at(bad, 4, 2000000000);  // layers
+  set_int_at(bad, 6, 2000000000);  // channels
+  set_int_at(bad, 5, 1);           // heads (channels % heads == 0)
+  const std::string huge = dir.file("huge.bin");
+  write_all(huge, bad);
+  expect_error_mentioning([&] { io::llmc_read_config(huge); }, {"more parameters than a file can hold"});
+
   // The failed loads above left the model as it was: the good file still loads.
   io::load_llmc_model(good, *model);
 }

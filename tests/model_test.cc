@@ -10,6 +10,7 @@
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "loom/optim/optimizer.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace loom {
@@ -156,6 +157,22 @@ TEST(Model, GenerationWithAndWithoutCacheAgrees) {
     g.temperature = 1.0;
     g.top_k = 5;
     EXPECT_EQ(nn::generate(*model, {5}, g), nn::generate(*model, {5}, g)) << "seeded sampling repeats";
+  }
+}
+
+// A weight stored with an integer dtype is an error naming it (an I32 embedding was loaded as numbers and trained to a
+// loss of 8e9), for GPT-2 and LLaMA.
+TEST(Model, IntegerWeightsAreRefused) {
+  for (const char* name : {"gpt2-tiny", "llama3-tiny"}) {
+    auto cfg = nn::ModelConfig::from_name(name);
+    auto a = nn::make_model(cfg);
+    a->init_weights(1);
+    auto sd = a->hf_state_dict();
+    for (auto& [n, t] : sd)
+      if (n.find("wte.weight") != std::string::npos || n.find("embed_tokens.weight") != std::string::npos)
+        t = t.to(kI32);
+    auto b = nn::make_model(cfg);
+    test::expect_error_mentioning([&] { b->load_hf_state_dict(sd); }, {"dtype i32", "floating point"});
   }
 }
 

@@ -4,10 +4,12 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 
 #include "loom/common/error.h"
 
@@ -31,8 +33,18 @@ void fsync_directory_of(const std::string& path) {
 }  // namespace
 
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
-  temp_path_ = path_ + ".tmp." + std::to_string(::getpid());
-  fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A fresh name, created exclusively and never through a link: whoever can write the directory cannot make this
+  // writer overwrite another file by planting a link at a name it can predict.
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100 && fd_ < 0; ++attempt) {
+    char suffix[40];
+    std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x%llu", int(::getpid()), unsigned(rd()),
+                  static_cast<unsigned long long>(counter.fetch_add(1)));
+    temp_path_ = path_ + suffix;
+    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ < 0 && errno != EEXIST) break;
+  }
   LOOM_REQUIRE(fd_ >= 0, "cannot create ", temp_path_, " (to write ", path_, "): ", errno_text());
   buffer_.reserve(kBufferBytes);
 }

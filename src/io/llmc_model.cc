@@ -3,6 +3,7 @@
 #include "loom/io/llmc_model.h"
 
 #include <bit>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -98,8 +99,13 @@ LlmcModelHeader header_from_config(const nn::ModelConfig& c, DType dtype) {
 }  // namespace
 
 int64_t LlmcModelHeader::num_parameters() const {
-  const int64_t C = channels, L = num_layers;
-  return padded_vocab_size * C + max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+  // In 128 bits: a header's 32-bit sizes multiply past int64 (a corrupt header then passed the size check).
+  const __int128 C = channels, L = num_layers;
+  const __int128 n = __int128(padded_vocab_size) * C + __int128(max_seq_len) * C + L * (12 * C * C + 13 * C) + 2 * C;
+  LOOM_REQUIRE(n >= 0 && n <= __int128(INT64_MAX / 16), "llm.c model: the header's sizes (channels ", channels,
+               ", layers ", num_layers, ", padded vocabulary ", padded_vocab_size, ") describe more parameters than a ",
+               "file can hold");
+  return int64_t(n);
 }
 
 bool is_llmc_model_file(const std::string& path) {

@@ -284,6 +284,8 @@ class GPT2 final : public LanguageModel {
       auto it = by_name.find(name);
       LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
       Tensor src = it->second;
+      LOOM_REQUIRE(is_floating(src.dtype()), "load: tensor '", name, "' has dtype ", dtype_name(src.dtype()),
+                   ", a weight must be floating point");
       if (name == "wte.weight") {
         LOOM_REQUIRE(src.dim() == 2 && src.size(1) == cfg_.n_embd && src.size(0) <= cfg_.padded_vocab_size,
                      "load: wte.weight has shape ", shape_str(src.shape()), ", model expects [<= ",
@@ -414,6 +416,8 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
   for (auto& [name, p] : named_parameters()) {
     auto it = by_name.find(name);
     LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
+    LOOM_REQUIRE(is_floating(it->second.dtype()), "load: tensor '", name, "' has dtype ",
+                 dtype_name(it->second.dtype()), ", a weight must be floating point");
     LOOM_REQUIRE(it->second.shape() == p.shape(), "load: tensor '", name, "' has shape ",
                  shape_str(it->second.shape()), ", model expects ", shape_str(p.shape()));
     p.copy_from(it->second);

@@ -16,6 +16,7 @@
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/atomic_file.h"
 #include "providers/argument_copies.h"
 #include "providers/modes.h"
 
@@ -77,15 +78,7 @@ void save_locked(const Book& b) {
     choices.push_back({{"op", c.op}, {"device", c.device}, {"dtype", c.dtype}, {"shapes", c.shapes},
                        {"provider", c.provider}, {"timings_us", c.timings_us}});
   json j = {{"version", 1}, {"choices", choices}};
-  std::string tmp = b.path + ".tmp." + std::to_string(getpid());
-  {
-    std::ofstream f(tmp);
-    f << j.dump(1) << "\n";
-    LOOM_REQUIRE(f, "cannot write the autotune cache '", tmp, "'");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, b.path, ec);
-  LOOM_REQUIRE(!ec, "cannot replace the autotune cache '", b.path, "': ", ec.message());
+  io::write_file_atomic(b.path, j.dump(1) + "\n");
 }
 
 void ensure_path_locked(Book& b) {

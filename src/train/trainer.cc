@@ -87,6 +87,8 @@ std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const st
     auto it = file.tensors.find("model." + name);
     LOOM_REQUIRE(it != file.tensors.end(), what, ": '", path, "' lacks parameter '", name,
                  "' (was it saved from a different model?)");
+    LOOM_REQUIRE(is_floating(it->second.dtype()), what, ": parameter '", name, "' in '", path, "' has dtype ",
+                 dtype_name(it->second.dtype()), ", a weight must be floating point");
     LOOM_REQUIRE(it->second.shape() == p.shape(), what, ": parameter '", name, "' in '", path, "' has shape ",
                  shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
     out.push_back(it->second);

@@ -1,5 +1,5 @@
-// Atomic file writing: data goes to "<path>.tmp.<pid>", is fsync'ed, then renamed over <path>, so a crash or an
-// error never leaves a half-written file under the final name.
+// Atomic file writing: data goes to a fresh "<path>.tmp.<pid>.<random>" (created exclusively, never through a link),
+// is fsync'ed, then renamed over <path>, so a crash or an error never leaves a half-written file under the final name.
 #pragma once
 
 #include <cstddef>
