@@ -107,7 +107,13 @@ int main(int argc, char** argv) {
   app.add_option("-o,--output-dir", output_dir, "where the shards go (default data/<name>)");
   app.add_option("--name", name, "shard file prefix (default: the first input's stem)");
   app.add_option("--val-fraction", val_fraction, "fraction of tokens, from the start, for validation")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {  // NaN passes CLI11's Range (every comparison with it is false)
+            char* end = nullptr;
+            const double d = std::strtod(v.c_str(), &end);
+            return end != v.c_str() && !(d >= 0.0 && d <= 1.0) ? "must be between 0 and 1, got " + v : "";
+          },
+          "[0, 1]"));
   app.add_option("--val-tokens", val_tokens, "exact number of validation tokens (overrides --val-fraction)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--shard-tokens", shard_tokens, "most tokens per train shard")->check(CLI::PositiveNumber);

@@ -3,12 +3,16 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <filesystem>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <string>
 
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
+#include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace loom {
@@ -64,6 +68,49 @@ TEST(LoomTrainCli, AnUnwritableLogDirIsAnErrorNotAnAbort) {
   EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
   EXPECT_NE(r.output.find("loom-train: error:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("/proc/loom_cannot_be_here"), std::string::npos) << r.output;
+}
+
+std::string tiny_shard() {
+  const std::string shard = ::testing::TempDir() + "loom_cli_shard_" + std::to_string(test::fresh_seed()) + ".bin";
+  std::vector<int32_t> tokens(4096);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7919 % 50000);
+  data::write_token_file(shard, tokens);
+  return shard;
+}
+
+// A checkpoint directory that cannot be made is found before training, not at the first save after it.
+TEST(LoomTrainCli, AnUnusableCheckpointDirIsFoundAtTheStart) {
+  const std::string shard = tiny_shard();
+  AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --steps 1 --warmup 0 " +
+                            "--sample-tokens 0 --checkpoint-dir /proc/loom_cannot_be_here");
+  std::remove(shard.c_str());
+  EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
+  EXPECT_NE(r.output.find("--checkpoint-dir: cannot create '/proc/loom_cannot_be_here'"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << "it trained first\n" << r.output;
+}
+
+// A checkpoint whose state lacks an entry is an error naming the file (it aborted on a JSON exception).
+TEST(LoomTrainCli, ACheckpointStateMissingAKeyNamesTheFile) {
+  const std::string shard = tiny_shard();
+  test::TempDir dir;
+  const std::string common = "--train-data " + shard + " --model d2 -b 1 -t 8 --warmup 0 --sample-tokens 0 ";
+  AppRun first = run_loom_train(common + "--steps 1 --checkpoint-dir " + dir.path().string());
+  ASSERT_EQ(first.status, 0) << first.output;
+  std::string ckpt;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    if (e.path().extension() == ".safetensors" && e.path().string().find("optim") == std::string::npos)
+      ckpt = e.path().string();
+  ASSERT_FALSE(ckpt.empty());
+  io::SafetensorsFile file = io::load_safetensors_file(ckpt);
+  auto state = nlohmann::json::parse(file.metadata.at("state"));
+  state.erase("step");
+  file.metadata["state"] = state.dump();
+  io::save_safetensors(ckpt, file.tensors, file.metadata);
+  AppRun r = run_loom_train(common + "--steps 2 --resume " + ckpt);
+  std::remove(shard.c_str());
+  EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
+  EXPECT_NE(r.output.find("resume: '" + ckpt + "' has corrupt state metadata"), std::string::npos) << r.output;
 }
 #endif
 

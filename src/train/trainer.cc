@@ -209,13 +209,33 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, opts_.steps,
                                                         opts_.final_lr_fraction);
+  // The checkpoint directory must be writable now, not at the first save after the training ran.
+  if (!opts_.checkpoint_dir.empty() && is_rank0_) {
+    std::error_code ec;
+    fs::create_directories(opts_.checkpoint_dir, ec);
+    LOOM_REQUIRE(!ec, "--checkpoint-dir: cannot create '", opts_.checkpoint_dir, "': ", ec.message());
+    try {
+      io::AtomicFileWriter probe((fs::path(opts_.checkpoint_dir) / ".loom_write_probe").string());
+    } catch (const Error&) {
+      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' is not writable");
+    }
+  }
   if (!opts_.log_dir.empty() && is_rank0_) {
-    fs::create_directories(opts_.log_dir);
+    std::error_code ec;
+    fs::create_directories(opts_.log_dir, ec);
+    LOOM_REQUIRE(!ec, "--log-dir: cannot create '", opts_.log_dir, "': ", ec.message());
     bool resuming = !opts_.resume.empty();
     logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(), resuming);
     logs_->tensorboard = std::make_unique<io::TensorBoardWriter>(opts_.log_dir);
   }
-  if (!opts_.resume.empty()) load_checkpoint(resolve_resume_path(opts_.resume));
+  if (!opts_.resume.empty()) {
+    const std::string path = resolve_resume_path(opts_.resume);
+    try {
+      load_checkpoint(path);
+    } catch (const nlohmann::json::exception& e) {  // a state entry missing or of the wrong type
+      LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
+    }
+  }
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
