@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -97,11 +96,10 @@ struct Verification {
 // `interface` what Loom talks to it through. Other providers are identified by Loom's own library file.
 void declare_provider_library(const std::string& provider, const std::string& library, const std::string& interface);
 // Runs the conformance cases for `provider` on `device` (ops and dtypes: empty means every one it registers there)
-// and records a result per (op, dtype). `progress` gets one line per (op, dtype).
+// and records a result per (op, dtype).
 std::vector<Verification> verify_provider(const std::string& provider, Device device,
                                           const std::vector<std::string>& ops = {},
-                                          const std::vector<DType>& dtypes = {},
-                                          const std::function<void(const Verification&)>& progress = nullptr);
+                                          const std::vector<DType>& dtypes = {});
 // Records results a conformance run produced elsewhere (loom-conformance --verify with its fuzz and stored cases).
 void record_verifications(const std::vector<Verification>& results);
 // The results held for the current library builds on this machine's devices (cache file and this process).

@@ -113,6 +113,13 @@ void ensure_policy_locked(Registry& r) {
   r.policy_set = true;
 }
 
+// Whether the policy in force asks for verified routing (read under the lock, which is released again).
+bool policy_verifies(Registry& r) {
+  std::lock_guard<std::mutex> g(r.mu);
+  ensure_policy_locked(r);
+  return r.policy.verify;
+}
+
 // A policy naming a provider no kernel is registered under is an error (a typo would otherwise be ignored), listing
 // the providers there are in registration order.
 void check_policy_providers_locked(Registry& r) {
@@ -451,15 +458,8 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
     if (slot.generation.load(std::memory_order_acquire) == gen) return *slot.list;
   }
   run_first_dispatch_hooks();  // outside the lock: a hook registers kernels
-  if (verify_hook().prepare) {  // outside the lock: verifying runs conformance cases, which dispatch
-    bool verify;
-    {
-      std::lock_guard<std::mutex> g(r.mu);
-      ensure_policy_locked(r);
-      verify = r.policy.verify;
-    }
-    if (verify) verify_hook().prepare(op, device, dtype);
-  }
+  // Outside the lock: verifying runs conformance cases, which dispatch.
+  if (verify_hook().prepare && policy_verifies(r)) verify_hook().prepare(op, device, dtype);
   std::lock_guard<std::mutex> g(r.mu);
   ensure_policy_locked(r);
   // Once per registry or policy change, after the hooks above loaded the libraries a policy may name.
@@ -486,12 +486,7 @@ const std::vector<const KernelEntry*>& candidates(OpId op, DeviceType device, DT
 std::vector<CandidateReport> explain(const std::string& op_name_str, DeviceType device, DType dtype) {
   OpId op = find_op(op_name_str);
   Registry& r = registry();
-  bool verify;
-  {
-    std::lock_guard<std::mutex> g(r.mu);
-    ensure_policy_locked(r);
-    verify = r.policy.verify;
-  }
+  const bool verify = policy_verifies(r);
   // Under verified routing a query does not start the checks (a list built without them is not cached): a provider
   // not yet verified reads "not verified", and the first call of the op verifies it.
   CandidateList eligible;

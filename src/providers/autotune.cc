@@ -1,7 +1,5 @@
 // Autotune mode (loom/dispatch_modes.h): for each (op, device, dtype, shapes and attributes) the candidates are timed
 // once on copies of the arguments, the fastest is kept in memory and in a JSON cache file that the next run reads.
-#include <unistd.h>
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>

@@ -302,8 +302,7 @@ std::vector<Verification> summarize_verification(const std::vector<conformance::
 }
 
 std::vector<Verification> verify_provider(const std::string& provider, Device device,
-                                          const std::vector<std::string>& ops, const std::vector<DType>& dtypes,
-                                          const std::function<void(const Verification&)>& progress) {
+                                          const std::vector<std::string>& ops, const std::vector<DType>& dtypes) {
   conformance::SuiteOptions o;
   o.provider = provider, o.device = device, o.ops = ops, o.dtypes = dtypes;
   const std::string rerun = "loom-conformance --provider " + provider + " --device " + device.str();
@@ -330,8 +329,6 @@ std::vector<Verification> verify_provider(const std::string& provider, Device de
     record_locked(s, summary);
   }
   detail::invalidate_candidates();  // lists built meanwhile left this provider out
-  if (progress)
-    for (const auto& v : summary) progress(v);
   return summary;
 }
 

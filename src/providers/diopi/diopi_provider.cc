@@ -103,6 +103,12 @@ struct Call : Args {
     ctx.handles.push_back({x});
     return x;
   }
+  // The output slot `name` when the call wants it, else scratch memory shaped like `like` (a DIOPI function writes
+  // outputs Loom may not need); undefined when `like` is.
+  Tensor output_or_scratch(const char* name, const Tensor& like) {
+    if (t(name).defined() || !like.defined()) return t(name);
+    return scratch(like.shape(), like.dtype());
+  }
   // A one-element tensor holding `value`, on the call's device.
   Tensor constant(double value, DType dtype) {
     Tensor host = empty({}, dtype, Device());
@@ -279,9 +285,8 @@ const std::vector<Row>& rows() {
          const Tensor& x = c.t("x");
          const auto ns = last_dim(x);
          // DIOPI writes grad_input always, and grad_weight with a weight: give unneeded ones scratch memory.
-         Tensor gi = c.t("grad_input").defined() ? c.t("grad_input") : c.scratch(x.shape(), x.dtype());
-         Tensor gw = c.t("grad_weight");
-         if (!gw.defined() && c.t("weight").defined()) gw = c.scratch(c.t("weight").shape(), c.t("weight").dtype());
+         Tensor gi = c.output_or_scratch("grad_input", x);
+         Tensor gw = c.output_or_scratch("grad_weight", c.t("weight"));
          return DIOPI(c, diopiLayerNormBackward, c.h(gi), c.h(gw), c.h(c.t("grad_bias")), c.h(c.t("grad")), c.h(x),
                       c.h(c.t("weight")), nullptr, c.h(c.t("mean")), c.h(c.t("rstd")), size_of(ns));
        }},
@@ -295,9 +300,8 @@ const std::vector<Row>& rows() {
        [](Call& c) {
          const Tensor& x = c.t("x");
          const auto ns = last_dim(x);
-         Tensor gi = c.t("grad_input").defined() ? c.t("grad_input") : c.scratch(x.shape(), x.dtype());
-         Tensor gw = c.t("grad_weight");
-         if (!gw.defined() && c.t("weight").defined()) gw = c.scratch(c.t("weight").shape(), c.t("weight").dtype());
+         Tensor gi = c.output_or_scratch("grad_input", x);
+         Tensor gw = c.output_or_scratch("grad_weight", c.t("weight"));
          // eps is not needed: the backward reads the forward's inv_rms.
          return DIOPI(c, diopiRMSNormBackward, c.h(gi), c.h(gw), nullptr, c.h(c.t("grad")), c.h(x),
                       c.h(c.t("weight")), nullptr, c.h(c.t("rstd")), size_of(ns), 0.0);
