@@ -192,58 +192,69 @@ TEST(DistributedSingle, ZeroOfOneMatchesAdamW) {
 TEST(DistributedTensorParallel, ShardAndUnshardRoundTrip) {
   Tensor full = test::random_tensor({12, 5});
   auto g = dist::make_single_process_group();
-  EXPECT_EQ(max_diff(dist::unshard_tensor(dist::shard_tensor(full, 0, 3, 0, 1), 0, 3, *g), full), 0);
-  // Rank 1 of 2 with 3 parts takes rows 2-3, 6-7, 10-11.
-  Tensor s = dist::shard_tensor(full, 0, 3, 1, 2);
+  const dist::ParameterSplit qkv{true, 0, {4, 4, 4}};
+  EXPECT_EQ(max_diff(dist::unshard_tensor(dist::shard_tensor(full, qkv, 0, 1), qkv, *g), full), 0);
+  // Rank 1 of 2 with 3 blocks takes rows 2-3, 6-7, 10-11.
+  Tensor s = dist::shard_tensor(full, qkv, 1, 2);
   EXPECT_EQ(max_diff(s, cat({full.narrow(0, 2, 2), full.narrow(0, 6, 2), full.narrow(0, 10, 2)}, 0)), 0);
-  EXPECT_THROW(dist::shard_tensor(full, 1, 1, 0, 2), Error);
+  // Blocks of unequal sizes (q wider than k and v under grouped-query attention): rank 1 of 2 takes 3-5, 8, 11.
+  const dist::ParameterSplit gqa{true, 0, {6, 2, 2}};
+  Tensor head = full.narrow(0, 0, 10);
+  EXPECT_EQ(max_diff(dist::shard_tensor(head, gqa, 1, 2),
+                     cat({head.narrow(0, 3, 3), head.narrow(0, 7, 1), head.narrow(0, 9, 1)}, 0)), 0);
+  EXPECT_THROW(dist::shard_tensor(full, dist::ParameterSplit{true, 1, {5}}, 0, 2), Error);  // 5 columns over 2
+  EXPECT_THROW(dist::shard_tensor(full, dist::ParameterSplit{true, 0, {4, 4}}, 0, 1), Error);  // blocks miss rows
+}
+
+// A plan over a group of one is the single-process model, gradients included; both families, the names kept.
+void expect_group_of_one_matches(const nn::ModelConfig& cfg) {
+  auto full = nn::make_model(cfg);
+  full->init_weights(9);
+  auto split = nn::make_model(cfg);
+  split->init_weights(9);
+  auto plan = dist::parallelize_tensor(*split, dist::make_single_process_group());
+  ASSERT_NE(split->tensor_parallel(), nullptr);
+  Tensor x = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+  Tensor y = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+  Tensor ref = full->forward_loss(x, y), loss = split->forward_loss(x, y);
+  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
+  ref.backward();
+  loss.backward();
+  auto a = full->named_parameters(), b = split->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_LT(max_diff(a[i].second.grad(), b[i].second.grad()), 1e-5) << a[i].first;
+  }
+  {
+    autograd::NoGradGuard ng;
+    EXPECT_LT(max_diff(split->forward(x), full->forward(x)), 1e-5);
+  }
+  auto mask = plan->sharded_mask();
+  EXPECT_TRUE(mask[0]);  // the token embedding
+  EXPECT_THROW(dist::parallelize_tensor(*split, dist::make_single_process_group()), Error);  // split twice
 }
 
 TEST(DistributedTensorParallel, GroupOfOneMatchesGPT2) {
   nn::ModelConfig cfg = tiny();
-  auto full = nn::make_model(cfg);
-  full->init_weights(9);
-  dist::TensorParallelGPT2 tp(cfg, dist::make_single_process_group());
-  tp.init_weights(9);
+  expect_group_of_one_matches(cfg);
+  cfg.dropout = 0.1;  // one definition: dropout runs split too (one rank draws the same masks as one process)
+  auto full = nn::make_model(cfg), split = nn::make_model(cfg);
+  full->init_weights(3);
+  split->init_weights(3);
+  auto plan = dist::parallelize_tensor(*split, dist::make_single_process_group());
   Tensor x = test::random_indices({2, 8}, 0, 250, kI64), y = test::random_indices({2, 8}, 0, 250, kI64);
-  Tensor ref = full->loss(full->forward(x), y);
-  Tensor loss = tp.parallel_loss(tp.forward_local(x), y);
-  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
-  ref.backward();
-  loss.backward();
-  auto a = full->named_parameters(), b = tp.named_parameters();
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i].first, b[i].first);
-    EXPECT_LT(max_diff(a[i].second.grad(), b[i].second.grad()), 1e-5) << a[i].first;
-  }
-  auto mask = tp.sharded_mask();
-  EXPECT_TRUE(mask[0]);   // wte
-  EXPECT_FALSE(mask[1]);  // wpe
-  nn::ModelConfig bad = cfg;
-  bad.dropout = 0.1;
-  EXPECT_THROW(dist::TensorParallelGPT2(bad, dist::make_single_process_group()), Error);
+  default_generator().manual_seed(5);
+  double ref = full->forward_loss(x, y).item<double>();
+  default_generator().manual_seed(5);
+  EXPECT_NEAR(split->forward_loss(x, y).item<double>(), ref, 1e-5);
 }
 
-// LLaMA through the family-picking factory: a group of one is the single-process model, gradients included.
 TEST(DistributedTensorParallel, GroupOfOneMatchesLlama) {
   nn::ModelConfig cfg = nn::ModelConfig::from_name("llama3-tiny");
-  auto full = nn::make_model(cfg);
-  full->init_weights(5);
-  auto tp = dist::make_tensor_parallel_model(cfg, dist::make_single_process_group());
-  tp->init_weights(5);
-  Tensor x = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
-  Tensor y = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
-  Tensor ref = full->forward_loss(x, y), loss = tp->forward_loss(x, y);
-  EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5);
-  ref.backward();
-  loss.backward();
-  auto a = full->named_parameters(), b = tp->named_parameters();
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i].first, b[i].first);
-    EXPECT_LT(max_diff(a[i].second.grad(), b[i].second.grad()), 1e-5) << a[i].first;
-  }
+  expect_group_of_one_matches(cfg);
+  cfg.tie_embeddings = true;
+  expect_group_of_one_matches(cfg);
 }
 
 TEST(DistributedTensorParallel, VocabParallelCrossEntropyOfOne) {

@@ -25,7 +25,9 @@ Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weigh
 Embedding::Embedding(int64_t num_embeddings, int64_t dim) {
   weight = register_parameter("weight", zeros({num_embeddings, dim}));
 }
-Tensor Embedding::forward(const Tensor& indices) const { return embedding(weight, indices); }
+Tensor Embedding::forward(const Tensor& indices) const {
+  return tp ? tp->vocab_parallel_embedding(weight, indices, vocab_start) : embedding(weight, indices);
+}
 
 LayerNorm::LayerNorm(int64_t dim, double eps_, bool has_bias) : eps(eps_) {
   weight = register_parameter("weight", ones({dim}));
@@ -42,9 +44,13 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
   c_fc = register_module("c_fc", std::make_shared<Linear>(dim, hidden));
   c_proj = register_module("c_proj", std::make_shared<Linear>(hidden, dim));
 }
-// One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue.
+// One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue. Split
+// across ranks, each computes its hidden units' share of the output; the shares are summed before the bias.
 Tensor GeluMLP::forward(const Tensor& x) const {
-  return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, {}, recompute_hidden);
+  if (!tp) return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, {}, recompute_hidden);
+  Tensor partial = gelu_mlp(tp->enter(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor(), {}, recompute_hidden);
+  Tensor y = tp->exit(partial);
+  return c_proj->bias.defined() ? add(y, c_proj->bias) : y;
 }
 
 SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
@@ -53,7 +59,9 @@ SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
   down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, dim, false));
 }
 Tensor SwiGLUMLP::forward(const Tensor& x) const {
-  return down_proj->forward(swiglu(gate_proj->forward(x), up_proj->forward(x)));
+  if (!tp) return down_proj->forward(swiglu(gate_proj->forward(x), up_proj->forward(x)));
+  Tensor xr = tp->enter(x);
+  return tp->exit(down_proj->forward(swiglu(gate_proj->forward(xr), up_proj->forward(xr))));
 }
 
 void KVCache::append(Tensor& new_k, Tensor& new_v) {
@@ -69,20 +77,22 @@ void KVCache::append(Tensor& new_k, Tensor& new_v) {
 }
 
 CausalSelfAttention::CausalSelfAttention(const AttentionConfig& c) : cfg(c) {
-  LOOM_REQUIRE(c.n_head > 0 && c.dim % c.n_head == 0, "CausalSelfAttention: dim ", c.dim,
+  LOOM_REQUIRE(c.n_head > 0 && (c.head_dim > 0 || c.dim % c.n_head == 0), "CausalSelfAttention: dim ", c.dim,
                " is not divisible by n_head ", c.n_head);
   LOOM_REQUIRE(c.n_kv_head > 0 && c.n_head % c.n_kv_head == 0, "CausalSelfAttention: n_head ", c.n_head,
                " is not a multiple of n_kv_head ", c.n_kv_head);
-  head_dim = c.dim / c.n_head;
-  int64_t kv_dim = c.n_kv_head * head_dim;
+  head_dim = c.head_dim > 0 ? c.head_dim : c.dim / c.n_head;
+  local_heads = c.n_head;
+  local_kv_heads = c.n_kv_head;
+  const int64_t q_dim = c.n_head * head_dim, kv_dim = c.n_kv_head * head_dim;
   if (c.fused_qkv) {
-    c_attn = register_module("c_attn", std::make_shared<Linear>(c.dim, c.dim + 2 * kv_dim, c.bias));
-    c_proj = register_module("c_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+    c_attn = register_module("c_attn", std::make_shared<Linear>(c.dim, q_dim + 2 * kv_dim, c.bias));
+    c_proj = register_module("c_proj", std::make_shared<Linear>(q_dim, c.dim, c.bias));
   } else {
-    q_proj = register_module("q_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+    q_proj = register_module("q_proj", std::make_shared<Linear>(c.dim, q_dim, c.bias));
     k_proj = register_module("k_proj", std::make_shared<Linear>(c.dim, kv_dim, c.bias));
     v_proj = register_module("v_proj", std::make_shared<Linear>(c.dim, kv_dim, c.bias));
-    o_proj = register_module("o_proj", std::make_shared<Linear>(c.dim, c.dim, c.bias));
+    o_proj = register_module("o_proj", std::make_shared<Linear>(q_dim, c.dim, c.bias));
   }
 }
 
@@ -91,18 +101,20 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   LOOM_REQUIRE(x.dim() == 3 && x.size(2) == cfg.dim, "CausalSelfAttention: expected input [B, T, ", cfg.dim,
                "], got ", describe(x));
   int64_t B = x.size(0), T = x.size(1), D = head_dim;
+  const int64_t H = local_heads, Hkv = local_kv_heads;
+  const Tensor xr = tp ? tp->enter(x) : x;  // one gradient all-reduce for q, k and v together
   Tensor q, k, v;
   if (cfg.fused_qkv) {
-    // [B, T, C + 2 kv_dim] -> views [B, H, T, D] (attention reads them strided; one gradient buffer in backward)
-    std::vector<Tensor> heads = split_heads(c_attn->forward(x), {cfg.n_head, cfg.n_kv_head, cfg.n_kv_head}, D);
+    // [B, T, (H + 2 Hkv) D] -> views [B, H, T, D] (attention reads them strided; one gradient buffer in backward)
+    std::vector<Tensor> heads = split_heads(c_attn->forward(xr), {H, Hkv, Hkv}, D);
     q = heads[0];
     k = heads[1];
     v = heads[2];
   } else {
     // [B, T, H*D] -> [B, H, T, D]
-    q = q_proj->forward(x).reshape({B, T, cfg.n_head, D}).transpose(1, 2);
-    k = k_proj->forward(x).reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
-    v = v_proj->forward(x).reshape({B, T, cfg.n_kv_head, D}).transpose(1, 2);
+    q = q_proj->forward(xr).reshape({B, T, H, D}).transpose(1, 2);
+    k = k_proj->forward(xr).reshape({B, T, Hkv, D}).transpose(1, 2);
+    v = v_proj->forward(xr).reshape({B, T, Hkv, D}).transpose(1, 2);
   }
   int64_t past = cache ? cache->length() : 0;
   if (rope_cos.defined()) {
@@ -112,8 +124,11 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   }
   if (cache) cache->append(k, v);
   Tensor y = scaled_dot_product_attention(q, k, v, /*causal=*/true);  // [B, H, T, D]
-  y = y.transpose(1, 2).reshape({B, T, cfg.dim});
-  return cfg.fused_qkv ? c_proj->forward(y) : o_proj->forward(y);
+  y = y.transpose(1, 2).reshape({B, T, H * D});
+  const Linear& out = cfg.fused_qkv ? *c_proj : *o_proj;
+  if (!tp) return out.forward(y);
+  Tensor summed = tp->exit(linear(y, out.weight));  // the bias once, after the ranks' shares are summed
+  return out.bias.defined() ? add(summed, out.bias) : summed;
 }
 
 }  // namespace loom::nn

@@ -25,11 +25,22 @@ Tensor LanguageModel::loss(Tensor&& logits, const Tensor& targets) const {
   return loom::cross_entropy_consuming(std::move(flat), targets.reshape({-1}), -100, ops::Reduction::kMean, classes);
 }
 
-Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) { return loss(forward(idx), targets); }
+Tensor LanguageModel::forward(const Tensor& idx, std::vector<KVCache>* caches) {
+  Tensor h = hidden(idx, caches);
+  if (!tp_) return linear(h, classifier_weight());
+  return tp_->gather_vocabulary(linear(tp_->enter(h), classifier_weight()));
+}
 
-Tensor LanguageModel::classifier_loss(const Tensor& hidden, const Tensor& weight, const Tensor& targets) const {
+Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
+  Tensor h = hidden(idx, nullptr);
+  const Tensor& weight = classifier_weight();
+  if (tp_) {  // this rank's vocabulary columns; the classifier's rows split as the embedding's
+    Tensor local = linear(tp_->enter(h), weight);
+    return tp_->vocab_parallel_cross_entropy(local.reshape({-1, local.size(-1)}), targets.reshape({-1}),
+                                             token_embedding().vocab_start, cfg_.vocab_size);
+  }
   const int64_t classes = weight.size(0) > cfg_.vocab_size ? cfg_.vocab_size : -1;
-  return loom::linear_cross_entropy(hidden, weight, targets, -100, ops::Reduction::kMean, classes);
+  return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
 namespace {
@@ -51,7 +62,7 @@ class GPT2Block : public Module {
   explicit GPT2Block(const ModelConfig& c) {
     ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
     attn = register_module("attn", std::make_shared<CausalSelfAttention>(
-                                       AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, true, true}));
+                                       AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, true, true, c.head_dim}));
     ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<GeluMLP>(c.n_embd, c.ffn_hidden));
     mlp->recompute_hidden = c.recompute_mlp;
@@ -81,15 +92,10 @@ class GPT2 final : public LanguageModel {
     ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
   }
 
-  Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
-    return linear(hidden(idx, caches), wte->weight);  // tied classifier
-  }
-  Tensor forward_loss(const Tensor& idx, const Tensor& targets) override {
-    return classifier_loss(hidden(idx, nullptr), wte->weight, targets);
-  }
+  const Tensor& classifier_weight() const override { return wte->weight; }  // tied
+  Embedding& token_embedding() override { return *wte; }
 
-  // The final norm's output [B, T, C], the classifier's input.
-  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) {
+  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
     LOOM_REQUIRE(idx.dim() == 2, "GPT2: expected token ids [B, T], got ", describe(idx));
     int64_t T = idx.size(1);
     int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
@@ -176,7 +182,8 @@ class LlamaBlock : public Module {
   explicit LlamaBlock(const ModelConfig& c) {
     input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
     self_attn = register_module("self_attn", std::make_shared<CausalSelfAttention>(
-                                                 AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, false, false}));
+                                                 AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, false, false,
+                                                                 c.head_dim}));
     post_attention_layernorm =
         register_module("post_attention_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
     mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(c.n_embd, c.ffn_hidden));
@@ -214,22 +221,20 @@ class Llama final : public LanguageModel {
  public:
   explicit Llama(const ModelConfig& c) : LanguageModel(c) {
     model = register_module("model", std::make_shared<LlamaBody>(c));
-    if (!c.tie_embeddings) lm_head = register_module("lm_head", std::make_shared<Linear>(c.n_embd, c.padded_vocab_size, false));
-    auto [cos, sin] = ops::rope_tables(c.max_seq_len, c.n_embd / c.n_head, c.rope_theta, c.rope_scaling);
+    if (!c.tie_embeddings)
+      lm_head_ = register_module("lm_head", std::make_shared<Linear>(c.n_embd, c.padded_vocab_size, false));
+    auto [cos, sin] = ops::rope_tables(c.max_seq_len, c.head_size(), c.rope_theta, c.rope_scaling);
     rope_cos = register_buffer("rope_cos", cos);
     rope_sin = register_buffer("rope_sin", sin);
   }
 
-  Tensor forward(const Tensor& idx, std::vector<KVCache>* caches) override {
-    return linear(hidden(idx, caches), classifier_weight());
+  const Tensor& classifier_weight() const override {
+    return lm_head_ ? lm_head_->weight : model->embed_tokens->weight;
   }
-  Tensor forward_loss(const Tensor& idx, const Tensor& targets) override {
-    return classifier_loss(hidden(idx, nullptr), classifier_weight(), targets);
-  }
+  Embedding& token_embedding() override { return *model->embed_tokens; }
+  Linear* lm_head() override { return lm_head_.get(); }
 
-  const Tensor& classifier_weight() const { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
-  // The final norm's output [B, T, C], the classifier's input.
-  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) {
+  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
     LOOM_REQUIRE(idx.dim() == 2, "Llama: expected token ids [B, T], got ", describe(idx));
     int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
     LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "Llama: sequence length ", past + idx.size(1),
@@ -254,7 +259,7 @@ class Llama final : public LanguageModel {
   }
 
   std::shared_ptr<LlamaBody> model;
-  std::shared_ptr<Linear> lm_head;
+  std::shared_ptr<Linear> lm_head_;
   Tensor rope_cos, rope_sin;
 };
 

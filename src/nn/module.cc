@@ -46,6 +46,15 @@ std::vector<std::pair<std::string, Tensor>> Module::named_buffers() const {
   return out;
 }
 
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() const {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  for (const auto& [name, child] : children_) {
+    out.emplace_back(name, child);
+    for (auto& [sub, m] : child->named_modules()) out.emplace_back(name + "." + sub, m);
+  }
+  return out;
+}
+
 int64_t Module::num_parameters() const {
   int64_t n = 0;
   for (auto& [name, t] : named_parameters()) n += t.numel();

@@ -161,11 +161,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  " tokenizer's ", logs_->tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ",
                  cfg.vocab_size, " (--tokenizer/--tokenizer-path do not match --model)");
   }
-  if (opts_.tensor_parallel > 1) {  // keep this rank's shard of the full model just built
-    tp_model_ = distributed::make_tensor_parallel_model(cfg, tp_group_);  // GPT-2 or LLaMA, by cfg.family
-    tp_model_->load_from_full(*model_);
-    model_ = tp_model_;
-  }
+  if (opts_.tensor_parallel > 1)  // keep this rank's shards of the full model just built
+    tp_plan_ = distributed::parallelize_tensor(*model_, tp_group_);
   model_->to(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
@@ -185,8 +182,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   ao.beta2 = opts_.beta2;
   ao.eps = opts_.eps;
   optimizer_ = std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
-  if (tp_model_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
-    std::vector<bool> sharded = tp_model_->sharded_mask();
+  if (tp_plan_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
+    std::vector<bool> sharded = tp_plan_->sharded_mask();
     std::map<const TensorImpl*, double> weight_of;
     auto named = model_->named_parameters();
     for (size_t i = 0; i < named.size(); ++i)
@@ -198,7 +195,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (opts_.zero1) {
     zero_ = std::make_unique<distributed::ZeroAdamW>(optim::adamw_param_groups(model_->named_parameters(),
                                                                                 opts_.weight_decay), ao, dp_group_);
-    if (tp_model_) zero_->set_norm_reduction(norm_weights_, world_);
+    if (tp_plan_) zero_->set_norm_reduction(norm_weights_, world_);
   } else if (dp > 1) {
     distributed::DDPOptions ddp_options;
     ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
@@ -285,7 +282,7 @@ StepStats Trainer::train_step() {
     zero_->set_lr(s.lr);
     s.grad_norm = zero_->step(opts_.clip);
   } else {
-    s.grad_norm = tp_model_ ? distributed::clip_grad_norm_distributed(optimizer_->parameters(), norm_weights_,
+    s.grad_norm = tp_plan_ ? distributed::clip_grad_norm_distributed(optimizer_->parameters(), norm_weights_,
                                                                       opts_.clip, *tp_group_)
                             : optim::clip_grad_norm(optimizer_->parameters(), opts_.clip);
     optimizer_->set_lr(s.lr);
@@ -322,7 +319,7 @@ double Trainer::evaluate(int64_t batches) {
 
 std::string Trainer::sample(int64_t tokens) {
   if (tokens <= 0) return "";  // --sample-tokens 0: no samples
-  if (!is_rank0_ && !tp_model_) return "";  // with TP every rank takes part in generation
+  if (!is_rank0_ && !tp_plan_) return "";  // with TP every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
       logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name);
@@ -461,10 +458,10 @@ void Trainer::save_checkpoint(const std::string& path) {
   io::TensorMap tensors;
   // Distributed: rank 0 writes the (full) model; optimizer state that differs between ranks (ZeRO shards, TP shards)
   // goes to one file per rank beside it.
-  auto model_params = tp_model_ ? tp_model_->full_named_parameters() : model_->named_parameters();  // collective
+  auto model_params = tp_plan_ ? tp_plan_->full_named_parameters() : model_->named_parameters();  // collective
   for (auto& [name, p] : model_params) tensors["model." + name] = p.detach().to(Device());
   optim::OptimizerState optim_state = zero_ ? zero_->state_dict() : optimizer_->state_dict();
-  bool optimizer_per_rank = zero_ || tp_model_;
+  bool optimizer_per_rank = zero_ || tp_plan_;
   if (optimizer_per_rank) {
     io::TensorMap shard;
     for (auto& [name, t] : optim_state) shard["optim." + name] = t.to(Device());
@@ -500,17 +497,17 @@ void Trainer::load_checkpoint(const std::string& path) {
   } catch (const std::exception& e) {
     LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
   }
-  auto model_params = tp_model_ ? tp_model_->full_named_parameters() : model_->named_parameters();
+  auto model_params = tp_plan_ ? tp_plan_->full_named_parameters() : model_->named_parameters();
   std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
-  if (tp_model_) {
+  if (tp_plan_) {
     std::vector<std::pair<std::string, Tensor>> loaded_full;
     for (size_t i = 0; i < model_params.size(); ++i) loaded_full.emplace_back(model_params[i].first, weights[i]);
-    tp_model_->load_full_named_parameters(loaded_full);
+    tp_plan_->load_full_named_parameters(loaded_full);
   } else {
     for (size_t i = 0; i < model_params.size(); ++i) model_params[i].second.copy_from(weights[i]);
   }
   optim::OptimizerState state;
-  if (zero_ || tp_model_) {
+  if (zero_ || tp_plan_) {
     io::SafetensorsFile shard = io::load_safetensors_file(optimizer_shard_path(path));
     for (auto& [name, t] : shard.tensors)
       if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;

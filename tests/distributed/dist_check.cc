@@ -209,25 +209,38 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
                          ") parameters match one process: max diff " + std::to_string(worst));
 }
 
-// The full (gathered) gradients of a TP model: copied into the parameters of a second TP model and gathered from there.
-std::map<std::string, Tensor> full_gradients(dist::TensorParallelModel& tp) {
-  auto grads = dist::make_tensor_parallel_model(tp.config(), world);
-  grads->to(dev);
+// A model split over the world by the tensor-parallel plan, from the full model of `seed`.
+struct Split {
+  std::shared_ptr<nn::LanguageModel> model;
+  std::shared_ptr<dist::TensorParallelPlan> plan;
+};
+Split split_model(const nn::ModelConfig& cfg, uint64_t seed) {
+  Split s{nn::make_model(cfg), nullptr};
+  s.model->init_weights(seed);
+  s.plan = dist::parallelize_tensor(*s.model, world);
+  s.model->to(dev);
+  return s;
+}
+
+// The full (gathered) gradients of a split model: copied into the parameters of a second split model and gathered
+// from there.
+std::map<std::string, Tensor> full_gradients(const Split& tp) {
+  Split grads = split_model(tp.model->config(), 0);
   {
     autograd::NoGradGuard ng;
-    auto src = tp.named_parameters();
-    auto dst = grads->named_parameters();
+    auto src = tp.model->named_parameters();
+    auto dst = grads.model->named_parameters();
     for (size_t i = 0; i < src.size(); ++i) dst[i].second.copy_from(src[i].second.grad());
   }
   std::map<std::string, Tensor> out;
-  for (auto& [n, t] : grads->full_named_parameters()) out[n] = t;
+  for (auto& [n, t] : grads.plan->full_named_parameters()) out[n] = t;
   return out;
 }
 
-// Largest difference between the full model's parameters and the TP model's gathered ones (same names, same order).
-double max_param_diff(const nn::LanguageModel& full, const dist::TensorParallelModel& tp) {
+// Largest difference between the full model's parameters and the split model's gathered ones (same names, order).
+double max_param_diff(const nn::LanguageModel& full, const Split& tp) {
   auto a = full.named_parameters();
-  auto b = tp.full_named_parameters();
+  auto b = tp.plan->full_named_parameters();
   if (a.size() != b.size()) return INFINITY;
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i)
@@ -235,38 +248,36 @@ double max_param_diff(const nn::LanguageModel& full, const dist::TensorParallelM
   return worst;
 }
 
-std::vector<double> norm_weights(const dist::TensorParallelModel& tp) {
+std::vector<double> norm_weights(const Split& tp) {
   std::vector<double> w;
-  for (bool s : tp.sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
+  for (bool s : tp.plan->sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
   return w;
 }
 
 void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) {
   auto full = tiny_model(11, cfg);
-  auto tp = dist::make_tensor_parallel_model(cfg, world);
-  tp->init_weights(11);
-  tp->to(dev);
-  check(max_param_diff(*full, *tp) == 0, what + ": init_weights(seed) shards the single-rank model of that seed");
+  Split tp = split_model(cfg, 11);
+  check(max_param_diff(*full, tp) == 0, what + ": the plan splits the single-rank model of that seed");
   Tensor batch = tokens(2, 16, 5);
   Tensor x = batch.narrow(1, 0, 16).contiguous(), y = batch.narrow(1, 1, 16).contiguous();
   Tensor ref_loss = full->loss(full->forward(x), y);
   ref_loss.backward();
-  Tensor loss = tp->parallel_loss(tp->forward_local(x), y);
+  Tensor loss = tp.model->forward_loss(x, y);
   loss.backward();
   double loss_diff = std::abs(loss.item<double>() - ref_loss.item<double>());
   check(loss_diff < 1e-5, what + ": TP=2 loss " + std::to_string(loss.item<double>()) + " matches TP=1 " +
                               std::to_string(ref_loss.item<double>()));
-  std::map<std::string, Tensor> full_grads = full_gradients(*tp);
+  std::map<std::string, Tensor> full_grads = full_gradients(tp);
   double worst = 0;
   for (auto& [n, p] : full->named_parameters()) worst = std::max(worst, max_abs_diff(p.grad(), full_grads.at(n)));
   check(worst < 1e-5, what + ": TP=2 gradients match TP=1: max diff " + std::to_string(worst));
-  double norm = dist::clip_grad_norm_distributed(tp->parameters(), norm_weights(*tp), 0, *world);
+  double norm = dist::clip_grad_norm_distributed(tp.model->parameters(), norm_weights(tp), 0, *world);
   double ref_norm = optim::clip_grad_norm(full->parameters(), 0);
   check(std::abs(norm - ref_norm) < 1e-5 * ref_norm, what + ": TP grad norm matches");
   double logits_diff;
   {
     autograd::NoGradGuard ng;
-    Tensor logits = tp->forward(x), ref_logits = full->forward(x);
+    Tensor logits = tp.model->forward(x), ref_logits = full->forward(x);
     logits_diff = max_abs_diff(logits, ref_logits);
     check(logits_diff < 1e-5, what + ": TP=2 gathered logits match TP=1: max diff " + std::to_string(logits_diff));
   }
@@ -274,7 +285,7 @@ void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) 
   nn::GenerateOptions g;
   g.max_new_tokens = 4;
   g.temperature = 0;
-  check(nn::generate(*tp, prompt, g) == nn::generate(*full, prompt, g),
+  check(nn::generate(*tp.model, prompt, g) == nn::generate(*full, prompt, g),
         what + ": TP=2 greedy generation (KV cache) matches");
   if (world->rank() == 0)
     std::printf("  %s: loss %.7f vs %.7f (diff %.3g), max gradient diff %.3g, logits diff %.3g\n", what.c_str(),
@@ -284,19 +295,16 @@ void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) 
 // load_from_full and full_named_parameters are inverses, and a full model of another seed loads exactly.
 void check_tensor_parallel_round_trip(const nn::ModelConfig& cfg, const std::string& what) {
   auto full = tiny_model(21, cfg);
-  auto tp = dist::make_tensor_parallel_model(cfg, world);
-  tp->init_weights(22);
-  tp->to(dev);
-  tp->load_from_full(*full);
-  check(max_param_diff(*full, *tp) == 0, what + ": load_from_full then full_named_parameters gives the model back");
-  auto other = dist::make_tensor_parallel_model(cfg, world);
-  other->to(dev);
-  other->load_full_named_parameters(tp->full_named_parameters());
+  Split tp = split_model(cfg, 22);
+  tp.plan->load_from_full(*full);
+  check(max_param_diff(*full, tp) == 0, what + ": load_from_full then full_named_parameters gives the model back");
+  Split other = split_model(cfg, 23);
+  other.plan->load_full_named_parameters(tp.plan->full_named_parameters());
   bool same = true;
-  auto a = tp->named_parameters(), b = other->named_parameters();
+  auto a = tp.model->named_parameters(), b = other.model->named_parameters();
   for (size_t i = 0; i < a.size(); ++i) same &= max_abs_diff(a[i].second, b[i].second) == 0;
   check(same, what + ": load_full_named_parameters(full_named_parameters()) gives the same shards");
-  auto hf = tp->hf_state_dict();
+  auto hf = tp.plan->hf_state_dict();
   auto ref_hf = full->hf_state_dict();
   bool hf_same = hf.size() == ref_hf.size();
   for (size_t i = 0; hf_same && i < hf.size(); ++i)
@@ -309,16 +317,14 @@ void check_tensor_parallel_round_trip(const nn::ModelConfig& cfg, const std::str
 void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::string& what, DType autocast_dtype,
                                     double tol) {
   auto full = tiny_model(13, cfg);
-  auto tp = dist::make_tensor_parallel_model(cfg, world);
-  tp->init_weights(13);
-  tp->to(dev);
+  Split tp = split_model(cfg, 13);
   optim::AdamWOptions ao;
   ao.lr = 3e-3;
   optim::AdamW full_opt(optim::adamw_param_groups(full->named_parameters(), 0.1), ao);
-  optim::AdamW tp_opt(optim::adamw_param_groups(tp->named_parameters(), 0.1), ao);
+  optim::AdamW tp_opt(optim::adamw_param_groups(tp.model->named_parameters(), 0.1), ao);
   std::map<const void*, double> weight_of;
-  auto named = tp->named_parameters();
-  auto w = norm_weights(*tp);
+  auto named = tp.model->named_parameters();
+  auto w = norm_weights(tp);
   for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = w[i];
   std::vector<double> weights;
   for (const Tensor& p : tp_opt.parameters()) weights.push_back(weight_of.at(&p.impl()));
@@ -332,7 +338,7 @@ void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::strin
     {
       amp::AutocastGuard autocast(autocast_dtype);
       ref_loss = full->loss(full->forward(x), y);
-      loss = tp->parallel_loss(tp->forward_local(x), y);
+      loss = tp.model->forward_loss(x, y);
     }
     ref_loss.backward();
     loss.backward();
@@ -348,7 +354,7 @@ void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::strin
     check(std::abs(norm - ref_norm) < tol * std::max(1.0, ref_norm),
           at + ": TP=2 grad norm " + std::to_string(norm) + " vs TP=1 " + std::to_string(ref_norm));
   }
-  double worst_param = max_param_diff(*full, *tp);
+  double worst_param = max_param_diff(*full, tp);
   check(worst_param < tol,
         what + ": parameters after 4 AdamW steps match TP=1: max diff " + std::to_string(worst_param));
   if (world->rank() == 0)
@@ -362,7 +368,8 @@ void check_tensor_parallel_llama_heads() {
   cfg.n_kv_head = 1;  // 4 query heads share one kv head: cannot split across 2 ranks
   std::string message;
   try {
-    dist::TensorParallelLlama tp(cfg, world);
+    auto model = nn::make_model(cfg);
+    dist::parallelize_tensor(*model, world);
   } catch (const Error& e) {
     message = e.what();
   }

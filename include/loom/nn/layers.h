@@ -6,6 +6,7 @@
 
 #include "loom/functional.h"
 #include "loom/nn/module.h"
+#include "loom/nn/tensor_parallel_region.h"
 
 namespace loom::nn {
 
@@ -25,7 +26,9 @@ class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t dim);
   Tensor forward(const Tensor& indices) const;
-  Tensor weight;  // [num, dim]
+  Tensor weight;  // [num, dim]; under tensor parallelism this rank's rows [vocab_start, vocab_start + num/ranks)
+  std::shared_ptr<const TensorParallelRegion> tp;  // set by a tensor-parallel plan
+  int64_t vocab_start = 0;
 };
 
 class LayerNorm : public Module {
@@ -51,21 +54,25 @@ class Dropout : public Module {
   double p;
 };
 
-// GPT-2's MLP: c_proj(gelu(c_fc(x))).
+// GPT-2's MLP: c_proj(gelu(c_fc(x))). Under tensor parallelism (tp set) c_fc is column- and c_proj row-parallel:
+// this rank holds hidden units [rank h/ranks, (rank+1) h/ranks).
 class GeluMLP : public Module {
  public:
   GeluMLP(int64_t dim, int64_t hidden);
   Tensor forward(const Tensor& x) const;
   std::shared_ptr<Linear> c_fc, c_proj;
   bool recompute_hidden = false;  // keep only the pre-activation for the backward (gelu_mlp's recompute_hidden)
+  std::shared_ptr<const TensorParallelRegion> tp;
 };
 
-// LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), the activation and product fused (loom::swiglu).
+// LLaMA's MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), the activation and product fused (loom::swiglu). Under
+// tensor parallelism gate and up are column- and down row-parallel (gate and up hold the same hidden units).
 class SwiGLUMLP : public Module {
  public:
   SwiGLUMLP(int64_t dim, int64_t hidden);
   Tensor forward(const Tensor& x) const;
   std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
+  std::shared_ptr<const TensorParallelRegion> tp;
 };
 
 // Keys and values of past positions, per layer, for generation.
@@ -82,6 +89,7 @@ struct AttentionConfig {
   int64_t n_kv_head = 0;  // == n_head for multi-head attention
   bool fused_qkv = true;  // GPT-2's c_attn/c_proj (with biases) vs LLaMA's q/k/v/o_proj (no biases)
   bool bias = true;
+  int64_t head_dim = 0;   // 0: dim / n_head
 };
 
 class CausalSelfAttention : public Module {
@@ -95,6 +103,11 @@ class CausalSelfAttention : public Module {
   int64_t head_dim;
   std::shared_ptr<Linear> c_attn, c_proj;                   // fused (GPT-2)
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;   // separate (LLaMA)
+  // Under tensor parallelism (tp set) this rank holds query heads [r H/R, (r+1) H/R) and kv heads
+  // [r Hkv/R, (r+1) Hkv/R) (the ones its query heads read): the q/k/v projections are column- and the output
+  // projection row-parallel. Without, the model's counts.
+  int64_t local_heads, local_kv_heads;
+  std::shared_ptr<const TensorParallelRegion> tp;
 };
 
 }  // namespace loom::nn

@@ -22,6 +22,7 @@ struct ModelConfig {
   int64_t n_kv_head = 12;
   int64_t n_embd = 768;
   int64_t ffn_hidden = 3072;
+  int64_t head_dim = 0;  // per attention head; 0: n_embd / n_head
   double norm_eps = 1e-5;
   double rope_theta = 500000.0;
   std::optional<ops::RopeScaling> rope_scaling;
@@ -38,6 +39,7 @@ struct ModelConfig {
   static ModelConfig from_json(const std::string& json_text);
   std::string to_json() const;
   std::string describe() const;
+  int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T.
   double flops_per_token(int64_t seq_len, int64_t num_params) const;
 };
@@ -49,17 +51,26 @@ class LanguageModel : public Module {
   explicit LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {}
   const ModelConfig& config() const { return cfg_; }
   // idx [B, T] integer tokens -> logits [B, T, padded_vocab]. With caches (one per layer), positions continue after
-  // what the caches hold.
-  virtual Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr) = 0;
+  // what the caches hold. Under tensor parallelism every rank of the group calls it and gets the full logits.
+  Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr);
   // Mean cross-entropy of the logits over the real vocabulary against targets [B, T].
   Tensor loss(const Tensor& logits, const Tensor& targets) const;
   // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
   // them, so the step holds one logits-sized buffer instead of two.
   Tensor loss(Tensor&& logits, const Tensor& targets) const;
-  // loss(forward(idx), targets) without the whole logits in memory: GPT-2 and LLaMA run the classifier and the loss
-  // in blocks of rows (linear_cross_entropy), and with autograd on they take the classifier's gradients in the
-  // forward, one block of logits at a time. What training and evaluation use.
-  virtual Tensor forward_loss(const Tensor& idx, const Tensor& targets);
+  // loss(forward(idx), targets) without the whole logits in memory: the classifier and the loss run in blocks of rows
+  // (linear_cross_entropy), and with autograd on the classifier's gradients are taken in the forward, one block of
+  // logits at a time. Under tensor parallelism each rank computes its vocabulary slice's logits and the loss is
+  // reduced across the group without gathering them. What training and evaluation use.
+  Tensor forward_loss(const Tensor& idx, const Tensor& targets);
+  // The final norm's output [B, T, C], the classifier's input.
+  virtual Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) = 0;
+  // The classifier's weight [padded_vocab, C] (this rank's rows under tensor parallelism): the token embedding's
+  // when tied.
+  virtual const Tensor& classifier_weight() const = 0;
+  // What a parallelization plan splits besides the blocks: the token embedding and an untied classifier (or null).
+  virtual Embedding& token_embedding() = 0;
+  virtual Linear* lm_head() { return nullptr; }
   // Initializes every parameter as the reference implementations do, from a seeded generator.
   virtual void init_weights(uint64_t seed) = 0;
   // The model's parameters by the names Hugging Face uses in its safetensors files, with the tensor layout it
@@ -67,11 +78,13 @@ class LanguageModel : public Module {
   virtual std::vector<std::pair<std::string, Tensor>> hf_state_dict() const;
   virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
- protected:
-  // The mean loss of the classifier `weight` over the final hidden states, as forward_loss computes it.
-  Tensor classifier_loss(const Tensor& hidden, const Tensor& weight, const Tensor& targets) const;
+  // Set by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has split the model's layers.
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelRegion> region) { tp_ = std::move(region); }
+  const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
 
+ protected:
   ModelConfig cfg_;
+  std::shared_ptr<const TensorParallelRegion> tp_;
 };
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);

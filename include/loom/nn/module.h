@@ -30,6 +30,8 @@ class Module {
   std::vector<Tensor> parameters() const;
   std::vector<std::pair<std::string, Tensor>> named_buffers() const;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }
+  // Every module below this one, depth first in registration order, by dotted name ("h.3.attn"); not this one.
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules() const;
   int64_t num_parameters() const;
 
   void train(bool on = true);

@@ -22,7 +22,7 @@ namespace loom::distributed {
 class ProcessGroup;
 class DistributedDataParallel;
 class ZeroAdamW;
-class TensorParallelModel;
+class TensorParallelPlan;
 }
 
 namespace loom::train {
@@ -128,7 +128,7 @@ class Trainer {
   double flops_per_token_ = 0;
   // Distributed state (world of one: groups of one, no DDP).
   std::shared_ptr<distributed::ProcessGroup> world_, dp_group_, tp_group_;
-  std::shared_ptr<distributed::TensorParallelModel> tp_model_;  // GPT-2 or LLaMA
+  std::shared_ptr<distributed::TensorParallelPlan> tp_plan_;  // how the model is split, with --tp
   std::unique_ptr<distributed::DistributedDataParallel> ddp_;
   std::unique_ptr<distributed::ZeroAdamW> zero_;
   bool is_rank0_ = true;
