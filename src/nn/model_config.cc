@@ -1,6 +1,8 @@
 // ModelConfig: the named models, Loom's JSON config and its description.
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -69,58 +71,228 @@ ModelConfig ModelConfig::from_name(const std::string& name) {
     c.rope_scaling = ops::RopeScaling{8.0, 1.0, 4.0, 64};
     return c;
   }
-  std::ifstream f(name);
+  std::error_code ec;
+  const bool is_dir = std::filesystem::is_directory(name, ec);
+  const std::string file = is_dir ? (std::filesystem::path(name) / "config.json").string() : name;
+  std::ifstream f(file);
+  LOOM_REQUIRE(!is_dir || f.good(), "model '", name, "': a directory, but without a readable config.json (a Hugging "
+               "Face model directory holds config.json and model.safetensors)");
   LOOM_REQUIRE(f.good(), "unknown model '", name,
                "' (expected gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m, d<N>, llama3-1b, llama3-8b, gpt2-tiny, "
-               "llama3-tiny, or the path of a JSON config file)");
+               "llama3-tiny, the path of a JSON config file or a Hugging Face model directory)");
   std::stringstream ss;
   ss << f.rdbuf();
   try {
     return from_json(ss.str());
   } catch (const Error& e) {
-    LOOM_THROW("model config '", name, "': ", e.what());
+    LOOM_THROW("model config '", file, "': ", e.what());
   }
 }
 
-ModelConfig ModelConfig::from_json(const std::string& text) {
-  nlohmann::json j;
+namespace {
+
+nlohmann::json parse_json(const std::string& text) {
   try {
-    j = nlohmann::json::parse(text);
+    return nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     LOOM_THROW("invalid JSON: ", e.what());
   }
-  ModelConfig c;
-  try {
-    std::string fam = j.value("family", "gpt2");
-    LOOM_REQUIRE(fam == "gpt2" || fam == "llama", "family must be gpt2 or llama, got '", fam, "'");
-    c = fam == "gpt2" ? gpt2_config(12, 12, 768) : llama_config(16, 32, 8, 2048, 8192, 128256, 0, true);
-    c.vocab_size = j.value("vocab_size", c.vocab_size);
-    c.padded_vocab_size = j.value("padded_vocab_size", round_up_vocab(c.vocab_size));
-    c.max_seq_len = j.value("max_seq_len", c.max_seq_len);
-    c.n_layer = j.value("n_layer", c.n_layer);
-    c.n_head = j.value("n_head", c.n_head);
-    c.n_kv_head = j.value("n_kv_head", c.n_head);
-    c.n_embd = j.value("n_embd", c.n_embd);
-    c.ffn_hidden = j.value("ffn_hidden", fam == "gpt2" ? 4 * c.n_embd : c.ffn_hidden);
-    c.norm_eps = j.value("norm_eps", c.norm_eps);
-    c.rope_theta = j.value("rope_theta", c.rope_theta);
-    c.tie_embeddings = j.value("tie_embeddings", c.tie_embeddings);
-    c.dropout = j.value("dropout", c.dropout);
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-      auto& s = j["rope_scaling"];
-      c.rope_scaling = ops::RopeScaling{s.value("factor", 8.0), s.value("low_freq_factor", 1.0),
-                                        s.value("high_freq_factor", 4.0), s.value("original_max_positions", int64_t(8192))};
-    }
-  } catch (const nlohmann::json::exception& e) {
-    LOOM_THROW("bad field in config: ", e.what());
+}
+
+// A key's value as T, `fallback` when it is absent or null; a value of another type is an error naming the key.
+template <typename T>
+T get(const nlohmann::json& j, const char* key, T fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if constexpr (std::is_same_v<T, bool>) {
+    LOOM_REQUIRE(it->is_boolean(), "\"", key, "\" must be true or false, got ", it->dump());
+  } else if constexpr (std::is_integral_v<T>) {
+    LOOM_REQUIRE(it->is_number_integer() || it->is_number_unsigned(), "\"", key, "\" must be an integer, got ",
+                 it->dump());
+  } else if constexpr (std::is_floating_point_v<T>) {
+    LOOM_REQUIRE(it->is_number(), "\"", key, "\" must be a number, got ", it->dump());
+  } else {
+    LOOM_REQUIRE(it->is_string(), "\"", key, "\" must be a string, got ", it->dump());
   }
+  return it->get<T>();
+}
+
+// What every model needs to be buildable.
+void validate(const ModelConfig& c) {
+  LOOM_REQUIRE(c.vocab_size > 0 && c.max_seq_len > 0 && c.n_embd > 0 && c.ffn_hidden > 0,
+               "inconsistent config: vocab_size=", c.vocab_size, " max_seq_len=", c.max_seq_len, " n_embd=", c.n_embd,
+               " ffn_hidden=", c.ffn_hidden, " (all must be positive)");
   LOOM_REQUIRE(c.n_kv_head > 0, "inconsistent config: n_kv_head=", c.n_kv_head, " (must be at least 1)");
-  LOOM_REQUIRE(c.n_layer > 0 && c.n_head > 0 && c.n_embd % c.n_head == 0 && c.n_head % c.n_kv_head == 0,
+  LOOM_REQUIRE(c.n_layer > 0 && c.n_head > 0 && c.n_head % c.n_kv_head == 0 &&
+                   (c.head_dim > 0 || c.n_embd % c.n_head == 0),
                "inconsistent config: n_layer=", c.n_layer, " n_head=", c.n_head, " n_kv_head=", c.n_kv_head,
                " n_embd=", c.n_embd);
+  LOOM_REQUIRE(c.head_dim >= 0, "inconsistent config: head_dim=", c.head_dim, " (0 = n_embd / n_head)");
+  LOOM_REQUIRE(c.family != ModelFamily::kLlama || c.head_size() % 2 == 0, "inconsistent config: head_dim ",
+               c.head_size(), " is odd (rotary embeddings rotate pairs)");
   LOOM_REQUIRE(c.padded_vocab_size >= c.vocab_size, "padded_vocab_size ", c.padded_vocab_size,
                " is smaller than vocab_size ", c.vocab_size);
+  LOOM_REQUIRE(c.norm_eps > 0 && c.rope_theta > 0 && c.dropout >= 0 && c.dropout < 1,
+               "inconsistent config: norm_eps=", c.norm_eps, " rope_theta=", c.rope_theta, " dropout=", c.dropout);
+  if (c.rope_scaling)
+    LOOM_REQUIRE(c.rope_scaling->factor > 0 && c.rope_scaling->high_freq_factor > c.rope_scaling->low_freq_factor &&
+                     c.rope_scaling->original_max_positions > 0,
+                 "inconsistent rope scaling: factor=", c.rope_scaling->factor, " low_freq_factor=",
+                 c.rope_scaling->low_freq_factor, " high_freq_factor=", c.rope_scaling->high_freq_factor,
+                 " original_max_positions=", c.rope_scaling->original_max_positions);
+}
+
+void require_known_keys(const nlohmann::json& j, std::initializer_list<const char*> known, const char* what) {
+  for (auto& [key, value] : j.items()) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || key == k;
+    if (ok) continue;
+    std::string list;
+    for (const char* k : known) list += std::string(list.empty() ? "" : ", ") + k;
+    LOOM_THROW("unknown key \"", key, "\" in ", what, " (known: ", list, ")");
+  }
+}
+
+// Hugging Face's rope settings (rope_scaling in transformers 4, rope_parameters in 5): "default" or "llama3".
+void hf_rope(const nlohmann::json& r, ModelConfig& c) {
+  LOOM_REQUIRE(r.is_object(), "rope_scaling/rope_parameters must be an object, got ", r.dump());
+  std::string type = get<std::string>(r, "rope_type", get<std::string>(r, "type", "default"));
+  c.rope_theta = get<double>(r, "rope_theta", c.rope_theta);
+  if (type == "default") {
+    c.rope_scaling.reset();
+    return;
+  }
+  LOOM_REQUIRE(type == "llama3", "rope_type \"", type, "\" is not supported (Loom builds \"default\" and \"llama3\")");
+  for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    LOOM_REQUIRE(r.contains(k) && !r[k].is_null(), "rope_type llama3 needs \"", k, "\"");
+  c.rope_scaling = ops::RopeScaling{get<double>(r, "factor", 0), get<double>(r, "low_freq_factor", 0),
+                                    get<double>(r, "high_freq_factor", 0),
+                                    get<int64_t>(r, "original_max_position_embeddings", 0)};
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_json(const std::string& text) {
+  nlohmann::json j = parse_json(text);
+  LOOM_REQUIRE(j.is_object(), "a model config must be a JSON object");
+  if (j.contains("model_type")) return from_hf_json(text);
+  require_known_keys(j,
+                     {"family", "vocab_size", "padded_vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head",
+                      "n_embd", "ffn_hidden", "head_dim", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings",
+                      "dropout"},
+                     "the model config");
+  std::string fam = get<std::string>(j, "family", "gpt2");
+  LOOM_REQUIRE(fam == "gpt2" || fam == "llama", "family must be gpt2 or llama, got '", fam, "'");
+  ModelConfig c = fam == "gpt2" ? gpt2_config(12, 12, 768) : llama_config(16, 32, 8, 2048, 8192, 128256, 0, true);
+  c.vocab_size = get(j, "vocab_size", c.vocab_size);
+  c.padded_vocab_size = get(j, "padded_vocab_size", round_up_vocab(c.vocab_size));
+  c.max_seq_len = get(j, "max_seq_len", c.max_seq_len);
+  c.n_layer = get(j, "n_layer", c.n_layer);
+  c.n_head = get(j, "n_head", c.n_head);
+  c.n_kv_head = get(j, "n_kv_head", c.n_head);
+  c.n_embd = get(j, "n_embd", c.n_embd);
+  c.ffn_hidden = get(j, "ffn_hidden", fam == "gpt2" ? 4 * c.n_embd : c.ffn_hidden);
+  c.head_dim = get(j, "head_dim", int64_t(0));
+  c.norm_eps = get(j, "norm_eps", c.norm_eps);
+  c.rope_theta = get(j, "rope_theta", c.rope_theta);
+  c.tie_embeddings = get(j, "tie_embeddings", c.tie_embeddings);
+  c.dropout = get(j, "dropout", c.dropout);
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const auto& s = j["rope_scaling"];
+    LOOM_REQUIRE(s.is_object(), "\"rope_scaling\" must be an object or null, got ", s.dump());
+    require_known_keys(s, {"factor", "low_freq_factor", "high_freq_factor", "original_max_positions"},
+                       "\"rope_scaling\"");
+    c.rope_scaling = ops::RopeScaling{get(s, "factor", 8.0), get(s, "low_freq_factor", 1.0),
+                                      get(s, "high_freq_factor", 4.0), get(s, "original_max_positions", int64_t(8192))};
+  }
+  LOOM_REQUIRE(fam == "llama" || c.tie_embeddings, "family gpt2 always ties its classifier to wte: "
+               "\"tie_embeddings\": false is only for llama");
+  validate(c);
   return c;
+}
+
+ModelConfig ModelConfig::from_hf_json(const std::string& text) {
+  nlohmann::json j = parse_json(text);
+  LOOM_REQUIRE(j.is_object(), "a Hugging Face config.json must be a JSON object");
+  const std::string type = get<std::string>(j, "model_type", "");
+  ModelConfig c;
+  if (type == "gpt2") {
+    // GPT2Config's defaults, for the keys a file leaves out.
+    c = gpt2_config(get(j, "n_layer", int64_t(12)), get(j, "n_head", int64_t(12)), get(j, "n_embd", int64_t(768)));
+    c.vocab_size = get(j, "vocab_size", int64_t(50257));
+    c.max_seq_len = get(j, "n_positions", get(j, "n_ctx", int64_t(1024)));
+    c.ffn_hidden = get(j, "n_inner", 4 * c.n_embd);
+    c.norm_eps = get(j, "layer_norm_epsilon", 1e-5);
+    // Loom's GeluMLP is the tanh approximation (llm.c's), which these two names mean in transformers.
+    const std::string act = get<std::string>(j, "activation_function", "gelu_new");
+    LOOM_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh", "activation_function \"", act,
+                 "\" is not supported (Loom's GPT-2 uses the tanh GELU: gelu_new or gelu_pytorch_tanh)");
+    LOOM_REQUIRE(get(j, "tie_word_embeddings", true), "tie_word_embeddings false: Loom's GPT-2 always ties lm_head "
+                 "to wte");
+    LOOM_REQUIRE(get(j, "scale_attn_weights", true) && !get(j, "scale_attn_by_inverse_layer_idx", false),
+                 "scale_attn_weights false / scale_attn_by_inverse_layer_idx true are not supported");
+    LOOM_REQUIRE(!get(j, "add_cross_attention", false), "add_cross_attention is not supported");
+  } else if (type == "llama") {
+    // LlamaConfig's defaults, for the keys a file leaves out.
+    const int64_t hidden = get(j, "hidden_size", int64_t(4096)), heads = get(j, "num_attention_heads", int64_t(32));
+    c = llama_config(get(j, "num_hidden_layers", int64_t(32)), heads, get(j, "num_key_value_heads", heads), hidden,
+                     get(j, "intermediate_size", int64_t(11008)), get(j, "vocab_size", int64_t(32000)), 0,
+                     get(j, "tie_word_embeddings", false));
+    c.max_seq_len = get(j, "max_position_embeddings", int64_t(2048));
+    c.norm_eps = get(j, "rms_norm_eps", 1e-6);
+    c.rope_theta = get(j, "rope_theta", 10000.0);
+    const int64_t head_dim = get(j, "head_dim", int64_t(0));
+    c.head_dim = head_dim > 0 && (hidden % heads != 0 || head_dim != hidden / heads) ? head_dim : 0;
+    const std::string act = get<std::string>(j, "hidden_act", "silu");
+    LOOM_REQUIRE(act == "silu", "hidden_act \"", act, "\" is not supported (Loom's LLaMA MLP is SwiGLU: silu)");
+    LOOM_REQUIRE(!get(j, "attention_bias", false) && !get(j, "mlp_bias", false),
+                 "attention_bias/mlp_bias true is not supported (Loom's LLaMA projections have no biases)");
+    // transformers 5 keeps theta and scaling in rope_parameters; 4 in rope_theta and rope_scaling.
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) hf_rope(j["rope_scaling"], c);
+    if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) hf_rope(j["rope_parameters"], c);
+  } else {
+    LOOM_THROW("model_type \"", type, "\" is not supported (Loom builds Hugging Face \"gpt2\" and \"llama\" models)");
+  }
+  c.padded_vocab_size = round_up_vocab(c.vocab_size);
+  validate(c);
+  return c;
+}
+
+std::string ModelConfig::to_hf_json(DType dtype) const {
+  LOOM_REQUIRE(dtype == kF32 || dtype == kBF16, "to_hf_json: dtype ", dtype_name(dtype), " (f32 or bf16)");
+  const char* torch_dtype = dtype == kBF16 ? "bfloat16" : "float32";
+  nlohmann::json j;
+  if (family == ModelFamily::kGPT2) {
+    LOOM_REQUIRE(n_kv_head == n_head, "Hugging Face GPT-2 has no grouped-query attention (n_kv_head ", n_kv_head,
+                 " != n_head ", n_head, ")");
+    LOOM_REQUIRE(head_dim == 0 || head_dim * n_head == n_embd, "Hugging Face GPT-2 has no head_dim apart from "
+                 "n_embd / n_head (head_dim ", head_dim, ")");
+    j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", vocab_size},
+         {"n_positions", max_seq_len}, {"n_ctx", max_seq_len}, {"n_embd", n_embd}, {"n_layer", n_layer},
+         {"n_head", n_head}, {"n_inner", ffn_hidden}, {"activation_function", "gelu_new"},
+         {"layer_norm_epsilon", norm_eps}, {"resid_pdrop", dropout}, {"embd_pdrop", dropout},
+         {"attn_pdrop", 0.0}, {"initializer_range", 0.02}, {"scale_attn_weights", true},
+         {"tie_word_embeddings", true}, {"use_cache", true}, {"torch_dtype", torch_dtype}};
+    if (vocab_size > 50256) j["bos_token_id"] = j["eos_token_id"] = 50256;  // <|endoftext|>
+  } else {
+    j = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", vocab_size},
+         {"hidden_size", n_embd}, {"intermediate_size", ffn_hidden}, {"num_hidden_layers", n_layer},
+         {"num_attention_heads", n_head}, {"num_key_value_heads", n_kv_head}, {"head_dim", head_size()},
+         {"hidden_act", "silu"}, {"max_position_embeddings", max_seq_len}, {"rms_norm_eps", norm_eps},
+         {"rope_theta", rope_theta}, {"rope_scaling", nullptr}, {"tie_word_embeddings", tie_embeddings},
+         {"attention_bias", false}, {"attention_dropout", 0.0}, {"mlp_bias", false}, {"pretraining_tp", 1},
+         {"initializer_range", 0.02}, {"use_cache", true}, {"torch_dtype", torch_dtype}};
+    if (rope_scaling)
+      j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", rope_scaling->factor},
+                           {"low_freq_factor", rope_scaling->low_freq_factor},
+                           {"high_freq_factor", rope_scaling->high_freq_factor},
+                           {"original_max_position_embeddings", rope_scaling->original_max_positions}};
+    if (vocab_size > 128001) {  // <|begin_of_text|>, <|end_of_text|>
+      j["bos_token_id"] = 128000;
+      j["eos_token_id"] = 128001;
+    }
+  }
+  return j.dump(2);
 }
 
 std::string ModelConfig::to_json() const {
@@ -128,6 +300,7 @@ std::string ModelConfig::to_json() const {
                    {"max_seq_len", max_seq_len}, {"n_layer", n_layer}, {"n_head", n_head}, {"n_kv_head", n_kv_head},
                    {"n_embd", n_embd}, {"ffn_hidden", ffn_hidden}, {"norm_eps", norm_eps}, {"rope_theta", rope_theta},
                    {"tie_embeddings", tie_embeddings}, {"dropout", dropout}};
+  if (head_dim > 0) j["head_dim"] = head_dim;
   if (rope_scaling)
     j["rope_scaling"] = {{"factor", rope_scaling->factor}, {"low_freq_factor", rope_scaling->low_freq_factor},
                          {"high_freq_factor", rope_scaling->high_freq_factor},
@@ -139,6 +312,7 @@ std::string ModelConfig::describe() const {
   std::ostringstream os;
   os << family_name(family) << ": " << n_layer << " layers, " << n_head << " heads";
   if (n_kv_head != n_head) os << " (" << n_kv_head << " kv)";
+  if (head_dim > 0) os << ", head dim " << head_dim;
   os << ", dim " << n_embd << ", vocab " << vocab_size << " (padded " << padded_vocab_size << "), context "
      << max_seq_len;
   return os.str();

@@ -106,8 +106,19 @@ class GPT2 final : public LanguageModel {
     Tensor x = add(wte->forward(idx), wpe->forward(pos));
     x = dropout(x, cfg_.dropout, is_training());
     Tensor pending;  // the last block's output, added to the stream inside the next norm
-    for (size_t i = 0; i < blocks.size(); ++i)
-      std::tie(x, pending) = blocks[i]->forward(x, pending, cfg_.dropout, caches ? &(*caches)[i] : nullptr);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (caches) {
+        std::tie(x, pending) = blocks[i]->forward(x, pending, cfg_.dropout, &(*caches)[i]);
+        continue;
+      }
+      auto run = [block = blocks[i], p_drop = cfg_.dropout](const std::vector<Tensor>& in) {
+        auto [stream, out] = block->forward(in[0], in[1], p_drop, nullptr);
+        return std::vector<Tensor>{stream, out};
+      };
+      std::vector<Tensor> out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
+      x = out[0];
+      pending = out[1];
+    }
     return residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
   }
 
@@ -242,9 +253,19 @@ class Llama final : public LanguageModel {
     if (caches) caches->resize(size_t(cfg_.n_layer));
     Tensor x = model->embed_tokens->forward(idx);
     Tensor pending;
-    for (size_t i = 0; i < model->blocks.size(); ++i)
-      std::tie(x, pending) =
-          model->blocks[i]->forward(x, pending, rope_cos, rope_sin, caches ? &(*caches)[i] : nullptr);
+    for (size_t i = 0; i < model->blocks.size(); ++i) {
+      if (caches) {
+        std::tie(x, pending) = model->blocks[i]->forward(x, pending, rope_cos, rope_sin, &(*caches)[i]);
+        continue;
+      }
+      auto run = [block = model->blocks[i], cos = rope_cos, sin = rope_sin](const std::vector<Tensor>& in) {
+        auto [stream, out] = block->forward(in[0], in[1], cos, sin, nullptr);
+        return std::vector<Tensor>{stream, out};
+      };
+      std::vector<Tensor> out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
+      x = out[0];
+      pending = out[1];
+    }
     return residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
   }
 
@@ -265,9 +286,22 @@ class Llama final : public LanguageModel {
 
 }  // namespace
 
+namespace {
+// LLaMA's parameters whose rows are the vocabulary: Loom pads them to padded_vocab_size rows, Hugging Face holds
+// exactly vocab_size.
+bool is_vocabulary_rows(const std::string& name) {
+  return name == "model.embed_tokens.weight" || name == "lm_head.weight";
+}
+}  // namespace
+
 std::vector<std::pair<std::string, Tensor>> LanguageModel::hf_state_dict() const {
+  autograd::NoGradGuard ng;
   std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [n, p] : named_parameters()) out.emplace_back(n, p.detach());
+  for (auto& [n, p] : named_parameters()) {
+    Tensor t = p.detach();
+    if (is_vocabulary_rows(n) && t.size(0) > cfg_.vocab_size) t = ops::contiguous(ops::narrow(t, 0, 0, cfg_.vocab_size));
+    out.emplace_back(n, t);
+  }
   return out;
 }
 
@@ -277,11 +311,20 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
   for (auto& [name, p] : named_parameters()) {
     auto it = by_name.find(name);
     LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
-    LOOM_REQUIRE(is_floating(it->second.dtype()), "load: tensor '", name, "' has dtype ",
-                 dtype_name(it->second.dtype()), ", a weight must be floating point");
-    LOOM_REQUIRE(it->second.shape() == p.shape(), "load: tensor '", name, "' has shape ",
-                 shape_str(it->second.shape()), ", model expects ", shape_str(p.shape()));
-    p.copy_from(it->second);
+    const Tensor& src = it->second;
+    LOOM_REQUIRE(is_floating(src.dtype()), "load: tensor '", name, "' has dtype ", dtype_name(src.dtype()),
+                 ", a weight must be floating point");
+    if (is_vocabulary_rows(name) && p.dim() == 2 && src.dim() == 2 && src.size(1) == p.size(1) &&
+        src.size(0) >= cfg_.vocab_size && src.size(0) < p.size(0)) {
+      // The file's vocab_size rows, the padding rows zero (their logits are never read).
+      p.copy_from(zeros(p.shape(), p.dtype(), p.device()));
+      ops::narrow(p, 0, 0, src.size(0)).copy_from(src);
+      continue;
+    }
+    LOOM_REQUIRE(src.shape() == p.shape(), "load: tensor '", name, "' has shape ", shape_str(src.shape()),
+                 ", model expects ", shape_str(p.shape()),
+                 is_vocabulary_rows(name) ? " (vocabulary rows: from vocab_size up to padded_vocab_size)" : "");
+    p.copy_from(src);
   }
 }
 

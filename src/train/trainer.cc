@@ -23,6 +23,7 @@
 #include "loom/distributed/process_group.h"
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/io/atomic_file.h"
+#include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
 #include "loom/io/safetensors.h"
@@ -107,7 +108,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
   LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
 
-  nn::ModelConfig cfg = nn::ModelConfig::from_name(opts_.model);
+  // A Hugging Face model directory (config.json and safetensors) as --init-from brings its own config unless --model
+  // names one; as --model it brings its config and, when it has them, its weights.
+  const bool hf_init = io::is_hf_model_dir(opts_.init_from);
+  nn::ModelConfig cfg =
+      nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from : opts_.model);
   cfg.recompute_mlp = opts_.recompute_mlp;
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
@@ -136,7 +141,15 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
   model_ = nn::make_model(cfg);
   model_->init_weights(opts_.seed);
-  if (!opts_.init_from.empty()) {
+  const std::string hf_weights =
+      hf_init ? opts_.init_from
+      : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
+              !io::read_hf_model_dir(opts_.model).weight_files.empty()
+          ? opts_.model
+          : "";
+  if (!hf_weights.empty()) {
+    io::load_hf_weights(hf_weights, *model_);  // model.safetensors or the index's shards
+  } else if (!opts_.init_from.empty()) {
     if (io::is_llmc_model_file(opts_.init_from)) {  // llm.c GPT-2 model file (by its magic)
       io::load_llmc_model(opts_.init_from, *model_);
     } else {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/autograd/checkpoint.h"
 #include "loom/nn/layers.h"
 
 namespace loom::nn {
@@ -31,13 +32,27 @@ struct ModelConfig {
   // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
   // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
   bool recompute_mlp = false;
+  // Training-time memory option, not saved with the model: activation checkpointing per block (full: keep only each
+  // block's inputs; selective: also the results of its matrix products and attention). See loom/autograd/checkpoint.h.
+  autograd::Recompute recompute = autograd::Recompute::kNone;
 
   // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
-  // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), or a
-  // path to a JSON config file. Throws naming the unknown name.
+  // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), a
+  // path to a JSON config file (Loom's or a Hugging Face config.json), or a Hugging Face model directory (its
+  // config.json). Throws naming the unknown name.
   static ModelConfig from_name(const std::string& name_or_path);
+  // Loom's config JSON (docs/TRAINING.md lists the keys; an unknown key is an error naming it), or a Hugging Face
+  // config.json, told apart by its "model_type" key.
   static ModelConfig from_json(const std::string& json_text);
+  // A Hugging Face config.json of model_type "gpt2" or "llama": exactly that model. Keys Loom does not use are
+  // ignored (HF configs carry many); a setting Loom cannot build (another model_type, activation, rope type, biased
+  // LLaMA attention, untied GPT-2) is an error naming it.
+  static ModelConfig from_hf_json(const std::string& json_text);
   std::string to_json() const;
+  // The config.json transformers' from_pretrained reads for this model (GPT2LMHeadModel or LlamaForCausalLM), with
+  // torch_dtype "float32" or "bfloat16" as `dtype` says. Throws for a model Hugging Face cannot express (GPT-2
+  // with grouped-query attention).
+  std::string to_hf_json(DType dtype = kF32) const;
   std::string describe() const;
   int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T.
