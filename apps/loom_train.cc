@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
   app.add_option("--resume", o.resume, "resume from a checkpoint file or a checkpoint directory's latest");
+  app.add_flag("--overwrite-checkpoints", o.overwrite_checkpoints,
+               "allow replacing existing checkpoints in --checkpoint-dir (otherwise such a run is refused at the start)");
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
   app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");

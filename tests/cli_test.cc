@@ -2,8 +2,12 @@
 // or read (issue 19: --log-interval 0 divided by zero, --clip nan and negative counts were taken).
 #include <sys/wait.h>
 
+#include <unistd.h>
+
 #include <array>
+#include <chrono>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <cstdio>
 #include <string>
@@ -111,6 +115,92 @@ TEST(LoomTrainCli, ACheckpointStateMissingAKeyNamesTheFile) {
   std::remove(shard.c_str());
   EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
   EXPECT_NE(r.output.find("resume: '" + ckpt + "' has corrupt state metadata"), std::string::npos) << r.output;
+}
+
+std::map<std::string, std::string> files_of(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out[e.path().filename().string()] = test::read_all(e.path().string());
+  return out;
+}
+
+// Nothing lost (issue 19): a resume from a broken checkpoint stops before it writes anything, and no run writes over
+// an existing checkpoint unless --overwrite-checkpoints says so; resuming from the directory continues past it.
+TEST(LoomTrainCli, CheckpointsAreNeverWrittenOverUnlessAsked) {
+  namespace fs = std::filesystem;
+  const std::string shard = tiny_shard();
+  test::TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const std::string common = "--train-data " + shard + " --model d2 -b 1 -t 8 --warmup 0 --sample-tokens 0 " +
+                             "--eval-batches 1 --checkpoint-interval 1 --checkpoint-dir " + dir.string() + " ";
+  AppRun first = run_loom_train(common + "--steps 2");
+  ASSERT_EQ(first.status, 0) << first.output;
+  const auto good = files_of(dir);
+  ASSERT_TRUE(good.count("step_000001.safetensors") && good.count("step_000002.safetensors")) << first.output;
+
+  // A fresh run into the same directory would write step 1 and 2 again: refused before training.
+  AppRun fresh = run_loom_train(common + "--steps 3");
+  EXPECT_EQ(WEXITSTATUS(fresh.status), 1) << fresh.output;
+  EXPECT_NE(fresh.output.find("would write over the existing checkpoint"), std::string::npos) << fresh.output;
+  EXPECT_NE(fresh.output.find("--overwrite-checkpoints"), std::string::npos) << fresh.output;
+  EXPECT_EQ(fresh.output.find("step     1/"), std::string::npos) << "it trained first\n" << fresh.output;
+  EXPECT_EQ(files_of(dir), good);
+
+  // The latest checkpoint broken (truncated): the resume stops, and every other file is as it was.
+  const fs::path latest = dir / "step_000002.safetensors";
+  fs::resize_file(latest, fs::file_size(latest) / 2);
+  auto broken = files_of(dir);
+  AppRun bad = run_loom_train(common + "--steps 4 --resume " + dir.string());
+  EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
+  EXPECT_NE(bad.output.find(latest.string()), std::string::npos) << bad.output;
+  EXPECT_EQ(files_of(dir), broken);
+
+  // Resuming from step 1 would write step 2 over the (broken) file: refused without the flag, done with it.
+  const std::string from1 = common + "--steps 3 --resume " + (dir / "step_000001.safetensors").string();
+  AppRun refused = run_loom_train(from1);
+  EXPECT_EQ(WEXITSTATUS(refused.status), 1) << refused.output;
+  EXPECT_NE(refused.output.find("step_000002.safetensors"), std::string::npos) << refused.output;
+  EXPECT_EQ(files_of(dir), broken);
+  AppRun replaced = run_loom_train(from1 + " --overwrite-checkpoints");
+  ASSERT_EQ(replaced.status, 0) << replaced.output;
+  EXPECT_NE(files_of(dir).at("step_000002.safetensors"), broken.at("step_000002.safetensors"));
+
+  // Resuming from the directory continues past its latest (step 3): not an overwrite.
+  const auto before = files_of(dir);
+  AppRun cont = run_loom_train(common + "--steps 4 --resume " + dir.string());
+  ASSERT_EQ(cont.status, 0) << cont.output;
+  EXPECT_NE(cont.output.find("resumed at step 3"), std::string::npos) << cont.output;
+  auto after = files_of(dir);
+  EXPECT_TRUE(after.count("step_000004.safetensors"));
+  for (const auto& [name, bytes] : before) {
+    if (name != "latest") EXPECT_EQ(after.at(name), bytes) << name << " changed";
+  }
+  std::remove(shard.c_str());
+}
+
+// The temporaries of killed writes are removed at the start, with a note; a writer's that may still run is kept.
+TEST(LoomTrainCli, StaleTemporariesAreCleanedAtTheStart) {
+  namespace fs = std::filesystem;
+  const std::string shard = tiny_shard();
+  test::TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  fs::create_directories(dir);
+  // pid 0 can be no writer's; an hour old.
+  const fs::path stale = dir / ".loom.tmp.step_000007.safetensors.0.1234abcd";
+  const fs::path live = dir / (".loom.tmp.step_000008.safetensors." + std::to_string(::getpid()) + ".99");
+  const fs::path other = dir / "notes.tmp.txt";  // not ours: never touched
+  for (const auto& p : {stale, live, other}) {
+    test::write_all(p.string(), "half a checkpoint");
+    fs::last_write_time(p, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  }
+  AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --warmup 0 --sample-tokens 0 " +
+                            "--eval-batches 1 --steps 1 --checkpoint-dir " + dir.string());
+  std::remove(shard.c_str());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("removed the temporary of an interrupted write: " + stale.string()), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(live)) << "the temporary of a running writer (this test) was removed";
+  EXPECT_TRUE(fs::exists(other));
 }
 #endif
 

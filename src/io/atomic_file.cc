@@ -4,6 +4,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <signal.h>
+#include <sys/stat.h>
+
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -19,6 +22,20 @@ namespace {
 constexpr size_t kBufferBytes = 1 << 20;
 
 std::string errno_text() { return std::strerror(errno); }
+
+// When this library was loaded: a temporary older than that cannot be one this process is writing.
+const std::filesystem::file_time_type kLoadTime = std::filesystem::file_time_type::clock::now();
+
+// The pid in a temporary's name ".loom.tmp.<file>.<pid>.<random>", or -1.
+long temp_owner_pid(const std::string& name) {
+  size_t last = name.rfind('.');
+  if (last == std::string::npos || last == 0) return -1;
+  size_t prev = name.rfind('.', last - 1);
+  if (prev == std::string::npos) return -1;
+  std::string pid = name.substr(prev + 1, last - prev - 1);
+  if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stol(pid);
+}
 
 // Makes the rename itself durable; failure here is not fatal (some filesystems refuse fsync on directories).
 void fsync_directory_of(const std::string& path) {
@@ -39,9 +56,10 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   std::random_device rd;
   for (int attempt = 0; attempt < 100 && fd_ < 0; ++attempt) {
     char suffix[40];
-    std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x%llu", int(::getpid()), unsigned(rd()),
+    std::snprintf(suffix, sizeof suffix, ".%d.%08x%llu", int(::getpid()), unsigned(rd()),
                   static_cast<unsigned long long>(counter.fetch_add(1)));
-    temp_path_ = path_ + suffix;
+    const std::filesystem::path p(path_);
+    temp_path_ = (p.parent_path() / (kTempPrefix + p.filename().string() + suffix)).string();
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd_ < 0 && errno != EEXIST) break;
   }
@@ -99,6 +117,28 @@ void AtomicFileWriter::commit() {
                " failed: ", errno_text());
   committed_ = true;
   fsync_directory_of(path_);
+}
+
+std::filesystem::file_time_type process_start_time() { return kLoadTime; }
+
+std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::filesystem::file_time_type before) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kTempPrefix, 0) != 0) continue;
+    struct stat st;  // lstat: a link planted under the prefix is removed itself, never its target
+    if (::lstat(it->path().c_str(), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISLNK(st.st_mode))) continue;
+    std::error_code tec;
+    auto mtime = std::filesystem::last_write_time(it->path(), tec);
+    if (S_ISREG(st.st_mode) && (tec || mtime >= before)) continue;  // possibly being written now
+    const long pid = temp_owner_pid(name);
+    if (pid == long(::getpid())) continue;  // ours
+    if (pid > 0 && (::kill(pid_t(pid), 0) == 0 || errno == EPERM)) continue;  // its writer still runs (this host)
+    if (::unlink(it->path().c_str()) == 0) removed.push_back(it->path().string());
+  }
+  return removed;
 }
 
 void write_file_atomic(const std::string& path, std::string_view contents) {

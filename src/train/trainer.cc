@@ -31,6 +31,7 @@
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/lr_schedule.h"
 #include "loom/optim/optimizer.h"
+#include "loom/train/memory_estimate.h"
 
 namespace fs = std::filesystem;
 
@@ -114,6 +115,12 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   nn::ModelConfig cfg =
       nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from : opts_.model);
   cfg.recompute_mlp = opts_.recompute_mlp;
+  // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
+  const MemoryEstimate memory =
+      estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, 1,
+                                std::max<int64_t>(1, opts_.tensor_parallel), opts_.zero1 ? 1 : 0,
+                                opts_.recompute_mlp ? "selective" : "none"});
+  check_model_state_fits(memory, device_);
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
   // Distributed: the world splits into data-parallel x tensor-parallel ranks (TP groups are adjacent ranks).
@@ -229,6 +236,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     } catch (const Error&) {
       LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' is not writable");
     }
+    // Temporaries of writes killed in earlier runs (a killed loom-train leaves its half-written checkpoint behind).
+    for (const std::string& stale : io::remove_stale_temporaries(opts_.checkpoint_dir, io::process_start_time()))
+      if (!opts_.quiet) std::cout << "removed the temporary of an interrupted write: " << stale << "\n";
   }
   if (!opts_.log_dir.empty() && is_rank0_) {
     std::error_code ec;
@@ -240,12 +250,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   if (!opts_.resume.empty()) {
     const std::string path = resolve_resume_path(opts_.resume);
-    try {
-      load_checkpoint(path);
-    } catch (const nlohmann::json::exception& e) {  // a state entry missing or of the wrong type
-      LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
-    }
+    load_checkpoint(path);
   }
+  check_checkpoint_targets();
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
@@ -254,7 +261,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
               << " shard(s)";
     if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
-              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n";
+              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
+              << "memory (estimate): " << memory.str() << "\n";
     if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
     std::cout.flush();
   }
@@ -437,6 +445,23 @@ void Trainer::run() {
   if (logs_->tensorboard) logs_->tensorboard->flush();
 }
 
+void Trainer::check_checkpoint_targets() const {
+  if (opts_.checkpoint_dir.empty() || opts_.overwrite_checkpoints) return;
+  std::error_code ec;
+  for (fs::directory_iterator it(opts_.checkpoint_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    long n = -1;
+    char tail = 0;  // "step_%06ld.safetensors" and nothing after it
+    if (std::sscanf(name.c_str(), "step_%ld.safetensors%c", &n, &tail) != 1 || n < 0) continue;
+    const bool written = n > step_ && n <= opts_.steps &&
+                         (n == opts_.steps || (opts_.checkpoint_interval > 0 && n % opts_.checkpoint_interval == 0));
+    if (!written || checkpoint_path(n) != it->path().string()) continue;
+    LOOM_THROW("--checkpoint-dir: this run would write over the existing checkpoint '", it->path().string(),
+               "' (step ", n, "); resume from it (--resume ", opts_.checkpoint_dir,
+               "), choose another --checkpoint-dir, or pass --overwrite-checkpoints");
+  }
+}
+
 std::string Trainer::checkpoint_path(int64_t step) const {
   char name[64];
   std::snprintf(name, sizeof name, "step_%06ld.safetensors", long(step));
@@ -466,6 +491,9 @@ std::string Trainer::resolve_resume_path(const std::string& resume) const {
 
 void Trainer::save_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
+  // The last guard (the run checked its targets at the start): a checkpoint that appeared since is not replaced.
+  LOOM_REQUIRE(opts_.overwrite_checkpoints || !fs::exists(path), "save_checkpoint: '", path,
+               "' exists; not written over it (pass --overwrite-checkpoints to replace checkpoints)");
   fs::path dir = fs::path(path).parent_path();
   if (!dir.empty()) fs::create_directories(dir);
   io::TensorMap tensors;
@@ -499,26 +527,41 @@ void Trainer::save_checkpoint(const std::string& path) {
   if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
 }
 
+CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path) {
+  CheckpointState st;
+  try {
+    const nlohmann::json meta = nlohmann::json::parse(state_json);
+    const auto& l = meta.at("loader");
+    const auto& rng = meta.at("rng");
+    st.step = meta.at("step").get<int64_t>();
+    st.shard_index = l.at("shard_index").get<int64_t>();
+    st.batch_offset = l.at("batch_offset").get<int64_t>();
+    st.epoch = l.at("epoch").get<int64_t>();
+    st.loader_rng = l.at("rng_state").get<uint64_t>();
+    st.rng_seed = rng.at("seed").get<uint64_t>();
+    st.rng_offset = rng.at("offset").get<uint64_t>();
+  } catch (const nlohmann::json::exception& e) {  // not JSON, an entry missing or of the wrong type
+    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
+  }
+  LOOM_REQUIRE(st.step >= 0 && st.shard_index >= 0 && st.batch_offset >= 0 && st.epoch >= 0, "resume: '", path,
+               "' has corrupt state metadata: a negative step (", st.step, ") or data position (shard ",
+               st.shard_index, ", batch ", st.batch_offset, ", epoch ", st.epoch, ")");
+  return st;
+}
+
 void Trainer::load_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
   io::SafetensorsFile file = io::load_safetensors_file(path);
   LOOM_REQUIRE(is_loom_checkpoint(file), "resume: '", path, "' is not a Loom training checkpoint (no format=",
                kCheckpointFormat, " in its metadata)");
-  nlohmann::json meta;
-  try {
-    meta = nlohmann::json::parse(file.metadata.at("state"));
-  } catch (const std::exception& e) {
-    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
-  }
+  auto state_it = file.metadata.find("state");
+  LOOM_REQUIRE(state_it != file.metadata.end(), "resume: '", path, "' has no state metadata");
+  // Everything is read and checked before the first parameter changes.
+  const CheckpointState st = parse_checkpoint_state(state_it->second, path);
+  LOOM_REQUIRE(st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
+               ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   auto model_params = tp_plan_ ? tp_plan_->full_named_parameters() : model_->named_parameters();
   std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
-  if (tp_plan_) {
-    std::vector<std::pair<std::string, Tensor>> loaded_full;
-    for (size_t i = 0; i < model_params.size(); ++i) loaded_full.emplace_back(model_params[i].first, weights[i]);
-    tp_plan_->load_full_named_parameters(loaded_full);
-  } else {
-    for (size_t i = 0; i < model_params.size(); ++i) model_params[i].second.copy_from(weights[i]);
-  }
   optim::OptimizerState state;
   if (zero_ || tp_plan_) {
     io::SafetensorsFile shard = io::load_safetensors_file(optimizer_shard_path(path));
@@ -528,14 +571,18 @@ void Trainer::load_checkpoint(const std::string& path) {
     for (auto& [name, t] : file.tensors)
       if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
   }
+  train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
+  if (tp_plan_) {
+    std::vector<std::pair<std::string, Tensor>> loaded_full;
+    for (size_t i = 0; i < model_params.size(); ++i) loaded_full.emplace_back(model_params[i].first, weights[i]);
+    tp_plan_->load_full_named_parameters(loaded_full);
+  } else {
+    for (size_t i = 0; i < model_params.size(); ++i) model_params[i].second.copy_from(weights[i]);
+  }
   if (zero_) zero_->load_state_dict(state);
   else optimizer_->load_state_dict(state);
-  step_ = meta.at("step").get<int64_t>();
-  auto& l = meta.at("loader");
-  train_loader_->set_position(data::LoaderPosition{l.at("shard_index").get<int64_t>(), l.at("batch_offset").get<int64_t>(),
-                                                   l.at("epoch").get<int64_t>(), l.at("rng_state").get<uint64_t>()});
-  default_generator().set_state(PhiloxState{meta.at("rng").at("seed").get<uint64_t>(),
-                                            meta.at("rng").at("offset").get<uint64_t>()});
+  step_ = st.step;
+  default_generator().set_state(PhiloxState{st.rng_seed, st.rng_offset});
 }
 
 }  // namespace loom::train

@@ -1,12 +1,18 @@
-// Atomic file writing: data goes to a fresh "<path>.tmp.<pid>.<random>" (created exclusively, never through a link),
-// is fsync'ed, then renamed over <path>, so a crash or an error never leaves a half-written file under the final name.
+// Atomic file writing: data goes to a fresh "<dir>/.loom.tmp.<file>.<pid>.<random>" (created exclusively, never
+// through a link), is fsync'ed, then renamed over <dir>/<file>, so a crash or an error never leaves a half-written file
+// under the final name. A killed write leaves its temporary behind; remove_stale_temporaries() cleans them.
 #pragma once
 
 #include <cstddef>
+#include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace loom::io {
+
+// Every temporary of AtomicFileWriter starts with this (a hidden file beside its target).
+inline constexpr const char* kTempPrefix = ".loom.tmp.";
 
 class AtomicFileWriter {
  public:
@@ -38,6 +44,13 @@ class AtomicFileWriter {
   size_t bytes_written_ = 0;
   bool committed_ = false;
 };
+
+// Removes the temporaries of killed writes from `dir`: entries named kTempPrefix* last written before `before`,
+// not this process's, and whose writer (the pid in the name) no longer runs on this host. Links under the prefix are
+// removed themselves. Returns the paths removed; a directory that cannot be read removes nothing.
+std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::filesystem::file_time_type before);
+// About when this process started (when libloom was loaded): the `before` that cleans what earlier runs left.
+std::filesystem::file_time_type process_start_time();
 
 // Writes `contents` to `path` atomically.
 void write_file_atomic(const std::string& path, std::string_view contents);

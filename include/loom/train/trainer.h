@@ -58,6 +58,10 @@ struct TrainOptions {
   std::string checkpoint_dir;        // empty = no checkpoints
   int64_t checkpoint_interval = 0;   // 0 = only at the end
   std::string resume;                // a checkpoint file, a checkpoint dir (its latest), or empty
+  // An existing checkpoint file in checkpoint_dir is never replaced without this (--overwrite-checkpoints): a run
+  // that would write one is refused at the start. Resuming from a directory continues past its latest, which
+  // replaces nothing.
+  bool overwrite_checkpoints = false;
   uint64_t seed = 1337;
   bool shuffle = false;
   bool explain_kernels = false;
@@ -87,6 +91,16 @@ struct StepStats {
   double tokens_per_second = 0;  // of the whole world (all data-parallel ranks)
 };
 
+// The training state in a checkpoint's "state" metadata, parsed and checked without touching a trainer: resume
+// reads it before it changes anything, so a corrupt checkpoint stops the run with one error naming `path`.
+struct CheckpointState {
+  int64_t step = 0;
+  int64_t shard_index = 0, batch_offset = 0, epoch = 0;  // the data loader's position
+  uint64_t loader_rng = 0;
+  uint64_t rng_seed = 0, rng_offset = 0;  // the default generator's Philox state
+};
+CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
+
 class Trainer {
  public:
   explicit Trainer(TrainOptions options);
@@ -113,6 +127,8 @@ class Trainer {
   void log_step(const StepStats& s);
   std::string checkpoint_path(int64_t step) const;
   std::string resolve_resume_path(const std::string& resume) const;
+  // Throws naming the first existing checkpoint this run would write over (unless overwrite_checkpoints).
+  void check_checkpoint_targets() const;
 
   TrainOptions opts_;
   Device device_;

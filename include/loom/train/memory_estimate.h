@@ -1,0 +1,58 @@
+// What a training run will hold in memory, computed from the config alone (nothing is allocated): the parameter count
+// of a ModelConfig and a per-rank estimate of parameters, gradients, optimizer state and activations. The trainer
+// refuses a config whose parameters, gradients and optimizer state alone cannot fit the device, before it builds
+// anything (issue 19: an absurd config built until the machine ran out of memory), and prints the estimate.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "loom/common/dtype.h"
+#include "loom/common/device.h"
+#include "loom/nn/model.h"
+
+namespace loom::train {
+
+// Exactly make_model(cfg)->num_parameters() (GPT-2: tied embeddings, biases, LayerNorm; LLaMA: RMSNorm, no biases,
+// lm_head when untied), without building the model. Throws naming the config's sizes when they are not positive or
+// the count overflows 64 bits.
+int64_t count_parameters(const nn::ModelConfig& cfg);
+
+struct MemoryEstimateInput {
+  nn::ModelConfig cfg;
+  int64_t batch = 1;             // sequences per micro-batch on each rank
+  int64_t seq_len = 1;
+  DType autocast = kF32;         // f32, or bf16/f16 autocast (activations in 16 bits, f32 master weights)
+  int64_t data_parallel = 1;     // ranks that share the optimizer state under ZeRO
+  int64_t tensor_parallel = 1;   // ranks that split each layer (Megatron style, no sequence parallelism)
+  int zero_stage = 0;            // 0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters
+  std::string recompute = "none";  // "none", "selective" or "full" (see memory_estimate.cc for what each keeps)
+};
+
+// Bytes on each rank.
+struct MemoryEstimate {
+  int64_t num_parameters = 0;  // the whole model's
+  double parameters = 0;       // f32 master weights
+  double gradients = 0;        // f32
+  double optimizer_state = 0;  // AdamW: two f32 moments per parameter
+  double activations = 0;      // kept for the backward of one micro-batch
+  double total() const { return parameters + gradients + optimizer_state + activations; }
+  double model_state() const { return parameters + gradients + optimizer_state; }
+  // "params 1.2 GiB + grads 1.2 GiB + AdamW 2.4 GiB + activations 3.0 GiB = 7.8 GiB per rank"
+  std::string str() const;
+};
+
+MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in);
+
+// The memory a device offers, in bytes: the CPU's physical memory; 0 when Loom cannot tell (a CUDA device: the
+// DeviceRuntime interface has no total-memory query yet).
+double device_memory_bytes(Device device);
+
+// Throws one line naming the sizes when the model state (parameters, gradients, optimizer state) per rank exceeds
+// device_memory_bytes(device), or the full f32 model (built on the host first, then moved) exceeds the host's.
+void check_model_state_fits(const MemoryEstimate& estimate, Device device);
+
+// "12.3 GiB", "512.0 MiB", ...
+std::string format_bytes(double bytes);
+
+}  // namespace loom::train

@@ -1,0 +1,161 @@
+// Parameter count and training-memory estimate from a config (loom/train/memory_estimate.h).
+#include "loom/train/memory_estimate.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "loom/common/error.h"
+
+namespace loom::train {
+namespace {
+
+// The per-head width: ModelConfig's head_dim when it has one and it is set, else n_embd / n_head.
+template <class C>
+int64_t head_size_of(const C& c) {
+  if constexpr (requires { c.head_dim; }) {
+    if (c.head_dim > 0) return c.head_dim;
+  }
+  return c.n_embd / c.n_head;
+}
+
+// Overflow-checked sums of products: an absurd config is an error, never a wrapped count.
+struct Count {
+  const nn::ModelConfig& cfg;
+  int64_t value = 0;
+  void add(int64_t a, int64_t b = 1, int64_t c = 1) {
+    int64_t ab = 0, abc = 0;
+    LOOM_REQUIRE(!__builtin_mul_overflow(a, b, &ab) && !__builtin_mul_overflow(ab, c, &abc) &&
+                     !__builtin_add_overflow(value, abc, &value),
+                 "model config: the parameter count overflows 64 bits (", cfg.describe(), ")");
+  }
+};
+
+}  // namespace
+
+int64_t count_parameters(const nn::ModelConfig& c) {
+  LOOM_REQUIRE(c.n_layer > 0 && c.n_head > 0 && c.n_kv_head > 0 && c.n_embd > 0 && c.ffn_hidden > 0 &&
+                   c.padded_vocab_size > 0 && c.max_seq_len > 0,
+               "model config: sizes must be positive (n_layer ", c.n_layer, ", n_head ", c.n_head, ", n_kv_head ",
+               c.n_kv_head, ", n_embd ", c.n_embd, ", ffn_hidden ", c.ffn_hidden, ", padded_vocab_size ",
+               c.padded_vocab_size, ", max_seq_len ", c.max_seq_len, ")");
+  const int64_t C = c.n_embd, F = c.ffn_hidden, D = head_size_of(c);
+  const int64_t q = c.n_head * D, kv = c.n_kv_head * D;  // no overflow: each factor fits int32 in any sane config
+  LOOM_REQUIRE(D > 0 && q / c.n_head == D && kv / c.n_kv_head == D, "model config: head width ", D, " x ", c.n_head,
+               " heads does not fit (", c.describe(), ")");
+  Count total{c};
+  Count layer{c};
+  if (c.family == nn::ModelFamily::kGPT2) {
+    total.add(c.padded_vocab_size, C);  // wte (tied: also the classifier)
+    total.add(c.max_seq_len, C);        // wpe
+    total.add(2, C);                    // ln_f
+    layer.add(4, C);                    // ln_1, ln_2 (weight and bias)
+    layer.add(C, q + 2 * kv);           // c_attn
+    layer.add(q + 2 * kv);
+    layer.add(q, C);                    // attn.c_proj
+    layer.add(C);
+    layer.add(C, F);                    // mlp.c_fc
+    layer.add(F);
+    layer.add(F, C);                    // mlp.c_proj
+    layer.add(C);
+  } else {
+    total.add(c.padded_vocab_size, C);  // embed_tokens
+    total.add(C);                       // norm
+    if (!c.tie_embeddings) total.add(c.padded_vocab_size, C);  // lm_head
+    layer.add(2, C);                    // input_layernorm, post_attention_layernorm
+    layer.add(C, q + 2 * kv);           // q_proj, k_proj, v_proj
+    layer.add(q, C);                    // o_proj
+    layer.add(3, C, F);                 // gate_proj, up_proj, down_proj
+  }
+  total.add(layer.value, c.n_layer);
+  return total.value;
+}
+
+// Activations kept for the backward, per token and layer (elements; 16-bit under bf16/f16 autocast, else f32),
+// following what Loom's blocks save (flash attention keeps no T x T scores, only a log-sum-exp per head):
+//   GPT-2  none: block input C, ln_1 out C, qkv (H + 2 Hkv) D, attention out H D, residual C, ln_2 out C,
+//               GELU pre-activation F and output F                      -> 4C + (H + 2Hkv)D + HD + 2F
+//   LLaMA  none: the same with RMSNorm, and SwiGLU's gate F, up F and their product F -> 4C + (H + 2Hkv)D + HD + 3F
+//   plus, in f32, the log-sum-exp (H) and the norms' statistics (4 for GPT-2's two LayerNorms, 2 for LLaMA).
+//   selective: the MLP's activation output (F) is recomputed in the backward (GPT-2's recompute_mlp).
+//   full: only each block's input (C) is kept; one block's "none" activations live while it is recomputed.
+// Tensor parallelism divides the head- and F-sized terms by its degree (the C-sized ones stay replicated). Outside
+// the blocks: the embedding sum and the final norm's output, 2C per token (the loss runs in row blocks and keeps no
+// logits).
+MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
+  const nn::ModelConfig& c = in.cfg;
+  LOOM_REQUIRE(in.batch > 0 && in.seq_len > 0 && in.data_parallel > 0 && in.tensor_parallel > 0,
+               "memory estimate: batch, sequence length and parallel degrees must be positive");
+  LOOM_REQUIRE(in.zero_stage >= 0 && in.zero_stage <= 3, "memory estimate: ZeRO stage ", in.zero_stage,
+               " is not 0..3");
+  LOOM_REQUIRE(in.recompute == "none" || in.recompute == "selective" || in.recompute == "full",
+               "memory estimate: recompute must be none, selective or full, got '", in.recompute, "'");
+  MemoryEstimate e;
+  e.num_parameters = count_parameters(c);
+  const double P = double(e.num_parameters) / double(in.tensor_parallel);
+  const double dp = double(in.data_parallel);
+  e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
+  e.gradients = 4 * P / (in.zero_stage >= 2 ? dp : 1);
+  e.optimizer_state = 8 * P / (in.zero_stage >= 1 ? dp : 1);
+
+  const double a = in.autocast == kF32 ? 4 : 2;
+  const double tp = double(in.tensor_parallel);
+  const double C = double(c.n_embd), F = double(c.ffn_hidden), D = double(head_size_of(c));
+  const double H = double(c.n_head), Hkv = double(c.n_kv_head);
+  const bool llama = c.family == nn::ModelFamily::kLlama;
+  const double mlp_terms = llama ? 3 : 2;
+  const double stats = llama ? 2 : 4;
+  const double none_per_token = a * (4 * C + ((H + 2 * Hkv) * D + H * D + mlp_terms * F) / tp) + 4 * (H / tp + stats);
+  double per_token_layer = none_per_token;
+  if (in.recompute == "selective") per_token_layer -= a * F / tp;
+  const double tokens = double(in.batch) * double(in.seq_len);
+  const double L = double(c.n_layer);
+  if (in.recompute == "full") {
+    e.activations = tokens * (L * a * C + none_per_token);
+  } else {
+    e.activations = tokens * L * per_token_layer;
+  }
+  e.activations += tokens * a * 2 * C;
+  return e;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+std::string MemoryEstimate::str() const {
+  return "params " + format_bytes(parameters) + " + grads " + format_bytes(gradients) + " + AdamW " +
+         format_bytes(optimizer_state) + " + activations " + format_bytes(activations) + " = " +
+         format_bytes(total()) + " per rank";
+}
+
+double device_memory_bytes(Device device) {
+  if (device.is_cpu()) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? double(pages) * double(page) : 0;
+  }
+  return 0;
+}
+
+void check_model_state_fits(const MemoryEstimate& e, Device device) {
+  const double host = device_memory_bytes(Device());
+  const double model_bytes = 4.0 * double(e.num_parameters);
+  LOOM_REQUIRE(host <= 0 || model_bytes <= host, "the model's ", e.num_parameters, " parameters need ",
+               format_bytes(model_bytes), " in f32 to be built, more than the host's ", format_bytes(host),
+               " of memory");
+  const double mem = device_memory_bytes(device);
+  LOOM_REQUIRE(mem <= 0 || e.model_state() <= mem, "the model's ", e.num_parameters, " parameters need ",
+               format_bytes(e.model_state()), " per rank for parameters, gradients and AdamW state (",
+               format_bytes(e.parameters), " + ", format_bytes(e.gradients), " + ", format_bytes(e.optimizer_state),
+               "), more than the ", format_bytes(mem), " of ", device.str());
+}
+
+}  // namespace loom::train
