@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str();
   app.add_flag("--zero1", o.zero1, "shard AdamW state across data-parallel ranks (ZeRO-1)");
+  app.add_option("--recompute", o.recompute,
+                 "activation checkpointing per block: none, selective (keep matrix products and attention, recompute "
+                 "the rest) or full (keep only each block's input)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
   app.add_flag("--recompute-mlp", o.recompute_mlp,
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "autograd/record.h"
+#include "loom/autograd/checkpoint.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/functional.h"
 
@@ -56,12 +57,13 @@ Tensor copy_to_tensor_parallel_region(const Tensor& x, const std::shared_ptr<Pro
 }
 
 Tensor reduce_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
-  Tensor out;
-  {
+  // Under selective recomputation the sum is kept: the recompute does not talk to the other ranks again.
+  Tensor out = autograd::kept_results("reduce_from_tensor_parallel_region", [&] {
     autograd::NoGradGuard ng;
-    out = ops::clone(x);
-    group->all_reduce(out, ReduceOp::kSum);
-  }
+    Tensor sum = ops::clone(x);
+    group->all_reduce(sum, ReduceOp::kSum);
+    return std::vector<Tensor>{sum};
+  })[0];
   if (auto node = autograd::make_node<IdentityBackwardNode>({&x})) autograd::set_history(out, node);
   return out;
 }

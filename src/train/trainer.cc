@@ -115,6 +115,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   nn::ModelConfig cfg =
       nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from : opts_.model);
   cfg.recompute_mlp = opts_.recompute_mlp;
+  cfg.recompute = autograd::recompute_from_name(opts_.recompute);
   // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
   const MemoryEstimate memory =
       estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, 1,
@@ -286,10 +287,10 @@ StepStats Trainer::train_step() {
     data::Batch batch = train_loader_->next();
     Tensor x = batch.x.to(device_), y = batch.y.to(device_);
     Tensor loss;
-    {
-      amp::AutocastGuard autocast(autocast_dtype_);  // f32 master weights; matrix math in bf16 when asked
-      loss = model_->forward_loss(x, y);  // tensor-parallel: the vocabulary-parallel loss
-    }
+    // f32 master weights; matrix math in bf16 when asked. The backward stays in the region so that blocks recomputed
+    // there (--recompute) reuse the forward's casts of the parameters.
+    amp::AutocastGuard autocast(autocast_dtype_);
+    loss = model_->forward_loss(x, y);  // tensor-parallel: the vocabulary-parallel loss
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
     if (ddp_) ddp_->set_require_sync(micro + 1 == grad_accum_);  // communicate on the last micro-step only
     scaled.backward();

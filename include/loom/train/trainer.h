@@ -76,6 +76,7 @@ struct TrainOptions {
   int64_t tensor_parallel = 1;       // TP degree (GPT-2, LLaMA-3); ranks r and r+1.. of one TP group are adjacent
   bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
+  std::string recompute = "none";   // activation checkpointing per block: none, selective or full
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
   double bucket_mb = 25;             // DDP gradient bytes per all-reduce (MiB)
   std::shared_ptr<distributed::ProcessGroup> process_group;  // the world; default: distributed::init_process_group()

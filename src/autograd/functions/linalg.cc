@@ -3,6 +3,7 @@
 
 #include "autograd/functions/grad_util.h"
 #include "loom/amp.h"
+#include "loom/autograd/checkpoint.h"
 #include "loom/functional.h"
 
 namespace loom {
@@ -231,7 +232,7 @@ std::shared_ptr<N> record_linear(const Tensor& x, const Tensor& weight, const Te
 
 Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) {
   if (amp::should_cast("gemm", {&a, &b})) return loom::matmul(amp::cast(a), amp::cast(b), opts);
-  Tensor out = ops::matmul(a, b, opts);
+  Tensor out = autograd::kept_results("matmul", [&] { return std::vector<Tensor>{ops::matmul(a, b, opts)}; })[0];
   if (auto node = autograd::make_node<MatmulBackward>({&a, &b})) {
     if (node->needs_input_grad(0)) node->b = b.detach();
     if (node->needs_input_grad(1)) node->a = a.detach();
@@ -247,7 +248,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const ops::MatmulOptions& opts) 
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const ops::MatmulOptions& opts) {
   LinearOperands used = product_operands("gemm", x, weight, bias);
-  Tensor out = ops::linear(used.x, used.weight, used.bias, opts);
+  Tensor out = autograd::kept_results("linear", [&] {
+    return std::vector<Tensor>{ops::linear(used.x, used.weight, used.bias, opts)};
+  })[0];
   record_linear<LinearBackward>(x, weight, bias, used, opts, out);
   return out;
 }
@@ -256,11 +259,16 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
                 const ops::MatmulOptions& opts, bool recompute_hidden) {
   LinearOperands up = product_operands("gemm", x, w1, b1);
   const bool record = autograd::should_record({&x, &w1, &b1, &w2, &b2});
-  Tensor pre_activation;
-  Tensor hidden = ops::linear(up.x, up.weight, up.bias, opts, ops::LinearActivation::kGelu,
-                              record ? &pre_activation : nullptr);
+  std::vector<Tensor> kept = autograd::kept_results("gelu_mlp", [&] {
+    Tensor pre;
+    Tensor h = ops::linear(up.x, up.weight, up.bias, opts, ops::LinearActivation::kGelu, record ? &pre : nullptr);
+    LinearOperands d = product_operands("gemm", h, w2, b2);
+    return std::vector<Tensor>{h, pre, ops::linear(d.x, d.weight, d.bias, opts)};
+  });
+  const Tensor& hidden = kept[0];
+  const Tensor& pre_activation = kept[1];
+  Tensor out = kept[2];
   LinearOperands down = product_operands("gemm", hidden, w2, b2);
-  Tensor out = ops::linear(down.x, down.weight, down.bias, opts);
   if (!record) return out;
   LOOM_REQUIRE(up.weight.dtype() == down.weight.dtype(), "gelu_mlp: the two products' dtypes differ (",
                dtype_name(up.weight.dtype()), ", ", dtype_name(down.weight.dtype()), ")");
@@ -288,9 +296,13 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, co
   LinearOperands used = product_operands("gemm", x, weight, bias);
   // The pre-activation is kept only when a gradient will need it.
   bool record = autograd::should_record({&x, &weight, &bias});
-  Tensor pre_activation;
-  Tensor out = ops::linear(used.x, used.weight, used.bias, opts, ops::LinearActivation::kGelu,
-                           record ? &pre_activation : nullptr);
+  std::vector<Tensor> kept = autograd::kept_results("linear_gelu", [&] {
+    Tensor pre;
+    Tensor o = ops::linear(used.x, used.weight, used.bias, opts, ops::LinearActivation::kGelu, record ? &pre : nullptr);
+    return std::vector<Tensor>{o, pre};
+  });
+  Tensor out = kept[0];
+  const Tensor& pre_activation = kept[1];
   if (record) {
     if (auto node = record_linear<LinearGeluBackward>(x, weight, bias, used, opts, out))
       node->pre_activation = pre_activation.detach();

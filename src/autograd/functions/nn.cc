@@ -3,6 +3,7 @@
 // main output is differentiable.
 #include "autograd/functions/grad_util.h"
 #include "loom/amp.h"
+#include "loom/autograd/checkpoint.h"
 #include "loom/functional.h"
 
 namespace loom {
@@ -230,7 +231,11 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                     std::optional<double> scale) {
   if (amp::should_cast("scaled_dot_product_attention", {&q, &k, &v}))
     return loom::scaled_dot_product_attention(amp::cast(q), amp::cast(k), amp::cast(v), causal, scale);
-  ops::AttentionResult r = ops::scaled_dot_product_attention(q, k, v, causal, scale);
+  std::vector<Tensor> kept = autograd::kept_results("scaled_dot_product_attention", [&] {
+    ops::AttentionResult a = ops::scaled_dot_product_attention(q, k, v, causal, scale);
+    return std::vector<Tensor>{a.out, a.lse};
+  });
+  ops::AttentionResult r{kept[0], kept[1]};
   if (auto node = autograd::make_node<AttentionBackward>({&q, &k, &v})) {
     node->q = q.detach();
     node->k = k.detach();

@@ -1,0 +1,40 @@
+// Activation checkpointing: a region of the forward (a transformer block) keeps only its inputs for the backward and
+// runs again there, trading compute for activation memory.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "loom/core/tensor.h"
+
+namespace loom::autograd {
+
+enum class Recompute {
+  kNone,       // keep every activation (no checkpointing)
+  kSelective,  // keep the results of the matrix products and attention, recompute the cheap rest (norms, adds,
+               // activations, rope, casts) in the backward
+  kFull,       // keep only the region's inputs; the whole region runs again in the backward
+};
+// "none", "selective" or "full"; throws naming the accepted values.
+Recompute recompute_from_name(const std::string& name);
+const char* recompute_name(Recompute r);
+
+using CheckpointFunction = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs)>;
+
+// outputs = fn(inputs), keeping for the backward only the inputs (and with kSelective the kept results), not the
+// activations inside fn. In the backward fn runs again on the saved inputs with the same random numbers (dropout
+// draws the same masks) and the same autocast state, and its gradients flow on: to the inputs and to every parameter
+// fn reads (their gradient hooks fire as in an ordinary backward). fn must compute the same thing when called
+// twice: the same ops in the same order. Without grad mode, or when no input and no parameter needs a gradient,
+// this is just fn(inputs). Undefined inputs are allowed (they get no gradient). With kNone, fn(inputs) as usual.
+std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<Tensor>& inputs,
+                               Recompute mode = Recompute::kFull);
+
+// For differentiable functions whose results are worth keeping under kSelective (the matrix products, attention,
+// tensor-parallel reductions): in a selective checkpoint's forward, runs `compute` and keeps what it returns; in its
+// recompute, returns what was kept instead of running `compute` again (the calls are matched in order, and checked
+// by shape and dtype). Anywhere else, compute().
+std::vector<Tensor> kept_results(const char* what, const std::function<std::vector<Tensor>()>& compute);
+
+}  // namespace loom::autograd
