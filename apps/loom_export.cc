@@ -1,15 +1,19 @@
-// loom-export: converts a Loom training checkpoint (or an llm.c GPT-2 model file) into an llm.c model file and/or
-// a safetensors file with Hugging Face names.
+// loom-export: converts a Loom training checkpoint (or an llm.c GPT-2 model file, or a Hugging Face model directory)
+// into an llm.c model file and/or a Hugging Face model directory that transformers' from_pretrained loads.
 //
-//   loom-export --checkpoint out/ckpt/step_000300.safetensors --llmc model.bin --dtype bf16 --hf model.safetensors
+//   loom-export --checkpoint out/ckpt/step_000300.safetensors --llmc model.bin --dtype bf16 --hf out/hf
 #include <CLI/CLI.hpp>
 
+#include <cctype>
+#include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
+#include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
@@ -18,80 +22,107 @@ namespace {
 
 using namespace loom;
 
-// A training checkpoint (Trainer::save_checkpoint): tensors "model.<name>", metadata "config" = ModelConfig JSON.
-std::shared_ptr<nn::LanguageModel> load_training_checkpoint(const std::string& path) {
-  io::SafetensorsFile file;
+// "5GB", "500MB", "2GiB", "123456" (bytes), as save_pretrained's max_shard_size: GB = 10^9, GiB = 2^30.
+int64_t parse_size(const std::string& text) {
+  size_t pos = 0;
+  double value = 0;
   try {
-    file = io::load_safetensors_file(path);
-  } catch (const Error& e) {
-    LOOM_THROW("'", path, "' is neither an llm.c model file nor a readable Loom checkpoint: ", e.what());
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
   }
-  auto config = file.metadata.find("config");
-  LOOM_REQUIRE(config != file.metadata.end(), "'", path,
-               "' has no \"config\" metadata: not a Loom training checkpoint (loom-train --checkpoint-dir writes "
-               "them) nor an llm.c model file");
-  nn::ModelConfig cfg;
-  try {
-    cfg = nn::ModelConfig::from_json(config->second);
-  } catch (const Error& e) {
-    LOOM_THROW("'", path, "': bad config metadata: ", e.what());
-  }
-  auto model = nn::make_model(cfg);
-  autograd::NoGradGuard no_grad;
-  for (auto& [name, p] : model->named_parameters()) {
-    auto it = file.tensors.find("model." + name);
-    LOOM_REQUIRE(it != file.tensors.end(), "'", path, "' lacks tensor 'model.", name, "' that its config (",
-                 cfg.describe(), ") needs");
-    LOOM_REQUIRE(it->second.shape() == p.shape(), "'", path, "': tensor 'model.", name, "' has shape ",
-                 shape_str(it->second.shape()), ", the config needs ", shape_str(p.shape()));
-    p.copy_from(it->second);
-  }
-  return model;
+  std::string unit = text.substr(pos);
+  for (auto& ch : unit) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  const struct {
+    const char* name;
+    double scale;
+  } units[] = {{"", 1},        {"B", 1},          {"KB", 1e3},        {"MB", 1e6},
+               {"GB", 1e9},    {"KIB", 1024.0},   {"MIB", 1048576.0}, {"GIB", 1073741824.0}};
+  for (const auto& u : units)
+    if (pos > 0 && unit == u.name && std::isfinite(value) && value * u.scale >= 1 && value * u.scale < 9e18)
+      return int64_t(value * u.scale);
+  LOOM_THROW("--max-shard-size: '", text, "' is not a size (bytes, or a number with KB, MB, GB, KiB, MiB or GiB)");
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"loom-export: write a Loom checkpoint as an llm.c GPT-2 model file and/or Hugging Face safetensors"};
-  std::string checkpoint, llmc_path, hf_path, dtype_name = "f32";
+  CLI::App app{"loom-export: write a Loom checkpoint as an llm.c GPT-2 model file and/or a Hugging Face model "
+               "directory"};
+  std::string checkpoint, llmc_path, hf_path, dtype_name = "f32", max_shard = "5GB";
+  std::vector<std::string> tokenizer_paths;
+  bool force = false;
   app.add_option("--checkpoint", checkpoint,
-                 "a Loom training checkpoint (step_NNNNNN.safetensors) or an llm.c GPT-2 model file (.bin)")
+                 "a Loom training checkpoint (step_NNNNNN.safetensors), an llm.c GPT-2 model file (.bin) or a Hugging "
+                 "Face model directory")
       ->required();
   app.add_option("--llmc", llmc_path, "write an llm.c model file (GPT-2 only; train_gpt2.c/.cu read it)");
-  app.add_option("--hf", hf_path, "write a safetensors file with Hugging Face parameter names");
+  app.add_option("--hf", hf_path,
+                 "write a Hugging Face model directory (config.json, generation_config.json, model.safetensors or "
+                 "shards with model.safetensors.index.json, tokenizer files) that transformers' from_pretrained "
+                 "loads; a name ending in .safetensors writes only the weights, as one file");
   app.add_option("--dtype", dtype_name, "parameter dtype of the outputs: f32 (llm.c version 3) or bf16 (version 5)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
+  app.add_option("--max-shard-size", max_shard,
+                 "--hf: weights above this size go into shards (bytes, or a number with KB, MB, GB, KiB, MiB, GiB)")
+      ->capture_default_str();
+  app.add_option("--tokenizer-path", tokenizer_paths,
+                 "--hf: GPT-2: the directory of encoder.json and vocab.bpe (default: $LOOM_CACHE_DIR/gpt2 or "
+                 "~/.cache/loom/gpt2); LLaMA: tokenizer files, or a directory of them, to copy (tokenizer.json, "
+                 "tokenizer_config.json, special_tokens_map.json, tokenizer.model)");
+  app.add_flag("--force", force, "--hf: write into a directory that already holds files");
   CLI11_PARSE(app, argc, argv);
   if (llmc_path.empty() && hf_path.empty()) {
-    std::cerr << "loom-export: error: nothing to write; give --llmc PATH and/or --hf PATH" << std::endl;
+    std::cerr << "loom-export: error: nothing to write; give --llmc PATH and/or --hf DIR" << std::endl;
     return 2;
   }
   try {
     const DType dtype = dtype_name == "bf16" ? kBF16 : kF32;
-    std::shared_ptr<nn::LanguageModel> model;
-    if (io::is_llmc_model_file(checkpoint)) {
-      model = nn::make_model(io::llmc_read_config(checkpoint));
-      io::load_llmc_model(checkpoint, *model);
-    } else {
-      model = load_training_checkpoint(checkpoint);
-    }
+    const int64_t shard_bytes = parse_size(max_shard);
+    namespace fs = std::filesystem;
+    for (const std::string& out : {llmc_path, hf_path})
+      LOOM_REQUIRE(out.empty() || fs::weakly_canonical(fs::absolute(out)) != fs::weakly_canonical(fs::absolute(checkpoint)),
+                   "'", out, "' is the input checkpoint itself: an export never writes onto its input");
+    const bool hf_single_file = ends_with(hf_path, ".safetensors");
+    io::HfExportOptions opts;
+    opts.dtype = dtype;
+    opts.max_shard_bytes = shard_bytes;
+    opts.force = force;
+    opts.inputs = {checkpoint};
+    if (!hf_path.empty() && !hf_single_file) io::check_hf_export_dir(hf_path, opts);  // before a long load
+    std::shared_ptr<nn::LanguageModel> model = io::load_model(checkpoint);
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
     if (!llmc_path.empty()) {
       io::save_llmc_model(llmc_path, *model, dtype);
       std::cout << "loom-export: wrote " << llmc_path << " (llm.c model, " << dtype_name << ")" << std::endl;
     }
-    if (!hf_path.empty()) {
+    if (!hf_path.empty() && hf_single_file) {  // the weights alone, as before directories
       io::TensorMap tensors;
       for (auto& [name, t] : model->hf_state_dict()) tensors[name] = t.to(dtype);
       io::save_safetensors(hf_path, tensors, {{"format", "pt"}});
       std::cout << "loom-export: wrote " << hf_path << " (Hugging Face names, " << dtype_name << ")" << std::endl;
+    } else if (!hf_path.empty()) {
+      if (model->config().family == nn::ModelFamily::kGPT2) {
+        LOOM_REQUIRE(tokenizer_paths.size() <= 1, "--tokenizer-path: a GPT-2 export takes one directory (of "
+                     "encoder.json and vocab.bpe), got ", tokenizer_paths.size(), " paths");
+        if (!tokenizer_paths.empty()) opts.gpt2_vocab_dir = tokenizer_paths[0];
+      } else {
+        opts.tokenizer_files = tokenizer_paths;
+        // A Hugging Face directory exported again keeps its tokenizer.
+        if (opts.tokenizer_files.empty() && io::is_hf_model_dir(checkpoint)) opts.tokenizer_files = {checkpoint};
+      }
+      io::HfExportResult r = io::save_hf_model_dir(hf_path, *model, opts);
+      std::cout << "loom-export: wrote " << hf_path << " (Hugging Face model directory, " << dtype_name << "):";
+      for (const auto& f : r.files) std::cout << " " << f;
+      std::cout << "\nloom-export: " << r.tokenizer_note << std::endl;
     }
-  } catch (const Error& e) {
-    std::cerr << "loom-export: error: " << e.what() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {  // a malformed checkpoint's metadata, a directory that cannot be made
+  } catch (const std::exception& e) {  // loom::Error, a malformed checkpoint's metadata, a directory that cannot be made
     std::cerr << "loom-export: error: " << e.what() << std::endl;
     return 1;
   }

@@ -14,6 +14,7 @@
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/io/atomic_file.h"
+#include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -138,15 +139,51 @@ std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir) {
   return model;
 }
 
-HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel& model,
-                                 const HfExportOptions& opts) {
-  LOOM_REQUIRE(opts.dtype == kF32 || opts.dtype == kBF16, "Hugging Face export: dtype ", dtype_name(opts.dtype),
-               " (f32 or bf16)");
-  LOOM_REQUIRE(opts.max_shard_bytes > 0, "Hugging Face export: the shard size limit must be positive");
-  LOOM_REQUIRE(!dir.empty(), "Hugging Face export: no output directory given");
-  const nn::ModelConfig& cfg = model.config();
-  const std::string config_json = cfg.to_hf_json(opts.dtype);  // first: a model HF cannot express writes nothing
+std::shared_ptr<nn::LanguageModel> load_model(const std::string& path) {
+  if (is_hf_model_dir(path)) return load_hf_model(path);
+  if (is_llmc_model_file(path)) {
+    auto model = nn::make_model(llmc_read_config(path));
+    load_llmc_model(path, *model);
+    return model;
+  }
+  std::error_code ec;
+  LOOM_REQUIRE(!fs::is_directory(path, ec), "'", path, "' is a directory without config.json: not a Hugging Face "
+               "model directory");
+  SafetensorsFile file;
+  try {
+    file = load_safetensors_file(path);
+  } catch (const Error& e) {
+    LOOM_THROW("'", path, "' is neither a Hugging Face model directory, an llm.c model file nor a readable Loom "
+               "checkpoint: ", e.what());
+  }
+  // A training checkpoint (Trainer::save_checkpoint): tensors "model.<name>", metadata "config" = ModelConfig JSON.
+  auto config = file.metadata.find("config");
+  LOOM_REQUIRE(config != file.metadata.end(), "'", path,
+               "' has no \"config\" metadata: not a Loom training checkpoint (loom-train --checkpoint-dir writes "
+               "them) nor an llm.c model file");
+  nn::ModelConfig cfg;
+  try {
+    cfg = nn::ModelConfig::from_json(config->second);
+  } catch (const Error& e) {
+    LOOM_THROW("'", path, "': bad config metadata: ", e.what());
+  }
+  auto model = nn::make_model(cfg);
+  autograd::NoGradGuard no_grad;
+  for (auto& [name, p] : model->named_parameters()) {
+    auto it = file.tensors.find("model." + name);
+    LOOM_REQUIRE(it != file.tensors.end(), "'", path, "' lacks tensor 'model.", name, "' that its config (",
+                 cfg.describe(), ") needs");
+    LOOM_REQUIRE(is_floating(it->second.dtype()), "'", path, "': tensor 'model.", name, "' has dtype ",
+                 dtype_name(it->second.dtype()), ", a weight must be floating point");
+    LOOM_REQUIRE(it->second.shape() == p.shape(), "'", path, "': tensor 'model.", name, "' has shape ",
+                 shape_str(it->second.shape()), ", the config needs ", shape_str(p.shape()));
+    p.copy_from(it->second);
+  }
+  return model;
+}
 
+void check_hf_export_dir(const std::string& dir, const HfExportOptions& opts) {
+  LOOM_REQUIRE(!dir.empty(), "Hugging Face export: no output directory given");
   // Never onto an input: the output is neither an input nor a directory above one.
   std::error_code ec;
   const fs::path out = fs::weakly_canonical(fs::absolute(dir), ec);
@@ -160,16 +197,27 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
   }
   if (fs::exists(dir, ec)) {
     LOOM_REQUIRE(fs::is_directory(dir, ec), "Hugging Face export: '", dir, "' exists and is not a directory");
-    if (!fs::is_empty(dir, ec)) {
-      LOOM_REQUIRE(opts.force, "Hugging Face export: '", dir, "' already holds files (pass --force to write over "
-                   "them)");
-      // Old weights would be read instead of, or mixed with, the new ones.
-      for (const auto& entry : fs::directory_iterator(dir)) {
-        const std::string name = entry.path().filename().string();
-        const bool shard = name.rfind("model-", 0) == 0 && name.size() > 12 &&
-                           name.compare(name.size() - 12, 12, ".safetensors") == 0;
-        if (name == kHfWeightsFile || name == kHfIndexFile || shard) fs::remove(entry.path());
-      }
+    LOOM_REQUIRE(opts.force || fs::is_empty(dir, ec), "Hugging Face export: '", dir,
+                 "' already holds files (pass --force to write over them)");
+  }
+}
+
+HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel& model,
+                                 const HfExportOptions& opts) {
+  LOOM_REQUIRE(opts.dtype == kF32 || opts.dtype == kBF16, "Hugging Face export: dtype ", dtype_name(opts.dtype),
+               " (f32 or bf16)");
+  LOOM_REQUIRE(opts.max_shard_bytes > 0, "Hugging Face export: the shard size limit must be positive");
+  const nn::ModelConfig& cfg = model.config();
+  const std::string config_json = cfg.to_hf_json(opts.dtype);  // first: a model HF cannot express writes nothing
+  check_hf_export_dir(dir, opts);
+  std::error_code ec;
+  if (fs::exists(dir, ec)) {
+    // Old weights would be read instead of, or mixed with, the new ones.
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      const bool shard = name.rfind("model-", 0) == 0 && name.size() > 12 &&
+                         name.compare(name.size() - 12, 12, ".safetensors") == 0;
+      if (name == kHfWeightsFile || name == kHfIndexFile || shard) fs::remove(entry.path());
     }
   } else {
     fs::create_directories(dir);

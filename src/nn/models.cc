@@ -1,4 +1,4 @@
-// GPT-2 and LLaMA-3 built from a ModelConfig, Hugging Face naming, and text generation.
+// GPT-2 and LLaMA-3 built from a ModelConfig, with Hugging Face naming.
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -331,53 +331,6 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg) {
   if (cfg.family == ModelFamily::kGPT2) return std::make_shared<GPT2>(cfg);
   return std::make_shared<Llama>(cfg);
-}
-
-std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
-  LOOM_REQUIRE(!prompt.empty(), "generate: the prompt is empty");
-  autograd::NoGradGuard ng;
-  bool was_training = model.is_training();
-  model.eval();
-  const ModelConfig& cfg = model.config();
-  Device device = model.parameters().front().device();
-  std::mt19937_64 rng(opts.seed);
-  std::vector<int32_t> tokens = prompt;
-  std::vector<KVCache> caches;
-  bool use_cache = opts.use_kv_cache;
-  size_t fed = 0;  // tokens already in the caches
-  for (int64_t step = 0; step < opts.max_new_tokens; ++step) {
-    if (int64_t(tokens.size()) >= cfg.max_seq_len) use_cache = false;  // past the context: slide a window instead
-    std::vector<int32_t> input;
-    if (use_cache) {
-      input.assign(tokens.begin() + int64_t(fed), tokens.end());
-    } else {
-      size_t start = tokens.size() > size_t(cfg.max_seq_len) ? tokens.size() - size_t(cfg.max_seq_len) : 0;
-      input.assign(tokens.begin() + int64_t(start), tokens.end());
-    }
-    Tensor idx = from_vector(input, {1, int64_t(input.size())}, device);
-    Tensor logits = model.forward(idx, use_cache ? &caches : nullptr);
-    fed = tokens.size();
-    Tensor last = ops::narrow(ops::select(ops::select(logits, 0, 0), 0, logits.size(1) - 1), 0, 0, cfg.vocab_size);
-    std::vector<double> l = to_vector<double>(last);
-    int32_t next = 0;
-    if (opts.temperature <= 0) {
-      next = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
-    } else {
-      std::vector<int32_t> order(l.size());
-      std::iota(order.begin(), order.end(), 0);
-      size_t k = opts.top_k > 0 ? std::min<size_t>(size_t(opts.top_k), l.size()) : l.size();
-      std::partial_sort(order.begin(), order.begin() + int64_t(k), order.end(),
-                        [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
-      double mx = l[size_t(order[0])];
-      std::vector<double> w(k);
-      for (size_t i = 0; i < k; ++i) w[i] = std::exp((l[size_t(order[i])] - mx) / opts.temperature);
-      std::discrete_distribution<size_t> dist(w.begin(), w.end());
-      next = order[dist(rng)];
-    }
-    tokens.push_back(next);
-  }
-  model.train(was_training);
-  return std::vector<int32_t>(tokens.begin() + int64_t(prompt.size()), tokens.end());
 }
 
 }  // namespace loom::nn

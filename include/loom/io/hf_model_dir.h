@@ -44,6 +44,11 @@ void load_hf_weights(const std::string& dir, nn::LanguageModel& model);
 // The model a directory describes, with its weights (f32, on the CPU).
 std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir);
 
+// The model a file or directory holds, whichever Loom reads: a Hugging Face model directory, an llm.c GPT-2 model
+// file (by its magic) or a Loom training checkpoint (safetensors with "model.<name>" tensors and the config in its
+// metadata). What loom-export and loom-generate take. Errors name the path and what it is not.
+std::shared_ptr<nn::LanguageModel> load_model(const std::string& path);
+
 struct HfExportOptions {
   DType dtype = kF32;                           // of the weights: f32 or bf16
   int64_t max_shard_bytes = int64_t(5) << 30;   // above this, shards plus an index (save_pretrained's 5 GB)
@@ -62,6 +67,10 @@ struct HfExportResult {
   std::vector<std::string> files;  // written, relative to the directory
   std::string tokenizer_note;      // what was done about the tokenizer, in a sentence
 };
+
+// What save_hf_model_dir checks of `dir` before writing, for callers that would rather fail before loading a
+// model: not an input nor a directory above one, and absent or empty unless opts.force.
+void check_hf_export_dir(const std::string& dir, const HfExportOptions& opts);
 
 // Writes `model` as a directory transformers' from_pretrained loads: config.json (ModelConfig::to_hf_json),
 // generation_config.json, the weights (vocabulary rows unpadded; one file, or shards and an index above

@@ -1,8 +1,10 @@
 // Language models built from a config: GPT-2 (and its dN depth family) and LLaMA-3, with text generation.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -106,12 +108,21 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
-  double temperature = 1.0;  // 0 = greedy
-  int64_t top_k = 0;         // 0 = whole vocabulary
+  double temperature = 1.0;  // 0 = greedy (the first most likely token, as argmax)
+  int64_t top_k = 0;         // keep the k most likely tokens; 0 = the whole vocabulary
+  double top_p = 1.0;        // then keep the fewest most likely tokens whose probability reaches top_p; 1 = all
   uint64_t seed = 1337;
   bool use_kv_cache = true;
+  // Called with each token as it is chosen (before the next forward); returning false stops generation there.
+  std::function<bool(int32_t)> on_token;
 };
-// Continues `prompt` (token ids). Runs without autograd and in eval mode (restoring the mode after).
+// Continues `prompt` (token ids) by up to max_new_tokens tokens, returned without the prompt. Runs without autograd
+// and in eval mode (restoring the mode after). Past the context it slides a window without the cache.
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts);
+
+// One token from `logits` (the real vocabulary) as generate chooses it: greedy at temperature <= 0, else softmax
+// at the temperature over the top_k, cut to top_p (Hugging Face's order: temperature, top-k, top-p), sampled with
+// `rng`. Ties are broken toward the lower id.
+int32_t sample_token(const std::vector<double>& logits, const GenerateOptions& opts, std::mt19937_64& rng);
 
 }  // namespace loom::nn

@@ -1,0 +1,212 @@
+// loom-generate: text from a trained model (a Loom checkpoint, a Hugging Face model directory or an llm.c model file),
+// streamed to stdout as it is made, with a KV cache; tokens/s to stderr at the end.
+//
+//   loom-generate --model out/run1/checkpoints/step_000300.safetensors --prompt "ROMEO:" --max-new-tokens 100
+//   echo "The meaning of life is" | loom-generate --model hf/Llama-3.2-1B --device cuda --dtype bf16 --top-p 0.9
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/common/error.h"
+#include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/tokenizer.h"
+#include "loom/io/hf_model_dir.h"
+#include "loom/io/safetensors.h"
+#include "loom/nn/model.h"
+
+namespace {
+
+using namespace loom;
+namespace fs = std::filesystem;
+
+std::string read_file(const std::string& path) {
+  std::error_code ec;
+  LOOM_REQUIRE(fs::is_regular_file(path, ec), "--prompt-file '", path, "' does not exist or is not a file");
+  std::ifstream f(path, std::ios::binary);
+  LOOM_REQUIRE(f.good(), "--prompt-file '", path, "' cannot be read");
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// "1, 2 3" -> {1, 2, 3}.
+std::vector<int32_t> parse_token_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::string s = text;
+  for (auto& ch : s)
+    if (ch == ',') ch = ' ';
+  std::istringstream in(s);
+  std::string word;
+  while (in >> word) {
+    size_t pos = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(word, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    LOOM_REQUIRE(pos == word.size() && v >= 0 && v <= INT32_MAX, "--prompt-tokens: '", word,
+                 "' is not a token id (a non-negative integer)");
+    ids.push_back(int32_t(v));
+  }
+  LOOM_REQUIRE(!ids.empty(), "--prompt-tokens: no token ids given");
+  return ids;
+}
+
+// The tokenizer as loom-train picks it (data::load_tokenizer: --tokenizer, else the model's family), looking first
+// in a Hugging Face directory for its own files: GPT-2's vocab.json and merges.txt (OpenAI's encoder.json and
+// vocab.bpe), LLaMA-3's tokenizer.model.
+std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, const nn::ModelConfig& cfg,
+                                                std::string name, std::string path) {
+  if (name.empty()) name = cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
+  if (path.empty() && io::is_hf_model_dir(model_path)) {
+    const fs::path dir(model_path);
+    std::error_code ec;
+    if (name == "gpt2" && fs::exists(dir / "vocab.json", ec) && fs::exists(dir / "merges.txt", ec))
+      return std::make_unique<data::GPT2Tokenizer>((dir / "vocab.json").string(), (dir / "merges.txt").string());
+    if (name == "llama3")
+      for (const char* f : {"original/tokenizer.model", "tokenizer.model"})
+        if (fs::exists(dir / f, ec)) path = (dir / f).string();
+  }
+  if (name == "llama3" && path.empty())
+    LOOM_THROW("a LLaMA-3 model needs Meta's tokenizer.model (--tokenizer-path; the directory has no "
+               "original/tokenizer.model), or give token ids with --prompt-tokens");
+  return data::load_tokenizer(name, path);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"loom-generate: text from a Loom checkpoint, a Hugging Face model directory or an llm.c model file"};
+  std::string model_path, prompt, prompt_file, prompt_tokens, device_name = "cpu", dtype_name = "f32";
+  std::string tokenizer_name, tokenizer_path, dump_logits;
+  nn::GenerateOptions g;
+  g.max_new_tokens = 128;
+  bool greedy = false, no_cache = false, print_tokens = false, no_echo = false;
+  app.add_option("-m,--model,--checkpoint", model_path,
+                 "a Loom training checkpoint (.safetensors), a Hugging Face model directory (config.json + "
+                 "safetensors) or an llm.c GPT-2 model file (.bin)")
+      ->required();
+  auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text (default: --prompt-file, else stdin)");
+  auto* f_opt = app.add_option("--prompt-file", prompt_file, "read the prompt from this file");
+  auto* t_opt = app.add_option("--prompt-tokens", prompt_tokens,
+                               "the prompt as token ids (\"1,2,3\"), no tokenizer needed; the output is then ids");
+  p_opt->excludes(f_opt)->excludes(t_opt);
+  f_opt->excludes(t_opt);
+  app.add_option("-n,--max-new-tokens", g.max_new_tokens, "tokens to generate")->capture_default_str();
+  app.add_option("--temperature", g.temperature, "sampling temperature (0: greedy)")->capture_default_str();
+  app.add_option("--top-k", g.top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
+  app.add_option("--top-p", g.top_p, "then among the fewest most likely tokens whose probability reaches p (1: all)")
+      ->capture_default_str();
+  app.add_option("--seed", g.seed, "random seed of the sampling")->capture_default_str();
+  app.add_flag("--greedy", greedy, "always take the most likely token (same as --temperature 0)");
+  app.add_flag("--no-kv-cache", no_cache, "recompute the whole sequence for every token (slow; for checking)");
+  app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--dtype", dtype_name, "weights: f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--tokenizer", tokenizer_name, "gpt2 or llama3 (default: the model's)")
+      ->check(CLI::IsMember({"gpt2", "llama3"}));
+  app.add_option("--tokenizer-path", tokenizer_path,
+                 "gpt2: the directory of encoder.json and vocab.bpe (default: a Hugging Face directory's vocab.json "
+                 "and merges.txt, else $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's tokenizer.model "
+                 "(default: a Hugging Face directory's original/tokenizer.model)");
+  app.add_flag("--print-tokens", print_tokens, "print the new token ids instead of text");
+  app.add_flag("--no-echo", no_echo, "print only the new text, not the prompt before it");
+  app.add_option("--dump-logits", dump_logits,
+                 "write the prompt's logits [T, vocab] (f32, safetensors tensor \"logits\") to this file first; for "
+                 "comparing with other implementations (tools/reference/hf_check.py)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    LOOM_REQUIRE(g.max_new_tokens >= 0, "--max-new-tokens must be at least 0, got ", g.max_new_tokens);
+    LOOM_REQUIRE(std::isfinite(g.temperature) && g.temperature >= 0, "--temperature must be a finite number >= 0, got ",
+                 g.temperature);
+    LOOM_REQUIRE(g.top_k >= 0, "--top-k must be at least 0, got ", g.top_k);
+    LOOM_REQUIRE(g.top_p > 0 && g.top_p <= 1, "--top-p must be in (0, 1], got ", g.top_p);
+    if (greedy) g.temperature = 0;
+    g.use_kv_cache = !no_cache;
+    const Device device = Device::parse(device_name);
+
+    std::shared_ptr<nn::LanguageModel> model = io::load_model(model_path);
+    const nn::ModelConfig& cfg = model->config();
+
+    std::vector<int32_t> ids;
+    std::unique_ptr<data::Tokenizer> tokenizer;
+    if (!prompt_tokens.empty()) {
+      ids = parse_token_ids(prompt_tokens);
+      print_tokens = true;
+    } else {
+      if (!prompt_file.empty()) prompt = read_file(prompt_file);
+      else if (p_opt->count() == 0) prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
+      tokenizer = find_tokenizer(model_path, cfg, tokenizer_name, tokenizer_path);
+      LOOM_REQUIRE(tokenizer->vocab_size() <= cfg.vocab_size, "the ", tokenizer->name(), " tokenizer's ",
+                   tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ", cfg.vocab_size,
+                   " (--tokenizer/--tokenizer-path do not match the model)");
+      ids = tokenizer->encode(prompt);
+      // LLaMA-3 prompts open with <|begin_of_text|>, as Hugging Face's tokenizer adds it; an empty GPT-2 prompt
+      // starts from <|endoftext|>, the token in front of every training document.
+      if (tokenizer->name() == "llama3" || ids.empty()) ids.insert(ids.begin(), tokenizer->document_token());
+    }
+    for (int32_t t : ids)
+      LOOM_REQUIRE(t < cfg.vocab_size, "prompt token ", t, " is outside the model's vocabulary of ", cfg.vocab_size);
+    LOOM_REQUIRE(int64_t(ids.size()) < cfg.max_seq_len, "the prompt's ", ids.size(),
+                 " tokens fill the model's context of ", cfg.max_seq_len);
+
+    model->to(device);
+    if (dtype_name == "bf16") model->to(kBF16);  // parameters only: the rope tables stay f32
+    std::fprintf(stderr, "loom-generate: %s: %s, %s %s\n", model_path.c_str(), cfg.describe().c_str(),
+                 device.str().c_str(), dtype_name.c_str());
+
+    if (!dump_logits.empty()) {  // one forward over the prompt, without the cache
+      autograd::NoGradGuard ng;
+      model->eval();
+      Tensor logits = model->forward(from_vector(ids, {1, int64_t(ids.size())}, device));
+      logits = ops::narrow(ops::select(logits, 0, 0), 1, 0, cfg.vocab_size).to(kF32);
+      io::save_safetensors(dump_logits, {{"logits", logits}});
+    }
+    if (!no_echo && !print_tokens) {
+      std::cout << prompt;
+      std::cout.flush();
+    }
+    int64_t made = 0;
+    std::vector<int32_t> out;
+    const auto start = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::time_point first;
+    g.on_token = [&](int32_t t) {
+      if (made++ == 0) first = std::chrono::steady_clock::now();
+      if (print_tokens) {
+        std::cout << (made > 1 ? " " : "") << t;
+      } else {
+        const int32_t one[1] = {t};
+        std::cout << tokenizer->decode(one);
+      }
+      std::cout.flush();
+      return true;
+    };
+    nn::generate(*model, ids, g);
+    const auto end = std::chrono::steady_clock::now();
+    std::cout << std::endl;
+    const double total_s = std::chrono::duration<double>(end - start).count();
+    const double prefill_s = made > 0 ? std::chrono::duration<double>(first - start).count() : total_s;
+    const double decode_s = total_s - prefill_s;
+    std::fprintf(stderr,
+                 "loom-generate: %lld prompt tokens, %lld new tokens in %.3f s (first token %.3f s; %.1f tokens/s "
+                 "after it)\n",
+                 (long long)ids.size(), (long long)made, total_s, prefill_s,
+                 made > 1 && decode_s > 0 ? double(made - 1) / decode_s : 0.0);
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "loom-generate: error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
