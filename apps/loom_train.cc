@@ -73,7 +73,11 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str();
-  app.add_flag("--zero1", o.zero1, "shard AdamW state across data-parallel ranks (ZeRO-1)");
+  app.add_option("--zero", o.zero_stage,
+                 "ZeRO stage over data-parallel ranks: 1 shards AdamW state, 2 also gradients, 3 also parameters "
+                 "(gathered block by block; with --recompute for the memory)")
+      ->check(CLI::Range(0, 3))->capture_default_str();
+  app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1");
   app.add_option("--recompute", o.recompute,
                  "activation checkpointing per block: none, selective (keep matrix products and attention, recompute "
                  "the rest) or full (keep only each block's input)")

@@ -151,21 +151,25 @@ class NcclProcessGroup final : public ProcessGroup {
     });
   }
   void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op) override {
+    reduce_scatter_async(input, output, op)->wait();
+  }
+  std::shared_ptr<Work> reduce_scatter_async(const Tensor& input, Tensor& output, ReduceOp op) override {
     Tensor in = cuda_flat(input, "reduce_scatter"), out = cuda_flat(output, "reduce_scatter");
     LOOM_REQUIRE(in.dtype() == out.dtype() && in.numel() == out.numel() * size(), "reduce_scatter: input ",
                  describe(input), " must hold ", size(), " x the output ", describe(output));
-    enqueue("reduce_scatter", out, [&](cudaStream_t s) {
+    return enqueue("reduce_scatter", out, [&](cudaStream_t s) {
       return ncclReduceScatter(in.data(), out.data(), size_t(out.numel()), nccl_type(in, "reduce_scatter"),
                                nccl_op(op), comm_->comm, s);
-    }, in)->wait();
+    }, in);
   }
-  void all_gather(const Tensor& input, Tensor& output) override {
+  void all_gather(const Tensor& input, Tensor& output) override { all_gather_async(input, output)->wait(); }
+  std::shared_ptr<Work> all_gather_async(const Tensor& input, Tensor& output) override {
     Tensor in = cuda_flat(input, "all_gather"), out = cuda_flat(output, "all_gather");
     LOOM_REQUIRE(in.dtype() == out.dtype() && out.numel() == in.numel() * size(), "all_gather: output ",
                  describe(output), " must hold ", size(), " x the input ", describe(input));
-    enqueue("all_gather", out, [&](cudaStream_t s) {
+    return enqueue("all_gather", out, [&](cudaStream_t s) {
       return ncclAllGather(in.data(), out.data(), in.nbytes(), ncclUint8, comm_->comm, s);
-    }, in)->wait();
+    }, in);
   }
   void broadcast(Tensor& tensor, int root) override {
     Tensor t = cuda_flat(tensor, "broadcast");

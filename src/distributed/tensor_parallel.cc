@@ -321,6 +321,16 @@ const ParameterSplit& TensorParallelPlan::split_of(const std::string& name) cons
   return it == splits_.end() ? kWhole : it->second;
 }
 
+Tensor TensorParallelPlan::full_of(const std::string& name, const Tensor& local) const {
+  const ParameterSplit& split = split_of(name);
+  return split.sharded ? unshard_tensor(local.detach(), split, *group_) : local.detach();
+}
+
+Tensor TensorParallelPlan::local_of(const std::string& name, const Tensor& full) const {
+  const ParameterSplit& split = split_of(name);
+  return split.sharded ? shard_tensor(full, split, group_->rank(), group_->size()) : full;
+}
+
 std::vector<bool> TensorParallelPlan::sharded_mask() const {
   std::vector<bool> out;
   for (auto& [name, p] : model_.named_parameters()) out.push_back(split_of(name).sharded);

@@ -43,6 +43,29 @@ Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
+std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, std::vector<KVCache>* caches,
+                                                    const BlockFunction& block) {
+  Tensor pending;
+  for (size_t i = 0; i < size_t(cfg_.n_layer); ++i) {
+    if (hooks_) hooks_->before_block(i);
+    std::vector<Tensor> out;
+    if (caches) {  // generation: nothing to recompute
+      auto [stream, o] = block(i, x, pending, &(*caches)[i]);
+      out = {stream, o};
+    } else {
+      auto run = [block, i](const std::vector<Tensor>& in) {
+        auto [stream, o] = block(i, in[0], in[1], nullptr);
+        return std::vector<Tensor>{stream, o};
+      };
+      out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
+    }
+    if (hooks_) out = hooks_->after_block(i, std::move(out));
+    x = out[0];
+    pending = out[1];
+  }
+  return {x, pending};
+}
+
 namespace {
 
 // Children named "0", "1", ... so parameters read "h.3.attn.c_attn.weight".
@@ -88,12 +111,13 @@ class GPT2 final : public LanguageModel {
     wte = register_module("wte", std::make_shared<Embedding>(c.padded_vocab_size, c.n_embd));
     wpe = register_module("wpe", std::make_shared<Embedding>(c.max_seq_len, c.n_embd));
     h = register_module("h", std::make_shared<ModuleList>());
-    for (int64_t i = 0; i < c.n_layer; ++i) blocks.push_back(h->push_back(std::make_shared<GPT2Block>(c)));
+    for (int64_t i = 0; i < c.n_layer; ++i) blocks_.push_back(h->push_back(std::make_shared<GPT2Block>(c)));
     ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.norm_eps));
   }
 
   const Tensor& classifier_weight() const override { return wte->weight; }  // tied
   Embedding& token_embedding() override { return *wte; }
+  std::vector<std::shared_ptr<Module>> blocks() const override { return {blocks_.begin(), blocks_.end()}; }
 
   Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
     LOOM_REQUIRE(idx.dim() == 2, "GPT2: expected token ids [B, T], got ", describe(idx));
@@ -103,22 +127,14 @@ class GPT2 final : public LanguageModel {
                  cfg_.max_seq_len);
     if (caches) caches->resize(size_t(cfg_.n_layer));
     Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
+    begin_forward();
     Tensor x = add(wte->forward(idx), wpe->forward(pos));
     x = dropout(x, cfg_.dropout, is_training());
     Tensor pending;  // the last block's output, added to the stream inside the next norm
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      if (caches) {
-        std::tie(x, pending) = blocks[i]->forward(x, pending, cfg_.dropout, &(*caches)[i]);
-        continue;
-      }
-      auto run = [block = blocks[i], p_drop = cfg_.dropout](const std::vector<Tensor>& in) {
-        auto [stream, out] = block->forward(in[0], in[1], p_drop, nullptr);
-        return std::vector<Tensor>{stream, out};
-      };
-      std::vector<Tensor> out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
-      x = out[0];
-      pending = out[1];
-    }
+    std::tie(x, pending) = run_blocks(
+        x, caches, [blocks = blocks_, p_drop = cfg_.dropout](size_t i, const Tensor& in, const Tensor& pend, KVCache* c) {
+          return blocks[i]->forward(in, pend, p_drop, c);
+        });
     return residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
   }
 
@@ -176,7 +192,7 @@ class GPT2 final : public LanguageModel {
 
   std::shared_ptr<Embedding> wte, wpe;
   std::shared_ptr<ModuleList> h;
-  std::vector<std::shared_ptr<GPT2Block>> blocks;
+  std::vector<std::shared_ptr<GPT2Block>> blocks_;
   std::shared_ptr<LayerNorm> ln_f;
 
  private:
@@ -244,6 +260,9 @@ class Llama final : public LanguageModel {
   }
   Embedding& token_embedding() override { return *model->embed_tokens; }
   Linear* lm_head() override { return lm_head_.get(); }
+  std::vector<std::shared_ptr<Module>> blocks() const override {
+    return {model->blocks.begin(), model->blocks.end()};
+  }
 
   Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
     LOOM_REQUIRE(idx.dim() == 2, "Llama: expected token ids [B, T], got ", describe(idx));
@@ -251,21 +270,14 @@ class Llama final : public LanguageModel {
     LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "Llama: sequence length ", past + idx.size(1),
                  " exceeds the model's context ", cfg_.max_seq_len);
     if (caches) caches->resize(size_t(cfg_.n_layer));
+    begin_forward();
     Tensor x = model->embed_tokens->forward(idx);
     Tensor pending;
-    for (size_t i = 0; i < model->blocks.size(); ++i) {
-      if (caches) {
-        std::tie(x, pending) = model->blocks[i]->forward(x, pending, rope_cos, rope_sin, &(*caches)[i]);
-        continue;
-      }
-      auto run = [block = model->blocks[i], cos = rope_cos, sin = rope_sin](const std::vector<Tensor>& in) {
-        auto [stream, out] = block->forward(in[0], in[1], cos, sin, nullptr);
-        return std::vector<Tensor>{stream, out};
-      };
-      std::vector<Tensor> out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
-      x = out[0];
-      pending = out[1];
-    }
+    std::tie(x, pending) = run_blocks(x, caches,
+                                      [blocks = model->blocks, cos = rope_cos, sin = rope_sin](
+                                          size_t i, const Tensor& in, const Tensor& pend, KVCache* c) {
+                                        return blocks[i]->forward(in, pend, cos, sin, c);
+                                      });
     return residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
   }
 

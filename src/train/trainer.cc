@@ -20,6 +20,7 @@
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
 #include "loom/distributed/ddp.h"
+#include "loom/distributed/fsdp.h"
 #include "loom/distributed/process_group.h"
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/io/atomic_file.h"
@@ -117,10 +118,15 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   cfg.recompute_mlp = opts_.recompute_mlp;
   cfg.recompute = autograd::recompute_from_name(opts_.recompute);
   // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
+  const int64_t launch_world = opts_.process_group            ? opts_.process_group->size()
+                               : distributed::detect_launch() ? distributed::detect_launch()->world_size
+                                                              : 1;
   const MemoryEstimate memory =
-      estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, 1,
-                                std::max<int64_t>(1, opts_.tensor_parallel), opts_.zero1 ? 1 : 0,
-                                opts_.recompute_mlp ? "selective" : "none"});
+      estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_,
+                                std::max<int64_t>(1, launch_world / std::max<int64_t>(1, opts_.tensor_parallel)),
+                                std::max<int64_t>(1, opts_.tensor_parallel), int(opts_.zero_stage),
+                                opts_.recompute != "none" ? opts_.recompute
+                                                          : opts_.recompute_mlp ? "selective" : "none"});
   check_model_state_fits(memory, device_);
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
@@ -202,22 +208,39 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   ao.beta1 = opts_.beta1;
   ao.beta2 = opts_.beta2;
   ao.eps = opts_.eps;
-  optimizer_ = std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
-  if (tp_plan_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
-    std::vector<bool> sharded = tp_plan_->sharded_mask();
-    std::map<const TensorImpl*, double> weight_of;
-    auto named = model_->named_parameters();
-    for (size_t i = 0; i < named.size(); ++i)
-      weight_of[&named[i].second.impl()] = sharded[i] ? 1.0 : 1.0 / double(tp_group_->size());
-    for (const Tensor& p : optimizer_->parameters()) norm_weights_.push_back(weight_of.at(&p.impl()));
-  }
   LOOM_REQUIRE(opts_.reduce_dtype == "f32" || opts_.reduce_dtype == "bf16", "loom-train: --reduce-dtype must be f32 or "
                "bf16, got ", opts_.reduce_dtype);
-  if (opts_.zero1) {
+  LOOM_REQUIRE(opts_.zero_stage >= 0 && opts_.zero_stage <= 3, "loom-train: --zero must be 0, 1, 2 or 3, got ",
+               opts_.zero_stage);
+  if (opts_.zero_stage >= 2) {  // the optimizer updates this rank's shards of each block and of the rest
+    distributed::FSDPOptions fo;
+    fo.stage = int(opts_.zero_stage);
+    fo.param_dtype = opts_.zero_stage == 3 ? autocast_dtype_ : kF32;  // gather the blocks' matrices as computed
+    fo.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
+    fsdp_ = std::make_unique<distributed::FullyShardedDataParallel>(*model_, dp_group_, fo);
+    optimizer_ = std::make_unique<optim::AdamW>(fsdp_->param_groups(opts_.weight_decay), ao);
+  } else {
+    optimizer_ =
+        std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
+  }
+  if (tp_plan_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
+    std::vector<bool> sharded = tp_plan_->sharded_mask();
+    std::vector<double> per_named;
+    for (bool sh : sharded) per_named.push_back(sh ? 1.0 : 1.0 / double(tp_group_->size()));
+    if (fsdp_) {
+      fsdp_->set_norm_weights(per_named, world_);
+    } else {
+      std::map<const TensorImpl*, double> weight_of;
+      auto named = model_->named_parameters();
+      for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = per_named[i];
+      for (const Tensor& p : optimizer_->parameters()) norm_weights_.push_back(weight_of.at(&p.impl()));
+    }
+  }
+  if (opts_.zero_stage == 1) {
     zero_ = std::make_unique<distributed::ZeroAdamW>(optim::adamw_param_groups(model_->named_parameters(),
                                                                                 opts_.weight_decay), ao, dp_group_);
     if (tp_plan_) zero_->set_norm_reduction(norm_weights_, world_);
-  } else if (dp > 1) {
+  } else if (dp > 1 && !fsdp_) {
     distributed::DDPOptions ddp_options;
     ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
     ddp_options.bucket_bytes = size_t(opts_.bucket_mb * double(1 << 20));
@@ -264,6 +287,10 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
               << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
               << "memory (estimate): " << memory.str() << "\n";
+    if (world_->size() > 1 || opts_.zero_stage > 0 || opts_.recompute != "none")
+      std::cout << "layout: world " << world_->size() << " = data-parallel " << dp << " x tensor-parallel "
+                << tp_group_->size() << ", ZeRO stage " << opts_.zero_stage << ", recompute " << opts_.recompute
+                << "\n";
     if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
     std::cout.flush();
   }
@@ -282,6 +309,7 @@ StepStats Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
   model_->train(true);
   optimizer_->zero_grad();
+  if (fsdp_) fsdp_->zero_grad();
   Tensor loss_sum;  // stays on the device until the step is queued: reading it each micro-step would stall the GPU
   for (int64_t micro = 0; micro < grad_accum_; ++micro) {
     data::Batch batch = train_loader_->next();
@@ -300,7 +328,13 @@ StepStats Trainer::train_step() {
   if (ddp_) ddp_->finish();
   StepStats s;
   s.lr = logs_->schedule->lr(step_);
-  if (zero_) {
+  if (fsdp_) {
+    fsdp_->finish();
+    s.grad_norm = fsdp_->clip_grad_norm(opts_.clip);
+    optimizer_->set_lr(s.lr);
+    optimizer_->step();
+    fsdp_->after_step();
+  } else if (zero_) {
     zero_->set_lr(s.lr);
     s.grad_norm = zero_->step(opts_.clip);
   } else {
@@ -341,7 +375,7 @@ double Trainer::evaluate(int64_t batches) {
 
 std::string Trainer::sample(int64_t tokens) {
   if (tokens <= 0) return "";  // --sample-tokens 0: no samples
-  if (!is_rank0_ && !tp_plan_) return "";  // with TP every rank takes part in generation
+  if (!is_rank0_ && !tp_plan_ && !fsdp_) return "";  // split or sharded: every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
       logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name);
@@ -500,10 +534,10 @@ void Trainer::save_checkpoint(const std::string& path) {
   io::TensorMap tensors;
   // Distributed: rank 0 writes the (full) model; optimizer state that differs between ranks (ZeRO shards, TP shards)
   // goes to one file per rank beside it.
-  auto model_params = tp_plan_ ? tp_plan_->full_named_parameters() : model_->named_parameters();  // collective
+  auto model_params = full_parameters();  // collective
   for (auto& [name, p] : model_params) tensors["model." + name] = p.detach().to(Device());
   optim::OptimizerState optim_state = zero_ ? zero_->state_dict() : optimizer_->state_dict();
-  bool optimizer_per_rank = zero_ || tp_plan_;
+  bool optimizer_per_rank = zero_ || tp_plan_ || fsdp_;
   if (optimizer_per_rank) {
     io::TensorMap shard;
     for (auto& [name, t] : optim_state) shard["optim." + name] = t.to(Device());
@@ -526,6 +560,26 @@ void Trainer::save_checkpoint(const std::string& path) {
     io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
   }
   if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
+}
+
+std::vector<std::pair<std::string, Tensor>> Trainer::full_parameters() const {
+  std::vector<std::pair<std::string, Tensor>> local = fsdp_ ? fsdp_->full_named_parameters() : model_->named_parameters();
+  if (!tp_plan_) return local;
+  for (auto& [name, t] : local) t = tp_plan_->full_of(name, t);
+  return local;
+}
+
+void Trainer::load_full_parameters(const std::vector<std::pair<std::string, Tensor>>& full) {
+  autograd::NoGradGuard ng;
+  std::vector<std::pair<std::string, Tensor>> local = full;
+  if (tp_plan_)
+    for (auto& [name, t] : local) t = tp_plan_->local_of(name, t);
+  if (fsdp_) {
+    fsdp_->load_full_named_parameters(local);
+    return;
+  }
+  std::map<std::string, Tensor> by_name(local.begin(), local.end());
+  for (auto& [name, p] : model_->named_parameters()) p.copy_from(by_name.at(name));
 }
 
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path) {
@@ -561,10 +615,10 @@ void Trainer::load_checkpoint(const std::string& path) {
   const CheckpointState st = parse_checkpoint_state(state_it->second, path);
   LOOM_REQUIRE(st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
-  auto model_params = tp_plan_ ? tp_plan_->full_named_parameters() : model_->named_parameters();
+  auto model_params = full_parameters();  // collective
   std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
   optim::OptimizerState state;
-  if (zero_ || tp_plan_) {
+  if (zero_ || tp_plan_ || fsdp_) {
     io::SafetensorsFile shard = io::load_safetensors_file(optimizer_shard_path(path));
     for (auto& [name, t] : shard.tensors)
       if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
@@ -573,13 +627,9 @@ void Trainer::load_checkpoint(const std::string& path) {
       if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
   }
   train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
-  if (tp_plan_) {
-    std::vector<std::pair<std::string, Tensor>> loaded_full;
-    for (size_t i = 0; i < model_params.size(); ++i) loaded_full.emplace_back(model_params[i].first, weights[i]);
-    tp_plan_->load_full_named_parameters(loaded_full);
-  } else {
-    for (size_t i = 0; i < model_params.size(); ++i) model_params[i].second.copy_from(weights[i]);
-  }
+  std::vector<std::pair<std::string, Tensor>> loaded;
+  for (size_t i = 0; i < model_params.size(); ++i) loaded.emplace_back(model_params[i].first, weights[i]);
+  load_full_parameters(loaded);
   if (zero_) zero_->load_state_dict(state);
   else optimizer_->load_state_dict(state);
   step_ = st.step;

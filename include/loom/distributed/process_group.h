@@ -41,6 +41,11 @@ class ProcessGroup {
   virtual void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op = ReduceOp::kSum) = 0;
   // output: size() * input.numel() elements; chunk r is rank r's input.
   virtual void all_gather(const Tensor& input, Tensor& output) = 0;
+  // The same, returning at once (NCCL: on the communication stream, overlapping compute; the input is kept alive
+  // until it is done). The result may be read after wait(). Backends without asynchronous forms finish before
+  // returning.
+  virtual std::shared_ptr<Work> all_gather_async(const Tensor& input, Tensor& output);
+  virtual std::shared_ptr<Work> reduce_scatter_async(const Tensor& input, Tensor& output, ReduceOp op = ReduceOp::kSum);
   virtual void broadcast(Tensor& tensor, int root) = 0;
   virtual void send(const Tensor& tensor, int dst) = 0;
   virtual void recv(Tensor& tensor, int src) = 0;

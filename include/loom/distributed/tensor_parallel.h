@@ -56,6 +56,10 @@ class TensorParallelPlan {
   // Per parameter, in named_parameters order: whether it is split across the group (else replicated).
   std::vector<bool> sharded_mask() const;
   const ParameterSplit& split_of(const std::string& name) const;
+  // One parameter's full value from this rank's piece of it (gathered; collective), and this rank's piece of a full
+  // value. Parameters that are not split pass through.
+  Tensor full_of(const std::string& name, const Tensor& local) const;
+  Tensor local_of(const std::string& name, const Tensor& full) const;
   // The full parameters by the single-rank model's names and shapes (gathered; collective).
   std::vector<std::pair<std::string, Tensor>> full_named_parameters() const;
   // Every rank passes the same full tensors and keeps its shards.

@@ -63,6 +63,17 @@ struct ModelConfig {
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
 
+// What a parallelization plan does around a model's blocks: FSDP gathers a block's parameters before it runs and
+// frees them after, and has them gathered again when the backward reaches the block. nn names only this interface.
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  virtual void before_forward() {}  // before the embedding
+  virtual void before_block(size_t /*index*/) {}
+  // The block's outputs, possibly rewired (a node that runs when their gradients arrive).
+  virtual std::vector<Tensor> after_block(size_t /*index*/, std::vector<Tensor> outputs) { return outputs; }
+};
+
 class LanguageModel : public Module {
  public:
   explicit LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {}
@@ -95,13 +106,31 @@ class LanguageModel : public Module {
   virtual std::vector<std::pair<std::string, Tensor>> hf_state_dict() const;
   virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
+  // The transformer blocks, in order (what plans shard, gather or place by block).
+  virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
+
   // Set by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has split the model's layers.
   void set_tensor_parallel(std::shared_ptr<const TensorParallelRegion> region) { tp_ = std::move(region); }
   const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
+  // Set by a plan that acts around the blocks (loom/distributed/fsdp.h).
+  void set_block_hooks(std::shared_ptr<BlockHooks> hooks) { hooks_ = std::move(hooks); }
+  BlockHooks* block_hooks() const { return hooks_.get(); }
 
  protected:
+  // One block: (stream, pending) in -> (stream, pending) out (see GPT2Block::forward). Must capture by value: with
+  // recomputation it runs again in the backward.
+  using BlockFunction =
+      std::function<std::pair<Tensor, Tensor>(size_t index, const Tensor& x, const Tensor& pending, KVCache* cache)>;
+  // Runs every block over the stream x, with the hooks and the checkpointing (cfg_.recompute) of the training
+  // setup; returns the last (stream, pending). Call begin_forward() before the embedding.
+  std::pair<Tensor, Tensor> run_blocks(Tensor x, std::vector<KVCache>* caches, const BlockFunction& block);
+  void begin_forward() {
+    if (hooks_) hooks_->before_forward();
+  }
+
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
+  std::shared_ptr<BlockHooks> hooks_;
 };
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);

@@ -22,6 +22,7 @@ namespace loom::distributed {
 class ProcessGroup;
 class DistributedDataParallel;
 class ZeroAdamW;
+class FullyShardedDataParallel;
 class TensorParallelPlan;
 }
 
@@ -74,7 +75,10 @@ struct TrainOptions {
   // trainer joins the world by itself; the world splits into tensor_parallel x data-parallel ranks. total_batch_tokens
   // counts the whole world's tokens per step.
   int64_t tensor_parallel = 1;       // TP degree (GPT-2, LLaMA-3); ranks r and r+1.. of one TP group are adjacent
-  bool zero1 = false;                // shard AdamW state across data-parallel ranks (ZeRO-1)
+  // ZeRO stage over the data-parallel ranks: 0 none (DDP), 1 AdamW state sharded, 2 gradients too (reduce-scattered
+  // block by block in the backward), 3 parameters too (gathered block by block, in the autocast dtype; see
+  // loom/distributed/fsdp.h).
+  int64_t zero_stage = 0;
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string recompute = "none";   // activation checkpointing per block: none, selective or full
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
@@ -148,6 +152,10 @@ class Trainer {
   std::shared_ptr<distributed::TensorParallelPlan> tp_plan_;  // how the model is split, with --tp
   std::unique_ptr<distributed::DistributedDataParallel> ddp_;
   std::unique_ptr<distributed::ZeroAdamW> zero_;
+  std::unique_ptr<distributed::FullyShardedDataParallel> fsdp_;  // ZeRO-2/3
+  // The whole model's parameters by name (gathered over TP and FSDP; collective), and the reverse.
+  std::vector<std::pair<std::string, Tensor>> full_parameters() const;
+  void load_full_parameters(const std::vector<std::pair<std::string, Tensor>>& full);
   bool is_rank0_ = true;
   std::vector<double> norm_weights_;  // per optimizer parameter, with TP (see clip_grad_norm_distributed)
   double all_ranks_mean(double local);  // averaged over data-parallel ranks

@@ -1,0 +1,75 @@
+// ZeRO-2 and ZeRO-3 (fully sharded data parallelism) as a plan over the one model definition, by block.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/distributed/process_group.h"
+#include "loom/nn/model.h"
+#include "loom/optim/optimizer.h"
+
+namespace loom::distributed {
+
+struct FSDPOptions {
+  // 2: parameters stay whole on every rank; gradients are reduce-scattered block by block during the backward and
+  //    each rank keeps (and updates) its shard of them; the updated shards are all-gathered after the step.
+  // 3: parameters are sharded too: a block's parameters are all-gathered just before it runs (the next block's
+  //    prefetched while it does), freed after it, and gathered again when the backward reaches it.
+  int stage = 3;
+  // Stage 3: the dtype the blocks' matrices are gathered and computed in (bf16 under bf16 autocast: half the traffic
+  // and memory). Norm weights, biases, embeddings and the classifier are gathered in f32.
+  DType param_dtype = kF32;
+  DType reduce_dtype = kF32;  // gradients are reduce-scattered (averaged) in this dtype
+};
+
+// Wraps `model` (built by nn::make_model, possibly split by a tensor-parallel plan first) over the data-parallel
+// group `group`. Each block is a unit, everything else (embeddings, final norm, classifier) the root unit. A unit's
+// parameters are laid out flat, matrices and vectors apart, padded to a multiple of the group size; rank r owns the
+// r-th equal piece of each: its f32 master shard, a leaf whose .grad() receives the averaged gradient of those
+// elements. The optimizer updates the shards (param_groups()). Usage per step:
+//   fsdp.zero_grad();  for each micro-batch: { loss = model.forward_loss(x, y); loss.backward(); }
+//   fsdp.finish();  norm = fsdp.clip_grad_norm(max);  optimizer.step();  fsdp.after_step();
+// Gives the parameters of AdamW on the averaged gradients of the global batch, as DDP does. The model must outlive
+// this object; the model's own parameters are views of gathered buffers (stage 3: only while gathered).
+class FullyShardedDataParallel {
+ public:
+  FullyShardedDataParallel(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // The shards in two groups for AdamW: matrices (weight-decayed) and vectors (not), as nanoGPT splits them.
+  std::vector<optim::ParamGroup> param_groups(double weight_decay) const;
+  // After the last micro-batch's backward: reduces what the backward left (the root unit, any parameter that got no
+  // gradient counts as zero) and waits for every reduce-scatter; the shards' gradients are then complete.
+  void finish();
+  // The global L2 norm of the gradients (each element once: per parameter weight as clip_grad_norm_distributed's,
+  // summed over `norm_group`, by default the data-parallel group), clipped to max_norm when positive.
+  double clip_grad_norm(double max_norm);
+  void set_norm_weights(std::vector<double> per_named_parameter, std::shared_ptr<ProcessGroup> norm_group);
+  // After the optimizer updated the shards: stage 2 all-gathers them into the parameters; stage 3 has nothing to do
+  // (the next forward gathers the updated values).
+  void after_step();
+  void zero_grad();
+
+  // The whole model's parameters by name (gathered, f32; collective), and the reverse: every rank passes the same full
+  // tensors and keeps its shards. For checkpoints and export.
+  std::vector<std::pair<std::string, Tensor>> full_named_parameters() const;
+  void load_full_named_parameters(const std::vector<std::pair<std::string, Tensor>>& tensors);
+
+  int stage() const;
+  // Bytes of this rank's f32 shards (parameters; the optimizer keeps two more of each for AdamW).
+  int64_t shard_bytes() const;
+  // How many block units were gathered ahead (prefetched) in the last forward and backward: overlap.
+  int64_t prefetches() const;
+
+  struct Impl;  // defined in fsdp.cc (the model's block hooks hold it too)
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace loom::distributed

@@ -1,0 +1,450 @@
+// ZeRO-2/3: flat per-unit shards, block-by-block gathers with prefetch, reduce-scatters from gradient hooks.
+#include "loom/distributed/fsdp.h"
+
+#include <cmath>
+#include <deque>
+#include <map>
+#include <set>
+
+#include "loom/autograd/backward_hook.h"
+#include "loom/autograd/grad_mode.h"
+#include "loom/ops.h"
+#include "loom/optim/update_ops.h"
+
+namespace loom::distributed {
+
+namespace {
+
+constexpr int64_t kAlign = 128;  // elements: every parameter's view starts 256-byte aligned in f32, 128 in bf16
+
+int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Parameters of one unit that are gathered in one dtype and share a weight decay: laid out flat, padded to a multiple
+// of the group size; rank r owns elements [r shard, (r+1) shard).
+struct FlatGroup {
+  std::vector<Tensor> params;
+  std::vector<std::string> names;
+  std::vector<int64_t> offsets;
+  int64_t total = 0, shard = 0, padded = 0;
+  DType gather_dtype = kF32;
+  bool matrices = false;
+  Tensor shard_param;  // f32 [shard], a leaf: the optimizer's parameter
+  Tensor full;         // [padded] in gather_dtype while gathered
+  std::shared_ptr<Work> gathering;
+};
+
+struct Unit {
+  std::vector<FlatGroup> groups;
+  bool root = false;
+  size_t num_params = 0, arrived = 0;  // gradient hooks fired in this backward
+  bool reduced = false;
+};
+
+// A reduce-scatter in flight: its result is added to the shard's gradient once it is done.
+struct PendingReduce {
+  std::shared_ptr<Work> work;
+  Tensor out;        // [shard] in the reduce dtype; undefined when reduced straight into the gradient
+  Tensor shard_param;
+};
+
+// A zero-stride stand-in of `shape` (one element of memory): a freed parameter keeps its shape and dtype.
+Tensor placeholder(const Shape& shape, DType dtype, Device device) {
+  return zeros({1}, dtype, device).as_strided(shape, Shape(shape.size(), 0), 0);
+}
+
+void add_to_grad(Tensor& shard, const Tensor& g) {
+  Tensor current = shard.grad();
+  if (current.defined()) {
+    ops::add_(current, g);
+    return;
+  }
+  const Tensor* slot = shard.has_autograd_meta() ? shard.autograd_meta().grad_destination.get() : nullptr;
+  if (slot && slot->defined() && slot->numel() == g.numel() && slot->dtype() == shard.dtype()) {
+    Tensor s = *slot;
+    s.copy_from(g);
+    shard.set_grad(s);
+  } else {
+    shard.set_grad(ops::contiguous(ops::to_dtype(g, shard.dtype())).clone());
+  }
+}
+
+}  // namespace
+
+struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
+  nn::LanguageModel* model = nullptr;
+  std::shared_ptr<ProcessGroup> group, norm_group;
+  FSDPOptions options;
+  Device device;
+  std::vector<Unit> blocks;  // one unit per block
+  Unit root;
+  std::deque<PendingReduce> pending;
+  std::map<const TensorImpl*, double> norm_weight;  // per parameter (default 1)
+  bool reshard_after_forward = true;
+  int64_t prefetches = 0;
+
+  std::vector<Unit*> units() {
+    std::vector<Unit*> out{&root};
+    for (Unit& u : blocks) out.push_back(&u);
+    return out;
+  }
+
+  void build_unit(Unit& u, const std::vector<std::pair<std::string, Tensor>>& params, bool is_root) {
+    u.root = is_root;
+    FlatGroup matrices, vectors;
+    matrices.matrices = true;
+    for (auto& [name, p] : params) {
+      FlatGroup& g = p.dim() >= 2 ? matrices : vectors;
+      g.params.push_back(p);
+      g.names.push_back(name);
+    }
+    for (FlatGroup* g : {&matrices, &vectors}) {
+      if (g->params.empty()) continue;
+      g->gather_dtype = options.stage == 3 && !is_root && g->matrices ? options.param_dtype : kF32;
+      for (const Tensor& p : g->params) {
+        g->offsets.push_back(g->total);
+        g->total += align_up(p.numel());
+      }
+      const int64_t ranks = group->size();
+      g->shard = (g->total + ranks - 1) / ranks;
+      g->padded = g->shard * ranks;
+      autograd::NoGradGuard ng;
+      Tensor flat = zeros({g->padded}, kF32, device);
+      for (size_t k = 0; k < g->params.size(); ++k)
+        flat.narrow(0, g->offsets[k], g->params[k].numel()).copy_from(g->params[k].detach().reshape({-1}));
+      g->shard_param = ops::contiguous(flat.narrow(0, group->rank() * g->shard, g->shard)).clone();
+      g->shard_param.set_requires_grad(true);
+      if (options.stage == 2) {  // the parameters become views of one f32 buffer that after_step gathers into
+        g->full = flat;
+        point_params_at_full(*g);
+      } else {
+        for (Tensor& p : g->params) p.set_data(placeholder(p.shape(), g->gather_dtype, device));
+      }
+      u.num_params += g->params.size();
+      u.groups.push_back(std::move(*g));
+    }
+  }
+
+  void point_params_at_full(FlatGroup& g) {
+    autograd::NoGradGuard ng;
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      Tensor& p = g.params[k];
+      const Shape shape = p.shape();
+      p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(shape));
+    }
+  }
+
+  void start_gather(Unit& u) {
+    autograd::NoGradGuard ng;
+    for (FlatGroup& g : u.groups) {
+      if (g.full.defined() || g.gathering) continue;
+      Tensor in = g.gather_dtype == kF32 ? g.shard_param.detach() : ops::to_dtype(g.shard_param.detach(), g.gather_dtype);
+      g.full = empty({g.padded}, g.gather_dtype, device);
+      g.gathering = group->all_gather_async(in, g.full);
+    }
+  }
+
+  void finish_gather(Unit& u) {
+    start_gather(u);
+    for (FlatGroup& g : u.groups) {
+      if (!g.gathering) continue;
+      g.gathering->wait();
+      g.gathering.reset();
+      point_params_at_full(g);
+    }
+  }
+
+  void free_unit(Unit& u) {
+    if (options.stage != 3) return;
+    autograd::NoGradGuard ng;
+    for (FlatGroup& g : u.groups) {
+      if (g.gathering) {
+        g.gathering->wait();
+        g.gathering.reset();
+      }
+      for (Tensor& p : g.params) p.set_data(placeholder(p.shape(), g.gather_dtype, device));
+      g.full = Tensor();
+    }
+  }
+
+  // Adds finished reduce-scatters to the shards' gradients; with `all`, waits for every one, else keeps at most
+  // `keep` in flight (each holds a unit's full gradient buffer until it is done).
+  void drain(bool all, size_t keep = 2) {
+    autograd::NoGradGuard ng;
+    while (!pending.empty() && (all || pending.size() > keep)) {
+      PendingReduce r = std::move(pending.front());
+      pending.pop_front();
+      r.work->wait();
+      if (r.out.defined()) add_to_grad(r.shard_param, r.out);
+    }
+  }
+
+  void reduce_unit(Unit& u) {
+    if (u.reduced) return;
+    u.reduced = true;
+    autograd::NoGradGuard ng;
+    for (FlatGroup& g : u.groups) {
+      Tensor flat = zeros({g.padded}, options.reduce_dtype, device);
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        Tensor grad = g.params[k].grad();
+        if (grad.defined()) flat.narrow(0, g.offsets[k], grad.numel()).copy_from(grad.reshape({-1}));
+        g.params[k].set_grad(Tensor());
+      }
+      PendingReduce r;
+      r.shard_param = g.shard_param;
+      Tensor current = g.shard_param.grad();
+      if (!current.defined() && options.reduce_dtype == g.shard_param.dtype()) {
+        // The first micro-batch: straight into the shard's gradient (its slot in a flat optimizer), no temporary.
+        add_to_grad(r.shard_param, zeros({g.shard}, g.shard_param.dtype(), device));
+        Tensor dst = g.shard_param.grad();
+        r.work = group->reduce_scatter_async(flat, dst, ReduceOp::kAvg);
+      } else {
+        r.out = empty({g.shard}, options.reduce_dtype, device);
+        r.work = group->reduce_scatter_async(flat, r.out, ReduceOp::kAvg);
+      }
+      pending.push_back(std::move(r));
+    }
+    if (!u.root) free_unit(u);
+    drain(false);
+  }
+
+  void on_gradient(size_t unit) {
+    Unit& u = blocks[unit];
+    if (++u.arrived == u.num_params) reduce_unit(u);
+  }
+};
+
+namespace {
+
+// The plan's side of the model's block hooks.
+class Hooks final : public nn::BlockHooks {
+ public:
+  explicit Hooks(std::weak_ptr<FullyShardedDataParallel::Impl> impl) : impl_(std::move(impl)) {}
+  void before_forward() override;
+  void before_block(size_t i) override;
+  std::vector<Tensor> after_block(size_t i, std::vector<Tensor> outputs) override;
+
+ private:
+  std::weak_ptr<FullyShardedDataParallel::Impl> impl_;
+};
+
+}  // namespace
+
+void Hooks::before_forward() {
+  auto m = impl_.lock();
+  if (!m) return;
+  for (Unit* u : m->units()) {
+    u->arrived = 0;
+    u->reduced = false;
+  }
+  if (m->options.stage != 3) return;
+  m->finish_gather(m->root);
+  if (!m->blocks.empty()) m->start_gather(m->blocks[0]);
+}
+
+void Hooks::before_block(size_t i) {
+  auto m = impl_.lock();
+  if (!m || m->options.stage != 3) return;
+  m->finish_gather(m->blocks[i]);
+  if (i + 1 < m->blocks.size()) {
+    m->start_gather(m->blocks[i + 1]);
+    ++m->prefetches;
+  }
+}
+
+std::vector<Tensor> Hooks::after_block(size_t i, std::vector<Tensor> outputs) {
+  auto m = impl_.lock();
+  if (!m || m->options.stage != 3) return outputs;
+  // Without recomputation the forward's saved tensors hold the gathered weights until the backward anyway; without
+  // grad mode nothing will need them again.
+  if (m->reshard_after_forward || !autograd::is_grad_enabled()) m->free_unit(m->blocks[i]);
+  std::weak_ptr<FullyShardedDataParallel::Impl> weak = m;
+  return autograd::call_on_backward(std::move(outputs), [weak, i] {
+    auto s = weak.lock();
+    if (!s) return;
+    s->finish_gather(s->blocks[i]);
+    if (i > 0) {
+      s->start_gather(s->blocks[i - 1]);
+      ++s->prefetches;
+    }
+  });
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,
+                                                   FSDPOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  LOOM_REQUIRE(group, "FSDP: no process group");
+  LOOM_REQUIRE(options.stage == 2 || options.stage == 3, "FSDP: stage must be 2 or 3, got ", options.stage);
+  LOOM_REQUIRE(options.param_dtype == kF32 || options.param_dtype == kBF16 || options.param_dtype == kF16,
+               "FSDP: param_dtype must be f32, bf16 or f16, got ", dtype_name(options.param_dtype));
+  LOOM_REQUIRE(options.reduce_dtype == kF32 || options.reduce_dtype == kBF16, "FSDP: reduce_dtype must be f32 or "
+               "bf16, got ", dtype_name(options.reduce_dtype));
+  LOOM_REQUIRE(!model.block_hooks(), "FSDP: the model is already wrapped");
+  Impl& m = *impl_;
+  m.model = &model;
+  m.group = m.norm_group = std::move(group);
+  m.options = options;
+  m.reshard_after_forward = model.config().recompute != autograd::Recompute::kNone;
+  auto named = model.named_parameters();
+  LOOM_REQUIRE(!named.empty(), "FSDP: the model has no parameters");
+  m.device = named.front().second.device();
+  std::map<const TensorImpl*, std::string> name_of;
+  for (auto& [n, p] : named) {
+    LOOM_REQUIRE(p.dtype() == kF32 && p.device() == m.device, "FSDP: parameters must be f32 on one device; '", n,
+                 "' is ", describe(p));
+    name_of[&p.impl()] = n;
+  }
+  std::set<const TensorImpl*> in_blocks;
+  for (auto& block : model.blocks()) {
+    std::vector<std::pair<std::string, Tensor>> params;
+    for (auto& [local, p] : block->named_parameters()) {
+      auto it = name_of.find(&p.impl());
+      if (it == name_of.end() || !in_blocks.insert(&p.impl()).second) continue;  // shared with another unit
+      params.emplace_back(it->second, p);
+    }
+    m.blocks.emplace_back();
+    m.build_unit(m.blocks.back(), params, false);
+  }
+  std::vector<std::pair<std::string, Tensor>> rest;
+  for (auto& [n, p] : named)
+    if (!in_blocks.count(&p.impl())) rest.emplace_back(n, p);
+  m.build_unit(m.root, rest, true);
+  // Gradient hooks: a block's gradients are reduce-scattered as soon as its last one arrives.
+  std::weak_ptr<Impl> weak = impl_;
+  for (size_t i = 0; i < m.blocks.size(); ++i)
+    for (FlatGroup& g : m.blocks[i].groups)
+      for (Tensor& p : g.params)
+        p.register_grad_hook([weak, i](Tensor&) {
+          if (auto s = weak.lock()) s->on_gradient(i);
+        });
+  model.set_block_hooks(std::make_shared<Hooks>(weak));
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  if (impl_->model && impl_->model->block_hooks()) impl_->model->set_block_hooks(nullptr);
+}
+
+std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(double weight_decay) const {
+  optim::ParamGroup decayed{{}, weight_decay}, plain{{}, 0.0};
+  for (Unit* u : impl_->units())
+    for (FlatGroup& g : u->groups) (g.matrices ? decayed : plain).params.push_back(g.shard_param);
+  std::vector<optim::ParamGroup> out;
+  if (!decayed.params.empty()) out.push_back(decayed);
+  if (!plain.params.empty()) out.push_back(plain);
+  return out;
+}
+
+void FullyShardedDataParallel::finish() {
+  Impl& m = *impl_;
+  for (Unit& u : m.blocks) m.reduce_unit(u);  // blocks some of whose parameters got no gradient
+  m.reduce_unit(m.root);
+  m.drain(true);
+  m.free_unit(m.root);
+}
+
+void FullyShardedDataParallel::set_norm_weights(std::vector<double> per_named_parameter,
+                                                std::shared_ptr<ProcessGroup> norm_group) {
+  Impl& m = *impl_;
+  auto named = m.model->named_parameters();
+  LOOM_REQUIRE(per_named_parameter.size() == named.size(), "FSDP: ", per_named_parameter.size(),
+               " norm weights for ", named.size(), " parameters");
+  LOOM_REQUIRE(norm_group, "FSDP: no norm group");
+  for (size_t i = 0; i < named.size(); ++i) m.norm_weight[&named[i].second.impl()] = per_named_parameter[i];
+  m.norm_group = std::move(norm_group);
+}
+
+double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+  Impl& m = *impl_;
+  autograd::NoGradGuard ng;
+  Tensor sq = zeros({1}, kF64, m.device);
+  std::vector<Tensor> grads;
+  for (Unit* u : m.units())
+    for (FlatGroup& g : u->groups) {
+      Tensor grad = g.shard_param.grad();
+      if (!grad.defined()) continue;
+      grads.push_back(grad);
+      const int64_t begin = m.group->rank() * g.shard;
+      for (size_t k = 0; k < g.params.size(); ++k) {  // each parameter's piece of this rank's shard
+        const int64_t lo = std::max(g.offsets[k], begin);
+        const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);
+        if (lo >= hi) continue;
+        auto w = m.norm_weight.find(&g.params[k].impl());
+        ops::add_(sq, optim::grad_norm_squared(grad.narrow(0, lo - begin, hi - lo)).reshape({1}),
+                  w == m.norm_weight.end() ? 1.0 : w->second);
+      }
+    }
+  m.norm_group->all_reduce(sq, ReduceOp::kSum);
+  const double norm = std::sqrt(sq.item<double>());
+  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm)
+    for (Tensor& g : grads) ops::mul_(g, max_norm / (norm + 1e-6));
+  return norm;
+}
+
+void FullyShardedDataParallel::after_step() {
+  Impl& m = *impl_;
+  if (m.options.stage == 3) {  // what is still gathered holds the old values
+    for (Unit* u : m.units()) m.free_unit(*u);
+    return;
+  }
+  autograd::NoGradGuard ng;
+  for (Unit* u : m.units())
+    for (FlatGroup& g : u->groups) m.group->all_gather(g.shard_param.detach(), g.full);
+}
+
+void FullyShardedDataParallel::zero_grad() {
+  for (Unit* u : impl_->units())
+    for (FlatGroup& g : u->groups) {
+      g.shard_param.set_grad(Tensor());
+      for (Tensor& p : g.params) p.set_grad(Tensor());
+    }
+}
+
+std::vector<std::pair<std::string, Tensor>> FullyShardedDataParallel::full_named_parameters() const {
+  Impl& m = *impl_;
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> by_name;
+  for (Unit* u : m.units())
+    for (FlatGroup& g : u->groups) {
+      Tensor flat = empty({g.padded}, kF32, m.device);
+      m.group->all_gather(g.shard_param.detach(), flat);
+      for (size_t k = 0; k < g.params.size(); ++k)
+        by_name[g.names[k]] = flat.narrow(0, g.offsets[k], g.params[k].numel()).view(g.params[k].shape()).clone();
+    }
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [name, p] : m.model->named_parameters()) out.emplace_back(name, by_name.at(name));
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_named_parameters(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  Impl& m = *impl_;
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  for (Unit* u : m.units()) {
+    m.free_unit(*u);
+    for (FlatGroup& g : u->groups) {
+      Tensor flat = zeros({g.padded}, kF32, m.device);
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        auto it = by_name.find(g.names[k]);
+        LOOM_REQUIRE(it != by_name.end(), "FSDP: tensor '", g.names[k], "' is missing");
+        LOOM_REQUIRE(it->second.shape() == g.params[k].shape(), "FSDP: tensor '", g.names[k], "' has shape ",
+                     shape_str(it->second.shape()), ", the model has ", shape_str(g.params[k].shape()));
+        flat.narrow(0, g.offsets[k], g.params[k].numel()).copy_from(it->second.reshape({-1}));
+      }
+      Tensor shard = g.shard_param.detach();
+      shard.copy_from(flat.narrow(0, m.group->rank() * g.shard, g.shard));
+      if (m.options.stage == 2) g.full.copy_from(flat);
+    }
+  }
+}
+
+int FullyShardedDataParallel::stage() const { return impl_->options.stage; }
+
+int64_t FullyShardedDataParallel::shard_bytes() const {
+  int64_t bytes = 0;
+  for (Unit* u : impl_->units())
+    for (FlatGroup& g : u->groups) bytes += g.shard * 4;
+  return bytes;
+}
+
+int64_t FullyShardedDataParallel::prefetches() const { return impl_->prefetches; }
+
+}  // namespace loom::distributed
