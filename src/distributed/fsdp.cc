@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "loom/amp.h"
 #include "loom/autograd/backward_hook.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/ops.h"
@@ -137,8 +138,11 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
     autograd::NoGradGuard ng;
     for (FlatGroup& g : u.groups) {
       if (g.full.defined() || g.gathering) continue;
-      Tensor in = g.gather_dtype == kF32 ? g.shard_param.detach() : ops::to_dtype(g.shard_param.detach(), g.gather_dtype);
-      g.full = empty({g.padded}, g.gather_dtype, device);
+      // In the narrow dtype only where autocast computes in it; a forward without autocast gets f32 weights.
+      const bool narrow = g.gather_dtype != kF32 && amp::is_autocast_enabled() && amp::autocast_dtype() == g.gather_dtype;
+      const DType dtype = narrow ? g.gather_dtype : kF32;
+      Tensor in = narrow ? ops::to_dtype(g.shard_param.detach(), dtype) : g.shard_param.detach();
+      g.full = empty({g.padded}, dtype, device);
       g.gathering = group->all_gather_async(in, g.full);
     }
   }

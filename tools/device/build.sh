@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: configures and builds Loom with CUDA into build-dev/, using the dependencies carried in
-# .devdeps/ (tools/device/make_devdeps.sh), cuDNN's headers included. Source it (". tools/device/build.sh") to keep
+# .devdeps/ (tools/device/make_devdeps.sh), cuDNN's headers included. LOOM_CMAKE_ARGS: more cmake flags (e.g.
+# "-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF" to leave the vendor bridges out of a distributed session's build). Source it (". tools/device/build.sh") to keep
 # LD_LIBRARY_PATH.
 D=$PWD/.devdeps
 export PKG_CONFIG_PATH=$D/usr/lib/openblas/pkgconfig
@@ -13,6 +14,6 @@ cudnn_lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.
 [ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib:$LD_LIBRARY_PATH
 cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON \
   -DGTest_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/GTest -Dnlohmann_json_DIR=$D/usr/share/cmake/nlohmann_json \
-  -DCMAKE_CUDA_ARCHITECTURES=90 > build-dev.log 2>&1 || { tail -30 build-dev.log; return 1 2>/dev/null || exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES=90 ${LOOM_CMAKE_ARGS:-} > build-dev.log 2>&1 || { tail -30 build-dev.log; return 1 2>/dev/null || exit 1; }
 cmake --build build-dev -j 16 >> build-dev.log 2>&1 || { grep -E "error|Error" build-dev.log | head -30; return 1 2>/dev/null || exit 1; }
 echo "build-dev: built"

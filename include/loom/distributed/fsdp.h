@@ -19,8 +19,9 @@ struct FSDPOptions {
   // 3: parameters are sharded too: a block's parameters are all-gathered just before it runs (the next block's
   //    prefetched while it does), freed after it, and gathered again when the backward reaches it.
   int stage = 3;
-  // Stage 3: the dtype the blocks' matrices are gathered and computed in (bf16 under bf16 autocast: half the traffic
-  // and memory). Norm weights, biases, embeddings and the classifier are gathered in f32.
+  // Stage 3: the dtype the blocks' matrices are gathered and computed in while autocast runs in it (bf16 under bf16
+  // autocast: half the traffic and memory; f32 outside autocast). Norm weights, biases, embeddings and the
+  // classifier are gathered in f32.
   DType param_dtype = kF32;
   DType reduce_dtype = kF32;  // gradients are reduce-scattered (averaged) in this dtype
 };
