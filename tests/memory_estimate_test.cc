@@ -74,6 +74,7 @@ TEST(MemoryEstimate, ModelStateAndActivationsFollowTheFormula) {
   EXPECT_EQ(e.parameters, 4 * P);
   EXPECT_EQ(e.gradients, 4 * P);
   EXPECT_EQ(e.optimizer_state, 8 * P);
+  EXPECT_EQ(e.buffers, 0);  // GPT-2: learned positions are parameters
   // f32, none: per token and layer 4C + (H + 2H)D + HD + 2F values of 4 bytes, + 4 bytes x (H + 4); + 2C per token.
   const double C = 64, F = 256, H = 4, D = 16, L = 2, N = 3 * 16;
   const double layer = 4 * (4 * C + 3 * H * D + H * D + 2 * F) + 4 * (H + 4);
@@ -105,6 +106,9 @@ TEST(MemoryEstimate, ModelStateAndActivationsFollowTheFormula) {
   auto t = estimate_training_memory(in);
   EXPECT_EQ(t.parameters, 2 * P);
   EXPECT_LT(t.activations, b.activations);
+  MemoryEstimateInput llama;
+  llama.cfg = nn::ModelConfig::from_name("llama3-tiny");
+  EXPECT_EQ(estimate_training_memory(llama).buffers, 4.0 * 256 * 16);  // cos and sin [256, 8] in f32
   in.recompute = "sometimes";
   test::expect_error_mentioning([&] { estimate_training_memory(in); }, {"sometimes"});
 }
@@ -121,6 +125,10 @@ TEST(MemoryEstimate, TheTrainerRefusesAModelThatCannotFit) {
   o.train_data = dir.file("never_read_*.bin");  // the refusal comes first
   o.quiet = true;
   test::expect_error_mentioning([&] { train::Trainer t(o); }, {"parameters need", "TiB", "more than"});
+  // A small LLaMA with an absurd context: its rope tables alone would not fit (they are buffers, not parameters).
+  test::write_all(cfg, R"({"family": "llama", "vocab_size": 256, "max_seq_len": 1099511627776, "n_layer": 1,)"
+                       R"( "n_head": 2, "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 128})");
+  test::expect_error_mentioning([&] { train::Trainer t(o); }, {"rope tables", "more than"});
 }
 
 }  // namespace

@@ -97,6 +97,8 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
   e.gradients = 4 * P / (in.zero_stage >= 2 ? dp : 1);
   e.optimizer_state = 8 * P / (in.zero_stage >= 1 ? dp : 1);
+  // A long context costs LLaMA its rope tables even when the model is small: cos and sin [max_seq_len, D/2] in f32.
+  if (c.family == nn::ModelFamily::kLlama) e.buffers = 4.0 * double(c.max_seq_len) * double(head_size_of(c));
 
   const double a = in.autocast == kF32 ? 4 : 2;
   const double tp = double(in.tensor_parallel);
@@ -133,7 +135,8 @@ std::string format_bytes(double bytes) {
 
 std::string MemoryEstimate::str() const {
   return "params " + format_bytes(parameters) + " + grads " + format_bytes(gradients) + " + AdamW " +
-         format_bytes(optimizer_state) + " + activations " + format_bytes(activations) + " = " +
+         format_bytes(optimizer_state) + (buffers > 0 ? " + buffers " + format_bytes(buffers) : "") +
+         " + activations " + format_bytes(activations) + " = " +
          format_bytes(total()) + " per rank";
 }
 
@@ -147,15 +150,15 @@ double device_memory_bytes(Device device) {
 
 void check_model_state_fits(const MemoryEstimate& e, Device device) {
   const double host = device_memory_bytes(Device());
-  const double model_bytes = 4.0 * double(e.num_parameters);
-  LOOM_REQUIRE(host <= 0 || model_bytes <= host, "the model's ", e.num_parameters, " parameters need ",
-               format_bytes(model_bytes), " in f32 to be built, more than the host's ", format_bytes(host),
-               " of memory");
+  const double model_bytes = 4.0 * double(e.num_parameters) + e.buffers;
+  LOOM_REQUIRE(host <= 0 || model_bytes <= host, "the model's ", e.num_parameters, " parameters",
+               e.buffers > 0 ? " and rope tables" : "", " need ", format_bytes(model_bytes),
+               " in f32 to be built, more than the host's ", format_bytes(host), " of memory");
   const double mem = device_memory_bytes(device);
   LOOM_REQUIRE(mem <= 0 || e.model_state() <= mem, "the model's ", e.num_parameters, " parameters need ",
-               format_bytes(e.model_state()), " per rank for parameters, gradients and AdamW state (",
+               format_bytes(e.model_state()), " per rank for parameters, gradients, AdamW state and buffers (",
                format_bytes(e.parameters), " + ", format_bytes(e.gradients), " + ", format_bytes(e.optimizer_state),
-               "), more than the ", format_bytes(mem), " of ", device.str());
+               " + ", format_bytes(e.buffers), "), more than the ", format_bytes(mem), " of ", device.str());
 }
 
 }  // namespace loom::train

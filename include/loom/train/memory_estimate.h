@@ -35,9 +35,10 @@ struct MemoryEstimate {
   double parameters = 0;       // f32 master weights
   double gradients = 0;        // f32
   double optimizer_state = 0;  // AdamW: two f32 moments per parameter
+  double buffers = 0;          // f32 tables that are not parameters (LLaMA's rope cos/sin: max_seq_len x head width)
   double activations = 0;      // kept for the backward of one micro-batch
-  double total() const { return parameters + gradients + optimizer_state + activations; }
-  double model_state() const { return parameters + gradients + optimizer_state; }
+  double total() const { return model_state() + activations; }
+  double model_state() const { return parameters + gradients + optimizer_state + buffers; }
   // "params 1.2 GiB + grads 1.2 GiB + AdamW 2.4 GiB + activations 3.0 GiB = 7.8 GiB per rank"
   std::string str() const;
 };
@@ -48,8 +49,9 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in);
 // DeviceRuntime interface has no total-memory query yet).
 double device_memory_bytes(Device device);
 
-// Throws one line naming the sizes when the model state (parameters, gradients, optimizer state) per rank exceeds
-// device_memory_bytes(device), or the full f32 model (built on the host first, then moved) exceeds the host's.
+// Throws one line naming the sizes when the model state (parameters, gradients, optimizer state, buffers) per rank
+// exceeds device_memory_bytes(device), or the full f32 model with its buffers (built on the host first, then moved)
+// exceeds the host's.
 void check_model_state_fits(const MemoryEstimate& estimate, Device device);
 
 // "12.3 GiB", "512.0 MiB", ...
