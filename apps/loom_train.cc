@@ -62,7 +62,12 @@ int main(int argc, char** argv) {
                  "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
-  app.add_option("--resume", o.resume, "resume from a checkpoint file or a checkpoint directory's latest");
+  app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint directory's latest");
+  app.add_option("--checkpoint-format", o.checkpoint_format,
+                 "sharded: each rank writes its pieces into step_NNNNNN/ (resumable by any world size or layout); "
+                 "single: one step_NNNNNN.safetensors; auto: sharded when distributed")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "sharded", "single"}));
   app.add_flag("--overwrite-checkpoints", o.overwrite_checkpoints,
                "allow replacing existing checkpoints in --checkpoint-dir (otherwise such a run is refused at the start)");
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();

@@ -421,6 +421,12 @@ void ZeroAdamW::zero_grad() {
 
 std::vector<Tensor> ZeroAdamW::parameters() const { return impl_->params; }
 
+std::vector<ZeroAdamW::ShardSegment> ZeroAdamW::shard_segments() const {
+  std::vector<ShardSegment> out;
+  for (const auto& seg : impl_->segments) out.push_back({seg.param, seg.param_start, seg.shard_start, seg.length});
+  return out;
+}
+
 optim::OptimizerState ZeroAdamW::state_dict() const {
   const Impl& m = *impl_;
   optim::OptimizerState s;

@@ -442,6 +442,22 @@ void FullyShardedDataParallel::load_full_named_parameters(const std::vector<std:
 
 int FullyShardedDataParallel::stage() const { return impl_->options.stage; }
 
+std::vector<FullyShardedDataParallel::ShardView> FullyShardedDataParallel::shard_views() const {
+  std::vector<ShardView> out;
+  for (Unit* u : impl_->units())
+    for (FlatGroup& g : u->groups) {
+      ShardView v{g.shard_param, {}};
+      const int64_t begin = impl_->group->rank() * g.shard;
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        const int64_t lo = std::max(g.offsets[k], begin);
+        const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);
+        if (lo < hi) v.spans.push_back({g.names[k], lo - g.offsets[k], lo - begin, hi - lo});
+      }
+      out.push_back(std::move(v));
+    }
+  return out;
+}
+
 int64_t FullyShardedDataParallel::shard_bytes() const {
   int64_t bytes = 0;
   for (Unit* u : impl_->units())

@@ -71,10 +71,19 @@ void save_safetensors(const std::string& path, const TensorMap& tensors, const S
   out.commit();
 }
 
-SafetensorsFile load_safetensors_file(const std::string& path) {
+namespace {
+
+// A file's validated header: the entries, the metadata and where the data section starts. Checks everything
+// load_safetensors_file promises short of reading the data.
+struct ParsedHeader {
+  std::map<std::string, SafetensorsReader::Entry> entries;
+  StringMap metadata;
+  uint64_t data_start = 0;
+};
+
+ParsedHeader parse_header(std::ifstream& in, const std::string& path) {
   std::error_code ec;
   LOOM_REQUIRE(std::filesystem::exists(path, ec), "load_safetensors: ", path, ": no such file");
-  std::ifstream in(path, std::ios::binary);
   LOOM_REQUIRE(in, "load_safetensors: cannot open ", path);
   const uint64_t file_size = std::filesystem::file_size(path, ec);
   LOOM_REQUIRE(!ec, "load_safetensors: cannot stat ", path, ": ", ec.message());
@@ -89,8 +98,9 @@ SafetensorsFile load_safetensors_file(const std::string& path) {
   std::string json_text(header_len, '\0');
   in.read(json_text.data(), std::streamsize(header_len));
   LOOM_REQUIRE(in, "load_safetensors: ", path, ": cannot read the header");
-  const uint64_t data_start = 8 + header_len;
-  const uint64_t data_size = file_size - data_start;
+  ParsedHeader result;
+  result.data_start = 8 + header_len;
+  const uint64_t data_size = file_size - result.data_start;
 
   nlohmann::json header;
   try {
@@ -100,7 +110,6 @@ SafetensorsFile load_safetensors_file(const std::string& path) {
   }
   LOOM_REQUIRE(header.is_object(), "load_safetensors: ", path, ": corrupt header (not a JSON object)");
 
-  SafetensorsFile result;
   struct Span {
     uint64_t begin, end;
     std::string name;
@@ -147,26 +156,83 @@ SafetensorsFile load_safetensors_file(const std::string& path) {
     LOOM_REQUIRE(end - begin == expected, where, ": ", end - begin, " bytes for shape ", shape_str(shape), " of ",
                  dtype_name(dtype), ", which needs ", expected);
     spans.push_back({begin, end, name});
-    result.tensors[name] = empty(shape, dtype);
+    result.entries[name] = SafetensorsReader::Entry{dtype, shape, begin, end};
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < spans.size(); ++i)
     LOOM_REQUIRE(spans[i].begin >= spans[i - 1].end, "load_safetensors: ", path, ": tensors \"", spans[i - 1].name,
                  "\" and \"", spans[i].name, "\" overlap");
-  for (const Span& s : spans) {
-    if (s.end == s.begin) continue;
-    Tensor& t = result.tensors[s.name];
-    in.seekg(std::streamoff(data_start + s.begin));
-    in.read(static_cast<char*>(t.data()), std::streamsize(s.end - s.begin));
-    LOOM_REQUIRE(in, "load_safetensors: ", path, ": short read of tensor \"", s.name, "\"");
-    if (t.dtype() == kBool) {  // any byte but 0 or 1 would be an invalid bool
-      const auto* bytes = static_cast<const unsigned char*>(t.data());
-      for (uint64_t i = 0; i < s.end - s.begin; ++i)
-        LOOM_REQUIRE(bytes[i] <= 1, "load_safetensors: ", path, ": BOOL tensor \"", s.name, "\" holds byte ",
-                     int(bytes[i]), " at element ", i);
-    }
+  return result;
+}
+
+void check_bools(const Tensor& t, const std::string& path, const std::string& name) {
+  if (t.dtype() != kBool) return;  // any byte but 0 or 1 would be an invalid bool
+  const auto* bytes = static_cast<const unsigned char*>(t.data());
+  for (uint64_t i = 0; i < t.nbytes(); ++i)
+    LOOM_REQUIRE(bytes[i] <= 1, "load_safetensors: ", path, ": BOOL tensor \"", name, "\" holds byte ", int(bytes[i]),
+                 " at element ", i);
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  ParsedHeader header = parse_header(in, path);
+  SafetensorsFile result;
+  result.metadata = std::move(header.metadata);
+  std::vector<std::pair<uint64_t, std::string>> order;  // read in file order
+  for (const auto& [name, e] : header.entries) {
+    result.tensors[name] = empty(e.shape, e.dtype);
+    order.emplace_back(e.begin, name);
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [begin, name] : order) {
+    const SafetensorsReader::Entry& e = header.entries.at(name);
+    if (e.end == e.begin) continue;
+    Tensor& t = result.tensors[name];
+    in.seekg(std::streamoff(header.data_start + e.begin));
+    in.read(static_cast<char*>(t.data()), std::streamsize(e.end - e.begin));
+    LOOM_REQUIRE(in, "load_safetensors: ", path, ": short read of tensor \"", name, "\"");
+    check_bools(t, path, name);
   }
   return result;
+}
+
+SafetensorsReader::SafetensorsReader(std::string path)
+    : path_(std::move(path)), in_(std::make_unique<std::ifstream>(path_, std::ios::binary)) {
+  ParsedHeader header = parse_header(*in_, path_);
+  entries_ = std::move(header.entries);
+  metadata_ = std::move(header.metadata);
+  data_start_ = header.data_start;
+}
+
+SafetensorsReader::~SafetensorsReader() = default;
+
+const SafetensorsReader::Entry& SafetensorsReader::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  LOOM_REQUIRE(it != entries_.end(), "load_safetensors: ", path_, ": no tensor \"", name, "\"");
+  return it->second;
+}
+
+void SafetensorsReader::read_elements(const std::string& name, int64_t first, int64_t count, void* dst) const {
+  const Entry& e = entry(name);
+  const int64_t numel = int64_t((e.end - e.begin) / uint64_t(std::max<size_t>(1, dtype_size(e.dtype))));
+  LOOM_REQUIRE(first >= 0 && count >= 0 && first <= numel && count <= numel - first, "load_safetensors: ", path_,
+               ": elements [", first, ", ", first + count, ") of tensor \"", name, "\" outside its ", numel);
+  if (count == 0) return;
+  const uint64_t size = dtype_size(e.dtype);
+  in_->clear();
+  in_->seekg(std::streamoff(data_start_ + e.begin + uint64_t(first) * size));
+  in_->read(static_cast<char*>(dst), std::streamsize(uint64_t(count) * size));
+  LOOM_REQUIRE(*in_, "load_safetensors: ", path_, ": short read of tensor \"", name, "\"");
+}
+
+Tensor SafetensorsReader::read(const std::string& name) const {
+  const Entry& e = entry(name);
+  Tensor t = empty(e.shape, e.dtype);
+  read_elements(name, 0, t.numel(), t.data());
+  check_bools(t, path_, name);
+  return t;
 }
 
 }  // namespace loom::io

@@ -10,6 +10,8 @@
 #include <iostream>
 #include <sstream>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "loom/amp.h"
@@ -32,6 +34,7 @@
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/lr_schedule.h"
 #include "loom/optim/optimizer.h"
+#include "loom/train/checkpoint.h"
 #include "loom/train/memory_estimate.h"
 
 namespace fs = std::filesystem;
@@ -164,7 +167,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (!hf_weights.empty()) {
     io::load_hf_weights(hf_weights, *model_);  // model.safetensors or the index's shards
   } else if (!opts_.init_from.empty()) {
-    if (io::is_llmc_model_file(opts_.init_from)) {  // llm.c GPT-2 model file (by its magic)
+    if (is_sharded_checkpoint(opts_.init_from)) {  // its weights, consolidated (any layout saved it)
+      load_sharded_weights(opts_.init_from, *model_, "--init-from");
+    } else if (io::is_llmc_model_file(opts_.init_from)) {  // llm.c GPT-2 model file (by its magic)
       io::load_llmc_model(opts_.init_from, *model_);
     } else {
       io::SafetensorsFile file = io::load_safetensors_file(opts_.init_from);
@@ -486,8 +491,10 @@ void Trainer::check_checkpoint_targets() const {
   for (fs::directory_iterator it(opts_.checkpoint_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     long n = -1;
-    char tail = 0;  // "step_%06ld.safetensors" and nothing after it
-    if (std::sscanf(name.c_str(), "step_%ld.safetensors%c", &n, &tail) != 1 || n < 0) continue;
+    char tail = 0;  // "step_%06ld.safetensors" or a sharded "step_%06ld", and nothing after it
+    const bool file = std::sscanf(name.c_str(), "step_%ld.safetensors%c", &n, &tail) == 1;
+    if (!file && (std::sscanf(name.c_str(), "step_%ld%c", &n, &tail) != 1 || !it->is_directory(ec))) continue;
+    if (n < 0) continue;
     const bool written = n > step_ && n <= opts_.steps &&
                          (n == opts_.steps || (opts_.checkpoint_interval > 0 && n % opts_.checkpoint_interval == 0));
     if (!written || checkpoint_path(n) != it->path().string()) continue;
@@ -497,9 +504,16 @@ void Trainer::check_checkpoint_targets() const {
   }
 }
 
+bool Trainer::sharded_checkpoints() const {
+  LOOM_REQUIRE(opts_.checkpoint_format == "auto" || opts_.checkpoint_format == "sharded" ||
+                   opts_.checkpoint_format == "single",
+               "--checkpoint-format must be auto, sharded or single, got '", opts_.checkpoint_format, "'");
+  return opts_.checkpoint_format == "sharded" || (opts_.checkpoint_format == "auto" && world_->size() > 1);
+}
+
 std::string Trainer::checkpoint_path(int64_t step) const {
   char name[64];
-  std::snprintf(name, sizeof name, "step_%06ld.safetensors", long(step));
+  std::snprintf(name, sizeof name, sharded_checkpoints() ? "step_%06ld" : "step_%06ld.safetensors", long(step));
   return (fs::path(opts_.checkpoint_dir) / name).string();
 }
 
@@ -511,7 +525,7 @@ std::string Trainer::optimizer_shard_path(const std::string& checkpoint) const {
 
 std::string Trainer::resolve_resume_path(const std::string& resume) const {
   fs::path p = resume;
-  if (fs::is_directory(p)) {
+  if (fs::is_directory(p) && !is_sharded_checkpoint(resume)) {  // a checkpoint directory: its latest
     fs::path latest = p / "latest";
     LOOM_REQUIRE(fs::exists(latest), "resume: checkpoint directory '", resume, "' has no 'latest' file");
     std::ifstream f(latest);
@@ -526,6 +540,10 @@ std::string Trainer::resolve_resume_path(const std::string& resume) const {
 
 void Trainer::save_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
+  if (fs::path(path).extension() != ".safetensors") {  // a directory: sharded
+    save_sharded_checkpoint(path);
+    return;
+  }
   // The last guard (the run checked its targets at the start): a checkpoint that appeared since is not replaced.
   LOOM_REQUIRE(opts_.overwrite_checkpoints || !fs::exists(path), "save_checkpoint: '", path,
                "' exists; not written over it (pass --overwrite-checkpoints to replace checkpoints)");
@@ -546,6 +564,17 @@ void Trainer::save_checkpoint(const std::string& path) {
     for (auto& [name, t] : optim_state) tensors["optim." + name] = t.to(Device());
   }
   if (!is_rank0_) return;
+  io::save_safetensors(path, tensors,
+                       {{"format", kCheckpointFormat}, {"state", checkpoint_state_json()},
+                        {"config", model_->config().to_json()}});
+  if (!opts_.checkpoint_dir.empty() && fs::path(path).parent_path() == fs::path(opts_.checkpoint_dir)) {
+    std::string name = fs::path(path).filename().string() + "\n";
+    io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
+  }
+  if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
+}
+
+std::string Trainer::checkpoint_state_json() const {
   data::LoaderPosition pos = train_loader_->position();
   PhiloxState rng = default_generator().state();
   nlohmann::json meta{{"step", step_},
@@ -553,13 +582,7 @@ void Trainer::save_checkpoint(const std::string& path) {
                                   {"epoch", pos.epoch}, {"rng_state", pos.rng_state}}},
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
                       {"model", opts_.model}};
-  io::save_safetensors(path, tensors,
-                       {{"format", kCheckpointFormat}, {"state", meta.dump()}, {"config", model_->config().to_json()}});
-  if (!opts_.checkpoint_dir.empty() && fs::path(path).parent_path() == fs::path(opts_.checkpoint_dir)) {
-    std::string name = fs::path(path).filename().string() + "\n";
-    io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
-  }
-  if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
+  return meta.dump();
 }
 
 std::vector<std::pair<std::string, Tensor>> Trainer::full_parameters() const {
@@ -606,6 +629,10 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
 
 void Trainer::load_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
+  if (fs::is_directory(path)) {
+    load_sharded_checkpoint(path);
+    return;
+  }
   io::SafetensorsFile file = io::load_safetensors_file(path);
   LOOM_REQUIRE(is_loom_checkpoint(file), "resume: '", path, "' is not a Loom training checkpoint (no format=",
                kCheckpointFormat, " in its metadata)");
@@ -632,6 +659,294 @@ void Trainer::load_checkpoint(const std::string& path) {
   load_full_parameters(loaded);
   if (zero_) zero_->load_state_dict(state);
   else optimizer_->load_state_dict(state);
+  step_ = st.step;
+  default_generator().set_state(PhiloxState{st.rng_seed, st.rng_offset});
+}
+
+// ---- sharded checkpoints (loom/train/checkpoint.h) ----
+
+namespace {
+
+TpSplit split_for(const distributed::TensorParallelPlan* plan, const std::string& name, int64_t ranks) {
+  if (!plan) return {};
+  const distributed::ParameterSplit& s = plan->split_of(name);
+  return TpSplit{s.sharded, s.dim, s.blocks, ranks};
+}
+
+Shape full_shape_of(const Shape& local, const TpSplit& split) {
+  Shape full = local;
+  if (split.sharded && split.ranks > 1) {
+    int64_t total = 0;
+    for (int64_t b : split.blocks) total += b;
+    full[size_t(split.dim)] = total;
+  }
+  return full;
+}
+
+Tensor i64_scalar(int64_t v) { return from_vector<int64_t>({v}, {}); }
+
+// The first key where two model configs differ, for the error that names it.
+std::string config_difference(const nlohmann::json& saved, const nlohmann::json& mine) {
+  for (auto& [k, v] : saved.items())
+    if (!mine.contains(k) || mine.at(k) != v)
+      return "'" + k + "' is " + v.dump() + " in the checkpoint, " + (mine.contains(k) ? mine.at(k).dump() : "absent") +
+             " here";
+  for (auto& [k, v] : mine.items())
+    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + v.dump() + " here";
+  return "";
+}
+
+}  // namespace
+
+void Trainer::save_sharded_checkpoint(const std::string& dir) {
+  autograd::NoGradGuard ng;
+  const fs::path final_dir = dir;
+  // The last guard (the run checked its targets at the start): a checkpoint that appeared since is not replaced.
+  LOOM_REQUIRE(opts_.overwrite_checkpoints || !fs::exists(final_dir), "save_checkpoint: '", dir,
+               "' exists; not written over it (pass --overwrite-checkpoints to replace checkpoints)");
+  // Every rank writes into one temporary directory, named by rank 0's pid (so a killed run's is found and removed).
+  Tensor pid = from_vector<int64_t>({int64_t(::getpid())}, {1}).to(device_);
+  world_->broadcast(pid, 0);
+  const fs::path tmp = final_dir.parent_path() / (std::string(io::kTempPrefix) + final_dir.filename().string() + "." +
+                                                  std::to_string(pid.to(Device()).item<int64_t>()));
+  if (is_rank0_) {
+    if (!final_dir.parent_path().empty()) fs::create_directories(final_dir.parent_path());
+    for (const std::string& stale : remove_stale_checkpoint_dirs(final_dir.parent_path().string()))
+      if (!opts_.quiet) std::cout << "removed the temporary of an interrupted checkpoint: " << stale << "\n";
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world_->barrier();
+
+  // This rank's pieces: its ZeRO shard's ranges (FSDP, ZeRO-1), or whole parameters spread over the data-parallel
+  // ranks (DDP); a parameter that tensor parallelism replicates is saved by one tensor-parallel rank only.
+  const int64_t tp = tp_group_->size(), tp_rank = tp_group_->rank(), dp = dp_group_->size(),
+                dp_rank = dp_group_->rank();
+  auto named = model_->named_parameters();
+  std::map<std::string, size_t> index_of;
+  std::map<const TensorImpl*, std::string> name_of;
+  for (size_t i = 0; i < named.size(); ++i) {
+    index_of[named[i].first] = i;
+    name_of[&named[i].second.impl()] = named[i].first;
+  }
+  auto sharded = [&](const std::string& name) { return split_for(tp_plan_.get(), name, tp).sharded && tp > 1; };
+  auto saves_tp = [&](const std::string& name) { return sharded(name) || int64_t(index_of.at(name)) % tp == tp_rank; };
+  const optim::OptimizerState state = zero_ ? zero_->state_dict() : optimizer_->state_dict();
+  auto moment = [&](const std::string& key, const Tensor& like) {
+    auto it = state.find(key);  // absent before the first step: zero moments
+    return it != state.end() ? it->second.reshape({-1}) : zeros({like.numel()}, kF32, like.device());
+  };
+  struct Piece {
+    std::string name;
+    int64_t lo, hi;
+    Tensor value, exp_avg, exp_avg_sq;
+  };
+  std::vector<Piece> pieces;
+  if (fsdp_) {
+    std::map<const TensorImpl*, size_t> opt_index;
+    auto opt_params = optimizer_->parameters();
+    for (size_t k = 0; k < opt_params.size(); ++k) opt_index[&opt_params[k].impl()] = k;
+    for (const auto& view : fsdp_->shard_views()) {
+      const std::string key = "state." + std::to_string(opt_index.at(&view.shard.impl())) + ".";
+      Tensor m = moment(key + "exp_avg", view.shard), v = moment(key + "exp_avg_sq", view.shard);
+      for (const auto& sp : view.spans)
+        if (saves_tp(sp.name))
+          pieces.push_back({sp.name, sp.param_offset, sp.param_offset + sp.length,
+                            view.shard.detach().narrow(0, sp.shard_offset, sp.length),
+                            m.narrow(0, sp.shard_offset, sp.length), v.narrow(0, sp.shard_offset, sp.length)});
+    }
+  } else if (zero_) {
+    auto params = zero_->parameters();
+    Tensor m = state.at("shard.exp_avg"), v = state.at("shard.exp_avg_sq");
+    for (const auto& seg : zero_->shard_segments()) {
+      const std::string& name = name_of.at(&params[seg.param].impl());
+      if (!saves_tp(name)) continue;
+      pieces.push_back({name, seg.param_start, seg.param_start + seg.length,
+                        params[seg.param].detach().reshape({-1}).narrow(0, seg.param_start, seg.length),
+                        m.narrow(0, seg.shard_start, seg.length), v.narrow(0, seg.shard_start, seg.length)});
+    }
+  } else {
+    auto params = optimizer_->parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const std::string& name = name_of.at(&params[k].impl());
+      const int64_t i = int64_t(index_of.at(name));
+      // Every replica is equal: parameter i is saved by one data-parallel rank (and one TP rank when replicated).
+      if (!saves_tp(name) || (sharded(name) ? i : i / tp) % dp != dp_rank) continue;
+      const std::string key = "state." + std::to_string(k) + ".";
+      pieces.push_back({name, 0, params[k].numel(), params[k].detach().reshape({-1}),
+                        moment(key + "exp_avg", params[k]), moment(key + "exp_avg_sq", params[k])});
+    }
+  }
+  io::TensorMap tensors;
+  nlohmann::json piece_json = nlohmann::json::object();
+  for (const Piece& p : pieces) {
+    tensors["model." + p.name] = p.value.to(Device());
+    tensors["exp_avg." + p.name] = p.exp_avg.to(Device());
+    tensors["exp_avg_sq." + p.name] = p.exp_avg_sq.to(Device());
+    piece_json[p.name] = {sharded(p.name) ? tp_rank : 0, p.lo, p.hi};
+  }
+  auto rank_file = [](int64_t r) {
+    char name[32];
+    std::snprintf(name, sizeof name, "rank%05ld.safetensors", long(r));
+    return std::string(name);
+  };
+  io::save_safetensors((tmp / rank_file(world_->rank())).string(), tensors,
+                       {{"format", "loom-checkpoint-shard-1"}, {"rank", std::to_string(world_->rank())},
+                        {"pieces", piece_json.dump()}});
+  world_->barrier();  // every rank file is complete
+
+  if (is_rank0_) {
+    CheckpointMeta meta;
+    meta.step = step_;
+    meta.state_json = checkpoint_state_json();
+    meta.config_json = model_->config().to_json();
+    meta.model = opts_.model;
+    meta.layout = {world_->size(), dp, tp, opts_.zero_stage};
+    meta.optimizer_step = zero_ ? zero_->step_count() : optimizer_->step_count();
+    meta.lr = zero_ ? zero_->lr() : optimizer_->lr();
+    std::map<std::string, size_t> param_step;  // DDP: AdamW's own per parameter (all replicas agree)
+    if (!fsdp_ && !zero_) {
+      auto params = optimizer_->parameters();
+      for (size_t k = 0; k < params.size(); ++k) {
+        auto it = state.find("state." + std::to_string(k) + ".step");
+        param_step[name_of.at(&params[k].impl())] = it == state.end() ? 0 : size_t(it->second.item<int64_t>());
+      }
+    }
+    for (auto& [name, p] : named) {
+      CheckpointParam cp;
+      cp.name = name;
+      cp.split = split_for(tp_plan_.get(), name, tp);
+      cp.shape = full_shape_of(p.shape(), cp.split);
+      cp.adam_step = fsdp_ || zero_ ? meta.optimizer_step : int64_t(param_step[name]);
+      meta.params.push_back(std::move(cp));
+    }
+    for (int64_t r = 0; r < world_->size(); ++r) {  // each rank's file says which pieces it holds
+      meta.files.push_back(rank_file(r));
+      io::SafetensorsReader f((tmp / meta.files.back()).string());
+      const auto& md = f.metadata();
+      LOOM_REQUIRE(md.count("pieces"), "save_checkpoint: '", f.path(), "' lacks its pieces");
+      const nlohmann::json held = nlohmann::json::parse(md.at("pieces"));  // outlives the loop over its items
+      for (auto& [name, q] : held.items())
+        meta.params[index_of.at(name)].pieces.push_back(
+            {r, q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>()});
+    }
+    const std::string text = meta.to_json();
+    CheckpointMeta::parse(text, (tmp / kCheckpointMetaFile).string());  // every part covered, before it counts
+    io::write_file_atomic((tmp / kCheckpointMetaFile).string(), text);
+    if (fs::exists(final_dir)) {  // --overwrite-checkpoints: the old one goes once the new one is complete
+      const fs::path old = final_dir.parent_path() / (std::string(io::kTempPrefix) + "old." +
+                                                      final_dir.filename().string() + "." + std::to_string(::getpid()));
+      fs::rename(final_dir, old);
+      fs::rename(tmp, final_dir);
+      fs::remove_all(old);
+    } else {
+      fs::rename(tmp, final_dir);
+    }
+    if (!opts_.checkpoint_dir.empty() && final_dir.parent_path() == fs::path(opts_.checkpoint_dir))
+      io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), final_dir.filename().string() + "\n");
+    if (!opts_.quiet) std::cout << "saved checkpoint " << dir << " (" << world_->size() << " shards)" << std::endl;
+  }
+  world_->barrier();  // nobody goes on (or reads it) before it is in place
+}
+
+void Trainer::load_sharded_checkpoint(const std::string& dir) {
+  autograd::NoGradGuard ng;
+  ShardedCheckpointReader ck(dir);
+  const CheckpointMeta& meta = ck.meta();
+  // Everything is read and checked before the first parameter changes.
+  const CheckpointState st = parse_checkpoint_state(meta.state_json, dir);
+  LOOM_REQUIRE(st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
+               ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
+  const std::string difference =
+      config_difference(nlohmann::json::parse(meta.config_json), nlohmann::json::parse(model_->config().to_json()));
+  LOOM_REQUIRE(difference.empty(), "resume: '", dir, "' was saved from another model: config ", difference,
+               " (a checkpoint reshards to any world size and layout, but not to another model)");
+  const int64_t tp = tp_group_->size(), tp_rank = tp_group_->rank(), dp = dp_group_->size();
+  auto named = model_->named_parameters();
+  LOOM_REQUIRE(named.size() == meta.params.size(), "resume: '", dir, "' holds ", meta.params.size(),
+               " parameters, the model has ", named.size());
+  std::map<std::string, TpSplit> split;
+  std::map<const TensorImpl*, std::string> name_of;
+  for (auto& [name, p] : named) {
+    split[name] = split_for(tp_plan_.get(), name, tp);
+    const Shape full = full_shape_of(p.shape(), split[name]);
+    LOOM_REQUIRE(meta.param(name).shape == full, "resume: parameter '", name, "' in '", dir, "' has shape ",
+                 shape_str(meta.param(name).shape), ", the model has ", shape_str(full));
+    name_of[&p.impl()] = name;
+  }
+  // The data position in windows of B x T tokens: another data-parallel size continues at the same window.
+  data::LoaderPosition pos{st.shard_index, st.batch_offset, st.epoch, st.loader_rng};
+  if (meta.layout.dp != dp) {
+    LOOM_REQUIRE(!opts_.shuffle, "resume: '", dir, "' was saved by ", meta.layout.dp,
+                 " data-parallel ranks and this run has ", dp, ": with --shuffle the batch order depends on that "
+                 "number, resume with ", meta.layout.dp, " data-parallel ranks or without --shuffle");
+    LOOM_REQUIRE(st.batch_offset * meta.layout.dp % dp == 0, "resume: '", dir, "' stopped after ",
+                 st.batch_offset * meta.layout.dp, " batch windows of its data shard, which ", dp,
+                 " data-parallel ranks cannot continue from (not a multiple of ", dp, ")");
+    pos.batch_offset = st.batch_offset * meta.layout.dp / dp;
+  }
+  auto read = [&](const std::string& name, const char* kind, int64_t lo, int64_t hi) {
+    return ck.read(name, kind, split.at(name), tp_rank, lo, hi);
+  };
+  std::vector<std::pair<Tensor, Tensor>> copies;  // (destination, value): applied once everything is read
+  optim::OptimizerState state;
+  state["step"] = i64_scalar(meta.optimizer_step);
+  state["lr"] = full({}, meta.lr, kF64);
+  if (fsdp_) {
+    std::map<const TensorImpl*, size_t> opt_index;
+    auto opt_params = optimizer_->parameters();
+    for (size_t k = 0; k < opt_params.size(); ++k) opt_index[&opt_params[k].impl()] = k;
+    for (const auto& view : fsdp_->shard_views()) {
+      Tensor value = view.shard.detach().to(Device()).clone();
+      Tensor m = zeros({view.shard.numel()}, kF32), v = zeros({view.shard.numel()}, kF32);
+      for (const auto& sp : view.spans) {
+        const int64_t lo = sp.param_offset, hi = sp.param_offset + sp.length;
+        value.narrow(0, sp.shard_offset, sp.length).copy_from(read(sp.name, "model", lo, hi));
+        m.narrow(0, sp.shard_offset, sp.length).copy_from(read(sp.name, "exp_avg", lo, hi));
+        v.narrow(0, sp.shard_offset, sp.length).copy_from(read(sp.name, "exp_avg_sq", lo, hi));
+      }
+      copies.emplace_back(view.shard.detach(), value);
+      const std::string key = "state." + std::to_string(opt_index.at(&view.shard.impl())) + ".";
+      if (meta.optimizer_step > 0) {
+        state[key + "exp_avg"] = m;
+        state[key + "exp_avg_sq"] = v;
+        state[key + "step"] = i64_scalar(meta.optimizer_step);
+      }
+    }
+  } else {
+    for (auto& [name, p] : named)  // DDP and ZeRO-1 hold every parameter whole
+      copies.emplace_back(p.detach(), read(name, "model", 0, p.numel()).view(p.shape()));
+    if (zero_) {
+      const optim::OptimizerState mine = zero_->state_dict();
+      auto params = zero_->parameters();
+      Tensor m = zeros(mine.at("shard.exp_avg").shape(), kF32), v = zeros(mine.at("shard.exp_avg_sq").shape(), kF32);
+      for (const auto& seg : zero_->shard_segments()) {
+        const std::string& name = name_of.at(&params[seg.param].impl());
+        const int64_t lo = seg.param_start, hi = seg.param_start + seg.length;
+        m.narrow(0, seg.shard_start, seg.length).copy_from(read(name, "exp_avg", lo, hi));
+        v.narrow(0, seg.shard_start, seg.length).copy_from(read(name, "exp_avg_sq", lo, hi));
+      }
+      state["shard.exp_avg"] = m;
+      state["shard.exp_avg_sq"] = v;
+      state["shard.layout"] = mine.at("shard.layout");
+    } else {
+      auto params = optimizer_->parameters();
+      for (size_t k = 0; k < params.size(); ++k) {
+        const std::string& name = name_of.at(&params[k].impl());
+        const int64_t steps = meta.param(name).adam_step;
+        if (steps == 0) continue;  // no moments yet
+        const std::string key = "state." + std::to_string(k) + ".";
+        state[key + "exp_avg"] = read(name, "exp_avg", 0, params[k].numel()).view(params[k].shape());
+        state[key + "exp_avg_sq"] = read(name, "exp_avg_sq", 0, params[k].numel()).view(params[k].shape());
+        state[key + "step"] = i64_scalar(steps);
+      }
+    }
+  }
+  train_loader_->set_position(pos);
+  for (auto& [dst, value] : copies) dst.copy_from(value);
+  if (zero_) zero_->load_state_dict(state);
+  else optimizer_->load_state_dict(state);
+  if (fsdp_) fsdp_->after_step();  // ZeRO-2 gathers the loaded shards into the parameters; ZeRO-3 frees stale ones
   step_ = st.step;
   default_generator().set_state(PhiloxState{st.rng_seed, st.rng_offset});
 }

@@ -120,6 +120,14 @@ class ZeroAdamW {
   // ranks]). Loading checks the layout (the same model and data-parallel size).
   optim::OptimizerState state_dict() const;
   void load_state_dict(const optim::OptimizerState& state);
+  // Which elements of which parameters this rank's shard holds: elements [param_start, param_start + length) of
+  // parameters()[param] (flattened) lie at [shard_start, ...) of "shard.exp_avg" / "shard.exp_avg_sq". For sharded
+  // checkpoints.
+  struct ShardSegment {
+    size_t param = 0;
+    int64_t param_start = 0, shard_start = 0, length = 0;
+  };
+  std::vector<ShardSegment> shard_segments() const;
 
  private:
   struct Impl;

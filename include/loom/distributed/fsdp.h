@@ -62,6 +62,18 @@ class FullyShardedDataParallel {
   void load_full_named_parameters(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
   int stage() const;
+  // This rank's shards as the optimizer holds them (param_groups() order), and which elements of which parameters each
+  // holds: elements [param_offset, param_offset + length) of parameter `name` (flattened) lie at [shard_offset, ...)
+  // of `shard`. The rest of a shard is padding (zero). For sharded checkpoints.
+  struct ShardSpan {
+    std::string name;
+    int64_t param_offset = 0, shard_offset = 0, length = 0;
+  };
+  struct ShardView {
+    Tensor shard;  // the f32 leaf the optimizer updates
+    std::vector<ShardSpan> spans;
+  };
+  std::vector<ShardView> shard_views() const;
   // Bytes of this rank's f32 shards (parameters; the optimizer keeps two more of each for AdamW).
   int64_t shard_bytes() const;
   // How many block units were gathered ahead (prefetched) in the last forward and backward: overlap.

@@ -58,7 +58,12 @@ struct TrainOptions {
   std::string tokenizer_path;        // gpt2: the encoder.json/vocab.bpe directory; llama3: Meta's tokenizer.model
   std::string checkpoint_dir;        // empty = no checkpoints
   int64_t checkpoint_interval = 0;   // 0 = only at the end
-  std::string resume;                // a checkpoint file, a checkpoint dir (its latest), or empty
+  std::string resume;                // a checkpoint file or sharded directory, a checkpoint dir (its latest), or empty
+  // "sharded": every rank writes its pieces of the model and AdamW state in parallel into step_NNNNNN/ with a
+  // meta.json (loom/train/checkpoint.h); a resume with another world size or layout reshards them. "single": one
+  // step_NNNNNN.safetensors (gathered onto rank 0) plus an optimizer file per rank, resumable by the same layout only.
+  // "auto": sharded when the world has more than one rank.
+  std::string checkpoint_format = "auto";
   // An existing checkpoint file in checkpoint_dir is never replaced without this (--overwrite-checkpoints): a run
   // that would write one is refused at the start. Resuming from a directory continues past its latest, which
   // replaces nothing.
@@ -160,6 +165,11 @@ class Trainer {
   std::vector<double> norm_weights_;  // per optimizer parameter, with TP (see clip_grad_norm_distributed)
   double all_ranks_mean(double local);  // averaged over data-parallel ranks
   std::string optimizer_shard_path(const std::string& checkpoint) const;
+  // Sharded checkpoints (a directory path): each rank writes its pieces; resume reshards to this run's layout.
+  bool sharded_checkpoints() const;
+  void save_sharded_checkpoint(const std::string& dir);
+  void load_sharded_checkpoint(const std::string& dir);
+  std::string checkpoint_state_json() const;  // step, data position, generator state
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
 };
