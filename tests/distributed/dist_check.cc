@@ -5,14 +5,19 @@
 // Prints one line per check and exits non-zero on any failure (on any rank).
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
 #include <string>
 #include <thread>
 
+#include <unistd.h>
+
 #include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
+#include "loom/data/token_file.h"
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/fsdp.h"
 #include "loom/distributed/process_group.h"
@@ -21,6 +26,8 @@
 #include "loom/nn/model.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/optimizer.h"
+#include "loom/train/checkpoint.h"
+#include "loom/train/trainer.h"
 
 using namespace loom;
 namespace dist = loom::distributed;
@@ -524,6 +531,100 @@ void check_tensor_parallel_llama_heads() {
         "n_kv_head 1 on 2 ranks gives an error naming both, got: '" + message + "'");
 }
 
+// Sharded checkpoints (issue 16): a run saved by one layout of this world resumes under another (another world size,
+// TP degree or ZeRO stage) with the losses and grad norms of an uninterrupted run. The layouts run on sub-groups of the
+// world (the ranks outside one wait); the global batch is the same in every layout (accumulation makes up the rest).
+struct CkptLayout {
+  int ranks = 1;
+  int64_t tp = 1, zero = 0;
+  std::string str() const {
+    return std::to_string(ranks) + " rank(s), tp " + std::to_string(tp) + ", zero " + std::to_string(zero);
+  }
+};
+
+std::string shared_temp_dir() {
+  Tensor pid = from_vector<int64_t>({int64_t(::getpid())}, {1}).to(dev);
+  world->broadcast(pid, 0);
+  std::string dir = (std::filesystem::temp_directory_path() /
+                     ("loom_dist_ckpt_" + std::to_string(pid.to(Device()).item<int64_t>())))
+                        .string();
+  if (world->rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    std::mt19937 eng(11);
+    std::vector<int32_t> tokens(30000);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 8 == 0) ? int32_t(eng() % 250) : int32_t(i % 41);
+    data::write_token_file(dir + "/train_000000.bin", tokens);
+    std::ofstream(dir + "/model.json") << R"({"family": "gpt2", "vocab_size": 250, "padded_vocab_size": 256,
+      "max_seq_len": 32, "n_layer": 2, "n_head": 4, "n_embd": 64})";
+  }
+  world->barrier();
+  return dir;
+}
+
+// Trains `layout` on ranks [0, layout.ranks) for steps (first, last]; returns (loss, grad norm) per step on rank 0.
+std::vector<std::pair<double, double>> train_layout(const std::string& dir, const CkptLayout& layout, int64_t last,
+                                                    const std::string& resume, const std::string& save) {
+  std::vector<std::pair<double, double>> out;
+  const bool member = world->rank() < layout.ranks;
+  auto group = world->split(member ? 0 : 1, world->rank());
+  if (member) {
+    train::TrainOptions o;
+    o.model = dir + "/model.json";
+    o.train_data = dir + "/train_*.bin";
+    o.batch_size = 2;
+    o.seq_len = 16;
+    o.total_batch_tokens = 2 * 16 * 4;  // 4 micro-batches per step in every layout
+    o.steps = last;
+    o.lr = 3e-3;
+    o.warmup_steps = 1;
+    o.quiet = true;
+    o.eval_interval = 0;
+    o.sample_tokens = 0;
+    o.device = dev.is_cuda() ? "cuda" : "cpu";
+    o.tensor_parallel = layout.tp;
+    o.zero_stage = layout.zero;
+    o.resume = resume;
+    o.process_group = group;
+    train::Trainer t(o);
+    while (t.step() < last) {
+      train::StepStats s = t.train_step();
+      out.emplace_back(s.loss, s.grad_norm);
+    }
+    if (!save.empty()) t.save_checkpoint(save);
+  }
+  world->barrier();
+  return out;
+}
+
+void check_sharded_checkpoint(const CkptLayout& saver, const std::vector<CkptLayout>& resumers) {
+  const std::string dir = shared_temp_dir();
+  const auto straight = train_layout(dir, saver, 4, "", "");
+  train_layout(dir, saver, 2, "", dir + "/ckpt/step_000002");
+  if (world->rank() == 0) {
+    check(train::is_sharded_checkpoint(dir + "/ckpt/step_000002"), "no sharded checkpoint was written");
+    train::ShardedCheckpointReader reader(dir + "/ckpt/step_000002");
+    check(reader.meta().layout.world == saver.ranks && reader.meta().layout.tp == saver.tp &&
+              reader.meta().layout.zero == saver.zero,
+          "meta.json's layout is not the saver's");
+  }
+  for (const CkptLayout& layout : resumers) {
+    const auto resumed = train_layout(dir, layout, 4, dir + "/ckpt/step_000002", "");
+    if (world->rank() != 0) continue;
+    check(resumed.size() == 2, "resumed by " + layout.str() + ": not 2 steps");
+    double worst = 0;
+    for (size_t i = 0; i < resumed.size() && i + 2 < straight.size(); ++i) {
+      worst = std::max(worst, std::abs(resumed[i].first - straight[i + 2].first) / std::abs(straight[i + 2].first));
+      worst = std::max(worst, std::abs(resumed[i].second - straight[i + 2].second) / std::abs(straight[i + 2].second));
+    }
+    check(worst < 2e-5, "saved by " + saver.str() + ", resumed by " + layout.str() + ": losses/grad norms differ by " +
+                            std::to_string(worst) + " (relative) from the uninterrupted run");
+    std::printf("  saved by %s, resumed by %s: max rel diff %.3g\n", saver.str().c_str(), layout.str().c_str(), worst);
+  }
+  world->barrier();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
 void run(const char* name, const std::function<void()>& f) {
   int before = failures;
   try {
@@ -607,6 +708,15 @@ int main(int argc, char** argv) {
     run("dp x tp (ddp)", [] { check_dp_x_tp(tiny(), false, "ddp x tp gpt2"); });
     run("zero-3 x tp", [] { check_dp_x_tp(tiny(), true, "zero-3 x tp gpt2"); });
     run("zero-3 x tp llama", [] { check_dp_x_tp(tiny_llama(false), true, "zero-3 x tp llama"); });
+  }
+  // Sharded checkpoints: saved by one layout, resumed by others (issue 16).
+  if (world->size() == 2)
+    run("sharded checkpoint: zero-3 x 2 -> 1 rank, tp 2, zero-1 x 2",
+        [] { check_sharded_checkpoint({2, 1, 3}, {{1, 1, 0}, {2, 2, 0}, {2, 1, 1}}); });
+  if (world->size() == 4) {
+    run("sharded checkpoint: tp 2 x zero-3 -> 1 rank, zero-2 x 2, ddp x 4",
+        [] { check_sharded_checkpoint({4, 2, 3}, {{1, 1, 0}, {2, 1, 2}, {4, 1, 0}}); });
+    run("sharded checkpoint: zero-1 x 2 -> tp 2 x zero-3 x 2", [] { check_sharded_checkpoint({2, 1, 1}, {{4, 2, 3}}); });
   }
   Tensor f = full({1}, double(failures), kF32, dev);
   world->all_reduce(f, dist::ReduceOp::kMax);
