@@ -4,7 +4,9 @@
 # report, a leak, an uncaught non-loom exception or a timeout fails the script; the reproducer is left in
 # $LOOM_FUZZ_DIR/findings/. Arguments: target names to run (default: all). docs/FUZZING.md has the details.
 #
-# Time on the 2-core CI machine from a clean build dir (cold ccache): see TIMING below.
+# Time, measured on the 2-core development machine from a clean build-fuzz/ (cold ccache) while other builds shared
+# its cores (load 6-7): the build took 16 min (libloom 15 min, the 8 targets 1 min); the runs take 8 x
+# LOOM_FUZZ_SECONDS (.ci/run: 30 s, so 4 min). About 20 min in all; less on an idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh fuzz
