@@ -2,6 +2,7 @@
 // into an llm.c model file and/or a Hugging Face model directory that transformers' from_pretrained loads.
 //
 //   loom-export --checkpoint out/ckpt/step_000300.safetensors --llmc model.bin --dtype bf16 --hf out/hf
+//   loom-export --checkpoint out/ckpt/step_000300 --hf out/hf     (a sharded checkpoint, consolidated)
 #include <CLI/CLI.hpp>
 
 #include <cctype>
@@ -17,6 +18,7 @@
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "loom/train/checkpoint.h"
 
 namespace {
 
@@ -57,7 +59,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> tokenizer_paths;
   bool force = false;
   app.add_option("--checkpoint", checkpoint,
-                 "a Loom training checkpoint (step_NNNNNN.safetensors), an llm.c GPT-2 model file (.bin) or a Hugging "
+                 "a Loom training checkpoint (step_NNNNNN.safetensors, or a sharded step_NNNNNN/ directory), an llm.c GPT-2 model file (.bin) or a Hugging "
                  "Face model directory")
       ->required();
   app.add_option("--llmc", llmc_path, "write an llm.c model file (GPT-2 only; train_gpt2.c/.cu read it)");
@@ -95,7 +97,10 @@ int main(int argc, char** argv) {
     opts.force = force;
     opts.inputs = {checkpoint};
     if (!hf_path.empty() && !hf_single_file) io::check_hf_export_dir(hf_path, opts);  // before a long load
-    std::shared_ptr<nn::LanguageModel> model = io::load_model(checkpoint);
+    // A sharded checkpoint (step_NNNNNN/ with meta.json) is consolidated here: every parameter read whole from its
+    // pieces, whatever world size or layout saved it.
+    std::shared_ptr<nn::LanguageModel> model =
+        train::is_sharded_checkpoint(checkpoint) ? train::load_sharded_model(checkpoint) : io::load_model(checkpoint);
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
     if (!llmc_path.empty()) {
