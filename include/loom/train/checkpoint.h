@@ -130,7 +130,7 @@ std::shared_ptr<nn::LanguageModel> load_sharded_model(const std::string& dir);
 void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, const char* what);
 
 // Removes the temporary directories of sharded checkpoint writes whose writer is gone (killed runs): entries of
-// `dir` named ".loom.tmp.step_*" whose pid (the last dot-separated field but one) runs no more on this host.
+// `dir` named ".loom.tmp.step_NNNNNN.<pid>" whose pid (the last dot-separated field) runs no more on this host.
 std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir);
 
 }  // namespace loom::train
