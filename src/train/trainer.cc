@@ -826,9 +826,13 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
       const auto& md = f.metadata();
       LOOM_REQUIRE(md.count("pieces"), "save_checkpoint: '", f.path(), "' lacks its pieces");
       const nlohmann::json held = nlohmann::json::parse(md.at("pieces"));  // outlives the loop over its items
-      for (auto& [name, q] : held.items())
-        meta.params[index_of.at(name)].pieces.push_back(
-            {r, q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>()});
+      for (auto& [name, q] : held.items()) {
+        auto it = index_of.find(name);  // every rank holds the same parameters (pipeline stages are not covered yet)
+        LOOM_REQUIRE(it != index_of.end(), "save_checkpoint: rank ", r, " saved parameter '", name,
+                     "' that rank 0's model lacks: sharded checkpoints need every rank to hold every parameter "
+                     "(whole or sharded), which pipeline parallelism does not");
+        meta.params[it->second].pieces.push_back({r, q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>()});
+      }
     }
     const std::string text = meta.to_json();
     CheckpointMeta::parse(text, (tmp / kCheckpointMetaFile).string());  // every part covered, before it counts
