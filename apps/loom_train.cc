@@ -83,6 +83,12 @@ int main(int argc, char** argv) {
                  "(gathered block by block; with --recompute for the memory)")
       ->check(CLI::Range(0, 3))->capture_default_str();
   app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1");
+  app.add_option("--pp", o.pipeline_parallel, "pipeline stages (blocks split across ranks; with --tp and data "
+                 "parallelism: world = pp x dp x tp)")->check(at_least(1))->capture_default_str();
+  app.add_option("--pp-schedule", o.pp_schedule, "pipeline schedule: gpipe, 1f1b or interleaved")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
+  app.add_option("--virtual-stages", o.virtual_stages, "interleaved schedule: model chunks per pipeline rank")
+      ->check(at_least(1))->capture_default_str();
   app.add_option("--recompute", o.recompute,
                  "activation checkpointing per block: none, selective (keep matrix products and attention, recompute "
                  "the rest) or full (keep only each block's input)")

@@ -217,20 +217,23 @@ class MpiProcessGroup final : public ProcessGroup {
     MpiWork(req, t, 1.0, timeout_s_, what("broadcast", t)).wait();
   }
 
-  void send(const Tensor& tensor, int dst) override {
+  void send(const Tensor& tensor, int dst) override { send_async(tensor, dst)->wait(); }
+  void recv(Tensor& tensor, int src) override { recv_async(tensor, src)->wait(); }
+
+  std::shared_ptr<Work> send_async(const Tensor& tensor, int dst) override {
     Tensor t = cpu_flat(tensor, "send");
     LOOM_REQUIRE(dst >= 0 && dst < size_ && dst != rank_, "send: bad destination rank ", dst, " in a group of ", size_);
     MPI_Request req;
     LOOM_MPI_CALL("send", MPI_Isend(t.data(), count_of(int64_t(t.nbytes()), "send"), MPI_BYTE, dst, 0, comm_, &req));
-    MpiWork(req, t, 1.0, timeout_s_, what("send", t)).wait();
+    return std::make_shared<MpiWork>(req, t, 1.0, timeout_s_, what("send", t));
   }
 
-  void recv(Tensor& tensor, int src) override {
+  std::shared_ptr<Work> recv_async(Tensor& tensor, int src) override {
     Tensor t = cpu_flat(tensor, "recv");
     LOOM_REQUIRE(src >= 0 && src < size_ && src != rank_, "recv: bad source rank ", src, " in a group of ", size_);
     MPI_Request req;
     LOOM_MPI_CALL("recv", MPI_Irecv(t.data(), count_of(int64_t(t.nbytes()), "recv"), MPI_BYTE, src, 0, comm_, &req));
-    MpiWork(req, t, 1.0, timeout_s_, what("recv", t)).wait();
+    return std::make_shared<MpiWork>(req, t, 1.0, timeout_s_, what("recv", t));
   }
 
   void barrier() override {

@@ -178,17 +178,19 @@ class NcclProcessGroup final : public ProcessGroup {
       return ncclBroadcast(t.data(), t.data(), t.nbytes(), ncclUint8, root, comm_->comm, s);
     })->wait();
   }
-  void send(const Tensor& tensor, int dst) override {
+  void send(const Tensor& tensor, int dst) override { send_async(tensor, dst)->wait(); }
+  void recv(Tensor& tensor, int src) override { recv_async(tensor, src)->wait(); }
+  std::shared_ptr<Work> send_async(const Tensor& tensor, int dst) override {
     Tensor t = cuda_flat(tensor, "send");
     LOOM_REQUIRE(dst >= 0 && dst < size() && dst != rank(), "send: bad destination rank ", dst);
-    enqueue("send", t, [&](cudaStream_t s) { return ncclSend(t.data(), t.nbytes(), ncclUint8, dst, comm_->comm, s); })
-        ->wait();
+    return enqueue("send", t,
+                   [&](cudaStream_t s) { return ncclSend(t.data(), t.nbytes(), ncclUint8, dst, comm_->comm, s); });
   }
-  void recv(Tensor& tensor, int src) override {
+  std::shared_ptr<Work> recv_async(Tensor& tensor, int src) override {
     Tensor t = cuda_flat(tensor, "recv");
     LOOM_REQUIRE(src >= 0 && src < size() && src != rank(), "recv: bad source rank ", src);
-    enqueue("recv", t, [&](cudaStream_t s) { return ncclRecv(t.data(), t.nbytes(), ncclUint8, src, comm_->comm, s); })
-        ->wait();
+    return enqueue("recv", t,
+                   [&](cudaStream_t s) { return ncclRecv(t.data(), t.nbytes(), ncclUint8, src, comm_->comm, s); });
   }
   void barrier() override {
     Tensor one = zeros({1}, kF32, comm_->device);

@@ -112,6 +112,16 @@ std::shared_ptr<Work> ProcessGroup::all_gather_async(const Tensor& input, Tensor
   return std::make_shared<DoneWork>();
 }
 
+std::shared_ptr<Work> ProcessGroup::send_async(const Tensor& tensor, int dst) {
+  send(tensor, dst);
+  return std::make_shared<DoneWork>();
+}
+
+std::shared_ptr<Work> ProcessGroup::recv_async(Tensor& tensor, int src) {
+  recv(tensor, src);
+  return std::make_shared<DoneWork>();
+}
+
 std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(const Tensor& input, Tensor& output, ReduceOp op) {
   reduce_scatter(input, output, op);
   return std::make_shared<DoneWork>();

@@ -32,7 +32,21 @@ Tensor LanguageModel::forward(const Tensor& idx, std::vector<KVCache>* caches) {
 }
 
 Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
-  Tensor h = hidden(idx, nullptr);
+  return head_loss(hidden(idx, nullptr), targets);
+}
+
+Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
+  LOOM_REQUIRE(idx.dim() == 2, "model: expected token ids [B, T], got ", describe(idx));
+  const int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+  LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "model: sequence length ", past + idx.size(1),
+               " exceeds the model's context ", cfg_.max_seq_len);
+  if (caches) caches->resize(size_t(cfg_.n_layer));
+  if (hooks_) hooks_->before_forward();
+  auto [x, pending] = run_blocks(embed(idx, caches), Tensor(), 0, size_t(cfg_.n_layer), caches);
+  return final_norm(x, pending);
+}
+
+Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   const Tensor& weight = classifier_weight();
   if (tp_) {  // this rank's vocabulary columns; the classifier's rows split as the embedding's
     Tensor local = linear(tp_->enter(h), weight);
@@ -43,17 +57,18 @@ Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
-std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, std::vector<KVCache>* caches,
-                                                    const BlockFunction& block) {
-  Tensor pending;
-  for (size_t i = 0; i < size_t(cfg_.n_layer); ++i) {
+std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, size_t begin, size_t end,
+                                                    std::vector<KVCache>* caches) {
+  LOOM_CHECK(begin <= end && end <= size_t(cfg_.n_layer), "run_blocks: blocks [", begin, ", ", end, ") of ",
+             cfg_.n_layer);
+  for (size_t i = begin; i < end; ++i) {
     if (hooks_) hooks_->before_block(i);
     std::vector<Tensor> out;
     if (caches) {  // generation: nothing to recompute
       auto [stream, o] = block(i, x, pending, &(*caches)[i]);
       out = {stream, o};
     } else {
-      auto run = [block, i](const std::vector<Tensor>& in) {
+      auto run = [this, i](const std::vector<Tensor>& in) {  // the model outlives its graphs
         auto [stream, o] = block(i, in[0], in[1], nullptr);
         return std::vector<Tensor>{stream, o};
       };
@@ -119,22 +134,15 @@ class GPT2 final : public LanguageModel {
   Embedding& token_embedding() override { return *wte; }
   std::vector<std::shared_ptr<Module>> blocks() const override { return {blocks_.begin(), blocks_.end()}; }
 
-  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
-    LOOM_REQUIRE(idx.dim() == 2, "GPT2: expected token ids [B, T], got ", describe(idx));
-    int64_t T = idx.size(1);
-    int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
-    LOOM_REQUIRE(past + T <= cfg_.max_seq_len, "GPT2: sequence length ", past + T, " exceeds the model's context ",
-                 cfg_.max_seq_len);
-    if (caches) caches->resize(size_t(cfg_.n_layer));
-    Tensor pos = arange(double(past), double(past + T), 1.0, kI64, idx.device());
-    begin_forward();
-    Tensor x = add(wte->forward(idx), wpe->forward(pos));
-    x = dropout(x, cfg_.dropout, is_training());
-    Tensor pending;  // the last block's output, added to the stream inside the next norm
-    std::tie(x, pending) = run_blocks(
-        x, caches, [blocks = blocks_, p_drop = cfg_.dropout](size_t i, const Tensor& in, const Tensor& pend, KVCache* c) {
-          return blocks[i]->forward(in, pend, p_drop, c);
-        });
+  Tensor embed(const Tensor& idx, std::vector<KVCache>* caches) override {
+    const int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
+    Tensor pos = arange(double(past), double(past + idx.size(1)), 1.0, kI64, idx.device());
+    return dropout(add(wte->forward(idx), wpe->forward(pos)), cfg_.dropout, is_training());
+  }
+  std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) override {
+    return blocks_[i]->forward(x, pending, cfg_.dropout, cache);
+  }
+  Tensor final_norm(const Tensor& x, const Tensor& pending) override {
     return residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
   }
 
@@ -264,20 +272,11 @@ class Llama final : public LanguageModel {
     return {model->blocks.begin(), model->blocks.end()};
   }
 
-  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) override {
-    LOOM_REQUIRE(idx.dim() == 2, "Llama: expected token ids [B, T], got ", describe(idx));
-    int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
-    LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "Llama: sequence length ", past + idx.size(1),
-                 " exceeds the model's context ", cfg_.max_seq_len);
-    if (caches) caches->resize(size_t(cfg_.n_layer));
-    begin_forward();
-    Tensor x = model->embed_tokens->forward(idx);
-    Tensor pending;
-    std::tie(x, pending) = run_blocks(x, caches,
-                                      [blocks = model->blocks, cos = rope_cos, sin = rope_sin](
-                                          size_t i, const Tensor& in, const Tensor& pend, KVCache* c) {
-                                        return blocks[i]->forward(in, pend, cos, sin, c);
-                                      });
+  Tensor embed(const Tensor& idx, std::vector<KVCache>*) override { return model->embed_tokens->forward(idx); }
+  std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) override {
+    return model->blocks[i]->forward(x, pending, rope_cos, rope_sin, cache);
+  }
+  Tensor final_norm(const Tensor& x, const Tensor& pending) override {
     return residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
   }
 

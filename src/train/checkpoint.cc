@@ -160,7 +160,8 @@ std::string CheckpointMeta::to_json() const {
       {"state", nlohmann::ordered_json::parse(state_json)},
       {"model", model},
       {"config", nlohmann::ordered_json::parse(config_json)},
-      {"layout", {{"world", layout.world}, {"dp", layout.dp}, {"tp", layout.tp}, {"zero", layout.zero}}},
+      {"layout", {{"world", layout.world}, {"dp", layout.dp}, {"tp", layout.tp}, {"zero", layout.zero},
+                  {"pp", layout.pp}}},
       {"optimizer", {{"step", optimizer_step}, {"lr", lr}}},
       {"files", files},
       {"parameters", params_json}};
@@ -180,7 +181,7 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
     m.config_json = j.at("config").dump();
     const auto& l = j.at("layout");
     m.layout = {l.at("world").get<int64_t>(), l.at("dp").get<int64_t>(), l.at("tp").get<int64_t>(),
-                l.at("zero").get<int64_t>()};
+                l.at("zero").get<int64_t>(), l.value("pp", int64_t(1))};
     m.optimizer_step = j.at("optimizer").at("step").get<int64_t>();
     m.lr = j.at("optimizer").at("lr").get<double>();
     m.files = j.at("files").get<std::vector<std::string>>();
@@ -206,10 +207,11 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
     LOOM_THROW("checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": ", e.what());
   }
   const CheckpointLayout& l = m.layout;
-  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.world == l.dp * l.tp && l.zero >= 0 && l.zero <= 3 &&
+  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.world == l.pp * l.dp * l.tp && l.zero >= 0 &&
+                   l.zero <= 3 &&
                    int64_t(m.files.size()) == l.world && m.step >= 0 && m.optimizer_step >= 0,
-               "checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": layout world ", l.world, " = dp ",
-               l.dp, " x tp ", l.tp, ", zero ", l.zero, ", ", m.files.size(), " files, step ", m.step);
+               "checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": layout world ", l.world, " = pp ",
+               l.pp, " x dp ", l.dp, " x tp ", l.tp, ", zero ", l.zero, ", ", m.files.size(), " files, step ", m.step);
   for (const std::string& f : m.files)
     LOOM_REQUIRE(!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..", "checkpoint: '", path,
                  "' names a rank file '", f, "' outside its directory");

@@ -23,6 +23,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/fsdp.h"
+#include "loom/distributed/pipeline.h"
 #include "loom/distributed/process_group.h"
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/io/atomic_file.h"
@@ -138,14 +139,21 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     if (auto launch = distributed::detect_launch()) device_ = Device(kCUDA, launch->local_rank);
   world_ = opts_.process_group ? opts_.process_group
                                : distributed::init_process_group({"auto", device_, opts_.dist_timeout_seconds});
-  LOOM_REQUIRE(opts_.tensor_parallel >= 1 && world_->size() % opts_.tensor_parallel == 0, "loom-train: --tp ",
-               opts_.tensor_parallel, " does not divide the world of ", world_->size(), " ranks");
+  LOOM_REQUIRE(opts_.tensor_parallel >= 1 && opts_.pipeline_parallel >= 1 &&
+                   world_->size() % (opts_.tensor_parallel * opts_.pipeline_parallel) == 0,
+               "loom-train: --tp ", opts_.tensor_parallel, " x --pp ", opts_.pipeline_parallel,
+               " does not divide the world of ", world_->size(), " ranks");
   if (world_->size() == 1) {
-    dp_group_ = tp_group_ = world_;
+    dp_group_ = tp_group_ = pp_group_ = mp_group_ = world_;
   } else {
-    int tp = int(opts_.tensor_parallel);
-    tp_group_ = world_->split(world_->rank() / tp, world_->rank());
-    dp_group_ = world_->split(world_->rank() % tp, world_->rank());
+    // rank = (pipeline stage x data-parallel rank) x tp + tensor-parallel rank: a TP group is adjacent ranks.
+    const int tp = int(opts_.tensor_parallel), r = world_->rank();
+    const int replicas = world_->size() / (tp * int(opts_.pipeline_parallel));
+    const int tp_rank = r % tp, dp_rank = (r / tp) % replicas, pp_rank = r / (tp * replicas);
+    tp_group_ = world_->split(r / tp, r);
+    dp_group_ = world_->split(pp_rank * tp + tp_rank, r);
+    pp_group_ = opts_.pipeline_parallel > 1 ? world_->split(dp_rank * tp + tp_rank, r) : tp_group_;
+    mp_group_ = opts_.pipeline_parallel > 1 ? world_->split(dp_rank, r) : tp_group_;  // one model replica
   }
   is_rank0_ = world_->rank() == 0;
   if (!is_rank0_) opts_.quiet = true;  // rank 0 speaks for the world
@@ -195,6 +203,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   if (opts_.tensor_parallel > 1)  // keep this rank's shards of the full model just built
     tp_plan_ = distributed::parallelize_tensor(*model_, tp_group_);
+  if (opts_.pipeline_parallel > 1) {  // keep this stage's blocks (before the move: the rest is never copied over)
+    LOOM_REQUIRE(opts_.zero_stage <= 1, "loom-train: --pp does not combine with --zero ", opts_.zero_stage,
+                 " (use --zero 1 or data parallelism)");
+    distributed::PipelineOptions po;
+    po.schedule = opts_.pp_schedule;
+    po.virtual_stages = int(opts_.virtual_stages);
+    pipeline_ = std::make_unique<distributed::PipelineParallel>(*model_, pp_group_, po);
+  }
   model_->to(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
@@ -225,26 +241,33 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     fsdp_ = std::make_unique<distributed::FullyShardedDataParallel>(*model_, dp_group_, fo);
     optimizer_ = std::make_unique<optim::AdamW>(fsdp_->param_groups(opts_.weight_decay), ao);
   } else {
-    optimizer_ =
-        std::make_unique<optim::AdamW>(optim::adamw_param_groups(model_->named_parameters(), opts_.weight_decay), ao);
+    optimizer_ = std::make_unique<optim::AdamW>(optim::adamw_param_groups(trained_parameters(), opts_.weight_decay), ao);
   }
-  if (tp_plan_) {  // the grad norm spans the TP shards: a replicated parameter counts once per TP group
-    std::vector<bool> sharded = tp_plan_->sharded_mask();
-    std::vector<double> per_named;
-    for (bool sh : sharded) per_named.push_back(sh ? 1.0 : 1.0 / double(tp_group_->size()));
+  if (tp_plan_ || pipeline_) {
+    // The grad norm spans the model-parallel pieces: a parameter replicated over a TP group counts once per group, a
+    // tied embedding held by the first and the last pipeline stage once.
+    std::vector<bool> sharded = tp_plan_ ? tp_plan_->sharded_mask() : std::vector<bool>();
+    std::map<const TensorImpl*, double> weight_of;
+    auto named = model_->named_parameters();
+    for (size_t i = 0; i < named.size(); ++i)
+      weight_of[&named[i].second.impl()] = !tp_plan_ || sharded[i] ? 1.0 : 1.0 / double(tp_group_->size());
+    if (pipeline_) {
+      auto local = pipeline_->local_named_parameters();
+      auto w = pipeline_->norm_weights();
+      for (size_t i = 0; i < local.size(); ++i) weight_of[&local[i].second.impl()] *= w[i];
+    }
     if (fsdp_) {
+      std::vector<double> per_named;
+      for (auto& [name, p] : named) per_named.push_back(weight_of.at(&p.impl()));
       fsdp_->set_norm_weights(per_named, world_);
     } else {
-      std::map<const TensorImpl*, double> weight_of;
-      auto named = model_->named_parameters();
-      for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = per_named[i];
       for (const Tensor& p : optimizer_->parameters()) norm_weights_.push_back(weight_of.at(&p.impl()));
     }
   }
   if (opts_.zero_stage == 1) {
-    zero_ = std::make_unique<distributed::ZeroAdamW>(optim::adamw_param_groups(model_->named_parameters(),
+    zero_ = std::make_unique<distributed::ZeroAdamW>(optim::adamw_param_groups(trained_parameters(),
                                                                                 opts_.weight_decay), ao, dp_group_);
-    if (tp_plan_) zero_->set_norm_reduction(norm_weights_, world_);
+    if (tp_plan_ || pipeline_) zero_->set_norm_reduction(norm_weights_, world_);
   } else if (dp > 1 && !fsdp_) {
     distributed::DDPOptions ddp_options;
     ddp_options.reduce_dtype = dtype_from_name(opts_.reduce_dtype);
@@ -294,8 +317,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
               << "memory (estimate): " << memory.str() << "\n";
     if (world_->size() > 1 || opts_.zero_stage > 0 || opts_.recompute != "none")
       std::cout << "layout: world " << world_->size() << " = data-parallel " << dp << " x tensor-parallel "
-                << tp_group_->size() << ", ZeRO stage " << opts_.zero_stage << ", recompute " << opts_.recompute
-                << "\n";
+                << tp_group_->size() << " x pipeline " << opts_.pipeline_parallel << ", ZeRO stage "
+                << opts_.zero_stage << ", recompute " << opts_.recompute << "\n";
+    if (pipeline_) std::cout << pipeline_->describe() << "\n";
     if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
     std::cout.flush();
   }
@@ -316,7 +340,18 @@ StepStats Trainer::train_step() {
   optimizer_->zero_grad();
   if (fsdp_) fsdp_->zero_grad();
   Tensor loss_sum;  // stays on the device until the step is queued: reading it each micro-step would stall the GPU
-  for (int64_t micro = 0; micro < grad_accum_; ++micro) {
+  if (pipeline_) {  // every micro-batch of the step flows through the stages under the schedule
+    std::vector<Tensor> xs, ys;
+    for (int64_t micro = 0; micro < grad_accum_; ++micro) {
+      data::Batch batch = train_loader_->next();
+      xs.push_back(batch.x.to(device_));
+      ys.push_back(batch.y.to(device_));
+    }
+    if (ddp_) ddp_->set_require_sync(false);  // reduced once, by finish(), after the last backward
+    amp::AutocastGuard autocast(autocast_dtype_);
+    loss_sum = full({1}, pipeline_->train_step(xs, ys) * double(grad_accum_), kF64, device_);
+  }
+  for (int64_t micro = 0; !pipeline_ && micro < grad_accum_; ++micro) {
     data::Batch batch = train_loader_->next();
     Tensor x = batch.x.to(device_), y = batch.y.to(device_);
     Tensor loss;
@@ -343,8 +378,8 @@ StepStats Trainer::train_step() {
     zero_->set_lr(s.lr);
     s.grad_norm = zero_->step(opts_.clip);
   } else {
-    s.grad_norm = tp_plan_ ? distributed::clip_grad_norm_distributed(optimizer_->parameters(), norm_weights_,
-                                                                      opts_.clip, *tp_group_)
+    s.grad_norm = tp_plan_ || pipeline_ ? distributed::clip_grad_norm_distributed(optimizer_->parameters(),
+                                                                                   norm_weights_, opts_.clip, *mp_group_)
                             : optim::clip_grad_norm(optimizer_->parameters(), opts_.clip);
     optimizer_->set_lr(s.lr);
     optimizer_->step();
@@ -371,7 +406,8 @@ double Trainer::evaluate(int64_t batches) {
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
     amp::AutocastGuard autocast(autocast_dtype_);
-    total += model_->forward_loss(b.x.to(device_), b.y.to(device_)).item<double>();
+    total += pipeline_ ? pipeline_->evaluate({b.x.to(device_)}, {b.y.to(device_)})
+                       : model_->forward_loss(b.x.to(device_), b.y.to(device_)).item<double>();
   }
   loader->set_position(saved);
   model_->train(true);
@@ -380,6 +416,11 @@ double Trainer::evaluate(int64_t batches) {
 
 std::string Trainer::sample(int64_t tokens) {
   if (tokens <= 0) return "";  // --sample-tokens 0: no samples
+  if (pipeline_) {  // generation through the stages is not built
+    if (!logs_->tokenizer_missing_reported && is_rank0_) std::cout << "(no samples with pipeline parallelism)\n";
+    logs_->tokenizer_missing_reported = true;
+    return "";
+  }
   if (!is_rank0_ && !tp_plan_ && !fsdp_) return "";  // split or sharded: every rank takes part in generation
   if (!logs_->tokenizer) {
     try {
@@ -585,8 +626,14 @@ std::string Trainer::checkpoint_state_json() const {
   return meta.dump();
 }
 
+std::vector<std::pair<std::string, Tensor>> Trainer::trained_parameters() const {
+  return pipeline_ ? pipeline_->local_named_parameters() : model_->named_parameters();
+}
+
 std::vector<std::pair<std::string, Tensor>> Trainer::full_parameters() const {
-  std::vector<std::pair<std::string, Tensor>> local = fsdp_ ? fsdp_->full_named_parameters() : model_->named_parameters();
+  std::vector<std::pair<std::string, Tensor>> local = fsdp_       ? fsdp_->full_named_parameters()
+                                                      : pipeline_ ? pipeline_->full_named_parameters()
+                                                                  : model_->named_parameters();
   if (!tp_plan_) return local;
   for (auto& [name, t] : local) t = tp_plan_->full_of(name, t);
   return local;
@@ -599,6 +646,10 @@ void Trainer::load_full_parameters(const std::vector<std::pair<std::string, Tens
     for (auto& [name, t] : local) t = tp_plan_->local_of(name, t);
   if (fsdp_) {
     fsdp_->load_full_named_parameters(local);
+    return;
+  }
+  if (pipeline_) {
+    pipeline_->load_full_named_parameters(local);
     return;
   }
   std::map<std::string, Tensor> by_name(local.begin(), local.end());
@@ -730,7 +781,10 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
     name_of[&named[i].second.impl()] = named[i].first;
   }
   auto sharded = [&](const std::string& name) { return split_for(tp_plan_.get(), name, tp).sharded && tp > 1; };
-  auto saves_tp = [&](const std::string& name) { return sharded(name) || int64_t(index_of.at(name)) % tp == tp_rank; };
+  // A parameter held by two pipeline stages (a tied embedding) is saved by one of them.
+  auto saves_tp = [&](const std::string& name) {
+    return (sharded(name) || int64_t(index_of.at(name)) % tp == tp_rank) && (!pipeline_ || pipeline_->saves(name));
+  };
   const optim::OptimizerState state = zero_ ? zero_->state_dict() : optimizer_->state_dict();
   auto moment = [&](const std::string& key, const Tensor& like) {
     auto it = state.find(key);  // absent before the first step: zero moments
@@ -801,7 +855,7 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
     meta.state_json = checkpoint_state_json();
     meta.config_json = model_->config().to_json();
     meta.model = opts_.model;
-    meta.layout = {world_->size(), dp, tp, opts_.zero_stage};
+    meta.layout = {world_->size(), dp, tp, opts_.zero_stage, opts_.pipeline_parallel};
     meta.optimizer_step = zero_ ? zero_->step_count() : optimizer_->step_count();
     meta.lr = zero_ ? zero_->lr() : optimizer_->lr();
     std::map<std::string, size_t> param_step;  // DDP: AdamW's own per parameter (all replicas agree)
@@ -817,7 +871,8 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
       cp.name = name;
       cp.split = split_for(tp_plan_.get(), name, tp);
       cp.shape = full_shape_of(p.shape(), cp.split);
-      cp.adam_step = fsdp_ || zero_ ? meta.optimizer_step : int64_t(param_step[name]);
+      // Under pipeline parallelism rank 0 sees only its stage's AdamW; every parameter is updated every step.
+      cp.adam_step = fsdp_ || zero_ || pipeline_ ? meta.optimizer_step : int64_t(param_step[name]);
       meta.params.push_back(std::move(cp));
     }
     for (int64_t r = 0; r < world_->size(); ++r) {  // each rank's file says which pieces it holds
@@ -827,10 +882,9 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
       LOOM_REQUIRE(md.count("pieces"), "save_checkpoint: '", f.path(), "' lacks its pieces");
       const nlohmann::json held = nlohmann::json::parse(md.at("pieces"));  // outlives the loop over its items
       for (auto& [name, q] : held.items()) {
-        auto it = index_of.find(name);  // every rank holds the same parameters (pipeline stages are not covered yet)
+        auto it = index_of.find(name);  // every rank's model has every name (a pipeline stage's others as stand-ins)
         LOOM_REQUIRE(it != index_of.end(), "save_checkpoint: rank ", r, " saved parameter '", name,
-                     "' that rank 0's model lacks: sharded checkpoints need every rank to hold every parameter "
-                     "(whole or sharded), which pipeline parallelism does not");
+                     "' that rank 0's model lacks");
         meta.params[it->second].pieces.push_back({r, q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>()});
       }
     }
@@ -918,7 +972,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
       }
     }
   } else {
-    for (auto& [name, p] : named)  // DDP and ZeRO-1 hold every parameter whole
+    for (auto& [name, p] : trained_parameters())  // DDP and ZeRO-1 hold their (stage's) parameters whole
       copies.emplace_back(p.detach(), read(name, "model", 0, p.numel()).view(p.shape()));
     if (zero_) {
       const optim::OptimizerState mine = zero_->state_dict();

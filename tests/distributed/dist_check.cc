@@ -20,6 +20,7 @@
 #include "loom/data/token_file.h"
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/fsdp.h"
+#include "loom/distributed/pipeline.h"
 #include "loom/distributed/process_group.h"
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/functional.h"
@@ -363,6 +364,98 @@ void check_dp_x_tp(const nn::ModelConfig& cfg, bool zero3, const std::string& wh
     std::printf("  %s: max grad-norm rel diff %.3g, max parameter diff %.3g\n", what.c_str(), worst_norm, worst);
 }
 
+// Pipeline parallelism (optionally with TP and data parallelism, as loom-train lays the world out: rank = (stage x
+// replica) x tp + tp rank) against one process: 2 AdamW steps of 4 micro-batches with clipping; losses, grad norms
+// and the final parameters.
+void check_pipeline(const nn::ModelConfig& cfg, int tp, int pp, const std::string& schedule, int virtual_stages,
+                    const std::string& what) {
+  const int r = world->rank(), replicas = world->size() / (tp * pp);
+  const int tp_rank = r % tp, dp_rank = (r / tp) % replicas, pp_rank = r / (tp * replicas);
+  auto tp_group = world->split(r / tp, r);
+  auto dp_group = world->split(pp_rank * tp + tp_rank, r);
+  auto pp_group = world->split(dp_rank * tp + tp_rank, r);
+  auto mp_group = world->split(dp_rank, r);
+  const int64_t rows = 2, T = 16, micro = 4, steps = 2;
+  optim::AdamWOptions ao;
+  ao.lr = 1e-2;
+  ao.eps = 1e-5;  // as check_fsdp's
+  auto ref = tiny_model(5, cfg);
+  optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
+  auto model = nn::make_model(cfg);
+  model->init_weights(5);
+  std::shared_ptr<dist::TensorParallelPlan> plan;
+  if (tp > 1) plan = dist::parallelize_tensor(*model, tp_group);
+  dist::PipelineOptions po;
+  po.schedule = schedule;
+  po.virtual_stages = virtual_stages;
+  dist::PipelineParallel pipe(*model, pp_group, po);
+  model->to(dev);
+  auto local = pipe.local_named_parameters();
+  optim::AdamW opt(optim::adamw_param_groups(local, 0.1), ao);
+  std::unique_ptr<dist::DistributedDataParallel> ddp;
+  if (replicas > 1) ddp = std::make_unique<dist::DistributedDataParallel>(dist::parameters_for_ddp(opt), dp_group);
+  std::map<const void*, double> weight_of;
+  {
+    auto pw = pipe.norm_weights();
+    std::vector<bool> sharded = plan ? plan->sharded_mask() : std::vector<bool>();
+    auto named = model->named_parameters();
+    std::map<const void*, double> tpw;
+    for (size_t i = 0; i < named.size(); ++i) tpw[&named[i].second.impl()] = !plan || sharded[i] ? 1.0 : 1.0 / tp;
+    for (size_t i = 0; i < local.size(); ++i) weight_of[&local[i].second.impl()] = pw[i] * tpw.at(&local[i].second.impl());
+  }
+  std::vector<double> weights;
+  for (const Tensor& p : opt.parameters()) weights.push_back(weight_of.at(&p.impl()));
+  double worst_loss = 0, worst_norm = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    std::vector<Tensor> xs, ys;
+    double ref_loss = 0;
+    for (int64_t m = 0; m < micro; ++m) {
+      Tensor batch = tokens(rows * replicas, T, uint64_t(900 + step * 10 + m));
+      Tensor l = mul(loss_of(*ref, batch), 1.0 / micro);
+      l.backward();
+      ref_loss += l.item<double>();
+      Tensor mine = batch.narrow(0, dp_rank * rows, rows).contiguous();
+      xs.push_back(mine.narrow(1, 0, T).contiguous());
+      ys.push_back(mine.narrow(1, 1, T).contiguous());
+    }
+    if (ddp) ddp->set_require_sync(false);
+    double loss = pipe.train_step(xs, ys);
+    if (ddp) ddp->finish();
+    Tensor mean = full({1}, loss / replicas, kF64, dev);
+    world->all_reduce(mean, dist::ReduceOp::kSum);
+    mean = mul(mean, 1.0 / (tp * pp));  // every rank of a replica reports the replica's loss
+    double norm = dist::clip_grad_norm_distributed(opt.parameters(), weights, 0.5, *mp_group);
+    opt.step();
+    double ref_norm = optim::clip_grad_norm(ref_opt.parameters(), 0.5);
+    ref_opt.step();
+    worst_loss = std::max(worst_loss, std::abs(mean.item<double>() - ref_loss));
+    worst_norm = std::max(worst_norm, std::abs(norm - ref_norm) / std::max(1.0, ref_norm));
+  }
+  check(worst_loss < 2e-5, what + ": losses match one process: max diff " + std::to_string(worst_loss));
+  check(worst_norm < 2e-5, what + ": grad norms match one process: max rel diff " + std::to_string(worst_norm));
+  auto full_params = pipe.full_named_parameters();
+  auto a = ref->named_parameters();
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    Tensor t = plan ? plan->full_of(full_params[i].first, full_params[i].second) : full_params[i].second;
+    worst = std::max(worst, a[i].first == full_params[i].first ? max_abs_diff(a[i].second, t) : INFINITY);
+  }
+  check(worst < 2e-5, what + ": parameters match one process: max diff " + std::to_string(worst));
+  {
+    autograd::NoGradGuard ng;
+    Tensor batch = tokens(rows, T, 77);
+    double eval = pipe.evaluate({batch.narrow(1, 0, T).contiguous()}, {batch.narrow(1, 1, T).contiguous()});
+    double ref_eval = loss_of(*ref, batch).item<double>();
+    check(std::abs(eval - ref_eval) < 2e-5, what + ": evaluation matches: " + std::to_string(eval) + " vs " +
+                                                std::to_string(ref_eval));
+  }
+  if (world->rank() == 0)
+    std::printf("  %s: max loss diff %.3g, grad-norm rel diff %.3g, parameter diff %.3g\n", what.c_str(), worst_loss,
+                worst_norm, worst);
+}
+
 // A model split over the world by the tensor-parallel plan, from the full model of `seed`.
 struct Split {
   std::shared_ptr<nn::LanguageModel> model;
@@ -704,6 +797,22 @@ int main(int argc, char** argv) {
           [&] { check_tensor_parallel_training(tiny_llama(tie), name, kBF16, 2e-2); });
   }
   if (world->size() == 2) run("tensor parallel llama: kv heads that do not split", check_tensor_parallel_llama_heads);
+  {
+    nn::ModelConfig deep = tiny();  // 4 blocks: 2 per stage, or 1 per virtual stage with 2 chunks per rank
+    deep.n_layer = 4;
+    nn::ModelConfig deep_llama = tiny_llama(false);
+    deep_llama.n_layer = 4;
+    const int P = world->size();
+    run("pipeline gpipe", [&] { check_pipeline(deep, 1, P, "gpipe", 1, "pp gpipe gpt2 (tied)"); });
+    run("pipeline 1f1b", [&] { check_pipeline(deep, 1, P, "1f1b", 1, "pp 1f1b gpt2 (tied)"); });
+    run("pipeline 1f1b llama", [&] { check_pipeline(deep_llama, 1, P, "1f1b", 1, "pp 1f1b llama"); });
+    if (P == 2)
+      run("pipeline interleaved", [&] { check_pipeline(deep, 1, 2, "interleaved", 2, "pp interleaved x2 gpt2"); });
+    if (P == 4) {
+      run("pipeline x tp", [&] { check_pipeline(deep_llama, 2, 2, "1f1b", 1, "pp 2 x tp 2 llama"); });
+      run("pipeline x dp", [&] { check_pipeline(deep, 1, 2, "interleaved", 2, "pp 2 (interleaved) x dp 2 gpt2"); });
+    }
+  }
   if (world->size() == 4) {  // 2 data-parallel x 2 tensor-parallel
     run("dp x tp (ddp)", [] { check_dp_x_tp(tiny(), false, "ddp x tp gpt2"); });
     run("zero-3 x tp", [] { check_dp_x_tp(tiny(), true, "zero-3 x tp gpt2"); });

@@ -49,6 +49,11 @@ class ProcessGroup {
   virtual void broadcast(Tensor& tensor, int root) = 0;
   virtual void send(const Tensor& tensor, int dst) = 0;
   virtual void recv(Tensor& tensor, int src) = 0;
+  // Point-to-point without waiting (NCCL: on the communication stream; the tensor is kept alive until it is done).
+  // Messages between two ranks of a group arrive in the order they were sent; a pipeline gives each direction a
+  // group of its own, so that two ranks sending to each other never wait on one stream.
+  virtual std::shared_ptr<Work> send_async(const Tensor& tensor, int dst);
+  virtual std::shared_ptr<Work> recv_async(Tensor& tensor, int src);
   virtual void barrier() = 0;
   // A subgroup of the ranks that pass the same color, ordered by (key, rank). Collective over this group.
   virtual std::shared_ptr<ProcessGroup> split(int color, int key) = 0;

@@ -91,8 +91,23 @@ class LanguageModel : public Module {
   // logits at a time. Under tensor parallelism each rank computes its vocabulary slice's logits and the loss is
   // reduced across the group without gathering them. What training and evaluation use.
   Tensor forward_loss(const Tensor& idx, const Tensor& targets);
-  // The final norm's output [B, T, C], the classifier's input.
-  virtual Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches) = 0;
+  // The final norm's output [B, T, C], the classifier's input: final_norm(run_blocks(embed(idx))).
+  Tensor hidden(const Tensor& idx, std::vector<KVCache>* caches);
+
+  // The model in pieces, as pipeline stages run it. The residual stream between blocks is a pair (x, pending): each
+  // block leaves its last residual add to the norm that follows (see GPT2Block::forward); pending is undefined
+  // before the first block.
+  // Token ids [B, T] -> the stream x [B, T, C] (positions continue after what the caches hold).
+  virtual Tensor embed(const Tensor& idx, std::vector<KVCache>* caches) = 0;
+  // Block i on the stream.
+  virtual std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) = 0;
+  // Blocks [begin, end) with the plan's hooks and the checkpointing of the training setup (cfg_.recompute).
+  std::pair<Tensor, Tensor> run_blocks(Tensor x, Tensor pending, size_t begin, size_t end,
+                                       std::vector<KVCache>* caches = nullptr);
+  // The final norm over the stream (its pending add included): the classifier's input.
+  virtual Tensor final_norm(const Tensor& x, const Tensor& pending) = 0;
+  // The mean loss of the classifier over final_norm's output against targets [B, T] (forward_loss's last piece).
+  Tensor head_loss(const Tensor& hidden, const Tensor& targets);
   // The classifier's weight [padded_vocab, C] (this rank's rows under tensor parallelism): the token embedding's
   // when tied.
   virtual const Tensor& classifier_weight() const = 0;
@@ -117,17 +132,6 @@ class LanguageModel : public Module {
   BlockHooks* block_hooks() const { return hooks_.get(); }
 
  protected:
-  // One block: (stream, pending) in -> (stream, pending) out (see GPT2Block::forward). Must capture by value: with
-  // recomputation it runs again in the backward.
-  using BlockFunction =
-      std::function<std::pair<Tensor, Tensor>(size_t index, const Tensor& x, const Tensor& pending, KVCache* cache)>;
-  // Runs every block over the stream x, with the hooks and the checkpointing (cfg_.recompute) of the training
-  // setup; returns the last (stream, pending). Call begin_forward() before the embedding.
-  std::pair<Tensor, Tensor> run_blocks(Tensor x, std::vector<KVCache>* caches, const BlockFunction& block);
-  void begin_forward() {
-    if (hooks_) hooks_->before_forward();
-  }
-
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;

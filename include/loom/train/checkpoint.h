@@ -71,7 +71,7 @@ struct CheckpointParam {
 };
 
 struct CheckpointLayout {
-  int64_t world = 1, dp = 1, tp = 1, zero = 0;
+  int64_t world = 1, dp = 1, tp = 1, zero = 0, pp = 1;  // world = pp x dp x tp
 };
 
 // meta.json, parsed.

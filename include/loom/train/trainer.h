@@ -23,6 +23,7 @@ class ProcessGroup;
 class DistributedDataParallel;
 class ZeroAdamW;
 class FullyShardedDataParallel;
+class PipelineParallel;
 class TensorParallelPlan;
 }
 
@@ -84,6 +85,11 @@ struct TrainOptions {
   // block by block in the backward), 3 parameters too (gathered block by block, in the autocast dtype; see
   // loom/distributed/fsdp.h).
   int64_t zero_stage = 0;
+  // Pipeline parallelism (loom/distributed/pipeline.h): stages, schedule (gpipe, 1f1b, interleaved) and virtual
+  // stages per rank. The micro-batches of a step (--total-batch-tokens / (B*T*data-parallel)) flow through it.
+  int64_t pipeline_parallel = 1;
+  std::string pp_schedule = "1f1b";
+  int64_t virtual_stages = 1;
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string recompute = "none";   // activation checkpointing per block: none, selective or full
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
@@ -158,6 +164,10 @@ class Trainer {
   std::unique_ptr<distributed::DistributedDataParallel> ddp_;
   std::unique_ptr<distributed::ZeroAdamW> zero_;
   std::unique_ptr<distributed::FullyShardedDataParallel> fsdp_;  // ZeRO-2/3
+  std::unique_ptr<distributed::PipelineParallel> pipeline_;      // --pp
+  std::shared_ptr<distributed::ProcessGroup> pp_group_, mp_group_;  // a pipeline; one model replica (pp x tp)
+  // The parameters this rank trains (this stage's under pipeline parallelism), by name.
+  std::vector<std::pair<std::string, Tensor>> trained_parameters() const;
   // The whole model's parameters by name (gathered over TP and FSDP; collective), and the reverse.
   std::vector<std::pair<std::string, Tensor>> full_parameters() const;
   void load_full_parameters(const std::vector<std::pair<std::string, Tensor>>& full);
