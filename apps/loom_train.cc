@@ -85,6 +85,8 @@ int main(int argc, char** argv) {
   app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1");
   app.add_option("--pp", o.pipeline_parallel, "pipeline stages (blocks split across ranks; with --tp and data "
                  "parallelism: world = pp x dp x tp)")->check(at_least(1))->capture_default_str();
+  app.add_flag("--sp", o.sequence_parallel, "sequence parallelism with --tp: norms, dropout and residual adds on "
+               "sequence slices, all-gather/reduce-scatter in place of all-reduce (less activation memory)");
   app.add_option("--pp-schedule", o.pp_schedule, "pipeline schedule: gpipe, 1f1b or interleaved")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
   app.add_option("--virtual-stages", o.virtual_stages, "interleaved schedule: model chunks per pipeline rank")

@@ -91,18 +91,21 @@ struct PipelineParallel::Impl {
   int act_src() const { return (s - 1 + P) % P; }
   int act_dst() const { return (s + 1) % P; }
 
-  // A pair of stream tensors over a group: a header (dtypes, whether pending is defined) then the tensors.
+  // A pair of stream tensors [B, T, C] (T the local slice under sequence parallelism) over a group: a header
+  // (dtypes, whether pending is defined, the shape) then the tensors.
   void send_pair(ProcessGroup& g, int dst, const Tensor& a, const Tensor& b) {
-    Tensor header = from_vector<int64_t>({int64_t(a.dtype()), b.defined() ? int64_t(b.dtype()) : -1}, {2})
-                        .to(device);
+    LOOM_CHECK(a.dim() == 3, "pipeline: the stream between stages is [B, T, C], got ", ::loom::describe(a));
+    Tensor header = from_vector<int64_t>({int64_t(a.dtype()), b.defined() ? int64_t(b.dtype()) : -1, a.size(0),
+                                          a.size(1), a.size(2)}, {5}).to(device);
     sends.push_back(g.send_async(header, dst));
     sends.push_back(g.send_async(ops::contiguous(a), dst));
     if (b.defined()) sends.push_back(g.send_async(ops::contiguous(b), dst));
   }
-  std::pair<Tensor, Tensor> recv_pair(ProcessGroup& g, int src, const Shape& shape) {
-    Tensor header = zeros({2}, kI64, device);
+  std::pair<Tensor, Tensor> recv_pair(ProcessGroup& g, int src) {
+    Tensor header = zeros({5}, kI64, device);
     g.recv_async(header, src)->wait();
     std::vector<int64_t> h = to_vector<int64_t>(header);
+    const Shape shape{h[2], h[3], h[4]};
     Tensor a = empty(shape, DType(h[0]), device);
     g.recv_async(a, src)->wait();
     Tensor b;
@@ -118,12 +121,13 @@ struct PipelineParallel::Impl {
     const Chunk& c = chunks[size_t(a.chunk)];
     Flight& f = flights[{a.micro, a.chunk}];
     const Tensor& idx = inputs[size_t(a.micro)];
-    Shape stream{idx.size(0), idx.size(1), model->config().n_embd};
     Tensor x, p;
+    if (const nn::TensorParallelRegion* tp = model->tensor_parallel())  // as hidden() would for this micro-batch
+      tp->set_sequence_sharded(tp->sequence_parallel() && idx.size(1) % tp->size() == 0);
     if (c.first) {
       x = model->embed(idx, nullptr);
     } else {
-      std::tie(x, p) = recv_pair(act_from(a.chunk), act_src(), stream);
+      std::tie(x, p) = recv_pair(act_from(a.chunk), act_src());
       if (grad) {
         x.set_requires_grad(true);
         if (p.defined()) p.set_requires_grad(true);
@@ -152,7 +156,7 @@ struct PipelineParallel::Impl {
     } else {
       ProcessGroup& g = (s == P - 1) ? *grad_wrap : *grad_prev;  // gradients come back the way activations went
       std::vector<Tensor> roots{f.x_out}, grads;
-      auto [gx, gp] = recv_pair(g, act_dst(), f.x_out.shape());
+      auto [gx, gp] = recv_pair(g, act_dst());
       grads.push_back(gx);
       if (f.p_out.defined() && f.p_out.requires_grad()) {
         roots.push_back(f.p_out);

@@ -68,6 +68,86 @@ Tensor reduce_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr
   return out;
 }
 
+namespace {
+
+// [B, T/R, C] slices of every rank -> [B, T, C] (the slices in rank order along dim 1).
+Tensor all_gather_sequence(const Tensor& x, ProcessGroup& group) {
+  autograd::NoGradGuard ng;
+  const int64_t R = group.size();
+  Tensor local = ops::contiguous(x);
+  Tensor gathered = empty({R * local.numel()}, local.dtype(), local.device());
+  group.all_gather(local, gathered);
+  Shape stacked = local.shape();
+  stacked.insert(stacked.begin(), R);  // [R, B, t, ...]
+  std::vector<int64_t> order{1, 0};
+  for (int64_t d = 2; d <= local.dim(); ++d) order.push_back(d);  // [B, R, t, ...]
+  Shape full = local.shape();
+  full[1] *= R;
+  return ops::reshape(ops::contiguous(ops::permute(gathered.view(stacked), order)), full);
+}
+
+// [B, T, C] partial sums -> this rank's [B, T/R, C] slice of their sum over the ranks.
+Tensor reduce_scatter_sequence(const Tensor& x, ProcessGroup& group) {
+  autograd::NoGradGuard ng;
+  const int64_t R = group.size(), T = x.size(1);
+  LOOM_REQUIRE(T % R == 0, "sequence parallelism: a sequence of ", T, " does not split over ", R, " ranks");
+  Shape split = x.shape();
+  split[1] = T / R;
+  split.insert(split.begin() + 1, R);  // [B, R, t, ...]
+  std::vector<int64_t> order{1, 0};
+  for (int64_t d = 2; d < int64_t(split.size()); ++d) order.push_back(d);  // [R, B, t, ...]
+  Tensor chunks = ops::contiguous(ops::permute(ops::contiguous(x).view(split), order));
+  Shape local = x.shape();
+  local[1] = T / R;
+  Tensor out = empty(local, x.dtype(), x.device());
+  group.reduce_scatter(chunks, out, ReduceOp::kSum);
+  return out;
+}
+
+class GatherSequenceNode final : public autograd::Node {
+ public:
+  explicit GatherSequenceNode(std::shared_ptr<ProcessGroup> g) : group_(std::move(g)) {}
+  autograd::tensor_list apply(autograd::tensor_list&& grads) override {
+    if (!grads[0].defined()) return {Tensor()};
+    return {reduce_scatter_sequence(grads[0], *group_)};
+  }
+  std::string name() const override { return "GatherSequence"; }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+class ScatterSequenceNode final : public autograd::Node {
+ public:
+  explicit ScatterSequenceNode(std::shared_ptr<ProcessGroup> g) : group_(std::move(g)) {}
+  autograd::tensor_list apply(autograd::tensor_list&& grads) override {
+    if (!grads[0].defined()) return {Tensor()};
+    return {all_gather_sequence(grads[0], *group_)};
+  }
+  std::string name() const override { return "ScatterSequence"; }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+}  // namespace
+
+Tensor gather_sequence_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
+  Tensor out = autograd::kept_results("gather_sequence_parallel_region", [&] {
+    return std::vector<Tensor>{all_gather_sequence(x, *group)};
+  })[0];
+  if (auto node = autograd::make_node<GatherSequenceNode>({&x}, group)) autograd::set_history(out, node);
+  return out;
+}
+
+Tensor reduce_scatter_sequence_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
+  Tensor out = autograd::kept_results("reduce_scatter_sequence_parallel_region", [&] {
+    return std::vector<Tensor>{reduce_scatter_sequence(x, *group)};
+  })[0];
+  if (auto node = autograd::make_node<ScatterSequenceNode>({&x}, group)) autograd::set_history(out, node);
+  return out;
+}
+
 Tensor gather_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
   int64_t ranks = group->size(), last = x.dim() - 1, width = x.size(last);
   Tensor out;
@@ -205,11 +285,20 @@ namespace {
 // The region a split model's layers talk through: the f/g functions and the vocabulary-parallel pieces over a group.
 class GroupRegion final : public nn::TensorParallelRegion {
  public:
-  explicit GroupRegion(std::shared_ptr<ProcessGroup> g) : group_(std::move(g)) {}
+  GroupRegion(std::shared_ptr<ProcessGroup> g, bool sequence_parallel)
+      : group_(std::move(g)), sequence_parallel_(sequence_parallel) {}
   int rank() const override { return group_->rank(); }
   int size() const override { return group_->size(); }
-  Tensor enter(const Tensor& x) const override { return copy_to_tensor_parallel_region(x, group_); }
-  Tensor exit(const Tensor& partial) const override { return reduce_from_tensor_parallel_region(partial, group_); }
+  Tensor enter(const Tensor& x) const override {
+    return sharded_ ? gather_sequence_parallel_region(x, group_) : copy_to_tensor_parallel_region(x, group_);
+  }
+  Tensor exit(const Tensor& partial) const override {
+    return sharded_ ? reduce_scatter_sequence_parallel_region(partial, group_)
+                    : reduce_from_tensor_parallel_region(partial, group_);
+  }
+  bool sequence_parallel() const override { return sequence_parallel_; }
+  void set_sequence_sharded(bool on) const override { sharded_ = on && sequence_parallel_; }
+  bool sequence_sharded() const override { return sharded_; }
   Tensor vocab_parallel_embedding(const Tensor& weight, const Tensor& indices, int64_t vocab_start) const override {
     // Token ids are few (B*T); the mask is made on the host.
     std::vector<int64_t> ids = to_vector<int64_t>(indices);
@@ -225,7 +314,7 @@ class GroupRegion final : public nn::TensorParallelRegion {
     mask_shape.push_back(1);
     Tensor idx = from_vector(local_ids, indices.shape(), weight.device());
     Tensor m = from_vector(mask, mask_shape, weight.device()).to(weight.dtype());
-    return reduce_from_tensor_parallel_region(mul(embedding(weight, idx), m), group_);
+    return exit(mul(embedding(weight, idx), m));
   }
   Tensor gather_vocabulary(const Tensor& local_logits) const override {
     return gather_from_tensor_parallel_region(local_logits, group_);
@@ -237,6 +326,8 @@ class GroupRegion final : public nn::TensorParallelRegion {
 
  private:
   std::shared_ptr<ProcessGroup> group_;
+  bool sequence_parallel_;
+  mutable bool sharded_ = false;  // this forward's stream is split along the sequence
 };
 
 ParameterSplit rows(std::vector<int64_t> blocks) { return {true, 0, std::move(blocks)}; }
@@ -244,8 +335,9 @@ ParameterSplit columns(int64_t width) { return {true, 1, {width}}; }
 
 }  // namespace
 
-TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group)
-    : model_(model), group_(std::move(group)) {
+TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,
+                                       bool sequence_parallel)
+    : model_(model), group_(std::move(group)), sequence_parallel_(sequence_parallel) {
   LOOM_REQUIRE(group_, "parallelize_tensor: no process group");
   LOOM_REQUIRE(!model.tensor_parallel(), "parallelize_tensor: the model is already split");
   const nn::ModelConfig& c = model.config();
@@ -257,7 +349,7 @@ TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr
   LOOM_REQUIRE(c.n_head % ranks == 0 && c.n_kv_head % ranks == 0, "tensor parallelism: n_head ", c.n_head,
                " and n_kv_head ", c.n_kv_head, " must both divide by the tensor-parallel size ", ranks,
                " (each rank owns whole query and key/value heads)");
-  auto region = std::make_shared<GroupRegion>(group_);
+  auto region = std::make_shared<GroupRegion>(group_, sequence_parallel);
   // Which parameters split how: one rule per layer kind, by the layers' types, for every model family.
   for (auto& [prefix, module] : model.named_modules()) {
     const std::string p = prefix + ".";
@@ -311,8 +403,39 @@ TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr
   model.set_tensor_parallel(region);
 }
 
-std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group) {
-  return std::make_shared<TensorParallelPlan>(model, std::move(group));
+std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,
+                                                       bool sequence_parallel) {
+  return std::make_shared<TensorParallelPlan>(model, std::move(group), sequence_parallel);
+}
+
+void TensorParallelPlan::reduce_replicated_gradients() {
+  if (!sequence_parallel_ || group_->size() == 1) return;
+  autograd::NoGradGuard ng;
+  // One all-reduce for all of them: their gradients are small (norms, biases, position embeddings).
+  std::vector<Tensor> grads;
+  int64_t total = 0;
+  DType dtype = kF32;
+  Device device;
+  for (auto& [name, p] : model_.named_parameters()) {
+    if (split_of(name).sharded || !p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    total += p.grad().numel();
+    dtype = p.grad().dtype();
+    device = p.grad().device();
+  }
+  if (grads.empty()) return;
+  Tensor flat = empty({total}, dtype, device);
+  int64_t at = 0;
+  for (Tensor& g : grads) {
+    flat.narrow(0, at, g.numel()).copy_from(g.reshape({-1}));
+    at += g.numel();
+  }
+  group_->all_reduce(flat, ReduceOp::kSum);
+  at = 0;
+  for (Tensor& g : grads) {
+    g.copy_from(flat.narrow(0, at, g.numel()).view(g.shape()));
+    at += g.numel();
+  }
 }
 
 const ParameterSplit& TensorParallelPlan::split_of(const std::string& name) const {

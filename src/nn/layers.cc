@@ -100,9 +100,10 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
                                     KVCache* cache) const {
   LOOM_REQUIRE(x.dim() == 3 && x.size(2) == cfg.dim, "CausalSelfAttention: expected input [B, T, ", cfg.dim,
                "], got ", describe(x));
-  int64_t B = x.size(0), T = x.size(1), D = head_dim;
+  // One gradient all-reduce for q, k and v together; under sequence parallelism the whole sequence is gathered here.
+  const Tensor xr = tp ? tp->enter(x) : x;
+  const int64_t B = xr.size(0), T = xr.size(1), D = head_dim;
   const int64_t H = local_heads, Hkv = local_kv_heads;
-  const Tensor xr = tp ? tp->enter(x) : x;  // one gradient all-reduce for q, k and v together
   Tensor q, k, v;
   if (cfg.fused_qkv) {
     // [B, T, (H + 2 Hkv) D] -> views [B, H, T, D] (attention reads them strided; one gradient buffer in backward)

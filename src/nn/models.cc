@@ -41,6 +41,7 @@ Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
   LOOM_REQUIRE(past + idx.size(1) <= cfg_.max_seq_len, "model: sequence length ", past + idx.size(1),
                " exceeds the model's context ", cfg_.max_seq_len);
   if (caches) caches->resize(size_t(cfg_.n_layer));
+  if (tp_) tp_->set_sequence_sharded(tp_->sequence_parallel() && !caches && idx.size(1) % tp_->size() == 0);
   if (hooks_) hooks_->before_forward();
   auto [x, pending] = run_blocks(embed(idx, caches), Tensor(), 0, size_t(cfg_.n_layer), caches);
   return final_norm(x, pending);
@@ -135,8 +136,12 @@ class GPT2 final : public LanguageModel {
   std::vector<std::shared_ptr<Module>> blocks() const override { return {blocks_.begin(), blocks_.end()}; }
 
   Tensor embed(const Tensor& idx, std::vector<KVCache>* caches) override {
-    const int64_t past = caches && !caches->empty() ? (*caches)[0].length() : 0;
-    Tensor pos = arange(double(past), double(past + idx.size(1)), 1.0, kI64, idx.device());
+    int64_t first = caches && !caches->empty() ? (*caches)[0].length() : 0, count = idx.size(1);
+    if (tp_ && tp_->sequence_sharded()) {  // the token embedding comes back as this rank's slice of the sequence
+      count /= tp_->size();
+      first += tp_->rank() * count;
+    }
+    Tensor pos = arange(double(first), double(first + count), 1.0, kI64, idx.device());
     return dropout(add(wte->forward(idx), wpe->forward(pos)), cfg_.dropout, is_training());
   }
   std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) override {

@@ -201,8 +201,12 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  " tokenizer's ", logs_->tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ",
                  cfg.vocab_size, " (--tokenizer/--tokenizer-path do not match --model)");
   }
+  LOOM_REQUIRE(!opts_.sequence_parallel || opts_.tensor_parallel > 1, "loom-train: --sp splits the sequence over the "
+               "tensor-parallel ranks: it needs --tp 2 or more");
+  LOOM_REQUIRE(!opts_.sequence_parallel || opts_.zero_stage <= 1, "loom-train: --sp does not combine with --zero ",
+               opts_.zero_stage, " yet (use --zero 1 or data parallelism)");
   if (opts_.tensor_parallel > 1)  // keep this rank's shards of the full model just built
-    tp_plan_ = distributed::parallelize_tensor(*model_, tp_group_);
+    tp_plan_ = distributed::parallelize_tensor(*model_, tp_group_, opts_.sequence_parallel);
   if (opts_.pipeline_parallel > 1) {  // keep this stage's blocks (before the move: the rest is never copied over)
     LOOM_REQUIRE(opts_.zero_stage <= 1, "loom-train: --pp does not combine with --zero ", opts_.zero_stage,
                  " (use --zero 1 or data parallelism)");
@@ -366,6 +370,7 @@ StepStats Trainer::train_step() {
     loss_sum = loss_sum.defined() ? ops::add(loss_sum, l) : l;
   }
   if (ddp_) ddp_->finish();
+  if (tp_plan_) tp_plan_->reduce_replicated_gradients();  // sequence parallelism's partial gradients
   StepStats s;
   s.lr = logs_->schedule->lr(step_);
   if (fsdp_) {

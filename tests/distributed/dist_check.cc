@@ -461,10 +461,10 @@ struct Split {
   std::shared_ptr<nn::LanguageModel> model;
   std::shared_ptr<dist::TensorParallelPlan> plan;
 };
-Split split_model(const nn::ModelConfig& cfg, uint64_t seed) {
+Split split_model(const nn::ModelConfig& cfg, uint64_t seed, bool sequence_parallel = false) {
   Split s{nn::make_model(cfg), nullptr};
   s.model->init_weights(seed);
-  s.plan = dist::parallelize_tensor(*s.model, world);
+  s.plan = dist::parallelize_tensor(*s.model, world, sequence_parallel);
   s.model->to(dev);
   return s;
 }
@@ -562,9 +562,9 @@ void check_tensor_parallel_round_trip(const nn::ModelConfig& cfg, const std::str
 // A few AdamW steps with clipping (the trainer's loop): TP=2 losses, grad norms and final parameters against TP=1,
 // optionally under autocast (bf16 matrix math, as loom-train runs on GPUs).
 void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::string& what, DType autocast_dtype,
-                                    double tol) {
+                                    double tol, bool sequence_parallel = false) {
   auto full = tiny_model(13, cfg);
-  Split tp = split_model(cfg, 13);
+  Split tp = split_model(cfg, 13, sequence_parallel);
   optim::AdamWOptions ao;
   ao.lr = 3e-3;
   optim::AdamW full_opt(optim::adamw_param_groups(full->named_parameters(), 0.1), ao);
@@ -589,6 +589,7 @@ void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::strin
     }
     ref_loss.backward();
     loss.backward();
+    tp.plan->reduce_replicated_gradients();  // sequence parallelism: the slices' partial gradients
     double ref_norm = optim::clip_grad_norm(full_opt.parameters(), 0.05);  // small, so that clipping acts
     double norm = dist::clip_grad_norm_distributed(tp_opt.parameters(), weights, 0.05, *world);
     full_opt.step();
@@ -781,6 +782,13 @@ int main(int argc, char** argv) {
         [] { check_fsdp(tiny_llama(false), 3, Recompute::kFull, kBF16, 3e-2, "zero-3 llama bf16"); });
   run("tensor parallel", [] { check_tensor_parallel(tiny(), "gpt2"); });
   run("tensor parallel training", [] { check_tensor_parallel_training(tiny(), "gpt2", kF32, 1e-4); });
+  run("sequence parallel training", [] { check_tensor_parallel_training(tiny(), "gpt2 sp", kF32, 1e-4, true); });
+  if (world->size() == 2)
+    run("sequence parallel llama training",
+        [] { check_tensor_parallel_training(tiny_llama(false), "llama sp", kF32, 1e-4, true); });
+  if (dev.is_cuda())
+    run("sequence parallel training (bf16 autocast)",
+        [] { check_tensor_parallel_training(tiny(), "gpt2 sp", kBF16, 2e-2, true); });
   if (dev.is_cuda())
     run("tensor parallel training (bf16 autocast)",
         [] { check_tensor_parallel_training(tiny(), "gpt2", kBF16, 2e-2); });

@@ -19,6 +19,10 @@ Tensor copy_to_tensor_parallel_region(const Tensor& x, const std::shared_ptr<Pro
 Tensor reduce_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group);
 // Concatenates every rank's x along the last dim; backward keeps this rank's slice of the gradient.
 Tensor gather_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group);
+// Sequence parallelism: every rank's [B, T/R, ...] slice concatenated along dim 1 (backward: reduce-scatter), and the
+// sum over the ranks of [B, T, ...] with this rank keeping its slice of dim 1 (backward: all-gather).
+Tensor gather_sequence_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group);
+Tensor reduce_scatter_sequence_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group);
 
 // How a parameter splits across the ranks of a tensor-parallel group: along `dim`, each block of `blocks` (the full
 // sizes along dim, in order; e.g. q, k and v of a fused projection) separately, rank r taking piece r of every block.
@@ -49,9 +53,19 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
 // the values they had (so an initialized or loaded full model splits into the same model). Dropout runs as in one
 // process: the ranks of a group draw the same masks. n_head, n_kv_head, ffn_hidden and padded_vocab_size must
 // divide by the group size.
+//
+// With sequence_parallel the stream between the split layers is split along the sequence too (see
+// nn::TensorParallelRegion): activation memory of norms, dropout and residuals / R, all-gathers and reduce-scatters
+// in place of all-reduces. The replicated parameters then get a partial gradient on each rank:
+// reduce_replicated_gradients() sums them over the group after the backward. Dropout on sequence slices draws the
+// same mask pattern on every rank (not one process's masks).
 class TensorParallelPlan {
  public:
-  TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group);
+  TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group, bool sequence_parallel = false);
+  bool sequence_parallel() const { return sequence_parallel_; }
+  // Sequence parallelism: sums the gradients of the parameters every rank holds whole over the group (a no-op
+  // without it). Call after the backward (after DDP's finish), before clipping.
+  void reduce_replicated_gradients();
   ProcessGroup& group() const { return *group_; }
   // Per parameter, in named_parameters order: whether it is split across the group (else replicated).
   std::vector<bool> sharded_mask() const;
@@ -73,9 +87,11 @@ class TensorParallelPlan {
   nn::LanguageModel& model_;
   std::shared_ptr<ProcessGroup> group_;
   std::map<std::string, ParameterSplit> splits_;  // sharded parameters by name
+  bool sequence_parallel_ = false;
 };
 
 // Splits `model` in place and returns its plan (the model must outlive it).
-std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group);
+std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,
+                                                       bool sequence_parallel = false);
 
 }  // namespace loom::distributed

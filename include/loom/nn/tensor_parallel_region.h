@@ -29,6 +29,15 @@ class TensorParallelRegion {
   // padding) against global targets [N], without gathering the logits.
   virtual Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, int64_t vocab_start,
                                               int64_t vocab_size) const = 0;
+
+  // Sequence parallelism (Megatron's, with TP): between the split layers the stream [B, T, C] is split along T, each
+  // rank holding rows [rank T/R, (rank+1) T/R) of every sequence; norms, dropout and residual adds run on that slice.
+  // enter() then all-gathers the slices (its backward reduce-scatters) and exit() and the embedding reduce-scatter
+  // (their backward all-gathers) where the plain region all-reduces. A model turns it on for a forward whose T
+  // divides by the ranks (not for generation with a KV cache): set_sequence_sharded(true) when the plan enabled it.
+  virtual bool sequence_parallel() const { return false; }
+  virtual void set_sequence_sharded(bool /*on*/) const {}
+  virtual bool sequence_sharded() const { return false; }
 };
 
 }  // namespace loom::nn

@@ -88,6 +88,7 @@ struct TrainOptions {
   // Pipeline parallelism (loom/distributed/pipeline.h): stages, schedule (gpipe, 1f1b, interleaved) and virtual
   // stages per rank. The micro-batches of a step (--total-batch-tokens / (B*T*data-parallel)) flow through it.
   int64_t pipeline_parallel = 1;
+  bool sequence_parallel = false;    // with --tp: norms, dropout and residuals on sequence slices (Megatron's SP)
   std::string pp_schedule = "1f1b";
   int64_t virtual_stages = 1;
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
