@@ -675,7 +675,7 @@ std::vector<std::pair<double, double>> train_layout(const std::string& dir, cons
     o.quiet = true;
     o.eval_interval = 0;
     o.sample_tokens = 0;
-    o.device = dev.is_cuda() ? "cuda" : "cpu";
+    o.device = dev.str();  // this rank's GPU: with a process group given the trainer does not pick one
     o.tensor_parallel = layout.tp;
     o.zero_stage = layout.zero;
     o.resume = resume;

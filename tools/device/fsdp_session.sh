@@ -3,7 +3,8 @@
 #   check   the distributed checks over NCCL (`loom-run --nproc-per-node 2 loom_distributed_check --device cuda`:
 #           DDP, ZeRO-1/2/3 with and without recomputation, bf16 gathers, TP), and $TESTS of the CUDA suite if set.
 #   parity  short loom-train runs of GPT-2 d4 and LLaMA-3 tiny at one global batch (one GPU, ZeRO-2, ZeRO-3 with
-#           full and selective recomputation, TP=2 with recomputation), their losses side by side.
+#           full and selective recomputation, TP=2 with recomputation, TP=2 with sequence parallelism, PP=2 1F1B and
+#           interleaved over 4 micro-batches), their losses side by side.
 # Every stage first builds (tools/device/build.sh, vendor bridges left out; a warm machine keeps build-dev).
 #   bench   LLaMA-3 8B, T=2048, B=1 per GPU on both GPUs: loom-train --zero 3 --recompute full --dtype bf16, then
 #           PyTorch FSDP2 (tools/bench/pytorch_fsdp_llama.py: fully_shard per layer, bf16 parameters, f32 reduction,
@@ -44,6 +45,10 @@ parity)
     train $1 $2 zero3-full build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 16 --zero 3 --recompute full
     train $1 $2 zero3-sel build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 16 --zero 3 --recompute selective
     train $1 $2 tp2-full build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 32 --tp 2 --recompute full
+    train $1 $2 tp2-sp build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 32 --tp 2 --sp
+    train $1 $2 pp2-1f1b build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 8 --pp 2
+    train $1 $2 pp2-interleaved build-dev/loom-run --nproc-per-node 2 build-dev/loom-train -b 8 --pp 2 \
+      --pp-schedule interleaved --virtual-stages 2
   done
   ;;
 bench)
