@@ -3,12 +3,19 @@
 
 #include <cmath>
 #include <iostream>
+#include <string>
 
 #include "loom/common/error.h"
 #include "loom/train/trainer.h"
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
 #endif
+
+// The library's messages often start with "loom-train: " already; say it once.
+static std::string without_app_prefix(const std::string& message) {
+  const std::string prefix = "loom-train: ";
+  return message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
+}
 
 int main(int argc, char** argv) {
   loom::train::TrainOptions o;
@@ -114,13 +121,13 @@ int main(int argc, char** argv) {
     loom::train::Trainer trainer(o);
     trainer.run();
   } catch (const loom::Error& e) {
-    std::cerr << "loom-train: error: " << e.what() << std::endl;
+    std::cerr << "loom-train: error: " << without_app_prefix(e.what()) << std::endl;
     return 1;
   } catch (const std::bad_alloc&) {
     std::cerr << "loom-train: error: out of host memory (is the model or the batch larger than this machine?)\n";
     return 1;
   } catch (const std::exception& e) {  // a directory that cannot be made, a malformed checkpoint: never an abort
-    std::cerr << "loom-train: error: " << e.what() << std::endl;
+    std::cerr << "loom-train: error: " << without_app_prefix(e.what()) << std::endl;
     return 1;
   }
   return 0;

@@ -92,7 +92,10 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
                "memory estimate: recompute must be none, selective or full, got '", in.recompute, "'");
   MemoryEstimate e;
   e.num_parameters = count_parameters(c);
-  const double P = double(e.num_parameters) / double(in.tensor_parallel);
+  LOOM_REQUIRE(in.pipeline_parallel > 0, "memory estimate: pipeline stages must be positive");
+  // A pipeline stage holds 1/pp of the blocks; 1F1B keeps up to pp micro-batches of its blocks' activations, about
+  // one micro-batch of the whole model's, so the activation estimate stands.
+  const double P = double(e.num_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
   e.gradients = 4 * P / (in.zero_stage >= 2 ? dp : 1);

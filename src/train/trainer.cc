@@ -112,6 +112,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                opts_.dtype, " is not a training precision (f32, bf16 or f16)");
   LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
   LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
+  LOOM_REQUIRE(opts_.warmup_steps >= 0 && opts_.warmup_steps <= opts_.steps, "loom-train: --warmup ",
+               opts_.warmup_steps, " must be between 0 and --steps ", opts_.steps, " (lower --warmup for a short run)");
   LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
 
   // A Hugging Face model directory (config.json and safetensors) as --init-from brings its own config unless --model
@@ -125,12 +127,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const int64_t launch_world = opts_.process_group            ? opts_.process_group->size()
                                : distributed::detect_launch() ? distributed::detect_launch()->world_size
                                                               : 1;
+  const int64_t model_parallel = std::max<int64_t>(1, opts_.tensor_parallel * opts_.pipeline_parallel);
   const MemoryEstimate memory =
       estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_,
-                                std::max<int64_t>(1, launch_world / std::max<int64_t>(1, opts_.tensor_parallel)),
+                                std::max<int64_t>(1, launch_world / model_parallel),
                                 std::max<int64_t>(1, opts_.tensor_parallel), int(opts_.zero_stage),
                                 opts_.recompute != "none" ? opts_.recompute
-                                                          : opts_.recompute_mlp ? "selective" : "none"});
+                                                          : opts_.recompute_mlp ? "selective" : "none",
+                                std::max<int64_t>(1, opts_.pipeline_parallel)});
   check_model_state_fits(memory, device_);
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
