@@ -63,7 +63,9 @@ inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t)
 // Same dtype, shape and bytes (CPU tensors).
 inline bool bytes_equal(const Tensor& a, const Tensor& b) {
   Tensor ca = a.contiguous(), cb = b.contiguous();
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0;
+  // An empty tensor's data may be null, which memcmp must not get even for 0 bytes (UBSan, scripts/sanitize.sh).
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         (ca.nbytes() == 0 || std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0);
 }
 
 // Max over elements of |a - b| / (atol + rtol * |b|); <= 1 means within tolerance. NaN anywhere fails.
