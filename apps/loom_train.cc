@@ -3,7 +3,11 @@
 
 #include <cmath>
 #include <iostream>
+#include <iterator>
+#include <sstream>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "loom/common/error.h"
 #include "loom/train/trainer.h"
@@ -17,9 +21,50 @@ static std::string without_app_prefix(const std::string& message) {
   return message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
 }
 
+// --config FILE: a JSON object ({"lr": 3e-4, "shuffle": true, ...}) or CLI11's TOML subset (lr = 3e-4), keys the
+// long flag names without dashes. Values on the command line win; an unknown key is an error naming it.
+class JsonOrTomlConfig : public CLI::ConfigTOML {
+ public:
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    std::string text((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
+    const size_t first = text.find_first_not_of(" \t\r\n");
+    if (first == std::string::npos || text[first] != '{') {
+      std::istringstream toml(text);
+      return CLI::ConfigTOML::from_config(toml);
+    }
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw CLI::ConversionError("--config: not valid JSON: " + std::string(e.what()));
+    }
+    std::vector<CLI::ConfigItem> items;
+    for (auto& [key, value] : j.items()) {
+      CLI::ConfigItem item;
+      item.name = key;
+      auto text_of = [&key](const nlohmann::json& v) -> std::string {
+        if (v.is_string()) return v.get<std::string>();
+        if (v.is_boolean() || v.is_number()) return v.dump();
+        throw CLI::ConversionError("--config: '" + key + "' must be a string, number, boolean or a list of them, got " +
+                                   v.dump());
+      };
+      if (value.is_array())
+        for (const auto& v : value) item.inputs.push_back(text_of(v));
+      else
+        item.inputs.push_back(text_of(value));
+      items.push_back(std::move(item));
+    }
+    return items;
+  }
+};
+
 int main(int argc, char** argv) {
   loom::train::TrainOptions o;
-  CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards"};
+  CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
+  app.set_config("--config", "", "read flags from a JSON object or TOML file (keys: long flag names without dashes; "
+                 "the command line overrides it)");
+  app.config_formatter(std::make_shared<JsonOrTomlConfig>());
+  app.allow_config_extras(CLI::config_extras_mode::error);
   // NaN and infinities pass CLI11's number checks (and every comparison a setting is checked with later).
   const CLI::Validator finite(
       [](std::string& v) -> std::string {
@@ -29,6 +74,17 @@ int main(int argc, char** argv) {
       },
       "FINITE");
   // CLI11's PositiveNumber / NonNegativeNumber print their range as a 300-digit number: say the bound instead.
+  auto in_range = [](double lo, double hi) {
+    return CLI::Validator(
+        [lo, hi](std::string& v) -> std::string {
+          char* end = nullptr;
+          const double d = std::strtod(v.c_str(), &end);
+          std::ostringstream m;
+          if (end != v.c_str() && std::isfinite(d) && (d < lo || d > hi)) m << "must be in [" << lo << ", " << hi << "], got " << v;
+          return m.str();
+        },
+        "");
+  };
   auto at_least = [](long long lo) {
     return CLI::Validator(
         [lo](std::string& v) -> std::string {
@@ -38,28 +94,51 @@ int main(int argc, char** argv) {
         },
         ">= " + std::to_string(lo));
   };
-  app.add_option("--model", o.model, "model name (gpt2-124m, gpt2-350m, d<N>, llama3-1b, ...) or JSON config")->capture_default_str();
-  app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Loom "
-                 "checkpoint (weights only) or an llm.c GPT-2 .bin");
+  app.add_option("--model", o.model,
+                 "model: gpt2 (= gpt2-124m), gpt2-medium (gpt2-350m), gpt2-large (gpt2-774m), gpt2-xl (gpt2-1558m, "
+                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-8b, llama3-tiny, the "
+                 "path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
+                 "With --resume: the checkpoint's; with an llm.c --init-from: the file's")
+      ->capture_default_str();
+  app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Hugging Face "
+                 "model directory, a Loom checkpoint (weights only) or an llm.c GPT-2 .bin (its header gives the "
+                 "model unless --model is given)");
   app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
   app.add_option("--val-data", o.val_data, "validation shard(s)");
   app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
   app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(at_least(1));
   app.add_option("--total-batch-tokens", o.total_batch_tokens, "tokens per optimizer step (gradient accumulation); 0 = B*T")->capture_default_str()->check(at_least(0));
-  app.add_option("--steps", o.steps, "optimizer steps")->capture_default_str()->check(at_least(1));
-  app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
-  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str();
-  app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")->capture_default_str();
-  app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str();
-  app.add_option("--beta1", o.beta1, "AdamW beta1")->capture_default_str();
-  app.add_option("--beta2", o.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--steps", o.steps, "train until this optimizer step")->capture_default_str()->check(at_least(1));
+  app.add_option("--schedule-steps", o.schedule_steps,
+                 "length of the learning-rate schedule (0: --steps); on --resume the checkpoint's unless given, so a "
+                 "raised --steps continues at the final learning rate")
+      ->capture_default_str()->check(at_least(0));
+  app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(finite & in_range(0, 1e3));
+  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str()->check(at_least(0));
+  app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")
+      ->capture_default_str()->check(CLI::IsMember({"cosine", "linear", "constant"}));
+  app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")
+      ->capture_default_str()->check(finite & in_range(0, 1));
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str()
+      ->check(finite & in_range(0, 1e3));
+  app.add_option("--beta1", o.beta1, "AdamW beta1")->capture_default_str()->check(finite & in_range(0, 1));
+  app.add_option("--beta2", o.beta2, "AdamW beta2")->capture_default_str()->check(finite & in_range(0, 1));
+  app.add_option("--eps", o.eps, "AdamW epsilon")->capture_default_str()->check(finite & at_least(0));
   app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)")->capture_default_str()->check(finite);
   app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
-  app.add_option("--dtype", o.dtype, "training precision")->capture_default_str();
-  app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str();
+  app.add_option("--dtype", o.dtype, "training precision: f32 (also float32, float), bf16 (bfloat16) or f16 (float16, "
+                 "half, fp16); bf16/f16 compute with f32 master weights")
+      ->capture_default_str();
+  std::string tf32;
+  app.add_option("--tf32", tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str()
+      ->check(at_least(0));
   app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str()->check(at_least(0));
-  app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str();
+  app.add_flag("--eval-only", o.eval_only, "evaluate the --init-from or --resume weights (loss and perplexity over "
+               "--eval-batches of --val-data, else of --train-data); no training, no checkpoint");
+  app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str()
+      ->check(at_least(0));
   app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample (0: no samples)")->capture_default_str()->check(at_least(0));
   app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
@@ -69,7 +148,12 @@ int main(int argc, char** argv) {
                  "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
-  app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint directory's latest");
+  app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
+                 "--checkpoint-dir (0: all); the one 'latest' names is never removed")
+      ->capture_default_str()->check(at_least(0));
+  app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint "
+                 "directory's latest; the model and the settings are the checkpoint's unless given (a change is "
+                 "printed old -> new, or refused)");
   app.add_option("--checkpoint-format", o.checkpoint_format,
                  "sharded: each rank writes its pieces into step_NNNNNN/ (resumable by any world size or layout); "
                  "single: one step_NNNNNN.safetensors; auto: sharded when distributed")
@@ -82,9 +166,11 @@ int main(int argc, char** argv) {
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
-  app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)");
+  app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)")
+      ->check(finite & at_least(0));
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
-  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str();
+  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str()
+      ->check(at_least(1));
   app.add_option("--zero", o.zero_stage,
                  "ZeRO stage over data-parallel ranks: 1 shards AdamW state, 2 also gradients, 3 also parameters "
                  "(gathered block by block; with --recompute for the memory)")
@@ -104,14 +190,26 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
   app.add_flag("--recompute-mlp", o.recompute_mlp,
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
-  app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str();
+  app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--bucket-mb", o.bucket_mb, "DDP: gradient MiB per all-reduce bucket")
       ->check(at_least(1))->capture_default_str();
   std::vector<std::string> diopi_libraries;
   app.add_option("--load-diopi", diopi_libraries,
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "loom-train: error: " << e.what() << std::endl;  // one line (not CLI11's "Run with --help" too)
+    return 2;
+  }
+  // The settings the user gave (command line or --config): on --resume the others are the checkpoint's.
+  o.given.emplace();
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->count() > 0 && !opt->get_lnames().empty()) o.given->insert(opt->get_lnames().front());
+  if (!tf32.empty()) o.tf32 = tf32 == "on";
   try {
 #ifdef LOOM_WITH_DIOPI
     loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(o.device).type);

@@ -9,6 +9,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <sstream>
+#include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <cstdio>
 #include <string>
@@ -16,6 +20,7 @@
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/io/hf_model_dir.h"
+#include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "test_files.h"
@@ -284,6 +289,308 @@ TEST(LoomTrainCli, ShardedCheckpointFromMpirunResumesInOneProcessAndExports) {
   EXPECT_LT(worst, 1e-5) << "loom-export of the sharded checkpoint differs from the single-file one";
   EXPECT_EQ(hf.tensors.size(), reference->hf_state_dict().size());
   EXPECT_TRUE(fs::exists(tmp.file("model.bin")));
+}
+// ---- issue 18: resume and start-up, conveniences ----
+
+// A shard of small token ids (the d2 model's 50257-token vocabulary holds them) with some structure to learn.
+std::string small_vocab_shard(const test::TempDir& tmp) {
+  const std::string shard = tmp.file("train.bin");
+  std::vector<int32_t> tokens(8192);
+  const uint64_t seed = test::fresh_seed();
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 7919 + seed + i / 5) % 400);
+  data::write_token_file(shard, tokens);
+  return shard;
+}
+
+// The step lines' "loss X | lr Y" by step ("step     3/4 | loss 10.8559 | lr 4.65e-04 | ...").
+std::map<int64_t, std::string> step_lines(const std::string& output) {
+  std::map<int64_t, std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    long step = 0, total = 0;
+    if (std::sscanf(line.c_str(), "step %ld/%ld |", &step, &total) != 2) continue;
+    const size_t a = line.find("| loss"), b = line.find("| norm");
+    if (a != std::string::npos && b != std::string::npos) out[step] = line.substr(a, b - a);
+  }
+  return out;
+}
+
+std::string checkpoint_file(const std::filesystem::path& dir, int step) {
+  char name[64];
+  std::snprintf(name, sizeof name, "step_%06d.safetensors", step);
+  return (dir / name).string();
+}
+
+// --resume alone continues the saved run: its model (d2, not the default d4), learning rate, warmup, batch and length
+// come from the checkpoint, so the resumed steps print the uninterrupted run's losses and learning rates.
+TEST(LoomTrainResume, TakesTheModelAndSettingsFromTheCheckpoint) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string dir = tmp.file("ck");
+  AppRun full = run_loom_train("--train-data " + shard + " --model d2 -b 2 -t 16 --steps 4 --lr 1e-3 --warmup 1 " +
+                               "--decay linear --final-lr-fraction 0.2 --seed 11 --sample-tokens 0 --eval-interval 0 " +
+                               "--checkpoint-interval 2 --checkpoint-dir " + dir);
+  ASSERT_EQ(full.status, 0) << full.output;
+  AppRun resumed = run_loom_train("--train-data " + shard + " --sample-tokens 0 --eval-interval 0 --resume " +
+                                  checkpoint_file(dir, 2) + " --checkpoint-dir " + tmp.file("ck2"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("2 layers"), std::string::npos) << "not the checkpoint's model\n" << resumed.output;
+  auto want = step_lines(full.output), got = step_lines(resumed.output);
+  ASSERT_TRUE(want.count(3) && want.count(4)) << full.output;
+  EXPECT_FALSE(got.count(2)) << resumed.output;
+  EXPECT_EQ(got[3], want[3]) << resumed.output;
+  EXPECT_EQ(got[4], want[4]) << resumed.output;
+  EXPECT_EQ(resumed.output.find(" -> "), std::string::npos) << "nothing was changed\n" << resumed.output;
+}
+
+// Raising --steps keeps the saved schedule (the learning rate does not jump back up), says so, and --schedule-steps
+// stretches it; a change to a setting that shapes the run is printed old -> new (the seed with what it still does);
+// batch size and sequence length are refused with one line naming the flag; an old checkpoint without settings
+// resumes with a note.
+TEST(LoomTrainResume, ChangedSettingsArePrintedOrRefused) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string dir = tmp.file("ck");
+  const std::string base = "--train-data " + shard + " --sample-tokens 0 --eval-interval 0 ";
+  AppRun first = run_loom_train(base + "--model d2 -b 2 -t 16 --steps 4 --lr 1e-3 --warmup 1 --final-lr-fraction 0.1 " +
+                                "--checkpoint-dir " + dir);
+  ASSERT_EQ(first.status, 0) << first.output;
+  const std::string ckpt = checkpoint_file(dir, 4);
+
+  AppRun longer = run_loom_train(base + "--resume " + ckpt + " --steps 6");
+  ASSERT_EQ(longer.status, 0) << longer.output;
+  EXPECT_NE(longer.output.find("resume: --steps 4 -> 6"), std::string::npos) << longer.output;
+  EXPECT_NE(longer.output.find("schedule stays 4 steps long"), std::string::npos) << longer.output;
+  auto lines = step_lines(longer.output);
+  EXPECT_NE(lines[5].find("lr 1.00e-04"), std::string::npos) << "step 5 left the final learning rate\n"
+                                                              << longer.output;
+  AppRun stretched = run_loom_train(base + "--resume " + ckpt + " --steps 6 --schedule-steps 6");
+  ASSERT_EQ(stretched.status, 0) << stretched.output;
+  EXPECT_NE(stretched.output.find("--schedule-steps 4 -> 6"), std::string::npos) << stretched.output;
+  EXPECT_EQ(step_lines(stretched.output)[5].find("lr 1.00e-04"), std::string::npos) << stretched.output;
+
+  AppRun lr = run_loom_train(base + "--resume " + ckpt + " --steps 5 --lr 2e-3");
+  ASSERT_EQ(lr.status, 0) << lr.output;
+  EXPECT_NE(lr.output.find("resume: --lr 0.001 -> 0.002"), std::string::npos) << lr.output;
+  EXPECT_NE(step_lines(lr.output)[5].find("lr 2.00e-04"), std::string::npos) << lr.output;
+
+  AppRun seed = run_loom_train(base + "--resume " + ckpt + " --steps 5 --seed 5");
+  ASSERT_EQ(seed.status, 0) << seed.output;
+  EXPECT_NE(seed.output.find("resume: --seed 1337 -> 5 (the data order and the random streams continue"),
+            std::string::npos) << seed.output;
+  for (const char* flag : {"--batch-size 4", "--seq-len 8"}) {
+    AppRun r = run_loom_train(base + "--resume " + ckpt + " --steps 6 " + flag);
+    EXPECT_EQ(WEXITSTATUS(r.status), 1) << flag << "\n" << r.output;
+    const std::string name = std::string(flag).substr(0, std::string(flag).find(' '));
+    EXPECT_NE(r.output.find("resume: " + name + " "), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+  AppRun other_model = run_loom_train(base + "--resume " + ckpt + " --steps 6 --model d3");
+  EXPECT_EQ(WEXITSTATUS(other_model.status), 1) << other_model.output;
+  EXPECT_NE(other_model.output.find("saved from another model than --model d3"), std::string::npos)
+      << other_model.output;
+
+  // A checkpoint from before the settings were saved: the command line's are used, with a note.
+  io::SafetensorsFile file = io::load_safetensors_file(ckpt);
+  auto state = nlohmann::json::parse(file.metadata.at("state"));
+  ASSERT_TRUE(state.contains("settings"));
+  EXPECT_EQ(state["settings"]["lr"].get<double>(), 1e-3);
+  state.erase("settings");
+  file.metadata["state"] = state.dump();
+  const std::string old = tmp.file("old.safetensors");
+  io::save_safetensors(old, file.tensors, file.metadata);
+  AppRun legacy =
+      run_loom_train(base + "--model d2 -b 2 -t 16 --steps 5 --warmup 1 --lr 3e-3 --decay constant --resume " + old);
+  ASSERT_EQ(legacy.status, 0) << legacy.output;
+  EXPECT_NE(legacy.output.find("holds no training settings"), std::string::npos) << legacy.output;
+  EXPECT_NE(step_lines(legacy.output)[5].find("lr 3.00e-03"), std::string::npos) << legacy.output;
+}
+
+// An llm.c model file as --init-from gives the model its shapes; with --model they are checked.
+TEST(LoomTrainStart, LlmcInitFromBuildsTheModelFromItsHeader) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  nn::ModelConfig cfg = nn::ModelConfig::from_json(
+      R"({"family": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 48, "vocab_size": 500, "max_seq_len": 64})");
+  auto model = nn::make_model(cfg);
+  model->init_weights(test::fresh_seed());
+  const std::string bin = tmp.file("model.bin");
+  io::save_llmc_model(bin, *model);
+  AppRun r = run_loom_train("--train-data " + shard + " -b 2 -t 16 --eval-only --eval-batches 2 --init-from " + bin);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("model: " + io::llmc_read_config(bin).describe()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("3 layers"), std::string::npos) << r.output;
+  AppRun wrong = run_loom_train("--train-data " + shard + " -b 2 -t 16 --eval-only --model d2 --init-from " + bin);
+  EXPECT_EQ(WEXITSTATUS(wrong.status), 1) << wrong.output;
+  EXPECT_NE(wrong.output.find("llm.c"), std::string::npos) << wrong.output;
+}
+
+// --eval-only: the loss of the given weights over --eval-batches, the same whether they come from --resume or
+// --init-from, perplexity = exp(loss), no step trained and nothing written. Without --val-data it says it is the
+// training data's loss, here and in a training run's eval lines and logs.
+TEST(LoomTrainStart, EvalOnlyAndTheTrainDataLossIsNamedSo) {
+  namespace fs = std::filesystem;
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string dir = tmp.file("ck");
+  AppRun train = run_loom_train("--train-data " + shard + " --model d2 -b 2 -t 16 --steps 3 --warmup 1 " +
+                                "--sample-tokens 0 --eval-interval 2 --eval-batches 2 --checkpoint-dir " + dir +
+                                " --log-dir " + tmp.file("logs"));
+  ASSERT_EQ(train.status, 0) << train.output;
+  EXPECT_NE(train.output.find("step 2: train-data loss (no --val-data)"), std::string::npos) << train.output;
+  EXPECT_EQ(train.output.find("val loss"), std::string::npos) << train.output;
+  const std::string metrics = test::read_all((fs::path(tmp.file("logs")) / "metrics.jsonl").string());
+  EXPECT_NE(metrics.find("\"train_data/loss\""), std::string::npos) << metrics;
+  EXPECT_EQ(metrics.find("\"val/loss\""), std::string::npos) << metrics;
+
+  const auto before = files_of(dir);
+  AppRun a = run_loom_train("--train-data " + shard + " -b 2 -t 16 --eval-only --eval-batches 3 --resume " + dir +
+                            " --checkpoint-dir " + dir);
+  AppRun b = run_loom_train("--train-data " + shard + " --model d2 -b 2 -t 16 --eval-only --eval-batches 3 " +
+                            "--init-from " + checkpoint_file(dir, 3));
+  ASSERT_EQ(a.status, 0) << a.output;
+  ASSERT_EQ(b.status, 0) << b.output;
+  double la = 0, lb = 0, pa = 0;
+  const size_t ia = a.output.find("eval: loss"), ib = b.output.find("eval: loss");
+  ASSERT_NE(ia, std::string::npos) << a.output;
+  ASSERT_NE(ib, std::string::npos) << b.output;
+  ASSERT_EQ(std::sscanf(a.output.c_str() + ia, "eval: loss %lf | perplexity %lf", &la, &pa), 2) << a.output;
+  ASSERT_EQ(std::sscanf(b.output.c_str() + ib, "eval: loss %lf", &lb), 1) << b.output;
+  EXPECT_EQ(la, lb) << "the same weights gave two losses";
+  EXPECT_NEAR(pa, std::exp(la), 1e-3 * std::exp(la));
+  EXPECT_NE(a.output.find("3 batch(es) of 2 x 16 tokens of the training data"), std::string::npos) << a.output;
+  EXPECT_EQ(step_lines(a.output).size(), 0u) << a.output;
+  EXPECT_EQ(files_of(dir), before) << "--eval-only wrote into the checkpoint directory";
+  AppRun none = run_loom_train("--train-data " + shard + " --model d2 --eval-only");
+  EXPECT_EQ(WEXITSTATUS(none.status), 1) << none.output;
+  EXPECT_NE(none.output.find("--eval-only"), std::string::npos) << none.output;
+}
+
+// Every numeric flag's bad value is one line naming the flag (no CLI11 range with a 300-digit number, no second
+// "Run with --help" line).
+TEST(LoomTrainStart, EveryBadNumberIsOneLine) {
+  const char* cases[] = {"--steps 0", "--steps -3", "--batch-size 0", "--seq-len 0", "--lr -1", "--lr 1e400",
+                         "--lr nan", "--warmup -1", "--final-lr-fraction 2", "--weight-decay -0.5", "--beta1 1.5",
+                         "--beta2 nan", "--eps -1", "--eval-interval -1", "--sample-interval -2", "--tp 0",
+                         "--pp 0", "--zero 7", "--bucket-mb 0", "--peak-tflops -1", "--keep-checkpoints -1",
+                         "--schedule-steps -1", "--total-batch-tokens -1", "--steps abc", "--tf32 maybe",
+                         "--decay cosin"};
+  for (const char* c : cases) {
+    AppRun r = run_loom_train(std::string("--train-data /nonexistent/shard.bin ") + c);
+    const std::string flag = std::string(c).substr(0, std::string(c).find(' '));
+    EXPECT_NE(r.status, 0) << c << "\n" << r.output;
+    EXPECT_NE(r.output.find(flag), std::string::npos) << c << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c << "\n" << r.output;
+    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c << " got past the flags\n" << r.output;
+    EXPECT_EQ(r.output.find("0000000000"), std::string::npos) << c << "\n" << r.output;
+  }
+}
+
+// --help (on stdout, status 0) names every model and dtype spelling and shows the defaults; built-in model names
+// take any case (llm.c's gpt2-124M).
+TEST(LoomTrainStart, HelpNamesEveryModelAndDtype) {
+  FILE* p = popen((std::string(LOOM_TRAIN_EXE) + " --help 2>/dev/null").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string help;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) help.append(buf.data(), n);
+  EXPECT_EQ(pclose(p), 0);
+  for (const char* word : {"gpt2 ", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m", "gpt2-medium", "gpt2-large",
+                           "gpt2-xl", "gpt2-tiny", "llama3-tiny", "llama3-1b", "llama3-8b", "d<N>", "JSON",
+                           "Hugging Face", "gpt2-124M", "float32", "bfloat16", "float16", "half", "fp16", "=d4",
+                           "=0.0006", "=cosine", "--config", "--keep-checkpoints", "--eps", "--tf32", "--eval-only",
+                           "--schedule-steps"})
+    EXPECT_NE(help.find(word), std::string::npos) << word << "\n" << help;
+  const nn::ModelConfig want = nn::ModelConfig::from_name("gpt2-124m");
+  EXPECT_EQ(nn::ModelConfig::from_name("gpt2-124M").to_json(), want.to_json());
+  EXPECT_EQ(nn::ModelConfig::from_name("GPT2").to_json(), want.to_json());
+  EXPECT_EQ(nn::ModelConfig::from_name("GPT2-Tiny").to_json(), nn::ModelConfig::from_name("gpt2-tiny").to_json());
+  EXPECT_EQ(nn::ModelConfig::from_name("LLaMA3-tiny").to_json(), nn::ModelConfig::from_name("llama3-tiny").to_json());
+  EXPECT_THROW(nn::ModelConfig::from_name("gpt2-125m"), Error);
+}
+
+// --config FILE (JSON or TOML) holds flags by their long names; the command line overrides it; an unknown key is one
+// error naming it.
+TEST(LoomTrainStart, ConfigFileFlagsWithTheCommandLineOverriding) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string json = tmp.file("run.json"), toml = tmp.file("run.toml"), bad = tmp.file("bad.json");
+  std::ofstream(json) << R"({"model": "d2", "batch-size": 2, "seq-len": 16, "steps": 3, "lr": 2e-3, "warmup": 1,
+    "decay": "constant", "sample-tokens": 0, "eval-interval": 0, "shuffle": true, "train-data": ")" << shard << "\"}";
+  std::ofstream(toml) << "model = \"d2\"\nbatch-size = 2\nseq-len = 16\nsteps = 3\nlr = 2e-3\nwarmup = 1\n"
+                      << "decay = \"constant\"\nsample-tokens = 0\neval-interval = 0\nshuffle = true\n"
+                      << "train-data = \"" << shard << "\"\n";
+  AppRun j = run_loom_train("--config " + json + " --steps 2");
+  ASSERT_EQ(j.status, 0) << j.output;
+  auto lines = step_lines(j.output);
+  EXPECT_EQ(lines.size(), 2u) << "--steps 2 on the command line did not win\n" << j.output;
+  EXPECT_NE(lines[2].find("lr 2.00e-03"), std::string::npos) << j.output;
+  EXPECT_NE(j.output.find("2 layers"), std::string::npos) << j.output;
+  AppRun t = run_loom_train("--config " + toml + " --steps 2");
+  ASSERT_EQ(t.status, 0) << t.output;
+  EXPECT_EQ(step_lines(t.output), lines) << "TOML and JSON configs ran differently\n" << t.output;
+  std::ofstream(bad) << R"({"model": "d2", "learning-rate": 0.1})";
+  AppRun u = run_loom_train("--config " + bad + " --train-data " + shard);
+  EXPECT_NE(u.status, 0) << u.output;
+  EXPECT_NE(u.output.find("learning-rate"), std::string::npos) << u.output;
+  EXPECT_EQ(std::count(u.output.begin(), u.output.end(), '\n'), 1) << u.output;
+}
+
+// --keep-checkpoints N: after each save only the newest N remain (with their optimizer files), single files and
+// sharded directories alike.
+TEST(LoomTrainStart, KeepCheckpointsRemovesTheOlderOnes) {
+  namespace fs = std::filesystem;
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  for (const char* format : {"single", "sharded"}) {
+    const fs::path dir = tmp.path() / format;
+    AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --steps 5 --warmup 1 " +
+                              "--sample-tokens 0 --eval-interval 0 --checkpoint-interval 1 --keep-checkpoints 2 " +
+                              "--checkpoint-format " + format + " --checkpoint-dir " + dir.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    const std::set<std::string> want =
+        std::string(format) == "single"
+            ? std::set<std::string>{"latest", "step_000004.safetensors", "step_000005.safetensors"}
+            : std::set<std::string>{"latest", "step_000004", "step_000005"};
+    EXPECT_EQ(names, want) << format << "\n" << r.output;
+    EXPECT_NE(r.output.find("removed old checkpoint"), std::string::npos) << r.output;
+  }
+}
+
+// --eps and --tf32 reach the run: with a huge eps AdamW's updates vanish, so the losses follow those of a run with
+// learning rate 0, while the same run with the default eps moves away from them; --tf32 on/off are taken.
+TEST(LoomTrainStart, EpsAndTf32) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string common = "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 3 --warmup 0 --decay constant " +
+                             "--weight-decay 0 --sample-tokens 0 --eval-interval 0 --seed 3 ";
+  AppRun still = run_loom_train(common + "--lr 0");
+  AppRun normal = run_loom_train(common + "--lr 3e-3 --tf32 on");
+  AppRun damped = run_loom_train(common + "--lr 3e-3 --eps 1e6 --tf32 off");
+  ASSERT_EQ(still.status, 0) << still.output;
+  ASSERT_EQ(normal.status, 0) << normal.output;
+  ASSERT_EQ(damped.status, 0) << damped.output;
+  auto loss_at = [](const std::string& output, int64_t step) {
+    const std::string line = step_lines(output).at(step);
+    return std::stod(line.substr(line.find("loss") + 5));
+  };
+  EXPECT_LE(std::abs(loss_at(damped.output, 3) - loss_at(still.output, 3)), 1e-4) << damped.output << still.output;
+  EXPECT_GT(std::abs(loss_at(normal.output, 3) - loss_at(still.output, 3)), 1e-2) << normal.output << still.output;
+}
+
+// --explain-kernels lists only the dtypes the run called: an f32 CPU run lists no bf16 or f16 kernel and
+// gemm for f32 only (the loss is summed in f64: copy for f64 is listed).
+TEST(LoomTrainStart, ExplainKernelsListsOnlyTheDtypesUsed) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --steps 1 --warmup 0 --sample-tokens 0 " +
+                            "--eval-interval 0 --explain-kernels");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("gemm on cpu for f32:"), std::string::npos) << r.output;
+  for (const char* dt : {"for bf16:", "for f16:", "gemm on cpu for f64:", "gemm on cpu for i32:"})
+    EXPECT_EQ(r.output.find(dt), std::string::npos) << dt << "\n" << r.output;
 }
 #endif
 

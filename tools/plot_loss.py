@@ -5,7 +5,8 @@
     python3 tools/plot_loss.py out/logs                 # the directory's metrics.jsonl, writes out/logs/loss.png
 
 Each line of metrics.jsonl is a JSON object {"step": s, "time": t, "train/loss": ..., ...} or, after an evaluation,
-{"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc). Uses matplotlib when it is installed; otherwise a
+{"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc); a run without --val-data evaluates on the training
+data and logs "train_data/loss", drawn as "train data (eval)". Uses matplotlib when it is installed; otherwise a
 built-in renderer draws the plot and writes the PNG with zlib alone, so it works with a bare python3.
 """
 
@@ -19,8 +20,9 @@ import zlib
 
 
 def read_metrics(path):
-    """Returns ({step: train loss}, {step: val loss}). A resumed run appends steps again; the last value wins."""
-    train, val = {}, {}
+    """Returns ({step: train loss}, {step: val loss}, {step: evaluation loss on the training data}). A resumed run
+    appends steps again; the last value wins."""
+    train, val, train_eval = {}, {}, {}
     with open(path, "r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -35,11 +37,11 @@ def read_metrics(path):
             if not isinstance(obj, dict) or not isinstance(obj.get("step"), (int, float)):
                 continue
             step = obj["step"]
-            for key, table in (("train/loss", train), ("val/loss", val)):
+            for key, table in (("train/loss", train), ("val/loss", val), ("train_data/loss", train_eval)):
                 v = obj.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     table[step] = float(v)
-    return train, val
+    return train, val, train_eval
 
 
 def ema(values, alpha):
@@ -294,9 +296,10 @@ def main(argv=None):
     if not 0.0 <= args.smooth < 1.0:
         print("plot_loss: error: --smooth must be in [0, 1)", file=sys.stderr)
         return 1
-    train, val = read_metrics(path)
-    if not train and not val:
-        print(f"plot_loss: error: {path} has no finite train/loss or val/loss values", file=sys.stderr)
+    train, val, train_eval = read_metrics(path)
+    if not train and not val and not train_eval:
+        print(f"plot_loss: error: {path} has no finite train/loss, val/loss or train_data/loss values",
+              file=sys.stderr)
         return 1
     out = args.output or os.path.join(os.path.dirname(os.path.abspath(path)), "loss.png")
 
@@ -312,6 +315,9 @@ def main(argv=None):
     if val:
         steps = sorted(val)
         series.append(("val", steps, [val[s] for s in steps], (255, 127, 14), True))
+    if train_eval:
+        steps = sorted(train_eval)
+        series.append(("train data (eval)", steps, [train_eval[s] for s in steps], (44, 160, 44), True))
 
     backend = args.backend
     if backend == "auto":
@@ -321,8 +327,15 @@ def main(argv=None):
             backend = "matplotlib"
         except ImportError:
             backend = "builtin"
+    elif backend == "matplotlib":
+        try:
+            import matplotlib  # noqa: F401,F811
+        except ImportError:
+            print("plot_loss: error: matplotlib is not installed (pip install matplotlib, or --backend builtin: "
+                  "no dependency)", file=sys.stderr)
+            return 1
     if backend == "matplotlib":
-        colors = {(31, 119, 180): "tab:blue", (255, 127, 14): "tab:orange"}
+        colors = {(31, 119, 180): "tab:blue", (255, 127, 14): "tab:orange", (44, 160, 44): "tab:green"}
         plot_matplotlib([(l, x, y, colors[c], m) for l, x, y, c, m in series], out, args.title)
     else:
         plot_builtin(series, out, args.title)
@@ -331,6 +344,8 @@ def main(argv=None):
         summary.append(f"train {train[max(train)]:.4f} at step {max(train)}")
     if val:
         summary.append(f"val {val[max(val)]:.4f} at step {max(val)}")
+    if train_eval:
+        summary.append(f"train data (eval) {train_eval[max(train_eval)]:.4f} at step {max(train_eval)}")
     print(f"plot_loss: wrote {out} ({backend}; last: {', '.join(summary)})")
     return 0
 

@@ -1,4 +1,6 @@
 // ModelConfig: the named models, Loom's JSON config and its description.
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -47,7 +49,10 @@ const char* family_name(ModelFamily f) { return f == ModelFamily::kGPT2 ? "gpt2"
 
 }  // namespace
 
-ModelConfig ModelConfig::from_name(const std::string& name) {
+ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
+  // Built-in names in any case (llm.c spells "gpt2-124M"); a path keeps its case.
+  std::string name = name_or_path;
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return char(std::tolower(c)); });
   if (name == "gpt2" || name == "gpt2-124m") return gpt2_config(12, 12, 768);
   if (name == "gpt2-medium" || name == "gpt2-350m") return gpt2_config(24, 16, 1024);
   if (name == "gpt2-large" || name == "gpt2-774m") return gpt2_config(36, 20, 1280);
@@ -71,6 +76,7 @@ ModelConfig ModelConfig::from_name(const std::string& name) {
     c.rope_scaling = ops::RopeScaling{8.0, 1.0, 4.0, 64};
     return c;
   }
+  name = name_or_path;
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(name, ec);
   const std::string file = is_dir ? (std::filesystem::path(name) / "config.json").string() : name;
@@ -78,8 +84,9 @@ ModelConfig ModelConfig::from_name(const std::string& name) {
   LOOM_REQUIRE(!is_dir || f.good(), "model '", name, "': a directory, but without a readable config.json (a Hugging "
                "Face model directory holds config.json and model.safetensors)");
   LOOM_REQUIRE(f.good(), "unknown model '", name,
-               "' (expected gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m, d<N>, llama3-1b, llama3-8b, gpt2-tiny, "
-               "llama3-tiny, the path of a JSON config file or a Hugging Face model directory)");
+               "' (expected gpt2 or gpt2-124m, gpt2-medium or gpt2-350m, gpt2-large or gpt2-774m, gpt2-xl or "
+               "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
+               "Hugging Face model directory)");
   std::stringstream ss;
   ss << f.rdbuf();
   try {

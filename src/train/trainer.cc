@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <set>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -17,6 +19,7 @@
 #include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
+#include "loom/core/gemm.h"
 #include "loom/dispatch_modes.h"
 #include "loom/core/generator.h"
 #include "loom/data/loader.h"
@@ -103,24 +106,144 @@ std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const st
   return out;
 }
 
+// The first key where two model configs differ, for the error that names it.
+std::string config_difference(const nlohmann::json& saved, const nlohmann::json& mine) {
+  for (auto& [k, v] : saved.items())
+    if (!mine.contains(k) || mine.at(k) != v)
+      return "'" + k + "' is " + v.dump() + " in the checkpoint, " + (mine.contains(k) ? mine.at(k).dump() : "absent") +
+             " here";
+  for (auto& [k, v] : mine.items())
+    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + v.dump() + " here";
+  return "";
+}
+
+// The settings that shape a run, saved in each checkpoint's state (as "settings") by their flag names. On resume
+// (apply_settings) one the user did not give is taken from the checkpoint; a given one that differs is taken and
+// reported old -> new, except those a resume cannot change without breaking exactness (refused with the reason).
+struct RunSetting {
+  const char* flag;
+  std::function<nlohmann::json(const TrainOptions&)> get;
+  std::function<void(TrainOptions&, const nlohmann::json&)> set;
+  const char* refused = nullptr;  // why a change is refused; nullptr: a change is taken
+  bool zero_is_unset = false;     // 0 means "derive it" (not a value the user chose)
+  const char* note = nullptr;     // said with a change that is taken
+};
+
+const std::vector<RunSetting>& run_setting_table() {
+#define LOOM_SETTING(flag, field, ...)                                                                  \
+  RunSetting {                                                                                          \
+    flag, [](const TrainOptions& o) { return nlohmann::json(o.field); },                                \
+        [](TrainOptions& o, const nlohmann::json& v) { v.get_to(o.field); }, __VA_ARGS__                 \
+  }
+  static const std::vector<RunSetting> table{
+      LOOM_SETTING("lr", lr),
+      LOOM_SETTING("warmup", warmup_steps),
+      LOOM_SETTING("decay", decay),
+      LOOM_SETTING("final-lr-fraction", final_lr_fraction),
+      LOOM_SETTING("steps", steps),
+      LOOM_SETTING("schedule-steps", schedule_steps, nullptr, true),
+      LOOM_SETTING("batch-size", batch_size, "the saved data position counts batches of B x T tokens"),
+      LOOM_SETTING("seq-len", seq_len, "the saved data position counts batches of B x T tokens"),
+      LOOM_SETTING("total-batch-tokens", total_batch_tokens, nullptr, true),
+      LOOM_SETTING("weight-decay", weight_decay),
+      LOOM_SETTING("beta1", beta1),
+      LOOM_SETTING("beta2", beta2),
+      LOOM_SETTING("eps", eps),
+      LOOM_SETTING("clip", clip),
+      LOOM_SETTING("seed", seed, nullptr, false,
+                   "the data order and the random streams continue from the saved state; the seed only seeds the "
+                   "samples"),
+  };
+#undef LOOM_SETTING
+  return table;
+}
+
+// This run's settings; the schedule length and the tokens per step as in effect (not 0 = derived).
+nlohmann::json run_settings(const TrainOptions& o, int64_t schedule_steps, int64_t total_batch_tokens) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const RunSetting& s : run_setting_table()) j[s.flag] = s.get(o);
+  j["schedule-steps"] = schedule_steps;
+  j["total-batch-tokens"] = total_batch_tokens;
+  return j;
+}
+
+std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+// Merges saved settings into `o` (see RunSetting). changes == nullptr: takes every saved value (the saved run's
+// options). Otherwise each change taken is described in *changes and a refused one throws naming its flag.
+void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<std::string>* changes,
+                    const std::string& path = "") {
+  for (const RunSetting& s : run_setting_table()) {
+    if (!saved.contains(s.flag)) continue;
+    const nlohmann::json old = saved.at(s.flag), now = s.get(o);
+    // 0 = derive it: from the checkpoint on the command line; in library use (no `given`) from this run, as before.
+    if (changes && !o.given && s.zero_is_unset && now == 0) continue;
+    const bool given = changes && (!o.given || o.given->count(s.flag)) && !(s.zero_is_unset && now == 0);
+    try {
+      if (!given) {
+        s.set(o, old);
+      } else if (now != old) {
+        LOOM_REQUIRE(!s.refused, "resume: --", s.flag, " ", setting_str(now), " differs from the checkpoint's ",
+                     setting_str(old), " ('", path, "'): ", s.refused, "; leave --", s.flag,
+                     " out, or start a new run from its weights with --init-from");
+        std::string line = "--" + std::string(s.flag) + " " + setting_str(old) + " -> " + setting_str(now);
+        changes->push_back(s.note ? line + " (" + s.note + ")" : line);
+      }
+    } catch (const nlohmann::json::exception& e) {
+      LOOM_THROW("resume: '", path, "' has corrupt state metadata: settings '", s.flag, "' is ", old.dump(), ": ",
+                 e.what());
+    }
+  }
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
+  // Resume: the checkpoint's model and settings come first; everything below sees the merged options.
+  std::string saved_config;
+  if (!opts_.resume.empty()) {
+    resume_path_ = resolve_resume_path(opts_.resume);
+    saved_config = adopt_checkpoint_settings(resume_path_);
+  }
+  LOOM_REQUIRE(!opts_.eval_only || !opts_.init_from.empty() || !opts_.resume.empty() ||
+                   io::is_hf_model_dir(opts_.model),
+               "loom-train: --eval-only evaluates trained weights: give --init-from or --resume");
   device_ = Device::parse(opts_.device);
+  if (opts_.tf32) set_allow_tf32(*opts_.tf32);
   autocast_dtype_ = dtype_from_name(opts_.dtype);
   LOOM_REQUIRE(autocast_dtype_ == kF32 || autocast_dtype_ == kBF16 || autocast_dtype_ == kF16, "loom-train: --dtype ",
                opts_.dtype, " is not a training precision (f32, bf16 or f16)");
   LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
   LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
-  LOOM_REQUIRE(opts_.warmup_steps >= 0 && opts_.warmup_steps <= opts_.steps, "loom-train: --warmup ",
-               opts_.warmup_steps, " must be between 0 and --steps ", opts_.steps, " (lower --warmup for a short run)");
+  LOOM_REQUIRE(opts_.schedule_steps >= 0, "loom-train: --schedule-steps must be at least 0, got ",
+               opts_.schedule_steps);
+  const int64_t schedule_steps = opts_.schedule_steps > 0 ? opts_.schedule_steps : opts_.steps;
+  LOOM_REQUIRE(opts_.warmup_steps >= 0 && opts_.warmup_steps <= schedule_steps, "loom-train: --warmup ",
+               opts_.warmup_steps, " must be between 0 and ",
+               opts_.schedule_steps > 0 ? "--schedule-steps " : "--steps ", schedule_steps,
+               " (lower --warmup for a short run)");
+  LOOM_REQUIRE(opts_.keep_checkpoints >= 0, "loom-train: --keep-checkpoints must be at least 0, got ",
+               opts_.keep_checkpoints);
   LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
 
   // A Hugging Face model directory (config.json and safetensors) as --init-from brings its own config unless --model
   // names one; as --model it brings its config and, when it has them, its weights.
   const bool hf_init = io::is_hf_model_dir(opts_.init_from);
-  nn::ModelConfig cfg =
-      nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from : opts_.model);
+  // An llm.c model file as --init-from brings its shapes (its header) unless --model is given (then they are checked
+  // when its weights load).
+  const bool model_given = !opts_.given || opts_.given->count("model");
+  const bool llmc_init = !hf_init && !opts_.init_from.empty() && !is_sharded_checkpoint(opts_.init_from) &&
+                         io::is_llmc_model_file(opts_.init_from);
+  nn::ModelConfig cfg = !saved_config.empty() && !model_given ? nn::ModelConfig::from_json(saved_config)
+                        : llmc_init && !model_given ? io::llmc_read_config(opts_.init_from)
+                        : nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from
+                                                                                                    : opts_.model);
+  if (!saved_config.empty() && model_given) {  // --model with --resume: the same model, or one error naming the key
+    const std::string difference =
+        config_difference(nlohmann::json::parse(saved_config), nlohmann::json::parse(cfg.to_json()));
+    LOOM_REQUIRE(difference.empty(), "resume: '", resume_path_, "' was saved from another model than --model ",
+                 opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
+  }
   cfg.recompute_mlp = opts_.recompute_mlp;
   cfg.recompute = autograd::recompute_from_name(opts_.recompute);
   // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
@@ -284,7 +407,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                                                                   dp_group_, ddp_options);
     ddp_->broadcast_parameters(0);
   }
-  logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, opts_.steps,
+  logs_->schedule = std::make_unique<optim::LrSchedule>(opts_.decay, opts_.lr, opts_.warmup_steps, schedule_steps,
                                                         opts_.final_lr_fraction);
   // The checkpoint directory must be writable now, not at the first save after the training ran.
   if (!opts_.checkpoint_dir.empty() && is_rank0_) {
@@ -308,11 +431,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(), resuming);
     logs_->tensorboard = std::make_unique<io::TensorBoardWriter>(opts_.log_dir);
   }
-  if (!opts_.resume.empty()) {
-    const std::string path = resolve_resume_path(opts_.resume);
-    load_checkpoint(path);
-  }
-  check_checkpoint_targets();
+  if (!opts_.resume.empty()) load_checkpoint(resume_path_);
+  if (!opts_.eval_only) check_checkpoint_targets();
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
@@ -492,36 +612,65 @@ void Trainer::run() {
       if (distributed && std::uncaught_exceptions() > exceptions) distributed::mark_failed();
     }
   } failure_mark{std::uncaught_exceptions(), world_->size() > 1};
+  // Without --val-data the evaluation runs on the training data: it is named so (console "train-data loss", logs
+  // "train_data/loss"), never passed off as a validation loss.
   auto log_eval = [&](int64_t step) {
     double val = evaluate(opts_.eval_batches);
-    if (!opts_.quiet) std::cout << "step " << step << ": val loss " << val << std::endl;
-    if (logs_->jsonl) logs_->jsonl->write(step, {{"val/loss", val}});
-    if (logs_->tensorboard) logs_->tensorboard->add_scalar("val/loss", float(val), step);
+    const char* key = val_loader_ ? "val/loss" : "train_data/loss";
+    if (!opts_.quiet)
+      std::cout << "step " << step << ": " << (val_loader_ ? "val loss " : "train-data loss (no --val-data) ") << val
+                << std::endl;
+    if (logs_->jsonl) logs_->jsonl->write(step, {{key, val}});
+    if (logs_->tensorboard) logs_->tensorboard->add_scalar(key, float(val), step);
   };
   auto print_sample = [&] {
     std::string text = sample(opts_.sample_tokens);
     if (!text.empty() && !opts_.quiet) std::cout << "--- sample at step " << step_ << " ---\n" << text << "\n---" << std::endl;
   };
+  if (opts_.eval_only) {  // --eval-only: the loaded weights' loss, nothing trained or written
+    const int64_t batches = std::max<int64_t>(1, opts_.eval_batches);
+    train_loader_->reset();  // from the data's start, wherever a resumed run had got to
+    const double loss = evaluate(batches);
+    if (is_rank0_) {
+      std::printf("eval: loss %.6f | perplexity %.4f | %ld batch(es) of %ld x %ld tokens of the %s data\n", loss,
+                  std::exp(loss), long(batches), long(opts_.batch_size), long(opts_.seq_len),
+                  val_loader_ ? "validation" : "training");
+      std::fflush(stdout);
+    }
+    if (logs_->jsonl)
+      logs_->jsonl->write(step_, {{val_loader_ ? "val/loss" : "train_data/loss", loss},
+                                  {val_loader_ ? "val/perplexity" : "train_data/perplexity", std::exp(loss)}});
+    if (logs_->tensorboard) logs_->tensorboard->flush();
+    return;
+  }
   if (step_ == 0 && opts_.eval_interval > 0) log_eval(0);
   const int64_t first_step = step_ + 1;
+  // --explain-kernels: the first step runs under the op profile, which records each (op, dtype) the run called.
+  const bool was_profiling = dispatch::op_profiling();
+  if (opts_.explain_kernels) dispatch::set_op_profiling(true);
   while (step_ < opts_.steps) {
     StepStats s = train_step();
+    std::vector<dispatch::OpProfileRow> used;
+    if (s.step == first_step && opts_.explain_kernels) {
+      used = dispatch::op_profile();
+      if (!was_profiling) dispatch::set_op_profiling(false);
+    }
     // The first step's plan creation, first allocations and module loading would swamp the per-op table.
     if (s.step == first_step && dispatch::op_profiling()) dispatch::reset_op_profile();
     log_step(s);
     if (!std::isfinite(s.loss)) LOOM_THROW("loom-train: the loss became ", s.loss, " at step ", s.step);
-    if (opts_.explain_kernels && s.step == 1) {
-      std::cout << "kernels used on " << device_.str() << " (policy " << dispatch::policy().str() << "):\n";
-      for (const std::string& op : op_names())
-        for (DType dt : {kF32, kBF16, kF16, kF64, kI32, kI64, kBool}) {
-          auto reports = dispatch::explain(op, device_.type, dt);
-          bool used = false;
-          for (auto& r : reports) used |= r.calls > 0;
-          if (!used) continue;
-          std::cout << dispatch::explain_str(op, device_.type, dt) << "\n";
-          if (std::string tuned = dispatch::autotune_report(op, device_.type, dt); !tuned.empty())
-            std::cout << "  " << tuned << "\n";
-        }
+    if (s.step == first_step && opts_.explain_kernels && is_rank0_) {
+      std::set<std::pair<std::string, DType>> seen;
+      for (const auto& row : used)
+        if (row.device == device_.type) seen.insert({row.op, row.dtype});
+      std::cout << "kernels used on " << device_.str() << " in step " << s.step << " (policy "
+                << dispatch::policy().str() << "; only the dtypes the step called):\n";
+      for (const auto& [op, dt] : seen) {
+        std::cout << dispatch::explain_str(op, device_.type, dt) << "\n";
+        if (std::string tuned = dispatch::autotune_report(op, device_.type, dt); !tuned.empty())
+          std::cout << "  " << tuned << "\n";
+      }
+      std::cout.flush();
     }
     if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && s.step != opts_.steps) log_eval(s.step);
     if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && s.step != opts_.steps) print_sample();
@@ -592,6 +741,7 @@ void Trainer::save_checkpoint(const std::string& path) {
   autograd::NoGradGuard ng;
   if (fs::path(path).extension() != ".safetensors") {  // a directory: sharded
     save_sharded_checkpoint(path);
+    if (is_rank0_) remove_old_checkpoints();
     return;
   }
   // The last guard (the run checked its targets at the start): a checkpoint that appeared since is not replaced.
@@ -622,6 +772,42 @@ void Trainer::save_checkpoint(const std::string& path) {
     io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "latest").string(), name);
   }
   if (!opts_.quiet) std::cout << "saved checkpoint " << path << std::endl;
+  remove_old_checkpoints();
+}
+
+void Trainer::remove_old_checkpoints() {
+  if (opts_.keep_checkpoints <= 0 || opts_.checkpoint_dir.empty()) return;
+  const fs::path dir = opts_.checkpoint_dir;
+  std::string latest;
+  if (std::ifstream f(dir / "latest"); f) std::getline(f, latest);
+  // Every checkpoint of the directory by step: step_NNNNNN.safetensors files and sharded step_NNNNNN/ directories.
+  std::map<long, std::vector<fs::path>, std::greater<>> by_step;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    long n = -1;
+    if (std::sscanf(name.c_str(), "step_%ld", &n) != 1 || n < 0) continue;
+    char file_name[64], dir_name[64];  // exactly the names the trainer writes (not step_N.optim-rank0.safetensors)
+    std::snprintf(file_name, sizeof file_name, "step_%06ld.safetensors", n);
+    std::snprintf(dir_name, sizeof dir_name, "step_%06ld", n);
+    if (name == file_name || (name == dir_name && is_sharded_checkpoint(it->path().string())))
+      by_step[n].push_back(it->path());
+  }
+  int64_t kept = 0;
+  for (auto& [step, paths] : by_step) {
+    if (kept++ < opts_.keep_checkpoints) continue;
+    for (const fs::path& p : paths) {
+      if (p.filename().string() == latest) continue;  // what a resume would read is never removed
+      fs::remove_all(p, ec);
+      if (p.extension() == ".safetensors") {  // its optimizer files (one per rank, beside it)
+        const std::string prefix = p.stem().string() + ".optim-rank";
+        for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+          if (it->path().filename().string().rfind(prefix, 0) == 0) fs::remove(it->path(), ec);
+      }
+      if (!opts_.quiet) std::cout << "removed old checkpoint " << p.string() << " (--keep-checkpoints "
+                                  << opts_.keep_checkpoints << ")" << std::endl;
+    }
+  }
 }
 
 std::string Trainer::checkpoint_state_json() const {
@@ -631,8 +817,67 @@ std::string Trainer::checkpoint_state_json() const {
                       {"loader", {{"shard_index", pos.shard_index}, {"batch_offset", pos.batch_offset},
                                   {"epoch", pos.epoch}, {"rng_state", pos.rng_state}}},
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
-                      {"model", opts_.model}};
+                      {"model", opts_.model},
+                      {"settings", run_settings(opts_, logs_->schedule->total_steps(),
+                                                grad_accum_ * opts_.batch_size * opts_.seq_len * dp_group_->size())}};
   return meta.dump();
+}
+
+std::string Trainer::adopt_checkpoint_settings(const std::string& path) {
+  std::string state_json, config_json;
+  if (fs::is_directory(path)) {
+    const CheckpointMeta meta = ShardedCheckpointReader(path).meta();
+    state_json = meta.state_json;
+    config_json = meta.config_json;
+  } else {
+    io::SafetensorsReader file(path);  // the header only
+    const auto& md = file.metadata();
+    LOOM_REQUIRE(md.count("format") && md.at("format") == kCheckpointFormat, "resume: '", path,
+                 "' is not a Loom training checkpoint (no format=", kCheckpointFormat, " in its metadata)");
+    LOOM_REQUIRE(md.count("state"), "resume: '", path, "' has no state metadata");
+    state_json = md.at("state");
+    if (md.count("config")) config_json = md.at("config");
+  }
+  const CheckpointState st = parse_checkpoint_state(state_json, path);
+  const bool speaks = !opts_.quiet && (opts_.process_group ? opts_.process_group->rank() == 0
+                                                           : !distributed::detect_launch() ||
+                                                                 distributed::detect_launch()->rank == 0);
+  if (st.settings_json.empty()) {
+    if (speaks)
+      std::cout << "resume: '" << path << "' holds no training settings (saved by an older Loom): the command "
+                << "line's are used\n";
+    return config_json;
+  }
+  const nlohmann::json saved = nlohmann::json::parse(st.settings_json);
+  // What the schedule gave at the resume step, before the settings change (for the line that shows a jump).
+  auto schedule_of = [](const TrainOptions& o) {
+    return optim::LrSchedule(o.decay, o.lr, o.warmup_steps, o.schedule_steps > 0 ? o.schedule_steps : o.steps,
+                             o.final_lr_fraction);
+  };
+  TrainOptions before = opts_;
+  bool have_before = true;
+  try {
+    apply_settings(before, saved, nullptr);
+  } catch (const std::exception&) {
+    have_before = false;
+  }
+  const double lr_saved = have_before ? schedule_of(before).lr(st.step) : 0;
+  std::vector<std::string> changes;
+  apply_settings(opts_, saved, &changes, path);
+  if (speaks)
+    for (const std::string& c : changes) std::cout << "resume: " << c << "\n";
+  const int64_t schedule = opts_.schedule_steps > 0 ? opts_.schedule_steps : opts_.steps;
+  if (speaks && opts_.steps > schedule)
+    std::cout << "resume: the learning-rate schedule stays " << schedule << " steps long: steps " << schedule + 1
+              << " to " << opts_.steps << " run at its final rate "
+              << schedule_of(opts_).lr(schedule) << " (--schedule-steps " << opts_.steps << " would stretch it)\n";
+  if (speaks && have_before && opts_.steps > st.step) {
+    const double lr_now = schedule_of(opts_).lr(st.step);
+    if (std::abs(lr_now - lr_saved) > 1e-12 * std::max(1.0, std::abs(lr_saved)))
+      std::cout << "resume: the learning rate at step " << st.step + 1 << " becomes " << lr_now << " (it was "
+                << lr_saved << " on the saved schedule)\n";
+  }
+  return config_json;
 }
 
 std::vector<std::pair<std::string, Tensor>> Trainer::trained_parameters() const {
@@ -678,6 +923,11 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
     st.loader_rng = l.at("rng_state").get<uint64_t>();
     st.rng_seed = rng.at("seed").get<uint64_t>();
     st.rng_offset = rng.at("offset").get<uint64_t>();
+    if (meta.contains("settings")) {
+      LOOM_REQUIRE(meta.at("settings").is_object(), "resume: '", path, "' has corrupt state metadata: settings is ",
+                   meta.at("settings").dump(), ", not an object");
+      st.settings_json = meta.at("settings").dump();
+    }
   } catch (const nlohmann::json::exception& e) {  // not JSON, an entry missing or of the wrong type
     LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
   }
@@ -700,7 +950,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   LOOM_REQUIRE(state_it != file.metadata.end(), "resume: '", path, "' has no state metadata");
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(state_it->second, path);
-  LOOM_REQUIRE(st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
+  LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   auto model_params = full_parameters();  // collective
   std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
@@ -744,17 +994,6 @@ Shape full_shape_of(const Shape& local, const TpSplit& split) {
 }
 
 Tensor i64_scalar(int64_t v) { return from_vector<int64_t>({v}, {}); }
-
-// The first key where two model configs differ, for the error that names it.
-std::string config_difference(const nlohmann::json& saved, const nlohmann::json& mine) {
-  for (auto& [k, v] : saved.items())
-    if (!mine.contains(k) || mine.at(k) != v)
-      return "'" + k + "' is " + v.dump() + " in the checkpoint, " + (mine.contains(k) ? mine.at(k).dump() : "absent") +
-             " here";
-  for (auto& [k, v] : mine.items())
-    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + v.dump() + " here";
-  return "";
-}
 
 }  // namespace
 
@@ -922,7 +1161,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
   const CheckpointMeta& meta = ck.meta();
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(meta.state_json, dir);
-  LOOM_REQUIRE(st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
+  LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   const std::string difference =
       config_difference(nlohmann::json::parse(meta.config_json), nlohmann::json::parse(model_->config().to_json()));

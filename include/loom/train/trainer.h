@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,7 +39,10 @@ struct TrainOptions {
   int64_t batch_size = 8;            // B (sequences per micro-batch)
   int64_t seq_len = 128;             // T
   int64_t total_batch_tokens = 0;    // tokens per optimizer step; 0 = B*T (no accumulation)
-  int64_t steps = 100;
+  int64_t steps = 100;               // train until this step
+  // The learning-rate schedule's length (warmup + decay); 0 = steps. Saved in checkpoints: a resume that raises
+  // steps keeps the schedule it was on (the learning rate stays at the floor past its end) unless this is given.
+  int64_t schedule_steps = 0;
   double lr = 6e-4;
   int64_t warmup_steps = 10;
   std::string decay = "cosine";      // cosine, linear or constant
@@ -75,6 +80,16 @@ struct TrainOptions {
   std::string log_dir;               // metrics.jsonl and a TensorBoard event file; empty = console only
   int64_t log_interval = 1;
   double peak_tflops = 0;            // for MFU; 0 = the device's known bf16 peak, if any
+  std::optional<bool> tf32;          // f32 matrix products in TF32 (loom::set_allow_tf32); nullopt: as set (off)
+  // After each save, remove checkpoints of this run's directory older than the newest N (0 = keep all); the one
+  // `latest` names is never removed.
+  int64_t keep_checkpoints = 0;
+  // Evaluate only: loss and perplexity over eval_batches of the validation (else training) data; no step, no save.
+  bool eval_only = false;
+  // The settings the user gave (flag names without dashes: "lr", "steps", "model", ...), as loom-train's command line
+  // or --config file did. On resume a setting not given is taken from the checkpoint; a given one that differs is
+  // printed old -> new where safe, refused otherwise. nullopt (library use): every setting counts as given.
+  std::optional<std::set<std::string>> given;
   bool quiet = false;                // no per-step lines (tests)
 
   // Distributed training (docs/DISTRIBUTED.md). Started by mpirun/srun (CPU, MPI) or loom-run (GPUs, NCCL), the
@@ -115,6 +130,7 @@ struct CheckpointState {
   int64_t shard_index = 0, batch_offset = 0, epoch = 0;  // the data loader's position
   uint64_t loader_rng = 0;
   uint64_t rng_seed = 0, rng_offset = 0;  // the default generator's Philox state
+  std::string settings_json;  // the run's training settings (an object; empty in checkpoints older than them)
 };
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
 
@@ -180,7 +196,12 @@ class Trainer {
   bool sharded_checkpoints() const;
   void save_sharded_checkpoint(const std::string& dir);
   void load_sharded_checkpoint(const std::string& dir);
-  std::string checkpoint_state_json() const;  // step, data position, generator state
+  std::string checkpoint_state_json() const;  // step, data position, generator state, training settings
+  // Resume: reads the checkpoint's model config and settings before anything is built, and merges the settings into
+  // opts_ (see TrainOptions::given). Returns the checkpoint's config JSON ("" when it has none).
+  std::string adopt_checkpoint_settings(const std::string& path);
+  void remove_old_checkpoints();  // --keep-checkpoints
+  std::string resume_path_;       // resolved once
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
 };
