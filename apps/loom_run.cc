@@ -1,10 +1,16 @@
-// loom-run: starts N local processes of an app for multi-GPU training (like torchrun --standalone): each gets RANK,
-// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and NCCL_NVLS_ENABLE=0. Output is forwarded
+// loom-run: starts N local processes of an app for multi-GPU training (like torchrun, with its --nnodes, --node-rank,
+// --master-addr, --master-port and --standalone): each gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR and MASTER_PORT, and NCCL_NVLS_ENABLE=0. A CPU run (MPI joins its ranks) is handed to mpirun -np N. Output is forwarded
 // line by line with a "[rank N]" prefix; when a process fails, the others are stopped and loom-run exits non-zero.
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <cstdio>
@@ -25,26 +31,83 @@ struct Child {
 };
 
 std::vector<Child> children;
+int rank_base = 0;  // this node's first global rank (--node-rank x --nproc-per-node)
 volatile sig_atomic_t interrupted = 0;
 
 void on_signal(int sig) { interrupted = sig; }
 
-void usage() {
-  std::fprintf(stderr,
-               "usage: loom-run --nproc-per-node N [--master-addr A] [--master-port P] <app> [args...]\n"
-               "Starts N copies of <app> with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one per\n"
-               "GPU: the app picks cuda:LOCAL_RANK). See docs/DISTRIBUTED.md.\n");
+void usage(FILE* to) {
+  std::fprintf(to,
+               "usage: loom-run [options] <app> [args...]\n"
+               "Starts the ranks of a distributed run on this node, as torchrun does (docs/DISTRIBUTED.md).\n"
+               "GPU runs: N copies of <app> with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and\n"
+               "MASTER_PORT set (one per GPU: the app picks cuda:LOCAL_RANK; NCCL joins them), output prefixed\n"
+               "\"[rank N]\". CPU runs (<app> given --device cpu, or loom-train without --device, whose default is\n"
+               "cpu): the ranks join over MPI, so loom-run starts them with mpirun -np N.\n"
+               "\n"
+               "options (torchrun's spellings, with - or _):\n"
+               "  --nproc-per-node N   processes on this node (required)\n"
+               "  --nnodes N           nodes in the run [1]; start loom-run on each with its --node-rank\n"
+               "  --node-rank R        this node's index in [0, nnodes) [0]; ranks R*N .. R*N+N-1 start here\n"
+               "  --master-addr A      address of node 0, where rank 0 listens [127.0.0.1 or $MASTER_ADDR]\n"
+               "  --master-port P      its port [29500 or $MASTER_PORT]\n"
+               "  --standalone         one node: 127.0.0.1 and a free port\n"
+               "  -h, --help           this text\n");
+}
+
+// A TCP port nobody listens on now (for --standalone), or 29500 if the system will not say.
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 29500;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  int port = 29500;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+// A whole number flag value, or -1 (the caller names the flag in its error).
+long parse_count(const char* v) {
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(v, &end, 10);
+  return end == v || *end != '\0' || errno != 0 ? -1 : n;
+}
+
+// Whether the app runs on the CPU (whose ranks join over MPI): --device cpu among its arguments, or loom-train
+// without --device (its default device is the CPU).
+bool cpu_run(int argc, char** argv, int app) {
+  bool device_given = false;
+  for (int k = app + 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a == "--device" && k + 1 < argc) {
+      device_given = true;
+      if (std::string(argv[k + 1]) == "cpu") return true;
+    } else if (a.rfind("--device=", 0) == 0) {
+      device_given = true;
+      if (a == "--device=cpu") return true;
+    }
+  }
+  const std::string name = argv[app];
+  const std::string base = name.substr(name.find_last_of('/') == std::string::npos ? 0 : name.find_last_of('/') + 1);
+  return !device_given && base == "loom-train";
 }
 
 void flush_lines(int rank, Child& c, bool all) {
   size_t start = 0, nl;
   while ((nl = c.pending.find('\n', start)) != std::string::npos) {
-    std::printf("[rank %d] %.*s\n", rank, int(nl - start), c.pending.data() + start);
+    std::printf("[rank %d] %.*s\n", rank_base + rank, int(nl - start), c.pending.data() + start);
     start = nl + 1;
   }
   c.pending.erase(0, start);
   if (all && !c.pending.empty()) {
-    std::printf("[rank %d] %s\n", rank, c.pending.c_str());
+    std::printf("[rank %d] %s\n", rank_base + rank, c.pending.c_str());
     c.pending.clear();
   }
   std::fflush(stdout);
@@ -58,32 +121,81 @@ void signal_all(int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int nproc = 0, port = 29500;
-  std::string addr = "127.0.0.1";
+  long nproc = 0, nnodes = 1, node_rank = 0, port = -1;
+  std::string addr;
+  bool standalone = false;
   int i = 1;
   for (; i < argc; ++i) {
     std::string a = argv[i];
-    auto value = [&](const std::string& name) -> const char* {
-      if (a == name && i + 1 < argc) return argv[++i];
-      if (a.rfind(name + "=", 0) == 0) return argv[i] + name.size() + 1;
-      return nullptr;
+    if (a.rfind("--", 0) != 0) break;  // the app
+    // torchrun spells the options with underscores (--nproc_per_node); either is accepted.
+    std::string name = a.substr(0, a.find('=')), inline_value;
+    for (char& c : name) c = c == '_' ? '-' : c;
+    const bool has_inline = a.find('=') != std::string::npos;
+    if (has_inline) inline_value = a.substr(a.find('=') + 1);
+    auto value = [&]() -> const char* {
+      if (has_inline) return argv[i] + a.find('=') + 1;
+      if (i + 1 < argc) return argv[++i];
+      std::fprintf(stderr, "loom-run: %s needs a value\n", name.c_str());
+      std::exit(2);
     };
-    if (const char* v = value("--nproc-per-node")) nproc = std::atoi(v);
-    else if (const char* v2 = value("--nproc_per_node")) nproc = std::atoi(v2);
-    else if (const char* v3 = value("--master-port")) port = std::atoi(v3);
-    else if (const char* v4 = value("--master-addr")) addr = v4;
-    else if (a == "-h" || a == "--help") return usage(), 0;
-    else if (a.rfind("--", 0) == 0) return std::fprintf(stderr, "loom-run: unknown option %s\n", a.c_str()), usage(), 2;
-    else break;
+    auto count = [&](long lo) {
+      const char* v = value();
+      const long n = parse_count(v);
+      if (n < lo) {
+        std::fprintf(stderr, "loom-run: %s must be a whole number >= %ld, got '%s'\n", name.c_str(), lo, v);
+        std::exit(2);
+      }
+      return n;
+    };
+    if (name == "--help" || a == "-h") return usage(stdout), 0;
+    if (name == "--nproc-per-node") nproc = count(1);
+    else if (name == "--nnodes") nnodes = count(1);
+    else if (name == "--node-rank") node_rank = count(0);
+    else if (name == "--master-port") port = count(1);
+    else if (name == "--master-addr") addr = value();
+    else if (name == "--standalone") standalone = true;
+    else return std::fprintf(stderr, "loom-run: unknown option %s (loom-run --help lists them)\n", a.c_str()), 2;
   }
-  if (nproc < 1 || i >= argc) return usage(), 2;
-  if (const char* p = std::getenv("MASTER_PORT"); p && port == 29500) port = std::atoi(p);
+  if (nproc < 1) return std::fprintf(stderr, "loom-run: --nproc-per-node N is required (loom-run --help)\n"), 2;
+  if (i >= argc) return std::fprintf(stderr, "loom-run: no app to start (loom-run --help)\n"), 2;
+  if (node_rank >= nnodes)
+    return std::fprintf(stderr, "loom-run: --node-rank %ld is outside --nnodes %ld\n", node_rank, nnodes), 2;
+  if (standalone && nnodes > 1)
+    return std::fprintf(stderr, "loom-run: --standalone is one node, but --nnodes is %ld\n", nnodes), 2;
+  if (port > 65535) return std::fprintf(stderr, "loom-run: --master-port %ld is not a port\n", port), 2;
+  if (standalone) {
+    addr = "127.0.0.1";
+    if (port < 0) port = free_port();
+  }
+  if (addr.empty()) addr = std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1";
+  if (port < 0) port = std::getenv("MASTER_PORT") ? std::atoi(std::getenv("MASTER_PORT")) : 29500;
+  const long world = nnodes * nproc;
+
+  if (cpu_run(argc, argv, i)) {
+    // CPU ranks join over MPI (init_process_group's mpi backend): mpirun starts them.
+    if (nnodes > 1)
+      return std::fprintf(stderr, "loom-run: a CPU run over %ld nodes joins over MPI: start it with mpirun (a "
+                                  "hostfile) or srun on all nodes at once (docs/DISTRIBUTED.md)\n", nnodes), 2;
+    std::vector<std::string> args{"mpirun", "-np", std::to_string(nproc), "--oversubscribe"};
+    if (geteuid() == 0) args.push_back("--allow-run-as-root");  // OpenMPI refuses root without it (containers)
+    for (int k = i; k < argc; ++k) args.push_back(argv[k]);
+    std::vector<char*> cargs;
+    for (auto& a : args) cargs.push_back(a.data());
+    cargs.push_back(nullptr);
+    std::fflush(stdout);
+    execvp("mpirun", cargs.data());
+    std::fprintf(stderr, "loom-run: a CPU run needs mpirun (Open MPI or MPICH), which cannot be started: %s\n",
+                 std::strerror(errno));
+    return 127;
+  }
 
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 
+  rank_base = int(node_rank * nproc);
   children.resize(size_t(nproc));
   for (int rank = 0; rank < nproc; ++rank) {
     int fds[2];
@@ -92,10 +204,11 @@ int main(int argc, char** argv) {
     if (pid < 0) return std::perror("loom-run: fork"), 1;
     if (pid == 0) {
       setpgid(0, 0);
-      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("RANK", std::to_string(node_rank * nproc + rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("GROUP_RANK", std::to_string(node_rank).c_str(), 1);
       setenv("MASTER_ADDR", addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on the GPU machines

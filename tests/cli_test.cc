@@ -592,6 +592,70 @@ TEST(LoomTrainStart, ExplainKernelsListsOnlyTheDtypesUsed) {
   for (const char* dt : {"for bf16:", "for f16:", "gemm on cpu for f64:", "gemm on cpu for i32:"})
     EXPECT_EQ(r.output.find(dt), std::string::npos) << dt << "\n" << r.output;
 }
+// loom-run: --help on stdout; torchrun's --nnodes/--node-rank/--master-port give this node's ranks their global RANK
+// and WORLD_SIZE; a CPU loom-train run is started under mpirun (its ranks join over MPI) and runs as 2 ranks.
+TEST(LoomRun, TorchrunFlagsAndCpuRuns) {
+  namespace fs = std::filesystem;
+  const std::string run = (fs::path(LOOM_TRAIN_EXE).parent_path() / "loom-run").string();
+  if (!fs::exists(run)) GTEST_SKIP() << "no loom-run beside loom-train";
+  FILE* p = popen((run + " --help 2>/dev/null").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string help;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) help.append(buf.data(), n);
+  EXPECT_EQ(pclose(p), 0);
+  for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                           "--standalone", "mpirun"})
+    EXPECT_NE(help.find(flag), std::string::npos) << flag << "\n" << help;
+
+  AppRun vars = run_loom_train_with("", "--nnodes 2 --node_rank 1 --nproc-per-node 2 --master-addr 10.1.2.3 "
+                                        "--master-port=4321 sh -c 'echo vars $RANK $WORLD_SIZE $LOCAL_RANK "
+                                        "$MASTER_ADDR $MASTER_PORT'", run);
+  ASSERT_EQ(vars.status, 0) << vars.output;
+  EXPECT_NE(vars.output.find("[rank 2] vars 2 4 0 10.1.2.3 4321"), std::string::npos) << vars.output;
+  EXPECT_NE(vars.output.find("[rank 3] vars 3 4 1 10.1.2.3 4321"), std::string::npos) << vars.output;
+  AppRun standalone = run_loom_train_with("", "--standalone --nproc-per-node 1 sh -c 'echo port $MASTER_PORT'", run);
+  ASSERT_EQ(standalone.status, 0) << standalone.output;
+  EXPECT_NE(standalone.output.find("[rank 0] port "), std::string::npos) << standalone.output;
+  for (const char* bad : {"--nproc-per-node 0 true", "--nnodes 2 --node-rank 2 --nproc-per-node 1 true",
+                          "--standalone --nnodes 2 --nproc-per-node 1 true", "--frobnicate 1 true"}) {
+    AppRun r = run_loom_train_with("", bad, run);
+    EXPECT_EQ(WEXITSTATUS(r.status), 2) << bad << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << bad << "\n" << r.output;
+  }
+
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  AppRun cpu = run_loom_train_with("OMP_NUM_THREADS=1 ", "--nproc-per-node 2 " + std::string(LOOM_TRAIN_EXE) +
+                                                             " --device cpu --train-data " + shard +
+                                                             " --model d2 -b 1 -t 8 --steps 2 --warmup 0 "
+                                                             "--sample-tokens 0 --eval-interval 0", run);
+  ASSERT_EQ(cpu.status, 0) << cpu.output;
+  EXPECT_NE(cpu.output.find("world 2"), std::string::npos) << "not 2 ranks\n" << cpu.output;
+  EXPECT_NE(cpu.output.find("step     2/2"), std::string::npos) << cpu.output;
+}
+
+// tools/plot_loss.py draws a run without --val-data (train_data/loss) with the standard library alone, and asking
+// for matplotlib where it is missing is one line saying how to get it, not a traceback.
+TEST(PlotLoss, TrainDataLossAndNoMatplotlib) {
+  if (std::system("command -v python3 > /dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  test::TempDir tmp;
+  const std::string metrics = tmp.file("metrics.jsonl");
+  std::ofstream(metrics) << R"({"step": 1, "train/loss": 5.0})" << "\n"
+                         << R"({"step": 2, "train/loss": 4.5})" << "\n"
+                         << R"({"step": 2, "train_data/loss": 4.25})" << "\n";
+  const std::string script = std::string(LOOM_SOURCE_DIR) + "/tools/plot_loss.py";
+  AppRun r = run_loom_train_with("", metrics + " -o " + tmp.file("loss.png") + " --backend builtin", "python3 " + script);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("train data (eval) 4.2500 at step 2"), std::string::npos) << r.output;
+  EXPECT_EQ(test::read_all(tmp.file("loss.png")).substr(1, 3), "PNG");
+  if (std::system("python3 -c 'import matplotlib' > /dev/null 2>&1") == 0) GTEST_SKIP() << "matplotlib is installed";
+  AppRun m = run_loom_train_with("", metrics + " --backend matplotlib", "python3 " + script);
+  EXPECT_EQ(WEXITSTATUS(m.status), 1) << m.output;
+  EXPECT_NE(m.output.find("pip install matplotlib"), std::string::npos) << m.output;
+  EXPECT_EQ(m.output.find("Traceback"), std::string::npos) << m.output;
+}
 #endif
 
 TEST(ModelConfigChecks, ZeroKvHeadsIsAnErrorNotADivisionByZero) {
