@@ -22,6 +22,7 @@
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/io/hf_model_dir.h"
+#include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 
@@ -93,8 +94,8 @@ int main(int argc, char** argv) {
   g.max_new_tokens = 128;
   bool greedy = false, no_cache = false, print_tokens = false, no_echo = false;
   app.add_option("-m,--model,--checkpoint", model_path,
-                 "a Loom training checkpoint (.safetensors), a Hugging Face model directory (config.json + "
-                 "safetensors) or an llm.c GPT-2 model file (.bin)")
+                 "a Loom training checkpoint (.safetensors, or a distributed run's sharded step directory), a Hugging "
+                 "Face model directory (config.json + safetensors) or an llm.c GPT-2 model file (.bin)")
       ->required();
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text (default: --prompt-file, else stdin)");
   auto* f_opt = app.add_option("--prompt-file", prompt_file, "read the prompt from this file");
@@ -136,7 +137,9 @@ int main(int argc, char** argv) {
     g.use_kv_cache = !no_cache;
     const Device device = Device::parse(device_name);
 
-    std::shared_ptr<nn::LanguageModel> model = io::load_model(model_path);
+    std::shared_ptr<nn::LanguageModel> model = train::is_sharded_checkpoint(model_path)
+                                                   ? train::load_sharded_model(model_path)  // a distributed run's
+                                                   : io::load_model(model_path);
     const nn::ModelConfig& cfg = model->config();
 
     std::vector<int32_t> ids;
