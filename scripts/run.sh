@@ -17,4 +17,4 @@ fi
   --batch-size 8 --seq-len 128 --steps "${LOOM_STEPS:-200}" --lr 1e-3 --warmup 20 --decay cosine \
   --eval-interval 50 --eval-batches 8 --sample-tokens 96 --sample-prompt "ROMEO:" \
   --device "${LOOM_DEVICE:-cpu}" --log-dir out/shakespeare --checkpoint-dir out/shakespeare/checkpoints \
-  --log-interval 10
+  --overwrite-checkpoints --log-interval 10   # a second run of the demo replaces its checkpoints
