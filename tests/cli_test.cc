@@ -19,6 +19,7 @@
 
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
+#include "loom/distributed/process_group.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
@@ -236,6 +237,7 @@ std::map<int64_t, double> losses_in(const std::filesystem::path& metrics) {
 TEST(LoomTrainCli, ShardedCheckpointFromMpirunResumesInOneProcessAndExports) {
   namespace fs = std::filesystem;
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  if (!distributed::mpi_available()) GTEST_SKIP() << "this Loom was built without MPI (LOOM_MPI=OFF)";
   test::TempDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const std::string shard = tmp.file("train.bin");
@@ -626,6 +628,7 @@ TEST(LoomRun, TorchrunFlagsAndCpuRuns) {
   }
 
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  if (!distributed::mpi_available()) GTEST_SKIP() << "this Loom was built without MPI (LOOM_MPI=OFF)";
   test::TempDir tmp;
   const std::string shard = small_vocab_shard(tmp);
   AppRun cpu = run_loom_train_with("OMP_NUM_THREADS=1 ", "--nproc-per-node 2 " + std::string(LOOM_TRAIN_EXE) +
