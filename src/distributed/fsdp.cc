@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "distributed/freed_parameter.h"
 #include "loom/amp.h"
 #include "loom/autograd/backward_hook.h"
 #include "loom/autograd/grad_mode.h"
@@ -48,25 +49,21 @@ struct PendingReduce {
   Tensor shard_param;
 };
 
-// A zero-stride stand-in of `shape` (one element of memory): a freed parameter keeps its shape and dtype.
-Tensor placeholder(const Shape& shape, DType dtype, Device device) {
-  return zeros({1}, dtype, device).as_strided(shape, Shape(shape.size(), 0), 0);
+// A shard without a gradient gets one to be written whole (its values undefined until then): its slot in a flat
+// optimizer when it has one, else a new tensor.
+Tensor new_grad(Tensor& shard) {
+  const Tensor* slot = shard.has_autograd_meta() ? shard.autograd_meta().grad_destination.get() : nullptr;
+  Tensor g = slot && slot->defined() && slot->numel() == shard.numel() && slot->dtype() == shard.dtype()
+                 ? *slot
+                 : empty({shard.numel()}, shard.dtype(), shard.device());
+  shard.set_grad(g);
+  return g;
 }
 
 void add_to_grad(Tensor& shard, const Tensor& g) {
   Tensor current = shard.grad();
-  if (current.defined()) {
-    ops::add_(current, g);
-    return;
-  }
-  const Tensor* slot = shard.has_autograd_meta() ? shard.autograd_meta().grad_destination.get() : nullptr;
-  if (slot && slot->defined() && slot->numel() == g.numel() && slot->dtype() == shard.dtype()) {
-    Tensor s = *slot;
-    s.copy_from(g);
-    shard.set_grad(s);
-  } else {
-    shard.set_grad(ops::contiguous(ops::to_dtype(g, shard.dtype())).clone());
-  }
+  if (current.defined()) ops::add_(current, g);
+  else new_grad(shard).copy_from(g);
 }
 
 }  // namespace
@@ -118,7 +115,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
         g->full = flat;
         point_params_at_full(*g);
       } else {
-        for (Tensor& p : g->params) p.set_data(placeholder(p.shape(), g->gather_dtype, device));
+        for (Tensor& p : g->params) p.set_data(detail::freed_parameter(p.shape(), g->gather_dtype, device));
       }
       u.num_params += g->params.size();
       u.groups.push_back(std::move(*g));
@@ -165,7 +162,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
         g.gathering->wait();
         g.gathering.reset();
       }
-      for (Tensor& p : g.params) p.set_data(placeholder(p.shape(), g.gather_dtype, device));
+      for (Tensor& p : g.params) p.set_data(detail::freed_parameter(p.shape(), g.gather_dtype, device));
       g.full = Tensor();
     }
   }
@@ -198,8 +195,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
       Tensor current = g.shard_param.grad();
       if (!current.defined() && options.reduce_dtype == g.shard_param.dtype()) {
         // The first micro-batch: straight into the shard's gradient (its slot in a flat optimizer), no temporary.
-        add_to_grad(r.shard_param, zeros({g.shard}, g.shard_param.dtype(), device));
-        Tensor dst = g.shard_param.grad();
+        Tensor dst = new_grad(r.shard_param);
         r.work = group->reduce_scatter_async(flat, dst, ReduceOp::kAvg);
       } else {
         r.out = empty({g.shard}, options.reduce_dtype, device);

@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "distributed/freed_parameter.h"
 #include "loom/autograd/engine.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/functional.h"
@@ -49,10 +50,6 @@ std::vector<Action> make_schedule(const std::string& kind, int s, int P, int V, 
   }
   for (int64_t k = total - warmup; k < total; ++k) out.push_back(bwd(k));
   return out;
-}
-
-Tensor placeholder(const Tensor& like) {
-  return zeros({1}, like.dtype(), like.device()).as_strided(like.shape(), Shape(like.shape().size(), 0), 0);
 }
 
 }  // namespace
@@ -181,14 +178,15 @@ struct PipelineParallel::Impl {
     LOOM_REQUIRE(!train || V == 1 || M % P == 0, "pipeline: the interleaved schedule needs the micro-batches per "
                  "step (", M, ") to be a multiple of the pipeline stages (", P, "); raise --total-batch-tokens");
     const double scale = 1.0 / double(M);
-    double loss_sum = 0;
     device = local.front().second.device();  // the model may have moved since the split
+    // The last stage's losses stay on the device: reading each micro-batch's would stall the pipeline.
+    Tensor loss_sum = zeros({1}, kF64, device);
     if (train) {
       for (const Action& a : make_schedule(options.schedule, s, P, V, M)) {
         if (a.forward) forward(a, inputs, targets, scale, true);
         else backward(a);
         if (a.forward && chunks[size_t(a.chunk)].last)
-          loss_sum += flights[{a.micro, a.chunk}].loss.detach().item<double>() / scale;
+          ops::add_(loss_sum, flights[{a.micro, a.chunk}].loss.detach().reshape({1}), 1.0 / scale);
       }
       if (tied && P > 1 && tied_weight.defined()) {  // the first stage's embedding gradient + the last's classifier's
         autograd::NoGradGuard ng;
@@ -205,16 +203,15 @@ struct PipelineParallel::Impl {
         Action a{true, k / V, int(k % V)};
         forward(a, inputs, targets, scale, false);
         Flight& f = flights[{a.micro, a.chunk}];
-        if (chunks[size_t(a.chunk)].last) loss_sum += f.loss.item<double>();
+        if (chunks[size_t(a.chunk)].last) ops::add_(loss_sum, f.loss.reshape({1}));
         flights.erase({a.micro, a.chunk});
       }
     }
     for (auto& w : sends) w->wait();
     sends.clear();
     LOOM_CHECK(flights.empty(), "pipeline: ", flights.size(), " micro-batches left in flight");
-    Tensor total = full({1}, s == P - 1 ? loss_sum : 0.0, kF64, device);
-    group->all_reduce(total, ReduceOp::kSum);  // the last stage's losses, to every stage
-    return total.item<double>() / double(M);
+    group->all_reduce(loss_sum, ReduceOp::kSum);  // the last stage's losses (the others hold 0), to every stage
+    return loss_sum.item<double>() / double(M);
   }
 };
 
@@ -288,7 +285,7 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
       if (m.tied && &p.impl() == classifier) m.tied_weight = p;
     } else {
       autograd::NoGradGuard ng;
-      p.set_data(placeholder(p));
+      p.set_data(detail::freed_parameter(p.shape(), p.dtype(), p.device()));
     }
   }
   // Each direction of traffic gets a group of its own (collective over the pipeline group).

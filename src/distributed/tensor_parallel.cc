@@ -48,6 +48,24 @@ class GatherRegionNode final : public autograd::Node {
   int64_t start_, length_;
 };
 
+// Every rank's x concatenated along `dim`, in rank order (not differentiable).
+Tensor all_gather_along(const Tensor& x, int64_t dim, ProcessGroup& group) {
+  autograd::NoGradGuard ng;
+  const int64_t R = group.size();
+  Tensor local = ops::contiguous(x);
+  Tensor gathered = empty({R * local.numel()}, local.dtype(), local.device());
+  group.all_gather(local, gathered);
+  Shape stacked = local.shape();
+  stacked.insert(stacked.begin(), R);  // [R, d0, ..., dn]
+  std::vector<int64_t> order;          // R moved just before dim: [d0, .., R, d_dim, ..]
+  for (int64_t d = 1; d <= dim; ++d) order.push_back(d);
+  order.push_back(0);
+  for (int64_t d = dim + 1; d <= local.dim(); ++d) order.push_back(d);
+  Shape full = local.shape();
+  full[size_t(dim)] *= R;
+  return ops::reshape(ops::contiguous(ops::permute(gathered.view(stacked), order)), full);
+}
+
 }  // namespace
 
 Tensor copy_to_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
@@ -70,22 +88,6 @@ Tensor reduce_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr
 
 namespace {
 
-// [B, T/R, C] slices of every rank -> [B, T, C] (the slices in rank order along dim 1).
-Tensor all_gather_sequence(const Tensor& x, ProcessGroup& group) {
-  autograd::NoGradGuard ng;
-  const int64_t R = group.size();
-  Tensor local = ops::contiguous(x);
-  Tensor gathered = empty({R * local.numel()}, local.dtype(), local.device());
-  group.all_gather(local, gathered);
-  Shape stacked = local.shape();
-  stacked.insert(stacked.begin(), R);  // [R, B, t, ...]
-  std::vector<int64_t> order{1, 0};
-  for (int64_t d = 2; d <= local.dim(); ++d) order.push_back(d);  // [B, R, t, ...]
-  Shape full = local.shape();
-  full[1] *= R;
-  return ops::reshape(ops::contiguous(ops::permute(gathered.view(stacked), order)), full);
-}
-
 // [B, T, C] partial sums -> this rank's [B, T/R, C] slice of their sum over the ranks.
 Tensor reduce_scatter_sequence(const Tensor& x, ProcessGroup& group) {
   autograd::NoGradGuard ng;
@@ -104,39 +106,28 @@ Tensor reduce_scatter_sequence(const Tensor& x, ProcessGroup& group) {
   return out;
 }
 
-class GatherSequenceNode final : public autograd::Node {
+// The backward of a sequence gather is a reduce-scatter, and the other way round.
+class SequenceRegionNode final : public autograd::Node {
  public:
-  explicit GatherSequenceNode(std::shared_ptr<ProcessGroup> g) : group_(std::move(g)) {}
+  SequenceRegionNode(std::shared_ptr<ProcessGroup> g, bool gathered) : group_(std::move(g)), gathered_(gathered) {}
   autograd::tensor_list apply(autograd::tensor_list&& grads) override {
     if (!grads[0].defined()) return {Tensor()};
-    return {reduce_scatter_sequence(grads[0], *group_)};
+    return {gathered_ ? reduce_scatter_sequence(grads[0], *group_) : all_gather_along(grads[0], 1, *group_)};
   }
-  std::string name() const override { return "GatherSequence"; }
+  std::string name() const override { return gathered_ ? "GatherSequence" : "ScatterSequence"; }
 
  private:
   std::shared_ptr<ProcessGroup> group_;
-};
-
-class ScatterSequenceNode final : public autograd::Node {
- public:
-  explicit ScatterSequenceNode(std::shared_ptr<ProcessGroup> g) : group_(std::move(g)) {}
-  autograd::tensor_list apply(autograd::tensor_list&& grads) override {
-    if (!grads[0].defined()) return {Tensor()};
-    return {all_gather_sequence(grads[0], *group_)};
-  }
-  std::string name() const override { return "ScatterSequence"; }
-
- private:
-  std::shared_ptr<ProcessGroup> group_;
+  bool gathered_;
 };
 
 }  // namespace
 
 Tensor gather_sequence_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
   Tensor out = autograd::kept_results("gather_sequence_parallel_region", [&] {
-    return std::vector<Tensor>{all_gather_sequence(x, *group)};
+    return std::vector<Tensor>{all_gather_along(x, 1, *group)};
   })[0];
-  if (auto node = autograd::make_node<GatherSequenceNode>({&x}, group)) autograd::set_history(out, node);
+  if (auto node = autograd::make_node<SequenceRegionNode>({&x}, group, true)) autograd::set_history(out, node);
   return out;
 }
 
@@ -144,28 +135,13 @@ Tensor reduce_scatter_sequence_parallel_region(const Tensor& x, const std::share
   Tensor out = autograd::kept_results("reduce_scatter_sequence_parallel_region", [&] {
     return std::vector<Tensor>{reduce_scatter_sequence(x, *group)};
   })[0];
-  if (auto node = autograd::make_node<ScatterSequenceNode>({&x}, group)) autograd::set_history(out, node);
+  if (auto node = autograd::make_node<SequenceRegionNode>({&x}, group, false)) autograd::set_history(out, node);
   return out;
 }
 
 Tensor gather_from_tensor_parallel_region(const Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
-  int64_t ranks = group->size(), last = x.dim() - 1, width = x.size(last);
-  Tensor out;
-  {
-    autograd::NoGradGuard ng;
-    Tensor local = ops::contiguous(x);
-    Tensor gathered = empty({ranks * local.numel()}, x.dtype(), x.device());
-    group->all_gather(local, gathered);
-    Shape split = x.shape();
-    split.insert(split.begin(), ranks);  // [ranks, ..., width]
-    std::vector<int64_t> order;
-    for (int64_t d = 1; d <= last; ++d) order.push_back(d);
-    order.push_back(0);
-    order.push_back(last + 1);  // [..., ranks, width]
-    Shape full = x.shape();
-    full.back() = ranks * width;
-    out = ops::reshape(ops::contiguous(ops::permute(gathered.view(split), order)), full);
-  }
+  const int64_t width = x.size(-1);
+  Tensor out = all_gather_along(x, x.dim() - 1, *group);
   if (auto node = autograd::make_node<GatherRegionNode>({&x}, group->rank() * width, width))
     autograd::set_history(out, node);
   return out;
@@ -452,6 +428,12 @@ Tensor TensorParallelPlan::full_of(const std::string& name, const Tensor& local)
 Tensor TensorParallelPlan::local_of(const std::string& name, const Tensor& full) const {
   const ParameterSplit& split = split_of(name);
   return split.sharded ? shard_tensor(full, split, group_->rank(), group_->size()) : full;
+}
+
+std::vector<double> TensorParallelPlan::norm_weights() const {
+  std::vector<double> out;
+  for (bool sharded : sharded_mask()) out.push_back(sharded ? 1.0 : 1.0 / double(group_->size()));
+  return out;
 }
 
 std::vector<bool> TensorParallelPlan::sharded_mask() const {

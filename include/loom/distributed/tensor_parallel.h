@@ -69,6 +69,9 @@ class TensorParallelPlan {
   ProcessGroup& group() const { return *group_; }
   // Per parameter, in named_parameters order: whether it is split across the group (else replicated).
   std::vector<bool> sharded_mask() const;
+  // Per parameter (named_parameters order): its weight in a gradient norm summed over the group (1 for a split
+  // parameter, 1/size for one every rank holds whole; see clip_grad_norm_distributed).
+  std::vector<double> norm_weights() const;
   const ParameterSplit& split_of(const std::string& name) const;
   // One parameter's full value from this rank's piece of it (gathered; collective), and this rank's piece of a full
   // value. Parameters that are not split pass through.
