@@ -247,9 +247,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   cfg.recompute_mlp = opts_.recompute_mlp;
   cfg.recompute = autograd::recompute_from_name(opts_.recompute);
   // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
-  const int64_t launch_world = opts_.process_group            ? opts_.process_group->size()
-                               : distributed::detect_launch() ? distributed::detect_launch()->world_size
-                                                              : 1;
+  const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
+  const int64_t launch_world = opts_.process_group ? opts_.process_group->size() : launch ? launch->world_size : 1;
   const int64_t model_parallel = std::max<int64_t>(1, opts_.tensor_parallel * opts_.pipeline_parallel);
   const MemoryEstimate memory =
       estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_,
@@ -261,9 +260,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   check_model_state_fits(memory, device_);
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
-  // Distributed: the world splits into data-parallel x tensor-parallel ranks (TP groups are adjacent ranks).
-  if (opts_.device == "cuda" && !opts_.process_group)  // one GPU per local rank
-    if (auto launch = distributed::detect_launch()) device_ = Device(kCUDA, launch->local_rank);
+  // Distributed: the world splits into pipeline stages x data-parallel replicas x tensor-parallel ranks.
+  if (opts_.device == "cuda" && !opts_.process_group && launch)  // one GPU per local rank
+    device_ = Device(kCUDA, launch->local_rank);
   world_ = opts_.process_group ? opts_.process_group
                                : distributed::init_process_group({"auto", device_, opts_.dist_timeout_seconds});
   LOOM_REQUIRE(opts_.tensor_parallel >= 1 && opts_.pipeline_parallel >= 1 &&
@@ -377,11 +376,10 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (tp_plan_ || pipeline_) {
     // The grad norm spans the model-parallel pieces: a parameter replicated over a TP group counts once per group, a
     // tied embedding held by the first and the last pipeline stage once.
-    std::vector<bool> sharded = tp_plan_ ? tp_plan_->sharded_mask() : std::vector<bool>();
+    const std::vector<double> tp_weights = tp_plan_ ? tp_plan_->norm_weights() : std::vector<double>();
     std::map<const TensorImpl*, double> weight_of;
     auto named = model_->named_parameters();
-    for (size_t i = 0; i < named.size(); ++i)
-      weight_of[&named[i].second.impl()] = !tp_plan_ || sharded[i] ? 1.0 : 1.0 / double(tp_group_->size());
+    for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = tp_plan_ ? tp_weights[i] : 1.0;
     if (pipeline_) {
       auto local = pipeline_->local_named_parameters();
       auto w = pipeline_->norm_weights();
