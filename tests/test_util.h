@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -59,6 +60,15 @@ inline Tensor poisoned(const Shape& shape, DType dtype, Device device = Device()
 }
 
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// The largest |a - b| over the elements (infinity when a and b differ in size).
+inline double max_abs_diff(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = values(a), y = values(b);
+  if (x.size() != y.size()) return INFINITY;
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(x[i] - y[i]));
+  return worst;
+}
 
 // Same dtype, shape and bytes (CPU tensors).
 inline bool bytes_equal(const Tensor& a, const Tensor& b) {

@@ -19,12 +19,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-double max_abs_diff(const Tensor& a, const Tensor& b) {
-  auto x = test::values(a), y = test::values(b);
-  double worst = x.size() == y.size() ? 0 : INFINITY;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) worst = std::max(worst, std::abs(x[i] - y[i]));
-  return worst;
-}
+using test::max_abs_diff;
 
 std::string plugin_path(const std::string& target) {
   fs::path exe = fs::read_symlink("/proc/self/exe");

@@ -218,6 +218,17 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
                          ") parameters match one process: max diff " + std::to_string(worst));
 }
 
+// AdamW for comparing a sharded or split run with one process. With the default eps (1e-8), elements whose gradient
+// is rounding noise (~1e-9: the batch sums differ in order between one process and the sharded reductions) take
+// steps of up to lr either way; 1e-5 keeps the comparison about the gradients (with 1e-8 the tiny LLaMA on 4 ranks
+// differed by 7e-3, with 1e-5 by 2e-6).
+optim::AdamWOptions parity_adamw() {
+  optim::AdamWOptions ao;
+  ao.lr = 1e-2;
+  ao.eps = 1e-5;
+  return ao;
+}
+
 // ZeRO-2/3 (FSDP by block) against one process at the same global batch: AdamW steps with clipping and gradient
 // accumulation; losses, grad norms and final parameters. With recomputation the blocks are gathered again in the
 // backward; under bf16 autocast (GPUs) stage 3 gathers the blocks' matrices in bf16.
@@ -225,12 +236,7 @@ void check_fsdp(const nn::ModelConfig& base, int stage, autograd::Recompute reco
                 double tol, const std::string& what) {
   int r = world->rank(), n = world->size();
   const int64_t rows_per_rank = 2, T = 16, micro = 2, steps = 3;
-  optim::AdamWOptions ao;
-  ao.lr = 1e-2;
-  // With the default eps (1e-8), elements whose gradient is rounding noise (~1e-9: the batch sums differ in order
-  // between one process and the sharded reductions) take steps of up to lr either way; 1e-5 keeps the comparison
-  // about the gradients (with 1e-8 the tiny LLaMA on 4 ranks differed by 7e-3, with 1e-5 by 2e-6).
-  ao.eps = 1e-5;
+  const optim::AdamWOptions ao = parity_adamw();
   nn::ModelConfig cfg = base;
   cfg.recompute = recompute;
   auto ref = tiny_model(7, base);
@@ -301,17 +307,14 @@ void check_dp_x_tp(const nn::ModelConfig& cfg, bool zero3, const std::string& wh
   auto dp_group = world->split(r % tp_size, r);
   const int dp_rank = dp_group->rank();
   const int64_t rows_per_rank = 2, T = 16, steps = 2;
-  optim::AdamWOptions ao;
-  ao.lr = 1e-2;
-  ao.eps = 1e-5;  // as check_fsdp's
+  const optim::AdamWOptions ao = parity_adamw();
   auto ref = tiny_model(3, cfg);
   optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
   auto model = nn::make_model(cfg);
   model->init_weights(3);
   auto plan = dist::parallelize_tensor(*model, tp_group);
   model->to(dev);
-  std::vector<double> weights;
-  for (bool sharded : plan->sharded_mask()) weights.push_back(sharded ? 1.0 : 1.0 / tp_size);
+  std::vector<double> weights = plan->norm_weights();
   std::unique_ptr<dist::FullyShardedDataParallel> fsdp;
   std::unique_ptr<optim::AdamW> opt;
   std::unique_ptr<dist::DistributedDataParallel> ddp;
@@ -376,9 +379,7 @@ void check_pipeline(const nn::ModelConfig& cfg, int tp, int pp, const std::strin
   auto pp_group = world->split(dp_rank * tp + tp_rank, r);
   auto mp_group = world->split(dp_rank, r);
   const int64_t rows = 2, T = 16, micro = 4, steps = 2;
-  optim::AdamWOptions ao;
-  ao.lr = 1e-2;
-  ao.eps = 1e-5;  // as check_fsdp's
+  const optim::AdamWOptions ao = parity_adamw();
   auto ref = tiny_model(5, cfg);
   optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
   auto model = nn::make_model(cfg);
@@ -397,10 +398,10 @@ void check_pipeline(const nn::ModelConfig& cfg, int tp, int pp, const std::strin
   std::map<const void*, double> weight_of;
   {
     auto pw = pipe.norm_weights();
-    std::vector<bool> sharded = plan ? plan->sharded_mask() : std::vector<bool>();
+    const std::vector<double> tp_weights = plan ? plan->norm_weights() : std::vector<double>();
     auto named = model->named_parameters();
     std::map<const void*, double> tpw;
-    for (size_t i = 0; i < named.size(); ++i) tpw[&named[i].second.impl()] = !plan || sharded[i] ? 1.0 : 1.0 / tp;
+    for (size_t i = 0; i < named.size(); ++i) tpw[&named[i].second.impl()] = plan ? tp_weights[i] : 1.0;
     for (size_t i = 0; i < local.size(); ++i) weight_of[&local[i].second.impl()] = pw[i] * tpw.at(&local[i].second.impl());
   }
   std::vector<double> weights;
@@ -495,12 +496,6 @@ double max_param_diff(const nn::LanguageModel& full, const Split& tp) {
   return worst;
 }
 
-std::vector<double> norm_weights(const Split& tp) {
-  std::vector<double> w;
-  for (bool s : tp.plan->sharded_mask()) w.push_back(s ? 1.0 : 1.0 / world->size());
-  return w;
-}
-
 void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) {
   auto full = tiny_model(11, cfg);
   Split tp = split_model(cfg, 11);
@@ -518,7 +513,7 @@ void check_tensor_parallel(const nn::ModelConfig& cfg, const std::string& what) 
   double worst = 0;
   for (auto& [n, p] : full->named_parameters()) worst = std::max(worst, max_abs_diff(p.grad(), full_grads.at(n)));
   check(worst < 1e-5, what + ": TP=2 gradients match TP=1: max diff " + std::to_string(worst));
-  double norm = dist::clip_grad_norm_distributed(tp.model->parameters(), norm_weights(tp), 0, *world);
+  double norm = dist::clip_grad_norm_distributed(tp.model->parameters(), tp.plan->norm_weights(), 0, *world);
   double ref_norm = optim::clip_grad_norm(full->parameters(), 0);
   check(std::abs(norm - ref_norm) < 1e-5 * ref_norm, what + ": TP grad norm matches");
   double logits_diff;
@@ -571,7 +566,7 @@ void check_tensor_parallel_training(const nn::ModelConfig& cfg, const std::strin
   optim::AdamW tp_opt(optim::adamw_param_groups(tp.model->named_parameters(), 0.1), ao);
   std::map<const void*, double> weight_of;
   auto named = tp.model->named_parameters();
-  auto w = norm_weights(tp);
+  auto w = tp.plan->norm_weights();
   for (size_t i = 0; i < named.size(); ++i) weight_of[&named[i].second.impl()] = w[i];
   std::vector<double> weights;
   for (const Tensor& p : tp_opt.parameters()) weights.push_back(weight_of.at(&p.impl()));
