@@ -176,6 +176,13 @@ TEST(CheckpointShard, MetaRoundTripsAndEveryPartMustBeCoveredOnce) {
   broken([](auto& b) { b.files[1] = "../evil"; }, {"outside its directory"});
   test::expect_error_mentioning([] { train::CheckpointMeta::parse("{\"format\": 1}", "y/meta.json"); },
                                 {"y/meta.json", "corrupt"});
+  for (const char* number : {"1e300", "2.5", "-1e30"}) {  // a float where a whole number belongs
+    std::string text = small_meta().to_json();
+    const size_t at = text.find("\"adam_step\": ") + 13;
+    text.replace(at, text.find_first_of(",\n}", at) - at, number);
+    test::expect_error_mentioning([&] { train::CheckpointMeta::parse(text, "w/meta.json"); },
+                                  {"w/meta.json", "whole number"});
+  }
   std::string other = small_meta().to_json();
   other.replace(other.find(train::kShardedCheckpointFormat), 25, "loom-sharded-checkpoint-9");
   test::expect_error_mentioning([&] { train::CheckpointMeta::parse(other, "z/meta.json"); },

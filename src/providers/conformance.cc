@@ -22,6 +22,7 @@
 #include "loom/core/dispatch.h"
 #include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
+#include "io/json_numbers.h"
 
 namespace loom::conformance {
 namespace {
@@ -818,11 +819,11 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
             LOOM_REQUIRE(n != a.value_names.end(), "attribute ", a.name, ": unknown value ", j.dump());
             v = AttrValue::of_int(n - a.value_names.begin());
           } else if (j.is_array()) {
-            v = AttrValue::of_ints(j.get<std::vector<int64_t>>());
+            v = AttrValue::of_ints(io::json_ints(j));
           } else if (a.kind == AttrValue::kFloat) {
             v = AttrValue::of_float(j.get<double>());
           } else {
-            v = AttrValue::of_int(j.is_boolean() ? int64_t(j.get<bool>()) : j.get<int64_t>());
+            v = AttrValue::of_int(j.is_boolean() ? int64_t(j.get<bool>()) : io::json_int(j));
           }
         }
         p.c.attrs.emplace_back(a.name, v);

@@ -17,6 +17,7 @@
 #include "loom/io/atomic_file.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "io/json_numbers.h"
 
 namespace fs = std::filesystem;
 
@@ -175,31 +176,31 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
     m.format = j.at("format").get<std::string>();
     LOOM_REQUIRE(m.format == kShardedCheckpointFormat, "checkpoint: '", path, "' has format '", m.format,
                  "', this Loom reads ", kShardedCheckpointFormat);
-    m.step = j.at("step").get<int64_t>();
+    m.step = io::json_int(j.at("step"));
     m.state_json = j.at("state").dump();
     m.model = j.at("model").get<std::string>();
     m.config_json = j.at("config").dump();
     const auto& l = j.at("layout");
-    m.layout = {l.at("world").get<int64_t>(), l.at("dp").get<int64_t>(), l.at("tp").get<int64_t>(),
-                l.at("zero").get<int64_t>(), l.value("pp", int64_t(1))};
-    m.optimizer_step = j.at("optimizer").at("step").get<int64_t>();
+    m.layout = {io::json_int(l.at("world")), io::json_int(l.at("dp")), io::json_int(l.at("tp")),
+                io::json_int(l.at("zero")), l.contains("pp") ? io::json_int(l.at("pp")) : 1};
+    m.optimizer_step = io::json_int(j.at("optimizer").at("step"));
     m.lr = j.at("optimizer").at("lr").get<double>();
     m.files = j.at("files").get<std::vector<std::string>>();
     for (const auto& pj : j.at("parameters")) {
       CheckpointParam p;
       p.name = pj.at("name").get<std::string>();
-      p.shape = pj.at("shape").get<Shape>();
+      p.shape = io::json_ints(pj.at("shape"));
       if (!pj.at("split").is_null()) {
         p.split.sharded = true;
-        p.split.dim = pj.at("split").at("dim").get<int64_t>();
-        p.split.blocks = pj.at("split").at("blocks").get<std::vector<int64_t>>();
+        p.split.dim = io::json_int(pj.at("split").at("dim"));
+        p.split.blocks = io::json_ints(pj.at("split").at("blocks"));
       }
       p.split.ranks = m.layout.tp;
-      p.adam_step = pj.at("adam_step").get<int64_t>();
+      p.adam_step = io::json_int(pj.at("adam_step"));
       for (const auto& q : pj.at("pieces")) {
         LOOM_REQUIRE(q.is_array() && q.size() == 4, "checkpoint: '", path, "': parameter '", p.name,
                      "' has a piece that is not [file, tp_rank, lo, hi]: ", q.dump());
-        p.pieces.push_back({q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>(), q[3].get<int64_t>()});
+        p.pieces.push_back({io::json_int(q[0]), io::json_int(q[1]), io::json_int(q[2]), io::json_int(q[3])});
       }
       m.params.push_back(std::move(p));
     }
