@@ -164,6 +164,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
   app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
+  app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
+               "sync, optimizer) into metrics.jsonl and print their medians at the end");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
   app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)")

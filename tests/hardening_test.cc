@@ -78,6 +78,20 @@ TEST(Hardening, CheckpointStateIsCheckedBeforeUse) {
   bad(j, "");
   test::expect_error_mentioning([&] { train::parse_checkpoint_state("{\"step\": 1", "c.safetensors"); },
                                 {"corrupt state metadata"});
+  // Numbers that are not whole or do not fit: a float was converted without a check (1.7e59 is undefined
+  // behaviour; fuzz_checkpoint found it), 3.5 became 3.
+  j = good;
+  j["loader"]["epoch"] = 1.6666e59;
+  bad(j, "whole number");
+  j = good;
+  j["step"] = 3.5;
+  bad(j, "whole number");
+  j = good;
+  j["rng"]["seed"] = -2;
+  bad(j, "non-negative whole number");
+  j = good;
+  j["loader"]["shard_index"] = uint64_t(1) << 63;
+  bad(j, "within 64 bits");
 }
 
 // Temporaries of killed writes: removed when older than `before` and their writer is gone; a running writer's, a

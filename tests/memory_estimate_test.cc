@@ -5,7 +5,9 @@
 #include <random>
 
 #include "loom/common/error.h"
+#include "loom/core/device_runtime.h"
 #include "loom/nn/model.h"
+#include "loom/ops.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/trainer.h"
 #include "test_files.h"
@@ -129,6 +131,45 @@ TEST(MemoryEstimate, TheTrainerRefusesAModelThatCannotFit) {
   test::write_all(cfg, R"({"family": "llama", "vocab_size": 256, "max_seq_len": 1099511627776, "n_layer": 1,)"
                        R"( "n_head": 2, "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 128})");
   test::expect_error_mentioning([&] { train::Trainer t(o); }, {"rope tables", "more than"});
+}
+
+// A GPU's size is known (it was 0, so a model that could not fit a GPU was only refused against the host's memory),
+// and a model state larger than it is refused naming the device, while the same state fits the host.
+TEST(MemoryEstimate, CudaModelStateIsCheckedAgainstTheGpusMemory) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const double gpu = train::device_memory_bytes(Device(DeviceType::kCUDA, 0));
+  EXPECT_GT(gpu, 1e9);
+  EXPECT_EQ(gpu, double(device_runtime(DeviceType::kCUDA).total_memory(0)));
+  train::MemoryEstimate e;
+  e.num_parameters = int64_t(gpu / 16 * 1.5);  // f32 weights + gradients + two moments: 1.5x the GPU
+  e.parameters = e.gradients = 4.0 * double(e.num_parameters);
+  e.optimizer_state = 8.0 * double(e.num_parameters);
+  if (4.0 * double(e.num_parameters) >= train::device_memory_bytes(Device())) GTEST_SKIP() << "host smaller than the GPU";
+  test::expect_error_mentioning([&] { train::check_model_state_fits(e, Device(DeviceType::kCUDA, 0)); },
+                                {"parameters need", "more than", "cuda:0"});
+  e.num_parameters /= 4;
+  e.parameters = e.gradients = 4.0 * double(e.num_parameters);
+  e.optimizer_state = 8.0 * double(e.num_parameters);
+  EXPECT_NO_THROW(train::check_model_state_fits(e, Device(DeviceType::kCUDA, 0)));
+}
+
+// Timing events measure the work between them: on the CPU, the host time between the two records.
+TEST(DeviceRuntimeTiming, ElapsedBetweenTimingEvents) {
+  for (DeviceType type : {DeviceType::kCPU, DeviceType::kCUDA}) {
+    if (type == DeviceType::kCUDA && !test::cuda_available()) continue;
+    DeviceRuntime& rt = device_runtime(type);
+    Event a = rt.create_timing_event(0), b = rt.create_timing_event(0);
+    Tensor x = randn({1 << 20}, kF32, Device(type, 0));
+    rt.record_event(a, rt.current_stream(0));
+    for (int i = 0; i < 20; ++i) x = ops::mul(x, 1.0001);
+    rt.record_event(b, rt.current_stream(0));
+    rt.synchronize(0);
+    const double ms = rt.elapsed_ms(a, b);
+    EXPECT_GT(ms, 0.0) << Device(type, 0).str();
+    EXPECT_LT(ms, 10000.0) << Device(type, 0).str();
+    rt.destroy_event(a);
+    rt.destroy_event(b);
+  }
 }
 
 }  // namespace

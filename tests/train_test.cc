@@ -56,6 +56,41 @@ TEST(Train, LossFallsAndEvaluates) {
   EXPECT_LT(t.history().back().loss, t.history().front().loss);
 }
 
+// --phase-times: each step's phases in order, every micro-batch's forward and backward added up, and together no
+// longer than the step; run() prints their medians.
+TEST(Train, PhaseTimesCoverTheStep) {
+  TempDir dir;
+  auto o = tiny_setup(dir);
+  o.steps = 3;
+  o.total_batch_tokens = 256;  // 2 micro-steps per step
+  o.phase_times = true;
+  o.sample_tokens = 0;
+  o.log_dir = (dir.path() / "logs").string();
+  o.quiet = false;
+  testing::internal::CaptureStdout();
+  train::Trainer t(o);
+  t.run();
+  const std::string out = testing::internal::GetCapturedStdout();
+  ASSERT_EQ(t.history().size(), 3u);
+  for (const train::StepStats& s : t.history()) {
+    std::vector<std::string> names;
+    double sum = 0;
+    for (const auto& [phase, ms] : s.phases) {
+      names.push_back(phase);
+      EXPECT_GE(ms, 0.0) << phase;
+      sum += ms;
+    }
+    EXPECT_EQ(names, (std::vector<std::string>{"forward", "backward", "gradient sync", "optimizer", "loss average"}));
+    EXPECT_LE(sum, s.ms * 1.01 + 0.05);
+    EXPECT_GT(s.phases[0].second + s.phases[1].second, 0.3 * s.ms) << "forward and backward are most of a step";
+  }
+  EXPECT_NE(out.find("phase times per step on cpu"), std::string::npos) << out;
+  EXPECT_NE(out.find(" backward "), std::string::npos) << out;
+  std::ifstream metrics(dir.path() / "logs" / "metrics.jsonl");
+  std::string all((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+  EXPECT_NE(all.find("perf/phase_ms/forward"), std::string::npos);
+}
+
 TEST(Train, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
   TempDir dir;
   auto o = tiny_setup(dir);

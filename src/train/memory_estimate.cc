@@ -1,11 +1,10 @@
 // Parameter count and training-memory estimate from a config (loom/train/memory_estimate.h).
 #include "loom/train/memory_estimate.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 
 #include "loom/common/error.h"
+#include "loom/core/device_runtime.h"
 
 namespace loom::train {
 namespace {
@@ -144,11 +143,7 @@ std::string MemoryEstimate::str() const {
 }
 
 double device_memory_bytes(Device device) {
-  if (device.is_cpu()) {
-    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && page > 0 ? double(pages) * double(page) : 0;
-  }
-  return 0;
+  return has_device_runtime(device.type) ? double(device_runtime(device.type).total_memory(device.index)) : 0;
 }
 
 void check_model_state_fits(const MemoryEstimate& e, Device device) {

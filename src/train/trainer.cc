@@ -40,6 +40,8 @@
 #include "loom/optim/optimizer.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/memory_estimate.h"
+#include "loom/train/phase_timer.h"
+#include "io/json_numbers.h"
 
 namespace fs = std::filesystem;
 
@@ -449,6 +451,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
     std::cout.flush();
   }
+  if (opts_.phase_times) phase_timer_ = std::make_unique<PhaseTimer>(device_);
 }
 
 Trainer::~Trainer() = default;
@@ -465,6 +468,10 @@ StepStats Trainer::train_step() {
   model_->train(true);
   optimizer_->zero_grad();
   if (fsdp_) fsdp_->zero_grad();
+  if (phase_timer_) phase_timer_->begin();
+  auto mark = [&](const char* phase) {
+    if (phase_timer_) phase_timer_->mark(phase);
+  };
   Tensor loss_sum;  // stays on the device until the step is queued: reading it each micro-step would stall the GPU
   if (pipeline_) {  // every micro-batch of the step flows through the stages under the schedule
     std::vector<Tensor> xs, ys;
@@ -476,6 +483,7 @@ StepStats Trainer::train_step() {
     if (ddp_) ddp_->set_require_sync(false);  // reduced once, by finish(), after the last backward
     amp::AutocastGuard autocast(autocast_dtype_);
     loss_sum = full({1}, pipeline_->train_step(xs, ys) * double(grad_accum_), kF64, device_);
+    mark("forward+backward");
   }
   for (int64_t micro = 0; !pipeline_ && micro < grad_accum_; ++micro) {
     data::Batch batch = train_loader_->next();
@@ -485,9 +493,11 @@ StepStats Trainer::train_step() {
     // there (--recompute) reuse the forward's casts of the parameters.
     amp::AutocastGuard autocast(autocast_dtype_);
     loss = model_->forward_loss(x, y);  // tensor-parallel: the vocabulary-parallel loss
+    mark("forward");
     Tensor scaled = grad_accum_ > 1 ? mul(loss, 1.0 / double(grad_accum_)) : loss;
     if (ddp_) ddp_->set_require_sync(micro + 1 == grad_accum_);  // communicate on the last micro-step only
     scaled.backward();
+    mark("backward");
     Tensor l = loss.detach();
     loss_sum = loss_sum.defined() ? ops::add(loss_sum, l) : l;
   }
@@ -495,8 +505,9 @@ StepStats Trainer::train_step() {
   if (tp_plan_) tp_plan_->reduce_replicated_gradients();  // sequence parallelism's partial gradients
   StepStats s;
   s.lr = logs_->schedule->lr(step_);
+  if (fsdp_) fsdp_->finish();
+  mark("gradient sync");  // what of the gradient communication the backward did not hide
   if (fsdp_) {
-    fsdp_->finish();
     s.grad_norm = fsdp_->clip_grad_norm(opts_.clip);
     optimizer_->set_lr(s.lr);
     optimizer_->step();
@@ -511,8 +522,11 @@ StepStats Trainer::train_step() {
     optimizer_->set_lr(s.lr);
     optimizer_->step();
   }
+  mark("optimizer");  // with the norm's read-back; ZeRO-1: also its reduce-scatter and gather
   s.loss = all_ranks_mean(loss_sum.item<double>() / double(grad_accum_));
+  mark("loss average");
   device_runtime(device_.type).synchronize(device_.index);
+  if (phase_timer_) s.phases = phase_timer_->finish();
   ++step_;
   s.step = step_;
   s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -596,6 +610,7 @@ void Trainer::log_step(const StepStats& s) {
                                        {"perf/tokens_per_second", s.tokens_per_second},
                                        {"perf/memory_allocated_bytes", double(mem.allocated)}};
   if (mfu >= 0) values["perf/mfu"] = mfu;
+  for (const auto& [phase, ms] : s.phases) values["perf/phase_ms/" + phase] = ms;
   if (logs_->jsonl) logs_->jsonl->write(s.step, values);
   if (logs_->tensorboard)
     for (auto& [k, v] : values) logs_->tensorboard->add_scalar(k, float(v), s.step);
@@ -676,10 +691,47 @@ void Trainer::run() {
         s.step != opts_.steps)
       save_checkpoint(checkpoint_path(s.step));
   }
+  if (opts_.phase_times && is_rank0_) print_phase_summary();
   log_eval(step_);
   print_sample();
   if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));
   if (logs_->tensorboard) logs_->tensorboard->flush();
+}
+
+void Trainer::print_phase_summary() const {
+  // Medians over the steps of this run after its first (which pays for plans, allocations and module loading).
+  std::vector<const StepStats*> steps;
+  for (const StepStats& s : history_)
+    if (!s.phases.empty()) steps.push_back(&s);
+  if (steps.size() > 1) steps.erase(steps.begin());
+  if (steps.empty()) {
+    std::cout << "phase times: this device cannot time its work" << std::endl;
+    return;
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  std::ostringstream line;
+  line << "phase times per step on " << device_.str() << " (median of " << steps.size() << " step"
+       << (steps.size() == 1 ? "" : "s") << ", ms):";
+  double sum = 0;
+  for (const auto& [phase, unused] : steps.back()->phases) {
+    std::vector<double> v;
+    for (const StepStats* s : steps)
+      for (const auto& [p, ms] : s->phases)
+        if (p == phase) v.push_back(ms);
+    const double m = median(v);
+    sum += m;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %s %.2f |", phase.c_str(), m);
+    line << buf;
+  }
+  std::vector<double> wall;
+  for (const StepStats* s : steps) wall.push_back(s->ms);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, " device %.2f of %.2f wall", sum, median(wall));
+  std::cout << line.str() << buf << std::endl;
 }
 
 void Trainer::check_checkpoint_targets() const {
@@ -914,13 +966,13 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
     const nlohmann::json meta = nlohmann::json::parse(state_json);
     const auto& l = meta.at("loader");
     const auto& rng = meta.at("rng");
-    st.step = meta.at("step").get<int64_t>();
-    st.shard_index = l.at("shard_index").get<int64_t>();
-    st.batch_offset = l.at("batch_offset").get<int64_t>();
-    st.epoch = l.at("epoch").get<int64_t>();
-    st.loader_rng = l.at("rng_state").get<uint64_t>();
-    st.rng_seed = rng.at("seed").get<uint64_t>();
-    st.rng_offset = rng.at("offset").get<uint64_t>();
+    st.step = io::json_int(meta.at("step"));
+    st.shard_index = io::json_int(l.at("shard_index"));
+    st.batch_offset = io::json_int(l.at("batch_offset"));
+    st.epoch = io::json_int(l.at("epoch"));
+    st.loader_rng = io::json_uint(l.at("rng_state"));
+    st.rng_seed = io::json_uint(rng.at("seed"));
+    st.rng_offset = io::json_uint(rng.at("offset"));
     if (meta.contains("settings")) {
       LOOM_REQUIRE(meta.at("settings").is_object(), "resume: '", path, "' has corrupt state metadata: settings is ",
                    meta.at("settings").dump(), ", not an object");
@@ -1131,7 +1183,7 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
         auto it = index_of.find(name);  // every rank's model has every name (a pipeline stage's others as stand-ins)
         LOOM_REQUIRE(it != index_of.end(), "save_checkpoint: rank ", r, " saved parameter '", name,
                      "' that rank 0's model lacks");
-        meta.params[it->second].pieces.push_back({r, q[0].get<int64_t>(), q[1].get<int64_t>(), q[2].get<int64_t>()});
+        meta.params[it->second].pieces.push_back({r, io::json_int(q.at(0)), io::json_int(q.at(1)), io::json_int(q.at(2))});
       }
     }
     const std::string text = meta.to_json();

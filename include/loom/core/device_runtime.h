@@ -70,8 +70,14 @@ class DeviceRuntime {
   virtual void record_event(Event, Stream) {}
   virtual void wait_event(Stream, Event) {}  // the stream waits for the event
   virtual void synchronize_event(Event) {}
+  // An event that also records when it completed, for elapsed_ms (ordinary events skip the timestamp: cheaper).
+  virtual Event create_timing_event(int index) { return create_event(index); }
+  // Milliseconds between two completed timing events of one device; negative when the runtime cannot tell.
+  virtual double elapsed_ms(Event /*start*/, Event /*end*/) { return -1; }
 
   virtual MemoryStats memory_stats(int) { return {}; }
+  // The device's memory in bytes (a GPU's total, the host's physical memory for the CPU); 0 when unknown.
+  virtual size_t total_memory(int /*index*/) { return 0; }
   virtual void reset_peak_memory(int) {}
 
   // The context kernels of this device run with (current stream, library handles). Owned by the runtime.

@@ -46,8 +46,8 @@ struct MemoryEstimate {
 
 MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in);
 
-// The memory a device offers, in bytes: the CPU's physical memory; 0 when Loom cannot tell (a CUDA device: the
-// DeviceRuntime interface has no total-memory query yet).
+// The memory a device offers, in bytes (DeviceRuntime::total_memory: a GPU's total, the host's physical memory);
+// 0 when Loom cannot tell.
 double device_memory_bytes(Device device);
 
 // Throws one line naming the sizes when the model state (parameters, gradients, optimizer state, buffers) per rank

@@ -31,6 +31,8 @@ class TensorParallelPlan;
 
 namespace loom::train {
 
+class PhaseTimer;
+
 struct TrainOptions {
   std::string model = "d4";          // a ModelConfig name or JSON path
   std::string init_from;             // safetensors weights with Hugging Face names (optional)
@@ -77,6 +79,9 @@ struct TrainOptions {
   uint64_t seed = 1337;
   bool shuffle = false;
   bool explain_kernels = false;
+  // Device time per phase of each step (forward, backward, gradient sync, optimizer, loss average; PhaseTimer), in
+  // metrics.jsonl as perf/phase_ms/<phase> and as medians at the end of the run.
+  bool phase_times = false;
   std::string log_dir;               // metrics.jsonl and a TensorBoard event file; empty = console only
   int64_t log_interval = 1;
   double peak_tflops = 0;            // for MFU; 0 = the device's known bf16 peak, if any
@@ -121,6 +126,7 @@ struct StepStats {
   double grad_norm = 0;
   double ms = 0;
   double tokens_per_second = 0;  // of the whole world (all data-parallel ranks)
+  std::vector<std::pair<std::string, double>> phases;  // with phase_times: device milliseconds per phase
 };
 
 // The training state in a checkpoint's "state" metadata, parsed and checked without touching a trainer: resume
@@ -204,6 +210,8 @@ class Trainer {
   std::string resume_path_;       // resolved once
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
+  std::unique_ptr<PhaseTimer> phase_timer_;  // --phase-times
+  void print_phase_summary() const;
 };
 
 }  // namespace loom::train

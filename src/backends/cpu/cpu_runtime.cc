@@ -1,5 +1,9 @@
-// The CPU device runtime: aligned host memory and memcpy. Streams and events are no-ops: CPU kernels are synchronous.
+// The CPU device runtime: aligned host memory and memcpy. Streams and events are no-ops: CPU kernels are synchronous
+// (a timing event records the host clock when recorded, which is when the work before it finished).
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -50,6 +54,24 @@ class CpuRuntime final : public DeviceRuntime {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   void synchronize(int) override {}
+  size_t total_memory(int) override {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
+  }
+  Event create_timing_event(int index) override {
+    return Event{Device(DeviceType::kCPU, index), new std::chrono::steady_clock::time_point()};
+  }
+  void destroy_event(Event e) override { delete static_cast<std::chrono::steady_clock::time_point*>(e.handle); }
+  void record_event(Event e, Stream) override {
+    if (e.handle) *static_cast<std::chrono::steady_clock::time_point*>(e.handle) = std::chrono::steady_clock::now();
+  }
+  double elapsed_ms(Event start, Event end) override {
+    if (!start.handle || !end.handle) return -1;
+    using Point = std::chrono::steady_clock::time_point;
+    return std::chrono::duration<double, std::milli>(*static_cast<Point*>(end.handle) -
+                                                     *static_cast<Point*>(start.handle))
+        .count();
+  }
   const DeviceContext& context(int) override { return context_; }
 
  private:

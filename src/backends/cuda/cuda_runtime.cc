@@ -100,6 +100,26 @@ class CudaRuntime final : public DeviceRuntime {
     return Event{Device(DeviceType::kCUDA, index), e};
   }
 
+  Event create_timing_event(int index) override {
+    at(index);
+    cuda::DeviceGuard guard(index);
+    cudaEvent_t e = nullptr;
+    LOOM_CUDA_CHECK(cudaEventCreate(&e));
+    return Event{Device(DeviceType::kCUDA, index), e};
+  }
+
+  double elapsed_ms(Event start, Event end) override {
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.handle), static_cast<cudaEvent_t>(end.handle)));
+    return ms;
+  }
+
+  size_t total_memory(int index) override {
+    cudaDeviceProp prop{};
+    LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+    return prop.totalGlobalMem;
+  }
+
   void destroy_event(Event e) override {
     if (e.handle) LOOM_CUDA_CHECK(cudaEventDestroy(static_cast<cudaEvent_t>(e.handle)));
   }
