@@ -116,7 +116,7 @@ struct DistributedDataParallel::State {
   std::vector<std::shared_ptr<Work>> works;  // per bucket; null until launched
   std::vector<int64_t> launched_after, launched_after_last_step;  // per bucket: gradient hooks fired before its launch
   int64_t hooks_fired = 0;
-  size_t next_to_launch = 0;
+  size_t next_to_launch = 0, first_unfinished = 0;
   int64_t launched_in_backward = 0, launched_last_step = 0;
   bool sync = true;
 
@@ -150,7 +150,8 @@ struct DistributedDataParallel::State {
     size_t before = next_to_launch;
     launch_ready_buckets();
     launched_in_backward += int64_t(next_to_launch - before);
-    for (size_t b = 0; b < before; ++b) works[b]->test();  // lets MPI make progress
+    // Lets MPI make progress (testing any request progresses all of them); the oldest unfinished one suffices.
+    while (first_unfinished < before && works[first_unfinished]->test()) ++first_unfinished;
   }
 
   void reset_step() {
@@ -158,7 +159,7 @@ struct DistributedDataParallel::State {
     std::fill(ready_count.begin(), ready_count.end(), 0);
     std::fill(works.begin(), works.end(), nullptr);
     hooks_fired = 0;
-    next_to_launch = 0;
+    next_to_launch = first_unfinished = 0;
   }
 };
 

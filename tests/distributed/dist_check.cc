@@ -146,13 +146,23 @@ void check_collectives() {
   check(threw, "non-contiguous tensor rejected");
 }
 
+// AdamW for comparing a sharded or split run with one process. With the default eps (1e-8), elements whose gradient
+// is rounding noise (~1e-9: the batch sums differ in order between one process and the sharded reductions) take
+// steps of up to lr either way; 1e-5 keeps the comparison about the gradients (with 1e-8 the tiny LLaMA on 4 ranks
+// differed by 7e-3, with 1e-5 by 2e-6).
+optim::AdamWOptions parity_adamw() {
+  optim::AdamWOptions ao;
+  ao.lr = 1e-2;
+  ao.eps = 1e-5;
+  return ao;
+}
+
 // One process's reference: AdamW steps on the mean loss of the full global batch (micro-batches accumulated).
 // DDP: each rank takes its rows of each micro-batch.
 void check_ddp(DType reduce_dtype, bool zero1, double tol) {
   int r = world->rank(), n = world->size();
   const int64_t rows_per_rank = 2, T = 16, micro = 2, steps = 2;
-  optim::AdamWOptions ao;
-  ao.lr = 1e-2;
+  const optim::AdamWOptions ao = parity_adamw();  // with eps 1e-8 it failed on 4 ranks of a 64-core host (3.7e-5)
   auto ref = tiny_model(7);
   auto model = tiny_model(7);
   optim::AdamW ref_opt(optim::adamw_param_groups(ref->named_parameters(), 0.1), ao);
@@ -218,16 +228,6 @@ void check_ddp(DType reduce_dtype, bool zero1, double tol) {
                          ") parameters match one process: max diff " + std::to_string(worst));
 }
 
-// AdamW for comparing a sharded or split run with one process. With the default eps (1e-8), elements whose gradient
-// is rounding noise (~1e-9: the batch sums differ in order between one process and the sharded reductions) take
-// steps of up to lr either way; 1e-5 keeps the comparison about the gradients (with 1e-8 the tiny LLaMA on 4 ranks
-// differed by 7e-3, with 1e-5 by 2e-6).
-optim::AdamWOptions parity_adamw() {
-  optim::AdamWOptions ao;
-  ao.lr = 1e-2;
-  ao.eps = 1e-5;
-  return ao;
-}
 
 // ZeRO-2/3 (FSDP by block) against one process at the same global batch: AdamW steps with clipping and gradient
 // accumulation; losses, grad norms and final parameters. With recomputation the blocks are gathered again in the
