@@ -57,9 +57,13 @@ std::vector<Action> make_schedule(const std::string& kind, int s, int P, int V, 
 struct PipelineParallel::Impl {
   nn::LanguageModel* model = nullptr;
   std::shared_ptr<ProcessGroup> group;
-  // Each direction of traffic on a group of its own: activations to the next rank, gradients to the previous one,
-  // and with virtual stages the wrap-around from the last rank to the first (activations) and back (gradients).
-  std::shared_ptr<ProcessGroup> act_next, grad_prev, act_wrap, grad_wrap, ends;
+  // Traffic between neighbouring stages s and s+1 goes over act[s % 2] (activations, s to s+1) and grad[s % 2]
+  // (gradients, s+1 to s); with virtual stages the wrap-around from the last rank to the first goes over act_wrap
+  // and grad_wrap. On every rank each group then carries only sends or only receives, to or from one peer: NCCL runs
+  // a group's operations in order on one stream, and a send larger than its buffers waits for the receiver, so a
+  // rank whose send and receive shared a group could wait on its own queue while its peers waited on it (LLaMA-3 1B,
+  // 16 MB activations, hung on 4 GPUs with one group per direction).
+  std::shared_ptr<ProcessGroup> act[2], grad[2], act_wrap, grad_wrap, ends;
   PipelineOptions options;
   int s = 0, P = 1, V = 1;
   struct Chunk {
@@ -84,7 +88,7 @@ struct PipelineParallel::Impl {
   };
   std::map<std::pair<int64_t, int>, Flight> flights;
 
-  ProcessGroup& act_from(int chunk) { return (s == 0 && chunk > 0) ? *act_wrap : *act_next; }
+  ProcessGroup& act_from(int chunk) { return (s == 0 && chunk > 0) ? *act_wrap : *act[(s + 1) % 2]; }  // edge s-1
   int act_src() const { return (s - 1 + P) % P; }
   int act_dst() const { return (s + 1) % P; }
 
@@ -138,7 +142,7 @@ struct PipelineParallel::Impl {
       f.loss = grad ? mul(loss, scale) : loss;
       f.x_out = f.p_out = Tensor();
     } else {
-      ProcessGroup& g = (s == P - 1) ? *act_wrap : *act_next;
+      ProcessGroup& g = (s == P - 1) ? *act_wrap : *act[s % 2];
       send_pair(g, act_dst(), f.x_out.detach(), f.p_out.defined() ? f.p_out.detach() : Tensor());
     }
   }
@@ -151,7 +155,7 @@ struct PipelineParallel::Impl {
     if (c.last) {
       autograd::backward({f.loss});
     } else {
-      ProcessGroup& g = (s == P - 1) ? *grad_wrap : *grad_prev;  // gradients come back the way activations went
+      ProcessGroup& g = (s == P - 1) ? *grad_wrap : *grad[s % 2];  // gradients come back the way activations went
       std::vector<Tensor> roots{f.x_out}, grads;
       auto [gx, gp] = recv_pair(g, act_dst());
       grads.push_back(gx);
@@ -165,7 +169,7 @@ struct PipelineParallel::Impl {
       Tensor gx = f.x_in.grad().defined() ? f.x_in.grad() : zeros(f.x_in.shape(), f.x_in.dtype(), device);
       Tensor gp;
       if (f.p_in.defined()) gp = f.p_in.grad().defined() ? f.p_in.grad() : zeros(f.p_in.shape(), f.p_in.dtype(), device);
-      ProcessGroup& g = (s == 0) ? *grad_wrap : *grad_prev;
+      ProcessGroup& g = (s == 0) ? *grad_wrap : *grad[(s + 1) % 2];  // edge s-1
       send_pair(g, act_src(), gx, gp);
     }
     flights.erase(it);
@@ -288,9 +292,11 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
       p.set_data(detail::freed_parameter(p.shape(), p.dtype(), p.device()));
     }
   }
-  // Each direction of traffic gets a group of its own (collective over the pipeline group).
-  m.act_next = group->split(0, m.s);
-  m.grad_prev = group->split(0, m.s);
+  // The groups of the traffic between stages (see act, grad); collective over the pipeline group.
+  for (int parity = 0; parity < (m.P > 2 ? 2 : 1); ++parity) {  // two stages have one edge
+    m.act[parity] = group->split(0, m.s);
+    m.grad[parity] = group->split(0, m.s);
+  }
   if (m.V > 1) {
     m.act_wrap = group->split(0, m.s);
     m.grad_wrap = group->split(0, m.s);
