@@ -11,6 +11,12 @@ initialized weights (before any step) as f32 safetensors with Hugging Face GPT-2
 loads, so both frameworks start from the same weights.
 
   python3 tools/bench/pytorch_gpt2.py --model 124m --batch-size 16 --steps 30 --data shard.bin
+
+Under torchrun (WORLD_SIZE > 1) it trains with DistributedDataParallel (NCCL, default buckets, f32 gradient
+reduction; the DDP-wrapped model compiled, so the DDP optimizer splits the graph at bucket boundaries): --batch-size
+per GPU, rank r reading windows r, r + world, ..., and the printed tokens/s is the world's.
+
+  torchrun --nproc-per-node 2 tools/bench/pytorch_gpt2.py --model 124m --batch-size 32 --steps 30
 """
 import argparse
 import json
@@ -20,8 +26,11 @@ import struct
 import statistics
 import time
 
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -167,15 +176,19 @@ def main():
                          "names, for loom-train --init-from")
     args = ap.parse_args()
 
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "bf16"
     torch.backends.cudnn.allow_tf32 = args.precision == "bf16"
-    dev = "cuda"
+    dev = f"cuda:{torch.cuda.current_device()}"
     B, T = args.batch_size, args.seq_len
     if args.data:
         tokens = torch.from_numpy(read_shard(args.data))
     else:
-        tokens = torch.randint(0, VOCAB, (args.steps * B * T + 1,), generator=torch.Generator().manual_seed(args.seed))
+        tokens = torch.randint(0, VOCAB, (args.steps * B * T * world + 1,), generator=torch.Generator().manual_seed(args.seed))
     windows = (tokens.numel() - 1) // (B * T)
     assert windows > 0, f"{tokens.numel()} tokens is fewer than one batch of {B}x{T}"
 
@@ -190,14 +203,20 @@ def main():
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    step_fn = model if args.no_compile else torch.compile(model)
-    print(f"pytorch {torch.__version__}: GPT-2 {args.model}, {n_params / 1e6:.1f}M parameters, batch {B}x{T}, "
+    wrapped = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(model, device_ids=[torch.cuda.current_device()])
+    step_fn = wrapped if args.no_compile else torch.compile(wrapped)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"pytorch {torch.__version__}: GPT-2 {args.model}, {n_params / 1e6:.1f}M parameters, batch {B}x{T}, "
           f"{args.steps} steps, {'random tokens' if not args.data else args.data}, "
-          f"compile {'off' if args.no_compile else 'on'}, {args.precision}", flush=True)
+          f"compile {'off' if args.no_compile else 'on'}, {args.precision}"
+          + (f", DDP over {world} GPUs" if world > 1 else ""), flush=True)
 
     times = []
     for step in range(args.steps):
-        w = step % windows
+        w = (step * world + rank) % windows
         chunk = tokens[w * B * T: w * B * T + B * T + 1]
         x = chunk[:-1].view(B, T).to(dev, non_blocking=True)
         y = chunk[1:].view(B, T).to(dev, non_blocking=True)
@@ -215,15 +234,17 @@ def main():
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         times.append(dt)
-        print(f"step {step + 1:4d}/{args.steps} | loss {loss_value:.4f} | norm {norm.item():.4f} | "
-              f"{dt * 1000:7.1f} ms | {B * T / dt:9.0f} tok/s", flush=True)
+        say(f"step {step + 1:4d}/{args.steps} | loss {loss_value:.4f} | norm {norm.item():.4f} | "
+            f"{dt * 1000:7.1f} ms | {B * T * world / dt:9.0f} tok/s", flush=True)
 
     timed = times[args.timing_warmup:] or times
-    tok_s = B * T / statistics.median(timed)
-    mfu = flops_per_token * tok_s / (args.peak_tflops * 1e12)
+    tok_s = B * T * world / statistics.median(timed)
+    mfu = flops_per_token * tok_s / world / (args.peak_tflops * 1e12)
     peak = torch.cuda.max_memory_allocated() / 2**20
-    print(f"RESULT pytorch tokens_per_s {tok_s:.0f} mfu {mfu * 100:.1f} peak_mem_mib {peak:.0f} "
-          f"params {n_params} flops_per_token {flops_per_token}", flush=True)
+    say(f"RESULT pytorch tokens_per_s {tok_s:.0f} mfu {mfu * 100:.1f} peak_mem_mib {peak:.0f} "
+        f"params {n_params} flops_per_token {flops_per_token} world {world}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

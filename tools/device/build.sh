@@ -15,5 +15,5 @@ cudnn_lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.
 cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON \
   -DGTest_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/GTest -Dnlohmann_json_DIR=$D/usr/share/cmake/nlohmann_json \
   -DCMAKE_CUDA_ARCHITECTURES=90 ${LOOM_CMAKE_ARGS:-} > build-dev.log 2>&1 || { tail -30 build-dev.log; return 1 2>/dev/null || exit 1; }
-cmake --build build-dev -j 16 >> build-dev.log 2>&1 || { grep -E "error|Error" build-dev.log | head -30; return 1 2>/dev/null || exit 1; }
+cmake --build build-dev -j "$(nproc)" >> build-dev.log 2>&1 || { grep -E "error|Error" build-dev.log | head -30; return 1 2>/dev/null || exit 1; }
 echo "build-dev: built"
