@@ -175,6 +175,32 @@ struct PipelineParallel::Impl {
     flights.erase(it);
   }
 
+  Tensor logits(const Tensor& idx, std::vector<nn::KVCache>* caches) {
+    autograd::NoGradGuard ng;
+    device = local.front().second.device();
+    const nn::ModelConfig& cfg = model->config();
+    if (caches) caches->resize(size_t(cfg.n_layer));
+    if (const nn::TensorParallelRegion* tp = model->tensor_parallel()) tp->set_sequence_sharded(false);
+    Tensor out = empty({1, 1, cfg.padded_vocab_size}, kF32, device);
+    for (int k = 0; k < V; ++k) {  // this rank's virtual stages, in the order the sequence reaches them
+      const Chunk& c = chunks[size_t(k)];
+      Tensor x, p;
+      if (c.first) x = model->embed(idx, caches);
+      else std::tie(x, p) = recv_pair(act_from(k), act_src());
+      std::tie(x, p) = model->run_blocks(x, p, c.begin, c.end, caches);
+      if (c.last) {
+        Tensor h = model->final_norm(x, p);
+        out.copy_from(model->head_logits(ops::narrow(h, 1, h.size(1) - 1, 1)));  // only the last position is sampled
+      } else {
+        send_pair(s == P - 1 ? *act_wrap : *act[s % 2], act_dst(), x, p);
+      }
+    }
+    for (auto& w : sends) w->wait();
+    sends.clear();
+    group->broadcast(out, P - 1);
+    return out;
+  }
+
   double run(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets, bool train) {
     const int64_t M = int64_t(inputs.size());
     LOOM_REQUIRE(M > 0 && targets.size() == inputs.size(), "pipeline: ", inputs.size(), " input and ",
@@ -312,6 +338,10 @@ double PipelineParallel::train_step(const std::vector<Tensor>& inputs, const std
 
 double PipelineParallel::evaluate(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
   return impl_->run(inputs, targets, false);
+}
+
+Tensor PipelineParallel::logits(const Tensor& idx, std::vector<nn::KVCache>* caches) {
+  return impl_->logits(idx, caches);
 }
 
 std::vector<std::pair<std::string, Tensor>> PipelineParallel::local_named_parameters() const { return impl_->local; }

@@ -39,16 +39,26 @@ int32_t sample_token(const std::vector<double>& l, const GenerateOptions& opts, 
 }
 
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
+  autograd::NoGradGuard ng;
+  bool was_training = model.is_training();
+  model.eval();
+  struct Restore {
+    LanguageModel& m;
+    bool training;
+    ~Restore() { m.train(training); }
+  } restore{model, was_training};
+  return generate([&](const Tensor& idx, std::vector<KVCache>* caches) { return model.forward(idx, caches); },
+                  model.config(), model.parameters().front().device(), prompt, opts);
+}
+
+std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, Device device,
+                              const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
   LOOM_REQUIRE(!prompt.empty(), "generate: the prompt is empty");
   LOOM_REQUIRE(opts.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ", opts.max_new_tokens);
-  const ModelConfig& cfg = model.config();
   for (int32_t t : prompt)
     LOOM_REQUIRE(t >= 0 && t < cfg.vocab_size, "generate: prompt token ", t, " is outside the vocabulary of ",
                  cfg.vocab_size);
   autograd::NoGradGuard ng;
-  bool was_training = model.is_training();
-  model.eval();
-  Device device = model.parameters().front().device();
   std::mt19937_64 rng(opts.seed);
   std::vector<int32_t> tokens = prompt;
   std::vector<KVCache> caches;
@@ -64,14 +74,13 @@ std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& 
       input.assign(tokens.begin() + int64_t(start), tokens.end());
     }
     Tensor idx = from_vector(input, {1, int64_t(input.size())}, device);
-    Tensor logits = model.forward(idx, use_cache ? &caches : nullptr);
+    Tensor logits = forward(idx, use_cache ? &caches : nullptr);
     fed = tokens.size();
     Tensor last = ops::narrow(ops::select(ops::select(logits, 0, 0), 0, logits.size(1) - 1), 0, 0, cfg.vocab_size);
     const int32_t next = sample_token(to_vector<double>(last), opts, rng);
     tokens.push_back(next);
     if (opts.on_token && !opts.on_token(next)) break;
   }
-  model.train(was_training);
   return std::vector<int32_t>(tokens.begin() + int64_t(prompt.size()), tokens.end());
 }
 

@@ -26,7 +26,10 @@ Tensor LanguageModel::loss(Tensor&& logits, const Tensor& targets) const {
 }
 
 Tensor LanguageModel::forward(const Tensor& idx, std::vector<KVCache>* caches) {
-  Tensor h = hidden(idx, caches);
+  return head_logits(hidden(idx, caches));
+}
+
+Tensor LanguageModel::head_logits(const Tensor& h) {
   if (!tp_) return linear(h, classifier_weight());
   return tp_->gather_vocabulary(linear(tp_->enter(h), classifier_weight()));
 }

@@ -557,12 +557,8 @@ double Trainer::evaluate(int64_t batches) {
 
 std::string Trainer::sample(int64_t tokens) {
   if (tokens <= 0) return "";  // --sample-tokens 0: no samples
-  if (pipeline_) {  // generation through the stages is not built
-    if (!logs_->tokenizer_missing_reported && is_rank0_) std::cout << "(no samples with pipeline parallelism)\n";
-    logs_->tokenizer_missing_reported = true;
-    return "";
-  }
-  if (!is_rank0_ && !tp_plan_ && !fsdp_) return "";  // split or sharded: every rank takes part in generation
+  // Split, sharded or staged: every rank takes part in generation.
+  if (!is_rank0_ && !tp_plan_ && !fsdp_ && !pipeline_) return "";
   if (!logs_->tokenizer) {
     try {
       logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name);
@@ -581,7 +577,15 @@ std::string Trainer::sample(int64_t tokens) {
   g.top_k = 40;
   g.seed = opts_.seed + uint64_t(step_);
   amp::AutocastGuard autocast(autocast_dtype_);
-  std::vector<int32_t> out = nn::generate(*model_, prompt, g);
+  std::vector<int32_t> out;
+  if (pipeline_) {  // through the stages (each holds its blocks' caches), the last stage's logits broadcast
+    model_->eval();
+    out = nn::generate([&](const Tensor& idx, std::vector<nn::KVCache>* caches) { return pipeline_->logits(idx, caches); },
+                       model_->config(), device_, prompt, g);
+    model_->train(true);
+  } else {
+    out = nn::generate(*model_, prompt, g);
+  }
   std::vector<int32_t> printable;
   const int64_t known = std::min(model_->config().vocab_size, tokenizer.vocab_size());
   for (int32_t t : out)

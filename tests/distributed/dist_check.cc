@@ -452,6 +452,24 @@ void check_pipeline(const nn::ModelConfig& cfg, int tp, int pp, const std::strin
     check(std::abs(eval - ref_eval) < 2e-5, what + ": evaluation matches: " + std::to_string(eval) + " vs " +
                                                 std::to_string(ref_eval));
   }
+  // Generation through the stages (loom-train's samples under --pp): with the KV caches, and past the context
+  // (a sliding window without them), the same tokens as one process.
+  for (int64_t new_tokens : {int64_t(6), cfg.max_seq_len}) {
+    nn::GenerateOptions g;
+    g.max_new_tokens = new_tokens;
+    g.temperature = 0.8;
+    g.top_k = 5;
+    g.seed = 11;
+    const std::vector<int32_t> prompt{3, 1, 4, 1, 5};
+    model->eval();
+    std::vector<int32_t> got = nn::generate(
+        [&](const Tensor& idx, std::vector<nn::KVCache>* caches) { return pipe.logits(idx, caches); }, cfg, dev,
+        prompt, g);
+    model->train(true);
+    std::vector<int32_t> want = nn::generate(*ref, prompt, g);
+    check(got == want, what + ": generation through the stages gives one process's " + std::to_string(want.size()) +
+                           " tokens");
+  }
   if (world->rank() == 0)
     std::printf("  %s: max loss diff %.3g, grad-norm rel diff %.3g, parameter diff %.3g\n", what.c_str(), worst_loss,
                 worst_norm, worst);

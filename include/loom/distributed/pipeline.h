@@ -43,6 +43,10 @@ class PipelineParallel {
   double train_step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
   // The mean loss without gradients. Collective.
   double evaluate(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
+  // Generation through the stages (nn::generate's LogitsFn): token ids [1, T], the same on every rank of the
+  // pipeline, with KV caches (one per layer; each stage fills its own blocks') -> the logits of the last position,
+  // [1, 1, padded_vocab] in f32, on every rank (broadcast from the last stage). Collective; no gradients.
+  Tensor logits(const Tensor& idx, std::vector<nn::KVCache>* caches);
 
   // This rank's parameters, by the model's names.
   std::vector<std::pair<std::string, Tensor>> local_named_parameters() const;

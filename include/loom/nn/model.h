@@ -108,6 +108,9 @@ class LanguageModel : public Module {
   virtual Tensor final_norm(const Tensor& x, const Tensor& pending) = 0;
   // The mean loss of the classifier over final_norm's output against targets [B, T] (forward_loss's last piece).
   Tensor head_loss(const Tensor& hidden, const Tensor& targets);
+  // The classifier over final_norm's output: logits [B, T, padded_vocab] (forward's last piece; gathered over the
+  // vocabulary under tensor parallelism).
+  Tensor head_logits(const Tensor& hidden);
   // The classifier's weight [padded_vocab, C] (this rank's rows under tensor parallelism): the token embedding's
   // when tied.
   virtual const Tensor& classifier_weight() const = 0;
@@ -152,6 +155,11 @@ struct GenerateOptions {
 // Continues `prompt` (token ids) by up to max_new_tokens tokens, returned without the prompt. Runs without autograd
 // and in eval mode (restoring the mode after). Past the context it slides a window without the cache.
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts);
+// The same over a forward that is not one model's (a pipeline's stages): token ids [1, T] on `device`, with caches
+// -> logits [1, T', padded_vocab], of which the last position is sampled. The caller sets eval mode and no-grad.
+using LogitsFn = std::function<Tensor(const Tensor& idx, std::vector<KVCache>* caches)>;
+std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, Device device,
+                              const std::vector<int32_t>& prompt, const GenerateOptions& opts);
 
 // One token from `logits` (the real vocabulary) as generate chooses it: greedy at temperature <= 0, else softmax
 // at the temperature over the top_k, cut to top_p (Hugging Face's order: temperature, top-k, top-p), sampled with
