@@ -5,9 +5,11 @@
 #             default "memcheck racecheck"), the tests (FILTER, default every test whose suite names Cuda or Cudnn)
 #             split round-robin into one shard per GPU, each shard one sanitized process on its own GPU within
 #             SHARD_TIMEOUT s (400). A shard that runs out of time reports how far it got.
-# Builds first (tools/device/build.sh, vendor bridges left out; BUILD=0 skips it on a warm machine). Logs go to $OUT.
+# Builds first (tools/device/build.sh, vendor bridges left out; BUILD=0 skips it on a warm machine). Logs go to
+# /tmp/sanitize and come back as $OUT/sanitize_logs.tar.gz (a device call returns only a few files).
 set -u
-O=${OUT:-/tmp/out}; mkdir -p "$O"
+O=/tmp/sanitize; mkdir -p "$O"
+trap 'tar -czf "${OUT:-/tmp/out}/sanitize_logs.tar.gz" -C /tmp sanitize 2>/dev/null' EXIT
 export LOOM_CMAKE_ARGS="-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF"
 if [ "${BUILD:-1}" = 1 ]; then . tools/device/build.sh || exit 1; else
   D=$PWD/.devdeps; export LD_LIBRARY_PATH=$D/usr/lib/openblas:$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null):${LD_LIBRARY_PATH:-}

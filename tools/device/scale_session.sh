@@ -4,13 +4,15 @@
 #           PyTorch DDP with torch.compile (tools/bench/pytorch_gpt2.py under torchrun) on 1, 2, .. $NGPU GPUs, and a
 #           control: $NGPU independent one-GPU Loom runs at once (what the node gives without communication).
 #           LOOM_VARIANTS: more Loom runs on all GPUs, "name|ENV=v ...|flags" separated by ';'.
-#   wide    GPT-2 350M and LLaMA-3 1B over 4 GPUs: PP=4 (1F1B, interleaved with 2 virtual stages) and TP=4 against
-#           one GPU at the same global batch and micro-batches. Parity in f32 (no TF32), losses and gradient norms
-#           side by side; then bf16 tokens/s per GPU at a training batch.
-# Both build first (tools/device/build.sh, vendor bridges left out; a warm machine keeps build-dev). Logs go to $OUT;
-# the tables come last. STEPS (30), B (32), NGPU (all visible).
+#   parity  GPT-2 350M and LLaMA-3 1B over 4 GPUs: PP=4 (1F1B, interleaved with 2 virtual stages) and TP=4 against
+#           one GPU at the same global batch and micro-batches, in f32 (no TF32): losses and gradient norms side by side.
+#   speed   the same models and layouts (and TP=4 with SP) in bf16 at 16 micro-batches per step: tokens/s per GPU.
+# STAGE may name several ("parity speed"; "wide" is both). Each builds first (tools/device/build.sh, vendor bridges
+# left out; a warm machine keeps build-dev). Logs go to /tmp/scale and come back as $OUT/scale_logs.tar.gz (the
+# device call returns only a few files); the tables are printed last. STEPS (30), B (32), NGPU (all visible).
 set -u
-O=${OUT:-/tmp/out}; mkdir -p "$O"
+O=/tmp/scale; mkdir -p "$O"
+trap 'tar -czf "${OUT:-/tmp/out}/scale_logs.tar.gz" -C /tmp scale 2>/dev/null' EXIT
 nvidia-smi -L
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 export LOOM_CMAKE_ARGS="-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF"
@@ -32,7 +34,9 @@ launch() {  # n: loom-train on one GPU, or loom-run over n
   if [ "$1" = 1 ]; then echo build-dev/loom-train; else echo "build-dev/loom-run --nproc-per-node $1 build-dev/loom-train"; fi
 }
 
-case "${STAGE:-ddp}" in
+stages=${STAGE:-ddp}; stages=${stages/wide/parity speed}
+for stage in $stages; do
+case "$stage" in
 ddp)
   SHARD=/tmp/gpt2_scaling.bin
   python3 tools/bench/make_shard.py $SHARD --tokens $(( (STEPS + 2) * B * T * NGPU + 1 )) > /dev/null
@@ -85,9 +89,9 @@ for r in rows:
     if n > 1 and tps != "nan" and fw in base: print(f"scaling {name} on {n} GPUs: {float(tps) / base[fw]:.3f}x")
 PY
   ;;
-wide)
-  python3 tools/bench/make_shard.py /tmp/gpt2_wide.bin --tokens 3000000 > /dev/null
-  python3 tools/bench/make_shard.py /tmp/llama_wide.bin --tokens 3000000 --vocab 128256 > /dev/null
+parity)
+  [ -f /tmp/gpt2_wide.bin ] || python3 tools/bench/make_shard.py /tmp/gpt2_wide.bin --tokens 3000000 > /dev/null
+  [ -f /tmp/llama_wide.bin ] || python3 tools/bench/make_shard.py /tmp/llama_wide.bin --tokens 3000000 --vocab 128256 > /dev/null
   # Parity: f32, 8 sequences per step in micro-batches of 2 everywhere (PP: 4 micro-batches in flight).
   parity() {  # model shard T name n flags
     local model=$1 shard=$2 t=$3 name=$4 n=$5; shift 5
@@ -123,6 +127,10 @@ for model in ("gpt2-350m", "llama3-1b"):
                 worst[n] = max(worst.get(n, 0), d)
     print("  largest relative difference from one GPU: " + ", ".join(f"{n} {d:.2e}" for n, d in worst.items()))
 PY
+  ;;
+speed)
+  [ -f /tmp/gpt2_wide.bin ] || python3 tools/bench/make_shard.py /tmp/gpt2_wide.bin --tokens 3000000 > /dev/null
+  [ -f /tmp/llama_wide.bin ] || python3 tools/bench/make_shard.py /tmp/llama_wide.bin --tokens 3000000 --vocab 128256 > /dev/null
   # Throughput, bf16: one GPU against 4, the same global batch (16 micro-batches).
   table=$O/wide_table.txt; : > $table
   speed() {  # model shard T B name n flags
@@ -144,4 +152,6 @@ PY
   done
   echo "bf16 throughput (model, run, GPUs, tokens/s, per GPU, last step's memory on rank 0):"; cat $table
   ;;
+*) echo "unknown STAGE '$stage' (ddp, parity, speed, wide)"; exit 2 ;;
 esac
+done
