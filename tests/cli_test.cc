@@ -570,8 +570,10 @@ TEST(LoomTrainStart, EpsAndTf32) {
   const std::string common = "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 3 --warmup 0 --decay constant " +
                              "--weight-decay 0 --sample-tokens 0 --eval-interval 0 --seed 3 ";
   AppRun still = run_loom_train(common + "--lr 0");
-  AppRun normal = run_loom_train(common + "--lr 3e-3 --tf32 on");
-  AppRun damped = run_loom_train(common + "--lr 3e-3 --eps 1e6 --tf32 off");
+  // lr 3e-2: Adam's first steps move every weight by about lr, so the default eps's run leaves the still run's losses
+  // clearly (at 3e-3 it moved step 3's loss by 0.0099 on one of CI's fresh shards, under the 1e-2 asked below).
+  AppRun normal = run_loom_train(common + "--lr 3e-2 --tf32 on");
+  AppRun damped = run_loom_train(common + "--lr 3e-2 --eps 1e6 --tf32 off");
   ASSERT_EQ(still.status, 0) << still.output;
   ASSERT_EQ(normal.status, 0) << normal.output;
   ASSERT_EQ(damped.status, 0) << damped.output;
@@ -580,7 +582,10 @@ TEST(LoomTrainStart, EpsAndTf32) {
     return std::stod(line.substr(line.find("loss") + 5));
   };
   EXPECT_LE(std::abs(loss_at(damped.output, 3) - loss_at(still.output, 3)), 1e-4) << damped.output << still.output;
-  EXPECT_GT(std::abs(loss_at(normal.output, 3) - loss_at(still.output, 3)), 1e-2) << normal.output << still.output;
+  EXPECT_GT(std::max(std::abs(loss_at(normal.output, 2) - loss_at(still.output, 2)),
+                     std::abs(loss_at(normal.output, 3) - loss_at(still.output, 3))),
+            1e-2)
+      << normal.output << still.output;
 }
 
 // --explain-kernels lists only the dtypes the run called: an f32 CPU run lists no bf16 or f16 kernel and
