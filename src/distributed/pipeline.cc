@@ -79,6 +79,10 @@ struct PipelineParallel::Impl {
   Tensor tied_weight;
   Device device;
   std::vector<std::shared_ptr<Work>> sends;  // finished at the end of a step
+  void finish_sends() {
+    for (auto& w : sends) w->wait();
+    sends.clear();
+  }
 
   // Per (micro-batch, chunk) in flight.
   struct Flight {
@@ -195,8 +199,7 @@ struct PipelineParallel::Impl {
         send_pair(s == P - 1 ? *act_wrap : *act[s % 2], act_dst(), x, p);
       }
     }
-    for (auto& w : sends) w->wait();
-    sends.clear();
+    finish_sends();
     group->broadcast(out, P - 1);
     return out;
   }
@@ -237,8 +240,7 @@ struct PipelineParallel::Impl {
         flights.erase({a.micro, a.chunk});
       }
     }
-    for (auto& w : sends) w->wait();
-    sends.clear();
+    finish_sends();
     LOOM_CHECK(flights.empty(), "pipeline: ", flights.size(), " micro-batches left in flight");
     group->all_reduce(loss_sum, ReduceOp::kSum);  // the last stage's losses (the others hold 0), to every stage
     return loss_sum.item<double>() / double(M);
@@ -280,8 +282,7 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
   // Which parameters the embedding reads: a one-token probe (cheap, and true for every family).
   std::set<const TensorImpl*> embedding;
   {
-    const bool was_training = model.is_training();
-    model.eval();
+    nn::Module::EvalScope eval(model);
     Tensor probe = model.embed(zeros({1, 1}, kI64, m.device), nullptr);
     autograd::backward({sum(probe)});
     for (auto& [name, p] : named)
@@ -289,7 +290,6 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
         embedding.insert(&p.impl());
         p.set_grad(Tensor());
       }
-    model.train(was_training);
   }
   std::map<const TensorImpl*, int> block_of;
   auto blocks = model.blocks();

@@ -39,14 +39,7 @@ int32_t sample_token(const std::vector<double>& l, const GenerateOptions& opts, 
 }
 
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
-  autograd::NoGradGuard ng;
-  bool was_training = model.is_training();
-  model.eval();
-  struct Restore {
-    LanguageModel& m;
-    bool training;
-    ~Restore() { m.train(training); }
-  } restore{model, was_training};
+  Module::EvalScope eval(model);
   return generate([&](const Tensor& idx, std::vector<KVCache>* caches) { return model.forward(idx, caches); },
                   model.config(), model.parameters().front().device(), prompt, opts);
 }

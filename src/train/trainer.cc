@@ -538,7 +538,7 @@ StepStats Trainer::train_step() {
 
 double Trainer::evaluate(int64_t batches) {
   autograd::NoGradGuard ng;
-  model_->eval();
+  nn::Module::EvalScope eval(*model_);
   data::DataLoader* loader = val_loader_ ? val_loader_.get() : train_loader_.get();
   data::LoaderPosition saved = loader->position();
   if (val_loader_) loader->reset();  // always the same validation batches, so evaluations compare
@@ -551,7 +551,6 @@ double Trainer::evaluate(int64_t batches) {
                        : model_->forward_loss(b.x.to(device_), b.y.to(device_)).item<double>();
   }
   loader->set_position(saved);
-  model_->train(true);
   return all_ranks_mean(total / double(n));
 }
 
@@ -579,10 +578,9 @@ std::string Trainer::sample(int64_t tokens) {
   amp::AutocastGuard autocast(autocast_dtype_);
   std::vector<int32_t> out;
   if (pipeline_) {  // through the stages (each holds its blocks' caches), the last stage's logits broadcast
-    model_->eval();
+    nn::Module::EvalScope eval(*model_);
     out = nn::generate([&](const Tensor& idx, std::vector<nn::KVCache>* caches) { return pipeline_->logits(idx, caches); },
                        model_->config(), device_, prompt, g);
-    model_->train(true);
   } else {
     out = nn::generate(*model_, prompt, g);
   }

@@ -461,11 +461,12 @@ void check_pipeline(const nn::ModelConfig& cfg, int tp, int pp, const std::strin
     g.top_k = 5;
     g.seed = 11;
     const std::vector<int32_t> prompt{3, 1, 4, 1, 5};
-    model->eval();
-    std::vector<int32_t> got = nn::generate(
-        [&](const Tensor& idx, std::vector<nn::KVCache>* caches) { return pipe.logits(idx, caches); }, cfg, dev,
-        prompt, g);
-    model->train(true);
+    std::vector<int32_t> got;
+    {
+      nn::Module::EvalScope eval(*model);
+      got = nn::generate([&](const Tensor& idx, std::vector<nn::KVCache>* caches) { return pipe.logits(idx, caches); },
+                         cfg, dev, prompt, g);
+    }
     std::vector<int32_t> want = nn::generate(*ref, prompt, g);
     check(got == want, what + ": generation through the stages gives one process's " + std::to_string(want.size()) +
                            " tokens");

@@ -156,7 +156,8 @@ struct GenerateOptions {
 // and in eval mode (restoring the mode after). Past the context it slides a window without the cache.
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts);
 // The same over a forward that is not one model's (a pipeline's stages): token ids [1, T] on `device`, with caches
-// -> logits [1, T', padded_vocab], of which the last position is sampled. The caller sets eval mode and no-grad.
+// -> logits [1, T', padded_vocab], of which the last position is sampled. Runs without autograd; the caller sets
+// eval mode (Module::EvalScope).
 using LogitsFn = std::function<Tensor(const Tensor& idx, std::vector<KVCache>* caches)>;
 std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, Device device,
                               const std::vector<int32_t>& prompt, const GenerateOptions& opts);

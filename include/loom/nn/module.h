@@ -37,6 +37,18 @@ class Module {
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
+  // Eval mode for a scope (generation, evaluation), the previous mode restored after.
+  class EvalScope {
+   public:
+    explicit EvalScope(Module& m) : m_(m), was_training_(m.is_training()) { m_.eval(); }
+    ~EvalScope() { m_.train(was_training_); }
+    EvalScope(const EvalScope&) = delete;
+    EvalScope& operator=(const EvalScope&) = delete;
+
+   private:
+    Module& m_;
+    bool was_training_;
+  };
 
   // Moves every parameter and buffer in place (handles held elsewhere see the move). to(dtype) converts floating
   // parameters only.
