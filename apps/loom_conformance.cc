@@ -8,8 +8,10 @@
 //   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
 //   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
 //
-// Every op and dtype the provider registers on the device is checked against Loom's native CPU kernel in float64
-// (docs/PROVIDERS.md says how the cases are made); plus the stored PyTorch cases (conformance/reference/, found
+// Every op and dtype the provider registers on the device is checked against the naive float64 oracle (each op
+// written again from its definition, src/providers/naive_reference.h), or Loom's native CPU kernel in float64 where
+// the oracle has no value (--reference native: the native kernel always; docs/PROVIDERS.md says how the cases are
+// made); plus the stored PyTorch cases (conformance/reference/, found
 // from the working directory, at <prefix>/share/loom/conformance for an installed executable, or above the
 // executable in a build tree), checked against PyTorch's float64 results (rows "op [pytorch]"). Prints one row per
 // (op, dtype), each failing case with the command that reruns it, and exits 1 on any failure.
@@ -106,7 +108,7 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
+  CLI::App app{"Check a kernel provider against float64 references, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
   std::string reference_file, describe_op;
   std::vector<std::string> libraries, diopi_libraries;
@@ -129,8 +131,11 @@ int main(int argc, char** argv) {
   app.add_option("--case", case_index, "run only this case of --op and --dtype (what a failure's rerun line gives)");
   app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
   app.add_option("--reference", reference,
-                 "auto: the stored PyTorch cases too when their file exists (default); pytorch: only them; none")
-      ->check(CLI::IsMember({"auto", "pytorch", "none"}));
+                 "auto: the generated cases judged by the naive oracle (Loom's native CPU kernels in float64 where it "
+                 "has no value), and the stored PyTorch cases when their file exists (default); naive: only the "
+                 "generated cases, so judged; native: only the generated cases, judged by the native kernels; "
+                 "pytorch: only the stored cases; none: as naive")
+      ->check(CLI::IsMember({"auto", "naive", "native", "pytorch", "none"}));
   app.add_option("--reference-file", reference_file,
                  "the stored PyTorch cases (default: conformance/reference/pytorch_refs.json, found as above)");
   app.add_option("--cases", cases_path, "the conformance/ directory holding reference/ (default: found as above)");
@@ -195,6 +200,7 @@ int main(int argc, char** argv) {
     o.provider = provider, o.device = loom::Device::parse(device_name), o.fuzz = fuzz, o.seed = seed;
     o.only_case = case_index;
     o.generated = !no_generated;
+    o.reference = reference == "native" ? "native" : "naive";
     if (!op_filter.empty()) o.ops = {op_filter};
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
     std::string rerun = "loom-conformance --provider " + provider + " --device " + o.device.str();
@@ -202,6 +208,7 @@ int main(int argc, char** argv) {
     for (const auto& lib : diopi_libraries) rerun += " --load-diopi " + lib;
     if (fuzz) rerun += " --fuzz " + std::to_string(fuzz);
     if (seed != 1) rerun += " --seed " + std::to_string(seed);
+    if (reference == "native") rerun += " --reference native";
 
     // Progress on stderr, one line per op and dtype (the whole suite takes a minute or more).
     o.progress = [](const std::string& op, loom::DType dt, int cases, int failed, int declined, double seconds) {
@@ -215,9 +222,12 @@ int main(int argc, char** argv) {
       results = loom::conformance::run_suite(o);
       std::cout << "provider " << provider << " on " << o.device.str() << ": " << results.size()
                 << " cases made from the op descriptions (seed " << seed << ", fuzz " << fuzz
-                << "), against Loom's native CPU kernels in float64\n";
+                << "), against "
+                << (o.reference == "native" ? "Loom's native CPU kernels in float64"
+                                            : "the naive float64 oracle (the native CPU kernels where it has none)")
+                << "\n";
     }
-    if (reference != "none" && case_index < 0) {
+    if ((reference == "auto" || reference == "pytorch") && case_index < 0) {
       if (reference_file.empty()) {
         const std::string dir = cases_path.empty() ? find_cases_dir() : cases_path;
         reference_file = (fs::path(dir) / "reference" / "pytorch_refs.json").string();

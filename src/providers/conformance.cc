@@ -23,6 +23,7 @@
 #include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
 #include "io/json_numbers.h"
+#include "providers/naive_reference.h"
 
 namespace loom::conformance {
 namespace {
@@ -397,6 +398,29 @@ std::vector<std::vector<double>> reference(const OpSchema& s, const SuiteCase& c
   return outs;
 }
 
+// The naive oracle's values for a case (naive_reference.h): the case's host values, row-major, per slot; nullopt
+// when it has none for the op or this case.
+std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& s, const SuiteCase& c, const Built& b) {
+  naive::Case nc;
+  auto operand = [&](const CaseTensor& t, size_t i) {
+    naive::Operand o;
+    o.name = s.tensors[i].name, o.present = t.present, o.dtype = t.dtype, o.shape = t.shape, o.values = t.values;
+    o.written = t.present && !is_input(c.roles[i]);
+    return o;
+  };
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    nc.tensors.push_back(operand(b.tensors[i], i));
+    if (s.tensors[i].list)
+      for (const auto& t : b.lists[i]) nc.list.push_back(operand(t, i));
+  }
+  nc.attrs = c.attrs;
+  if (!naive::evaluate(s.name, nc)) return std::nullopt;
+  std::vector<std::vector<double>> outs(s.tensors.size());
+  for (size_t i = 0; i < s.tensors.size(); ++i)
+    if (nc.tensors[i].written) outs[i] = std::move(nc.tensors[i].values);
+  return outs;
+}
+
 // (rtol, atol) for a dtype; atol is in units of the output's root mean square, so that outputs of any scale (a
 // softmax over 8193 columns, a gemm over 257 terms) are judged alike. Sums in f32 and f64 grow their rounding with
 // the square root of their length (`sum_scale`); a 16-bit output is dominated by its final rounding.
@@ -468,7 +492,12 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
     for (const CaseTensor* t : ts)
       if (read_back(*t, o.device) != t->before) return fail("input '" + s.tensors[i].name + "' was modified");
   }
-  auto ref = stored ? stored->outputs : reference(s, c, b);
+  // The reference: the stored results, else the naive oracle where it has one (unless the native kernels are
+  // asked for), else Loom's native CPU kernels in float64.
+  std::optional<std::vector<std::vector<double>>> naive;
+  if (!stored && o.reference != "native") naive = naive_reference(s, c, b);
+  r.reference = stored ? "stored" : naive ? "naive" : "native";
+  auto ref = stored ? stored->outputs : naive ? std::move(*naive) : reference(s, c, b);
   const bool acc = !s.accumulate_dim.empty();
   double scale = acc ? std::sqrt(std::max(1.0, double(c.dim(s.accumulate_dim)) / 64.0)) : 1.0;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
@@ -800,6 +829,7 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
     auto fail = [&](const std::string& why) {
       CaseResult& r = results.emplace_back();
       r.op = sc.op + " [" + sc.source + "]", r.dtype = sc.dtype, r.index = k, r.status = CaseStatus::kFail;
+      r.reference = sc.source;
       r.worst_error = INFINITY;
       r.detail = sc.name + ": " + why;
     };
@@ -937,6 +967,7 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
       CaseResult r = run_case(*s, p.c, o, k, false, sc.strided ? LayoutVariant::kStrided : LayoutVariant::kPlain,
                               uint64_t(k), &stored);
       r.op = sc.op + " [" + sc.source + "]";
+      r.reference = sc.source;
       r.description = sc.name + ": " + r.description;
       results.push_back(r);
     } catch (const std::exception& e) {
@@ -955,17 +986,19 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     int pass = 0, fail = 0, declined = 0;
     double worst = 0;
     std::vector<const CaseResult*> failures;
+    std::set<std::string> references;
   };
   std::map<std::pair<std::string, std::string>, Row> rows;
   for (const CaseResult& r : results) {
     Row& row = rows[{r.op, dtype_name(r.dtype)}];
+    if (!r.reference.empty()) row.references.insert(r.reference);
     if (r.status == CaseStatus::kPass) ++row.pass, row.worst = std::max(row.worst, r.worst_error);
     else if (r.status == CaseStatus::kDeclined) ++row.declined;
     else ++row.fail, row.failures.push_back(&r);
   }
   std::ostringstream os;
   os << std::left << std::setw(46) << "op" << std::setw(7) << "dtype" << std::setw(26) << "result"
-     << "worst error (x tolerance)\n";
+     << std::setw(27) << "worst error (x tolerance)" << "judged by\n";
   for (const auto& [key, row] : rows) {
     const int total = row.pass + row.fail + row.declined;
     std::string status;
@@ -974,8 +1007,11 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     else status = "declined";
     if (row.declined && (row.fail || row.pass)) status += " (" + std::to_string(row.declined) + " declined)";
     os << std::setw(46) << key.first << std::setw(7) << key.second << std::setw(26) << status;
-    if (row.pass && !row.fail) os << std::setprecision(3) << row.worst;
-    os << "\n";
+    std::ostringstream worst;
+    if (row.pass && !row.fail) worst << std::setprecision(3) << row.worst;
+    std::string judges;
+    for (const auto& j : row.references) judges += (judges.empty() ? "" : "+") + j;
+    os << std::setw(27) << worst.str() << judges << "\n";
   }
   int shown = 0;
   for (const auto& [key, row] : rows)
@@ -986,7 +1022,8 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
       }
       const auto stored = r->op.find(" [");  // a stored case: "gemm [pytorch]"
       os << "FAIL " << r->op << " " << dtype_name(r->dtype) << " case " << r->index << (r->fuzz ? " (fuzz)" : "")
-         << ": " << r->detail << "\n    " << r->description << "\n    rerun: " << rerun << " --op "
+         << (r->reference.empty() ? "" : " [judged by " + r->reference + "]") << ": " << r->detail << "\n    "
+         << r->description << "\n    rerun: " << rerun << " --op "
          << r->op.substr(0, stored) << " --dtype " << dtype_name(r->dtype)
          << (stored == std::string::npos ? " --case " + std::to_string(r->index) : std::string(" --reference pytorch --no-generated"))
          << "\n";
@@ -1005,7 +1042,7 @@ std::string suite_json(const std::vector<CaseResult>& results, const SuiteOption
   for (const CaseResult& r : results) {
     const char* st = r.status == CaseStatus::kPass ? "pass" : r.status == CaseStatus::kFail ? "FAIL" : "declined";
     list.push_back({{"op", r.op}, {"dtype", dtype_name(r.dtype)}, {"case", r.index}, {"fuzz", r.fuzz},
-                    {"status", st}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
+                    {"status", st}, {"reference", r.reference}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
                     {"description", r.description}, {"detail", r.detail}});
   }
   j["results"] = list;

@@ -7,9 +7,10 @@
 //
 // A case is built on the host and moved with raw copies (no kernel of the provider under test runs for setup), its
 // outputs poisoned (NaN, or a sentinel for integers) and fenced (guard elements before, between and after the
-// elements), the call routed to the provider alone, and the result compared with Loom's native CPU kernel in float64
-// (run with the provider denied). Inputs must come back unchanged byte for byte, guards untouched, every output
-// element written. A row passes only when every case passed.
+// elements), the call routed to the provider alone, and the result compared with the naive oracle's float64 values
+// (naive_reference.h: each op written again from its definition, sharing no code with the kernels), or, for an op it
+// does not cover, with Loom's native CPU kernel in float64 (run with the provider denied). Inputs must come back
+// unchanged byte for byte, guards untouched, every output element written. A row passes only when every case passed.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,9 @@ struct SuiteOptions {
   uint64_t seed = 1;
   int only_case = -1;            // run only this case index (the repro command's --case)
   bool generated = true;         // false: only the fuzz cases
+  // What judges a generated case: "naive" (the naive oracle, naive_reference.h; Loom's native CPU kernels in float64
+  // for an op or case it has no value for) or "native" (the native kernels alone).
+  std::string reference = "naive";
   // Called after each (op, dtype) with its results so far (loom-conformance prints a progress line).
   std::function<void(const std::string& op, DType dtype, int cases, int failed, int declined, double seconds)> progress;
 };
@@ -47,6 +51,7 @@ struct CaseResult {
   bool fuzz = false;
   CaseStatus status = CaseStatus::kPass;
   double worst_error = 0;  // max |got - ref| / (atol + rtol |ref|)
+  std::string reference;    // what judged it: "naive", "native" or a stored set's source ("pytorch"); "" if none ran
   std::string description;  // every tensor's shape, strides, offset and dtype, and the attributes
   std::string detail;       // what failed, the worst element
 };
