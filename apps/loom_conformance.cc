@@ -137,7 +137,8 @@ int main(int argc, char** argv) {
                  "pytorch: only the stored cases; none: as naive")
       ->check(CLI::IsMember({"auto", "naive", "native", "pytorch", "none"}));
   app.add_option("--reference-file", reference_file,
-                 "the stored PyTorch cases (default: conformance/reference/pytorch_refs.json, found as above)");
+                 "a stored set of cases (default: conformance/reference/pytorch_refs.json and pytorch_sweep.json, "
+                 "found as above)");
   app.add_option("--cases", cases_path, "the conformance/ directory holding reference/ (default: found as above)");
   app.add_flag("--list-ops", list, "list the declared ops and exit");
   auto* describe_flag = app.add_option("--describe", describe_op, "print the description of OP (or of every op)")
@@ -228,19 +229,25 @@ int main(int argc, char** argv) {
                 << "\n";
     }
     if ((reference == "auto" || reference == "pytorch") && case_index < 0) {
+      // The stored sets: --reference-file, or pytorch_refs.json (tools/reference/make_conformance_refs.py) and,
+      // where it has been made, pytorch_sweep.json (tools/reference/make_conformance_sweep.py).
+      std::vector<std::string> files{reference_file};
       if (reference_file.empty()) {
-        const std::string dir = cases_path.empty() ? find_cases_dir() : cases_path;
-        reference_file = (fs::path(dir) / "reference" / "pytorch_refs.json").string();
+        const fs::path dir = fs::path(cases_path.empty() ? find_cases_dir() : cases_path) / "reference";
+        files = {(dir / "pytorch_refs.json").string()};
+        if (fs::exists(dir / "pytorch_sweep.json")) files.push_back((dir / "pytorch_sweep.json").string());
       }
-      if (fs::exists(reference_file) || reference == "pytorch") {
-        auto stored = loom::conformance::load_stored_cases(reference_file);
+      for (const auto& file : files) {
+        if (!fs::exists(file) && reference != "pytorch") {
+          std::cout << "(no stored PyTorch cases: " << file
+                    << " not found; tools/reference/make_conformance_refs.py writes it)\n";
+          continue;
+        }
+        auto stored = loom::conformance::load_stored_cases(file);
         auto checked = loom::conformance::run_stored(stored, o);
         std::cout << checked.size() << " stored cases against PyTorch's float64 results (torch "
-                  << (stored.empty() ? "?" : stored.front().torch_version) << ", " << reference_file << ")\n";
+                  << (stored.empty() ? "?" : stored.front().torch_version) << ", " << file << ")\n";
         results.insert(results.end(), checked.begin(), checked.end());
-      } else {
-        std::cout << "(no stored PyTorch cases: " << reference_file
-                  << " not found; tools/reference/make_conformance_refs.py writes it)\n";
       }
     }
     std::cout << loom::conformance::suite_table(results, rerun);

@@ -374,7 +374,7 @@ struct Rows {
   }
   template <typename F>
   void each(F f) const {  // f(positions of one row)
-    std::vector<size_t> pos(size_t(len));
+    std::vector<size_t> pos(static_cast<size_t>(len));
     for (int64_t a = 0; a < outer; ++a)
       for (int64_t i = 0; i < inner; ++i) {
         for (int64_t k = 0; k < len; ++k) pos[size_t(k)] = size_t((a * len + k) * inner + i);
