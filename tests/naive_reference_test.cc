@@ -4,11 +4,17 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstring>
+#include <filesystem>
 #include <cmath>
 #include <functional>
 #include <random>
 
+#include "loom/common/half.h"
+#include "loom/core/dispatch.h"
 #include "loom/core/op_schema.h"
+#include "loom/core/tensor.h"
+#include "providers/conformance.h"
 #include "providers/naive_reference.h"
 
 namespace loom {
@@ -444,6 +450,112 @@ TEST(NaiveReference, BackwardsAreTheForwardsDerivatives) {
                    },
                    "grad_logits");
   }
+}
+
+// ---- The oracle as a provider: its values written into the call's tensors, so that the stored PyTorch cases (their
+// layouts, strides and dtypes) check the oracle against PyTorch's float64 results through the suite's own runner.
+double read_element(const Tensor& t, int64_t p) {
+  const char* base = static_cast<const char*>(t.data()) + p * int64_t(dtype_size(t.dtype()));
+  switch (t.dtype()) {
+    case kF32: { float v; std::memcpy(&v, base, 4); return v; }
+    case kF64: { double v; std::memcpy(&v, base, 8); return v; }
+    case kBF16: { BFloat16 v; std::memcpy(&v.bits, base, 2); return float(v); }
+    case kF16: { Half v; std::memcpy(&v.bits, base, 2); return float(v); }
+    case kI32: { int32_t v; std::memcpy(&v, base, 4); return v; }
+    case kI64: { int64_t v; std::memcpy(&v, base, 8); return double(v); }
+    case kI8: { int8_t v; std::memcpy(&v, base, 1); return v; }
+    case kU8: case kBool: { uint8_t v; std::memcpy(&v, base, 1); return v; }
+  }
+  return 0;
+}
+void write_element(Tensor& t, int64_t p, double x) {
+  char* base = static_cast<char*>(t.data()) + p * int64_t(dtype_size(t.dtype()));
+  x = conformance::naive::convert(x, t.dtype());
+  switch (t.dtype()) {
+    case kF32: { float v = float(x); std::memcpy(base, &v, 4); break; }
+    case kF64: std::memcpy(base, &x, 8); break;
+    case kBF16: { BFloat16 v = BFloat16(float(x)); std::memcpy(base, &v.bits, 2); break; }
+    case kF16: { Half v = Half(float(x)); std::memcpy(base, &v.bits, 2); break; }
+    case kI32: { int32_t v = int32_t(x); std::memcpy(base, &v, 4); break; }
+    case kI64: { int64_t v = int64_t(x); std::memcpy(base, &v, 8); break; }
+    case kI8: { int8_t v = int8_t(x); std::memcpy(base, &v, 1); break; }
+    case kU8: case kBool: { uint8_t v = uint8_t(x); std::memcpy(base, &v, 1); break; }
+  }
+}
+// Element offsets of a view, row-major over its shape.
+std::vector<int64_t> offsets(const Tensor& t) {
+  std::vector<int64_t> out;
+  std::vector<int64_t> idx(size_t(t.dim()), 0);
+  for (int64_t e = 0; e < t.numel(); ++e) {
+    int64_t p = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) p += idx[size_t(d)] * t.stride(d);
+    out.push_back(p);
+    for (int64_t d = t.dim() - 1; d >= 0; --d) {
+      if (++idx[size_t(d)] < t.size(d)) break;
+      idx[size_t(d)] = 0;
+    }
+  }
+  return out;
+}
+conformance::naive::Operand operand_of(const Tensor& t, const TensorSpec& spec, bool read) {
+  Operand o;
+  o.name = spec.name, o.present = t.defined(), o.written = t.defined() && !is_input(spec.role);
+  if (!t.defined()) return o;
+  o.dtype = t.dtype(), o.shape = t.shape();
+  if (read)
+    for (int64_t p : offsets(t)) o.values.push_back(read_element(t, p));
+  return o;
+}
+void register_oracle(const std::string& provider) {
+  for (const std::string& op : conformance::naive::covered_ops()) {
+    const OpSchema* s = find_op_schema(op);
+    if (!s) continue;
+    s->register_erased(
+        kCPU, provider, dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), 0,
+        [s](const DeviceContext&, const CallArgs& args) {
+          Case c;
+          c.attrs = args.attrs;
+          const bool dgelu = s->name == "gemm" && args.attr("epilogue") && args.attr("epilogue")->as_int() == 5;
+          for (size_t i = 0; i < s->tensors.size(); ++i) {
+            const TensorSpec& spec = s->tensors[i];
+            if (spec.list) {
+              c.tensors.push_back(operand_of(Tensor(), spec, false));
+              c.tensors.back().present = true;
+              for (const Tensor& t : args.slots[i].list) c.list.push_back(operand_of(t, spec, true));
+              continue;
+            }
+            const bool read = is_input(spec.role) || spec.role == ArgRole::kInPlace || (dgelu && spec.name == "pre_gelu");
+            c.tensors.push_back(operand_of(args.slots[i].tensor, spec, read));
+          }
+          LOOM_REQUIRE(conformance::naive::evaluate(s->name, c), "the naive oracle has no value: ", c.no_value);
+          for (size_t i = 0; i < s->tensors.size(); ++i) {
+            if (!c.tensors[i].written || s->tensors[i].list) continue;
+            Tensor t = args.slots[i].tensor;
+            auto pos = offsets(t);
+            for (size_t e = 0; e < pos.size(); ++e) write_element(t, pos[e], c.tensors[i].values[e]);
+          }
+        },
+        nullptr, "naive oracle (test)");
+  }
+}
+
+TEST(NaiveReference, AgreesWithThePyTorchReferences) {
+  register_oracle("naive_oracle");
+  struct Unregister {
+    ~Unregister() { dispatch::unregister_provider("naive_oracle"); }
+  } unregister;
+  const std::string dir = std::string(LOOM_SOURCE_DIR) + "/conformance/reference";
+  conformance::SuiteOptions o;
+  o.provider = "naive_oracle";
+  size_t checked = 0;
+  for (const char* file : {"pytorch_refs.json", "pytorch_sweep.json", "writer_check.json"}) {
+    const std::string path = dir + "/" + file;
+    if (!std::filesystem::exists(path)) continue;
+    auto results = conformance::run_stored(conformance::load_stored_cases(path), o);
+    checked += results.size();
+    EXPECT_FALSE(conformance::suite_failed(results)) << file << "\n" << conformance::suite_table(results, "");
+  }
+  EXPECT_GE(checked, 26u);
 }
 
 }  // namespace
