@@ -229,7 +229,10 @@ class Draw:
             x = x * 300.0 if dtype in ("f16",) else x * 3000.0
         if cls == "special" and special is not False and x.numel():
             huge = 6e4 if dtype == "f16" else 1e30
-            pool = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, huge, -huge, 1e-30], dtype=torch.float64)
+            values = [math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-30]
+            if self.plan["op"] not in ("sum", "mean"):  # huge terms that cancel leave a sum only its rounding
+                values += [huge, -huge]
+            pool = torch.tensor(values, dtype=torch.float64)
             mask = torch.rand(tuple(shape), generator=self.g, dtype=torch.float64) < 0.25
             picks = pool[torch.randint(0, len(pool), tuple(shape), generator=self.g)]
             x = torch.where(mask, picks, x)
