@@ -120,11 +120,15 @@ TEST(NaiveReference, Softmax) {
   d.tensors = {input("x", {1, 2, 2}, {0, 5, l3, 5}), output("out", {1, 2, 2})};
   d.attrs = {{"dim", i(1)}};
   expect_near(out(run("softmax", d), "out"), {0.25, 0.5, 0.75, 0.5}, 1e-15);
-  // A row with +inf: IEEE's NaN where inf - inf meets.
+  // A row holding +inf, and a fully masked row (all -inf), are NaN throughout; a -inf element elsewhere gives 0.
   Case n;
-  n.tensors = {input("x", {1, 1, 2}, {INFINITY, 0}), output("out", {1, 1, 2})};
+  n.tensors = {input("x", {1, 3, 2}, {INFINITY, 0, -INFINITY, -INFINITY, -INFINITY, 0}), output("out", {1, 3, 2})};
   n.attrs = {{"dim", i(2)}};
-  EXPECT_TRUE(std::isnan(out(run("softmax", n), "out")[0]));
+  Case nr = run("softmax", n);
+  for (int e = 0; e < 4; ++e) EXPECT_TRUE(std::isnan(out(nr, "out")[size_t(e)])) << e;
+  EXPECT_EQ(out(nr, "out")[4], 0.0);
+  EXPECT_EQ(out(nr, "out")[5], 1.0);
+  EXPECT_EQ(out(run("log_softmax", n), "out")[4], -INFINITY);
 }
 
 TEST(NaiveReference, GemmTransposesAlphaBetaAndEpilogues) {

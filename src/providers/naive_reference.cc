@@ -387,9 +387,9 @@ Fn softmax(bool log) {
     const Operand& x = c.in("x");
     auto& o = c.out("out")->values;
     Rows(x.shape, size_t(c.attr_int("dim", 0))).each([&](const std::vector<size_t>& row) {
+      // The definition, max subtraction included: a row holding NaN or +inf (inf - inf), or only -inf, is NaN.
       double mx = -INFINITY;
-      for (size_t p : row) mx = std::max(mx, x.values[p]);  // as the definition subtracts it
-      if (std::isinf(mx)) mx = 0;  // a row of -inf (or one +inf) keeps IEEE's result
+      for (size_t p : row) mx = std::max(mx, x.values[p]);
       double sum = 0;
       for (size_t p : row) sum += std::exp(x.values[p] - mx);
       for (size_t p : row) o[p] = log ? x.values[p] - mx - std::log(sum) : std::exp(x.values[p] - mx) / sum;
