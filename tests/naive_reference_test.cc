@@ -89,6 +89,8 @@ TEST(NaiveReference, Elementwise) {
   EXPECT_NEAR(backward("tanh_backward", 2.0, 0.5), 1.5, 1e-15);     // saved is tanh's output: 2 (1 - 0.25)
   EXPECT_NEAR(backward("sigmoid_backward", 2.0, 0.5), 0.5, 1e-15);  // 2 * 0.5 * 0.5
   EXPECT_EQ(backward("relu_backward", 2.0, -1.0), 0.0);
+  EXPECT_EQ(backward("gelu_backward", 2.0, 3e300), 2.0);  // saturated: the limit, not 0 * inf
+  EXPECT_EQ(backward("gelu_backward", 2.0, -INFINITY), 0.0);
   // Binary ops with NaN, and an integer result that wraps to its dtype.
   Case m;
   m.tensors = {input("a", {3}, {1, NAN, -2}), input("b", {3}, {2, 0, -3}), output("out", {3})};

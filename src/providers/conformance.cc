@@ -624,6 +624,7 @@ std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& 
     naive::Operand o;
     o.name = s.tensors[i].name, o.present = t.present, o.dtype = t.dtype, o.shape = t.shape, o.values = t.values;
     o.written = t.present && !is_input(c.roles[i]);
+    if (o.written && c.roles[i] != ArgRole::kInPlace) o.values.clear();  // an output (even on an input's buffer)
     return o;
   };
   for (size_t i = 0; i < s.tensors.size(); ++i) {

@@ -131,6 +131,9 @@ const double kGeluC = std::sqrt(2 / M_PI);  // tanh approximation: 0.5 x (1 + ta
 double gelu(double x) { return 0.5 * x * (1 + std::tanh(kGeluC * (x + 0.044715 * x * x * x))); }
 double gelu_grad(double x) {
   const double t = std::tanh(kGeluC * (x + 0.044715 * x * x * x));
+  // Where tanh rounds to +-1 (|x| > 7 or so, inf included) the sech^2 term is below 1e-14: the derivative is its
+  // limit, 1 or 0 (evaluated as written, x^2 overflows first and 0 * inf makes NaN).
+  if (t * t == 1) return 0.5 * (1 + t);
   return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * kGeluC * (1 + 3 * 0.044715 * x * x);
 }
 double nan_max(double a, double b) { return std::isnan(a) || std::isnan(b) ? kNaN : (a > b ? a : b); }
