@@ -194,7 +194,7 @@ json llama3_style_tokenizer_json() {
   data::Llama3Tokenizer tiktoken(kFixtureDir + f.at("vocab").get<std::string>(), {.num_base_tokens = 0});
   const int64_t n = tiktoken.num_base_tokens();
   std::map<std::string, int32_t> rank;
-  std::vector<std::string> bytes(size_t(n));
+  std::vector<std::string> bytes(static_cast<size_t>(n));
   for (int32_t r = 0; r < n; ++r) {
     bytes[size_t(r)] = tiktoken.decode(Ids{r});
     rank[bytes[size_t(r)]] = r;
