@@ -393,6 +393,34 @@ void expect_one_line_error(const std::string& exe, const std::string& args, cons
   EXPECT_NE(err.find("error"), std::string::npos) << err;
 }
 
+// --num-samples and --repetition-penalty give nn::generate_samples' tokens, one line of ids per sample under its
+// header; the new flags' bad values are one error line.
+TEST(LoomGenerate, SamplesAndPenaltyAsTheLibrary) {
+  TempDir dir;
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  io::save_hf_model_dir(dir.file("hf"), *model, {});
+  const std::vector<int32_t> prompt = {3, 1000, 42};
+  nn::GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.temperature = 0.8;
+  g.repetition_penalty = 1.3;
+  g.seed = test::fresh_seed() % 1000000;
+  AppRun r = run(LOOM_GENERATE_EXE, "-m " + dir.file("hf") + " --prompt-tokens " + join(prompt) +
+                                        " -n 6 --temperature 0.8 --repetition-penalty 1.3 --num-samples 2 --seed " +
+                                        std::to_string(g.seed));
+  ASSERT_EQ(r.status, 0) << r.all;
+  const auto want = nn::generate_samples(*model, prompt, g, 2);
+  const size_t second = r.out.find("--- sample 2 of 2 ---");
+  ASSERT_NE(second, std::string::npos) << r.out;
+  const std::string first_ids = r.out.substr(r.out.find('\n') + 1, second - r.out.find('\n') - 1);
+  EXPECT_EQ(ids_of(first_ids), want[0]) << r.out;
+  EXPECT_EQ(ids_of(r.out.substr(r.out.find('\n', second) + 1)), want[1]) << r.out;
+  const std::string m = "-m " + dir.file("hf") + " ";
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --repetition-penalty 0", "--repetition-penalty");
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --num-samples 0", "--num-samples");
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --stop x", "--stop");
+}
+
 TEST(LoomGenerate, BadInputsAreOneLine) {
   TempDir dir;
   auto model = nn::make_model(tiny_llama());
