@@ -144,8 +144,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
       ->check(CLI::IsMember({"gpt2", "llama3"}));
   app.add_option("--tokenizer-path", o.tokenizer_path,
-                 "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
-                 "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
+                 "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory with "
+                 "encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's "
+                 "tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "

@@ -292,14 +292,18 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                " is not a multiple of batch*seq_len*data-parallel ranks = ", micro_tokens * dp);
   grad_accum_ = total / (micro_tokens * dp);
 
-  model_ = nn::make_model(cfg);
-  model_->init_weights(opts_.seed);
   const std::string hf_weights =
       hf_init ? opts_.init_from
       : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
               !io::read_hf_model_dir(opts_.model).weight_files.empty()
           ? opts_.model
           : "";
+  if (!hf_weights.empty() || !opts_.init_from.empty() || !opts_.resume.empty()) {
+    nn::SkipInit loaded;  // every weight comes from the files below (or the checkpoint resumed from)
+    model_ = nn::make_model(cfg);
+  } else {
+    model_ = nn::make_model(cfg, opts_.seed);
+  }
   if (!hf_weights.empty()) {
     io::load_hf_weights(hf_weights, *model_);  // model.safetensors or the index's shards
   } else if (!opts_.init_from.empty()) {
