@@ -65,7 +65,7 @@ TEST(OpTrace, ATinyTrainingRunIsRecorded) {
   uint64_t calls = 0;
   bool repeated = false;
   for (const auto& c : trace.calls) ops.insert(c.op), calls += c.count, repeated |= c.count > 1;
-  for (const char* op : {"gemm", "embedding", "adamw"}) EXPECT_TRUE(ops.count(op)) << op;
+  for (const char* op : {"gemm", "embedding", "adamw_update"}) EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_TRUE(repeated) << "two steps make the same calls: identical calls are kept once with a count";
   EXPECT_GT(calls, trace.calls.size());
 }
@@ -174,7 +174,7 @@ TEST(CallCheck, ACallThatBreaksItsDescriptionThrowsNamingTheArgument) {
   Tensor w9 = test::random_tensor({9});
   EXPECT_EQ(check_error(ln(x, w9, out, mean)),
             "LOOM_CHECK_CALLS: op layer_norm, argument 'weight' has shape [9]; the description says [C]: C is 9 but "
-            "C = 8 (from 'x' [4, 8] dim 1)");
+            "C = 8 (from 'x' [4, 8])");
   Tensor xt = test::random_tensor({8, 4}).transpose(0, 1);
   EXPECT_NE(check_error(ln(xt, w, out, mean)).find("op layer_norm, argument 'x' [4, 8] strides [1, 4] is not contiguous"),
             std::string::npos);

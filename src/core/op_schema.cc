@@ -118,6 +118,10 @@ OpSchema& OpSchema::present_with(std::string other) {
   last().present_with = std::move(other);
   return *this;
 }
+OpSchema& OpSchema::leading_dims(std::string dim) {
+  leading_dim = std::move(dim);
+  return *this;
+}
 OpSchema& OpSchema::attr(const std::string& name, std::vector<AttrValue> variants) {
   AttrSpec a;
   a.name = name;

@@ -12,10 +12,10 @@ struct SoftmaxAttrs {
   LOOM_FIELDS(SoftmaxAttrs, dim);
 };
 inline OpSchema softmax_schema() {
-  return OpSchema().in("x", "A R C").out("out", "A R C").attr_dim("dim", "x").row_dim("C").accumulates("C");
+  return OpSchema().leading_dims("A").in("x", "A R C").out("out", "A R C").attr_dim("dim", "x").row_dim("C").accumulates("C");
 }
 inline OpSchema softmax_backward_schema() {
-  return OpSchema().in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
+  return OpSchema().leading_dims("A").in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
       .row_dim("C").accumulates("C");
 }
 

@@ -205,11 +205,9 @@ std::string call_violation(const OpSchema& s, DType T, const std::vector<SlotMet
   }
 
   // Named dims: one size per name across the call. Plain names bind first (tensors without a shape function, in
-  // order), then "D/2" forms check (or bind) theirs, then shape functions are evaluated on the binding.
-  std::map<std::string, std::pair<int64_t, std::string>> bound;  // name -> (size, where it was bound)
-  auto where = [&](size_t i, size_t d) {
-    return "'" + s.tensors[i].name + "' " + shape_str(slots[i].tensors[0].shape) + " dim " + std::to_string(d);
-  };
+  // order), then "D/2" forms check (or bind) theirs, then shape functions are evaluated on the binding. The op's
+  // leading dim (OpSchema::leading_dims) binds a group of dims: the other names align on the right.
+  std::map<std::string, std::pair<Shape, std::string>> bound;  // name -> (its dims, where it was bound)
   auto mismatch = [&](size_t i, const std::string& detail) {
     return op + ", argument '" + s.tensors[i].name + "' has shape " + shape_str(slots[i].tensors[0].shape) +
            "; the description says " + spec_shape_str(s.tensors[i]) + ": " + detail;
@@ -219,22 +217,34 @@ std::string call_violation(const OpSchema& s, DType T, const std::vector<SlotMet
       const TensorSpec& spec = s.tensors[i];
       if (!slots[i].present || spec.list || spec.shape_fn) continue;
       const Shape& shape = slots[i].tensors[0].shape;
-      if (shape.size() != spec.shape.size())
-        return mismatch(i, "rank " + std::to_string(shape.size()) + ", not " + std::to_string(spec.shape.size()));
-      for (size_t d = 0; d < shape.size(); ++d) {
-        DimToken tok = parse_token(spec.shape[d]);
+      const size_t n = spec.shape.size(), r = shape.size();
+      const bool grouped = n >= 1 && !s.leading_dim.empty() && spec.shape[0] == s.leading_dim;
+      if (!grouped && r != n)
+        return mismatch(i, "rank " + std::to_string(r) + ", not " + std::to_string(n));
+      for (size_t t = 0; t < n; ++t) {
+        // The dims token t covers: the leading token of a grouped spec takes what the others leave.
+        Shape dims;
+        if (!grouped) dims = {shape[t]};
+        else if (t == 0) dims.assign(shape.begin(), shape.begin() + int64_t(r > n - 1 ? r - (n - 1) : 0));
+        else if (r + t >= n) dims = {shape[r + t - n]};
+        DimToken tok = parse_token(spec.shape[t]);
+        const std::string at = "'" + spec.name + "' " + shape_str(shape) + (dims.size() == 1 ? "" : " leading dims");
         if (tok.base.empty()) {
-          if (pass == 0 && shape[d] != tok.number)
-            return mismatch(i, "dim " + std::to_string(d) + " is " + std::to_string(shape[d]));
+          if (pass == 0 && dims != Shape{tok.number})
+            return mismatch(i, spec.shape[t] + " is " + shape_str(dims));
           continue;
         }
         if ((tok.divisor == 1) != (pass == 0)) continue;
+        if (tok.divisor != 1 && dims.size() != 1) return mismatch(i, spec.shape[t] + " is " + shape_str(dims));
         auto it = bound.find(tok.base);
         if (it == bound.end()) {
-          bound[tok.base] = {shape[d] * tok.divisor, where(i, d)};
-        } else if (it->second.first / tok.divisor != shape[d]) {
+          bound[tok.base] = {tok.divisor == 1 ? dims : Shape{dims[0] * tok.divisor}, at};
+        } else if (tok.divisor == 1 ? it->second.first != dims
+                                    : it->second.first.size() != 1 || it->second.first[0] / tok.divisor != dims[0]) {
           std::ostringstream d_os;
-          d_os << spec.shape[d] << " is " << shape[d] << " but " << tok.base << " = " << it->second.first
+          d_os << spec.shape[t] << " is " << (dims.size() == 1 ? std::to_string(dims[0]) : shape_str(dims)) << " but "
+               << tok.base << " = "
+               << (it->second.first.size() == 1 ? std::to_string(it->second.first[0]) : shape_str(it->second.first))
                << " (from " << it->second.second << ")";
           return mismatch(i, d_os.str());
         }
@@ -244,13 +254,18 @@ std::string call_violation(const OpSchema& s, DType T, const std::vector<SlotMet
   SuiteCase c;
   c.dtype = T;
   c.attrs = attrs;
-  for (const auto& [name, v] : bound) c.dims[name] = v.first;
+  bool single = true;  // every name one dim: shape functions, written for the suite's ranks, apply
+  for (const auto& [name, v] : bound) {
+    if (v.first.size() == 1) c.dims[name] = v.first[0];
+    else single = false;
+  }
   for (size_t i = 0; i < slots.size(); ++i) {
     const TensorSpec& spec = s.tensors[i];
     if (!slots[i].present || spec.list || !spec.shape_fn) continue;
     const Shape& shape = slots[i].tensors[0].shape;
     // A shape beside a list of tensors (cat's output) depends on the list's sizes, which the shape function
     // describes only for the suite's cases: only its rank is checked.
+    if (!single) continue;
     if (has_list) {
       for (size_t j = 0; j < slots.size(); ++j)
         if (s.tensors[j].list && !slots[j].tensors.empty() && slots[j].tensors[0].shape.size() != shape.size())
