@@ -55,19 +55,81 @@ std::string traced_run(const TempDir& dir, int steps, bool values) {
   return o.trace_ops;
 }
 
-TEST(OpTrace, ATinyTrainingRunIsRecorded) {
+conformance::SuiteOptions replay_options(const std::string& provider) {
+  conformance::SuiteOptions o;
+  o.provider = provider;
+  return o;
+}
+
+TEST(OpTrace, ATinyTrainingRunReplaysCleanOnNative) {
   TempDir dir;
-  const std::string path = traced_run(dir, 2, true);
+  const std::string path = traced_run(dir, 2, false);
   EXPECT_FALSE(dispatch::op_tracing()) << "the trainer turns tracing off after its steps";
   op_trace::Trace trace = op_trace::read_trace(path);
+  EXPECT_EQ(trace.loom_version, op_trace::loom_version());
   ASSERT_GT(trace.calls.size(), 10u);
   std::set<std::string> ops;
   uint64_t calls = 0;
   bool repeated = false;
-  for (const auto& c : trace.calls) ops.insert(c.op), calls += c.count, repeated |= c.count > 1;
+  for (const auto& c : trace.calls) {
+    ops.insert(c.op);
+    calls += c.count;
+    repeated |= c.count > 1;
+  }
   for (const char* op : {"gemm", "embedding", "adamw_update"}) EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_TRUE(repeated) << "two steps make the same calls: identical calls are kept once with a count";
   EXPECT_GT(calls, trace.calls.size());
+
+  auto results = op_trace::replay_trace(trace, replay_options("native"));
+  EXPECT_EQ(results.size(), trace.calls.size());
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "replay");
+  for (const auto& r : results) EXPECT_EQ(r.status, conformance::CaseStatus::kPass) << r.op << ": " << r.detail;
+}
+
+TEST(OpTrace, RecordedValuesReplay) {
+  TempDir dir;
+  const std::string path = traced_run(dir, 1, true);
+  ASSERT_TRUE(std::filesystem::exists(path + ".values.safetensors"));
+  op_trace::Trace trace = op_trace::read_trace(path);
+  size_t with_values = 0;
+  for (const auto& c : trace.calls)
+    for (const auto& v : c.values) with_values += !v.empty();
+  EXPECT_GT(with_values, trace.calls.size() / 2);
+  auto results = op_trace::replay_trace(trace, replay_options("native"));
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "replay");
+}
+
+// A vendor's gemm that is right but for the first element of C: registered the way a library's kernel is
+// (OpSchema::register_erased), the replay of a real run's calls fails its gemm row and no other.
+TEST(OpTrace, ThePlantedWrongKernelIsCaughtByTheReplay) {
+  TempDir dir;
+  op_trace::Trace trace = op_trace::read_trace(traced_run(dir, 1, false));
+  const OpSchema* s = find_op_schema("gemm");
+  ASSERT_NE(s, nullptr);
+  struct Unregister {
+    ~Unregister() {
+      dispatch::unregister_provider("trace_planted");
+      dispatch::reset_policy();
+    }
+  } u;
+  s->register_erased(
+      kCPU, "trace_planted", dtypes(kF32), 0,
+      [s](const DeviceContext&, const CallArgs& args) {
+        s->run_provider("native", Device(), kF32, args);
+        const Tensor& c = args.slots[size_t(s->tensor_index("c"))].tensor;
+        if (c.numel() > 0 && c.dtype() == kF32) *static_cast<float*>(c.data()) += 0.5f;
+      },
+      nullptr, "test");
+  auto results = op_trace::replay_trace(trace, replay_options("trace_planted"));
+  std::set<std::string> failed;
+  for (const auto& r : results)
+    if (r.status == conformance::CaseStatus::kFail) failed.insert(r.op);
+  EXPECT_EQ(failed, std::set<std::string>{"gemm"}) << conformance::suite_table(results, "replay");
+  const std::string table = conformance::suite_table(results, "loom-conformance --trace t --provider trace_planted");
+  EXPECT_NE(table.find("FAIL gemm f32"), std::string::npos) << table;
+  EXPECT_NE(table.find("rerun: loom-conformance --trace t --provider trace_planted --op gemm --dtype f32 --case"),
+            std::string::npos)
+      << table;
 }
 
 // A valid trace of one layer_norm call, to break one field at a time.
@@ -145,6 +207,33 @@ TEST(OpTrace, BadTracesAreOneErrorNamingTheFile) {
   expect(j, "call 0:");
   expect(good, "not JSON", "{\"format\": ");
 }
+
+#ifdef LOOM_CONFORMANCE_EXE
+TEST(OpTrace, LoomConformanceRefusesABadTraceInOneLine) {
+  TempDir dir;
+  auto j = one_call_trace();
+  j["calls"][0]["op"] = "no_such_op";
+  std::ofstream(dir.file("bad.trace")) << j.dump();
+  const std::string out = dir.file("out.txt");
+  const std::string cmd = std::string(LOOM_CONFORMANCE_EXE) + " --provider native --trace " + dir.file("bad.trace") +
+                          " > " + out + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  EXPECT_NE(WEXITSTATUS(status), 0);
+  std::ifstream f(out);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "loom-conformance: trace '" + dir.file("bad.trace") + "': call 0: unknown op 'no_such_op'\n");
+
+  // The good trace replays: one row, passing.
+  std::ofstream(dir.file("good.trace")) << one_call_trace().dump();
+  const std::string good = std::string(LOOM_CONFORMANCE_EXE) + " --provider native --trace " +
+                           dir.file("good.trace") + " > " + out + " 2>&1";
+  EXPECT_EQ(WEXITSTATUS(std::system(good.c_str())), 0);
+  std::ifstream g(out);
+  std::string replay((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>());
+  EXPECT_NE(replay.find("layer_norm"), std::string::npos) << replay;
+  EXPECT_NE(replay.find("pass 1/1"), std::string::npos) << replay;
+}
+#endif
 
 // ---- LOOM_CHECK_CALLS. ----
 

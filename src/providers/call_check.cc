@@ -169,8 +169,11 @@ std::vector<SlotMeta> slot_meta(const CallArgs& args) {
   return out;
 }
 
-std::string call_violation(const OpSchema& s, DType T, const std::vector<SlotMeta>& slots,
-                           const std::vector<std::pair<std::string, AttrValue>>& attrs) {
+namespace {
+
+// call_violation, and the sizes of the named dims it bound (a group of leading dims as their product).
+std::string check(const OpSchema& s, DType T, const std::vector<SlotMeta>& slots,
+                  const std::vector<std::pair<std::string, AttrValue>>& attrs, std::map<std::string, int64_t>* dims) {
   std::ostringstream why;
   const std::string op = "op " + s.name;
   if (slots.size() != s.tensors.size()) {
@@ -307,7 +310,25 @@ std::string call_violation(const OpSchema& s, DType T, const std::vector<SlotMet
       return mismatch(i, os.str());
     }
   }
+  if (dims) {
+    for (const auto& [name, v] : bound) (*dims)[name] = numel_of(v.first);
+    for (const auto& [name, v] : c.dims) dims->emplace(name, v);
+  }
   return "";
+}
+
+}  // namespace
+
+std::string call_violation(const OpSchema& s, DType dtype, const std::vector<SlotMeta>& slots,
+                           const std::vector<std::pair<std::string, AttrValue>>& attrs) {
+  return check(s, dtype, slots, attrs, nullptr);
+}
+
+std::map<std::string, int64_t> call_dims(const OpSchema& s, DType dtype, const std::vector<SlotMeta>& slots,
+                                         const std::vector<std::pair<std::string, AttrValue>>& attrs) {
+  std::map<std::string, int64_t> dims;
+  check(s, dtype, slots, attrs, &dims);
+  return dims;
 }
 
 }  // namespace loom::op_trace

@@ -154,10 +154,25 @@ void lay_out(CaseTensor& t, const TensorSpec& spec, LayoutVariant v, bool dense,
   t.buffer_elems = t.offset + span + (t.is_input ? 0 : guard);
 }
 
+// An explicit tensor's layout (a replayed call's): its own strides (dense when none are given) and offset, fenced by
+// guards like a generated output.
+void lay_out_explicit(CaseTensor& t, const TensorCase& e) {
+  t.strides = e.strides.empty() ? contiguous_strides(t.shape) : e.strides;
+  const int64_t guard = kGuardBytes / int64_t(dtype_size(t.dtype));
+  t.offset = (t.is_input ? 0 : guard) + e.offset;
+  int64_t span = 1;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    if (t.shape[d] == 0) { span = 0; break; }
+    span += (t.shape[d] - 1) * t.strides[d];
+  }
+  t.buffer_elems = t.offset + span + (t.is_input ? 0 : guard);
+}
+
 struct Built {
   CallArgs args;                     // the device arguments
   std::vector<CaseTensor> tensors;   // per spec (a list: its first element; lists are inputs only)
   std::vector<std::vector<CaseTensor>> lists;
+  std::vector<bool> aliased;         // per spec: an input an output was built on (it changes, by design)
   std::string description;
 };
 
@@ -257,7 +272,8 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
 using GivenValues = std::vector<std::vector<double>>;
 
 Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant lv, int salt, uint64_t seed,
-            const GivenValues* given = nullptr, const std::vector<std::optional<DType>>* given_dtypes = nullptr) {
+            const GivenValues* given = nullptr, const std::vector<std::optional<DType>>* given_dtypes = nullptr,
+            const std::vector<TensorCase>* explicit_tensors = nullptr) {
   Built b;
   std::mt19937_64 eng(seed);
   b.tensors.resize(s.tensors.size());
@@ -265,7 +281,7 @@ Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant 
   std::ostringstream desc;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& spec = s.tensors[i];
-    auto make = [&](Shape shape, LayoutVariant v) {
+    auto make = [&](Shape shape, LayoutVariant v, const TensorCase* e = nullptr) {
       CaseTensor t;
       t.present = true;
       t.role = c.roles[i];
@@ -273,11 +289,14 @@ Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant 
       t.dtype = given_dtypes && i < given_dtypes->size() && (*given_dtypes)[i] ? *(*given_dtypes)[i]
                                                                              : dtype_of(spec, c, (salt + int(i)) % 3 == 1);
       t.shape = std::move(shape);
+      if (e) t.dtype = e->dtype.value_or(t.dtype);
       lay_out(t, spec, v, c.dense[i], salt + int(i));
+      if (e) lay_out_explicit(t, *e);
       int64_t n = numel_of(t.shape);
       if (t.is_input || t.role == ArgRole::kInPlace) {
         // A broadcast input's values repeat along its stride-0 dim: draw them all, then copy the first slice.
-        if (given && i < given->size() && !(*given)[i].empty()) t.values = (*given)[i];
+        if (e && !e->given.empty()) t.values = e->given;
+        else if (given && i < given->size() && !(*given)[i].empty()) t.values = (*given)[i];
         else t.values = draw(spec, s, c, n, t.dtype, eng);
         for (auto& x : t.values) x = rounded(x, t.dtype);
       }
@@ -304,6 +323,14 @@ Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant 
     ArgSlot slot;
     if (!c.present[i]) {
       desc << (i ? ", " : "") << spec.name << " absent";
+    } else if (spec.list && explicit_tensors) {
+      slot.is_list = true;
+      const auto& pieces = (*explicit_tensors)[i].list;
+      for (size_t k = 0; k < pieces.size(); ++k) {
+        b.lists[i].push_back(make(pieces[k].shape, lv, &pieces[k]));
+        slot.list.push_back(b.lists[i].back().view);
+        desc << (i || k ? ", " : "") << spec.name << "[" << k << "] " << b.lists[i].back().describe();
+      }
     } else if (spec.list) {  // three pieces along dim: x, x + 1 and 1
       slot.is_list = true;
       Shape base = shape_of(spec, c);
@@ -316,12 +343,29 @@ Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant 
         desc << (i || extra > -1 ? ", " : "") << spec.name << "[" << extra + 1 << "] " << b.lists[i].back().describe();
       }
     } else {
-      b.tensors[i] = make(shape_of(spec, c), lv);
+      const TensorCase* e = explicit_tensors ? &(*explicit_tensors)[i] : nullptr;
+      b.tensors[i] = e ? make(e->shape, lv, e) : make(shape_of(spec, c), lv);
       slot.tensor = b.tensors[i].view;
       desc << (i ? ", " : "") << spec.name << (is_input(spec.role) ? "" : " (out)") << " "
            << b.tensors[i].describe();
     }
     b.args.slots.push_back(slot);
+  }
+  // An explicit output on an input's buffer, element for element: the output is the input's memory.
+  b.aliased.assign(s.tensors.size(), false);
+  for (size_t i = 0; explicit_tensors && i < s.tensors.size(); ++i) {
+    const int j = (*explicit_tensors)[i].alias_of;
+    if (j < 0 || !c.present[i] || is_input(s.tensors[i].role)) continue;
+    LOOM_REQUIRE(size_t(j) < s.tensors.size() && b.tensors[size_t(j)].present && is_input(s.tensors[size_t(j)].role) &&
+                     b.tensors[size_t(j)].shape == b.tensors[i].shape &&
+                     b.tensors[size_t(j)].dtype == b.tensors[i].dtype,
+                 "conformance: '", s.tensors[i].name, "' cannot alias argument ", j, ": not an input of its shape and dtype");
+    CaseTensor t = b.tensors[size_t(j)];
+    t.is_input = false, t.role = c.roles[i];
+    b.tensors[i] = t;
+    b.args.slots[i].tensor = t.view;
+    b.aliased[size_t(j)] = true;
+    desc << "; " << s.tensors[i].name << " on " << s.tensors[size_t(j)].name << "'s memory";
   }
   b.args.attrs = c.attrs;
   for (const auto& [n, v] : c.attrs) {
@@ -419,7 +463,8 @@ struct Stored {
 };
 
 CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int index, bool fuzz, LayoutVariant lv,
-                    uint64_t seed, const Stored* stored = nullptr) {
+                    uint64_t seed, const Stored* stored = nullptr,
+                    const std::vector<TensorCase>* explicit_tensors = nullptr) {
   CaseResult r;
   r.op = s.name, r.dtype = c.dtype, r.index = index, r.fuzz = fuzz;
   ProviderPolicy saved = dispatch::policy();
@@ -434,7 +479,8 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
     ~Restore() { dispatch::set_policy(p); }
   } restore{saved};
   dispatch::set_policy(setup);
-  Built b = build(s, c, o.device, lv, index, seed, stored ? &stored->inputs : nullptr, stored ? &stored->dtypes : nullptr);
+  Built b = build(s, c, o.device, lv, index, seed, stored ? &stored->inputs : nullptr, stored ? &stored->dtypes : nullptr,
+                  explicit_tensors);
   r.description = b.description;
   int accepted = s.provider_accepts(o.provider, o.device, c.dtype, b.args);
   if (accepted <= 0) {
@@ -461,7 +507,7 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
   };
   // Inputs unchanged, byte for byte (gaps included).
   for (size_t i = 0; i < s.tensors.size(); ++i) {
-    if (!is_input(s.tensors[i].role)) continue;
+    if (!is_input(s.tensors[i].role) || b.aliased[i]) continue;
     std::vector<const CaseTensor*> ts;
     if (s.tensors[i].list) for (const auto& t : b.lists[i]) ts.push_back(&t);
     else if (b.tensors[i].present) ts.push_back(&b.tensors[i]);
@@ -1010,6 +1056,35 @@ std::string suite_json(const std::vector<CaseResult>& results, const SuiteOption
   }
   j["results"] = list;
   return j.dump(2);
+}
+
+
+// ---- One explicit case (a replayed call, op_trace.h). ----
+CaseResult run_explicit_case(const ExplicitCase& e, const SuiteOptions& o, int index) {
+  const OpSchema* s = find_op_schema(e.op);
+  LOOM_REQUIRE(s, "conformance: no op '", e.op, "' is declared");
+  LOOM_REQUIRE(e.tensors.size() == s->tensors.size(), "conformance: op ", e.op, " takes ", s->tensors.size(),
+               " tensor arguments, the case gives ", e.tensors.size());
+  SuiteCase c;
+  c.dtype = e.dtype;
+  c.dims = e.dims;
+  for (const AttrSpec& a : s->attrs) {
+    auto it = std::find_if(e.attrs.begin(), e.attrs.end(), [&](const auto& kv) { return kv.first == a.name; });
+    c.attrs.emplace_back(a.name, it != e.attrs.end() ? it->second : a.default_value);
+  }
+  for (size_t i = 0; i < s->tensors.size(); ++i) {
+    c.present.push_back(e.tensors[i].present);
+    c.roles.push_back(s->tensors[i].role);
+    c.dense.push_back(true);
+  }
+  // The op's rule says which roles this call's arguments have (a gemm's C is written only when beta == 0); its
+  // other adjustments belong to generated cases.
+  if (s->rule) {
+    SuiteCase ruled = c;
+    s->rule(ruled, *s);
+    c.roles = ruled.roles;
+  }
+  return run_case(*s, c, o, index, false, LayoutVariant::kPlain, e.seed, nullptr, &e.tensors);
 }
 
 }  // namespace loom::conformance

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,7 @@
 
 #include "loom/common/device.h"
 #include "loom/common/dtype.h"
+#include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
 
 namespace loom::conformance {
@@ -52,6 +55,29 @@ struct CaseResult {
 };
 
 std::vector<CaseResult> run_suite(const SuiteOptions& options);
+
+// ---- One explicit case: every tensor's shape, strides, offset, dtype and values given (a replayed call). ----
+struct TensorCase {
+  bool present = true;                // an optional argument may be absent
+  Shape shape;                        // for a gemm matrix: [batch, rows, cols] as stored
+  Shape strides;                      // empty: dense row-major
+  int64_t offset = 0;                 // elements between the buffer's aligned start and the first element
+  int alias_of = -1;                  // an output on this input's buffer (same shape, strides, offset and dtype)
+  std::optional<DType> dtype;         // default: from the description's dtype rule
+  std::vector<double> given;          // row-major values of a read tensor (empty: drawn)
+  std::vector<TensorCase> list;       // a list argument's tensors (cat's inputs)
+};
+struct ExplicitCase {
+  std::string op;
+  DType dtype = kF32;                                     // the dispatch dtype
+  std::vector<std::pair<std::string, AttrValue>> attrs;   // missing ones take the attribute's default
+  std::map<std::string, int64_t> dims;                    // named dims (the tolerance of long sums reads them)
+  std::vector<TensorCase> tensors;                        // one per tensor argument of the description, in order
+  uint64_t seed = 1;                                      // the draw of values not given
+};
+// Runs one explicit case for options.provider on options.device against the float64 reference, with the checks of
+// a generated case (poisoned and fenced outputs, inputs unchanged, every output element written).
+CaseResult run_explicit_case(const ExplicitCase& c, const SuiteOptions& options, int index = 0);
 
 // A stored case: another framework's inputs and float64 results (conformance/reference/pytorch_refs.json, made by
 // tools/reference/make_conformance_refs.py). Inputs fill the op's read arguments (inputs, then in-place ones) in

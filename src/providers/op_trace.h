@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
+#include "providers/conformance.h"
 
 namespace loom::op_trace {
 
@@ -44,6 +46,11 @@ std::vector<SlotMeta> slot_meta(const CallArgs& args);
 std::string call_violation(const OpSchema& schema, DType dtype, const std::vector<SlotMeta>& slots,
                            const std::vector<std::pair<std::string, AttrValue>>& attrs);
 
+// The sizes of the named dims a call binds (a group of leading dims as their product; dims only a shape function
+// reads, a gemm's K, as found from its shapes).
+std::map<std::string, int64_t> call_dims(const OpSchema& schema, DType dtype, const std::vector<SlotMeta>& slots,
+                                         const std::vector<std::pair<std::string, AttrValue>>& attrs);
+
 // One distinct call of a trace.
 struct CallRecord {
   std::string op;
@@ -70,5 +77,15 @@ Trace read_trace(const std::string& path);
 
 // This Loom's version, as traces record it.
 std::string loom_version();
+
+// ---- Replay (trace_replay.cc): loom-conformance --trace. ----
+// One recorded call as an explicit conformance case: its shapes, strides, dtypes, attributes and recorded values;
+// offsets keep their alignment within 256 bytes; an output recorded on an input's memory element for element runs
+// on it. Other shared memory is replayed on separate buffers and described in *note.
+conformance::ExplicitCase replay_case(const CallRecord& call, size_t index, std::string* note);
+// Runs every call of the trace (those of options.ops / dtypes, or the one options.only_case names: cases are
+// numbered by call) for options.provider through the conformance runner; `say` gets the notes.
+std::vector<conformance::CaseResult> replay_trace(const Trace& trace, const conformance::SuiteOptions& options,
+                                                  const std::function<void(const std::string&)>& say = {});
 
 }  // namespace loom::op_trace
