@@ -98,7 +98,8 @@ void reset_op_trace();
 
 // Call checks, opt in with LOOM_CHECK_CALLS=1 (or set_call_checking): every dispatched call is checked against its
 // op's description (the arguments present, ranks and shapes in named dims, dtypes, layouts) and one that breaks it
-// throws loom::Error naming the op, the argument and what differs.
+// throws loom::Error naming the op, the argument and what differs. LOOM_CHECK_CALLS=report prints each distinct
+// violation once to stderr instead and lets the calls run (a whole run's differences at once).
 void set_call_checking(bool on);
 bool call_checking();
 

@@ -46,11 +46,11 @@ LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel,
                       c.present[size_t(s.tensor_index("momentum_buffer"))] = c.attr_float("momentum") != 0;
                     }));
 
-// x contiguous, any floating dtype (dispatched on it); out a one-element f64 tensor receiving sum(x^2), accumulated
-// in f64 in an order that does not depend on the thread count.
+// x contiguous, any floating dtype (dispatched on it); out an f64 scalar receiving sum(x^2), accumulated in f64 in an
+// order that does not depend on the thread count.
 using GradNormSquaredKernel = void(const DeviceContext&, const Tensor& x, Tensor& out);
 LOOM_DECLARE_OP(grad_norm_squared, GradNormSquaredKernel,
-                OpSchema().leading_dims("N").in("x", "N").out("out", "1", DTypeRule::kF64).row_dim("N").accumulates("N")
+                OpSchema().leading_dims("N").in("x", "N").out("out", "", DTypeRule::kF64).row_dim("N").accumulates("N")
                     .dispatch_on("x").abi_since(1));
 
 }  // namespace loom
