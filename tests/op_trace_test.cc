@@ -44,6 +44,7 @@ std::string traced_run(const TempDir& dir, int steps, bool values) {
   o.batch_size = 2;
   o.seq_len = 16;
   o.steps = steps;
+  o.warmup_steps = 0;
   o.eval_interval = 0;
   o.eval_batches = 1;
   o.sample_tokens = 0;
