@@ -671,16 +671,16 @@ void Trainer::run() {
     dispatch::reset_op_trace();
     dispatch::set_op_trace_options({opts_.trace_values, opts_.trace_value_limit});
   }
+  struct TraceStep {  // tracing on for one step, off however it ends
+    bool on;
+    explicit TraceStep(bool o) : on(o) { if (on) dispatch::set_op_tracing(true); }
+    ~TraceStep() { if (on) dispatch::set_op_tracing(false); }
+  };
   while (step_ < opts_.steps) {
-    if (tracing) dispatch::set_op_tracing(true);
-    StepStats s;
-    try {
-      s = train_step();
-    } catch (...) {
-      if (tracing) dispatch::set_op_tracing(false);
-      throw;
-    }
-    if (tracing) dispatch::set_op_tracing(false);
+    StepStats s = [&] {
+      TraceStep traced(tracing);
+      return train_step();
+    }();
     std::vector<dispatch::OpProfileRow> used;
     if (s.step == first_step && opts_.explain_kernels) {
       used = dispatch::op_profile();
