@@ -9,6 +9,7 @@
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
 //   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
 //   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
+//   loom-conformance --trace run.trace --provider acme        (replay the op calls loom-train --trace-ops recorded)
 //
 // Every op and dtype the provider registers on the device is checked against the naive float64 oracle (each op
 // written again from its definition, src/providers/naive_reference.h), or Loom's native CPU kernel in float64 where
@@ -35,6 +36,7 @@
 #endif
 #include "loom/dispatch_modes.h"
 #include "providers/conformance.h"
+#include "providers/op_trace.h"
 #include "providers/verify.h"
 
 namespace fs = std::filesystem;
@@ -112,7 +114,7 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 int main(int argc, char** argv) {
   CLI::App app{"Check a kernel provider against float64 references, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
-  std::string reference_file, describe_op;
+  std::string reference_file, describe_op, trace_path;
   std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
   bool verify = false, list_verified = false, coverage = false;
@@ -145,6 +147,10 @@ int main(int argc, char** argv) {
                  "a stored set of cases (default: conformance/reference/pytorch_refs.json and pytorch_sweep.json, "
                  "found as above)");
   app.add_option("--cases", cases_path, "the conformance/ directory holding reference/ (default: found as above)");
+  app.add_option("--trace", trace_path,
+                 "replay the op calls of a trace (loom-train --trace-ops FILE) on the provider instead of generated "
+                 "cases: one case per distinct call, with its shapes, strides, offsets, dtypes, attributes and "
+                 "recorded values; --op, --dtype and --case (a call's number) select calls");
   app.add_flag("--list-ops", list, "list the declared ops and exit");
   auto* describe_flag = app.add_option("--describe", describe_op, "print the description of OP (or of every op)")
                             ->expected(0, 1);
@@ -238,6 +244,23 @@ int main(int argc, char** argv) {
       std::cerr << " (" << std::fixed << std::setprecision(1) << seconds << " s)\n";
     };
     std::vector<loom::conformance::CaseResult> results;
+    if (!trace_path.empty()) {
+      const loom::op_trace::Trace trace = loom::op_trace::read_trace(trace_path);
+      uint64_t calls = 0;
+      for (const auto& c : trace.calls) calls += c.count;
+      results = loom::op_trace::replay_trace(trace, o, [](const std::string& note) {
+        std::cerr << "loom-conformance: note: " << note << "\n";
+      });
+      std::cout << "trace " << trace_path << ": " << trace.calls.size() << " distinct calls (" << calls
+                << " in the run), recorded by Loom " << trace.loom_version
+                << (trace.values_file.empty() ? ", values drawn" : ", recorded values from " + trace.values_file)
+                << "; replayed on provider " << provider << " on " << o.device.str()
+                << " against Loom's native CPU kernels in float64\n";
+      std::cout << loom::conformance::suite_table(results, rerun + " --trace " + trace_path);
+      const bool failed = loom::conformance::suite_failed(results);
+      std::cout << (failed ? "FAILED" : "every call passed or was declined") << "\n";
+      return failed ? 1 : 0;
+    }
     if (reference != "pytorch" && (o.generated || o.fuzz > 0)) {
       results = loom::conformance::run_suite(o);
       std::cout << "provider " << provider << " on " << o.device.str() << ": " << results.size()

@@ -165,6 +165,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
   app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
+  app.add_option("--trace-ops", o.trace_ops, "record every op call of the training steps (op, dtypes, shapes, "
+                 "strides, offsets, aliasing, attributes; identical calls counted once) into FILE, for "
+                 "loom-conformance --trace FILE");
+  app.add_flag("--trace-values", o.trace_values, "with --trace-ops: also record the inputs' values (up to "
+               "--trace-value-limit elements per tensor) in FILE.values.safetensors");
+  app.add_option("--trace-value-limit", o.trace_value_limit, "with --trace-values: the largest tensor (elements) "
+                 "whose values are recorded")->capture_default_str()->check(at_least(0));
   app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
                "sync, optimizer) into metrics.jsonl and print their medians at the end");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");

@@ -130,6 +130,10 @@ OpSchema& OpSchema::present_with(std::string other) {
   last().present_with = std::move(other);
   return *this;
 }
+OpSchema& OpSchema::leading_dims(std::string dim) {
+  leading_dim = std::move(dim);
+  return *this;
+}
 OpSchema& OpSchema::value_classes(std::vector<ValueClass> classes) {
   last().value_classes = std::move(classes);
   return *this;

@@ -15,7 +15,7 @@ struct SoftmaxAttrs {
 // fully masked row (every element -inf) is NaN, as PyTorch's; a -inf element of another row gives 0 (log_softmax:
 // -inf). Large logits (+-100) must not overflow: subtract the row's max.
 inline OpSchema softmax_schema() {
-  return OpSchema().in("x", "A R C")
+  return OpSchema().leading_dims("A").in("x", "A R C")
       .value_classes({ValueClass::kNormal, ValueClass::kLogits, ValueClass::kSpecial, ValueClass::kTiny,
                       ValueClass::kMasked})
       .out("out", "A R C").attr_dim("dim", "x").row_dim("C").accumulates("C")
@@ -23,7 +23,7 @@ inline OpSchema softmax_schema() {
                       "another row gives 0 (log_softmax: -inf); logits of +-100 do not overflow");
 }
 inline OpSchema softmax_backward_schema() {
-  return OpSchema().in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
+  return OpSchema().leading_dims("A").in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
       .row_dim("C").accumulates("C");
 }
 

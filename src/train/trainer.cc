@@ -667,8 +667,24 @@ void Trainer::run() {
   // --explain-kernels: the first step runs under the op profile, which records each (op, dtype) the run called.
   const bool was_profiling = dispatch::op_profiling();
   if (opts_.explain_kernels) dispatch::set_op_profiling(true);
+  // --trace-ops: the training steps' op calls (not evaluation's or sampling's), written after the last step. The
+  // file is made now, so that a path that cannot be written stops the run before it trains.
+  const bool tracing = !opts_.trace_ops.empty() && is_rank0_;
+  if (tracing) {
+    LOOM_REQUIRE(std::ofstream(opts_.trace_ops).good(), "--trace-ops: cannot write '", opts_.trace_ops, "'");
+    dispatch::reset_op_trace();
+    dispatch::set_op_trace_options({opts_.trace_values, opts_.trace_value_limit});
+  }
+  struct TraceStep {  // tracing on for one step, off however it ends
+    bool on;
+    explicit TraceStep(bool o) : on(o) { if (on) dispatch::set_op_tracing(true); }
+    ~TraceStep() { if (on) dispatch::set_op_tracing(false); }
+  };
   while (step_ < opts_.steps) {
-    StepStats s = train_step();
+    StepStats s = [&] {
+      TraceStep traced(tracing);
+      return train_step();
+    }();
     std::vector<dispatch::OpProfileRow> used;
     if (s.step == first_step && opts_.explain_kernels) {
       used = dispatch::op_profile();
@@ -698,6 +714,14 @@ void Trainer::run() {
       save_checkpoint(checkpoint_path(s.step));
   }
   if (opts_.phase_times && is_rank0_) print_phase_summary();
+  if (tracing) {
+    dispatch::write_op_trace(opts_.trace_ops);
+    const auto size = dispatch::op_trace_size();
+    if (!opts_.quiet)
+      std::cout << "op trace: " << size.calls << " calls (" << size.distinct << " distinct) written to "
+                << opts_.trace_ops << (opts_.trace_values ? " (values in " + opts_.trace_ops + ".values.safetensors)" : "")
+                << "; replay: loom-conformance --trace " << opts_.trace_ops << " --provider P" << std::endl;
+  }
   log_eval(step_);
   print_sample();
   if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));

@@ -325,6 +325,10 @@ class OpSchema {
   // What the op requires of a case beyond its arguments' specs (T <= S, H a multiple of Hkv, a bias only with a
   // bias epilogue): adjusts a case or marks it skipped.
   OpSchema& case_rule(CaseRule fn);
+  // A named dim that stands for any number of leading dims in a call, none included: the kernels flatten them (a
+  // norm's rows "R" are [B, T] of a [B, T, C] input). The suite's cases give it one dim; a call checked against the
+  // description (LOOM_CHECK_CALLS) binds the group of leading dims, right-aligning the other names.
+  OpSchema& leading_dims(std::string dim);
   // Which tensor's dtype the call dispatches on (default: the first output, or the first input for comparisons).
   OpSchema& dispatch_on(const std::string& tensor);
   OpSchema& abi_since(uint32_t minor);               // the kernel ABI minor version that added the op
@@ -345,6 +349,7 @@ class OpSchema {
   std::map<std::string, DimSpec> dims;
   CaseRule rule;
   std::string dispatch_tensor;
+  std::string leading_dim;
   uint32_t abi_minor = 0;
   Autocast autocast_rule = Autocast::kNone;
   std::string reference;
