@@ -46,8 +46,7 @@ for stage in ${STAGE:-conf sweep}; do
     for m in gpt2-124M:gpt2:1024:8 llama3-1B:llama:2048:2; do
       IFS=: read model shard T B <<< "$m"
       timeout 200 build-dev/loom-train --model $model --device cuda --dtype bf16 --train-data /tmp/$shard.bin \
-        --val-data /tmp/$shard.bin -t $T -b $B --steps 2 --val-every 0 --sample-every 0 --checkpoint-every 0 \
-        --trace-ops $O/trace_$shard.json > $O/train_$shard.log 2>&1
+        -t $T -b $B --steps 2 --eval-interval 0 --sample-tokens 0 --warmup 1 --trace-ops $O/trace_$shard.json > $O/train_$shard.log 2>&1
       rc1=$?
       timeout 300 build-dev/loom-conformance --trace $O/trace_$shard.json --provider native --device cuda \
         > $O/replay_$shard.log 2>&1
