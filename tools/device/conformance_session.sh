@@ -43,12 +43,12 @@ for stage in ${STAGE:-conf sweep}; do
   trace)
     python3 tools/bench/make_shard.py /tmp/gpt2.bin --tokens 400000 > /dev/null
     python3 tools/bench/make_shard.py /tmp/llama.bin --tokens 400000 --vocab 128256 > /dev/null
-    for m in gpt2-124M:gpt2:1024:8 llama3-1B:llama:2048:2; do
+    for m in gpt2-124M:gpt2:1024:4 llama3-1B:llama:512:1; do
       IFS=: read model shard T B <<< "$m"
       timeout 200 build-dev/loom-train --model $model --device cuda --dtype bf16 --train-data /tmp/$shard.bin \
         -t $T -b $B --steps 2 --eval-interval 0 --sample-tokens 0 --warmup 1 --trace-ops $O/trace_$shard.json > $O/train_$shard.log 2>&1
       rc1=$?
-      timeout 300 build-dev/loom-conformance --trace $O/trace_$shard.json --provider native --device cuda \
+      timeout 300 build-dev/loom-conformance --trace $O/trace_$shard.json --provider native --device cuda --reference native \
         > $O/replay_$shard.log 2>&1
       rc2=$?
       tail -25 $O/replay_$shard.log
