@@ -2,7 +2,7 @@
 # On the GPU machine (carry .devdeps; .device for the GPT-2 vocabulary): the conformance suite over the native CUDA
 # kernels, PyTorch's float64 sweep set, op traces of real training steps replayed on the GPU, and the CUDA tests, by
 # STAGE (a list, run in order; default "conf sweep"):
-#   conf      loom-conformance --provider native --device cuda (generated cases, stored sets), and the CPU suite
+#   conf      loom-conformance --provider native --device cuda (generated cases, stored sets)
 #   sweep     tools/reference/make_conformance_sweep.py: writes pytorch_sweep.{json,safetensors} to $OUT
 #   trace     loom-train --trace-ops on GPT-2 124M and LLaMA-3 1B (bf16, synthetic shards), each trace replayed with
 #             loom-conformance --trace on the native CUDA kernels
@@ -29,10 +29,6 @@ for stage in ${STAGE:-conf sweep}; do
     rc=$?
     grep -E "FAIL|error" $O/conf_cuda.log | head -40
     summary+=("conf cuda: rc=$rc, $(grep -c ' pass ' $O/conf_cuda.log) pass rows, $(grep -c 'FAIL' $O/conf_cuda.log) FAIL lines, $(( $(date +%s) - s0 )) s")
-    s1=$(date +%s)
-    timeout 300 build-dev/loom-conformance --provider native --device cpu > $O/conf_cpu.log 2>&1
-    rc=$?
-    summary+=("conf cpu (16 cores): rc=$rc, $(grep -c 'FAIL' $O/conf_cpu.log) FAIL lines, $(( $(date +%s) - s1 )) s")
     ;;
   sweep)
     timeout 420 python3 tools/reference/make_conformance_sweep.py --out "$OUT" > $O/sweep.log 2>&1
