@@ -9,11 +9,12 @@ exit of loom-conformance kills a mutant; a mutant that does not compile is disca
 (equivalent mutants) are listed with a justification in --equivalent and left out of the score.
 
   tools/mutation/mutate.py --source tests/planted/planted.c --provider planted --env LOOM_PLANTED=none \\
-      --conformance build/apps/loom-conformance --max 200 --seed 1 -j 2 --results mutation.json \\
-      --equivalent tools/mutation/equivalent_planted.txt
+      --skip 'plant ==' --conformance build/loom-conformance --max 200 --seed 1 -j 2 \\
+      --results mutation.json --equivalent tools/mutation/equivalent_planted.txt
 
 Mutated: the functions an op-table kernel reaches, except the op table's supports() functions (declining a call is
-always allowed, so a supports() mutant can only decline more) and lines that report errors (fail(...)).
+always allowed, so a supports() mutant can only decline more), one-line functions, lines that report errors
+(fail(...)) and lines matching --skip (the planted library's plants, and the blocks they open).
 Deterministic for a --seed; --results makes a run resumable (mutants already judged by the same loom-conformance
 binary are not rerun). Python 3 standard library only. docs/PROVIDERS.md ("Mutation score") has the figures.
 """
@@ -383,9 +384,12 @@ def build(source_text, mutant, workdir, args):
 
 
 def judge(lib, ops, args, env):
-    """('killed', how) at the first op whose conformance run fails, crashes, hangs or errors; else ('survived', '')."""
-    for op in ops:
+    """('killed', how) at the first op (and --dtype) whose conformance run fails, crashes, hangs or errors; else
+    ('survived', '')."""
+    for op, dtype in [(op, dt) for op in ops for dt in (args.dtypes or [None])]:
         cmd = [args.conformance, "--provider", args.provider, "--load", lib, "--op", op] + args.suite_args
+        if dtype:
+            cmd += ["--dtype", dtype]
         try:
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                                env=env, timeout=args.timeout, errors="replace")
@@ -437,8 +441,8 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--source", required=True, help="the kernel library's C file")
     p.add_argument("--provider", required=True, help="the provider name the library registers")
-    p.add_argument("--conformance", default=os.path.join(root, "build", "apps", "loom-conformance"),
-                   help="the loom-conformance executable (default: build/apps/loom-conformance)")
+    p.add_argument("--conformance", default=os.path.join(root, "build", "loom-conformance"),
+                   help="the loom-conformance executable (default: build/loom-conformance)")
     p.add_argument("--include", default=os.path.join(root, "include", "loom", "abi"),
                    help="the folder of loom_kernel_abi.h")
     p.add_argument("--cc", default=os.environ.get("CC", "cc"), help="the C compiler (default: $CC or cc)")
@@ -448,7 +452,10 @@ def main():
                    help="an extra loom-conformance argument (repeatable), e.g. --suite-arg=--reference=none")
     p.add_argument("--skip", metavar="REGEX",
                    help="lines of code matching REGEX, and the blocks they open, are not mutated (the planted "
-                        "library's plants: --skip '\\bplant\\b')")
+                        "library's plants: --skip 'plant ==')")
+    p.add_argument("--dtype", action="append", default=[], dest="dtypes", metavar="DTYPE",
+                   help="run each op's cases for this dtype alone, in the order given (repeatable): a mutant killed "
+                        "in the first is not run in the next (default: every dtype in one run)")
     p.add_argument("--seed", type=int, default=1, help="the sample and the SIZE mutants' sizes (default 1)")
     p.add_argument("--max", type=int, default=0, help="run a sample of this many mutants (default 0: all)")
     p.add_argument("--function", action="append", default=[], help="only mutants in this function (repeatable)")
@@ -495,8 +502,10 @@ def main():
             die("--only: no mutant " + ", ".join(sorted(unknown)) + " in " + rel)
         mutants = [m for m in mutants if m["id"] in args.only]
     if args.max and len(mutants) > args.max:
-        keep = set(random.Random(args.seed).sample(range(len(mutants)), args.max))
-        mutants = [m for i, m in enumerate(mutants) if i in keep]
+        # A seeded order of all the selected mutants, cut at --max: a larger --max takes the same ones and more.
+        order = sorted(mutants, key=lambda m: hashlib.sha1(("%d:%s" % (args.seed, m["id"])).encode()).hexdigest())
+        keep = {m["id"] for m in order[:args.max]}
+        mutants = [m for m in mutants if m["id"] in keep]
     if args.list:
         for m in mutants:
             print("%s %s:%d %-6s %s: %s  ->  %s" % (m["id"], m["file"], m["line"], m["class"], ",".join(m["ops"]),
@@ -537,13 +546,20 @@ def main():
         lib, log = build(text, None, base_dir, args)
         if lib is None:
             die(rel + " does not build:\n" + log)
-        start = time.time()
-        status, how = judge(lib, ops, args, env)
-        if status != "survived":
-            die("the unmutated library fails the suite (" + how + "): mutants cannot be judged. Rerun: " +
-                " ".join([args.conformance, "--provider", args.provider, "--load", lib]))
-        print("original %s passes %s (%.1f s); %d mutants to judge (of %d made), -j %d" %
-              (rel, ", ".join(ops), time.time() - start, len(mutants), total_made, args.jobs), flush=True)
+        seconds = {}
+        for op in ops:
+            start = time.time()
+            status, how = judge(lib, [op], args, env)
+            if status != "survived":
+                die("the unmutated library fails the suite (" + how + "): mutants cannot be judged. Rerun: " +
+                    " ".join([args.conformance, "--provider", args.provider, "--load", lib, "--op", op]))
+            seconds[op] = time.time() - start
+        # A mutant's ops are tried fastest first: most mutants of a shared helper die in the first.
+        for m in mutants:
+            m["ops"] = sorted(m["ops"], key=lambda op: seconds[op])
+        print("original %s passes %s; %d mutants to judge (of %d made), -j %d" %
+              (rel, ", ".join("%s (%.1f s)" % (op, seconds[op]) for op in ops), len(mutants), total_made,
+               args.jobs), flush=True)
 
         lock = threading.Lock()
         results = {}
