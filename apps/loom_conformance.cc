@@ -4,6 +4,8 @@
 //   loom-conformance --provider native --device cuda [--fuzz 200 --seed 7]
 //   loom-conformance --provider acme --op gemm --dtype bf16 --case 41     (rerun one case, as a failure prints it)
 //   loom-conformance --describe [OP]          (each op's arguments, dtypes, shapes and attributes: what a case is)
+//   loom-conformance --provider acme --coverage [--op gemm]   (per op and dtype: the parameters, their values, the
+//                                             cases, and the value pairs only declined cases hold: what was tested)
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
 //   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
 //   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
@@ -111,7 +113,7 @@ int main(int argc, char** argv) {
   std::string reference_file, describe_op;
   std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
-  bool verify = false, list_verified = false;
+  bool verify = false, list_verified = false, coverage = false;
   std::string verify_cache;
   int fuzz = 0, case_index = -1;
   uint64_t seed = 1;
@@ -128,6 +130,9 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
   app.add_option("--case", case_index, "run only this case of --op and --dtype (what a failure's rerun line gives)");
   app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
+  app.add_flag("--coverage", coverage,
+               "print, per op and dtype, the parameters of the generated cases with how many accepted cases hold each "
+               "value, the number of cases, and the value pairs held only by cases the provider declines; no case runs");
   app.add_option("--reference", reference,
                  "auto: the stored PyTorch cases too when their file exists (default); pytorch: only them; none")
       ->check(CLI::IsMember({"auto", "pytorch", "none"}));
@@ -155,8 +160,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (describe) {
-      for (const auto* s : loom::op_schemas())
-        if (describe_op.empty() || s->name == describe_op) std::cout << s->str() << "\n";
+      for (const auto* s : loom::op_schemas()) {
+        if (!describe_op.empty() && s->name != describe_op) continue;
+        std::cout << s->str() << "\n";
+        if (describe_op.empty()) continue;
+        for (const auto& t : s->tensors) {  // one op: what the suite draws and where an output may sit
+          std::string classes;
+          for (auto v : s->value_classes_of(t)) classes += std::string(classes.empty() ? "" : ", ") + loom::value_class_name(v);
+          if (is_input(t.role) || t.role == loom::ArgRole::kInPlace) std::cout << "  " << t.name << " values: " << classes << "\n";
+          for (const auto& in : t.may_alias) std::cout << "  " << t.name << " may be " << in << " (same memory)\n";
+        }
+        if (!s->special_contract.empty()) std::cout << "  special values: " << s->special_contract << "\n";
+      }
       return 0;
     }
     loom::providers::load_from_env();
@@ -197,6 +212,10 @@ int main(int argc, char** argv) {
     o.generated = !no_generated;
     if (!op_filter.empty()) o.ops = {op_filter};
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
+    if (coverage) {
+      std::cout << loom::conformance::coverage_table(loom::conformance::suite_coverage(o));
+      return 0;
+    }
     std::string rerun = "loom-conformance --provider " + provider + " --device " + o.device.str();
     for (const auto& lib : libraries) rerun += " --load " + lib;
     for (const auto& lib : diopi_libraries) rerun += " --load-diopi " + lib;

@@ -31,7 +31,9 @@ inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
     s.in("grad_loss", "", DTypeRule::kStats).shape_fn([](const SuiteCase& c) {
       return c.attr_int("reduction") == 2 ? Shape{c.dim("N")} : Shape{};
     });
-  return s.in("logits", "N V").in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
+  return s.in("logits", "N V")
+      .value_classes({ValueClass::kNormal, ValueClass::kLogits, ValueClass::kSpecial, ValueClass::kTiny})
+      .in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
 }
 inline OpSchema& cross_entropy_schema_finish(OpSchema& s, bool scalar_only) {
   return s.attr("ignore_index", {-100.0, 1.0})
@@ -77,7 +79,7 @@ using CrossEntropyWithGradKernel = void(const DeviceContext&, const Tensor& logi
 LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel,
                 cross_entropy_schema_finish(cross_entropy_schema_start(false).out("loss", "", DTypeRule::kStats)
                                                 .out("grad_logits", "N V"), true)
-                    .abi_since(1));
+                    .may_alias("grad_logits", "logits").abi_since(1));
 
 // grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a one-element tensor of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of

@@ -12,23 +12,30 @@
 
 namespace loom {
 
-// The descriptions of the families: every tensor has out's shape [A B C]; inputs may be broadcast or strided views,
-// out may be a strided view.
+// The descriptions of the families: every tensor has out's shape [A B C] (A may be 0: an empty tensor); inputs may
+// be broadcast or strided views, out may be a strided view or an input itself (element for element).
+inline constexpr const char* kElementwiseSpecialValues =
+    "IEEE, as the float64 function: NaN in gives NaN out, inf follows the function's limit, an overflow of the "
+    "output dtype rounds to inf; -0.0 and denormals are values (no flush to zero needed: within tolerance)";
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
   return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values).out("out", "A B C")
-      .layout(Layout::kStrided).row_dim("C");
+      .layout(Layout::kStrided).may_alias("out", "x").row_dim("C").dim("A", {0})
+      .special_values(kElementwiseSpecialValues);
 }
 inline OpSchema unary_backward_schema() {
   return OpSchema().in("grad", "A B C").layout(Layout::kBroadcast).in("saved", "A B C").layout(Layout::kBroadcast)
-      .out("grad_x", "A B C").layout(Layout::kStrided).row_dim("C");
+      .out("grad_x", "A B C").layout(Layout::kStrided).may_alias("grad_x", "grad").may_alias("grad_x", "saved")
+      .row_dim("C").dim("A", {0}).special_values(kElementwiseSpecialValues);
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .values(b_values).out("out", "A B C").layout(Layout::kStrided).row_dim("C");
+      .values(b_values).out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
+      .row_dim("C").dim("A", {0}).special_values(kElementwiseSpecialValues);
 }
 inline OpSchema compare_schema() {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C");
+      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C").dim("A", {0})
+      .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number");
 }
 inline OpSchema scalar_schema(std::initializer_list<double> values, Values x_values = Values::kUniform) {
   return unary_schema(x_values).attr("value", values);
@@ -69,7 +76,8 @@ LOOM_DECLARE_OP(minimum, BinaryKernel, binary_schema());
 // strides, out's shape and dtype).
 LOOM_DECLARE_OP(swiglu, BinaryKernel,
                 OpSchema().in("gate", "A B C").layout(Layout::kStrided).in("up", "A B C").layout(Layout::kStrided)
-                    .out("out", "A B C").layout(Layout::kStrided));
+                    .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "gate").may_alias("out", "up")
+                    .special_values(kElementwiseSpecialValues));
 // Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
 // contiguous with one shape and dtype; an undefined grad_gate or grad_up is not computed (at least one is defined).
 using SwigluBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
@@ -119,7 +127,8 @@ using WhereKernel = void(const DeviceContext&, const Tensor& cond, const Tensor&
 LOOM_DECLARE_OP(where, WhereKernel,
                 OpSchema().in("cond", "A B C", DTypeRule::kBool).layout(Layout::kBroadcast).values(Values::kBits)
                     .in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-                    .out("out", "A B C").layout(Layout::kStrided));
+                    .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
+                    .special_values(kElementwiseSpecialValues));
 
 // Dropout keeps element i (in row-major order) when philox_uniform(state, i) >= p and scales it by 1/(1-p); the
 // backward regenerates the same mask from the state. Input and output are contiguous; 0 <= p < 1.
