@@ -5,15 +5,17 @@ Takes a correct kernel library written against the C ABI (include/loom/abi/loom_
 kernels (one small change each, by class), builds each as a shared library with cc (as plugins/cpu_sample does),
 runs `loom-conformance --provider NAME --load LIB --op OP` for each op the changed function serves (stopping at the
 first op that fails), and reports the share of mutants killed. A FAIL, a crash, a hang (past --timeout) or an error
-exit of loom-conformance kills a mutant; a mutant that does not compile is discarded. Survivors that cannot be wrong
-(equivalent mutants) are listed with a justification in --equivalent and left out of the score.
+exit of loom-conformance kills a mutant; a mutant that does not compile is discarded; one that passes but declines
+more cases than the original (a supports() check made stricter) is reported apart and not scored, as a library may
+decline any call. Survivors that cannot be wrong (equivalent mutants) are listed with a justification in
+--equivalent and left out of the score.
 
   tools/mutation/mutate.py --source tests/planted/planted.c --provider planted --env LOOM_PLANTED=none \\
       --skip 'plant ==' --conformance build/loom-conformance --max 200 --seed 1 -j 2 \\
       --results mutation.json --equivalent tools/mutation/equivalent_planted.txt
 
-Mutated: the functions an op-table kernel reaches, except the op table's supports() functions (declining a call is
-always allowed, so a supports() mutant can only decline more), one-line functions, lines that report errors
+Mutated: the functions an op-table kernel reaches, except the op table's supports() functions and the functions they
+call (declining a call is always allowed, so a mutant there mostly declines more), one-line functions, lines that report errors
 (fail(...)) and lines matching --skip (the planted library's plants, and the blocks they open).
 Deterministic for a --seed; --results makes a run resumable (mutants already judged by the same loom-conformance
 binary are not rerun). Python 3 standard library only. docs/PROVIDERS.md ("Mutation score") has the figures.
@@ -331,9 +333,11 @@ def make_mutants(path, text, seed, skip=None):
         die(path + ": no LoomOpEntry table found (expected {sizeof(LoomOpEntry), device, \"op\", dtypes, priority, "
             "fn, supports, ...} entries)")
     reach = reachable_ops(funcs, code_lines, kernels)
+    # Functions a supports() reaches decide which calls are declined, which a library may do for any call.
+    declining = set(reachable_ops(funcs, code_lines, {s: ["-"] for s in supports}))
     mutants = []
     for name, first, body, last in funcs:
-        if name not in reach or name in supports:
+        if name not in reach or name in supports or name in declining:
             continue
         func_text = "\n".join(code_lines[body:last + 1])
         tensor_names = set(re.findall(r"\b(\w+)\s*->\s*(?:strides|shape|data|dtype|rank)\b", func_text))
@@ -383,9 +387,25 @@ def build(source_text, mutant, workdir, args):
     return lib if r.returncode == 0 else None, r.stdout
 
 
-def judge(lib, ops, args, env):
+DECLINED = re.compile(r"(\d+) declined|declined (\d+)")
+
+
+def count_declined(output):
+    """The declined cases over a loom-conformance table's rows."""
+    n = 0
+    for line in output.splitlines():
+        m = DECLINED.search(line)
+        if m and not line.startswith(" "):
+            n += int(m.group(1) or m.group(2))
+    return n
+
+
+def judge(lib, ops, args, env, baseline=None):
     """('killed', how) at the first op (and --dtype) whose conformance run fails, crashes, hangs or errors; else
-    ('survived', '')."""
+    ('declines', how) when it passes but declines more cases than the original (baseline: {(op, dtype): declined}),
+    else ('survived', ''). Without a baseline, (status, how, {(op, dtype): declined})."""
+    declined = {}
+    more = []
     for op, dtype in [(op, dt) for op in ops for dt in (args.dtypes or [None])]:
         cmd = [args.conformance, "--provider", args.provider, "--load", lib, "--op", op] + args.suite_args
         if dtype:
@@ -396,6 +416,10 @@ def judge(lib, ops, args, env):
         except subprocess.TimeoutExpired:
             return "killed", op + ": hang (over %d s)" % args.timeout
         if r.returncode == 0:
+            declined[(op, dtype)] = count_declined(r.stdout)
+            if baseline is not None and declined[(op, dtype)] > baseline.get((op, dtype), 0):
+                more.append("%s%s: %d declined, %d before" % (op, " " + dtype if dtype else "", declined[(op, dtype)],
+                                                              baseline.get((op, dtype), 0)))
             continue
         if r.returncode < 0:
             return "killed", op + ": crash (signal %d)" % -r.returncode
@@ -405,14 +429,28 @@ def judge(lib, ops, args, env):
             return "killed", op + ": " + row
         tail = r.stdout.strip().splitlines()[-1:] or [""]
         return "killed", op + ": error exit %d (%s)" % (r.returncode, tail[0][:120])
+    if baseline is None:
+        return "survived", "", declined
+    if more:
+        return "declines", "; ".join(more)
     return "survived", ""
 
 
-def sha1_file(path):
+def suite_fingerprint(exe, env):
+    """A hash of loom-conformance and the Loom libraries it loads (the suite lives in libloom): results made with
+    another build are judged again."""
+    files = [exe]
+    try:
+        r = subprocess.run(["ldd", exe], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True,
+                           env=env)
+        files += sorted(m for m in re.findall(r"=>\s*(\S*libloom\S*)", r.stdout))
+    except OSError:
+        pass
     h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for path in files:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -523,7 +561,7 @@ def main():
     for kv in args.env:
         k, v = kv.split("=", 1)
         env[k] = v
-    suite = sha1_file(args.conformance)
+    suite = suite_fingerprint(args.conformance, env)
 
     previous = {}
     if args.results and os.path.exists(args.results) and not args.fresh:
@@ -546,10 +584,11 @@ def main():
         lib, log = build(text, None, base_dir, args)
         if lib is None:
             die(rel + " does not build:\n" + log)
-        seconds = {}
+        seconds, baseline = {}, {}
         for op in ops:
             start = time.time()
-            status, how = judge(lib, [op], args, env)
+            status, how, declined = judge(lib, [op], args, env)
+            baseline.update(declined)
             if status != "survived":
                 die("the unmutated library fails the suite (" + how + "): mutants cannot be judged. Rerun: " +
                     " ".join([args.conformance, "--provider", args.provider, "--load", lib, "--op", op]))
@@ -575,7 +614,8 @@ def main():
             os.replace(tmp_path, args.results)
 
         def run_one(m):
-            if m["id"] in previous and previous[m["id"]].get("mutated") == m["mutated"]:
+            if m["id"] in previous and previous[m["id"]].get("mutated") == m["mutated"] and \
+                    (previous[m["id"]]["status"] != "survived" or previous[m["id"]].get("declines_checked")):
                 r = dict(previous[m["id"]])
                 r.update({"line": m["line"], "file": m["file"]})
                 return r
@@ -587,8 +627,8 @@ def main():
             if lib is None:
                 r.update({"status": "discarded", "how": "does not compile"})
             else:
-                st, how = judge(lib, m["ops"], args, env)
-                r.update({"status": st, "how": how})
+                st, how = judge(lib, m["ops"], args, env, baseline)
+                r.update({"status": st, "how": how, "declines_checked": True})
             r["seconds"] = round(time.time() - t0, 1)
             shutil.rmtree(d, ignore_errors=True)
             return r
@@ -611,6 +651,7 @@ def main():
     killed = [r for r in judged if r["status"] == "killed"]
     survived = [r for r in judged if r["status"] == "survived"]
     discarded = [r for r in judged if r["status"] == "discarded"]
+    declines = [r for r in judged if r["status"] == "declines"]
     eq_survivors = [r for r in survived if r["id"] in equivalent]
     live = [r for r in survived if r["id"] not in equivalent]
     for r in killed:
@@ -621,9 +662,9 @@ def main():
     score = 100.0 * len(killed) / scored if scored else 100.0
     print()
     print("mutation score of %s against %s: %.1f%% (%d killed of %d non-equivalent mutants; %d equivalent, "
-          "%d discarded as not compiling; %d of %d mutants made, seed %d)" %
-          (rel, os.path.basename(args.conformance), score, len(killed), scored, len(eq_survivors), len(discarded),
-           len(mutants), total_made, args.seed))
+          "%d only decline more calls; %d discarded as not compiling; %d of %d mutants made, seed %d)" %
+          (rel, os.path.basename(args.conformance), score, len(killed), scored, len(eq_survivors), len(declines),
+           len(discarded), len(mutants), total_made, args.seed))
     by_class = {}
     for r in killed + live:
         k = by_class.setdefault(r["class"], [0, 0])
@@ -634,6 +675,11 @@ def main():
         for r in sorted(live, key=lambda r: r["line"]):
             print("  %s %s:%d %s [%s] %s  ->  %s" % (r["id"], r["file"], r["line"], r["class"], ",".join(r["ops"]),
                                                     r["original"], r["mutated"]))
+    if declines:
+        print("only decline more calls (not scored: supports() may decline any call; the rows say 'declined'):")
+        for r in sorted(declines, key=lambda r: r["line"]):
+            print("  %s %s:%d %s: %s  ->  %s  (%s)" % (r["id"], r["file"], r["line"], r["class"], r["original"],
+                                                      r["mutated"], r["how"]))
     if eq_survivors:
         print("equivalent (not scored):")
         for r in sorted(eq_survivors, key=lambda r: r["line"]):
