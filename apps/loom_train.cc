@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/common/error.h"
+#include "loom/io/json_file.h"
 #include "loom/train/trainer.h"
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
@@ -34,9 +35,9 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
     }
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw CLI::ConversionError("--config: not valid JSON: " + std::string(e.what()));
+      j = loom::io::parse_json(text, "--config");
+    } catch (const loom::Error& e) {
+      throw CLI::ConversionError(e.what());
     }
     std::vector<CLI::ConfigItem> items;
     for (auto& [key, value] : j.items()) {
@@ -46,7 +47,7 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
         if (v.is_string()) return v.get<std::string>();
         if (v.is_boolean() || v.is_number()) return v.dump();
         throw CLI::ConversionError("--config: '" + key + "' must be a string, number, boolean or a list of them, got " +
-                                   v.dump());
+                                   loom::io::json_excerpt(v));
       };
       if (value.is_array())
         for (const auto& v : value) item.inputs.push_back(text_of(v));

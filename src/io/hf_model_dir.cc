@@ -1,4 +1,5 @@
 // Hugging Face model directories: config.json, model.safetensors or indexed shards, tokenizer files.
+#include "loom/io/json_file.h"
 #include "loom/io/hf_model_dir.h"
 
 #include <cstdio>
@@ -38,18 +39,13 @@ bool plain_file_name(const std::string& name) {
 
 // The shards and, per shard, the tensor names model.safetensors.index.json maps to it.
 std::map<std::string, std::vector<std::string>> read_index(const fs::path& index_path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_text(index_path));
-  } catch (const nlohmann::json::exception& e) {
-    LOOM_THROW("'", index_path.string(), "': invalid JSON: ", e.what());
-  }
+  const nlohmann::json j = io::read_json_file(index_path.string());
   LOOM_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), "'", index_path.string(),
                "' has no \"weight_map\" object (name -> shard file)");
   std::map<std::string, std::vector<std::string>> shards;
   for (auto& [name, file] : j["weight_map"].items()) {
     LOOM_REQUIRE(file.is_string() && plain_file_name(file.get<std::string>()), "'", index_path.string(),
-                 "': tensor '", name, "' maps to ", file.dump(), ", not a file name in the directory");
+                 "': tensor '", name, "' maps to ", io::json_excerpt(file), ", not a file name in the directory");
     shards[file.get<std::string>()].push_back(name);
   }
   LOOM_REQUIRE(!shards.empty(), "'", index_path.string(), "': \"weight_map\" is empty");

@@ -39,6 +39,7 @@
 #include "loom/optim/lr_schedule.h"
 #include "loom/optim/optimizer.h"
 #include "loom/train/checkpoint.h"
+#include "loom/io/json_file.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/phase_timer.h"
 #include "io/json_numbers.h"
@@ -112,10 +113,11 @@ std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const st
 std::string config_difference(const nlohmann::json& saved, const nlohmann::json& mine) {
   for (auto& [k, v] : saved.items())
     if (!mine.contains(k) || mine.at(k) != v)
-      return "'" + k + "' is " + v.dump() + " in the checkpoint, " + (mine.contains(k) ? mine.at(k).dump() : "absent") +
+      return "'" + k + "' is " + io::json_excerpt(v) + " in the checkpoint, " +
+             (mine.contains(k) ? io::json_excerpt(mine.at(k)) : "absent") +
              " here";
   for (auto& [k, v] : mine.items())
-    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + v.dump() + " here";
+    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + io::json_excerpt(v) + " here";
   return "";
 }
 
@@ -169,7 +171,7 @@ nlohmann::json run_settings(const TrainOptions& o, int64_t schedule_steps, int64
   return j;
 }
 
-std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : io::json_excerpt(v); }
 
 // Merges saved settings into `o` (see RunSetting). changes == nullptr: takes every saved value (the saved run's
 // options). Otherwise each change taken is described in *changes and a refused one throws naming its flag.
@@ -192,8 +194,8 @@ void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<st
         changes->push_back(s.note ? line + " (" + s.note + ")" : line);
       }
     } catch (const nlohmann::json::exception& e) {
-      LOOM_THROW("resume: '", path, "' has corrupt state metadata: settings '", s.flag, "' is ", old.dump(), ": ",
-                 e.what());
+      LOOM_THROW("resume: '", path, "' has corrupt state metadata: settings '", s.flag, "' is ", io::json_excerpt(old), ": ",
+                 io::json_error_text(e));
     }
   }
 }
@@ -242,7 +244,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                                                                                                     : opts_.model);
   if (!saved_config.empty() && model_given) {  // --model with --resume: the same model, or one error naming the key
     const std::string difference =
-        config_difference(nlohmann::json::parse(saved_config), nlohmann::json::parse(cfg.to_json()));
+        config_difference(io::parse_json(saved_config, "resume: '" + resume_path_ + "': config"),
+                          nlohmann::json::parse(cfg.to_json()));
     LOOM_REQUIRE(difference.empty(), "resume: '", resume_path_, "' was saved from another model than --model ",
                  opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
   }
@@ -900,7 +903,7 @@ std::string Trainer::adopt_checkpoint_settings(const std::string& path) {
                 << "line's are used\n";
     return config_json;
   }
-  const nlohmann::json saved = nlohmann::json::parse(st.settings_json);
+  const nlohmann::json saved = io::parse_json(st.settings_json, "resume: settings");
   // What the schedule gave at the resume step, before the settings change (for the line that shows a jump).
   auto schedule_of = [](const TrainOptions& o) {
     return optim::LrSchedule(o.decay, o.lr, o.warmup_steps, o.schedule_steps > 0 ? o.schedule_steps : o.steps,
@@ -965,7 +968,7 @@ void Trainer::load_full_parameters(const std::vector<std::pair<std::string, Tens
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path) {
   CheckpointState st;
   try {
-    const nlohmann::json meta = nlohmann::json::parse(state_json);
+    const nlohmann::json meta = io::parse_json(state_json, "resume: '" + path + "': state metadata");
     const auto& l = meta.at("loader");
     const auto& rng = meta.at("rng");
     st.step = io::json_int(meta.at("step"));
@@ -977,11 +980,11 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
     st.rng_offset = io::json_uint(rng.at("offset"));
     if (meta.contains("settings")) {
       LOOM_REQUIRE(meta.at("settings").is_object(), "resume: '", path, "' has corrupt state metadata: settings is ",
-                   meta.at("settings").dump(), ", not an object");
+                   io::json_excerpt(meta.at("settings")), ", not an object");
       st.settings_json = meta.at("settings").dump();
     }
   } catch (const nlohmann::json::exception& e) {  // not JSON, an entry missing or of the wrong type
-    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
+    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", io::json_error_text(e));
   }
   LOOM_REQUIRE(st.step >= 0 && st.shard_index >= 0 && st.batch_offset >= 0 && st.epoch >= 0, "resume: '", path,
                "' has corrupt state metadata: a negative step (", st.step, ") or data position (shard ",
@@ -1180,7 +1183,7 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
       io::SafetensorsReader f((tmp / meta.files.back()).string());
       const auto& md = f.metadata();
       LOOM_REQUIRE(md.count("pieces"), "save_checkpoint: '", f.path(), "' lacks its pieces");
-      const nlohmann::json held = nlohmann::json::parse(md.at("pieces"));  // outlives the loop over its items
+      const nlohmann::json held = io::parse_json(md.at("pieces"), "save_checkpoint: '" + f.path() + "': pieces");  // outlives the loop over its items
       for (auto& [name, q] : held.items()) {
         auto it = index_of.find(name);  // every rank's model has every name (a pipeline stage's others as stand-ins)
         LOOM_REQUIRE(it != index_of.end(), "save_checkpoint: rank ", r, " saved parameter '", name,
@@ -1216,7 +1219,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   const std::string difference =
-      config_difference(nlohmann::json::parse(meta.config_json), nlohmann::json::parse(model_->config().to_json()));
+      config_difference(io::parse_json(meta.config_json, "checkpoint config"), nlohmann::json::parse(model_->config().to_json()));
   LOOM_REQUIRE(difference.empty(), "resume: '", dir, "' was saved from another model: config ", difference,
                " (a checkpoint reshards to any world size and layout, but not to another model)");
   const int64_t tp = tp_group_->size(), tp_rank = tp_group_->rank(), dp = dp_group_->size();
