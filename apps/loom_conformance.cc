@@ -23,6 +23,9 @@
 #include <iomanip>
 #include <iostream>
 
+#include "checked_options.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/core/dispatch.h"
 #include "loom/providers.h"
@@ -106,6 +109,7 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
   std::string reference_file, describe_op;
@@ -148,6 +152,7 @@ int main(int argc, char** argv) {
                  "the verified-routing cache file (default: LOOM_VERIFY_CACHE, else ~/.cache/loom/verified.json)");
   app.add_flag("--list-verified", list_verified,
                "print the recorded verified-routing results for the loaded providers on --device, and exit");
+  loom::apps::check_integer_options(app);
   CLI11_PARSE(app, argc, argv);
   describe = describe_flag->count() > 0;
 
@@ -257,9 +262,7 @@ int main(int argc, char** argv) {
                 << "; recorded in " << (path.empty() ? "(memory only: no cache path)" : path) << "\n";
     }
     if (!json_path.empty()) {
-      std::ofstream os(json_path);
-      os << loom::conformance::suite_json(results, o) << "\n";
-      if (!os) throw loom::Error("cannot write " + json_path);
+      loom::io::write_file_atomic(json_path, loom::conformance::suite_json(results, o) + "\n");
     }
     if (results.empty())
       throw loom::Error("no case ran: provider '" + provider + "' has no kernel on " + o.device.str() +

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checked_options.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/json_file.h"
 #include "loom/train/trainer.h"
@@ -60,6 +62,7 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
 };
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
   app.set_config("--config", "", "read flags from a JSON object or TOML file (keys: long flag names without dashes; "
@@ -201,6 +204,7 @@ int main(int argc, char** argv) {
   app.add_option("--load-diopi", diopi_libraries,
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
+  loom::apps::check_integer_options(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

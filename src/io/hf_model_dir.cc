@@ -1,4 +1,5 @@
 // Hugging Face model directories: config.json, model.safetensors or indexed shards, tokenizer files.
+#include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/io/hf_model_dir.h"
 
@@ -62,6 +63,7 @@ bool is_hf_model_dir(const std::string& path) {
 }
 
 HfModelDir read_hf_model_dir(const std::string& dir) {
+  note_input(dir);
   LOOM_REQUIRE(is_hf_model_dir(dir), "'", dir, "' is not a Hugging Face model directory (no config.json in it)");
   HfModelDir d;
   d.dir = dir;
@@ -208,13 +210,11 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
   check_hf_export_dir(dir, opts);
   std::error_code ec;
   if (fs::exists(dir, ec)) {
-    // Old weights would be read instead of, or mixed with, the new ones.
-    for (const auto& entry : fs::directory_iterator(dir)) {
-      const std::string name = entry.path().filename().string();
-      const bool shard = name.rfind("model-", 0) == 0 && name.size() > 12 &&
-                         name.compare(name.size() - 12, 12, ".safetensors") == 0;
-      if (name == kHfWeightsFile || name == kHfIndexFile || shard) fs::remove(entry.path());
-    }
+    check_output_dir(dir);  // nothing this run read is in it
+    // An old model.safetensors would be read instead of the new shards' index, an old index instead of the new
+    // model.safetensors: both go. Other files (shards of another export among them) are not this export's to remove;
+    // the new index names only the new shards, and the files written here replace theirs.
+    for (const char* name : {kHfWeightsFile, kHfIndexFile}) fs::remove(fs::path(dir) / name, ec);
   } else {
     fs::create_directories(dir);
   }

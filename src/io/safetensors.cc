@@ -1,4 +1,5 @@
 // safetensors reading and writing with nlohmann-json for the header.
+#include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/io/safetensors.h"
 
@@ -172,6 +173,7 @@ void check_bools(const Tensor& t, const std::string& path, const std::string& na
 }  // namespace
 
 SafetensorsFile load_safetensors_file(const std::string& path) {
+  note_input(path);
   std::ifstream in(path, std::ios::binary);
   ParsedHeader header = parse_header(in, path);
   SafetensorsFile result;

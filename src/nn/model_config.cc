@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/nn/model.h"
 
@@ -94,6 +95,7 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
   LOOM_REQUIRE(std::filesystem::is_regular_file(file, ec), "model config '", file, "' is not a regular file");
   std::ifstream f(file, std::ios::binary);
   LOOM_REQUIRE(f.good(), "model config '", file, "' cannot be opened");
+  io::note_input(file);
   std::stringstream ss;
   ss << f.rdbuf();
   try {

@@ -1,4 +1,5 @@
 // Sharded checkpoints: the format (meta.json), the resharding arithmetic and the readers (loom/train/checkpoint.h).
+#include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/train/checkpoint.h"
 
@@ -209,7 +210,9 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
     LOOM_THROW("checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": ", io::json_error_text(e));
   }
   const CheckpointLayout& l = m.layout;
-  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.world == l.pp * l.dp * l.tp && l.zero >= 0 &&
+  int64_t pp_dp = 0, pp_dp_tp = 0;  // in 64 bits without overflow: the sizes come from the file
+  const bool layout_fits = !__builtin_mul_overflow(l.pp, l.dp, &pp_dp) && !__builtin_mul_overflow(pp_dp, l.tp, &pp_dp_tp);
+  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && layout_fits && l.world == pp_dp_tp && l.zero >= 0 &&
                    l.zero <= 3 &&
                    int64_t(m.files.size()) == l.world && m.step >= 0 && m.optimizer_step >= 0,
                "checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": layout world ", l.world, " = pp ",
@@ -278,6 +281,13 @@ ShardedCheckpointReader::ShardedCheckpointReader(std::string dir)
   std::stringstream text;
   text << in.rdbuf();
   meta_ = CheckpointMeta::parse(text.str(), meta_path.string());
+  io::note_input(dir_);
+  // Every rank file the metadata names is there (a partial copy would otherwise fail mid-load, or not at all when
+  // a rank's pieces are never read).
+  std::error_code ec;
+  for (const std::string& f : meta_.files)
+    LOOM_REQUIRE(fs::is_regular_file(fs::path(dir_) / f, ec), "checkpoint: '", dir_, "': ", kCheckpointMetaFile,
+                 " names rank file '", f, "', which is not there (an incomplete copy?)");
 }
 
 ShardedCheckpointReader::~ShardedCheckpointReader() = default;
