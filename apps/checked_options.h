@@ -40,3 +40,25 @@ inline void check_integer_options(CLI::App& app) {
 }
 
 }  // namespace loom::apps
+
+#include <filesystem>
+#include <new>
+
+namespace loom::apps {
+
+// An exception as the one line an app prints after "APP: error: ": the library's own text, with what a standard
+// library or JSON exception says put in Loom's words ("filesystem error: ..." names the path, bad_alloc says memory).
+inline std::string error_text(const std::exception& e) {
+  if (const auto* fe = dynamic_cast<const std::filesystem::filesystem_error*>(&e)) {
+    std::string m = "'" + fe->path1().string() + "'";
+    if (!fe->path2().empty()) m += " -> '" + fe->path2().string() + "'";
+    return m + ": " + fe->code().message();
+  }
+  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (is the model or the batch larger than this machine?)";
+  if (dynamic_cast<const std::length_error*>(&e)) return "a size too large for this machine's memory";
+  std::string m = e.what();
+  if (m.rfind("[json.exception.", 0) == 0 && m.find("] ") != std::string::npos) m = m.substr(m.find("] ") + 2);
+  return m;
+}
+
+}  // namespace loom::apps

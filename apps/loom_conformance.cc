@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
     std::cout << (failed ? "FAILED" : "every case passed or was declined") << "\n";
     return failed ? 1 : 0;
   } catch (const std::exception& e) {
-    std::cerr << "loom-conformance: " << e.what() << "\n";
+    std::cerr << "loom-conformance: " << loom::apps::error_text(e) << "\n";
     return 2;
   }
 }

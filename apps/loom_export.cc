@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
       std::cout << "\nloom-export: " << r.tokenizer_note << std::endl;
     }
   } catch (const std::exception& e) {  // loom::Error, a malformed checkpoint's metadata, a directory that cannot be made
-    std::cerr << "loom-export: error: " << e.what() << std::endl;
+    std::cerr << "loom-export: error: " << loom::apps::error_text(e) << std::endl;
     return 1;
   }
   return 0;

@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
                  made > 1 && decode_s > 0 ? double(made - 1) / decode_s : 0.0);
   } catch (const std::exception& e) {
     std::cout.flush();
-    std::cerr << "loom-generate: error: " << e.what() << std::endl;
+    std::cerr << "loom-generate: error: " << loom::apps::error_text(e) << std::endl;
     return 1;
   }
   return 0;

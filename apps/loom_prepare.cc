@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom-prepare: %s\n", e.what());
+    std::fprintf(stderr, "loom-prepare: %s\n", loom::apps::error_text(e).c_str());
     return 1;
   }
   return 0;

@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
     std::cerr << "loom-train: error: out of host memory (is the model or the batch larger than this machine?)\n";
     return 1;
   } catch (const std::exception& e) {  // a directory that cannot be made, a malformed checkpoint: never an abort
-    std::cerr << "loom-train: error: " << without_app_prefix(e.what()) << std::endl;
+    std::cerr << "loom-train: error: " << without_app_prefix(loom::apps::error_text(e)) << std::endl;
     return 1;
   }
   return 0;

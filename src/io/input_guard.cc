@@ -41,7 +41,7 @@ fs::path canonical_of(const std::string& path) {
 
 }  // namespace
 
-void protect_inputs() { enabled = true; }
+void protect_inputs(bool on) { enabled = on; }
 
 void note_input(const std::string& path) {
   if (!enabled || path.empty()) return;

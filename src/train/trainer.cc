@@ -797,16 +797,6 @@ void Trainer::print_phase_summary() const {
 void Trainer::check_checkpoint_targets() const {
   if (opts_.checkpoint_dir.empty() || opts_.overwrite_checkpoints) return;
   std::error_code ec;
-  // Another run's 'latest' would be repointed at this run's checkpoints (and its resume would continue this one).
-  if (std::ifstream f(fs::path(opts_.checkpoint_dir) / "latest"); f) {
-    std::string latest;
-    std::getline(f, latest);
-    const fs::path other = fs::path(opts_.checkpoint_dir) / latest;
-    if (!latest.empty() && fs::exists(other, ec) && checkpoint_run_id(other.string()) != run_id_)
-      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' holds another run's checkpoints (latest: ", latest,
-                 "); resume it (--resume ", opts_.checkpoint_dir, "), choose another --checkpoint-dir, or pass "
-                 "--overwrite-checkpoints");
-  }
   for (fs::directory_iterator it(opts_.checkpoint_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     long n = -1;
@@ -820,6 +810,16 @@ void Trainer::check_checkpoint_targets() const {
     LOOM_THROW("--checkpoint-dir: this run would write over the existing checkpoint '", it->path().string(),
                "' (step ", n, "); resume from it (--resume ", opts_.checkpoint_dir,
                "), choose another --checkpoint-dir, or pass --overwrite-checkpoints");
+  }
+  // Another run's 'latest' would be repointed at this run's checkpoints (and its resume would continue this one).
+  if (std::ifstream f(fs::path(opts_.checkpoint_dir) / "latest"); f) {
+    std::string latest;
+    std::getline(f, latest);
+    const fs::path other = fs::path(opts_.checkpoint_dir) / latest;
+    if (!latest.empty() && fs::exists(other, ec) && checkpoint_run_id(other.string()) != run_id_)
+      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' holds another run's checkpoints (latest: ", latest,
+                 "); resume it (--resume ", opts_.checkpoint_dir, "), choose another --checkpoint-dir, or pass "
+                 "--overwrite-checkpoints");
   }
 }
 
@@ -1073,7 +1073,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   LOOM_REQUIRE(state_it != file.metadata.end(), "resume: '", path, "' has no state metadata");
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(state_it->second, path);
-  if (!st.run_id.empty()) run_id_ = st.run_id;  // a resumed run is the same run
+  run_id_ = st.run_id;  // a resumed run is the same run ("" for checkpoints older than run ids: as before them)
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   auto model_params = full_parameters();  // collective
@@ -1285,7 +1285,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
   const CheckpointMeta& meta = ck.meta();
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(meta.state_json, dir);
-  if (!st.run_id.empty()) run_id_ = st.run_id;  // a resumed run is the same run
+  run_id_ = st.run_id;  // a resumed run is the same run ("" for checkpoints older than run ids: as before them)
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   const std::string difference =

@@ -8,8 +8,8 @@
 
 namespace loom::io {
 
-// Turns the checks on for this process (every app calls it first thing).
-void protect_inputs();
+// Turns the checks on (or off) for this process (every app calls it first thing).
+void protect_inputs(bool on = true);
 // Records that this run read `path` (a file or a directory). Does nothing unless protect_inputs() was called.
 void note_input(const std::string& path);
 // Throws one line when writing `path` would replace an input: the same path, a hard link or a symlink to it.
