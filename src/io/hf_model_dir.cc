@@ -25,6 +25,9 @@ namespace loom::io {
 namespace {
 
 std::string read_text(const fs::path& p) {
+  std::error_code ec;
+  LOOM_REQUIRE(fs::is_regular_file(p, ec), "'", p.string(), "' is ",
+               fs::is_directory(p, ec) ? "a directory" : "not a regular file", ", not a file Loom can read");
   std::ifstream f(p, std::ios::binary);
   LOOM_REQUIRE(f.good(), "cannot read '", p.string(), "'");
   std::stringstream ss;
@@ -79,8 +82,8 @@ HfModelDir read_hf_model_dir(const std::string& dir) {
   } else if (fs::exists(fs::path(dir) / kHfIndexFile, ec)) {
     d.sharded = true;
     for (auto& [file, names] : read_index(fs::path(dir) / kHfIndexFile)) {
-      LOOM_REQUIRE(fs::exists(fs::path(dir) / file, ec), "'", dir, "': shard '", file, "' named by ", kHfIndexFile,
-                   " is missing");
+      LOOM_REQUIRE(fs::is_regular_file(fs::path(dir) / file, ec), "'", dir, "': shard '", file, "' named by ",
+                   kHfIndexFile, " is missing or not a file");
       d.weight_files.push_back(file);
     }
   }
@@ -283,11 +286,11 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
         // Hugging Face's GPT-2 vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe, byte for byte.
         const std::string encoder = read_text(fs::path(vocab_dir) / "encoder.json");
         try {
-          auto enc = nlohmann::json::parse(encoder);
+          auto enc = parse_json(encoder, "encoder.json");
           LOOM_REQUIRE(enc.is_object() && int64_t(enc.size()) == cfg.vocab_size, "has ", enc.size(),
                        " entries, the model ", cfg.vocab_size);
         } catch (const std::exception& e) {
-          LOOM_THROW("Hugging Face export: '", (fs::path(vocab_dir) / "encoder.json").string(), "': ", e.what());
+          LOOM_THROW("Hugging Face export: '", (fs::path(vocab_dir) / "encoder.json").string(), "': ", json_error_text(e));
         }
         write("vocab.json", encoder);
         write("merges.txt", read_text(fs::path(vocab_dir) / "vocab.bpe"));
