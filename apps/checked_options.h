@@ -43,6 +43,7 @@ inline void check_integer_options(CLI::App& app) {
 
 #include <filesystem>
 #include <new>
+#include <stdexcept>
 
 namespace loom::apps {
 

@@ -251,7 +251,7 @@ int main(int argc, char** argv) {
       if (provider == "native")
         std::cerr << "loom-conformance: note: verified routing trusts 'native' without results; recording anyway\n";
       auto summary = loom::dispatch::summarize_verification(results, provider, o.device, rerun);
-      const std::string unwritten = loom::dispatch::record_verifications(summary);
+      const std::string unwritten = loom::dispatch::record_verifications_to_cache(summary);
       int counts[3] = {0, 0, 0};
       for (const auto& v : summary) ++counts[v.status == "verified" ? 0 : v.status == "failed" ? 1 : 2];
       const std::string path = loom::dispatch::verify_cache_path();

@@ -26,6 +26,7 @@
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
+#include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 
 namespace {

@@ -16,10 +16,12 @@
 #include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/io/safetensors.h"
+#include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 #include "loom/ops/views.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/trainer.h"
+#include "providers/verify.h"
 #include "test_files.h"
 #include "test_util.h"
 
@@ -285,7 +287,7 @@ TEST(Hardening, AVerifyCacheThatIsNotOneIsNeverOverwritten) {
   dispatch::set_verify_cache(path);
   dispatch::Verification v;
   v.provider = "native", v.op = "add", v.dtype = "f32", v.device = "cpu", v.status = "verified";
-  const std::string why = dispatch::record_verifications({v});
+  const std::string why = dispatch::record_verifications_to_cache({v});
   dispatch::set_verify_cache("");
   dispatch::reset_verifications();
   EXPECT_NE(why.find("left as it is"), std::string::npos) << why;

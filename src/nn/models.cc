@@ -7,6 +7,7 @@
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/device_runtime.h"
+#include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 
 namespace loom::nn {

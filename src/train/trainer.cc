@@ -35,6 +35,7 @@
 #include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
 #include "loom/io/safetensors.h"
+#include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/lr_schedule.h"
