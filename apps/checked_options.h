@@ -16,7 +16,8 @@ namespace loom::apps {
 // flag. Narrower types (int) are already refused by CLI11 when the 64-bit value does not fit them.
 inline void check_integer_options(CLI::App& app) {
   for (CLI::Option* opt : app.get_options([](const CLI::Option*) { return true; })) {
-    const std::string type = opt->get_type_name();
+    // The type's name, then the validators' descriptions after ':' ("INT:>= 1").
+    const std::string full = opt->get_type_name(), type = full.substr(0, full.find(':'));
     if (type != "INT" && type != "UINT") continue;
     const bool is_unsigned = type == "UINT";
     opt->check(CLI::Validator(
