@@ -181,6 +181,8 @@ std::string record_locked(State& s, const std::vector<Verification>& results) {
       if (!dir.empty()) fs::create_directories(dir);
       io::write_file_atomic(s.path, json{{"format", kFormat}, {"results", all}}.dump(1) + "\n");
     }
+  } catch (const fs::filesystem_error& e) {
+    why = "'" + e.path1().string() + "': " + e.code().message();
   } catch (const std::exception& e) {
     why = e.what();
   }

@@ -1036,7 +1036,7 @@ void Trainer::load_full_parameters(const std::vector<std::pair<std::string, Tens
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path) {
   CheckpointState st;
   try {
-    const nlohmann::json meta = io::parse_json(state_json, "resume: '" + path + "': state metadata");
+    const nlohmann::json meta = io::parse_json(state_json, "resume: '" + path + "' has corrupt state metadata");
     const auto& l = meta.at("loader");
     const auto& rng = meta.at("rng");
     st.step = io::json_int(meta.at("step"));
