@@ -4,7 +4,8 @@
 #include "loom/core/dispatch.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const auto [file, spec] = loom::fuzz::split({reinterpret_cast<const char*>(data), size}, "\n#spec\n");
+  const auto parts = loom::fuzz::split({reinterpret_cast<const char*>(data), size}, "\n#spec\n");
+  const std::string_view file = parts.first, spec = parts.second;  // not bindings: lambdas cannot capture those
   const std::string path = loom::fuzz::write_scratch("policy.json", file);
   loom::fuzz::expect_only_loom_errors([&] {
     loom::ProviderPolicy p = loom::ProviderPolicy::load_file(path);
