@@ -191,7 +191,7 @@ TEST(Hardening, HfConfigSizesAreCheckedBeforeUse) {
   test::expect_error_mentioning([&] { nn::ModelConfig::from_json(llama({{"max_position_embeddings", int64_t(1) << 40}})); },
                                 {"max_seq_len", "1099511627776"});
   test::expect_error_mentioning([&] { nn::ModelConfig::from_json(llama({{"vocab_size", uint64_t(1) << 63}})); },
-                                {"vocab_size", "within 64 bits"});
+                                {"vocab_size", "integer within 64 bits"});
   test::expect_error_mentioning(
       [&] { nn::ModelConfig::from_json(R"({"model_type": "gpt2", "n_embd": 9223372036854775807})"); }, {"n_embd"});
   // Sizes each within the limit whose model cannot fit this machine: refused before allocating.

@@ -119,7 +119,7 @@ T get(const nlohmann::json& j, const char* key, T fallback) {
   } else if constexpr (std::is_integral_v<T>) {
     LOOM_REQUIRE(it->is_number_integer() &&
                      (!it->is_number_unsigned() || it->template get<uint64_t>() <= uint64_t(INT64_MAX)),
-                 "\"", key, "\" must be a whole number within 64 bits, got ", io::json_excerpt(*it));
+                 "\"", key, "\" must be an integer within 64 bits, got ", io::json_excerpt(*it));
   } else if constexpr (std::is_floating_point_v<T>) {
     LOOM_REQUIRE(it->is_number(), "\"", key, "\" must be a number, got ", io::json_excerpt(*it));
   } else {

@@ -280,12 +280,15 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   // An llm.c model file as --init-from brings its shapes (its header) unless --model is given (then they are checked
   // when its weights load).
   const bool model_given = !opts_.given || opts_.given->count("model");
+  // A model directory's own config unless --model was given (library use, without `given`: a --model other than
+  // the default).
+  const bool hf_model_given = opts_.given ? opts_.given->count("model") > 0 : opts_.model != TrainOptions{}.model;
   const bool llmc_init = !hf_init && !opts_.init_from.empty() && !is_sharded_checkpoint(opts_.init_from) &&
                          io::is_llmc_model_file(opts_.init_from);
   nn::ModelConfig cfg = !saved_config.empty() && !model_given ? nn::ModelConfig::from_json(saved_config)
                         : llmc_init && !model_given ? io::llmc_read_config(opts_.init_from)
-                        : nn::ModelConfig::from_name(hf_init && !model_given ? opts_.init_from : opts_.model);
-  if (hf_init && model_given && saved_config.empty()) {  // --model and a model directory's weights: the same shapes
+                        : nn::ModelConfig::from_name(hf_init && !hf_model_given ? opts_.init_from : opts_.model);
+  if (hf_init && hf_model_given && saved_config.empty()) {  // --model and a model directory's weights: the same shapes
     const std::string difference = config_difference(nlohmann::json::parse(nn::ModelConfig::from_name(
                                                          opts_.init_from).to_json()),
                                                      nlohmann::json::parse(cfg.to_json()));
