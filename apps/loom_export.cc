@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "checked_options.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
@@ -53,6 +55,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"loom-export: write a Loom checkpoint as an llm.c GPT-2 model file and/or a Hugging Face model "
                "directory"};
   std::string checkpoint, llmc_path, hf_path, dtype_name = "f32", max_shard = "5GB";
@@ -78,6 +81,7 @@ int main(int argc, char** argv) {
                  "~/.cache/loom/gpt2); LLaMA: tokenizer files, or a directory of them, to copy (tokenizer.json, "
                  "tokenizer_config.json, special_tokens_map.json, tokenizer.model)");
   app.add_flag("--force", force, "--hf: write into a directory that already holds files");
+  loom::apps::check_integer_options(app);
   CLI11_PARSE(app, argc, argv);
   if (llmc_path.empty() && hf_path.empty()) {
     std::cerr << "loom-export: error: nothing to write; give --llmc PATH and/or --hf DIR" << std::endl;
@@ -128,7 +132,7 @@ int main(int argc, char** argv) {
       std::cout << "\nloom-export: " << r.tokenizer_note << std::endl;
     }
   } catch (const std::exception& e) {  // loom::Error, a malformed checkpoint's metadata, a directory that cannot be made
-    std::cerr << "loom-export: error: " << e.what() << std::endl;
+    std::cerr << "loom-export: error: " << loom::apps::error_text(e) << std::endl;
     return 1;
   }
   return 0;

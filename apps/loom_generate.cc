@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "checked_options.h"
+#include "loom/io/input_guard.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
@@ -25,6 +27,7 @@
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
+#include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 
 namespace {
@@ -89,6 +92,7 @@ std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, c
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"loom-generate: text from a Loom checkpoint, a Hugging Face model directory or an llm.c model file"};
   std::string model_path, prompt, prompt_file, prompt_tokens, device_name = "cpu", dtype_name = "f32";
   std::string tokenizer_name, tokenizer_path, dump_logits;
@@ -139,6 +143,7 @@ int main(int argc, char** argv) {
   app.add_option("--dump-logits", dump_logits,
                  "write the prompt's logits [T, vocab] (f32, safetensors tensor \"logits\") to this file first; for "
                  "comparing with other implementations (tools/reference/hf_check.py)");
+  loom::apps::check_integer_options(app);
   CLI11_PARSE(app, argc, argv);
   try {
     LOOM_REQUIRE(g.max_new_tokens >= 0, "--max-new-tokens must be at least 0, got ", g.max_new_tokens);
@@ -160,6 +165,7 @@ int main(int argc, char** argv) {
                                                    ? train::load_sharded_model(model_path)  // a distributed run's
                                                    : io::load_model(model_path);
     const nn::ModelConfig& cfg = model->config();
+    nn::check_finite_parameters(*model, model_path);
 
     std::vector<int32_t> ids;
     std::unique_ptr<data::Tokenizer> tokenizer;
@@ -233,7 +239,7 @@ int main(int argc, char** argv) {
                  made > 1 && decode_s > 0 ? double(made - 1) / decode_s : 0.0);
   } catch (const std::exception& e) {
     std::cout.flush();
-    std::cerr << "loom-generate: error: " << e.what() << std::endl;
+    std::cerr << "loom-generate: error: " << loom::apps::error_text(e) << std::endl;
     return 1;
   }
   return 0;

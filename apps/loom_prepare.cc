@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "checked_options.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/data/tokenizer.h"
@@ -93,6 +95,7 @@ std::vector<std::string_view> split_documents(std::string_view text, bool paragr
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"Tokenizes text files with GPT-2's or LLaMA-3's tokenizer into llm.c token shards (train and "
                "validation)."};
   std::vector<std::string> inputs;
@@ -129,11 +132,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"u16", "u32"}));
   app.add_flag("--paragraph-documents", paragraph_documents,
                "each \"\\n\\n\"-separated section is a document (llm.c's tinyshakespeare convention)");
+  loom::apps::check_integer_options(app);
   CLI11_PARSE(app, argc, argv);
 
   try {
     std::vector<std::string> paths;
     for (const auto& in : inputs) paths.push_back(resolve_input(in));
+    for (const auto& path : paths) loom::io::note_input(path);
     if (name.empty()) name = fs::path(paths[0]).stem().string();
     if (output_dir.empty()) output_dir = (fs::path("data") / name).string();
 
@@ -210,7 +215,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom-prepare: %s\n", e.what());
+    std::fprintf(stderr, "loom-prepare: %s\n", loom::apps::error_text(e).c_str());
     return 1;
   }
   return 0;

@@ -9,7 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checked_options.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
+#include "loom/io/json_file.h"
 #include "loom/train/trainer.h"
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
@@ -34,9 +37,9 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
     }
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw CLI::ConversionError("--config: not valid JSON: " + std::string(e.what()));
+      j = loom::io::parse_json(text, "--config");
+    } catch (const loom::Error& e) {
+      throw CLI::ConversionError(e.what());
     }
     std::vector<CLI::ConfigItem> items;
     for (auto& [key, value] : j.items()) {
@@ -46,7 +49,7 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
         if (v.is_string()) return v.get<std::string>();
         if (v.is_boolean() || v.is_number()) return v.dump();
         throw CLI::ConversionError("--config: '" + key + "' must be a string, number, boolean or a list of them, got " +
-                                   v.dump());
+                                   loom::io::json_excerpt(v));
       };
       if (value.is_array())
         for (const auto& v : value) item.inputs.push_back(text_of(v));
@@ -59,6 +62,7 @@ class JsonOrTomlConfig : public CLI::ConfigTOML {
 };
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
   app.set_config("--config", "", "read flags from a JSON object or TOML file (keys: long flag names without dashes; "
@@ -208,6 +212,7 @@ int main(int argc, char** argv) {
   app.add_option("--load-diopi", diopi_libraries,
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
+  loom::apps::check_integer_options(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -235,7 +240,7 @@ int main(int argc, char** argv) {
     std::cerr << "loom-train: error: out of host memory (is the model or the batch larger than this machine?)\n";
     return 1;
   } catch (const std::exception& e) {  // a directory that cannot be made, a malformed checkpoint: never an abort
-    std::cerr << "loom-train: error: " << without_app_prefix(e.what()) << std::endl;
+    std::cerr << "loom-train: error: " << without_app_prefix(loom::apps::error_text(e)) << std::endl;
     return 1;
   }
   return 0;

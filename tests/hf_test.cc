@@ -412,10 +412,10 @@ TEST(HfModelDir, TrainerStartsFromADirectory) {
     train::Trainer t(o);
     expect_weights_of(t);
   }
-  {  // --model naming another shape than the directory's weights: the loader names the tensor
+  {  // --model naming another shape than the directory's: refused before anything is built, naming both and a key
     o.model = "llama3-tiny";
     o.init_from = dir.file("hf");
-    expect_error_mentioning([&] { train::Trainer t(o); }, {"embed_tokens", "shape"});
+    expect_error_mentioning([&] { train::Trainer t(o); }, {"--model llama3-tiny", "different models", "ffn_hidden"});
   }
 }
 

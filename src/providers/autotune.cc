@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "loom/io/json_file.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
 #include "loom/dispatch_modes.h"
@@ -46,11 +47,9 @@ std::string key_of(const AutotuneChoice& c) { return c.op + "|" + c.device + "|"
 void load_locked(Book& b, const std::string& path) {
   std::error_code ec;
   if (path.empty() || !std::filesystem::exists(path, ec)) return;
-  std::ifstream f(path);
-  LOOM_REQUIRE(f, "autotune cache '", path, "' cannot be read");
   json j;
   try {
-    f >> j;
+    j = io::read_json_file(path);
     LOOM_REQUIRE(j.is_object() && j.value("version", 0) == 1 && j.contains("choices") && j["choices"].is_array(),
                  "expected {\"version\": 1, \"choices\": [...]}");
     for (const auto& e : j["choices"]) {
@@ -64,7 +63,7 @@ void load_locked(Book& b, const std::string& path) {
       b.choices[key_of(c)] = c;
     }
   } catch (const std::exception& e) {
-    LOOM_THROW("autotune cache '", path, "' is malformed (", e.what(), "); delete it to start afresh");
+    LOOM_THROW("autotune cache '", path, "' is malformed (", io::json_error_text(e), "); delete it to start afresh");
   }
 }
 

@@ -14,4 +14,8 @@ std::vector<Verification> summarize_verification(const std::vector<conformance::
                                                  const std::string& provider, Device device,
                                                  const std::string& rerun);
 
+// record_verifications, returning why the cache file could not be written ("" when it was or there is none; the
+// results stay in memory either way). loom-conformance --verify reports a cache it could not write as an error.
+std::string record_verifications_to_cache(const std::vector<Verification>& results);
+
 }  // namespace loom::dispatch

@@ -65,6 +65,39 @@ put("fuzz_checkpoint", "state", json.dumps({"step": 3, "loader": {"shard_index":
                                             "model": "d2"}))
 
 
+hf_llama_config = json.dumps({"model_type": "llama", "vocab_size": 128, "hidden_size": 16, "intermediate_size": 32,
+                              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "head_dim": 4, "max_position_embeddings": 64})
+put("fuzz_hf_model_dir", "llama_sharded", hf_llama_config + "\n#index\n" + json.dumps(
+    {"metadata": {"total_size": 1024}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                                      "lm_head.weight": "model-00001-of-00002.safetensors"}}))
+put("fuzz_hf_model_dir", "gpt2_no_weights", json.dumps({"model_type": "gpt2", "vocab_size": 100, "n_positions": 32,
+                                                        "n_embd": 16, "n_layer": 1, "n_head": 2}))
+
+put("fuzz_policy_file", "full", json.dumps({"routes": {"gemm": ["native"], "softmax": "native"},
+                                            "devices": {"cpu": {"gemm": ["native"]}, "cuda": {"add": "native"}},
+                                            "order": ["native"], "deny": ["slowlib"], "shadow": {"softmax": "native"},
+                                            "autotune": ["gemm"], "cpu_fallback": False, "verify": False}) +
+    "\n#spec\nnative:gemm,softmax;-slowlib;shadow=native:gemm")
+put("fuzz_policy_file", "shadow_all", json.dumps({"shadow": "native", "autotune": True}))
+
+put("fuzz_json_config", "train_config", json.dumps({"lr": 3e-4, "steps": 10, "shuffle": True, "model": "d2",
+                                                    "train-data": ["a.bin", "b.bin"]}))
+put("fuzz_json_config", "nested", "[" * 200 + "]" * 200)
+
+meta_params = [{"name": "wte.weight", "shape": [8, 4], "split": None, "adam_step": 2,
+                "pieces": [[0, 0, 0, 16], [1, 0, 16, 32]]},
+               {"name": "c_attn.weight", "shape": [12, 4], "split": {"dim": 0, "blocks": [4, 4, 4]}, "adam_step": 2,
+                "pieces": [[0, 0, 0, 24], [1, 1, 0, 24]]}]
+put("fuzz_sharded_meta", "tp2", json.dumps({
+    "format": "loom-sharded-checkpoint-1", "step": 2,
+    "state": {"step": 2, "loader": {"shard_index": 0, "batch_offset": 2, "epoch": 0, "rng_state": 1},
+              "rng": {"seed": 1337, "offset": 8}, "model": "d2", "run_id": "0123456789abcdef"},
+    "model": "d2", "config": {"family": "gpt2", "vocab_size": 8, "n_embd": 4},
+    "layout": {"world": 2, "dp": 1, "tp": 2, "zero": 0, "pp": 1}, "optimizer": {"step": 2, "lr": 0.001},
+    "files": ["rank0.safetensors", "rank1.safetensors"], "parameters": meta_params}))
+
+
 def bytes_to_unicode():  # GPT-2's byte <-> printable character table
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

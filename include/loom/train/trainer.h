@@ -142,6 +142,7 @@ struct CheckpointState {
   uint64_t loader_rng = 0;
   uint64_t rng_seed = 0, rng_offset = 0;  // the default generator's Philox state
   std::string settings_json;  // the run's training settings (an object; empty in checkpoints older than them)
+  std::string run_id;         // which run wrote it (a resumed run keeps it; empty in checkpoints older than it)
 };
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
 
@@ -213,6 +214,7 @@ class Trainer {
   std::string adopt_checkpoint_settings(const std::string& path);
   void remove_old_checkpoints();  // --keep-checkpoints
   std::string resume_path_;       // resolved once
+  std::string run_id_;            // written into every checkpoint; retention removes only this run's
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
   std::unique_ptr<PhaseTimer> phase_timer_;  // --phase-times
