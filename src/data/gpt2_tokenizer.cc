@@ -1,6 +1,6 @@
 // GPT-2 BPE: GPT-2's pre-tokenizer pattern, its byte-to-unicode table, and rank-ordered merges with a cache.
-#include "loom/io/json_file.h"
 #include "loom/data/gpt2_tokenizer.h"
+#include "loom/io/json_file.h"
 
 #include <algorithm>
 #include <climits>
