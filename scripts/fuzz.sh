@@ -4,7 +4,7 @@
 # report, a leak, an uncaught non-loom exception or a timeout fails the script; the reproducer is left in
 # $LOOM_FUZZ_DIR/findings/. Arguments: target names to run (default: all). docs/FUZZING.md has the details.
 #
-# Time, measured on the 2-core development machine from a clean build-fuzz/ (cold ccache) while other builds shared
+# Time, measured on 2 cores from a clean build-fuzz/ (cold ccache) while other builds shared
 # its cores (load 6-7): the build took 16 min (libloom 15 min, the 8 targets 1 min); the runs take 8 x
 # LOOM_FUZZ_SECONDS (.ci/run: 30 s, so 4 min). About 20 min in all; less on an idle machine.
 set -euo pipefail

@@ -3,17 +3,15 @@
 # own build dir (build-sanitize/, or $LOOM_SANITIZE_DIR), then the CPU test suite under it. Any ASan or UBSan report
 # fails the test that triggered it (halt_on_error; UBSan does not recover).
 #
-# Time, measured on the 2-core development machine while other engineers' builds and tests shared its cores (load
-# 6-9), so an idle CI machine should do better: the build from a clean build-sanitize/ (cold ccache) took 40 CPU
-# minutes (about 20 min of wall time on 2 idle cores; here it ran 70 min across three starts, as other engineers'
-# new files forced reconfigures), and the test suite 21 min (546 tests, ctest -j2, including the 10 min timeout of
+# Time, measured on 2 cores while other builds and tests shared them (load 6-9), so an idle CI machine should do
+# better: the build from a clean build-sanitize/ (cold ccache) took 40 CPU minutes (about 20 min of wall time on 2
+# idle cores; 70 min across three starts under that load, as new files forced reconfigures), and the test suite 21 min (546 tests, ctest -j2, including the 10 min timeout of
 # the test excluded below). About 35-40 min in all on CI.
 #
 # Left out, each for a reason:
 #   - CUDA (LOOM_CUDA=OFF): ASan cannot watch device memory, and the CI machine has no GPU (compute-sanitizer is
 #     the tool there).
-#   - MPI (LOOM_MPI=OFF): Open MPI is not built with ASan, and mpirun's two ranks under it were not tried in this
-#     session; Distributed.mpi_* stay with the normal build (scripts/test.sh).
+#   - MPI (LOOM_MPI=OFF): Open MPI is not built with ASan, and mpirun's two ranks under it were not tried; Distributed.mpi_* stay with the normal build (scripts/test.sh).
 #   - LoomTrainCli.ShardedCheckpointFromMpirun*: runs loom-train under mpirun, which needs the MPI build.
 #   - Providers.NativeKernelsPassTheSuite: the whole generated conformance suite on every native kernel; under ASan
 #     it runs past its 600 s timeout (it passes in the normal build; the other Providers.* tests run the
