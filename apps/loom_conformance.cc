@@ -4,12 +4,17 @@
 //   loom-conformance --provider native --device cuda [--fuzz 200 --seed 7]
 //   loom-conformance --provider acme --op gemm --dtype bf16 --case 41     (rerun one case, as a failure prints it)
 //   loom-conformance --describe [OP]          (each op's arguments, dtypes, shapes and attributes: what a case is)
+//   loom-conformance --provider acme --coverage [--op gemm]   (per op and dtype: the parameters, their values, the
+//                                             cases, and the value pairs only declined cases hold: what was tested)
 //   loom-conformance --list-kernels --device cuda [--dtype bf16]   (who serves each op, under the current policy)
 //   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
 //   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
+//   loom-conformance --trace run.trace --provider acme        (replay the op calls loom-train --trace-ops recorded)
 //
-// Every op and dtype the provider registers on the device is checked against Loom's native CPU kernel in float64
-// (docs/PROVIDERS.md says how the cases are made); plus the stored PyTorch cases (conformance/reference/, found
+// Every op and dtype the provider registers on the device is checked against the naive float64 oracle (each op
+// written again from its definition, src/providers/naive_reference.h), or Loom's native CPU kernel in float64 where
+// the oracle has no value (--reference native: the native kernel always; docs/PROVIDERS.md says how the cases are
+// made); plus the stored PyTorch cases (conformance/reference/, found
 // from the working directory, at <prefix>/share/loom/conformance for an installed executable, or above the
 // executable in a build tree), checked against PyTorch's float64 results (rows "op [pytorch]"). Prints one row per
 // (op, dtype), each failing case with the command that reruns it, and exits 1 on any failure.
@@ -31,6 +36,7 @@
 #endif
 #include "loom/dispatch_modes.h"
 #include "providers/conformance.h"
+#include "providers/op_trace.h"
 #include "providers/verify.h"
 
 namespace fs = std::filesystem;
@@ -106,12 +112,12 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
+  CLI::App app{"Check a kernel provider against float64 references, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
-  std::string reference_file, describe_op;
+  std::string reference_file, describe_op, trace_path;
   std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
-  bool verify = false, list_verified = false;
+  bool verify = false, list_verified = false, coverage = false;
   std::string verify_cache;
   int fuzz = 0, case_index = -1;
   uint64_t seed = 1;
@@ -128,12 +134,23 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
   app.add_option("--case", case_index, "run only this case of --op and --dtype (what a failure's rerun line gives)");
   app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
+  app.add_flag("--coverage", coverage,
+               "print, per op and dtype, the parameters of the generated cases with how many accepted cases hold each "
+               "value, the number of cases, and the value pairs held only by cases the provider declines; no case runs");
   app.add_option("--reference", reference,
-                 "auto: the stored PyTorch cases too when their file exists (default); pytorch: only them; none")
-      ->check(CLI::IsMember({"auto", "pytorch", "none"}));
+                 "auto: the generated cases judged by the naive oracle (Loom's native CPU kernels in float64 where it "
+                 "has no value), and the stored PyTorch cases when their file exists (default); naive: only the "
+                 "generated cases, so judged; native: only the generated cases, judged by the native kernels; "
+                 "pytorch: only the stored cases; none: as naive")
+      ->check(CLI::IsMember({"auto", "naive", "native", "pytorch", "none"}));
   app.add_option("--reference-file", reference_file,
-                 "the stored PyTorch cases (default: conformance/reference/pytorch_refs.json, found as above)");
+                 "a stored set of cases (default: conformance/reference/pytorch_refs.json and pytorch_sweep.json, "
+                 "found as above)");
   app.add_option("--cases", cases_path, "the conformance/ directory holding reference/ (default: found as above)");
+  app.add_option("--trace", trace_path,
+                 "replay the op calls of a trace (loom-train --trace-ops FILE) on the provider instead of generated "
+                 "cases: one case per distinct call, with its shapes, strides, offsets, dtypes, attributes and "
+                 "recorded values; --op, --dtype and --case (a call's number) select calls");
   app.add_flag("--list-ops", list, "list the declared ops and exit");
   auto* describe_flag = app.add_option("--describe", describe_op, "print the description of OP (or of every op)")
                             ->expected(0, 1);
@@ -155,8 +172,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (describe) {
-      for (const auto* s : loom::op_schemas())
-        if (describe_op.empty() || s->name == describe_op) std::cout << s->str() << "\n";
+      for (const auto* s : loom::op_schemas()) {
+        if (!describe_op.empty() && s->name != describe_op) continue;
+        std::cout << s->str() << "\n";
+        if (describe_op.empty()) continue;
+        for (const auto& t : s->tensors) {  // one op: what the suite draws and where an output may sit
+          std::string classes;
+          for (auto v : s->value_classes_of(t)) classes += std::string(classes.empty() ? "" : ", ") + loom::value_class_name(v);
+          if (is_input(t.role) || t.role == loom::ArgRole::kInPlace) std::cout << "  " << t.name << " values: " << classes << "\n";
+          for (const auto& in : t.may_alias) std::cout << "  " << t.name << " may be " << in << " (same memory)\n";
+        }
+        if (!s->special_contract.empty()) std::cout << "  special values: " << s->special_contract << "\n";
+      }
       return 0;
     }
     loom::providers::load_from_env();
@@ -195,13 +222,19 @@ int main(int argc, char** argv) {
     o.provider = provider, o.device = loom::Device::parse(device_name), o.fuzz = fuzz, o.seed = seed;
     o.only_case = case_index;
     o.generated = !no_generated;
+    o.reference = reference == "native" ? "native" : "naive";
     if (!op_filter.empty()) o.ops = {op_filter};
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
+    if (coverage) {
+      std::cout << loom::conformance::coverage_table(loom::conformance::suite_coverage(o));
+      return 0;
+    }
     std::string rerun = "loom-conformance --provider " + provider + " --device " + o.device.str();
     for (const auto& lib : libraries) rerun += " --load " + lib;
     for (const auto& lib : diopi_libraries) rerun += " --load-diopi " + lib;
     if (fuzz) rerun += " --fuzz " + std::to_string(fuzz);
     if (seed != 1) rerun += " --seed " + std::to_string(seed);
+    if (reference == "native") rerun += " --reference native";
 
     // Progress on stderr, one line per op and dtype (the whole suite takes a minute or more).
     o.progress = [](const std::string& op, loom::DType dt, int cases, int failed, int declined, double seconds) {
@@ -211,26 +244,52 @@ int main(int argc, char** argv) {
       std::cerr << " (" << std::fixed << std::setprecision(1) << seconds << " s)\n";
     };
     std::vector<loom::conformance::CaseResult> results;
+    if (!trace_path.empty()) {
+      const loom::op_trace::Trace trace = loom::op_trace::read_trace(trace_path);
+      uint64_t calls = 0;
+      for (const auto& c : trace.calls) calls += c.count;
+      results = loom::op_trace::replay_trace(trace, o, [](const std::string& note) {
+        std::cerr << "loom-conformance: note: " << note << "\n";
+      });
+      std::cout << "trace " << trace_path << ": " << trace.calls.size() << " distinct calls (" << calls
+                << " in the run), recorded by Loom " << trace.loom_version
+                << (trace.values_file.empty() ? ", values drawn" : ", recorded values from " + trace.values_file)
+                << "; replayed on provider " << provider << " on " << o.device.str()
+                << " against Loom's native CPU kernels in float64\n";
+      std::cout << loom::conformance::suite_table(results, rerun + " --trace " + trace_path);
+      const bool failed = loom::conformance::suite_failed(results);
+      std::cout << (failed ? "FAILED" : "every call passed or was declined") << "\n";
+      return failed ? 1 : 0;
+    }
     if (reference != "pytorch" && (o.generated || o.fuzz > 0)) {
       results = loom::conformance::run_suite(o);
       std::cout << "provider " << provider << " on " << o.device.str() << ": " << results.size()
                 << " cases made from the op descriptions (seed " << seed << ", fuzz " << fuzz
-                << "), against Loom's native CPU kernels in float64\n";
+                << "), against "
+                << (o.reference == "native" ? "Loom's native CPU kernels in float64"
+                                            : "the naive float64 oracle (the native CPU kernels where it has none)")
+                << "\n";
     }
-    if (reference != "none" && case_index < 0) {
+    if ((reference == "auto" || reference == "pytorch") && case_index < 0) {
+      // The stored sets: --reference-file, or pytorch_refs.json (tools/reference/make_conformance_refs.py) and,
+      // where it has been made, pytorch_sweep.json (tools/reference/make_conformance_sweep.py).
+      std::vector<std::string> files{reference_file};
       if (reference_file.empty()) {
-        const std::string dir = cases_path.empty() ? find_cases_dir() : cases_path;
-        reference_file = (fs::path(dir) / "reference" / "pytorch_refs.json").string();
+        const fs::path dir = fs::path(cases_path.empty() ? find_cases_dir() : cases_path) / "reference";
+        files = {(dir / "pytorch_refs.json").string()};
+        if (fs::exists(dir / "pytorch_sweep.json")) files.push_back((dir / "pytorch_sweep.json").string());
       }
-      if (fs::exists(reference_file) || reference == "pytorch") {
-        auto stored = loom::conformance::load_stored_cases(reference_file);
+      for (const auto& file : files) {
+        if (!fs::exists(file) && reference != "pytorch") {
+          std::cout << "(no stored PyTorch cases: " << file
+                    << " not found; tools/reference/make_conformance_refs.py writes it)\n";
+          continue;
+        }
+        auto stored = loom::conformance::load_stored_cases(file);
         auto checked = loom::conformance::run_stored(stored, o);
         std::cout << checked.size() << " stored cases against PyTorch's float64 results (torch "
-                  << (stored.empty() ? "?" : stored.front().torch_version) << ", " << reference_file << ")\n";
+                  << (stored.empty() ? "?" : stored.front().torch_version) << ", " << file << ")\n";
         results.insert(results.end(), checked.begin(), checked.end());
-      } else {
-        std::cout << "(no stored PyTorch cases: " << reference_file
-                  << " not found; tools/reference/make_conformance_refs.py writes it)\n";
       }
     }
     std::cout << loom::conformance::suite_table(results, rerun);

@@ -5,6 +5,7 @@
 //   echo "The meaning of life is" | loom-generate --model hf/Llama-3.2-1B --device cuda --dtype bf16 --top-p 0.9
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -65,7 +66,7 @@ std::vector<int32_t> parse_token_ids(const std::string& text) {
 
 // The tokenizer as loom-train picks it (data::load_tokenizer: --tokenizer, else the model's family), looking first
 // in a Hugging Face directory for its own files: GPT-2's vocab.json and merges.txt (OpenAI's encoder.json and
-// vocab.bpe), LLaMA-3's tokenizer.model.
+// vocab.bpe), LLaMA-3's tokenizer.model, else its tokenizer.json.
 std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, const nn::ModelConfig& cfg,
                                                 std::string name, std::string path) {
   if (name.empty()) name = cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
@@ -77,10 +78,11 @@ std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, c
     if (name == "llama3")
       for (const char* f : {"original/tokenizer.model", "tokenizer.model"})
         if (fs::exists(dir / f, ec)) path = (dir / f).string();
+    if (path.empty() && fs::exists(dir / "tokenizer.json", ec)) path = (dir / "tokenizer.json").string();
   }
   if (name == "llama3" && path.empty())
-    LOOM_THROW("a LLaMA-3 model needs Meta's tokenizer.model (--tokenizer-path; the directory has no "
-               "original/tokenizer.model), or give token ids with --prompt-tokens");
+    LOOM_THROW("a LLaMA-3 model needs Meta's tokenizer.model or its tokenizer.json (--tokenizer-path; the directory "
+               "has neither original/tokenizer.model nor tokenizer.json), or give token ids with --prompt-tokens");
   return data::load_tokenizer(name, path);
 }
 
@@ -92,7 +94,8 @@ int main(int argc, char** argv) {
   std::string tokenizer_name, tokenizer_path, dump_logits;
   nn::GenerateOptions g;
   g.max_new_tokens = 128;
-  bool greedy = false, no_cache = false, print_tokens = false, no_echo = false;
+  bool greedy = false, no_cache = false, print_tokens = false, no_echo = false, ignore_eos = false;
+  int64_t num_samples = 1;
   app.add_option("-m,--model,--checkpoint", model_path,
                  "a Loom training checkpoint (.safetensors, or a distributed run's sharded step directory), a Hugging "
                  "Face model directory (config.json + safetensors) or an llm.c GPT-2 model file (.bin)")
@@ -109,6 +112,16 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", g.top_p, "then among the fewest most likely tokens whose probability reaches p (1: all)")
       ->capture_default_str();
   app.add_option("--seed", g.seed, "random seed of the sampling")->capture_default_str();
+  app.add_option("--repetition-penalty", g.repetition_penalty,
+                 "divide the positive logits of tokens already in the text by P and multiply the negative ones (1: off; "
+                 "as transformers' repetition_penalty)")
+      ->capture_default_str();
+  app.add_option("--num-samples", num_samples, "samples of the prompt, sample i with seed --seed + i")
+      ->capture_default_str();
+  app.add_flag("--ignore-eos", ignore_eos,
+               "go on past the tokenizer's end-of-text token (GPT-2's <|endoftext|>, LLaMA-3's <|end_of_text|> and "
+               "<|eot_id|>), where a sample otherwise stops");
+  app.add_option("--stop", g.stop_strings, "stop a sample once its new text contains this string (repeatable)");
   app.add_flag("--greedy", greedy, "always take the most likely token (same as --temperature 0)");
   app.add_flag("--no-kv-cache", no_cache, "recompute the whole sequence for every token (slow; for checking)");
   app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
@@ -118,9 +131,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer_name, "gpt2 or llama3 (default: the model's)")
       ->check(CLI::IsMember({"gpt2", "llama3"}));
   app.add_option("--tokenizer-path", tokenizer_path,
-                 "gpt2: the directory of encoder.json and vocab.bpe (default: a Hugging Face directory's vocab.json "
+                 "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory of encoder.json and vocab.bpe (default: a Hugging Face directory's vocab.json "
                  "and merges.txt, else $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's tokenizer.model "
-                 "(default: a Hugging Face directory's original/tokenizer.model)");
+                 "(default: a Hugging Face directory's original/tokenizer.model, else its tokenizer.json)");
   app.add_flag("--print-tokens", print_tokens, "print the new token ids instead of text");
   app.add_flag("--no-echo", no_echo, "print only the new text, not the prompt before it");
   app.add_option("--dump-logits", dump_logits,
@@ -133,6 +146,12 @@ int main(int argc, char** argv) {
                  g.temperature);
     LOOM_REQUIRE(g.top_k >= 0, "--top-k must be at least 0, got ", g.top_k);
     LOOM_REQUIRE(g.top_p > 0 && g.top_p <= 1, "--top-p must be in (0, 1], got ", g.top_p);
+    LOOM_REQUIRE(std::isfinite(g.repetition_penalty) && g.repetition_penalty > 0,
+                 "--repetition-penalty must be a finite number > 0, got ", g.repetition_penalty);
+    LOOM_REQUIRE(num_samples >= 1, "--num-samples must be at least 1, got ", num_samples);
+    for (const std::string& stop : g.stop_strings) LOOM_REQUIRE(!stop.empty(), "--stop: the string is empty");
+    LOOM_REQUIRE(g.stop_strings.empty() || prompt_tokens.empty(),
+                 "--stop needs a tokenizer to read the text: not with --prompt-tokens");
     if (greedy) g.temperature = 0;
     g.use_kv_cache = !no_cache;
     const Device device = Device::parse(device_name);
@@ -157,7 +176,10 @@ int main(int argc, char** argv) {
       ids = tokenizer->encode(prompt);
       // LLaMA-3 prompts open with <|begin_of_text|>, as Hugging Face's tokenizer adds it; an empty GPT-2 prompt
       // starts from <|endoftext|>, the token in front of every training document.
-      if (tokenizer->name() == "llama3" || ids.empty()) ids.insert(ids.begin(), tokenizer->document_token());
+      if (tokenizer->prompt_prefix_token() >= 0) ids.insert(ids.begin(), tokenizer->prompt_prefix_token());
+      else if (ids.empty()) ids.insert(ids.begin(), tokenizer->document_token());
+      if (!ignore_eos) g.stop_tokens = tokenizer->end_tokens();
+      g.decode = [&](const std::vector<int32_t>& t) { return tokenizer->decode(t); };
     }
     for (int32_t t : ids)
       LOOM_REQUIRE(t < cfg.vocab_size, "prompt token ", t, " is outside the model's vocabulary of ", cfg.vocab_size);
@@ -176,26 +198,29 @@ int main(int argc, char** argv) {
       logits = ops::narrow(ops::select(logits, 0, 0), 1, 0, cfg.vocab_size).to(kF32);
       io::save_safetensors(dump_logits, {{"logits", logits}});
     }
-    if (!no_echo && !print_tokens) {
-      std::cout << prompt;
-      std::cout.flush();
-    }
     int64_t made = 0;
     std::vector<int32_t> out;
     const auto start = std::chrono::steady_clock::now();
     std::chrono::steady_clock::time_point first;
+    int64_t sample_made = 0;
     g.on_token = [&](int32_t t) {
       if (made++ == 0) first = std::chrono::steady_clock::now();
       if (print_tokens) {
-        std::cout << (made > 1 ? " " : "") << t;
-      } else {
+        std::cout << (sample_made++ > 0 ? " " : "") << t;
+      } else if (std::find(g.stop_tokens.begin(), g.stop_tokens.end(), t) == g.stop_tokens.end()) {
         const int32_t one[1] = {t};
         std::cout << tokenizer->decode(one);
       }
       std::cout.flush();
       return true;
     };
-    nn::generate(*model, ids, g);
+    nn::generate_samples(*model, ids, g, num_samples, [&](int64_t i) {
+      if (i > 0) std::cout << "\n";
+      if (num_samples > 1) std::cout << "--- sample " << i + 1 << " of " << num_samples << " ---\n";
+      if (!no_echo && !print_tokens) std::cout << prompt;
+      sample_made = 0;
+      std::cout.flush();
+    });
     const auto end = std::chrono::steady_clock::now();
     std::cout << std::endl;
     const double total_s = std::chrono::duration<double>(end - start).count();

@@ -121,8 +121,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"gpt2", "llama3"}));
   app.add_option("--tokenizer-path,--vocab-dir", tokenizer_path,
-                 "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
-                 "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (required)");
+                 "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory with "
+                 "encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's "
+                 "tokenizer.model (required)");
   app.add_option("--token-width", width_name,
                  "u16 or u32 (default: u16 when the tokenizer's ids fit, as GPT-2's; else u32, as LLaMA-3's)")
       ->check(CLI::IsMember({"u16", "u32"}));

@@ -144,8 +144,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
       ->check(CLI::IsMember({"gpt2", "llama3"}));
   app.add_option("--tokenizer-path", o.tokenizer_path,
-                 "gpt2: the directory with encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or "
-                 "~/.cache/loom/gpt2); llama3: Meta's tokenizer.model (LLaMA samples need it)");
+                 "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory with "
+                 "encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's "
+                 "tokenizer.model (LLaMA samples need it)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
@@ -164,6 +165,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "random seed")->capture_default_str();
   app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
   app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
+  app.add_option("--trace-ops", o.trace_ops, "record every op call of the training steps (op, dtypes, shapes, "
+                 "strides, offsets, aliasing, attributes; identical calls counted once) into FILE, for "
+                 "loom-conformance --trace FILE");
+  app.add_flag("--trace-values", o.trace_values, "with --trace-ops: also record the inputs' values (up to "
+               "--trace-value-limit elements per tensor) in FILE.values.safetensors");
+  app.add_option("--trace-value-limit", o.trace_value_limit, "with --trace-values: the largest tensor (elements) "
+                 "whose values are recorded")->capture_default_str()->check(at_least(0));
   app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
                "sync, optimizer) into metrics.jsonl and print their medians at the end");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");

@@ -4,19 +4,22 @@
 # report, a leak, an uncaught non-loom exception or a timeout fails the script; the reproducer is left in
 # $LOOM_FUZZ_DIR/findings/. Arguments: target names to run (default: all). docs/FUZZING.md has the details.
 #
-# Time, measured on 2 cores from a clean build-fuzz/ (cold ccache) while other builds shared
-# its cores (load 6-7): the build took 16 min (libloom 15 min, the 8 targets 1 min); the runs take 8 x
-# LOOM_FUZZ_SECONDS (.ci/run: 30 s, so 4 min). About 20 min in all; less on an idle machine.
+# Time: the runs take (number of targets) x LOOM_FUZZ_SECONDS; the build, when not shared with
+# scripts/sanitize.sh, is libloom and the targets with clang (.ci/run's header has the measured figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh fuzz
 BUILD_DIR=${LOOM_FUZZ_DIR:-build-fuzz}
 SECONDS_EACH=${LOOM_FUZZ_SECONDS:-45}
 start=$(date +%s)
-cmake -S . -B "$BUILD_DIR" -G Ninja -DLOOM_FUZZ=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-  -DLOOM_CUDA=OFF -DLOOM_TESTS=OFF -DLOOM_APPS=OFF -DLOOM_PLUGINS=OFF -DLOOM_MPI=OFF -DLOOM_DIOPI=OFF \
-  -DLOOM_INFINIOPS=OFF >/dev/null
+# A build dir already configured for the fuzz targets (scripts/sanitize.sh's, which CI uses) is reused as it is;
+# otherwise a minimal one (libloom and the targets only) is configured.
+if ! grep -qs '^LOOM_FUZZ:BOOL=ON' "$BUILD_DIR/CMakeCache.txt"; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DLOOM_FUZZ=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+    -DLOOM_CUDA=OFF -DLOOM_TESTS=OFF -DLOOM_APPS=OFF -DLOOM_PLUGINS=OFF -DLOOM_MPI=OFF -DLOOM_DIOPI=OFF \
+    -DLOOM_INFINIOPS=OFF >/dev/null
+fi
 cmake --build "$BUILD_DIR" --target fuzz_targets -j "${LOOM_JOBS:-$(nproc)}"
 echo "fuzz: built in $(( $(date +%s) - start )) s"
 targets=("$@")

@@ -28,6 +28,21 @@ void expect_all_pass(const std::vector<conformance::CaseResult>& results) {
   for (const auto& r : results) EXPECT_EQ(r.status, conformance::CaseStatus::kPass) << r.description << ": " << r.detail;
 }
 
+// The generated sweep (tools/reference/make_conformance_sweep.py): thousands of cases over every op PyTorch has an
+// equivalent for, special values included where the contracts define them.
+TEST(ConformanceReference, PyTorchSweepPassesNative) {
+  const std::string path = kReferenceDir + "/pytorch_sweep.json";
+  if (!fs::exists(path)) GTEST_SKIP() << path << " not generated (tools/reference/make_conformance_sweep.py)";
+  auto cases = conformance::load_stored_cases(path);
+  EXPECT_GE(cases.size(), 1000u);
+  std::set<std::string> ops;
+  for (const auto& c : cases) ops.insert(c.op);
+  EXPECT_GE(ops.size(), 70u);
+  auto results = run_native(cases);
+  EXPECT_EQ(results.size(), cases.size());
+  expect_all_pass(results);
+}
+
 TEST(ConformanceReference, PyTorchReferencesPassNative) {
   const std::string path = kReferenceDir + "/pytorch_refs.json";
   if (!fs::exists(path)) GTEST_SKIP() << path << " not generated (tools/reference/make_conformance_refs.py)";

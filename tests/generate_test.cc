@@ -1,4 +1,5 @@
-// Text generation: the sampler (greedy, top-k, top-p, seeds), nn::generate (cache, streaming callback), and the
+// Text generation: the sampler (greedy, top-k, top-p, seeds, repetition penalty), nn::generate (cache, streaming
+// callback, stop tokens and strings, several samples), and the
 // loom-generate and loom-export apps end to end (same tokens as nn::generate; every bad input one line, non-zero).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "loom/autograd/grad_mode.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
@@ -148,6 +150,135 @@ TEST(Generate, SeededReproducibleCachedAndStreamed) {
   EXPECT_THROW(nn::generate(*model, {1001}, greedy), Error);
 }
 
+TEST(Sampler, RepetitionPenaltyAsTransformers) {
+  // Seen tokens 0, 1 (twice), 4 and 9 (outside the logits: ignored). 0: 2.0 / 2; 1: -1.0 * 2 once; 4: 0 stays 0.
+  std::vector<double> l = {2.0, -1.0, 0.5, -3.0, 0.0};
+  nn::apply_repetition_penalty(l, {0, 1, 1, 4, 9}, 2.0);
+  EXPECT_EQ(l, (std::vector<double>{1.0, -2.0, 0.5, -3.0, 0.0}));
+  nn::apply_repetition_penalty(l, {0, 3}, 0.5);  // below 1 favours repeats
+  EXPECT_EQ(l, (std::vector<double>{2.0, -2.0, 0.5, -1.5, 0.0}));
+  EXPECT_THROW(nn::apply_repetition_penalty(l, {0}, 0.0), Error);
+  EXPECT_THROW(nn::apply_repetition_penalty(l, {0}, std::nan("")), Error);
+}
+
+// Greedy decoding with a penalty picks, at each step, the argmax of the last logits of a full forward (no cache)
+// with the penalty applied by hand over the prompt and the tokens so far.
+TEST(Generate, RepetitionPenaltyMatchesAHandLoop) {
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  const std::vector<int32_t> prompt = {5, 900, 17, 5, 1000};
+  nn::GenerateOptions g;
+  g.temperature = 0;
+  g.max_new_tokens = 10;
+  g.repetition_penalty = 1.7;
+  const auto got = nn::generate(*model, prompt, g);
+  std::vector<int32_t> seq = prompt;
+  autograd::NoGradGuard ng;
+  model->eval();
+  for (int step = 0; step < 10; ++step) {
+    Tensor logits = model->forward(from_vector(seq, {1, int64_t(seq.size())}));
+    std::vector<double> last = to_vector<double>(ops::select(ops::select(logits, 0, 0), 0, int64_t(seq.size()) - 1));
+    last.resize(1001);
+    std::set<int32_t> seen(seq.begin(), seq.end());
+    for (int32_t t : seen) last[size_t(t)] = last[size_t(t)] > 0 ? last[size_t(t)] / 1.7 : last[size_t(t)] * 1.7;
+    seq.push_back(int32_t(std::max_element(last.begin(), last.end()) - last.begin()));
+  }
+  EXPECT_EQ(got, std::vector<int32_t>(seq.begin() + int64_t(prompt.size()), seq.end()));
+  g.repetition_penalty = -1;
+  EXPECT_THROW(nn::generate(*model, prompt, g), Error);
+}
+
+// Generation ends at the first stop token (returned), whichever of several it is; a stop token never reached
+// changes nothing.
+TEST(Generate, StopsAtAStopToken) {
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  const std::vector<int32_t> prompt = {3, 14, 15};
+  nn::GenerateOptions g;
+  g.temperature = 0;
+  g.max_new_tokens = 30;
+  const auto full = nn::generate(*model, prompt, g);
+  ASSERT_EQ(full.size(), 30u);
+  const int32_t eot = full[4];
+  const size_t first = size_t(std::find(full.begin(), full.end(), eot) - full.begin());
+  g.stop_tokens = {1000, eot};
+  if (std::find(full.begin(), full.end(), 1000) < full.begin() + int64_t(first)) GTEST_SKIP() << "1000 came first";
+  EXPECT_EQ(nn::generate(*model, prompt, g), std::vector<int32_t>(full.begin(), full.begin() + int64_t(first) + 1));
+  std::set<int32_t> unseen;
+  for (int32_t t = 0; t < 1001 && unseen.size() < 3; ++t)
+    if (std::find(full.begin(), full.end(), t) == full.end()) unseen.insert(t);
+  g.stop_tokens.assign(unseen.begin(), unseen.end());
+  EXPECT_EQ(nn::generate(*model, prompt, g), full);
+  // Sampled: the stop token is the last one, and only there.
+  g.temperature = 1.0;
+  g.seed = test::fresh_seed();
+  g.stop_tokens = {};
+  const auto sampled = nn::generate(*model, prompt, g);
+  g.stop_tokens = {sampled[2]};
+  const auto cut = nn::generate(*model, prompt, g);
+  ASSERT_FALSE(cut.empty());
+  EXPECT_EQ(cut.back(), sampled[2]);
+  EXPECT_EQ(std::count(cut.begin(), cut.end(), sampled[2]), 1);
+  EXPECT_EQ(cut, std::vector<int32_t>(sampled.begin(), sampled.begin() + int64_t(cut.size())));
+}
+
+// Generation ends once the decoded new text contains a stop string, even one spanning tokens; the prompt's text does
+// not count.
+TEST(Generate, StopsAtAStopString) {
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  const std::vector<int32_t> prompt = {7, 8, 9};
+  auto decode = [](const std::vector<int32_t>& ids) {
+    std::string s;
+    for (int32_t t : ids) s += "<" + std::to_string(t) + ">";
+    return s;
+  };
+  nn::GenerateOptions g;
+  g.temperature = 0;
+  g.max_new_tokens = 25;
+  const auto full = nn::generate(*model, prompt, g);
+  ASSERT_EQ(full.size(), 25u);
+  // The end of token 5's text and the start of token 6's: completed by token 6 at the earliest.
+  const std::string t5 = std::to_string(full[5]), t6 = std::to_string(full[6]);
+  const std::string stop = t5.substr(t5.size() - 1) + "><" + t6.substr(0, 1);
+  size_t want = 0;
+  while (decode(std::vector<int32_t>(full.begin(), full.begin() + int64_t(want))).find(stop) == std::string::npos)
+    ++want;
+  ASSERT_LE(want, 7u);
+  g.stop_strings = {"never", stop, "<7>"};  // "<7>" is the prompt's text
+  g.decode = decode;
+  const auto cut = nn::generate(*model, prompt, g);
+  if (std::find(full.begin(), full.begin() + int64_t(want), 7) != full.begin() + int64_t(want))
+    GTEST_SKIP() << "the model made token 7";
+  EXPECT_EQ(cut, std::vector<int32_t>(full.begin(), full.begin() + int64_t(want)));
+  g.decode = nullptr;
+  EXPECT_THROW(nn::generate(*model, prompt, g), Error);
+  g.decode = decode;
+  g.stop_strings = {""};
+  EXPECT_THROW(nn::generate(*model, prompt, g), Error);
+}
+
+// N samples: sample i is generate() with seed + i, they differ from each other, and the same seed repeats them.
+TEST(Generate, SeveralSamplesDifferAndRepeat) {
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  nn::GenerateOptions g;
+  g.max_new_tokens = 16;
+  g.temperature = 1.2;
+  g.seed = test::fresh_seed();
+  std::vector<int64_t> started;
+  const auto samples = nn::generate_samples(*model, prompt, g, 3, [&](int64_t i) { started.push_back(i); });
+  EXPECT_EQ(started, (std::vector<int64_t>{0, 1, 2}));
+  ASSERT_EQ(samples.size(), 3u);
+  EXPECT_NE(samples[0], samples[1]);
+  EXPECT_NE(samples[1], samples[2]);
+  EXPECT_NE(samples[0], samples[2]);
+  EXPECT_EQ(nn::generate_samples(*model, prompt, g, 3), samples);
+  for (int i = 0; i < 3; ++i) {
+    nn::GenerateOptions one = g;
+    one.seed = g.seed + uint64_t(i);
+    EXPECT_EQ(nn::generate(*model, prompt, one), samples[size_t(i)]) << i;
+  }
+  EXPECT_THROW(nn::generate_samples(*model, prompt, g, 0), Error);
+}
+
 #if defined(LOOM_GENERATE_EXE) && defined(LOOM_EXPORT_EXE)
 struct AppRun {
   int status = 0;
@@ -260,6 +391,34 @@ void expect_one_line_error(const std::string& exe, const std::string& args, cons
   const std::string err = r.all.substr(r.out.size());
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
   EXPECT_NE(err.find("error"), std::string::npos) << err;
+}
+
+// --num-samples and --repetition-penalty give nn::generate_samples' tokens, one line of ids per sample under its
+// header; the new flags' bad values are one error line.
+TEST(LoomGenerate, SamplesAndPenaltyAsTheLibrary) {
+  TempDir dir;
+  auto model = nn::make_model(tiny_llama(), test::fresh_seed());
+  io::save_hf_model_dir(dir.file("hf"), *model, {});
+  const std::vector<int32_t> prompt = {3, 1000, 42};
+  nn::GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.temperature = 0.8;
+  g.repetition_penalty = 1.3;
+  g.seed = test::fresh_seed() % 1000000;
+  AppRun r = run(LOOM_GENERATE_EXE, "-m " + dir.file("hf") + " --prompt-tokens " + join(prompt) +
+                                        " -n 6 --temperature 0.8 --repetition-penalty 1.3 --num-samples 2 --seed " +
+                                        std::to_string(g.seed));
+  ASSERT_EQ(r.status, 0) << r.all;
+  const auto want = nn::generate_samples(*model, prompt, g, 2);
+  const size_t second = r.out.find("--- sample 2 of 2 ---");
+  ASSERT_NE(second, std::string::npos) << r.out;
+  const std::string first_ids = r.out.substr(r.out.find('\n') + 1, second - r.out.find('\n') - 1);
+  EXPECT_EQ(ids_of(first_ids), want[0]) << r.out;
+  EXPECT_EQ(ids_of(r.out.substr(r.out.find('\n', second) + 1)), want[1]) << r.out;
+  const std::string m = "-m " + dir.file("hf") + " ";
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --repetition-penalty 0", "--repetition-penalty");
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --num-samples 0", "--num-samples");
+  expect_one_line_error(LOOM_GENERATE_EXE, m + "--prompt-tokens 1 --stop x", "--stop");
 }
 
 TEST(LoomGenerate, BadInputsAreOneLine) {

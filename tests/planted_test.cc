@@ -1,7 +1,10 @@
 // The conformance suite against planted bugs. tests/planted/planted.c is a kernel library (provider "planted":
-// gemm, add, mul, relu, softmax and layer_norm in f32 and bf16) whose kernels are correct, or have one deliberately
+// gemm (epilogues none and bias), add, mul, relu, softmax and layer_norm in f32 and bf16) whose kernels are correct, or have one deliberately
 // wrong kernel chosen by LOOM_PLANTED: wrong for one residue class of a dimension, only when beta != 0, only in
-// bf16, only for transposed or strided inputs, an out-of-bounds write, an input overwritten, only for long rows.
+// bf16, only for transposed or strided inputs, an out-of-bounds write, an input overwritten, only for long rows;
+// and the kinds a vendor found passing an earlier suite: a special value mishandled (NaN, logits near 100, a fully
+// masked row), an output aliasing an input, an unaligned view start, a zero batch stride, an attribute dropped only
+// at a long size, alpha 0, and m = 1 with a padded leading dimension.
 // loom-conformance, run as a subprocess on the library, must exit 1 with a FAIL row for the planted op (and for no
 // other op) for every plant, and must pass the clean library (LOOM_PLANTED=none), so that the failures come from
 // the plants and not from the harness.
@@ -73,7 +76,10 @@ void PrintTo(const Plant& p, std::ostream* os) { *os << p.kind << " (" << p.op <
 std::vector<Plant> plants() {
   return {{"gemm_residue", "gemm"},  {"gemm_beta", "gemm"},    {"gemm_trans", "gemm"},
           {"add_bf16", "add"},       {"add_strided", "add"},   {"mul_oob", "mul"},
-          {"relu_input", "relu"},    {"softmax_long", "softmax"}, {"layer_norm_residue", "layer_norm"}};
+          {"relu_input", "relu"},    {"softmax_long", "softmax"}, {"layer_norm_residue", "layer_norm"},
+          {"add_nan", "add"},        {"add_alias", "add"},     {"softmax_overflow", "softmax"},
+          {"softmax_masked", "softmax"}, {"gemm_align", "gemm"}, {"gemm_stride0", "gemm"},
+          {"gemm_bias_long", "gemm"}, {"gemm_alpha0", "gemm"},  {"gemm_m1_lda", "gemm"}};
 }
 
 class PlantedBug : public ::testing::TestWithParam<Plant> {};

@@ -75,6 +75,34 @@ void reset_op_profile();
 // The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
 std::string op_profile_table();
 
+// Op traces (loom-train --trace-ops FILE; docs/PROVIDERS.md): while on, every call dispatched outside a kernel is
+// recorded: the op, device, dispatch dtype, each tensor argument's dtype, shape, strides, storage offset and which
+// arguments share memory, and the attributes; identical calls are kept once with a count. With `values`, the inputs
+// of each distinct call (as its first occurrence had them) are kept too, for tensors of at most `value_limit`
+// elements. `loom-conformance --trace FILE` replays a written trace on a provider.
+struct OpTraceOptions {
+  bool values = false;
+  int64_t value_limit = 1 << 16;
+};
+void set_op_tracing(bool on);
+bool op_tracing();
+void set_op_trace_options(const OpTraceOptions& options);  // before recording starts
+struct OpTraceSize {
+  size_t distinct = 0;
+  uint64_t calls = 0;
+};
+OpTraceSize op_trace_size();
+// Writes the calls recorded so far (JSON), and with values PATH.values.safetensors beside it; throws naming the file.
+void write_op_trace(const std::string& path);
+void reset_op_trace();
+
+// Call checks, opt in with LOOM_CHECK_CALLS=1 (or set_call_checking): every dispatched call is checked against its
+// op's description (the arguments present, ranks and shapes in named dims, dtypes, layouts) and one that breaks it
+// throws loom::Error naming the op, the argument and what differs. LOOM_CHECK_CALLS=report prints each distinct
+// violation once to stderr instead and lets the calls run (a whole run's differences at once).
+void set_call_checking(bool on);
+bool call_checking();
+
 // Verified routing (policy "verify"): a provider other than Loom's own `native` serves (op, dtype) on a device only
 // after its kernels passed the conformance cases for them on that device model. The first time a candidate list is
 // built for an unverified (provider, op, dtype, device), the cases run (a second or two; one line on stderr), and

@@ -71,14 +71,17 @@ std::string verify_verdict(const Registry& r, const KernelEntry& e, DeviceType d
   return verify_hook().verdict(e, device, dtype, may_serve);
 }
 
-// Publishes the policy's modes to the lock-free bits dispatch::call reads (op profiling's bit is not the policy's).
+// Publishes the policy's modes to the lock-free bits dispatch::call reads (op profiling's bit, op traces' and call
+// checks' are not the policy's).
 void apply_modes(const ProviderPolicy& p) {
   namespace d = dispatch::detail;
   uint32_t modes = (p.shadows.empty() ? 0u : uint32_t(d::kModeShadow)) |
                    (p.autotune.empty() ? 0u : uint32_t(d::kModeAutotune)) |
                    (p.cpu_fallback ? uint32_t(d::kModeCpuFallback) : 0u);
   uint32_t old = d::modes.load();
-  while (!d::modes.compare_exchange_weak(old, (old & d::kModeProfile) | modes)) {
+  // The bits that are not the policy's (op profiling's, and the providers layer's own modes) stay as they are.
+  const uint32_t policy_bits = d::kModeShadow | d::kModeAutotune | d::kModeCpuFallback;
+  while (!d::modes.compare_exchange_weak(old, (old & ~policy_bits) | modes)) {
   }
 }
 

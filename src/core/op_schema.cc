@@ -24,6 +24,18 @@ std::string AttrValue::str() const {
   return os.str();
 }
 
+const char* value_class_name(ValueClass v) {
+  switch (v) {
+    case ValueClass::kNormal: return "normal";
+    case ValueClass::kLarge: return "large";
+    case ValueClass::kLogits: return "logits";
+    case ValueClass::kSpecial: return "special";
+    case ValueClass::kTiny: return "tiny";
+    case ValueClass::kMasked: return "masked";
+  }
+  return "?";
+}
+
 const AttrValue* CallArgs::attr(const std::string& name) const {
   for (const auto& [n, v] : attrs)
     if (n == name) return &v;
@@ -118,6 +130,31 @@ OpSchema& OpSchema::present_with(std::string other) {
   last().present_with = std::move(other);
   return *this;
 }
+OpSchema& OpSchema::leading_dims(std::string dim) {
+  leading_dim = std::move(dim);
+  return *this;
+}
+OpSchema& OpSchema::value_classes(std::vector<ValueClass> classes) {
+  last().value_classes = std::move(classes);
+  return *this;
+}
+OpSchema& OpSchema::may_alias(const std::string& output, const std::string& input) {
+  for (auto& t : tensors)
+    if (t.name == output) {
+      t.may_alias.push_back(input);
+      return *this;
+    }
+  LOOM_CHECK(false, "op description: may_alias names no argument '", output, "'");
+  return *this;
+}
+OpSchema& OpSchema::special_values(std::string contract) {
+  special_contract = std::move(contract);
+  return *this;
+}
+OpSchema& OpSchema::long_dim(const std::string& name, int64_t size) {
+  dims[name].long_size = size;
+  return *this;
+}
 OpSchema& OpSchema::attr(const std::string& name, std::vector<AttrValue> variants) {
   AttrSpec a;
   a.name = name;
@@ -196,6 +233,16 @@ const AttrSpec* OpSchema::attr_spec(const std::string& n) const {
   for (const auto& a : attrs)
     if (a.name == n) return &a;
   return nullptr;
+}
+
+// Large values are not a default: they are declared where an op computes nothing that overflows before its result
+// does (the elementwise families). An intermediate overflow in the dtype that float64 does not have (x^2 in a
+// derivative, alpha * b before an add) is not a kernel's fault.
+std::vector<ValueClass> OpSchema::value_classes_of(const TensorSpec& t) const {
+  if (!t.value_classes.empty()) return t.value_classes;
+  const bool floating = t.dtype != DTypeRule::kIndex && t.dtype != DTypeRule::kBool && t.dtype != DTypeRule::kI64;
+  if (!is_input(t.role) || !floating || t.list || t.values != Values::kUniform) return {ValueClass::kNormal};
+  return {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny};
 }
 
 std::string OpSchema::str() const {
@@ -279,6 +326,12 @@ void check_schema(OpSchema& schema, const std::vector<bool>& slot_is_input,
   }
   for (const auto& g : given)
     LOOM_REQUIRE(g.name.empty(), who, " gives values for attribute '", g.name, "', which its attribute struct lacks");
+  for (const auto& t : schema.tensors)
+    for (const auto& in : t.may_alias) {
+      const TensorSpec* other = schema.tensor(in);
+      LOOM_REQUIRE(!is_input(t.role) && other && is_input(other->role) && other->shape == t.shape, who, ": '",
+                   t.name, "' may alias '", in, "', which is not an input of its shape");
+    }
   for (const auto& t : schema.tensors)
     if (!t.values_dim.empty() || t.values == Values::kIndexBelow)
       LOOM_REQUIRE(!t.values_dim.empty(), who, ": '", t.name, "' takes indices but names no dim");

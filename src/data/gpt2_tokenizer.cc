@@ -1,4 +1,4 @@
-// GPT-2 BPE: the hand-written pre-tokenizer, GPT-2's byte-to-unicode table, and rank-ordered merges with a cache.
+// GPT-2 BPE: GPT-2's pre-tokenizer pattern, its byte-to-unicode table, and rank-ordered merges with a cache.
 #include "loom/data/gpt2_tokenizer.h"
 
 #include <algorithm>
@@ -9,45 +9,15 @@
 #include <sstream>
 #include <nlohmann/json.hpp>
 
-#include "data/unicode_classes.h"
+#include "data/byte_level.h"
 #include "loom/common/error.h"
+#include "loom/data/pretokenizer.h"
 
 namespace loom::data {
 namespace {
 
-using detail::CharClass;
-using detail::class_at;
-using detail::decode_utf8;
-using detail::run_end;
-
-// Length of a contraction ('s 't 're 've 'm 'll 'd) at pos, or 0.
-size_t contraction_length(std::string_view text, size_t pos) {
-  if (text[pos] != '\'' || pos + 1 >= text.size()) return 0;
-  const char c1 = text[pos + 1];
-  if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return 2;
-  if (pos + 2 >= text.size()) return 0;
-  const char c2 = text[pos + 2];
-  if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) return 3;
-  return 0;
-}
-
-// GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest map to 256, 257, ... in byte order.
-void make_byte_symbols(std::string (&symbols)[256], std::unordered_map<uint32_t, uint8_t>& code_to_byte) {
-  auto printable = [](int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); };
-  uint32_t next = 256;
-  for (int b = 0; b < 256; ++b) {
-    uint32_t cp = printable(b) ? uint32_t(b) : next++;
-    std::string utf8;
-    if (cp < 0x80) {
-      utf8 += char(cp);
-    } else {  // all stand-ins are below U+0800: two bytes
-      utf8 += char(0xC0 | (cp >> 6));
-      utf8 += char(0x80 | (cp & 0x3F));
-    }
-    symbols[b] = utf8;
-    code_to_byte[cp] = uint8_t(b);
-  }
-}
+using detail::decode_stand_in;
+using detail::make_byte_symbols;
 
 std::string read_whole_file(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
@@ -67,37 +37,8 @@ bool vocab_files_in(const std::filesystem::path& dir) {
 }  // namespace
 
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
-  std::vector<std::string_view> pieces;
-  size_t pos = 0;
-  const size_t n = text.size();
-  while (pos < n) {
-    size_t end;
-    size_t len0, len1;
-    if (size_t c = contraction_length(text, pos)) {
-      end = pos + c;
-    } else {
-      const CharClass c0 = class_at(text, pos, len0);
-      CharClass c1 = CharClass::kSpace;
-      if (text[pos] == ' ' && pos + 1 < n) c1 = class_at(text, pos + 1, len1);
-      if (text[pos] == ' ' && c1 != CharClass::kSpace) {
-        end = run_end(text, pos + 1, c1);  // " ?\p{L}+", " ?\p{N}+" or " ?[^\s\p{L}\p{N}]+" with the space
-      } else if (c0 != CharClass::kSpace) {
-        end = run_end(text, pos, c0);
-      } else {
-        // "\s+(?!\S)|\s+": a whitespace run followed by a non-space gives up its last character (which then leads
-        // the next piece), unless that would leave nothing.
-        size_t last_start = pos, p = pos, len;
-        while (p < n && class_at(text, p, len) == CharClass::kSpace) {
-          last_start = p;
-          p += len;
-        }
-        end = (p < n && last_start > pos) ? last_start : p;
-      }
-    }
-    pieces.push_back(text.substr(pos, end - pos));
-    pos = end;
-  }
-  return pieces;
+  static const Pretokenizer pretokenizer(Pretokenizer::kGPT2Pattern);
+  return pretokenizer.split(text);
 }
 
 GPT2Tokenizer::GPT2Tokenizer(const std::string& vocab_dir) {
@@ -158,7 +99,7 @@ void GPT2Tokenizer::load(const std::string& encoder_json_path, const std::string
     std::string raw;
     for (size_t p = 0; p < symbol.size();) {
       size_t len;
-      uint32_t cp = decode_utf8(symbol, p, len);
+      uint32_t cp = decode_stand_in(symbol, p, len);
       auto it = code_to_byte.find(cp);
       LOOM_REQUIRE(it != code_to_byte.end(), "GPT2Tokenizer: ", encoder_json_path, ": token ", id,
                    " has a character outside GPT-2's byte alphabet");

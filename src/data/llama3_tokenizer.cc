@@ -1,4 +1,4 @@
-// LLaMA-3's tokenizer: the tiktoken file reader, the hand-written pre-tokenizer and rank-ordered BPE with a cache.
+// LLaMA-3's tokenizer: the tiktoken file reader, LLaMA-3's pre-tokenizer pattern and rank-ordered BPE with a cache.
 #include "loom/data/llama3_tokenizer.h"
 
 #include <charconv>
@@ -10,33 +10,15 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "data/unicode_classes.h"
 #include "loom/common/error.h"
+#include "loom/data/pretokenizer.h"
 
 namespace loom::data {
 namespace {
 
-using detail::CharClass;
-using detail::class_at;
-using detail::run_end;
-
 constexpr const char* kWhereToGetIt =
     "Meta's LLaMA-3 tokenizer.model comes with the model weights (original/tokenizer.model in the Hugging Face "
     "repository meta-llama/Meta-Llama-3-8B, after accepting Meta's license); see docs/TRAINING.md";
-
-bool is_newline(char c) { return c == '\r' || c == '\n'; }
-
-// Length of a contraction at pos, matched in any case: 's 't 're 've 'm 'll 'd, and 'ſ (long s folds to s).
-size_t contraction_length(std::string_view text, size_t pos) {
-  if (text[pos] != '\'' || pos + 1 >= text.size()) return 0;
-  const char c1 = char(text[pos + 1] | 0x20);  // ASCII lower case; no other byte maps onto a letter
-  if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return 2;
-  if (text.substr(pos + 1, 2) == "\xC5\xBF") return 3;  // U+017F
-  if (pos + 2 >= text.size()) return 0;
-  const char c2 = char(text[pos + 2] | 0x20);
-  if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) return 3;
-  return 0;
-}
 
 int base64_digit(char c) {
   if (c >= 'A' && c <= 'Z') return c - 'A';
@@ -70,49 +52,8 @@ bool decode_base64(std::string_view in, std::string& out) {
 }  // namespace
 
 std::vector<std::string_view> llama3_pretokenize(std::string_view text) {
-  std::vector<std::string_view> pieces;
-  const size_t n = text.size();
-  size_t pos = 0;
-  while (pos < n) {
-    size_t end;
-    if (size_t c = contraction_length(text, pos)) {
-      end = pos + c;  // (?i:'s|'t|'re|'ve|'m|'ll|'d)
-    } else {
-      size_t len0, len1 = 0;
-      const CharClass c0 = class_at(text, pos, len0);
-      const bool has1 = pos + len0 < n;
-      const CharClass c1 = has1 ? class_at(text, pos + len0, len1) : CharClass::kSpace;
-      if (c0 == CharClass::kLetter) {
-        end = run_end(text, pos, CharClass::kLetter);  // [^\r\n\p{L}\p{N}]?\p{L}+ without the optional character
-      } else if (c0 != CharClass::kNumber && !is_newline(text[pos]) && has1 && c1 == CharClass::kLetter) {
-        end = run_end(text, pos + len0, CharClass::kLetter);  // ... with it (a space, tab, punctuation, ...)
-      } else if (c0 == CharClass::kNumber) {
-        end = pos;  // \p{N}{1,3}
-        size_t len;
-        for (int k = 0; k < 3 && end < n && class_at(text, end, len) == CharClass::kNumber; ++k) end += len;
-      } else if (c0 == CharClass::kOther || (text[pos] == ' ' && c1 == CharClass::kOther && has1)) {
-        end = run_end(text, c0 == CharClass::kOther ? pos : pos + 1, CharClass::kOther);  // " ?[^\s\p{L}\p{N}]+"
-        while (end < n && is_newline(text[end])) ++end;                                     // "[\r\n]*"
-      } else {
-        // c0 is whitespace. Over the run of whitespace W from pos: "\s*[\r\n]+" ends after W's last \r or \n;
-        // else "\s+(?!\S)" takes W at the end of the text, or W less its last character (which then leads the
-        // next piece) when that leaves something; else "\s+" takes W.
-        size_t p = pos, last_start = pos, after_newline = 0, len;
-        while (p < n && class_at(text, p, len) == CharClass::kSpace) {
-          last_start = p;
-          if (is_newline(text[p])) after_newline = p + 1;
-          p += len;
-        }
-        if (after_newline > 0) end = after_newline;
-        else if (p == n) end = p;
-        else if (last_start > pos) end = last_start;
-        else end = p;
-      }
-    }
-    pieces.push_back(text.substr(pos, end - pos));
-    pos = end;
-  }
-  return pieces;
+  static const Pretokenizer pretokenizer(Pretokenizer::kLlama3Pattern);
+  return pretokenizer.split(text);
 }
 
 const std::vector<std::string>& Llama3Tokenizer::special_token_names() {

@@ -1,15 +1,21 @@
-// Picking a tokenizer by name, and cutting big texts where every tokenizer's pre-tokenizer splits anyway.
+// Picking a tokenizer by name or a tokenizer.json, and cutting big texts where every tokenizer's pre-tokenizer splits anyway.
 #include "loom/data/tokenizer.h"
 
 #include <algorithm>
 
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/hf_tokenizer.h"
 #include "loom/data/llama3_tokenizer.h"
 
 namespace loom::data {
 
+bool is_tokenizer_json(const std::string& path) {
+  return path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& name, const std::string& path) {
+  if (is_tokenizer_json(path)) return std::make_unique<HfTokenizer>(path);
   if (name == "gpt2") return std::make_unique<GPT2Tokenizer>(path);
   if (name == "llama3") {
     LOOM_REQUIRE(!path.empty(), "the llama3 tokenizer needs Meta's tokenizer.model: pass its path with "

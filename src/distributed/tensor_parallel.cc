@@ -467,7 +467,11 @@ std::vector<std::pair<std::string, Tensor>> TensorParallelPlan::full_named_param
 }
 
 std::vector<std::pair<std::string, Tensor>> TensorParallelPlan::hf_state_dict() const {
-  auto full = nn::make_model(model_.config());
+  std::shared_ptr<nn::LanguageModel> full;
+  {
+    nn::SkipInit copied;  // every weight is copied in below
+    full = nn::make_model(model_.config());
+  }
   std::map<std::string, Tensor> own;
   for (auto& [n, t] : full_named_parameters()) own[n] = t;
   autograd::NoGradGuard ng;
@@ -476,7 +480,11 @@ std::vector<std::pair<std::string, Tensor>> TensorParallelPlan::hf_state_dict() 
 }
 
 void TensorParallelPlan::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) {
-  auto full = nn::make_model(model_.config());
+  std::shared_ptr<nn::LanguageModel> full;
+  {
+    nn::SkipInit loaded;
+    full = nn::make_model(model_.config());
+  }
   full->load_hf_state_dict(tensors);
   load_from_full(*full);
 }

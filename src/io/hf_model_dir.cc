@@ -130,6 +130,7 @@ void load_hf_weights(const std::string& dir, nn::LanguageModel& model) {
 
 std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir) {
   HfModelDir d = read_hf_model_dir(dir);
+  nn::SkipInit loaded;  // every weight comes from the files
   auto model = nn::make_model(d.config);
   try {
     model->load_hf_state_dict(load_hf_tensors(d));
@@ -141,6 +142,7 @@ std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir) {
 
 std::shared_ptr<nn::LanguageModel> load_model(const std::string& path) {
   if (is_hf_model_dir(path)) return load_hf_model(path);
+  nn::SkipInit loaded;  // every weight comes from the file
   if (is_llmc_model_file(path)) {
     auto model = nn::make_model(llmc_read_config(path));
     load_llmc_model(path, *model);

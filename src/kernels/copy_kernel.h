@@ -12,7 +12,7 @@ namespace loom {
 // Dispatched on dst's dtype.
 using CopyKernel = void(const DeviceContext&, const Tensor& src, Tensor& dst);
 LOOM_DECLARE_OP(copy, CopyKernel,
-                OpSchema().in("src", "A B C", DTypeRule::kAny).layout(Layout::kStrided).out("dst", "A B C")
+                OpSchema().leading_dims("A").in("src", "A B C", DTypeRule::kAny).layout(Layout::kStrided).out("dst", "A B C")
                     .layout(Layout::kStrided));
 
 struct FillAttrs {
@@ -26,7 +26,7 @@ inline void skip_negative_u8(SuiteCase& c, std::initializer_list<const char*> at
     if (c.dtype == kU8 && c.attr_float(a) < 0) c.skip = true;
 }
 LOOM_DECLARE_OP(fill, FillKernel,
-                OpSchema().out("out", "A B C").layout(Layout::kStrided).attr("value", {0.0, -1.5, 3.0})
+                OpSchema().leading_dims("A").out("out", "A B C").layout(Layout::kStrided).attr("value", {0.0, -1.5, 3.0})
                     .case_rule([](SuiteCase& c, const OpSchema&) { skip_negative_u8(c, {"value"}); }));
 
 struct ArangeAttrs {
@@ -54,7 +54,7 @@ struct RandomAttrs {
 // out (contiguous) element i gets the i-th draw of the Philox stream at `state`, the same on every device.
 using RandomKernel = void(const DeviceContext&, const RandomAttrs&, Tensor& out);
 LOOM_DECLARE_OP(random, RandomKernel,
-                OpSchema().out("out", "R C").attr("distribution", {0.0, 1.0}).attr("seed", {1.0, 99.0})
+                OpSchema().leading_dims("R").out("out", "R C").attr("distribution", {0.0, 1.0}).attr("seed", {1.0, 99.0})
                     .attr("offset", {0.0, 5.0}).abi_since(2)
                     // A normal draw is computed in f32 (Box-Muller with logf, cosf, sinf): devices agree to f32
                     // rounding, which an f64 output shows.

@@ -24,7 +24,8 @@ struct CrossEntropyAttrs {
 };
 
 // The suite's cases: reductions, an ignore_index that some targets hit, and a vocabulary limit below V (the
-// variant -2 stands for V - 2).
+// variant -2 stands for V - 2). The logits take normal, special and tiny values, not +-100: with one logit far
+// above the rest its gradient p - 1 cancels to 0 in f32 where float64 keeps 1e-8 (and 0 * inf is NaN).
 inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
   OpSchema s;
   if (with_grad_loss)
@@ -77,14 +78,14 @@ using CrossEntropyWithGradKernel = void(const DeviceContext&, const Tensor& logi
 LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel,
                 cross_entropy_schema_finish(cross_entropy_schema_start(false).out("loss", "", DTypeRule::kStats)
                                                 .out("grad_logits", "N V"), true)
-                    .abi_since(1));
+                    .may_alias("grad_logits", "logits").abi_since(1));
 
-// grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a one-element tensor of
+// grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a scalar of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
 // exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it.
 using CrossEntropyScaleGradKernel = void(const DeviceContext&, const Tensor& scale, Tensor& grad_logits);
 LOOM_DECLARE_OP(cross_entropy_scale_grad, CrossEntropyScaleGradKernel,
-                OpSchema().in("scale", "1", DTypeRule::kStats).values(Values::kPositive).in_place("grad_logits", "N V")
+                OpSchema().in("scale", "", DTypeRule::kStats).values(Values::kPositive).in_place("grad_logits", "N V")
                     .row_dim("V").abi_since(1));
 
 }  // namespace loom

@@ -12,23 +12,39 @@
 
 namespace loom {
 
-// The descriptions of the families: every tensor has out's shape [A B C]; inputs may be broadcast or strided views,
-// out may be a strided view.
+// The descriptions of the families: every tensor has out's shape [A B C], A standing for any number of leading dims
+// (a call's tensors have any rank; A may be 0: an empty tensor); inputs may be broadcast or strided views, out may be
+// a strided view or an input itself (element for element).
+inline constexpr const char* kElementwiseSpecialValues =
+    "IEEE, as the float64 function: NaN in gives NaN out, inf follows the function's limit, an overflow of the "
+    "output dtype rounds to inf; -0.0 and denormals are values (no flush to zero needed: within tolerance)";
+inline const std::vector<ValueClass> kElementwiseClasses = {ValueClass::kNormal, ValueClass::kSpecial,
+                                                          ValueClass::kTiny, ValueClass::kLarge};
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
-  return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values).out("out", "A B C")
-      .layout(Layout::kStrided).row_dim("C");
+  return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values)
+      .value_classes(x_values == Values::kUniform ? kElementwiseClasses : std::vector<ValueClass>{})
+      .out("out", "A B C")
+      .layout(Layout::kStrided).may_alias("out", "x").row_dim("C").dim("A", {0}).leading_dims("A")
+      .special_values(kElementwiseSpecialValues);
 }
 inline OpSchema unary_backward_schema() {
   return OpSchema().in("grad", "A B C").layout(Layout::kBroadcast).in("saved", "A B C").layout(Layout::kBroadcast)
-      .out("grad_x", "A B C").layout(Layout::kStrided).row_dim("C");
+      .out("grad_x", "A B C").layout(Layout::kStrided).may_alias("grad_x", "grad").may_alias("grad_x", "saved")
+      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .values(b_values).out("out", "A B C").layout(Layout::kStrided).row_dim("C");
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
+      .in("b", "A B C").layout(Layout::kBroadcast).values(b_values)
+      .value_classes(b_values == Values::kUniform ? kElementwiseClasses : std::vector<ValueClass>{})
+      .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
+      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
 }
 inline OpSchema compare_schema() {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C");
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
+      .in("b", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
+      .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C").dim("A", {0})
+      .leading_dims("A")
+      .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number");
 }
 inline OpSchema scalar_schema(std::initializer_list<double> values, Values x_values = Values::kUniform) {
   return unary_schema(x_values).attr("value", values);
@@ -69,14 +85,15 @@ LOOM_DECLARE_OP(minimum, BinaryKernel, binary_schema());
 // strides, out's shape and dtype).
 LOOM_DECLARE_OP(swiglu, BinaryKernel,
                 OpSchema().in("gate", "A B C").layout(Layout::kStrided).in("up", "A B C").layout(Layout::kStrided)
-                    .out("out", "A B C").layout(Layout::kStrided));
+                    .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "gate").may_alias("out", "up")
+                    .leading_dims("A").special_values(kElementwiseSpecialValues));
 // Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
 // contiguous with one shape and dtype; an undefined grad_gate or grad_up is not computed (at least one is defined).
 using SwigluBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
                                   Tensor& grad_gate, Tensor& grad_up);
 LOOM_DECLARE_OP(swiglu_backward, SwigluBackwardKernel,
                 OpSchema().in("grad", "R C").in("gate", "R C").in("up", "R C").out_opt("grad_gate", "R C")
-                    .out_opt("grad_up", "R C").case_rule([](SuiteCase& c, const OpSchema& s) {
+                    .out_opt("grad_up", "R C").leading_dims("R").case_rule([](SuiteCase& c, const OpSchema& s) {
                       c.skip = !c.present[size_t(s.tensor_index("grad_gate"))] &&
                                !c.present[size_t(s.tensor_index("grad_up"))];  // at least one is wanted
                     }));
@@ -88,7 +105,14 @@ struct AddScaledAttrs {
 };
 using AddScaledKernel = void(const DeviceContext&, const Tensor& a, const Tensor& b, const AddScaledAttrs&,
                              Tensor& out);
-LOOM_DECLARE_OP(add_scaled, AddScaledKernel, binary_schema().attr("alpha", {1.0, -0.5, 2.5}));
+// alpha * b is rounded to the dtype before the add (it may overflow where a + alpha * b in float64 does not): b
+// takes no large values.
+inline OpSchema add_scaled_schema() {
+  OpSchema s = binary_schema().attr("alpha", {1.0, -0.5, 2.5});
+  s.tensors[1].value_classes = {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny};
+  return s;
+}
+LOOM_DECLARE_OP(add_scaled, AddScaledKernel, add_scaled_schema());
 
 // out = f(x, value). The value stays double until the kernel converts it to its math type (acc_t of the dtype;
 // int64 for integer dtypes).
@@ -119,7 +143,8 @@ using WhereKernel = void(const DeviceContext&, const Tensor& cond, const Tensor&
 LOOM_DECLARE_OP(where, WhereKernel,
                 OpSchema().in("cond", "A B C", DTypeRule::kBool).layout(Layout::kBroadcast).values(Values::kBits)
                     .in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-                    .out("out", "A B C").layout(Layout::kStrided));
+                    .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
+                    .leading_dims("A").special_values(kElementwiseSpecialValues));
 
 // Dropout keeps element i (in row-major order) when philox_uniform(state, i) >= p and scales it by 1/(1-p); the
 // backward regenerates the same mask from the state. Input and output are contiguous; 0 <= p < 1.
@@ -131,7 +156,7 @@ struct DropoutAttrs {
 using DropoutKernel = void(const DeviceContext&, const Tensor& x, const DropoutAttrs&, Tensor& out);
 inline OpSchema dropout_schema() {
   return OpSchema().in("x", "R C").out("out", "R C").attr("p", {0.0, 0.1, 0.5}).attr("seed", {7.0, 12345.0})
-      .attr("offset", {0.0, 3.0}).abi_since(2);
+      .attr("offset", {0.0, 3.0}).leading_dims("R").abi_since(2);
 }
 LOOM_DECLARE_OP(dropout, DropoutKernel, dropout_schema());
 LOOM_DECLARE_OP(dropout_backward, DropoutKernel, dropout_schema());  // x is the gradient of dropout's output

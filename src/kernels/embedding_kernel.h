@@ -11,7 +11,7 @@ namespace loom {
 // Dispatched on weight's dtype. Throws loom::Error for an index outside [0, V).
 using EmbeddingKernel = void(const DeviceContext&, const Tensor& weight, const Tensor& indices, Tensor& out);
 LOOM_DECLARE_OP(embedding, EmbeddingKernel,
-                OpSchema().in("weight", "V C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
+                OpSchema().leading_dims("N").in("weight", "V C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
                     .out("out", "N C"));
 
 // grad [N, C] and indices (N elements) contiguous; grad_weight [V, C] with grad's dtype is fully written: row v is
@@ -19,7 +19,7 @@ LOOM_DECLARE_OP(embedding, EmbeddingKernel,
 using EmbeddingBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& indices,
                                      Tensor& grad_weight);
 LOOM_DECLARE_OP(embedding_backward, EmbeddingBackwardKernel,
-                OpSchema().in("grad", "N C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
+                OpSchema().leading_dims("N").in("grad", "N C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
                     .out("grad_weight", "V C").accumulates("N"));
 
 }  // namespace loom

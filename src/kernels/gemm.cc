@@ -119,9 +119,14 @@ OpSchema gemm_schema() {
       .in_place("c", "Bt M N", DTypeRule::kWideOrSame).layout(Layout::kColumnMajor)
       .out_opt("pre_gelu", "Bt M N", DTypeRule::kWideOrSame).layout(Layout::kColumnMajor)
       .out_opt("bias_grad", "N", DTypeRule::kWideOrSame).omit_when_absent()
-      .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5})
+      .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5, 0.0})
       .attr("beta", {0.0, 1.0, 0.75}).attr("epilogue", {0.0, 1.0, 2.0, 3.0, 4.0, 5.0})
-      .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K").dispatch_on("a").autocast(Autocast::kCastInputs)
+      .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K").long_dim("K", 65537)
+      .dispatch_on("a").autocast(Autocast::kCastInputs)
+      .special_values("IEEE, as the float64 sum: NaN and inf in A, B, bias or C (beta != 0) reach the elements they "
+                      "touch (inf - inf and 0 * inf give NaN); beta == 0 ignores C (it may hold NaN); alpha == 0 gives "
+                      "beta * C plus the epilogue, and whether NaN or inf in A or B still reaches C is left to the "
+                      "library (BLAS does not read A and B then), so the suite gives finite A and B with alpha 0")
       .case_rule([](SuiteCase& c, const OpSchema& s) {
         auto idx = [&](const char* n) { return size_t(s.tensor_index(n)); };
         const auto e = GemmEpilogue(c.attr_int("epilogue"));
@@ -143,6 +148,9 @@ OpSchema gemm_schema() {
           c.attr("beta")->f = 0;
         }
         if (c.attr_float("beta") == 0) c.roles[idx("c")] = ArgRole::kOutput;  // C's old content must be ignored
+        if (c.attr_float("alpha") == 0 && !c.values.empty())  // NaN or inf in A or B is unspecified with alpha 0
+          for (const char* n : {"a", "b"})
+            if (c.values[idx(n)] == ValueClass::kSpecial) c.values[idx(n)] = ValueClass::kNormal;
         // pre_gelu shares C's layout.
         if (c.present[idx("pre_gelu")]) c.dense[idx("pre_gelu")] = c.dense[idx("c")] = true;
       });

@@ -19,7 +19,7 @@ struct NormAttrs {
 using LayerNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& weight, const Tensor& bias,
                              const NormAttrs&, Tensor& out, Tensor& mean, Tensor& rstd);
 LOOM_DECLARE_OP(layer_norm, LayerNormKernel,
-                OpSchema().in("x", "R C").in_opt("weight", "C").in_opt("bias", "C").out("out", "R C")
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("weight", "C").in_opt("bias", "C").out("out", "R C")
                     .out("mean", "R", DTypeRule::kStats).out("rstd", "R", DTypeRule::kStats)
                     .attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C").autocast(Autocast::kNarrowOutput));
 
@@ -29,7 +29,7 @@ using LayerNormBackwardKernel = void(const DeviceContext&, const Tensor& grad, c
                                      const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                                      Tensor& grad_input, Tensor& grad_weight, Tensor& grad_bias);
 LOOM_DECLARE_OP(layer_norm_backward, LayerNormBackwardKernel,
-                OpSchema().in("grad", "R C").in("x", "R C").in_opt("weight", "C")
+                OpSchema().leading_dims("R").in("grad", "R C").in("x", "R C").in_opt("weight", "C")
                     .in("mean", "R", DTypeRule::kStats).in("rstd", "R", DTypeRule::kStats).values(Values::kPositive)
                     .out_opt("grad_input", "R C").out_opt("grad_weight", "C").out_opt("grad_bias", "C")
                     .row_dim("C").accumulates("C").dispatch_on("x"));
@@ -38,14 +38,14 @@ LOOM_DECLARE_OP(layer_norm_backward, LayerNormBackwardKernel,
 using RmsNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& weight, const NormAttrs&,
                            Tensor& out, Tensor& rstd);
 LOOM_DECLARE_OP(rms_norm, RmsNormKernel,
-                OpSchema().in("x", "R C").in_opt("weight", "C").out("out", "R C")
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("weight", "C").out("out", "R C")
                     .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
                     .autocast(Autocast::kNarrowOutput));
 
 using RmsNormBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& weight,
                                    const Tensor& rstd, Tensor& grad_input, Tensor& grad_weight);
 LOOM_DECLARE_OP(rms_norm_backward, RmsNormBackwardKernel,
-                OpSchema().in("grad", "R C").in("x", "R C").in_opt("weight", "C")
+                OpSchema().leading_dims("R").in("grad", "R C").in("x", "R C").in_opt("weight", "C")
                     .in("rstd", "R", DTypeRule::kStats).values(Values::kPositive)
                     .out_opt("grad_input", "R C").out_opt("grad_weight", "C").row_dim("C").accumulates("C")
                     .dispatch_on("x"));
@@ -61,7 +61,7 @@ using ResidualLayerNormKernel = void(const DeviceContext&, const Tensor& x, cons
                                      const Tensor& bias, const NormAttrs&, Tensor& residual, Tensor& out,
                                      Tensor& mean, Tensor& rstd);
 LOOM_DECLARE_OP(residual_layer_norm, ResidualLayerNormKernel,
-                OpSchema().in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
                     .in_opt("bias", "C").out_opt("residual", "R C").present_with("delta")
                     .out("out", "R C", DTypeRule::kNarrowOrSame).out("mean", "R", DTypeRule::kStats)
                     .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
@@ -78,7 +78,7 @@ using ResidualLayerNormBackwardKernel = void(const DeviceContext&, const Tensor&
                                              Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight,
                                              Tensor& grad_bias);
 LOOM_DECLARE_OP(residual_layer_norm_backward, ResidualLayerNormBackwardKernel,
-                OpSchema().in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
+                OpSchema().leading_dims("R").in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
                     .in("residual", "R C").in_opt("weight", "C").in("mean", "R", DTypeRule::kStats)
                     .in("rstd", "R", DTypeRule::kStats).values(Values::kPositive).out_opt("grad_x", "R C")
                     .out_opt("grad_delta", "R C", DTypeRule::kNarrowOrSame).out_opt("grad_weight", "C")
@@ -88,7 +88,7 @@ LOOM_DECLARE_OP(residual_layer_norm_backward, ResidualLayerNormBackwardKernel,
 using ResidualRmsNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
                                    const NormAttrs&, Tensor& residual, Tensor& out, Tensor& rstd);
 LOOM_DECLARE_OP(residual_rms_norm, ResidualRmsNormKernel,
-                OpSchema().in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame).in_opt("weight", "C")
                     .out_opt("residual", "R C").present_with("delta").out("out", "R C", DTypeRule::kNarrowOrSame)
                     .out("rstd", "R", DTypeRule::kStats).attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C")
                     .dispatch_on("x").abi_since(1).autocast(Autocast::kNarrowOutput)
@@ -98,7 +98,7 @@ using ResidualRmsNormBackwardKernel = void(const DeviceContext&, const Tensor& g
                                            const Tensor& residual, const Tensor& weight, const Tensor& rstd,
                                            Tensor& grad_x, Tensor& grad_delta, Tensor& grad_weight);
 LOOM_DECLARE_OP(residual_rms_norm_backward, ResidualRmsNormBackwardKernel,
-                OpSchema().in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
+                OpSchema().leading_dims("R").in("grad_out", "R C", DTypeRule::kNarrowOrSame).in_opt("grad_residual", "R C")
                     .in("residual", "R C").in_opt("weight", "C").in("rstd", "R", DTypeRule::kStats)
                     .values(Values::kPositive).out_opt("grad_x", "R C")
                     .out_opt("grad_delta", "R C", DTypeRule::kNarrowOrSame).out_opt("grad_weight", "C")

@@ -30,7 +30,7 @@ struct SgdUpdateAttrs {
 using AdamWUpdateKernel = void(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                                Tensor& exp_avg, Tensor& exp_avg_sq);
 LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
-                OpSchema().in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
+                OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
                     .in_place("exp_avg", "N", DTypeRule::kStats).in_place("exp_avg_sq", "N", DTypeRule::kStats)
                     .values(Values::kPositive).attr("lr", {1e-3, 0.1}).attr("weight_decay", {0.0, 0.1})
                     .attr("step", {1.0, 7.0}).row_dim("N").dispatch_on("param").abi_since(1));
@@ -39,18 +39,18 @@ LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
 using SgdUpdateKernel = void(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                              Tensor& momentum_buffer);
 LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel,
-                OpSchema().in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
+                OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
                     .in_place("momentum_buffer", "N", DTypeRule::kStats).attr("lr", {1e-2, 0.5})
                     .attr("momentum", {0.0, 0.9}).attr("weight_decay", {0.0, 0.1}).attr("first_step", {0.0, 1.0})
                     .row_dim("N").dispatch_on("param").abi_since(1).case_rule([](SuiteCase& c, const OpSchema& s) {
                       c.present[size_t(s.tensor_index("momentum_buffer"))] = c.attr_float("momentum") != 0;
                     }));
 
-// x contiguous, any floating dtype (dispatched on it); out a one-element f64 tensor receiving sum(x^2), accumulated
-// in f64 in an order that does not depend on the thread count.
+// x contiguous, any floating dtype (dispatched on it); out an f64 scalar receiving sum(x^2), accumulated in f64 in an
+// order that does not depend on the thread count.
 using GradNormSquaredKernel = void(const DeviceContext&, const Tensor& x, Tensor& out);
 LOOM_DECLARE_OP(grad_norm_squared, GradNormSquaredKernel,
-                OpSchema().in("x", "N").out("out", "1", DTypeRule::kF64).row_dim("N").accumulates("N")
+                OpSchema().leading_dims("N").in("x", "N").out("out", "", DTypeRule::kF64).row_dim("N").accumulates("N")
                     .dispatch_on("x").abi_since(1));
 
 }  // namespace loom

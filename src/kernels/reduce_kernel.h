@@ -34,7 +34,7 @@ inline OpSchema reduce_schema(DTypeRule out_dtype = DTypeRule::kDispatch) {
   std::vector<AttrValue> dims{AttrValue::of_ints({2}), AttrValue::of_ints({0}), AttrValue::of_ints({1})};
   if (!one_dim)
     for (auto d : {std::vector<int64_t>{0, 1}, {1, 2}, {0, 2}, {0, 1, 2}}) dims.push_back(AttrValue::of_ints(d));
-  return OpSchema().in("x", "A R C").out("out", "", out_dtype)
+  return OpSchema().leading_dims("A").in("x", "A R C").out("out", "", out_dtype)
       .shape_fn(reduced_shape).attr("dims", std::move(dims)).attr("keepdim", {0.0, 1.0}).row_dim("C")
       .accumulates("C").dispatch_on("x");
 }

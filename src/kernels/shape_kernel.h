@@ -72,7 +72,7 @@ struct TriangularAttrs {
 // x and out contiguous, rank >= 2, masked on the last two dims (zeros elsewhere).
 using TriangularKernel = void(const DeviceContext&, const Tensor& x, const TriangularAttrs&, Tensor& out);
 LOOM_DECLARE_OP(triangular, TriangularKernel,
-                OpSchema().in("x", "A R C").out("out", "A R C").attr("diagonal", {0.0, 1.0, -2.0})
+                OpSchema().leading_dims("A").in("x", "A R C").out("out", "A R C").attr("diagonal", {0.0, 1.0, -2.0})
                     .attr("upper", {1.0, 0.0}).abi_since(2));
 
 }  // namespace loom

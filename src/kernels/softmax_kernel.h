@@ -11,11 +11,19 @@ struct SoftmaxAttrs {
   int64_t dim = -1;  // non-negative (normalized by the op layer); the last dim is the fast path
   LOOM_FIELDS(SoftmaxAttrs, dim);
 };
+// Special values: a row (along dim) holding NaN or +inf is NaN throughout (the max subtraction gives inf - inf); a
+// fully masked row (every element -inf) is NaN, as PyTorch's; a -inf element of another row gives 0 (log_softmax:
+// -inf). Large logits (+-100) must not overflow: subtract the row's max.
 inline OpSchema softmax_schema() {
-  return OpSchema().in("x", "A R C").out("out", "A R C").attr_dim("dim", "x").row_dim("C").accumulates("C");
+  return OpSchema().leading_dims("A").in("x", "A R C")
+      .value_classes({ValueClass::kNormal, ValueClass::kLogits, ValueClass::kSpecial, ValueClass::kTiny,
+                      ValueClass::kMasked})
+      .out("out", "A R C").attr_dim("dim", "x").row_dim("C").accumulates("C")
+      .special_values("a row holding NaN or +inf is NaN; a fully masked row (all -inf) is NaN; a -inf element of "
+                      "another row gives 0 (log_softmax: -inf); logits of +-100 do not overflow");
 }
 inline OpSchema softmax_backward_schema() {
-  return OpSchema().in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
+  return OpSchema().leading_dims("A").in("grad", "A R C").in("out", "A R C").out("grad_input", "A R C").attr_dim("dim", "grad")
       .row_dim("C").accumulates("C");
 }
 

@@ -1,8 +1,9 @@
 // Text generation: a KV-cached decoding loop over any LanguageModel, with greedy, temperature, top-k and top-p
-// sampling.
+// sampling, a repetition penalty, stop tokens and stop strings, and several samples of one prompt.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <unordered_set>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/nn/model.h"
@@ -38,6 +39,18 @@ int32_t sample_token(const std::vector<double>& l, const GenerateOptions& opts, 
   return order[dist(rng)];
 }
 
+void apply_repetition_penalty(std::vector<double>& logits, const std::vector<int32_t>& seen, double penalty) {
+  LOOM_REQUIRE(std::isfinite(penalty) && penalty > 0, "generate: repetition_penalty must be a finite number > 0, got ",
+               penalty);
+  if (penalty == 1) return;
+  std::unordered_set<int32_t> done;
+  for (int32_t t : seen) {
+    if (t < 0 || size_t(t) >= logits.size() || !done.insert(t).second) continue;
+    double& x = logits[size_t(t)];
+    x = x < 0 ? x * penalty : x / penalty;
+  }
+}
+
 std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
   Module::EvalScope eval(model);
   return generate([&](const Tensor& idx, std::vector<KVCache>* caches) { return model.forward(idx, caches); },
@@ -51,8 +64,18 @@ std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, D
   for (int32_t t : prompt)
     LOOM_REQUIRE(t >= 0 && t < cfg.vocab_size, "generate: prompt token ", t, " is outside the vocabulary of ",
                  cfg.vocab_size);
+  LOOM_REQUIRE(std::isfinite(opts.repetition_penalty) && opts.repetition_penalty > 0,
+               "generate: repetition_penalty must be a finite number > 0, got ", opts.repetition_penalty);
+  size_t longest_stop = 0;
+  for (const std::string& s : opts.stop_strings) {
+    LOOM_REQUIRE(!s.empty(), "generate: a stop string is empty");
+    longest_stop = std::max(longest_stop, s.size());
+  }
+  LOOM_REQUIRE(opts.stop_strings.empty() || opts.decode, "generate: stop strings need a decode function");
+  const std::unordered_set<int32_t> stop_tokens(opts.stop_tokens.begin(), opts.stop_tokens.end());
   autograd::NoGradGuard ng;
   std::mt19937_64 rng(opts.seed);
+  std::string text;  // of the new tokens, while there are stop strings to look for
   std::vector<int32_t> tokens = prompt;
   std::vector<KVCache> caches;
   bool use_cache = opts.use_kv_cache;
@@ -70,11 +93,36 @@ std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, D
     Tensor logits = forward(idx, use_cache ? &caches : nullptr);
     fed = tokens.size();
     Tensor last = ops::narrow(ops::select(ops::select(logits, 0, 0), 0, logits.size(1) - 1), 0, 0, cfg.vocab_size);
-    const int32_t next = sample_token(to_vector<double>(last), opts, rng);
+    std::vector<double> scores = to_vector<double>(last);
+    apply_repetition_penalty(scores, tokens, opts.repetition_penalty);
+    const int32_t next = sample_token(scores, opts, rng);
     tokens.push_back(next);
     if (opts.on_token && !opts.on_token(next)) break;
+    if (stop_tokens.count(next)) break;
+    if (!opts.stop_strings.empty()) {
+      // Only the tail can hold a stop string that this token completed.
+      const size_t from = text.size() >= longest_stop ? text.size() - longest_stop + 1 : 0;
+      text += opts.decode({next});
+      if (std::any_of(opts.stop_strings.begin(), opts.stop_strings.end(),
+                      [&](const std::string& s) { return text.find(s, from) != std::string::npos; }))
+        break;
+    }
   }
   return std::vector<int32_t>(tokens.begin() + int64_t(prompt.size()), tokens.end());
+}
+
+std::vector<std::vector<int32_t>> generate_samples(LanguageModel& model, const std::vector<int32_t>& prompt,
+                                                   const GenerateOptions& opts, int64_t num_samples,
+                                                   const std::function<void(int64_t)>& before_sample) {
+  LOOM_REQUIRE(num_samples >= 1, "generate: num_samples must be at least 1, got ", num_samples);
+  std::vector<std::vector<int32_t>> samples;
+  GenerateOptions one = opts;
+  for (int64_t i = 0; i < num_samples; ++i) {
+    one.seed = opts.seed + uint64_t(i);
+    if (before_sample) before_sample(i);
+    samples.push_back(generate(model, prompt, one));
+  }
+  return samples;
 }
 
 }  // namespace loom::nn

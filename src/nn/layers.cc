@@ -12,18 +12,29 @@ void init_normal_(Tensor& t, double std, Generator& gen) {
   t.copy_from(randn(t.shape(), t.dtype(), t.device(), &gen, 0.0, std));
 }
 
+namespace {
+// uniform(-bound, bound) from the default generator, or zeros within a SkipInit scope.
+Tensor uniform_or_zeros(const Shape& shape, double bound) {
+  return SkipInit::active() ? zeros(shape) : rand(shape, kF32, Device(), nullptr, -bound, bound);
+}
+}  // namespace
+
+// LibTorch's (and PyTorch's) default: kaiming_uniform_(a = sqrt(5)) for the weight, which is uniform within
+// 1/sqrt(in_features), and the bias uniform within the same bound.
 Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
   LOOM_REQUIRE(in_features > 0 && out_features > 0, "Linear: features must be positive, got in=", in_features,
                " out=", out_features);
-  weight = register_parameter("weight", zeros({out_features, in_features}));
-  if (has_bias) bias = register_parameter("bias", zeros({out_features}));
+  const double bound = 1.0 / std::sqrt(double(in_features));
+  weight = register_parameter("weight", uniform_or_zeros({out_features, in_features}, bound));
+  if (has_bias) bias = register_parameter("bias", uniform_or_zeros({out_features}, bound));
 }
 
 Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
 Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weight, bias); }
 
-Embedding::Embedding(int64_t num_embeddings, int64_t dim) {
-  weight = register_parameter("weight", zeros({num_embeddings, dim}));
+Embedding::Embedding(int64_t num_embeddings, int64_t dim) {  // normal(0, 1), as LibTorch
+  const Shape shape{num_embeddings, dim};
+  weight = register_parameter("weight", SkipInit::active() ? zeros(shape) : randn(shape));
 }
 Tensor Embedding::forward(const Tensor& indices) const {
   return tp ? tp->vocab_parallel_embedding(weight, indices, vocab_start) : embedding(weight, indices);

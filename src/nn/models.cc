@@ -347,9 +347,24 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
   }
 }
 
-std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg) {
-  if (cfg.family == ModelFamily::kGPT2) return std::make_shared<GPT2>(cfg);
-  return std::make_shared<Llama>(cfg);
+std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<uint64_t> seed) {
+  const bool init = !SkipInit::active();
+  std::shared_ptr<LanguageModel> model;
+  {
+    SkipInit layers;  // the model's own scheme below replaces its layers' defaults
+    if (cfg.family == ModelFamily::kGPT2) model = std::make_shared<GPT2>(cfg);
+    else model = std::make_shared<Llama>(cfg);
+  }
+  if (init) {
+    if (!seed) {  // drawn from the default generator, as LibTorch modules draw their initial values
+      uint32_t r[4];
+      const PhiloxState s = default_generator().advance(4);
+      philox4x32(s.seed, s.offset, r);
+      seed = uint64_t(r[0]) << 32 | r[1];
+    }
+    model->init_weights(*seed);
+  }
+  return model;
 }
 
 }  // namespace loom::nn

@@ -8,6 +8,14 @@
 
 namespace loom::nn {
 
+namespace {
+thread_local int skip_init_depth = 0;
+}  // namespace
+
+SkipInit::SkipInit() { ++skip_init_depth; }
+SkipInit::~SkipInit() { --skip_init_depth; }
+bool SkipInit::active() { return skip_init_depth > 0; }
+
 Tensor Module::register_parameter(const std::string& name, Tensor t, bool requires_grad) {
   LOOM_REQUIRE(t.defined(), "register_parameter: parameter '", name, "' is undefined");
   if (requires_grad) t.set_requires_grad(true);

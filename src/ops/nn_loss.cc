@@ -95,6 +95,7 @@ void cross_entropy_scale_grad_(Tensor& grad_logits, const Tensor& grad_loss) {
   LOOM_REQUIRE(grad_logits.is_contiguous(), op, ": grad_logits must be contiguous, got ", describe(grad_logits));
   LOOM_REQUIRE(grad_loss.numel() == 1, op, ": grad_loss must have one element, got ", describe(grad_loss));
   Tensor scale = ops::contiguous(ops::to_dtype(grad_loss, cross_entropy_loss_dtype(grad_logits.dtype())));
+  scale = scale.as_strided({}, {}, scale.storage_offset());  // the kernel's scale is a scalar (its description)
   dispatch::call(cross_entropy_scale_grad_op, grad_logits.device(), grad_logits.dtype(), scale, grad_logits);
 }
 

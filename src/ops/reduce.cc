@@ -56,11 +56,16 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   LOOM_REQUIRE(x.defined(), "sum_to: input is undefined");
   std::vector<int64_t> dims = infermeta::infer_sum_to_dims(x.shape(), shape);
   if (dims.empty()) return x;
-  // The kept dims of x are, in order, the dims of `shape` that are not reduced, so `shape` is the output's layout.
+  // The kept dims of x are, in order, the dims of `shape` that are not reduced, so `shape` is the output's layout;
+  // the kernel writes it through a view with x's rank (1 for every reduced dim), the keepdim shape it is described
+  // with.
   Tensor in = ops::contiguous(x);
   Tensor out = empty(shape, infermeta::infer_sum_dtype(x.dtype()), x.device());
+  Shape kept = x.shape();
+  for (int64_t d : dims) kept[size_t(d)] = 1;
+  Tensor kept_view = out.as_strided(kept, contiguous_strides(kept), 0);
   ReduceAttrs attrs{dims, true};
-  dispatch::call(sum_op, x.device(), x.dtype(), in, attrs, out);
+  dispatch::call(sum_op, x.device(), x.dtype(), in, attrs, kept_view);
   return out;
 }
 

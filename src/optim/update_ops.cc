@@ -96,7 +96,8 @@ void grad_norm_squared_out(const Tensor& x, Tensor& out) {
     return;
   }
   Tensor c = ops::contiguous(x);
-  dispatch::call(grad_norm_squared_op, x.device(), x.dtype(), c, out);
+  Tensor scalar = out.as_strided({}, {}, out.storage_offset());  // the kernel's out is a scalar (its description)
+  dispatch::call(grad_norm_squared_op, x.device(), x.dtype(), c, scalar);
 }
 
 Tensor grad_norm_squared(const Tensor& x) {

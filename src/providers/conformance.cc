@@ -23,6 +23,7 @@
 #include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
 #include "io/json_numbers.h"
+#include "providers/naive_reference.h"
 
 namespace loom::conformance {
 namespace {
@@ -75,6 +76,44 @@ double rounded(double v, DType dt) {
   return load(b, 0, dt);
 }
 
+// The poison of a floating output: a quiet NaN with a payload no arithmetic makes (a kernel's NaN is the default one
+// or an input's), so an element whose expected value is NaN still shows whether it was written.
+void store_poison(std::vector<uint8_t>& bytes, int64_t i, DType dt) {
+  uint8_t* p = bytes.data() + size_t(i) * dtype_size(dt);
+  switch (dt) {
+    case kF32: { uint32_t b = 0x7fc5a5a5u; std::memcpy(p, &b, 4); break; }
+    case kF64: { uint64_t b = 0x7ff8a5a5a5a5a5a5ull; std::memcpy(p, &b, 8); break; }
+    case kBF16: { uint16_t b = 0x7fe5; std::memcpy(p, &b, 2); break; }
+    case kF16: { uint16_t b = 0x7f5a; std::memcpy(p, &b, 2); break; }
+    default: store(bytes, i, dt, poison_value(dt));
+  }
+}
+bool is_poison(const std::vector<uint8_t>& bytes, int64_t i, DType dt) {
+  if (!is_floating(dt)) return false;  // an integer sentinel may be a right value: compared as a value
+  std::vector<uint8_t> p(dtype_size(dt));
+  store_poison(p, 0, dt);
+  return std::memcmp(bytes.data() + size_t(i) * dtype_size(dt), p.data(), p.size()) == 0;
+}
+
+double largest_finite(DType dt) {
+  switch (dt) {
+    case kF64: return 1.7976931348623157e308;
+    case kF32: return 3.4028234663852886e38;
+    case kBF16: return 3.3895313892515355e38;
+    case kF16: return 65504.0;
+    default: return 1;
+  }
+}
+double smallest_denormal(DType dt) {
+  switch (dt) {
+    case kF64: return 4.9406564584124654e-324;
+    case kF32: return 1.4012984643248171e-45;
+    case kBF16: return 9.183549615799121e-41;
+    case kF16: return 5.9604644775390625e-08;
+    default: return 0;
+  }
+}
+
 // ---- One tensor of a case: its layout in a buffer, host values, and the device buffer. ----
 struct CaseTensor {
   bool present = false;
@@ -82,14 +121,16 @@ struct CaseTensor {
   ArgRole role = ArgRole::kInput;
   DType dtype = kF32;
   Shape shape, strides;
-  int64_t offset = 0, buffer_elems = 0;
+  int64_t offset = 0, buffer_elems = 0;  // offset: of the first element in the buffer (an output's guard included)
+  int64_t case_offset = 0;               // past the buffer's aligned start (the case's alignment class)
+  int alias_of = -1;                     // an output on that input's buffer
   std::vector<double> values;      // row-major over shape (inputs and in-place tensors)
   std::vector<uint8_t> before;     // the buffer as sent
   Tensor buffer, view;             // on the device
   std::string describe() const {
     std::ostringstream os;
     os << dtype_name(dtype) << shape_str(shape);
-    if (strides != contiguous_strides(shape) || offset) os << " strides " << shape_str(strides) << " offset " << offset;
+    if (strides != contiguous_strides(shape) || case_offset) os << " strides " << shape_str(strides) << " offset " << case_offset;
     return os.str();
   }
 };
@@ -112,51 +153,101 @@ std::vector<int64_t> positions(const CaseTensor& t) {
   return pos;
 }
 
-enum class LayoutVariant { kPlain, kOffset, kStrided, kTransposed, kBroadcast };
-
-// Strides and offset for a shape under a variant the spec allows; the buffer's size.
-void lay_out(CaseTensor& t, const TensorSpec& spec, LayoutVariant v, bool dense, int bcast_dim) {
-  const size_t r = t.shape.size();
-  Shape& st = t.strides;
-  st.assign(r, 0);
-  const int64_t guard = kGuardBytes / int64_t(dtype_size(t.dtype));
-  t.offset = t.is_input ? 0 : guard;
-  if (spec.layout == Layout::kColumnMajor && r == 3) {  // [batch, rows, cols]
-    const bool pad = !dense && v != LayoutVariant::kPlain;
-    int64_t ld = std::max<int64_t>(1, t.shape[1]) + (pad ? 3 : 0);
-    st = {ld * std::max<int64_t>(1, t.shape[2]) + (pad ? 5 : 0), 1, ld};
-  } else {
-    Shape storage_order = t.shape;
-    bool transpose = v == LayoutVariant::kTransposed && spec.layout == Layout::kStrided && r >= 2 && !dense;
-    if (transpose) std::swap(storage_order[r - 1], storage_order[r - 2]);
-    Shape cs = contiguous_strides(storage_order);
-    if (transpose) std::swap(cs[r - 1], cs[r - 2]);
-    st = cs;
-    bool strided = v == LayoutVariant::kStrided && !dense && r >= 1;
-    if (strided && spec.layout == Layout::kStrided) {
-      for (auto& s : st) s *= 2;  // every other element
-    } else if (strided && spec.layout == Layout::kUnitInner && r >= 2) {
-      int64_t pitch = t.shape[r - 1] + (bcast_dim % 2 ? 8 : 3);  // padded rows, aligned or not
-      st[r - 2] = pitch;
-      for (int64_t d = int64_t(r) - 3; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * std::max<int64_t>(1, t.shape[size_t(d) + 1]);
-    }
-    if (v == LayoutVariant::kBroadcast && spec.layout == Layout::kBroadcast && t.is_input && r >= 1) {
-      size_t d = size_t(bcast_dim) % r;
-      st[d] = 0;  // one slice, seen along d
-    }
-    if (v == LayoutVariant::kOffset) t.offset += 3;  // a view that starts off its buffer's alignment
-  }
+// Elements a view spans from its first one (0 for an empty view).
+int64_t span_of(const Shape& shape, const Shape& strides) {
   int64_t span = 1;
-  for (size_t d = 0; d < r; ++d) {
-    if (t.shape[d] == 0) { span = 0; break; }
-    span += (t.shape[d] - 1) * st[d];
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0) return 0;
+    span += (shape[d] - 1) * strides[d];
   }
-  t.buffer_elems = t.offset + span + (t.is_input ? 0 : guard);
+  return span;
+}
+
+// Dense strides in the spec's own layout: row-major, or a gemm matrix packed column-major.
+Shape dense_strides(const TensorSpec& spec, const Shape& shape) {
+  if (spec.layout == Layout::kColumnMajor && shape.size() == 3) {  // [batch, rows, cols]
+    int64_t ld = std::max<int64_t>(1, shape[1]);
+    return {ld * std::max<int64_t>(1, shape[2]), 1, ld};
+  }
+  return contiguous_strides(shape);
+}
+
+// The layout classes a tensor takes (its Layout allows them); the first is the dense one.
+enum class LayoutClass : uint8_t { kDense, kStrided, kTransposed, kPadded, kZeroStride, kZeroBatchStride };
+const char* layout_class_name(LayoutClass l) {
+  switch (l) {
+    case LayoutClass::kDense: return "dense";
+    case LayoutClass::kStrided: return "strided";
+    case LayoutClass::kTransposed: return "transposed";
+    case LayoutClass::kPadded: return "padded";
+    case LayoutClass::kZeroStride: return "stride0";
+    case LayoutClass::kZeroBatchStride: return "batch_stride0";
+  }
+  return "?";
+}
+std::vector<LayoutClass> layout_classes(const TensorSpec& t) {
+  const bool in = is_input(t.role);
+  switch (t.layout) {
+    case Layout::kContiguous: return {LayoutClass::kDense};
+    case Layout::kUnitInner: return {LayoutClass::kDense, LayoutClass::kPadded};
+    case Layout::kStrided: return {LayoutClass::kDense, LayoutClass::kStrided, LayoutClass::kTransposed};
+    case Layout::kBroadcast:
+      if (!in) return {LayoutClass::kDense, LayoutClass::kStrided, LayoutClass::kTransposed};
+      return {LayoutClass::kDense, LayoutClass::kStrided, LayoutClass::kTransposed, LayoutClass::kZeroStride};
+    case Layout::kColumnMajor:
+      if (!in) return {LayoutClass::kDense, LayoutClass::kPadded};
+      return {LayoutClass::kDense, LayoutClass::kPadded, LayoutClass::kZeroBatchStride};
+  }
+  return {LayoutClass::kDense};
+}
+
+// The class a layout really is for this shape (a transpose of a vector is dense), and its strides; `salt` picks
+// the dim a stride-0 view repeats along, and the pitch of padded rows.
+LayoutClass effective_layout(const TensorSpec& spec, const Shape& shape, LayoutClass l) {
+  const size_t r = shape.size();
+  if (numel_of(shape) <= 1) return LayoutClass::kDense;
+  switch (l) {
+    case LayoutClass::kTransposed: return r >= 2 && shape[r - 1] > 1 && shape[r - 2] > 1 ? l : LayoutClass::kDense;
+    case LayoutClass::kPadded:
+      return spec.layout == Layout::kColumnMajor || (r >= 2 && shape[r - 2] > 1) ? l : LayoutClass::kDense;
+    case LayoutClass::kZeroStride: return r >= 1 ? l : LayoutClass::kDense;
+    case LayoutClass::kZeroBatchStride: return r == 3 && shape[0] > 1 ? l : LayoutClass::kDense;
+    default: return l;
+  }
+}
+Shape strides_for(const TensorSpec& spec, const Shape& shape, LayoutClass l, int salt) {
+  const size_t r = shape.size();
+  if (spec.layout == Layout::kColumnMajor && r == 3) {  // [batch, rows, cols]
+    Shape st = dense_strides(spec, shape);
+    if (l == LayoutClass::kPadded) {
+      int64_t ld = std::max<int64_t>(1, shape[1]) + 3;
+      st = {ld * std::max<int64_t>(1, shape[2]) + 5, 1, ld};
+    }
+    if (l == LayoutClass::kZeroBatchStride) st[0] = 0;  // one matrix for the whole batch
+    return st;
+  }
+  Shape storage_order = shape;
+  const bool transpose = l == LayoutClass::kTransposed && r >= 2;
+  if (transpose) std::swap(storage_order[r - 1], storage_order[r - 2]);
+  Shape st = contiguous_strides(storage_order);
+  if (transpose) std::swap(st[r - 1], st[r - 2]);
+  if (l == LayoutClass::kStrided)
+    for (auto& s : st) s *= 2;  // every other element
+  if (l == LayoutClass::kPadded && r >= 2) {
+    st[r - 2] = shape[r - 1] + (salt % 2 ? 8 : 3);  // padded rows, aligned or not
+    for (int64_t d = int64_t(r) - 3; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * std::max<int64_t>(1, shape[size_t(d) + 1]);
+  }
+  if (l == LayoutClass::kZeroStride && r >= 1) {  // one slice, seen along a dim of more than one element
+    size_t d = size_t(salt) % r;
+    for (size_t k = 0; k < r && shape[d] <= 1; ++k) d = (d + 1) % r;
+    st[d] = 0;
+  }
+  return st;
 }
 
 struct Built {
   CallArgs args;                     // the device arguments
-  std::vector<CaseTensor> tensors;   // per spec (a list: its first element; lists are inputs only)
+  std::vector<CaseTensor> tensors;   // per spec (lists are inputs only)
   std::vector<std::vector<CaseTensor>> lists;
   std::string description;
 };
@@ -252,74 +343,202 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
   return v;
 }
 
-// Makes a case's tensors on the host and on the device.
-// Values given for some slots (a stored case's inputs, row-major over the logical shape); others are drawn.
-using GivenValues = std::vector<std::vector<double>>;
+// Turns normal values (row-major over `shape`) into a value class; at least one element takes the class.
+void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& shape, int line_dim,
+                 std::mt19937_64& eng) {
+  if (!is_floating(dt) || v.empty()) return;
+  std::uniform_real_distribution<double> u(0, 1);
+  const size_t n = v.size();
+  auto some = [&](double fraction, auto&& set) {
+    set(size_t(eng() % n));
+    for (size_t e = 0; e < n; ++e)
+      if (u(eng) < fraction) set(e);
+  };
+  switch (cls) {
+    case ValueClass::kNormal: break;
+    case ValueClass::kLarge:
+      some(0.5, [&](size_t e) { v[e] = (u(eng) < 0.5 ? -1 : 1) * largest_finite(dt) * (0.25 + 0.75 * u(eng)); });
+      break;
+    case ValueClass::kLogits:
+      for (auto& x : v) x = 200 * u(eng) - 100;
+      break;
+    case ValueClass::kSpecial:
+      some(0.08, [&](size_t e) {
+        const uint64_t k = eng() % 3;
+        v[e] = k == 0 ? std::nan("") : (k == 1 ? INFINITY : -INFINITY);
+      });
+      break;
+    case ValueClass::kTiny:
+      some(0.25, [&](size_t e) {
+        const uint64_t k = eng() % 4;
+        v[e] = k == 0 ? -0.0 : k == 1 ? 0.0 : (k == 2 ? 1 : -1) * smallest_denormal(dt) * double(1 + eng() % 64);
+      });
+      break;
+    case ValueClass::kMasked: {  // whole lines along line_dim at -inf
+      if (shape.empty()) break;
+      const size_t d = line_dim >= 0 && size_t(line_dim) < shape.size() ? size_t(line_dim) : shape.size() - 1;
+      int64_t inner = 1;
+      for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
+      const int64_t len = shape[d], lines = int64_t(n) / std::max<int64_t>(1, len);
+      const int64_t first = lines ? int64_t(eng() % uint64_t(lines)) : 0;
+      for (int64_t line = 0; line < lines; ++line) {
+        if (line != first && u(eng) >= 0.3) continue;
+        const int64_t outer = line / inner, in = line % inner;
+        for (int64_t j = 0; j < len; ++j) v[size_t((outer * len + j) * inner + in)] = -INFINITY;
+      }
+      break;
+    }
+  }
+}
 
-Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant lv, int salt, uint64_t seed,
-            const GivenValues* given = nullptr, const std::vector<std::optional<DType>>* given_dtypes = nullptr) {
+// An explicit case's SuiteCase: its dtype, attributes (defaults filled in), dims (given, else bound from the
+// tensors' shapes and from attributes named like a dim), presence, and roles from the op's rule unless given.
+SuiteCase suite_case_of(const OpSchema& s, const ExplicitCase& e) {
+  SuiteCase c;
+  c.dtype = e.dtype;
+  c.dims = e.dims;
+  for (const auto& a : s.attrs) {
+    auto it = std::find_if(e.attrs.begin(), e.attrs.end(), [&](const auto& kv) { return kv.first == a.name; });
+    c.attrs.emplace_back(a.name, it != e.attrs.end() ? it->second : a.default_value);
+  }
+  for (size_t i = 0; i < s.tensors.size() && i < e.tensors.size(); ++i) {
+    const TensorSpec& spec = s.tensors[i];
+    const TensorCase& t = e.tensors[i];
+    if (!t.present || spec.list || spec.shape_fn || spec.layout == Layout::kColumnMajor ||
+        t.shape.size() != spec.shape.size())
+      continue;
+    for (size_t d = 0; d < spec.shape.size(); ++d) {
+      const std::string& sym = spec.shape[d];
+      if (!sym.empty() && !std::isdigit(static_cast<unsigned char>(sym[0])) && sym.find('/') == std::string::npos &&
+          !c.dims.count(sym))
+        c.dims[sym] = t.shape[d];
+    }
+  }
+  for (const auto& name : dims_of(s)) {
+    std::string lower = name;
+    for (auto& ch : lower) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    if (!c.dims.count(name))
+      if (const AttrValue* a = c.attr(lower); a && a->kind == AttrValue::kInt) c.dims[name] = a->i;
+  }
+  c.present.assign(s.tensors.size(), true);
+  c.dense.assign(s.tensors.size(), false);
+  c.values.assign(s.tensors.size(), ValueClass::kNormal);
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    if (i < e.tensors.size()) c.present[i] = e.tensors[i].present, c.values[i] = e.tensors[i].values;
+    c.roles.push_back(s.tensors[i].role);
+  }
+  if (s.rule) {  // only the roles: the case's own attributes and sizes stay as given
+    SuiteCase ruled = c;
+    s.rule(ruled, s);
+    c.roles = ruled.roles;
+  }
+  for (size_t i = 0; i < s.tensors.size() && i < e.tensors.size(); ++i)
+    if (e.tensors[i].role) c.roles[i] = *e.tensors[i].role;
+  return c;
+}
+
+// Makes a case's tensors on the host and on the device (with_values false: the layout only, for supports()).
+Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device device, bool with_values = true) {
+  LOOM_REQUIRE(e.tensors.size() == s.tensors.size(), "conformance: a case of ", s.name, " gives ", e.tensors.size(),
+               " tensors; the op has ", s.tensors.size());
   Built b;
-  std::mt19937_64 eng(seed);
+  std::mt19937_64 eng(e.seed);
   b.tensors.resize(s.tensors.size());
   b.lists.resize(s.tensors.size());
+  auto upload = [&](CaseTensor& t, const std::vector<uint8_t>& bytes) {
+    t.before = bytes;
+    t.buffer = empty({t.buffer_elems}, t.dtype, device);
+    if (!bytes.empty()) {
+      if (device.is_cpu()) std::memcpy(t.buffer.data(), bytes.data(), bytes.size());
+      else {
+        device_runtime(device.type).copy(t.buffer.data(), bytes.data(), bytes.size(), CopyKind::kHostToDevice,
+                                          device.index);
+        device_runtime(device.type).synchronize(device.index);
+      }
+    }
+    t.view = t.buffer.as_strided(t.shape, t.strides, t.offset);
+  };
+  auto make = [&](size_t i, const TensorCase& tc) {
+    const TensorSpec& spec = s.tensors[i];
+    CaseTensor t;
+    t.present = true;
+    t.role = c.roles[i];
+    t.is_input = is_input(spec.role);
+    t.dtype = tc.dtype ? *tc.dtype : dtype_of(spec, c, false);
+    t.shape = tc.shape;
+    t.strides = tc.strides.empty() ? dense_strides(spec, t.shape) : tc.strides;
+    LOOM_REQUIRE(t.strides.size() == t.shape.size() && tc.offset >= 0, "conformance: tensor '", spec.name,
+                 "' has shape ", shape_str(t.shape), ", strides ", shape_str(t.strides), " and offset ", tc.offset);
+    const int64_t guard = t.is_input ? 0 : kGuardBytes / int64_t(dtype_size(t.dtype));
+    t.case_offset = tc.offset;
+    t.offset = guard + tc.offset;
+    t.buffer_elems = t.offset + span_of(t.shape, t.strides) + guard;
+    std::vector<uint8_t> bytes(with_values ? size_t(t.buffer_elems) * dtype_size(t.dtype) : 0);
+    if (with_values)
+      for (int64_t k = 0; k < t.buffer_elems; ++k) store_poison(bytes, k, t.dtype);
+    if (with_values && (t.is_input || t.role == ArgRole::kInPlace)) {
+      const int64_t n = numel_of(t.shape);
+      if (!tc.given.empty()) {
+        LOOM_REQUIRE(int64_t(tc.given.size()) == n, "conformance: tensor '", spec.name, "' is given ",
+                     tc.given.size(), " values for ", n, " elements");
+        t.values = tc.given;
+      } else {
+        t.values = draw(spec, s, c, n, t.dtype, eng);
+        apply_class(t.values, tc.values, t.dtype, t.shape, tc.line_dim, eng);
+      }
+      for (auto& x : t.values) x = rounded(x, t.dtype);
+      // A stride-0 input's values repeat: the last write of a position is what every element sees.
+      auto pos = positions(t);
+      for (size_t k = 0; k < pos.size(); ++k) store(bytes, pos[k], t.dtype, t.values[k]);
+      for (size_t k = 0; k < pos.size(); ++k) t.values[k] = load(bytes, pos[k], t.dtype);
+    }
+    upload(t, bytes);
+    return t;
+  };
+  for (int pass = 0; pass < 2; ++pass)  // outputs on an input's buffer after every input
+    for (size_t i = 0; i < s.tensors.size(); ++i) {
+      const TensorCase& tc = e.tensors[i];
+      if (!tc.present || (tc.alias_of >= 0) != (pass == 1)) continue;
+      const TensorSpec& spec = s.tensors[i];
+      if (spec.list) {
+        for (const TensorCase& piece : tc.list) b.lists[i].push_back(make(i, piece));
+      } else if (tc.alias_of < 0) {
+        b.tensors[i] = make(i, tc);
+      } else {
+        const size_t j = size_t(tc.alias_of);
+        LOOM_REQUIRE(j < s.tensors.size() && is_input(s.tensors[j].role) && b.tensors[j].present &&
+                         !is_input(spec.role),
+                     "conformance: output '", spec.name, "' aliases argument ", tc.alias_of,
+                     ", which is not a present input");
+        CaseTensor t = b.tensors[j];
+        const DType dt = tc.dtype ? *tc.dtype : dtype_of(spec, c, false);
+        const Shape st = tc.strides.empty() ? dense_strides(spec, tc.shape) : tc.strides;
+        LOOM_REQUIRE(t.shape == tc.shape && t.strides == st && t.case_offset == tc.offset && t.dtype == dt,
+                     "conformance: output '", spec.name, "' on input '", s.tensors[j].name,
+                     "' must have its shape, strides, offset and dtype (element for element)");
+        t.role = c.roles[i], t.is_input = false, t.alias_of = int(j), t.values.clear();
+        b.tensors[i] = t;
+      }
+    }
   std::ostringstream desc;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& spec = s.tensors[i];
-    auto make = [&](Shape shape, LayoutVariant v) {
-      CaseTensor t;
-      t.present = true;
-      t.role = c.roles[i];
-      t.is_input = is_input(spec.role);
-      t.dtype = given_dtypes && i < given_dtypes->size() && (*given_dtypes)[i] ? *(*given_dtypes)[i]
-                                                                             : dtype_of(spec, c, (salt + int(i)) % 3 == 1);
-      t.shape = std::move(shape);
-      lay_out(t, spec, v, c.dense[i], salt + int(i));
-      int64_t n = numel_of(t.shape);
-      if (t.is_input || t.role == ArgRole::kInPlace) {
-        // A broadcast input's values repeat along its stride-0 dim: draw them all, then copy the first slice.
-        if (given && i < given->size() && !(*given)[i].empty()) t.values = (*given)[i];
-        else t.values = draw(spec, s, c, n, t.dtype, eng);
-        for (auto& x : t.values) x = rounded(x, t.dtype);
-      }
-      std::vector<uint8_t> bytes(size_t(t.buffer_elems) * dtype_size(t.dtype));
-      for (int64_t e = 0; e < t.buffer_elems; ++e) store(bytes, e, t.dtype, poison_value(t.dtype));
-      auto pos = positions(t);
-      if (!t.values.empty()) {
-        for (size_t e = 0; e < pos.size(); ++e) store(bytes, pos[e], t.dtype, t.values[e]);
-        for (size_t e = 0; e < pos.size(); ++e) t.values[e] = load(bytes, pos[e], t.dtype);  // broadcast: last write
-      }
-      t.before = bytes;
-      t.buffer = empty({t.buffer_elems}, t.dtype, device);
-      if (!bytes.empty()) {
-        if (device.is_cpu()) std::memcpy(t.buffer.data(), bytes.data(), bytes.size());
-        else {
-          device_runtime(device.type).copy(t.buffer.data(), bytes.data(), bytes.size(), CopyKind::kHostToDevice,
-                                            device.index);
-          device_runtime(device.type).synchronize(device.index);
-        }
-      }
-      t.view = t.buffer.as_strided(t.shape, t.strides, t.offset);
-      return t;
-    };
     ArgSlot slot;
-    if (!c.present[i]) {
+    if (!e.tensors[i].present) {
       desc << (i ? ", " : "") << spec.name << " absent";
-    } else if (spec.list) {  // three pieces along dim: x, x + 1 and 1
+    } else if (spec.list) {
       slot.is_list = true;
-      Shape base = shape_of(spec, c);
-      int64_t d = c.attr_int("dim");
-      for (int64_t extra : {int64_t(-1), int64_t(0), int64_t(1)}) {
-        Shape sh = base;
-        sh[size_t(d)] = extra < 0 ? 1 : base[size_t(d)] + extra;
-        b.lists[i].push_back(make(sh, lv));
-        slot.list.push_back(b.lists[i].back().view);
-        desc << (i || extra > -1 ? ", " : "") << spec.name << "[" << extra + 1 << "] " << b.lists[i].back().describe();
+      for (size_t k = 0; k < b.lists[i].size(); ++k) {
+        slot.list.push_back(b.lists[i][k].view);
+        desc << (i || k ? ", " : "") << spec.name << "[" << k << "] " << b.lists[i][k].describe();
       }
     } else {
-      b.tensors[i] = make(shape_of(spec, c), lv);
-      slot.tensor = b.tensors[i].view;
-      desc << (i ? ", " : "") << spec.name << (is_input(spec.role) ? "" : " (out)") << " "
-           << b.tensors[i].describe();
+      const CaseTensor& t = b.tensors[i];
+      slot.tensor = t.view;
+      desc << (i ? ", " : "") << spec.name << (is_input(spec.role) ? "" : " (out)") << " " << t.describe();
+      if (t.alias_of >= 0) desc << " on " << s.tensors[size_t(t.alias_of)].name;
+      if (t.values.size() && e.tensors[i].values != ValueClass::kNormal && e.tensors[i].given.empty())
+        desc << " " << value_class_name(e.tensors[i].values);
     }
     b.args.slots.push_back(slot);
   }
@@ -332,7 +551,6 @@ Built build(const OpSchema& s, const SuiteCase& c, Device device, LayoutVariant 
   b.description = desc.str();
   return b;
 }
-
 std::vector<uint8_t> read_back(const CaseTensor& t, Device device) {
   std::vector<uint8_t> bytes(size_t(t.buffer_elems) * dtype_size(t.dtype));
   if (bytes.empty()) return bytes;
@@ -363,7 +581,8 @@ std::vector<std::vector<double>> reference(const OpSchema& s, const SuiteCase& c
     // Dense, in the spec's own layout (a gemm matrix stays column-major).
     CaseTensor dense;
     dense.shape = t.shape, dense.dtype = dt, dense.is_input = true;
-    lay_out(dense, spec, LayoutVariant::kPlain, true, 0);
+    dense.strides = dense_strides(spec, dense.shape);
+    dense.buffer_elems = span_of(dense.shape, dense.strides);
     Tensor h = empty({dense.buffer_elems}, dt);
     std::vector<uint8_t> bytes(size_t(dense.buffer_elems) * dtype_size(dt));
     auto pos = positions(dense);
@@ -397,6 +616,30 @@ std::vector<std::vector<double>> reference(const OpSchema& s, const SuiteCase& c
   return outs;
 }
 
+// The naive oracle's values for a case (naive_reference.h): the case's host values, row-major, per slot; nullopt
+// when it has none for the op or this case.
+std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& s, const SuiteCase& c, const Built& b) {
+  naive::Case nc;
+  auto operand = [&](const CaseTensor& t, size_t i) {
+    naive::Operand o;
+    o.name = s.tensors[i].name, o.present = t.present, o.dtype = t.dtype, o.shape = t.shape, o.values = t.values;
+    o.written = t.present && !is_input(c.roles[i]);
+    if (o.written && c.roles[i] != ArgRole::kInPlace) o.values.clear();  // an output (even on an input's buffer)
+    return o;
+  };
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    nc.tensors.push_back(operand(b.tensors[i], i));
+    if (s.tensors[i].list)
+      for (const auto& t : b.lists[i]) nc.list.push_back(operand(t, i));
+  }
+  nc.attrs = c.attrs;
+  if (!naive::evaluate(s.name, nc)) return std::nullopt;
+  std::vector<std::vector<double>> outs(s.tensors.size());
+  for (size_t i = 0; i < s.tensors.size(); ++i)
+    if (nc.tensors[i].written) outs[i] = std::move(nc.tensors[i].values);
+  return outs;
+}
+
 // (rtol, atol) for a dtype; atol is in units of the output's root mean square, so that outputs of any scale (a
 // softmax over 8193 columns, a gemm over 257 terms) are judged alike. Sums in f32 and f64 grow their rounding with
 // the square root of their length (`sum_scale`); a 16-bit output is dominated by its final rounding.
@@ -410,31 +653,21 @@ std::pair<double, double> tolerance(DType dt, double sum_scale) {
   }
 }
 
-// Runs one case: setup under a policy that denies the provider, the call routed to it alone, the checks.
 // A stored case (PyTorch's inputs and float64 results): values for the slots, and the reference per output slot.
+using GivenValues = std::vector<std::vector<double>>;
 struct Stored {
   GivenValues inputs;
   std::vector<std::optional<DType>> dtypes;  // the stored tensors' own dtypes
   std::vector<std::vector<double>> outputs;
 };
 
-CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int index, bool fuzz, LayoutVariant lv,
-                    uint64_t seed, const Stored* stored = nullptr) {
+// Runs one built case: the call routed to the provider alone, then the checks. A stored case gives the reference
+// per output slot.
+CaseResult run_built(const OpSchema& s, const SuiteCase& c, const Built& b, const SuiteOptions& o,
+                     const std::vector<std::vector<double>>* stored_outputs, const ProviderPolicy& setup,
+                     const ProviderPolicy& only) {
   CaseResult r;
-  r.op = s.name, r.dtype = c.dtype, r.index = index, r.fuzz = fuzz;
-  ProviderPolicy saved = dispatch::policy();
-  ProviderPolicy setup = saved;
-  if (o.provider != "native") setup.denied.insert(o.provider);
-  ProviderPolicy only;
-  only.routes[s.name] = {o.provider};
-  for (const auto& p : dispatch::providers())
-    if (p != o.provider) only.denied.insert(p);
-  struct Restore {
-    ProviderPolicy p;
-    ~Restore() { dispatch::set_policy(p); }
-  } restore{saved};
-  dispatch::set_policy(setup);
-  Built b = build(s, c, o.device, lv, index, seed, stored ? &stored->inputs : nullptr, stored ? &stored->dtypes : nullptr);
+  r.op = s.name, r.dtype = c.dtype;
   r.description = b.description;
   int accepted = s.provider_accepts(o.provider, o.device, c.dtype, b.args);
   if (accepted <= 0) {
@@ -459,21 +692,30 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
     r.detail = std::move(why);
     return r;
   };
-  // Inputs unchanged, byte for byte (gaps included).
+  // Inputs unchanged, byte for byte (gaps included), but for one an output is written over.
+  std::vector<bool> aliased(s.tensors.size(), false);
+  for (const CaseTensor& t : b.tensors)
+    if (t.present && t.alias_of >= 0) aliased[size_t(t.alias_of)] = true;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
-    if (!is_input(s.tensors[i].role)) continue;
+    if (!is_input(s.tensors[i].role) || aliased[i]) continue;
     std::vector<const CaseTensor*> ts;
     if (s.tensors[i].list) for (const auto& t : b.lists[i]) ts.push_back(&t);
     else if (b.tensors[i].present) ts.push_back(&b.tensors[i]);
     for (const CaseTensor* t : ts)
       if (read_back(*t, o.device) != t->before) return fail("input '" + s.tensors[i].name + "' was modified");
   }
-  auto ref = stored ? stored->outputs : reference(s, c, b);
+  // The reference: the stored results, else the naive oracle where it has one (unless the native kernels are
+  // asked for), else Loom's native CPU kernels in float64.
+  std::optional<std::vector<std::vector<double>>> naive;
+  if (!stored_outputs && o.reference != "native") naive = naive_reference(s, c, b);
+  r.reference = stored_outputs ? "stored" : naive ? "naive" : "native";
+  auto ref = stored_outputs ? *stored_outputs : naive ? std::move(*naive) : reference(s, c, b);
   const bool acc = !s.accumulate_dim.empty();
   double scale = acc ? std::sqrt(std::max(1.0, double(c.dim(s.accumulate_dim)) / 64.0)) : 1.0;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const CaseTensor& t = b.tensors[i];
     if (is_input(s.tensors[i].role) || !t.present) continue;
+    const std::string name = "output '" + s.tensors[i].name + "'";
     std::vector<uint8_t> after = read_back(t, o.device);
     auto pos = positions(t);
     std::vector<bool> is_element(size_t(t.buffer_elems), false);
@@ -481,11 +723,15 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
     const size_t es = dtype_size(t.dtype);
     for (int64_t e = 0; e < t.buffer_elems; ++e)
       if (!is_element[size_t(e)] && std::memcmp(&after[size_t(e) * es], &t.before[size_t(e) * es], es) != 0)
-        return fail("output '" + s.tensors[i].name + "': a write outside its elements (buffer element " +
-                    std::to_string(e) + ", view offset " + std::to_string(t.offset) + ")");
-    double rms = 0;
-    for (double w : ref[i]) rms += std::isfinite(w) ? w * w : 0;
-    rms = std::sqrt(rms / double(std::max<size_t>(1, ref[i].size())));
+        return fail(name + ": a write outside its elements (buffer element " + std::to_string(e) + ", view offset " +
+                    std::to_string(t.offset) + ")");
+    // The output's root mean square over its finite reference values, scaled so that large values do not overflow.
+    double peak = 0, rms = 0;
+    for (double w : ref[i]) if (std::isfinite(w)) peak = std::max(peak, std::abs(w));
+    if (peak > 0) {
+      for (double w : ref[i]) rms += std::isfinite(w) ? (w / peak) * (w / peak) : 0;
+      rms = peak * std::sqrt(rms / double(std::max<size_t>(1, ref[i].size())));
+    }
     // The looser of the output's dtype and the computation's (an f32 statistic of a bf16 input).
     auto [rtol, atol] = tolerance(t.dtype, scale);
     auto [rtol_d, atol_d] = tolerance(c.dtype, scale);
@@ -494,40 +740,89 @@ CaseResult run_case(const OpSchema& s, SuiteCase c, const SuiteOptions& o, int i
         rtol = std::max(rtol, it->second.first), atol = std::max(atol, it->second.second);
     rtol = std::max(rtol, rtol_d), atol = std::max(atol, atol_d) * std::max(rms, 1e-300);
     size_t misrounded = 0;
+    auto value = [](double x) {
+      std::ostringstream os;
+      os << std::setprecision(9) << x;
+      return os.str();
+    };
     for (size_t e = 0; e < pos.size(); ++e) {
+      const std::string where = name + " element " + std::to_string(e);
+      if (t.role == ArgRole::kOutput && is_poison(after, pos[e], t.dtype))
+        return fail(where + ": never written (still the poison)");
       double g = load(after, pos[e], t.dtype), w = ref[i].at(e);
+      // Special values exactly: NaN where the reference is NaN, and the reference's infinity where it is one in the
+      // output's dtype (an overflow rounds to inf); nowhere else.
+      const double wr = is_floating(t.dtype) ? rounded(w, t.dtype) : w;
       if (std::isnan(w) && std::isnan(g)) continue;
       if (std::isnan(g) || std::isnan(w))
-        return fail("output '" + s.tensors[i].name + "' element " + std::to_string(e) + ": got " +
-                    std::to_string(g) + (std::isnan(g) ? " (never written, or NaN)" : "") + ", expected " +
-                    std::to_string(w));
-      double err = g == w ? 0 : std::abs(g - w) / (atol + rtol * std::abs(w));
+        return fail(where + ": got " + value(g) + ", expected " + value(w));
+      if (std::isinf(wr) || std::isinf(g)) {
+        if (g == wr) continue;
+        return fail(where + ": got " + value(g) + ", expected " + value(w) +
+                    (std::isinf(wr) ? " (inf in " + std::string(dtype_name(t.dtype)) + ")" : ""));
+      }
+      // The correctly rounded value is always right; nothing finer than the dtype's smallest denormal is asked.
+      double err = g == w || g == wr ? 0 : std::abs(g - w) / (std::max(atol, smallest_denormal(t.dtype)) + rtol * std::abs(w));
       if (!is_floating(t.dtype) && g != w) err = INFINITY;
-      if (!acc && (t.dtype == kBF16 || t.dtype == kF16) && g != rounded(w, t.dtype)) ++misrounded;
+      if (!acc && (t.dtype == kBF16 || t.dtype == kF16) && g != wr) ++misrounded;
       if (err > r.worst_error) {
         r.worst_error = err;
         std::ostringstream os;
-        os << "worst at output '" << s.tensors[i].name << "' element " << e << ": got " << std::setprecision(9) << g
-           << ", expected " << w << " (rtol " << rtol << ", atol " << atol << ")";
+        os << "worst at " << name << " element " << e << ": got " << std::setprecision(9) << g << ", expected " << w
+           << " (rtol " << rtol << ", atol " << atol << ")";
         r.detail = os.str();
       }
     }
     // An elementwise 16-bit result is the correctly rounded value but for rare double roundings.
     if (misrounded > 2 + pos.size() / 50) {
       r.status = CaseStatus::kFail;
-      r.detail = "output '" + s.tensors[i].name + "': " + std::to_string(misrounded) + " of " +
-                 std::to_string(pos.size()) + " elements are not the correctly rounded " + dtype_name(t.dtype) +
-                 " value; " + r.detail;
+      r.detail = name + ": " + std::to_string(misrounded) + " of " + std::to_string(pos.size()) +
+                 " elements are not the correctly rounded " + dtype_name(t.dtype) + " value; " + r.detail;
     }
   }
   if (r.worst_error > 1) r.status = CaseStatus::kFail;
   return r;
 }
 
-// ---- Case generation. ----
-const std::vector<int64_t> kSweep{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
-                                  31, 33, 63, 65, 127, 129, 255, 257};
+// The policies of a case: setup denies the provider under test (nothing of it runs to make a case), the call routes
+// the op to it alone.
+struct CasePolicies {
+  ProviderPolicy saved, setup, only;
+  explicit CasePolicies(const OpSchema& s, const SuiteOptions& o) : saved(dispatch::policy()) {
+    setup = saved;
+    if (o.provider != "native") setup.denied.insert(o.provider);
+    only.routes[s.name] = {o.provider};
+    for (const auto& p : dispatch::providers())
+      if (p != o.provider) only.denied.insert(p);
+    dispatch::set_policy(setup);
+  }
+  ~CasePolicies() { dispatch::set_policy(saved); }
+};
+
+CaseResult run_explicit(const OpSchema& s, const ExplicitCase& e, const SuiteOptions& o, int index, bool fuzz,
+                        const std::vector<std::vector<double>>* stored_outputs = nullptr) {
+  CasePolicies policies(s, o);
+  SuiteCase c = suite_case_of(s, e);
+  Built b = build(s, e, c, o.device);
+  CaseResult r = run_built(s, c, b, o, stored_outputs, policies.setup, policies.only);
+  r.index = index, r.fuzz = fuzz;
+  return r;
+}
+
+// Whether the provider's supports() takes a case (its layout only: no values are drawn).
+bool provider_takes(const OpSchema& s, const ExplicitCase& e, const SuiteOptions& o) {
+  CasePolicies policies(s, o);
+  SuiteCase c = suite_case_of(s, e);
+  Built b = build(s, e, c, o.device, false);
+  return s.provider_accepts(o.provider, o.device, c.dtype, b.args) > 0;
+}
+// ---- Case generation: a parameter model per (op, dtype) and a pairwise covering array over it. ----
 const std::vector<int64_t> kBases{5, 3, 7, 4, 6, 2};
+constexpr int64_t kLongSize = 65537;  // the long size of an accumulated dim
+constexpr size_t kMaxPlans = 4000;    // a runaway guard per (op, dtype)
+// Past this many elements a case takes the smallest size of each dim's class (the class pairs stay covered; every
+// concrete size still runs once): a few long or wide cases, not a covering array of them.
+constexpr int64_t kCheapCaseElements = 1 << 16;
 
 std::vector<AttrValue> variants_of(const AttrSpec& a, const OpSchema& s, const SuiteCase& c) {
   if (!a.dim_of.empty()) {
@@ -540,101 +835,521 @@ std::vector<AttrValue> variants_of(const AttrSpec& a, const OpSchema& s, const S
   return a.variants.empty() ? std::vector<AttrValue>{a.default_value} : a.variants;
 }
 
+enum class ParamKind : uint8_t { kDim, kAttr, kPresent, kNarrow, kWide, kAltDtype, kOffset, kLayout, kValues, kAlias };
+
+// One parameter of the model: its values by label; value 0 is the plain, cheap one (what a case falls back to).
+struct Param {
+  Param(ParamKind k, std::string n, int t = -1, std::vector<std::string> l = {})
+      : kind(k), name(std::move(n)), tensor(t), labels(std::move(l)) {}
+  ParamKind kind;
+  std::string name;
+  int tensor = -1;
+  std::vector<std::string> labels;
+  std::vector<std::vector<int64_t>> sizes;  // kDim: the concrete sizes of each class
+  std::vector<AttrValue> attr_values;       // kAttr
+  std::vector<LayoutClass> layouts;         // kLayout
+  std::vector<ValueClass> classes;          // kValues
+  std::vector<int> alias_inputs;            // kAlias: per value the input (-1: none)
+};
+
+struct Model {
+  const OpSchema* s = nullptr;
+  SuiteCase base;
+  std::vector<Param> params;
+  int param_of(ParamKind k, int tensor) const {
+    for (size_t p = 0; p < params.size(); ++p)
+      if (params[p].kind == k && params[p].tensor == tensor) return int(p);
+    return -1;
+  }
+};
+
 struct Plan {
+  std::vector<int> choice;     // per parameter, the value asked for
+  std::vector<int> effective;  // per parameter, the value the case holds (-1: it does not apply)
+  std::map<std::string, int64_t> forced;  // concrete sizes asked for
   SuiteCase c;
-  LayoutVariant layout = LayoutVariant::kPlain;
+  ExplicitCase e;
   bool fuzz = false;
 };
 
-// Fills attributes (variant `pick` of each in mixed radix; 0: each attribute's first) and presence, applies the rule.
-bool finish(const OpSchema& s, Plan& p, uint64_t pick, int presence) {
-  SuiteCase& c = p.c;
-  c.attrs.clear();
-  for (const auto& a : s.attrs) {
-    auto vs = variants_of(a, s, c);
-    c.attrs.emplace_back(a.name, vs[size_t(pick % vs.size())]);
-    pick /= vs.size();
+// The size classes of a dim: 2..8 first (the plain one), then 1, 9..17, tile edges, long rows (row dims), 0 where
+// the description lists it, and the long size. The description's own sizes join the class they fall in.
+std::vector<std::pair<std::string, std::vector<int64_t>>> dim_classes(const OpSchema& s, const std::string& name) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> cls = {
+      {"2..8", {2, 3, 4, 5, 6, 7, 8}}, {"1", {1}}, {"9..17", {9, 10, 11, 12, 13, 14, 15, 16, 17}},
+      {"31..257", {31, 33, 63, 65, 127, 129, 255, 257}}, {"rows", {}}, {"0", {}}, {"long", {}}};
+  auto it = s.dims.find(name);
+  if (it != s.dims.end())
+    for (int64_t v : it->second.values) {
+      auto& c = v == 0 ? cls[5].second : v == 1 ? cls[1].second : v <= 8 ? cls[0].second : v <= 17 ? cls[2].second
+                : v < 1000 ? cls[3].second : cls[4].second;
+      if (std::find(c.begin(), c.end(), v) == c.end()) c.push_back(v);
+    }
+  int64_t long_size = it != s.dims.end() ? it->second.long_size : 0;
+  if (!long_size && s.accumulate_dim == name) long_size = kLongSize;
+  if (long_size) cls[6].second = {long_size};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (auto& c : cls)
+    if (!c.second.empty()) out.push_back(std::move(c));
+  if (it != s.dims.end() && it->second.base) {  // the description's base size is the plain one
+    const int64_t b = it->second.base;
+    for (auto& c : out)
+      if (auto k = std::find(c.second.begin(), c.second.end(), b); k != c.second.end()) {
+        std::rotate(c.second.begin(), k, k + 1);
+        break;
+      }
   }
-  c.present.assign(s.tensors.size(), true);
-  c.roles.clear();
-  c.dense.assign(s.tensors.size(), false);
-  for (const auto& t : s.tensors) c.roles.push_back(t.role);
-  std::vector<size_t> optional;
-  for (size_t i = 0; i < s.tensors.size(); ++i)
-    if (is_optional(s.tensors[i].role) && s.tensors[i].present_with.empty()) optional.push_back(i);
-  if (presence == 1) for (size_t i : optional) c.present[i] = false;
-  if (presence >= 2 && size_t(presence - 2) < optional.size()) c.present[optional[size_t(presence - 2)]] = false;
-  for (size_t i = 0; i < s.tensors.size(); ++i)
-    if (!s.tensors[i].present_with.empty()) c.present[i] = c.present[size_t(s.tensor_index(s.tensors[i].present_with))];
-  if (s.rule) s.rule(c, s);
-  if (c.skip) return false;
-  int64_t total = 0;
-  for (size_t i = 0; i < s.tensors.size(); ++i) {
-    if (!c.present[i]) continue;
-    int64_t n = numel_of(shape_of(s.tensors[i], c));
-    total += s.tensors[i].list ? 3 * n : n;
-  }
-  return total <= kMaxCaseElements;
+  return out;
 }
 
-std::vector<Plan> generate(const OpSchema& s, DType dt, const SuiteOptions& o) {
-  std::vector<Plan> plans;
+Model make_model(const OpSchema& s, DType dt) {
+  Model m;
+  m.s = &s;
+  m.base.dtype = dt;
   auto names = dims_of(s);
-  SuiteCase base;
-  base.dtype = dt;
   for (size_t i = 0; i < names.size(); ++i) {
     auto it = s.dims.find(names[i]);
-    base.dims[names[i]] = it != s.dims.end() && it->second.base ? it->second.base : kBases[i % kBases.size()];
+    m.base.dims[names[i]] = it != s.dims.end() && it->second.base ? it->second.base : kBases[i % kBases.size()];
   }
-  size_t n_optional = 0;
-  for (const auto& t : s.tensors) n_optional += is_optional(t.role) && t.present_with.empty();
-  uint64_t combos = 1;
-  {
-    for (const auto& a : s.attrs) combos *= variants_of(a, s, base).size();
+  for (const auto& name : names) {
+    Param p{ParamKind::kDim, "dim " + name};
+    for (auto& [label, sizes] : dim_classes(s, name)) p.labels.push_back(label), p.sizes.push_back(sizes);
+    m.params.push_back(std::move(p));
   }
-  const LayoutVariant rotated[] = {LayoutVariant::kStrided, LayoutVariant::kOffset, LayoutVariant::kTransposed,
-                                   LayoutVariant::kBroadcast};
-  int counter = 0;
-  auto add = [&](Plan p, uint64_t pick, int presence) {
-    p.c.narrow = counter % 2 == 1;
-    p.c.wide = counter % 3 == 1;
-    ++counter;
-    if (finish(s, p, pick, presence)) plans.push_back(std::move(p));
+  for (const auto& a : s.attrs) {
+    auto vs = variants_of(a, s, m.base);
+    if (vs.size() < 2) continue;
+    Param p{ParamKind::kAttr, "attr " + a.name};
+    for (const auto& v : vs) {
+      std::string label = v.str();
+      if (a.kind == AttrValue::kInt && size_t(v.i) < a.value_names.size()) label = a.value_names[size_t(v.i)];
+      p.labels.push_back(label);
+    }
+    p.attr_values = vs;
+    m.params.push_back(std::move(p));
+  }
+  bool narrow = false, wide = false;
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    const TensorSpec& t = s.tensors[i];
+    narrow |= t.dtype == DTypeRule::kNarrowOrSame && dt == kF32;
+    wide |= t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16);
+    if (is_optional(t.role) && t.present_with.empty())
+      m.params.push_back({ParamKind::kPresent, "present " + t.name, int(i), {"present", "absent"}});
+    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex) {
+      SuiteCase c = m.base;
+      m.params.push_back({ParamKind::kAltDtype, "dtype " + t.name, int(i),
+                          {dtype_name(dtype_of(t, c, false)), dtype_name(dtype_of(t, c, true))}});
+    }
+  }
+  if (narrow) m.params.push_back({ParamKind::kNarrow, "narrow (bf16 activations)", -1, {"f32", "bf16"}});
+  if (wide) m.params.push_back({ParamKind::kWide, std::string("wide (f32 beside ") + dtype_name(dt) + ")", -1,
+                                {dtype_name(dt), "f32"}});
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    const TensorSpec& t = s.tensors[i];
+    m.params.push_back({ParamKind::kOffset, "offset " + t.name, int(i), {"0", "1", "2", "3", "4", "5", "6", "7"}});
+    auto layouts = layout_classes(t);
+    if (layouts.size() > 1) {
+      Param p{ParamKind::kLayout, "layout " + t.name, int(i)};
+      for (auto l : layouts) p.labels.push_back(layout_class_name(l));
+      p.layouts = layouts;
+      m.params.push_back(std::move(p));
+    }
+    auto classes = s.value_classes_of(t);
+    if (classes.size() > 1) {
+      Param p{ParamKind::kValues, "values " + t.name, int(i)};
+      for (auto v : classes) p.labels.push_back(value_class_name(v));
+      p.classes = classes;
+      m.params.push_back(std::move(p));
+    }
+    if (!t.may_alias.empty()) {
+      Param p{ParamKind::kAlias, "alias " + t.name, int(i), {"none"}};
+      p.alias_inputs = {-1};
+      for (const auto& in : t.may_alias) p.labels.push_back("on " + in), p.alias_inputs.push_back(s.tensor_index(in));
+      m.params.push_back(std::move(p));
+    }
+  }
+  return m;
+}
+
+// The case a choice of values makes, or none where the op's rule skips it or it is over the size limit. `salt`
+// rotates the concrete size within a class, and the dim a stride-0 view repeats along.
+std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, const std::map<std::string, int64_t>& forced,
+                            uint64_t salt) {
+  const OpSchema& s = *m.s;
+  Plan p;
+  p.choice = choice;
+  p.forced = forced;
+  SuiteCase& c = p.c;
+  c = m.base;
+  const size_t n = s.tensors.size();
+  c.present.assign(n, true);
+  c.dense.assign(n, false);
+  c.values.assign(n, ValueClass::kNormal);
+  c.roles.clear();
+  for (const auto& t : s.tensors) c.roles.push_back(t.role);
+  std::vector<bool> alt(n, false);
+  for (const auto& a : s.attrs) c.attrs.emplace_back(a.name, variants_of(a, s, c).front());
+  for (size_t q = 0; q < m.params.size(); ++q) {
+    const Param& pr = m.params[q];
+    const int v = std::max(0, choice[q]);
+    const size_t i = size_t(std::max(0, pr.tensor));
+    switch (pr.kind) {
+      case ParamKind::kDim: {
+        const std::string dim = pr.name.substr(4);
+        const auto& sizes = pr.sizes[size_t(v)];
+        c.dims[dim] = forced.count(dim) ? forced.at(dim) : sizes[(salt + q * 7) % sizes.size()];
+        break;
+      }
+      case ParamKind::kAttr: *c.attr(pr.name.substr(5)) = pr.attr_values[size_t(v)]; break;
+      case ParamKind::kPresent: c.present[i] = v == 0; break;
+      case ParamKind::kNarrow: c.narrow = v == 1; break;
+      case ParamKind::kWide: c.wide = v == 1; break;
+      case ParamKind::kAltDtype: alt[i] = v == 1; break;
+      case ParamKind::kValues: c.values[i] = pr.classes[size_t(v)]; break;
+      default: break;
+    }
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (!s.tensors[i].present_with.empty()) c.present[i] = c.present[size_t(s.tensor_index(s.tensors[i].present_with))];
+  const SuiteCase before_rule = c;
+  if (s.rule) s.rule(c, s);
+  if (c.skip) return std::nullopt;
+  auto elements = [&](const SuiteCase& sc) {
+    int64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (!sc.present[i]) continue;
+      int64_t k = numel_of(shape_of(s.tensors[i], sc));
+      total += s.tensors[i].list ? 3 * k : k;
+    }
+    return total;
   };
-  if (o.generated) {
-    for (const auto& name : names) {
-      std::vector<int64_t> values = kSweep;
-      if (auto it = s.dims.find(name); it != s.dims.end())
-        for (int64_t v : it->second.values)
-          if (std::find(values.begin(), values.end(), v) == values.end()) values.push_back(v);
-      for (int64_t v : values) {
-        Plan plain{base, LayoutVariant::kPlain};
-        plain.c.dims[name] = v;
-        add(plain, 0, 0);
-        Plan mixed{base, rotated[plans.size() % 4]};
-        mixed.c.dims[name] = v;
-        add(mixed, uint64_t(counter) * 7919u % std::max<uint64_t>(1, combos), int(counter % (n_optional + 2)));
+  if (elements(c) > kCheapCaseElements) {  // a large case: every dim not asked for exactly at its class's smallest
+    c = before_rule;
+    for (size_t q = 0; q < m.params.size(); ++q) {
+      const Param& pr = m.params[q];
+      const std::string dim = pr.name.substr(4);
+      if (pr.kind == ParamKind::kDim && !forced.count(dim)) {
+        const auto& sizes = pr.sizes[size_t(std::max(0, choice[q]))];
+        c.dims[dim] = *std::min_element(sizes.begin(), sizes.end());
       }
     }
-    for (uint64_t pick = 0; pick < std::min<uint64_t>(combos, 512); ++pick)
-      for (int presence = 0; presence < int(n_optional) + 2; ++presence)
-        add(Plan{base, rotated[(pick + uint64_t(presence)) % 4]}, pick, presence);
+    if (s.rule) s.rule(c, s);
+    if (c.skip) return std::nullopt;
   }
-  std::mt19937_64 eng(o.seed * 1000003u + uint64_t(dt) * 7919u + std::hash<std::string>()(s.name));
-  for (int f = 0; f < o.fuzz; ++f) {
-    Plan p{base, LayoutVariant(eng() % 5), true};
-    for (const auto& name : names) {
-      bool row = false;
-      if (auto it = s.dims.find(name); it != s.dims.end())
-        row = std::find(it->second.values.begin(), it->second.values.end(), 8193) != it->second.values.end();
-      int64_t limit = row && eng() % 10 == 0 ? 9000 : 300;
-      p.c.dims[name] = std::max<int64_t>(1, int64_t(std::exp(std::log(double(limit)) * double(eng() % 10000) / 1e4)));
-      if (auto it = s.dims.find(name); it != s.dims.end() && !it->second.values.empty() && eng() % 3 == 0)
-        p.c.dims[name] = it->second.values[eng() % it->second.values.size()];
+  if (elements(c) > kMaxCaseElements) return std::nullopt;
+
+  // The explicit case.
+  ExplicitCase& e = p.e;
+  e.op = s.name, e.dtype = c.dtype, e.attrs = c.attrs, e.dims = c.dims;
+  e.tensors.resize(n);
+  std::vector<LayoutClass> layouts(n, LayoutClass::kDense);
+  std::vector<int> offsets(n, 0);
+  for (size_t q = 0; q < m.params.size(); ++q) {
+    const Param& pr = m.params[q];
+    if (pr.kind == ParamKind::kOffset) offsets[size_t(pr.tensor)] = std::max(0, choice[q]);
+    if (pr.kind == ParamKind::kLayout) layouts[size_t(pr.tensor)] = pr.layouts[size_t(std::max(0, choice[q]))];
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const TensorSpec& spec = s.tensors[i];
+    TensorCase& t = e.tensors[i];
+    t.present = c.present[i];
+    if (!t.present) continue;
+    t.role = c.roles[i];
+    t.dtype = dtype_of(spec, c, alt[i]);
+    t.values = c.values[i];
+    for (const auto& a : s.attrs)
+      if (a.dim_of == spec.name) t.line_dim = int(c.attr_int(a.name));
+    Shape shape = shape_of(spec, c);
+    LayoutClass l = c.dense[i] ? LayoutClass::kDense : effective_layout(spec, shape, layouts[i]);
+    layouts[i] = l;
+    if (spec.list) {  // three pieces along dim: x, x + 1 and 1
+      const int64_t d = c.attr_int("dim");
+      for (int64_t extra : {int64_t(-1), int64_t(0), int64_t(1)}) {
+        TensorCase piece = t;
+        piece.shape = shape;
+        piece.shape[size_t(d)] = extra < 0 ? 1 : shape[size_t(d)] + extra;
+        piece.strides = strides_for(spec, piece.shape, effective_layout(spec, piece.shape, l), int(salt + i));
+        piece.offset = offsets[i];
+        t.list.push_back(piece);
+      }
+      continue;
     }
-    add(p, eng() % std::max<uint64_t>(1, combos), int(eng() % (n_optional + 2)));
+    t.shape = shape;
+    t.strides = strides_for(spec, shape, l, int(salt + i));
+    t.offset = offsets[i];
   }
-  return plans;
+  std::vector<bool> aliased_out(n, false);
+  for (size_t q = 0; q < m.params.size(); ++q) {
+    const Param& pr = m.params[q];
+    if (pr.kind != ParamKind::kAlias || choice[q] <= 0) continue;
+    const size_t i = size_t(pr.tensor), j = size_t(pr.alias_inputs[size_t(choice[q])]);
+    TensorCase &out = e.tensors[i], &in = e.tensors[j];
+    // The output on the input's buffer: element for element, so same shape and dtype, and no stride 0.
+    if (!out.present || !in.present || out.role != ArgRole::kOutput || out.shape != in.shape || out.dtype != in.dtype ||
+        std::find(in.strides.begin(), in.strides.end(), 0) != in.strides.end())
+      return std::nullopt;
+    for (size_t k = 0; k < n; ++k)
+      if (k != j && e.tensors[k].alias_of == int(j)) return std::nullopt;  // one output per input
+    out.strides = in.strides, out.offset = in.offset, out.alias_of = int(j);
+    aliased_out[i] = true;
+  }
+  e.seed = salt;
+
+  // What the case holds, after the rule.
+  p.effective.assign(m.params.size(), -1);
+  for (size_t q = 0; q < m.params.size(); ++q) {
+    const Param& pr = m.params[q];
+    const size_t i = size_t(std::max(0, pr.tensor));
+    const bool present = pr.tensor >= 0 && c.present[i];
+    int& eff = p.effective[q];
+    switch (pr.kind) {
+      case ParamKind::kDim: {
+        const int64_t v = c.dim(pr.name.substr(4));
+        for (size_t k = 0; k < pr.sizes.size() && eff < 0; ++k)
+          if (std::find(pr.sizes[k].begin(), pr.sizes[k].end(), v) != pr.sizes[k].end()) eff = int(k);
+        break;
+      }
+      case ParamKind::kAttr: {
+        const AttrValue* a = c.attr(pr.name.substr(5));
+        for (size_t k = 0; k < pr.attr_values.size() && eff < 0; ++k)
+          if (a && pr.attr_values[k].str() == a->str()) eff = int(k);
+        if (eff < 0) eff = std::max(0, choice[q]);  // the rule resolved a placeholder (vocab_limit -2: V - 2)
+        break;
+      }
+      case ParamKind::kPresent: eff = c.present[i] ? 0 : 1; break;
+      case ParamKind::kNarrow:
+      case ParamKind::kWide: {
+        const DTypeRule rule = pr.kind == ParamKind::kNarrow ? DTypeRule::kNarrowOrSame : DTypeRule::kWideOrSame;
+        bool any = false, taken = false;
+        for (size_t k = 0; k < n; ++k)
+          if (c.present[k] && s.tensors[k].dtype == rule) any = true, taken |= *e.tensors[k].dtype != c.dtype;
+        eff = any ? int(taken) : -1;
+        break;
+      }
+      case ParamKind::kAltDtype: eff = present ? std::max(0, choice[q]) : -1; break;
+      case ParamKind::kOffset: eff = present && !aliased_out[i] ? std::max(0, choice[q]) : -1; break;
+      case ParamKind::kLayout:
+        if (present && !aliased_out[i])
+          eff = int(std::find(pr.layouts.begin(), pr.layouts.end(), layouts[i]) - pr.layouts.begin());
+        break;
+      case ParamKind::kValues: {
+        const bool read = is_input(c.roles[i]) || c.roles[i] == ArgRole::kInPlace;
+        if (present && read && is_floating(*e.tensors[i].dtype)) {
+          auto k = std::find(pr.classes.begin(), pr.classes.end(), c.values[i]);
+          if (k != pr.classes.end()) eff = int(k - pr.classes.begin());
+        }
+        break;
+      }
+      case ParamKind::kAlias: eff = present ? std::max(0, choice[q]) : -1; break;
+    }
+  }
+  return p;
+}
+
+// Pairs of parameter values: per (p, q), p < q, a state per (value of p, value of q).
+struct Pairs {
+  enum : uint8_t { kOpen = 0, kHeld = 1, kExcluded = 2 };
+  const Model* m;
+  std::vector<std::vector<uint8_t>> state;
+  explicit Pairs(const Model& model) : m(&model) {
+    const size_t P = model.params.size();
+    state.resize(P * P);
+    for (size_t p = 0; p < P; ++p)
+      for (size_t q = p + 1; q < P; ++q) state[p * P + q].assign(model.params[p].labels.size() * model.params[q].labels.size(), kOpen);
+  }
+  uint8_t& at(size_t p, int a, size_t q, int b) {
+    if (p > q) std::swap(p, q), std::swap(a, b);
+    return state[p * m->params.size() + q][size_t(a) * m->params[q].labels.size() + size_t(b)];
+  }
+  void hold(const std::vector<int>& eff) {
+    for (size_t p = 0; p < eff.size(); ++p)
+      for (size_t q = p + 1; q < eff.size(); ++q)
+        if (eff[p] >= 0 && eff[q] >= 0) at(p, eff[p], q, eff[q]) = kHeld;
+  }
+  template <typename F>
+  void for_each(F&& f) {  // f(p, a, q, b, state&)
+    const size_t P = m->params.size();
+    for (size_t p = 0; p < P; ++p)
+      for (size_t q = p + 1; q < P; ++q)
+        for (int a = 0; a < int(m->params[p].labels.size()); ++a)
+          for (int b = 0; b < int(m->params[q].labels.size()); ++b) f(p, a, q, b, at(p, a, q, b));
+  }
+};
+
+// A case holding (p, a) and (q, b), the other parameters picked greedily for open pairs (ties: the plainer value),
+// then set back to their plain value one by one until the case is one the op takes.
+std::optional<Plan> case_for(const Model& m, Pairs& pairs, size_t p, int a, size_t q, int b, uint64_t salt,
+                             const std::vector<int>* start = nullptr) {
+  const size_t P = m.params.size();
+  std::vector<int> choice(P, -1);
+  choice[p] = a, choice[q] = b;
+  if (start) {
+    for (size_t r = 0; r < P; ++r)
+      if (r != p && r != q) choice[r] = std::max(0, (*start)[r]);
+  } else {
+    for (size_t r = 0; r < P; ++r) {
+      if (r == p || r == q) continue;
+      int best = 0, best_gain = -1;
+      for (int v = 0; v < int(m.params[r].labels.size()); ++v) {
+        int gain = 0;
+        for (size_t f = 0; f < P; ++f)
+          if (f != r && choice[f] >= 0 && pairs.at(r, v, f, choice[f]) == Pairs::kOpen) ++gain;
+        if (gain > best_gain) best = v, best_gain = gain;
+      }
+      choice[r] = best;
+    }
+  }
+  auto holds = [&](const std::optional<Plan>& plan) {
+    return plan && plan->effective[p] == a && plan->effective[q] == b;
+  };
+  auto plan = realize(m, choice, {}, salt);
+  for (size_t r = 0; r < P && !holds(plan); ++r) {
+    if (r == p || r == q || choice[r] == 0) continue;
+    choice[r] = 0;
+    plan = realize(m, choice, {}, salt);
+  }
+  return holds(plan) ? plan : std::nullopt;
+}
+
+std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
+  return m.params[p].name + "=" + m.params[p].labels[size_t(a)] + " with " + m.params[q].name + "=" +
+         m.params[q].labels[size_t(b)];
+}
+
+struct Generated {
+  Model model;
+  std::vector<Plan> plans;
+  std::vector<bool> accepted;
+  std::vector<std::string> declined_pairs, excluded_pairs;
+  int64_t pairs = 0, covered = 0;
+};
+
+// The covering array for (op, dtype): pass 1 covers every pair the op takes; pass 2 covers again, from cases the
+// provider accepts, each pair that only declined cases hold; pass 3 runs every concrete size of every class once;
+// then the fuzz cases.
+Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
+                   const std::function<bool(const Plan&)>& accepts) {
+  Generated g{make_model(s, dt), {}, {}, {}, {}, 0, 0};
+  const Model& m = g.model;
+  const size_t P = m.params.size();
+  auto add = [&](Plan plan) {
+    g.plans.push_back(std::move(plan));
+    g.accepted.push_back(accepts(g.plans.back()));
+  };
+  Pairs held(m), taken(m);  // pairs held by any case; by accepted cases
+  if (o.generated) {
+    // Pass 1.
+    if (P == 1) {
+      for (int a = 0; a < int(m.params[0].labels.size()); ++a)
+        if (auto plan = realize(m, {a}, {}, g.plans.size())) add(std::move(*plan));
+    }
+    for (size_t p = 0; p < P && g.plans.size() < kMaxPlans; ++p)
+      for (size_t q = p + 1; q < P && g.plans.size() < kMaxPlans; ++q)
+        for (int a = 0; a < int(m.params[p].labels.size()); ++a)
+          for (int b = 0; b < int(m.params[q].labels.size()); ++b) {
+            if (held.at(p, a, q, b) != Pairs::kOpen) continue;
+            auto plan = case_for(m, held, p, a, q, b, g.plans.size());
+            if (!plan) {
+              held.at(p, a, q, b) = Pairs::kExcluded;
+              continue;
+            }
+            held.hold(plan->effective);
+            add(std::move(*plan));
+          }
+    for (size_t k = 0; k < g.plans.size(); ++k)
+      if (g.accepted[k]) taken.hold(g.plans[k].effective);
+    // Pass 2: pairs held only by declined cases, from accepted ones (those holding one of the two values first). A
+    // value that no accepted case holds gets two tries, once.
+    std::set<std::pair<size_t, int>> accepted_value, refused;
+    for (size_t k = 0; k < g.plans.size(); ++k)
+      if (g.accepted[k])
+        for (size_t p = 0; p < P; ++p) accepted_value.insert({p, g.plans[k].effective[p]});
+    held.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
+      if (st == Pairs::kExcluded) {
+        g.excluded_pairs.push_back(pair_label(m, p, a, q, b));
+        return;
+      }
+      if (taken.at(p, a, q, b) == Pairs::kHeld) return;
+      bool done = false;
+      const bool known = accepted_value.count({p, a}) && accepted_value.count({q, b});
+      if (!refused.count({p, a}) && !refused.count({q, b}) && g.plans.size() < kMaxPlans) {
+        std::vector<size_t> bases;
+        for (int pass = 0; pass < 3; ++pass)
+          for (size_t k = 0; k < g.plans.size(); ++k) {
+            if (!g.accepted[k]) continue;
+            const bool one = g.plans[k].effective[p] == a || g.plans[k].effective[q] == b;
+            if ((pass == 0 && g.plans[k].effective[p] == a) || (pass == 1 && g.plans[k].effective[q] == b &&
+                                                                 g.plans[k].effective[p] != a) ||
+                (pass == 2 && !one))
+              bases.push_back(k);
+          }
+        const size_t tries = known ? 6 : 2;
+        for (size_t t = 0; t < bases.size() && t < tries && !done; ++t) {
+          auto plan = case_for(m, taken, p, a, q, b, g.plans.size(), &g.plans[bases[t]].choice);
+          if (!plan || !accepts(*plan)) continue;
+          taken.hold(plan->effective);
+          for (size_t r = 0; r < P; ++r) accepted_value.insert({r, plan->effective[r]});
+          g.plans.push_back(std::move(*plan));
+          g.accepted.push_back(true);
+          done = true;
+        }
+        if (!done && !known) {
+          if (!accepted_value.count({p, a})) refused.insert({p, a});
+          if (!accepted_value.count({q, b})) refused.insert({q, b});
+        }
+      }
+      if (!done) g.declined_pairs.push_back(pair_label(m, p, a, q, b));
+    });
+    // Pass 3: every concrete size, in a case the provider accepts that holds its class.
+    for (size_t p = 0; p < P; ++p) {
+      const Param& pr = m.params[p];
+      if (pr.kind != ParamKind::kDim) continue;
+      const std::string dim = pr.name.substr(4);
+      std::set<int64_t> seen;
+      for (size_t k = 0; k < g.plans.size(); ++k)
+        if (g.accepted[k]) seen.insert(g.plans[k].c.dim(dim));
+      for (size_t cls = 0; cls < pr.sizes.size(); ++cls)
+        for (int64_t v : pr.sizes[cls]) {
+          if (seen.count(v) || g.plans.size() >= kMaxPlans) continue;
+          for (size_t k = 0; k < g.plans.size(); ++k) {
+            if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
+            auto plan = realize(m, g.plans[k].choice, {{dim, v}}, g.plans.size());
+            if (!plan || plan->c.dim(dim) != v || !accepts(*plan)) continue;
+            g.plans.push_back(std::move(*plan));
+            g.accepted.push_back(true);
+            seen.insert(v);
+            break;
+          }
+        }
+    }
+    taken.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
+      if (held.at(p, a, q, b) == Pairs::kExcluded) return;
+      g.pairs += 1;
+      g.covered += st == Pairs::kHeld;
+    });
+  }
+  // Fuzz: random values of every parameter and random sizes (log-uniform up to 300, long rows now and then).
+  std::mt19937_64 eng(o.seed * 1000003u + uint64_t(dt) * 7919u + std::hash<std::string>()(s.name));
+  for (int f = 0, tries = 0; f < o.fuzz && tries < 20 * o.fuzz; ++tries) {
+    std::vector<int> choice(P);
+    std::map<std::string, int64_t> forced;
+    for (size_t p = 0; p < P; ++p) {
+      choice[p] = int(eng() % m.params[p].labels.size());
+      if (m.params[p].kind != ParamKind::kDim || eng() % 3 == 0) continue;
+      const auto& sizes = m.params[p].sizes;
+      const bool row = std::any_of(sizes.begin(), sizes.end(), [](auto& v) { return v.front() >= 1000; });
+      const int64_t limit = row && eng() % 10 == 0 ? 9000 : 300;
+      forced[m.params[p].name.substr(4)] =
+          std::max<int64_t>(1, int64_t(std::exp(std::log(double(limit)) * double(eng() % 10000) / 1e4)));
+    }
+    auto plan = realize(m, choice, forced, eng());
+    if (!plan) continue;
+    plan->fuzz = true;
+    g.plans.push_back(std::move(*plan));
+    g.accepted.push_back(true);  // run, whatever supports() says: a decline is reported as such
+    ++f;
+  }
+  return g;
 }
 
 std::vector<DType> provider_dtypes(const OpSchema& s, const SuiteOptions& o) {
@@ -647,6 +1362,10 @@ std::vector<DType> provider_dtypes(const OpSchema& s, const SuiteOptions& o) {
   return out;
 }
 
+Generated generate_for(const OpSchema& s, DType dt, const SuiteOptions& o) {
+  return generate(s, dt, o, [&](const Plan& p) { return provider_takes(s, p.e, o); });
+}
+
 }  // namespace
 
 std::vector<CaseResult> run_suite(const SuiteOptions& o) {
@@ -656,16 +1375,17 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
     for (DType dt : provider_dtypes(*s, o)) {
       const auto start = std::chrono::steady_clock::now();
       const size_t first = results.size();
-      auto plans = generate(*s, dt, o);
-      for (size_t k = 0; k < plans.size(); ++k) {
+      Generated g = generate_for(*s, dt, o);
+      for (size_t k = 0; k < g.plans.size(); ++k) {
         if (o.only_case >= 0 && int(k) != o.only_case) continue;
-        uint64_t seed = o.seed * 7919u + k * 104729u + uint64_t(dt);
+        ExplicitCase e = g.plans[k].e;
+        e.seed = o.seed * 7919u + k * 104729u + uint64_t(dt);
         try {
-          results.push_back(run_case(*s, plans[k].c, o, int(k), plans[k].fuzz, plans[k].layout, seed));
-        } catch (const std::exception& e) {
+          results.push_back(run_explicit(*s, e, o, int(k), g.plans[k].fuzz));
+        } catch (const std::exception& ex) {
           CaseResult& r = results.emplace_back();
           r.op = s->name, r.dtype = dt, r.index = int(k), r.status = CaseStatus::kFail, r.worst_error = INFINITY;
-          r.detail = std::string("error: ") + e.what();
+          r.detail = std::string("error: ") + ex.what();
         }
       }
       if (o.progress) {
@@ -678,6 +1398,64 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
     }
   }
   return results;
+}
+
+CaseResult run_explicit_case(const ExplicitCase& c, const SuiteOptions& o, int index) {
+  const OpSchema* s = find_op_schema(c.op);
+  LOOM_REQUIRE(s, "conformance: no op '", c.op, "' is declared");
+  return run_explicit(*s, c, o, index, false);
+}
+
+std::string describe_case(const ExplicitCase& c) {
+  const OpSchema* s = find_op_schema(c.op);
+  LOOM_REQUIRE(s, "conformance: no op '", c.op, "' is declared");
+  SuiteOptions o;
+  CasePolicies policies(*s, o);
+  SuiteCase sc = suite_case_of(*s, c);
+  return build(*s, c, sc, Device(), false).description;
+}
+
+std::vector<Coverage> suite_coverage(const SuiteOptions& o) {
+  std::vector<Coverage> rows;
+  for (const OpSchema* s : op_schemas()) {
+    if (!o.ops.empty() && std::find(o.ops.begin(), o.ops.end(), s->name) == o.ops.end()) continue;
+    for (DType dt : provider_dtypes(*s, o)) {
+      Generated g = generate_for(*s, dt, o);
+      Coverage& row = rows.emplace_back();
+      row.op = s->name, row.dtype = dt;
+      row.cases = int(g.plans.size());
+      for (const auto& p : g.model.params) row.params.push_back({p.name, p.labels, std::vector<int>(p.labels.size(), 0)});
+      for (size_t k = 0; k < g.plans.size(); ++k) {
+        if (!g.accepted[k]) continue;
+        ++row.accepted;
+        row.held.push_back(g.plans[k].effective);
+        for (size_t p = 0; p < g.model.params.size(); ++p)
+          if (g.plans[k].effective[p] >= 0) ++row.params[p].cases[size_t(g.plans[k].effective[p])];
+      }
+      row.declined_pairs = g.declined_pairs, row.excluded_pairs = g.excluded_pairs;
+      row.pairs = g.pairs, row.covered = g.covered;
+    }
+  }
+  return rows;
+}
+
+std::string coverage_table(const std::vector<Coverage>& rows) {
+  std::ostringstream os;
+  for (const Coverage& r : rows) {
+    os << r.op << " " << dtype_name(r.dtype) << ": " << r.cases << " cases, " << r.accepted << " accepted; "
+       << r.covered << " of " << r.pairs << " value pairs held by accepted cases, " << r.declined_pairs.size()
+       << " only in declined cases, " << r.excluded_pairs.size() << " excluded by the op's rule or the size limit\n";
+    for (const auto& p : r.params) {
+      os << "  " << std::left << std::setw(34) << p.name << std::right << std::setw(3) << p.values.size() << ":";
+      for (size_t v = 0; v < p.values.size(); ++v) os << " " << p.values[v] << "(" << p.cases[v] << ")";
+      os << "\n";
+    }
+    // Every pair only declined cases hold (what the provider did not show); the first excluded ones.
+    for (const auto& d : r.declined_pairs) os << "  declined: " << d << "\n";
+    for (size_t k = 0; k < r.excluded_pairs.size() && k < 12; ++k) os << "  excluded: " << r.excluded_pairs[k] << "\n";
+    if (r.excluded_pairs.size() > 12) os << "  excluded: ... " << r.excluded_pairs.size() - 12 << " more\n";
+  }
+  return os.str();
 }
 
 namespace {
@@ -714,6 +1492,32 @@ std::vector<double> stored_values(const Tensor& t, const TensorSpec& spec, const
     }
   }
   return v;
+}
+
+// A stored case as an explicit one: its values and dtypes, every tensor dense or, for a strided case, in the
+// strided layout its Layout allows (every other element, padded rows, a padded leading dimension).
+ExplicitCase explicit_of_stored(const OpSchema& s, const SuiteCase& c, bool strided, const Stored& st, uint64_t seed) {
+  ExplicitCase e;
+  e.op = s.name, e.dtype = c.dtype, e.attrs = c.attrs, e.dims = c.dims, e.seed = seed;
+  e.tensors.resize(s.tensors.size());
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    const TensorSpec& spec = s.tensors[i];
+    TensorCase& t = e.tensors[i];
+    t.present = c.present[i];
+    if (!t.present) continue;
+    t.role = c.roles[i];
+    t.dtype = st.dtypes[i] ? *st.dtypes[i] : dtype_of(spec, c, false);
+    t.shape = shape_of(spec, c);
+    LayoutClass l = LayoutClass::kDense;
+    if (strided && !c.dense[i]) {
+      auto allowed = layout_classes(spec);
+      for (LayoutClass want : {LayoutClass::kStrided, LayoutClass::kPadded})
+        if (l == LayoutClass::kDense && std::find(allowed.begin(), allowed.end(), want) != allowed.end()) l = want;
+    }
+    t.strides = strides_for(spec, t.shape, l, int(i));
+    if (i < st.inputs.size()) t.given = st.inputs[i];
+  }
+  return e;
 }
 
 bool matches_stored(const Tensor& t, const TensorSpec& spec, const Shape& logical) {
@@ -800,6 +1604,7 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
     auto fail = [&](const std::string& why) {
       CaseResult& r = results.emplace_back();
       r.op = sc.op + " [" + sc.source + "]", r.dtype = sc.dtype, r.index = k, r.status = CaseStatus::kFail;
+      r.reference = sc.source;
       r.worst_error = INFINITY;
       r.detail = sc.name + ": " + why;
     };
@@ -934,9 +1739,10 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
                      shape_str(logical));
         stored.outputs[size_t(i)] = stored_values(fitted_out[q++], s->tensors[size_t(i)], logical);
       }
-      CaseResult r = run_case(*s, p.c, o, k, false, sc.strided ? LayoutVariant::kStrided : LayoutVariant::kPlain,
-                              uint64_t(k), &stored);
+      CaseResult r = run_explicit(*s, explicit_of_stored(*s, p.c, sc.strided, stored, uint64_t(k)), o, k, false,
+                                  &stored.outputs);
       r.op = sc.op + " [" + sc.source + "]";
+      r.reference = sc.source;
       r.description = sc.name + ": " + r.description;
       results.push_back(r);
     } catch (const std::exception& e) {
@@ -955,17 +1761,19 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     int pass = 0, fail = 0, declined = 0;
     double worst = 0;
     std::vector<const CaseResult*> failures;
+    std::set<std::string> references;
   };
   std::map<std::pair<std::string, std::string>, Row> rows;
   for (const CaseResult& r : results) {
     Row& row = rows[{r.op, dtype_name(r.dtype)}];
+    if (!r.reference.empty()) row.references.insert(r.reference);
     if (r.status == CaseStatus::kPass) ++row.pass, row.worst = std::max(row.worst, r.worst_error);
     else if (r.status == CaseStatus::kDeclined) ++row.declined;
     else ++row.fail, row.failures.push_back(&r);
   }
   std::ostringstream os;
   os << std::left << std::setw(46) << "op" << std::setw(7) << "dtype" << std::setw(26) << "result"
-     << "worst error (x tolerance)\n";
+     << std::setw(27) << "worst error (x tolerance)" << "judged by\n";
   for (const auto& [key, row] : rows) {
     const int total = row.pass + row.fail + row.declined;
     std::string status;
@@ -974,8 +1782,11 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     else status = "declined";
     if (row.declined && (row.fail || row.pass)) status += " (" + std::to_string(row.declined) + " declined)";
     os << std::setw(46) << key.first << std::setw(7) << key.second << std::setw(26) << status;
-    if (row.pass && !row.fail) os << std::setprecision(3) << row.worst;
-    os << "\n";
+    std::ostringstream worst;
+    if (row.pass && !row.fail) worst << std::setprecision(3) << row.worst;
+    std::string judges;
+    for (const auto& j : row.references) judges += (judges.empty() ? "" : "+") + j;
+    os << std::setw(27) << worst.str() << judges << "\n";
   }
   int shown = 0;
   for (const auto& [key, row] : rows)
@@ -986,7 +1797,8 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
       }
       const auto stored = r->op.find(" [");  // a stored case: "gemm [pytorch]"
       os << "FAIL " << r->op << " " << dtype_name(r->dtype) << " case " << r->index << (r->fuzz ? " (fuzz)" : "")
-         << ": " << r->detail << "\n    " << r->description << "\n    rerun: " << rerun << " --op "
+         << (r->reference.empty() ? "" : " [judged by " + r->reference + "]") << ": " << r->detail << "\n    "
+         << r->description << "\n    rerun: " << rerun << " --op "
          << r->op.substr(0, stored) << " --dtype " << dtype_name(r->dtype)
          << (stored == std::string::npos ? " --case " + std::to_string(r->index) : std::string(" --reference pytorch --no-generated"))
          << "\n";
@@ -1005,7 +1817,7 @@ std::string suite_json(const std::vector<CaseResult>& results, const SuiteOption
   for (const CaseResult& r : results) {
     const char* st = r.status == CaseStatus::kPass ? "pass" : r.status == CaseStatus::kFail ? "FAIL" : "declined";
     list.push_back({{"op", r.op}, {"dtype", dtype_name(r.dtype)}, {"case", r.index}, {"fuzz", r.fuzz},
-                    {"status", st}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
+                    {"status", st}, {"reference", r.reference}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
                     {"description", r.description}, {"detail", r.detail}});
   }
   j["results"] = list;

@@ -1,6 +1,9 @@
-// The dispatcher's mode hook (core/dispatch.h): with shadow, autotune, op profiling or CPU fallback on, a call comes
-// here with its arguments in generic form, and every mode works for every op through the op's description.
+// The dispatcher's mode hook (core/dispatch.h): with shadow, autotune, op profiling, CPU fallback, op traces or call
+// checks on, a call comes here with its arguments in generic form, and every mode works for every op through the op's
+// description.
 #include "providers/modes.h"
+
+#include <optional>
 
 #include "providers/argument_copies.h"
 
@@ -28,8 +31,11 @@ void cpu_fallback(OpId op, Device device, DType dtype, const CallArgs& args, boo
 
 void hook(OpId op, Device device, DType dtype, const std::vector<const KernelEntry*>& cands, const CallArgs& args,
           bool none_accepted) {
-  if (none_accepted) return cpu_fallback(op, device, dtype, args, !cands.empty());
   const uint32_t on = modes.load(std::memory_order_relaxed);
+  if (on & kModeCheck) check_call(op, dtype, args);
+  std::optional<TraceScope> traced;
+  if (on & kModeTrace) traced.emplace(op, device, dtype, args);
+  if (none_accepted) return cpu_fallback(op, device, dtype, args, !cands.empty());
   const KernelEntry* chosen = nullptr;
   if ((on & kModeAutotune) && cands.size() > 1) chosen = autotuned(op, device, dtype, cands, args);
   for (size_t i = 0; !chosen && i < cands.size(); ++i) {

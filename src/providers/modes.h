@@ -8,6 +8,10 @@
 
 namespace loom::dispatch::detail {
 
+// Modes of this layer beside the core's (dispatch.h): any bit of `modes` but CPU fallback's sends a call to the hook,
+// and a policy change keeps the bits that are not the policy's.
+enum : uint32_t { kModeTrace = 16u, kModeCheck = 32u };
+
 // Runs an entry's kernel on generic arguments, timed when op profiling is on (op_profile.cc).
 void run_entry(const KernelEntry* e, OpId op, Device device, DType dtype, const CallArgs& args);
 
@@ -23,5 +27,19 @@ const KernelEntry* autotuned(OpId op, Device device, DType dtype, const std::vec
 
 // CPU fallback (argument_copies.cc): counts, and says so once per op on stderr.
 void note_cpu_fallback(OpId op, Device device, DType dtype);
+
+// Call checks (call_check.cc): throws naming the op, the argument and what differs when a call breaks its op's
+// description.
+void check_call(OpId op, DType dtype, const CallArgs& args);
+
+// Op traces (op_trace.cc): records a call made outside any other kernel (nested calls are the outer one's work) for
+// as long as it lives, so that the calls its kernel makes are not recorded.
+class TraceScope {
+ public:
+  TraceScope(OpId op, Device device, DType dtype, const CallArgs& args);
+  ~TraceScope();
+  TraceScope(const TraceScope&) = delete;
+  TraceScope& operator=(const TraceScope&) = delete;
+};
 
 }  // namespace loom::dispatch::detail

@@ -326,7 +326,11 @@ void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, cons
 
 std::shared_ptr<nn::LanguageModel> load_sharded_model(const std::string& dir) {
   ShardedCheckpointReader reader(dir);
-  auto model = nn::make_model(nn::ModelConfig::from_json(reader.meta().config_json));
+  std::shared_ptr<nn::LanguageModel> model;
+  {
+    nn::SkipInit loaded;  // every weight comes from the checkpoint
+    model = nn::make_model(nn::ModelConfig::from_json(reader.meta().config_json));
+  }
   load_sharded_weights(dir, *model, "checkpoint");
   return model;
 }

@@ -329,14 +329,18 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                " is not a multiple of batch*seq_len*data-parallel ranks = ", micro_tokens * dp);
   grad_accum_ = total / (micro_tokens * dp);
 
-  model_ = nn::make_model(cfg);
-  model_->init_weights(opts_.seed);
   const std::string hf_weights =
       hf_init ? opts_.init_from
       : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
               !io::read_hf_model_dir(opts_.model).weight_files.empty()
           ? opts_.model
           : "";
+  if (!hf_weights.empty() || !opts_.init_from.empty() || !opts_.resume.empty()) {
+    nn::SkipInit loaded;  // every weight comes from the files below (or the checkpoint resumed from)
+    model_ = nn::make_model(cfg);
+  } else {
+    model_ = nn::make_model(cfg, opts_.seed);
+  }
   if (!hf_weights.empty()) {
     io::load_hf_weights(hf_weights, *model_);  // model.safetensors or the index's shards
   } else if (!opts_.init_from.empty()) {
@@ -706,8 +710,24 @@ void Trainer::run() {
   // --explain-kernels: the first step runs under the op profile, which records each (op, dtype) the run called.
   const bool was_profiling = dispatch::op_profiling();
   if (opts_.explain_kernels) dispatch::set_op_profiling(true);
+  // --trace-ops: the training steps' op calls (not evaluation's or sampling's), written after the last step. The
+  // file is made now, so that a path that cannot be written stops the run before it trains.
+  const bool tracing = !opts_.trace_ops.empty() && is_rank0_;
+  if (tracing) {
+    LOOM_REQUIRE(std::ofstream(opts_.trace_ops).good(), "--trace-ops: cannot write '", opts_.trace_ops, "'");
+    dispatch::reset_op_trace();
+    dispatch::set_op_trace_options({opts_.trace_values, opts_.trace_value_limit});
+  }
+  struct TraceStep {  // tracing on for one step, off however it ends
+    bool on;
+    explicit TraceStep(bool o) : on(o) { if (on) dispatch::set_op_tracing(true); }
+    ~TraceStep() { if (on) dispatch::set_op_tracing(false); }
+  };
   while (step_ < opts_.steps) {
-    StepStats s = train_step();
+    StepStats s = [&] {
+      TraceStep traced(tracing);
+      return train_step();
+    }();
     std::vector<dispatch::OpProfileRow> used;
     if (s.step == first_step && opts_.explain_kernels) {
       used = dispatch::op_profile();
@@ -737,6 +757,14 @@ void Trainer::run() {
       save_checkpoint(checkpoint_path(s.step));
   }
   if (opts_.phase_times && is_rank0_) print_phase_summary();
+  if (tracing) {
+    dispatch::write_op_trace(opts_.trace_ops);
+    const auto size = dispatch::op_trace_size();
+    if (!opts_.quiet)
+      std::cout << "op trace: " << size.calls << " calls (" << size.distinct << " distinct) written to "
+                << opts_.trace_ops << (opts_.trace_values ? " (values in " + opts_.trace_ops + ".values.safetensors)" : "")
+                << "; replay: loom-conformance --trace " << opts_.trace_ops << " --provider P" << std::endl;
+  }
   log_eval(step_);
   print_sample();
   if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));

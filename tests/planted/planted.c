@@ -1,5 +1,5 @@
-/* planted: a CPU kernel library for testing the conformance suite. Its kernels (gemm, add, mul, relu, softmax,
- * layer_norm; f32 and bf16) are correct, except for ONE deliberately wrong kernel chosen by the environment variable
+/* planted: a CPU kernel library for testing the conformance suite. Its kernels (gemm with epilogues none and bias,
+ * add, mul, relu, softmax, layer_norm; f32 and bf16) are correct, except for ONE deliberately wrong kernel chosen by the environment variable
  * LOOM_PLANTED, read at init:
  *
  *   none (or unset)     every kernel is correct: the suite must pass this library
@@ -12,6 +12,15 @@
  *   relu_input          relu writes into its input
  *   softmax_long        softmax is wrong for rows longer than 4096
  *   layer_norm_residue  layer_norm is wrong when C % 8 == 5
+ *   add_nan             add turns a NaN input into 0 (a special value)
+ *   add_alias           add is wrong when out is the same memory as b (an output aliasing an input)
+ *   softmax_overflow    softmax skips the max subtraction: exp overflows in f32 at logits near 100
+ *   softmax_masked      softmax writes zeros for a fully masked row (every logit -inf) instead of NaN
+ *   gemm_align          gemm reads A from its pointer rounded down to 16 bytes (an unaligned view start)
+ *   gemm_stride0        gemm reuses batch 0's product when A's or B's batch stride is 0 (it should need both)
+ *   gemm_bias_long      gemm drops the bias epilogue when k > 256 (an attribute wrong only at a long size)
+ *   gemm_alpha0         gemm leaves C untouched when alpha == 0 (right only for beta == 1)
+ *   gemm_m1_lda         gemm reads A as a packed row when m == 1 (a padded lda misread)
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -38,12 +47,24 @@ enum {
   PLANT_MUL_OOB,
   PLANT_RELU_INPUT,
   PLANT_SOFTMAX_LONG,
-  PLANT_LAYER_NORM_RESIDUE
+  PLANT_LAYER_NORM_RESIDUE,
+  PLANT_ADD_NAN,
+  PLANT_ADD_ALIAS,
+  PLANT_SOFTMAX_OVERFLOW,
+  PLANT_SOFTMAX_MASKED,
+  PLANT_GEMM_ALIGN,
+  PLANT_GEMM_STRIDE0,
+  PLANT_GEMM_BIAS_LONG,
+  PLANT_GEMM_ALPHA0,
+  PLANT_GEMM_M1_LDA
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
                                           "add_bf16",    "add_strided",  "mul_oob",    "relu_input",
-                                          "softmax_long", "layer_norm_residue"};
+                                          "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
+                                          "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
+                                          "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda"};
+#define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
 static PLANTED_THREAD_LOCAL char error_message[512];
@@ -105,23 +126,43 @@ static int same_shape(const LoomTensorDesc* a, const LoomTensorDesc* b) {
 static int gemm_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
                          const LoomAttr* attrs, int n_attrs) {
   (void)ctx;
-  return n_in >= 2 && n_out >= 1 && loom_attr_int(attrs, n_attrs, "epilogue", 0) == 0 &&
-         in[0].dtype == in[1].dtype && is_float_dtype(in[0].dtype) && is_float_dtype(out[0].dtype);
+  const int64_t epilogue = loom_attr_int(attrs, n_attrs, "epilogue", 0);
+  if (n_in < 2 || n_out < 1 || (epilogue != 0 && epilogue != 1)) return 0;
+  /* epilogue 1 (bias): bias has m entries of the output dtype. */
+  if (epilogue == 1 && (n_in < 3 || !in[2].data || in[2].dtype != out[0].dtype)) return 0;
+  return in[0].dtype == in[1].dtype && is_float_dtype(in[0].dtype) && is_float_dtype(out[0].dtype);
 }
 
 static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
                         const LoomAttr* attrs, int n_attrs) {
   if (!gemm_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
-    return fail(LOOM_STATUS_INVALID_ARGUMENT, "gemm: only epilogue 0 on f32/bf16");
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "gemm: only epilogues 0 and 1 on f32/bf16");
   const int ta = (int)loom_attr_int(attrs, n_attrs, "trans_a", 0), tb = (int)loom_attr_int(attrs, n_attrs, "trans_b", 0);
   const int64_t m = loom_attr_int(attrs, n_attrs, "m", 0), n = loom_attr_int(attrs, n_attrs, "n", 0);
   const int64_t k = loom_attr_int(attrs, n_attrs, "k", 0), batch = loom_attr_int(attrs, n_attrs, "batch", 1);
   const int64_t lda = loom_attr_int(attrs, n_attrs, "lda", 0), ldb = loom_attr_int(attrs, n_attrs, "ldb", 0);
   const int64_t ldc = loom_attr_int(attrs, n_attrs, "ldc", 0);
-  const int64_t sa = loom_attr_int(attrs, n_attrs, "stride_a", 0), sb = loom_attr_int(attrs, n_attrs, "stride_b", 0);
+  int64_t sa = loom_attr_int(attrs, n_attrs, "stride_a", 0), sb = loom_attr_int(attrs, n_attrs, "stride_b", 0);
   const int64_t sc = loom_attr_int(attrs, n_attrs, "stride_c", 0);
   const double alpha = loom_attr_float(attrs, n_attrs, "alpha", 1), beta = loom_attr_float(attrs, n_attrs, "beta", 0);
-  const LoomTensorDesc *A = &in[0], *B = &in[1], *C = &out[0];
+  int add_bias = loom_attr_int(attrs, n_attrs, "epilogue", 0) == 1, add_c = beta != 0;
+  int64_t a_col_step = lda; /* A's step between columns when not transposed */
+  LoomTensorDesc a_desc = in[0];
+  const LoomTensorDesc *A = &a_desc, *B = &in[1], *bias = &in[2], *C = &out[0];
+  /* PLANT gemm_alpha0: a quick return for alpha == 0 that leaves C as it is (BLAS's rule is C = beta * C). */
+  if (plant == PLANT_GEMM_ALPHA0 && alpha == 0) return LOOM_STATUS_OK;
+  /* PLANT gemm_align: A is read from its pointer rounded down to 16 bytes (a vector load that assumes aligned
+   * matrices): wrong when A starts at an element offset that is not a multiple of 16 bytes. */
+  if (plant == PLANT_GEMM_ALIGN) a_desc.data = (void*)((uintptr_t)a_desc.data & ~(uintptr_t)15);
+  /* PLANT gemm_bias_long: the split-k path taken for k > 256 forgets the bias epilogue. */
+  if (plant == PLANT_GEMM_BIAS_LONG && k > 256) add_bias = 0;
+  /* PLANT gemm_stride0: the product of batch 0 is reused for every batch when A's OR B's batch stride is 0 (a
+   * broadcast operand); that is right only when both are. */
+  if (plant == PLANT_GEMM_STRIDE0 && (sa == 0 || sb == 0)) sa = sb = 0;
+  /* PLANT gemm_m1_lda: for m == 1 (a matrix-vector product) A's one row is read as packed, ignoring lda. */
+  if (plant == PLANT_GEMM_M1_LDA && m == 1 && !ta) a_col_step = 1;
+  /* PLANT gemm_beta: C's old value is dropped (the beta == 0 path is taken for every beta). */
+  if (plant == PLANT_GEMM_BETA) add_c = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t j = 0; j < n; ++j)
       for (int64_t i = 0; i < m; ++i) {
@@ -131,7 +172,7 @@ static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const Loo
         if (plant == PLANT_GEMM_RESIDUE && m % 7 == 3 && i >= m - 3 && k_end > 0) k_end = k - 1;
         double acc = 0;
         for (int64_t p = 0; p < k_end; ++p) {
-          const double a = get(A, b * sa + (ta ? p + i * lda : i + p * lda));
+          const double a = get(A, b * sa + (ta ? p + i * lda : i + p * a_col_step));
           int64_t b_offset = b * sb + (tb ? j + p * ldb : p + j * ldb);
           /* PLANT gemm_trans: with trans_b, the k = 1 step reads B one element early (an off-by-one). */
           if (plant == PLANT_GEMM_TRANS && tb && p == 1) b_offset -= 1;
@@ -139,8 +180,8 @@ static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const Loo
         }
         const int64_t c_offset = b * sc + i + j * ldc;
         double v = alpha * acc;
-        /* PLANT gemm_beta: C's old value is dropped (the beta == 0 path is taken for every beta). */
-        if (beta != 0 && plant != PLANT_GEMM_BETA) v += beta * get(C, c_offset);
+        if (add_c) v += beta * get(C, c_offset);
+        if (add_bias) v += get(bias, i);
         set(C, c_offset, v);
       }
   return LOOM_STATUS_OK;
@@ -181,18 +222,29 @@ static int binary(int op, const LoomTensorDesc* in, int n_in, const LoomTensorDe
   if (op == OP_ADD && plant == PLANT_ADD_STRIDED) packed_strides(b, b_strides);
   const int64_t numel = loom_desc_numel(o);
   for (int64_t i = 0; i < numel; ++i) {
-    const double x = get(a, offset_of(rank, o->shape, a->strides, i));
-    const double y = get(b, offset_of(rank, o->shape, b_strides, i));
+    double x = get(a, offset_of(rank, o->shape, a->strides, i));
     const int64_t at = offset_of(rank, o->shape, o->strides, i);
+    if (op == OP_ADD && plant == PLANT_ADD_ALIAS) {
+      /* PLANT add_alias: out = a is stored first and b added to it afterwards (exact, as a and out share a
+       * dtype), so b is read after out is written: when out is b's memory, b's element is gone (a + a). */
+      set(o, at, x);
+      set(o, at, get(o, at) + get(b, offset_of(rank, o->shape, b_strides, i)));
+      continue;
+    }
+    double y = get(b, offset_of(rank, o->shape, b_strides, i));
+    /* PLANT add_nan: a NaN input counts as 0 (a masked-load idiom that zero-fills what fails x == x). */
+    if (op == OP_ADD && plant == PLANT_ADD_NAN) {
+      if (x != x) x = 0;
+      if (y != y) y = 0;
+    }
     const double v = op == OP_ADD ? x + y : x * y;
+    set(o, at, v);
     if (op == OP_ADD && plant == PLANT_ADD_BF16 && o->dtype == LOOM_DTYPE_BF16) {
       /* PLANT add_bf16: the bf16 sum is truncated (rounded toward zero) instead of rounded to nearest even. */
       float f = (float)v;
       uint32_t u;
       memcpy(&u, &f, sizeof u);
       ((uint16_t*)o->data)[at] = (uint16_t)(u >> 16);
-    } else {
-      set(o, at, v);
     }
   }
   if (op == OP_MUL && plant == PLANT_MUL_OOB && numel > 0) {
@@ -265,13 +317,27 @@ static int planted_softmax(void* ctx, const LoomTensorDesc* in, int n_in, const 
   const int64_t rows = loom_desc_numel(x) / cols;
   /* PLANT softmax_long: the normalizing sum covers only the first 4096 elements of a row (a fixed-size block
    * reduction that forgets the tail): longer rows come out too large, but finite. */
-  const int64_t sum_end = plant == PLANT_SOFTMAX_LONG && cols > 4096 ? 4096 : cols;
+  int64_t sum_end = cols;
+  if (plant == PLANT_SOFTMAX_LONG && cols > 4096) sum_end = 4096;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * cols;
     double max = -INFINITY, sum = 0;
     for (int64_t c = 0; c < cols; ++c) {
       const double v = get(x, base + c);
       if (v > max) max = v;
+    }
+    if (plant == PLANT_SOFTMAX_OVERFLOW) {
+      /* PLANT softmax_overflow: exp(x) in f32 without subtracting the row's max: fine for small logits, but
+       * expf(100) overflows to inf and the row becomes inf / inf = NaN. */
+      for (int64_t c = 0; c < cols; ++c) sum += expf((float)get(x, base + c));
+      for (int64_t c = 0; c < cols; ++c) set(o, base + c, expf((float)get(x, base + c)) / sum);
+      continue;
+    }
+    if (plant == PLANT_SOFTMAX_MASKED && max == -INFINITY) {
+      /* PLANT softmax_masked: a fully masked row (every logit -inf) is written as zeros; the op's result there is
+       * NaN (0 / 0, as PyTorch and Loom's native kernel give). */
+      for (int64_t c = 0; c < cols; ++c) set(o, base + c, 0.0);
+      continue;
     }
     for (int64_t c = 0; c < sum_end; ++c) sum += exp(get(x, base + c) - max);
     for (int64_t c = 0; c < cols; ++c) set(o, base + c, exp(get(x, base + c) - max) / sum);
@@ -306,7 +372,8 @@ static int planted_layer_norm(void* ctx, const LoomTensorDesc* in, int n_in, con
   if (cols == 0) return LOOM_STATUS_OK;
   const int64_t rows = loom_desc_numel(x) / cols;
   /* PLANT layer_norm_residue: when C % 8 == 5 the variance is divided by C - 1 (the unbiased estimate). */
-  const double divisor = plant == PLANT_LAYER_NORM_RESIDUE && cols % 8 == 5 ? (double)(cols - 1) : (double)cols;
+  double divisor = (double)cols;
+  if (plant == PLANT_LAYER_NORM_RESIDUE && cols % 8 == 5) divisor = (double)(cols - 1);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * cols;
     double mean = 0, var = 0;
@@ -347,13 +414,15 @@ LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* host, LoomProvider* 
   const char* which = getenv("LOOM_PLANTED");
   plant = -1;
   if (!which || !*which) which = "none";
-  for (int i = 0; i < (int)(sizeof plant_names / sizeof plant_names[0]); ++i)
+  for (int i = 0; i < N_PLANTS; ++i)
     if (strcmp(which, plant_names[i]) == 0) plant = i;
   if (plant < 0) {
-    snprintf(error_message, sizeof error_message,
-             "planted: unknown LOOM_PLANTED '%.64s' (none, gemm_residue, gemm_beta, gemm_trans, add_bf16, "
-             "add_strided, mul_oob, relu_input, softmax_long, layer_norm_residue)",
-             which);
+    char known[400] = "";
+    for (int i = 0; i < N_PLANTS; ++i) {
+      if (i) strncat(known, ", ", sizeof known - strlen(known) - 1);
+      strncat(known, plant_names[i], sizeof known - strlen(known) - 1);
+    }
+    snprintf(error_message, sizeof error_message, "planted: unknown LOOM_PLANTED '%.64s' (%s)", which, known);
     return LOOM_STATUS_UNSUPPORTED;
   }
   p->name = "planted";

@@ -4,8 +4,9 @@
 # "-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF" to leave the vendor bridges out of a distributed run's build). Source it (". tools/device/build.sh") to keep
 # LD_LIBRARY_PATH.
 D=$PWD/.devdeps
-export PKG_CONFIG_PATH=$D/usr/lib/openblas/pkgconfig
-export LD_LIBRARY_PATH=$D/usr/lib/openblas:${LD_LIBRARY_PATH:-}
+export PKG_CONFIG_PATH=$D/usr/lib/openblas/pkgconfig:$D/usr/lib/pcre2/pkgconfig
+export LD_LIBRARY_PATH=$D/usr/lib/openblas:$D/usr/lib/pcre2:${LD_LIBRARY_PATH:-}
+export CPATH=$D/usr/include${CPATH:+:$CPATH}
 export NCCL_NVLS_ENABLE=0
 # cuDNN: the GPU machine has PyTorch's libcudnn.so.9 but no cuDNN headers; the cudnn attention provider needs the
 # headers to build (carried in .devdeps) and the library at run time.

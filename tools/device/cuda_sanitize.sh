@@ -12,7 +12,7 @@ O=/tmp/sanitize; mkdir -p "$O"
 trap 'tar -czf "${OUT:-/tmp/out}/sanitize_logs.tar.gz" -C /tmp sanitize 2>/dev/null' EXIT
 export LOOM_CMAKE_ARGS="-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF"
 if [ "${BUILD:-1}" = 1 ]; then . tools/device/build.sh || exit 1; else
-  D=$PWD/.devdeps; export LD_LIBRARY_PATH=$D/usr/lib/openblas:$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null):${LD_LIBRARY_PATH:-}
+  D=$PWD/.devdeps; export LD_LIBRARY_PATH=$D/usr/lib/openblas:$D/usr/lib/pcre2:$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null):${LD_LIBRARY_PATH:-}
 fi
 export NCCL_NVLS_ENABLE=0
 [ -f .device/cache/gpt2/encoder.json ] && export LOOM_CACHE_DIR=$PWD/.device/cache

@@ -25,5 +25,22 @@ cp -r /usr/include/gtest /usr/include/gmock /usr/include/nlohmann $D/include/
 cp /usr/lib/x86_64-linux-gnu/libg{test,mock}*.a $D/lib/x86_64-linux-gnu/
 cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest $D/lib/x86_64-linux-gnu/cmake/
 cp -r /usr/share/cmake/nlohmann_json $D/share/cmake/
+# PCRE2 (the tokenizers' pre-tokenizer): its header, library and pkg-config file, found through PKG_CONFIG_PATH.
+mkdir -p $D/lib/pcre2/pkgconfig $D/lib/pcre2/include
+cp "$(readlink -f /usr/lib/x86_64-linux-gnu/libpcre2-8.so)" $D/lib/pcre2/libpcre2-8.so.0
+ln -sf libpcre2-8.so.0 $D/lib/pcre2/libpcre2-8.so
+cp /usr/include/pcre2.h $D/lib/pcre2/include/
+cat > $D/lib/pcre2/pkgconfig/libpcre2-8.pc <<'PC'
+prefix=${pcfiledir}/..
+libdir=${prefix}
+includedir=${prefix}/include
+Name: libpcre2-8
+Description: PCRE2 (carried from the build machine)
+Version: 10.42
+Libs: -L${libdir} -lpcre2-8
+Cflags: -I${includedir}
+PC
+# toml++ (config files) is header-only where it is installed.
+for d in /usr/include/toml++; do [ -d "$d" ] && cp -r "$d" $D/include/; done
 mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
 du -sh .devdeps

@@ -16,8 +16,8 @@ pre-tokenizer pattern verbatim, and a plain rank-merge BPE as tiktoken does it. 
                                         tokenizer.py (LLaMA-3: ids 128000..128255).
 
 Invalid UTF-8 reaches the regex as Python's surrogateescape characters (one per undecodable byte, matched by no
-class but "other"), the same treatment Loom gives such bytes; every class the texts use is inside the Unicode
-tables Loom's pre-tokenizer covers (src/data/unicode_classes.h). Only the standard library and `regex` are needed;
+class but "other"), the same treatment Loom gives such bytes (include/loom/data/pretokenizer.h: the pattern runs in
+PCRE2 with Unicode's classes). Only the standard library and `regex` are needed;
 the output is deterministic.
 """
 import base64

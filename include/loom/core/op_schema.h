@@ -78,6 +78,19 @@ enum class Values : uint8_t {
   kProbability,   // [0, 0.5] (dropout's p), or a scale near 1
 };
 
+// The classes of values the suite tries for a floating input (on top of its Values range). Which ones an input
+// takes is part of its description (`.value_classes`), with a default per op kind (default_value_classes); what the
+// op does with them is its contract for special values (`.special_values`), which the float64 reference follows.
+enum class ValueClass : uint8_t {
+  kNormal,   // the Values range
+  kLarge,    // about half the elements at 0.25..1 of the dtype's largest finite value (ops that do not accumulate)
+  kLogits,   // [-100, 100] (softmax-like ops: a kernel without the max subtraction overflows)
+  kSpecial,  // NaN, +inf and -inf at random positions among normal values
+  kTiny,     // -0.0, +0.0 and denormals of the dtype at random positions among normal values
+  kMasked,   // some rows (along the op's dim attribute, else the last dim) all -inf (a fully masked softmax row)
+};
+const char* value_class_name(ValueClass v);
+
 // An attribute's value as the ABI and the suite see it.
 struct AttrValue {
   enum Kind : uint8_t { kInt, kFloat, kInts } kind = kInt;
@@ -221,6 +234,7 @@ struct ArgTraits<T> {
 // case_rule adjusts it to what the op's contract requires.
 struct SuiteCase {
   std::map<std::string, int64_t> dims;
+  std::vector<ValueClass> values;  // per tensor argument: the value class of its elements (a rule may narrow it)
   std::vector<std::pair<std::string, AttrValue>> attrs;
   std::vector<bool> present;    // per tensor argument
   std::vector<ArgRole> roles;   // per tensor argument
@@ -250,6 +264,8 @@ struct TensorSpec {
   bool list = false;            // a list of tensors (cat's inputs)
   bool omit_when_absent = false;  // the ABI passes it only when present (an argument added after the op's first ABI)
   std::string present_with;       // an optional argument present exactly when this other one is
+  std::vector<ValueClass> value_classes;  // what the suite tries for a floating input (empty: the default)
+  std::vector<std::string> may_alias;     // an output: the inputs it may share memory with, element for element
   // Shapes that the named dims cannot say (a reduction's output): from the dims and attributes of a case.
   ShapeFn shape_fn;
 };
@@ -269,8 +285,9 @@ struct AttrSpec {
 enum class Autocast : uint8_t { kNone, kCastInputs, kNarrowOutput };
 
 struct DimSpec {
-  std::vector<int64_t> values;  // the sizes the suite covers (empty: the default list)
+  std::vector<int64_t> values;  // the sizes the suite covers beyond the default list (0: the op takes an empty dim)
   int64_t base = 0;             // the size while another dim is swept (0: chosen by position)
+  int64_t long_size = 0;        // one long size (others kept small by the case size limit); 0: none
 };
 
 class OpSchema {
@@ -289,6 +306,14 @@ class OpSchema {
   OpSchema& omit_when_absent();
   OpSchema& shape_fn(ShapeFn fn);
   OpSchema& present_with(std::string other);
+  OpSchema& value_classes(std::vector<ValueClass> classes);
+  // An output that may share an input's memory element for element (same data, shape, strides and dtype): the
+  // kernel reads each element before writing it. The suite runs cases with the output on the input's buffer.
+  OpSchema& may_alias(const std::string& output, const std::string& input);
+  // The op's contract for NaN, inf and overflow, in words (printed by --describe; the float64 reference follows it).
+  OpSchema& special_values(std::string contract);
+  // One long size for a dim (gemm's K at 65537 with small M and N); the accumulated dim gets 65537 by default.
+  OpSchema& long_dim(const std::string& name, int64_t size);
   // The values the suite tries for an attribute field (by its name in the attribute struct).
   OpSchema& attr(const std::string& name, std::vector<AttrValue> variants);
   OpSchema& attr(const std::string& name, std::initializer_list<double> variants);
@@ -300,6 +325,10 @@ class OpSchema {
   // What the op requires of a case beyond its arguments' specs (T <= S, H a multiple of Hkv, a bias only with a
   // bias epilogue): adjusts a case or marks it skipped.
   OpSchema& case_rule(CaseRule fn);
+  // A named dim that stands for any number of leading dims in a call, none included: the kernels flatten them (a
+  // norm's rows "R" are [B, T] of a [B, T, C] input). The suite's cases give it one dim; a call checked against the
+  // description (LOOM_CHECK_CALLS) binds the group of leading dims, right-aligning the other names.
+  OpSchema& leading_dims(std::string dim);
   // Which tensor's dtype the call dispatches on (default: the first output, or the first input for comparisons).
   OpSchema& dispatch_on(const std::string& tensor);
   OpSchema& abi_since(uint32_t minor);               // the kernel ABI minor version that added the op
@@ -320,11 +349,13 @@ class OpSchema {
   std::map<std::string, DimSpec> dims;
   CaseRule rule;
   std::string dispatch_tensor;
+  std::string leading_dim;
   uint32_t abi_minor = 0;
   Autocast autocast_rule = Autocast::kNone;
   std::string reference;
   std::string accumulate_dim;
   std::map<DType, std::pair<double, double>> tolerances;
+  std::string special_contract;
 
   // Type-erased operations made from the signature.
   // Dispatches the op with arguments built from `args` (as the typed call would).
@@ -344,6 +375,11 @@ class OpSchema {
   const TensorSpec* tensor(const std::string& name) const;
   int tensor_index(const std::string& name) const;
   const AttrSpec* attr_spec(const std::string& name) const;
+  // The value classes the suite tries for tensor argument `t`: its own list, else by kind: none for integer,
+  // index and bit inputs and for outputs; for a floating input drawn from [-1, 1] normal, special and tiny values,
+  // and large ones where the op accumulates no dim; an in-place tensor, and an input of another Values range,
+  // normal only.
+  std::vector<ValueClass> value_classes_of(const TensorSpec& t) const;
   std::string str() const;  // "layer_norm(x [R C], weight? [C], ..., eps) -> out [R C], ... (dispatched on x)"
 
  private:

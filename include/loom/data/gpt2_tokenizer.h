@@ -1,5 +1,4 @@
-// GPT-2's byte-level BPE tokenizer (encoder.json + vocab.bpe), matching OpenAI's encoder.py token for token on the
-// text it covers. The pre-tokenizer regex is implemented by hand over UTF-8; see gpt2_pretokenize for its limits.
+// GPT-2's byte-level BPE tokenizer (encoder.json + vocab.bpe), matching OpenAI's encoder.py token for token.
 #pragma once
 
 #include <cstdint>
@@ -13,14 +12,9 @@
 
 namespace loom::data {
 
-// GPT-2's pre-tokenizer: splits text like the regex
+// GPT-2's pre-tokenizer: Pretokenizer::kGPT2Pattern (pretokenizer.h)
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-// The pieces concatenate back to the text. Limits of the hand-written Unicode classes: \p{L} and \p{N} cover ASCII,
-// Latin-1, Latin Extended (A, B, Additional), IPA, Greek, Cyrillic, Armenian, Hebrew, Arabic, Devanagari, Thai,
-// Georgian, Hangul, kana, CJK ideographs and fullwidth forms, plus common number forms (superscripts, fractions,
-// Roman numerals, circled digits, non-Latin decimal digits); letters of scripts outside these tables count as
-// "other" (punctuation-like), which changes where such text is split. \s is the Unicode White_Space set. Combining
-// marks are "other", as in Unicode. Bytes that are not valid UTF-8 are each taken as one "other" character.
+// run by PCRE2 with Unicode's classes. The pieces concatenate back to the text.
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
 
 class GPT2Tokenizer : public Tokenizer {
@@ -45,6 +39,7 @@ class GPT2Tokenizer : public Tokenizer {
   std::string name() const override { return "gpt2"; }
   int32_t eot_token() const { return eot_token_; }
   int32_t document_token() const override { return eot_token_; }
+  std::vector<int32_t> end_tokens() const override { return {eot_token_}; }
   int64_t vocab_size() const override { return int64_t(token_bytes_.size()); }
 
  private:

@@ -18,17 +18,11 @@
 
 namespace loom::data {
 
-// LLaMA-3's pre-tokenizer: splits text like the regex
+// LLaMA-3's pre-tokenizer: Pretokenizer::kLlama3Pattern (pretokenizer.h)
 //   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
-// The pieces concatenate back to the text. The contractions match in any case, and "'ſ" (long s, which folds to s)
-// as "'s", as Unicode case-insensitive matching does. The Unicode classes are GPT-2's hand-written tables, with the
-// same limits (see gpt2_pretokenize): letters of scripts outside them count as "other", which changes where such
-// text is split; \s is the White_Space set; combining marks are "other"; each byte that is not valid UTF-8 is one
-// "other" character.
+// run by PCRE2 with Unicode's classes and case folding (so "'ſ", long s, matches as "'s"). The pieces concatenate
+// back to the text.
 std::vector<std::string_view> llama3_pretokenize(std::string_view text);
-
-// Special-token strings in the text: plain text (tiktoken's encode_ordinary, what loom-prepare uses) or their ids.
-enum class SpecialTokens { kAsText, kAsIds };
 
 class Llama3Tokenizer : public Tokenizer {
  public:
@@ -68,6 +62,8 @@ class Llama3Tokenizer : public Tokenizer {
   std::string decode(std::span<const int32_t> tokens) const override;
   int64_t vocab_size() const override { return int64_t(token_bytes_.size()); }
   int32_t document_token() const override { return begin_of_text(); }
+  std::vector<int32_t> end_tokens() const override { return {end_of_text(), special_token_id("<|eot_id|>")}; }
+  int32_t prompt_prefix_token() const override { return begin_of_text(); }
 
   int64_t num_base_tokens() const { return num_base_tokens_; }
   int32_t begin_of_text() const { return int32_t(num_base_tokens_); }

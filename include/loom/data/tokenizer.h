@@ -1,5 +1,6 @@
 // What loom-prepare and the trainer need of a tokenizer, whichever model it belongs to: GPT-2's BPE
-// (gpt2_tokenizer.h) or LLaMA-3's tiktoken BPE (llama3_tokenizer.h). load_tokenizer picks one by name.
+// (gpt2_tokenizer.h), LLaMA-3's tiktoken BPE (llama3_tokenizer.h) or a Hugging Face tokenizer.json
+// (hf_tokenizer.h). load_tokenizer picks one by name or path.
 #pragma once
 
 #include <cstdint>
@@ -13,11 +14,14 @@
 
 namespace loom::data {
 
+// Special-token strings in the text: plain text (tiktoken's encode_ordinary, what loom-prepare uses) or their ids.
+enum class SpecialTokens { kAsText, kAsIds };
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
-  // "gpt2" or "llama3": the name load_tokenizer takes.
+  // "gpt2" or "llama3" (the name load_tokenizer takes), or a tokenizer.json's path.
   virtual std::string name() const = 0;
   // Plain text to tokens. Special-token strings in the text ("<|endoftext|>", "<|begin_of_text|>", ...) are encoded
   // as text. Thread-safe.
@@ -30,6 +34,10 @@ class Tokenizer {
   // The token in front of every document of a token shard: GPT-2's <|endoftext|> (llm.c's convention), LLaMA-3's
   // <|begin_of_text|> (as Meta's and llm.c's LLaMA-3 data preparation do).
   virtual int32_t document_token() const = 0;
+  // The tokens that end a generated text: GPT-2's <|endoftext|>, LLaMA-3's <|end_of_text|> and <|eot_id|>.
+  virtual std::vector<int32_t> end_tokens() const = 0;
+  // The token Hugging Face's tokenizer puts in front of a prompt (LLaMA-3's <|begin_of_text|>), or -1 (GPT-2).
+  virtual int32_t prompt_prefix_token() const { return -1; }
 };
 
 // The ids of pre-tokenized pieces already encoded, shared by every thread encoding with one tokenizer: text repeats
@@ -63,12 +71,15 @@ class PieceCache {
   mutable std::unordered_map<std::string, std::vector<int32_t>> ids_;  // piece bytes -> tokens
 };
 
-// The tokenizer called `name`:
+// A Hugging Face tokenizer.json when `path` names a .json file (HfTokenizer, hf_tokenizer.h; whatever `name` says),
+// else the tokenizer called `name`:
 //   "gpt2"    GPT-2's encoder.json and vocab.bpe in the directory `path` (empty: GPT2Tokenizer::find_vocab_dir's
 //             search of $LOOM_CACHE_DIR/gpt2 and ~/.cache/loom/gpt2)
 //   "llama3"  Meta's LLaMA-3 tokenizer.model at `path` (required: the vocabulary is gated, see docs/TRAINING.md)
 // Throws loom::Error for another name, a missing path or an unreadable vocabulary.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& name, const std::string& path = "");
+// Whether load_tokenizer reads `path` as a tokenizer.json (its name ends in ".json").
+bool is_tokenizer_json(const std::string& path);
 
 // Splits text into chunks of about target_bytes that encode, one by one, to exactly the tokens of the whole text
 // with either tokenizer (each cut falls before a space that follows a printable ASCII character, where both

@@ -13,6 +13,8 @@ namespace loom::nn {
 // Initializes weights from normal(0, std) with the given generator (the same seed gives the same model).
 void init_normal_(Tensor& t, double std, Generator& gen);
 
+// Built with LibTorch's initialization (unless within nn::SkipInit): weight and bias uniform in
+// [-1/sqrt(in_features), 1/sqrt(in_features)), from the default generator (loom::manual_seed).
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
@@ -22,6 +24,7 @@ class Linear : public Module {
   Tensor bias;    // [out] or undefined
 };
 
+// Built with normal(0, 1) weights from the default generator (unless within nn::SkipInit), as LibTorch.
 class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t dim);

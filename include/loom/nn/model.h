@@ -117,7 +117,8 @@ class LanguageModel : public Module {
   // What a parallelization plan splits besides the blocks: the token embedding and an untied classifier (or null).
   virtual Embedding& token_embedding() = 0;
   virtual Linear* lm_head() { return nullptr; }
-  // Initializes every parameter as the reference implementations do, from a seeded generator.
+  // Initializes every parameter as the reference implementations do, from a seeded generator (make_model does; the
+  // same seed gives the same weights).
   virtual void init_weights(uint64_t seed) = 0;
   // The model's parameters by the names Hugging Face uses in its safetensors files, with the tensor layout it
   // expects (GPT-2's Conv1D weights are transposed on the way out and in).
@@ -140,7 +141,9 @@ class LanguageModel : public Module {
   std::shared_ptr<BlockHooks> hooks_;
 };
 
-std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);
+// The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,
+// loom::manual_seed); within an nn::SkipInit scope its parameters are zeros, for weights about to be loaded.
+std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<uint64_t> seed = std::nullopt);
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
@@ -149,6 +152,15 @@ struct GenerateOptions {
   double top_p = 1.0;        // then keep the fewest most likely tokens whose probability reaches top_p; 1 = all
   uint64_t seed = 1337;
   bool use_kv_cache = true;
+  // > 0; 1 = off. Before sampling, the logit of every token already in the sequence (prompt included) is divided by
+  // it when positive and multiplied by it when negative, as transformers' RepetitionPenaltyLogitsProcessor.
+  double repetition_penalty = 1.0;
+  // Generation ends after choosing one of these (the tokenizer's end-of-text tokens); the token is returned.
+  std::vector<int32_t> stop_tokens;
+  // Generation ends once the text of the new tokens contains one of these; the token completing it is returned.
+  // Needs `decode` (token ids -> their text, concatenating as a byte-level tokenizer's does).
+  std::vector<std::string> stop_strings;
+  std::function<std::string(const std::vector<int32_t>&)> decode;
   // Called with each token as it is chosen (before the next forward); returning false stops generation there.
   std::function<bool(int32_t)> on_token;
 };
@@ -161,6 +173,17 @@ std::vector<int32_t> generate(LanguageModel& model, const std::vector<int32_t>& 
 using LogitsFn = std::function<Tensor(const Tensor& idx, std::vector<KVCache>* caches)>;
 std::vector<int32_t> generate(const LogitsFn& forward, const ModelConfig& cfg, Device device,
                               const std::vector<int32_t>& prompt, const GenerateOptions& opts);
+
+// num_samples continuations of `prompt`, sample i generated as generate() does with seed opts.seed + i (so one
+// seed gives the same samples every run, and they differ from each other when sampling). before_sample(i), when
+// given, is called before sample i starts (to print a separator).
+std::vector<std::vector<int32_t>> generate_samples(LanguageModel& model, const std::vector<int32_t>& prompt,
+                                                   const GenerateOptions& opts, int64_t num_samples,
+                                                   const std::function<void(int64_t)>& before_sample = {});
+
+// transformers' RepetitionPenaltyLogitsProcessor over `logits` (the real vocabulary): for each distinct token of
+// `seen`, a positive logit is divided by `penalty`, a negative one multiplied by it. Throws unless penalty > 0.
+void apply_repetition_penalty(std::vector<double>& logits, const std::vector<int32_t>& seen, double penalty);
 
 // One token from `logits` (the real vocabulary) as generate chooses it: greedy at temperature <= 0, else softmax
 // at the temperature over the top_k, cut to top_p (Hugging Face's order: temperature, top-k, top-p), sampled with

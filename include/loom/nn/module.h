@@ -11,6 +11,19 @@
 
 namespace loom::nn {
 
+// Modules initialize their parameters when they are built, as LibTorch's do (Linear, Embedding, the norms, the
+// models of make_model). Within a SkipInit scope (on this thread) they are built with zeros instead and no random
+// numbers are drawn: for weights about to be loaded (a checkpoint, a Hugging Face directory, an llm.c file), so that a
+// large model does not pay for an initialization it throws away.
+class SkipInit {
+ public:
+  SkipInit();
+  ~SkipInit();
+  SkipInit(const SkipInit&) = delete;
+  SkipInit& operator=(const SkipInit&) = delete;
+  static bool active();
+};
+
 class Module {
  public:
   virtual ~Module() = default;

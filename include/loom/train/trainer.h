@@ -79,6 +79,11 @@ struct TrainOptions {
   uint64_t seed = 1337;
   bool shuffle = false;
   bool explain_kernels = false;
+  // Record every op call of the training steps into this file (loom/dispatch_modes.h, docs/PROVIDERS.md), for
+  // `loom-conformance --trace`; rank 0 only. Not a checkpointed setting: a resumed run traces only when told to.
+  std::string trace_ops;
+  bool trace_values = false;              // also the inputs' values, up to trace_value_limit elements per tensor
+  int64_t trace_value_limit = 1 << 16;
   // Device time per phase of each step (forward, backward, gradient sync, optimizer, loss average; PhaseTimer), in
   // metrics.jsonl as perf/phase_ms/<phase> and as medians at the end of the run.
   bool phase_times = false;

@@ -21,6 +21,9 @@ LOOM_HOST_DEVICE inline T gelu_tanh_derivative(T x) {
   T inner = k * (x + T(0.044715) * x2 * x);
   T th = tanh(inner);
   T sech2 = T(1) - th * th;
+  // Saturated (|x| past about 10, inf included): the derivative is its limit, 1 or 0. Evaluated as written, x2
+  // overflows first for a large x and 0 * inf gives NaN.
+  if (sech2 == T(0)) return T(0.5) * (T(1) + th);
   return T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * k * (T(1) + T(3 * 0.044715) * x2);
 }
 
