@@ -180,7 +180,8 @@ int main(int argc, char** argv) {
                "sync, optimizer) into metrics.jsonl and print their medians at the end");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
-  app.add_option("--peak-tflops", o.peak_tflops, "device peak for MFU (default: known bf16 peak of the GPU)")
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "device peak in TFLOP/s for MFU (default: the GPU's bf16 dense peak when known, else no MFU)")
       ->check(finite & at_least(0));
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str()

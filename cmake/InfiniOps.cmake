@@ -59,7 +59,7 @@ endif()
 option(LOOM_INFINIOPS "Build the infiniops provider (InfiniOps + InfiniRT from their snapshots)" ${_io_found})
 # NVIDIA is its own switch, on by default only where Loom's CUDA is on and a GPU is visible: InfiniOps' NVIDIA
 # backend (49 operators, CUTLASS and cuBLAS through nvcc) builds with CUDA 13 but took 12 min (738 s, one job beside
-# other builds) on this project's 2-core CI machine, which has no GPU to run it on.
+# other builds) on 2 cores without a GPU (as in CI), where it cannot run.
 set(_io_nv_default OFF)
 if(LOOM_CUDA AND EXISTS /dev/nvidia0)
   set(_io_nv_default ON)
@@ -103,12 +103,16 @@ else()
       list(GET _io_cutlass_tar 0 _io_cutlass_tar)
       set(_io_cutlass_tar_in "${_io_cutlass_tar}")
     endif()
-    set(_io_backends -DWITH_CPU=ON -DWITH_NVIDIA=ON -DCMAKE_CUDA_ARCHITECTURES=90
+    # Loom's own architectures, through an initial-cache file (a list in a -D argument would split).
+    set(_io_archs_file "${CMAKE_BINARY_DIR}/_deps/infiniops-cuda-architectures.cmake")
+    file(WRITE "${_io_archs_file}" "set(CMAKE_CUDA_ARCHITECTURES \"${CMAKE_CUDA_ARCHITECTURES}\" CACHE STRING \"\")\n")
+    set(_io_backends -DWITH_CPU=ON -DWITH_NVIDIA=ON -C "${_io_archs_file}"
         -DCMAKE_CUDA_COMPILER=${CMAKE_CUDA_COMPILER})
   endif()
 
   # What the stamp covers: the inputs (path, size, time) and the backends.
-  set(_io_key "rpath-origin;${_io_backends};${_io_cutlass};${_io_cutlass_tar_in};${CMAKE_CXX_COMPILER}")
+  set(_io_key "rpath-origin;${_io_backends};${CMAKE_CUDA_ARCHITECTURES};${_io_cutlass};${_io_cutlass_tar_in}"
+              "${CMAKE_CXX_COMPILER}")
   foreach(_in ${_io_ops_in} ${_io_rt_in} ${_io_cutlass_tar_in})
     file(TIMESTAMP "${_in}" _t)
     file(SIZE "${_in}" _s)

@@ -1,5 +1,5 @@
 // loom-train's command line: a bad number is one line naming the flag and a non-zero exit, before anything is built
-// or read (issue 19: --log-interval 0 divided by zero, --clip nan and negative counts were taken).
+// or read (--log-interval 0 once divided by zero, --clip nan and negative counts were taken).
 #include <sys/wait.h>
 
 #include <unistd.h>
@@ -131,7 +131,7 @@ std::map<std::string, std::string> files_of(const std::filesystem::path& dir) {
   return out;
 }
 
-// Nothing lost (issue 19): a resume from a broken checkpoint stops before it writes anything, and no run writes over
+// Nothing lost: a resume from a broken checkpoint stops before it writes anything, and no run writes over
 // an existing checkpoint unless --overwrite-checkpoints says so; resuming from the directory continues past it.
 TEST(LoomTrainCli, CheckpointsAreNeverWrittenOverUnlessAsked) {
   namespace fs = std::filesystem;
@@ -221,7 +221,7 @@ AppRun run_loom_train_with(const std::string& prefix, const std::string& args,
   return r;
 }
 
-// Sharded checkpoints through the apps (issue 16): loom-train under `mpirun -np 2 --zero 3` writes step_NNNNNN/
+// Sharded checkpoints through the apps: loom-train under `mpirun -np 2 --zero 3` writes step_NNNNNN/
 // directories; one process without ZeRO resumes from one and reaches the same loss at the last step; loom-export
 // consolidates the sharded checkpoint into Hugging Face weights equal to the checkpoint's parameters.
 std::map<int64_t, double> losses_in(const std::filesystem::path& metrics) {
@@ -292,7 +292,7 @@ TEST(LoomTrainCli, ShardedCheckpointFromMpirunResumesInOneProcessAndExports) {
   EXPECT_EQ(hf.tensors.size(), reference->hf_state_dict().size());
   EXPECT_TRUE(fs::exists(tmp.file("model.bin")));
 }
-// ---- issue 18: resume and start-up, conveniences ----
+// ---- resume and start-up, conveniences ----
 
 // A shard of small token ids (the d2 model's 50257-token vocabulary holds them) with some structure to learn.
 std::string small_vocab_shard(const test::TempDir& tmp) {

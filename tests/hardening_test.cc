@@ -1,4 +1,4 @@
-// Issue 19's regression tests for what the fuzz targets (tests/fuzz/) and the sanitizer build found in the parsers,
+// Regression tests for what the fuzz targets (tests/fuzz/) and the sanitizer build found in the parsers,
 // and the pure pieces of "nothing lost": the checkpoint state parser and the cleanup of stale temporaries.
 #include <gtest/gtest.h>
 

@@ -416,7 +416,7 @@ TEST(LoomPrepare, Llama3Errors) {
                                  " --tokenizer llama3 --tokenizer-path " + full_size_vocab_path(), out), 0);
   EXPECT_NE(out.find("empty.txt is empty"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(dir.file("o")));
-  // NaN passed CLI11's range check and failed later with a message naming no flag (issue 19).
+  // NaN passed CLI11's range check and failed later with a message naming no flag.
   EXPECT_NE(run_prepare(dir, "--input " + dir.file("a.txt") + " --output-dir " + dir.file("o") + " --val-fraction nan",
                         out), 0);
   EXPECT_NE(out.find("--val-fraction: must be between 0 and 1, got nan"), std::string::npos) << out;

@@ -1,5 +1,5 @@
 // The parameter count and training-memory estimate of a config (loom/train/memory_estimate.h), and the trainer's
-// refusal of a config whose model state cannot fit (issue 19: an absurd config built until memory ran out).
+// refusal of a config whose model state cannot fit (an absurd config would build until memory ran out).
 #include <gtest/gtest.h>
 
 #include <random>

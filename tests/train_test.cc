@@ -3,6 +3,9 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "loom/amp.h"
 #include "loom/data/token_file.h"
@@ -249,6 +252,23 @@ TEST(Train, BadInputsGiveClearErrors) {
   bad = o;
   bad.resume = (dir.path() / "corrupt.safetensors").string();
   expect_error(bad, "corrupt.safetensors");
+}
+
+// MFU's peak by GPU name, as cudaGetDeviceProperties spells the names (the runtime's description adds the sm_XY):
+// NVIDIA's data-sheet dense bf16 figures; a GPU not in the table gets 0, so no MFU is shown unless --peak-tflops.
+TEST(TrainPeak, KnownGpusGetTheirBf16DensePeak) {
+  const std::vector<std::pair<std::string, double>> cases = {
+      {"NVIDIA H100 80GB HBM3", 989},   {"NVIDIA H100 80GB HBM3 (sm_90)", 989}, {"NVIDIA H100 PCIe", 756},
+      {"NVIDIA H100 NVL", 835},         {"NVIDIA H200", 989},                   {"NVIDIA GH200 480GB", 989},
+      {"NVIDIA H200 NVL", 835},         {"NVIDIA A100-SXM4-80GB", 312},         {"NVIDIA A100-PCIE-40GB", 312},
+      {"NVIDIA A100 80GB PCIe", 312},   {"NVIDIA L40S", 362},                   {"NVIDIA L40", 181},
+      {"NVIDIA L4", 121},               {"NVIDIA A10", 125},                    {"NVIDIA A40", 150},
+      {"NVIDIA GeForce RTX 4090", 165}, {"NVIDIA GeForce RTX 4090 (sm_89)", 165},
+      // Not in the table: near names must not borrow a neighbour's peak.
+      {"NVIDIA A10G", 0},               {"NVIDIA GeForce RTX 4080", 0},         {"NVIDIA GeForce RTX 3090", 0},
+      {"Tesla V100-SXM2-16GB", 0},      {"NVIDIA RTX A6000", 0},                {"NVIDIA L20", 0},
+      {"", 0},                          {"cuda", 0}};
+  for (const auto& [name, tflops] : cases) EXPECT_EQ(train::known_bf16_peak_tflops(name), tflops) << name;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +20,7 @@
 
 #include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
+#include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/gemm.h"
 #include "loom/dispatch_modes.h"
@@ -80,10 +82,45 @@ std::string human_duration(double seconds) {
   return buf;
 }
 
-// bf16 dense peak of the devices we know, for MFU.
+// The name's words, split at spaces and dashes, upper-cased: "NVIDIA A100-SXM4-80GB" -> NVIDIA, A100, SXM4, 80GB.
+std::set<std::string> name_words(const std::string& name) {
+  std::set<std::string> words;
+  std::string word;
+  for (char c : name + " ") {
+    if (c == ' ' || c == '-') {
+      if (!word.empty()) words.insert(word);
+      word.clear();
+    } else {
+      word += char(std::toupper(static_cast<unsigned char>(c)));
+    }
+  }
+  return words;
+}
+
+}  // namespace
+
+// NVIDIA's data-sheet figures, dense (without sparsity), bf16 inputs with f32 accumulation.
+double known_bf16_peak_tflops(const std::string& gpu_name) {
+  const std::set<std::string> w = name_words(gpu_name);
+  auto has = [&](const char* word) { return w.count(word) > 0; };
+  if (has("H100")) return has("PCIE") ? 756 : has("NVL") ? 835 : 989;  // SXM (e.g. "H100 80GB HBM3"), PCIe, NVL
+  if (has("H200") || has("GH200")) return has("NVL") ? 835 : 989;
+  if (has("A100")) return 312;                                          // SXM4 and PCIe alike
+  if (has("L40S")) return 362;
+  if (has("L40")) return 181;
+  if (has("L4")) return 121;
+  if (has("A10")) return 125;
+  if (has("A40")) return 150;
+  if (has("RTX") && has("4090")) return 165;
+  return 0;
+}
+
+namespace {
+
+// The peak for MFU of the device the trainer runs on: a GPU in the table above, else none (MFU not shown).
 double known_peak_flops(Device d) {
   if (!d.is_cuda()) return 0;
-  return 989e12;  // H100 SXM bf16 dense; pass --peak-tflops for other GPUs
+  return known_bf16_peak_tflops(device_runtime(d.type).describe(d.index)) * 1e12;
 }
 
 constexpr const char* kCheckpointFormat = "loom-checkpoint-1";
@@ -506,6 +543,12 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
               << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
               << "memory (estimate): " << memory.str() << "\n";
+    if (peak_flops_ > 0)
+      std::cout << "MFU against " << peak_flops_ / 1e12 << " TFLOP/s per device"
+                << (opts_.peak_tflops > 0 ? " (--peak-tflops)\n" : " (the GPU's bf16 dense peak)\n");
+    else if (device_.is_cuda())
+      std::cout << "MFU: not shown (" << device_runtime(device_.type).describe(device_.index)
+                << " is not in the peak table; give --peak-tflops)\n";
     if (world_->size() > 1 || opts_.zero_stage > 0 || opts_.recompute != "none")
       std::cout << "layout: world " << world_->size() << " = data-parallel " << dp << " x tensor-parallel "
                 << tp_group_->size() << " x pipeline " << opts_.pipeline_parallel << ", ZeRO stage "

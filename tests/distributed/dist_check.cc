@@ -639,7 +639,7 @@ void check_tensor_parallel_llama_heads() {
         "n_kv_head 1 on 2 ranks gives an error naming both, got: '" + message + "'");
 }
 
-// Sharded checkpoints (issue 16): a run saved by one layout of this world resumes under another (another world size,
+// Sharded checkpoints: a run saved by one layout of this world resumes under another (another world size,
 // TP degree or ZeRO stage) with the losses and grad norms of an uninterrupted run. The layouts run on sub-groups of the
 // world (the ranks outside one wait); the global batch is the same in every layout (accumulation makes up the rest).
 struct CkptLayout {
@@ -840,7 +840,7 @@ int main(int argc, char** argv) {
     run("zero-3 x tp", [] { check_dp_x_tp(tiny(), true, "zero-3 x tp gpt2"); });
     run("zero-3 x tp llama", [] { check_dp_x_tp(tiny_llama(false), true, "zero-3 x tp llama"); });
   }
-  // Sharded checkpoints: saved by one layout, resumed by others (issue 16).
+  // Sharded checkpoints: saved by one layout, resumed by others.
   if (world->size() == 2)
     run("sharded checkpoint: zero-3 x 2 -> 1 rank, tp 2, zero-1 x 2",
         [] { check_sharded_checkpoint({2, 1, 3}, {{1, 1, 0}, {2, 2, 0}, {2, 1, 1}}); });

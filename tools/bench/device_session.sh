@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call's worth of performance work, from the repository root on the GPU machine (carry .devdeps):
+# One run's worth of performance work, from the repository root on the GPU machine (with .devdeps beside the tree):
 # builds Loom (tools/device/build.sh) while a short PyTorch run fills torch.compile's cache in the background, runs
 # the CUDA tests matching $TESTS, then the end-to-end benchmark (tools/bench/e2e_gpt2.sh) for each model in $MODELS
 # (default 124m; GPT-2 sizes or llama3-1b, as e2e_gpt2.sh's MODEL) and each batch size: $BATCHES for GPT-2 (default 16,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch FSDP2 reference for Loom's ZeRO-3 benchmark (issue 16): LLaMA-3 trained sharded over the GPUs of one node.
+"""PyTorch FSDP2 reference for Loom's ZeRO-3 benchmark: LLaMA-3 trained sharded over the GPUs of one node.
 
 The model is tools/bench/pytorch_llama.py's (Loom's LLaMA written in PyTorch), built on the meta device, each decoder
 layer and then the root wrapped with fully_shard (bf16 parameters, f32 gradient reduction: MixedPrecisionPolicy),

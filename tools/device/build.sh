@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: configures and builds Loom with CUDA into build-dev/, using the dependencies carried in
 # .devdeps/ (tools/device/make_devdeps.sh), cuDNN's headers included. LOOM_CMAKE_ARGS: more cmake flags (e.g.
-# "-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF" to leave the vendor bridges out of a distributed session's build). Source it (". tools/device/build.sh") to keep
+# "-DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF" to leave the vendor bridges out of a distributed run's build). Source it (". tools/device/build.sh") to keep
 # LD_LIBRARY_PATH.
 D=$PWD/.devdeps
 export PKG_CONFIG_PATH=$D/usr/lib/openblas/pkgconfig:$D/usr/lib/pcre2/pkgconfig

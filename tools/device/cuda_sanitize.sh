@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA test suite on the GPU machine (issue 19; carry .devdeps and .device), by STAGE:
+# The CUDA test suite on the GPU machine (with .devdeps and .device beside the tree), by STAGE:
 #   ctest     every ctest test (CPU and CUDA, MPI ranks included), -j $JOBS (16), on the GPUs the machine has.
 #   sanitize  compute-sanitizer over the CUDA tests of loom_tests: TOOL (memcheck, racecheck, synccheck or initcheck;
 #             default "memcheck racecheck"), the tests (FILTER, default every test whose suite names Cuda or Cudnn)
 #             split round-robin into one shard per GPU, each shard one sanitized process on its own GPU within
 #             SHARD_TIMEOUT s (400). A shard that runs out of time reports how far it got.
 # Builds first (tools/device/build.sh, vendor bridges left out; BUILD=0 skips it on a warm machine). Logs go to
-# /tmp/sanitize and come back as $OUT/sanitize_logs.tar.gz (a device call returns only a few files).
+# /tmp/sanitize and come back as $OUT/sanitize_logs.tar.gz (a GPU run returns only a few files).
 set -u
 O=/tmp/sanitize; mkdir -p "$O"
 trap 'tar -czf "${OUT:-/tmp/out}/sanitize_logs.tar.gz" -C /tmp sanitize 2>/dev/null' EXIT

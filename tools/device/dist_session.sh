@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's GPU checks in one device call on a 2-GPU machine (nvidia-h100-x2 or nvidia-h200-x2; carry .devdeps):
+# The distributed GPU checks in one run on a 2-GPU machine (with .devdeps beside the tree):
 #   1. builds (tools/device/build.sh) and runs the CUDA tests matching $TESTS, if set;
 #   2. the distributed checks over NCCL: `loom-run --nproc-per-node 2 loom_distributed_check --device cuda`;
 #   3. short loom-train runs of GPT-2 d4 and LLaMA-3 tiny at one global batch (8192 tokens per step): one GPU, DDP,

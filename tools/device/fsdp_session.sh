@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's GPU checks on a 2-GPU machine (nvidia-h100-x2; carry .devdeps), by STAGE:
+# The ZeRO-2/3 and LLaMA-3 8B GPU checks on a 2-GPU machine (with .devdeps beside the tree), by STAGE:
 #   check   the distributed checks over NCCL (`loom-run --nproc-per-node 2 loom_distributed_check --device cuda`:
 #           DDP, ZeRO-1/2/3 with and without recomputation, bf16 gathers, TP), and $TESTS of the CUDA suite if set.
 #   parity  short loom-train runs of GPT-2 d4 and LLaMA-3 tiny at one global batch (one GPU, ZeRO-2, ZeRO-3 with

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 18's device check, on the GPU machine (torch, transformers and safetensors installed; carry .devdeps):
+# Hugging Face export, import and loom-generate against transformers, on the GPU machine (torch, transformers and
+# safetensors installed; .devdeps beside the tree):
 # builds Loom with CUDA into build-dev/ (tools/device/build.sh) unless BUILD=0, then runs tools/reference/hf_check.py:
 # Loom's `loom-export --hf` directories of a tiny GPT-2 and a tiny LLaMA loaded by transformers' from_pretrained with
 # equal logits (f32, 1e-5 relative) and equal greedy tokens, and random sharded LLaMAs/GPT-2 saved by transformers

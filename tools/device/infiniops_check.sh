@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a machine with an H100 and this repo (carry .devdeps and the third-party snapshots): the vendor-library checks of
-# issue 17 in stages, each within one device call (STAGE=build, then check, then bench; or STAGE=all):
+# On a machine with an H100 and this repo (.devdeps and the third-party snapshots beside it): the vendor-library checks
+# in stages, each within one run (STAGE=build, then check, then bench; or STAGE=all):
 #   build  Loom with the infiniops provider and InfiniOps' NVIDIA backend, and the DIOPI bridge, into build-io/
 #   check  loom-conformance --provider infiniops --device cuda --verify (results into $VERIFY_CACHE), the CUDA tests
 #          matching $TESTS (default: InfiniOps, verified routing, DIOPI and every CUDA test)

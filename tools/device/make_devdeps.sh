@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Gathers, into .devdeps/ (git-ignored), the build dependencies the GPU machine lacks (OpenBLAS with its Fortran
-# runtime, GoogleTest, nlohmann-json) and cuDNN's headers, copied from this machine, so a device call can carry them.
+# runtime, GoogleTest, nlohmann-json) and cuDNN's headers, copied from this machine, to be copied beside the tree there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 D=.devdeps/usr

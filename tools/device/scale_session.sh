@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs at width on one multi-GPU node (issues 16 and 20; carry .devdeps), by STAGE:
+# Runs at width on one multi-GPU node (with .devdeps beside the tree), by STAGE:
 #   ddp     GPT-2 124M data-parallel scaling, T=1024, B per GPU (32): Loom (loom-train / loom-run, --phase-times) and
 #           PyTorch DDP with torch.compile (tools/bench/pytorch_gpt2.py under torchrun) on 1, 2, .. $NGPU GPUs, and a
 #           control: $NGPU independent one-GPU Loom runs at once (what the node gives without communication).
@@ -8,8 +8,8 @@
 #           one GPU at the same global batch and micro-batches, in f32 (no TF32): losses and gradient norms side by side.
 #   speed   the same models and layouts (and TP=4 with SP) in bf16 at 16 micro-batches per step: tokens/s per GPU.
 # STAGE may name several ("parity speed"; "wide" is both). Each builds first (tools/device/build.sh, vendor bridges
-# left out; a warm machine keeps build-dev). Logs go to /tmp/scale and come back as $OUT/scale_logs.tar.gz (the
-# device call returns only a few files); the tables are printed last. STEPS (30), B (32), NGPU (all visible).
+# left out; a warm machine keeps build-dev). Logs go to /tmp/scale and come back as $OUT/scale_logs.tar.gz (a GPU
+# run returns only a few files); the tables are printed last. STEPS (30), B (32), NGPU (all visible).
 set -u
 O=/tmp/scale; mkdir -p "$O"
 trap 'tar -czf "${OUT:-/tmp/out}/scale_logs.tar.gz" -C /tmp scale 2>/dev/null' EXIT

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 18's device check: Loom's Hugging Face export, import and loom-generate against transformers.
+"""A GPU-machine check of Loom's Hugging Face export, import and loom-generate against transformers.
 
 Needs torch, transformers and safetensors (the GPU machine has them; this repository's CI does not) and a Loom build
 (loom-train, loom-export, loom-generate). Run by tools/device/hf_check.sh:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference data for loom-conformance (issue 6): the main ops' inputs and PyTorch's float64 results.
+"""PyTorch reference data for loom-conformance: the main ops' inputs and PyTorch's float64 results.
 
     python3 tools/reference/make_conformance_refs.py [--out conformance/reference]
 

@@ -1,7 +1,7 @@
 // What a training run will hold in memory, computed from the config alone (nothing is allocated): the parameter count
 // of a ModelConfig and a per-rank estimate of parameters, gradients, optimizer state and activations. The trainer
 // refuses a config whose parameters, gradients and optimizer state alone cannot fit the device, before it builds
-// anything (issue 19: an absurd config built until the machine ran out of memory), and prints the estimate.
+// anything (an absurd config would otherwise build until the machine ran out of memory), and prints the estimate.
 #pragma once
 
 #include <cstdint>

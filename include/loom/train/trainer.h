@@ -146,6 +146,10 @@ struct CheckpointState {
 };
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
 
+// The dense bf16 tensor-core peak in TFLOP/s of a GPU known by its name (as cudaGetDeviceProperties gives it, e.g.
+// "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"), for MFU; 0 for a GPU not in the table.
+double known_bf16_peak_tflops(const std::string& gpu_name);
+
 class Trainer {
  public:
   explicit Trainer(TrainOptions options);

@@ -35,6 +35,14 @@ namespace loom::cuda {
 
 namespace loom::cuda {
 
+// Throws naming the GPU and the fix when this build cannot run on the device: older than sm_80, or no code for its
+// architecture in the library (CMAKE_CUDA_ARCHITECTURES). The runtime calls it on a device's first use.
+void check_device_supported(int device);
+
+// The most shared memory one block may opt in to on a device (227 KB on Hopper, 163 KB on the A100, 99 KB on Ada and
+// the other Ampere GPUs), read once per device: kernels whose tiles need more decline there.
+int max_shared_memory_per_block(int device);
+
 // Above 48 KB of dynamic shared memory a kernel must opt in, per device; `done` remembers the devices (one bit each).
 template <typename Kernel>
 void opt_in_shared_memory(Kernel kernel, int bytes, int device, std::atomic<uint64_t>& done) {

@@ -3,6 +3,9 @@
 
 #include "backends/cuda/cuda_check.h"
 
+#include <array>
+#include <atomic>
+
 namespace loom {
 
 namespace cuda {
@@ -25,6 +28,17 @@ DeviceGuard::DeviceGuard(int index) {
 
 DeviceGuard::~DeviceGuard() {
   if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+int max_shared_memory_per_block(int device) {
+  static std::array<std::atomic<int>, 64> bytes{};  // 0: not read yet
+  if (device < 0 || device >= int(bytes.size())) return 0;
+  int b = bytes[size_t(device)].load(std::memory_order_relaxed);
+  if (b == 0) {
+    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    bytes[size_t(device)].store(b, std::memory_order_relaxed);
+  }
+  return b;
 }
 
 [[noreturn]] void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "backends/cuda/caching_allocator.h"
@@ -152,12 +153,15 @@ class CudaRuntime final : public DeviceRuntime {
     explicit PerDevice(int index) : context(index), allocator(index) {}
     CudaDeviceContext context;
     cuda::CachingAllocator allocator;
+    std::once_flag supported;  // cuda::check_device_supported ran (and passed) on first use
   };
 
   PerDevice& at(int index) {
     LOOM_REQUIRE(index >= 0 && index < int(devices_.size()), "device cuda:", index, " does not exist: ",
                  devices_.size(), " CUDA device(s) visible");
-    return *devices_[size_t(index)];
+    PerDevice& d = *devices_[size_t(index)];
+    std::call_once(d.supported, [index] { cuda::check_device_supported(index); });
+    return d;
   }
   // A null stream handle means the device's current stream.
   cudaStream_t resolve(Stream s) {

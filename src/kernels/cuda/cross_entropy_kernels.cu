@@ -3,12 +3,15 @@
 // (OnlineSoftmax, rescaled once per vector); loss = max + log(sum) - logit[target]. Pass 2 (the backward, and the
 // fused forward + backward cross_entropy_with_grad) reads the row again, mostly from L2 since the block just read it,
 // and writes (softmax - onehot) * g, zero rows for ignored targets and zero columns past the classes; 16-bit rows of
-// 16-104 KB (GPT-2's vocabulary) stage the row in shared memory instead and read it from there twice. The mean/sum
-// over rows is a second kernel that sums the per-row losses in a fixed order (deterministic, no float atomics).
-// Math in float (double for f64 logits). Targets are validated on the device: an out-of-range one sets a flag that
-// the host reads back after the kernels, and throws with the CPU kernel's message.
+// 16-104 KB (GPT-2's vocabulary; to 98 KB on GPUs with 99 KB of shared memory a block) stage the row in shared
+// memory instead and read it from there twice. The mean/sum over rows is a second kernel that sums the per-row
+// losses in a fixed order (deterministic, no float atomics). Math in float (double for f64 logits). Targets are
+// validated on the device: an out-of-range one sets a flag that the host reads back after the kernels, and throws
+// with the CPU kernel's message.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <algorithm>
 
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/cuda/cuda_loops.cuh"
@@ -317,13 +320,19 @@ __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_k
   }
 }
 
+// The staged rows' limit on a device: kStagedRowBytes, or less where a block gets less shared memory (99 KB on Ada
+// and the Ampere GPUs but the A100), keeping 1 KB for the kernel's own scratch.
+int64_t staged_row_limit(int device) {
+  return std::min<int64_t>(kStagedRowBytes, cuda::max_shared_memory_per_block(device) - 1024);
+}
+
 // Whether a launch can take the staged kernel: a gradient of 16-bit logits in whole aligned vectors, rows large
-// enough to gain from it and small enough for two per SM.
+// enough to gain from it and small enough for two per SM (and for the device's shared memory).
 template <typename T>
-bool staged_rows_fit(const T* logits, const T* grad, bool grad_vectors, int64_t vocab) {
+bool staged_rows_fit(const T* logits, const T* grad, bool grad_vectors, int64_t vocab, int device) {
   const int64_t bytes = vocab * int64_t(sizeof(T));
   return grad != nullptr && grad_vectors && vocab % kVec<T> == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
-         bytes >= 16 * 1024 && bytes <= kStagedRowBytes;
+         bytes >= 16 * 1024 && bytes <= staged_row_limit(device);
 }
 
 // One block of kReduceThreads: each thread sums a strided slice of the rows, then the block combines in thread order.
@@ -437,11 +446,11 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
     };
     bool staged = false;
     if constexpr (kFastMath<T>) {
-      staged = staged_rows_fit(args.logits, grad, args.grad_vectors, vocab);
+      staged = staged_rows_fit(args.logits, grad, args.grad_vectors, vocab, ctx.device().index);
       if (staged) {
         auto kernel = cross_entropy_staged_rows_kernel<T, I>;
         static std::atomic<uint64_t> opted_in{0};
-        cuda::opt_in_shared_memory(kernel, int(kStagedRowBytes), ctx.device().index, opted_in);
+        cuda::opt_in_shared_memory(kernel, int(staged_row_limit(ctx.device().index)), ctx.device().index, opted_in);
         kernel<<<unsigned(n), kStagedThreads, size_t(vocab) * sizeof(T), stream>>>(args);
       }
     }

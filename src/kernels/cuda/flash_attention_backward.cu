@@ -350,19 +350,42 @@ void launch_backward(const DeviceContext& ctx, const Tensor& grad_out, const Ten
   }
 }
 
+// Every GPU from sm_80 on gives a block at least 99 KB of shared memory (Ada, and Ampere but the A100); the A100
+// 163 KB, Hopper 227 KB.
+constexpr int kSmallestSharedMemory = 99 * 1024;
+static_assert(BackwardConfig<true, 64, 64, 8>::kSmemBytes <= kSmallestSharedMemory &&
+                  BackwardConfig<true, 64, 64, 4>::kSmemBytes <= kSmallestSharedMemory,
+              "the head-dim-64 tiles must fit every GPU from sm_80 on");
+
 // Keys per block (16 per warp) per head dim, the fastest measured on an H200 with bench/attention_bench.cc
 // (bench/attention_notes.md); LOOM_FLASH_BWD_VARIANT=1 selects the runner-up, for benchmarking on other GPUs.
+int backward_variant() {
+  static const int variant = env_variant("LOOM_FLASH_BWD_VARIANT");
+  return variant;
+}
+
+// Warps per block for head dim 128 on this device: the preferred shape if its tiles fit the device's shared memory,
+// else the other; 0 where neither fits (145 KB and 105 KB: GPUs with 99 KB a block), and the call is declined.
+int head_dim_128_warps(int device) {
+  const int limit = cuda::max_shared_memory_per_block(device);
+  const bool eight_fit = BackwardConfig<true, 128, 64, 8>::kSmemBytes <= limit;
+  const bool four_fit = BackwardConfig<true, 128, 64, 4>::kSmemBytes <= limit;
+  if (backward_variant() == 1) return four_fit ? 4 : eight_fit ? 8 : 0;
+  return eight_fit ? 8 : four_fit ? 4 : 0;
+}
+
 template <bool kBF16>
 void backward_for_dtype(const DeviceContext& ctx, const Tensor& grad_out, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& lse, const Problem& p, Tensor& grad_q,
                         Tensor& grad_k, Tensor& grad_v, cudaStream_t stream) {
-  static const int variant = env_variant("LOOM_FLASH_BWD_VARIANT");
   if (q.size(3) == 64) {
-    if (variant == 1)
+    if (backward_variant() == 1)
       return launch_backward<kBF16, 64, 64, 8>(ctx, grad_out, q, k, v, out, lse, p, grad_q, grad_k, grad_v, stream);
     return launch_backward<kBF16, 64, 64, 4>(ctx, grad_out, q, k, v, out, lse, p, grad_q, grad_k, grad_v, stream);
   }
-  if (variant == 1)
+  const int warps = head_dim_128_warps(ctx.device().index);
+  LOOM_CHECK(warps != 0, "flash attention backward: head dim 128 does not fit this GPU's shared memory");
+  if (warps == 4)
     return launch_backward<kBF16, 128, 64, 4>(ctx, grad_out, q, k, v, out, lse, p, grad_q, grad_k, grad_v, stream);
   return launch_backward<kBF16, 128, 64, 8>(ctx, grad_out, q, k, v, out, lse, p, grad_q, grad_k, grad_v, stream);
 }
@@ -384,6 +407,7 @@ bool flash_backward_supports(const Tensor& grad_out, const Tensor& q, const Tens
                              const Tensor& out, const Tensor& lse, const AttentionAttrs& attrs, Tensor& grad_q,
                              Tensor& grad_k, Tensor& grad_v) {
   if (!supports_problem(q, k, v, attrs) || !supports_like(grad_out, q) || !supports_like(out, q)) return false;
+  if (q.size(3) == 128 && head_dim_128_warps(q.device().index) == 0) return false;  // the simple kernel serves
   if (!lse.defined() || lse.dtype() != kF32 || !lse.is_contiguous() ||
       lse.numel() != q.size(0) * q.size(1) * q.size(2))
     return false;

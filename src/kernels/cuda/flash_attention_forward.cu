@@ -101,6 +101,8 @@ struct ForwardConfig {
   static constexpr int kSmemBytes = (kBM * kD + 4 * kBN * kD) * 2;  // Q, then K and V in two stages each
   static_assert(kRowsPerWarp == 16 || kRowsPerWarp == 32, "a warp owns 16 or 32 query rows");
   static_assert(kBN % 16 == 0 && kD % 16 == 0, "tiles are made of 16x16 blocks");
+  // Every GPU from sm_80 on gives a block at least 99 KB of shared memory (Ada, and Ampere but the A100).
+  static_assert(kSmemBytes <= 99 * 1024, "the forward's tiles must fit every GPU from sm_80 on");
 };
 
 template <bool kBF16, int kD, int kBM, int kBN, int kWarps>
