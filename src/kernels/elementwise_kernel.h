@@ -18,11 +18,13 @@ namespace loom {
 inline constexpr const char* kElementwiseSpecialValues =
     "IEEE, as the float64 function: NaN in gives NaN out, inf follows the function's limit, an overflow of the "
     "output dtype rounds to inf; -0.0 and denormals are values (no flush to zero needed: within tolerance)";
-inline const std::vector<ValueClass> kElementwiseClasses = {ValueClass::kNormal, ValueClass::kSpecial,
-                                                          ValueClass::kTiny, ValueClass::kLarge};
+// A function, not a variable: descriptions are built during static initialization.
+inline std::vector<ValueClass> elementwise_classes() {
+  return {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kLarge};
+}
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
   return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values)
-      .value_classes(x_values == Values::kUniform ? kElementwiseClasses : std::vector<ValueClass>{})
+      .value_classes(x_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
       .out("out", "A B C")
       .layout(Layout::kStrided).may_alias("out", "x").row_dim("C").dim("A", {0}).leading_dims("A")
       .special_values(kElementwiseSpecialValues);
@@ -33,15 +35,15 @@ inline OpSchema unary_backward_schema() {
       .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .in("b", "A B C").layout(Layout::kBroadcast).values(b_values)
-      .value_classes(b_values == Values::kUniform ? kElementwiseClasses : std::vector<ValueClass>{})
+      .value_classes(b_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
       .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
       .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
 }
 inline OpSchema compare_schema() {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
-      .in("b", "A B C").layout(Layout::kBroadcast).value_classes(kElementwiseClasses)
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
+      .in("b", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C").dim("A", {0})
       .leading_dims("A")
       .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number");

@@ -1284,9 +1284,10 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
                 (pass == 2 && !one))
               bases.push_back(k);
           }
+        const std::vector<int> plain(P, 0);  // first the plainest case holding the pair
         const size_t tries = known ? 6 : 2;
-        for (size_t t = 0; t < bases.size() && t < tries && !done; ++t) {
-          auto plan = case_for(m, taken, p, a, q, b, g.plans.size(), &g.plans[bases[t]].choice);
+        for (size_t t = 0; t <= bases.size() && t <= tries && !done; ++t) {
+          auto plan = case_for(m, taken, p, a, q, b, g.plans.size(), t == 0 ? &plain : &g.plans[bases[t - 1]].choice);
           if (!plan || !accepts(*plan)) continue;
           taken.hold(plan->effective);
           for (size_t r = 0; r < P; ++r) accepted_value.insert({r, plan->effective[r]});

@@ -83,7 +83,7 @@ enum class Values : uint8_t {
 // op does with them is its contract for special values (`.special_values`), which the float64 reference follows.
 enum class ValueClass : uint8_t {
   kNormal,   // the Values range
-  kLarge,    // about half the elements at 0.25..1 of the dtype's largest finite value (ops that do not accumulate)
+  kLarge,    // about half the elements at 0.25..1 of the dtype's largest finite value (where declared)
   kLogits,   // [-100, 100] (softmax-like ops: a kernel without the max subtraction overflows)
   kSpecial,  // NaN, +inf and -inf at random positions among normal values
   kTiny,     // -0.0, +0.0 and denormals of the dtype at random positions among normal values
@@ -375,10 +375,9 @@ class OpSchema {
   const TensorSpec* tensor(const std::string& name) const;
   int tensor_index(const std::string& name) const;
   const AttrSpec* attr_spec(const std::string& name) const;
-  // The value classes the suite tries for tensor argument `t`: its own list, else by kind: none for integer,
-  // index and bit inputs and for outputs; for a floating input drawn from [-1, 1] normal, special and tiny values,
-  // and large ones where the op accumulates no dim; an in-place tensor, and an input of another Values range,
-  // normal only.
+  // The value classes the suite tries for tensor argument `t`: its own list, else by kind: normal only for
+  // integer, index and bit inputs, outputs, in-place tensors and inputs of another Values range; normal, special and
+  // tiny values for a floating input drawn from [-1, 1]. Large values are declared (the elementwise families).
   std::vector<ValueClass> value_classes_of(const TensorSpec& t) const;
   std::string str() const;  // "layer_norm(x [R C], weight? [C], ..., eps) -> out [R C], ... (dispatched on x)"
 
