@@ -84,9 +84,12 @@ LOOM_DECLARE_OP(maximum, BinaryKernel, binary_schema());
 LOOM_DECLARE_OP(minimum, BinaryKernel, binary_schema());
 
 // SwiGLU (LLaMA's MLP activation): out = silu(gate) * up, computed in acc_t; (gate, up, out) as a binary op (any
-// strides, out's shape and dtype).
+// strides, out's shape and dtype). silu(gate) is rounded to acc_t before the product: a denormal gate's may round to
+// 0, and 0 * inf is NaN where float64 keeps an infinity, so the gate takes no denormals.
 LOOM_DECLARE_OP(swiglu, BinaryKernel,
-                OpSchema().in("gate", "A B C").layout(Layout::kStrided).in("up", "A B C").layout(Layout::kStrided)
+                OpSchema().in("gate", "A B C").layout(Layout::kStrided)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("up", "A B C").layout(Layout::kStrided)
                     .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "gate").may_alias("out", "up")
                     .leading_dims("A").special_values(kElementwiseSpecialValues));
 // Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
