@@ -31,7 +31,10 @@
  *   attrs:   named scalars (LoomAttr), in no particular order: look them up by name (loom_attr_* below).
  *   An optional tensor that is absent (no affine weight, say) has data == NULL. A backward op takes its gradients
  *   as outputs; an output with data == NULL is not needed and must not be written.
- *   Shapes and strides are in elements; data points at the first element (any view offset already applied).
+ *   Shapes and strides are in elements; data points at the first element (any view offset already applied), so
+ *   data is aligned only to its element size: a matrix or vector may start at any element (do not assume 16 bytes).
+ *   Special values (NaN, +-inf, -0.0, denormals) are valid inputs: each op's description says what it does with
+ *   them (`loom-conformance --describe OP`), IEEE propagation unless it says otherwise.
  *   Unless an op says "any strides", Loom passes contiguous tensors.
  *   dtype masks are over the op's DISPATCH dtype (noted per op): the output's for elementwise ops, the inputs' for
  *   comparisons, the logits' for cross_entropy, A/B's (input_dtype) for gemm, x's for the fused norms (the
@@ -109,7 +112,9 @@
  *              alpha 1; 5 GELU derivative: C = op(A) op(B) * gelu'(pre_gelu), pre_gelu then read (the forward's
  *              pre-activation), batch 1, beta 0). A library that does not know an epilogue value declines the call in
  *              supports().
- *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN).
+ *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN). alpha may be 0: C = beta * C
+ *       plus the epilogue (whether NaN or inf in A or B still reach C then is the library's choice, as in BLAS).
+ *       A batch stride may be 0 (one matrix shared by every problem of the batch, as Loom's batched matmul passes).
  *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
  *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)
  *     scaled_dot_product_attention_backward         in: grad_out, q, k, v, out, lse   out: grad_q, grad_k, grad_v
