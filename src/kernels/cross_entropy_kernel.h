@@ -24,16 +24,15 @@ struct CrossEntropyAttrs {
 };
 
 // The suite's cases: reductions, an ignore_index that some targets hit, and a vocabulary limit below V (the
-// variant -2 stands for V - 2).
+// variant -2 stands for V - 2). The logits take normal, special and tiny values, not +-100: with one logit far
+// above the rest its gradient p - 1 cancels to 0 in f32 where float64 keeps 1e-8 (and 0 * inf is NaN).
 inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
   OpSchema s;
   if (with_grad_loss)
     s.in("grad_loss", "", DTypeRule::kStats).shape_fn([](const SuiteCase& c) {
       return c.attr_int("reduction") == 2 ? Shape{c.dim("N")} : Shape{};
     });
-  return s.in("logits", "N V")
-      .value_classes({ValueClass::kNormal, ValueClass::kLogits, ValueClass::kSpecial, ValueClass::kTiny})
-      .in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
+  return s.in("logits", "N V").in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
 }
 inline OpSchema& cross_entropy_schema_finish(OpSchema& s, bool scalar_only) {
   return s.attr("ignore_index", {-100.0, 1.0})

@@ -17,8 +17,14 @@ namespace loom {
 inline constexpr const char* kElementwiseSpecialValues =
     "IEEE, as the float64 function: NaN in gives NaN out, inf follows the function's limit, an overflow of the "
     "output dtype rounds to inf; -0.0 and denormals are values (no flush to zero needed: within tolerance)";
+// A function, not a variable: descriptions are built during static initialization.
+inline std::vector<ValueClass> elementwise_classes() {
+  return {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kLarge};
+}
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
-  return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values).out("out", "A B C")
+  return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values)
+      .value_classes(x_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
+      .out("out", "A B C")
       .layout(Layout::kStrided).may_alias("out", "x").row_dim("C").dim("A", {0})
       .special_values(kElementwiseSpecialValues);
 }
@@ -28,12 +34,15 @@ inline OpSchema unary_backward_schema() {
       .row_dim("C").dim("A", {0}).special_values(kElementwiseSpecialValues);
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
-      .values(b_values).out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
+      .in("b", "A B C").layout(Layout::kBroadcast).values(b_values)
+      .value_classes(b_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
+      .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
       .row_dim("C").dim("A", {0}).special_values(kElementwiseSpecialValues);
 }
 inline OpSchema compare_schema() {
-  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).in("b", "A B C").layout(Layout::kBroadcast)
+  return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
+      .in("b", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C").dim("A", {0})
       .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number");
 }
@@ -96,7 +105,14 @@ struct AddScaledAttrs {
 };
 using AddScaledKernel = void(const DeviceContext&, const Tensor& a, const Tensor& b, const AddScaledAttrs&,
                              Tensor& out);
-LOOM_DECLARE_OP(add_scaled, AddScaledKernel, binary_schema().attr("alpha", {1.0, -0.5, 2.5}));
+// alpha * b is rounded to the dtype before the add (it may overflow where a + alpha * b in float64 does not): b
+// takes no large values.
+inline OpSchema add_scaled_schema() {
+  OpSchema s = binary_schema().attr("alpha", {1.0, -0.5, 2.5});
+  s.tensors[1].value_classes = {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny};
+  return s;
+}
+LOOM_DECLARE_OP(add_scaled, AddScaledKernel, add_scaled_schema());
 
 // out = f(x, value). The value stays double until the kernel converts it to its math type (acc_t of the dtype;
 // int64 for integer dtypes).

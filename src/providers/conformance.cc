@@ -761,7 +761,8 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, const Built& b, cons
         return fail(where + ": got " + value(g) + ", expected " + value(w) +
                     (std::isinf(wr) ? " (inf in " + std::string(dtype_name(t.dtype)) + ")" : ""));
       }
-      double err = g == w ? 0 : std::abs(g - w) / (atol + rtol * std::abs(w));
+      // The correctly rounded value is always right; nothing finer than the dtype's smallest denormal is asked.
+      double err = g == w || g == wr ? 0 : std::abs(g - w) / (std::max(atol, smallest_denormal(t.dtype)) + rtol * std::abs(w));
       if (!is_floating(t.dtype) && g != w) err = INFINITY;
       if (!acc && (t.dtype == kBF16 || t.dtype == kF16) && g != wr) ++misrounded;
       if (err > r.worst_error) {
@@ -819,6 +820,9 @@ bool provider_takes(const OpSchema& s, const ExplicitCase& e, const SuiteOptions
 const std::vector<int64_t> kBases{5, 3, 7, 4, 6, 2};
 constexpr int64_t kLongSize = 65537;  // the long size of an accumulated dim
 constexpr size_t kMaxPlans = 4000;    // a runaway guard per (op, dtype)
+// Past this many elements a case takes the smallest size of each dim's class (the class pairs stay covered; every
+// concrete size still runs once): a few long or wide cases, not a covering array of them.
+constexpr int64_t kCheapCaseElements = 1 << 16;
 
 std::vector<AttrValue> variants_of(const AttrSpec& a, const OpSchema& s, const SuiteCase& c) {
   if (!a.dim_of.empty()) {
@@ -1007,15 +1011,32 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
   }
   for (size_t i = 0; i < n; ++i)
     if (!s.tensors[i].present_with.empty()) c.present[i] = c.present[size_t(s.tensor_index(s.tensors[i].present_with))];
+  const SuiteCase before_rule = c;
   if (s.rule) s.rule(c, s);
   if (c.skip) return std::nullopt;
-  int64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!c.present[i]) continue;
-    int64_t k = numel_of(shape_of(s.tensors[i], c));
-    total += s.tensors[i].list ? 3 * k : k;
+  auto elements = [&](const SuiteCase& sc) {
+    int64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (!sc.present[i]) continue;
+      int64_t k = numel_of(shape_of(s.tensors[i], sc));
+      total += s.tensors[i].list ? 3 * k : k;
+    }
+    return total;
+  };
+  if (elements(c) > kCheapCaseElements) {  // a large case: every dim not asked for exactly at its class's smallest
+    c = before_rule;
+    for (size_t q = 0; q < m.params.size(); ++q) {
+      const Param& pr = m.params[q];
+      const std::string dim = pr.name.substr(4);
+      if (pr.kind == ParamKind::kDim && !forced.count(dim)) {
+        const auto& sizes = pr.sizes[size_t(std::max(0, choice[q]))];
+        c.dims[dim] = *std::min_element(sizes.begin(), sizes.end());
+      }
+    }
+    if (s.rule) s.rule(c, s);
+    if (c.skip) return std::nullopt;
   }
-  if (total > kMaxCaseElements) return std::nullopt;
+  if (elements(c) > kMaxCaseElements) return std::nullopt;
 
   // The explicit case.
   ExplicitCase& e = p.e;
@@ -1092,6 +1113,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
         const AttrValue* a = c.attr(pr.name.substr(5));
         for (size_t k = 0; k < pr.attr_values.size() && eff < 0; ++k)
           if (a && pr.attr_values[k].str() == a->str()) eff = int(k);
+        if (eff < 0) eff = std::max(0, choice[q]);  // the rule resolved a placeholder (vocab_limit -2: V - 2)
         break;
       }
       case ParamKind::kPresent: eff = c.present[i] ? 0 : 1; break;
@@ -1177,14 +1199,16 @@ std::optional<Plan> case_for(const Model& m, Pairs& pairs, size_t p, int a, size
       choice[r] = best;
     }
   }
+  auto holds = [&](const std::optional<Plan>& plan) {
+    return plan && plan->effective[p] == a && plan->effective[q] == b;
+  };
   auto plan = realize(m, choice, {}, salt);
-  for (size_t r = 0; r < P && !plan; ++r) {
+  for (size_t r = 0; r < P && !holds(plan); ++r) {
     if (r == p || r == q || choice[r] == 0) continue;
     choice[r] = 0;
     plan = realize(m, choice, {}, salt);
   }
-  if (plan && (plan->effective[p] != a || plan->effective[q] != b)) return std::nullopt;
-  return plan;
+  return holds(plan) ? plan : std::nullopt;
 }
 
 std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
@@ -1205,7 +1229,7 @@ struct Generated {
 // then the fuzz cases.
 Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
                    const std::function<bool(const Plan&)>& accepts) {
-  Generated g{make_model(s, dt)};
+  Generated g{make_model(s, dt), {}, {}, {}, {}, 0, 0};
   const Model& m = g.model;
   const size_t P = m.params.size();
   auto add = [&](Plan plan) {
@@ -1234,9 +1258,12 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           }
     for (size_t k = 0; k < g.plans.size(); ++k)
       if (g.accepted[k]) taken.hold(g.plans[k].effective);
-    // Pass 2: pairs held only by declined cases, from accepted ones. A value no accepted case takes in three tries
-    // is not tried further.
-    std::map<std::pair<size_t, int>, int> refused;
+    // Pass 2: pairs held only by declined cases, from accepted ones (those holding one of the two values first). A
+    // value that no accepted case holds gets two tries, once.
+    std::set<std::pair<size_t, int>> accepted_value, refused;
+    for (size_t k = 0; k < g.plans.size(); ++k)
+      if (g.accepted[k])
+        for (size_t p = 0; p < P; ++p) accepted_value.insert({p, g.plans[k].effective[p]});
     held.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
       if (st == Pairs::kExcluded) {
         g.excluded_pairs.push_back(pair_label(m, p, a, q, b));
@@ -1244,19 +1271,33 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
       }
       if (taken.at(p, a, q, b) == Pairs::kHeld) return;
       bool done = false;
-      if (refused[{p, a}] < 3 && refused[{q, b}] < 3 && g.plans.size() < kMaxPlans) {
-        int tries = 0;
-        for (size_t k = 0; k < g.plans.size() && tries < 4 && !done; ++k) {
-          if (!g.accepted[k]) continue;
-          ++tries;
-          auto plan = case_for(m, taken, p, a, q, b, g.plans.size(), &g.plans[k].choice);
+      const bool known = accepted_value.count({p, a}) && accepted_value.count({q, b});
+      if (!refused.count({p, a}) && !refused.count({q, b}) && g.plans.size() < kMaxPlans) {
+        std::vector<size_t> bases;
+        for (int pass = 0; pass < 3; ++pass)
+          for (size_t k = 0; k < g.plans.size(); ++k) {
+            if (!g.accepted[k]) continue;
+            const bool one = g.plans[k].effective[p] == a || g.plans[k].effective[q] == b;
+            if ((pass == 0 && g.plans[k].effective[p] == a) || (pass == 1 && g.plans[k].effective[q] == b &&
+                                                                 g.plans[k].effective[p] != a) ||
+                (pass == 2 && !one))
+              bases.push_back(k);
+          }
+        const std::vector<int> plain(P, 0);  // first the plainest case holding the pair
+        const size_t tries = known ? 6 : 2;
+        for (size_t t = 0; t <= bases.size() && t <= tries && !done; ++t) {
+          auto plan = case_for(m, taken, p, a, q, b, g.plans.size(), t == 0 ? &plain : &g.plans[bases[t - 1]].choice);
           if (!plan || !accepts(*plan)) continue;
           taken.hold(plan->effective);
+          for (size_t r = 0; r < P; ++r) accepted_value.insert({r, plan->effective[r]});
           g.plans.push_back(std::move(*plan));
           g.accepted.push_back(true);
           done = true;
         }
-        if (!done) ++refused[{p, a}], ++refused[{q, b}];
+        if (!done && !known) {
+          if (!accepted_value.count({p, a})) refused.insert({p, a});
+          if (!accepted_value.count({q, b})) refused.insert({q, b});
+        }
       }
       if (!done) g.declined_pairs.push_back(pair_label(m, p, a, q, b));
     });
