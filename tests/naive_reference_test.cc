@@ -61,7 +61,7 @@ void expect_near(const std::vector<double>& got, const std::vector<double>& want
 
 TEST(NaiveReference, CoversEveryDeclaredOp) {
   for (const OpSchema* s : op_schemas()) {
-    if (s->name.rfind("example_", 0) == 0) continue;  // ops that tests declare
+    if (s->name.rfind("example_", 0) == 0 || s->name.find("test") != std::string::npos) continue;  // tests' ops
     EXPECT_EQ(conformance::naive::missing_reason(s->name), "") << s->name;
   }
 }
