@@ -101,7 +101,7 @@ TEST(ConformanceReference, MissingCorruptOrInconsistentFilesAreClearErrors) {
 
   test::expect_error_mentioning(load(dir.file("nothing.json")), {"does not exist", "nothing.json"});
   test::write_all(dir.file("garbage.json"), "{\"format\": ");
-  test::expect_error_mentioning(load(dir.file("garbage.json")), {"is corrupt", "garbage.json"});
+  test::expect_error_mentioning(load(dir.file("garbage.json")), {"invalid JSON", "garbage.json"});
   test::expect_error_mentioning(load(edited(dir, good, [](json& d) { d["format"] = "other/2"; })),
                                 {"format 'other/2'"});
   test::expect_error_mentioning(load(edited(dir, good, [](json& d) { d.erase("cases"); })), {"missing \"cases\""});

@@ -628,8 +628,25 @@ std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& 
     if (o.written && c.roles[i] != ArgRole::kInPlace) o.values.clear();  // an output (even on an input's buffer)
     return o;
   };
+  // The oracle reads shapes at the description's rank: a call whose leading-dims group holds several dims (a
+  // replayed [B, T, C] norm input for "R C") or none has them merged into one (row-major values are unchanged). Not
+  // for ops with a dim attribute, whose value counts the call's own dims.
+  bool merge_leading = !s.leading_dim.empty();
+  for (const auto& a : s.attrs) merge_leading = merge_leading && a.dim_of.empty();
+  auto at_description_rank = [&](naive::Operand& o, const TensorSpec& spec) {
+    if (!merge_leading || spec.shape_fn || spec.shape.empty() || spec.shape[0] != s.leading_dim) return;
+    const size_t rank = spec.shape.size();
+    if (o.shape.size() + 1 < rank) return;
+    const size_t lead = o.shape.size() + 1 - rank;  // the call's dims standing for the leading name
+    int64_t merged = 1;
+    for (size_t d = 0; d < lead; ++d) merged *= o.shape[d];
+    Shape shape{merged};
+    shape.insert(shape.end(), o.shape.begin() + std::ptrdiff_t(lead), o.shape.end());
+    o.shape = shape;
+  };
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     nc.tensors.push_back(operand(b.tensors[i], i));
+    at_description_rank(nc.tensors.back(), s.tensors[i]);
     if (s.tensors[i].list)
       for (const auto& t : b.lists[i]) nc.list.push_back(operand(t, i));
   }
