@@ -23,6 +23,7 @@
 #include <iomanip>
 #include <iostream>
 
+#include "cli/cli.h"
 #include "loom/common/error.h"
 #include "loom/core/dispatch.h"
 #include "loom/providers.h"
@@ -146,7 +147,7 @@ int main(int argc, char** argv) {
                  "the verified-routing cache file (default: LOOM_VERIFY_CACHE, else ~/.cache/loom/verified.json)");
   app.add_flag("--list-verified", list_verified,
                "print the recorded verified-routing results for the loaded providers on --device, and exit");
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = loom::cli::parse(app, "loom-conformance", argc, argv); rc >= 0) return rc;
   describe = describe_flag->count() > 0;
 
   try {
@@ -176,14 +177,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (provider.empty()) {
-      std::cerr << "loom-conformance: --provider is required (or use --list-ops / --describe / --list-kernels)\n";
+      loom::cli::print_error("loom-conformance", "--provider is required (or use --list-ops / --describe / --list-kernels)");
       return 2;
     }
     auto providers = loom::dispatch::providers();
     if (std::find(providers.begin(), providers.end(), provider) == providers.end()) {
-      std::cerr << "loom-conformance: no provider named '" << provider << "' (have:";
-      for (const auto& p : providers) std::cerr << " " << p;
-      std::cerr << "); load one with --load or LOOM_PROVIDER_PATH\n";
+      std::string have;
+      for (const auto& p : providers) have += " " + p;
+      loom::cli::print_error("loom-conformance", "no provider named '" + provider + "' (have:" + have +
+                                                     "); load one with --load or LOOM_PROVIDER_PATH");
       return 2;
     }
     // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
@@ -255,7 +257,7 @@ int main(int argc, char** argv) {
     std::cout << (failed ? "FAILED" : "every case passed or was declined") << "\n";
     return failed ? 1 : 0;
   } catch (const std::exception& e) {
-    std::cerr << "loom-conformance: " << e.what() << "\n";
+    loom::cli::print_error("loom-conformance", e.what());
     return 2;
   }
 }
