@@ -24,6 +24,8 @@
 #include <iostream>
 
 #include "cli/cli.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/core/dispatch.h"
 #include "loom/providers.h"
@@ -107,6 +109,7 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"Check a kernel provider against Loom's float64 CPU reference, with cases made from op descriptions"};
   std::string provider, device_name = "cpu", cases_path, json_path, op_filter, dtype_filter, reference = "auto";
   std::string reference_file, describe_op;
@@ -127,7 +130,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype_filter, "only this dtype (f32, bf16, ...), also with --list-kernels");
   app.add_option("--fuzz", fuzz, "also run N random cases per op and dtype, drawn from --seed")->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
-  app.add_option("--case", case_index, "run only this case of --op and --dtype (what a failure's rerun line gives)");
+  auto* case_option = app.add_option("--case", case_index,
+                                     "run only this case of --op and --dtype (what a failure's rerun line gives)")
+                          ->check(CLI::NonNegativeNumber);
   app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
   app.add_option("--reference", reference,
                  "auto: the stored PyTorch cases too when their file exists (default); pytorch: only them; none")
@@ -156,10 +161,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (describe) {
+      if (!describe_op.empty() && !loom::find_op_schema(describe_op))
+        throw loom::Error("--describe: no op named '" + describe_op + "' (loom-conformance --list-ops lists them)");
       for (const auto* s : loom::op_schemas())
         if (describe_op.empty() || s->name == describe_op) std::cout << s->str() << "\n";
       return 0;
     }
+    if (case_option->count() > 0 && (op_filter.empty() || dtype_filter.empty()))
+      throw loom::Error("--case needs --op and --dtype (a case number counts the cases of one op and dtype)");
     loom::providers::load_from_env();
     for (const auto& lib : libraries) loom::providers::load(lib);
 #ifdef LOOM_WITH_DIOPI
@@ -191,6 +200,8 @@ int main(int argc, char** argv) {
     // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
     // failure in every case: building a candidate list checks the policy.
     loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
+    if (!loom::has_device_runtime(loom::Device::parse(device_name).type))
+      throw loom::Error("--device " + device_name + ": this Loom was built without that device's runtime");
     if (!op_filter.empty() && !loom::find_op_schema(op_filter))
       throw loom::Error("--op: no op named '" + op_filter + "' (loom-conformance --list-ops lists them)");
     loom::conformance::SuiteOptions o;
@@ -240,19 +251,24 @@ int main(int argc, char** argv) {
       if (provider == "native")
         std::cerr << "loom-conformance: note: verified routing trusts 'native' without results; recording anyway\n";
       auto summary = loom::dispatch::summarize_verification(results, provider, o.device, rerun);
-      loom::dispatch::record_verifications(summary);
+      const std::string unwritten = loom::dispatch::record_verifications(summary);
       int counts[3] = {0, 0, 0};
       for (const auto& v : summary) ++counts[v.status == "verified" ? 0 : v.status == "failed" ? 1 : 2];
       const std::string path = loom::dispatch::verify_cache_path();
+      if (!unwritten.empty())
+        throw loom::Error("--verify: cannot write the verified-routing cache " + path + ": " + unwritten);
       std::cout << "verified routing: " << counts[0] << " (op, dtype) verified, " << counts[1] << " failed, "
                 << counts[2] << " declined on " << (summary.empty() ? o.device.str() : summary.front().device)
                 << "; recorded in " << (path.empty() ? "(memory only: no cache path)" : path) << "\n";
     }
     if (!json_path.empty()) {
-      std::ofstream os(json_path);
-      os << loom::conformance::suite_json(results, o) << "\n";
-      if (!os) throw loom::Error("cannot write " + json_path);
+      loom::io::write_file_atomic(json_path, loom::conformance::suite_json(results, o) + "\n");
     }
+    if (results.empty())
+      throw loom::Error("no case ran: provider '" + provider + "' has no kernel on " + o.device.str() +
+                        (op_filter.empty() ? "" : " for --op " + op_filter) +
+                        (dtype_filter.empty() ? "" : " in --dtype " + dtype_filter) +
+                        (case_index >= 0 ? " with --case " + std::to_string(case_index) + " (past the last case?)" : ""));
     const bool failed = loom::conformance::suite_failed(results);
     std::cout << (failed ? "FAILED" : "every case passed or was declined") << "\n";
     return failed ? 1 : 0;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
@@ -54,6 +55,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"loom-export: write a Loom checkpoint as an llm.c GPT-2 model file and/or a Hugging Face model "
                "directory"};
   std::string checkpoint, llmc_path, hf_path, dtype_name = "f32", max_shard = "5GB";

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "loom/io/input_guard.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
@@ -88,6 +89,7 @@ std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, c
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"loom-generate: text from a Loom checkpoint, a Hugging Face model directory or an llm.c model file"};
   std::string model_path, prompt, prompt_file, prompt_tokens, device_name = "cpu", dtype_name = "f32";
   std::string tokenizer_name, tokenizer_path, dump_logits;
@@ -141,6 +143,7 @@ int main(int argc, char** argv) {
 
     std::shared_ptr<nn::LanguageModel> model = train::load_model_from(model_path, "--model");
     const nn::ModelConfig& cfg = model->config();
+    nn::check_finite_parameters(*model, model_path);
 
     std::vector<int32_t> ids;
     std::unique_ptr<data::Tokenizer> tokenizer;

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cli/cli.h"
+#include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/data/tokenizer.h"
@@ -112,6 +113,7 @@ std::vector<std::string_view> split_documents(std::string_view text, bool paragr
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   CLI::App app{"Tokenizes text files with GPT-2's or LLaMA-3's tokenizer into llm.c token shards (train and "
                "validation)."};
   std::vector<std::string> inputs;
@@ -155,6 +157,7 @@ int main(int argc, char** argv) {
   return loom::cli::run("loom-prepare", [&] {
     std::vector<std::string> paths;
     for (const auto& in : inputs) paths.push_back(resolve_input(in));
+    for (const auto& path : paths) loom::io::note_input(path);
     if (name.empty()) name = fs::path(paths[0]).stem().string();
     if (output_dir.empty()) output_dir = (fs::path("data") / name).string();
     const std::vector<std::string> earlier = existing_shards(output_dir, name);

@@ -4,6 +4,7 @@
 // line by line with a "[rank N]" prefix; when a process fails, the others are stopped and loom-run exits non-zero.
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -182,7 +183,25 @@ int main(int argc, char** argv) {
     if (port < 0) port = free_port();
   }
   if (addr.empty()) addr = std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1";
-  if (port < 0) port = std::getenv("MASTER_PORT") ? std::atoi(std::getenv("MASTER_PORT")) : 29500;
+  if (port < 0 && std::getenv("MASTER_PORT")) {
+    port = parse_count(std::getenv("MASTER_PORT"));
+    if (port < 1 || port > 65535)
+      return std::fprintf(stderr, "loom-run: error: MASTER_PORT '%s' is not a port (1..65535)\n", std::getenv("MASTER_PORT")), 2;
+  }
+  if (port < 0) port = 29500;
+  // Each rank's output comes through a pipe this process holds open: refuse a count past the open-file limit at the
+  // start (raising the soft limit where the hard one allows) rather than after some ranks have started.
+  if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY &&
+                    rlim_t(nproc) + 64 > lim.rlim_cur) {
+    if (lim.rlim_max == RLIM_INFINITY || rlim_t(nproc) + 64 <= lim.rlim_max) {
+      lim.rlim_cur = rlim_t(nproc) + 64;
+      setrlimit(RLIMIT_NOFILE, &lim);
+    } else {
+      return std::fprintf(stderr, "loom-run: error: --nproc-per-node %ld needs %ld open files for the ranks' output, more "
+                                  "than the open-file limit of %llu (ulimit -n)\n",
+                          nproc, nproc + 64, static_cast<unsigned long long>(lim.rlim_max)), 2;
+    }
+  }
   const long world = nnodes * nproc;
 
   if (cpu_run(argc, argv, i)) {
@@ -212,9 +231,18 @@ int main(int argc, char** argv) {
   children.resize(size_t(nproc));
   for (int rank = 0; rank < nproc; ++rank) {
     int fds[2];
-    if (pipe(fds) != 0) return std::perror("loom-run: pipe"), 1;
-    pid_t pid = fork();
-    if (pid < 0) return std::perror("loom-run: fork"), 1;
+    pid_t pid = -1;
+    const bool piped = pipe(fds) == 0;
+    if (piped) pid = fork();
+    if (pid < 0) {  // stop the ranks started so far: they would wait for the others forever
+      std::fprintf(stderr, "loom-run: error: cannot start rank %d of %ld: %s: %s; stopping the %d started\n", rank, nproc,
+                   piped ? "fork" : "pipe", std::strerror(errno), rank);
+      if (piped) close(fds[0]), close(fds[1]);
+      signal_all(SIGKILL);
+      for (auto& c : children)
+        if (c.running) waitpid(c.pid, nullptr, 0);
+      return 1;
+    }
     if (pid == 0) {
       setpgid(0, 0);
       setenv("RANK", std::to_string(node_rank * nproc + rank).c_str(), 1);

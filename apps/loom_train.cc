@@ -10,12 +10,14 @@
 #include "cli/cli.h"
 #include "cli/run_config.h"
 #include "loom/common/error.h"
+#include "loom/io/input_guard.h"
 #include "loom/train/trainer.h"
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
 #endif
 
 int main(int argc, char** argv) {
+  loom::io::protect_inputs();  // no output of this run replaces a file it read
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
   // NaN and infinities pass CLI11's number checks (and every comparison a setting is checked with later).

@@ -7,6 +7,7 @@
 #include <new>
 #include <sstream>
 
+#include "checked_options.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
 
@@ -109,6 +110,7 @@ void print_error(const std::string& name, const std::string& message) {
 }
 
 int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
+  apps::check_integer_options(app);
   app.set_version_flag("--version", [name] {
     std::string text = version_text(name);
     if (!text.empty() && text.back() == '\n') text.pop_back();  // CLI11 ends it with a newline

@@ -15,8 +15,9 @@
 
 namespace loom::cli {
 
-// Adds --version (loom::version_text), parses, and returns -1 when the app should go on; otherwise the exit status
-// to return: 0 after --help or --version (printed on stdout), 2 after a bad command line (one error line).
+// Adds --version (loom::version_text) and the range check of integer options (checked_options.h), parses, and
+// returns -1 when the app should go on; otherwise the exit status to return: 0 after --help or --version (printed on
+// stdout), 2 after a bad command line (one error line).
 int parse(CLI::App& app, const std::string& name, int argc, char** argv);
 
 // Prints "APP: error: <message>" as one line: a message that starts with "APP: " says the name once, and the lines

@@ -14,6 +14,7 @@
 
 #include "cli/cli.h"
 #include "loom/common/error.h"
+#include "loom/io/json_file.h"
 #include "loom/train/trainer.h"
 
 namespace loom::cli {
@@ -168,7 +169,7 @@ void json_entry(Mapper& m, const std::string& section, const std::string& key, c
   auto scalar = [&](const nlohmann::json& v) -> std::string {
     if (v.is_string()) return v.get<std::string>();
     if (v.is_boolean() || v.is_number()) return v.dump();
-    m.fail(e.where, "'" + key + "' must be a string, number, boolean or a list of them, got " + v.dump());
+    m.fail(e.where, "'" + key + "' must be a string, number, boolean or a list of them, got " + io::json_excerpt(v));
   };
   if (value.is_array())
     for (const auto& v : value) e.values.push_back(scalar(v));
@@ -180,9 +181,9 @@ void json_entry(Mapper& m, const std::string& section, const std::string& key, c
 std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::string& text) {
   nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw CLI::ConfigError("--config " + path + ": not valid JSON: " + e.what());
+    doc = io::parse_json(text, "--config " + path);  // nesting bounded
+  } catch (const Error& e) {
+    throw CLI::ConfigError(e.what());
   }
   Mapper m(path);
   if (!doc.is_object()) m.fail(path, "must hold a JSON object of settings, got " + std::string(doc.type_name()));

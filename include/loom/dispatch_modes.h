@@ -101,7 +101,8 @@ std::vector<Verification> verify_provider(const std::string& provider, Device de
                                           const std::vector<std::string>& ops = {},
                                           const std::vector<DType>& dtypes = {});
 // Records results a conformance run produced elsewhere (loom-conformance --verify with its fuzz and stored cases).
-void record_verifications(const std::vector<Verification>& results);
+// Returns why the cache file could not be written ("" when it was or there is none; the results stay in memory).
+std::string record_verifications(const std::vector<Verification>& results);
 // The results held for the current library builds on this machine's devices (cache file and this process).
 std::vector<Verification> verifications();
 // The cache file: LOOM_VERIFY_CACHE, else $XDG_CACHE_HOME/loom/verified.json, else ~/.cache/loom/verified.json.

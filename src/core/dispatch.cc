@@ -127,6 +127,19 @@ void check_policy_providers_locked(Registry& r) {
   std::vector<std::string> in_order;
   for (const auto& e : r.entries)
     if (registered.insert(e->provider).second) in_order.push_back(e->provider);
+  // A device type that is neither built in nor registered is a typo too (cuda is known to a build without it).
+  for (const auto& [device, ops] : r.policy.device_routes) {
+    bool known = device == "cpu" || device == "cuda";
+    try {
+      known = known || (device.find(':') == std::string::npos && (Device::parse(device), true));
+    } catch (const Error&) {
+    }
+    if (known) continue;
+    auto it = ops.empty() || ops.begin()->second.empty() ? r.env_sources.end()
+                                                         : r.env_sources.find(ops.begin()->second.front());
+    LOOM_THROW(it != r.env_sources.end() ? it->second : std::string("the policy given to dispatch::set_policy"),
+               " routes ops on device type '", device, "', which is unknown (cpu, cuda or a registered device type)");
+  }
   for (const auto& name : named_providers(r.policy)) {
     if (registered.count(name)) continue;
     auto it = r.env_sources.find(name);
@@ -443,6 +456,7 @@ void reset_policy() {
 }
 
 std::vector<std::string> providers() {
+  run_first_dispatch_hooks();  // the providers the environment loads (LOOM_DIOPI_PATH, ...) are providers too
   Registry& r = registry();
   std::lock_guard<std::mutex> g(r.mu);
   std::set<std::string> s;

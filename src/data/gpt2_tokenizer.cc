@@ -1,4 +1,5 @@
 // GPT-2 BPE: the hand-written pre-tokenizer, GPT-2's byte-to-unicode table, and rank-ordered merges with a cache.
+#include "loom/io/json_file.h"
 #include "loom/data/gpt2_tokenizer.h"
 
 #include <algorithm>
@@ -138,9 +139,9 @@ void GPT2Tokenizer::load(const std::string& encoder_json_path, const std::string
 
   nlohmann::json encoder_json;
   try {
-    encoder_json = nlohmann::json::parse(read_whole_file(encoder_json_path, "encoder.json"));
+    encoder_json = io::parse_json(read_whole_file(encoder_json_path, "encoder.json"), "GPT2Tokenizer: " + encoder_json_path);
   } catch (const nlohmann::json::exception& e) {
-    LOOM_THROW("GPT2Tokenizer: ", encoder_json_path, " is not valid JSON: ", e.what());
+    LOOM_THROW("GPT2Tokenizer: ", encoder_json_path, " is not valid JSON: ", io::json_error_text(e));
   }
   LOOM_REQUIRE(encoder_json.is_object() && !encoder_json.empty(), "GPT2Tokenizer: ", encoder_json_path,
                " is not a JSON object of token -> id");

@@ -1,4 +1,5 @@
 // Reading and writing llm.c token shards.
+#include "loom/io/input_guard.h"
 #include "loom/data/token_file.h"
 
 #include <fcntl.h>
@@ -36,6 +37,7 @@ bool pread_all(int fd, void* buf, size_t size, int64_t offset) {
 }
 
 int open_token_file(const std::string& path) {
+  io::note_input(path);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) LOOM_THROW("token file ", path, ": no such file");

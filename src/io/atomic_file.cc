@@ -1,4 +1,5 @@
 // Temp file + fsync + rename, with POSIX calls because std::ofstream cannot fsync.
+#include "loom/io/input_guard.h"
 #include "loom/io/atomic_file.h"
 
 #include <fcntl.h>
@@ -50,6 +51,7 @@ void fsync_directory_of(const std::string& path) {
 }  // namespace
 
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  check_output_file(path_);  // never over a file this run read
   // A fresh name, created exclusively and never through a link: whoever can write the directory cannot make this
   // writer overwrite another file by planting a link at a name it can predict.
   static std::atomic<uint64_t> counter{0};

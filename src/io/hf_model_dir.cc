@@ -1,4 +1,6 @@
 // Hugging Face model directories: config.json, model.safetensors or indexed shards, tokenizer files.
+#include "loom/io/input_guard.h"
+#include "loom/io/json_file.h"
 #include "loom/io/hf_model_dir.h"
 
 #include <cstdio>
@@ -38,18 +40,13 @@ bool plain_file_name(const std::string& name) {
 
 // The shards and, per shard, the tensor names model.safetensors.index.json maps to it.
 std::map<std::string, std::vector<std::string>> read_index(const fs::path& index_path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_text(index_path));
-  } catch (const nlohmann::json::exception& e) {
-    LOOM_THROW("'", index_path.string(), "': invalid JSON: ", e.what());
-  }
+  const nlohmann::json j = io::read_json_file(index_path.string());
   LOOM_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), "'", index_path.string(),
                "' has no \"weight_map\" object (name -> shard file)");
   std::map<std::string, std::vector<std::string>> shards;
   for (auto& [name, file] : j["weight_map"].items()) {
     LOOM_REQUIRE(file.is_string() && plain_file_name(file.get<std::string>()), "'", index_path.string(),
-                 "': tensor '", name, "' maps to ", file.dump(), ", not a file name in the directory");
+                 "': tensor '", name, "' maps to ", io::json_excerpt(file), ", not a file name in the directory");
     shards[file.get<std::string>()].push_back(name);
   }
   LOOM_REQUIRE(!shards.empty(), "'", index_path.string(), "': \"weight_map\" is empty");
@@ -66,6 +63,7 @@ bool is_hf_model_dir(const std::string& path) {
 }
 
 HfModelDir read_hf_model_dir(const std::string& dir) {
+  note_input(dir);
   LOOM_REQUIRE(is_hf_model_dir(dir), "'", dir, "' is not a Hugging Face model directory (no config.json in it)");
   HfModelDir d;
   d.dir = dir;
@@ -212,13 +210,11 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
   check_hf_export_dir(dir, opts);
   std::error_code ec;
   if (fs::exists(dir, ec)) {
-    // Old weights would be read instead of, or mixed with, the new ones.
-    for (const auto& entry : fs::directory_iterator(dir)) {
-      const std::string name = entry.path().filename().string();
-      const bool shard = name.rfind("model-", 0) == 0 && name.size() > 12 &&
-                         name.compare(name.size() - 12, 12, ".safetensors") == 0;
-      if (name == kHfWeightsFile || name == kHfIndexFile || shard) fs::remove(entry.path());
-    }
+    check_output_dir(dir);  // nothing this run read is in it
+    // An old model.safetensors would be read instead of the new shards' index, an old index instead of the new
+    // model.safetensors: both go. Other files (shards of another export among them) are not this export's to remove;
+    // the new index names only the new shards, and the files written here replace theirs.
+    for (const char* name : {kHfWeightsFile, kHfIndexFile}) fs::remove(fs::path(dir) / name, ec);
   } else {
     fs::create_directories(dir);
   }

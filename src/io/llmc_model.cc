@@ -1,5 +1,6 @@
 // llm.c GPT-2 model files: header parsing and validation, and the parameter order of llm.c's
 // fill_in_parameter_sizes (each per-layer tensor stored as one [L, ...] block, layer after layer).
+#include "loom/io/input_guard.h"
 #include "loom/io/llmc_model.h"
 
 #include <bit>
@@ -172,6 +173,7 @@ nn::ModelConfig llmc_read_config(const std::string& path) {
 }
 
 void load_llmc_model(const std::string& path, nn::LanguageModel& model) {
+  note_input(path);
   autograd::NoGradGuard no_grad;
   const std::string what = "llm.c model '" + path + "'";
   LlmcModelHeader h = read_llmc_header(path);

@@ -1,4 +1,5 @@
 // JSONL and TensorBoard metric writers; the protobuf wire format is small enough to write by hand.
+#include "loom/io/input_guard.h"
 #include "loom/io/metrics_log.h"
 
 #include <unistd.h>
@@ -173,6 +174,7 @@ JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path, bool append) : p
   std::error_code ec;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  check_output_file(path);  // never over a file this run read
   file_ = std::fopen(path.c_str(), append ? "a" : "w");
   LOOM_REQUIRE(file_ != nullptr, "JsonlMetricsWriter: cannot open ", path, ": ", std::strerror(errno));
 }
@@ -248,6 +250,7 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
   path_ = (std::filesystem::path(logdir) /
            ("events.out.tfevents." + std::to_string(seconds) + "." + host_name() + "." + std::to_string(::getpid())))
               .string();
+  check_output_file(path_);
   file_ = std::fopen(path_.c_str(), "wb");
   LOOM_REQUIRE(file_ != nullptr, "TensorBoardWriter: cannot open ", path_, ": ", std::strerror(errno));
   TensorBoardEvent first;

@@ -1,4 +1,6 @@
 // safetensors reading and writing with nlohmann-json for the header.
+#include "loom/io/input_guard.h"
+#include "loom/io/json_file.h"
 #include "loom/io/safetensors.h"
 
 #include <algorithm>
@@ -102,12 +104,7 @@ ParsedHeader parse_header(std::ifstream& in, const std::string& path) {
   result.data_start = 8 + header_len;
   const uint64_t data_size = file_size - result.data_start;
 
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    LOOM_THROW("load_safetensors: ", path, ": corrupt header (not valid JSON): ", e.what());
-  }
+  const nlohmann::json header = parse_json(json_text, "load_safetensors: " + path + ": corrupt header");
   LOOM_REQUIRE(header.is_object(), "load_safetensors: ", path, ": corrupt header (not a JSON object)");
 
   struct Span {
@@ -136,23 +133,23 @@ ParsedHeader parse_header(std::ifstream& in, const std::string& path) {
     uint64_t numel = 1;
     int64_t nonzero_product = 1;  // strides are products of sizes: a zero-element tensor's must fit int64 too
     for (const auto& d : shape_json) {
-      LOOM_REQUIRE(d.is_number_integer() && d.get<int64_t>() >= 0, where, ": shape ", shape_json.dump(),
+      LOOM_REQUIRE(d.is_number_integer() && d.get<int64_t>() >= 0, where, ": shape ", json_excerpt(shape_json),
                    " has a negative or non-integer size");
       shape.push_back(d.get<int64_t>());
       LOOM_REQUIRE(!__builtin_mul_overflow(numel, uint64_t(shape.back()), &numel) &&
                        !__builtin_mul_overflow(nonzero_product, std::max<int64_t>(1, shape.back()), &nonzero_product),
-                   where, ": shape ", shape_json.dump(), " overflows");
+                   where, ": shape ", json_excerpt(shape_json), " overflows");
     }
     const auto& offsets = entry["data_offsets"];
     LOOM_REQUIRE(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
                      offsets[1].is_number_unsigned(),
-                 where, ": data_offsets must be two non-negative integers, got ", offsets.dump());
+                 where, ": data_offsets must be two non-negative integers, got ", json_excerpt(offsets));
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
     LOOM_REQUIRE(begin <= end && end <= data_size, where, ": data_offsets [", begin, ", ", end,
                  "] outside the data section of ", data_size, " bytes", end > data_size ? " (truncated file?)" : "");
     uint64_t expected = 0;
     LOOM_REQUIRE(!__builtin_mul_overflow(numel, uint64_t(dtype_size(dtype)), &expected), where, ": shape ",
-                 shape_json.dump(), " overflows");
+                 json_excerpt(shape_json), " overflows");
     LOOM_REQUIRE(end - begin == expected, where, ": ", end - begin, " bytes for shape ", shape_str(shape), " of ",
                  dtype_name(dtype), ", which needs ", expected);
     spans.push_back({begin, end, name});
@@ -176,6 +173,7 @@ void check_bools(const Tensor& t, const std::string& path, const std::string& na
 }  // namespace
 
 SafetensorsFile load_safetensors_file(const std::string& path) {
+  note_input(path);
   std::ifstream in(path, std::ios::binary);
   ParsedHeader header = parse_header(in, path);
   SafetensorsFile result;

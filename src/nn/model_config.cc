@@ -8,11 +8,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/io/input_guard.h"
+#include "loom/io/json_file.h"
 #include "loom/nn/model.h"
 
 namespace loom::nn {
 
-int64_t round_up_vocab(int64_t vocab, int64_t multiple) { return (vocab + multiple - 1) / multiple * multiple; }
+int64_t round_up_vocab(int64_t vocab, int64_t multiple) {
+  if (vocab <= 0 || vocab > INT64_MAX - multiple) return vocab;  // validate() names the size
+  return (vocab + multiple - 1) / multiple * multiple;
+}
 
 namespace {
 
@@ -80,13 +85,17 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(name, ec);
   const std::string file = is_dir ? (std::filesystem::path(name) / "config.json").string() : name;
-  std::ifstream f(file);
-  LOOM_REQUIRE(!is_dir || f.good(), "model '", name, "': a directory, but without a readable config.json (a Hugging "
-               "Face model directory holds config.json and model.safetensors)");
-  LOOM_REQUIRE(f.good(), "unknown model '", name,
+  LOOM_REQUIRE(!is_dir || std::filesystem::is_regular_file(file, ec), "model '", name, "': a directory, but ", file,
+               std::filesystem::exists(file, ec) ? " is not a regular file" : " does not exist",
+               " (a Hugging Face model directory holds config.json and model.safetensors)");
+  LOOM_REQUIRE(std::filesystem::exists(file, ec), "unknown model '", name,
                "' (expected gpt2 or gpt2-124m, gpt2-medium or gpt2-350m, gpt2-large or gpt2-774m, gpt2-xl or "
                "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
                "Hugging Face model directory)");
+  LOOM_REQUIRE(std::filesystem::is_regular_file(file, ec), "model config '", file, "' is not a regular file");
+  std::ifstream f(file, std::ios::binary);
+  LOOM_REQUIRE(f.good(), "model config '", file, "' cannot be opened");
+  io::note_input(file);
   std::stringstream ss;
   ss << f.rdbuf();
   try {
@@ -98,13 +107,7 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
 
 namespace {
 
-nlohmann::json parse_json(const std::string& text) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    LOOM_THROW("invalid JSON: ", e.what());
-  }
-}
+nlohmann::json parse_json(const std::string& text) { return io::parse_json(text, "the config"); }
 
 // A key's value as T, `fallback` when it is absent or null; a value of another type is an error naming the key.
 template <typename T>
@@ -112,20 +115,30 @@ T get(const nlohmann::json& j, const char* key, T fallback) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
   if constexpr (std::is_same_v<T, bool>) {
-    LOOM_REQUIRE(it->is_boolean(), "\"", key, "\" must be true or false, got ", it->dump());
+    LOOM_REQUIRE(it->is_boolean(), "\"", key, "\" must be true or false, got ", io::json_excerpt(*it));
   } else if constexpr (std::is_integral_v<T>) {
-    LOOM_REQUIRE(it->is_number_integer() || it->is_number_unsigned(), "\"", key, "\" must be an integer, got ",
-                 it->dump());
+    LOOM_REQUIRE(it->is_number_integer() &&
+                     (!it->is_number_unsigned() || it->template get<uint64_t>() <= uint64_t(INT64_MAX)),
+                 "\"", key, "\" must be a whole number within 64 bits, got ", io::json_excerpt(*it));
   } else if constexpr (std::is_floating_point_v<T>) {
-    LOOM_REQUIRE(it->is_number(), "\"", key, "\" must be a number, got ", it->dump());
+    LOOM_REQUIRE(it->is_number(), "\"", key, "\" must be a number, got ", io::json_excerpt(*it));
   } else {
-    LOOM_REQUIRE(it->is_string(), "\"", key, "\" must be a string, got ", it->dump());
+    LOOM_REQUIRE(it->is_string(), "\"", key, "\" must be a string, got ", io::json_excerpt(*it));
   }
   return it->get<T>();
 }
 
 // What every model needs to be buildable.
+// Sizes beyond this are refused before anything multiplies them (their products are checked in 64 bits where
+// the parameters are counted, and against the device's memory where the model is built).
+constexpr int64_t kMaxSize = (int64_t(1) << 31) - 1;
+
 void validate(const ModelConfig& c) {
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
+                         {"padded_vocab_size", c.padded_vocab_size}, {"max_seq_len", c.max_seq_len},
+                         {"n_layer", c.n_layer}, {"n_head", c.n_head}, {"n_kv_head", c.n_kv_head},
+                         {"n_embd", c.n_embd}, {"ffn_hidden", c.ffn_hidden}, {"head_dim", c.head_dim}})
+    LOOM_REQUIRE(v <= kMaxSize, "inconsistent config: ", name, "=", v, " (at most ", kMaxSize, ")");
   LOOM_REQUIRE(c.vocab_size > 0 && c.max_seq_len > 0 && c.n_embd > 0 && c.ffn_hidden > 0,
                "inconsistent config: vocab_size=", c.vocab_size, " max_seq_len=", c.max_seq_len, " n_embd=", c.n_embd,
                " ffn_hidden=", c.ffn_hidden, " (all must be positive)");
@@ -162,7 +175,7 @@ void require_known_keys(const nlohmann::json& j, std::initializer_list<const cha
 
 // Hugging Face's rope settings (rope_scaling in transformers 4, rope_parameters in 5): "default" or "llama3".
 void hf_rope(const nlohmann::json& r, ModelConfig& c) {
-  LOOM_REQUIRE(r.is_object(), "rope_scaling/rope_parameters must be an object, got ", r.dump());
+  LOOM_REQUIRE(r.is_object(), "rope_scaling/rope_parameters must be an object, got ", io::json_excerpt(r));
   std::string type = get<std::string>(r, "rope_type", get<std::string>(r, "type", "default"));
   c.rope_theta = get<double>(r, "rope_theta", c.rope_theta);
   if (type == "default") {
@@ -198,7 +211,7 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   c.n_head = get(j, "n_head", c.n_head);
   c.n_kv_head = get(j, "n_kv_head", c.n_head);
   c.n_embd = get(j, "n_embd", c.n_embd);
-  c.ffn_hidden = get(j, "ffn_hidden", fam == "gpt2" ? 4 * c.n_embd : c.ffn_hidden);
+  c.ffn_hidden = get(j, "ffn_hidden", fam == "gpt2" ? 4 * std::min(c.n_embd, kMaxSize) : c.ffn_hidden);
   c.head_dim = get(j, "head_dim", int64_t(0));
   c.norm_eps = get(j, "norm_eps", c.norm_eps);
   c.rope_theta = get(j, "rope_theta", c.rope_theta);
@@ -206,7 +219,7 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   c.dropout = get(j, "dropout", c.dropout);
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const auto& s = j["rope_scaling"];
-    LOOM_REQUIRE(s.is_object(), "\"rope_scaling\" must be an object or null, got ", s.dump());
+    LOOM_REQUIRE(s.is_object(), "\"rope_scaling\" must be an object or null, got ", io::json_excerpt(s));
     require_known_keys(s, {"factor", "low_freq_factor", "high_freq_factor", "original_max_positions"},
                        "\"rope_scaling\"");
     c.rope_scaling = ops::RopeScaling{get(s, "factor", 8.0), get(s, "low_freq_factor", 1.0),
@@ -228,7 +241,7 @@ ModelConfig ModelConfig::from_hf_json(const std::string& text) {
     c = gpt2_config(get(j, "n_layer", int64_t(12)), get(j, "n_head", int64_t(12)), get(j, "n_embd", int64_t(768)));
     c.vocab_size = get(j, "vocab_size", int64_t(50257));
     c.max_seq_len = get(j, "n_positions", get(j, "n_ctx", int64_t(1024)));
-    c.ffn_hidden = get(j, "n_inner", 4 * c.n_embd);
+    c.ffn_hidden = get(j, "n_inner", 4 * std::min(c.n_embd, kMaxSize));
     c.norm_eps = get(j, "layer_norm_epsilon", 1e-5);
     // Loom's GeluMLP is the tanh approximation (llm.c's), which these two names mean in transformers.
     const std::string act = get<std::string>(j, "activation_function", "gelu_new");
@@ -242,6 +255,8 @@ ModelConfig ModelConfig::from_hf_json(const std::string& text) {
   } else if (type == "llama") {
     // LlamaConfig's defaults, for the keys a file leaves out.
     const int64_t hidden = get(j, "hidden_size", int64_t(4096)), heads = get(j, "num_attention_heads", int64_t(32));
+    LOOM_REQUIRE(heads > 0 && hidden > 0, "\"num_attention_heads\" (", heads, ") and \"hidden_size\" (", hidden,
+                 ") must be positive");
     c = llama_config(get(j, "num_hidden_layers", int64_t(32)), heads, get(j, "num_key_value_heads", heads), hidden,
                      get(j, "intermediate_size", int64_t(11008)), get(j, "vocab_size", int64_t(32000)), 0,
                      get(j, "tie_word_embeddings", false));
@@ -249,6 +264,8 @@ ModelConfig ModelConfig::from_hf_json(const std::string& text) {
     c.norm_eps = get(j, "rms_norm_eps", 1e-6);
     c.rope_theta = get(j, "rope_theta", 10000.0);
     const int64_t head_dim = get(j, "head_dim", int64_t(0));
+    LOOM_REQUIRE(head_dim >= 0, "\"head_dim\" must be positive (or absent: hidden_size / num_attention_heads), got ",
+                 head_dim);
     c.head_dim = head_dim > 0 && (hidden % heads != 0 || head_dim != hidden / heads) ? head_dim : 0;
     const std::string act = get<std::string>(j, "hidden_act", "silu");
     LOOM_REQUIRE(act == "silu", "hidden_act \"", act, "\" is not supported (Loom's LLaMA MLP is SwiGLU: silu)");

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "loom/autograd/grad_mode.h"
+#include "loom/core/device_runtime.h"
 #include "loom/nn/model.h"
 
 namespace loom::nn {
@@ -195,6 +196,9 @@ class GPT2 final : public LanguageModel {
         LOOM_REQUIRE(src.dim() == 2 && src.size(1) == cfg_.n_embd && src.size(0) <= cfg_.padded_vocab_size,
                      "load: wte.weight has shape ", shape_str(src.shape()), ", model expects [<= ",
                      cfg_.padded_vocab_size, ", ", cfg_.n_embd, "]");
+        LOOM_REQUIRE(src.size(0) >= cfg_.vocab_size, "load: wte.weight has ", src.size(0),
+                     " rows, fewer than the config's vocab_size ", cfg_.vocab_size,
+                     " (the tokens past them would have zero embeddings)");
         p.copy_from(zeros(p.shape(), p.dtype(), p.device()));
         ops::narrow(p, 0, 0, src.size(0)).copy_from(src);
         continue;
@@ -348,8 +352,32 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
 }
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg) {
-  if (cfg.family == ModelFamily::kGPT2) return std::make_shared<GPT2>(cfg);
-  return std::make_shared<Llama>(cfg);
+  // The model is built in f32 on the host: refuse one that cannot fit before allocating (an allocation past memory
+  // is std::bad_alloc at best; with overcommit the machine starts killing processes). A lower bound of its bytes
+  // (embeddings, the position table or rope tables, the blocks' matrices) never refuses a model that fits.
+  const double C = double(cfg.n_embd), L = double(cfg.n_layer), F = double(cfg.ffn_hidden);
+  const double bytes = 4.0 * (double(cfg.padded_vocab_size) * C + double(cfg.max_seq_len) * double(cfg.head_size()) +
+                              L * (2.0 * C * F + 2.0 * C * C));
+  const double host = has_device_runtime(kCPU) ? double(device_runtime(kCPU).total_memory(0)) : 0;
+  LOOM_REQUIRE(host <= 0 || bytes <= host, "the model (", cfg.describe(), ") needs at least ", bytes / 1073741824.0,
+               " GiB in f32, more than this machine's ", host / 1073741824.0, " GiB of memory");
+  try {
+    if (cfg.family == ModelFamily::kGPT2) return std::make_shared<GPT2>(cfg);
+    return std::make_shared<Llama>(cfg);
+  } catch (const std::bad_alloc&) {
+    LOOM_THROW("the model (", cfg.describe(), ") does not fit this machine's memory");
+  }
+}
+
+void check_finite_parameters(const LanguageModel& model, const std::string& source) {
+  autograd::NoGradGuard ng;
+  for (const auto& [name, p] : model.named_parameters()) {
+    const Tensor t = ops::contiguous(p.detach().to(Device()).to(kF32));
+    const float* v = static_cast<const float*>(t.data());
+    for (int64_t i = 0; i < t.numel(); ++i)
+      LOOM_REQUIRE(std::isfinite(v[i]), source, ": weight '", name, "' holds ", v[i], " at element ", i,
+                   " (a diverged or corrupt checkpoint)");
+  }
 }
 
 }  // namespace loom::nn

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "loom/io/json_file.h"
 #include "loom/common/half.h"
 #include "loom/io/safetensors.h"
 #include "loom/core/dispatch.h"
@@ -737,13 +738,11 @@ std::vector<StoredCase> load_stored_cases(const std::string& json_path) {
   const std::string where = "conformance: reference file '" + json_path + "'";
   LOOM_REQUIRE(fs::is_regular_file(json_path), where, " does not exist (tools/reference/make_conformance_refs.py "
                "writes it)");
-  std::ifstream is(json_path);
-  LOOM_REQUIRE(is, where, " cannot be read");
   json doc;
   try {
-    doc = json::parse(is);
-  } catch (const json::exception& e) {
-    LOOM_THROW(where, " is corrupt: ", e.what());
+    doc = io::read_json_file(json_path);
+  } catch (const Error& e) {
+    LOOM_THROW("conformance: reference file: ", e.what());
   }
   auto required = [&](const json& j, const char* key, const std::string& at) -> const json& {
     LOOM_REQUIRE(j.is_object() && j.contains(key), at, ": missing \"", key, "\"");
@@ -822,7 +821,7 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
           const auto& j = *it;
           if (j.is_string()) {
             auto n = std::find(a.value_names.begin(), a.value_names.end(), j.get<std::string>());
-            LOOM_REQUIRE(n != a.value_names.end(), "attribute ", a.name, ": unknown value ", j.dump());
+            LOOM_REQUIRE(n != a.value_names.end(), "attribute ", a.name, ": unknown value ", io::json_excerpt(j));
             v = AttrValue::of_int(n - a.value_names.begin());
           } else if (j.is_array()) {
             v = AttrValue::of_ints(io::json_ints(j));

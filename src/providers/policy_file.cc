@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/dispatch.h"
+#include "loom/io/json_file.h"
 
 namespace loom {
 namespace {
@@ -12,11 +13,15 @@ using json = nlohmann::json;
 
 // A string or an array of strings.
 std::vector<std::string> string_list(const json& v, const std::string& where) {
-  if (v.is_string()) return {v.get<std::string>()};
-  LOOM_REQUIRE(v.is_array(), where, " must be a string or an array of strings, got ", v.dump());
+  if (v.is_string()) {
+    LOOM_REQUIRE(!v.get_ref<const std::string&>().empty(), where, " names an empty provider");
+    return {v.get<std::string>()};
+  }
+  LOOM_REQUIRE(v.is_array(), where, " must be a string or an array of strings, got ", io::json_excerpt(v));
   std::vector<std::string> out;
   for (const auto& s : v) {
-    LOOM_REQUIRE(s.is_string(), where, " must hold strings, got ", s.dump());
+    LOOM_REQUIRE(s.is_string(), where, " must hold strings, got ", io::json_excerpt(s));
+    LOOM_REQUIRE(!s.get_ref<const std::string&>().empty(), where, " names an empty provider");
     out.push_back(s.get<std::string>());
   }
   return out;
@@ -24,7 +29,7 @@ std::vector<std::string> string_list(const json& v, const std::string& where) {
 
 // {"op": "provider" or ["p1", "p2"], ...}
 std::map<std::string, std::vector<std::string>> op_routes(const json& v, const std::string& where) {
-  LOOM_REQUIRE(v.is_object(), where, " must be an object of op -> providers, got ", v.dump());
+  LOOM_REQUIRE(v.is_object(), where, " must be an object of op -> providers, got ", io::json_excerpt(v));
   std::map<std::string, std::vector<std::string>> out;
   for (const auto& [op, providers] : v.items()) {
     find_op(op);
@@ -46,20 +51,24 @@ ProviderPolicy parse_policy(const json& j) {
       p.routes = op_routes(value, "routes");
     } else if (key == "devices") {
       LOOM_REQUIRE(value.is_object(), "devices must be an object of device type -> routes");
-      for (const auto& [device, routes] : value.items())
+      for (const auto& [device, routes] : value.items()) {
+        LOOM_REQUIRE(!device.empty(), "devices has an empty device type (cpu, cuda or a registered one)");
         p.device_routes[device] = op_routes(routes, "devices." + device);
+      }
     } else if (key == "order") {
       p.order = string_list(value, "order");
     } else if (key == "deny") {
       for (const auto& d : string_list(value, "deny")) p.denied.insert(d);
     } else if (key == "shadow") {
       if (value.is_string()) {
+        LOOM_REQUIRE(!value.get_ref<const std::string&>().empty(), "shadow names an empty provider");
         p.shadows["*"] = value.get<std::string>();
       } else {
         LOOM_REQUIRE(value.is_object(), "shadow must be a provider name or an object of op -> provider");
         for (const auto& [op, provider] : value.items()) {
           if (op != "*") find_op(op);
-          LOOM_REQUIRE(provider.is_string(), "shadow.", op, " must be a provider name");
+          LOOM_REQUIRE(provider.is_string() && !provider.get_ref<const std::string&>().empty(), "shadow.", op,
+                       " must be a provider name, got ", io::json_excerpt(provider));
           p.shadows[op] = provider.get<std::string>();
         }
       }
@@ -89,12 +98,10 @@ ProviderPolicy parse_policy(const json& j) {
 }  // namespace
 
 ProviderPolicy ProviderPolicy::load_file(const std::string& path) {
-  std::ifstream f(path);
-  LOOM_REQUIRE(f, "provider policy file '", path, "' cannot be opened");
   try {
-    return parse_policy(json::parse(f));
+    return parse_policy(io::read_json_file(path));
   } catch (const std::exception& e) {
-    LOOM_THROW("provider policy file '", path, "': ", e.what());
+    LOOM_THROW("provider policy file '", path, "': ", io::json_error_text(e));
   }
 }
 

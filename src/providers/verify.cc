@@ -18,6 +18,7 @@
 
 #include "loom/core/dispatch.h"
 #include "loom/io/atomic_file.h"
+#include "loom/io/json_file.h"
 #include "providers/verify.h"
 
 namespace loom::dispatch {
@@ -132,21 +133,23 @@ Verification from_json(const json& j) {
   return v;
 }
 
-// Reads a cache file's results; a file that cannot be parsed is reported once and ignored (it is a cache: the
-// next recorded result rewrites it).
-std::map<std::string, Verification> read_file(const std::string& path) {
+// Reads a cache file's results. A file that is not a cache (not JSON, another format) is reported once and ignored
+// for reading, and `not_a_cache` says why: such a file is never overwritten (it may be a file given by mistake).
+std::map<std::string, Verification> read_file(const std::string& path, std::string* not_a_cache = nullptr) {
   std::map<std::string, Verification> out;
-  if (path.empty() || !fs::exists(path)) return out;
+  std::error_code ec;
+  if (path.empty() || !fs::exists(path, ec)) return out;
   try {
-    std::ifstream f(path);
-    json j = json::parse(f);
-    if (j.value("format", "") != kFormat) throw std::runtime_error(std::string("not a ") + kFormat + " file");
+    json j = io::read_json_file(path);
+    if (!j.is_object() || j.value("format", "") != kFormat)
+      throw std::runtime_error(std::string("not a ") + kFormat + " file");
     for (const auto& r : j.at("results")) {
       Verification v = from_json(r);
       out[key_of(v)] = v;
     }
   } catch (const std::exception& e) {
-    std::cerr << "loom: ignoring the verified-routing cache " << path << ": " << e.what() << "\n";
+    if (not_a_cache) *not_a_cache = io::json_error_text(e);
+    else std::cerr << "loom: ignoring the verified-routing cache " << path << ": " << io::json_error_text(e) << "\n";
   }
   return out;
 }
@@ -159,23 +162,29 @@ void load_locked(State& s) {
 }
 
 // Adds results and rewrites the file with the union of what it holds now (another process may have added some).
-void record_locked(State& s, const std::vector<Verification>& results) {
+// Returns why the file was not written ("" when it was, or when there is no file).
+std::string record_locked(State& s, const std::vector<Verification>& results) {
   load_locked(s);
   for (const auto& v : results) s.results[key_of(v)] = v;
-  if (s.path.empty()) return;
+  if (s.path.empty()) return "";
+  std::string why;
   try {
-    auto merged = read_file(s.path);
-    for (const auto& [k, v] : s.results) merged[k] = v;
-    json all = json::array();
-    for (const auto& [k, v] : merged) all.push_back(to_json(v));
-    fs::path dir = fs::path(s.path).parent_path();
-    if (!dir.empty()) fs::create_directories(dir);
-    io::write_file_atomic(s.path, json{{"format", kFormat}, {"results", all}}.dump(1) + "\n");
+    std::string not_a_cache;
+    auto merged = read_file(s.path, &not_a_cache);
+    if (!not_a_cache.empty()) {
+      why = "it holds something else (" + not_a_cache + "), so it is left as it is";
+    } else {
+      for (const auto& [k, v] : s.results) merged[k] = v;
+      json all = json::array();
+      for (const auto& [k, v] : merged) all.push_back(to_json(v));
+      fs::path dir = fs::path(s.path).parent_path();
+      if (!dir.empty()) fs::create_directories(dir);
+      io::write_file_atomic(s.path, json{{"format", kFormat}, {"results", all}}.dump(1) + "\n");
+    }
   } catch (const std::exception& e) {
-    if (!s.warned_write) std::cerr << "loom: cannot write the verified-routing cache " << s.path << ": " << e.what()
-                                   << " (results are kept for this process only)\n";
-    s.warned_write = true;
+    why = e.what();
   }
+  return why;
 }
 
 std::string now_utc() {
@@ -326,19 +335,25 @@ std::vector<Verification> verify_provider(const std::string& provider, Device de
   {
     State& s = state();
     std::lock_guard<std::mutex> g(s.mu);
-    record_locked(s, summary);
+    if (std::string why = record_locked(s, summary); !why.empty() && !s.warned_write) {
+      std::cerr << "loom: cannot write the verified-routing cache " << s.path << ": " << why
+                << " (results are kept for this process only)\n";
+      s.warned_write = true;
+    }
   }
   detail::invalidate_candidates();  // lists built meanwhile left this provider out
   return summary;
 }
 
-void record_verifications(const std::vector<Verification>& results) {
+std::string record_verifications(const std::vector<Verification>& results) {
   State& s = state();
+  std::string why;
   {
     std::lock_guard<std::mutex> g(s.mu);
-    record_locked(s, results);
+    why = record_locked(s, results);
   }
   detail::invalidate_candidates();
+  return why;
 }
 
 std::vector<Verification> verifications() {

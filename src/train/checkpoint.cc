@@ -1,4 +1,6 @@
 // Sharded checkpoints: the format (meta.json), the resharding arithmetic and the readers (loom/train/checkpoint.h).
+#include "loom/io/input_guard.h"
+#include "loom/io/json_file.h"
 #include "loom/train/checkpoint.h"
 
 #include <algorithm>
@@ -173,7 +175,7 @@ std::string CheckpointMeta::to_json() const {
 CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::string& path) {
   CheckpointMeta m;
   try {
-    const nlohmann::json j = nlohmann::json::parse(json_text);
+    const nlohmann::json j = io::parse_json(json_text, "checkpoint: '" + path + "': " + kCheckpointMetaFile);
     m.format = j.at("format").get<std::string>();
     LOOM_REQUIRE(m.format == kShardedCheckpointFormat, "checkpoint: '", path, "' has format '", m.format,
                  "', this Loom reads ", kShardedCheckpointFormat);
@@ -200,16 +202,18 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
       p.adam_step = io::json_int(pj.at("adam_step"));
       for (const auto& q : pj.at("pieces")) {
         LOOM_REQUIRE(q.is_array() && q.size() == 4, "checkpoint: '", path, "': parameter '", p.name,
-                     "' has a piece that is not [file, tp_rank, lo, hi]: ", q.dump());
+                     "' has a piece that is not [file, tp_rank, lo, hi]: ", io::json_excerpt(q));
         p.pieces.push_back({io::json_int(q[0]), io::json_int(q[1]), io::json_int(q[2]), io::json_int(q[3])});
       }
       m.params.push_back(std::move(p));
     }
   } catch (const nlohmann::json::exception& e) {  // not JSON, an entry missing or of the wrong type
-    LOOM_THROW("checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": ", e.what());
+    LOOM_THROW("checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": ", io::json_error_text(e));
   }
   const CheckpointLayout& l = m.layout;
-  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.world == l.pp * l.dp * l.tp && l.zero >= 0 &&
+  int64_t pp_dp = 0, pp_dp_tp = 0;  // in 64 bits without overflow: the sizes come from the file
+  const bool layout_fits = !__builtin_mul_overflow(l.pp, l.dp, &pp_dp) && !__builtin_mul_overflow(pp_dp, l.tp, &pp_dp_tp);
+  LOOM_REQUIRE(l.world >= 1 && l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && layout_fits && l.world == pp_dp_tp && l.zero >= 0 &&
                    l.zero <= 3 &&
                    int64_t(m.files.size()) == l.world && m.step >= 0 && m.optimizer_step >= 0,
                "checkpoint: '", path, "' has a corrupt ", kCheckpointMetaFile, ": layout world ", l.world, " = pp ",
@@ -278,6 +282,13 @@ ShardedCheckpointReader::ShardedCheckpointReader(std::string dir)
   std::stringstream text;
   text << in.rdbuf();
   meta_ = CheckpointMeta::parse(text.str(), meta_path.string());
+  io::note_input(dir_);
+  // Every rank file the metadata names is there (a partial copy would otherwise fail mid-load, or not at all when
+  // a rank's pieces are never read).
+  std::error_code ec;
+  for (const std::string& f : meta_.files)
+    LOOM_REQUIRE(fs::is_regular_file(fs::path(dir_) / f, ec), "checkpoint: '", dir_, "': ", kCheckpointMetaFile,
+                 " names rank file '", f, "', which is not there (an incomplete copy?)");
 }
 
 ShardedCheckpointReader::~ShardedCheckpointReader() = default;

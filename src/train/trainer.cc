@@ -10,6 +10,7 @@
 #include <set>
 #include <fstream>
 #include <iostream>
+#include <random>
 #include <sstream>
 
 #include <unistd.h>
@@ -39,6 +40,7 @@
 #include "loom/optim/lr_schedule.h"
 #include "loom/optim/optimizer.h"
 #include "loom/train/checkpoint.h"
+#include "loom/io/json_file.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/phase_timer.h"
 #include "io/json_numbers.h"
@@ -125,14 +127,34 @@ std::string loom_checkpoint_config(const std::string& path) {
   }
 }
 
+// The run id in a checkpoint's state metadata (file or sharded directory); "" when it has none or is unreadable.
+std::string checkpoint_run_id(const std::string& path) {
+  try {
+    std::string state;
+    if (fs::is_directory(path)) {
+      state = ShardedCheckpointReader(path).meta().state_json;
+    } else {
+      io::SafetensorsReader file(path);  // the header only
+      auto it = file.metadata().find("state");
+      if (it == file.metadata().end()) return "";
+      state = it->second;
+    }
+    const nlohmann::json j = io::parse_json(state, path);
+    return j.is_object() && j.contains("run_id") && j["run_id"].is_string() ? j["run_id"].get<std::string>() : "";
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 // The first key where two model configs differ, for the error that names it.
 std::string config_difference(const nlohmann::json& saved, const nlohmann::json& mine) {
   for (auto& [k, v] : saved.items())
     if (!mine.contains(k) || mine.at(k) != v)
-      return "'" + k + "' is " + v.dump() + " in the checkpoint, " + (mine.contains(k) ? mine.at(k).dump() : "absent") +
+      return "'" + k + "' is " + io::json_excerpt(v) + " in the checkpoint, " +
+             (mine.contains(k) ? io::json_excerpt(mine.at(k)) : "absent") +
              " here";
   for (auto& [k, v] : mine.items())
-    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + v.dump() + " here";
+    if (!saved.contains(k)) return "'" + k + "' is absent in the checkpoint, " + io::json_excerpt(v) + " here";
   return "";
 }
 
@@ -233,7 +255,7 @@ nlohmann::json run_settings(const TrainOptions& o, int64_t schedule_steps, int64
   return j;
 }
 
-std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : io::json_excerpt(v); }
 
 // Merges saved settings into `o` (see RunSetting). changes == nullptr: takes every saved value (the saved run's
 // options). Otherwise each change taken is described in *changes and a refused one throws naming its flag.
@@ -256,8 +278,8 @@ void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<st
         changes->push_back(s.note ? line + " (" + s.note + ")" : line);
       }
     } catch (const nlohmann::json::exception& e) {
-      LOOM_THROW("resume: '", path, "' has corrupt state metadata: settings '", s.flag, "' is ", old.dump(), ": ",
-                 e.what());
+      LOOM_THROW("resume: '", path, "' has corrupt state metadata: settings '", s.flag, "' is ", io::json_excerpt(old), ": ",
+                 io::json_error_text(e));
     }
   }
 }
@@ -271,6 +293,12 @@ std::vector<SettingName> run_setting_names() {
 }
 
 Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
+  {
+    std::random_device rd;
+    char id[24];
+    std::snprintf(id, sizeof id, "%08x%08x", unsigned(rd()), unsigned(rd()));
+    run_id_ = id;  // rank 0's is the one written: only rank 0 writes checkpoint metadata and removes old checkpoints
+  }
   // Resume: the checkpoint's model and settings come first; everything below sees the merged options.
   std::string saved_config;
   if (!opts_.resume.empty()) {
@@ -285,14 +313,31 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   if (!opts_.init_from.empty()) opts_.init_from = resolve_checkpoint(opts_.init_from, "--init-from");
   LOOM_REQUIRE(!opts_.eval_only || !opts_.init_from.empty() || !opts_.resume.empty() ||
-                   io::is_hf_model_dir(opts_.model),
-               "loom-train: --eval-only evaluates trained weights: give --init-from or --resume");
+                   (io::is_hf_model_dir(opts_.model) && !io::read_hf_model_dir(opts_.model).weight_files.empty()),
+               "loom-train: --eval-only evaluates trained weights: give --init-from or --resume",
+               io::is_hf_model_dir(opts_.model) ? " (--model " + opts_.model + " holds no weights)" : "");
+  // An option another one makes meaningless is an error naming both, not ignored.
+  auto given = [this](const char* flag) { return opts_.given && opts_.given->count(flag); };
+  LOOM_REQUIRE(!given("virtual-stages") || (opts_.pipeline_parallel > 1 && opts_.pp_schedule == "interleaved"),
+               "loom-train: --virtual-stages applies to --pp-schedule interleaved with --pp > 1 (got --pp ",
+               opts_.pipeline_parallel, ", --pp-schedule ", opts_.pp_schedule, ")");
+  LOOM_REQUIRE(!given("pp-schedule") || opts_.pipeline_parallel > 1,
+               "loom-train: --pp-schedule applies with --pp > 1 (got --pp ", opts_.pipeline_parallel, ")");
   device_ = Device::parse(opts_.device);
   if (opts_.tf32) set_allow_tf32(*opts_.tf32);
   autocast_dtype_ = dtype_from_name(opts_.dtype);
   LOOM_REQUIRE(autocast_dtype_ == kF32 || autocast_dtype_ == kBF16 || autocast_dtype_ == kF16, "loom-train: --dtype ",
                opts_.dtype, " is not a training precision (f32, bf16 or f16)");
   LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
+  {
+    int64_t tokens = 0, bytes = 0;  // the micro-batch's inputs and targets as int32 on the host, in 64 bits
+    const double host = device_memory_bytes(Device());
+    LOOM_REQUIRE(!__builtin_mul_overflow(opts_.batch_size, opts_.seq_len, &tokens) &&
+                     !__builtin_mul_overflow(tokens, int64_t(8), &bytes) && (host <= 0 || double(bytes) <= host),
+                 "loom-train: -b ", opts_.batch_size, " x -t ", opts_.seq_len,
+                 " tokens per micro-batch cannot fit this machine's memory");
+    LOOM_REQUIRE(opts_.total_batch_tokens >= 0, "loom-train: --total-batch-tokens must be at least 0");
+  }
   LOOM_REQUIRE(opts_.steps > 0, "loom-train: --steps must be positive");
   LOOM_REQUIRE(opts_.schedule_steps >= 0, "loom-train: --schedule-steps must be at least 0, got ",
                opts_.schedule_steps);
@@ -319,11 +364,18 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   nn::ModelConfig cfg = !saved_config.empty() && !model_given ? nn::ModelConfig::from_json(saved_config)
                         : !init_config.empty() && !model_given ? nn::ModelConfig::from_json(init_config)
                         : llmc_init && !model_given ? io::llmc_read_config(opts_.init_from)
-                        : nn::ModelConfig::from_name(hf_init && opts_.model == TrainOptions{}.model ? opts_.init_from
-                                                                                                    : opts_.model);
+                        : nn::ModelConfig::from_name(hf_init && !model_given ? opts_.init_from : opts_.model);
+  if (hf_init && model_given && saved_config.empty()) {  // --model and a model directory's weights: the same shapes
+    const std::string difference = config_difference(nlohmann::json::parse(nn::ModelConfig::from_name(
+                                                         opts_.init_from).to_json()),
+                                                     nlohmann::json::parse(cfg.to_json()));
+    LOOM_REQUIRE(difference.empty(), "loom-train: --model ", opts_.model, " and --init-from ", opts_.init_from,
+                 " are different models: config ", difference, " (leave --model out to take the directory's)");
+  }
   if (!saved_config.empty() && model_given) {  // --model with --resume: the same model, or one error naming the key
     const std::string difference =
-        config_difference(nlohmann::json::parse(saved_config), nlohmann::json::parse(cfg.to_json()));
+        config_difference(io::parse_json(saved_config, "resume: '" + resume_path_ + "': config"),
+                          nlohmann::json::parse(cfg.to_json()));
     LOOM_REQUIRE(difference.empty(), "resume: '", resume_path_, "' was saved from another model than --model ",
                  opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
   }
@@ -367,8 +419,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   is_rank0_ = world_->rank() == 0;
   if (!is_rank0_) opts_.quiet = true;  // rank 0 speaks for the world
   int64_t dp = dp_group_->size();
-  int64_t micro_tokens = opts_.batch_size * opts_.seq_len;
-  int64_t total = opts_.total_batch_tokens > 0 ? opts_.total_batch_tokens : micro_tokens * dp;
+  int64_t micro_tokens = opts_.batch_size * opts_.seq_len;  // checked above
+  int64_t dp_tokens = 0;
+  LOOM_REQUIRE(!__builtin_mul_overflow(micro_tokens, dp, &dp_tokens), "loom-train: -b ", opts_.batch_size, " x -t ",
+               opts_.seq_len, " x ", dp, " data-parallel ranks overflows 64 bits");
+  int64_t total = opts_.total_batch_tokens > 0 ? opts_.total_batch_tokens : dp_tokens;
   LOOM_REQUIRE(total % (micro_tokens * dp) == 0, "loom-train: --total-batch-tokens ", total,
                " is not a multiple of batch*seq_len*data-parallel ranks = ", micro_tokens * dp);
   grad_accum_ = total / (micro_tokens * dp);
@@ -739,6 +794,9 @@ void Trainer::run() {
     const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, loader.batches_per_epoch())
                                                    : loader.batches_per_epoch();
     train_loader_->reset();  // from the data's start, wherever a resumed run had got to
+    nn::check_finite_parameters(*model_, "--eval-only: " + (opts_.resume.empty() ? opts_.init_from.empty()
+                                                                                      ? opts_.model : opts_.init_from
+                                                                                : resume_path_));
     const double loss = evaluate(opts_.eval_batches);
     if (is_rank0_) {
       std::printf("eval: loss %.6f | perplexity %.4f | %ld batch(es) of %ld x %ld tokens of the %s data\n", loss,
@@ -833,6 +891,16 @@ void Trainer::print_phase_summary() const {
 void Trainer::check_checkpoint_targets() const {
   if (opts_.checkpoint_dir.empty() || opts_.overwrite_checkpoints) return;
   std::error_code ec;
+  // Another run's 'latest' would be repointed at this run's checkpoints (and its resume would continue this one).
+  if (std::ifstream f(fs::path(opts_.checkpoint_dir) / "latest"); f) {
+    std::string latest;
+    std::getline(f, latest);
+    const fs::path other = fs::path(opts_.checkpoint_dir) / latest;
+    if (!latest.empty() && fs::exists(other, ec) && checkpoint_run_id(other.string()) != run_id_)
+      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' holds another run's checkpoints (latest: ", latest,
+                 "); resume it (--resume ", opts_.checkpoint_dir, "), choose another --checkpoint-dir, or pass "
+                 "--overwrite-checkpoints");
+  }
   for (fs::directory_iterator it(opts_.checkpoint_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     long n = -1;
@@ -918,6 +986,7 @@ void Trainer::remove_old_checkpoints() {
     const std::string name = it->path().filename().string();
     long n = -1;
     if (std::sscanf(name.c_str(), "step_%ld", &n) != 1 || n < 0) continue;
+    if (checkpoint_run_id(it->path().string()) != run_id_) continue;  // another run's (or one older than run ids)
     char file_name[64], dir_name[64];  // exactly the names the trainer writes (not step_N.optim-rank0.safetensors)
     std::snprintf(file_name, sizeof file_name, "step_%06ld.safetensors", n);
     std::snprintf(dir_name, sizeof dir_name, "step_%06ld", n);
@@ -949,6 +1018,7 @@ std::string Trainer::checkpoint_state_json() const {
                                   {"epoch", pos.epoch}, {"rng_state", pos.rng_state}}},
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
                       {"model", opts_.model},
+                      {"run_id", run_id_},
                       {"settings", run_settings(opts_, logs_->schedule->total_steps(),
                                                 grad_accum_ * opts_.batch_size * opts_.seq_len * dp_group_->size())}};
   return meta.dump();
@@ -979,7 +1049,7 @@ std::string Trainer::adopt_checkpoint_settings(const std::string& path) {
                 << "line's are used\n";
     return config_json;
   }
-  const nlohmann::json saved = nlohmann::json::parse(st.settings_json);
+  const nlohmann::json saved = io::parse_json(st.settings_json, "resume: settings");
   // What the schedule gave at the resume step, before the settings change (for the line that shows a jump).
   auto schedule_of = [](const TrainOptions& o) {
     return optim::LrSchedule(o.decay, o.lr, o.warmup_steps, o.schedule_steps > 0 ? o.schedule_steps : o.steps,
@@ -1044,7 +1114,7 @@ void Trainer::load_full_parameters(const std::vector<std::pair<std::string, Tens
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path) {
   CheckpointState st;
   try {
-    const nlohmann::json meta = nlohmann::json::parse(state_json);
+    const nlohmann::json meta = io::parse_json(state_json, "resume: '" + path + "': state metadata");
     const auto& l = meta.at("loader");
     const auto& rng = meta.at("rng");
     st.step = io::json_int(meta.at("step"));
@@ -1054,13 +1124,14 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
     st.loader_rng = io::json_uint(l.at("rng_state"));
     st.rng_seed = io::json_uint(rng.at("seed"));
     st.rng_offset = io::json_uint(rng.at("offset"));
+    if (meta.contains("run_id")) st.run_id = meta.at("run_id").get<std::string>();
     if (meta.contains("settings")) {
       LOOM_REQUIRE(meta.at("settings").is_object(), "resume: '", path, "' has corrupt state metadata: settings is ",
-                   meta.at("settings").dump(), ", not an object");
+                   io::json_excerpt(meta.at("settings")), ", not an object");
       st.settings_json = meta.at("settings").dump();
     }
   } catch (const nlohmann::json::exception& e) {  // not JSON, an entry missing or of the wrong type
-    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", e.what());
+    LOOM_THROW("resume: '", path, "' has corrupt state metadata: ", io::json_error_text(e));
   }
   LOOM_REQUIRE(st.step >= 0 && st.shard_index >= 0 && st.batch_offset >= 0 && st.epoch >= 0, "resume: '", path,
                "' has corrupt state metadata: a negative step (", st.step, ") or data position (shard ",
@@ -1081,6 +1152,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   LOOM_REQUIRE(state_it != file.metadata.end(), "resume: '", path, "' has no state metadata");
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(state_it->second, path);
+  if (!st.run_id.empty()) run_id_ = st.run_id;  // a resumed run is the same run
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   auto model_params = full_parameters();  // collective
@@ -1259,7 +1331,7 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
       io::SafetensorsReader f((tmp / meta.files.back()).string());
       const auto& md = f.metadata();
       LOOM_REQUIRE(md.count("pieces"), "save_checkpoint: '", f.path(), "' lacks its pieces");
-      const nlohmann::json held = nlohmann::json::parse(md.at("pieces"));  // outlives the loop over its items
+      const nlohmann::json held = io::parse_json(md.at("pieces"), "save_checkpoint: '" + f.path() + "': pieces");  // outlives the loop over its items
       for (auto& [name, q] : held.items()) {
         auto it = index_of.find(name);  // every rank's model has every name (a pipeline stage's others as stand-ins)
         LOOM_REQUIRE(it != index_of.end(), "save_checkpoint: rank ", r, " saved parameter '", name,
@@ -1292,10 +1364,11 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
   const CheckpointMeta& meta = ck.meta();
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(meta.state_json, dir);
+  if (!st.run_id.empty()) run_id_ = st.run_id;  // a resumed run is the same run
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   const std::string difference =
-      config_difference(nlohmann::json::parse(meta.config_json), nlohmann::json::parse(model_->config().to_json()));
+      config_difference(io::parse_json(meta.config_json, "checkpoint config"), nlohmann::json::parse(model_->config().to_json()));
   LOOM_REQUIRE(difference.empty(), "resume: '", dir, "' was saved from another model: config ", difference,
                " (a checkpoint reshards to any world size and layout, but not to another model)");
   const int64_t tp = tp_group_->size(), tp_rank = tp_group_->rank(), dp = dp_group_->size();

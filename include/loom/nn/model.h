@@ -142,6 +142,11 @@ class LanguageModel : public Module {
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg);
 
+// Throws naming the first weight that holds NaN or an infinity, with `source` (the file) first: weights loaded for
+// inference (loom-generate, loom-train --eval-only) from a diverged or corrupt checkpoint would otherwise produce
+// text or a loss and exit 0.
+void check_finite_parameters(const LanguageModel& model, const std::string& source);
+
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
   double temperature = 1.0;  // 0 = greedy (the first most likely token, as argmax)

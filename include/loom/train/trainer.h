@@ -149,6 +149,7 @@ struct CheckpointState {
   uint64_t loader_rng = 0;
   uint64_t rng_seed = 0, rng_offset = 0;  // the default generator's Philox state
   std::string settings_json;  // the run's training settings (an object; empty in checkpoints older than them)
+  std::string run_id;         // which run wrote it (a resumed run keeps it; empty in checkpoints older than it)
 };
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
 
@@ -221,6 +222,7 @@ class Trainer {
   void remove_old_checkpoints();  // --keep-checkpoints
   std::string resume_path_;       // resolved once
   bool checkpoint_dir_from_resume_ = false;  // checkpoint_dir is the resumed checkpoint's (not given)
+  std::string run_id_;            // written into every checkpoint; retention removes only this run's
   double peak_flops_ = 0;
   std::vector<StepStats> history_;
   std::unique_ptr<PhaseTimer> phase_timer_;  // --phase-times

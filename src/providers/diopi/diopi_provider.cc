@@ -716,7 +716,14 @@ void load_diopi_from_env() {
       std::stringstream ss(devs);
       std::string d;
       while (std::getline(ss, d, ','))
-        if (!d.empty()) o.devices.push_back(Device::parse(d + ":0").type);
+        if (!d.empty()) {
+          try {
+            o.devices.push_back(Device::parse(d).type);
+          } catch (const Error&) {
+            LOOM_THROW("LOOM_DIOPI_DEVICES='", devs, "': '", d, "' is not a device type (cpu, cuda or a registered "
+                       "one, comma-separated)");
+          }
+        }
     }
     std::stringstream ss(env);
     std::string path;

@@ -1,0 +1,42 @@
+// Checks every app applies to its command line after declaring its options (one place, not per flag).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+namespace loom::apps {
+
+// CLI11 2.1 (as Debian ships it) takes an integer past 64 bits as the nearest bound and wraps a negative one into
+// an unsigned option without an error (--steps 99999999999999999999 became INT64_MAX, --seed -1 2^64-1). This puts a
+// range check in front of every integer option of `app` and its subcommands, so such a value is an error naming the
+// flag. Narrower types (int) are already refused by CLI11 when the 64-bit value does not fit them.
+inline void check_integer_options(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options([](const CLI::Option*) { return true; })) {
+    const std::string type = opt->get_type_name();
+    if (type != "INT" && type != "UINT") continue;
+    const bool is_unsigned = type == "UINT";
+    opt->check(CLI::Validator(
+        [is_unsigned](std::string& v) -> std::string {
+          size_t first = 0;
+          while (first < v.size() && std::isspace(static_cast<unsigned char>(v[first]))) ++first;
+          if (is_unsigned && first < v.size() && v[first] == '-')
+            return "must be a non-negative whole number, got " + v;
+          errno = 0;
+          char* end = nullptr;
+          if (is_unsigned) (void)std::strtoull(v.c_str(), &end, 0);
+          else (void)std::strtoll(v.c_str(), &end, 0);
+          if (errno == ERANGE)
+            return "is out of range, got " + v + (is_unsigned ? " (at most 18446744073709551615)"
+                                                              : " (within -9223372036854775808..9223372036854775807)");
+          return "";  // a value that is not a number at all is CLI11's to report
+        },
+        ""));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) check_integer_options(*sub);
+}
+
+}  // namespace loom::apps
