@@ -28,7 +28,7 @@
 #include <iomanip>
 #include <iostream>
 
-#include "checked_options.h"
+#include "cli/cli.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/input_guard.h"
 #include "loom/common/error.h"
@@ -169,8 +169,7 @@ int main(int argc, char** argv) {
                  "the verified-routing cache file (default: LOOM_VERIFY_CACHE, else ~/.cache/loom/verified.json)");
   app.add_flag("--list-verified", list_verified,
                "print the recorded verified-routing results for the loaded providers on --device, and exit");
-  loom::apps::check_integer_options(app);
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = loom::cli::parse(app, "loom-conformance", argc, argv); rc >= 0) return rc;
   describe = describe_flag->count() > 0;
 
   try {
@@ -214,14 +213,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (provider.empty()) {
-      std::cerr << "loom-conformance: --provider is required (or use --list-ops / --describe / --list-kernels)\n";
+      loom::cli::print_error("loom-conformance", "--provider is required (or use --list-ops / --describe / --list-kernels)");
       return 2;
     }
     auto providers = loom::dispatch::providers();
     if (std::find(providers.begin(), providers.end(), provider) == providers.end()) {
-      std::cerr << "loom-conformance: no provider named '" << provider << "' (have:";
-      for (const auto& p : providers) std::cerr << " " << p;
-      std::cerr << "); load one with --load or LOOM_PROVIDER_PATH\n";
+      std::string have;
+      for (const auto& p : providers) have += " " + p;
+      loom::cli::print_error("loom-conformance", "no provider named '" + provider + "' (have:" + have +
+                                                     "); load one with --load or LOOM_PROVIDER_PATH");
       return 2;
     }
     // A policy naming a provider that does not exist (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) is one error here, not a
@@ -332,7 +332,7 @@ int main(int argc, char** argv) {
     std::cout << (failed ? "FAILED" : "every case passed or was declined") << "\n";
     return failed ? 1 : 0;
   } catch (const std::exception& e) {
-    std::cerr << "loom-conformance: " << loom::apps::error_text(e) << "\n";
+    loom::cli::print_error("loom-conformance", loom::apps::error_text(e));
     return 2;
   }
 }

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "checked_options.h"
+#include "cli/cli.h"
 #include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/hf_model_dir.h"
@@ -62,8 +62,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> tokenizer_paths;
   bool force = false;
   app.add_option("--checkpoint", checkpoint,
-                 "a Loom training checkpoint (step_NNNNNN.safetensors, or a sharded step_NNNNNN/ directory), an llm.c GPT-2 model file (.bin) or a Hugging "
-                 "Face model directory")
+                 "a Loom training checkpoint (step_NNNNNN.safetensors, a sharded step_NNNNNN/ directory, or a run's "
+                 "checkpoint directory, whose latest is taken), an llm.c GPT-2 model file (.bin) or a Hugging Face "
+                 "model directory")
       ->required();
   app.add_option("--llmc", llmc_path, "write an llm.c model file (GPT-2 only; train_gpt2.c/.cu read it)");
   app.add_option("--hf", hf_path,
@@ -81,13 +82,13 @@ int main(int argc, char** argv) {
                  "~/.cache/loom/gpt2); LLaMA: tokenizer files, or a directory of them, to copy (tokenizer.json, "
                  "tokenizer_config.json, special_tokens_map.json, tokenizer.model)");
   app.add_flag("--force", force, "--hf: write into a directory that already holds files");
-  loom::apps::check_integer_options(app);
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = cli::parse(app, "loom-export", argc, argv); rc >= 0) return rc;
   if (llmc_path.empty() && hf_path.empty()) {
-    std::cerr << "loom-export: error: nothing to write; give --llmc PATH and/or --hf DIR" << std::endl;
+    cli::print_error("loom-export", "nothing to write; give --llmc PATH and/or --hf DIR");
     return 2;
   }
   try {
+    checkpoint = train::resolve_checkpoint(checkpoint, "--checkpoint");  // a run's directory: its latest
     const DType dtype = dtype_name == "bf16" ? kBF16 : kF32;
     const int64_t shard_bytes = parse_size(max_shard);
     namespace fs = std::filesystem;
@@ -103,8 +104,7 @@ int main(int argc, char** argv) {
     if (!hf_path.empty() && !hf_single_file) io::check_hf_export_dir(hf_path, opts);  // before a long load
     // A sharded checkpoint (step_NNNNNN/ with meta.json) is consolidated here: every parameter read whole from its
     // pieces, whatever world size or layout saved it.
-    std::shared_ptr<nn::LanguageModel> model =
-        train::is_sharded_checkpoint(checkpoint) ? train::load_sharded_model(checkpoint) : io::load_model(checkpoint);
+    std::shared_ptr<nn::LanguageModel> model = train::load_model_from(checkpoint, "--checkpoint");
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
     if (!llmc_path.empty()) {
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
       std::cout << "\nloom-export: " << r.tokenizer_note << std::endl;
     }
   } catch (const std::exception& e) {  // loom::Error, a malformed checkpoint's metadata, a directory that cannot be made
-    std::cerr << "loom-export: error: " << loom::apps::error_text(e) << std::endl;
+    cli::print_error("loom-export", loom::apps::error_text(e));
     return 1;
   }
   return 0;

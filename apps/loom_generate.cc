@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "checked_options.h"
+#include "cli/cli.h"
 #include "loom/io/input_guard.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
@@ -101,8 +101,9 @@ int main(int argc, char** argv) {
   bool greedy = false, no_cache = false, print_tokens = false, no_echo = false, ignore_eos = false;
   int64_t num_samples = 1;
   app.add_option("-m,--model,--checkpoint", model_path,
-                 "a Loom training checkpoint (.safetensors, or a distributed run's sharded step directory), a Hugging "
-                 "Face model directory (config.json + safetensors) or an llm.c GPT-2 model file (.bin)")
+                 "a Loom training checkpoint (.safetensors, a distributed run's sharded step directory, or a run's "
+                 "checkpoint directory, whose latest is taken), a Hugging Face model directory (config.json + "
+                 "safetensors) or an llm.c GPT-2 model file (.bin)")
       ->required();
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text (default: --prompt-file, else stdin)");
   auto* f_opt = app.add_option("--prompt-file", prompt_file, "read the prompt from this file");
@@ -143,8 +144,7 @@ int main(int argc, char** argv) {
   app.add_option("--dump-logits", dump_logits,
                  "write the prompt's logits [T, vocab] (f32, safetensors tensor \"logits\") to this file first; for "
                  "comparing with other implementations (tools/reference/hf_check.py)");
-  loom::apps::check_integer_options(app);
-  CLI11_PARSE(app, argc, argv);
+  if (int rc = cli::parse(app, "loom-generate", argc, argv); rc >= 0) return rc;
   try {
     LOOM_REQUIRE(g.max_new_tokens >= 0, "--max-new-tokens must be at least 0, got ", g.max_new_tokens);
     LOOM_REQUIRE(std::isfinite(g.temperature) && g.temperature >= 0, "--temperature must be a finite number >= 0, got ",
@@ -161,9 +161,7 @@ int main(int argc, char** argv) {
     g.use_kv_cache = !no_cache;
     const Device device = Device::parse(device_name);
 
-    std::shared_ptr<nn::LanguageModel> model = train::is_sharded_checkpoint(model_path)
-                                                   ? train::load_sharded_model(model_path)  // a distributed run's
-                                                   : io::load_model(model_path);
+    std::shared_ptr<nn::LanguageModel> model = train::load_model_from(model_path, "--model");
     const nn::ModelConfig& cfg = model->config();
     nn::check_finite_parameters(*model, model_path);
 
@@ -239,7 +237,7 @@ int main(int argc, char** argv) {
                  made > 1 && decode_s > 0 ? double(made - 1) / decode_s : 0.0);
   } catch (const std::exception& e) {
     std::cout.flush();
-    std::cerr << "loom-generate: error: " << loom::apps::error_text(e) << std::endl;
+    cli::print_error("loom-generate", loom::apps::error_text(e));
     return 1;
   }
   return 0;

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "checked_options.h"
+#include "cli/cli.h"
 #include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
@@ -61,10 +61,10 @@ std::string resolve_input(const std::string& name) {
     seen.push_back(p);
     std::error_code ec;
     if (fs::is_regular_file(p, ec)) return p.string();
-    looked += "\n  " + p.string();
+    looked += (looked.empty() ? " " : ", ") + p.string();
   }
-  LOOM_THROW("loom-prepare: input file ", name, " not found; looked in:", looked,
-             bare ? "\n(set LOOM_DATA_DIR to the directory that holds it)" : "");
+  LOOM_THROW("loom-prepare: input file ", name, " not found; looked at", looked,
+             bare ? " (set LOOM_DATA_DIR to the directory that holds it)" : "");
 }
 
 std::string read_file(const std::string& path) {
@@ -79,6 +79,24 @@ std::string megabytes(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f MB", bytes / 1e6);
   return buf;
+}
+
+// The shards an earlier run wrote into `dir` under `name`: <name>_val_NNNNNN.bin and <name>_train_NNNNNN.bin, sorted.
+std::vector<std::string> existing_shards(const std::string& dir, const std::string& name) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    for (const char* split : {"_val_", "_train_"}) {
+      const std::string prefix = name + split;
+      const std::string rest = file.size() > prefix.size() ? file.substr(prefix.size()) : "";
+      if (file.rfind(prefix, 0) == 0 && rest.size() == 10 && rest.substr(6) == ".bin" &&
+          std::all_of(rest.begin(), rest.begin() + 6, [](char c) { return c >= '0' && c <= '9'; }))
+        out.push_back(it->path().string());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 std::vector<std::string_view> split_documents(std::string_view text, bool paragraphs) {
@@ -103,7 +121,7 @@ int main(int argc, char** argv) {
   double val_fraction = 0.1;
   int64_t val_tokens = -1;
   int64_t shard_tokens = 100'000'000;
-  bool paragraph_documents = false;
+  bool paragraph_documents = false, overwrite = false;
   app.add_option("-i,--input", inputs, "text file(s); a bare name is also looked for in $LOOM_DATA_DIR and "
                                        "shared/data beside the repository")
       ->required();
@@ -132,15 +150,21 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"u16", "u32"}));
   app.add_flag("--paragraph-documents", paragraph_documents,
                "each \"\\n\\n\"-separated section is a document (llm.c's tinyshakespeare convention)");
-  loom::apps::check_integer_options(app);
-  CLI11_PARSE(app, argc, argv);
+  app.add_flag("--overwrite", overwrite,
+               "replace the shards of an earlier run in --output-dir (its <name>_val_/<name>_train_ files, all of "
+               "them); without it such a run is refused before it starts");
+  if (int rc = loom::cli::parse(app, "loom-prepare", argc, argv); rc >= 0) return rc;
 
-  try {
+  return loom::cli::run("loom-prepare", [&] {
     std::vector<std::string> paths;
     for (const auto& in : inputs) paths.push_back(resolve_input(in));
     for (const auto& path : paths) loom::io::note_input(path);
     if (name.empty()) name = fs::path(paths[0]).stem().string();
     if (output_dir.empty()) output_dir = (fs::path("data") / name).string();
+    const std::vector<std::string> earlier = existing_shards(output_dir, name);
+    LOOM_REQUIRE(earlier.empty() || overwrite, "loom-prepare: ", output_dir, " already holds ", earlier.size(),
+                 " shard(s) named ", name, "_* (", earlier.front(), earlier.size() > 1 ? ", ..." : "",
+                 "); pass --overwrite to replace them, or choose another --output-dir or --name");
 
     const std::unique_ptr<loom::data::Tokenizer> tokenizer = loom::data::load_tokenizer(tokenizer_name, tokenizer_path);
     const bool ids_fit_u16 = tokenizer->vocab_size() <= 65536;
@@ -206,17 +230,17 @@ int main(int argc, char** argv) {
       written.emplace_back(path, n);
     }
 
+    // --overwrite: an earlier run's shards this one did not write again (it had more) would join a glob of these.
+    for (const std::string& old : earlier)
+      if (std::none_of(written.begin(), written.end(), [&](const auto& w) { return w.first == old; })) {
+        fs::remove(old);
+        std::printf("loom-prepare: removed %s (an earlier run's shard, --overwrite)\n", old.c_str());
+      }
+
     std::printf("loom-prepare: %lld documents, %lld tokens: val %lld, train %lld\n", static_cast<long long>(documents),
                 static_cast<long long>(total), static_cast<long long>(val_count),
                 static_cast<long long>(total - val_count));
     for (const auto& [path, n] : written)
       std::printf("  wrote %s (%lld tokens)\n", path.c_str(), static_cast<long long>(n));
-  } catch (const loom::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom-prepare: %s\n", loom::apps::error_text(e).c_str());
-    return 1;
-  }
-  return 0;
+  });
 }

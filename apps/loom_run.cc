@@ -21,6 +21,9 @@
 #include <thread>
 #include <vector>
 
+#include "cli/cli.h"
+#include "loom/common/version.h"
+
 namespace {
 
 struct Child {
@@ -53,6 +56,7 @@ void usage(FILE* to) {
                "  --master-addr A      address of node 0, where rank 0 listens [127.0.0.1 or $MASTER_ADDR]\n"
                "  --master-port P      its port [29500 or $MASTER_PORT]\n"
                "  --standalone         one node: 127.0.0.1 and a free port\n"
+               "  --version            the version, git commit, CUDA, cuDNN and NCCL versions, then exit\n"
                "  -h, --help           this text\n");
 }
 
@@ -137,14 +141,14 @@ int main(int argc, char** argv) {
     auto value = [&]() -> const char* {
       if (has_inline) return argv[i] + a.find('=') + 1;
       if (i + 1 < argc) return argv[++i];
-      std::fprintf(stderr, "loom-run: %s needs a value\n", name.c_str());
+      std::fprintf(stderr, "loom-run: error: %s needs a value\n", name.c_str());
       std::exit(2);
     };
     auto count = [&](long lo) {
       const char* v = value();
       const long n = parse_count(v);
       if (n < lo) {
-        std::fprintf(stderr, "loom-run: %s must be a whole number >= %ld, got '%s'\n", name.c_str(), lo, v);
+        std::fprintf(stderr, "loom-run: error: %s must be a whole number >= %ld, got '%s'\n", name.c_str(), lo, v);
         std::exit(2);
       }
       return n;
@@ -156,15 +160,24 @@ int main(int argc, char** argv) {
     else if (name == "--master-port") port = count(1);
     else if (name == "--master-addr") addr = value();
     else if (name == "--standalone") standalone = true;
-    else return std::fprintf(stderr, "loom-run: unknown option %s (loom-run --help lists them)\n", a.c_str()), 2;
+    else if (name == "--version") return std::printf("%s", loom::version_text("loom-run").c_str()), 0;
+    else {
+      const std::string near = loom::cli::nearest_name(name, {"--nproc-per-node", "--nnodes", "--node-rank",
+                                                               "--master-port", "--master-addr", "--standalone",
+                                                               "--version", "--help"});
+      loom::cli::print_error("loom-run", "unknown option " + a.substr(0, a.find('=')) +
+                                             (near.empty() ? "" : " (did you mean " + near + "?)") +
+                                             "; loom-run --help lists them");
+      return 2;
+    }
   }
-  if (nproc < 1) return std::fprintf(stderr, "loom-run: --nproc-per-node N is required (loom-run --help)\n"), 2;
-  if (i >= argc) return std::fprintf(stderr, "loom-run: no app to start (loom-run --help)\n"), 2;
+  if (nproc < 1) return std::fprintf(stderr, "loom-run: error: --nproc-per-node N is required (loom-run --help)\n"), 2;
+  if (i >= argc) return std::fprintf(stderr, "loom-run: error: no app to start (loom-run --help)\n"), 2;
   if (node_rank >= nnodes)
-    return std::fprintf(stderr, "loom-run: --node-rank %ld is outside --nnodes %ld\n", node_rank, nnodes), 2;
+    return std::fprintf(stderr, "loom-run: error: --node-rank %ld is outside --nnodes %ld\n", node_rank, nnodes), 2;
   if (standalone && nnodes > 1)
-    return std::fprintf(stderr, "loom-run: --standalone is one node, but --nnodes is %ld\n", nnodes), 2;
-  if (port > 65535) return std::fprintf(stderr, "loom-run: --master-port %ld is not a port\n", port), 2;
+    return std::fprintf(stderr, "loom-run: error: --standalone is one node, but --nnodes is %ld\n", nnodes), 2;
+  if (port > 65535) return std::fprintf(stderr, "loom-run: error: --master-port %ld is not a port\n", port), 2;
   if (standalone) {
     addr = "127.0.0.1";
     if (port < 0) port = free_port();
@@ -173,7 +186,7 @@ int main(int argc, char** argv) {
   if (port < 0 && std::getenv("MASTER_PORT")) {
     port = parse_count(std::getenv("MASTER_PORT"));
     if (port < 1 || port > 65535)
-      return std::fprintf(stderr, "loom-run: MASTER_PORT '%s' is not a port (1..65535)\n", std::getenv("MASTER_PORT")), 2;
+      return std::fprintf(stderr, "loom-run: error: MASTER_PORT '%s' is not a port (1..65535)\n", std::getenv("MASTER_PORT")), 2;
   }
   if (port < 0) port = 29500;
   // Each rank's output comes through a pipe this process holds open: refuse a count past the open-file limit at the
@@ -184,7 +197,7 @@ int main(int argc, char** argv) {
       lim.rlim_cur = rlim_t(nproc) + 64;
       setrlimit(RLIMIT_NOFILE, &lim);
     } else {
-      return std::fprintf(stderr, "loom-run: --nproc-per-node %ld needs %ld open files for the ranks' output, more "
+      return std::fprintf(stderr, "loom-run: error: --nproc-per-node %ld needs %ld open files for the ranks' output, more "
                                   "than the open-file limit of %llu (ulimit -n)\n",
                           nproc, nproc + 64, static_cast<unsigned long long>(lim.rlim_max)), 2;
     }
@@ -194,7 +207,7 @@ int main(int argc, char** argv) {
   if (cpu_run(argc, argv, i)) {
     // CPU ranks join over MPI (init_process_group's mpi backend): mpirun starts them.
     if (nnodes > 1)
-      return std::fprintf(stderr, "loom-run: a CPU run over %ld nodes joins over MPI: start it with mpirun (a "
+      return std::fprintf(stderr, "loom-run: error: a CPU run over %ld nodes joins over MPI: start it with mpirun (a "
                                   "hostfile) or srun on all nodes at once (docs/DISTRIBUTED.md)\n", nnodes), 2;
     std::vector<std::string> args{"mpirun", "-np", std::to_string(nproc), "--oversubscribe"};
     if (geteuid() == 0) args.push_back("--allow-run-as-root");  // OpenMPI refuses root without it (containers)
@@ -204,7 +217,7 @@ int main(int argc, char** argv) {
     cargs.push_back(nullptr);
     std::fflush(stdout);
     execvp("mpirun", cargs.data());
-    std::fprintf(stderr, "loom-run: a CPU run needs mpirun (Open MPI or MPICH), which cannot be started: %s\n",
+    std::fprintf(stderr, "loom-run: error: a CPU run needs mpirun (Open MPI or MPICH), which cannot be started: %s\n",
                  std::strerror(errno));
     return 127;
   }
@@ -222,7 +235,7 @@ int main(int argc, char** argv) {
     const bool piped = pipe(fds) == 0;
     if (piped) pid = fork();
     if (pid < 0) {  // stop the ranks started so far: they would wait for the others forever
-      std::fprintf(stderr, "loom-run: cannot start rank %d of %ld: %s: %s; stopping the %d started\n", rank, nproc,
+      std::fprintf(stderr, "loom-run: error: cannot start rank %d of %ld: %s: %s; stopping the %d started\n", rank, nproc,
                    piped ? "fork" : "pipe", std::strerror(errno), rank);
       if (piped) close(fds[0]), close(fds[1]);
       signal_all(SIGKILL);
@@ -245,7 +258,7 @@ int main(int argc, char** argv) {
       close(fds[0]);
       close(fds[1]);
       execvp(argv[i], argv + i);
-      std::fprintf(stderr, "loom-run: cannot start %s: %s\n", argv[i], std::strerror(errno));
+      std::fprintf(stderr, "loom-run: error: cannot start %s: %s\n", argv[i], std::strerror(errno));
       _exit(127);
     }
     close(fds[1]);
@@ -287,9 +300,9 @@ int main(int argc, char** argv) {
           first_failed = r;
           exit_code = WIFEXITED(c.status) ? WEXITSTATUS(c.status) : 128 + WTERMSIG(c.status);
           if (WIFEXITED(c.status))
-            std::fprintf(stderr, "loom-run: rank %d exited with status %d; stopping the others\n", r, exit_code);
+            std::fprintf(stderr, "loom-run: error: rank %d exited with status %d; stopping the others\n", r, exit_code);
           else
-            std::fprintf(stderr, "loom-run: rank %d was killed by signal %d; stopping the others\n", r,
+            std::fprintf(stderr, "loom-run: error: rank %d was killed by signal %d; stopping the others\n", r,
                          WTERMSIG(c.status));
           signal_all(SIGTERM);
           stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -298,7 +311,7 @@ int main(int argc, char** argv) {
       any_running |= c.running || c.out_fd >= 0;
     }
     if (interrupted && first_failed < 0) {
-      std::fprintf(stderr, "loom-run: interrupted; stopping all ranks\n");
+      std::fprintf(stderr, "loom-run: error: interrupted; stopping all ranks\n");
       first_failed = nproc;
       exit_code = 128 + int(interrupted);
       signal_all(SIGTERM);

@@ -3,72 +3,23 @@
 
 #include <cmath>
 #include <iostream>
-#include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
-#include "checked_options.h"
-#include "loom/io/input_guard.h"
+#include "cli/cli.h"
+#include "cli/run_config.h"
 #include "loom/common/error.h"
-#include "loom/io/json_file.h"
+#include "loom/io/input_guard.h"
 #include "loom/train/trainer.h"
 #ifdef LOOM_WITH_DIOPI
 #include "loom/diopi.h"
 #endif
 
-// The library's messages often start with "loom-train: " already; say it once.
-static std::string without_app_prefix(const std::string& message) {
-  const std::string prefix = "loom-train: ";
-  return message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
-}
-
-// --config FILE: a JSON object ({"lr": 3e-4, "shuffle": true, ...}) or CLI11's TOML subset (lr = 3e-4), keys the
-// long flag names without dashes. Values on the command line win; an unknown key is an error naming it.
-class JsonOrTomlConfig : public CLI::ConfigTOML {
- public:
-  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
-    std::string text((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
-    const size_t first = text.find_first_not_of(" \t\r\n");
-    if (first == std::string::npos || text[first] != '{') {
-      std::istringstream toml(text);
-      return CLI::ConfigTOML::from_config(toml);
-    }
-    nlohmann::json j;
-    try {
-      j = loom::io::parse_json(text, "--config");
-    } catch (const loom::Error& e) {
-      throw CLI::ConversionError(e.what());
-    }
-    std::vector<CLI::ConfigItem> items;
-    for (auto& [key, value] : j.items()) {
-      CLI::ConfigItem item;
-      item.name = key;
-      auto text_of = [&key](const nlohmann::json& v) -> std::string {
-        if (v.is_string()) return v.get<std::string>();
-        if (v.is_boolean() || v.is_number()) return v.dump();
-        throw CLI::ConversionError("--config: '" + key + "' must be a string, number, boolean or a list of them, got " +
-                                   loom::io::json_excerpt(v));
-      };
-      if (value.is_array())
-        for (const auto& v : value) item.inputs.push_back(text_of(v));
-      else
-        item.inputs.push_back(text_of(value));
-      items.push_back(std::move(item));
-    }
-    return items;
-  }
-};
-
 int main(int argc, char** argv) {
   loom::io::protect_inputs();  // no output of this run replaces a file it read
   loom::train::TrainOptions o;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
-  app.set_config("--config", "", "read flags from a JSON object or TOML file (keys: long flag names without dashes; "
-                 "the command line overrides it)");
-  app.config_formatter(std::make_shared<JsonOrTomlConfig>());
-  app.allow_config_extras(CLI::config_extras_mode::error);
   // NaN and infinities pass CLI11's number checks (and every comparison a setting is checked with later).
   const CLI::Validator finite(
       [](std::string& v) -> std::string {
@@ -102,11 +53,12 @@ int main(int argc, char** argv) {
                  "model: gpt2 (= gpt2-124m), gpt2-medium (gpt2-350m), gpt2-large (gpt2-774m), gpt2-xl (gpt2-1558m, "
                  "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-8b, llama3-tiny, the "
                  "path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
-                 "With --resume: the checkpoint's; with an llm.c --init-from: the file's")
+                 "With --resume or a Loom checkpoint's --init-from: the checkpoint's; with an llm.c --init-from: the file's")
       ->capture_default_str();
   app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Hugging Face "
-                 "model directory, a Loom checkpoint (weights only) or an llm.c GPT-2 .bin (its header gives the "
-                 "model unless --model is given)");
+                 "model directory, a Loom checkpoint (weights only: a file, a step directory or a run's checkpoint "
+                 "directory, whose latest is taken; its model unless --model is given) or an llm.c GPT-2 .bin (its "
+                 "header gives the model unless --model is given)");
   app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
   app.add_option("--val-data", o.val_data, "validation shard(s)");
   app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
@@ -138,7 +90,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str()
       ->check(at_least(0));
-  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation")->capture_default_str()->check(at_least(0));
+  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation (0 or all: the whole split)")
+      ->capture_default_str()->transform(CLI::Transformer(std::map<std::string, std::string>{{"all", "0"}}))
+      ->check(at_least(0));
   app.add_flag("--eval-only", o.eval_only, "evaluate the --init-from or --resume weights (loss and perplexity over "
                "--eval-batches of --val-data, else of --train-data); no training, no checkpoint");
   app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str()
@@ -151,7 +105,8 @@ int main(int argc, char** argv) {
                  "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory with "
                  "encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's "
                  "tokenizer.model (LLaMA samples need it)");
-  app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints (with --resume: the directory of the "
+                 "checkpoint resumed from, unless given)");
   app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
                  "--checkpoint-dir (0: all); the one 'latest' names is never removed")
@@ -178,7 +133,8 @@ int main(int argc, char** argv) {
                  "whose values are recorded")->capture_default_str()->check(at_least(0));
   app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
                "sync, optimizer) into metrics.jsonl and print their medians at the end");
-  app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here");
+  app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here; "
+                 "an existing metrics.jsonl is appended to, after a line that marks this run's start");
   app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
   app.add_option("--peak-tflops", o.peak_tflops,
                  "device peak in TFLOP/s for MFU (default: the GPU's bf16 dense peak when known, else no MFU)")
@@ -190,7 +146,7 @@ int main(int argc, char** argv) {
                  "ZeRO stage over data-parallel ranks: 1 shards AdamW state, 2 also gradients, 3 also parameters "
                  "(gathered block by block; with --recompute for the memory)")
       ->check(CLI::Range(0, 3))->capture_default_str();
-  app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1");
+  app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1")->configurable(false);
   app.add_option("--pp", o.pipeline_parallel, "pipeline stages (blocks split across ranks; with --tp and data "
                  "parallelism: world = pp x dp x tp)")->check(at_least(1))->capture_default_str();
   app.add_flag("--sp", o.sequence_parallel, "sequence parallelism with --tp: norms, dropout and residual adds on "
@@ -213,20 +169,14 @@ int main(int argc, char** argv) {
   app.add_option("--load-diopi", diopi_libraries,
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
-  loom::apps::check_integer_options(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::cerr << "loom-train: error: " << e.what() << std::endl;  // one line (not CLI11's "Run with --help" too)
-    return 2;
-  }
+  if (int rc = loom::cli::run("loom-train", [&] { loom::cli::add_run_config(app); }); rc != 0) return rc;
+  if (int rc = loom::cli::parse(app, "loom-train", argc, argv); rc >= 0) return rc;
   // The settings the user gave (command line or --config): on --resume the others are the checkpoint's.
   o.given.emplace();
   for (const CLI::Option* opt : app.get_options())
     if (opt->count() > 0 && !opt->get_lnames().empty()) o.given->insert(opt->get_lnames().front());
   if (!tf32.empty()) o.tf32 = tf32 == "on";
-  try {
+  return loom::cli::run("loom-train", [&] {
 #ifdef LOOM_WITH_DIOPI
     loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(o.device).type);
 #else
@@ -234,15 +184,5 @@ int main(int argc, char** argv) {
 #endif
     loom::train::Trainer trainer(o);
     trainer.run();
-  } catch (const loom::Error& e) {
-    std::cerr << "loom-train: error: " << without_app_prefix(e.what()) << std::endl;
-    return 1;
-  } catch (const std::bad_alloc&) {
-    std::cerr << "loom-train: error: out of host memory (is the model or the batch larger than this machine?)\n";
-    return 1;
-  } catch (const std::exception& e) {  // a directory that cannot be made, a malformed checkpoint: never an abort
-    std::cerr << "loom-train: error: " << without_app_prefix(loom::apps::error_text(e)) << std::endl;
-    return 1;
-  }
-  return 0;
+  });
 }

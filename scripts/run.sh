@@ -12,9 +12,5 @@ DATA_DIR=data/tinyshakespeare
 if [ ! -f "$DATA_DIR/tinyshakespeare_train_000000.bin" ]; then
   "$BIN/loom-prepare" --input tinyshakespeare.txt --output-dir "$DATA_DIR"
 fi
-"$BIN/loom-train" --model configs/gpt2-shakespeare.json \
-  --train-data "$DATA_DIR/tinyshakespeare_train_*.bin" --val-data "$DATA_DIR/tinyshakespeare_val_*.bin" \
-  --batch-size 8 --seq-len 128 --steps "${LOOM_STEPS:-200}" --lr 1e-3 --warmup 20 --decay cosine \
-  --eval-interval 50 --eval-batches 8 --sample-tokens 96 --sample-prompt "ROMEO:" \
-  --device "${LOOM_DEVICE:-cpu}" --log-dir out/shakespeare --checkpoint-dir out/shakespeare/checkpoints \
-  --overwrite-checkpoints --log-interval 10   # a second run of the demo replaces its checkpoints
+# The settings are configs/gpt2-shakespeare-run.toml's; flags on the command line win over it.
+"$BIN/loom-train" --config configs/gpt2-shakespeare-run.toml --steps "${LOOM_STEPS:-200}" --device "${LOOM_DEVICE:-cpu}"

@@ -5,7 +5,7 @@
 set -euo pipefail
 packages=(build-essential cmake ninja-build ccache pkg-config
           libopenblas-dev libomp-dev libgtest-dev googletest
-          nlohmann-json3-dev libcli11-dev libpcre2-dev
+          nlohmann-json3-dev libcli11-dev libpcre2-dev libtomlplusplus-dev
           openmpi-bin libopenmpi-dev python3)
 # scripts/fuzz.sh: `setup.sh fuzz` adds clang and its libFuzzer/sanitizer runtimes (libclang-rt-dev).
 if [ "${1:-}" = fuzz ]; then packages+=(clang libclang-rt-dev); fi

@@ -358,25 +358,27 @@ TEST(LoomTrainResume, ChangedSettingsArePrintedOrRefused) {
                                 "--checkpoint-dir " + dir);
   ASSERT_EQ(first.status, 0) << first.output;
   const std::string ckpt = checkpoint_file(dir, 4);
+  // Each resume below starts again from step 4: they save elsewhere, each over the last one's.
+  const std::string again = base + "--checkpoint-dir " + tmp.file("again") + " --overwrite-checkpoints ";
 
-  AppRun longer = run_loom_train(base + "--resume " + ckpt + " --steps 6");
+  AppRun longer = run_loom_train(again + "--resume " + ckpt + " --steps 6");
   ASSERT_EQ(longer.status, 0) << longer.output;
   EXPECT_NE(longer.output.find("resume: --steps 4 -> 6"), std::string::npos) << longer.output;
   EXPECT_NE(longer.output.find("schedule stays 4 steps long"), std::string::npos) << longer.output;
   auto lines = step_lines(longer.output);
   EXPECT_NE(lines[5].find("lr 1.00e-04"), std::string::npos) << "step 5 left the final learning rate\n"
                                                               << longer.output;
-  AppRun stretched = run_loom_train(base + "--resume " + ckpt + " --steps 6 --schedule-steps 6");
+  AppRun stretched = run_loom_train(again + "--resume " + ckpt + " --steps 6 --schedule-steps 6");
   ASSERT_EQ(stretched.status, 0) << stretched.output;
   EXPECT_NE(stretched.output.find("--schedule-steps 4 -> 6"), std::string::npos) << stretched.output;
   EXPECT_EQ(step_lines(stretched.output)[5].find("lr 1.00e-04"), std::string::npos) << stretched.output;
 
-  AppRun lr = run_loom_train(base + "--resume " + ckpt + " --steps 5 --lr 2e-3");
+  AppRun lr = run_loom_train(again + "--resume " + ckpt + " --steps 5 --lr 2e-3");
   ASSERT_EQ(lr.status, 0) << lr.output;
   EXPECT_NE(lr.output.find("resume: --lr 0.001 -> 0.002"), std::string::npos) << lr.output;
   EXPECT_NE(step_lines(lr.output)[5].find("lr 2.00e-04"), std::string::npos) << lr.output;
 
-  AppRun seed = run_loom_train(base + "--resume " + ckpt + " --steps 5 --seed 5");
+  AppRun seed = run_loom_train(again + "--resume " + ckpt + " --steps 5 --seed 5");
   ASSERT_EQ(seed.status, 0) << seed.output;
   EXPECT_NE(seed.output.find("resume: --seed 1337 -> 5 (the data order and the random streams continue"),
             std::string::npos) << seed.output;

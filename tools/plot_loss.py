@@ -6,8 +6,10 @@
 
 Each line of metrics.jsonl is a JSON object {"step": s, "time": t, "train/loss": ..., ...} or, after an evaluation,
 {"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc); a run without --val-data evaluates on the training
-data and logs "train_data/loss", drawn as "train data (eval)". Uses matplotlib when it is installed; otherwise a
-built-in renderer draws the plot and writes the PNG with zlib alone, so it works with a bare python3.
+data and logs "train_data/loss", drawn as "train data (eval)". Runs given the same --log-dir append to one file,
+each after a line {"run_start": true, "step": s, ...}, with "resumed_from" when it resumed at step s: the plot is of the
+newest fresh run and the resumes after it. Uses matplotlib when it is installed; otherwise a built-in renderer draws
+the plot and writes the PNG with zlib alone, so it works with a bare python3.
 """
 
 import argparse
@@ -20,8 +22,9 @@ import zlib
 
 
 def read_metrics(path):
-    """Returns ({step: train loss}, {step: val loss}, {step: evaluation loss on the training data}). A resumed run
-    appends steps again; the last value wins."""
+    """Returns ({step: train loss}, {step: val loss}, {step: evaluation loss on the training data}) of the newest
+    fresh run: a fresh run's start mark drops what came before; a resume's drops the steps after the one it resumed
+    at, which it trains again."""
     train, val, train_eval = {}, {}, {}
     with open(path, "r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -37,6 +40,11 @@ def read_metrics(path):
             if not isinstance(obj, dict) or not isinstance(obj.get("step"), (int, float)):
                 continue
             step = obj["step"]
+            if obj.get("run_start") is True:
+                for table in (train, val, train_eval):
+                    for k in [k for k in table if "resumed_from" not in obj or k > step]:
+                        del table[k]
+                continue
             for key, table in (("train/loss", train), ("val/loss", val), ("train_data/loss", train_eval)):
                 v = obj.get(key)
                 if isinstance(v, (int, float)) and math.isfinite(v):

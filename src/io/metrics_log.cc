@@ -183,6 +183,17 @@ JsonlMetricsWriter::~JsonlMetricsWriter() {
   if (file_) std::fclose(file_);
 }
 
+void JsonlMetricsWriter::write_run_start(int64_t step, const std::string& resumed_from) {
+  nlohmann::ordered_json line;
+  line["run_start"] = true;
+  line["step"] = step;
+  line["time"] = wall_time_now();
+  if (!resumed_from.empty()) line["resumed_from"] = resumed_from;
+  const std::string text = line.dump() + "\n";
+  LOOM_REQUIRE(std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0,
+               "JsonlMetricsWriter: write to ", path_, " failed: ", std::strerror(errno));
+}
+
 void JsonlMetricsWriter::write(int64_t step, const std::map<std::string, double>& values) {
   nlohmann::ordered_json line;
   line["step"] = step;

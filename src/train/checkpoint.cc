@@ -17,6 +17,7 @@
 #include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
 #include "loom/io/atomic_file.h"
+#include "loom/io/hf_model_dir.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "io/json_numbers.h"
@@ -344,6 +345,30 @@ std::shared_ptr<nn::LanguageModel> load_sharded_model(const std::string& dir) {
   }
   load_sharded_weights(dir, *model, "checkpoint");
   return model;
+}
+
+std::string resolve_checkpoint(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  LOOM_REQUIRE(!path.empty(), what, ": no checkpoint named");
+  LOOM_REQUIRE(fs::exists(path, ec), what, ": '", path, "' does not exist");
+  if (!fs::is_directory(path, ec) || is_sharded_checkpoint(path) || io::is_hf_model_dir(path)) return path;
+  const fs::path latest = fs::path(path) / "latest";
+  LOOM_REQUIRE(fs::is_regular_file(latest, ec), what, ": '", path, "' holds no checkpoint: no 'latest' file (a run's "
+               "checkpoint directory), no ", kCheckpointMetaFile, " (a sharded step directory) and no config.json (a "
+               "Hugging Face model directory)");
+  std::ifstream f(latest);
+  std::string name;
+  std::getline(f, name);
+  LOOM_REQUIRE(!name.empty() && name.find('/') == std::string::npos, what, ": '", latest.string(),
+               "' does not name a checkpoint of its directory (it holds '", name, "')");
+  const fs::path target = fs::path(path) / name;
+  LOOM_REQUIRE(fs::exists(target, ec), what, ": '", latest.string(), "' names '", name, "', which does not exist");
+  return target.string();
+}
+
+std::shared_ptr<nn::LanguageModel> load_model_from(const std::string& path, const std::string& what) {
+  const std::string resolved = resolve_checkpoint(path, what);
+  return is_sharded_checkpoint(resolved) ? load_sharded_model(resolved) : io::load_model(resolved);
 }
 
 std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir) {

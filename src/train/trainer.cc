@@ -148,6 +148,23 @@ std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const st
   return out;
 }
 
+// The model config JSON of a Loom training checkpoint (a sharded directory, or a file with the checkpoint format in
+// its metadata); "" for anything else (its own loader reports what is wrong with it).
+std::string loom_checkpoint_config(const std::string& path) {
+  if (path.empty()) return "";
+  if (is_sharded_checkpoint(path)) return ShardedCheckpointReader(path).meta().config_json;
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec) || io::is_llmc_model_file(path)) return "";
+  try {
+    io::SafetensorsReader file(path);  // the header only
+    const auto& md = file.metadata();
+    const auto format = md.find("format"), config = md.find("config");
+    return format != md.end() && format->second == kCheckpointFormat && config != md.end() ? config->second : "";
+  } catch (const Error&) {
+    return "";
+  }
+}
+
 // The run id in a checkpoint's state metadata (file or sharded directory); "" when it has none or is unreadable.
 std::string checkpoint_run_id(const std::string& path) {
   try {
@@ -179,11 +196,14 @@ std::string config_difference(const nlohmann::json& saved, const nlohmann::json&
   return "";
 }
 
-// The settings that shape a run, saved in each checkpoint's state (as "settings") by their flag names. On resume
-// (apply_settings) one the user did not give is taken from the checkpoint; a given one that differs is taken and
-// reported old -> new, except those a resume cannot change without breaking exactness (refused with the reason).
+// Every setting of loom-train, by its flag name, with the section of a config file that holds it (loom-train
+// --config; run_setting_names). Those that shape a run are saved in each checkpoint's state (as "settings"); on
+// resume (apply_settings) one the user did not give is taken from the checkpoint; a given one that differs is taken
+// and reported old -> new, except those a resume cannot change without breaking exactness (refused with the reason).
 struct RunSetting {
   const char* flag;
+  const char* section;
+  // Saved settings only (nullptr for the others): the value in TrainOptions.
   std::function<nlohmann::json(const TrainOptions&)> get;
   std::function<void(TrainOptions&, const nlohmann::json&)> set;
   const char* refused = nullptr;  // why a change is refused; nullptr: a change is taken
@@ -192,30 +212,73 @@ struct RunSetting {
 };
 
 const std::vector<RunSetting>& run_setting_table() {
-#define LOOM_SETTING(flag, field, ...)                                                                  \
+  // A setting saved in checkpoints, of TrainOptions::field.
+#define LOOM_SETTING(section, flag, field, ...)                                                         \
   RunSetting {                                                                                          \
-    flag, [](const TrainOptions& o) { return nlohmann::json(o.field); },                                \
+    flag, section, [](const TrainOptions& o) { return nlohmann::json(o.field); },                       \
         [](TrainOptions& o, const nlohmann::json& v) { v.get_to(o.field); }, __VA_ARGS__                 \
   }
+  // A setting of this run only.
+#define LOOM_RUN_FLAG(section, flag) \
+  RunSetting { flag, section, nullptr, nullptr }
   static const std::vector<RunSetting> table{
-      LOOM_SETTING("lr", lr),
-      LOOM_SETTING("warmup", warmup_steps),
-      LOOM_SETTING("decay", decay),
-      LOOM_SETTING("final-lr-fraction", final_lr_fraction),
-      LOOM_SETTING("steps", steps),
-      LOOM_SETTING("schedule-steps", schedule_steps, nullptr, true),
-      LOOM_SETTING("batch-size", batch_size, "the saved data position counts batches of B x T tokens"),
-      LOOM_SETTING("seq-len", seq_len, "the saved data position counts batches of B x T tokens"),
-      LOOM_SETTING("total-batch-tokens", total_batch_tokens, nullptr, true),
-      LOOM_SETTING("weight-decay", weight_decay),
-      LOOM_SETTING("beta1", beta1),
-      LOOM_SETTING("beta2", beta2),
-      LOOM_SETTING("eps", eps),
-      LOOM_SETTING("clip", clip),
-      LOOM_SETTING("seed", seed, nullptr, false,
+      LOOM_RUN_FLAG("model", "model"),
+      LOOM_RUN_FLAG("model", "init-from"),
+      LOOM_RUN_FLAG("model", "tokenizer"),
+      LOOM_RUN_FLAG("model", "tokenizer-path"),
+      LOOM_RUN_FLAG("model", "recompute"),
+      LOOM_RUN_FLAG("model", "recompute-mlp"),
+      LOOM_RUN_FLAG("training", "train-data"),
+      LOOM_RUN_FLAG("training", "val-data"),
+      LOOM_SETTING("training", "batch-size", batch_size, "the saved data position counts batches of B x T tokens"),
+      LOOM_SETTING("training", "seq-len", seq_len, "the saved data position counts batches of B x T tokens"),
+      LOOM_SETTING("training", "total-batch-tokens", total_batch_tokens, nullptr, true),
+      LOOM_SETTING("training", "steps", steps),
+      LOOM_SETTING("training", "seed", seed, nullptr, false,
                    "the data order and the random streams continue from the saved state; the seed only seeds the "
                    "samples"),
+      LOOM_RUN_FLAG("training", "shuffle"),
+      LOOM_RUN_FLAG("training", "device"),
+      LOOM_RUN_FLAG("training", "dtype"),
+      LOOM_RUN_FLAG("training", "tf32"),
+      LOOM_RUN_FLAG("training", "eval-interval"),
+      LOOM_RUN_FLAG("training", "eval-batches"),
+      LOOM_RUN_FLAG("training", "eval-only"),
+      LOOM_RUN_FLAG("training", "sample-interval"),
+      LOOM_RUN_FLAG("training", "sample-tokens"),
+      LOOM_RUN_FLAG("training", "sample-prompt"),
+      LOOM_RUN_FLAG("training", "load-diopi"),
+      LOOM_SETTING("optimizer", "lr", lr),
+      LOOM_SETTING("optimizer", "warmup", warmup_steps),
+      LOOM_SETTING("optimizer", "decay", decay),
+      LOOM_SETTING("optimizer", "final-lr-fraction", final_lr_fraction),
+      LOOM_SETTING("optimizer", "schedule-steps", schedule_steps, nullptr, true),
+      LOOM_SETTING("optimizer", "weight-decay", weight_decay),
+      LOOM_SETTING("optimizer", "beta1", beta1),
+      LOOM_SETTING("optimizer", "beta2", beta2),
+      LOOM_SETTING("optimizer", "eps", eps),
+      LOOM_SETTING("optimizer", "clip", clip),
+      LOOM_RUN_FLAG("checkpoint", "checkpoint-dir"),
+      LOOM_RUN_FLAG("checkpoint", "checkpoint-interval"),
+      LOOM_RUN_FLAG("checkpoint", "checkpoint-format"),
+      LOOM_RUN_FLAG("checkpoint", "keep-checkpoints"),
+      LOOM_RUN_FLAG("checkpoint", "overwrite-checkpoints"),
+      LOOM_RUN_FLAG("checkpoint", "resume"),
+      LOOM_RUN_FLAG("metrics", "log-dir"),
+      LOOM_RUN_FLAG("metrics", "log-interval"),
+      LOOM_RUN_FLAG("metrics", "peak-tflops"),
+      LOOM_RUN_FLAG("metrics", "phase-times"),
+      LOOM_RUN_FLAG("metrics", "explain-kernels"),
+      LOOM_RUN_FLAG("parallelism", "tp"),
+      LOOM_RUN_FLAG("parallelism", "sp"),
+      LOOM_RUN_FLAG("parallelism", "pp"),
+      LOOM_RUN_FLAG("parallelism", "pp-schedule"),
+      LOOM_RUN_FLAG("parallelism", "virtual-stages"),
+      LOOM_RUN_FLAG("parallelism", "zero"),
+      LOOM_RUN_FLAG("parallelism", "reduce-dtype"),
+      LOOM_RUN_FLAG("parallelism", "bucket-mb"),
   };
+#undef LOOM_RUN_FLAG
 #undef LOOM_SETTING
   return table;
 }
@@ -223,7 +286,8 @@ const std::vector<RunSetting>& run_setting_table() {
 // This run's settings; the schedule length and the tokens per step as in effect (not 0 = derived).
 nlohmann::json run_settings(const TrainOptions& o, int64_t schedule_steps, int64_t total_batch_tokens) {
   nlohmann::json j = nlohmann::json::object();
-  for (const RunSetting& s : run_setting_table()) j[s.flag] = s.get(o);
+  for (const RunSetting& s : run_setting_table())
+    if (s.get) j[s.flag] = s.get(o);
   j["schedule-steps"] = schedule_steps;
   j["total-batch-tokens"] = total_batch_tokens;
   return j;
@@ -236,7 +300,7 @@ std::string setting_str(const nlohmann::json& v) { return v.is_string() ? v.get<
 void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<std::string>* changes,
                     const std::string& path = "") {
   for (const RunSetting& s : run_setting_table()) {
-    if (!saved.contains(s.flag)) continue;
+    if (!s.get || !saved.contains(s.flag)) continue;
     const nlohmann::json old = saved.at(s.flag), now = s.get(o);
     // 0 = derive it: from the checkpoint on the command line; in library use (no `given`) from this run, as before.
     if (changes && !o.given && s.zero_is_unset && now == 0) continue;
@@ -260,6 +324,12 @@ void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<st
 
 }  // namespace
 
+std::vector<SettingName> run_setting_names() {
+  std::vector<SettingName> out;
+  for (const RunSetting& s : run_setting_table()) out.push_back({s.flag, s.section});
+  return out;
+}
+
 Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::make_unique<Logs>()) {
   {
     std::random_device rd;
@@ -270,9 +340,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   // Resume: the checkpoint's model and settings come first; everything below sees the merged options.
   std::string saved_config;
   if (!opts_.resume.empty()) {
-    resume_path_ = resolve_resume_path(opts_.resume);
+    resume_path_ = resolve_checkpoint(opts_.resume, "--resume");
     saved_config = adopt_checkpoint_settings(resume_path_);
+    // From the command line, a resumed run goes on saving where it was saved unless --checkpoint-dir says otherwise.
+    if (opts_.given && !opts_.given->count("checkpoint-dir") && !opts_.eval_only) {
+      const fs::path dir = fs::path(resume_path_).parent_path();
+      opts_.checkpoint_dir = dir.empty() ? "." : dir.string();
+      checkpoint_dir_from_resume_ = true;
+    }
   }
+  if (!opts_.init_from.empty()) opts_.init_from = resolve_checkpoint(opts_.init_from, "--init-from");
   LOOM_REQUIRE(!opts_.eval_only || !opts_.init_from.empty() || !opts_.resume.empty() ||
                    (io::is_hf_model_dir(opts_.model) && !io::read_hf_model_dir(opts_.model).weight_files.empty()),
                "loom-train: --eval-only evaluates trained weights: give --init-from or --resume",
@@ -322,7 +399,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const bool hf_model_given = opts_.given ? opts_.given->count("model") > 0 : opts_.model != TrainOptions{}.model;
   const bool llmc_init = !hf_init && !opts_.init_from.empty() && !is_sharded_checkpoint(opts_.init_from) &&
                          io::is_llmc_model_file(opts_.init_from);
+  // A Loom checkpoint as --init-from brings its model unless --model is given (then its shapes are checked as its
+  // weights load).
+  const std::string init_config = hf_init || llmc_init ? "" : loom_checkpoint_config(opts_.init_from);
   nn::ModelConfig cfg = !saved_config.empty() && !model_given ? nn::ModelConfig::from_json(saved_config)
+                        : !init_config.empty() && !model_given ? nn::ModelConfig::from_json(init_config)
                         : llmc_init && !model_given ? io::llmc_read_config(opts_.init_from)
                         : nn::ModelConfig::from_name(hf_init && !hf_model_given ? opts_.init_from : opts_.model);
   if (hf_init && hf_model_given && saved_config.empty()) {  // --model and a model directory's weights: the same shapes
@@ -512,12 +593,15 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   // The checkpoint directory must be writable now, not at the first save after the training ran.
   if (!opts_.checkpoint_dir.empty() && is_rank0_) {
     std::error_code ec;
+    const char* whose = checkpoint_dir_from_resume_ ? " (the directory resumed from, where a resumed run saves unless "
+                                                      "--checkpoint-dir names another)"
+                                                    : "";
     fs::create_directories(opts_.checkpoint_dir, ec);
-    LOOM_REQUIRE(!ec, "--checkpoint-dir: cannot create '", opts_.checkpoint_dir, "': ", ec.message());
+    LOOM_REQUIRE(!ec, "--checkpoint-dir: cannot create '", opts_.checkpoint_dir, "'", whose, ": ", ec.message());
     try {
       io::AtomicFileWriter probe((fs::path(opts_.checkpoint_dir) / ".loom_write_probe").string());
     } catch (const Error&) {
-      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' is not writable");
+      LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "'", whose, " is not writable");
     }
     // Temporaries of writes killed in earlier runs (a killed loom-train leaves its half-written checkpoint behind).
     for (const std::string& stale : io::remove_stale_temporaries(opts_.checkpoint_dir, io::process_start_time()))
@@ -527,12 +611,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::error_code ec;
     fs::create_directories(opts_.log_dir, ec);
     LOOM_REQUIRE(!ec, "--log-dir: cannot create '", opts_.log_dir, "': ", ec.message());
-    bool resuming = !opts_.resume.empty();
-    logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(), resuming);
+    // Appended to, never truncated: an earlier run's lines stay, this run's start after its mark (write_run_start).
+    logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(),
+                                                            /*append=*/true);
     logs_->tensorboard = std::make_unique<io::TensorBoardWriter>(opts_.log_dir);
   }
   if (!opts_.resume.empty()) load_checkpoint(resume_path_);
   if (!opts_.eval_only) check_checkpoint_targets();
+  if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_);
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
@@ -555,6 +641,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                 << opts_.zero_stage << ", recompute " << opts_.recompute << "\n";
     if (pipeline_) std::cout << pipeline_->describe() << "\n";
     if (step_ > 0) std::cout << "resumed at step " << step_ << "\n";
+    if (checkpoint_dir_from_resume_)
+      std::cout << "checkpoints: saved to " << opts_.checkpoint_dir << ", the directory resumed from "
+                << "(--checkpoint-dir to save elsewhere)\n";
     std::cout.flush();
   }
   if (opts_.phase_times) phase_timer_ = std::make_unique<PhaseTimer>(device_);
@@ -648,7 +737,10 @@ double Trainer::evaluate(int64_t batches) {
   data::DataLoader* loader = val_loader_ ? val_loader_.get() : train_loader_.get();
   data::LoaderPosition saved = loader->position();
   if (val_loader_) loader->reset();  // always the same validation batches, so evaluations compare
-  int64_t n = std::max<int64_t>(1, std::min(batches, loader->batches_per_epoch()));
+  // batches <= 0: the whole split (every batch of B x T tokens it holds, once).
+  const int64_t n = batches > 0 ? std::min(batches, loader->batches_per_epoch()) : loader->batches_per_epoch();
+  LOOM_REQUIRE(n > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
+               opts_.batch_size, " x ", opts_.seq_len, " tokens");
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
@@ -749,12 +841,14 @@ void Trainer::run() {
     if (!text.empty() && !opts_.quiet) std::cout << "--- sample at step " << step_ << " ---\n" << text << "\n---" << std::endl;
   };
   if (opts_.eval_only) {  // --eval-only: the loaded weights' loss, nothing trained or written
-    const int64_t batches = std::max<int64_t>(1, opts_.eval_batches);
+    data::DataLoader& loader = val_loader_ ? *val_loader_ : *train_loader_;
+    const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, loader.batches_per_epoch())
+                                                   : loader.batches_per_epoch();
     train_loader_->reset();  // from the data's start, wherever a resumed run had got to
     nn::check_finite_parameters(*model_, "--eval-only: " + (opts_.resume.empty() ? opts_.init_from.empty()
                                                                                       ? opts_.model : opts_.init_from
                                                                                 : resume_path_));
-    const double loss = evaluate(batches);
+    const double loss = evaluate(opts_.eval_batches);
     if (is_rank0_) {
       std::printf("eval: loss %.6f | perplexity %.4f | %ld batch(es) of %ld x %ld tokens of the %s data\n", loss,
                   std::exp(loss), long(batches), long(opts_.batch_size), long(opts_.seq_len),
@@ -915,21 +1009,6 @@ std::string Trainer::optimizer_shard_path(const std::string& checkpoint) const {
   fs::path p = checkpoint;
   return (p.parent_path() / (p.stem().string() + ".optim-rank" + std::to_string(world_->rank()) + ".safetensors"))
       .string();
-}
-
-std::string Trainer::resolve_resume_path(const std::string& resume) const {
-  fs::path p = resume;
-  if (fs::is_directory(p) && !is_sharded_checkpoint(resume)) {  // a checkpoint directory: its latest
-    fs::path latest = p / "latest";
-    LOOM_REQUIRE(fs::exists(latest), "resume: checkpoint directory '", resume, "' has no 'latest' file");
-    std::ifstream f(latest);
-    std::string name;
-    std::getline(f, name);
-    LOOM_REQUIRE(!name.empty(), "resume: '", latest.string(), "' is empty");
-    p = p / name;
-  }
-  LOOM_REQUIRE(fs::exists(p), "resume: checkpoint '", p.string(), "' does not exist");
-  return p.string();
 }
 
 void Trainer::save_checkpoint(const std::string& path) {

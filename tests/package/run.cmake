@@ -81,7 +81,7 @@ endif()
 set(expected "LOOM_PROVIDERS names provider 'cpu_smaple', which no kernel is registered under; providers: [^\n]*native")
 run_installed(${outside} ${CMAKE_COMMAND} -E env LOOM_PROVIDERS=cpu_smaple:gemm
               ${prefix}/bin/loom-conformance --provider native --op add --dtype f32)
-if(NOT rc OR NOT err MATCHES "^loom-conformance: ${expected}[^\n]*\n$")
+if(NOT rc OR NOT err MATCHES "^loom-conformance: error: ${expected}[^\n]*\n$")
   file(REMOVE_RECURSE ${outside})
   message(FATAL_ERROR "loom-conformance with LOOM_PROVIDERS=cpu_smaple:gemm (exit ${rc}):\n${out}${err}")
 endif()

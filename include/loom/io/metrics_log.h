@@ -29,6 +29,10 @@ class JsonlMetricsWriter {
   JsonlMetricsWriter& operator=(const JsonlMetricsWriter&) = delete;
 
   void write(int64_t step, const std::map<std::string, double>& values);
+  // Marks where a run's lines start, so that runs appended to one file stay apart:
+  // {"run_start": true, "step": s, "time": t} for a fresh run, with "resumed_from": "<checkpoint>" for a resumed one
+  // (whose steps after s replace the earlier run's).
+  void write_run_start(int64_t step, const std::string& resumed_from = "");
   const std::string& path() const { return path_; }
 
  private:

@@ -129,6 +129,16 @@ std::shared_ptr<nn::LanguageModel> load_sharded_model(const std::string& dir);
 // Copies a sharded checkpoint's weights into `model` (built with the same config, not split), names and shapes checked.
 void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, const char* what);
 
+// The checkpoint a name given to an app means, the same in every app (loom-train --resume and --init-from,
+// loom-generate -m, loom-export --checkpoint): a file, or a sharded step_NNNNNN/ directory, is itself; a run's
+// checkpoint directory (--checkpoint-dir) means the checkpoint its `latest` file names; a Hugging Face model directory
+// (config.json) is itself. Throws, starting with `what` (the flag), for a path that does not exist, a `latest` naming
+// nothing there, and a directory that is none of these.
+std::string resolve_checkpoint(const std::string& path, const std::string& what);
+// The model and weights behind such a name (resolve_checkpoint), or behind an llm.c model file: a Loom checkpoint's
+// own model, consolidated when sharded (loom-generate, loom-export).
+std::shared_ptr<nn::LanguageModel> load_model_from(const std::string& path, const std::string& what);
+
 // Removes the temporary directories of sharded checkpoint writes whose writer is gone (killed runs): entries of
 // `dir` named ".loom.tmp.step_NNNNNN.<pid>" whose pid (the last dot-separated field) runs no more on this host.
 std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir);

@@ -55,7 +55,7 @@ struct TrainOptions {
   std::string device = "cpu";
   std::string dtype = "f32";         // f32, or bf16/f16 mixed precision (f32 master weights, see loom/amp.h)
   int64_t eval_interval = 50;        // 0 = never (and at the end)
-  int64_t eval_batches = 8;
+  int64_t eval_batches = 8;          // 0 = the whole validation split
   int64_t sample_interval = 0;       // 0 = only at the end
   int64_t sample_tokens = 64;
   std::string sample_prompt = "\n";
@@ -64,7 +64,9 @@ struct TrainOptions {
   // without either, GPT-2's vocabulary is looked for at the first sample, and LLaMA models print how to get samples.
   std::string tokenizer;
   std::string tokenizer_path;        // gpt2: the encoder.json/vocab.bpe directory; llama3: Meta's tokenizer.model
-  std::string checkpoint_dir;        // empty = no checkpoints
+  // Empty: no checkpoints; except that a resume with `given` (loom-train's command line) not naming "checkpoint-dir"
+  // saves into the directory of the checkpoint it resumed from.
+  std::string checkpoint_dir;
   int64_t checkpoint_interval = 0;   // 0 = only at the end
   std::string resume;                // a checkpoint file or sharded directory, a checkpoint dir (its latest), or empty
   // "sharded": every rank writes its pieces of the model and AdamW state in parallel into step_NNNNNN/ with a
@@ -87,7 +89,9 @@ struct TrainOptions {
   // Device time per phase of each step (forward, backward, gradient sync, optimizer, loss average; PhaseTimer), in
   // metrics.jsonl as perf/phase_ms/<phase> and as medians at the end of the run.
   bool phase_times = false;
-  std::string log_dir;               // metrics.jsonl and a TensorBoard event file; empty = console only
+  // metrics.jsonl (appended to, each run's lines after a mark of its start) and a TensorBoard event file (one per
+  // run); empty = console only.
+  std::string log_dir;
   int64_t log_interval = 1;
   double peak_tflops = 0;            // for MFU; 0 = the device's known bf16 peak, if any
   std::optional<bool> tf32;          // f32 matrix products in TF32 (loom::set_allow_tf32); nullopt: as set (off)
@@ -124,6 +128,14 @@ struct TrainOptions {
   double dist_timeout_seconds = 300;  // a collective waiting longer than this throws (a dead rank)
 };
 
+// Every loom-train setting: its flag name without dashes ("batch-size") and the section of a config file that holds
+// it ("model", "training", "optimizer", "checkpoint", "metrics" or "parallelism"), in the one table of them (with
+// what a resume takes from a checkpoint) in trainer.cc.
+struct SettingName {
+  std::string flag, section;
+};
+std::vector<SettingName> run_setting_names();
+
 struct StepStats {
   int64_t step = 0;  // 1-based, after the update
   double loss = 0;
@@ -159,7 +171,8 @@ class Trainer {
   void run();
   // One optimizer step (all micro-batches).
   StepStats train_step();
-  // Mean loss over the first `batches` validation batches (the training data if no validation data was given).
+  // Mean loss over the first `batches` validation batches (the training data if no validation data was given); every
+  // batch of the split when batches <= 0.
   double evaluate(int64_t batches);
   std::string sample(int64_t tokens);
 
@@ -175,7 +188,6 @@ class Trainer {
  private:
   void log_step(const StepStats& s);
   std::string checkpoint_path(int64_t step) const;
-  std::string resolve_resume_path(const std::string& resume) const;
   // Throws naming the first existing checkpoint this run would write over (unless overwrite_checkpoints).
   void check_checkpoint_targets() const;
 
@@ -218,6 +230,7 @@ class Trainer {
   std::string adopt_checkpoint_settings(const std::string& path);
   void remove_old_checkpoints();  // --keep-checkpoints
   std::string resume_path_;       // resolved once
+  bool checkpoint_dir_from_resume_ = false;  // checkpoint_dir is the resumed checkpoint's (not given)
   std::string run_id_;            // written into every checkpoint; retention removes only this run's
   double peak_flops_ = 0;
   std::vector<StepStats> history_;

@@ -1,0 +1,142 @@
+// The apps' shared command-line conventions (cli.h).
+#include "cli/cli.h"
+
+#include <algorithm>
+#include <cctype>
+#include <iostream>
+#include <new>
+#include <sstream>
+
+#include "checked_options.h"
+#include "loom/common/error.h"
+#include "loom/common/version.h"
+
+namespace loom::cli {
+
+namespace {
+
+// "--Learning_Rate=1e-3" -> "learning-rate": how flags are compared.
+std::string normalized(std::string flag) {
+  flag = flag.substr(0, flag.find('='));
+  flag.erase(0, flag.find_first_not_of('-'));
+  for (char& c : flag) c = c == '_' ? '-' : char(std::tolower(static_cast<unsigned char>(c)));
+  return flag;
+}
+
+// Edits (insertion, deletion, substitution, swap of neighbours) that turn a into b.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "learning-rate" -> "lr".
+std::string initials(const std::string& words) {
+  std::string out;
+  for (size_t i = 0; i < words.size(); ++i)
+    if (words[i] != '-' && (i == 0 || words[i - 1] == '-')) out += words[i];
+  return out;
+}
+
+// What CLI11 says, as one line.
+std::string one_line(const std::string& text) {
+  std::istringstream in(text);
+  std::string line, out;
+  while (std::getline(in, line)) {
+    line.erase(0, line.find_first_not_of(" \t"));
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.pop_back();
+    if (line.empty()) continue;
+    out += (out.empty() ? "" : "; ") + line;
+  }
+  return out;
+}
+
+// The first argument CLI11 did not take that looks like a flag (not a negative number), "" when none.
+std::string unknown_flag(const CLI::App& app) {
+  for (const std::string& arg : app.remaining())
+    if (arg.size() > 1 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1])) && arg[1] != '.')
+      return arg.substr(0, arg.find('='));
+  return "";
+}
+
+// CLI11's "The following arguments were not expected: 1e-3 --learning-rate" as what the user most likely meant.
+std::string unexpected_arguments(const CLI::App& app, const std::string& name) {
+  if (const std::string flag = unknown_flag(app); !flag.empty()) {
+    const std::string near = nearest_name(flag, long_flags(app));
+    return "unknown flag " + flag + (near.empty() ? "" : " (did you mean " + near + "?)") + "; " + name +
+           " --help lists the flags";
+  }
+  const std::vector<std::string> extra = app.remaining();
+  return "unexpected argument '" + (extra.empty() ? std::string() : extra.front()) + "' (each flag takes one value; " +
+         name + " --help lists the flags)";
+}
+
+}  // namespace
+
+std::vector<std::string> long_flags(const CLI::App& app) {
+  std::vector<std::string> out;
+  for (const CLI::Option* opt : app.get_options())
+    for (const std::string& n : opt->get_lnames()) out.push_back("--" + n);
+  return out;
+}
+
+std::string nearest_name(const std::string& typed, const std::vector<std::string>& known) {
+  const std::string t = normalized(typed);
+  if (t.empty()) return "";
+  for (const std::string& k : known)  // an abbreviation of what was typed: --learning-rate for --lr
+    if (t.find('-') != std::string::npos && normalized(k) == initials(t)) return k;
+  std::string best;
+  size_t best_distance = std::max<size_t>(1, t.size() / 3) + 1;  // more edits than this: not a typo of it
+  for (const std::string& k : known) {
+    const size_t d = edit_distance(t, normalized(k));
+    if (d < best_distance) best_distance = d, best = k;
+  }
+  return best;
+}
+
+void print_error(const std::string& name, const std::string& message) {
+  std::string text = one_line(message);
+  const std::string prefix = name + ": ";
+  if (text.rfind(prefix, 0) == 0) text.erase(0, prefix.size());
+  if (text.rfind("error: ", 0) == 0) text.erase(0, 7);
+  std::cout.flush();
+  std::cerr << name << ": error: " << text << std::endl;
+}
+
+int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
+  apps::check_integer_options(app);
+  app.set_version_flag("--version", [name] {
+    std::string text = version_text(name);
+    if (!text.empty() && text.back() == '\n') text.pop_back();  // CLI11 ends it with a newline
+    return text;
+  }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    // A misspelt required flag is reported as what it is, not as the flag missing.
+    const bool unknown = dynamic_cast<const CLI::ExtrasError*>(&e) ||
+                         (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
+    print_error(name, unknown ? unexpected_arguments(app, name) : e.what());
+    return 2;
+  }
+  return -1;
+}
+
+int run(const std::string& name, const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
+    print_error(name, apps::error_text(e));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,38 @@
+// What every Loom app's command line shares: --version, errors as one "APP: error: ..." line on stderr, an unknown
+// flag answered with the nearest known one, and the run of the app's body with every exception turned into that line.
+//
+//   CLI::App app{"loom-foo: ..."};
+//   ... add options ...
+//   if (int rc = loom::cli::parse(app, "loom-foo", argc, argv); rc >= 0) return rc;
+//   return loom::cli::run("loom-foo", [&] { ... });
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace loom::cli {
+
+// Adds --version (loom::version_text) and the range check of integer options (checked_options.h), parses, and
+// returns -1 when the app should go on; otherwise the exit status to return: 0 after --help or --version (printed on
+// stdout), 2 after a bad command line (one error line).
+int parse(CLI::App& app, const std::string& name, int argc, char** argv);
+
+// Prints "APP: error: <message>" as one line: a message that starts with "APP: " says the name once, and the lines
+// of a message of several are joined with "; ".
+void print_error(const std::string& name, const std::string& message);
+
+// Runs the app's body: returns 0, or 1 after printing what it threw as one error line (std::bad_alloc as running out
+// of host memory).
+int run(const std::string& name, const std::function<void()>& body);
+
+// The name in `known` nearest to `typed` (dashes and underscores alike): the one whose words' initials spell it
+// ("learning-rate" -> "lr"), else the one fewest edits away when that is few for its length; "" when none is near.
+std::string nearest_name(const std::string& typed, const std::vector<std::string>& known);
+
+// The long flags of `app` ("--lr", ...), for nearest_name.
+std::vector<std::string> long_flags(const CLI::App& app);
+
+}  // namespace loom::cli

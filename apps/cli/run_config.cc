@@ -1,0 +1,252 @@
+// loom-train's config files (run_config.h): TOML through toml++, JSON through nlohmann/json, both mapped through the
+// trainer's table of settings.
+#include "cli/run_config.h"
+
+#include <cstdio>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <toml++/toml.h>
+
+#include "cli/cli.h"
+#include "loom/common/error.h"
+#include "loom/io/json_file.h"
+#include "loom/train/trainer.h"
+
+namespace loom::cli {
+
+namespace {
+
+// "batch_size" -> "batch-size": keys are compared as flags are spelled.
+std::string flag_of(std::string key) {
+  for (char& c : key) c = c == '_' ? '-' : c;
+  return key;
+}
+
+// "batch-size" -> "batch_size": how keys are shown.
+std::string key_of(std::string flag) {
+  for (char& c : flag) c = c == '-' ? '_' : c;
+  return flag;
+}
+
+std::string number_text(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// One key of the file: where it is ("run.toml:3" or "run.json"), the section it is in ("" at the top) and its values.
+struct Entry {
+  std::string where, section, key;
+  std::vector<std::string> values;
+};
+
+// Checks every key against the settings table and turns the entries into CLI11 items.
+class Mapper {
+ public:
+  explicit Mapper(std::string path) : path_(std::move(path)) {
+    for (const train::SettingName& s : train::run_setting_names()) {
+      section_of_[s.flag] = s.section;
+      sections_.insert(s.section);
+    }
+  }
+
+  bool is_section(const std::string& name) const { return sections_.count(flag_of(name)) > 0; }
+
+  [[noreturn]] void fail(const std::string& where, const std::string& what) const {
+    throw CLI::ConfigError("--config " + where + ": " + what);
+  }
+
+  std::string section_list() const {
+    std::string out;
+    for (const std::string& s : sections_) out += (out.empty() ? "[" : ", [") + s + "]";
+    return out;
+  }
+
+  void unknown_section(const std::string& where, const std::string& name) const {
+    std::vector<std::string> known(sections_.begin(), sections_.end());
+    const std::string near = nearest_name(name, known);
+    fail(where, "unknown section [" + name + "]" + (near.empty() ? "" : " (did you mean [" + near + "]?)") +
+                    "; the sections are " + section_list());
+  }
+
+  void add(const Entry& e) {
+    const std::string flag = flag_of(e.key);
+    const auto it = section_of_.find(flag);
+    const std::string in = e.section.empty() ? "" : " in [" + e.section + "]";
+    if (it == section_of_.end()) {
+      std::vector<std::string> known;
+      for (const auto& [f, s] : section_of_)
+        if (e.section.empty() || s == flag_of(e.section)) known.push_back(key_of(f));
+      const std::string near = nearest_name(e.key, known);
+      fail(e.where, "unknown key '" + e.key + "'" + in + (near.empty() ? "" : " (did you mean '" + near + "'?)") +
+                        "; the keys are loom-train's long flags (loom-train --help)");
+    }
+    if (!e.section.empty() && it->second != flag_of(e.section))
+      fail(e.where, "'" + e.key + "' belongs in [" + it->second + "], not [" + e.section + "]");
+    if (!seen_.insert(flag).second) fail(e.where, "'" + e.key + "' is set twice");
+    CLI::ConfigItem item;
+    item.name = flag;
+    item.inputs = e.values;
+    items_.push_back(std::move(item));
+  }
+
+  const std::string& path() const { return path_; }
+  std::vector<CLI::ConfigItem> items() && { return std::move(items_); }
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> section_of_;  // flag -> section
+  std::set<std::string> sections_;
+  std::set<std::string> seen_;
+  std::vector<CLI::ConfigItem> items_;
+};
+
+// ---- TOML ----
+
+std::string toml_where(const std::string& path, const toml::source_region& at) {
+  return path + ":" + std::to_string(at.begin.line);
+}
+
+std::optional<std::string> toml_scalar(const toml::node& v) {
+  switch (v.type()) {
+    case toml::node_type::string: return std::string(*v.value<std::string_view>());
+    case toml::node_type::integer: return std::to_string(*v.value<int64_t>());
+    case toml::node_type::floating_point: return number_text(*v.value<double>());
+    case toml::node_type::boolean: return *v.value<bool>() ? "true" : "false";
+    default: return std::nullopt;
+  }
+}
+
+void toml_entry(Mapper& m, const std::string& section, const toml::key& key, const toml::node& value) {
+  Entry e{toml_where(m.path(), key.source()), section, std::string(key.str()), {}};
+  if (const toml::array* list = value.as_array()) {
+    for (const toml::node& v : *list) {
+      std::optional<std::string> s = toml_scalar(v);
+      if (!s) m.fail(e.where, "'" + e.key + "' must be a list of strings, numbers or booleans");
+      e.values.push_back(*s);
+    }
+  } else if (std::optional<std::string> s = toml_scalar(value)) {
+    e.values.push_back(*s);
+  } else {
+    m.fail(e.where, "'" + e.key + "' must be a string, number, boolean or a list of them");
+  }
+  m.add(e);
+}
+
+std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::string& text) {
+  toml::table doc;
+  try {
+    doc = toml::parse(text, path);
+  } catch (const toml::parse_error& e) {
+    throw CLI::ConfigError("--config " + toml_where(path, e.source()) + ": not valid TOML: " +
+                           std::string(e.description()));
+  }
+  Mapper m(path);
+  for (const auto& [key, value] : doc) {
+    if (const toml::table* section = value.as_table()) {
+      const std::string name(key.str());
+      if (!m.is_section(name)) m.unknown_section(toml_where(path, key.source()), name);
+      for (const auto& [k, v] : *section) {
+        if (v.is_table()) m.unknown_section(toml_where(path, k.source()), name + "." + std::string(k.str()));
+        toml_entry(m, name, k, v);
+      }
+    } else {
+      toml_entry(m, "", key, value);
+    }
+  }
+  return std::move(m).items();
+}
+
+// ---- JSON ----
+
+void json_entry(Mapper& m, const std::string& section, const std::string& key, const nlohmann::json& value) {
+  Entry e{m.path(), section, key, {}};
+  auto scalar = [&](const nlohmann::json& v) -> std::string {
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_boolean() || v.is_number()) return v.dump();
+    m.fail(e.where, "'" + key + "' must be a string, number, boolean or a list of them, got " + io::json_excerpt(v));
+  };
+  if (value.is_array())
+    for (const auto& v : value) e.values.push_back(scalar(v));
+  else
+    e.values.push_back(scalar(value));
+  m.add(e);
+}
+
+std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::string& text) {
+  nlohmann::json doc;
+  try {
+    doc = io::parse_json(text, "--config " + path);  // nesting bounded
+  } catch (const Error& e) {
+    throw CLI::ConfigError(e.what());
+  }
+  Mapper m(path);
+  if (!doc.is_object()) m.fail(path, "must hold a JSON object of settings, got " + std::string(doc.type_name()));
+  for (const auto& [key, value] : doc.items()) {
+    if (value.is_object()) {
+      if (!m.is_section(key)) m.unknown_section(path, key);
+      for (const auto& [k, v] : value.items()) {
+        if (v.is_object()) m.unknown_section(path, key + "." + k);
+        json_entry(m, key, k, v);
+      }
+    } else {
+      json_entry(m, "", key, value);
+    }
+  }
+  return std::move(m).items();
+}
+
+// CLI11 hands the formatter the file's stream; the path comes from --config itself, for the messages.
+class RunConfigFormatter : public CLI::Config {
+ public:
+  explicit RunConfigFormatter(const CLI::Option* config) : config_(config) {}
+
+  std::string to_config(const CLI::App*, bool, bool, std::string) const override { return ""; }
+
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    const std::string text((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
+    const std::string path = config_->results().empty() ? "" : config_->results().back();
+    return read_run_config(path, text);
+  }
+
+ private:
+  const CLI::Option* config_;
+};
+
+}  // namespace
+
+std::vector<CLI::ConfigItem> read_run_config(const std::string& path, const std::string& text) {
+  const auto dot = path.find_last_of('.');
+  const std::string ext = dot == std::string::npos ? "" : path.substr(dot);
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  const bool json = ext == ".json" || (ext != ".toml" && first != std::string::npos && text[first] == '{');
+  return json ? read_json(path, text) : read_toml(path, text);
+}
+
+void add_run_config(CLI::App& app) {
+  // Every configurable long option is a setting of the table and every setting an option.
+  std::set<std::string> flags, options;
+  for (const train::SettingName& s : train::run_setting_names()) flags.insert(s.flag);
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->get_configurable() && !opt->get_lnames().empty()) options.insert(opt->get_lnames().front());
+  options.erase("help");
+  for (const std::string& o : options)
+    LOOM_CHECK(flags.count(o), "--", o, " is not in the trainer's table of settings (run_setting_table)");
+  for (const std::string& f : flags)
+    LOOM_CHECK(options.count(f), "setting '", f, "' of run_setting_table has no flag");
+  CLI::Option* config = app.set_config("--config", "",
+                                       "read settings from a TOML file ([model], [training], [optimizer], "
+                                       "[checkpoint], [metrics] and [parallelism] sections, or flat keys) or the "
+                                       "same in JSON; keys are the long flags (batch_size or batch-size); the "
+                                       "command line wins (docs/TRAINING.md)");
+  config->configurable(false);
+  app.config_formatter(std::make_shared<RunConfigFormatter>(config));
+  app.allow_config_extras(CLI::config_extras_mode::error);
+}
+
+}  // namespace loom::cli
