@@ -123,7 +123,7 @@ TEST_F(VerifiedRouting, WrongLibraryIsKeptOutRightOneServes) {
   EXPECT_EQ(w->status, "failed");
   EXPECT_GT(w->failed, 0);
   EXPECT_EQ(r->status, "verified");
-  EXPECT_GT(r->cases - r->declined, 100);
+  EXPECT_GT(r->cases - r->declined, 50);
   EXPECT_EQ(r->interface, "loom-abi 1.2");
   EXPECT_NE(w->library_hash, r->library_hash);  // two files, two builds
 }

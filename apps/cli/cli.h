@@ -9,6 +9,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "checked_options.h"  // apps::error_text: an exception in Loom's words
+
 #include <functional>
 #include <string>
 #include <vector>

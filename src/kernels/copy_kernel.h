@@ -13,7 +13,12 @@ namespace loom {
 using CopyKernel = void(const DeviceContext&, const Tensor& src, Tensor& dst);
 LOOM_DECLARE_OP(copy, CopyKernel,
                 OpSchema().leading_dims("A").in("src", "A B C", DTypeRule::kAny).layout(Layout::kStrided).out("dst", "A B C")
-                    .layout(Layout::kStrided));
+                    .layout(Layout::kStrided)
+                    .special_values("IEEE between floating dtypes; NaN and inf have no integer value, so an integer dst "
+                                    "gets finite sources only")
+                    .case_rule([](SuiteCase& c, const OpSchema&) {
+                      if (!is_floating(c.dtype) && !c.values.empty()) c.values[0] = ValueClass::kNormal;
+                    }));
 
 struct FillAttrs {
   double value = 0;
