@@ -983,9 +983,14 @@ static double act_fwd(enum Act a, double x) {
 
 static double act_grad(enum Act a, double x) {
   switch (a) {
-    case GELU: return 0.5 * (1 + erf(x * 0.70710678118654752440)) + x * exp(-0.5 * x * x) * 0.39894228040143267794;
+    /* Where the curve is flat (an infinite x, or tanh saturated) the derivative is its limit, 1 or 0: the formula's
+     * x * 0 would give NaN for x = +-inf. */
+    case GELU:
+      if (isinf(x)) return x > 0 ? 1 : 0;
+      return 0.5 * (1 + erf(x * 0.70710678118654752440)) + x * exp(-0.5 * x * x) * 0.39894228040143267794;
     case GELU_TANH: {
       const double t = tanh(kSqrt2OverPi * (x + kGeluC * x * x * x));
+      if (fabs(t) == 1) return t > 0 ? 1 : 0;
       return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * kSqrt2OverPi * (1 + 3 * kGeluC * x * x);
     }
     default: {

@@ -31,12 +31,12 @@ struct IndexAttrs {
   int64_t dim = 0;
   LOOM_FIELDS(IndexAttrs, dim);
 };
-// x contiguous, index 1-D (i32/i64) contiguous; out contiguous, x's shape with index.numel() along dim:
+// x contiguous (any rank), index 1-D (i32/i64) contiguous; out contiguous, x's shape with index.numel() along dim:
 // out[.., j, ..] = x[.., index[j], ..]. Throws loom::Error for an index outside [0, x.size(dim)).
 using IndexSelectKernel = void(const DeviceContext&, const Tensor& x, const Tensor& index, const IndexAttrs&,
                                Tensor& out);
 LOOM_DECLARE_OP(index_select, IndexSelectKernel,
-                OpSchema().in("x", "A B C").in("index", "J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:x")
+                OpSchema().leading_dims("A").in("x", "A B C").in("index", "J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:x")
                     .out("out", "").shape_fn([](const SuiteCase& c) {
                       Shape s{c.dim("A"), c.dim("B"), c.dim("C")};
                       s[size_t(c.attr_int("dim"))] = c.dim("J");
