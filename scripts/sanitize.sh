@@ -4,6 +4,7 @@
 # libFuzzer targets of tests/fuzz/ (LOOM_FUZZ=ON: libloom carries the fuzzer's coverage instrumentation, which
 # the tests ignore). Any ASan or UBSan report fails the test that triggered it (halt_on_error; UBSan does not
 # recover). With LOOM_FUZZ_SECONDS set, scripts/fuzz.sh then runs every target that long from the same build.
+# CI does not run it (its time budget: .ci/run's header); run it by hand before a release.
 #
 # Left out of the sanitized ctest run, each for a reason (they run in the normal build, scripts/test.sh):
 #   - CUDA (LOOM_CUDA=OFF): ASan cannot watch device memory, and CI has no GPU (compute-sanitizer is the tool there).
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 ./scripts/fetch_gpt2_vocab.sh >/dev/null || echo "warning: could not fetch the GPT-2 vocabulary; tokenizer tests will skip"
 BUILD_DIR=${LOOM_SANITIZE_DIR:-build-sanitize}
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-SLOW='ShardedCheckpointFromMpirun|^Providers\.NativeKernelsPassTheSuite$|^PlantedBugs\.|^Mutation\.|^NaiveReference\.NativeKernelsAgree|^InfiniOps\.loom_conformance_cpu$|^diopi\.conformance_sample$'
+SLOW='ShardedCheckpointFromMpirun|^Providers\.NativeKernelsPassTheSuite$|^Providers\.ConformanceChecksTheStridedAttentionOpsAgainstThePlainOnes$|^Diopi\.ConformanceThroughTheBridge$|^ConformanceCoverage\.ALibraryWrongInOneRegionFails$|^PlantedBugs|^mutation\.|^check_calls\.|^InfiniOps\.loom_conformance_cpu$|^diopi\.conformance_sample$'
 start=$(date +%s)
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
