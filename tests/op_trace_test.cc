@@ -222,7 +222,7 @@ TEST(OpTrace, LoomConformanceRefusesABadTraceInOneLine) {
   EXPECT_NE(WEXITSTATUS(status), 0);
   std::ifstream f(out);
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(text, "loom-conformance: trace '" + dir.file("bad.trace") + "': call 0: unknown op 'no_such_op'\n");
+  EXPECT_EQ(text, "loom-conformance: error: trace '" + dir.file("bad.trace") + "': call 0: unknown op 'no_such_op'\n");
 
   // The good trace replays: one row, passing.
   std::ofstream(dir.file("good.trace")) << one_call_trace().dump();
