@@ -50,7 +50,7 @@ LOOM_DECLARE_OP(index_select, IndexSelectKernel,
 using GatherKernel = void(const DeviceContext&, const Tensor& x, const Tensor& index, const IndexAttrs&,
                           Tensor& out);
 LOOM_DECLARE_OP(gather, GatherKernel,
-                OpSchema().in("x", "A B C").layout(Layout::kStrided).in("index", "A B J", DTypeRule::kIndex)
+                OpSchema().leading_dims("A").in("x", "A B C").layout(Layout::kStrided).in("index", "A B J", DTypeRule::kIndex)
                     .values(Values::kIndexBelow, "@dim:x").out("out", "A B J").attr("dim", {2.0}).abi_since(2));
 
 // out (contiguous, already holding the values to add to) gets out[p with dim coordinate index[p]] += src[p] for
@@ -59,7 +59,7 @@ LOOM_DECLARE_OP(gather, GatherKernel,
 using ScatterAddKernel = void(const DeviceContext&, const Tensor& index, const Tensor& src, const IndexAttrs&,
                               Tensor& out);
 LOOM_DECLARE_OP(scatter_add, ScatterAddKernel,
-                OpSchema().in("index", "A B J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:out")
+                OpSchema().leading_dims("A").in("index", "A B J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:out")
                     .in("src", "A B J").layout(Layout::kStrided).in_place("out", "A B C").attr("dim", {2.0}).accumulates("J")
                     .tolerance(kBF16, 1.5e-1, 1.5e-1).tolerance(kF16, 3e-2, 3e-2)  // sums kept in the 16-bit out
                     .long_dim("J", 1025)  // a 16-bit out's sums (kept in the out dtype) stagnate long before 65537 terms
