@@ -27,6 +27,21 @@
 #include "providers/naive_reference.h"
 
 namespace loom::conformance {
+
+double read_element(const uint8_t* p, DType dt) {
+  switch (dt) {
+    case kF32: { float f; std::memcpy(&f, p, 4); return f; }
+    case kF64: { double d; std::memcpy(&d, p, 8); return d; }
+    case kBF16: { BFloat16 b; std::memcpy(&b.bits, p, 2); return float(b); }
+    case kF16: { Half h; std::memcpy(&h.bits, p, 2); return float(h); }
+    case kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
+    case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
+    case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
+    case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
+  }
+  return 0;
+}
+
 namespace {
 
 // Poisoned guard bytes before and after every output: 256, so an output's first element keeps the alignment its
@@ -56,18 +71,7 @@ void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v) {
   }
 }
 double load(const std::vector<uint8_t>& bytes, int64_t i, DType dt) {
-  const uint8_t* p = bytes.data() + size_t(i) * dtype_size(dt);
-  switch (dt) {
-    case kF32: { float f; std::memcpy(&f, p, 4); return f; }
-    case kF64: { double d; std::memcpy(&d, p, 8); return d; }
-    case kBF16: { BFloat16 b; std::memcpy(&b.bits, p, 2); return float(b); }
-    case kF16: { Half h; std::memcpy(&h.bits, p, 2); return float(h); }
-    case kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
-    case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
-    case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
-    case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
-  }
-  return 0;
+  return read_element(bytes.data() + size_t(i) * dtype_size(dt), dt);
 }
 double poison_value(DType dt) { return is_floating(dt) ? std::nan("") : (dt == kBool ? 1 : (dt == kU8 ? 77 : -77)); }
 // The value a dtype stores for v (what a correctly rounded kernel writes).

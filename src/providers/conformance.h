@@ -69,6 +69,9 @@ struct CaseResult {
 
 std::vector<CaseResult> run_suite(const SuiteOptions& options);
 
+// One element of any dtype at p (host memory), as a double: how the suite and op traces read raw bytes.
+double read_element(const uint8_t* p, DType dt);
+
 // ---- One explicit case (what the generator makes, and what a replay of recorded calls gives). ----
 struct TensorCase {
   bool present = true;                // an optional argument may be absent

@@ -27,6 +27,7 @@
 #include "loom/io/safetensors.h"
 #include "providers/modes.h"
 #include "providers/op_trace.h"
+#include "providers/conformance.h"
 
 #ifndef LOOM_VERSION_STRING
 #define LOOM_VERSION_STRING "unknown"
@@ -39,20 +40,6 @@ std::string loom_version() { return LOOM_VERSION_STRING; }
 namespace {
 
 using nlohmann::json;
-
-double element(const uint8_t* p, DType dt) {
-  switch (dt) {
-    case kF32: { float f; std::memcpy(&f, p, 4); return f; }
-    case kF64: { double d; std::memcpy(&d, p, 8); return d; }
-    case kBF16: { BFloat16 b; std::memcpy(&b.bits, p, 2); return float(b); }
-    case kF16: { Half h; std::memcpy(&h.bits, p, 2); return float(h); }
-    case kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
-    case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
-    case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
-    case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
-  }
-  return 0;
-}
 
 // A tensor's values, row-major, read with the runtime's raw copy (no kernel runs).
 std::vector<double> values_of(const Tensor& t) {
@@ -76,7 +63,7 @@ std::vector<double> values_of(const Tensor& t) {
   for (int64_t e = 0; e < n; ++e) {
     int64_t p = 0;
     for (size_t d = 0; d < idx.size(); ++d) p += idx[d] * t.strides()[d];
-    out.push_back(element(bytes.data() + size_t(p) * es, t.dtype()));
+    out.push_back(conformance::read_element(bytes.data() + size_t(p) * es, t.dtype()));
     for (size_t d = idx.size(); d-- > 0;) {
       if (++idx[d] < t.shape()[d]) break;
       idx[d] = 0;
