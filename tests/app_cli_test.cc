@@ -22,6 +22,7 @@
 #include "loom/io/safetensors.h"
 #include "test_files.h"
 #include "test_util.h"
+#include "train_output.h"
 
 #if defined(LOOM_TRAIN_EXE) && defined(LOOM_GENERATE_EXE) && defined(LOOM_EXPORT_EXE) && defined(LOOM_PREPARE_EXE)
 
@@ -50,29 +51,6 @@ AppRun train(const std::string& args) { return run_app(LOOM_TRAIN_EXE, args); }
 
 size_t lines_of(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 
-// Tokens below 400 (a d2 model's vocabulary is GPT-2's: any id fits), fresh for every test.
-std::string shard(const test::TempDir& tmp, const std::string& name, size_t count) {
-  const std::string path = tmp.file(name);
-  std::vector<int32_t> tokens(count);
-  const uint64_t seed = test::fresh_seed();
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 7919 + seed + i / 5) % 400);
-  data::write_token_file(path, tokens);
-  return path;
-}
-
-// "loss X | lr Y" of each step line.
-std::map<long, std::string> step_lines(const std::string& output) {
-  std::map<long, std::string> out;
-  std::istringstream in(output);
-  for (std::string line; std::getline(in, line);) {
-    long step = 0, total = 0;
-    if (std::sscanf(line.c_str(), "step %ld/%ld |", &step, &total) != 2) continue;
-    const size_t a = line.find("| loss"), b = line.find("| norm");
-    if (a != std::string::npos && b != std::string::npos) out[step] = line.substr(a, b - a);
-  }
-  return out;
-}
-
 // --eval-only's "eval: loss L | perplexity P | N batch(es) ...": L and N.
 std::pair<double, long> eval_line(const std::string& output) {
   const size_t at = output.find("eval: loss");
@@ -90,7 +68,7 @@ std::string read_file(const std::string& path) { return test::read_all(path); }
 
 TEST(AppCli, ConfigFilesInTorchtitanAndNanoGptStyles) {
   test::TempDir tmp;
-  const std::string data = shard(tmp, "train.bin", 8192);
+  const std::string data = test::small_vocab_shard(tmp, "train.bin", 8192);
   // torchtitan: sections, snake_case keys.
   std::ofstream(tmp.file("run.toml")) << "[model]\nmodel = \"d2\"\n\n[training]\ntrain_data = \"" << data
                                       << "\"\nbatch_size = 2\nseq_len = 16\nsteps = 3\nsample_tokens = 0\n"
@@ -108,7 +86,7 @@ TEST(AppCli, ConfigFilesInTorchtitanAndNanoGptStyles) {
   for (const char* file : {"run.toml", "run.json", "flat.json"}) {
     AppRun r = train("--config " + tmp.file(file) + " --steps 2");  // the command line wins over steps = 3
     ASSERT_EQ(r.status, 0) << file << "\n" << r.output;
-    const auto lines = step_lines(r.output);
+    const auto lines = test::step_lines(r.output);
     ASSERT_EQ(lines.size(), 2u) << file << ": --steps 2 on the command line did not win\n" << r.output;
     EXPECT_NE(lines.at(2).find("lr 2.00e-03"), std::string::npos) << file << "\n" << r.output;
     EXPECT_NE(r.output.find("2 layers"), std::string::npos) << file << "\n" << r.output;
@@ -153,7 +131,7 @@ TEST(AppCli, ConfigFilesInTorchtitanAndNanoGptStyles) {
 // in loom-train (--resume, --init-from), loom-generate and loom-export; --init-from builds the checkpoint's model.
 TEST(AppCli, EveryAppTakesEveryCheckpointName) {
   test::TempDir tmp;
-  const std::string data = shard(tmp, "train.bin", 8192);
+  const std::string data = test::small_vocab_shard(tmp, "train.bin", 8192);
   const std::string common = "--train-data " + data + " -b 2 -t 16 --warmup 1 --sample-tokens 0 --eval-interval 0 ";
   for (const char* format : {"single", "sharded"}) {
     const std::string dir = tmp.file(std::string("ck_") + format);
@@ -213,7 +191,7 @@ TEST(AppCli, EveryAppTakesEveryCheckpointName) {
 // checkpoint. tools/plot_loss.py draws the newest run (and its resumes).
 TEST(AppCli, ASecondRunAppendsToTheLogDir) {
   test::TempDir tmp;
-  const std::string data = shard(tmp, "train.bin", 8192);
+  const std::string data = test::small_vocab_shard(tmp, "train.bin", 8192);
   const std::string logs = tmp.file("logs"), metrics = logs + "/metrics.jsonl";
   const std::string common = "--train-data " + data + " --model d2 -b 2 -t 16 --warmup 1 --sample-tokens 0 " +
                              "--eval-interval 0 --log-dir " + logs + " ";
@@ -261,7 +239,7 @@ TEST(AppCli, ASecondRunAppendsToTheLogDir) {
 // file in it), and says so.
 TEST(AppCli, AResumeSavesWhereItResumed) {
   test::TempDir tmp;
-  const std::string data = shard(tmp, "train.bin", 8192);
+  const std::string data = test::small_vocab_shard(tmp, "train.bin", 8192);
   const std::string dir = tmp.file("ck");
   const std::string common = "--train-data " + data + " -b 2 -t 16 --warmup 1 --sample-tokens 0 --eval-interval 0 ";
   ASSERT_EQ(train(common + "--model d2 --steps 2 --checkpoint-dir " + dir).status, 0);
@@ -324,8 +302,8 @@ TEST(AppCli, LoomPrepareRefusesToWriteOverShards) {
 
 TEST(AppCli, EvalBatchesZeroIsTheWholeSplit) {
   test::TempDir tmp;
-  const std::string data = shard(tmp, "train.bin", 8192);
-  const std::string val = shard(tmp, "val.bin", 5 * 2 * 16 + 1);  // five batches of 2 x 16
+  const std::string data = test::small_vocab_shard(tmp, "train.bin", 8192);
+  const std::string val = test::small_vocab_shard(tmp, "val.bin", 5 * 2 * 16 + 1);  // five batches of 2 x 16
   const std::string dir = tmp.file("ck");
   const std::string common = "--train-data " + data + " -b 2 -t 16 --sample-tokens 0 ";
   ASSERT_EQ(train(common + "--model d2 --steps 1 --warmup 0 --eval-interval 0 --checkpoint-dir " + dir).status, 0);

@@ -25,6 +25,7 @@
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "test_files.h"
+#include "train_output.h"
 #include "test_util.h"
 
 namespace loom {
@@ -295,27 +296,8 @@ TEST(LoomTrainCli, ShardedCheckpointFromMpirunResumesInOneProcessAndExports) {
 // ---- resume and start-up, conveniences ----
 
 // A shard of small token ids (the d2 model's 50257-token vocabulary holds them) with some structure to learn.
-std::string small_vocab_shard(const test::TempDir& tmp) {
-  const std::string shard = tmp.file("train.bin");
-  std::vector<int32_t> tokens(8192);
-  const uint64_t seed = test::fresh_seed();
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 7919 + seed + i / 5) % 400);
-  data::write_token_file(shard, tokens);
-  return shard;
-}
-
-// The step lines' "loss X | lr Y" by step ("step     3/4 | loss 10.8559 | lr 4.65e-04 | ...").
-std::map<int64_t, std::string> step_lines(const std::string& output) {
-  std::map<int64_t, std::string> out;
-  std::istringstream in(output);
-  for (std::string line; std::getline(in, line);) {
-    long step = 0, total = 0;
-    if (std::sscanf(line.c_str(), "step %ld/%ld |", &step, &total) != 2) continue;
-    const size_t a = line.find("| loss"), b = line.find("| norm");
-    if (a != std::string::npos && b != std::string::npos) out[step] = line.substr(a, b - a);
-  }
-  return out;
-}
+using test::small_vocab_shard;
+using test::step_lines;
 
 std::string checkpoint_file(const std::filesystem::path& dir, int step) {
   char name[64];
