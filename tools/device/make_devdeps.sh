@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Gathers, into .devdeps/ (git-ignored), the build dependencies the GPU machine lacks (OpenBLAS with its Fortran
-# runtime, GoogleTest, nlohmann-json) and cuDNN's headers, copied from this machine, to be copied beside the tree there.
+# Gathers, into .devdeps/ (git-ignored), what the GPU machine lacks to build and test Loom, copied from this machine
+# (where scripts/setup.sh installed it): OpenBLAS with its Fortran runtime, GoogleTest, nlohmann-json, PCRE2, CLI11,
+# toml++ (a compiled library on Debian: its headers, shared library and CMake package), cuDNN's headers, and GPT-2's
+# vocabulary (scripts/fetch_gpt2_vocab.sh) for the tokenizer tests. Carry ".devdeps" with each GPU call.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 D=.devdeps/usr
@@ -40,7 +42,14 @@ Version: 10.42
 Libs: -L${libdir} -lpcre2-8
 Cflags: -I${includedir}
 PC
-# toml++ (config files) is header-only where it is installed.
-for d in /usr/include/toml++; do [ -d "$d" ] && cp -r "$d" $D/include/; done
+# CLI11 (the apps' flags): header-only.
+cp -r /usr/include/CLI $D/include/
+# toml++ (config files): Debian's is compiled (TOML_HEADER_ONLY=0), so its library and CMake package come too. The
+# package finds its prefix relative to itself (../../../..), which is .devdeps/usr.
+cp -r /usr/include/toml++ $D/include/
+cp -P /usr/lib/x86_64-linux-gnu/libtomlplusplus.so* $D/lib/x86_64-linux-gnu/
+cp -r /usr/lib/x86_64-linux-gnu/cmake/tomlplusplus $D/lib/x86_64-linux-gnu/cmake/
 mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
+# GPT-2's vocabulary (the GPU machine cannot fetch it): LOOM_CACHE_DIR points here there.
+./scripts/fetch_gpt2_vocab.sh .devdeps/cache/gpt2 >/dev/null
 du -sh .devdeps

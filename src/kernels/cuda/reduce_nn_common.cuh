@@ -77,8 +77,10 @@ __device__ __forceinline__ C row_allreduce_max(C v, C* scratch) {
   return total;
 }
 
-// A running (max, sum of exp(x - max)) over a row, one exp per element. -inf elements add nothing (a row of only
-// -inf ends with sum 0); NaN propagates into the sum.
+// A running (max, sum of exp(x - max)) over a row, one exp per element, with the special values of a plain
+// max-subtracted sum: -inf elements add nothing (a row of only -inf ends with sum 0); a NaN element makes the sum NaN
+// (the max never holds a NaN, so NaN lives in the sum alone); a +inf element makes it NaN too (its own term is
+// exp(inf - inf)), so a row holding NaN or +inf is NaN throughout, as on the CPU and in PyTorch.
 template <typename C>
 struct OnlineSoftmax {
   C max;
@@ -86,18 +88,18 @@ struct OnlineSoftmax {
 
   __device__ __forceinline__ void add(C x) {
     if (x > max) {
-      sum = sum * exp_of(max - x) + C(1);
+      sum = sum * exp_of(max - x) + (isinf(x) ? C(NAN) : C(1));
       max = x;
     } else if (x != negative_infinity<C>()) {
       sum += exp_of(x - max);
     }
   }
+  // A part whose max is -inf holds no finite element but may hold NaN (sum NaN): it is rescaled like any other
+  // (0 * exp(-inf) = 0, NaN * 0 = NaN), never dropped.
   __device__ __forceinline__ static OnlineSoftmax merge(OnlineSoftmax a, OnlineSoftmax b) {
     C m = fmax(a.max, b.max);
     if (m == negative_infinity<C>()) return {m, a.sum + b.sum};
-    C sa = a.max == negative_infinity<C>() ? C(0) : a.sum * exp_of(a.max - m);
-    C sb = b.max == negative_infinity<C>() ? C(0) : b.sum * exp_of(b.max - m);
-    return {m, sa + sb};
+    return {m, a.sum * exp_of(a.max - m) + b.sum * exp_of(b.max - m)};
   }
 };
 

@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# Loom's GPU session: one script for a fresh GPU machine (tools/device/README.md). Before the first call, on the
+# build machine: `tools/device/make_devdeps.sh` (fills .devdeps/, git-ignored). Then on the GPU machine, from the
+# repository root with .devdeps carried beside the tree:
+#
+#   tools/device/session.sh [STAGE...]       (default: build tests suite traces sanitize)
+#
+# Stages, run in the order given:
+#   build     configure once, then an incremental build into build-dev/ (kept while the machine stays warm)
+#   tests     the CUDA tests of loom_tests (TESTS, default every suite naming Cuda or Cudnn) in SHARDS processes
+#   suite     loom-conformance --provider native --device cuda: the generated cases and the stored PyTorch sets
+#   traces    one training step of GPT-2 124M (B=4, T=1024) and of LLaMA-3 1B (B=1, T=2048) recorded with
+#             loom-train --trace-ops, each replayed with loom-conformance --trace on the native CUDA kernels
+#   sanitize  compute-sanitizer's memcheck, racecheck, synccheck and initcheck (SANITIZERS) over every test of
+#             `tests`, all tools at once, each tool's tests split over SAN_SHARDS (4) processes, within SAN_TIMEOUT s
+#   sweep     tools/reference/make_conformance_sweep.py (PyTorch on this machine) writes the sweep set to $OUT,
+#             and loom-conformance checks the native CUDA kernels against it
+#   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
+# Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
+# as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
+# Logs stay in $LOOM_SESSION_DIR (default /tmp/loom-session); the table and the logs are copied to $OUT. LOOM_TREE
+# names the tree in the table's heading (the copy on the GPU machine may have no git history).
+set -u
+cd "$(dirname "$0")/../.."
+S=${LOOM_SESSION_DIR:-/tmp/loom-session}
+mkdir -p "$S"
+OUT=${OUT:-$S/out}
+mkdir -p "$OUT"
+TABLE=$S/table.tsv
+BIN=build-dev
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(build tests suite traces sanitize)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+[ -n "$gpu" ] || { echo "session.sh: no GPU visible (nvidia-smi found none)"; exit 1; }
+
+row() {  # stage, result, figures, seconds
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$TABLE"
+  printf '== %s: %s, %s (%s s)\n' "$1" "$2" "$3" "$4"
+  cp "$TABLE" "$OUT/table.tsv"  # a call cut short still brings back the rows so far
+}
+# The environment of the carried dependencies (no build): what tools/device/build.sh exports.
+environment() {
+  local D=$PWD/.devdeps
+  export LD_LIBRARY_PATH=$D/usr/lib/openblas:$D/usr/lib/pcre2:$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  export NCCL_NVLS_ENABLE=0
+  [ -f "$D/cache/gpt2/encoder.json" ] && export LOOM_CACHE_DIR=$D/cache
+  local cudnn_lib
+  cudnn_lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+  [ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib:$LD_LIBRARY_PATH
+}
+need_build() { [ -x $BIN/tests/loom_tests ] && [ -x $BIN/loom-conformance ] || { echo "session.sh: build first (stage build)"; return 1; }; }
+# Whether loom-conformance takes a flag (older builds lack --jobs and --max-calls).
+conformance_has() { $BIN/loom-conformance --help 2>&1 | grep -q -- "$1"; }
+jobs_flag() { conformance_has --jobs && echo "--jobs $(nproc)"; }
+# The CUDA tests, one per line (Suite.Name).
+cuda_tests() {
+  $BIN/tests/loom_tests --gtest_list_tests --gtest_filter="${TESTS:-*Cuda*:*Cudnn*}" |
+    awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'
+}
+# Counts of JSON conformance reports (a file, or every .json in a folder): "cases failures declined".
+report_counts() {
+  python3 - "$1" <<'PY'
+import glob, json, os, sys
+path = sys.argv[1]
+files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
+r = []
+for f in files:
+    try:
+        r += json.load(open(f))["results"]
+    except Exception:
+        print("? ? ?"); sys.exit(0)
+print(len(r), sum(x["status"] == "FAIL" for x in r), sum(x["status"] == "declined" for x in r))
+PY
+}
+
+stage_build() {
+  local t0=$SECONDS
+  # shellcheck disable=SC1091
+  if . tools/device/build.sh; then row build pass "build-dev ($(nproc) cores)" $((SECONDS - t0))
+  else row build FAIL "see build-dev.log" $((SECONDS - t0)); cp build-dev.log "$OUT/" 2>/dev/null; return 1; fi
+}
+
+stage_tests() {
+  local t0=$SECONDS n=${SHARDS:-4} i
+  need_build || return 1
+  cuda_tests > $S/tests.txt
+  for ((i = 0; i < n; ++i)); do
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout ${TEST_TIMEOUT:-400} $BIN/tests/loom_tests \
+      --gtest_filter="${TESTS:-*Cuda*:*Cudnn*}" > $S/tests_$i.log 2>&1 &
+  done
+  wait
+  local ok failed skipped
+  ok=$(cat $S/tests_*.log | grep -c '^\[       OK \]')
+  failed=$(cat $S/tests_*.log | grep -c '^\[  FAILED  \] [A-Za-z]')
+  skipped=$(cat $S/tests_*.log | grep -c '^\[  SKIPPED \]')
+  grep -h '^\[  FAILED  \] [A-Za-z]' $S/tests_*.log | sort -u | head -20
+  local result=pass
+  [ "$failed" = 0 ] && [ $((ok + skipped)) -ge "$(wc -l < $S/tests.txt)" ] || result=FAIL
+  row tests $result "$(wc -l < $S/tests.txt) tests: $ok ok, $failed failed, $skipped skipped" $((SECONDS - t0))
+}
+
+stage_suite() {
+  local t0=$SECONDS rc
+  need_build || return 1
+  rm -rf $S/suite && mkdir -p $S/suite
+  if conformance_has --jobs; then
+    # shellcheck disable=SC2086
+    timeout ${SUITE_TIMEOUT:-540} $BIN/loom-conformance --provider native --device cuda --jobs "$(nproc)" \
+      ${SUITE_FLAGS:-} --json $S/suite/all.json > $S/suite.log 2> $S/suite.err
+    rc=$?
+  else
+    # One process per op (generated cases, naive oracle), as many at once as there are cores: the suite's host work
+    # is serial within a process. The stored PyTorch sets run in one more.
+    { $BIN/loom-conformance --list-ops | awk '{print $1}'; echo stored; } > $S/suite/ops.txt
+    run_one() {  # op-or-stored, folder, bin
+      if [ "$1" = stored ]; then set -- "$2" "$3" stored --reference pytorch --no-generated
+      else set -- "$2" "$3" "$1" --op "$1" --reference naive; fi
+      local dir=$1 bin=$2 name=$3; shift 3
+      "$bin/loom-conformance" --provider native --device cuda "$@" --json "$dir/$name.json" > "$dir/$name.log" 2>&1
+    }
+    export -f run_one
+    timeout ${SUITE_TIMEOUT:-540} xargs -P "$(nproc)" -I{} bash -c 'run_one "$@"' _ {} $S/suite $BIN < $S/suite/ops.txt
+    rc=$?
+    cat $S/suite/*.log > $S/suite.log
+  fi
+  grep -h -E "^FAIL|^    " $S/suite.log | head -60
+  # Errors other than an op with no CUDA kernel ("no case ran") fail the stage too.
+  local errors
+  errors=$(grep -h "error:" $S/suite.log $S/suite.err 2>/dev/null | grep -v "no case ran" | sort -u)
+  [ -z "$errors" ] || echo "$errors" | head -10
+  read -r cases failures declined <<< "$(report_counts $S/suite)"
+  local result=pass
+  [ "$failures" = 0 ] && [ -z "$errors" ] || result=FAIL
+  [ $rc = 124 ] && result="TIMEOUT (${SUITE_TIMEOUT:-540} s)"
+  cp $S/suite.log "$OUT/suite.txt"
+  row suite "$result" "$cases cases, $failures failures, $declined declined" $((SECONDS - t0))
+}
+
+stage_traces() {
+  need_build || return 1
+  local spec model shard T B t0 rc1 rc2 replay_flags
+  python3 tools/bench/make_shard.py $S/gpt2.bin --tokens 200000 > /dev/null
+  python3 tools/bench/make_shard.py $S/llama.bin --tokens 200000 --vocab 128256 > /dev/null
+  replay_flags=$(jobs_flag)
+  for spec in gpt2-124M:gpt2:1024:4 llama3-1B:llama:2048:1; do
+    IFS=: read -r model shard T B <<< "$spec"
+    t0=$SECONDS
+    timeout 300 $BIN/loom-train --model $model --device cuda --dtype bf16 --train-data $S/$shard.bin -t $T -b $B \
+      --steps 1 --eval-interval 0 --sample-tokens 0 --warmup 1 --trace-ops $S/trace_$shard.json > $S/train_$shard.log 2>&1
+    rc1=$?
+    [ $rc1 = 0 ] || { tail -5 $S/train_$shard.log; row "trace $model" FAIL "loom-train rc=$rc1 (see train_$shard.log)" $((SECONDS - t0)); continue; }
+    t0=$SECONDS
+    # shellcheck disable=SC2086
+    timeout ${TRACE_TIMEOUT:-300} $BIN/loom-conformance --trace $S/trace_$shard.json --provider native --device cuda \
+      $replay_flags ${REPLAY_FLAGS:-} --json $S/replay_$shard.json > $S/replay_$shard.log 2> $S/replay_$shard.err
+    rc2=$?
+    grep -E "^FAIL|^    " $S/replay_$shard.log | head -20
+    read -r cases failures declined <<< "$(report_counts $S/replay_$shard.json)"
+    local result=pass
+    [ $rc2 = 0 ] || result="FAIL (rc $rc2)"
+    [ $rc2 = 124 ] && result="TIMEOUT (${TRACE_TIMEOUT:-300} s)"
+    row "trace $model" "$result" "$(head -1 $S/replay_$shard.log | grep -o '[0-9]* distinct calls ([0-9]* in the run)'): $failures failures, $declined declined" $((SECONDS - t0))
+  done
+}
+
+stage_sanitize() {
+  need_build || return 1
+  local SAN tool n=${SAN_SHARDS:-4} i t0=$SECONDS list
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$SAN" ] || { row sanitize FAIL "no compute-sanitizer on this machine" 0; return 1; }
+  cuda_tests > $S/tests.txt
+  local tools=(${SANITIZERS:-memcheck racecheck synccheck initcheck})
+  # Every tool at once, each over the tests in n shards: the tools are slow on the host and on the GPU alike, and
+  # one GPU takes many processes.
+  for tool in "${tools[@]}"; do
+    local extra=()
+    case $tool in
+      memcheck) extra=(--leak-check full) ;;
+      # cuDNN's fused attention kernels use barriers in ways synccheck reports and cannot judge (a vendor kernel
+      # built at run time): left out of synccheck only; Loom's own kernels, cuBLAS's and the rest are checked.
+      synccheck) extra=(--kernel-name-exclude kns=cudnn --kernel-name-exclude kns=sdpa) ;;
+      initcheck) extra=(--track-unused-memory no) ;;
+    esac
+    rm -f $S/${tool}_*.log
+    for ((i = 0; i < n; ++i)); do
+      list=$(awk -v i=$i -v n=$n 'NR % n == i' $S/tests.txt | paste -sd:)
+      [ -n "$list" ] || continue
+      timeout ${SAN_TIMEOUT:-500} "$SAN" --tool $tool "${extra[@]}" --error-exitcode 99 --print-limit 20 \
+        $BIN/tests/loom_tests --gtest_filter="$list" > $S/${tool}_$i.log 2>&1 &
+    done
+  done
+  wait
+  for tool in "${tools[@]}"; do
+    local ok errors=0 timed_out=0 f e failed result=pass
+    ok=$(cat $S/${tool}_*.log | grep -c '^\[       OK \]')
+    for f in $S/${tool}_*.log; do
+      e=$(grep -m1 -o 'ERROR SUMMARY: [0-9]*' "$f" | grep -o '[0-9]*$')
+      if [ -z "$e" ]; then timed_out=$((timed_out + 1)); else errors=$((errors + e)); fi
+    done
+    echo "-- $tool"
+    grep -h -E "^========= (Invalid|Race|Barrier|Uninitialized|Program hit|Error|Unused|Leaked)" $S/${tool}_*.log | sort | uniq -c | sort -rn | head -8
+    failed=$(cat $S/${tool}_*.log | grep -c '^\[  FAILED  \] [A-Za-z]')
+    [ "$errors" = 0 ] && [ "$timed_out" = 0 ] && [ "$failed" = 0 ] || result=FAIL
+    row "sanitize $tool" "$result" "$(wc -l < $S/tests.txt) tests: $ok ok, $failed failed, $errors errors$([ $timed_out = 0 ] || echo ", $timed_out of $n shards out of time")" $((SECONDS - t0))
+  done
+}
+
+stage_sweep() {
+  need_build || return 1
+  local t0=$SECONDS
+  PYTHONUNBUFFERED=1 timeout 400 python3 tools/reference/make_conformance_sweep.py --out "$OUT" ${SWEEP_FLAGS:-} > $S/sweep.log 2>&1 ||
+    { tail -5 $S/sweep.log; row sweep FAIL "make_conformance_sweep.py (see sweep.log)" $((SECONDS - t0)); return 1; }
+  # shellcheck disable=SC2046
+  timeout 300 $BIN/loom-conformance --provider native --device cuda --reference pytorch --no-generated \
+    --reference-file "$OUT/pytorch_sweep.json" --json $S/sweep.json > $S/sweep_check.log 2>&1
+  local rc=$?
+  grep -E "^FAIL|^    " $S/sweep_check.log | head -20
+  read -r cases failures declined <<< "$(report_counts $S/sweep.json)"
+  local result=pass
+  [ $rc = 0 ] || result=FAIL
+  row sweep "$result" "$cases cases, $failures failures, $declined declined ($(du -k "$OUT/pytorch_sweep.safetensors" | cut -f1) KiB)" $((SECONDS - t0))
+}
+
+stage_bench() {
+  local t0=$SECONDS
+  OUT=$OUT tools/bench/device_session.sh 2>&1 | tee $S/bench.log | tail -${BENCH_TAIL:-40}
+  row bench "rc ${PIPESTATUS[0]}" "see bench.log" $((SECONDS - t0))
+}
+
+environment
+for stage in "${stages[@]}"; do
+  case $stage in
+    build|tests|suite|traces|sanitize|sweep|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
+    *) echo "session.sh: unknown stage '$stage' (build tests suite traces sanitize sweep bench)"; exit 2 ;;
+  esac
+done
+# The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
+tar -czf "$OUT/session_logs.tar.gz" --exclude='*.bin' --exclude='*.json' --exclude=out -C "$(dirname "$S")" "$(basename "$S")" 2>/dev/null
+echo
+echo "==== $gpu, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1), $(date -u +%F), tree ${LOOM_TREE:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
+column -t -s $'\t' "$TABLE" 2>/dev/null || cat "$TABLE"
+cp "$TABLE" "$OUT/table.tsv"
