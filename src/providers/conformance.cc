@@ -1770,11 +1770,15 @@ std::vector<CaseResult> run_stored(const std::vector<StoredCase>& cases, const S
       for (int i : out_slots) {
         if (!p.c.present[size_t(i)] || is_input(p.c.roles[size_t(i)])) continue;
         LOOM_REQUIRE(q < sc.outputs.size(), "fewer stored outputs than the op writes");
+        // Fitted to the slot it fills: the stored outputs are the written ones only (a gemm's c after its pre_gelu,
+        // with no bias_grad between), so the position among every output slot is not the one.
+        const Tensor fitted = fit(sc.outputs[q], size_t(i));
         Shape logical = shape_of(s->tensors[size_t(i)], p.c);
-        LOOM_REQUIRE(matches_stored(fitted_out[q], s->tensors[size_t(i)], logical), "stored output for '",
+        LOOM_REQUIRE(matches_stored(fitted, s->tensors[size_t(i)], logical), "stored output for '",
                      s->tensors[size_t(i)].name, "' is ", describe(sc.outputs[q]), "; the description gives ",
                      shape_str(logical));
-        stored.outputs[size_t(i)] = stored_values(fitted_out[q++], s->tensors[size_t(i)], logical);
+        stored.outputs[size_t(i)] = stored_values(fitted, s->tensors[size_t(i)], logical);
+        ++q;
       }
       CaseResult r = run_explicit(*s, explicit_of_stored(*s, p.c, sc.strided, stored, uint64_t(k)), o, k, false,
                                   &stored.outputs);

@@ -146,6 +146,29 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
   }
 }
 
+// ---- The backward's products, with float64's special values ---------------------------------------------------------
+// The backward multiplies an input's normalized value xhat = (x - mean) * rstd by the gradient (and the weight), and
+// those factors may hold infinities beside tiny ones (denormal weights, inputs or means). In float a product of two
+// finite factors can round to 0 and then meet an infinity, 0 * inf = NaN, where the float64 definition (which never
+// underflows on float inputs) gives an infinity. So a float product that comes out 0 or not finite is recomputed
+// from its factors in double; ordinary values keep the float path and its rounding. In double nothing changes.
+template <typename C>
+struct NormFactors {
+  C x, mean, rstd;
+  __device__ __forceinline__ double xhat_wide() const { return (double(x) - double(mean)) * double(rstd); }
+};
+
+// a * b * xhat (b = 1 for a single factor), given the float product p = a * b * xhat.
+template <typename C>
+__device__ __forceinline__ C times_xhat(C p, C a, C b, const NormFactors<C>& f) {
+  if constexpr (std::is_same_v<C, double>) {
+    return p;
+  } else {
+    if (p != C(0) && isfinite(p)) return p;
+    return C(double(a) * double(b) * f.xhat_wide());
+  }
+}
+
 // T: residual, grad_residual and grad_x; G: grad_out; D: grad_delta. mean null for RMS norm. Block b takes rows
 // [b * rows_per_block, ...). With partial_weight / partial_bias set it leaves its rows' column sums of
 // grad_out * xhat / grad_out in row b of them; accumulate_in_shared keeps the running sums in shared memory
@@ -197,11 +220,14 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
         load_pack(gr, k, cols, vectorized, g);
         load_pack(xr, k, cols, vectorized, xv);
         if (weight) load_pack(weight, k, cols, vectorized, w);
+        const int valid = int(min(int64_t(4), cols - 4 * k));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const C gw = g[i] * w[i];  // zero past the end
+          // Past the end nothing is added: its xhat, (0 - mean) * rstd, is infinite for an infinite mean.
+          if (i >= valid) continue;
+          const C gw = g[i] * w[i];
           sum_g += gw;
-          sum_g_xhat += gw * ((xv[i] - m) * s);
+          sum_g_xhat += times_xhat(gw * ((xv[i] - m) * s), g[i], w[i], NormFactors<C>{xv[i], m, s});
         }
       }
       if (mean) sum_g = cuda::row_allreduce_sum(sum_g, scratch);
@@ -219,7 +245,9 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           if (i >= valid) continue;
-          if (want_w) sum_w[k * stride_k + i * stride_i] += g[i] * ((xv[i] - m) * s);
+          if (want_w)
+            sum_w[k * stride_k + i * stride_i] +=
+                times_xhat(g[i] * ((xv[i] - m) * s), g[i], C(1), NormFactors<C>{xv[i], m, s});
           if (want_b) sum_b[k * stride_k + i * stride_i] += g[i];
         }
       }
@@ -228,7 +256,11 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
       if (weight) load_pack(weight, k, cols, vectorized, w);
       if (grad_residual) load_pack(grad_residual + row * cols, k, cols, vectorized, res);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) gi[i] = s * (g[i] * w[i] - mean_g - (xv[i] - m) * s * mean_g_xhat) + res[i];
+      for (int i = 0; i < 4; ++i) {
+        const C xhat = (xv[i] - m) * s;
+        gi[i] = s * (g[i] * w[i] - mean_g - times_xhat(xhat * mean_g_xhat, mean_g_xhat, C(1), NormFactors<C>{xv[i], m, s})) +
+                res[i];
+      }
       if (grad_x) store_pack(grad_x + row * cols, k, cols, vectorized, gi);
       if (grad_delta) store_pack(grad_delta + row * cols, k, cols, vectorized, gi);
     }
@@ -370,7 +402,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
   for (int64_t row = r0 + warp; row < r1; row += kRowWarps) {
     const int64_t base = row * cols;
     const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
-    // g, then g * w; xv, then xhat. Zeros past the end, so they add nothing to the input-gradient sums.
+    // g, then g * w. Zeros past the end (whose packs every loop below skips).
     C g[kPacks][4], xv[kPacks][4], res[kPacks][4];
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
@@ -382,16 +414,17 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       load_pack(residual + base, p, cols, true, xv[k]);
       if (grad_residual && want_inputs) load_pack(grad_residual + base, p, cols, true, res[k]);
     }
+    // x itself stays in registers (xhat is recomputed where used, two operations) for the rare products times_xhat
+    // recomputes in double.
+    auto xhat = [&](int k, int i) { return (xv[k][i] - m) * s; };
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = k * 32 + lane;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) xv[k][i] = (xv[k][i] - m) * s;
       if (!want_params || p >= packs) continue;
       Sums sw = warp_sums[0][warp][p], sb = warp_sums[1][warp][p];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        sw.v[i] += g[k][i] * xv[k][i];
+        sw.v[i] += times_xhat(g[k][i] * xhat(k, i), g[k][i], C(1), NormFactors<C>{xv[k][i], m, s});
         sb.v[i] += g[k][i];
       }
       warp_sums[0][warp][p] = sw;
@@ -407,9 +440,10 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       if (weight) load_pack(weight, p, cols, true, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        g[k][i] *= w[i];
-        sum_g += g[k][i];
-        sum_g_xhat += g[k][i] * xv[k][i];
+        const C gw = g[k][i] * w[i];
+        sum_g += gw;
+        sum_g_xhat += times_xhat(gw * xhat(k, i), g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
+        g[k][i] = gw;
       }
     }
     C mean_g = 0;
@@ -421,7 +455,10 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       if (p >= packs) continue;
       C gi[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) gi[i] = s * (g[k][i] - mean_g - xv[k][i] * mean_g_xhat) + res[k][i];
+      for (int i = 0; i < 4; ++i)
+        gi[i] = s * (g[k][i] - mean_g -
+                     times_xhat(xhat(k, i) * mean_g_xhat, mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
+                res[k][i];
       if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
       if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
     }
