@@ -152,20 +152,31 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
 // finite factors can round to 0 and then meet an infinity, 0 * inf = NaN, where the float64 definition (which never
 // underflows on float inputs) gives an infinity. So a float product that comes out 0 or not finite is recomputed
 // from its factors in double; ordinary values keep the float path and its rounding. In double nothing changes.
+// Every product that feeds a sum or an output is rounded on its own (__fmul_rn: never fused into an add), so each
+// instantiation of a kernel (grad_delta in bf16 or absent, say) computes the same bits, whatever the compiler fuses.
+__device__ __forceinline__ float mul_rounded(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rounded(double a, double b) { return __dmul_rn(a, b); }
+
 template <typename C>
 struct NormFactors {
   C x, mean, rstd;
-  __device__ __forceinline__ double xhat_wide() const { return (double(x) - double(mean)) * double(rstd); }
+  __device__ __forceinline__ C xhat() const { return mul_rounded(x - mean, rstd); }
 };
 
-// a * b * xhat (b = 1 for a single factor), given the float product p = a * b * xhat.
+// The rare path out of line, so that its double registers do not crowd the hot loops (which hold whole rows).
+__device__ __noinline__ float times_xhat_wide(float a, float b, float x, float mean, float rstd) {
+  return float(double(a) * double(b) * ((double(x) - double(mean)) * double(rstd)));
+}
+
+// a * b * xhat (b = 1 for a single factor).
 template <typename C>
-__device__ __forceinline__ C times_xhat(C p, C a, C b, const NormFactors<C>& f) {
+__device__ __forceinline__ C times_xhat(C a, C b, const NormFactors<C>& f) {
+  const C p = mul_rounded(mul_rounded(a, b), f.xhat());
   if constexpr (std::is_same_v<C, double>) {
     return p;
   } else {
     if (p != C(0) && isfinite(p)) return p;
-    return C(double(a) * double(b) * f.xhat_wide());
+    return times_xhat_wide(a, b, f.x, f.mean, f.rstd);
   }
 }
 
@@ -225,9 +236,8 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
         for (int i = 0; i < 4; ++i) {
           // Past the end nothing is added: its xhat, (0 - mean) * rstd, is infinite for an infinite mean.
           if (i >= valid) continue;
-          const C gw = g[i] * w[i];
-          sum_g += gw;
-          sum_g_xhat += times_xhat(gw * ((xv[i] - m) * s), g[i], w[i], NormFactors<C>{xv[i], m, s});
+          sum_g += mul_rounded(g[i], w[i]);
+          sum_g_xhat += times_xhat(g[i], w[i], NormFactors<C>{xv[i], m, s});
         }
       }
       if (mean) sum_g = cuda::row_allreduce_sum(sum_g, scratch);
@@ -247,7 +257,7 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
           if (i >= valid) continue;
           if (want_w)
             sum_w[k * stride_k + i * stride_i] +=
-                times_xhat(g[i] * ((xv[i] - m) * s), g[i], C(1), NormFactors<C>{xv[i], m, s});
+                times_xhat(g[i], C(1), NormFactors<C>{xv[i], m, s});
           if (want_b) sum_b[k * stride_k + i * stride_i] += g[i];
         }
       }
@@ -256,11 +266,9 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
       if (weight) load_pack(weight, k, cols, vectorized, w);
       if (grad_residual) load_pack(grad_residual + row * cols, k, cols, vectorized, res);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const C xhat = (xv[i] - m) * s;
-        gi[i] = s * (g[i] * w[i] - mean_g - times_xhat(xhat * mean_g_xhat, mean_g_xhat, C(1), NormFactors<C>{xv[i], m, s})) +
+      for (int i = 0; i < 4; ++i)
+        gi[i] = mul_rounded(s, mul_rounded(g[i], w[i]) - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[i], m, s})) +
                 res[i];
-      }
       if (grad_x) store_pack(grad_x + row * cols, k, cols, vectorized, gi);
       if (grad_delta) store_pack(grad_delta + row * cols, k, cols, vectorized, gi);
     }
@@ -416,7 +424,6 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
     }
     // x itself stays in registers (xhat is recomputed where used, two operations) for the rare products times_xhat
     // recomputes in double.
-    auto xhat = [&](int k, int i) { return (xv[k][i] - m) * s; };
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = k * 32 + lane;
@@ -424,7 +431,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       Sums sw = warp_sums[0][warp][p], sb = warp_sums[1][warp][p];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        sw.v[i] += times_xhat(g[k][i] * xhat(k, i), g[k][i], C(1), NormFactors<C>{xv[k][i], m, s});
+        sw.v[i] += times_xhat(g[k][i], C(1), NormFactors<C>{xv[k][i], m, s});
         sb.v[i] += g[k][i];
       }
       warp_sums[0][warp][p] = sw;
@@ -440,10 +447,9 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       if (weight) load_pack(weight, p, cols, true, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const C gw = g[k][i] * w[i];
-        sum_g += gw;
-        sum_g_xhat += times_xhat(gw * xhat(k, i), g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
-        g[k][i] = gw;
+        sum_g_xhat += times_xhat(g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
+        g[k][i] = mul_rounded(g[k][i], w[i]);
+        sum_g += g[k][i];
       }
     }
     C mean_g = 0;
@@ -456,8 +462,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       C gi[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        gi[i] = s * (g[k][i] - mean_g -
-                     times_xhat(xhat(k, i) * mean_g_xhat, mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
+        gi[i] = mul_rounded(s, g[k][i] - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
                 res[k][i];
       if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
       if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
