@@ -527,7 +527,14 @@ def build(p):
         grad = d.u(p["q"])
         qq, kk, vv = (up(t).requires_grad_(True) for t in (q, k, v))
         o = sdpa_ref(qq, kk, vv, causal, scale)
-        gq, gk, gv = torch.autograd.grad(o, (qq, kk, vv), up(grad))
+        grads = torch.autograd.grad(o, (qq, kk, vv), up(grad))
+        # The contract's formula with the exact forward outputs is PyTorch's own gradient; the reference takes the
+        # stored (rounded) ones, which the op reads.
+        exact = attention_backward_ref(up(grad), up(q), up(k), up(v), out, lse, causal, scale)
+        for got, want in zip(exact, grads):
+            if float((got - want).abs().max()) > 1e-9 * max(float(want.abs().max()), 1e-300) + 1e-12:
+                raise AssertionError("%s: the backward formula disagrees with autograd" % op)
+        gq, gk, gv = attention_backward_ref(up(grad), up(q), up(k), up(v), up(out_s), up(lse_s), causal, scale)
         return ([("grad_out", grad), ("q", q), ("k", k), ("v", v), ("out", out_s), ("lse", lse_s)],
                 [("grad_q", gq), ("grad_k", gk), ("grad_v", gv)], a, dt)
     if op.startswith("rope"):
@@ -625,6 +632,27 @@ def sdpa_ref(q, k, v, causal, scale):
         s = torch.arange(k.shape[2]).unsqueeze(0)
         mask = s <= t + (k.shape[2] - q.shape[2])  # the last query sees the last key
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attention_backward_ref(grad, q, k, v, out, lse, causal, scale):
+    """The attention backward's contract in float64 from the forward's outputs it is given (out and lse, rounded to
+    their stored dtypes), as FlashAttention's backward reads them: P = exp(scale q k^T - lse), dV = P^T dO,
+    dS = P (dO v^T - rowsum(dO out)), dQ = scale dS k, dK = scale dS^T q; a group's heads summed for dK and dV."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, kk.transpose(-1, -2)) * scale
+    if causal:
+        t = torch.arange(q.shape[2]).unsqueeze(1)
+        s = torch.arange(k.shape[2]).unsqueeze(0)
+        scores = scores.masked_fill(~(s <= t + (k.shape[2] - q.shape[2])), float("-inf"))
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(grad, vv.transpose(-1, -2)) - (grad * out).sum(-1, keepdim=True))
+    gq = scale * torch.matmul(ds, kk)
+    gk = scale * torch.matmul(ds.transpose(-1, -2), q)
+    gv = torch.matmul(p.transpose(-1, -2), grad)
+    b, h, s_len, d = gk.shape
+    fold = lambda t: t.view(b, h // rep, rep, s_len, d).sum(2)  # noqa: E731 - the group's heads
+    return gq, fold(gk), fold(gv)
 
 
 def attention_ref(q, k, v, causal, scale):
