@@ -13,6 +13,7 @@
 #include "data/byte_level.h"
 #include "loom/common/error.h"
 #include "loom/data/pretokenizer.h"
+#include "loom/io/read_file.h"
 
 namespace loom::data {
 namespace {
@@ -21,12 +22,10 @@ using detail::decode_stand_in;
 using detail::make_byte_symbols;
 
 std::string read_whole_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "GPT2Tokenizer: cannot open ", what, " ", path,
+  std::error_code ec;
+  LOOM_REQUIRE(std::filesystem::exists(path, ec), "GPT2Tokenizer: cannot open ", what, " ", path,
                " (run scripts/fetch_gpt2_vocab.sh to download the GPT-2 vocabulary)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return io::read_input_file(path, io::kMaxTokenizerFileBytes, std::string("GPT-2 tokenizer ") + what);
 }
 
 bool vocab_files_in(const std::filesystem::path& dir) {

@@ -99,7 +99,7 @@ ProviderPolicy parse_policy(const json& j) {
 
 ProviderPolicy ProviderPolicy::load_file(const std::string& path) {
   try {
-    return parse_policy(io::read_json_file(path));
+    return parse_policy(io::read_json_file(path, "policy file"));
   } catch (const std::exception& e) {
     LOOM_THROW("provider policy file '", path, "': ", io::json_error_text(e));
   }
