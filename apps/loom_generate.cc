@@ -27,6 +27,8 @@
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/read_file.h"
 #include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 
@@ -34,14 +36,6 @@ namespace {
 
 using namespace loom;
 namespace fs = std::filesystem;
-
-std::string read_file(const std::string& path) {
-  std::error_code ec;
-  LOOM_REQUIRE(fs::is_regular_file(path, ec), "--prompt-file '", path, "' does not exist or is not a file");
-  std::ifstream f(path, std::ios::binary);
-  LOOM_REQUIRE(f.good(), "--prompt-file '", path, "' cannot be read");
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 // "1, 2 3" -> {1, 2, 3}.
 std::vector<int32_t> parse_token_ids(const std::string& text) {
@@ -171,7 +165,7 @@ int main(int argc, char** argv) {
       ids = parse_token_ids(prompt_tokens);
       print_tokens = true;
     } else {
-      if (!prompt_file.empty()) prompt = read_file(prompt_file);
+      if (!prompt_file.empty()) prompt = io::read_input_file(prompt_file, io::kMaxDataFileBytes, "--prompt-file");
       else if (p_opt->count() == 0) prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
       tokenizer = find_tokenizer(model_path, cfg, tokenizer_name, tokenizer_path);
       LOOM_REQUIRE(tokenizer->vocab_size() <= cfg.vocab_size, "the ", tokenizer->name(), " tokenizer's ",
@@ -190,6 +184,8 @@ int main(int argc, char** argv) {
     LOOM_REQUIRE(int64_t(ids.size()) < cfg.max_seq_len, "the prompt's ", ids.size(),
                  " tokens fill the model's context of ", cfg.max_seq_len);
 
+    // Every input is read and noted now: the output is checked before the work, and written atomically after it.
+    io::check_can_write(dump_logits, "--dump-logits");
     model->to(device);
     if (dtype_name == "bf16") model->to(kBF16);  // parameters only: the rope tables stay f32
     std::fprintf(stderr, "loom-generate: %s: %s, %s %s\n", model_path.c_str(), cfg.describe().c_str(),
@@ -238,6 +234,10 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cout.flush();
     cli::print_error("loom-generate", loom::apps::error_text(e));
+    return 1;
+  } catch (...) {
+    std::cout.flush();
+    cli::print_error("loom-generate", "an unexpected error that is not a std::exception");
     return 1;
   }
   return 0;

@@ -10,6 +10,8 @@
 #include "checked_options.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
+#include "loom/dispatch_modes.h"
+#include "loom/io/atomic_file.h"
 
 namespace loom::cli {
 
@@ -125,15 +127,26 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
                          (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
     print_error(name, unknown ? unexpected_arguments(app, name) : e.what());
     return 2;
+  } catch (const std::exception& e) {  // a --config reader's failure that is no parse error (memory, a filesystem)
+    print_error(name, apps::error_text(e));
+    return 2;
+  } catch (...) {
+    print_error(name, "the command line could not be read (an unexpected error)");
+    return 2;
   }
   return -1;
 }
 
 int run(const std::string& name, const std::function<void()>& body) {
   try {
+    // The exit report's file is checked before the work, not after it.
+    if (dispatch::op_profiling()) io::check_can_write(dispatch::op_profile_file(), "LOOM_PROFILE_OPS_FILE");
     body();
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
     print_error(name, apps::error_text(e));
+    return 1;
+  } catch (...) {
+    print_error(name, "an unexpected error that is not a std::exception (a plugin library's?)");
     return 1;
   }
   return 0;
