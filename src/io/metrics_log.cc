@@ -240,9 +240,13 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
   std::filesystem::create_directories(logdir, ec);
   LOOM_REQUIRE(!ec, "TensorBoardWriter: cannot create ", logdir, ": ", ec.message());
   const auto seconds = int64_t(wall_time_now());
-  path_ = (std::filesystem::path(logdir) /
-           ("events.out.tfevents." + std::to_string(seconds) + "." + host_name() + "." + std::to_string(::getpid())))
-              .string();
+  const std::string base = (std::filesystem::path(logdir) / ("events.out.tfevents." + std::to_string(seconds) + "." +
+                                                             host_name() + "." + std::to_string(::getpid())))
+                               .string();
+  // A second writer of this process in the same second gets a name of its own (TensorBoard reads every
+  // events.out.tfevents.* file), never the first one's file.
+  path_ = base;
+  for (int n = 1; std::filesystem::exists(path_, ec) && n < 1000; ++n) path_ = base + "." + std::to_string(n);
   file_ = std::make_unique<AppendFileWriter>(path_, /*fresh=*/true);  // this run's own file
   TensorBoardEvent first;
   first.wall_time = wall_time_now();
