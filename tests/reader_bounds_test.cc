@@ -15,6 +15,7 @@
 
 #include "data/byte_level.h"
 #include "loom/core/dispatch.h"
+#include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/hf_tokenizer.h"
 #include "loom/data/pretokenizer.h"
 #include "loom/data/tokenizer.h"
@@ -133,6 +134,28 @@ TEST(ReaderBounds, ManyAddedTokensAreFoundInOnePass) {
   const std::vector<int32_t> ids = tok->encode(text, data::SpecialTokens::kAsIds);
   EXPECT_LT(seconds_since(start), 20.0);
   EXPECT_EQ(std::count(ids.begin(), ids.end(), 257 + 4999), units);
+}
+
+// GPT-2's BPE scanned the whole piece once per merge: a 1 MB word (minified data, a base64 blob) took hours. Ranked
+// merges with a heap are O(n log n), with the same tokens (the tokenizer tests check them against encoder.py's).
+TEST(ReaderBounds, LongWordsEncodeInBoundedTime) {
+  std::unique_ptr<data::GPT2Tokenizer> gpt2;
+  try {
+    gpt2 = std::make_unique<data::GPT2Tokenizer>();
+  } catch (const Error&) {
+    GTEST_SKIP() << "no GPT-2 vocabulary (scripts/fetch_gpt2_vocab.sh)";
+  }
+  std::string word;
+  uint64_t x = 88172645463325252ull;
+  while (word.size() < (1u << 20)) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    word += char('a' + x % 26);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int32_t> ids = gpt2->encode(word);
+  EXPECT_LT(seconds_since(start), 30.0);
+  EXPECT_EQ(gpt2->decode(ids), word);
+  EXPECT_LT(ids.size(), word.size() / 2);  // merged, not left as bytes
 }
 
 // PCRE2's match limit bounds one match; (a+)+b took over 40 s on 88 KB. The budget over the text ends it, saying so.

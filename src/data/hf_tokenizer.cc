@@ -8,6 +8,7 @@
 #include <sstream>
 #include <nlohmann/json.hpp>
 
+#include "data/bpe_merge.h"
 #include "data/byte_level.h"
 #include "loom/common/error.h"
 #include "loom/io/json_file.h"
@@ -17,8 +18,6 @@ namespace loom::data {
 namespace {
 
 using nlohmann::json;
-
-uint64_t pair_key(int32_t left, int32_t right) { return uint64_t(uint32_t(left)) << 32 | uint32_t(right); }
 
 // A key's value when present and not null, else nullptr.
 const json* member(const json& object, const char* key) {
@@ -143,7 +142,7 @@ void HfTokenizer::load(const std::string& text) {
     if (result == ids_.end())
       fail("model.merges[", rank, "] ", io::json_excerpt(m), ": the merged token ", io::json_excerpt(json(parts[0] + parts[1])),
            " is not in model.vocab");
-    merges_.emplace(pair_key(part_ids[0], part_ids[1]), Merge{int32_t(rank), result->second});  // first one wins
+    merges_.emplace(detail::bpe_pair_key(part_ids[0], part_ids[1]), MergeRank{int32_t(rank), result->second});  // first one wins
   }
 
   // --- added tokens
@@ -269,44 +268,7 @@ void HfTokenizer::bpe(std::string_view piece, std::vector<int32_t>& out) const {
       out.push_back(it->second);
       return;
     }
-  // Parts as a linked list by start offset (next[s]: where the part at s ends; id[s]: its token); a heap of candidate
-  // merges by (rank, start): the lowest rank first, the leftmost among equals, as Hugging Face's BPE. A candidate is
-  // stale once either part has merged elsewhere: the part at `start` then no longer ends at `mid`, or the one at
-  // `mid` no longer at `end`.
-  const uint32_t n = uint32_t(piece.size());
-  std::vector<uint32_t> next(n), prev(n);
-  std::vector<int32_t> id(n);
-  std::vector<bool> alive(n, true);
-  struct Candidate {
-    int32_t rank;
-    uint32_t start, mid, end;
-    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : start > o.start; }
-  };
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
-  auto push = [&](uint32_t start) {
-    const uint32_t mid = next[start];
-    if (mid >= n) return;
-    if (auto it = merges_.find(pair_key(id[start], id[mid])); it != merges_.end())
-      heap.push({it->second.rank, start, mid, next[mid]});
-  };
-  for (uint32_t i = 0; i < n; ++i) {
-    next[i] = i + 1;
-    prev[i] = i - 1;  // wraps for i = 0: never read
-    id[i] = byte_ids_[static_cast<unsigned char>(piece[i])];
-  }
-  for (uint32_t i = 0; i + 1 < n; ++i) push(i);
-  while (!heap.empty()) {
-    const Candidate c = heap.top();
-    heap.pop();
-    if (!alive[c.start] || next[c.start] != c.mid || !alive[c.mid] || next[c.mid] != c.end) continue;
-    id[c.start] = merges_.at(pair_key(id[c.start], id[c.mid])).merged;
-    alive[c.mid] = false;
-    next[c.start] = c.end;
-    if (c.end < n) prev[c.end] = c.start;
-    if (c.start > 0) push(prev[c.start]);
-    push(c.start);
-  }
-  for (uint32_t s = 0; s < n; s = next[s]) out.push_back(id[s]);
+  detail::bpe_by_rank(piece, byte_ids_, merges_, out);
 }
 
 std::vector<int32_t> HfTokenizer::encode_ordinary(std::string_view text) const {

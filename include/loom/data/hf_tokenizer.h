@@ -53,9 +53,6 @@ class HfTokenizer : public Tokenizer {
     using is_transparent = void;
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
-  struct Merge {
-    int32_t rank, merged;
-  };
   struct AddedToken {
     std::string content;
     int32_t id;
@@ -69,7 +66,10 @@ class HfTokenizer : public Tokenizer {
   std::string path_;
   Pretokenizer pretokenizer_{Pretokenizer::kGPT2Pattern};
   std::unordered_map<std::string, int32_t, Hash, std::equal_to<>> ids_;  // token bytes -> id (the vocabulary)
-  std::unordered_map<uint64_t, Merge> merges_;                           // (left id, right id) -> rank, result
+  struct MergeRank {
+    int32_t rank, merged;
+  };
+  std::unordered_map<uint64_t, MergeRank> merges_;                       // (left id, right id) -> rank, result
   std::vector<std::string> token_bytes_;                                 // id -> bytes (added tokens: content)
   std::vector<AddedToken> added_;
   // The added tokens' contents as a trie, for finding them in one pass over a text: edges by (node << 8 | byte),
