@@ -182,6 +182,20 @@ TEST(AppOutputs, RetentionRemovesOnlyWhatThisRunWrote) {
   EXPECT_EQ(test::read_all(ckpt + "/latest"), "step_000004.safetensors\n");
 }
 
+// --overwrite-checkpoints replaces checkpoints, not a user's file that has a checkpoint's name.
+TEST(AppOutputs, OverwriteReplacesOnlyCheckpoints) {
+  TempDir dir;
+  const std::string shard = test::small_vocab_shard(dir), ckpt = dir.file("ckpt");
+  fs::create_directories(ckpt + "/step_000003");
+  test::write_all(ckpt + "/step_000002.safetensors", "a user's file");
+  test::write_all(ckpt + "/step_000003/notes.txt", "a user's notes");
+  const auto before = files_of(dir.path());
+  const std::string cmd = train_command(shard) + "--checkpoint-dir " + ckpt + " --overwrite-checkpoints ";
+  expect_one_line_error(cmd + "--steps 2", {"--overwrite-checkpoints", "step_000002.safetensors", "not a Loom checkpoint"});
+  expect_one_line_error(cmd + "--steps 3 --checkpoint-format sharded", {"step_000003", "not a Loom checkpoint"});
+  EXPECT_EQ(files_of(dir.path()), before);
+}
+
 // A `latest` holding ".." escaped its directory.
 TEST(AppOutputs, LatestNeverLeadsOutOfItsDirectory) {
   TempDir dir;

@@ -994,8 +994,12 @@ void Trainer::check_checkpoint_targets() const {
                          (n == opts_.steps || (opts_.checkpoint_interval > 0 && n % opts_.checkpoint_interval == 0));
     if (!written || checkpoint_path(n) != it->path().string()) continue;
     if (opts_.overwrite_checkpoints) {  // replacing checkpoints is allowed, replacing what this run read is not
-      if (it->is_directory(ec)) io::check_output_dir(it->path().string());
-      else io::check_output_file(it->path().string());
+      const std::string path = it->path().string();
+      const bool checkpoint = file ? !loom_checkpoint_config(path).empty() : is_sharded_checkpoint(path);
+      LOOM_REQUIRE(checkpoint, "--overwrite-checkpoints: '", path, "' (step ", n, ") is not a Loom checkpoint; ",
+                   "it is not replaced: move it, or choose another --checkpoint-dir");
+      if (file) io::check_output_file(path);
+      else io::check_output_dir(path);
       continue;
     }
     LOOM_THROW("--checkpoint-dir: this run would write over the existing checkpoint '", it->path().string(),
@@ -1459,6 +1463,9 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
     CheckpointMeta::parse(text, (tmp / kCheckpointMetaFile).string());  // every part covered, before it counts
     io::write_file_atomic((tmp / kCheckpointMetaFile).string(), text);
     if (fs::exists(final_dir)) {  // --overwrite-checkpoints: the old one goes once the new one is complete
+      LOOM_REQUIRE(is_sharded_checkpoint(final_dir.string()), "save_checkpoint: '", dir,
+                   "' exists and is not a sharded checkpoint; it is not replaced");
+      io::check_output_dir(final_dir.string());
       const fs::path old = final_dir.parent_path() / (std::string(io::kTempPrefix) + "old." +
                                                       final_dir.filename().string() + "." + std::to_string(::getpid()));
       fs::rename(final_dir, old);
