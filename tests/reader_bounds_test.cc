@@ -213,6 +213,11 @@ TEST(ReaderBounds, PolicyListsThatNameNothingAreErrors) {
   expect_error_mentioning([] { ProviderPolicy::parse("autotune=gemm;autotune=,"); }, {"autotune=,", "no op"});
   expect_error_mentioning([] { ProviderPolicy::parse("autotune_cache="); }, {"names no file"});
   EXPECT_EQ(ProviderPolicy::parse("shadow=native:gemm").shadows.count("gemm"), 1u);
+  TempDir dir;  // the policy file's lists likewise
+  for (const std::string text : {R"({"order": []})", R"({"routes": {"gemm": []}})", R"({"autotune": []})"}) {
+    write_all(dir.file("policy.json"), text);
+    expect_error_mentioning([&] { ProviderPolicy::load_file(dir.file("policy.json")); }, {"empty list"});
+  }
 }
 
 // An output that is a device, a directory or a pipe is refused, guard on or off: a rename as root turned /dev/null
