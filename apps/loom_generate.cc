@@ -37,6 +37,9 @@ namespace {
 using namespace loom;
 namespace fs = std::filesystem;
 
+// A prompt's bound (a file or stdin): far more text than any model's context.
+constexpr uint64_t kMaxPromptBytes = uint64_t(64) << 20;
+
 // "1, 2 3" -> {1, 2, 3}.
 std::vector<int32_t> parse_token_ids(const std::string& text) {
   std::vector<int32_t> ids;
@@ -165,8 +168,16 @@ int main(int argc, char** argv) {
       ids = parse_token_ids(prompt_tokens);
       print_tokens = true;
     } else {
-      if (!prompt_file.empty()) prompt = io::read_input_file(prompt_file, io::kMaxDataFileBytes, "--prompt-file");
-      else if (p_opt->count() == 0) prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
+      if (!prompt_file.empty()) {
+        prompt = io::read_input_file(prompt_file, kMaxPromptBytes, "--prompt-file");
+      } else if (p_opt->count() == 0) {  // stdin, within the same bound (an endless pipe is not read to the end)
+        char buf[1 << 16];
+        while (std::cin.read(buf, sizeof buf) || std::cin.gcount() > 0) {
+          prompt.append(buf, size_t(std::cin.gcount()));
+          LOOM_REQUIRE(prompt.size() <= kMaxPromptBytes, "the prompt on stdin is more than ",
+                       io::byte_size_text(double(kMaxPromptBytes)), " (no model's context holds that much)");
+        }
+      }
       tokenizer = find_tokenizer(model_path, cfg, tokenizer_name, tokenizer_path);
       LOOM_REQUIRE(tokenizer->vocab_size() <= cfg.vocab_size, "the ", tokenizer->name(), " tokenizer's ",
                    tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ", cfg.vocab_size,

@@ -119,6 +119,11 @@ TEST(AppOutputs, GenerateNeverWritesOntoItsPromptOrTokenizer) {
   EXPECT_EQ(files_of(dir.path()), before);
   AppRun ok = run_app(cmd + "--dump-logits " + dir.file("logits.safetensors"));
   EXPECT_EQ(ok.status, 0) << ok.err;
+  // An endless prompt is read to its bound, not to the end of memory.
+  expect_one_line_error("sh -c '" + kGenerate + " -m " + bin + " -n 1 --tokenizer-path " + tok + " < /dev/zero'",
+                        {"prompt on stdin", "64.0 MB"});
+  expect_one_line_error(kGenerate + " -m " + bin + " -n 1 --tokenizer-path " + tok + " --prompt-file /dev/zero",
+                        {"--prompt-file", "a character device"});
 }
 
 // As root a rename replaced /dev/null with a regular file; the model directory's config.json and a sharded
