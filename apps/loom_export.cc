@@ -17,6 +17,7 @@
 #include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/hf_model_dir.h"
+#include "loom/dispatch_modes.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
     // The inputs are noted now (a model directory's config.json, a sharded checkpoint's rank files): none is an output.
     io::check_can_write(llmc_path, "--llmc");
     if (hf_single_file) io::check_can_write(hf_path, "--hf");
+    dispatch::check_op_profile_file();
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
     if (!llmc_path.empty()) {

@@ -24,6 +24,7 @@
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/tokenizer.h"
+#include "loom/dispatch_modes.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
@@ -197,6 +198,7 @@ int main(int argc, char** argv) {
 
     // Every input is read and noted now: the output is checked before the work, and written atomically after it.
     io::check_can_write(dump_logits, "--dump-logits");
+    dispatch::check_op_profile_file();
     model->to(device);
     if (dtype_name == "bf16") model->to(kBF16);  // parameters only: the rope tables stay f32
     std::fprintf(stderr, "loom-generate: %s: %s, %s %s\n", model_path.c_str(), cfg.describe().c_str(),

@@ -76,7 +76,7 @@ TEST(AppOutputs, ProfileFileIsCheckedLikeEveryOutput) {
                         {"LOOM_PROFILE_OPS_FILE", "refusing to write", shard});
   expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + dir.path().string() + " " + cmd,
                         {"LOOM_PROFILE_OPS_FILE", "a directory"});
-  // An app that learns its inputs as it runs: refused at exit, with a failing status, the input unchanged.
+  // loom-generate: refused once its inputs are read, before it generates.
   expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + bin + " " + kGenerate + " -m " + bin +
                             " --prompt-tokens 1,2 -n 1",
                         {"LOOM_PROFILE_OPS_FILE", "refusing to write", bin});

@@ -11,7 +11,6 @@
 #include "loom/common/error.h"
 #include "loom/common/version.h"
 #include "loom/dispatch_modes.h"
-#include "loom/io/atomic_file.h"
 
 namespace loom::cli {
 
@@ -140,7 +139,7 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
 int run(const std::string& name, const std::function<void()>& body) {
   try {
     // The exit report's file is checked before the work, not after it.
-    if (dispatch::op_profiling()) io::check_can_write(dispatch::op_profile_file(), "LOOM_PROFILE_OPS_FILE");
+    dispatch::check_op_profile_file();
     body();
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
     print_error(name, apps::error_text(e));

@@ -82,6 +82,15 @@ void set_op_profiling(bool on) {
 }
 bool op_profiling() { return detail::modes.load() & detail::kModeProfile; }
 std::string op_profile_file() { return profile_file(); }
+void check_op_profile_file() {
+  if (!op_profiling() || profile_file().empty()) return;
+  try {
+    io::check_can_write(profile_file(), "LOOM_PROFILE_OPS_FILE");
+  } catch (const Error&) {
+    profile_file().clear();
+    throw;
+  }
+}
 
 namespace {
 

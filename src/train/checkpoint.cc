@@ -378,7 +378,7 @@ std::string read_latest_name(const std::string& dir, const std::string& what) {
                      name.find_first_of(std::string("/\0", 2)) == std::string::npos;
   LOOM_REQUIRE(plain, what, ": '", latest.string(), "' does not name a checkpoint of its directory (it holds '",
                name.substr(0, 80), name.size() > 80 ? "...'" : "'",
-               "'; it must hold one file or directory name such as step_000100.safetensors)");
+               "; it must hold one file or directory name such as step_000100.safetensors)");
   return name;
 }
 

@@ -976,7 +976,7 @@ void Trainer::check_outputs() const {
     io::check_can_write(opts_.trace_ops, "--trace-ops");
     if (opts_.trace_values) io::check_can_write(opts_.trace_ops + ".values.safetensors", "--trace-values");
   }
-  if (dispatch::op_profiling()) io::check_can_write(dispatch::op_profile_file(), "LOOM_PROFILE_OPS_FILE");
+  dispatch::check_op_profile_file();
   if (logs_->jsonl) io::check_output_file(logs_->jsonl->path());
 }
 
