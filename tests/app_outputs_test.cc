@@ -34,9 +34,9 @@ using test::TempDir;
 
 const std::string kTrain = LOOM_TRAIN_EXE, kGenerate = LOOM_GENERATE_EXE, kExport = LOOM_EXPORT_EXE;
 
-std::string small_model_file(const TempDir& dir, const std::string& name = "gpt2.bin") {
+std::string small_model_file(const TempDir& dir, const std::string& name = "gpt2.bin", int64_t context = 32) {
   auto cfg = nn::ModelConfig::from_name("d2");
-  cfg.max_seq_len = 32;
+  cfg.max_seq_len = context;
   auto model = nn::make_model(cfg);
   model->init_weights(test::fresh_seed());
   const std::string bin = dir.file(name);
@@ -52,7 +52,7 @@ std::string train_command(const std::string& shard) {
 TEST(AppOutputs, TraceOntoAnInputIsRefusedBeforeTraining) {
   TempDir dir;
   const std::string shard = test::small_vocab_shard(dir), val = test::small_vocab_shard(dir, "val.bin");
-  const std::string config = dir.file("run.toml"), init = small_model_file(dir);
+  const std::string config = dir.file("run.toml"), init = small_model_file(dir, "init.bin", 1024);  // d2's context
   test::write_all(config, "seed = 3\n");
   fs::create_directories(dir.file("traces"));
   const auto before = files_of(dir.path());
@@ -117,11 +117,11 @@ TEST(AppOutputs, GenerateNeverWritesOntoItsPromptOrTokenizer) {
   expect_one_line_error(cmd + "--dump-logits " + prompt, {"--dump-logits", "refusing to write", prompt});
   expect_one_line_error(cmd + "--dump-logits " + tok, {"--dump-logits", "refusing to write", tok});
   EXPECT_EQ(files_of(dir.path()), before);
-  AppRun ok = run_app(cmd + "--dump-logits " + dir.file("logits.safetensors"));
+  AppRun ok = run_app(cmd + "--print-tokens --dump-logits " + dir.file("logits.safetensors"));
   EXPECT_EQ(ok.status, 0) << ok.err;
   // An endless prompt is read to its bound, not to the end of memory.
   expect_one_line_error("sh -c '" + kGenerate + " -m " + bin + " -n 1 --tokenizer-path " + tok + " < /dev/zero'",
-                        {"prompt on stdin", "64.0 MB"});
+                        {"prompt on stdin", "67.1 MB"});
   expect_one_line_error(kGenerate + " -m " + bin + " -n 1 --tokenizer-path " + tok + " --prompt-file /dev/zero",
                         {"--prompt-file", "a character device"});
 }

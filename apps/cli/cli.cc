@@ -11,6 +11,7 @@
 #include "loom/common/error.h"
 #include "loom/common/version.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/read_file.h"
 
 namespace loom::cli {
 
@@ -119,6 +120,16 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
   }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
   try {
     app.parse(argc, argv);
+  } catch (const CLI::FileError& e) {  // --config naming no readable file: said as the file reader says it
+    const std::string text = e.what(), suffix = " was not readable (missing?)";
+    const size_t at = text.rfind(suffix);
+    try {
+      if (at != std::string::npos) io::read_input_file(text.substr(0, at), io::kMaxConfigFileBytes, "--config");
+      print_error(name, "--config: " + text);
+    } catch (const Error& reason) {
+      print_error(name, reason.what());
+    }
+    return 2;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     // A misspelt required flag is reported as what it is, not as the flag missing.

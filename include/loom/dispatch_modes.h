@@ -79,7 +79,7 @@ std::string op_profile_table();
 // with one error line and status 1.
 std::string op_profile_file();
 // What the apps call before their work: throws one line naming LOOM_PROFILE_OPS_FILE when that file could not be
-// written (io::check_can_write), and the exit report then writes no file (the error is said once).
+// written (io::check_can_write), and there is then no exit report (the error is said once, as the last line).
 void check_op_profile_file();
 
 // Op traces (loom-train --trace-ops FILE; docs/PROVIDERS.md): while on, every call dispatched outside a kernel is

@@ -46,7 +46,11 @@ std::string& profile_file() {
   return *path;
 }
 
+// Off once the apps reported that the report's file cannot be written: their error stays the last line.
+std::atomic<bool> report_at_exit{true};
+
 void write_profile_report() {
+  if (!report_at_exit.load()) return;
   std::fputs(op_profile_table().c_str(), stderr);
   if (profile_file().empty()) return;
   std::ostringstream f;
@@ -87,7 +91,7 @@ void check_op_profile_file() {
   try {
     io::check_can_write(profile_file(), "LOOM_PROFILE_OPS_FILE");
   } catch (const Error&) {
-    profile_file().clear();
+    report_at_exit = false;
     throw;
   }
 }
