@@ -29,6 +29,8 @@ std::string read_whole_file(const std::string& path, const char* what) {
   return io::read_input_file(path, io::kMaxTokenizerFileBytes, std::string("GPT-2 tokenizer ") + what);
 }
 
+std::string json_text(const std::string& s) { return io::json_excerpt(nlohmann::json(s)); }
+
 bool vocab_files_in(const std::filesystem::path& dir) {
   std::error_code ec;
   return std::filesystem::is_regular_file(dir / "encoder.json", ec) &&
@@ -134,15 +136,16 @@ void GPT2Tokenizer::load(const std::string& encoder_json_path, const std::string
     merges_.emplace(detail::bpe_pair_key(a->second, b->second), MergeRank{rank++, merged->second});  // first one wins
   }
   LOOM_REQUIRE(rank > 0, "GPT2Tokenizer: ", vocab_bpe_path, " has no merges");
-  for (int byte = 0; byte < 256; ++byte) {
+  for (int byte = 0; byte < 256; ++byte) {  // -1: not in this vocabulary (a text that holds the byte is refused)
     const auto it = encoder_.find(byte_symbol_[byte]);
-    LOOM_REQUIRE(it != encoder_.end(), "GPT2Tokenizer: ", encoder_json_path, " lacks the single byte ", byte,
-                 ": byte-level BPE needs all 256");
-    byte_ids_[byte] = it->second;
+    byte_ids_[byte] = it == encoder_.end() ? -1 : it->second;
   }
 }
 
 std::vector<int32_t> GPT2Tokenizer::bpe(std::string_view piece) const {
+  for (unsigned char byte : piece)
+    LOOM_REQUIRE(byte_ids_[byte] >= 0, "GPT2Tokenizer: byte ", int(byte), " of the text has no token in this ",
+                 "vocabulary (encoder.json lacks the single byte ", json_text(byte_symbol_[byte]), ")");
   std::vector<int32_t> ids;
   detail::bpe_by_rank(piece, byte_ids_, merges_, ids);
   return ids;

@@ -166,6 +166,25 @@ std::string loom_checkpoint_config(const std::string& path) {
   }
 }
 
+// Whether a file's safetensors header says it is a Loom training checkpoint: the header alone, so a checkpoint whose
+// data was cut short still counts (--overwrite-checkpoints may replace a broken checkpoint, never a file of another
+// kind that happens to have a checkpoint's name).
+bool has_checkpoint_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t header_len = 0;
+  if (!in.read(reinterpret_cast<char*>(&header_len), sizeof header_len) || header_len > (uint64_t(100) << 20))
+    return false;
+  std::string header(size_t(header_len), '\0');
+  if (!in.read(header.data(), std::streamsize(header_len))) return false;
+  try {
+    const nlohmann::json j = io::parse_json(header, path);
+    return j.is_object() && j.contains("__metadata__") && j["__metadata__"].is_object() &&
+           j["__metadata__"].value("format", "") == kCheckpointFormat;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // The run id in a checkpoint's state metadata (file or sharded directory); "" when it has none or is unreadable.
 std::string checkpoint_run_id(const std::string& path) {
   try {
@@ -995,11 +1014,12 @@ void Trainer::check_checkpoint_targets() const {
     if (!written || checkpoint_path(n) != it->path().string()) continue;
     if (opts_.overwrite_checkpoints) {  // replacing checkpoints is allowed, replacing what this run read is not
       const std::string path = it->path().string();
-      const bool checkpoint = file ? !loom_checkpoint_config(path).empty() : is_sharded_checkpoint(path);
+      const bool directory = it->is_directory(ec);
+      const bool checkpoint = directory ? is_sharded_checkpoint(path) : has_checkpoint_header(path);
       LOOM_REQUIRE(checkpoint, "--overwrite-checkpoints: '", path, "' (step ", n, ") is not a Loom checkpoint; ",
                    "it is not replaced: move it, or choose another --checkpoint-dir");
-      if (file) io::check_output_file(path);
-      else io::check_output_dir(path);
+      if (directory) io::check_output_dir(path);
+      else io::check_output_file(path);
       continue;
     }
     LOOM_THROW("--checkpoint-dir: this run would write over the existing checkpoint '", it->path().string(),
