@@ -46,6 +46,9 @@ inline void check_integer_options(CLI::App& app) {
 #include <new>
 #include <stdexcept>
 
+#include "loom/core/device_runtime.h"
+#include "loom/io/read_file.h"
+
 namespace loom::apps {
 
 // An exception as the one line an app prints after "APP: error: ": the library's own text, with what a standard
@@ -56,8 +59,17 @@ inline std::string error_text(const std::exception& e) {
     if (!fe->path2().empty()) m += " -> '" + fe->path2().string() + "'";
     return m + ": " + fe->code().message();
   }
-  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (is the model or the batch larger than this machine?)";
-  if (dynamic_cast<const std::length_error*>(&e)) return "a size too large for this machine's memory";
+  if (dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const std::length_error*>(&e)) {
+    // What was held and what the machine has: the sizes that tell a too-large model from a corrupt size in a file.
+    auto& cpu = device_runtime(DeviceType::kCPU);
+    const MemoryStats held = cpu.memory_stats(0);
+    const size_t total = cpu.total_memory(0);
+    return std::string(dynamic_cast<const std::bad_alloc*>(&e) ? "out of host memory" : "a size too large for memory") +
+           ": an allocation failed with " + io::byte_size_text(double(held.allocated)) + " in tensors (peak " +
+           io::byte_size_text(double(held.peak_allocated)) + ")" +
+           (total ? " of the machine's " + io::byte_size_text(double(total)) : std::string()) +
+           " (is the model, the batch or an input file larger than this machine?)";
+  }
   std::string m = e.what();
   if (m.rfind("[json.exception.", 0) == 0 && m.find("] ") != std::string::npos) m = m.substr(m.find("] ") + 2);
   return m;

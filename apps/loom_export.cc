@@ -17,6 +17,8 @@
 #include "loom/io/input_guard.h"
 #include "loom/common/error.h"
 #include "loom/io/hf_model_dir.h"
+#include "loom/dispatch_modes.h"
+#include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
@@ -104,7 +106,13 @@ int main(int argc, char** argv) {
     if (!hf_path.empty() && !hf_single_file) io::check_hf_export_dir(hf_path, opts);  // before a long load
     // A sharded checkpoint (step_NNNNNN/ with meta.json) is consolidated here: every parameter read whole from its
     // pieces, whatever world size or layout saved it.
+    io::check_can_write(llmc_path, "--llmc");  // not a directory or device, in a directory that takes files
+    if (hf_single_file) io::check_can_write(hf_path, "--hf");
     std::shared_ptr<nn::LanguageModel> model = train::load_model_from(checkpoint, "--checkpoint");
+    // The inputs are noted now (a model directory's config.json, a sharded checkpoint's rank files): none is an output.
+    io::check_can_write(llmc_path, "--llmc");
+    if (hf_single_file) io::check_can_write(hf_path, "--hf");
+    dispatch::check_op_profile_file();
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
     if (!llmc_path.empty()) {
@@ -133,6 +141,9 @@ int main(int argc, char** argv) {
     }
   } catch (const std::exception& e) {  // loom::Error, a malformed checkpoint's metadata, a directory that cannot be made
     cli::print_error("loom-export", loom::apps::error_text(e));
+    return 1;
+  } catch (...) {
+    cli::print_error("loom-export", "an unexpected error that is not a std::exception");
     return 1;
   }
   return 0;

@@ -24,9 +24,12 @@
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/tokenizer.h"
+#include "loom/dispatch_modes.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
 #include "loom/io/safetensors.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/read_file.h"
 #include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
 
@@ -35,13 +38,8 @@ namespace {
 using namespace loom;
 namespace fs = std::filesystem;
 
-std::string read_file(const std::string& path) {
-  std::error_code ec;
-  LOOM_REQUIRE(fs::is_regular_file(path, ec), "--prompt-file '", path, "' does not exist or is not a file");
-  std::ifstream f(path, std::ios::binary);
-  LOOM_REQUIRE(f.good(), "--prompt-file '", path, "' cannot be read");
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
+// A prompt's bound (a file or stdin): far more text than any model's context.
+constexpr uint64_t kMaxPromptBytes = uint64_t(64) << 20;
 
 // "1, 2 3" -> {1, 2, 3}.
 std::vector<int32_t> parse_token_ids(const std::string& text) {
@@ -171,8 +169,16 @@ int main(int argc, char** argv) {
       ids = parse_token_ids(prompt_tokens);
       print_tokens = true;
     } else {
-      if (!prompt_file.empty()) prompt = read_file(prompt_file);
-      else if (p_opt->count() == 0) prompt.assign(std::istreambuf_iterator<char>(std::cin), {});
+      if (!prompt_file.empty()) {
+        prompt = io::read_input_file(prompt_file, kMaxPromptBytes, "--prompt-file");
+      } else if (p_opt->count() == 0) {  // stdin, within the same bound (an endless pipe is not read to the end)
+        char buf[1 << 16];
+        while (std::cin.read(buf, sizeof buf) || std::cin.gcount() > 0) {
+          prompt.append(buf, size_t(std::cin.gcount()));
+          LOOM_REQUIRE(prompt.size() <= kMaxPromptBytes, "the prompt on stdin is more than ",
+                       io::byte_size_text(double(kMaxPromptBytes)), " (no model's context holds that much)");
+        }
+      }
       tokenizer = find_tokenizer(model_path, cfg, tokenizer_name, tokenizer_path);
       LOOM_REQUIRE(tokenizer->vocab_size() <= cfg.vocab_size, "the ", tokenizer->name(), " tokenizer's ",
                    tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ", cfg.vocab_size,
@@ -190,6 +196,9 @@ int main(int argc, char** argv) {
     LOOM_REQUIRE(int64_t(ids.size()) < cfg.max_seq_len, "the prompt's ", ids.size(),
                  " tokens fill the model's context of ", cfg.max_seq_len);
 
+    // Every input is read and noted now: the output is checked before the work, and written atomically after it.
+    io::check_can_write(dump_logits, "--dump-logits");
+    dispatch::check_op_profile_file();
     model->to(device);
     if (dtype_name == "bf16") model->to(kBF16);  // parameters only: the rope tables stay f32
     std::fprintf(stderr, "loom-generate: %s: %s, %s %s\n", model_path.c_str(), cfg.describe().c_str(),
@@ -238,6 +247,10 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cout.flush();
     cli::print_error("loom-generate", loom::apps::error_text(e));
+    return 1;
+  } catch (...) {
+    std::cout.flush();
+    cli::print_error("loom-generate", "an unexpected error that is not a std::exception");
     return 1;
   }
   return 0;

@@ -28,6 +28,7 @@
 
 #include "cli/cli.h"
 #include "loom/io/input_guard.h"
+#include "loom/io/read_file.h"
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/data/tokenizer.h"
@@ -65,14 +66,6 @@ std::string resolve_input(const std::string& name) {
   }
   LOOM_THROW("loom-prepare: input file ", name, " not found; looked at", looked,
              bare ? " (set LOOM_DATA_DIR to the directory that holds it)" : "");
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "loom-prepare: cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 std::string megabytes(double bytes) {
@@ -165,6 +158,8 @@ int main(int argc, char** argv) {
     LOOM_REQUIRE(earlier.empty() || overwrite, "loom-prepare: ", output_dir, " already holds ", earlier.size(),
                  " shard(s) named ", name, "_* (", earlier.front(), earlier.size() > 1 ? ", ..." : "",
                  "); pass --overwrite to replace them, or choose another --output-dir or --name");
+    // Before the tokenizing: no shard this run replaces or removes is one of its inputs.
+    for (const std::string& old : earlier) loom::io::check_output_file(old);
 
     const std::unique_ptr<loom::data::Tokenizer> tokenizer = loom::data::load_tokenizer(tokenizer_name, tokenizer_path);
     const bool ids_fit_u16 = tokenizer->vocab_size() <= 65536;
@@ -183,7 +178,7 @@ int main(int argc, char** argv) {
     const uint64_t report_every = std::max<uint64_t>(total_bytes / 10, 1);
     int64_t documents = 0;
     for (const auto& path : paths) {
-      const std::string text = read_file(path);
+      const std::string text = loom::io::read_input_file(path, loom::io::kMaxDataFileBytes, "--input");
       LOOM_REQUIRE(!text.empty(), "loom-prepare: input file ", path, " is empty");
       for (std::string_view doc : split_documents(text, paragraph_documents)) {
         tokens.push_back(tokenizer->document_token());
@@ -233,6 +228,7 @@ int main(int argc, char** argv) {
     // --overwrite: an earlier run's shards this one did not write again (it had more) would join a glob of these.
     for (const std::string& old : earlier)
       if (std::none_of(written.begin(), written.end(), [&](const auto& w) { return w.first == old; })) {
+        loom::io::check_output_file(old);
         fs::remove(old);
         std::printf("loom-prepare: removed %s (an earlier run's shard, --overwrite)\n", old.c_str());
       }

@@ -123,9 +123,7 @@ void signal_all(int sig) {
     if (c.running) kill(-c.pid, sig);  // the rank's whole process group (a shell's children too)
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_ranks(int argc, char** argv) {
   long nproc = 0, nnodes = 1, node_rank = 0, port = -1;
   std::string addr;
   bool standalone = false;
@@ -328,4 +326,17 @@ int main(int argc, char** argv) {
     for (auto& c : children)
       if (!(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0)) exit_code = 1;
   return exit_code == 0 && first_failed >= 0 ? 1 : exit_code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run_ranks(argc, argv);
+  } catch (const std::exception& e) {  // memory, a string that does not convert: one line, like every error here
+    std::fprintf(stderr, "loom-run: error: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "loom-run: error: an unexpected error that is not a std::exception\n");
+  }
+  return 1;
 }

@@ -16,6 +16,7 @@
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "app_run.h"
 #include "test_files.h"
 #include "test_util.h"
 
@@ -27,36 +28,10 @@ namespace fs = std::filesystem;
 #if defined(LOOM_TRAIN_EXE) && defined(LOOM_GENERATE_EXE) && defined(LOOM_EXPORT_EXE) && \
     defined(LOOM_CONFORMANCE_EXE) && defined(LOOM_RUN_EXE)
 
-struct AppRun {
-  int status = 0;
-  std::string out, err;
-};
-
-AppRun run(const std::string& command) {
-  test::TempDir tmp;
-  const std::string err = tmp.file("stderr");
-  AppRun r;
-  FILE* p = popen((command + " </dev/null 2>" + err).c_str(), "r");
-  if (!p) return {-1, "", "popen failed"};
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), p)) r.out.append(buf.data(), n);
-  r.status = pclose(p);
-  r.err = test::read_all(err);
-  return r;
-}
-
-// A non-zero exit, and stderr's last line holding every part.
-void expect_one_line_error(const std::string& command, std::initializer_list<std::string> parts) {
-  SCOPED_TRACE(command);
-  AppRun r = run(command);
-  EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) != 0) << r.out << r.err;
-  // Progress and banner lines may come first; the error is the last line, and it holds every part.
-  const std::string last = r.err.substr(r.err.rfind('\n', r.err.size() >= 2 ? r.err.size() - 2 : 0) + 1);
-  EXPECT_TRUE(!r.err.empty() && r.err.back() == '\n') << r.err;
-  for (const auto& p : parts) EXPECT_NE(last.find(p), std::string::npos) << "missing '" << p << "' in\n" << r.err;
-  EXPECT_EQ(r.err.find("[json.exception"), std::string::npos) << r.err;
-  EXPECT_EQ(r.err.find("filesystem error"), std::string::npos) << r.err;
-}
+using test::AppRun;
+using test::expect_one_line_error;
+using test::files_of;
+AppRun run(const std::string& command) { return test::run_app(command); }
 
 // A command-line error of an app whose parse errors CLI11 prints (with its "Run with --help" line): a non-zero exit
 // and stderr naming every part.
@@ -65,13 +40,6 @@ void expect_parse_error(const std::string& command, std::initializer_list<std::s
   AppRun r = run(command);
   EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) != 0) << r.out << r.err;
   for (const auto& p : parts) EXPECT_NE(r.err.find(p), std::string::npos) << "missing '" << p << "' in\n" << r.err;
-}
-
-std::map<std::string, std::string> files_of(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file()) out[e.path().string()] = test::read_all(e.path().string());
-  return out;
 }
 
 std::string shard_in(const test::TempDir& dir) {

@@ -307,7 +307,7 @@ TEST(HfTokenizer, MalformedFilesAreOneErrorNamingTheProblem) {
     edit(doc);
     return doc.dump();
   };
-  expect_bad("{\"model\": ", {"not valid JSON"});
+  expect_bad("{\"model\": ", {"invalid JSON"});
   expect_bad("[1, 2]", {"not a tokenizer.json"});
   expect_bad(edited([](json& d) { d.erase("model"); }), {"\"model\""});
   expect_bad(edited([](json& d) { d["model"]["type"] = "WordPiece"; }), {"model.type", "WordPiece"});
@@ -335,11 +335,11 @@ TEST(HfTokenizer, MalformedFilesAreOneErrorNamingTheProblem) {
   expect_bad(edited([](json& d) { d["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; }),
              {"add_prefix_space"});
   expect_bad(edited([](json& d) { d["pre_tokenizer"]["pretokenizers"] = 7; }), {"pretokenizers"});
-  expect_bad(edited([](json& d) { d["pre_tokenizer"]["pretokenizers"][0] = 7; }), {"expected shape"});
+  expect_bad(edited([](json& d) { d["pre_tokenizer"]["pretokenizers"][0] = 7; }), {"pre_tokenizer step", "7"});
   expect_bad(edited([](json& d) { d["post_processor"]["processors"][1]["single"][0]["SpecialToken"]["id"] = "<|x|>"; }),
              {"post_processor", "<|x|>"});
   expect_error_mentioning([&] { data::load_tokenizer("gpt2", dir.file("missing.json")); },
-                          {dir.file("missing.json"), "not found"});
+                          {dir.file("missing.json"), "does not exist"});
 }
 
 // loom-prepare reads a tokenizer.json given with --tokenizer-path: the shard holds the document token then the ids;

@@ -205,7 +205,7 @@ TEST(MetricsLog, JsonlLines) {
     w.write(2, {{"loss", std::nan("")}});
   }
   {
-    io::JsonlMetricsWriter w(path, /*append=*/true);
+    io::JsonlMetricsWriter w(path);
     w.write(3, {{"loss", 2.0}});
   }
   std::istringstream lines(read_all(path));
@@ -218,9 +218,9 @@ TEST(MetricsLog, JsonlLines) {
   EXPECT_GT(rows[0]["time"].get<double>(), 1.6e9);
   EXPECT_TRUE(rows[1]["loss"].is_null());
   EXPECT_EQ(rows[2]["step"], 3);
-  io::JsonlMetricsWriter(path).write(9, {});  // append=false truncates
+  io::JsonlMetricsWriter(path).write(9, {});  // a log is continued, never truncated
   const std::string after = read_all(path);
-  EXPECT_EQ(std::count(after.begin(), after.end(), '\n'), 1);
+  EXPECT_EQ(std::count(after.begin(), after.end(), '\n'), 4);
 }
 
 TEST(MetricsLog, TensorBoardEventsParseBack) {

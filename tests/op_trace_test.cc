@@ -206,7 +206,47 @@ TEST(OpTrace, BadTracesAreOneErrorNamingTheFile) {
   j = good;
   j["calls"][0].erase("count");
   expect(j, "call 0:");
-  expect(good, "not JSON", "{\"format\": ");
+  expect(good, "invalid JSON", "{\"format\": ");
+  // Numbers are taken as the JSON numbers they are: never narrowed, wrapped or overflowed into something valid.
+  j = good;
+  j["format_version"] = 4294967297ull;  // 2^32 + 1 read as an int was 1
+  expect(j, "format version 4294967297");
+  j = good;
+  j["calls"][0]["count"] = -1;  // read as uint64 was 2^64-1
+  expect(j, "\"count\" must be an integer from 1");
+  j = good;
+  j["calls"][0]["count"] = "3";
+  expect(j, "\"count\" must be an integer");
+  j = good;  // an element count past int64 replayed as an empty tensor and passed
+  j["calls"][0]["tensors"][0]["shape"] = {4294967296ll, 4294967296ll};
+  j["calls"][0]["tensors"][0]["strides"] = {0, 0};
+  expect(j, "spans more than 2^40 elements");
+  j = good;
+  j["calls"][0]["tensors"][0]["shape"] = {18446744073709551615ull, 8};
+  expect(j, "\"shape\" must hold integers from 0 to 2^63-1");
+  j = good;
+  j["calls"][0]["tensors"][0]["offset"] = -4;
+  expect(j, "\"offset\" must be an integer from 0");
+  j = good;
+  j["calls"][0]["attrs"]["eps"] = "small";
+  expect(j, "attribute 'eps' must be a number, got \"small\"");
+  j = good;
+  j["calls"][0]["tensors"][0]["dtype"] = 7;
+  expect(j, "\"dtype\" must be a string, got 7");
+  j = good;  // a values file named by the trace lies beside it
+  j["values"] = {{"file", "../elsewhere.safetensors"}, {"limit", 16}};
+  expect(j, "must name a file beside the trace");
+  expect(good, "key \"count\" appears twice",
+         good.dump().replace(good.dump().find("\"count\":3"), 9, "\"count\":3,\"count\":4"));
+  // A --case past the end, or a selection that matches no call, replays nothing: an error, never a pass.
+  test::write_all(dir.file("one.trace"), good.dump());
+  const op_trace::Trace trace = op_trace::read_trace(dir.file("one.trace"));
+  auto o = replay_options("native");
+  o.only_case = 5;
+  test::expect_error_mentioning([&] { op_trace::replay_trace(trace, o); }, {"--case 5", "holds 1 calls"});
+  o.only_case = -1;
+  o.ops = {"gemm"};
+  test::expect_error_mentioning([&] { op_trace::replay_trace(trace, o); }, {"no call", "nothing was replayed"});
 }
 
 #ifdef LOOM_CONFORMANCE_EXE

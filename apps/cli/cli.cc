@@ -10,6 +10,8 @@
 #include "checked_options.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
+#include "loom/dispatch_modes.h"
+#include "loom/io/read_file.h"
 
 namespace loom::cli {
 
@@ -118,6 +120,16 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
   }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
   try {
     app.parse(argc, argv);
+  } catch (const CLI::FileError& e) {  // --config naming no readable file: said as the file reader says it
+    const std::string text = e.what(), suffix = " was not readable (missing?)";
+    const size_t at = text.rfind(suffix);
+    try {
+      if (at != std::string::npos) io::read_input_file(text.substr(0, at), io::kMaxConfigFileBytes, "--config");
+      print_error(name, "--config: " + text);
+    } catch (const Error& reason) {
+      print_error(name, reason.what());
+    }
+    return 2;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     // A misspelt required flag is reported as what it is, not as the flag missing.
@@ -125,15 +137,26 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
                          (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
     print_error(name, unknown ? unexpected_arguments(app, name) : e.what());
     return 2;
+  } catch (const std::exception& e) {  // a --config reader's failure that is no parse error (memory, a filesystem)
+    print_error(name, apps::error_text(e));
+    return 2;
+  } catch (...) {
+    print_error(name, "the command line could not be read (an unexpected error)");
+    return 2;
   }
   return -1;
 }
 
 int run(const std::string& name, const std::function<void()>& body) {
   try {
+    // The exit report's file is checked before the work, not after it.
+    dispatch::check_op_profile_file();
     body();
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
     print_error(name, apps::error_text(e));
+    return 1;
+  } catch (...) {
+    print_error(name, "an unexpected error that is not a std::exception (a plugin library's?)");
     return 1;
   }
   return 0;

@@ -15,6 +15,7 @@
 #include "cli/cli.h"
 #include "loom/common/error.h"
 #include "loom/io/json_file.h"
+#include "loom/io/read_file.h"
 #include "loom/train/trainer.h"
 
 namespace loom::cli {
@@ -208,9 +209,16 @@ class RunConfigFormatter : public CLI::Config {
 
   std::string to_config(const CLI::App*, bool, bool, std::string) const override { return ""; }
 
-  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
-    const std::string text((std::istreambuf_iterator<char>(input)), std::istreambuf_iterator<char>());
+  // The file is read again by its path, the one bounded way (a regular file of at most kMaxConfigFileBytes):
+  // CLI11's stream of /dev/zero never ends.
+  std::vector<CLI::ConfigItem> from_config(std::istream&) const override {
     const std::string path = config_->results().empty() ? "" : config_->results().back();
+    std::string text;
+    try {
+      text = io::read_input_file(path, io::kMaxConfigFileBytes, "--config");
+    } catch (const Error& e) {
+      throw CLI::ConfigError(e.what());
+    }
     return read_run_config(path, text);
   }
 

@@ -74,6 +74,13 @@ std::vector<OpProfileRow> op_profile();  // by total time, largest first
 void reset_op_profile();
 // The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
 std::string op_profile_table();
+// The file the exit report is written to (LOOM_PROFILE_OPS_FILE with LOOM_PROFILE_OPS set; "" for none). It is
+// written atomically; a path that cannot be written (an input of the run, a directory, a device) ends the process
+// with one error line and status 1.
+std::string op_profile_file();
+// What the apps call before their work: throws one line naming LOOM_PROFILE_OPS_FILE when that file could not be
+// written (io::check_can_write), and there is then no exit report (the error is said once, as the last line).
+void check_op_profile_file();
 
 // Op traces (loom-train --trace-ops FILE; docs/PROVIDERS.md): while on, every call dispatched outside a kernel is
 // recorded: the op, device, dispatch dtype, each tensor argument's dtype, shape, strides, storage offset and which

@@ -267,11 +267,15 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
       }
       std::stringstream ops(rest.substr(colon + 1));
       std::string op;
+      int count = 0;
       while (std::getline(ops, op, ',')) {
         if (op.empty()) continue;
         find_op(op);
         p.shadows[op] = provider;
+        ++count;
       }
+      LOOM_REQUIRE(count > 0, "provider policy '", spec, "': '", item, "' names no op after ':' (leave out ':' to "
+                   "shadow every op)");
       continue;
     }
     if (item == "autotune") {
@@ -281,16 +285,19 @@ ProviderPolicy ProviderPolicy::parse(const std::string& spec) {
     if (item.rfind("autotune=", 0) == 0) {
       std::stringstream ops(item.substr(9));
       std::string op;
+      int count = 0;
       while (std::getline(ops, op, ',')) {
         if (op.empty()) continue;
         find_op(op);
         p.autotune.insert(op);
+        ++count;
       }
-      LOOM_REQUIRE(!p.autotune.empty(), "provider policy '", spec, "': '", item, "' names no op");
+      LOOM_REQUIRE(count > 0, "provider policy '", spec, "': '", item, "' names no op");
       continue;
     }
     if (item.rfind("autotune_cache=", 0) == 0) {
       p.autotune_cache = item.substr(15);
+      LOOM_REQUIRE(!p.autotune_cache.empty(), "provider policy '", spec, "': '", item, "' names no file");
       continue;
     }
     if (item == "cpu_fallback") {

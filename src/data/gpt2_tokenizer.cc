@@ -13,6 +13,8 @@
 #include "data/byte_level.h"
 #include "loom/common/error.h"
 #include "loom/data/pretokenizer.h"
+#include "loom/io/read_file.h"
+#include "data/bpe_merge.h"
 
 namespace loom::data {
 namespace {
@@ -21,13 +23,13 @@ using detail::decode_stand_in;
 using detail::make_byte_symbols;
 
 std::string read_whole_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "GPT2Tokenizer: cannot open ", what, " ", path,
+  std::error_code ec;
+  LOOM_REQUIRE(std::filesystem::exists(path, ec), "GPT2Tokenizer: cannot open ", what, " ", path,
                " (run scripts/fetch_gpt2_vocab.sh to download the GPT-2 vocabulary)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return io::read_input_file(path, io::kMaxTokenizerFileBytes, std::string("GPT-2 tokenizer ") + what);
 }
+
+std::string json_text(const std::string& s) { return io::json_excerpt(nlohmann::json(s)); }
 
 bool vocab_files_in(const std::filesystem::path& dir) {
   std::error_code ec;
@@ -126,51 +128,26 @@ void GPT2Tokenizer::load(const std::string& encoder_json_path, const std::string
     LOOM_REQUIRE(space != std::string::npos && space > 0 && space + 1 < line.size() &&
                      line.find(' ', space + 1) == std::string::npos,
                  "GPT2Tokenizer: ", vocab_bpe_path, " line ", line_no, " is not a merge \"first second\"");
-    merge_rank_.emplace(line, rank++);  // the key is the line itself: "first second"
+    const std::string first = line.substr(0, space), second = line.substr(space + 1);
+    const auto a = encoder_.find(first), b = encoder_.find(second), merged = encoder_.find(first + second);
+    LOOM_REQUIRE(a != encoder_.end() && b != encoder_.end() && merged != encoder_.end(), "GPT2Tokenizer: ",
+                 vocab_bpe_path, " line ", line_no, ": merge \"", line.substr(0, 80), "\" names a token that is not in ",
+                 encoder_json_path);
+    merges_.emplace(detail::bpe_pair_key(a->second, b->second), MergeRank{rank++, merged->second});  // first one wins
   }
   LOOM_REQUIRE(rank > 0, "GPT2Tokenizer: ", vocab_bpe_path, " has no merges");
+  for (int byte = 0; byte < 256; ++byte) {  // -1: not in this vocabulary (a text that holds the byte is refused)
+    const auto it = encoder_.find(byte_symbol_[byte]);
+    byte_ids_[byte] = it == encoder_.end() ? -1 : it->second;
+  }
 }
 
 std::vector<int32_t> GPT2Tokenizer::bpe(std::string_view piece) const {
-  std::vector<std::string> word;
-  word.reserve(piece.size());
-  for (unsigned char b : piece) word.push_back(byte_symbol_[b]);
-  std::string key;
-  while (word.size() > 1) {
-    // The adjacent pair with the lowest merge rank.
-    int32_t best_rank = INT32_MAX;
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < word.size(); ++i) {
-      key.assign(word[i]).append(" ").append(word[i + 1]);
-      auto it = merge_rank_.find(key);
-      if (it != merge_rank_.end() && it->second < best_rank) {
-        best_rank = it->second;
-        best = i;
-      }
-    }
-    if (best_rank == INT32_MAX) break;
-    // Merge every occurrence of that pair, left to right, as GPT-2 does.
-    const std::string first = word[best], second = word[best + 1];
-    std::vector<std::string> merged;
-    merged.reserve(word.size());
-    for (size_t i = 0; i < word.size();) {
-      if (i + 1 < word.size() && word[i] == first && word[i + 1] == second) {
-        merged.push_back(first + second);
-        i += 2;
-      } else {
-        merged.push_back(std::move(word[i]));
-        i += 1;
-      }
-    }
-    word = std::move(merged);
-  }
+  for (unsigned char byte : piece)
+    LOOM_REQUIRE(byte_ids_[byte] >= 0, "GPT2Tokenizer: byte ", int(byte), " of the text has no token in this ",
+                 "vocabulary (encoder.json lacks the single byte ", json_text(byte_symbol_[byte]), ")");
   std::vector<int32_t> ids;
-  ids.reserve(word.size());
-  for (const auto& symbol : word) {
-    auto it = encoder_.find(symbol);
-    LOOM_CHECK(it != encoder_.end(), "BPE produced a symbol missing from encoder.json");
-    ids.push_back(it->second);
-  }
+  detail::bpe_by_rank(piece, byte_ids_, merges_, ids);
   return ids;
 }
 

@@ -12,6 +12,7 @@
 
 #include "loom/common/error.h"
 #include "loom/data/pretokenizer.h"
+#include "loom/io/read_file.h"
 
 namespace loom::data {
 namespace {
@@ -77,11 +78,7 @@ void Llama3Tokenizer::load(const std::string& path, const Options& options) {
   std::error_code ec;
   LOOM_REQUIRE(std::filesystem::is_regular_file(path, ec), "LLaMA-3 tokenizer: ", path,
                std::filesystem::exists(path, ec) ? " is not a file" : " not found", " (", kWhereToGetIt, ")");
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "LLaMA-3 tokenizer: cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  const std::string content = ss.str();
+  const std::string content = io::read_input_file(path, io::kMaxTokenizerFileBytes, "LLaMA-3 tokenizer");
 
   std::unordered_map<int64_t, int64_t> rank_line;  // rank -> line number
   std::string token;

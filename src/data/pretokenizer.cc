@@ -12,6 +12,10 @@
 namespace loom::data {
 namespace {
 
+// The work budget of one split (see split): steps of PCRE2's match limit per byte of text, and a base for short texts.
+constexpr uint64_t kMatchStepsPerByte = 64;
+constexpr uint64_t kMatchStepsBase = uint64_t(1) << 24;
+
 std::string pcre2_message(int code) {
   PCRE2_UCHAR buf[256];
   if (pcre2_get_error_message(code, buf, sizeof buf) < 0) return "PCRE2 error " + std::to_string(code);
@@ -109,9 +113,27 @@ std::vector<std::string_view> Pretokenizer::split(std::string_view text) const {
   auto add = [&](size_t begin, size_t end) {
     pieces.push_back(text.substr(to_text(begin), to_text(end) - to_text(begin)));
   };
+  // PCRE2's match limit bounds one match, not the text: a pattern that backtracks catastrophically ((a+)+b) would
+  // spend its whole limit at every position. So each match starts with a small limit, doubled while it is hit, and
+  // every limit hit is charged to a budget for the whole text; a text that exhausts it is an error naming the limit.
+  const uint64_t budget_total = kMatchStepsPerByte * uint64_t(subject.size()) + kMatchStepsBase;
+  uint64_t budget = budget_total;
   while (pos < subject.size()) {
-    const int rc = pcre2_match(compiled_->code, s, subject.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NOTEMPTY, match,
-                               state.context);
+    int rc = 0;
+    for (uint32_t limit = 1024;; limit *= 2) {
+      pcre2_set_match_limit(state.context, limit);
+      rc = pcre2_match(compiled_->code, s, subject.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NOTEMPTY, match,
+                       state.context);
+      if (rc != PCRE2_ERROR_MATCHLIMIT) break;
+      if (limit > budget || limit >= (1u << 30)) {
+        pcre2_match_data_free(match);
+        LOOM_THROW("pre-tokenizer pattern /", pattern_, "/: matching a text of ", text.size(),
+                   " bytes exhausted its work budget (", budget_total, " backtracking steps: ", kMatchStepsPerByte,
+                   " per byte plus ", kMatchStepsBase, ") at byte ", to_text(pos),
+                   "; a pattern with nested repetition such as (a+)+ backtracks without end on some texts");
+      }
+      budget -= limit;
+    }
     if (rc == PCRE2_ERROR_NOMATCH) {
       add(pos, subject.size());
       break;

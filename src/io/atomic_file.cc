@@ -149,4 +149,50 @@ void write_file_atomic(const std::string& path, std::string_view contents) {
   w.commit();
 }
 
+void check_can_write(const std::string& path, const std::string& what) {
+  if (path.empty()) return;
+  try {
+    check_output_file(path);
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) {
+      struct stat st{};
+      LOOM_REQUIRE(::stat(parent.c_str(), &st) == 0, "cannot write '", path, "': its directory '", parent.string(),
+                   "' does not exist");
+      LOOM_REQUIRE(S_ISDIR(st.st_mode), "cannot write '", path, "': '", parent.string(), "' is not a directory");
+    }
+    AtomicFileWriter probe(path);  // creates its temporary beside the path and removes it uncommitted
+  } catch (const Error& e) {
+    LOOM_THROW(what, ": ", e.what());
+  }
+}
+
+AppendFileWriter::AppendFileWriter(std::string path, bool fresh) : path_(std::move(path)) {
+  check_output_file(path_);
+  const int flags = O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK | (fresh ? O_EXCL : 0);
+  fd_ = ::open(path_.c_str(), flags, 0644);
+  LOOM_REQUIRE(fd_ >= 0, "cannot open '", path_, "' to write: ", errno_text());
+  struct stat st{};  // what was opened, not what a racing rename put there after the check
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    LOOM_THROW("refusing to write '", path_, "': it is not a regular file");
+  }
+}
+
+AppendFileWriter::~AppendFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void AppendFileWriter::write(std::string_view bytes) {
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd_, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    LOOM_REQUIRE(n > 0, "write to '", path_, "' failed: ", errno_text());
+    p += n;
+    left -= size_t(n);
+  }
+}
+
 }  // namespace loom::io

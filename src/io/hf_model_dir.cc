@@ -17,6 +17,7 @@
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
+#include "loom/io/read_file.h"
 #include "loom/io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -24,15 +25,9 @@ namespace fs = std::filesystem;
 namespace loom::io {
 namespace {
 
+// A model directory's config or a tokenizer file it copies: an input of the run (no output replaces it).
 std::string read_text(const fs::path& p) {
-  std::error_code ec;
-  LOOM_REQUIRE(fs::is_regular_file(p, ec), "'", p.string(), "' is ",
-               fs::is_directory(p, ec) ? "a directory" : "not a regular file", ", not a file Loom can read");
-  std::ifstream f(p, std::ios::binary);
-  LOOM_REQUIRE(f.good(), "cannot read '", p.string(), "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  return read_input_file(p.string(), kMaxTokenizerFileBytes, "file");
 }
 
 // The index's shard names are plain file names beside it: a path would read outside the directory.
@@ -43,7 +38,7 @@ bool plain_file_name(const std::string& name) {
 
 // The shards and, per shard, the tensor names model.safetensors.index.json maps to it.
 std::map<std::string, std::vector<std::string>> read_index(const fs::path& index_path) {
-  const nlohmann::json j = io::read_json_file(index_path.string());
+  const nlohmann::json j = io::read_json_file(index_path.string(), "model index");
   LOOM_REQUIRE(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), "'", index_path.string(),
                "' has no \"weight_map\" object (name -> shard file)");
   std::map<std::string, std::vector<std::string>> shards;

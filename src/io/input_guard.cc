@@ -55,11 +55,24 @@ void note_input(const std::string& path) {
   all.list.push_back(std::move(in));
 }
 
+std::string file_kind(unsigned mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a pipe";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 void check_output_file(const std::string& path) {
-  if (!enabled || path.empty()) return;
-  const fs::path out = canonical_of(path);
+  if (path.empty()) return;
   struct stat st{};
   const bool exists = ::stat(path.c_str(), &st) == 0;
+  // A rename over /dev/null (as root) or a FIFO would replace it with a regular file; a directory cannot be one.
+  LOOM_REQUIRE(!exists || S_ISREG(st.st_mode), "refusing to write '", path, "': it is ", file_kind(st.st_mode),
+               ", not a regular file; name a file");
+  if (!enabled) return;
+  const fs::path out = canonical_of(path);
   Inputs& all = inputs();
   std::lock_guard<std::mutex> g(all.mu);
   for (const Input& in : all.list) {

@@ -7,6 +7,10 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <unordered_set>
+#include <vector>
+
+#include "loom/io/read_file.h"
 
 #include "loom/common/error.h"
 
@@ -45,8 +49,20 @@ namespace {
 template <typename Json>
 Json parse_as(std::string_view text, const std::string& what) {
   check_json_depth(text, what);
+  // A key given twice in one object is an error, as in TOML: nlohmann would keep the last value without a word.
+  std::vector<std::unordered_set<std::string>> keys;  // one set per object being parsed
+  auto no_repeated_keys = [&](int, typename Json::parse_event_t event, Json& parsed) {
+    using E = typename Json::parse_event_t;
+    if (event == E::object_start) keys.emplace_back();
+    else if (event == E::object_end && !keys.empty()) keys.pop_back();
+    else if (event == E::key && !keys.empty() && !keys.back().insert(parsed.template get<std::string>()).second)
+      LOOM_THROW(what, ": key ", json_excerpt(parsed), " appears twice in one object");
+    return true;
+  };
   try {
-    return Json::parse(text);
+    return Json::parse(text, no_repeated_keys);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     LOOM_THROW(what, ": invalid JSON: ", json_error_text(e));
   }
@@ -95,17 +111,8 @@ nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::stri
   return parse_as<nlohmann::ordered_json>(text, what);
 }
 
-nlohmann::json read_json_file(const std::string& path) {
-  struct stat st{};
-  LOOM_REQUIRE(::stat(path.c_str(), &st) == 0, "'", path, "' cannot be read: ", std::strerror(errno));
-  LOOM_REQUIRE(S_ISREG(st.st_mode), "'", path, "' is ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file",
-               ", not a JSON file");
-  std::ifstream f(path, std::ios::binary);
-  LOOM_REQUIRE(f, "'", path, "' cannot be opened: ", std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_REQUIRE(!f.bad(), "'", path, "' cannot be read");
-  return parse_json(ss.str(), "'" + path + "'");
+nlohmann::json read_json_file(const std::string& path, const std::string& what, FileUse use) {
+  return parse_json(read_input_file(path, kMaxConfigFileBytes, what, use), what + " '" + path + "'");
 }
 
 std::string json_excerpt(const nlohmann::json& v, size_t max_chars) { return excerpt(v, max_chars); }

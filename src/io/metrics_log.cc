@@ -1,6 +1,7 @@
 // JSONL and TensorBoard metric writers; the protobuf wire format is small enough to write by hand.
-#include "loom/io/input_guard.h"
 #include "loom/io/metrics_log.h"
+
+#include "loom/io/atomic_file.h"
 
 #include <unistd.h>
 
@@ -170,18 +171,14 @@ double wall_time_now() {
 
 // ---- JSONL ----
 
-JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path, bool append) : path_(path) {
+JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path) : path_(path) {
   std::error_code ec;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  check_output_file(path);  // never over a file this run read
-  file_ = std::fopen(path.c_str(), append ? "a" : "w");
-  LOOM_REQUIRE(file_ != nullptr, "JsonlMetricsWriter: cannot open ", path, ": ", std::strerror(errno));
+  file_ = std::make_unique<AppendFileWriter>(path);  // never over a file this run read, never a device
 }
 
-JsonlMetricsWriter::~JsonlMetricsWriter() {
-  if (file_) std::fclose(file_);
-}
+JsonlMetricsWriter::~JsonlMetricsWriter() = default;
 
 void JsonlMetricsWriter::write_run_start(int64_t step, const std::string& resumed_from) {
   nlohmann::ordered_json line;
@@ -189,9 +186,7 @@ void JsonlMetricsWriter::write_run_start(int64_t step, const std::string& resume
   line["step"] = step;
   line["time"] = wall_time_now();
   if (!resumed_from.empty()) line["resumed_from"] = resumed_from;
-  const std::string text = line.dump() + "\n";
-  LOOM_REQUIRE(std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0,
-               "JsonlMetricsWriter: write to ", path_, " failed: ", std::strerror(errno));
+  file_->write(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 void JsonlMetricsWriter::write(int64_t step, const std::map<std::string, double>& values) {
@@ -204,9 +199,7 @@ void JsonlMetricsWriter::write(int64_t step, const std::map<std::string, double>
     else
       line[name] = nullptr;
   }
-  const std::string text = line.dump() + "\n";
-  LOOM_REQUIRE(std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0,
-               "JsonlMetricsWriter: write to ", path_, " failed: ", std::strerror(errno));
+  file_->write(line.dump() + "\n");
 }
 
 // ---- TensorBoard ----
@@ -247,12 +240,14 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
   std::filesystem::create_directories(logdir, ec);
   LOOM_REQUIRE(!ec, "TensorBoardWriter: cannot create ", logdir, ": ", ec.message());
   const auto seconds = int64_t(wall_time_now());
-  path_ = (std::filesystem::path(logdir) /
-           ("events.out.tfevents." + std::to_string(seconds) + "." + host_name() + "." + std::to_string(::getpid())))
-              .string();
-  check_output_file(path_);
-  file_ = std::fopen(path_.c_str(), "wb");
-  LOOM_REQUIRE(file_ != nullptr, "TensorBoardWriter: cannot open ", path_, ": ", std::strerror(errno));
+  const std::string base = (std::filesystem::path(logdir) / ("events.out.tfevents." + std::to_string(seconds) + "." +
+                                                             host_name() + "." + std::to_string(::getpid())))
+                               .string();
+  // A second writer of this process in the same second gets a name of its own (TensorBoard reads every
+  // events.out.tfevents.* file), never the first one's file.
+  path_ = base;
+  for (int n = 1; std::filesystem::exists(path_, ec) && n < 1000; ++n) path_ = base + "." + std::to_string(n);
+  file_ = std::make_unique<AppendFileWriter>(path_, /*fresh=*/true);  // this run's own file
   TensorBoardEvent first;
   first.wall_time = wall_time_now();
   first.file_version = "brain.Event:2";
@@ -260,15 +255,9 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
   flush();
 }
 
-TensorBoardWriter::~TensorBoardWriter() {
-  if (file_) std::fclose(file_);
-}
+TensorBoardWriter::~TensorBoardWriter() = default;
 
-void TensorBoardWriter::write_record(const std::string& payload) {
-  const std::string record = frame_tfrecord(payload);
-  LOOM_REQUIRE(std::fwrite(record.data(), 1, record.size(), file_) == record.size(), "TensorBoardWriter: write to ",
-               path_, " failed: ", std::strerror(errno));
-}
+void TensorBoardWriter::write_record(const std::string& payload) { file_->write(frame_tfrecord(payload)); }
 
 void TensorBoardWriter::add_scalar(const std::string& tag, float value, int64_t step, double wall_time) {
   TensorBoardEvent event;
@@ -278,9 +267,7 @@ void TensorBoardWriter::add_scalar(const std::string& tag, float value, int64_t 
   write_record(encode_tensorboard_event(event));
 }
 
-void TensorBoardWriter::flush() {
-  LOOM_REQUIRE(std::fflush(file_) == 0, "TensorBoardWriter: flush of ", path_, " failed: ", std::strerror(errno));
-}
+void TensorBoardWriter::flush() {}  // every record is handed to the system as it is written
 
 std::vector<TensorBoardEvent> read_tensorboard_events(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

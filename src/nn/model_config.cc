@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loom/io/input_guard.h"
+#include "loom/io/read_file.h"
 #include "loom/io/json_file.h"
 #include "loom/nn/model.h"
 
@@ -92,14 +92,9 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
                "' (expected gpt2 or gpt2-124m, gpt2-medium or gpt2-350m, gpt2-large or gpt2-774m, gpt2-xl or "
                "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
                "Hugging Face model directory)");
-  LOOM_REQUIRE(std::filesystem::is_regular_file(file, ec), "model config '", file, "' is not a regular file");
-  std::ifstream f(file, std::ios::binary);
-  LOOM_REQUIRE(f.good(), "model config '", file, "' cannot be opened");
-  io::note_input(file);
-  std::stringstream ss;
-  ss << f.rdbuf();
+  const std::string text = io::read_input_file(file, io::kMaxConfigFileBytes, "model config");
   try {
-    return from_json(ss.str());
+    return from_json(text);
   } catch (const Error& e) {
     LOOM_THROW("model config '", file, "': ", e.what());
   }

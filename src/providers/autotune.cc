@@ -49,7 +49,7 @@ void load_locked(Book& b, const std::string& path) {
   if (path.empty() || !std::filesystem::exists(path, ec)) return;
   json j;
   try {
-    j = io::read_json_file(path);
+    j = io::read_json_file(path, "autotune cache", io::FileUse::kUpdated);
     LOOM_REQUIRE(j.is_object() && j.value("version", 0) == 1 && j.contains("choices") && j["choices"].is_array(),
                  "expected {\"version\": 1, \"choices\": [...]}");
     for (const auto& e : j["choices"]) {

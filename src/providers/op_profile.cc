@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iomanip>
 #include <map>
 #include <mutex>
@@ -14,6 +13,7 @@
 
 #include "loom/core/dispatch.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/atomic_file.h"
 #include "providers/modes.h"
 
 namespace loom::dispatch {
@@ -41,20 +41,37 @@ int64_t now_ns() {
       .count();
 }
 
+std::string& profile_file() {
+  static std::string* path = new std::string;  // never destroyed: the exit report reads it
+  return *path;
+}
+
+// Off once the apps reported that the report's file cannot be written: their error stays the last line.
+std::atomic<bool> report_at_exit{true};
+
 void write_profile_report() {
+  if (!report_at_exit.load()) return;
   std::fputs(op_profile_table().c_str(), stderr);
-  if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path && *path) {
-    std::ofstream f(path);
-    f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\tdetail\n";
-    for (const auto& r : op_profile())
-      f << r.op << '\t' << device_type_display_name(r.device) << '\t' << dtype_name(r.dtype) << '\t' << r.calls
-        << '\t' << r.total_ms << '\t' << r.max_ms << '\t' << r.detail << '\n';
+  if (profile_file().empty()) return;
+  std::ostringstream f;
+  f << "op\tdevice\tdtype\tcalls\ttotal_ms\tmax_ms\tdetail\n";
+  for (const auto& r : op_profile())
+    f << r.op << '\t' << device_type_display_name(r.device) << '\t' << dtype_name(r.dtype) << '\t' << r.calls << '\t'
+      << r.total_ms << '\t' << r.max_ms << '\t' << r.detail << '\n';
+  try {
+    io::write_file_atomic(profile_file(), f.str());
+  } catch (const std::exception& e) {  // at exit nothing can catch it: say so and fail the process
+    std::fflush(stdout);
+    std::fprintf(stderr, "loom: error: LOOM_PROFILE_OPS_FILE: %s\n", e.what());
+    std::fflush(stderr);
+    std::_Exit(1);
   }
 }
 
 [[maybe_unused]] const bool profile_from_env = [] {
   const char* env = std::getenv("LOOM_PROFILE_OPS");
   if (!env || !*env || std::string(env) == "0") return false;
+  if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path) profile_file() = path;
   profile_shapes.store(std::string(env) == "shapes");
   set_op_profiling(true);
   std::atexit(write_profile_report);
@@ -68,6 +85,16 @@ void set_op_profiling(bool on) {
   else detail::modes.fetch_and(~uint32_t(detail::kModeProfile));
 }
 bool op_profiling() { return detail::modes.load() & detail::kModeProfile; }
+std::string op_profile_file() { return profile_file(); }
+void check_op_profile_file() {
+  if (!op_profiling() || profile_file().empty()) return;
+  try {
+    io::check_can_write(profile_file(), "LOOM_PROFILE_OPS_FILE");
+  } catch (const Error&) {
+    report_at_exit = false;
+    throw;
+  }
+}
 
 namespace {
 

@@ -15,7 +15,6 @@
 // tensor's shape, one safetensors tensor per recorded input ("c<call>.<argument>[.<list element>]").
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 
@@ -24,6 +23,9 @@
 #include "loom/common/half.h"
 #include "loom/core/dispatch.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/atomic_file.h"
+#include "loom/io/json_file.h"
+#include "loom/io/read_file.h"
 #include "loom/io/safetensors.h"
 #include "providers/modes.h"
 #include "providers/op_trace.h"
@@ -183,45 +185,85 @@ namespace {
   LOOM_THROW("trace '", path, "': ", what);
 }
 
+// A field of an object, of the JSON type asked for: "<where>: \"<key>\" is missing" or "... must be <kind>, got <v>".
+const json& field(const json& j, const char* key, const std::string& where) {
+  if (!j.is_object()) throw std::runtime_error(where + " must be an object, got " + io::json_excerpt(j));
+  if (!j.contains(key)) throw std::runtime_error(where + ": \"" + key + "\" is missing");
+  return j[key];
+}
+std::string string_field(const json& j, const char* key, const std::string& where) {
+  const json& v = field(j, key, where);
+  if (!v.is_string()) throw std::runtime_error(where + ": \"" + key + "\" must be a string, got " + io::json_excerpt(v));
+  return v.get<std::string>();
+}
+// An integer in [lo, hi] (JSON numbers past int64 or negative where none may be are errors, never wrapped).
+int64_t int_field(const json& j, const char* key, const std::string& where, int64_t lo, int64_t hi) {
+  const json& v = field(j, key, where);
+  const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(hi) && (lo <= 0 || v.get<uint64_t>() >= uint64_t(lo))
+                        : v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  if (!in_range)
+    throw std::runtime_error(where + ": \"" + key + "\" must be an integer from " + std::to_string(lo) + " to " +
+                             std::to_string(hi) + ", got " + io::json_excerpt(v));
+  return v.get<int64_t>();
+}
+Shape shape_field(const json& j, const char* key, const std::string& where) {
+  const json& v = field(j, key, where);
+  if (!v.is_array() || v.size() > 64) throw std::runtime_error(where + ": \"" + key + "\" must be a list of at most 64 integers, got " + io::json_excerpt(v));
+  Shape out;
+  for (const json& d : v) {
+    if (!d.is_number_integer() || (d.is_number_unsigned() && d.get<uint64_t>() > uint64_t(INT64_MAX)) || d.get<int64_t>() < 0)
+      throw std::runtime_error(where + ": \"" + key + "\" must hold integers from 0 to 2^63-1, got " + io::json_excerpt(v));
+    out.push_back(d.get<int64_t>());
+  }
+  return out;
+}
+
 TensorMeta read_tensor(const json& j, const std::string& where) {
-  if (!j.is_object()) throw std::runtime_error(where + " is not an object");
+  if (!j.is_object()) throw std::runtime_error(where + " must be an object, got " + io::json_excerpt(j));
   TensorMeta t;
-  const std::string dt = j.at("dtype").get<std::string>();
+  const std::string dt = string_field(j, "dtype", where);
   try {
     t.dtype = dtype_from_name(dt);
   } catch (const Error&) {
     throw std::runtime_error(where + ": unknown dtype '" + dt + "'");
   }
-  t.shape = j.at("shape").get<Shape>();
-  t.strides = j.at("strides").get<Shape>();
-  t.offset = j.at("offset").get<int64_t>();
-  t.buffer = j.at("buffer").get<int>();
+  t.shape = shape_field(j, "shape", where);
+  t.strides = shape_field(j, "strides", where);
+  t.offset = int_field(j, "offset", where, 0, INT64_MAX);
+  t.buffer = int(int_field(j, "buffer", where, 0, 1 << 20));
   if (t.strides.size() != t.shape.size())
     throw std::runtime_error(where + ": " + std::to_string(t.strides.size()) + " strides for shape " +
                              shape_str(t.shape));
-  for (int64_t d : t.shape)
-    if (d < 0) throw std::runtime_error(where + ": negative size in shape " + shape_str(t.shape));
-  for (int64_t s : t.strides)
-    if (s < 0) throw std::runtime_error(where + ": negative stride in " + shape_str(t.strides));
-  if (t.offset < 0 || t.buffer < 0) throw std::runtime_error(where + ": negative offset or buffer");
-  // Replay allocates what a buffer spans: refuse sizes no machine holds (a corrupt number) before it tries.
-  double span = 1;
-  for (size_t d = 0; d < t.shape.size(); ++d) span += double(t.shape[d] ? t.shape[d] - 1 : 0) * double(t.strides[d]);
-  if (span > double(int64_t(1) << 40)) throw std::runtime_error(where + ": shape " + shape_str(t.shape) +
-                                                                " strides " + shape_str(t.strides) + " spans too much");
+  // Replay allocates what a tensor holds and what its buffer spans: refuse sizes no machine holds (a corrupt number)
+  // before it tries, counting in floating point so that no product wraps (a wrapped element count replayed as empty).
+  constexpr double kLimit = double(int64_t(1) << 40);
+  double elements = 1, span = 1;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    elements *= double(t.shape[d]);
+    span += double(t.shape[d] ? t.shape[d] - 1 : 0) * double(t.strides[d]);
+  }
+  if (elements > kLimit || span + double(t.offset) > kLimit)
+    throw std::runtime_error(where + ": shape " + shape_str(t.shape) + " strides " + shape_str(t.strides) + " offset " +
+                             std::to_string(t.offset) + " spans more than 2^40 elements (a corrupt trace?)");
   return t;
 }
 
 AttrValue read_attr(const json& j, const AttrSpec& spec, const std::string& where) {
+  auto is_int64 = [](const json& v) {
+    return v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX));
+  };
   switch (spec.kind) {
-    case AttrValue::kInts:
-      if (!j.is_array()) throw std::runtime_error(where + " must be a list of integers");
+    case AttrValue::kInts: {
+      bool ok = j.is_array();
+      for (size_t i = 0; ok && i < j.size(); ++i) ok = is_int64(j[i]);
+      if (!ok) throw std::runtime_error(where + " must be a list of 64-bit integers, got " + io::json_excerpt(j));
       return AttrValue::of_ints(j.get<std::vector<int64_t>>());
+    }
     case AttrValue::kFloat:
-      if (!j.is_number()) throw std::runtime_error(where + " must be a number");
+      if (!j.is_number()) throw std::runtime_error(where + " must be a number, got " + io::json_excerpt(j));
       return AttrValue::of_float(j.get<double>());
     case AttrValue::kInt:
-      if (!j.is_number_integer()) throw std::runtime_error(where + " must be an integer");
+      if (!is_int64(j)) throw std::runtime_error(where + " must be a 64-bit integer, got " + io::json_excerpt(j));
       return AttrValue::of_int(j.get<int64_t>());
   }
   return {};
@@ -232,21 +274,20 @@ AttrValue read_attr(const json& j, const AttrSpec& spec, const std::string& wher
 Trace read_trace(const std::string& path) {
   Trace trace;
   trace.path = path;
-  std::ifstream f(path);
-  if (!f) bad(path, "cannot be read");
   json j;
   try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    bad(path, std::string("not JSON: ") + e.what());
+    j = io::parse_json(io::read_input_file(path, io::kMaxDataFileBytes, "trace"), "trace '" + path + "'");
+  } catch (const Error& e) {
+    LOOM_THROW(e.what());
   }
   if (!j.is_object() || !j.contains("format") || !j["format"].is_string())
     bad(path, "no \"format\" field: not a Loom op trace");
   if (j["format"] != kFormat) bad(path, "format '" + j["format"].get<std::string>() + "', expected '" + kFormat + "'");
   if (!j.contains("format_version") || !j["format_version"].is_number_integer())
     bad(path, "no integer \"format_version\"");
-  if (j["format_version"].get<int>() != kFormatVersion)
-    bad(path, "format version " + j["format_version"].dump() + "; this Loom reads version " +
+  // Compared as the JSON number it is: a version of 2^32+1 is not version 1.
+  if (!(j["format_version"].is_number_unsigned() && j["format_version"].get<uint64_t>() == uint64_t(kFormatVersion)))
+    bad(path, "format version " + io::json_excerpt(j["format_version"]) + "; this Loom reads version " +
                   std::to_string(kFormatVersion));
   if (!j.contains("loom_version") || !j["loom_version"].is_string()) bad(path, "no \"loom_version\"");
   trace.loom_version = j["loom_version"].get<std::string>();
@@ -256,13 +297,16 @@ Trace read_trace(const std::string& path) {
   io::SafetensorsFile values;
   if (j.contains("values") && !j["values"].is_null()) {
     try {
-      trace.values_file = j["values"].at("file").get<std::string>();
-      trace.value_limit = j["values"].at("limit").get<int64_t>();
-    } catch (const json::exception& e) {
-      bad(path, std::string("malformed \"values\": ") + e.what());
+      trace.values_file = string_field(j["values"], "file", "\"values\"");
+      trace.value_limit = int_field(j["values"], "limit", "\"values\"", 0, INT64_MAX);
+    } catch (const std::exception& e) {
+      bad(path, e.what());
     }
+    // The values file lies beside the trace: a name from the file never reaches elsewhere ("../x", "/etc/x").
     std::filesystem::path vf(trace.values_file);
-    if (vf.is_relative()) vf = std::filesystem::path(path).parent_path() / vf;
+    if (vf.empty() || vf.has_parent_path() || vf.filename() == "." || vf.filename() == "..")
+      bad(path, "\"values\": \"file\" must name a file beside the trace, got " + io::json_excerpt(j["values"]["file"]));
+    vf = std::filesystem::path(path).parent_path() / vf;
     trace.values_file = vf.string();
     try {
       values = io::load_safetensors_file(trace.values_file);
@@ -276,21 +320,20 @@ Trace read_trace(const std::string& path) {
     const std::string where = "call " + std::to_string(n++);
     CallRecord c;
     try {
-      if (!cj.is_object()) throw std::runtime_error("not an object");
-      c.op = cj.at("op").get<std::string>();
+      if (!cj.is_object()) throw std::runtime_error("must be an object, got " + io::json_excerpt(cj));
+      c.op = string_field(cj, "op", "the call");
       const OpSchema* s = find_op_schema(c.op);
       if (!s) throw std::runtime_error("unknown op '" + c.op + "'");
-      c.device = cj.at("device").get<std::string>();
+      c.device = string_field(cj, "device", "the call");
       Device::parse(c.device);
-      const std::string dt = cj.at("dtype").get<std::string>();
+      const std::string dt = string_field(cj, "dtype", "the call");
       try {
         c.dtype = dtype_from_name(dt);
       } catch (const Error&) {
         throw std::runtime_error("unknown dtype '" + dt + "'");
       }
-      c.count = cj.at("count").get<uint64_t>();
-      if (c.count == 0) throw std::runtime_error("count 0");
-      const json& tj = cj.at("tensors");
+      c.count = uint64_t(int_field(cj, "count", "the call", 1, INT64_MAX));  // -1 is no count of 2^64-1 calls
+      const json& tj = field(cj, "tensors", "the call");
       if (!tj.is_array() || tj.size() != s->tensors.size())
         throw std::runtime_error("op " + c.op + " takes " + std::to_string(s->tensors.size()) +
                                  " tensor arguments, the call lists " + (tj.is_array() ? std::to_string(tj.size()) : "none"));
@@ -302,6 +345,8 @@ Trace read_trace(const std::string& path) {
           slot.present = true;
           if (tj[i].is_object() && tj[i].contains("list")) {
             slot.is_list = true;
+            if (!tj[i]["list"].is_array())
+              throw std::runtime_error(arg + ": \"list\" must be a list, got " + io::json_excerpt(tj[i]["list"]));
             for (const json& e : tj[i]["list"]) slot.tensors.push_back(read_tensor(e, arg));
           } else {
             slot.tensors.push_back(read_tensor(tj[i], arg));
@@ -315,7 +360,7 @@ Trace read_trace(const std::string& path) {
         }
         c.slots.push_back(std::move(slot));
       }
-      const json& aj = cj.at("attrs");
+      const json& aj = field(cj, "attrs", "the call");
       if (!aj.is_object()) throw std::runtime_error("\"attrs\" is not an object");
       for (const auto& [name, v] : aj.items())
         if (!s->attr_spec(name)) throw std::runtime_error("op " + c.op + " has no attribute '" + name + "'");
@@ -328,10 +373,17 @@ Trace read_trace(const std::string& path) {
       c.values.resize(c.slots.size());
       if (cj.contains("values")) {
         if (trace.values_file.empty()) throw std::runtime_error("names values but the trace has no values file");
+        if (!cj["values"].is_object())
+          throw std::runtime_error("\"values\" must be an object, got " + io::json_excerpt(cj["values"]));
         for (const auto& [name, v] : cj["values"].items()) {
           const int i = s->tensor_index(name);
           if (i < 0 || !c.slots[size_t(i)].present) throw std::runtime_error("values for no argument '" + name + "'");
           std::vector<std::string> keys;
+          bool names_ok = v.is_string() || v.is_array();
+          for (size_t k = 0; names_ok && v.is_array() && k < v.size(); ++k) names_ok = v[k].is_string();
+          if (!names_ok)
+            throw std::runtime_error("values of '" + name + "' must be a name or a list of names, got " +
+                                     io::json_excerpt(v));
           if (v.is_array()) keys = v.get<std::vector<std::string>>();
           else keys.push_back(v.get<std::string>());
           const SlotMeta& slot = c.slots[size_t(i)];
@@ -416,11 +468,11 @@ void write_op_trace(const std::string& path) {
     io::save_safetensors(file, values, {{"format", std::string(op_trace::kFormat) + "-values"}});
     j["values"] = {{"file", std::filesystem::path(file).filename().string()}, {"limit", r.options.value_limit}};
   }
-  std::ofstream f(path);
-  LOOM_REQUIRE(f, "--trace-ops: cannot write '", path, "'");
-  f << j.dump(1) << "\n";
-  f.close();
-  LOOM_REQUIRE(f, "--trace-ops: writing '", path, "' failed");
+  try {
+    io::write_file_atomic(path, j.dump(1) + "\n");  // an earlier trace stays whole until this one is
+  } catch (const Error& e) {
+    LOOM_THROW("--trace-ops: ", e.what());
+  }
 }
 
 detail::TraceScope::TraceScope(OpId op, Device device, DType dtype, const CallArgs& args) {

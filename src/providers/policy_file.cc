@@ -18,6 +18,7 @@ std::vector<std::string> string_list(const json& v, const std::string& where) {
     return {v.get<std::string>()};
   }
   LOOM_REQUIRE(v.is_array(), where, " must be a string or an array of strings, got ", io::json_excerpt(v));
+  LOOM_REQUIRE(!v.empty(), where, " is an empty list: it names no provider (leave the key out instead)");
   std::vector<std::string> out;
   for (const auto& s : v) {
     LOOM_REQUIRE(s.is_string(), where, " must hold strings, got ", io::json_excerpt(s));
@@ -98,8 +99,9 @@ ProviderPolicy parse_policy(const json& j) {
 }  // namespace
 
 ProviderPolicy ProviderPolicy::load_file(const std::string& path) {
+  const json j = io::read_json_file(path, "provider policy file");  // its errors name the file already
   try {
-    return parse_policy(io::read_json_file(path));
+    return parse_policy(j);
   } catch (const std::exception& e) {
     LOOM_THROW("provider policy file '", path, "': ", io::json_error_text(e));
   }

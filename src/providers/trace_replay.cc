@@ -95,6 +95,12 @@ std::vector<conformance::CaseResult> replay_trace(const Trace& trace, const conf
                      (call.count == 1 ? "" : "s") + (recorded ? ", recorded values" : "") + "]";
     results.push_back(std::move(r));
   }
+  // A selection that matches no call replayed nothing: that is no pass.
+  LOOM_REQUIRE(o.only_case < 0 || size_t(o.only_case) < trace.calls.size(), "--case ", o.only_case, ": trace '",
+               trace.path, "' holds ", trace.calls.size(), " calls (--case 0 to ", int64_t(trace.calls.size()) - 1, ")");
+  LOOM_REQUIRE(!results.empty(), "trace '", trace.path, "': no call ",
+               o.only_case >= 0 ? "is call " + std::to_string(o.only_case) + " and " : std::string(),
+               "matches the --op and --dtype given (", trace.calls.size(), " calls in the trace); nothing was replayed");
   return results;
 }
 

@@ -140,7 +140,7 @@ std::map<std::string, Verification> read_file(const std::string& path, std::stri
   std::error_code ec;
   if (path.empty() || !fs::exists(path, ec)) return out;
   try {
-    json j = io::read_json_file(path);
+    json j = io::read_json_file(path, "verify cache", io::FileUse::kUpdated);
     if (!j.is_object() || j.value("format", "") != kFormat)
       throw std::runtime_error(std::string("not a ") + kFormat + " file");
     for (const auto& r : j.at("results")) {

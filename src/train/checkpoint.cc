@@ -3,6 +3,8 @@
 #include "loom/io/json_file.h"
 #include "loom/train/checkpoint.h"
 
+#include "loom/io/read_file.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
@@ -277,18 +279,20 @@ struct ShardedCheckpointReader::Files {
 ShardedCheckpointReader::ShardedCheckpointReader(std::string dir)
     : dir_(std::move(dir)), files_(std::make_unique<Files>()) {
   const fs::path meta_path = fs::path(dir_) / kCheckpointMetaFile;
-  std::ifstream in(meta_path);
-  LOOM_REQUIRE(in, "checkpoint: '", dir_, "' has no readable ", kCheckpointMetaFile, " (not a sharded checkpoint)");
-  std::stringstream text;
-  text << in.rdbuf();
-  meta_ = CheckpointMeta::parse(text.str(), meta_path.string());
+  std::error_code exists_ec;
+  LOOM_REQUIRE(fs::exists(meta_path, exists_ec), "checkpoint: '", dir_, "' has no readable ", kCheckpointMetaFile,
+               " (not a sharded checkpoint)");
+  meta_ = CheckpointMeta::parse(io::read_input_file(meta_path.string(), io::kMaxConfigFileBytes, "checkpoint metadata"),
+                                meta_path.string());
   io::note_input(dir_);
   // Every rank file the metadata names is there (a partial copy would otherwise fail mid-load, or not at all when
   // a rank's pieces are never read).
   std::error_code ec;
-  for (const std::string& f : meta_.files)
+  for (const std::string& f : meta_.files) {
     LOOM_REQUIRE(fs::is_regular_file(fs::path(dir_) / f, ec), "checkpoint: '", dir_, "': ", kCheckpointMetaFile,
                  " names rank file '", f, "', which is not there (an incomplete copy?)");
+    io::note_input((fs::path(dir_) / f).string());  // read whole or in part: no output replaces it
+  }
 }
 
 ShardedCheckpointReader::~ShardedCheckpointReader() = default;
@@ -356,14 +360,26 @@ std::string resolve_checkpoint(const std::string& path, const std::string& what)
   LOOM_REQUIRE(fs::is_regular_file(latest, ec), what, ": '", path, "' holds no checkpoint: no 'latest' file (a run's "
                "checkpoint directory), no ", kCheckpointMetaFile, " (a sharded step directory) and no config.json (a "
                "Hugging Face model directory)");
-  std::ifstream f(latest);
-  std::string name;
-  std::getline(f, name);
-  LOOM_REQUIRE(!name.empty() && name.find('/') == std::string::npos, what, ": '", latest.string(),
-               "' does not name a checkpoint of its directory (it holds '", name, "')");
+  const std::string name = read_latest_name(path, what);
   const fs::path target = fs::path(path) / name;
   LOOM_REQUIRE(fs::exists(target, ec), what, ": '", latest.string(), "' names '", name, "', which does not exist");
   return target.string();
+}
+
+std::string read_latest_name(const std::string& dir, const std::string& what) {
+  const fs::path latest = fs::path(dir) / "latest";
+  std::error_code ec;
+  if (!fs::exists(latest, ec)) return "";
+  // Not an input: the run that resumes from it rewrites it.
+  std::string text = io::read_input_file(latest.string(), io::kMaxSmallFileBytes, what + ": checkpoint pointer",
+                                         io::FileUse::kUpdated);
+  const std::string name = text.substr(0, text.find('\n'));
+  const bool plain = !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+                     name.find_first_of(std::string("/\0", 2)) == std::string::npos;
+  LOOM_REQUIRE(plain, what, ": '", latest.string(), "' does not name a checkpoint of its directory (it holds '",
+               name.substr(0, 80), name.size() > 80 ? "...'" : "'",
+               "; it must hold one file or directory name such as step_000100.safetensors)");
+  return name;
 }
 
 std::shared_ptr<nn::LanguageModel> load_model_from(const std::string& path, const std::string& what) {

@@ -34,6 +34,7 @@
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/hf_model_dir.h"
+#include "loom/io/input_guard.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
 #include "loom/io/safetensors.h"
@@ -165,6 +166,25 @@ std::string loom_checkpoint_config(const std::string& path) {
   }
 }
 
+// Whether a file's safetensors header says it is a Loom training checkpoint: the header alone, so a checkpoint whose
+// data was cut short still counts (--overwrite-checkpoints may replace a broken checkpoint, never a file of another
+// kind that happens to have a checkpoint's name).
+bool has_checkpoint_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t header_len = 0;
+  if (!in.read(reinterpret_cast<char*>(&header_len), sizeof header_len) || header_len > (uint64_t(100) << 20))
+    return false;
+  std::string header(size_t(header_len), '\0');
+  if (!in.read(header.data(), std::streamsize(header_len))) return false;
+  try {
+    const nlohmann::json j = io::parse_json(header, path);
+    return j.is_object() && j.contains("__metadata__") && j["__metadata__"].is_object() &&
+           j["__metadata__"].value("format", "") == kCheckpointFormat;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // The run id in a checkpoint's state metadata (file or sharded directory); "" when it has none or is unreadable.
 std::string checkpoint_run_id(const std::string& path) {
   try {
@@ -237,16 +257,16 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("training", "seed", seed, nullptr, false,
                    "the data order and the random streams continue from the saved state; the seed only seeds the "
                    "samples"),
-      LOOM_RUN_FLAG("training", "shuffle"),
+      LOOM_SETTING("training", "shuffle", shuffle, "the saved data position is a place in the saved order"),
       LOOM_RUN_FLAG("training", "device"),
-      LOOM_RUN_FLAG("training", "dtype"),
+      LOOM_SETTING("training", "dtype", dtype),
       LOOM_RUN_FLAG("training", "tf32"),
-      LOOM_RUN_FLAG("training", "eval-interval"),
-      LOOM_RUN_FLAG("training", "eval-batches"),
+      LOOM_SETTING("training", "eval-interval", eval_interval),
+      LOOM_SETTING("training", "eval-batches", eval_batches),
       LOOM_RUN_FLAG("training", "eval-only"),
-      LOOM_RUN_FLAG("training", "sample-interval"),
-      LOOM_RUN_FLAG("training", "sample-tokens"),
-      LOOM_RUN_FLAG("training", "sample-prompt"),
+      LOOM_SETTING("training", "sample-interval", sample_interval),
+      LOOM_SETTING("training", "sample-tokens", sample_tokens),
+      LOOM_SETTING("training", "sample-prompt", sample_prompt),
       LOOM_RUN_FLAG("training", "load-diopi"),
       LOOM_SETTING("optimizer", "lr", lr),
       LOOM_SETTING("optimizer", "warmup", warmup_steps),
@@ -259,13 +279,14 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("optimizer", "eps", eps),
       LOOM_SETTING("optimizer", "clip", clip),
       LOOM_RUN_FLAG("checkpoint", "checkpoint-dir"),
-      LOOM_RUN_FLAG("checkpoint", "checkpoint-interval"),
-      LOOM_RUN_FLAG("checkpoint", "checkpoint-format"),
-      LOOM_RUN_FLAG("checkpoint", "keep-checkpoints"),
+      LOOM_SETTING("checkpoint", "checkpoint-interval", checkpoint_interval),
+      LOOM_SETTING("checkpoint", "checkpoint-format", checkpoint_format),
+      LOOM_SETTING("checkpoint", "keep-checkpoints", keep_checkpoints),
       LOOM_RUN_FLAG("checkpoint", "overwrite-checkpoints"),
       LOOM_RUN_FLAG("checkpoint", "resume"),
-      LOOM_RUN_FLAG("metrics", "log-dir"),
-      LOOM_RUN_FLAG("metrics", "log-interval"),
+      LOOM_SETTING("metrics", "log-dir", log_dir, nullptr, false,
+                   "the new directory's metrics.jsonl starts at the step resumed from"),
+      LOOM_SETTING("metrics", "log-interval", log_interval),
       LOOM_RUN_FLAG("metrics", "peak-tflops"),
       LOOM_RUN_FLAG("metrics", "phase-times"),
       LOOM_RUN_FLAG("metrics", "explain-kernels"),
@@ -615,12 +636,12 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     fs::create_directories(opts_.log_dir, ec);
     LOOM_REQUIRE(!ec, "--log-dir: cannot create '", opts_.log_dir, "': ", ec.message());
     // Appended to, never truncated: an earlier run's lines stay, this run's start after its mark (write_run_start).
-    logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string(),
-                                                            /*append=*/true);
+    logs_->jsonl = std::make_unique<io::JsonlMetricsWriter>((fs::path(opts_.log_dir) / "metrics.jsonl").string());
     logs_->tensorboard = std::make_unique<io::TensorBoardWriter>(opts_.log_dir);
   }
   if (!opts_.resume.empty()) load_checkpoint(resume_path_);
   if (!opts_.eval_only) check_checkpoint_targets();
+  check_outputs();
   if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_);
 
   if (!opts_.quiet) {
@@ -869,11 +890,11 @@ void Trainer::run() {
   // --explain-kernels: the first step runs under the op profile, which records each (op, dtype) the run called.
   const bool was_profiling = dispatch::op_profiling();
   if (opts_.explain_kernels) dispatch::set_op_profiling(true);
-  // --trace-ops: the training steps' op calls (not evaluation's or sampling's), written after the last step. The
-  // file is made now, so that a path that cannot be written stops the run before it trains.
+  // --trace-ops: the training steps' op calls (not evaluation's or sampling's), written atomically after the last
+  // step; its path was checked when the run started (check_outputs), so a path that cannot be written stops the run
+  // before it trains, and a run that fails leaves an earlier trace as it was.
   const bool tracing = !opts_.trace_ops.empty() && is_rank0_;
   if (tracing) {
-    LOOM_REQUIRE(std::ofstream(opts_.trace_ops).good(), "--trace-ops: cannot write '", opts_.trace_ops, "'");
     dispatch::reset_op_trace();
     dispatch::set_op_trace_options({opts_.trace_values, opts_.trace_value_limit});
   }
@@ -966,8 +987,20 @@ void Trainer::print_phase_summary() const {
   std::cout << line.str() << buf << std::endl;
 }
 
+void Trainer::check_outputs() const {
+  if (!is_rank0_) return;
+  // Every file this run writes, checked now that every input has been read: never an input, a directory or a device,
+  // and where a file can be made. The checkpoints are checked by check_checkpoint_targets.
+  if (!opts_.eval_only && !opts_.trace_ops.empty()) {
+    io::check_can_write(opts_.trace_ops, "--trace-ops");
+    if (opts_.trace_values) io::check_can_write(opts_.trace_ops + ".values.safetensors", "--trace-values");
+  }
+  dispatch::check_op_profile_file();
+  if (logs_->jsonl) io::check_output_file(logs_->jsonl->path());
+}
+
 void Trainer::check_checkpoint_targets() const {
-  if (opts_.checkpoint_dir.empty() || opts_.overwrite_checkpoints) return;
+  if (opts_.checkpoint_dir.empty()) return;
   std::error_code ec;
   for (fs::directory_iterator it(opts_.checkpoint_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -979,16 +1012,27 @@ void Trainer::check_checkpoint_targets() const {
     const bool written = n > step_ && n <= opts_.steps &&
                          (n == opts_.steps || (opts_.checkpoint_interval > 0 && n % opts_.checkpoint_interval == 0));
     if (!written || checkpoint_path(n) != it->path().string()) continue;
+    if (opts_.overwrite_checkpoints) {  // replacing checkpoints is allowed, replacing what this run read is not
+      const std::string path = it->path().string();
+      const bool directory = it->is_directory(ec);
+      const bool checkpoint = directory ? is_sharded_checkpoint(path) : has_checkpoint_header(path);
+      LOOM_REQUIRE(checkpoint, "--overwrite-checkpoints: '", path, "' (step ", n, ") is not a Loom checkpoint; ",
+                   "it is not replaced: move it, or choose another --checkpoint-dir");
+      if (directory) io::check_output_dir(path);
+      else io::check_output_file(path);
+      continue;
+    }
     LOOM_THROW("--checkpoint-dir: this run would write over the existing checkpoint '", it->path().string(),
                "' (step ", n, "); resume from it (--resume ", opts_.checkpoint_dir,
                "), choose another --checkpoint-dir, or pass --overwrite-checkpoints");
   }
+  if (opts_.overwrite_checkpoints) return;
   // Another run's 'latest' would be repointed at this run's checkpoints (and its resume would continue this one).
-  if (std::ifstream f(fs::path(opts_.checkpoint_dir) / "latest"); f) {
-    std::string latest;
-    std::getline(f, latest);
+  // (The checkpoint resumed from is this run's, whatever id it holds.)
+  if (const std::string latest = read_latest_name(opts_.checkpoint_dir, "--checkpoint-dir"); !latest.empty()) {
     const fs::path other = fs::path(opts_.checkpoint_dir) / latest;
-    if (!latest.empty() && fs::exists(other, ec) && checkpoint_run_id(other.string()) != run_id_)
+    const bool resumed_from_it = !resume_path_.empty() && fs::exists(other, ec) && fs::equivalent(other, resume_path_, ec);
+    if (!resumed_from_it && fs::exists(other, ec) && checkpoint_run_id(other.string()) != run_id_)
       LOOM_THROW("--checkpoint-dir: '", opts_.checkpoint_dir, "' holds another run's checkpoints (latest: ", latest,
                  "); resume it (--resume ", opts_.checkpoint_dir, "), choose another --checkpoint-dir, or pass "
                  "--overwrite-checkpoints");
@@ -1053,10 +1097,16 @@ void Trainer::save_checkpoint(const std::string& path) {
 }
 
 void Trainer::remove_old_checkpoints() {
-  if (opts_.keep_checkpoints <= 0 || opts_.checkpoint_dir.empty()) return;
+  // Only what provably belongs to this run goes: a checkpoint whose run id is this run's (never one whose id is
+  // missing or unreadable, which may be anyone's file of that name).
+  if (opts_.keep_checkpoints <= 0 || opts_.checkpoint_dir.empty() || run_id_.empty()) return;
   const fs::path dir = opts_.checkpoint_dir;
   std::string latest;
-  if (std::ifstream f(dir / "latest"); f) std::getline(f, latest);
+  try {
+    latest = read_latest_name(dir.string(), "--keep-checkpoints");
+  } catch (const Error&) {
+    return;  // a 'latest' that names nothing readable: remove nothing rather than guess
+  }
   // Every checkpoint of the directory by step: step_NNNNNN.safetensors files and sharded step_NNNNNN/ directories.
   std::map<long, std::vector<fs::path>, std::greater<>> by_step;
   std::error_code ec;
@@ -1077,10 +1127,17 @@ void Trainer::remove_old_checkpoints() {
     for (const fs::path& p : paths) {
       if (p.filename().string() == latest) continue;  // what a resume would read is never removed
       fs::remove_all(p, ec);
-      if (p.extension() == ".safetensors") {  // its optimizer files (one per rank, beside it)
+      if (p.extension() == ".safetensors") {  // its optimizer files (one per rank, beside it), by their exact names
         const std::string prefix = p.stem().string() + ".optim-rank";
-        for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-          if (it->path().filename().string().rfind(prefix, 0) == 0) fs::remove(it->path(), ec);
+        for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+          const std::string name = it->path().filename().string();
+          long rank = -1;
+          char tail = 0;
+          if (name.rfind(prefix, 0) == 0 &&
+              std::sscanf(name.c_str() + prefix.size(), "%ld.safetensors%c", &rank, &tail) == 1 && rank >= 0 &&
+              name == prefix + std::to_string(rank) + ".safetensors")
+            fs::remove(it->path(), ec);
+        }
       }
       if (!opts_.quiet) std::cout << "removed old checkpoint " << p.string() << " (--keep-checkpoints "
                                   << opts_.keep_checkpoints << ")" << std::endl;
@@ -1142,7 +1199,10 @@ std::string Trainer::adopt_checkpoint_settings(const std::string& path) {
   }
   const double lr_saved = have_before ? schedule_of(before).lr(st.step) : 0;
   std::vector<std::string> changes;
+  const std::string log_dir_given = opts_.log_dir;
   apply_settings(opts_, saved, &changes, path);
+  // An evaluation of the checkpoint adds no lines to its run's logs unless asked to.
+  if (opts_.eval_only && !(opts_.given && opts_.given->count("log-dir"))) opts_.log_dir = log_dir_given;
   if (speaks)
     for (const std::string& c : changes) std::cout << "resume: " << c << "\n";
   const int64_t schedule = opts_.schedule_steps > 0 ? opts_.schedule_steps : opts_.steps;
@@ -1230,7 +1290,9 @@ void Trainer::load_checkpoint(const std::string& path) {
   LOOM_REQUIRE(state_it != file.metadata.end(), "resume: '", path, "' has no state metadata");
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(state_it->second, path);
-  run_id_ = st.run_id;  // a resumed run is the same run ("" for checkpoints older than run ids: as before them)
+  // A resumed run is the same run; one resumed from a checkpoint without an id (an older Loom's) keeps its fresh id,
+  // so that --keep-checkpoints removes only what it wrote itself.
+  if (!st.run_id.empty()) run_id_ = st.run_id;
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", path, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   auto model_params = full_parameters();  // collective
@@ -1421,6 +1483,9 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
     CheckpointMeta::parse(text, (tmp / kCheckpointMetaFile).string());  // every part covered, before it counts
     io::write_file_atomic((tmp / kCheckpointMetaFile).string(), text);
     if (fs::exists(final_dir)) {  // --overwrite-checkpoints: the old one goes once the new one is complete
+      LOOM_REQUIRE(is_sharded_checkpoint(final_dir.string()), "save_checkpoint: '", dir,
+                   "' exists and is not a sharded checkpoint; it is not replaced");
+      io::check_output_dir(final_dir.string());
       const fs::path old = final_dir.parent_path() / (std::string(io::kTempPrefix) + "old." +
                                                       final_dir.filename().string() + "." + std::to_string(::getpid()));
       fs::rename(final_dir, old);
@@ -1442,7 +1507,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
   const CheckpointMeta& meta = ck.meta();
   // Everything is read and checked before the first parameter changes.
   const CheckpointState st = parse_checkpoint_state(meta.state_json, dir);
-  run_id_ = st.run_id;  // a resumed run is the same run ("" for checkpoints older than run ids: as before them)
+  if (!st.run_id.empty()) run_id_ = st.run_id;  // as load_checkpoint
   LOOM_REQUIRE(opts_.eval_only || st.step < opts_.steps, "resume: '", dir, "' is at step ", st.step,
                ", nothing left to train with --steps ", opts_.steps, " (raise --steps to train further)");
   const std::string difference =

@@ -48,7 +48,11 @@ class GPT2Tokenizer : public Tokenizer {
 
   std::unordered_map<std::string, int32_t> encoder_;   // byte-mapped unicode string -> id
   std::vector<std::string> token_bytes_;               // id -> raw bytes
-  std::unordered_map<std::string, int32_t> merge_rank_;  // "first second" -> rank
+  struct MergeRank {
+    int32_t rank, merged;
+  };
+  std::unordered_map<uint64_t, MergeRank> merges_;     // (first id, second id) -> rank, id of the merged token
+  int32_t byte_ids_[256] = {};                         // byte -> the id of its single-byte token
   std::string byte_symbol_[256];                       // byte -> its printable stand-in, in UTF-8
   int32_t eot_token_ = kEndOfText;
 

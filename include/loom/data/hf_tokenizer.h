@@ -53,9 +53,6 @@ class HfTokenizer : public Tokenizer {
     using is_transparent = void;
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
-  struct Merge {
-    int32_t rank, merged;
-  };
   struct AddedToken {
     std::string content;
     int32_t id;
@@ -69,9 +66,16 @@ class HfTokenizer : public Tokenizer {
   std::string path_;
   Pretokenizer pretokenizer_{Pretokenizer::kGPT2Pattern};
   std::unordered_map<std::string, int32_t, Hash, std::equal_to<>> ids_;  // token bytes -> id (the vocabulary)
-  std::unordered_map<uint64_t, Merge> merges_;                           // (left id, right id) -> rank, result
+  struct MergeRank {
+    int32_t rank, merged;
+  };
+  std::unordered_map<uint64_t, MergeRank> merges_;                       // (left id, right id) -> rank, result
   std::vector<std::string> token_bytes_;                                 // id -> bytes (added tokens: content)
   std::vector<AddedToken> added_;
+  // The added tokens' contents as a trie, for finding them in one pass over a text: edges by (node << 8 | byte),
+  // and at each node the added token that ends there (-1: none).
+  std::unordered_map<uint64_t, uint32_t> added_edges_;
+  std::vector<int32_t> added_ending_{-1};
   int32_t byte_ids_[256] = {};
   bool ignore_merges_ = false;
   int32_t document_token_ = -1, prompt_prefix_ = -1;

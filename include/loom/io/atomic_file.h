@@ -1,3 +1,8 @@
+// Every output of Loom's apps goes through this header: whole files through AtomicFileWriter (checkpoints, exports,
+// traces, profiles, dumps, caches, reports), logs that grow through AppendFileWriter (metrics.jsonl, TensorBoard
+// events). Both refuse a path this run read (input_guard.h) or one that is not a regular file (a directory, a device
+// such as /dev/null, a pipe), and check_can_write() asks the same of a path before the work that produces it.
+//
 // Atomic file writing: data goes to a fresh "<dir>/.loom.tmp.<file>.<pid>.<random>" (created exclusively, never
 // through a link), is fsync'ed, then renamed over <dir>/<file>, so a crash or an error never leaves a half-written file
 // under the final name. A killed write leaves its temporary behind; remove_stale_temporaries() cleans them.
@@ -54,5 +59,27 @@ std::filesystem::file_time_type process_start_time();
 
 // Writes `contents` to `path` atomically.
 void write_file_atomic(const std::string& path, std::string_view contents);
+
+// Checks now, before the work whose result goes there, that `path` can be written: not a file this run read, not a
+// directory or device, in an existing directory where a file can be created. Throws "<what>: ..." (what names the
+// flag or variable, "--trace-ops"). An empty path is no output and passes.
+void check_can_write(const std::string& path, const std::string& what);
+
+// A log that grows: appended to (created when absent, or with `fresh` created and never an existing file), each
+// write() handed to the system in one call, with the same refusals as AtomicFileWriter.
+class AppendFileWriter {
+ public:
+  AppendFileWriter(std::string path, bool fresh = false);
+  ~AppendFileWriter();
+  AppendFileWriter(const AppendFileWriter&) = delete;
+  AppendFileWriter& operator=(const AppendFileWriter&) = delete;
+
+  void write(std::string_view bytes);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 }  // namespace loom::io

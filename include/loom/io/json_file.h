@@ -1,5 +1,6 @@
 // JSON that a user or a file supplied, read one way: a nesting limit checked before nlohmann parses (its parser,
-// dump() and destructor recurse, so a file nested 200,000 levels deep overflowed the stack), and failures as
+// dump() and destructor recurse, so a file nested 200,000 levels deep overflowed the stack), a key repeated in one
+// object refused (nlohmann keeps the last value silently; TOML refuses it too), and failures as
 // loom::Error in Loom's words naming the file. Messages show untrusted values through json_excerpt, never dump().
 #pragma once
 
@@ -10,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/io/read_file.h"
+
 namespace loom::io {
 
 // Arrays and objects nested deeper than this are refused (Loom's own files nest at most a few levels).
@@ -19,8 +22,10 @@ inline constexpr int kJsonMaxDepth = 256;
 nlohmann::json parse_json(std::string_view text, const std::string& what);
 nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& what);
 
-// Reads and parses the file at `path`: a missing, unreadable or non-regular file is an error naming it.
-nlohmann::json read_json_file(const std::string& path);
+// Reads (io::read_input_file: a regular file of at most kMaxConfigFileBytes) and parses the file at `path`; errors
+// name `what` (the flag or the kind of file) and the path.
+nlohmann::json read_json_file(const std::string& path, const std::string& what = "JSON file",
+                              FileUse use = FileUse::kInput);
 
 // Throws "<what>: nested more than kJsonMaxDepth levels deep (at byte N)" for text too deep to parse safely.
 void check_json_depth(std::string_view text, const std::string& what);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,12 +19,14 @@ uint32_t masked_crc32c(const void* data, size_t size);
 // Seconds since the epoch, as a double (the wall_time of events and metric lines).
 double wall_time_now();
 
-// Appends one JSON object per line: {"step": s, "time": t, <name>: <value>, ...}, flushed after every line so a
-// crash loses nothing written. Non-finite values are written as null (JSON has no NaN).
+class AppendFileWriter;
+
+// Appends one JSON object per line: {"step": s, "time": t, <name>: <value>, ...}, each line written at once so a
+// crash loses nothing written. Non-finite values are written as null (JSON has no NaN). An existing file is
+// continued, never truncated (a log holds earlier runs' lines).
 class JsonlMetricsWriter {
  public:
-  // append=false truncates an existing file; true continues it (for a resumed run).
-  explicit JsonlMetricsWriter(const std::string& path, bool append = false);
+  explicit JsonlMetricsWriter(const std::string& path);
   ~JsonlMetricsWriter();
   JsonlMetricsWriter(const JsonlMetricsWriter&) = delete;
   JsonlMetricsWriter& operator=(const JsonlMetricsWriter&) = delete;
@@ -37,7 +40,7 @@ class JsonlMetricsWriter {
 
  private:
   std::string path_;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<AppendFileWriter> file_;
 };
 
 // Writes "<logdir>/events.out.tfevents.<seconds>.<host>.<pid>": a first event with file_version "brain.Event:2",
@@ -57,7 +60,7 @@ class TensorBoardWriter {
   void write_record(const std::string& payload);
 
   std::string path_;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<AppendFileWriter> file_;
 };
 
 // One decoded Event: the fields the writer produces.

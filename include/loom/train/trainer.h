@@ -190,6 +190,7 @@ class Trainer {
   std::string checkpoint_path(int64_t step) const;
   // Throws naming the first existing checkpoint this run would write over (unless overwrite_checkpoints).
   void check_checkpoint_targets() const;
+  void check_outputs() const;
 
   TrainOptions opts_;
   Device device_;
