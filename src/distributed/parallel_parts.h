@@ -1,5 +1,5 @@
 // The pieces parallelize assembles (src/distributed/parallelize.cc): the modes behind the road's interfaces
-// (loom/distributed/parallelize.h). Private to loom::distributed.
+// (loom/distributed/training_interfaces.h). Private to loom::distributed.
 #pragma once
 
 #include <map>
@@ -9,9 +9,10 @@
 
 #include "loom/distributed/ddp.h"
 #include "loom/distributed/fsdp.h"
-#include "loom/distributed/parallelize.h"
 #include "loom/distributed/pipeline.h"
 #include "loom/distributed/tensor_parallel.h"
+#include "loom/distributed/training_interfaces.h"
+#include "loom/optim/optimizer.h"
 
 namespace loom::distributed {
 

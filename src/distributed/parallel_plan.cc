@@ -138,11 +138,20 @@ bool ParallelPlan::active() const {
 
 std::vector<std::string> ParallelPlan::describe() const {
   std::vector<std::string> lines{mesh.str()};
-  if (!tensor.rules.empty()) {
+  if (!tensor.rules.empty()) {  // the rules by style: "columnwise h.*.attn.c_attn.weight, ...; rowwise ..."
     std::ostringstream os;
-    os << "tensor " << mesh.tensor << ":";
-    for (const auto& r : tensor.rules) os << " " << r.parameter << " " << style_name(r.style) << ";";
-    if (tensor.sequence_parallel) os << " sequence parallel";
+    os << "tensor " << mesh.tensor << (tensor.sequence_parallel ? ", sequence parallel:" : ":");
+    bool any = false;
+    for (auto style : {nn::TensorParallelRule::Style::kColumnwise, nn::TensorParallelRule::Style::kRowwise,
+                       nn::TensorParallelRule::Style::kVocabulary}) {
+      bool first = true;
+      for (const auto& r : tensor.rules) {
+        if (r.style != style) continue;
+        os << (first ? (any ? "; " : " ") + std::string(style_name(style)) + " " : ", ") << r.parameter;
+        first = false;
+        any = true;
+      }
+    }
     lines.push_back(os.str());
   }
   if (mesh.data() > 1 || data.zero_stage > 0) {

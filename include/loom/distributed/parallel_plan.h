@@ -66,7 +66,8 @@ struct ParallelPlan {
   RecomputePlan recompute;
   // The context and expert dimensions hold no plan of their own yet: at size 1 they leave the model as it is.
 
-  // One line per dimension that does something ("tensor 2: 9 rules, sequence parallel", ...).
+  // The mesh, then one line per dimension that does something ("tensor 2, sequence parallel: columnwise
+  // h.*.attn.c_attn.weight, ...; rowwise ...", "data 2: ZeRO stage 1, optimizer state sharded", ...).
   std::vector<std::string> describe() const;
   // Whether the plan changes anything at all (a world of one rank training plainly does not).
   bool active() const;
