@@ -12,12 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "loom/data/loader.h"
 #include "loom/data/token_file.h"
 #include "loom/distributed/mesh.h"
 #include "loom/distributed/parallel_plan.h"
 #include "loom/distributed/pipeline.h"
 #include "loom/distributed/process_group.h"
 #include "loom/nn/model.h"
+#include "loom/optim/clip_grad.h"
+#include "loom/optim/lr_schedule.h"
+#include "loom/optim/optimizer.h"
 #include "loom/train/trainer.h"
 #include "test_files.h"
 
@@ -150,8 +154,9 @@ TEST(ParallelPlan, ContextAndExpertOfOneGoThroughTheMeshAndThePlan) {
   expect_error_mentioning([&] { dist::make_plan(tiny_gpt2(), 2, o); }, {"expert parallelism over 2 ranks", "dense"});
 }
 
-// Through the trainer: the same run with the context and expert dimensions given as one rank each, bit for bit.
-TEST(ParallelPlan, TheTrainerRunsContextAndExpertOfOneAsBefore) {
+// Through the trainer: with the context and expert dimensions given as one rank each, the one road trains exactly as
+// one process does by hand (the model, AdamW over its parameters, the loader, the schedule, clipping), bit for bit.
+TEST(ParallelPlan, TheTrainerRunsContextAndExpertOfOneAsOneProcess) {
   test::TempDir dir;
   std::mt19937 eng(3);
   std::vector<int32_t> tokens(6000);
@@ -159,31 +164,75 @@ TEST(ParallelPlan, TheTrainerRunsContextAndExpertOfOneAsBefore) {
   data::write_token_file(dir.file("train.bin"), tokens);
   std::ofstream(dir.file("model.json"))
       << R"({"family": "gpt2", "vocab_size": 250, "max_seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 32})";
-  auto run = [&](int64_t context, int64_t expert) {
-    train::TrainOptions o;
-    o.model = dir.file("model.json");
-    o.train_data = dir.file("train.bin");
-    o.batch_size = 2;
-    o.seq_len = 16;
-    o.steps = 3;
-    o.warmup_steps = 1;
-    o.quiet = true;
-    o.context_parallel = context;
-    o.expert_parallel = expert;
-    train::Trainer t(o);
-    std::vector<double> out;
-    for (int i = 0; i < 3; ++i) {
-      const train::StepStats s = t.train_step();
-      out.insert(out.end(), {s.loss, s.grad_norm});
-    }
-    return out;
-  };
-  EXPECT_EQ(run(1, 1), run(1, 1));
   train::TrainOptions o;
   o.model = dir.file("model.json");
   o.train_data = dir.file("train.bin");
+  o.batch_size = 2;
+  o.seq_len = 16;
+  o.steps = 3;
+  o.warmup_steps = 1;
+  o.clip = 0.5;  // so that clipping acts
+  o.quiet = true;
+  o.context_parallel = 1;
+  o.expert_parallel = 1;
+  std::vector<double> road;
+  {
+    train::Trainer t(o);
+    for (int i = 0; i < 3; ++i) {
+      const train::StepStats s = t.train_step();
+      road.insert(road.end(), {s.loss, s.grad_norm});
+    }
+  }
+  std::vector<double> by_hand;
+  {
+    auto model = nn::make_model(nn::ModelConfig::from_name(o.model), o.seed);
+    model->train(true);
+    optim::AdamWOptions ao;
+    ao.lr = o.lr;
+    ao.beta1 = o.beta1;
+    ao.beta2 = o.beta2;
+    ao.eps = o.eps;
+    optim::AdamW adamw(optim::adamw_param_groups(model->named_parameters(), o.weight_decay), ao);
+    data::DataLoader loader(o.train_data, {o.batch_size, o.seq_len, 0, 1, o.shuffle, o.seed, 250});
+    optim::LrSchedule schedule(o.decay, o.lr, o.warmup_steps, o.steps, o.final_lr_fraction);
+    for (int64_t step = 0; step < 3; ++step) {
+      adamw.zero_grad();
+      const data::Batch b = loader.next();
+      Tensor loss = model->forward_loss(b.x, b.y);
+      loss.backward();
+      const double norm = optim::clip_grad_norm(adamw.parameters(), o.clip);
+      adamw.set_lr(schedule.lr(step));
+      adamw.step();
+      by_hand.insert(by_hand.end(), {loss.item<double>(), norm});
+    }
+  }
+  EXPECT_EQ(road, by_hand);
+  EXPECT_GT(by_hand[1], o.clip) << "clipping never acted";
   o.context_parallel = 2;
   expect_error_mentioning([&] { train::Trainer t(o); }, {"context parallelism over 2 ranks"});
+}
+
+// The banner's lines: the mesh, then what each dimension does (the tensor rules by style, the data dimensions'
+// sharding, the stages' blocks, recomputation).
+TEST(ParallelPlan, DescribeSaysWhatEachDimensionDoes) {
+  dist::ParallelOptions o;
+  o.tensor = 2;
+  o.sequence_parallel = true;
+  o.pipeline = 2;
+  o.zero_stage = 1;
+  o.recompute = autograd::Recompute::kFull;
+  const std::vector<std::string> lines = dist::make_plan(tiny_gpt2(), 8, o).describe();
+  ASSERT_EQ(lines.size(), 5u) << ::testing::PrintToString(lines);
+  EXPECT_EQ(lines[0], "world 8 = pipeline 2 x data 2 (sharded) x tensor 2");
+  EXPECT_EQ(lines[1].rfind("tensor 2, sequence parallel: columnwise h.*.attn.c_attn.weight, ", 0), 0u) << lines[1];
+  EXPECT_NE(lines[1].find("; rowwise h.*.attn.c_proj.weight, h.*.mlp.c_proj.weight; vocabulary wte.weight"),
+            std::string::npos)
+      << lines[1];
+  EXPECT_EQ(lines[2], "data 2: ZeRO stage 1, optimizer state sharded");
+  EXPECT_EQ(lines[3], "pipeline 2 (1f1b): blocks 0-0 | blocks 1-1");
+  EXPECT_EQ(lines[4], "recompute: full per block");
+  EXPECT_EQ(dist::make_plan(tiny_gpt2(), 2, {}).describe(),
+            (std::vector<std::string>{"world 2 = data 2", "data 2: ZeRO stage 0, gradients averaged in buckets of 25 MiB"}));
 }
 
 // The trainer's one road names no parallel mode and no dimension: they live behind the mesh and the plan, so a new
