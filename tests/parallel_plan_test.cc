@@ -74,6 +74,17 @@ TEST(ParallelPlan, ImpossibleLayoutsAreOneErrorBeforeAnythingIsBuilt) {
   o.tensor = 8;  // divides the world, but not the heads
   expect_error_mentioning([&] { dist::make_plan(tiny_gpt2(), 8, o); },
                           {"n_head 4 does not divide by the tensor-parallel size 8", "whole query heads"});
+  try {  // as many key/value heads as query heads: said once, by n_head
+    dist::make_plan(tiny_gpt2(), 8, o);
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("n_kv_head"), std::string::npos) << e.what();
+  }
+  nn::ModelConfig grouped = nn::ModelConfig::from_name("llama3-tiny");  // grouped-query: both named
+  o.tensor = 3;
+  grouped.n_head = 6;
+  grouped.n_kv_head = 2;
+  expect_error_mentioning([&] { dist::make_plan(grouped, 3, o); },
+                          {"n_kv_head 2 does not divide by the tensor-parallel size 3", "whole key/value heads"});
   o = {};
   o.sequence_parallel = true;
   o.pipeline = 4;  // 2 blocks cannot fill 4 stages

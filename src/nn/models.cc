@@ -192,9 +192,11 @@ class GPT2 final : public LanguageModel {
                 {"h.*.mlp.c_proj.weight", Style::kRowwise, {c.ffn_hidden}},
                 {"wte.weight", Style::kVocabulary, {c.padded_vocab_size}}};
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
-                         {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
+    if (c.n_kv_head != c.n_head)  // grouped-query attention (with as many, n_head says it)
+      r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
+                               {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
     r.blocks = "h.*";
     return r;
   }
@@ -365,9 +367,11 @@ class Llama final : public LanguageModel {
                 {"model.embed_tokens.weight", Style::kVocabulary, {c.padded_vocab_size}}};
     if (!c.tie_embeddings) r.tensor.push_back({"lm_head.weight", Style::kVocabulary, {c.padded_vocab_size}});
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
-                         {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
+    if (c.n_kv_head != c.n_head)  // grouped-query attention (with as many, n_head says it)
+      r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
+                               {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
     r.blocks = "model.layers.*";
     return r;
   }
