@@ -206,17 +206,9 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
   std::mt19937_64 eng(e.seed);
   b.tensors.resize(s.tensors.size());
   b.lists.resize(s.tensors.size());
-  auto upload = [&](CaseTensor& t, const std::vector<uint8_t>& bytes) {
-    t.before = bytes;
+  auto allocate = [&](CaseTensor& t, std::vector<uint8_t> bytes) {
+    t.before = std::move(bytes);
     t.buffer = empty({t.buffer_elems}, t.dtype, device);
-    if (!bytes.empty()) {
-      if (device.is_cpu()) std::memcpy(t.buffer.data(), bytes.data(), bytes.size());
-      else {
-        device_runtime(device.type).copy(t.buffer.data(), bytes.data(), bytes.size(), CopyKind::kHostToDevice,
-                                          device.index);
-        device_runtime(device.type).synchronize(device.index);
-      }
-    }
     t.view = t.buffer.as_strided(t.shape, t.strides, t.offset);
   };
   auto make = [&](size_t i, const TensorCase& tc) {
@@ -235,8 +227,7 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
     t.offset = guard + tc.offset;
     t.buffer_elems = t.offset + span_of(t.shape, t.strides) + guard;
     std::vector<uint8_t> bytes(with_values ? size_t(t.buffer_elems) * dtype_size(t.dtype) : 0);
-    if (with_values)
-      for (int64_t k = 0; k < t.buffer_elems; ++k) store_poison(bytes, k, t.dtype);
+    if (with_values) fill_poison(bytes, t.dtype);
     if (with_values && (t.is_input || t.role == ArgRole::kInPlace)) {
       const int64_t n = numel_of(t.shape);
       if (!tc.given.empty()) {
@@ -247,13 +238,14 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
         t.values = draw(spec, s, c, n, t.dtype, eng);
         apply_class(t.values, tc.values, t.dtype, t.shape, tc.line_dim, eng);
       }
-      for (auto& x : t.values) x = rounded(x, t.dtype);
-      // A stride-0 input's values repeat: the last write of a position is what every element sees.
-      auto pos = positions(t);
-      for (size_t k = 0; k < pos.size(); ++k) store(bytes, pos[k], t.dtype, t.values[k]);
-      for (size_t k = 0; k < pos.size(); ++k) t.values[k] = load(bytes, pos[k], t.dtype);
+      // Stored (rounded to the dtype), then read back: a stride-0 input's values repeat, and the last write of a
+      // position is what every element sees.
+      const auto pos = positions(t);
+      const size_t es = dtype_size(t.dtype);
+      for (size_t k = 0; k < pos.size(); ++k) store_at(bytes.data() + size_t(pos[k]) * es, t.dtype, t.values[k]);
+      for (size_t k = 0; k < pos.size(); ++k) t.values[k] = read_element(bytes.data() + size_t(pos[k]) * es, t.dtype);
     }
-    upload(t, bytes);
+    allocate(t, std::move(bytes));
     return t;
   };
   for (int pass = 0; pass < 2; ++pass)  // outputs on an input's buffer after every input
@@ -310,18 +302,32 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
     desc << "; " << n << "=" << v.str();
   }
   b.description = desc.str();
+  if (with_values) upload(b, device);
   return b;
 }
+
+void upload(const Built& b, Device device) {
+  auto send = [&](const CaseTensor& t) {
+    if (!t.present || t.alias_of >= 0 || t.before.empty()) return;  // an output on an input: sent as the input
+    if (device.is_cpu()) std::memcpy(t.buffer.data(), t.before.data(), t.before.size());
+    else
+      device_runtime(device.type).copy(t.buffer.data(), t.before.data(), t.before.size(), CopyKind::kHostToDevice,
+                                        device.index);
+  };
+  for (const CaseTensor& t : b.tensors) send(t);
+  for (const auto& list : b.lists)
+    for (const CaseTensor& t : list) send(t);
+  // One wait for every copy (their host bytes live in the Built until then).
+  if (!device.is_cpu()) device_runtime(device.type).synchronize(device.index);
+}
+
 std::vector<uint8_t> read_back(const CaseTensor& t, Device device) {
   std::vector<uint8_t> bytes(size_t(t.buffer_elems) * dtype_size(t.dtype));
   if (bytes.empty()) return bytes;
   if (device.is_cpu()) std::memcpy(bytes.data(), t.buffer.data(), bytes.size());
-  else {
-    device_runtime(device.type).synchronize(device.index);
+  else  // the caller waited for the call; a copy to the host waits for itself
     device_runtime(device.type).copy(bytes.data(), t.buffer.data(), bytes.size(), CopyKind::kDeviceToHost,
                                      device.index);
-    device_runtime(device.type).synchronize(device.index);
-  }
   return bytes;
 }
 }  // namespace loom::conformance::detail

@@ -23,12 +23,16 @@ constexpr int64_t kGuardBytes = 256;
 constexpr int64_t kMaxCaseElements = 1 << 22;  // a case whose tensors are larger is not generated
 
 // ---- Host values in any dtype, without a kernel (conformance_values.cc). ----
+// One element at p: rounded to a floating dtype; an integer dtype's value goes through int64 (an error when not
+// finite or past int64) and wraps.
+void store_at(uint8_t* p, DType dt, double v);
 void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v);
 double load(const std::vector<uint8_t>& bytes, int64_t i, DType dt);
 double poison_value(DType dt);
 // The value a dtype stores for v (what a correctly rounded kernel writes).
 double rounded(double v, DType dt);
 void store_poison(std::vector<uint8_t>& bytes, int64_t i, DType dt);
+void fill_poison(std::vector<uint8_t>& bytes, DType dt);  // every element
 bool is_poison(const std::vector<uint8_t>& bytes, int64_t i, DType dt);
 double largest_finite(DType dt);
 double smallest_denormal(DType dt);
@@ -88,6 +92,9 @@ DType dtype_of(const TensorSpec& t, const SuiteCase& c, bool alt);
 SuiteCase suite_case_of(const OpSchema& s, const ExplicitCase& e);
 // Makes a case's tensors on the host and on the device (with_values false: the layout only, for supports()).
 Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device device, bool with_values = true);
+// Writes every tensor's host bytes (`before`) into its buffer, and waits once for the copies.
+void upload(const Built& b, Device device);
+// A tensor's buffer as it is now; on a device, the caller has waited for the work that writes it.
 std::vector<uint8_t> read_back(const CaseTensor& t, Device device);
 
 // ---- Running one case (conformance_run.cc). ----

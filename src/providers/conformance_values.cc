@@ -28,8 +28,7 @@ namespace detail {
 // An integer dtype's value goes through int64 (then wraps to the dtype, as generated cases expect: -2 in u8 is 254),
 // so it must be finite and within int64: a stored case's 9.2e18 (fuzz_conformance_refs found it) was undefined
 // behaviour to convert.
-void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v) {
-  uint8_t* p = bytes.data() + size_t(i) * dtype_size(dt);
+void store_at(uint8_t* p, DType dt, double v) {
   if (is_integral(dt) && dt != kBool)
     LOOM_REQUIRE(std::isfinite(v) && v >= -9223372036854775808.0 && v < 9223372036854775808.0, "conformance: ", v,
                  " is not a value of ", dtype_name(dt));
@@ -45,15 +44,36 @@ void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v) {
     case kBool: { uint8_t x = v != 0; std::memcpy(p, &x, 1); break; }
   }
 }
+
+namespace {
+
+// The poison's bits per floating dtype.
+constexpr uint32_t kPoisonF32 = 0x7fc5a5a5u;
+constexpr uint64_t kPoisonF64 = 0x7ff8a5a5a5a5a5a5ull;
+constexpr uint16_t kPoisonBF16 = 0x7fe5, kPoisonF16 = 0x7f5a;
+
+}  // namespace
+
+void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v) {
+  store_at(bytes.data() + size_t(i) * dtype_size(dt), dt, v);
+}
 double load(const std::vector<uint8_t>& bytes, int64_t i, DType dt) {
   return read_element(bytes.data() + size_t(i) * dtype_size(dt), dt);
 }
 double poison_value(DType dt) { return is_floating(dt) ? std::nan("") : (dt == kBool ? 1 : (dt == kU8 ? 77 : -77)); }
 // The value a dtype stores for v (what a correctly rounded kernel writes).
 double rounded(double v, DType dt) {
-  std::vector<uint8_t> b(8);
-  store(b, 0, dt, v);
-  return load(b, 0, dt);
+  switch (dt) {  // what store then load give, without the bytes
+    case kF64: return v;
+    case kF32: return double(float(v));
+    case kBF16: return double(float(BFloat16(float(v))));
+    case kF16: return double(float(Half(float(v))));
+    default: {
+      uint8_t b[8];
+      store_at(b, dt, v);
+      return read_element(b, dt);
+    }
+  }
 }
 
 // The poison of a floating output: a quiet NaN with a payload no arithmetic makes (a kernel's NaN is the default one
@@ -61,18 +81,29 @@ double rounded(double v, DType dt) {
 void store_poison(std::vector<uint8_t>& bytes, int64_t i, DType dt) {
   uint8_t* p = bytes.data() + size_t(i) * dtype_size(dt);
   switch (dt) {
-    case kF32: { uint32_t b = 0x7fc5a5a5u; std::memcpy(p, &b, 4); break; }
-    case kF64: { uint64_t b = 0x7ff8a5a5a5a5a5a5ull; std::memcpy(p, &b, 8); break; }
-    case kBF16: { uint16_t b = 0x7fe5; std::memcpy(p, &b, 2); break; }
-    case kF16: { uint16_t b = 0x7f5a; std::memcpy(p, &b, 2); break; }
+    case kF32: std::memcpy(p, &kPoisonF32, 4); break;
+    case kF64: std::memcpy(p, &kPoisonF64, 8); break;
+    case kBF16: std::memcpy(p, &kPoisonBF16, 2); break;
+    case kF16: std::memcpy(p, &kPoisonF16, 2); break;
     default: store(bytes, i, dt, poison_value(dt));
   }
 }
+void fill_poison(std::vector<uint8_t>& bytes, DType dt) {
+  const size_t es = dtype_size(dt);
+  if (bytes.size() < es) return;
+  store_poison(bytes, 0, dt);
+  for (size_t filled = es; filled < bytes.size(); filled *= 2)  // the first element, doubled until full
+    std::memcpy(bytes.data() + filled, bytes.data(), std::min(filled, bytes.size() - filled));
+}
 bool is_poison(const std::vector<uint8_t>& bytes, int64_t i, DType dt) {
-  if (!is_floating(dt)) return false;  // an integer sentinel may be a right value: compared as a value
-  std::vector<uint8_t> p(dtype_size(dt));
-  store_poison(p, 0, dt);
-  return std::memcmp(bytes.data() + size_t(i) * dtype_size(dt), p.data(), p.size()) == 0;
+  const uint8_t* p = bytes.data() + size_t(i) * dtype_size(dt);
+  switch (dt) {  // an integer sentinel may be a right value: compared as a value
+    case kF32: { uint32_t b; std::memcpy(&b, p, 4); return b == kPoisonF32; }
+    case kF64: { uint64_t b; std::memcpy(&b, p, 8); return b == kPoisonF64; }
+    case kBF16: { uint16_t b; std::memcpy(&b, p, 2); return b == kPoisonBF16; }
+    case kF16: { uint16_t b; std::memcpy(&b, p, 2); return b == kPoisonF16; }
+    default: return false;
+  }
 }
 
 double largest_finite(DType dt) {
@@ -107,16 +138,24 @@ double smallest_normal(DType dt) {
 
 // Positions (buffer element indices) of every element of a view, row-major.
 std::vector<int64_t> positions(const CaseTensor& t) {
-  std::vector<int64_t> pos;
-  int64_t n = numel_of(t.shape);
-  pos.reserve(size_t(n));
-  std::vector<int64_t> idx(t.shape.size(), 0);
-  for (int64_t e = 0; e < n; ++e) {
-    int64_t p = t.offset;
-    for (size_t d = 0; d < idx.size(); ++d) p += idx[d] * t.strides[d];
-    pos.push_back(p);
-    for (int64_t d = int64_t(idx.size()) - 1; d >= 0; --d) {
+  const int64_t n = numel_of(t.shape);
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  const size_t rank = t.shape.size();
+  if (n == 0) return pos;
+  if (rank == 0) {
+    pos[0] = t.offset;
+    return pos;
+  }
+  // Rows along the last dim; the outer index steps like an odometer, its position kept as it goes.
+  std::vector<int64_t> idx(rank, 0);
+  const int64_t inner = t.shape[rank - 1], step = t.strides[rank - 1];
+  int64_t base = t.offset;
+  for (int64_t e = 0; e < n; e += inner) {
+    for (int64_t j = 0; j < inner; ++j) pos[size_t(e + j)] = base + j * step;
+    for (int64_t d = int64_t(rank) - 2; d >= 0; --d) {
+      base += t.strides[size_t(d)];
       if (++idx[size_t(d)] < t.shape[size_t(d)]) break;
+      base -= t.strides[size_t(d)] * t.shape[size_t(d)];
       idx[size_t(d)] = 0;
     }
   }
