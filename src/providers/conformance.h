@@ -18,6 +18,9 @@
 // reference is NaN, the same infinity where the reference rounded to the output dtype is infinite, the relative
 // tolerance elsewhere. Inputs must come back unchanged byte for byte (but for one an output aliases), guards
 // untouched, every output element written.
+//
+// With options.jobs > 1 and a worker command, the cases run over that many processes (conformance_workers.h),
+// split by their estimated work, and the results come back in the order one process gives.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,19 @@
 
 namespace loom::conformance {
 
+// Where a run stands, after each (op, dtype) (or each call of a trace) finishes.
+struct SuiteProgress {
+  std::string op;
+  DType dtype = kF32;
+  int cases = 0, failed = 0, declined = 0;  // of this (op, dtype)
+  double seconds = 0;                       // the time its cases took (summed over workers)
+  int64_t done = 0, total = 0;              // cases of the whole run
+  double elapsed = 0;                       // seconds since the run began
+  double remaining = -1;                    // seconds, estimated from the cases' sizes (-1: not yet known)
+  int call = -1;                            // a trace's call number, and its tensors
+  std::string shapes;
+};
+
 struct SuiteOptions {
   std::string provider = "native";
   Device device;
@@ -49,8 +65,12 @@ struct SuiteOptions {
   // What judges a generated case: "naive" (the naive oracle, naive_reference.h; Loom's native CPU kernels in float64
   // for an op or case it has no value for) or "native" (the native kernels alone).
   std::string reference = "naive";
-  // Called after each (op, dtype) with its results so far (loom-conformance prints a progress line).
-  std::function<void(const std::string& op, DType dtype, int cases, int failed, int declined, double seconds)> progress;
+  // Called after each (op, dtype) with its results (loom-conformance prints a progress line).
+  std::function<void(const SuiteProgress&)> progress;
+  // Worker processes: with jobs > 1 and a command (argv of loom-conformance with these options and --worker), the
+  // cases run over `jobs` processes; otherwise in this one.
+  int jobs = 1;
+  std::vector<std::string> worker_command;
 };
 
 enum class CaseStatus { kPass, kFail, kDeclined };

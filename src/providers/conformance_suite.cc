@@ -1,45 +1,199 @@
 // The conformance suite's driver: for every op and dtype the provider serves, its generated cases, each run and
-// judged.
+// judged, in this process or over worker processes (conformance_workers.h), with progress after each (op, dtype).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <memory>
+#include <optional>
 
 #include "loom/core/op_schema.h"
 #include "providers/conformance_internal.h"
+#include "providers/conformance_workers.h"
+#include "providers/naive_reference.h"
 
 namespace loom::conformance {
 
 using namespace detail;
 
-std::vector<CaseResult> run_suite(const SuiteOptions& o) {
+double case_cost(const OpSchema& s, const ExplicitCase& e) {
+  double elements = 0, largest_output = 0;
+  for (size_t i = 0; i < e.tensors.size() && i < s.tensors.size(); ++i) {
+    const TensorCase& t = e.tensors[i];
+    if (!t.present) continue;
+    double n = 0;
+    if (s.tensors[i].list)
+      for (const TensorCase& piece : t.list) n += double(numel_of(piece.shape));
+    else
+      n = double(numel_of(t.shape));
+    elements += n;
+    if (!is_input(s.tensors[i].role)) largest_output = std::max(largest_output, n);
+  }
+  double sums = 0;
+  if (!s.accumulate_dim.empty()) {
+    auto it = e.dims.find(s.accumulate_dim);
+    sums = largest_output * double(it != e.dims.end() ? std::max<int64_t>(1, it->second) : 1);
+  }
+  return kCaseSetupCost + 8 * elements + sums;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+uint64_t case_seed(const SuiteOptions& o, DType dt, size_t k) { return o.seed * 7919u + k * 104729u + uint64_t(dt); }
+
+// The generated cases of the (op, dtype) a run is at: a worker is handed several units of one in a row.
+class Generations {
+ public:
+  explicit Generations(const SuiteOptions& o) : o_(o) {}
+  const Generated& of(const OpSchema& s, DType dt) {
+    if (!g_ || s_ != &s || dt_ != dt) {
+      g_ = std::make_unique<Generated>(generate_for(s, dt, o_));
+      s_ = &s, dt_ = dt;
+    }
+    return *g_;
+  }
+
+ private:
+  const SuiteOptions& o_;
+  std::unique_ptr<Generated> g_;
+  const OpSchema* s_ = nullptr;
+  DType dt_ = kF32;
+};
+
+ExplicitCase seeded(const Generated& g, const SuiteOptions& o, DType dt, size_t k) {
+  ExplicitCase e = g.plans[k].e;
+  e.seed = case_seed(o, dt, k);
+  return e;
+}
+
+std::vector<CaseResult> run_cases(const OpSchema& s, DType dt, Generations& gens, const std::vector<int>& cases,
+                                  const SuiteOptions& o) {
+  const Generated& g = gens.of(s, dt);
   std::vector<CaseResult> results;
+  for (int k : cases) {
+    try {
+      LOOM_REQUIRE(size_t(k) < g.plans.size(), "conformance: ", s.name, " ", dtype_name(dt), " has no case ", k);
+      results.push_back(run_explicit(s, seeded(g, o, dt, size_t(k)), o, k, g.plans[size_t(k)].fuzz));
+    } catch (const std::exception& ex) {
+      CaseResult& r = results.emplace_back();
+      r.op = s.name, r.dtype = dt, r.index = k, r.status = CaseStatus::kFail, r.worst_error = INFINITY;
+      r.detail = std::string("error: ") + ex.what();
+    }
+  }
+  return results;
+}
+
+// One (op, dtype) of a run: its cases and their estimated costs.
+struct Row {
+  const OpSchema* s = nullptr;
+  DType dtype = kF32;
+  std::vector<int> cases;
+  std::vector<double> costs;
+  std::vector<CaseResult> results;  // in the order of `cases`, as they come back
+  int pending = 0;                  // cases not back yet
+  double seconds = 0;
+};
+
+}  // namespace
+
+std::function<std::vector<CaseResult>(const WorkUnit&)> suite_unit_runner(const SuiteOptions& o) {
+  auto options = std::make_shared<SuiteOptions>(o);
+  auto gens = std::make_shared<Generations>(*options);
+  return [options, gens](const WorkUnit& u) {
+    const OpSchema* s = find_op_schema(u.op);
+    LOOM_REQUIRE(s, "conformance: no op '", u.op, "' is declared");
+    naive::set_threads(u.threads);
+    return run_cases(*s, u.dtype, *gens, u.cases, *options);
+  };
+}
+
+std::vector<CaseResult> run_suite(const SuiteOptions& o) {
+  const auto start = Clock::now();
+  Generations gens(o);
+  std::vector<Row> rows;
+  double total_cost = 0;
+  int64_t total_cases = 0;
   for (const OpSchema* s : op_schemas()) {
     if (!o.ops.empty() && std::find(o.ops.begin(), o.ops.end(), s->name) == o.ops.end()) continue;
     for (DType dt : provider_dtypes(*s, o)) {
-      const auto start = std::chrono::steady_clock::now();
-      const size_t first = results.size();
-      Generated g = generate_for(*s, dt, o);
-      for (size_t k = 0; k < g.plans.size(); ++k) {
-        if (o.only_case >= 0 && int(k) != o.only_case) continue;
-        ExplicitCase e = g.plans[k].e;
-        e.seed = o.seed * 7919u + k * 104729u + uint64_t(dt);
-        try {
-          results.push_back(run_explicit(*s, e, o, int(k), g.plans[k].fuzz));
-        } catch (const std::exception& ex) {
-          CaseResult& r = results.emplace_back();
-          r.op = s->name, r.dtype = dt, r.index = int(k), r.status = CaseStatus::kFail, r.worst_error = INFINITY;
-          r.detail = std::string("error: ") + ex.what();
-        }
+      Row& row = rows.emplace_back();
+      row.s = s, row.dtype = dt;
+      const Generated& g = gens.of(*s, dt);
+      for (int k = 0; k < int(g.plans.size()); ++k) {
+        if (o.only_case >= 0 && k != o.only_case) continue;
+        row.cases.push_back(k);
+        row.costs.push_back(case_cost(*s, g.plans[size_t(k)].e));
+        total_cost += row.costs.back();
       }
-      if (o.progress) {
-        int failed = 0, declined = 0;
-        for (size_t k = first; k < results.size(); ++k)
-          failed += results[k].status == CaseStatus::kFail, declined += results[k].status == CaseStatus::kDeclined;
-        o.progress(s->name, dt, int(results.size() - first), failed, declined,
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      row.pending = int(row.cases.size());
+      total_cases += row.pending;
+    }
+  }
+  int64_t done_cases = 0;
+  double done_cost = 0;
+  auto finished = [&](Row& row) {
+    if (!o.progress) return;
+    SuiteProgress p;
+    p.op = row.s->name, p.dtype = row.dtype, p.cases = int(row.results.size()), p.seconds = row.seconds;
+    for (const CaseResult& r : row.results)
+      p.failed += r.status == CaseStatus::kFail, p.declined += r.status == CaseStatus::kDeclined;
+    p.done = done_cases, p.total = total_cases, p.elapsed = seconds_since(start);
+    if (done_cost > 0) p.remaining = p.elapsed * std::max(0.0, total_cost - done_cost) / done_cost;
+    o.progress(p);
+  };
+
+  std::vector<CaseResult> results;
+  if (o.jobs <= 1 || o.worker_command.empty() || total_cases <= 1) {
+    for (Row& row : rows) {
+      const auto row_start = Clock::now();
+      row.results = run_cases(*row.s, row.dtype, gens, row.cases, o);
+      row.seconds = seconds_since(row_start);
+      done_cases += int64_t(row.cases.size());
+      for (double c : row.costs) done_cost += c;
+      finished(row);
+      results.insert(results.end(), row.results.begin(), row.results.end());
+    }
+    return results;
+  }
+
+  // Over workers: units of consecutive cases of one row, about an eighth of a worker's share each, so that the
+  // long rows (gemm's long K, attention) spread and the last units to finish are small.
+  const double target = total_cost / (8.0 * double(o.jobs));
+  std::vector<WorkUnit> units;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    Row& row = rows[r];
+    row.results.resize(row.cases.size());
+    WorkUnit u;
+    for (size_t i = 0; i < row.cases.size(); ++i) {
+      u.cases.push_back(row.cases[i]);
+      u.cost += row.costs[i];
+      if (u.cost >= target || i + 1 == row.cases.size()) {
+        u.op = row.s->name, u.dtype = row.dtype;
+        units.push_back(std::move(u));
+        u = WorkUnit{};
       }
     }
   }
+  share_threads(units, total_cost);
+  std::map<std::pair<std::string, DType>, size_t> row_of;
+  for (size_t r = 0; r < rows.size(); ++r) row_of[{rows[r].s->name, rows[r].dtype}] = r;
+  run_on_workers(units, o.worker_command, o.jobs, [&](const WorkUnit& u, std::vector<CaseResult> got, double seconds) {
+    Row& row = rows[row_of.at({u.op, u.dtype})];
+    for (CaseResult& r : got) {
+      const auto at = std::find(row.cases.begin(), row.cases.end(), r.index);
+      LOOM_CHECK(at != row.cases.end());
+      row.results[size_t(at - row.cases.begin())] = std::move(r);
+    }
+    row.pending -= int(u.cases.size());
+    row.seconds += seconds;
+    done_cases += int64_t(u.cases.size());
+    done_cost += u.cost;
+    if (row.pending == 0) finished(row);
+  });
+  for (Row& row : rows) results.insert(results.end(), row.results.begin(), row.results.end());
   return results;
 }
 

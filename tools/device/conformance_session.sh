@@ -2,10 +2,11 @@
 # On the GPU machine (carry .devdeps; .device for the GPT-2 vocabulary): the conformance suite over the native CUDA
 # kernels, PyTorch's float64 sweep set, op traces of real training steps replayed on the GPU, and the CUDA tests, by
 # STAGE (a list, run in order; default "conf sweep"):
-#   conf      loom-conformance --provider native --device cuda (generated cases, stored sets)
+#   conf      loom-conformance --provider native --device cuda --jobs $(nproc) (generated cases, stored sets; the
+#             target is 3 minutes on one H200 with 16 cores)
 #   sweep     tools/reference/make_conformance_sweep.py: writes pytorch_sweep.{json,safetensors} to $OUT
 #   trace     loom-train --trace-ops on GPT-2 124M and LLaMA-3 1B (bf16, synthetic shards), each trace replayed with
-#             loom-conformance --trace on the native CUDA kernels
+#             loom-conformance --trace --jobs $(nproc) on the native CUDA kernels (target: 2 minutes each)
 #   tests     the CUDA tests of loom_tests (suites naming Cuda or Cudnn), on one GPU
 #   sanitize  compute-sanitizer racecheck and synccheck over those tests (tools/device/cuda_sanitize.sh)
 # Builds first (tools/device/build.sh, vendor bridges left out; BUILD=0 skips it on a warm machine). Logs go to
@@ -25,9 +26,10 @@ for stage in ${STAGE:-conf sweep}; do
   s0=$(date +%s)
   case $stage in
   conf)
-    timeout 420 build-dev/loom-conformance --provider native --device cuda > $O/conf_cuda.log 2>&1
+    timeout 420 build-dev/loom-conformance --provider native --device cuda --jobs $(nproc) > $O/conf_cuda.log 2> $O/conf_cuda.progress
     rc=$?
     grep -E "FAIL|error" $O/conf_cuda.log | head -40
+    tail -3 $O/conf_cuda.progress
     summary+=("conf cuda: rc=$rc, $(grep -c ' pass ' $O/conf_cuda.log) pass rows, $(grep -c 'FAIL' $O/conf_cuda.log) FAIL lines, $(( $(date +%s) - s0 )) s")
     ;;
   sweep)
@@ -39,16 +41,17 @@ for stage in ${STAGE:-conf sweep}; do
   trace)
     python3 tools/bench/make_shard.py /tmp/gpt2.bin --tokens 400000 > /dev/null
     python3 tools/bench/make_shard.py /tmp/llama.bin --tokens 400000 --vocab 128256 > /dev/null
-    for m in gpt2-124M:gpt2:1024:4 llama3-1B:llama:512:1; do
+    for m in gpt2-124M:gpt2:1024:4 llama3-1B:llama:1024:1; do
       IFS=: read model shard T B <<< "$m"
       timeout 200 build-dev/loom-train --model $model --device cuda --dtype bf16 --train-data /tmp/$shard.bin \
         -t $T -b $B --steps 2 --eval-interval 0 --sample-tokens 0 --warmup 1 --trace-ops $O/trace_$shard.json > $O/train_$shard.log 2>&1
       rc1=$?
-      timeout 300 build-dev/loom-conformance --trace $O/trace_$shard.json --provider native --device cuda --reference native \
-        > $O/replay_$shard.log 2>&1
+      r0=$(date +%s)
+      timeout 300 build-dev/loom-conformance --trace $O/trace_$shard.json --provider native --device cuda --jobs $(nproc) \
+        > $O/replay_$shard.log 2> $O/replay_$shard.progress
       rc2=$?
       tail -25 $O/replay_$shard.log
-      summary+=("trace $model: train rc=$rc1, replay rc=$rc2, $(grep -c ' pass ' $O/replay_$shard.log) pass rows, $(grep -c FAIL $O/replay_$shard.log) FAIL lines")
+      summary+=("trace $model: train rc=$rc1, replay rc=$rc2 in $(( $(date +%s) - r0 )) s, $(grep -c ' pass ' $O/replay_$shard.log) pass rows, $(grep -c FAIL $O/replay_$shard.log) FAIL lines")
     done
     ;;
   tests)
