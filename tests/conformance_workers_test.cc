@@ -29,7 +29,8 @@ while read -r line; do
   op=$(echo "$line" | sed 's/.*"op":"\([a-z_]*\)".*/\1/')
   out=""
   for k in $(echo "$line" | sed 's/.*"cases":\[\([0-9,]*\)\].*/\1/' | tr ',' ' '); do
-    out="$out${out:+,}{\"op\":\"$op\",\"dtype\":\"f32\",\"index\":$k,\"fuzz\":false,\"status\":\"pass\",\"worst\":0.5,\"reference\":\"naive\",\"description\":\"d\",\"detail\":\"\"}"
+    r="\"op\":\"$op\",\"dtype\":\"f32\",\"index\":$k,\"fuzz\":false,\"repeat\":false,\"status\":\"pass\""
+    out="$out${out:+,}{$r,\"worst\":0.5,\"reference\":\"naive\",\"description\":\"d\",\"detail\":\"\"}"
   done
   echo "{\"results\":[$out],\"seconds\":0.25}" >&3
 done)sh";
@@ -115,6 +116,9 @@ TEST(ConformanceWorkers, WorkersGiveTheResultsOfOneProcess) {
   const auto b = nlohmann::json::parse(test::read_all(dir.file("many.json")));
   EXPECT_EQ(a, b);
   EXPECT_GT(a.at("results").size(), 100u);
+  bool repeat = false;
+  for (const auto& r : a.at("results")) repeat |= r.at("repeat").get<bool>();
+  EXPECT_TRUE(repeat) << "every (op, dtype) has the check of repeated calls on the same buffers";
   for (const std::string& err : {one.err, many.err}) {
     EXPECT_NE(err.find("softmax f32: "), std::string::npos) << err;
     EXPECT_NE(err.find(" cases, "), std::string::npos) << err;

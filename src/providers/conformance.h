@@ -17,7 +17,9 @@
 // or, where it has no value, with Loom's native CPU kernel in float64 (run with the provider denied): NaN where the
 // reference is NaN, the same infinity where the reference rounded to the output dtype is infinite, the relative
 // tolerance elsewhere. Inputs must come back unchanged byte for byte (but for one an output aliases), guards
-// untouched, every output element written.
+// untouched, every output element written. Each (op, dtype) also calls the op again on the same device buffers with
+// new input values (and once more with another case's attributes, where a case has the same tensors), every call
+// judged: a kernel that keeps state across calls keyed by the buffers' addresses fails it.
 //
 // With options.jobs > 1 and a worker command, the cases run over that many processes (conformance_workers.h),
 // split by their estimated work, and the results come back in the order one process gives.
@@ -80,6 +82,7 @@ struct CaseResult {
   DType dtype = kF32;
   int index = 0;          // in the (op, dtype) case list: --case INDEX reruns it
   bool fuzz = false;
+  bool repeat = false;    // the check of repeated calls on the same buffers
   CaseStatus status = CaseStatus::kPass;
   double worst_error = 0;  // max |got - ref| / (atol + rtol |ref|)
   std::string reference;    // what judged it: "naive", "native" or a stored set's source ("pytorch"); "" if none ran

@@ -100,6 +100,11 @@ std::vector<uint8_t> read_back(const CaseTensor& t, Device device);
 // ---- Running one case (conformance_run.cc). ----
 CaseResult run_explicit(const OpSchema& s, const ExplicitCase& e, const SuiteOptions& o, int index, bool fuzz,
                         const std::vector<std::vector<double>>* stored_outputs = nullptr);
+// Calls the op on the same device buffers again and again: `first`, then each of `again` with its values (and
+// attributes) written into the same memory; every call judged. Each of `again` has `first`'s tensors (shapes,
+// strides, offsets, dtypes, aliases).
+CaseResult run_repeated(const OpSchema& s, const ExplicitCase& first, const std::vector<ExplicitCase>& again,
+                        const SuiteOptions& o, int index);
 // Whether the provider's supports() takes a case (its layout only: no values are drawn).
 bool provider_takes(const OpSchema& s, const ExplicitCase& e, const SuiteOptions& o);
 

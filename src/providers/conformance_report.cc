@@ -30,7 +30,10 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     if (!r.reference.empty()) row.references.insert(r.reference);
     if (r.status == CaseStatus::kPass) ++row.pass, row.worst = std::max(row.worst, r.worst_error);
     else if (r.status == CaseStatus::kDeclined) ++row.declined;
-    else ++row.fail, row.failures.push_back(&r);
+    else if (++row.fail; r.repeat)  // a kernel that keeps state: said first, as it explains the row's other failures
+      row.failures.insert(row.failures.begin(), &r);
+    else
+      row.failures.push_back(&r);
   }
   std::ostringstream os;
   os << std::left << std::setw(46) << "op" << std::setw(7) << "dtype" << std::setw(26) << "result"
@@ -58,6 +61,7 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
       }
       const auto stored = r->op.find(" [");  // a stored case: "gemm [pytorch]"
       os << "FAIL " << r->op << " " << dtype_name(r->dtype) << " case " << r->index << (r->fuzz ? " (fuzz)" : "")
+         << (r->repeat ? " (repeated calls on the same buffers)" : "")
          << (r->reference.empty() ? "" : " [judged by " + r->reference + "]") << ": " << r->detail << "\n    "
          << r->description << "\n    rerun: " << rerun << " --op "
          << r->op.substr(0, stored) << " --dtype " << dtype_name(r->dtype)
@@ -78,7 +82,7 @@ std::string suite_json(const std::vector<CaseResult>& results, const SuiteOption
   for (const CaseResult& r : results) {
     const char* st = r.status == CaseStatus::kPass ? "pass" : r.status == CaseStatus::kFail ? "FAIL" : "declined";
     list.push_back({{"op", r.op}, {"dtype", dtype_name(r.dtype)}, {"case", r.index}, {"fuzz", r.fuzz},
-                    {"status", st}, {"reference", r.reference}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
+                    {"repeat", r.repeat}, {"status", st}, {"reference", r.reference}, {"worst_error", std::isfinite(r.worst_error) ? nlohmann::json(r.worst_error) : nlohmann::json("inf")},
                     {"description", r.description}, {"detail", r.detail}});
   }
   j["results"] = list;

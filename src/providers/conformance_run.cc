@@ -124,7 +124,7 @@ std::pair<double, double> tolerance(DType dt, double sum_scale) {
 
 // Runs one built case: the call routed to the provider alone, then the checks. A stored case gives the reference
 // per output slot.
-CaseResult run_built(const OpSchema& s, const SuiteCase& c, const Built& b, const SuiteOptions& o,
+CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const SuiteOptions& o,
                      const std::vector<std::vector<double>>* stored_outputs, const ProviderPolicy& setup,
                      const ProviderPolicy& only) {
   CaseResult r;
@@ -183,8 +183,8 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, const Built& b, cons
     const size_t es = dtype_size(t.dtype);
     auto changed = [&](int64_t e) { return std::memcmp(&after[size_t(e) * es], &t.before[size_t(e) * es], es) != 0; };
     auto first_change = [&](int64_t from, int64_t to) -> int64_t {
-      if (to <= from || std::memcmp(&after[size_t(from) * es], &t.before[size_t(from) * es], size_t(to - from) * es) == 0)
-        return -1;
+      const size_t at = size_t(from) * es;
+      if (to <= from || std::memcmp(&after[at], &t.before[at], size_t(to - from) * es) == 0) return -1;
       for (int64_t e = from; e < to; ++e)
         if (changed(e)) return e;
       return -1;
@@ -292,6 +292,50 @@ CaseResult run_explicit(const OpSchema& s, const ExplicitCase& e, const SuiteOpt
   Built b = build(s, e, c, o.device);
   CaseResult r = run_built(s, c, b, o, stored_outputs, policies.setup, policies.only);
   r.index = index, r.fuzz = fuzz;
+  return r;
+}
+
+CaseResult run_repeated(const OpSchema& s, const ExplicitCase& first, const std::vector<ExplicitCase>& again,
+                        const SuiteOptions& o, int index) {
+  CasePolicies policies(s, o);
+  const SuiteCase c = suite_case_of(s, first);
+  Built b = build(s, first, c, o.device);
+  CaseResult r = run_built(s, c, b, o, nullptr, policies.setup, policies.only);
+  r.index = index, r.repeat = true;
+  r.description = std::to_string(1 + again.size()) + " calls on the same buffers: " + r.description;
+  if (r.status != CaseStatus::kPass) {
+    if (r.status == CaseStatus::kFail) r.detail = "the first call: " + r.detail;
+    return r;
+  }
+  for (size_t call = 0; call < again.size(); ++call) {
+    // New values in the same memory (outputs poisoned again), with this call's attributes.
+    const SuiteCase cn = suite_case_of(s, again[call]);
+    const Built fresh = build(s, again[call], cn, Device());
+    auto refill = [](CaseTensor& t, const CaseTensor& from) {
+      LOOM_CHECK(t.present == from.present && t.buffer_elems == from.buffer_elems && t.dtype == from.dtype &&
+                 t.offset == from.offset && t.alias_of == from.alias_of);
+      t.values = from.values, t.before = from.before;
+    };
+    for (size_t i = 0; i < b.tensors.size(); ++i) refill(b.tensors[i], fresh.tensors[i]);
+    for (size_t i = 0; i < b.lists.size(); ++i)
+      for (size_t k = 0; k < b.lists[i].size(); ++k) refill(b.lists[i][k], fresh.lists[i][k]);
+    upload(b, o.device);
+    b.args.attrs = cn.attrs;
+    std::string changed;
+    for (size_t a = 0; a < c.attrs.size() && a < cn.attrs.size(); ++a)
+      if (c.attrs[a].second.str() != cn.attrs[a].second.str())
+        changed += (changed.empty() ? " and " : ", ") + cn.attrs[a].first + "=" + cn.attrs[a].second.str();
+    const std::string which = std::string(call == 0 ? "second" : "third") + " call on the same buffers";
+    const CaseResult next = run_built(s, cn, b, o, nullptr, policies.setup, policies.only);
+    r.worst_error = std::max(r.worst_error, next.worst_error);
+    if (next.status == CaseStatus::kFail) {
+      r.status = CaseStatus::kFail;
+      r.detail = "the " + which + ", with new input values" + changed + ", is wrong (the first was right: the " +
+                 "kernel keeps state across calls, such as a cache keyed by the buffers' addresses): " + next.detail;
+      return r;
+    }
+    if (next.status == CaseStatus::kDeclined) r.detail += (r.detail.empty() ? "the " : "; the ") + which + " was declined";
+  }
   return r;
 }
 

@@ -1,11 +1,13 @@
-// The conformance suite's driver: for every op and dtype the provider serves, its generated cases, each run and
-// judged, in this process or over worker processes (conformance_workers.h), with progress after each (op, dtype).
+// The conformance suite's driver: for every op and dtype the provider serves, its generated cases and the check of
+// repeated calls on the same buffers, each run and judged, in this process or over worker processes
+// (conformance_workers.h), with progress after each (op, dtype).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <optional>
+#include <tuple>
 
 #include "loom/core/op_schema.h"
 #include "providers/conformance_internal.h"
@@ -44,6 +46,63 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 uint64_t case_seed(const SuiteOptions& o, DType dt, size_t k) { return o.seed * 7919u + k * 104729u + uint64_t(dt); }
 
+bool same_attrs(const ExplicitCase& a, const ExplicitCase& b) {
+  if (a.attrs.size() != b.attrs.size()) return false;
+  for (size_t i = 0; i < a.attrs.size(); ++i)
+    if (a.attrs[i].first != b.attrs[i].first || a.attrs[i].second.str() != b.attrs[i].second.str()) return false;
+  return true;
+}
+
+bool same_tensors(const ExplicitCase& a, const ExplicitCase& b) {
+  if (a.tensors.size() != b.tensors.size()) return false;
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    const TensorCase &x = a.tensors[i], &y = b.tensors[i];
+    if (x.present != y.present || x.shape != y.shape || x.strides != y.strides || x.offset != y.offset ||
+        x.alias_of != y.alias_of || x.dtype != y.dtype || x.role != y.role || x.list.size() != y.list.size())
+      return false;
+    for (size_t k = 0; k < x.list.size(); ++k)
+      if (x.list[k].shape != y.list[k].shape || x.list[k].strides != y.list[k].strides ||
+          x.list[k].offset != y.list[k].offset || x.list[k].dtype != y.list[k].dtype)
+        return false;
+  }
+  return true;
+}
+
+// The cases of the repeat check: an accepted generated case of plain values, small (the check is one case's cost),
+// preferring every tensor present, then attributes at their plain value (not an alpha of 0, which leaves B unread),
+// then a case with the same tensors and other attributes among the generated ones (`second`, else `first`), then
+// more elements: more for a cache to get wrong.
+struct RepeatCases {
+  size_t first = 0, second = 0;
+};
+std::optional<RepeatCases> repeat_cases(const Generated& g) {
+  std::optional<RepeatCases> best;
+  std::tuple<bool, int, bool, double> best_rank{};
+  for (size_t k = 0; k < g.plans.size(); ++k) {
+    const Plan& p = g.plans[k];
+    if (!g.accepted[k] || p.fuzz) continue;
+    bool plain = true, all_present = true;
+    double elements = 0;
+    for (size_t i = 0; i < p.e.tensors.size(); ++i) {
+      all_present &= p.e.tensors[i].present;
+      plain &= !p.e.tensors[i].present || p.e.tensors[i].values == ValueClass::kNormal;
+      if (p.e.tensors[i].present) elements += double(numel_of(p.e.tensors[i].shape));
+    }
+    if (!plain || elements > 4096) continue;
+    int plain_attrs = 0;
+    for (size_t q = 0; q < g.model.params.size(); ++q)
+      plain_attrs += g.model.params[q].kind == ParamKind::kAttr && p.effective[q] == 0;
+    size_t twin = k;
+    for (size_t j = 0; j < g.plans.size() && twin == k; ++j)
+      if (j != k && g.accepted[j] && !g.plans[j].fuzz && same_tensors(p.e, g.plans[j].e) &&
+          !same_attrs(p.e, g.plans[j].e))
+        twin = j;
+    const auto rank = std::make_tuple(all_present, plain_attrs, twin != k, elements);
+    if (!best || rank > best_rank) best_rank = rank, best = RepeatCases{k, twin};
+  }
+  return best;
+}
+
 // The generated cases of the (op, dtype) a run is at: a worker is handed several units of one in a row.
 class Generations {
  public:
@@ -52,15 +111,23 @@ class Generations {
     if (!g_ || s_ != &s || dt_ != dt) {
       g_ = std::make_unique<Generated>(generate_for(s, dt, o_));
       s_ = &s, dt_ = dt;
+      repeat_ = o_.generated ? repeat_cases(*g_) : std::nullopt;
     }
     return *g_;
   }
+  // The cases of the row: the generated and fuzz ones, then the repeat check (index plans.size()).
+  int cases(const OpSchema& s, DType dt) {
+    const int generated = int(of(s, dt).plans.size());
+    return generated + (repeat_ ? 1 : 0);
+  }
+  const std::optional<RepeatCases>& repeat() const { return repeat_; }
 
  private:
   const SuiteOptions& o_;
   std::unique_ptr<Generated> g_;
   const OpSchema* s_ = nullptr;
   DType dt_ = kF32;
+  std::optional<RepeatCases> repeat_;
 };
 
 ExplicitCase seeded(const Generated& g, const SuiteOptions& o, DType dt, size_t k) {
@@ -75,11 +142,23 @@ std::vector<CaseResult> run_cases(const OpSchema& s, DType dt, Generations& gens
   std::vector<CaseResult> results;
   for (int k : cases) {
     try {
-      LOOM_REQUIRE(size_t(k) < g.plans.size(), "conformance: ", s.name, " ", dtype_name(dt), " has no case ", k);
-      results.push_back(run_explicit(s, seeded(g, o, dt, size_t(k)), o, k, g.plans[size_t(k)].fuzz));
+      if (size_t(k) < g.plans.size()) {
+        results.push_back(run_explicit(s, seeded(g, o, dt, size_t(k)), o, k, g.plans[size_t(k)].fuzz));
+      } else {
+        LOOM_REQUIRE(gens.repeat() && size_t(k) == g.plans.size(), "conformance: ", s.name, " ", dtype_name(dt),
+                     " has no case ", k);
+        // The second call: new values, the same attributes; the third (where a case has the same tensors and other
+        // attributes): new values and its attributes.
+        const RepeatCases rc = *gens.repeat();
+        std::vector<ExplicitCase> again{seeded(g, o, dt, rc.first)};
+        if (rc.second != rc.first) again.push_back(seeded(g, o, dt, rc.second));
+        for (size_t call = 0; call < again.size(); ++call) again[call].seed = case_seed(o, dt, size_t(k) + call);
+        results.push_back(run_repeated(s, seeded(g, o, dt, rc.first), again, o, k));
+      }
     } catch (const std::exception& ex) {
       CaseResult& r = results.emplace_back();
       r.op = s.name, r.dtype = dt, r.index = k, r.status = CaseStatus::kFail, r.worst_error = INFINITY;
+      r.repeat = size_t(k) == g.plans.size();
       r.detail = std::string("error: ") + ex.what();
     }
   }
@@ -121,11 +200,13 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
     for (DType dt : provider_dtypes(*s, o)) {
       Row& row = rows.emplace_back();
       row.s = s, row.dtype = dt;
+      const int n = gens.cases(*s, dt);
       const Generated& g = gens.of(*s, dt);
-      for (int k = 0; k < int(g.plans.size()); ++k) {
+      for (int k = 0; k < n; ++k) {
         if (o.only_case >= 0 && k != o.only_case) continue;
         row.cases.push_back(k);
-        row.costs.push_back(case_cost(*s, g.plans[size_t(k)].e));
+        const size_t plan = size_t(k) < g.plans.size() ? size_t(k) : gens.repeat()->first;
+        row.costs.push_back(case_cost(*s, g.plans[plan].e) * (size_t(k) < g.plans.size() ? 1 : 3));
         total_cost += row.costs.back();
       }
       row.pending = int(row.cases.size());

@@ -56,7 +56,7 @@ const char* status_name(CaseStatus s) {
 }
 json result_json(const CaseResult& r) {
   return {{"op", r.op},           {"dtype", dtype_name(r.dtype)},  {"index", r.index},
-          {"fuzz", r.fuzz},       {"status", status_name(r.status)},
+          {"fuzz", r.fuzz},       {"repeat", r.repeat},            {"status", status_name(r.status)},
           {"worst", number(r.worst_error)}, {"reference", r.reference}, {"description", r.description},
           {"detail", r.detail}};
 }
@@ -66,6 +66,7 @@ CaseResult result_of(const json& j) {
   r.dtype = dtype_from_name(j.at("dtype").get<std::string>());
   r.index = j.at("index").get<int>();
   r.fuzz = j.at("fuzz").get<bool>();
+  r.repeat = j.at("repeat").get<bool>();
   const std::string st = j.at("status").get<std::string>();
   r.status = st == "pass" ? CaseStatus::kPass : st == "FAIL" ? CaseStatus::kFail : CaseStatus::kDeclined;
   r.worst_error = number_of(j.at("worst"));
@@ -163,7 +164,8 @@ void run_on_workers(const std::vector<WorkUnit>& units_in, const std::vector<std
   std::vector<WorkUnit> units = units_in;
   std::deque<int> queue;
   for (size_t u = 0; u < units.size(); ++u) queue.push_back(int(u));
-  std::stable_sort(queue.begin(), queue.end(), [&](int a, int b) { return units[size_t(a)].cost > units[size_t(b)].cost; });
+  std::stable_sort(queue.begin(), queue.end(),
+                   [&](int a, int b) { return units[size_t(a)].cost > units[size_t(b)].cost; });
   const std::vector<std::string> env = worker_environment(jobs);
   // A worker that died must not end this process when its stdin is written.
   struct IgnorePipe {
