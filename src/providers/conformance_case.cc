@@ -9,6 +9,7 @@
 #include "loom/core/device_runtime.h"
 #include "loom/core/op_schema.h"
 #include "providers/conformance_internal.h"
+#include "providers/naive_reference.h"
 
 namespace loom::conformance::detail {
 namespace {
@@ -23,11 +24,12 @@ int64_t index_bound(const TensorSpec& t, const OpSchema& s, const SuiteCase& c) 
   return dim_value(t.values_dim, c);
 }
 
-std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase& c, int64_t n, DType dt,
-                         std::mt19937_64& eng) {
-  std::vector<double> v(static_cast<size_t>(n));
+// Values [begin, end) of `v` drawn from `eng`; `bound` is an index's bound, `ignore` a target's ignored value.
+void draw_range(std::vector<double>& v, size_t begin, size_t end, const TensorSpec& t, DType dt, int64_t bound,
+                int64_t ignore, std::mt19937_64& eng) {
   std::uniform_real_distribution<double> u(0, 1);
-  for (auto& x : v) {
+  for (size_t e = begin; e < end; ++e) {
+    double& x = v[e];
     double r = u(eng);
     switch (t.values) {
       case Values::kUniform: x = 2 * r - 1; break;
@@ -36,23 +38,42 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
       case Values::kBits: x = r < 0.5 ? 0 : 1; break;
       case Values::kProbability: x = 0.5 * r; break;
       case Values::kIndexBelow:
-      case Values::kTargets: {
-        int64_t bound = index_bound(t, s, c);
-        if (t.values == Values::kTargets) {
-          int64_t limit = c.attr_int("vocab_limit", -1);
-          if (limit >= 0) bound = std::min(bound, limit);
-        }
+      case Values::kTargets:
         x = double(std::min<int64_t>(bound - 1, int64_t(r * double(bound))));
-        if (t.values == Values::kTargets) {
-          int64_t ignore = c.attr_int("ignore_index", -100);
-          if (ignore >= 0 && u(eng) < 0.2) x = double(ignore);
-        }
+        if (t.values == Values::kTargets && ignore >= 0 && u(eng) < 0.2) x = double(ignore);
         break;
-      }
     }
     if (!is_floating(dt) && t.values != Values::kIndexBelow && t.values != Values::kTargets &&
         t.values != Values::kBits)
       x = std::round(x * 2);  // small integers
+  }
+}
+
+std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase& c, int64_t n, DType dt,
+                         std::mt19937_64& eng) {
+  std::vector<double> v(static_cast<size_t>(n));
+  int64_t bound = 0, ignore = -1;
+  if (t.values == Values::kIndexBelow || t.values == Values::kTargets) {
+    bound = index_bound(t, s, c);
+    if (t.values == Values::kTargets) {
+      const int64_t limit = c.attr_int("vocab_limit", -1);
+      if (limit >= 0) bound = std::min(bound, limit);
+      ignore = c.attr_int("ignore_index", -100);
+    }
+  }
+  if (n <= kMaxCaseElements) {  // one stream, as every generated case
+    draw_range(v, 0, v.size(), t, dt, bound, ignore, eng);
+    return v;
+  }
+  // A replayed call's large tensor: blocks drawn on threads, each from its own engine seeded off this one (the
+  // values do not depend on the threads).
+  constexpr size_t kBlock = size_t(1) << 20;
+  const uint64_t base = eng();
+  const int64_t blocks = int64_t((v.size() + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(naive::threads_for(16 * double(n)))
+  for (int64_t k = 0; k < blocks; ++k) {
+    std::mt19937_64 block_eng(base + uint64_t(k) * 0x9e3779b97f4a7c15ull);
+    draw_range(v, size_t(k) * kBlock, std::min(v.size(), size_t(k + 1) * kBlock), t, dt, bound, ignore, block_eng);
   }
   return v;
 }
@@ -240,10 +261,18 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
       }
       // Stored (rounded to the dtype), then read back: a stride-0 input's values repeat, and the last write of a
       // position is what every element sees.
-      const auto pos = positions(t);
+      const Positions pos(t);
       const size_t es = dtype_size(t.dtype);
-      for (size_t k = 0; k < pos.size(); ++k) store_at(bytes.data() + size_t(pos[k]) * es, t.dtype, t.values[k]);
-      for (size_t k = 0; k < pos.size(); ++k) t.values[k] = read_element(bytes.data() + size_t(pos[k]) * es, t.dtype);
+      // A large floating tensor at distinct positions on threads (such a store cannot throw; a repeated position
+      // must be written in order).
+      const bool threads = pos.dense() && is_floating(t.dtype) && naive::threads_for(16 * double(pos.size())) > 1;
+      if (!threads)
+        for (size_t k = 0; k < pos.size(); ++k) store_at(bytes.data() + size_t(pos[k]) * es, t.dtype, t.values[k]);
+#pragma omp parallel for if (threads) num_threads(naive::threads_for(16 * double(pos.size())))
+      for (size_t k = 0; k < pos.size(); ++k) {
+        if (threads) store_at(bytes.data() + size_t(pos[k]) * es, t.dtype, t.values[k]);
+        t.values[k] = read_element(bytes.data() + size_t(pos[k]) * es, t.dtype);
+      }
     }
     allocate(t, std::move(bytes));
     return t;

@@ -59,8 +59,21 @@ struct CaseTensor {
   }
 };
 
-// Positions (buffer element indices) of every element of a view, row-major.
-std::vector<int64_t> positions(const CaseTensor& t);
+// Positions (buffer element indices) of every element of a view, row-major: offset + k for a dense view (nothing
+// stored: a replayed optimizer step's tensors hold a hundred million elements), else one index per element.
+class Positions {
+ public:
+  explicit Positions(const CaseTensor& t);
+  size_t size() const { return n_; }
+  bool dense() const { return dense_; }  // distinct positions, in order
+  int64_t operator[](size_t k) const { return dense_ ? offset_ + int64_t(k) : pos_[k]; }
+
+ private:
+  size_t n_ = 0;
+  bool dense_ = true;
+  int64_t offset_ = 0;
+  std::vector<int64_t> pos_;
+};
 // Elements a view spans from its first one (0 for an empty view).
 int64_t span_of(const Shape& shape, const Shape& strides);
 // Dense strides in the spec's own layout: row-major, or a gemm matrix packed column-major.

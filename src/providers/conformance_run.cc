@@ -37,7 +37,7 @@ std::vector<std::vector<double>> reference(const OpSchema& s, const SuiteCase& c
     dense.buffer_elems = span_of(dense.shape, dense.strides);
     Tensor h = empty({dense.buffer_elems}, dt);
     std::vector<uint8_t> bytes(size_t(dense.buffer_elems) * dtype_size(dt));
-    auto pos = positions(dense);
+    const Positions pos(dense);
     for (size_t e = 0; e < pos.size(); ++e) store(bytes, pos[e], dt, t.values.empty() ? poison_value(dt) : t.values[e]);
     if (!bytes.empty()) std::memcpy(h.data(), bytes.data(), bytes.size());
     return h.as_strided(dense.shape, dense.strides, dense.offset);
@@ -63,20 +63,24 @@ std::vector<std::vector<double>> reference(const OpSchema& s, const SuiteCase& c
     view.shape = t.shape(), view.strides = t.strides(), view.offset = t.storage_offset();
     std::vector<uint8_t> bytes(t.storage()->nbytes());
     std::memcpy(bytes.data(), t.storage()->data(), bytes.size());
-    for (int64_t p : positions(view)) outs[i].push_back(load(bytes, p, t.dtype()));
+    const Positions pos(view);
+    for (size_t e = 0; e < pos.size(); ++e) outs[i].push_back(load(bytes, pos[e], t.dtype()));
   }
   return outs;
 }
 
 // The naive oracle's values for a case (naive_reference.h): the case's host values, row-major, per slot; nullopt
 // when it has none for the op or this case.
-std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& s, const SuiteCase& c, const Built& b) {
+// The read tensors' values are moved to the oracle, not copied (a replayed call's tensors may hold hundreds of
+// millions of elements): the inputs' come back after it, an in-place tensor's become its result (they come back
+// when the oracle has no value, for the native reference).
+std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& s, const SuiteCase& c, Built& b) {
   naive::Case nc;
-  auto operand = [&](const CaseTensor& t, size_t i) {
+  auto operand = [&](CaseTensor& t, size_t i) {
     naive::Operand o;
-    o.name = s.tensors[i].name, o.present = t.present, o.dtype = t.dtype, o.shape = t.shape, o.values = t.values;
+    o.name = s.tensors[i].name, o.present = t.present, o.dtype = t.dtype, o.shape = t.shape;
     o.written = t.present && !is_input(c.roles[i]);
-    if (o.written && c.roles[i] != ArgRole::kInPlace) o.values.clear();  // an output (even on an input's buffer)
+    if (!o.written || c.roles[i] == ArgRole::kInPlace) o.values = std::move(t.values);
     return o;
   };
   // The oracle reads shapes at the description's rank: a call whose leading-dims group holds several dims (a
@@ -99,10 +103,18 @@ std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& 
     nc.tensors.push_back(operand(b.tensors[i], i));
     at_description_rank(nc.tensors.back(), s.tensors[i]);
     if (s.tensors[i].list)
-      for (const auto& t : b.lists[i]) nc.list.push_back(operand(t, i));
+      for (auto& t : b.lists[i]) nc.list.push_back(operand(t, i));
   }
   nc.attrs = c.attrs;
-  if (!naive::evaluate(s.name, nc)) return std::nullopt;
+  const bool judged = naive::evaluate(s.name, nc);
+  size_t listed = 0;
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    if (!nc.tensors[i].written || (!judged && c.roles[i] == ArgRole::kInPlace))
+      b.tensors[i].values = std::move(nc.tensors[i].values);
+    if (s.tensors[i].list)
+      for (auto& t : b.lists[i]) t.values = std::move(nc.list[listed++].values);
+  }
+  if (!judged) return std::nullopt;
   std::vector<std::vector<double>> outs(s.tensors.size());
   for (size_t i = 0; i < s.tensors.size(); ++i)
     if (nc.tensors[i].written) outs[i] = std::move(nc.tensors[i].values);
@@ -178,7 +190,7 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
     if (is_input(s.tensors[i].role) || !t.present) continue;
     const std::string name = "output '" + s.tensors[i].name + "'";
     std::vector<uint8_t> after = read_back(t, o.device);
-    auto pos = positions(t);
+    const Positions pos(t);
     // Nothing written outside the elements: the guards before and after the view, and a strided view's gaps.
     const size_t es = dtype_size(t.dtype);
     auto changed = [&](int64_t e) { return std::memcmp(&after[size_t(e) * es], &t.before[size_t(e) * es], es) != 0; };
@@ -193,7 +205,7 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
     int64_t outside = first_change(0, begin);
     if (outside < 0 && end - begin > int64_t(pos.size())) {
       std::vector<bool> gap(size_t(end - begin), true);
-      for (int64_t p : pos) gap[size_t(p - begin)] = false;
+      for (size_t e = 0; e < pos.size(); ++e) gap[size_t(pos[e] - begin)] = false;
       for (int64_t e = begin; e < end && outside < 0; ++e)
         if (gap[size_t(e - begin)] && changed(e)) outside = e;
     }
@@ -226,31 +238,67 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
     };
     const double normal = smallest_normal(t.dtype), finest = 16 * smallest_denormal(t.dtype);
     const bool floating = is_floating(t.dtype);
-    int64_t worst = -1;  // the element of this output that is the worst so far
-    double worst_got = 0;
-    for (size_t e = 0; e < pos.size(); ++e) {
-      auto where = [&] { return name + " element " + std::to_string(e); };
-      if (t.role == ArgRole::kOutput && is_poison(after, pos[e], t.dtype))
-        return fail(where() + ": never written (still the poison)");
-      double g = load(after, pos[e], t.dtype), w = ref[i].at(e);
+    LOOM_REQUIRE(ref[i].size() == pos.size(), "conformance: the reference of ", name, " has ", ref[i].size(),
+                 " values for ", pos.size(), " elements");
+    // Each element alone: 0 when it is right, else what is wrong with it (never written, a NaN or an infinity that
+    // does not match); its error in units of the tolerance, and whether a 16-bit value is not the rounded one.
+    enum Wrong { kRight, kUnwritten, kNaN, kInfinity };
+    auto judge = [&](size_t e, double& g, double& err, bool& misround) {
+      if (t.role == ArgRole::kOutput && is_poison(after, pos[e], t.dtype)) return kUnwritten;
+      g = load(after, pos[e], t.dtype);
+      const double w = ref[i][e];
       // Special values exactly: NaN where the reference is NaN, and the reference's infinity where it is one in the
       // output's dtype (an overflow rounds to inf); nowhere else.
       const double wr = floating ? rounded(w, t.dtype) : w;
-      if (std::isnan(w) && std::isnan(g)) continue;
-      if (std::isnan(g) || std::isnan(w))
-        return fail(where() + ": got " + value(g) + ", expected " + value(w));
-      if (std::isinf(wr) || std::isinf(g)) {
-        if (g == wr) continue;
-        return fail(where() + ": got " + value(g) + ", expected " + value(w) +
-                    (std::isinf(wr) ? " (inf in " + std::string(dtype_name(t.dtype)) + ")" : ""));
-      }
+      err = 0, misround = false;
+      if (std::isnan(w) && std::isnan(g)) return kRight;
+      if (std::isnan(g) || std::isnan(w)) return kNaN;
+      if (std::isinf(wr) || std::isinf(g)) return g == wr ? kRight : kInfinity;
       // The correctly rounded value is always right; nothing finer than a few of the dtype's smallest denormals is
       // asked (a denormal result keeps few bits, and each rounding on the way there may move it by one).
       const bool flushed = g == 0 && std::abs(w) < normal;
-      double err = g == w || g == wr || flushed ? 0 : std::abs(g - w) / (std::max(atol, finest) + rtol * std::abs(w));
+      err = g == w || g == wr || flushed ? 0 : std::abs(g - w) / (std::max(atol, finest) + rtol * std::abs(w));
       if (!floating && g != w) err = INFINITY;
-      if (!acc && (t.dtype == kBF16 || t.dtype == kF16) && g != wr) ++misrounded;
-      if (err > r.worst_error) r.worst_error = err, worst = int64_t(e), worst_got = g;
+      misround = !acc && (t.dtype == kBF16 || t.dtype == kF16) && g != wr;
+      return kRight;
+    };
+    // Blocks of elements on threads (a replayed output may hold hundreds of millions); per block the first wrong
+    // element and the first of its largest errors, combined in order: what one pass in order finds.
+    struct Block {
+      int64_t wrong = -1, worst = -1;
+      Wrong why = kRight;
+      double worst_err = 0, worst_got = 0;
+      size_t misrounded = 0;
+    };
+    constexpr size_t kBlock = size_t(1) << 16;
+    std::vector<Block> blocks((pos.size() + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(naive::threads_for(32 * double(pos.size())))
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      Block& bl = blocks[k];
+      for (size_t e = k * kBlock; e < std::min(pos.size(), (k + 1) * kBlock); ++e) {
+        double g = 0, err = 0;
+        bool misround = false;
+        if (const Wrong why = judge(e, g, err, misround); why != kRight) {
+          bl.wrong = int64_t(e), bl.why = why;
+          break;
+        }
+        bl.misrounded += misround;
+        if (err > bl.worst_err) bl.worst_err = err, bl.worst = int64_t(e), bl.worst_got = g;
+      }
+    }
+    int64_t worst = -1;  // the element of this output that is the worst so far
+    double worst_got = 0;
+    for (const Block& bl : blocks) {
+      if (bl.wrong >= 0) {
+        const double g = load(after, pos[size_t(bl.wrong)], t.dtype), w = ref[i][size_t(bl.wrong)];
+        const std::string where = name + " element " + std::to_string(bl.wrong);
+        if (bl.why == kUnwritten) return fail(where + ": never written (still the poison)");
+        const double wr = floating ? rounded(w, t.dtype) : w;
+        return fail(where + ": got " + value(g) + ", expected " + value(w) +
+                    (bl.why == kInfinity && std::isinf(wr) ? " (inf in " + std::string(dtype_name(t.dtype)) + ")" : ""));
+      }
+      misrounded += bl.misrounded;
+      if (bl.worst_err > r.worst_error) r.worst_error = bl.worst_err, worst = bl.worst, worst_got = bl.worst_got;
     }
     if (worst >= 0) {
       std::ostringstream os;

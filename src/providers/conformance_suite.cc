@@ -19,7 +19,10 @@ namespace loom::conformance {
 using namespace detail;
 
 double case_cost(const OpSchema& s, const ExplicitCase& e) {
-  double elements = 0, largest_output = 0;
+  const std::string& acc = s.accumulate_dim;
+  bool scatters = false;  // an op that adds by index (embedding_backward, scatter_add) or picks by it (the losses)
+  for (const TensorSpec& t : s.tensors) scatters |= t.values == Values::kIndexBelow || t.values == Values::kTargets;
+  double elements = 0, summed_input = 0, unsummed_output = 0;
   for (size_t i = 0; i < e.tensors.size() && i < s.tensors.size(); ++i) {
     const TensorCase& t = e.tensors[i];
     if (!t.present) continue;
@@ -29,14 +32,23 @@ double case_cost(const OpSchema& s, const ExplicitCase& e) {
     else
       n = double(numel_of(t.shape));
     elements += n;
-    if (!is_input(s.tensors[i].role)) largest_output = std::max(largest_output, n);
+    const bool holds = std::find(s.tensors[i].shape.begin(), s.tensors[i].shape.end(), acc) != s.tensors[i].shape.end();
+    if (is_input(s.tensors[i].role) && holds) summed_input = std::max(summed_input, n);
+    if (!is_input(s.tensors[i].role) && !holds) unsummed_output = std::max(unsummed_output, n);
   }
   double sums = 0;
-  if (!s.accumulate_dim.empty()) {
-    auto it = e.dims.find(s.accumulate_dim);
-    sums = largest_output * double(it != e.dims.end() ? std::max<int64_t>(1, it->second) : 1);
+  if (!acc.empty()) {
+    auto it = e.dims.find(acc);
+    const double terms = double(it != e.dims.end() ? std::max<int64_t>(1, it->second) : 1);
+    // A reduction sums `terms` values into each element of an output without that dim; a scatter reads each
+    // input element once. Never more than the op's loop nest over all its dims (a sum over another dim than the
+    // accumulated one).
+    sums = scatters ? summed_input : unsummed_output * terms;
+    double nest = 1;
+    for (const auto& [name, size] : e.dims) nest *= double(std::max<int64_t>(1, size));
+    sums = std::min(sums, nest);
   }
-  return kCaseSetupCost + 8 * elements + sums;
+  return kCaseSetupCost + kElementCost * elements + sums;
 }
 
 namespace {

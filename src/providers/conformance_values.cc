@@ -137,21 +137,21 @@ double smallest_normal(DType dt) {
 }
 
 // Positions (buffer element indices) of every element of a view, row-major.
-std::vector<int64_t> positions(const CaseTensor& t) {
-  const int64_t n = numel_of(t.shape);
-  std::vector<int64_t> pos(static_cast<size_t>(n));
+Positions::Positions(const CaseTensor& t) : n_(size_t(numel_of(t.shape))), offset_(t.offset) {
   const size_t rank = t.shape.size();
-  if (n == 0) return pos;
-  if (rank == 0) {
-    pos[0] = t.offset;
-    return pos;
+  int64_t run = 1;  // dense: each dim of more than one element steps by the elements after it
+  for (size_t d = rank; d-- > 0;) {
+    if (t.shape[d] > 1 && t.strides[d] != run) dense_ = false;
+    run *= t.shape[d];
   }
+  if (dense_ || n_ == 0) return;
   // Rows along the last dim; the outer index steps like an odometer, its position kept as it goes.
+  pos_.resize(n_);
   std::vector<int64_t> idx(rank, 0);
   const int64_t inner = t.shape[rank - 1], step = t.strides[rank - 1];
   int64_t base = t.offset;
-  for (int64_t e = 0; e < n; e += inner) {
-    for (int64_t j = 0; j < inner; ++j) pos[size_t(e + j)] = base + j * step;
+  for (int64_t e = 0; e < int64_t(n_); e += inner) {
+    for (int64_t j = 0; j < inner; ++j) pos_[size_t(e + j)] = base + j * step;
     for (int64_t d = int64_t(rank) - 2; d >= 0; --d) {
       base += t.strides[size_t(d)];
       if (++idx[size_t(d)] < t.shape[size_t(d)]) break;
@@ -159,7 +159,6 @@ std::vector<int64_t> positions(const CaseTensor& t) {
       idx[size_t(d)] = 0;
     }
   }
-  return pos;
 }
 
 // Elements a view spans from its first one (0 for an empty view).

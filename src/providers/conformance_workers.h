@@ -21,12 +21,15 @@ struct WorkUnit {
   int threads = 1;         // threads the float64 reference's heavy loops may take for this unit
 };
 
-// The estimated work of a case, in element operations: a fixed setup, its tensors' elements (drawn, copied and
-// compared, about 8 operations each), and for an op that accumulates one operation per term of every output
-// element's sum (a gemm's batch M N K, attention's B H T D S).
-inline constexpr double kCaseSetupCost = 20000;
-// Seconds per unit of cost on one core (measured on a 2-core CPU with the naive oracle; for the estimates).
-inline constexpr double kSecondsPerCost = 2e-9;
+// The estimated work of a case, in units of one multiply-add of the naive oracle's gemm: a fixed setup per case,
+// its tensors' elements (drawn, copied, read back and compared), and for an op that accumulates one unit per term
+// of every output element's sum (a gemm's batch M N K, attention's B H T D S, a norm's R C), or for one that adds or
+// picks by index one per element of the input it reads along that dim (embedding_backward's N C, a loss's R V).
+inline constexpr double kCaseSetupCost = 300000;
+inline constexpr double kElementCost = 100;
+// Seconds per unit of cost on one core (fitted to the suite's rows and a GPT-2 trace's calls on a 2-core CPU; for
+// the estimates of what remains and of a trace's time).
+inline constexpr double kSecondsPerCost = 1e-9;
 double case_cost(const OpSchema& s, const ExplicitCase& e);
 
 // Gives each unit a share of the cores in proportion to its cost (at least 1): a few large calls of a trace get

@@ -19,14 +19,13 @@ namespace loom::conformance::naive {
 
 namespace {
 int max_threads = 0;  // set_threads; 0: OpenMP's default
-// The threads a loop of `work` multiply-adds takes: one below a million (a thread team costs more than it saves).
-int threads_for(double work) {
-  if (work < 1e6) return 1;
-  return max_threads > 0 ? max_threads : omp_get_max_threads();
-}
 }  // namespace
 
 void set_threads(int n) { max_threads = std::max(0, n); }
+int threads_for(double work) {
+  if (work < 1e6) return 1;  // a thread team costs more than it saves
+  return max_threads > 0 ? max_threads : omp_get_max_threads();
+}
 
 const Operand& Case::in(const std::string& name) const {
   for (const auto& t : tensors)
@@ -152,11 +151,14 @@ double gelu_grad(double x) {
 double nan_max(double a, double b) { return std::isnan(a) || std::isnan(b) ? kNaN : (a > b ? a : b); }
 double nan_min(double a, double b) { return std::isnan(a) || std::isnan(b) ? kNaN : (a < b ? a : b); }
 
-// ---- Elementwise. ----
+// ---- Elementwise: each element's value alone, so the loops over a replayed call's hundreds of millions of
+// elements take threads. ----
+int elementwise_threads(size_t n) { return threads_for(16 * double(n)); }
 Fn unary(double (*f)(double)) {
   return [f](Case& c) {
     const auto& x = c.in("x").values;
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(x[i]);
   };
 }
@@ -164,6 +166,7 @@ Fn unary_backward(double (*f)(double grad, double saved)) {
   return [f](Case& c) {
     const auto &g = c.in("grad").values, &s = c.in("saved").values;
     auto& o = c.out("grad_x")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(g[i], s[i]);
   };
 }
@@ -171,6 +174,7 @@ Fn binary(double (*f)(double, double)) {
   return [f](Case& c) {
     const auto &a = c.in("a").values, &b = c.in("b").values;
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(a[i], b[i]);
   };
 }
@@ -184,6 +188,7 @@ Fn scalar(double (*f)(double, double)) {
     const Operand& x = c.in("x");
     const double v = scalar_of(c, "value", 0, x.dtype);
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(x.values[i], v);
   };
 }
@@ -191,6 +196,7 @@ Fn scalar(double (*f)(double, double)) {
 void swiglu(Case& c) {
   const auto &g = c.in("gate").values, &u = c.in("up").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = silu(g[i]) * u[i];
 }
 void swiglu_backward(Case& c) {
@@ -205,11 +211,13 @@ void add_scaled(Case& c) {
   const double alpha = scalar_of(c, "alpha", 1, a.dtype);
   const auto& b = c.in("b").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = a.values[i] + alpha * b[i];
 }
 void where(Case& c) {
   const auto &m = c.in("cond").values, &a = c.in("a").values, &b = c.in("b").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = m[i] != 0 ? a[i] : b[i];
 }
 // Dropout: element i (row-major) kept when the i-th uniform draw at (seed, offset) is >= p, then scaled by 1/(1-p).
@@ -236,6 +244,7 @@ void random_draw(Case& c) {
 void copy(Case& c) {
   const auto& s = c.in("src").values;
   Operand* d = c.out("dst");
+#pragma omp parallel for num_threads(elementwise_threads(d->values.size()))
   for (size_t i = 0; i < d->values.size(); ++i) d->values[i] = convert(s[i], d->dtype);
 }
 void fill(Case& c) {
@@ -492,7 +501,9 @@ void cross_entropy_with_grad(Case& c) {
 }
 void cross_entropy_scale_grad(Case& c) {
   const double s = c.in("scale").values[0];
-  for (double& v : c.out("grad_logits")->values) v *= s;
+  auto& o = c.out("grad_logits")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
+  for (size_t i = 0; i < o.size(); ++i) o[i] *= s;
 }
 
 // ---- Norms over the last dim of [R, C]. ----
@@ -599,6 +610,7 @@ void adamw_update(Case& c) {
   const auto& g = c.in("grad").values;
   auto &p = c.out("param")->values, &m = c.out("exp_avg")->values, &v = c.out("exp_avg_sq")->values;
   const double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
+#pragma omp parallel for num_threads(elementwise_threads(p.size()))
   for (size_t i = 0; i < p.size(); ++i) {
     p[i] *= 1 - lr * wd;
     m[i] = b1 * m[i] + (1 - b1) * g[i];
@@ -612,6 +624,7 @@ void sgd_update(Case& c) {
   const auto& g = c.in("grad").values;
   auto& p = c.out("param")->values;
   Operand* buf = mom != 0 ? c.out("momentum_buffer") : nullptr;
+#pragma omp parallel for num_threads(elementwise_threads(p.size()))
   for (size_t i = 0; i < p.size(); ++i) {
     double d = g[i] + wd * p[i];
     if (buf) {
@@ -675,10 +688,12 @@ void attention(Case& c) {
     for (int64_t s = 0; s < a.S; ++s)
       if (a.visible(t, s)) sc[size_t(s)] = a.score(b, h, t, s), mx = std::max(mx, sc[size_t(s)]);
     double sum = 0;
-    for (int64_t s = 0; s < a.S; ++s) sum += a.visible(t, s) ? std::exp(sc[size_t(s)] - mx) : 0.0;
+    for (int64_t s = 0; s < a.S; ++s) {
+      if (a.visible(t, s)) p[size_t(s)] = std::exp(sc[size_t(s)] - mx);
+      sum += p[size_t(s)];
+    }
     lse[size_t((b * a.H + h) * a.T + t)] = mx + std::log(sum);
-    for (int64_t s = 0; s < a.S; ++s)
-      if (a.visible(t, s)) p[size_t(s)] = std::exp(sc[size_t(s)] - mx) / sum;
+    for (int64_t s = 0; s < a.S; ++s) p[size_t(s)] /= sum;
     for (int64_t d = 0; d < a.D; ++d) {
       double o = 0;
       for (int64_t s = 0; s < a.S; ++s)
