@@ -18,6 +18,7 @@
 #include <fstream>
 
 #include "loom/io/json_file.h"
+#include "loom/common/dtype_values.h"
 #include "loom/common/half.h"
 #include "loom/io/safetensors.h"
 #include "loom/core/dispatch.h"
@@ -38,6 +39,7 @@ double read_element(const uint8_t* p, DType dt) {
     case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
     case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
     case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
+    case kF8E4M3: case kF8E5M2: return load_element(p, dt);
   }
   return 0;
 }
@@ -68,6 +70,7 @@ void store(std::vector<uint8_t>& bytes, int64_t i, DType dt, double v) {
     case kI8: { int8_t x = int8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
     case kU8: { uint8_t x = uint8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
     case kBool: { uint8_t x = v != 0; std::memcpy(p, &x, 1); break; }
+    case kF8E4M3: case kF8E5M2: store_element(p, dt, v); break;  // the plain conversion (inf, NaN past the range)
   }
 }
 double load(const std::vector<uint8_t>& bytes, int64_t i, DType dt) {
@@ -106,6 +109,7 @@ double largest_finite(DType dt) {
     case kF32: return 3.4028234663852886e38;
     case kBF16: return 3.3895313892515355e38;
     case kF16: return 65504.0;
+    case kF8E4M3: case kF8E5M2: return largest_finite_value(dt);
     default: return 1;
   }
 }
@@ -115,6 +119,7 @@ double smallest_denormal(DType dt) {
     case kF32: return 1.4012984643248171e-45;
     case kBF16: return 9.183549615799121e-41;
     case kF16: return 5.9604644775390625e-08;
+    case kF8E4M3: case kF8E5M2: return smallest_denormal_value(dt);
     default: return 0;
   }
 }
@@ -126,6 +131,7 @@ double smallest_normal(DType dt) {
     case kF64: return 2.2250738585072014e-308;
     case kF32: case kBF16: return 1.1754943508222875e-38;
     case kF16: return 6.103515625e-05;
+    case kF8E4M3: case kF8E5M2: return smallest_normal_value(dt);
     default: return 0;
   }
 }
@@ -310,6 +316,8 @@ DType dtype_of(const TensorSpec& t, const SuiteCase& c, bool alt) {
     case DTypeRule::kF64: return kF64;
     case DTypeRule::kI64: return kI64;
     case DTypeRule::kSumOf: return is_floating(T) ? T : kI64;
+    case DTypeRule::kFp8: return T == kF8E5M2 || !alt ? kF8E4M3 : kF8E5M2;  // never two e5m2 operands
+    case DTypeRule::kUnquantized: return c.wide ? kF32 : kBF16;
   }
   return T;
 }
@@ -337,6 +345,7 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
       case Values::kAwayFromZero: x = (r < 0.5 ? -1 : 1) * (0.5 + 3 * std::fmod(r * 2, 0.5)); break;
       case Values::kBits: x = r < 0.5 ? 0 : 1; break;
       case Values::kProbability: x = 0.5 * r; break;
+      case Values::kScale: x = std::exp2(20 * r - 10); break;
       case Values::kIndexBelow:
       case Values::kTargets: {
         int64_t bound = index_bound(t, s, c);
@@ -352,7 +361,7 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
         break;
       }
     }
-    if (!is_floating(dt) && t.values != Values::kIndexBelow && t.values != Values::kTargets &&
+    if (!is_floating(dt) && !is_fp8(dt) && t.values != Values::kIndexBelow && t.values != Values::kTargets &&
         t.values != Values::kBits)
       x = std::round(x * 2);  // small integers
   }
@@ -362,7 +371,7 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
 // Turns normal values (row-major over `shape`) into a value class; at least one element takes the class.
 void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& shape, int line_dim,
                  std::mt19937_64& eng) {
-  if (!is_floating(dt) || v.empty()) return;
+  if ((!is_floating(dt) && !is_fp8(dt)) || v.empty()) return;
   std::uniform_real_distribution<double> u(0, 1);
   const size_t n = v.size();
   auto some = [&](double fraction, auto&& set) {
@@ -970,18 +979,21 @@ Model make_model(const OpSchema& s, DType dt) {
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     narrow |= t.dtype == DTypeRule::kNarrowOrSame && dt == kF32;
-    wide |= t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16);
+    wide |= (t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16)) || t.dtype == DTypeRule::kUnquantized;
     if (is_optional(t.role) && t.present_with.empty())
       m.params.push_back({ParamKind::kPresent, "present " + t.name, int(i), {"present", "absent"}});
-    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex) {
+    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex ||
+        (t.dtype == DTypeRule::kFp8 && dt == kF8E4M3)) {
       SuiteCase c = m.base;
       m.params.push_back({ParamKind::kAltDtype, "dtype " + t.name, int(i),
                           {dtype_name(dtype_of(t, c, false)), dtype_name(dtype_of(t, c, true))}});
     }
   }
   if (narrow) m.params.push_back({ParamKind::kNarrow, "narrow (bf16 activations)", -1, {"f32", "bf16"}});
+  // An 8-bit float op's unquantized side (kUnquantized) is bf16, or f32 in a wide case.
+  const char* narrow_side = is_fp8(dt) ? "bf16" : dtype_name(dt);
   if (wide) m.params.push_back({ParamKind::kWide, std::string("wide (f32 beside ") + dtype_name(dt) + ")", -1,
-                                {dtype_name(dt), "f32"}});
+                                {narrow_side, "f32"}});
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     m.params.push_back({ParamKind::kOffset, "offset " + t.name, int(i), {"0", "1", "2", "3", "4", "5", "6", "7"}});
@@ -1159,8 +1171,11 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
       case ParamKind::kWide: {
         const DTypeRule rule = pr.kind == ParamKind::kNarrow ? DTypeRule::kNarrowOrSame : DTypeRule::kWideOrSame;
         bool any = false, taken = false;
-        for (size_t k = 0; k < n; ++k)
+        for (size_t k = 0; k < n; ++k) {
           if (c.present[k] && s.tensors[k].dtype == rule) any = true, taken |= *e.tensors[k].dtype != c.dtype;
+          if (pr.kind == ParamKind::kWide && c.present[k] && s.tensors[k].dtype == DTypeRule::kUnquantized)
+            any = true, taken |= *e.tensors[k].dtype == kF32;  // an 8-bit float op's f32 side
+        }
         eff = any ? int(taken) : -1;
         break;
       }
@@ -1172,7 +1187,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
         break;
       case ParamKind::kValues: {
         const bool read = is_input(c.roles[i]) || c.roles[i] == ArgRole::kInPlace;
-        if (present && read && is_floating(*e.tensors[i].dtype)) {
+        if (present && read && (is_floating(*e.tensors[i].dtype) || is_fp8(*e.tensors[i].dtype))) {
           auto k = std::find(pr.classes.begin(), pr.classes.end(), c.values[i]);
           if (k != pr.classes.end()) eff = int(k - pr.classes.begin());
         }
