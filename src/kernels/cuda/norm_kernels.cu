@@ -266,9 +266,11 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
       if (weight) load_pack(weight, k, cols, vectorized, w);
       if (grad_residual) load_pack(grad_residual + row * cols, k, cols, vectorized, res);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        gi[i] = mul_rounded(s, mul_rounded(g[i], w[i]) - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[i], m, s})) +
-                res[i];
+      for (int i = 0; i < 4; ++i) {
+        const NormFactors<C> f{xv[i], m, s};
+        const C centered = mul_rounded(g[i], w[i]) - mean_g - times_xhat(mean_g_xhat, C(1), f);
+        gi[i] = mul_rounded(s, centered) + res[i];
+      }
       if (grad_x) store_pack(grad_x + row * cols, k, cols, vectorized, gi);
       if (grad_delta) store_pack(grad_delta + row * cols, k, cols, vectorized, gi);
     }
