@@ -10,6 +10,7 @@
 //   loom-conformance --provider acme --device cuda --verify   (record the results for LOOM_PROVIDERS="verify")
 //   loom-conformance --list-verified --device cuda            (the recorded results for the loaded providers)
 //   loom-conformance --trace run.trace --provider acme        (replay the op calls loom-train --trace-ops recorded)
+//   loom-conformance --provider native --device cuda --jobs 16   (over 16 worker processes; default: the cores)
 //
 // Every op and dtype the provider registers on the device is checked against the naive float64 oracle (each op
 // written again from its definition, src/providers/naive_reference.h), or Loom's native CPU kernel in float64 where
@@ -23,10 +24,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
 
 #include "cli/cli.h"
 #include "loom/io/atomic_file.h"
@@ -39,6 +44,7 @@
 #endif
 #include "loom/dispatch_modes.h"
 #include "providers/conformance.h"
+#include "providers/conformance_workers.h"
 #include "providers/op_trace.h"
 #include "providers/verify.h"
 
@@ -112,6 +118,49 @@ void list_kernels(loom::Device device, const std::string& dtype_filter) {
   std::cout << "(\"a>b\": a runs, b when a declines; loom::dispatch::explain_str(op, device, dtype) says why)\n";
 }
 
+// "45 s", "3 min 05 s".
+std::string duration_text(double seconds) {
+  std::ostringstream os;
+  if (seconds < 60) {
+    os << std::fixed << std::setprecision(seconds < 10 ? 1 : 0) << seconds << " s";
+  } else {
+    const long s = std::lround(seconds);
+    os << s / 60 << " min " << std::setw(2) << std::setfill('0') << s % 60 << " s";
+  }
+  return os.str();
+}
+
+// One progress line on stderr per (op, dtype), or per call of a trace, with where the run stands.
+void print_progress(const loom::conformance::SuiteProgress& p) {
+  std::ostringstream os;
+  if (p.call >= 0) {
+    os << "  call " << p.done << " of " << p.total << " (#" << p.call << "): " << p.op << " "
+       << loom::dtype_name(p.dtype) << " " << p.shapes << ": "
+       << (p.failed ? "FAILED" : p.declined ? "declined" : "pass");
+  } else {
+    os << "  " << p.op << " " << loom::dtype_name(p.dtype) << ": " << p.cases << " cases";
+    if (p.failed) os << ", " << p.failed << " FAILED";
+    if (p.declined) os << ", " << p.declined << " declined";
+  }
+  os << " (" << duration_text(p.seconds) << ")";
+  if (p.call < 0) os << "; " << p.done << " of " << p.total << " cases";
+  os << ", " << duration_text(p.elapsed) << " elapsed";
+  if (p.remaining >= 0 && p.done < p.total) os << ", about " << duration_text(p.remaining) << " left";
+  std::cerr << os.str() << "\n";
+}
+
+// The calls a --max-calls limit left out, by op and dtype: "gemm f32: 5, 9, 12; add bf16: 7".
+std::string left_out_text(const loom::op_trace::Trace& trace, const std::vector<size_t>& calls) {
+  std::map<std::string, std::string> by_row;
+  for (size_t i : calls) {
+    std::string& s = by_row[trace.calls[i].op + " " + loom::dtype_name(trace.calls[i].dtype)];
+    s += (s.empty() ? "" : ", ") + std::to_string(i);
+  }
+  std::string out;
+  for (const auto& [row, list] : by_row) out += (out.empty() ? "" : "; ") + row + ": " + list;
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -121,9 +170,11 @@ int main(int argc, char** argv) {
   std::string reference_file, describe_op, trace_path;
   std::vector<std::string> libraries, diopi_libraries;
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
-  bool verify = false, list_verified = false, coverage = false;
+  bool verify = false, list_verified = false, coverage = false, worker = false;
   std::string verify_cache;
-  int fuzz = 0, case_index = -1;
+  int fuzz = 0, case_index = -1, jobs = loom::conformance::default_jobs();
+  size_t max_calls = 0;
+  double budget = 120;
   uint64_t seed = 1;
   app.add_option("--provider", provider, "provider to check (native, or a loaded library's name)");
   app.add_option("--device", device_name, "device the provider runs on (cpu, cuda, cuda:1, ...)");
@@ -157,6 +208,19 @@ int main(int argc, char** argv) {
                  "replay the op calls of a trace (loom-train --trace-ops FILE) on the provider instead of generated "
                  "cases: one case per distinct call, with its shapes, strides, offsets, dtypes, attributes and "
                  "recorded values; --op, --dtype and --case (a call's number) select calls");
+  app.add_option("--jobs", jobs,
+                 "run the cases over N worker processes (default: this machine's cores, at most 32; 1: in this "
+                 "process); results, table and exit status are those of one process")
+      ->check(CLI::PositiveNumber);
+  auto* max_calls_option = app.add_option("--max-calls", max_calls,
+                 "with --trace: replay at most N distinct calls, the most frequent of each op and dtype first, then the "
+                 "most frequent others (the same trace and N give the same calls); the others are listed as left out")
+      ->check(CLI::PositiveNumber);
+  auto* budget_option = app.add_option("--budget", budget,
+                 "with --trace: the seconds a replay should take (default 120); when the calls' sizes say it will "
+                 "take longer, a note before the replay says so and what --max-calls keeps within it")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--worker", worker, "(internal) serve units of work on stdin, results on descriptor 3")->group("");
   app.add_flag("--list-ops", list, "list the declared ops and exit");
   auto* describe_flag = app.add_option("--describe", describe_op, "print the description of OP (or of every op)")
                             ->expected(0, 1);
@@ -194,6 +258,9 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (trace_path.empty() && (max_calls_option->count() > 0 || budget_option->count() > 0))
+      throw loom::Error(std::string(max_calls_option->count() ? "--max-calls" : "--budget") +
+                        " needs --trace (it limits the replay of a trace's calls)");
     if (case_option->count() > 0 && (op_filter.empty() || dtype_filter.empty()))
       throw loom::Error("--case needs --op and --dtype (a case number counts the cases of one op and dtype)");
     loom::providers::load_from_env();
@@ -238,6 +305,25 @@ int main(int argc, char** argv) {
     o.reference = reference == "native" ? "native" : "naive";
     if (!op_filter.empty()) o.ops = {op_filter};
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
+    std::optional<loom::op_trace::Trace> trace;
+    if (!trace_path.empty()) trace = loom::op_trace::read_trace(trace_path);
+    if (worker) {  // the same options as the parent's; units of work on stdin
+      return loom::conformance::serve_units(trace ? loom::op_trace::trace_unit_runner(*trace, o)
+                                                  : loom::conformance::suite_unit_runner(o));
+    }
+    if (jobs > 1 && case_index < 0) {  // workers: this executable with the options that make the same cases
+      std::error_code ec;
+      const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+      if (ec) throw loom::Error("--jobs: cannot find this executable (/proc/self/exe): " + ec.message());
+      o.jobs = jobs;
+      o.worker_command = {exe.string(), "--provider", provider, "--device", device_name, "--seed",
+                          std::to_string(seed), "--fuzz", std::to_string(fuzz), "--reference", o.reference,
+                          "--worker"};
+      for (const auto& lib : libraries) o.worker_command.insert(o.worker_command.end(), {"--load", lib});
+      for (const auto& lib : diopi_libraries) o.worker_command.insert(o.worker_command.end(), {"--load-diopi", lib});
+      if (no_generated) o.worker_command.push_back("--no-generated");
+      if (trace) o.worker_command.insert(o.worker_command.end(), {"--trace", trace_path});
+    }
     if (coverage) {
       std::cout << loom::conformance::coverage_table(loom::conformance::suite_coverage(o));
       return 0;
@@ -249,26 +335,44 @@ int main(int argc, char** argv) {
     if (seed != 1) rerun += " --seed " + std::to_string(seed);
     if (reference == "native") rerun += " --reference native";
 
-    // Progress on stderr, one line per op and dtype (the whole suite takes a minute or more).
-    o.progress = [](const std::string& op, loom::DType dt, int cases, int failed, int declined, double seconds) {
-      std::cerr << "  " << op << " " << loom::dtype_name(dt) << ": " << cases << " cases";
-      if (failed) std::cerr << ", " << failed << " FAILED";
-      if (declined) std::cerr << ", " << declined << " declined";
-      std::cerr << " (" << std::fixed << std::setprecision(1) << seconds << " s)\n";
-    };
+    // Progress on stderr, one line per op and dtype or per call (the whole suite takes minutes).
+    o.progress = print_progress;
+    const std::string judge = o.reference == "native"
+                                  ? "Loom's native CPU kernels in float64"
+                                  : "the naive float64 oracle (the native CPU kernels where it has none)";
     std::vector<loom::conformance::CaseResult> results;
-    if (!trace_path.empty()) {
-      const loom::op_trace::Trace trace = loom::op_trace::read_trace(trace_path);
+    if (trace) {
       uint64_t calls = 0;
-      for (const auto& c : trace.calls) calls += c.count;
-      results = loom::op_trace::replay_trace(trace, o, [](const std::string& note) {
+      for (const auto& c : trace->calls) calls += c.count;
+      const auto full = loom::op_trace::plan_replay(*trace, o);
+      const int workers = o.worker_command.empty() ? 1 : jobs;
+      const double estimate = loom::op_trace::replay_seconds(full, full.calls, workers);
+      if (estimate > budget && max_calls == 0) {  // say so before the replay starts, and how to shorten it
+        size_t fit = full.calls.size();
+        while (fit > 1 && loom::op_trace::replay_seconds(full, loom::op_trace::plan_replay(*trace, o, fit).calls,
+                                                         workers) > budget)
+          fit = fit * 9 / 10;
+        std::cerr << "loom-conformance: note: the " << full.calls.size() << " calls' float64 references are about "
+                  << duration_text(estimate) << " of work on " << workers << " worker" << (workers == 1 ? "" : "s")
+                  << " here, over the budget of " << duration_text(budget) << " (--budget); --max-calls " << fit
+                  << " replays the most frequent calls within it, or --reference native judges by the native float64 "
+                     "kernels (BLAS for gemm)\n";
+      }
+      const auto plan = loom::op_trace::plan_replay(*trace, o, max_calls);
+      if (!plan.left_out.empty())
+        std::cerr << "loom-conformance: note: --max-calls " << max_calls << " left out " << plan.left_out.size()
+                  << " of " << plan.left_out.size() + plan.calls.size() << " calls: "
+                  << left_out_text(*trace, plan.left_out) << "\n";
+      results = loom::op_trace::replay_trace(*trace, o, plan, [](const std::string& note) {
         std::cerr << "loom-conformance: note: " << note << "\n";
       });
-      std::cout << "trace " << trace_path << ": " << trace.calls.size() << " distinct calls (" << calls
-                << " in the run), recorded by Loom " << trace.loom_version
-                << (trace.values_file.empty() ? ", values drawn" : ", recorded values from " + trace.values_file)
-                << "; replayed on provider " << provider << " on " << o.device.str()
-                << " against Loom's native CPU kernels in float64\n";
+      std::cout << "trace " << trace_path << ": " << trace->calls.size() << " distinct calls (" << calls
+                << " in the run), recorded by Loom " << trace->loom_version
+                << (trace->values_file.empty() ? ", values drawn" : ", recorded values from " + trace->values_file)
+                << "; " << plan.calls.size() << " replayed on provider " << provider << " on " << o.device.str()
+                << " against " << judge << "\n";
+      if (!plan.left_out.empty())
+        std::cout << "left out by --max-calls " << max_calls << ": " << left_out_text(*trace, plan.left_out) << "\n";
       std::cout << loom::conformance::suite_table(results, rerun + " --trace " + trace_path);
       const bool failed = loom::conformance::suite_failed(results);
       std::cout << (failed ? "FAILED" : "every call passed or was declined") << "\n";
@@ -278,10 +382,7 @@ int main(int argc, char** argv) {
       results = loom::conformance::run_suite(o);
       std::cout << "provider " << provider << " on " << o.device.str() << ": " << results.size()
                 << " cases made from the op descriptions (seed " << seed << ", fuzz " << fuzz
-                << "), against "
-                << (o.reference == "native" ? "Loom's native CPU kernels in float64"
-                                            : "the naive float64 oracle (the native CPU kernels where it has none)")
-                << "\n";
+                << "), against " << judge << "\n";
     }
     if ((reference == "auto" || reference == "pytorch") && case_index < 0) {
       // The stored sets: --reference-file, or pytorch_refs.json (tools/reference/make_conformance_refs.py) and,

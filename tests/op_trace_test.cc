@@ -62,6 +62,12 @@ conformance::SuiteOptions replay_options(const std::string& provider) {
   return o;
 }
 
+// Every call of a trace replayed for `provider`, in this process.
+std::vector<conformance::CaseResult> replay(const op_trace::Trace& trace, const std::string& provider) {
+  const conformance::SuiteOptions o = replay_options(provider);
+  return op_trace::replay_trace(trace, o, op_trace::plan_replay(trace, o));
+}
+
 TEST(OpTrace, ATinyTrainingRunReplaysCleanOnNative) {
   TempDir dir;
   const std::string path = traced_run(dir, 2, false);
@@ -81,7 +87,7 @@ TEST(OpTrace, ATinyTrainingRunReplaysCleanOnNative) {
   EXPECT_TRUE(repeated) << "two steps make the same calls: identical calls are kept once with a count";
   EXPECT_GT(calls, trace.calls.size());
 
-  auto results = op_trace::replay_trace(trace, replay_options("native"));
+  auto results = replay(trace, "native");
   EXPECT_EQ(results.size(), trace.calls.size());
   EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "replay");
   for (const auto& r : results) EXPECT_EQ(r.status, conformance::CaseStatus::kPass) << r.op << ": " << r.detail;
@@ -96,7 +102,7 @@ TEST(OpTrace, RecordedValuesReplay) {
   for (const auto& c : trace.calls)
     for (const auto& v : c.values) with_values += !v.empty();
   EXPECT_GT(with_values, trace.calls.size() / 2);
-  auto results = op_trace::replay_trace(trace, replay_options("native"));
+  auto results = replay(trace, "native");
   EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "replay");
 }
 
@@ -121,7 +127,7 @@ TEST(OpTrace, ThePlantedWrongKernelIsCaughtByTheReplay) {
         if (c.numel() > 0 && c.dtype() == kF32) *static_cast<float*>(c.data()) += 0.5f;
       },
       nullptr, "test");
-  auto results = op_trace::replay_trace(trace, replay_options("trace_planted"));
+  auto results = replay(trace, "trace_planted");
   std::set<std::string> failed;
   for (const auto& r : results)
     if (r.status == conformance::CaseStatus::kFail) failed.insert(r.op);
@@ -243,10 +249,10 @@ TEST(OpTrace, BadTracesAreOneErrorNamingTheFile) {
   const op_trace::Trace trace = op_trace::read_trace(dir.file("one.trace"));
   auto o = replay_options("native");
   o.only_case = 5;
-  test::expect_error_mentioning([&] { op_trace::replay_trace(trace, o); }, {"--case 5", "holds 1 calls"});
+  test::expect_error_mentioning([&] { op_trace::plan_replay(trace, o); }, {"--case 5", "holds 1 calls"});
   o.only_case = -1;
   o.ops = {"gemm"};
-  test::expect_error_mentioning([&] { op_trace::replay_trace(trace, o); }, {"no call", "nothing was replayed"});
+  test::expect_error_mentioning([&] { op_trace::plan_replay(trace, o); }, {"no call", "nothing was replayed"});
 }
 
 #ifdef LOOM_CONFORMANCE_EXE
@@ -273,6 +279,53 @@ TEST(OpTrace, LoomConformanceRefusesABadTraceInOneLine) {
   std::string replay((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>());
   EXPECT_NE(replay.find("layer_norm"), std::string::npos) << replay;
   EXPECT_NE(replay.find("pass 1/1"), std::string::npos) << replay;
+}
+
+// --max-calls keeps the most frequent call of each op and dtype first, the same calls every time, and says which it
+// left out; over workers the table is the one process's, with a progress line per call.
+TEST(OpTrace, MaxCallsChoosesTheSameCallsAndWorkersGiveTheSameTable) {
+  TempDir dir;
+  const std::string path = traced_run(dir, 2, false);
+  const op_trace::Trace trace = op_trace::read_trace(path);
+  const conformance::SuiteOptions o = replay_options("native");
+  std::set<std::pair<std::string, DType>> rows, kept;
+  for (const auto& c : trace.calls) rows.insert({c.op, c.dtype});
+  const size_t limit = rows.size() + 2;
+  ASSERT_LT(limit, trace.calls.size());
+  const op_trace::ReplayPlan plan = op_trace::plan_replay(trace, o, limit);
+  EXPECT_EQ(plan.calls.size(), limit);
+  EXPECT_EQ(plan.calls.size() + plan.left_out.size(), trace.calls.size());
+  for (size_t i : plan.calls) kept.insert({trace.calls[i].op, trace.calls[i].dtype});
+  EXPECT_EQ(kept, rows) << "every op and dtype keeps a call";
+  EXPECT_EQ(op_trace::plan_replay(trace, o, limit).calls, plan.calls);
+  EXPECT_GT(op_trace::replay_seconds(plan, plan.calls, 2), 0);
+
+  auto run = [&](const std::string& args, std::string* err) {
+    const std::string out = dir.file("out.txt"), errs = dir.file("err.txt");
+    const std::string cmd = std::string(LOOM_CONFORMANCE_EXE) + " --provider native --trace " + path + " " + args +
+                            " > " + out + " 2> " + errs;
+    const int status = std::system(cmd.c_str());
+    EXPECT_EQ(WEXITSTATUS(status), 0) << cmd << "\n" << test::read_all(errs);
+    *err = test::read_all(errs);
+    return test::read_all(out);
+  };
+  std::string err_one, err_many;
+  const std::string one = run("--max-calls " + std::to_string(limit) + " --jobs 1", &err_one);
+  const std::string many = run("--max-calls " + std::to_string(limit) + " --jobs 2", &err_many);
+  EXPECT_EQ(one, many);
+  EXPECT_NE(one.find("left out by --max-calls " + std::to_string(limit) + ": "), std::string::npos) << one;
+  for (const std::string& err : {err_one, err_many}) {
+    EXPECT_NE(err.find("call 1 of " + std::to_string(limit) + " (#"), std::string::npos) << err;
+    EXPECT_NE(err.find("--max-calls " + std::to_string(limit) + " left out " +
+                       std::to_string(trace.calls.size() - limit) + " of "),
+              std::string::npos)
+        << err;
+  }
+  // A budget the trace cannot keep is said before the replay, with a --max-calls that keeps it.
+  std::string err_budget;
+  run("--budget 0.0001 --jobs 1", &err_budget);
+  EXPECT_NE(err_budget.find("over the budget of"), std::string::npos) << err_budget;
+  EXPECT_NE(err_budget.find("--max-calls "), std::string::npos) << err_budget;
 }
 #endif
 

@@ -4,7 +4,8 @@
 // bf16, only for transposed or strided inputs, an out-of-bounds write, an input overwritten, only for long rows;
 // and the kinds a vendor found passing an earlier suite: a special value mishandled (NaN, logits near 100, a fully
 // masked row), an output aliasing an input, an unaligned view start, a zero batch stride, an attribute dropped only
-// at a long size, alpha 0, and m = 1 with a padded leading dimension.
+// at a long size, alpha 0, and m = 1 with a padded leading dimension; and a gemm that keeps state across calls
+// (B copied once per address, stale for new values at the same address).
 // loom-conformance, run as a subprocess on the library, must exit 1 with a FAIL row for the planted op (and for no
 // other op) for every plant, and must pass the clean library (LOOM_PLANTED=none), so that the failures come from
 // the plants and not from the harness.
@@ -79,7 +80,8 @@ std::vector<Plant> plants() {
           {"relu_input", "relu"},    {"softmax_long", "softmax"}, {"layer_norm_residue", "layer_norm"},
           {"add_nan", "add"},        {"add_alias", "add"},     {"softmax_overflow", "softmax"},
           {"softmax_masked", "softmax"}, {"gemm_align", "gemm"}, {"gemm_stride0", "gemm"},
-          {"gemm_bias_long", "gemm"}, {"gemm_alpha0", "gemm"},  {"gemm_m1_lda", "gemm"}};
+          {"gemm_bias_long", "gemm"}, {"gemm_alpha0", "gemm"},  {"gemm_m1_lda", "gemm"},
+          {"gemm_cache_b", "gemm"}};
 }
 
 class PlantedBug : public ::testing::TestWithParam<Plant> {};
@@ -104,6 +106,20 @@ TEST_P(PlantedBug, ConformanceFailsThePlantedOp) {
 
 INSTANTIATE_TEST_SUITE_P(PlantedBugs, PlantedBug, ::testing::ValuesIn(plants()),
                          [](const ::testing::TestParamInfo<Plant>& param) { return param.param.kind; });
+
+// A gemm that caches B by its address is right for any call it sees once: the check of repeated calls on the same
+// buffers with new values fails it, saying so (other cases may fail too, where the allocator reuses an address).
+TEST(PlantedBugs, StateAcrossCallsIsCaughtByTheSecondCall) {
+#ifndef LOOM_CONFORMANCE_EXE
+  GTEST_SKIP() << "loom-conformance is not built (LOOM_APPS=OFF)";
+#else
+  ConformanceRun run = run_conformance("gemm_cache_b");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("(repeated calls on the same buffers)"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("the second call on the same buffers, with new input values"), std::string::npos)
+      << run.output;
+#endif
+}
 
 // Without a plant the library passes: every op has passing rows and none fails.
 TEST(PlantedBugs, CleanLibraryPasses) {

@@ -17,7 +17,12 @@
 // or, where it has no value, with Loom's native CPU kernel in float64 (run with the provider denied): NaN where the
 // reference is NaN, the same infinity where the reference rounded to the output dtype is infinite, the relative
 // tolerance elsewhere. Inputs must come back unchanged byte for byte (but for one an output aliases), guards
-// untouched, every output element written.
+// untouched, every output element written. Each (op, dtype) also calls the op again on the same device buffers with
+// new input values (and once more with another case's attributes, where a case has the same tensors), every call
+// judged: a kernel that keeps state across calls keyed by the buffers' addresses fails it.
+//
+// With options.jobs > 1 and a worker command, the cases run over that many processes (conformance_workers.h),
+// split by their estimated work, and the results come back in the order one process gives.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +41,19 @@
 
 namespace loom::conformance {
 
+// Where a run stands, after each (op, dtype) (or each call of a trace) finishes.
+struct SuiteProgress {
+  std::string op;
+  DType dtype = kF32;
+  int cases = 0, failed = 0, declined = 0;  // of this (op, dtype)
+  double seconds = 0;                       // the time its cases took (summed over workers)
+  int64_t done = 0, total = 0;              // cases of the whole run
+  double elapsed = 0;                       // seconds since the run began
+  double remaining = -1;                    // seconds, estimated from the cases' sizes (-1: not yet known)
+  int call = -1;                            // a trace's call number, and its tensors
+  std::string shapes;
+};
+
 struct SuiteOptions {
   std::string provider = "native";
   Device device;
@@ -49,8 +67,12 @@ struct SuiteOptions {
   // What judges a generated case: "naive" (the naive oracle, naive_reference.h; Loom's native CPU kernels in float64
   // for an op or case it has no value for) or "native" (the native kernels alone).
   std::string reference = "naive";
-  // Called after each (op, dtype) with its results so far (loom-conformance prints a progress line).
-  std::function<void(const std::string& op, DType dtype, int cases, int failed, int declined, double seconds)> progress;
+  // Called after each (op, dtype) with its results (loom-conformance prints a progress line).
+  std::function<void(const SuiteProgress&)> progress;
+  // Worker processes: with jobs > 1 and a command (argv of loom-conformance with these options and --worker), the
+  // cases run over `jobs` processes; otherwise in this one.
+  int jobs = 1;
+  std::vector<std::string> worker_command;
 };
 
 enum class CaseStatus { kPass, kFail, kDeclined };
@@ -60,6 +82,7 @@ struct CaseResult {
   DType dtype = kF32;
   int index = 0;          // in the (op, dtype) case list: --case INDEX reruns it
   bool fuzz = false;
+  bool repeat = false;    // the check of repeated calls on the same buffers
   CaseStatus status = CaseStatus::kPass;
   double worst_error = 0;  // max |got - ref| / (atol + rtol |ref|)
   std::string reference;    // what judged it: "naive", "native" or a stored set's source ("pytorch"); "" if none ran

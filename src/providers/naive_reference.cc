@@ -10,11 +10,23 @@
 #include <limits>
 #include <map>
 
+#include <omp.h>
+
 #include "loom/common/error.h"
 #include "loom/common/half.h"
 #include "providers/naive_reference_fp8.h"
 
 namespace loom::conformance::naive {
+
+namespace {
+int max_threads = 0;  // set_threads; 0: OpenMP's default
+}  // namespace
+
+void set_threads(int n) { max_threads = std::max(0, n); }
+int threads_for(double work) {
+  if (work < 1e6) return 1;  // a thread team costs more than it saves
+  return max_threads > 0 ? max_threads : omp_get_max_threads();
+}
 
 const Operand& Case::in(const std::string& name) const {
   for (const auto& t : tensors)
@@ -140,11 +152,14 @@ double gelu_grad(double x) {
 double nan_max(double a, double b) { return std::isnan(a) || std::isnan(b) ? kNaN : (a > b ? a : b); }
 double nan_min(double a, double b) { return std::isnan(a) || std::isnan(b) ? kNaN : (a < b ? a : b); }
 
-// ---- Elementwise. ----
+// ---- Elementwise: each element's value alone, so the loops over a replayed call's hundreds of millions of
+// elements take threads. ----
+int elementwise_threads(size_t n) { return threads_for(16 * double(n)); }
 Fn unary(double (*f)(double)) {
   return [f](Case& c) {
     const auto& x = c.in("x").values;
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(x[i]);
   };
 }
@@ -152,6 +167,7 @@ Fn unary_backward(double (*f)(double grad, double saved)) {
   return [f](Case& c) {
     const auto &g = c.in("grad").values, &s = c.in("saved").values;
     auto& o = c.out("grad_x")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(g[i], s[i]);
   };
 }
@@ -159,6 +175,7 @@ Fn binary(double (*f)(double, double)) {
   return [f](Case& c) {
     const auto &a = c.in("a").values, &b = c.in("b").values;
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(a[i], b[i]);
   };
 }
@@ -172,6 +189,7 @@ Fn scalar(double (*f)(double, double)) {
     const Operand& x = c.in("x");
     const double v = scalar_of(c, "value", 0, x.dtype);
     auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
     for (size_t i = 0; i < o.size(); ++i) o[i] = f(x.values[i], v);
   };
 }
@@ -179,6 +197,7 @@ Fn scalar(double (*f)(double, double)) {
 void swiglu(Case& c) {
   const auto &g = c.in("gate").values, &u = c.in("up").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = silu(g[i]) * u[i];
 }
 void swiglu_backward(Case& c) {
@@ -193,11 +212,13 @@ void add_scaled(Case& c) {
   const double alpha = scalar_of(c, "alpha", 1, a.dtype);
   const auto& b = c.in("b").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = a.values[i] + alpha * b[i];
 }
 void where(Case& c) {
   const auto &m = c.in("cond").values, &a = c.in("a").values, &b = c.in("b").values;
   auto& o = c.out("out")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
   for (size_t i = 0; i < o.size(); ++i) o[i] = m[i] != 0 ? a[i] : b[i];
 }
 // Dropout: element i (row-major) kept when the i-th uniform draw at (seed, offset) is >= p, then scaled by 1/(1-p).
@@ -224,6 +245,7 @@ void random_draw(Case& c) {
 void copy(Case& c) {
   const auto& s = c.in("src").values;
   Operand* d = c.out("dst");
+#pragma omp parallel for num_threads(elementwise_threads(d->values.size()))
   for (size_t i = 0; i < d->values.size(); ++i) d->values[i] = convert(s[i], d->dtype);
 }
 void fill(Case& c) {
@@ -480,7 +502,9 @@ void cross_entropy_with_grad(Case& c) {
 }
 void cross_entropy_scale_grad(Case& c) {
   const double s = c.in("scale").values[0];
-  for (double& v : c.out("grad_logits")->values) v *= s;
+  auto& o = c.out("grad_logits")->values;
+#pragma omp parallel for num_threads(elementwise_threads(o.size()))
+  for (size_t i = 0; i < o.size(); ++i) o[i] *= s;
 }
 
 // ---- Norms over the last dim of [R, C]. ----
@@ -587,6 +611,7 @@ void adamw_update(Case& c) {
   const auto& g = c.in("grad").values;
   auto &p = c.out("param")->values, &m = c.out("exp_avg")->values, &v = c.out("exp_avg_sq")->values;
   const double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
+#pragma omp parallel for num_threads(elementwise_threads(p.size()))
   for (size_t i = 0; i < p.size(); ++i) {
     p[i] *= 1 - lr * wd;
     m[i] = b1 * m[i] + (1 - b1) * g[i];
@@ -600,6 +625,7 @@ void sgd_update(Case& c) {
   const auto& g = c.in("grad").values;
   auto& p = c.out("param")->values;
   Operand* buf = mom != 0 ? c.out("momentum_buffer") : nullptr;
+#pragma omp parallel for num_threads(elementwise_threads(p.size()))
   for (size_t i = 0; i < p.size(); ++i) {
     double d = g[i] + wd * p[i];
     if (buf) {
@@ -628,21 +654,23 @@ void rope(Case& c) {
 }
 
 // ---- Attention: q [B, H, T, D], k and v [B, Hkv, S, D]; query head h reads kv head h / (H / Hkv). ----
+// Each output element is summed in the order of the loops as written; the threads split rows (forward) or kv heads
+// (backward, whose grad_k and grad_v sum over a kv head's query heads), so the values do not depend on them.
 struct Attention {
   int64_t B, H, T, D, Hkv, S;
   double scale;
   bool causal;
-  explicit Attention(const Case& c) {
-    const Shape &q = c.in("q").shape, &k = c.in("k").shape;
-    B = q[0], H = q[1], T = q[2], D = q[3], Hkv = k[1], S = k[2];
+  const std::vector<double>&q, &k;
+  explicit Attention(const Case& c) : q(c.in("q").values), k(c.in("k").values) {
+    const Shape &qs = c.in("q").shape, &ks = c.in("k").shape;
+    B = qs[0], H = qs[1], T = qs[2], D = qs[3], Hkv = ks[1], S = ks[2];
     scale = c.attr_float("scale", 1.0);
     causal = c.attr_int("causal", 1) != 0;
   }
   int64_t q_at(int64_t b, int64_t h, int64_t t) const { return ((b * H + h) * T + t) * D; }
   int64_t kv_at(int64_t b, int64_t h, int64_t s) const { return ((b * Hkv + h / (H / Hkv)) * S + s) * D; }
   bool visible(int64_t t, int64_t s) const { return !causal || s <= t + S - T; }  // the last query sees the last key
-  double score(const Case& c, int64_t b, int64_t h, int64_t t, int64_t s) const {
-    const auto &q = c.in("q").values, &k = c.in("k").values;
+  double score(int64_t b, int64_t h, int64_t t, int64_t s) const {
     double dot = 0;
     for (int64_t d = 0; d < D; ++d) dot += q[size_t(q_at(b, h, t) + d)] * k[size_t(kv_at(b, h, s) + d)];
     return scale * dot;
@@ -652,33 +680,42 @@ void attention(Case& c) {
   const Attention a(c);
   const auto& v = c.in("v").values;
   auto &out = c.out("out")->values, &lse = c.out("lse")->values;
-  for (int64_t b = 0; b < a.B; ++b)
-    for (int64_t h = 0; h < a.H; ++h)
-      for (int64_t t = 0; t < a.T; ++t) {
-        std::vector<double> sc(size_t(a.S), -INFINITY);
-        double mx = -INFINITY;
-        for (int64_t s = 0; s < a.S; ++s)
-          if (a.visible(t, s)) sc[size_t(s)] = a.score(c, b, h, t, s), mx = std::max(mx, sc[size_t(s)]);
-        double sum = 0;
-        for (int64_t s = 0; s < a.S; ++s) sum += a.visible(t, s) ? std::exp(sc[size_t(s)] - mx) : 0.0;
-        lse[size_t((b * a.H + h) * a.T + t)] = mx + std::log(sum);
-        for (int64_t d = 0; d < a.D; ++d) {
-          double o = 0;
-          for (int64_t s = 0; s < a.S; ++s)
-            if (a.visible(t, s)) o += std::exp(sc[size_t(s)] - mx) / sum * v[size_t(a.kv_at(b, h, s) + d)];
-          out[size_t(a.q_at(b, h, t) + d)] = o;
-        }
-      }
+  const int64_t rows = a.B * a.H * a.T;
+#pragma omp parallel for schedule(dynamic, 8) num_threads(threads_for(double(rows) * double(a.S) * double(a.D)))
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = row % a.T, h = row / a.T % a.H, b = row / (a.T * a.H);
+    std::vector<double> sc(size_t(a.S), -INFINITY), p(size_t(a.S), 0.0);
+    double mx = -INFINITY;
+    for (int64_t s = 0; s < a.S; ++s)
+      if (a.visible(t, s)) sc[size_t(s)] = a.score(b, h, t, s), mx = std::max(mx, sc[size_t(s)]);
+    double sum = 0;
+    for (int64_t s = 0; s < a.S; ++s) {
+      if (a.visible(t, s)) p[size_t(s)] = std::exp(sc[size_t(s)] - mx);
+      sum += p[size_t(s)];
+    }
+    lse[size_t((b * a.H + h) * a.T + t)] = mx + std::log(sum);
+    for (int64_t s = 0; s < a.S; ++s) p[size_t(s)] /= sum;
+    for (int64_t d = 0; d < a.D; ++d) {
+      double o = 0;
+      for (int64_t s = 0; s < a.S; ++s)
+        if (a.visible(t, s)) o += p[size_t(s)] * v[size_t(a.kv_at(b, h, s) + d)];
+      out[size_t(a.q_at(b, h, t) + d)] = o;
+    }
+  }
 }
 // From the forward's inputs and outputs, as the contract passes them: P = exp(score - lse), dV = P^T dO,
 // dS = P (dO v - dO . out), dQ = scale dS k, dK = scale dS^T q (grad_k and grad_v summed over a group's heads).
 void attention_backward(Case& c) {
   const Attention a(c);
-  const auto &q = c.in("q").values, &k = c.in("k").values, &v = c.in("v").values;
+  const auto &q = a.q, &k = a.k, &v = c.in("v").values;
   const auto &go = c.in("grad_out").values, &out = c.in("out").values, &lse = c.in("lse").values;
   auto &gq = c.out("grad_q")->values, &gk = c.out("grad_k")->values, &gv = c.out("grad_v")->values;
-  for (int64_t b = 0; b < a.B; ++b)
-    for (int64_t h = 0; h < a.H; ++h)
+  const int64_t group = a.H / a.Hkv;
+  const double work = double(a.B * a.H * a.T) * double(a.S) * double(a.D);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(work))
+  for (int64_t bk = 0; bk < a.B * a.Hkv; ++bk) {
+    const int64_t b = bk / a.Hkv, kv_head = bk % a.Hkv;
+    for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h)
       for (int64_t t = 0; t < a.T; ++t) {
         const int64_t qi = a.q_at(b, h, t);
         double row = 0;
@@ -686,7 +723,7 @@ void attention_backward(Case& c) {
         for (int64_t s = 0; s < a.S; ++s) {
           if (!a.visible(t, s)) continue;
           const int64_t ki = a.kv_at(b, h, s);
-          const double p = std::exp(a.score(c, b, h, t, s) - lse[size_t((b * a.H + h) * a.T + t)]);
+          const double p = std::exp(a.score(b, h, t, s) - lse[size_t((b * a.H + h) * a.T + t)]);
           double dp = 0;
           for (int64_t d = 0; d < a.D; ++d) dp += go[size_t(qi + d)] * v[size_t(ki + d)];
           const double ds = p * (dp - row);
@@ -697,9 +734,12 @@ void attention_backward(Case& c) {
           }
         }
       }
+  }
 }
 
 // ---- gemm: C = alpha op(A) op(B) + beta C, the matrices as stored ([batch, rows, cols], row-major values). ----
+// op(A) is taken as [M, K] rows and op(B) as [K, N] rows (copied so when transposed); each dot product is summed in
+// k order, over tiles of C that threads share, so the values do not depend on the tiling or the threads.
 void gemm(Case& c) {
   const Operand &A = c.in("a"), &Bm = c.in("b");
   Operand* C = c.out("c");
@@ -715,22 +755,56 @@ void gemm(Case& c) {
   };
   std::vector<double> pre_read = c.has("pre_gelu") ? c.in("pre_gelu").values : std::vector<double>{};
   Operand* pre = c.out("pre_gelu");
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) {
-        double dot = 0;
-        for (int64_t k = 0; k < K; ++k) dot += a(b, i, k) * bv(b, k, j);
-        const size_t e = size_t((b * M + i) * N + j);
-        double r = alpha * dot;
-        if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
-        if (epilogue == 1 || epilogue == 3) r += c.in("bias").values[size_t(i)];
-        if (epilogue == 2 || epilogue == 3) {
-          if (pre) pre->values[e] = r;
-          r = gelu(r);
+  const double* bias = epilogue == 1 || epilogue == 3 ? c.in("bias").values.data() : nullptr;
+  LOOM_REQUIRE(epilogue != 5 || pre_read.size() == size_t(batch * M * N),
+               "naive reference: gemm's GELU-derivative epilogue reads pre_gelu, which has ", pre_read.size(),
+               " values for ", batch * M * N);
+  constexpr int64_t kRows = 16, kCols = 64;  // a tile of C: its sums stay in the L1 cache
+  std::vector<double> a_rows, b_rows;         // op(A) [M, K] and op(B) [K, N] of one batch, when transposed
+  for (int64_t b = 0; b < batch; ++b) {
+    const double* ap = A.values.data() + b * M * K;
+    const double* bp = Bm.values.data() + b * K * N;
+    if (ta) {
+      a_rows.resize(size_t(M * K));
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t k = 0; k < K; ++k) a_rows[size_t(i * K + k)] = a(b, i, k);
+      ap = a_rows.data();
+    }
+    if (tb) {
+      b_rows.resize(size_t(K * N));
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < N; ++j) b_rows[size_t(k * N + j)] = bv(b, k, j);
+      bp = b_rows.data();
+    }
+    const int64_t row_tiles = (M + kRows - 1) / kRows, col_tiles = (N + kCols - 1) / kCols;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(double(M) * double(N) * double(K)))
+    for (int64_t tile = 0; tile < row_tiles * col_tiles; ++tile) {
+      const int64_t i0 = tile / col_tiles * kRows, j0 = tile % col_tiles * kCols;
+      const int64_t rows = std::min(kRows, M - i0), cols = std::min(kCols, N - j0);
+      double dots[kRows][kCols] = {};
+      for (int64_t k = 0; k < K; ++k) {
+        const double* b_row = bp + k * N + j0;
+        for (int64_t i = 0; i < rows; ++i) {
+          const double x = ap[(i0 + i) * K + k];
+          for (int64_t j = 0; j < cols; ++j) dots[i][j] += x * b_row[j];
         }
-        if (epilogue == 5) r = alpha * dot * gelu_grad(pre_read.at(e));
-        C->values[e] = r;
       }
+      for (int64_t i = i0; i < i0 + rows; ++i)
+        for (int64_t j = j0; j < j0 + cols; ++j) {
+          const double dot = dots[i - i0][j - j0];
+          const size_t e = size_t((b * M + i) * N + j);
+          double r = alpha * dot;
+          if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
+          if (bias) r += bias[i];
+          if (epilogue == 2 || epilogue == 3) {
+            if (pre) pre->values[e] = r;
+            r = gelu(r);
+          }
+          if (epilogue == 5) r = alpha * dot * gelu_grad(pre_read[e]);
+          C->values[e] = r;
+        }
+    }
+  }
   if (epilogue == 5 && pre) pre->values = pre_read;  // read, not written
   if (epilogue == 4) {
     Operand* bg = c.out("bias_grad");

@@ -42,6 +42,12 @@ struct Case {
   std::vector<int64_t> attr_ints(const std::string& name) const;
 };
 
+// The threads the heavy loops (gemm, attention) may take from now on in this process (0: OpenMP's default). The
+// values do not depend on it: each element is summed in one order.
+void set_threads(int n);
+// The threads a loop of `work` multiply-adds (or as costly) takes: one below a million, else the set number.
+int threads_for(double work);
+
 // Fills every present written operand of `c` for op `op`. Returns false when the op has no naive reference
 // (naive_missing_reason says why) or when this case has none (c.no_value says why).
 bool evaluate(const std::string& op, Case& c);

@@ -13,6 +13,7 @@
 #include "loom/core/op_schema.h"
 #include "loom/core/tensor.h"
 #include "providers/conformance.h"
+#include "providers/conformance_workers.h"
 
 namespace loom::op_trace {
 
@@ -83,9 +84,29 @@ std::string loom_version();
 // offsets keep their alignment within 256 bytes; an output recorded on an input's memory element for element runs
 // on it. Other shared memory is replayed on separate buffers and described in *note.
 conformance::ExplicitCase replay_case(const CallRecord& call, size_t index, std::string* note);
-// Runs every call of the trace (those of options.ops / dtypes, or the one options.only_case names: cases are
-// numbered by call) for options.provider through the conformance runner; `say` gets the notes.
+// Which calls a replay runs: those of options.ops / dtypes (or the one options.only_case names: cases are numbered
+// by call), at most `max_calls` of them (0: every one): the most frequent call of each (op, dtype) first, then the
+// most frequent others, ties by number. `left_out` holds the selected calls the limit dropped; `costs` each
+// selected call's estimated work (conformance::case_cost).
+struct ReplayPlan {
+  std::vector<size_t> calls, left_out;
+  std::map<size_t, double> costs;
+};
+ReplayPlan plan_replay(const Trace& trace, const conformance::SuiteOptions& options, size_t max_calls = 0);
+// The estimated wall time of replaying `calls` of a plan with `jobs` workers, against the naive oracle.
+double replay_seconds(const ReplayPlan& plan, const std::vector<size_t>& calls, int jobs);
+// The tensor arguments of a call: "a f32[1, 64, 32], b f32[...]".
+std::string call_shapes(const OpSchema& schema, const CallRecord& call);
+// Replays one call through the conformance runner (case number = call number).
+conformance::CaseResult replay_call(const Trace& trace, size_t index, const conformance::SuiteOptions& options);
+// Replays the plan's calls for options.provider, in this process or over options.jobs workers (each running
+// trace_unit_runner), largest first; options.progress hears of each call; `say` gets the notes. Results in call
+// order.
 std::vector<conformance::CaseResult> replay_trace(const Trace& trace, const conformance::SuiteOptions& options,
+                                                  const ReplayPlan& plan,
                                                   const std::function<void(const std::string&)>& say = {});
+// What a worker of a replay runs for a unit (its cases are call numbers).
+std::function<std::vector<conformance::CaseResult>(const conformance::WorkUnit&)> trace_unit_runner(
+    const Trace& trace, const conformance::SuiteOptions& options);
 
 }  // namespace loom::op_trace

@@ -1,10 +1,17 @@
 // Replays a recorded op trace (op_trace.h) through the conformance runner: each distinct call becomes one explicit
 // case (conformance.h) with the call's shapes, strides, offsets, dtypes, aliasing and attributes, and its recorded
-// values where the trace has them.
+// values where the trace has them; calls run in this process or over worker processes (conformance_workers.h), the
+// largest first, with a progress line per call.
 #include <algorithm>
+#include <chrono>
 #include <functional>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include "providers/conformance.h"
+#include "providers/conformance_workers.h"
+#include "providers/naive_reference.h"
 #include "providers/op_trace.h"
 
 namespace loom::op_trace {
@@ -78,29 +85,153 @@ conformance::ExplicitCase replay_case(const CallRecord& call, size_t index, std:
   return c;
 }
 
-std::vector<conformance::CaseResult> replay_trace(const Trace& trace, const conformance::SuiteOptions& o,
-                                                  const std::function<void(const std::string&)>& say) {
-  std::vector<conformance::CaseResult> results;
-  for (size_t i = 0; i < trace.calls.size(); ++i) {
-    const CallRecord& call = trace.calls[i];
-    if (!o.ops.empty() && std::find(o.ops.begin(), o.ops.end(), call.op) == o.ops.end()) continue;
-    if (!o.dtypes.empty() && std::find(o.dtypes.begin(), o.dtypes.end(), call.dtype) == o.dtypes.end()) continue;
-    if (o.only_case >= 0 && size_t(o.only_case) != i) continue;
-    std::string note;
-    conformance::ExplicitCase c = replay_case(call, i, &note);
-    if (!note.empty() && say) say("call " + std::to_string(i) + " (" + call.op + "): " + note);
-    conformance::CaseResult r = conformance::run_explicit_case(c, o, int(i));
-    const bool recorded = std::any_of(call.values.begin(), call.values.end(), [](const auto& v) { return !v.empty(); });
-    r.description += " [recorded on " + call.device + ", " + std::to_string(call.count) + " call" +
-                     (call.count == 1 ? "" : "s") + (recorded ? ", recorded values" : "") + "]";
-    results.push_back(std::move(r));
+std::string call_shapes(const OpSchema& s, const CallRecord& call) {
+  std::ostringstream out;
+  for (size_t i = 0; i < call.slots.size() && i < s.tensors.size(); ++i) {
+    const SlotMeta& slot = call.slots[i];
+    if (!slot.present) continue;
+    out << (out.tellp() > 0 ? ", " : "") << s.tensors[i].name << " ";
+    for (size_t k = 0; k < slot.tensors.size(); ++k)
+      out << (k ? "+" : "") << dtype_name(slot.tensors[k].dtype) << shape_str(slot.tensors[k].shape);
   }
-  // A selection that matches no call replayed nothing: that is no pass.
+  return out.str();
+}
+
+namespace {
+
+bool selected(const CallRecord& call, size_t index, const conformance::SuiteOptions& o) {
+  if (!o.ops.empty() && std::find(o.ops.begin(), o.ops.end(), call.op) == o.ops.end()) return false;
+  if (!o.dtypes.empty() && std::find(o.dtypes.begin(), o.dtypes.end(), call.dtype) == o.dtypes.end()) return false;
+  return o.only_case < 0 || size_t(o.only_case) == index;
+}
+
+}  // namespace
+
+ReplayPlan plan_replay(const Trace& trace, const conformance::SuiteOptions& o, size_t max_calls) {
+  ReplayPlan plan;
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < trace.calls.size(); ++i) {
+    if (!selected(trace.calls[i], i, o)) continue;
+    candidates.push_back(i);
+    plan.costs[i] = conformance::case_cost(*find_op_schema(trace.calls[i].op), replay_case(trace.calls[i], i, nullptr));
+  }
+  // A selection that matches no call replays nothing: that is no pass.
   LOOM_REQUIRE(o.only_case < 0 || size_t(o.only_case) < trace.calls.size(), "--case ", o.only_case, ": trace '",
                trace.path, "' holds ", trace.calls.size(), " calls (--case 0 to ", int64_t(trace.calls.size()) - 1, ")");
-  LOOM_REQUIRE(!results.empty(), "trace '", trace.path, "': no call ",
+  LOOM_REQUIRE(!candidates.empty(), "trace '", trace.path, "': no call ",
                o.only_case >= 0 ? "is call " + std::to_string(o.only_case) + " and " : std::string(),
                "matches the --op and --dtype given (", trace.calls.size(), " calls in the trace); nothing was replayed");
+  if (max_calls == 0 || candidates.size() <= max_calls) {
+    plan.calls = candidates;
+    return plan;
+  }
+  // The most frequent call of each (op, dtype) first (the rows stay), then the most frequent others; ties by
+  // number. The same trace and limit give the same choice.
+  auto by_count = [&](size_t a, size_t b) {
+    return trace.calls[a].count != trace.calls[b].count ? trace.calls[a].count > trace.calls[b].count : a < b;
+  };
+  std::vector<size_t> order = candidates;
+  std::stable_sort(order.begin(), order.end(), by_count);
+  std::set<std::pair<std::string, DType>> rows;
+  std::vector<size_t> firsts, rest;
+  for (size_t i : order)
+    (rows.insert({trace.calls[i].op, trace.calls[i].dtype}).second ? firsts : rest).push_back(i);
+  firsts.insert(firsts.end(), rest.begin(), rest.end());
+  firsts.resize(max_calls);
+  std::sort(firsts.begin(), firsts.end());
+  plan.calls = firsts;
+  for (size_t i : candidates)
+    if (!std::binary_search(firsts.begin(), firsts.end(), i)) plan.left_out.push_back(i);
+  return plan;
+}
+
+double replay_seconds(const ReplayPlan& plan, const std::vector<size_t>& calls, int jobs) {
+  const int workers = std::max(1, std::min(jobs, conformance::usable_cores()));
+  double total = 0, largest = 0;
+  for (size_t i : calls) {
+    const double c = plan.costs.count(i) ? plan.costs.at(i) : 0;
+    total += c, largest = std::max(largest, c);
+  }
+  // The cores share the work; the largest call's loops run on a share of them (at least its own core).
+  const double largest_threads = std::max(1.0, std::min(double(workers), largest / std::max(total, 1.0) * workers));
+  return conformance::kSecondsPerCost * std::max(total / workers, largest / largest_threads);
+}
+
+std::function<std::vector<conformance::CaseResult>(const conformance::WorkUnit&)> trace_unit_runner(
+    const Trace& trace, const conformance::SuiteOptions& o) {
+  return [&trace, o](const conformance::WorkUnit& u) {
+    conformance::naive::set_threads(u.threads);
+    std::vector<conformance::CaseResult> results;
+    for (int i : u.cases) results.push_back(replay_call(trace, size_t(i), o));
+    return results;
+  };
+}
+
+conformance::CaseResult replay_call(const Trace& trace, size_t i, const conformance::SuiteOptions& o) {
+  const CallRecord& call = trace.calls.at(i);
+  conformance::CaseResult r;
+  try {
+    r = conformance::run_explicit_case(replay_case(call, i, nullptr), o, int(i));
+  } catch (const std::exception& e) {
+    r.op = call.op, r.dtype = call.dtype, r.index = int(i), r.status = conformance::CaseStatus::kFail;
+    r.worst_error = INFINITY;
+    r.detail = std::string("error: ") + e.what();
+  }
+  const bool recorded = std::any_of(call.values.begin(), call.values.end(), [](const auto& v) { return !v.empty(); });
+  r.description += " [recorded on " + call.device + ", " + std::to_string(call.count) + " call" +
+                   (call.count == 1 ? "" : "s") + (recorded ? ", recorded values" : "") + "]";
+  return r;
+}
+
+std::vector<conformance::CaseResult> replay_trace(const Trace& trace, const conformance::SuiteOptions& o,
+                                                  const ReplayPlan& plan,
+                                                  const std::function<void(const std::string&)>& say) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (size_t i : plan.calls) {
+    std::string note;
+    replay_case(trace.calls[i], i, &note);
+    if (!note.empty() && say) say("call " + std::to_string(i) + " (" + trace.calls[i].op + "): " + note);
+  }
+  double total_cost = 0, done_cost = 0;
+  for (size_t i : plan.calls) total_cost += plan.costs.at(i);
+  std::map<size_t, conformance::CaseResult> got;
+  auto finished = [&](size_t i, const conformance::CaseResult& r, double seconds) {
+    done_cost += plan.costs.at(i);
+    if (!o.progress) return;
+    conformance::SuiteProgress p;
+    p.op = r.op, p.dtype = r.dtype, p.cases = 1, p.seconds = seconds, p.call = int(i);
+    p.failed = r.status == conformance::CaseStatus::kFail, p.declined = r.status == conformance::CaseStatus::kDeclined;
+    p.shapes = call_shapes(*find_op_schema(trace.calls[i].op), trace.calls[i]);
+    p.done = int64_t(got.size()), p.total = int64_t(plan.calls.size());
+    p.elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (done_cost > 0) p.remaining = p.elapsed * std::max(0.0, total_cost - done_cost) / done_cost;
+    o.progress(p);
+  };
+  if (o.jobs <= 1 || o.worker_command.empty() || plan.calls.size() <= 1) {
+    for (size_t i : plan.calls) {
+      const auto call_start = Clock::now();
+      conformance::naive::set_threads(0);
+      got[i] = replay_call(trace, i, o);
+      finished(i, got[i], std::chrono::duration<double>(Clock::now() - call_start).count());
+    }
+  } else {
+    std::vector<conformance::WorkUnit> units;
+    for (size_t i : plan.calls) {
+      conformance::WorkUnit& u = units.emplace_back();
+      u.op = trace.calls[i].op, u.dtype = trace.calls[i].dtype, u.cases = {int(i)}, u.cost = plan.costs.at(i);
+    }
+    conformance::share_threads(units, total_cost);
+    conformance::run_on_workers(units, o.worker_command, o.jobs,
+                                [&](const conformance::WorkUnit& u, std::vector<conformance::CaseResult> results,
+                                    double seconds) {
+                                  const size_t i = size_t(u.cases.at(0));
+                                  got[i] = results.at(0);
+                                  finished(i, got[i], seconds);
+                                });
+  }
+  std::vector<conformance::CaseResult> results;
+  for (size_t i : plan.calls) results.push_back(got.at(i));
   return results;
 }
 

@@ -21,6 +21,8 @@
  *   gemm_bias_long      gemm drops the bias epilogue when k > 256 (an attribute wrong only at a long size)
  *   gemm_alpha0         gemm leaves C untouched when alpha == 0 (right only for beta == 1)
  *   gemm_m1_lda         gemm reads A as a packed row when m == 1 (a padded lda misread)
+ *   gemm_cache_b        gemm copies B once per address and layout, and reads the copy when they come again
+ *                       (right for any one call; wrong for a second call on the same memory with new values)
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -56,14 +58,15 @@ enum {
   PLANT_GEMM_STRIDE0,
   PLANT_GEMM_BIAS_LONG,
   PLANT_GEMM_ALPHA0,
-  PLANT_GEMM_M1_LDA
+  PLANT_GEMM_M1_LDA,
+  PLANT_GEMM_CACHE_B
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
                                           "add_bf16",    "add_strided",  "mul_oob",    "relu_input",
                                           "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
                                           "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
-                                          "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda"};
+                                          "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b"};
 #define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
@@ -133,6 +136,14 @@ static int gemm_supports(void* ctx, const LoomTensorDesc* in, int n_in, const Lo
   return in[0].dtype == in[1].dtype && is_float_dtype(in[0].dtype) && is_float_dtype(out[0].dtype);
 }
 
+/* The gemm_cache_b plant's cache: a copy of B's memory, keyed by its address and layout, not by its contents. */
+static struct {
+  const void* data;
+  int64_t k, n, ldb, batch, stride, dtype, trans;
+  void* copy;
+  LoomTensorDesc desc;
+} b_cache;
+
 static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
                         const LoomAttr* attrs, int n_attrs) {
   if (!gemm_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
@@ -163,6 +174,26 @@ static int planted_gemm(void* ctx, const LoomTensorDesc* in, int n_in, const Loo
   if (plant == PLANT_GEMM_M1_LDA && m == 1 && !ta) a_col_step = 1;
   /* PLANT gemm_beta: C's old value is dropped (the beta == 0 path is taken for every beta). */
   if (plant == PLANT_GEMM_BETA) add_c = 0;
+  /* PLANT gemm_cache_b: B is copied (packed, in a real library) on first use of its address and layout, and the copy
+   * is read whenever they come again: stale when the same memory holds new values. */
+  if (plant == PLANT_GEMM_CACHE_B) {
+    const int64_t matrices = sb == 0 ? 1 : batch, bytes = B->dtype == LOOM_DTYPE_BF16 ? 2 : 4;
+    const int64_t span = k > 0 && n > 0 && matrices > 0
+                             ? (matrices - 1) * sb + (tb ? n - 1 + (k - 1) * ldb : k - 1 + (n - 1) * ldb) + 1
+                             : 0;
+    if (!b_cache.copy || b_cache.data != B->data || b_cache.k != k || b_cache.n != n || b_cache.ldb != ldb ||
+        b_cache.batch != batch || b_cache.stride != sb || b_cache.dtype != B->dtype || b_cache.trans != tb) {
+      void* copy = malloc((size_t)(span * bytes) + 1);
+      if (!copy) return fail(LOOM_STATUS_OUT_OF_MEMORY, "gemm: no memory for the copy of B");
+      if (span > 0) memcpy(copy, B->data, (size_t)(span * bytes));
+      free(b_cache.copy);
+      b_cache.data = B->data, b_cache.k = k, b_cache.n = n, b_cache.ldb = ldb, b_cache.batch = batch;
+      b_cache.stride = sb, b_cache.dtype = B->dtype, b_cache.trans = tb, b_cache.copy = copy;
+    }
+    b_cache.desc = *B;
+    b_cache.desc.data = b_cache.copy;
+    B = &b_cache.desc;
+  }
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t j = 0; j < n; ++j)
       for (int64_t i = 0; i < m; ++i) {
