@@ -131,6 +131,7 @@ OpSchema gemm_schema() {
       .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5, 0.0})
       .attr("beta", {0.0, 1.0, 0.75}).attr("epilogue", {0.0, 1.0, 2.0, 3.0, 4.0, 5.0})
       .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K").long_dim("K", 65537)
+      .size_case({{"Bt", 8193}})  // a batch past 2^13: B x H heads of a large attention batch, unfused
       .dispatch_on("a").autocast(Autocast::kCastInputs)
       .special_values("IEEE, as the float64 sum: NaN and inf in A, B, bias or C (beta != 0) reach the elements they "
                       "touch (inf - inf and 0 * inf give NaN); beta == 0 ignores C (it may hold NaN); alpha == 0 gives "
