@@ -416,7 +416,8 @@ def judge(lib, ops, args, env, baseline=None):
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                                env=env, timeout=args.timeout, errors="replace")
         except subprocess.TimeoutExpired:
-            return "killed", op + ": hang (over %d s)" % args.timeout
+            how = op + ": hang (over %d s)" % args.timeout
+            return ("killed", how) if baseline is not None else ("killed", how, declined)
         if r.returncode == 0:
             declined[(op, dtype)] = count_declined(r.stdout)
             if baseline is not None and declined[(op, dtype)] > baseline.get((op, dtype), 0):
@@ -424,13 +425,14 @@ def judge(lib, ops, args, env, baseline=None):
                                                               baseline.get((op, dtype), 0)))
             continue
         if r.returncode < 0:
-            return "killed", op + ": crash (signal %d)" % -r.returncode
-        if r.returncode == 1:
+            how = op + ": crash (signal %d)" % -r.returncode
+        elif r.returncode == 1:
             rows = [l.split()[:4] for l in r.stdout.splitlines() if " FAIL " in " " + l + " "]
-            row = " ".join(rows[0]) if rows else "FAIL"
-            return "killed", op + ": " + row
-        tail = r.stdout.strip().splitlines()[-1:] or [""]
-        return "killed", op + ": error exit %d (%s)" % (r.returncode, tail[0][:120])
+            how = op + ": " + (" ".join(rows[0]) if rows else "FAIL")
+        else:
+            tail = r.stdout.strip().splitlines()[-1:] or [""]
+            how = op + ": error exit %d (%s)" % (r.returncode, tail[0][:120])
+        return ("killed", how) if baseline is not None else ("killed", how, declined)
     if baseline is None:
         return "survived", "", declined
     if more:
