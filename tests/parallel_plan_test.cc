@@ -86,6 +86,12 @@ TEST(ParallelPlan, ImpossibleLayoutsAreOneErrorBeforeAnythingIsBuilt) {
   expect_error_mentioning([&] { dist::make_plan(grouped, 3, o); },
                           {"n_kv_head 2 does not divide by the tensor-parallel size 3", "whole key/value heads"});
   o = {};
+  o.tensor = 2;  // FP8's scaled products do not run split
+  nn::ModelConfig fp8_model = tiny_gpt2();
+  fp8_model.fp8 = fp8::Scope::kLinear;
+  expect_error_mentioning([&] { dist::make_plan(fp8_model, 2, o); },
+                          {"--fp8 linear does not run under tensor parallelism (--tp 2)"});
+  o = {};
   o.sequence_parallel = true;
   o.pipeline = 4;  // 2 blocks cannot fill 4 stages
   o.zero_stage = 3;

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "loom/distributed/pipeline.h"
+#include "loom/fp8.h"
 
 namespace loom::distributed {
 
@@ -72,6 +73,9 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
                                "the vocabulary (", cfg.vocab_size, " of ", cfg.padded_vocab_size, "); use fewer "
                                "tensor-parallel ranks"));
   }
+  if (o.tensor > 1 && cfg.fp8 != fp8::Scope::kOff)
+    problems.push_back(words("--fp8 ", fp8::scope_name(cfg.fp8), " does not run under tensor parallelism (--tp ",
+                             o.tensor, ")"));
   plan.tensor.sequence_parallel = o.sequence_parallel;
   if (o.sequence_parallel && o.tensor < 2)
     problems.push_back("--sp splits the sequence over the tensor-parallel ranks: it needs --tp 2 or more");

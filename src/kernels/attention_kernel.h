@@ -25,13 +25,18 @@ inline OpSchema attention_schema(bool backward, Layout layout) {
         // products (as FlashAttention-2 does): up to 3.4% of the output's RMS in bf16 on the H100 (seed 11).
         .tolerance(kBF16, 4e-2, 4e-2).tolerance(kF16, 6e-3, 6e-3);
   else
-    s.out("out", "B H T D").layout(layout).out("lse", "B H T", DTypeRule::kStats);
+    // Flash-style forwards round the probabilities to the 16-bit dtype before P V (as FlashAttention-2 does): a row
+    // over few keys whose values nearly cancel is off by up to 2^-9 of its values, which the output's RMS over a long
+    // causal sequence (most rows averaging many keys) makes large (a GPT-2 step's row 1 at T = 1024, on an H200).
+    s.out("out", "B H T D").layout(layout).out("lse", "B H T", DTypeRule::kStats)
+        .tolerance(kBF16, 1e-2, 2e-2).tolerance(kF16, 2e-3, 3e-3);
   // NaN or inf in q, k or v are not part of attention's contract (normal and tiny values only): the backward's result
   // depends on which probabilities underflow to 0 (0 * inf), which differs between the dtype and float64, and
   // attention libraries differ in what a NaN score does to a row (online softmax, masking by -inf).
   for (auto& t : s.tensors)
     if (is_input(t.role)) t.value_classes = {ValueClass::kNormal, ValueClass::kTiny};
-  return s.attr("causal", {1.0, 0.0}).attr("scale", {0.125, 0.3})
+  // scale 1 too: a kernel that takes 1 for "no scale given" and applies 1/sqrt(D) is wrong only there.
+  return s.attr("causal", {1.0, 0.0}).attr("scale", {0.125, 0.3, 1.0})
       .dim("D", {8, 16, 40, 64, 128}, 64).dim("Hkv", {1, 2, 3}, 2).dim("H", {}, 4).dim("T", {1, 17, 64, 129})
       .dim("S", {1, 17, 64, 129, 257}).row_dim("S").accumulates("S").dispatch_on("q").autocast(Autocast::kCastInputs)
       .case_rule([](SuiteCase& c, const OpSchema&) {

@@ -34,11 +34,13 @@ std::vector<AttrValue> variants_of(const AttrSpec& a, const OpSchema& s, const S
   return a.variants.empty() ? std::vector<AttrValue>{a.default_value} : a.variants;
 }
 
-// the description lists it, and the long size. The description's own sizes join the class they fall in.
+// The size classes of a dim: 2..8 first (the plain one), then 1, 9..17, tile edges and whole tiles (a kernel whose
+// full-tile path is wrong passes on the edges), long rows (row dims), 0 where the description lists it, and the
+// long size. The description's own sizes join the class they fall in.
 std::vector<std::pair<std::string, std::vector<int64_t>>> dim_classes(const OpSchema& s, const std::string& name) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> cls = {
       {"2..8", {2, 3, 4, 5, 6, 7, 8}}, {"1", {1}}, {"9..17", {9, 10, 11, 12, 13, 14, 15, 16, 17}},
-      {"31..257", {31, 33, 63, 65, 127, 129, 255, 257}}, {"rows", {}}, {"0", {}}, {"long", {}}};
+      {"31..257", {31, 33, 63, 65, 127, 129, 255, 257, 32, 64, 128, 256}}, {"rows", {}}, {"0", {}}, {"long", {}}};
   auto it = s.dims.find(name);
   if (it != s.dims.end())
     for (int64_t v : it->second.values) {
@@ -93,18 +95,21 @@ Model make_model(const OpSchema& s, DType dt) {
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     narrow |= t.dtype == DTypeRule::kNarrowOrSame && dt == kF32;
-    wide |= t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16);
+    wide |= (t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16)) || t.dtype == DTypeRule::kUnquantized;
     if (is_optional(t.role) && t.present_with.empty())
       m.params.push_back({ParamKind::kPresent, "present " + t.name, int(i), {"present", "absent"}});
-    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex) {
+    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex ||
+        (t.dtype == DTypeRule::kFp8 && dt == kF8E4M3)) {
       SuiteCase c = m.base;
       m.params.push_back({ParamKind::kAltDtype, "dtype " + t.name, int(i),
                           {dtype_name(dtype_of(t, c, false)), dtype_name(dtype_of(t, c, true))}});
     }
   }
   if (narrow) m.params.push_back({ParamKind::kNarrow, "narrow (bf16 activations)", -1, {"f32", "bf16"}});
+  // An 8-bit float op's unquantized side (kUnquantized) is bf16, or f32 in a wide case.
+  const char* narrow_side = is_fp8(dt) ? "bf16" : dtype_name(dt);
   if (wide) m.params.push_back({ParamKind::kWide, std::string("wide (f32 beside ") + dtype_name(dt) + ")", -1,
-                                {dtype_name(dt), "f32"}});
+                                {narrow_side, "f32"}});
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     m.params.push_back({ParamKind::kOffset, "offset " + t.name, int(i), {"0", "1", "2", "3", "4", "5", "6", "7"}});
@@ -282,8 +287,11 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
       case ParamKind::kWide: {
         const DTypeRule rule = pr.kind == ParamKind::kNarrow ? DTypeRule::kNarrowOrSame : DTypeRule::kWideOrSame;
         bool any = false, taken = false;
-        for (size_t k = 0; k < n; ++k)
+        for (size_t k = 0; k < n; ++k) {
           if (c.present[k] && s.tensors[k].dtype == rule) any = true, taken |= *e.tensors[k].dtype != c.dtype;
+          if (pr.kind == ParamKind::kWide && c.present[k] && s.tensors[k].dtype == DTypeRule::kUnquantized)
+            any = true, taken |= *e.tensors[k].dtype == kF32;  // an 8-bit float op's f32 side
+        }
         eff = any ? int(taken) : -1;
         break;
       }
@@ -295,7 +303,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
         break;
       case ParamKind::kValues: {
         const bool read = is_input(c.roles[i]) || c.roles[i] == ArgRole::kInPlace;
-        if (present && read && is_floating(*e.tensors[i].dtype)) {
+        if (present && read && (is_floating(*e.tensors[i].dtype) || is_fp8(*e.tensors[i].dtype))) {
           auto k = std::find(pr.classes.begin(), pr.classes.end(), c.values[i]);
           if (k != pr.classes.end()) eff = int(k - pr.classes.begin());
         }
@@ -477,6 +485,16 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           }
         }
     }
+    // The description's size cases, once each, from the first accepted case they can be made from.
+    for (const auto& sizes : s.size_cases)
+      for (size_t k = 0; k < g.plans.size() && g.plans.size() < kMaxPlans; ++k) {
+        if (!g.accepted[k]) continue;
+        auto plan = realize(m, g.plans[k].choice, sizes, g.plans.size());
+        if (!plan || !accepts(*plan)) continue;
+        g.plans.push_back(std::move(*plan));
+        g.accepted.push_back(true);
+        break;
+      }
     taken.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
       if (held.at(p, a, q, b) == Pairs::kExcluded) return;
       g.pairs += 1;

@@ -95,6 +95,10 @@ LoomTensorDesc empty_desc() {
   return d;
 }
 
+// What a zero-size tensor's data points at when it has no memory: data == NULL means absent in the ABI, and a present
+// tensor with no elements is present. Never read or written (there is no element); aligned for any vector load check.
+alignas(256) unsigned char no_elements[256];
+
 LoomTensorDesc to_desc(const Tensor& t) {
   LoomTensorDesc d = empty_desc();
   if (!t.defined()) return d;
@@ -105,6 +109,10 @@ LoomTensorDesc to_desc(const Tensor& t) {
   d.device_index = t.device().index;
   d.rank = int32_t(t.dim());
   d.data = t.data();
+  if (!d.data) {
+    LOOM_CHECK(t.numel() == 0, "external provider: tensor ", describe(t), " has elements and no memory");
+    d.data = no_elements;
+  }
   for (int64_t i = 0; i < t.dim(); ++i) d.shape[i] = t.size(i), d.strides[i] = t.stride(i);
   return d;
 }
@@ -169,14 +177,18 @@ struct Binding {
   }
 };
 
-DTypeSet dtypes_from_mask(uint32_t mask) {
+// The dtypes of a mask that the library's ABI minor defines: the 8-bit floats from 1.3 on (a bit an older library
+// sets there meant nothing to the header it was built against).
+DTypeSet dtypes_from_mask(uint32_t mask, uint32_t abi_minor) {
+  const int known = abi_minor >= 3 ? kNumDTypes : int(kBool) + 1;
+  mask &= (1u << known) - 1;
+  if (mask == 0) return DTypeSet{};
   DType first = kF32;
-  for (int i = kNumDTypes - 1; i >= 0; --i)
+  for (int i = known - 1; i >= 0; --i)
     if (mask & (1u << i)) first = DType(i);
   auto pick = [&](DType t) { return (mask & (1u << unsigned(t))) ? t : first; };
-  if ((mask & ((1u << kNumDTypes) - 1)) == 0) return DTypeSet{};
-  return DTypeSet{pick(kF32), pick(kF64),  pick(kF16),  pick(kBF16), pick(kI8),
-                  pick(kU8),  pick(kI32), pick(kI64), pick(kBool)};
+  return DTypeSet{pick(kF32), pick(kF64), pick(kF16), pick(kBF16), pick(kI8), pick(kU8),
+                  pick(kI32), pick(kI64), pick(kBool), pick(kF8E4M3), pick(kF8E5M2)};
 }
 
 // ---- A device registered through the library's runtime table. ----
@@ -385,7 +397,7 @@ std::string load(const std::string& path, const std::string& name_override) {
       warn(*lib, "op '" + op + "' names unknown device type " + std::to_string(e.device_type) + "; skipped");
       continue;
     }
-    DTypeSet dts = dtypes_from_mask(e.dtypes);
+    DTypeSet dts = dtypes_from_mask(e.dtypes, t.abi_minor);
     if (dts.empty()) {
       warn(*lib, "op '" + op + "' supports no dtype Loom knows (mask " + std::to_string(e.dtypes) + "); skipped");
       continue;

@@ -60,6 +60,8 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("training", "shuffle", shuffle, "the saved data position is a place in the saved order"),
       LOOM_RUN_FLAG("training", "device"),
       LOOM_SETTING("training", "dtype", dtype),
+      LOOM_SETTING("training", "fp8", fp8),
+      LOOM_SETTING("training", "fp8-amax-history", fp8_amax_history),
       LOOM_RUN_FLAG("training", "tf32"),
       LOOM_SETTING("training", "eval-interval", eval_interval),
       LOOM_SETTING("training", "eval-batches", eval_batches),

@@ -24,6 +24,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/dispatch_modes.h"
 #include "loom/distributed/parallelize.h"
+#include "loom/fp8.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/input_guard.h"
@@ -197,6 +198,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     LOOM_REQUIRE(difference.empty(), "resume: '", resume_path_, "' was saved from another model than --model ",
                  opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
   }
+  cfg.fp8 = fp8::scope_from_name(opts_.fp8);
+  cfg.fp8_recipe.amax_history = opts_.fp8_amax_history;
   // The plan from the settings, the world's size and the config alone: a layout that cannot be is one error here,
   // before any rank allocates anything.
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
@@ -278,6 +281,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   adamw.beta2 = opts_.beta2;
   adamw.eps = opts_.eps;
   parallel_ = distributed::parallelize(model_, mesh, plan_, device_, adamw, opts_.weight_decay);
+  if (cfg.fp8 != fp8::Scope::kOff) fp8::check_device(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 

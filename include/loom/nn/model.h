@@ -38,6 +38,10 @@ struct ModelConfig {
   // Training-time memory option, not saved with the model: activation checkpointing per block (full: keep only each
   // block's inputs; selective: also the results of its matrix products and attention). See loom/autograd/checkpoint.h.
   autograd::Recompute recompute = autograd::Recompute::kNone;
+  // Training-time option, not saved with the model: which layers run their matrix products in FP8 (loom/fp8.h), and
+  // how; make_model applies it (LanguageModel::set_fp8).
+  fp8::Scope fp8 = fp8::Scope::kOff;
+  fp8::Recipe fp8_recipe;
 
   // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
   // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), a
@@ -129,11 +133,17 @@ class LanguageModel : public Module {
   // The transformer blocks, in order (what plans shard, gather or place by block).
   virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
 
+  // FP8 matrix products (loom/fp8.h) for the layers of `scope`: every linear layer of the blocks (kLinear), the
+  // classifier (kClassifier), both (kAll) or none (kOff); each layer gets scaling state of its own. Not with tensor
+  // parallelism (refused here and when a model under FP8 runs split).
+  void set_fp8(fp8::Scope scope, const fp8::Recipe& recipe = {});
+  fp8::Scope fp8_scope() const { return fp8_scope_; }
+
   // How this family splits (parallel_rules(config())): declared beside its definition.
   ParallelRules parallel_rules() const { return nn::parallel_rules(cfg_); }
   // Called by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has cut the parameters that
   // parallel_rules().tensor names to this rank's pieces: the split layers take their local head and unit counts and
-  // the region they talk through.
+  // the region they talk through. Not under FP8 (refused).
   virtual void split_layers(std::shared_ptr<const TensorParallelRegion> region) = 0;
   const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
   // Activation checkpointing per block, and GPT-2's MLPs keeping only their pre-activation (a plan sets them; the
@@ -144,9 +154,13 @@ class LanguageModel : public Module {
   BlockHooks* block_hooks() const { return hooks_.get(); }
 
  protected:
+  // split_layers' refusal of FP8.
+  void check_not_fp8(const std::shared_ptr<const TensorParallelRegion>& region) const;
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;
+  fp8::Scope fp8_scope_ = fp8::Scope::kOff;
+  std::shared_ptr<fp8::LinearState> classifier_fp8_;  // the classifier's FP8 state, when its scope includes it
 };
 
 // The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,
