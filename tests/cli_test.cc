@@ -547,6 +547,15 @@ TEST(LoomTrainStart, ImpossibleLayoutsAreOneLineBeforeTheData) {
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " opened the data first\n" << r.output;
   }
+  // Under mpirun every rank finds the same problem; it is said once, and the launch fails.
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0 || !distributed::mpi_available()) return;
+  AppRun two = run_loom_train_with("OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 ",
+                                   "--model d2 --train-data /nonexistent/shard.bin --tp 3");
+  EXPECT_NE(two.status, 0) << two.output;
+  const std::string said = "--tp 3 x --pp 1 does not divide the world of 2 ranks";
+  const size_t first = two.output.find(said);
+  ASSERT_NE(first, std::string::npos) << two.output;
+  EXPECT_EQ(two.output.find(said, first + 1), std::string::npos) << "said by more than one rank\n" << two.output;
 }
 
 // --keep-checkpoints N: after each save only the newest N remain (with their optimizer files), single files and

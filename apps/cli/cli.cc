@@ -2,14 +2,18 @@
 #include "cli/cli.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <iostream>
 #include <new>
 #include <sstream>
+#include <thread>
 
 #include "checked_options.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
+#include "loom/distributed/parallel_plan.h"
+#include "loom/distributed/process_group.h"
 #include "loom/dispatch_modes.h"
 #include "loom/io/read_file.h"
 
@@ -152,6 +156,19 @@ int run(const std::string& name, const std::function<void()>& body) {
     // The exit report's file is checked before the work, not after it.
     dispatch::check_op_profile_file();
     body();
+  } catch (const distributed::LayoutError& e) {  // alike on every rank: said by rank 0 only
+    int rank = 0;
+    try {
+      if (const auto launch = distributed::detect_launch()) rank = launch->rank;
+    } catch (const std::exception&) {  // a launch the library refuses: every rank speaks
+    }
+    if (rank == 0) {
+      print_error(name, apps::error_text(e));
+    } else {
+      // mpirun ends the whole job at the first failed rank: the others leave after rank 0 has spoken.
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
+    return 1;
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
     print_error(name, apps::error_text(e));
     return 1;

@@ -131,7 +131,7 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
   if (!problems.empty()) {
     std::string all = "parallelism: " + problems.front();
     for (size_t i = 1; i < problems.size(); ++i) all += "; " + problems[i];
-    throw Error(all);
+    throw LayoutError(all);
   }
   return plan;
 }

@@ -75,9 +75,15 @@ struct ParallelPlan {
   void check_micro_batches(int64_t micro_batches) const;
 };
 
+// A layout refused from the flags alone: every rank of a launch raises the same one, so the apps say it once (rank 0).
+class LayoutError : public Error {
+ public:
+  using Error::Error;
+};
+
 // The plan of `options` for a world of `world` ranks and a model of config `cfg`: the mesh's shape (tensor, pipeline,
 // context as given; the rest data-parallel, sharded when zero_stage > 0), the family's tensor-parallel rules, the
-// stages' blocks, the wrapped units. Every problem found is named in one error (one line).
+// stages' blocks, the wrapped units. Every problem found is named in one LayoutError (one line).
 ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const ParallelOptions& options);
 
 }  // namespace loom::distributed
