@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
   };
   app.add_option("--model", o.model,
                  "model: gpt2 (= gpt2-124m), gpt2-medium (gpt2-350m), gpt2-large (gpt2-774m), gpt2-xl (gpt2-1558m, "
-                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-8b, llama3-tiny, the "
+                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-3b (llama3.2-3b), llama3-8b, "
+                 "llama3-tiny, the "
                  "path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
                  "With --resume or a Loom checkpoint's --init-from: the checkpoint's; with an llm.c --init-from: the file's")
       ->capture_default_str();

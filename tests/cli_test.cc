@@ -482,7 +482,7 @@ TEST(LoomTrainStart, HelpNamesEveryModelAndDtype) {
   while (size_t n = fread(buf.data(), 1, buf.size(), p)) help.append(buf.data(), n);
   EXPECT_EQ(pclose(p), 0);
   for (const char* word : {"gpt2 ", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m", "gpt2-medium", "gpt2-large",
-                           "gpt2-xl", "gpt2-tiny", "llama3-tiny", "llama3-1b", "llama3-8b", "d<N>", "JSON",
+                           "gpt2-xl", "gpt2-tiny", "llama3-tiny", "llama3-1b", "llama3-3b", "llama3.2-3b", "llama3-8b", "d<N>", "JSON",
                            "Hugging Face", "gpt2-124M", "float32", "bfloat16", "float16", "half", "fp16",
                            // the defaults, however this CLI11 prints them ("=d4" here, "[d4]" in later versions)
                            "d4", "0.0006", "cosine", "--config", "--keep-checkpoints", "--eps", "--tf32", "--eval-only",

@@ -35,6 +35,18 @@ constexpr const char* kLlama31_8B = R"({
   "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
   "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256})";
 
+// meta-llama/Llama-3.2-3B's config.json as the Hub serves it (transformers 4.45).
+constexpr const char* kLlama32_3B = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+  "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false,
+  "model_type": "llama", "num_attention_heads": 24, "num_hidden_layers": 28, "num_key_value_heads": 8,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})";
+
 // openai-community/gpt2's config.json.
 constexpr const char* kGpt2 = R"({
   "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
@@ -68,6 +80,26 @@ TEST(HfConfig, Llama31_8B) {
   nn::ModelConfig named = nn::ModelConfig::from_name("llama3-8b");
   named.max_seq_len = c.max_seq_len;
   EXPECT_EQ(named.to_json(), c.to_json());
+}
+
+TEST(HfConfig, Llama32_3B) {
+  nn::ModelConfig c = nn::ModelConfig::from_json(kLlama32_3B);
+  EXPECT_EQ(c.n_layer, 28);
+  EXPECT_EQ(c.n_head, 24);
+  EXPECT_EQ(c.n_kv_head, 8);
+  EXPECT_EQ(c.n_embd, 3072);
+  EXPECT_EQ(c.ffn_hidden, 8192);
+  EXPECT_EQ(c.head_size(), 128);
+  EXPECT_TRUE(c.tie_embeddings);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_DOUBLE_EQ(c.rope_scaling->factor, 32.0);
+  EXPECT_EQ(c.rope_scaling->original_max_positions, 8192);
+  // Both of Loom's names for it, but for the context length.
+  for (const char* name : {"llama3-3b", "Llama3.2-3B"}) {
+    nn::ModelConfig named = nn::ModelConfig::from_name(name);
+    named.max_seq_len = c.max_seq_len;
+    EXPECT_EQ(named.to_json(), c.to_json()) << name;
+  }
 }
 
 TEST(HfConfig, Gpt2IgnoresKeysLoomDoesNotUse) {

@@ -52,6 +52,7 @@ TEST(MemoryEstimate, ParameterCountMatchesTheBuiltModel) {
   }
   EXPECT_EQ(count_parameters(named("gpt2-124m", true)), 124475904);  // llm.c's count (vocab padded to 50304)
   EXPECT_EQ(count_parameters(named("llama3-1b", true)), 1235814400);  // Llama-3.2-1B
+  EXPECT_EQ(count_parameters(named("llama3-3b", true)), 3212749824);  // Llama-3.2-3B
   EXPECT_EQ(count_parameters(named("llama3-8b", false)), 8030261248);  // Llama-3.1-8B
 }
 

@@ -74,6 +74,7 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
     return c;
   }
   if (name == "llama3-1b") return llama_config(16, 32, 8, 2048, 8192, 128256, 32.0, true);
+  if (name == "llama3-3b" || name == "llama3.2-3b") return llama_config(28, 24, 8, 3072, 8192, 128256, 32.0, true);
   if (name == "llama3-8b") return llama_config(32, 32, 8, 4096, 14336, 128256, 8.0, false);
   if (name == "llama3-tiny") {
     ModelConfig c = llama_config(2, 4, 2, 64, 160, 512, 8.0, false);
@@ -90,7 +91,7 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
                " (a Hugging Face model directory holds config.json and model.safetensors)");
   LOOM_REQUIRE(std::filesystem::exists(file, ec), "unknown model '", name,
                "' (expected gpt2 or gpt2-124m, gpt2-medium or gpt2-350m, gpt2-large or gpt2-774m, gpt2-xl or "
-               "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
+               "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-3b or llama3.2-3b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
                "Hugging Face model directory)");
   const std::string text = io::read_input_file(file, io::kMaxConfigFileBytes, "model config");
   try {

@@ -92,7 +92,8 @@ loom_log, torch_log, prof_log, B, T, model, same_init, out_dir, fp8_scopes = sys
 B, T = int(B), int(T)
 GPT2 = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}
 # LLaMA: layers, heads, kv heads, dim, ffn, vocab (unpadded: Loom's padded_vocab_size for LLaMA), tied embeddings
-LLAMA = {"llama3-1b": (16, 32, 8, 2048, 8192, 128256, True), "llama3-8b": (32, 32, 8, 4096, 14336, 128256, False),
+LLAMA = {"llama3-1b": (16, 32, 8, 2048, 8192, 128256, True), "llama3-3b": (28, 24, 8, 3072, 8192, 128256, True),
+         "llama3-8b": (32, 32, 8, 4096, 14336, 128256, False),
          "llama3-tiny": (2, 4, 2, 64, 160, 512, False)}
 if model in LLAMA:  # Loom's num_parameters: the tied embedding once; no biases; RMSNorm weights only
     L, H, KV, C, FFN, V, tied = LLAMA[model]

@@ -37,6 +37,7 @@ from pytorch_gpt2 import lr_at, read_shard, write_safetensors  # noqa: E402  (sa
 # original context) or None, tied embeddings, context). Norm eps 1e-5 and rope theta 500000 for all.
 MODELS = {
     "llama3-1b": (16, 32, 8, 2048, 8192, 128256, (32.0, 1.0, 4.0, 8192), True, 8192),
+    "llama3-3b": (28, 24, 8, 3072, 8192, 128256, (32.0, 1.0, 4.0, 8192), True, 8192),
     "llama3-8b": (32, 32, 8, 4096, 14336, 128256, (8.0, 1.0, 4.0, 8192), False, 8192),
     "llama3-tiny": (2, 4, 2, 64, 160, 512, (8.0, 1.0, 4.0, 64), False, 256),
 }

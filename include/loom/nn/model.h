@@ -44,8 +44,8 @@ struct ModelConfig {
   fp8::Recipe fp8_recipe;
 
   // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
-  // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), a
-  // path to a JSON config file (Loom's or a Hugging Face config.json), or a Hugging Face model directory (its
+  // (GPT-2 of depth N, width 64N, N heads), "llama3-1b" (Llama-3.2-1B), "llama3-3b" or
+  // "llama3.2-3b" (Llama-3.2-3B), "llama3-8b" (Llama-3.1-8B), "gpt2-tiny" and "llama3-tiny" (for tests), a path to a JSON config file (Loom's or a Hugging Face config.json), or a Hugging Face model directory (its
   // config.json). Throws naming the unknown name.
   static ModelConfig from_name(const std::string& name_or_path);
   // Loom's config JSON (docs/TRAINING.md lists the keys; an unknown key is an error naming it), or a Hugging Face
