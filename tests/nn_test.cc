@@ -324,6 +324,45 @@ TEST(NnNorm, BadArgumentsThrow) {
   EXPECT_THROW(ops::rms_norm_backward(x, x, Tensor(), zeros({4}), true, false), Error);
 }
 
+// Rows of no elements reach no kernel (a library would divide by the width): outputs empty, the statistics their
+// limit (mean 0, rstd 1 / sqrt(eps)), every gradient empty.
+TEST(NnNorm, RowsOfNoElementsGiveEmptyOutputsAndTheStatisticsLimit) {
+  for (DType dt : test::cpu_float_dtypes()) {
+    Tensor x = zeros({3, 0}, dt), delta = zeros({3, 0}, dt), w = zeros({0}, dt), b = zeros({0}, dt);
+    const double eps = 0.25;
+    auto expect_stats = [&](const Tensor& mean, const Tensor& rstd, const char* op) {
+      if (mean.defined()) EXPECT_TRUE(test::all_close(mean, zeros({3}, mean.dtype()), 0, 0)) << op;
+      EXPECT_TRUE(test::all_close(rstd, full({3}, 2.0, rstd.dtype()), 0, 0)) << op;
+    };
+    ops::NormResult ln = ops::layer_norm(x, w, b, eps);
+    EXPECT_EQ(ln.out.shape(), (Shape{3, 0}));
+    expect_stats(ln.mean, ln.rstd, "layer_norm");
+    ops::NormResult rms = ops::rms_norm(x, w, eps);
+    EXPECT_EQ(rms.out.shape(), (Shape{3, 0}));
+    expect_stats(Tensor(), rms.rstd, "rms_norm");
+    ops::ResidualNormResult rl = ops::residual_layer_norm(x, delta, w, b, eps);
+    EXPECT_EQ(rl.residual.shape(), (Shape{3, 0}));
+    expect_stats(rl.mean, rl.rstd, "residual_layer_norm");
+    ops::ResidualNormResult rr = ops::residual_rms_norm(x, delta, w, eps);
+    expect_stats(Tensor(), rr.rstd, "residual_rms_norm");
+
+    ops::NormGrads lg = ops::layer_norm_backward(x, x, w, ln.mean, ln.rstd, true, true, true);
+    EXPECT_EQ(lg.grad_input.shape(), (Shape{3, 0}));
+    EXPECT_EQ(lg.grad_weight.shape(), (Shape{0}));
+    EXPECT_EQ(lg.grad_bias.shape(), (Shape{0}));
+    ops::NormGrads rg = ops::rms_norm_backward(x, x, w, rms.rstd, true, true);
+    EXPECT_EQ(rg.grad_input.shape(), (Shape{3, 0}));
+    EXPECT_EQ(rg.grad_weight.shape(), (Shape{0}));
+    ops::ResidualNormGrads rlg =
+        ops::residual_layer_norm_backward(x, x, rl.residual, w, rl.mean, rl.rstd, true, dt, true, true);
+    EXPECT_EQ(rlg.grad_x.shape(), (Shape{3, 0}));
+    EXPECT_EQ(rlg.grad_delta.shape(), (Shape{3, 0}));
+    EXPECT_EQ(rlg.grad_bias.shape(), (Shape{0}));
+    ops::ResidualNormGrads rrg = ops::residual_rms_norm_backward(x, x, rr.residual, w, rr.rstd, true, dt, true);
+    EXPECT_EQ(rrg.grad_weight.shape(), (Shape{0}));
+  }
+}
+
 // ---- embedding ----
 
 TEST(NnEmbedding, LookupMatchesReference) {

@@ -1,9 +1,13 @@
 // Softmax, log-softmax, layer norm and RMS norm ops (plain and with the residual add fused in), forward and
 // backward.
+#include <cmath>
+#include <limits>
+
 #include "infermeta/nn_meta.h"
 #include "infermeta/norm_meta.h"
 #include "kernels/norm_kernel.h"
 #include "kernels/softmax_kernel.h"
+#include "loom/ops/elementwise.h"
 #include "loom/ops/nn.h"
 #include "loom/ops/views.h"
 #include "ops/op_common.h"
@@ -59,6 +63,14 @@ void check_grad_like_x(const char* op, const Tensor& grad, const Tensor& x) {
                describe(grad), " vs ", describe(x), ")");
 }
 
+// Rows of no elements (a last dim of 0): no kernel is called, so no library meets a division by a width of 0. The
+// outputs are empty but for the statistics, whose limit is a mean of 0 and mean(x^2) of 0: rstd = 1 / sqrt(eps).
+bool empty_rows(const Tensor& x) { return x.shape().back() == 0; }
+void fill_empty_row_stats(Tensor& mean, Tensor& rstd, double eps) {
+  if (mean.defined()) fill_(mean, 0.0);
+  fill_(rstd, eps > 0 ? 1.0 / std::sqrt(eps) : std::numeric_limits<double>::infinity());
+}
+
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) { return run_softmax(softmax_op, "softmax", x, dim); }
@@ -81,6 +93,10 @@ NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
   r.out = empty(x.shape(), x.dtype(), x.device());
   r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  if (empty_rows(x)) {
+    fill_empty_row_stats(r.mean, r.rstd, eps);
+    return r;
+  }
   dispatch::call(layer_norm_op, x.device(), x.dtype(), in, w, b, NormAttrs{eps}, r.out, r.mean, r.rstd);
   return r;
 }
@@ -102,6 +118,7 @@ NormGrads layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor&
   if (need_weight) r.grad_weight = empty({channels}, x.dtype(), x.device());
   if (need_bias) r.grad_bias = empty({channels}, x.dtype(), x.device());
   Tensor g = ops::contiguous(grad), in = ops::contiguous(x), w = contiguous_or_undefined(weight);
+  if (channels == 0) return r;  // every gradient is empty
   Tensor m = ops::contiguous(mean), s = ops::contiguous(rstd);
   dispatch::call(layer_norm_backward_op, x.device(), x.dtype(), g, in, w, m, s, r.grad_input, r.grad_weight,
                  r.grad_bias);
@@ -118,6 +135,10 @@ NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   NormResult r;
   r.out = empty(x.shape(), x.dtype(), x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  if (empty_rows(x)) {
+    fill_empty_row_stats(r.mean, r.rstd, eps);
+    return r;
+  }
   dispatch::call(rms_norm_op, x.device(), x.dtype(), in, w, NormAttrs{eps}, r.out, r.rstd);
   return r;
 }
@@ -136,6 +157,7 @@ NormGrads rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& w
   if (need_input) r.grad_input = empty(x.shape(), x.dtype(), x.device());
   if (need_weight) r.grad_weight = empty({x.shape().back()}, x.dtype(), x.device());
   Tensor g = ops::contiguous(grad), in = ops::contiguous(x), w = contiguous_or_undefined(weight);
+  if (empty_rows(x)) return r;  // every gradient is empty
   Tensor s = ops::contiguous(rstd);
   dispatch::call(rms_norm_backward_op, x.device(), x.dtype(), g, in, w, s, r.grad_input, r.grad_weight);
   return r;
@@ -160,6 +182,10 @@ ResidualNormResult run_residual_norm(const char* op, bool centered, const Tensor
   r.out = empty(meta.shape, meta.out_dtype, x.device());
   if (centered) r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
+  if (empty_rows(x)) {
+    fill_empty_row_stats(r.mean, r.rstd, eps);
+    return r;
+  }
   if (centered)
     dispatch::call(residual_layer_norm_op, x.device(), x.dtype(), in, d, w, b, NormAttrs{eps}, written_residual,
                    r.out, r.mean, r.rstd);
@@ -194,6 +220,7 @@ ResidualNormGrads run_residual_norm_backward(const char* op, bool centered, cons
   if (need_weight) r.grad_weight = output(into.weight, weight.dtype(), "weight");
   if (need_bias) r.grad_bias = output(into.bias, residual.dtype(), "bias");
   if (!need_x && !delta_dtype && !need_weight && !need_bias) return r;
+  if (channels == 0) return r;  // every gradient is empty
   Tensor g = ops::contiguous(grad_out), gr = contiguous_or_undefined(grad_residual), in = ops::contiguous(residual);
   Tensor w = contiguous_or_undefined(weight), m = contiguous_or_undefined(mean), s = ops::contiguous(rstd);
   if (centered)

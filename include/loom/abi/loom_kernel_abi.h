@@ -36,6 +36,8 @@
  *   the op says (a gemm's A for k = 0 is [batch, m, 0] in A/B's dtype), and its data is NOT NULL, but points at no
  *   element: never read or write through it (it may be host memory whatever the device). So data == NULL always
  *   and only means absent. Such a tensor counts as contiguous whatever its strides (loom_desc_is_contiguous).
+ *   The norms (layer_norm, rms_norm and their residual and backward forms) are never called with rows of no
+ *   elements (a last dim of 0): Loom writes those results itself.
  *   Shapes and strides are in elements; data points at the first element (any view offset already applied), so
  *   data is aligned only to its element size: a matrix or vector may start at any element (do not assume 16 bytes).
  *   Special values (NaN, +-inf, -0.0, denormals) are valid inputs: each op's description says what it does with
