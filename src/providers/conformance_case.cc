@@ -96,9 +96,20 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
     case ValueClass::kLarge:
       some(0.5, [&](size_t e) { v[e] = (u(eng) < 0.5 ? -1 : 1) * largest_finite(dt) * (0.25 + 0.75 * u(eng)); });
       break;
-    case ValueClass::kLogits:
+    case ValueClass::kLogits: {
       for (auto& x : v) x = 200 * u(eng) - 100;
+      // One line along line_dim ends in a logit 800 above the rest: a kernel whose running max misses a line's
+      // last element (a tile's tail) overflows exp() there, even in double.
+      if (shape.empty() || largest_finite(dt) < 1e3) break;
+      const size_t d = line_dim >= 0 && size_t(line_dim) < shape.size() ? size_t(line_dim) : shape.size() - 1;
+      int64_t inner = 1;
+      for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
+      const int64_t len = shape[d], lines = int64_t(n) / std::max<int64_t>(1, len);
+      if (len == 0 || lines == 0) break;
+      const int64_t line = int64_t(eng() % uint64_t(lines)), outer = line / inner, in = line % inner;
+      v[size_t((outer * len + len - 1) * inner + in)] = 900;
       break;
+    }
     case ValueClass::kSpecial:
       // NaN of two payloads: the quiet one arithmetic makes, and every mantissa bit set, which a rounding to a
       // narrower dtype without a NaN test carries into the exponent (a NaN turned into inf or 0).

@@ -485,16 +485,26 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           }
         }
     }
-    // The description's size cases, once each, from the first accepted case they can be made from.
-    for (const auto& sizes : s.size_cases)
-      for (size_t k = 0; k < g.plans.size() && g.plans.size() < kMaxPlans; ++k) {
+    // The description's size cases (whole tiles, rows a block reduction splits), once per value class of the first
+    // input that has several, each from the first accepted case of that class: a tile's tail that a kernel misses
+    // shows only with the values that make it matter (a row's max there among logits).
+    size_t class_param = P;
+    for (size_t p = 0; p < P && class_param == P; ++p)
+      if (m.params[p].kind == ParamKind::kValues && m.params[p].labels.size() > 1) class_param = p;
+    const size_t n_plans = g.plans.size();
+    for (const auto& sizes : s.size_cases) {
+      std::set<int> done;
+      for (size_t k = 0; k < n_plans && g.plans.size() < kMaxPlans; ++k) {
         if (!g.accepted[k]) continue;
+        const int cls = class_param == P ? 0 : g.plans[k].effective[class_param];
+        if (done.count(cls)) continue;
         auto plan = realize(m, g.plans[k].choice, sizes, g.plans.size());
         if (!plan || !accepts(*plan)) continue;
         g.plans.push_back(std::move(*plan));
         g.accepted.push_back(true);
-        break;
+        done.insert(cls);
       }
+    }
     taken.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
       if (held.at(p, a, q, b) == Pairs::kExcluded) return;
       g.pairs += 1;

@@ -89,7 +89,7 @@ enum class Values : uint8_t {
 enum class ValueClass : uint8_t {
   kNormal,   // the Values range
   kLarge,    // about half the elements at 0.25..1 of the dtype's largest finite value (where declared)
-  kLogits,   // [-100, 100] (softmax-like ops: a kernel without the max subtraction overflows)
+  kLogits,   // [-100, 100], one line ending in 900 (softmax-like ops: a kernel without the max overflows)
   kSpecial,  // NaN, +inf and -inf at random positions among normal values
   kTiny,     // -0.0, +0.0 and denormals of the dtype at random positions among normal values
   kMasked,   // some rows (along the op's dim attribute, else the last dim) all -inf (a fully masked softmax row)
