@@ -29,6 +29,7 @@ Device to_device(const py::handle& h) {
 void bind_core(py::module_& m) {
   // Every loom::Error (a user's mistake, or an internal check) is a loom.Error with Loom's one-line message.
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  error.attr("__module__") = "loom";  // shown as loom.Error, the name users catch
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

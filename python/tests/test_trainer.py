@@ -84,6 +84,20 @@ def test_dict_settings_and_a_callback_that_stops(tmp_path, shards):
     assert trainer.model.num_parameters() > 0
 
 
+def test_an_exception_in_a_callback_reaches_the_caller(shards):
+    train, _ = shards
+    trainer = loom.Trainer(quiet=True, model="d2", train_data=str(train), batch_size=2, seq_len=16, steps=5,
+                           eval_interval=0, sample_tokens=0, warmup=1)
+
+    def on_step(metrics):
+        if metrics["step"] == 2:
+            raise ValueError("stop here")
+
+    with pytest.raises(ValueError, match="stop here"):
+        trainer.run(on_step=on_step)
+    assert trainer.step == 2
+
+
 def test_checkpoints_resume_to_the_same_losses(tmp_path, shards):
     train, _ = shards
     common = dict(model="d2", train_data=str(train), batch_size=2, seq_len=16, eval_interval=0, sample_tokens=0,
