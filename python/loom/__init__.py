@@ -36,6 +36,7 @@ from ._loom import (  # noqa: F401
     providers,
     rand,
     randn,
+    save_model,
     save_safetensors,
     set_allow_tf32,
     set_grad_enabled,

@@ -290,6 +290,12 @@ void bind_nn(py::module_& m) {
   }, py::arg("path"), py::kw_only(), py::arg("device") = py::none(),
         "a model as loom-generate reads one: a Loom checkpoint (file, step directory or a run's checkpoint "
         "directory), a Hugging Face directory or an llm.c model file");
+  m.def("save_model", [](const nn::LanguageModel& model, const std::string& path) {
+    py::gil_scoped_release release;
+    io::save_model(path, model);
+  }, py::arg("model"), py::arg("path"),
+        "the model alone in Loom's format (weights and config in one safetensors file), which load_model, "
+        "loom-generate, loom-export and loom-train --init-from read");
   m.def("save_safetensors", [](const std::string& path, const std::map<std::string, Tensor>& tensors,
                                const std::map<std::string, std::string>& metadata) {
     io::TensorMap host;

@@ -71,6 +71,17 @@ def test_hugging_face_directory_round_trip(tmp_path):
         loom.from_pretrained(str(tmp_path / "missing"))
 
 
+def test_loom_model_file_round_trip(tmp_path):
+    model = loom.models.make("d2", seed=4)
+    path = str(tmp_path / "model.safetensors")
+    loom.save_model(model, path)
+    again = loom.load_model(path)
+    assert again.config.to_json() == model.config.to_json()
+    idx = loom.arange(6).view(1, 6)
+    with loom.no_grad():
+        assert np.array_equal(model(idx).numpy(), again(idx).numpy())
+
+
 def test_safetensors(tmp_path):
     path = str(tmp_path / "t.safetensors")
     loom.save_safetensors(path, {"a": loom.arange(4), "b": loom.ones(2, 2, dtype="bf16")}, {"note": "x"})
