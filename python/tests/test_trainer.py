@@ -3,6 +3,8 @@
 import json
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -96,6 +98,30 @@ def test_an_exception_in_a_callback_reaches_the_caller(shards):
     with pytest.raises(ValueError, match="stop here"):
         trainer.run(on_step=on_step)
     assert trainer.step == 2
+
+
+def test_training_releases_the_gil(shards):
+    train, _ = shards
+    trainer = loom.Trainer(quiet=True, model="d2", train_data=str(train), batch_size=4, seq_len=32, steps=3,
+                           eval_interval=0, sample_tokens=0, warmup=1)
+    ticks, done = [0], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        before = ticks[0]
+        trainer.run()  # no callbacks: Python runs here only if the trainer let go of the GIL
+        during = ticks[0] - before
+    finally:
+        done.set()
+        thread.join()
+    assert during > 10
 
 
 def test_checkpoints_resume_to_the_same_losses(tmp_path, shards):
