@@ -115,7 +115,21 @@ std::vector<int32_t> tokens_of(const py::object& prompt, const data::Tokenizer* 
 
 void bind_nn(py::module_& m) {
   py::module_ nn_m = m.def_submodule("nn", "Loom's modules (loom/nn/layers.h)");
-  py::class_<nn::Module, ModulePtr>(nn_m, "Module", "A module's parameters, buffers and submodules")
+  py::class_<nn::Module, ModulePtr>(nn_m, "Module",
+                                    "A module's parameters, buffers and submodules. Subclass it in Python: register "
+                                    "parameters, buffers and submodules in __init__ and define forward")
+      .def(py::init<>())
+      .def("register_parameter", [](nn::Module& self, const std::string& name, const Tensor& t, bool requires_grad) {
+        return self.register_parameter(name, t, requires_grad);
+      }, py::arg("name"), py::arg("tensor"), py::arg("requires_grad") = true,
+           "adds a parameter (requires_grad set) and returns it")
+      .def("register_buffer", &nn::Module::register_buffer, py::arg("name"), py::arg("tensor"))
+      .def("register_module", [](nn::Module& self, const std::string& name, const ModulePtr& child) {
+        return self.register_module(name, child);
+      }, py::arg("name"), py::arg("module"), "adds a submodule (its parameters under name.) and returns it")
+      .def("__call__", [](const py::object& self, const py::args& args, const py::kwargs& kwargs) {
+        return self.attr("forward")(*args, **kwargs);
+      })
       .def("parameters", &nn::Module::parameters)
       .def("named_parameters", &nn::Module::named_parameters)
       .def("named_buffers", &nn::Module::named_buffers)

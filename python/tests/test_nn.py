@@ -22,6 +22,38 @@ def test_linear_matches_numpy():
         other.load_state_dict({"weight": loom.zeros(3, 5), "bias": loom.zeros(3)})
 
 
+class TwoLayers(loom.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = self.register_module("fc1", loom.nn.Linear(4, 16))
+        self.fc2 = self.register_module("fc2", loom.nn.Linear(16, 1))
+        self.scale = self.register_parameter("scale", loom.ones(1))
+
+    def forward(self, x):
+        return self.fc2(loom.ops.gelu(self.fc1(x))) * self.scale
+
+
+def test_a_module_written_in_python_trains():
+    loom.manual_seed(5)
+    model = TwoLayers()
+    names = {n for n, _ in model.named_parameters()}
+    assert names == {"scale", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert model.num_parameters() == 4 * 16 + 16 + 16 + 1 + 1 and model.scale.requires_grad
+    x = loom.randn(32, 4)
+    y = loom.ops.sum(x, 1, keepdim=True)
+    opt = loom.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(30):
+        loss = loom.ops.mean((model(x) - y) ** 2)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < 0.5 * losses[0]
+    model.eval()
+    assert not model.training and not model.fc1.training
+
+
 def test_gpt2_model_forward_and_training_lowers_the_loss():
     model = loom.models.gpt2("tiny", seed=1)
     cfg = model.config
