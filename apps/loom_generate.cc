@@ -183,11 +183,7 @@ int main(int argc, char** argv) {
       LOOM_REQUIRE(tokenizer->vocab_size() <= cfg.vocab_size, "the ", tokenizer->name(), " tokenizer's ",
                    tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ", cfg.vocab_size,
                    " (--tokenizer/--tokenizer-path do not match the model)");
-      ids = tokenizer->encode(prompt);
-      // LLaMA-3 prompts open with <|begin_of_text|>, as Hugging Face's tokenizer adds it; an empty GPT-2 prompt
-      // starts from <|endoftext|>, the token in front of every training document.
-      if (tokenizer->prompt_prefix_token() >= 0) ids.insert(ids.begin(), tokenizer->prompt_prefix_token());
-      else if (ids.empty()) ids.insert(ids.begin(), tokenizer->document_token());
+      ids = data::encode_prompt(*tokenizer, prompt);
       if (!ignore_eos) g.stop_tokens = tokenizer->end_tokens();
       g.decode = [&](const std::vector<int32_t>& t) { return tokenizer->decode(t); };
     }

@@ -1,196 +1,21 @@
 // loom-train: trains a GPT-2 or LLaMA model on llm.c token shards. See docs/TRAINING.md.
 #include <CLI/CLI.hpp>
 
-#include <cmath>
-#include <iostream>
-#include <map>
-#include <sstream>
-#include <string>
-
 #include "cli/cli.h"
-#include "cli/run_config.h"
-#include "loom/common/error.h"
+#include "cli/train_args.h"
 #include "loom/io/input_guard.h"
 #include "loom/train/trainer.h"
-#ifdef LOOM_WITH_DIOPI
-#include "loom/diopi.h"
-#endif
 
 int main(int argc, char** argv) {
   loom::io::protect_inputs();  // no output of this run replaces a file it read
-  loom::train::TrainOptions o;
+  loom::cli::TrainArgs args;
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
-  // NaN and infinities pass CLI11's number checks (and every comparison a setting is checked with later).
-  const CLI::Validator finite(
-      [](std::string& v) -> std::string {
-        char* end = nullptr;
-        const double d = std::strtod(v.c_str(), &end);
-        return end != v.c_str() && !std::isfinite(d) ? "must be a finite number, got " + v : "";
-      },
-      "FINITE");
-  // CLI11's PositiveNumber / NonNegativeNumber print their range as a 300-digit number: say the bound instead.
-  auto in_range = [](double lo, double hi) {
-    return CLI::Validator(
-        [lo, hi](std::string& v) -> std::string {
-          char* end = nullptr;
-          const double d = std::strtod(v.c_str(), &end);
-          std::ostringstream m;
-          if (end != v.c_str() && std::isfinite(d) && (d < lo || d > hi)) m << "must be in [" << lo << ", " << hi << "], got " << v;
-          return m.str();
-        },
-        "");
-  };
-  auto at_least = [](long long lo) {
-    return CLI::Validator(
-        [lo](std::string& v) -> std::string {
-          char* end = nullptr;
-          const double d = std::strtod(v.c_str(), &end);
-          return end != v.c_str() && d < double(lo) ? "must be at least " + std::to_string(lo) + ", got " + v : "";
-        },
-        ">= " + std::to_string(lo));
-  };
-  app.add_option("--model", o.model,
-                 "model: gpt2 (= gpt2-124m), gpt2-medium (gpt2-350m), gpt2-large (gpt2-774m), gpt2-xl (gpt2-1558m, "
-                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-3b (llama3.2-3b), llama3-8b, "
-                 "llama3-tiny, the "
-                 "path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
-                 "With --resume or a Loom checkpoint's --init-from: the checkpoint's; with an llm.c --init-from: the file's")
-      ->capture_default_str();
-  app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Hugging Face "
-                 "model directory, a Loom checkpoint (weights only: a file, a step directory or a run's checkpoint "
-                 "directory, whose latest is taken; its model unless --model is given) or an llm.c GPT-2 .bin (its "
-                 "header gives the model unless --model is given)");
-  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
-  app.add_option("--val-data", o.val_data, "validation shard(s)");
-  app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
-  app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(at_least(1));
-  app.add_option("--total-batch-tokens", o.total_batch_tokens, "tokens per optimizer step (gradient accumulation); 0 = B*T")->capture_default_str()->check(at_least(0));
-  app.add_option("--steps", o.steps, "train until this optimizer step")->capture_default_str()->check(at_least(1));
-  app.add_option("--schedule-steps", o.schedule_steps,
-                 "length of the learning-rate schedule (0: --steps); on --resume the checkpoint's unless given, so a "
-                 "raised --steps continues at the final learning rate")
-      ->capture_default_str()->check(at_least(0));
-  app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(finite & in_range(0, 1e3));
-  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str()->check(at_least(0));
-  app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")
-      ->capture_default_str()->check(CLI::IsMember({"cosine", "linear", "constant"}));
-  app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")
-      ->capture_default_str()->check(finite & in_range(0, 1));
-  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str()
-      ->check(finite & in_range(0, 1e3));
-  app.add_option("--beta1", o.beta1, "AdamW beta1")->capture_default_str()->check(finite & in_range(0, 1));
-  app.add_option("--beta2", o.beta2, "AdamW beta2")->capture_default_str()->check(finite & in_range(0, 1));
-  app.add_option("--eps", o.eps, "AdamW epsilon")->capture_default_str()->check(finite & at_least(0));
-  app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)")->capture_default_str()->check(finite);
-  app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
-  app.add_option("--dtype", o.dtype, "training precision: f32 (also float32, float), bf16 (bfloat16) or f16 (float16, "
-                 "half, fp16); bf16/f16 compute with f32 master weights")
-      ->capture_default_str();
-  app.add_option("--fp8", o.fp8, "FP8 matrix products (e4m3 operands, e5m2 gradients, per-tensor scaling, f32 master "
-                 "weights) for the classifier, the blocks' linear layers, or all of them: off, classifier, linear, "
-                 "all (GPUs: Ada or Hopper; on the CPU slow reference kernels)")
-      ->check(CLI::IsMember({"off", "classifier", "linear", "all"}))->capture_default_str();
-  app.add_option("--fp8-amax-history", o.fp8_amax_history, "FP8 scaling: 1 scales each tensor by its own amax "
-                 "(current scaling); N > 1 by the largest of its last N (delayed scaling)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
-  std::string tf32;
-  app.add_option("--tf32", tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")
-      ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str()
-      ->check(at_least(0));
-  app.add_option("--eval-batches", o.eval_batches, "validation batches per evaluation (0 or all: the whole split)")
-      ->capture_default_str()->transform(CLI::Transformer(std::map<std::string, std::string>{{"all", "0"}}))
-      ->check(at_least(0));
-  app.add_flag("--eval-only", o.eval_only, "evaluate the --init-from or --resume weights (loss and perplexity over "
-               "--eval-batches of --val-data, else of --train-data); no training, no checkpoint");
-  app.add_option("--sample-interval", o.sample_interval, "print a generated sample every N steps (0: only at the end)")->capture_default_str()
-      ->check(at_least(0));
-  app.add_option("--sample-tokens", o.sample_tokens, "tokens per sample (0: no samples)")->capture_default_str()->check(at_least(0));
-  app.add_option("--sample-prompt", o.sample_prompt, "prompt for samples");
-  app.add_option("--tokenizer", o.tokenizer, "tokenizer of samples: gpt2 or llama3 (default: the model's)")
-      ->check(CLI::IsMember({"gpt2", "llama3"}));
-  app.add_option("--tokenizer-path", o.tokenizer_path,
-                 "a Hugging Face tokenizer.json (byte-level BPE, whatever --tokenizer says); gpt2: the directory with "
-                 "encoder.json and vocab.bpe (default $LOOM_CACHE_DIR/gpt2 or ~/.cache/loom/gpt2); llama3: Meta's "
-                 "tokenizer.model (LLaMA samples need it)");
-  app.add_option("--checkpoint-dir", o.checkpoint_dir, "where to write checkpoints (with --resume: the directory of the "
-                 "checkpoint resumed from, unless given)");
-  app.add_option("--checkpoint-interval", o.checkpoint_interval, "checkpoint every N steps (0: only at the end)")->capture_default_str()->check(at_least(0));
-  app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
-                 "--checkpoint-dir (0: all); the one 'latest' names is never removed")
-      ->capture_default_str()->check(at_least(0));
-  app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint "
-                 "directory's latest; the model and the settings are the checkpoint's unless given (a change is "
-                 "printed old -> new, or refused)");
-  app.add_option("--checkpoint-format", o.checkpoint_format,
-                 "sharded: each rank writes its pieces into step_NNNNNN/ (resumable by any world size or layout); "
-                 "single: one step_NNNNNN.safetensors; auto: sharded when distributed")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "sharded", "single"}));
-  app.add_flag("--overwrite-checkpoints", o.overwrite_checkpoints,
-               "allow replacing existing checkpoints in --checkpoint-dir (otherwise such a run is refused at the start)");
-  app.add_option("--seed", o.seed, "random seed")->capture_default_str();
-  app.add_flag("--shuffle", o.shuffle, "shuffle training batches");
-  app.add_flag("--explain-kernels", o.explain_kernels, "after the first step, list which provider served each op");
-  app.add_option("--trace-ops", o.trace_ops, "record every op call of the training steps (op, dtypes, shapes, "
-                 "strides, offsets, aliasing, attributes; identical calls counted once) into FILE, for "
-                 "loom-conformance --trace FILE");
-  app.add_flag("--trace-values", o.trace_values, "with --trace-ops: also record the inputs' values (up to "
-               "--trace-value-limit elements per tensor) in FILE.values.safetensors");
-  app.add_option("--trace-value-limit", o.trace_value_limit, "with --trace-values: the largest tensor (elements) "
-                 "whose values are recorded")->capture_default_str()->check(at_least(0));
-  app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
-               "sync, optimizer) into metrics.jsonl and print their medians at the end");
-  app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here; "
-                 "an existing metrics.jsonl is appended to, after a line that marks this run's start");
-  app.add_option("--log-interval", o.log_interval, "print a step line every N steps")->capture_default_str()->check(at_least(1));
-  app.add_option("--peak-tflops", o.peak_tflops,
-                 "device peak in TFLOP/s for MFU (default: the GPU's bf16 dense peak when known, else no MFU)")
-      ->check(finite & at_least(0));
-  // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
-  app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str()
-      ->check(at_least(1));
-  app.add_option("--zero", o.zero_stage,
-                 "ZeRO stage over data-parallel ranks: 1 shards AdamW state, 2 also gradients, 3 also parameters "
-                 "(gathered block by block; with --recompute for the memory)")
-      ->check(CLI::Range(0, 3))->capture_default_str();
-  app.add_flag_callback("--zero1", [&o] { o.zero_stage = 1; }, "the same as --zero 1")->configurable(false);
-  app.add_option("--pp", o.pipeline_parallel, "pipeline stages (blocks split across ranks; with --tp and data "
-                 "parallelism: world = pp x dp x tp)")->check(at_least(1))->capture_default_str();
-  app.add_flag("--sp", o.sequence_parallel, "sequence parallelism with --tp: norms, dropout and residual adds on "
-               "sequence slices, all-gather/reduce-scatter in place of all-reduce (less activation memory)");
-  app.add_option("--pp-schedule", o.pp_schedule, "pipeline schedule: gpipe, 1f1b or interleaved")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
-  app.add_option("--virtual-stages", o.virtual_stages, "interleaved schedule: model chunks per pipeline rank")
-      ->check(at_least(1))->capture_default_str();
-  app.add_option("--recompute", o.recompute,
-                 "activation checkpointing per block: none, selective (keep matrix products and attention, recompute "
-                 "the rest) or full (keep only each block's input)")
-      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
-  app.add_flag("--recompute-mlp", o.recompute_mlp,
-               "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
-  app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
-  app.add_option("--bucket-mb", o.bucket_mb, "DDP: gradient MiB per all-reduce bucket")
-      ->check(at_least(1))->capture_default_str();
-  std::vector<std::string> diopi_libraries;
-  app.add_option("--load-diopi", diopi_libraries,
-                 "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
-                 "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
-  if (int rc = loom::cli::run("loom-train", [&] { loom::cli::add_run_config(app); }); rc != 0) return rc;
+  if (int rc = loom::cli::run("loom-train", [&] { loom::cli::add_train_options(app, args); }); rc != 0) return rc;
   if (int rc = loom::cli::parse(app, "loom-train", argc, argv); rc >= 0) return rc;
-  // The settings the user gave (command line or --config): on --resume the others are the checkpoint's.
-  o.given.emplace();
-  for (const CLI::Option* opt : app.get_options())
-    if (opt->count() > 0 && !opt->get_lnames().empty()) o.given->insert(opt->get_lnames().front());
-  if (!tf32.empty()) o.tf32 = tf32 == "on";
+  loom::cli::finish_train_options(app, args);
   return loom::cli::run("loom-train", [&] {
-#ifdef LOOM_WITH_DIOPI
-    loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(o.device).type);
-#else
-    if (!diopi_libraries.empty()) throw loom::Error("--load-diopi: this Loom was built without the DIOPI bridge (LOOM_DIOPI)");
-#endif
-    loom::train::Trainer trainer(o);
+    loom::cli::load_train_libraries(args);
+    loom::train::Trainer trainer(args.options);
     trainer.run();
   });
 }

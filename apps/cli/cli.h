@@ -22,6 +22,16 @@ namespace loom::cli {
 // stdout), 2 after a bad command line (one error line).
 int parse(CLI::App& app, const std::string& name, int argc, char** argv);
 
+// What parse does before parsing: --version and the range check of integer options.
+void prepare(CLI::App& app, const std::string& name);
+
+// Runs `parse_call` (app.parse of some arguments) and returns "" when the app should go on, else the message of a bad
+// command line, as parse prints it. --help and --version propagate (CLI::Success, CLI::CallForVersion).
+std::string parse_args(CLI::App& app, const std::string& name, const std::function<void()>& parse_call);
+
+// The message as print_error prints it after "APP: error: ": one line, a leading "APP: " or "error: " dropped.
+std::string error_line(const std::string& name, const std::string& message);
+
 // Prints "APP: error: <message>" as one line: a message that starts with "APP: " says the name once, and the lines
 // of a message of several are joined with "; ".
 void print_error(const std::string& name, const std::string& message);

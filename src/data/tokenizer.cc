@@ -44,4 +44,11 @@ std::vector<std::string_view> split_for_encoding(std::string_view text, size_t t
   return chunks;
 }
 
+std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view text) {
+  std::vector<int32_t> ids = tokenizer.encode(text);
+  if (tokenizer.prompt_prefix_token() >= 0) ids.insert(ids.begin(), tokenizer.prompt_prefix_token());
+  else if (ids.empty()) ids.push_back(tokenizer.document_token());
+  return ids;
+}
+
 }  // namespace loom::data

@@ -180,6 +180,13 @@ std::shared_ptr<nn::LanguageModel> load_model(const std::string& path) {
   return model;
 }
 
+void save_model(const std::string& path, const nn::LanguageModel& model) {
+  TensorMap tensors;
+  for (const auto& [name, p] : model.named_parameters())
+    tensors["model." + name] = p.detach().to(Device()).to(kF32).contiguous();
+  save_safetensors(path, tensors, {{"format", "loom-model-1"}, {"config", model.config().to_json()}});
+}
+
 void check_hf_export_dir(const std::string& dir, const HfExportOptions& opts) {
   LOOM_REQUIRE(!dir.empty(), "Hugging Face export: no output directory given");
   // Never onto an input: the output is neither an input nor a directory above one.

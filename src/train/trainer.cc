@@ -477,7 +477,7 @@ void Trainer::log_step(const StepStats& s) {
     for (auto& [k, v] : values) logs_->tensorboard->add_scalar(k, float(v), s.step);
 }
 
-void Trainer::run() {
+void Trainer::run(const RunCallbacks& callbacks) {
   // A rank that fails mid-run must not wait in MPI_Finalize for ranks stuck in a collective: it aborts the job instead.
   struct FailureMark {
     int exceptions;
@@ -488,14 +488,18 @@ void Trainer::run() {
   } failure_mark{std::uncaught_exceptions(), parallel_->mesh().world()->size() > 1};
   // Without --val-data the evaluation runs on the training data: it is named so (console "train-data loss", logs
   // "train_data/loss"), never passed off as a validation loss.
+  int64_t evaluated_at = -1;
+  bool stop = false;
   auto log_eval = [&](int64_t step) {
     double val = evaluate(opts_.eval_batches);
+    evaluated_at = step;
     const char* key = val_loader_ ? "val/loss" : "train_data/loss";
     if (!opts_.quiet)
       std::cout << "step " << step << ": " << (val_loader_ ? "val loss " : "train-data loss (no --val-data) ") << val
                 << std::endl;
     if (logs_->jsonl) logs_->jsonl->write(step, {{key, val}});
     if (logs_->tensorboard) logs_->tensorboard->add_scalar(key, float(val), step);
+    if (callbacks.on_eval && !callbacks.on_eval(step, {{key, val}})) stop = true;
   };
   auto print_sample = [&] {
     std::string text = sample(opts_.sample_tokens);
@@ -540,7 +544,7 @@ void Trainer::run() {
     explicit TraceStep(bool o) : on(o) { if (on) dispatch::set_op_tracing(true); }
     ~TraceStep() { if (on) dispatch::set_op_tracing(false); }
   };
-  while (step_ < opts_.steps) {
+  while (step_ < opts_.steps && !stop) {
     StepStats s = [&] {
       TraceStep traced(tracing);
       return train_step();
@@ -554,6 +558,7 @@ void Trainer::run() {
     if (s.step == first_step && dispatch::op_profiling()) dispatch::reset_op_profile();
     log_step(s);
     if (!std::isfinite(s.loss)) LOOM_THROW("loom-train: the loss became ", s.loss, " at step ", s.step);
+    if (callbacks.on_step && !callbacks.on_step(s)) stop = true;
     if (s.step == first_step && opts_.explain_kernels && is_rank0_) {
       std::set<std::pair<std::string, DType>> seen;
       for (const auto& row : used)
@@ -567,10 +572,12 @@ void Trainer::run() {
       }
       std::cout.flush();
     }
-    if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && s.step != opts_.steps) log_eval(s.step);
-    if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && s.step != opts_.steps) print_sample();
+    const bool last = s.step == opts_.steps || stop;  // the end of the run evaluates, samples and saves it
+    if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && !last) log_eval(s.step);
+    const bool last_now = s.step == opts_.steps || stop;  // an evaluation's callback may have stopped the run
+    if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && !last_now) print_sample();
     if (!opts_.checkpoint_dir.empty() && opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0 &&
-        s.step != opts_.steps)
+        !last_now)
       save_checkpoint(checkpoint_path(s.step));
   }
   if (opts_.phase_times && is_rank0_) print_phase_summary();
@@ -582,7 +589,7 @@ void Trainer::run() {
                 << opts_.trace_ops << (opts_.trace_values ? " (values in " + opts_.trace_ops + ".values.safetensors)" : "")
                 << "; replay: loom-conformance --trace " << opts_.trace_ops << " --provider P" << std::endl;
   }
-  log_eval(step_);
+  if (evaluated_at != step_) log_eval(step_);
   print_sample();
   if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));
   if (logs_->tensorboard) logs_->tensorboard->flush();

@@ -5,7 +5,9 @@
 #    loom-conformance from a directory outside the tree, which finds its cases in <prefix>/share/loom/conformance;
 #    the installed sample plugin under loom-conformance; and a policy naming an unknown provider (LOOM_PROVIDERS),
 #    which both apps report as one line and a non-zero exit.
-# Arguments: -DBUILD_DIR=<Loom build> -DSRC=<this folder> -DWORK=<scratch>
+#  - imports the installed Python package from the prefix, when the build has one.
+# Arguments: -DBUILD_DIR=<Loom build> -DSRC=<this folder> -DWORK=<scratch>; with the Python package, -DPYTHON=<its
+# interpreter> -DPYTHON_DIR=<its folder under the prefix>
 file(REMOVE_RECURSE ${WORK})
 set(prefix ${WORK}/prefix)
 execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} RESULT_VARIABLE rc OUTPUT_QUIET)
@@ -90,6 +92,17 @@ run_installed(${outside} ${CMAKE_COMMAND} -E env LOOM_PROVIDERS=cpu_smaple ${pre
 if(NOT rc OR NOT err MATCHES "^loom-train: error: ${expected}[^\n]*\n$")
   file(REMOVE_RECURSE ${outside})
   message(FATAL_ERROR "loom-train with LOOM_PROVIDERS=cpu_smaple (exit ${rc}):\n${out}${err}")
+endif()
+
+# The installed Python package (when built): imported from the prefix by the interpreter it was built for, it finds
+# the prefix's libloom.so by itself.
+if(PYTHON AND PYTHON_DIR AND EXISTS ${prefix}/${PYTHON_DIR}/loom/__init__.py)
+  run_installed(${outside} ${CMAKE_COMMAND} -E env --unset=PYTHONPATH PYTHONPATH=${prefix}/${PYTHON_DIR} ${PYTHON} -c
+                "import loom\nprint(loom.__file__)\nprint(loom.ones(2, 3).sum().item())")  # no ';': it splits arguments
+  if(rc OR NOT out MATCHES "^${prefix}/${PYTHON_DIR}/loom/__init__.py\n6.0\n$")
+    file(REMOVE_RECURSE ${outside})
+    message(FATAL_ERROR "the installed Python package (exit ${rc}):\n${out}${err}")
+  endif()
 endif()
 
 file(REMOVE_RECURSE ${outside})

@@ -78,6 +78,11 @@ class PieceCache {
 //   "llama3"  Meta's LLaMA-3 tokenizer.model at `path` (required: the vocabulary is gated, see docs/TRAINING.md)
 // Throws loom::Error for another name, a missing path or an unreadable vocabulary.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& name, const std::string& path = "");
+
+// A prompt's tokens as generation takes them (loom-generate, the Python package): the text encoded, after the
+// tokenizer's prompt prefix (LLaMA-3's <|begin_of_text|>, as Hugging Face's tokenizer adds it); an empty prompt
+// without a prefix starts from the document token (GPT-2's <|endoftext|>, the token in front of every document).
+std::vector<int32_t> encode_prompt(const Tokenizer& tokenizer, std::string_view text);
 // Whether load_tokenizer reads `path` as a tokenizer.json (its name ends in ".json").
 bool is_tokenizer_json(const std::string& path);
 

@@ -49,6 +49,11 @@ std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir);
 // metadata). What loom-export and loom-generate take. Errors name the path and what it is not.
 std::shared_ptr<nn::LanguageModel> load_model(const std::string& path);
 
+// A model alone in Loom's format, the file load_model reads as a Loom checkpoint: its parameters as "model.<name>"
+// (f32, contiguous, from any device) and its config as the "config" metadata, with format "loom-model-1" (no
+// training state: a run starts from it with --init-from, not --resume).
+void save_model(const std::string& path, const nn::LanguageModel& model);
+
 struct HfExportOptions {
   DType dtype = kF32;                           // of the weights: f32 or bf16
   int64_t max_shard_bytes = int64_t(5) << 30;   // above this, shards plus an index (save_pretrained's 5 GB)

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,13 +43,22 @@ struct StepStats {
 // "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"), for MFU; 0 for a GPU not in the table.
 double known_bf16_peak_tflops(const std::string& gpu_name);
 
+// What a caller of Trainer::run hears as the run goes (the Python package's callbacks): every step's stats after it is
+// logged, and every evaluation's metrics ("val/loss", or "train_data/loss" without validation data). A callback that
+// returns false stops the run after that step, which then ends as at its last step (an evaluation unless that step
+// was just evaluated, a sample, a checkpoint when a directory is set).
+struct RunCallbacks {
+  std::function<bool(const StepStats&)> on_step;
+  std::function<bool(int64_t step, const std::vector<std::pair<std::string, double>>& metrics)> on_eval;
+};
+
 class Trainer {
  public:
   explicit Trainer(TrainOptions options);
   ~Trainer();
 
   // Trains to options.steps, logging, evaluating, sampling and checkpointing along the way.
-  void run();
+  void run(const RunCallbacks& callbacks = {});
   // One optimizer step (all micro-batches).
   StepStats train_step();
   // Mean loss over the first `batches` validation batches (the training data if no validation data was given); every
@@ -61,6 +71,7 @@ class Trainer {
 
   int64_t step() const { return step_; }
   nn::LanguageModel& model() { return *model_; }
+  const std::shared_ptr<nn::LanguageModel>& shared_model() const { return model_; }
   const TrainOptions& options() const { return opts_; }
   const std::vector<StepStats>& history() const { return history_; }
   int64_t grad_accumulation_steps() const { return grad_accum_; }

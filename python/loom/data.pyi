@@ -1,0 +1,6 @@
+from typing import Sequence, Union
+
+import numpy as np
+
+def write_tokens(path: str, tokens: Union[Sequence[int], np.ndarray], bits: int = 16) -> None: ...
+def read_tokens(path: str) -> np.ndarray: ...
