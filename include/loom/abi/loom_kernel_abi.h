@@ -165,6 +165,26 @@
  *     scatter_add [1.2] (out in place: out[.. index ..] += src)
  *                                                   in: index, src         out: out   attrs: dim (int)
  *     triangular [1.2]                              in: x                  out: out   attrs: diagonal (int), upper (int)
+ *   Added in 1.3: the mixture-of-experts ops (src/kernels/moe_kernel.h). A token's K choices are its assignments
+ *   a = t * K + j; every tensor is contiguous; probabilities, weights and their gradients are f32 (f64 for f64).
+ *     moe_route [1.3] (softmax over E and the top K, ties to the lower index, chosen on the logits)
+ *                                                   in: logits [T, E]      out: probs [T, E], weights [T, K],
+ *                                                   experts [T, K] (i64)   attrs: renormalize (int)
+ *     moe_route_backward [1.3]                      in: grad_weights, grad_probs?, probs, experts
+ *                                                   out: grad_logits       attrs: renormalize (int)
+ *     moe_permute [1.3] (assignments grouped by expert, in order; -1 experts are not routed)
+ *                                                   in: x [T, C], experts [T, K]
+ *                                                   out: out [T * K, C], rows [T, K], sources [T * K], counts [E]
+ *                                                   (i64)   attrs: capacity (int; -1 none)
+ *     moe_unpermute [1.3] (out[t] = sum_j weights[t, j] * y[rows[t, j]])
+ *                                                   in: y [N, C], rows [T, K], weights?   out: out [T, C]
+ *     moe_unpermute_backward [1.3]                  in: grad [T, C], y, rows, sources [N], weights?
+ *                                                   out: grad_y? [N, C], grad_weights? [T, K]
+ *     grouped_gemm [1.3] (a's rows in consecutive groups, each times its own b; rows past the groups zero)
+ *                                                   in: a [M, K], b [G, K, N] ([G, N, K] when trans_b)
+ *                                                   out: c [M, N]   attrs: group_sizes (ints), trans_b (int)
+ *     grouped_gemm_weight_grad [1.3]                in: a [M, K], grad [M, N]
+ *                                                   out: grad_b [G, K, N] ([G, N, K] when trans_b)  (same attrs)
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +201,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 2
+#define LOOM_ABI_VERSION_MINOR 3
 
 #define LOOM_MAX_DIMS 8
 
