@@ -646,7 +646,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
-              << " parameters\n"
+              << " parameters"
+              << (cfg.moe.enabled() ? " (" + human_count(double(model_->num_parameters() -
+                                                                 cfg.inactive_expert_parameters())) + " active)"
+                                    : std::string())
+              << "\n"
               << "data: " << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
               << " shard(s)";
     if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";

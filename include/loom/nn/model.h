@@ -15,6 +15,22 @@ namespace loom::nn {
 
 enum class ModelFamily { kGPT2, kLlama };
 
+// A LLaMA-family model's mixture of experts (Mixtral's layout): each block's MLP is a router over num_experts SwiGLU
+// experts of ffn_hidden units, of which each token takes top_k.
+struct MoeConfig {
+  int64_t num_experts = 0;  // 0: a dense MLP in every block
+  int64_t top_k = 2;
+  int64_t shared_expert_hidden = 0;  // > 0: one more SwiGLU MLP of this width that every token takes
+  bool renormalize = true;           // the top_k weights divided by their sum (Mixtral)
+  // Training-time options (Hugging Face's router_aux_loss_coef and router_jitter_noise; the others Loom's).
+  double aux_loss_coef = 0.0;    // Switch/Mixtral load balancing: E * sum_e f_e P_e over every layer's tokens
+  double z_loss_coef = 0.0;      // ST-MoE router z-loss: the mean of logsumexp(logits)^2, averaged over layers
+  double capacity_factor = 0.0;  // > 0: an expert takes at most ceil(factor * tokens * top_k / E) rows, dropping
+                                 // the later assignments; 0: dropless
+  double jitter_noise = 0.0;     // > 0: in training, the MLP input times uniform(1 - noise, 1 + noise)
+  bool enabled() const { return num_experts > 0; }
+};
+
 struct ModelConfig {
   ModelFamily family = ModelFamily::kGPT2;
   int64_t vocab_size = 50257;
@@ -31,6 +47,7 @@ struct ModelConfig {
   std::optional<ops::RopeScaling> rope_scaling;
   bool tie_embeddings = true;
   double dropout = 0.0;
+  MoeConfig moe;  // LLaMA family only
   // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
   // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
   bool recompute_mlp = false;
@@ -57,8 +74,12 @@ struct ModelConfig {
   std::string to_hf_json(DType dtype = kF32) const;
   std::string describe() const;
   int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
-  // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T.
+  // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T, with params the
+  // active ones (a mixture of experts' unchosen experts left out).
   double flops_per_token(int64_t seq_len, int64_t num_params) const;
+  // The expert parameters a token does not use: n_layer * (num_experts - top_k) * 3 * n_embd * ffn_hidden (0 for a
+  // dense model). A model's active parameters are its parameters less these.
+  int64_t inactive_expert_parameters() const;
 };
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
@@ -74,6 +95,8 @@ class BlockHooks {
   virtual std::vector<Tensor> after_block(size_t /*index*/, std::vector<Tensor> outputs) { return outputs; }
 };
 
+struct RouterLog;
+
 class LanguageModel : public Module {
  public:
   explicit LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {}
@@ -83,6 +106,9 @@ class LanguageModel : public Module {
   Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr);
   // Mean cross-entropy of the logits over the real vocabulary against targets [B, T].
   Tensor loss(const Tensor& logits, const Tensor& targets) const;
+  // A mixture-of-experts model's routers in its last training forward (loom/nn/moe.h; null for a dense model).
+  // forward_loss adds their auxiliary losses (load balancing, z-loss) when their coefficients are set.
+  const RouterLog* router_log() const { return router_log_.get(); }
   // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
   // them, so the step holds one logits-sized buffer instead of two.
   Tensor loss(Tensor&& logits, const Tensor& targets) const;
@@ -139,6 +165,7 @@ class LanguageModel : public Module {
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;
+  std::shared_ptr<RouterLog> router_log_;
 };
 
 // The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,
