@@ -374,6 +374,7 @@ int main(int argc, char** argv) {
       if (!plan.left_out.empty())
         std::cout << "left out by --max-calls " << max_calls << ": " << left_out_text(*trace, plan.left_out) << "\n";
       std::cout << loom::conformance::suite_table(results, rerun + " --trace " + trace_path);
+      if (!json_path.empty()) loom::io::write_file_atomic(json_path, loom::conformance::suite_json(results, o) + "\n");
       const bool failed = loom::conformance::suite_failed(results);
       std::cout << (failed ? "FAILED" : "every call passed or was declined") << "\n";
       return failed ? 1 : 0;

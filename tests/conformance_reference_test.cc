@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "loom/core/dispatch.h"
+#include "loom/core/op_schema.h"
 #include "loom/io/safetensors.h"
 #include "providers/conformance.h"
 #include "test_files.h"
@@ -39,7 +41,12 @@ TEST(ConformanceReference, PyTorchSweepPassesNative) {
   for (const auto& c : cases) ops.insert(c.op);
   EXPECT_GE(ops.size(), 70u);
   auto results = run_native(cases);
-  EXPECT_EQ(results.size(), cases.size());
+  // Every case of an (op, dtype) with a native CPU kernel runs (the strided attention ops have CUDA kernels only).
+  size_t served = 0;
+  for (const auto& c : cases)
+    served += !dispatch::provider_entries(find_op_schema(c.op)->id, DeviceType::kCPU, c.dtype, "native").empty();
+  EXPECT_GE(served, cases.size() * 9 / 10);
+  EXPECT_EQ(results.size(), served);
   expect_all_pass(results);
 }
 

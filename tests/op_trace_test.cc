@@ -311,8 +311,12 @@ TEST(OpTrace, MaxCallsChoosesTheSameCallsAndWorkersGiveTheSameTable) {
   };
   std::string err_one, err_many;
   const std::string one = run("--max-calls " + std::to_string(limit) + " --jobs 1", &err_one);
-  const std::string many = run("--max-calls " + std::to_string(limit) + " --jobs 2", &err_many);
+  const std::string many = run("--max-calls " + std::to_string(limit) + " --jobs 2 --json " + dir.file("r.json"),
+                                &err_many);
   EXPECT_EQ(one, many);
+  // --json holds one result per replayed call.
+  const nlohmann::json report = nlohmann::json::parse(test::read_all(dir.file("r.json")));
+  EXPECT_EQ(report.at("results").size(), limit);
   EXPECT_NE(one.find("left out by --max-calls " + std::to_string(limit) + ": "), std::string::npos) << one;
   for (const std::string& err : {err_one, err_many}) {
     EXPECT_NE(err.find("call 1 of " + std::to_string(limit) + " (#"), std::string::npos) << err;
@@ -384,6 +388,36 @@ TEST(CallCheck, GemmMatricesAreCheckedColumnMajorWithKFromTheShapes) {
   const std::string e = check_error([&] { dispatch::call(gemm_op, Device(), kF32, bad); });
   EXPECT_NE(e.find("op gemm, argument 'c'"), std::string::npos) << e;
   EXPECT_NE(e.find("leading dimension below its rows"), std::string::npos) << e;
+}
+
+// A call over one flat dim of a billion elements (an optimizer step over a whole model's buffer) replays on its first
+// kReplayFlatElements, and says so; a call of another shape keeps its size.
+TEST(OpTrace, AFlatCallPastTheLimitReplaysOnItsFirstElements) {
+  TempDir dir;
+  const int64_t n = op_trace::kReplayFlatElements * 9 + 3;
+  auto t = [&](int buffer) {
+    return nlohmann::json{{"dtype", "f32"}, {"shape", {n}}, {"strides", {1}}, {"offset", 0}, {"buffer", buffer}};
+  };
+  nlohmann::json j = one_call_trace();
+  j["calls"][0] = {{"op", "adamw_update"}, {"device", "cpu"}, {"dtype", "f32"}, {"count", 1},
+                   {"tensors", {t(0), t(1), t(2), t(3)}},
+                   {"attrs", {{"lr", 1e-3}, {"beta1", 0.9}, {"beta2", 0.95}, {"eps", 1e-8}, {"weight_decay", 0.1},
+                              {"step", 1200}}}};
+  std::ofstream(dir.file("flat.trace")) << j.dump();
+  const op_trace::Trace trace = op_trace::read_trace(dir.file("flat.trace"));
+  std::string note;
+  const conformance::ExplicitCase c = op_trace::replay_case(trace.calls[0], 0, &note);
+  for (const auto& tc : c.tensors) EXPECT_EQ(tc.shape, Shape{op_trace::kReplayFlatElements});
+  EXPECT_NE(note.find("first " + std::to_string(op_trace::kReplayFlatElements) + " of " + std::to_string(n)),
+            std::string::npos)
+      << note;
+  note.clear();
+  const op_trace::Trace small = op_trace::read_trace([&] {
+    std::ofstream(dir.file("small.trace")) << one_call_trace().dump();
+    return dir.file("small.trace");
+  }());
+  EXPECT_EQ(op_trace::replay_case(small.calls[0], 0, &note).tensors[0].shape, (Shape{4, 8}));
+  EXPECT_EQ(note, "");
 }
 
 }  // namespace

@@ -25,7 +25,11 @@ inline OpSchema attention_schema(bool backward, Layout layout) {
         // products (as FlashAttention-2 does): up to 3.4% of the output's RMS in bf16 on the H100 (seed 11).
         .tolerance(kBF16, 4e-2, 4e-2).tolerance(kF16, 6e-3, 6e-3);
   else
-    s.out("out", "B H T D").layout(layout).out("lse", "B H T", DTypeRule::kStats);
+    // Flash-style forwards round the probabilities to the 16-bit dtype before P V (as FlashAttention-2 does): a row
+    // over few keys whose values nearly cancel is off by up to 2^-9 of its values, which the output's RMS over a long
+    // causal sequence (most rows averaging many keys) makes large (a GPT-2 step's row 1 at T = 1024, on an H200).
+    s.out("out", "B H T D").layout(layout).out("lse", "B H T", DTypeRule::kStats)
+        .tolerance(kBF16, 1e-2, 2e-2).tolerance(kF16, 2e-3, 3e-3);
   // NaN or inf in q, k or v are not part of attention's contract (normal and tiny values only): the backward's result
   // depends on which probabilities underflow to 0 (0 * inf), which differs between the dtype and float64, and
   // attention libraries differ in what a NaN score does to a row (online softmax, masking by -inf).

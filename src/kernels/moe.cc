@@ -47,7 +47,7 @@ OpSchema moe_permute_schema() {
       .in("x", "T C").in("experts", "T K", DTypeRule::kIndex).values(Values::kIndexBelow, "E")
       .out("out", "N C").shape_fn(assignments).out("rows", "T K", DTypeRule::kI64)
       .out("sources", "N", DTypeRule::kI64).shape_fn(sources).out("counts", "E", DTypeRule::kI64)
-      .attr("capacity", {-1.0, 0.0, 1.0, 3.0}).dim("T", {0}).dim("E", {1, 8}).dispatch_on("x").abi_since(3)
+      .attr("capacity", {-1.0, 0.0, 1.0, 3.0}).dim("T", {0}).dim("E", {1, 8}).dispatch_on("x").abi_since(4)
       .special_values("rows are copied: NaN and inf move with them");
 }
 
@@ -58,7 +58,7 @@ OpSchema moe_unpermute_backward_schema() {
       .in("sources", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "A")
       .in_opt("weights", "T K", DTypeRule::kStats)
       .out_opt("grad_y", "N C").out_opt("grad_weights", "T K", DTypeRule::kStats)
-      .dim("T", {0}).dim("N", {1}).dispatch_on("grad").abi_since(3)
+      .dim("T", {0}).dim("N", {1}).dispatch_on("grad").abi_since(4)
       .case_rule([](SuiteCase& c, const OpSchema& s) {
         c.dim("A") = c.dim("T") * c.dim("K");  // the assignments sources index
         if (c.dim("A") == 0) c.dim("N") = 0;   // no assignment: no row (a source could only be -1)
@@ -73,7 +73,7 @@ OpSchema grouped_gemm_schema() {
   return OpSchema()
       .in("a", "M K").in("b", "G K N").shape_fn(b_shape).out("c", "M N")
       .attr("trans_b", {1.0, 0.0}).dim("G", {1, 8, 64}).dim("M", {0}).dim("K", {0}).accumulates("K")
-      .dispatch_on("a").autocast(Autocast::kCastInputs).abi_since(3).case_rule(grouped_gemm_rule)
+      .dispatch_on("a").autocast(Autocast::kCastInputs).abi_since(4).case_rule(grouped_gemm_rule)
       .special_values("IEEE, as the float64 sum: NaN and inf in a or b reach the elements they touch");
 }
 
@@ -84,7 +84,7 @@ OpSchema grouped_gemm_weight_grad_schema() {
   return OpSchema()
       .in("a", "M K").in("grad", "M N").out("grad_b", "G K N").shape_fn(grad_b_shape)
       .attr("trans_b", {1.0, 0.0}).dim("G", {1, 8, 64}).dim("M", {0}).accumulates("M")
-      .dispatch_on("a").abi_since(3).case_rule(grouped_gemm_rule)
+      .dispatch_on("a").abi_since(4).case_rule(grouped_gemm_rule)
       .special_values("IEEE, as the float64 sum: NaN and inf in a or grad reach the elements they touch");
 }
 

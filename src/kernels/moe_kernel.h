@@ -32,7 +32,7 @@ LOOM_DECLARE_OP(moe_route, MoeRouteKernel,
                 OpSchema().in("logits", "T E").value_classes({ValueClass::kNormal, ValueClass::kLogits})
                     .out("probs", "T E", DTypeRule::kStats).out("weights", "T K", DTypeRule::kStats)
                     .out("experts", "T K", DTypeRule::kI64).attr("renormalize", {1.0, 0.0})
-                    .dim("T", {0}).dim("E", {1, 8, 64}).dispatch_on("logits").abi_since(3)
+                    .dim("T", {0}).dim("E", {1, 8, 64}).dispatch_on("logits").abi_since(4)
                     .special_values("logits are finite (a router's scores)")
                     .case_rule([](SuiteCase& c, const OpSchema&) { c.dim("K") = std::min(c.dim("K"), c.dim("E")); }));
 
@@ -54,7 +54,7 @@ LOOM_DECLARE_OP(moe_route_backward, MoeRouteBackwardKernel,
                     .in("probs", "T E", DTypeRule::kStats).values(Values::kPositive)
                     .in("experts", "T K", DTypeRule::kIndex).values(Values::kIndexBelow, "E")
                     .out("grad_logits", "T E").attr("renormalize", {1.0, 0.0}).dim("T", {0}).dim("E", {1, 8})
-                    .abi_since(3).special_values("the gradients and probabilities are finite"));
+                    .abi_since(4).special_values("the gradients and probabilities are finite"));
 
 struct MoePermuteAttrs {
   int64_t capacity = -1;  // rows per expert at most; -1: no limit (dropless)
@@ -79,7 +79,7 @@ using MoeUnpermuteKernel = void(const DeviceContext&, const Tensor& y, const Ten
 LOOM_DECLARE_OP(moe_unpermute, MoeUnpermuteKernel,
                 OpSchema().in("y", "N C").in("rows", "T K", DTypeRule::kIndex).values(Values::kIndexBelow, "N")
                     .in_opt("weights", "T K", DTypeRule::kStats).out("out", "T C")
-                    .dim("T", {0}).dim("N", {1}).dispatch_on("y").abi_since(3));
+                    .dim("T", {0}).dim("N", {1}).dispatch_on("y").abi_since(4));
 
 // moe_unpermute's gradients from out's gradient grad [T, C]: grad_y [N, C] with grad_y[r] = weights[a] *
 // grad[a / K] for a = sources[r] (weights absent: 1; sources[r] == -1: a zero row), and grad_weights [T, K] (f32,

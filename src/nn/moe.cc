@@ -40,7 +40,7 @@ Tensor MoeMLP::forward_tokens(const Tensor& x) const {
   Tensor h = x;
   if (training && cfg.jitter_noise > 0)  // Hugging Face Mixtral's router jitter: the experts see it too
     h = mul(h, rand(h.shape(), h.dtype(), h.device(), nullptr, 1.0 - cfg.jitter_noise, 1.0 + cfg.jitter_noise));
-  Tensor logits = gate->forward(h);
+  Tensor logits = linear(h, gate->weight);  // the router stays out of an FP8 scope (routing is decided on it)
   MoeRouting route = moe_route(logits, k, cfg.renormalize);
   const int64_t capacity =
       cfg.capacity_factor > 0 ? int64_t(std::ceil(cfg.capacity_factor * double(N * k) / double(E))) : -1;

@@ -14,6 +14,7 @@
 
 #include "loom/common/error.h"
 #include "loom/common/half.h"
+#include "providers/naive_reference_fp8.h"
 
 namespace loom::conformance::naive {
 
@@ -900,6 +901,7 @@ const std::map<std::string, Fn>& table() {
         attention_backward;
     m["gemm"] = gemm;
     add_moe_references(m);
+    add_fp8_references(m);
     return m;
   }();
   return t;

@@ -83,6 +83,8 @@ std::string loom_version();
 // One recorded call as an explicit conformance case: its shapes, strides, dtypes, attributes and recorded values;
 // offsets keep their alignment within 256 bytes; an output recorded on an input's memory element for element runs
 // on it. Other shared memory is replayed on separate buffers and described in *note.
+// A call over one flat dim that all its tensors share replays on its first kReplayFlatElements (said in *note).
+inline constexpr int64_t kReplayFlatElements = int64_t(1) << 27;
 conformance::ExplicitCase replay_case(const CallRecord& call, size_t index, std::string* note);
 // Which calls a replay runs: those of options.ops / dtypes (or the one options.only_case names: cases are numbered
 // by call), at most `max_calls` of them (0: every one): the most frequent call of each (op, dtype) first, then the

@@ -60,6 +60,30 @@ conformance::ExplicitCase replay_case(const CallRecord& call, size_t index, std:
     }
     c.tensors.push_back(std::move(t));
   }
+  // A call over one flat dim that every tensor shares (an optimizer step or a cast of a whole parameter buffer: each
+  // element alone) replays on its first kReplayFlatElements: its float64 values, reference and copies would not fit
+  // a worker's memory at a billion elements. The elements past it are not judged (the note says so).
+  int64_t flat = -1;
+  bool one_flat_dim = s.accumulate_dim.empty();
+  for (const conformance::TensorCase& t : c.tensors) {
+    if (!t.present) continue;
+    one_flat_dim &= t.list.empty() && t.shape.size() == 1 && (t.strides.empty() || t.strides[0] == 1) &&
+                    (flat < 0 || t.shape[0] == flat);
+    if (!t.shape.empty()) flat = t.shape[0];
+  }
+  if (one_flat_dim && flat > kReplayFlatElements) {
+    for (conformance::TensorCase& t : c.tensors) {
+      if (!t.present) continue;
+      t.shape = {kReplayFlatElements};
+      if (!t.given.empty()) t.given.resize(size_t(kReplayFlatElements));
+    }
+    for (auto& [name, size] : c.dims)
+      if (size == flat) size = kReplayFlatElements;
+    if (note)
+      *note += (note->empty() ? "" : "; ") + std::string("replayed on its first ") +
+               std::to_string(kReplayFlatElements) + " of " + std::to_string(flat) +
+               " elements (one flat dim, each element alone; the whole would not fit a worker's memory)";
+  }
   // Memory shared between a written argument and another: element for element with an input is what the runner
   // replays (an output on its input's buffer); any other overlap replays on separate buffers, and says so.
   for (size_t i = 0; i < call.slots.size(); ++i) {

@@ -25,6 +25,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -55,6 +56,7 @@ namespace {
 
 std::mutex failure_mu;
 std::string failure_text;
+std::atomic<int> workspace_fill{-1};  // set_workspace_fill
 
 void note_failure(const std::string& what) {
   {
@@ -71,6 +73,8 @@ std::string last_failure() {
   std::lock_guard<std::mutex> lock(failure_mu);
   return failure_text;
 }
+
+void set_workspace_fill(int byte) { workspace_fill.store(byte); }
 
 }  // namespace loom::cuda::cudnn_attention
 
@@ -753,6 +757,8 @@ void execute(const Plan& plan, const Problem& p, bool backward, cudaStream_t str
   Tensor workspace;
   if (plan.workspace_bytes > 0) workspace = empty({plan.workspace_bytes}, kU8, Device(kCUDA, p.device));
   void* workspace_ptr = workspace.defined() ? workspace.data() : nullptr;
+  if (const int fill = workspace_fill.load(); fill >= 0 && workspace_ptr != nullptr)
+    LOOM_CUDA_CHECK(cudaMemsetAsync(workspace_ptr, fill, size_t(plan.workspace_bytes), stream));
   try {
     Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, what);
     check(api().set_attribute(pack.get(), CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,

@@ -15,5 +15,8 @@ size_t version();
 std::string last_failure();
 // How many execution plans are cached, built or failed (a failed build is cached too).
 size_t cached_plans();
+// Tests: fill every call's workspace with `byte` before cuDNN runs (-1: leave it as allocated). 0xFF is a NaN in
+// every float format, so a result that reads workspace bytes cuDNN did not write first comes out NaN.
+void set_workspace_fill(int byte);
 
 }  // namespace loom::cuda::cudnn_attention
