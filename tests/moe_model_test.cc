@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/autograd/grad_mode.h"
+#include "loom/distributed/parallel_plan.h"
 #include "loom/data/token_file.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/safetensors.h"
@@ -266,6 +267,29 @@ TEST(MoeModel, HuggingFaceDirectoriesInBothLayoutsRoundTrip) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("experts.2.w3.weight"), std::string::npos) << err.what();
   }
+}
+
+// The plan takes a mixture of experts data-parallel and with ZeRO, and refuses in one line each what it does not
+// split yet: tensor parallelism, a pipeline, experts over several ranks.
+TEST(MoeModel, ThePlanRefusesWhatDoesNotSplitExperts) {
+  const nn::ModelConfig c = tiny_mixtral();
+  EXPECT_EQ(nn::parallel_rules(c).experts, 4);
+  for (const auto& rule : nn::parallel_rules(c).tensor) EXPECT_EQ(rule.parameter.find(".mlp."), std::string::npos);
+  distributed::ParallelOptions o;
+  o.zero_stage = 3;
+  EXPECT_EQ(distributed::make_plan(c, 2, o).mesh.world(), 2);
+  o.zero_stage = 0;
+  o.tensor = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
+                                {"tensor parallelism does not split a mixture of experts"});
+  o.tensor = 1;
+  o.pipeline = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--pp does not carry"});
+  o.pipeline = 1;
+  o.zero_stage = 1;
+  o.expert = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
+                                {"expert parallelism over 2 ranks is not built yet"});
 }
 
 TEST(MoeModel, MixtralTinyTrainsWithFallingLoss) {
