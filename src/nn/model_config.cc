@@ -186,6 +186,7 @@ void validate(const ModelConfig& c) {
                  " capacity_factor=", m.capacity_factor, " router_jitter_noise=", m.jitter_noise,
                  " (non-negative; jitter below 1)");
   }
+  check_lora(c);
   if (c.rope_scaling)
     LOOM_REQUIRE(c.rope_scaling->factor > 0 && c.rope_scaling->high_freq_factor > c.rope_scaling->low_freq_factor &&
                      c.rope_scaling->original_max_positions > 0,
@@ -244,7 +245,8 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
                      {"family", "vocab_size", "padded_vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head",
                       "n_embd", "ffn_hidden", "head_dim", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings",
                       "dropout", "num_experts", "experts_per_token", "shared_expert_hidden", "renormalize_router",
-                      "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "router_jitter_noise"},
+                      "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "router_jitter_noise",
+                      "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"},
                      "the model config");
   std::string fam = get<std::string>(j, "family", "gpt2");
   LOOM_REQUIRE(fam == "gpt2" || fam == "llama", "family must be gpt2 or llama, got '", fam, "'");
@@ -263,6 +265,20 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   c.tie_embeddings = get(j, "tie_embeddings", c.tie_embeddings);
   c.dropout = get(j, "dropout", c.dropout);
   read_moe_keys(j, c.moe);
+  c.lora.rank = get(j, "lora_rank", c.lora.rank);
+  c.lora.alpha = get(j, "lora_alpha", c.lora.alpha);
+  c.lora.dropout = get(j, "lora_dropout", c.lora.dropout);
+  if (j.contains("lora_targets")) {
+    LOOM_REQUIRE(j["lora_targets"].is_array(), "\"lora_targets\" must be an array of names, got ",
+                 io::json_excerpt(j["lora_targets"]));
+    std::string list;
+    for (const auto& t : j["lora_targets"]) {
+      LOOM_REQUIRE(t.is_string(), "\"lora_targets\" must be an array of names, got ", io::json_excerpt(t));
+      if (!list.empty()) list += ',';
+      list += t.get<std::string>();
+    }
+    c.lora.targets = LoraConfig::parse_targets(list);
+  }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const auto& s = j["rope_scaling"];
     LOOM_REQUIRE(s.is_object(), "\"rope_scaling\" must be an object or null, got ", io::json_excerpt(s));
@@ -406,6 +422,12 @@ std::string ModelConfig::to_json() const {
     j["capacity_factor"] = moe.capacity_factor;
     j["router_jitter_noise"] = moe.jitter_noise;
   }
+  if (lora.enabled()) {  // the adapters are part of the model a checkpoint holds
+    j["lora_rank"] = lora.rank;
+    j["lora_alpha"] = lora.alpha;
+    j["lora_dropout"] = lora.dropout;
+    j["lora_targets"] = lora.targets;
+  }
   if (rope_scaling)
     j["rope_scaling"] = {{"factor", rope_scaling->factor}, {"low_freq_factor", rope_scaling->low_freq_factor},
                          {"high_freq_factor", rope_scaling->high_freq_factor},
@@ -426,6 +448,7 @@ std::string ModelConfig::describe() const {
     if (moe.capacity_factor > 0) os << ", capacity factor " << moe.capacity_factor << ")";
     else os << ", dropless)";
   }
+  if (lora.enabled()) os << ", " << lora.describe();
   return os.str();
 }
 
@@ -434,9 +457,27 @@ int64_t ModelConfig::inactive_expert_parameters() const {
   return n_layer * (moe.num_experts - moe.top_k) * 3 * n_embd * ffn_hidden;
 }
 
+int64_t ModelConfig::lora_parameters() const {
+  if (!lora.enabled()) return 0;
+  const int64_t q = n_head * head_size(), kv = n_kv_head * head_size();
+  int64_t per_layer = 0;
+  for (const std::string& t : lora.targets) {
+    const auto [in, out] = t == "q"   ? std::pair<int64_t, int64_t>{n_embd, q}
+                           : t == "k" || t == "v" ? std::pair<int64_t, int64_t>{n_embd, kv}
+                           : t == "o"    ? std::pair<int64_t, int64_t>{q, n_embd}
+                           : t == "down" ? std::pair<int64_t, int64_t>{ffn_hidden, n_embd}
+                                         : std::pair<int64_t, int64_t>{n_embd, ffn_hidden};  // gate, up
+    per_layer += lora.rank * (in + out);
+  }
+  return n_layer * per_layer;
+}
+
 double ModelConfig::flops_per_token(int64_t seq_len, int64_t num_params) const {
-  const double active = double(num_params) - double(inactive_expert_parameters());
-  return 6.0 * active + 6.0 * double(n_layer) * double(n_embd) * double(seq_len);
+  const double adapters = double(lora_parameters());
+  const double active = double(num_params) - double(inactive_expert_parameters()) - adapters;
+  // A frozen weight takes no weight gradient: 2 flops per token forward and 2 for its input's gradient.
+  return (lora.enabled() ? 4.0 : 6.0) * active + 6.0 * adapters + 6.0 * double(n_layer) * double(n_embd) *
+         double(seq_len);
 }
 
 }  // namespace loom::nn

@@ -465,6 +465,8 @@ bool is_vocabulary_rows(const std::string& name) {
 }  // namespace
 
 std::vector<std::pair<std::string, Tensor>> LanguageModel::hf_state_dict() const {
+  LOOM_REQUIRE(!cfg_.lora.enabled(), "a model with LoRA adapters goes out merged into its weights (loom-export "
+               "--merge-lora) or as a PEFT adapter directory (loom-export --peft DIR)");
   autograd::NoGradGuard ng;
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& [n, p] : named_parameters()) {
@@ -481,6 +483,7 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
   const auto tensors = cfg_.moe.enabled() ? mixtral_fused(given, cfg_.moe.num_experts) : given;
   std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
   for (auto& [name, p] : named_parameters()) {
+    if (is_lora_parameter(name)) continue;  // a base model's weights: the adapters keep theirs
     auto it = by_name.find(name);
     LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
     const Tensor& src = it->second;
@@ -554,6 +557,16 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<
       seed = uint64_t(r[0]) << 32 | r[1];
     }
     model->init_weights(*seed);
+  }
+  if (cfg.lora.enabled()) {
+    // The adapters are drawn even when the base's weights are about to be loaded (a base model gets new adapters).
+    if (!seed) {
+      uint32_t r[4];
+      const PhiloxState s = default_generator().advance(4);
+      philox4x32(s.seed, s.offset, r);
+      seed = uint64_t(r[0]) << 32 | r[1];
+    }
+    model->add_lora(*seed ^ 0x4c6f5241ull);  // a stream of their own, apart from the base's
   }
   if (cfg.fp8 != fp8::Scope::kOff) model->set_fp8(cfg.fp8, cfg.fp8_recipe);
   return model;

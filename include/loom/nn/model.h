@@ -10,6 +10,7 @@
 
 #include "loom/autograd/checkpoint.h"
 #include "loom/nn/layers.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/parallel_rules.h"
 
 namespace loom::nn {
@@ -49,6 +50,9 @@ struct ModelConfig {
   bool tie_embeddings = true;
   double dropout = 0.0;
   MoeConfig moe;  // LLaMA family only
+  // LoRA adapters (loom/nn/lora.h; LLaMA family only): make_model adds them and freezes every other weight. Saved
+  // with the model (a checkpoint holds the adapters), never in a Hugging Face config.json.
+  LoraConfig lora;
   // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
   // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
   bool recompute_mlp = false;
@@ -80,11 +84,14 @@ struct ModelConfig {
   std::string describe() const;
   int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T, with params the
-  // active ones (a mixture of experts' unchosen experts left out).
+  // active ones (a mixture of experts' unchosen experts left out); under LoRA 4 per frozen weight (no weight
+  // gradient) and 6 per adapter weight.
   double flops_per_token(int64_t seq_len, int64_t num_params) const;
   // The expert parameters a token does not use: n_layer * (num_experts - top_k) * 3 * n_embd * ffn_hidden (0 for a
   // dense model). A model's active parameters are its parameters less these.
   int64_t inactive_expert_parameters() const;
+  // The LoRA adapters' parameters: n_layer * sum over the targets of rank * (in + out) (0 without LoRA).
+  int64_t lora_parameters() const;
 };
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
@@ -156,6 +163,13 @@ class LanguageModel : public Module {
   virtual std::vector<std::pair<std::string, Tensor>> hf_state_dict() const;
   virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
+  // LoRA (loom/nn/lora.h): an adapter on every layer the config's lora targets (A drawn from a generator of `seed`),
+  // every other parameter frozen. make_model calls it for a config with LoRA.
+  void add_lora(uint64_t seed);
+  // The adapters' parameters, by the model's names ("model.layers.0.self_attn.q_proj.lora_A.weight"; PEFT's with
+  // "base_model.model." before them).
+  std::vector<std::pair<std::string, Tensor>> lora_parameters() const;
+
   // The transformer blocks, in order (what plans shard, gather or place by block).
   virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
 
@@ -193,6 +207,10 @@ class LanguageModel : public Module {
 // The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,
 // loom::manual_seed); within an nn::SkipInit scope its parameters are zeros, for weights about to be loaded.
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<uint64_t> seed = std::nullopt);
+
+// The model with every adapter folded into its layer (W + (alpha / r) B A, summed in f64) and no adapters: the same
+// config without LoRA, on the CPU in the model's dtype. The model must have adapters.
+std::shared_ptr<LanguageModel> merge_lora(const LanguageModel& model);
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
