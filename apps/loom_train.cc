@@ -92,6 +92,18 @@ int main(int argc, char** argv) {
   app.add_option("--fp8-amax-history", o.fp8_amax_history, "FP8 scaling: 1 scales each tensor by its own amax "
                  "(current scaling); N > 1 by the largest of its last N (delayed scaling)")
       ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--lora-rank", o.lora_rank, "LoRA fine-tuning (LLaMA family): adapters of this rank on "
+                 "--lora-targets, every other weight frozen (0: train every weight)")
+      ->capture_default_str()->check(at_least(0));
+  app.add_option("--lora-alpha", o.lora_alpha, "LoRA: the adapters' output scaled by alpha / rank")
+      ->capture_default_str()->check(finite);
+  app.add_option("--lora-dropout", o.lora_dropout, "LoRA: dropout on the adapters' input in training")
+      ->capture_default_str()->check(finite);
+  app.add_option("--lora-targets", o.lora_targets, "LoRA: the adapted layers, comma-separated: q, k, v, o (attention), "
+                 "gate, up, down (the MLP)")
+      ->capture_default_str();
+  app.add_option("--lora-from", o.lora_from, "LoRA: start the adapters from a PEFT adapter directory "
+                 "(adapter_config.json, adapter_model.safetensors); its rank, alpha and targets unless given");
   std::string tf32;
   app.add_option("--tf32", tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")
       ->check(CLI::IsMember({"on", "off"}));

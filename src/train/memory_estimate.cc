@@ -73,6 +73,7 @@ int64_t count_parameters(const nn::ModelConfig& c) {
     }
   }
   total.add(layer.value, c.n_layer);
+  total.add(c.lora_parameters(), 1);  // LoRA adapters
   return total.value;
 }
 
@@ -104,11 +105,14 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   LOOM_REQUIRE(in.pipeline_parallel > 0, "memory estimate: pipeline stages must be positive");
   // A pipeline stage holds 1/pp of the blocks; 1F1B keeps up to pp micro-batches of its blocks' activations, about
   // one micro-batch of the whole model's, so the activation estimate stands.
+  // Under LoRA only the adapters take gradients and AdamW state; the frozen base is held in f32 as well.
+  e.trained_parameters = c.lora.enabled() ? c.lora_parameters() : e.num_parameters;
   const double P = double(e.num_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  const double T = double(e.trained_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
-  e.gradients = 4 * P / (in.zero_stage >= 2 ? dp : 1);
-  e.optimizer_state = 8 * P / (in.zero_stage >= 1 ? dp : 1);
+  e.gradients = 4 * T / (in.zero_stage >= 2 ? dp : 1);
+  e.optimizer_state = 8 * T / (in.zero_stage >= 1 ? dp : 1);
   // A long context costs LLaMA its rope tables even when the model is small: cos and sin [max_seq_len, D/2] in f32.
   if (c.family == nn::ModelFamily::kLlama) e.buffers = 4.0 * double(c.max_seq_len) * double(head_size_of(c));
 

@@ -34,6 +34,7 @@ struct MemoryEstimateInput {
 struct MemoryEstimate {
   int64_t num_parameters = 0;  // the whole model's
   int64_t active_parameters = 0;  // those a token uses (a mixture of experts' chosen experts only)
+  int64_t trained_parameters = 0;  // those with gradients and AdamW state (under LoRA the adapters only)
   double parameters = 0;       // f32 master weights
   double gradients = 0;        // f32
   double optimizer_state = 0;  // AdamW: two f32 moments per parameter
