@@ -138,17 +138,15 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
     problems.push_back(words("--pp does not carry a mixture of experts' router losses between stages (",
                              cfg.describe(), "); use data parallelism or ZeRO"));
 
-  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1); the splits below would need their own rules.
+  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1) and split with their layers under tensor
+  // parallelism (the family's rules); a pipeline and ZeRO-2/3 would need the frozen base handled apart.
   if (cfg.lora.enabled()) {
-    if (o.tensor > 1)
-      problems.push_back(words("LoRA adapters are not split by tensor parallelism yet (--tp ", o.tensor,
-                               "); use data parallelism or --zero 1"));
     if (o.pipeline > 1)
       problems.push_back(words("LoRA adapters do not run in a pipeline yet (--pp ", o.pipeline,
-                               "); use data parallelism or --zero 1"));
+                               "); use data, tensor parallelism or --zero 1"));
     if (o.zero_stage >= 2)
       problems.push_back(words("LoRA with --zero ", o.zero_stage, ": ZeRO-2/3 shard whole blocks, frozen base with "
-                               "its adapters; use --zero 1 or data parallelism"));
+                               "its adapters; use --zero 1, data or tensor parallelism"));
   }
 
   plan.recompute = {o.recompute, o.recompute_mlp};

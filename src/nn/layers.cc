@@ -184,7 +184,11 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   y = y.transpose(1, 2).reshape({B, T, H * D});
   const Linear& out = cfg.fused_qkv ? *c_proj : *o_proj;
   if (!tp) return out.forward(y);
-  Tensor summed = tp->exit(linear(y, out.weight));  // the bias once, after the ranks' shares are summed
+  // This rank's share: its columns of the weight (and of a LoRA adapter's A, B whole), summed over the ranks; the
+  // bias once, after.
+  Tensor partial = linear(y, out.weight);
+  if (out.has_adapter()) partial = add(partial, out.adapter(y));
+  Tensor summed = tp->exit(partial);
   return out.bias.defined() ? add(summed, out.bias) : summed;
 }
 

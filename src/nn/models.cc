@@ -416,6 +416,23 @@ class Llama final : public LanguageModel {
                        {"model.layers.*.mlp.up_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
                        {"model.layers.*.mlp.down_proj.weight", Style::kRowwise, {c.ffn_hidden}}});
     if (!c.tie_embeddings) r.tensor.push_back({"lm_head.weight", Style::kVocabulary, {c.padded_vocab_size}});
+    // LoRA adapters split like their layer: a column-parallel layer's B by its output rows, a row-parallel layer's A
+    // by its input columns. The other factor is whole on every rank and each rank computes only part of its gradient
+    // (TensorParallelPlan::reduce_replicated_gradients sums an adapter's whole factor over the group).
+    if (c.lora.enabled()) {
+      const std::vector<TensorParallelRule> layers = r.tensor;
+      for (const std::string& t : c.lora.targets)
+        for (const TensorParallelRule& base : layers) {
+          const std::string suffix = "." + lora_module_name(t) + ".weight";
+          if (base.parameter.size() <= suffix.size() ||
+              base.parameter.compare(base.parameter.size() - suffix.size(), suffix.size(), suffix) != 0)
+            continue;
+          const std::string layer = base.parameter.substr(0, base.parameter.size() - 7);  // less ".weight"
+          r.tensor.push_back(base.style == Style::kRowwise
+                                 ? TensorParallelRule{layer + ".lora_A.weight", Style::kRowwise, base.blocks}
+                                 : TensorParallelRule{layer + ".lora_B.weight", Style::kColumnwise, base.blocks});
+        }
+    }
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
