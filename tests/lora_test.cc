@@ -379,7 +379,6 @@ TEST(LoraTraining, BadSettingsAreOneLineEach) {
   // The layouts the adapters do not run under yet: one line from the plan each.
   nn::ModelConfig c = tiny_llama();
   for (auto [edit, words] : std::vector<std::pair<std::function<void(distributed::ParallelOptions&)>, std::string>>{
-           {[](auto& p) { p.tensor = 2; }, "not split by tensor parallelism yet"},
            {[](auto& p) { p.pipeline = 2; }, "do not run in a pipeline yet"},
            {[](auto& p) { p.zero_stage = 3; }, "ZeRO-2/3 shard whole blocks"}}) {
     distributed::ParallelOptions p;
@@ -389,6 +388,37 @@ TEST(LoraTraining, BadSettingsAreOneLineEach) {
   distributed::ParallelOptions zero1;
   zero1.zero_stage = 1;
   EXPECT_EQ(distributed::make_plan(c, 2, zero1).data.zero_stage, 1);
+}
+
+// Under tensor parallelism an adapter splits like its layer: a column-parallel layer's B by rows, a row-parallel
+// layer's A by columns, each rule naming a parameter of the model with the layer's sizes.
+TEST(LoraModel, AdaptersSplitLikeTheirLayers) {
+  const nn::ModelConfig c = tiny_llama();
+  auto model = nn::make_model(c, 1);
+  const nn::ParallelRules rules = nn::parallel_rules(c);
+  std::map<std::string, nn::TensorParallelRule::Style> adapter_rules;
+  for (const auto& rule : rules.tensor) {
+    if (!nn::is_lora_parameter(rule.parameter)) continue;
+    adapter_rules[rule.parameter] = rule.style;
+    int64_t matched = 0;
+    for (auto& [name, p] : model->named_parameters())
+      if (rule.matches(name)) {
+        ++matched;
+        int64_t total = 0;
+        for (int64_t b : rule.blocks) total += b;
+        EXPECT_EQ(p.size(rule.dim()), total) << name;
+      }
+    EXPECT_EQ(matched, c.n_layer) << rule.parameter;
+  }
+  using Style = nn::TensorParallelRule::Style;
+  EXPECT_EQ(adapter_rules.size(), 7u);
+  EXPECT_EQ(adapter_rules.at("model.layers.*.self_attn.q_proj.lora_B.weight"), Style::kColumnwise);
+  EXPECT_EQ(adapter_rules.at("model.layers.*.mlp.up_proj.lora_B.weight"), Style::kColumnwise);
+  EXPECT_EQ(adapter_rules.at("model.layers.*.self_attn.o_proj.lora_A.weight"), Style::kRowwise);
+  EXPECT_EQ(adapter_rules.at("model.layers.*.mlp.down_proj.lora_A.weight"), Style::kRowwise);
+  distributed::ParallelOptions tp;
+  tp.tensor = 2;
+  EXPECT_EQ(distributed::make_plan(c, 2, tp).mesh.tensor, 2);
 }
 
 }  // namespace

@@ -287,16 +287,21 @@ void run_road_checks(const Context& c) {
           with(layout("llama LoRA ddp x 2", 2), [](Layout& l) { l.lora = 4; l.model = "llama.json"; }),
           with(layout("llama LoRA zero-1 x 2", 2),
                [](Layout& l) { l.lora = 4; l.zero = 1; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2 + sp", 2),
+               [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
       });
     });
-    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank and by zero-1 x 2", [&] {
+    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1 x 2 and tp 2", [&] {
       auto lora = [](Layout l) {
         l.lora = 4;
         l.model = "llama.json";
         return l;
       };
       check_resumes(c, lora(layout("LoRA ddp x 2", 2)),
-                    {lora(layout("LoRA 1 rank", 1)), lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; }))});
+                    {lora(layout("LoRA 1 rank", 1)),
+                     lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; })),
+                     lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; }))});
     });
     c.run("single-file checkpoints resume with the layout that saved them (pp 2, tp 2)", [&] {
       check_resumes(c, with(layout("pp 2 (single file)", 2), [](Layout& l) { l.pp = 2; l.format = "single"; }),
@@ -324,6 +329,8 @@ void run_road_checks(const Context& c) {
                [](Layout& l) { l.pp = 2; l.schedule = "interleaved"; l.virtual_stages = 2; }),
           with(layout("zero-2 x 4", 4), [](Layout& l) { l.zero = 2; }),
           with(layout("llama tp 2 x zero-3 x 2", 4), [](Layout& l) { l.tp = 2; l.zero = 3; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2 x zero-1 x 2", 4),
+               [](Layout& l) { l.lora = 4; l.tp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
     });
     c.run("zero-3 x 2 saved, resumed by 1 rank and by zero-3 x 4", [&] {
