@@ -379,7 +379,6 @@ TEST(LoraTraining, BadSettingsAreOneLineEach) {
   // The layouts the adapters do not run under yet: one line from the plan each.
   nn::ModelConfig c = tiny_llama();
   for (auto [edit, words] : std::vector<std::pair<std::function<void(distributed::ParallelOptions&)>, std::string>>{
-           {[](auto& p) { p.pipeline = 2; }, "do not run in a pipeline yet"},
            {[](auto& p) { p.zero_stage = 3; }, "ZeRO-2/3 shard whole blocks"}}) {
     distributed::ParallelOptions p;
     edit(p);
@@ -419,6 +418,9 @@ TEST(LoraModel, AdaptersSplitLikeTheirLayers) {
   distributed::ParallelOptions tp;
   tp.tensor = 2;
   EXPECT_EQ(distributed::make_plan(c, 2, tp).mesh.tensor, 2);
+  distributed::ParallelOptions pp;
+  pp.pipeline = 2;
+  EXPECT_EQ(distributed::make_plan(c, 2, pp).mesh.pipeline, 2);
 }
 
 }  // namespace

@@ -138,16 +138,12 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
     problems.push_back(words("--pp does not carry a mixture of experts' router losses between stages (",
                              cfg.describe(), "); use data parallelism or ZeRO"));
 
-  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1) and split with their layers under tensor
-  // parallelism (the family's rules); a pipeline and ZeRO-2/3 would need the frozen base handled apart.
-  if (cfg.lora.enabled()) {
-    if (o.pipeline > 1)
-      problems.push_back(words("LoRA adapters do not run in a pipeline yet (--pp ", o.pipeline,
-                               "); use data, tensor parallelism or --zero 1"));
-    if (o.zero_stage >= 2)
-      problems.push_back(words("LoRA with --zero ", o.zero_stage, ": ZeRO-2/3 shard whole blocks, frozen base with "
-                               "its adapters; use --zero 1, data or tensor parallelism"));
-  }
+  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1), split with their layers under tensor
+  // parallelism (the family's rules) and go with their blocks to pipeline stages; ZeRO-2/3 would need the frozen
+  // base apart from the adapters in their flat shards.
+  if (cfg.lora.enabled() && o.zero_stage >= 2)
+    problems.push_back(words("LoRA with --zero ", o.zero_stage, ": ZeRO-2/3 shard whole blocks, frozen base with "
+                             "its adapters; use --zero 1, data, tensor or pipeline parallelism"));
 
   plan.recompute = {o.recompute, o.recompute_mlp};
   if (!problems.empty()) {

@@ -290,9 +290,12 @@ void run_road_checks(const Context& c) {
           with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
           with(layout("llama LoRA tp 2 + sp", 2),
                [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
+          with(layout("llama LoRA pp 2", 2), [](Layout& l) { l.lora = 4; l.pp = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA pp 2 + zero-1", 2),
+               [](Layout& l) { l.lora = 4; l.pp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
     });
-    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1 x 2 and tp 2", [&] {
+    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, tp 2, pp 2", [&] {
       auto lora = [](Layout l) {
         l.lora = 4;
         l.model = "llama.json";
@@ -301,7 +304,8 @@ void run_road_checks(const Context& c) {
       check_resumes(c, lora(layout("LoRA ddp x 2", 2)),
                     {lora(layout("LoRA 1 rank", 1)),
                      lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; })),
-                     lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; }))});
+                     lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; })),
+                     lora(with(layout("LoRA pp 2", 2), [](Layout& l) { l.pp = 2; }))});
     });
     c.run("single-file checkpoints resume with the layout that saved them (pp 2, tp 2)", [&] {
       check_resumes(c, with(layout("pp 2 (single file)", 2), [](Layout& l) { l.pp = 2; l.format = "single"; }),
