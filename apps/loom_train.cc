@@ -102,6 +102,9 @@ int main(int argc, char** argv) {
   app.add_option("--lora-targets", o.lora_targets, "LoRA: the adapted layers, comma-separated: q, k, v, o (attention), "
                  "gate, up, down (the MLP)")
       ->capture_default_str();
+  app.add_option("--lora-base-dtype", o.lora_base_dtype, "LoRA: f32, or bf16 to hold the frozen projections (q, k, v, "
+                 "o, gate, up, down) in bf16 only (with --dtype bf16)")
+      ->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
   app.add_option("--lora-from", o.lora_from, "LoRA: start the adapters from a PEFT adapter directory "
                  "(adapter_config.json, adapter_model.safetensors); its rank, alpha and targets unless given");
   std::string tf32;

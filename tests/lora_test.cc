@@ -345,6 +345,35 @@ TEST(LoraTraining, CheckpointsResumeExactly) {
   EXPECT_EQ(nn::merge_lora(*loaded)->hf_state_dict().size(), nn::make_model(plain, 1)->hf_state_dict().size());
 }
 
+// --lora-base-dtype bf16: the frozen projections held in bf16 only (the adapters, norms, embeddings and classifier in
+// f32); the loss falls, the base stays as it was, and without --dtype bf16 it is one line.
+TEST(LoraTraining, Bf16BaseHoldsTheFrozenProjectionsInBf16) {
+  TempDir dir;
+  const std::string base_dir = write_base(dir);
+  train::TrainOptions o = lora_options(dir, base_dir);
+  o.dtype = "bf16";
+  o.lora_base_dtype = "bf16";
+  train::Trainer t(o);
+  std::map<std::string, Tensor> before;
+  for (auto& [name, p] : t.model().named_parameters()) {
+    before[name] = p.detach().clone();
+    const bool projection = !nn::is_lora_parameter(name) && name.find("_proj.weight") != std::string::npos;
+    EXPECT_EQ(p.dtype(), projection ? kBF16 : kF32) << name;
+  }
+  const double loss0 = t.evaluate(2);
+  for (int i = 0; i < 12; ++i) t.train_step();
+  EXPECT_LT(t.evaluate(2), loss0 - 0.3);
+  for (auto& [name, p] : t.model().named_parameters())
+    if (!nn::is_lora_parameter(name)) EXPECT_TRUE(test::bytes_equal(p, before.at(name))) << name;
+  train::MemoryEstimateInput mi{tiny_llama()};
+  const double f32_params = train::estimate_training_memory(mi).parameters;
+  mi.frozen_base = kBF16;
+  EXPECT_LT(train::estimate_training_memory(mi).parameters, f32_params);
+  train::TrainOptions f32 = o;
+  f32.dtype = "f32";
+  test::expect_error_mentioning([&] { train::Trainer bad(f32); }, {"--lora-base-dtype bf16", "--dtype bf16"});
+}
+
 // Each bad setting is one line naming it.
 TEST(LoraTraining, BadSettingsAreOneLineEach) {
   TempDir dir;

@@ -111,6 +111,12 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   const double T = double(e.trained_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
+  if (c.lora.enabled() && in.frozen_base == kBF16) {  // the blocks' projections in 2 bytes instead of 4
+    const double q = double(c.n_head) * double(head_size_of(c)), kv = double(c.n_kv_head) * double(head_size_of(c));
+    const double mlp = c.moe.enabled() ? 0.0 : 3.0 * double(c.n_embd) * double(c.ffn_hidden);
+    const double projections = double(c.n_layer) * (double(c.n_embd) * (2 * q + 2 * kv) + mlp);
+    e.parameters -= 2 * projections / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  }
   e.gradients = 4 * T / (in.zero_stage >= 2 ? dp : 1);
   e.optimizer_state = 8 * T / (in.zero_stage >= 1 ? dp : 1);
   // A long context costs LLaMA its rope tables even when the model is small: cos and sin [max_seq_len, D/2] in f32.

@@ -25,6 +25,10 @@ std::string adopt_checkpoint_settings(TrainOptions& o, const std::string& path);
 // flag without --lora-rank > 0 is an error.
 nn::LoraConfig lora_config(TrainOptions& o);
 
+// --lora-base-dtype: the frozen projections of the blocks (q, k, v, o, gate, up, down) held in `dtype`, replacing
+// their f32 values; the embeddings, norms, classifier and adapters stay f32.
+void hold_frozen_base(nn::LanguageModel& model, DType dtype);
+
 // What the run asks of the parallel plan, in the library's units, `compute_dtype` the run's autocast dtype. Throws
 // for a setting that another makes meaningless (--virtual-stages without the interleaved schedule, ...), naming both.
 distributed::ParallelOptions parallel_options(const TrainOptions& o, DType compute_dtype);

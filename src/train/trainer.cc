@@ -215,7 +215,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
        plan_.recompute.mode != autograd::Recompute::kNone ? autograd::recompute_name(plan_.recompute.mode)
        : plan_.recompute.mlp_hidden                      ? "selective"
                                                          : "none",
-       plan_.mesh.pipeline});
+       plan_.mesh.pipeline, cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
@@ -271,6 +271,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     }
   }
   if (!opts_.lora_from.empty()) io::load_peft_weights(opts_.lora_from, *model_);  // the adapters to start from
+  if (cfg.lora.enabled() && opts_.lora_base_dtype == "bf16") hold_frozen_base(*model_, kBF16);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
   logs_->tokenizer_name = !opts_.tokenizer.empty() ? opts_.tokenizer
                           : cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";

@@ -28,6 +28,7 @@ struct MemoryEstimateInput {
   int zero_stage = 0;            // 0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters
   std::string recompute = "none";  // "none", "selective" or "full" (see memory_estimate.cc for what each keeps)
   int64_t pipeline_parallel = 1; // stages: each holds 1/pp of the blocks (1F1B keeps up to pp micro-batches in flight)
+  DType frozen_base = kF32;      // LoRA: the dtype the frozen blocks' projections are held in (bf16: 2 bytes each)
 };
 
 // Bytes on each rank.

@@ -47,6 +47,9 @@ struct TrainOptions {
   double lora_dropout = 0;
   std::string lora_targets = "q,v";
   std::string lora_from;
+  // "bf16": the frozen base's projections (the blocks' q, k, v, o, gate, up, down weights) held in bf16 only, no f32
+  // copy (needs --dtype bf16); "f32": as every weight.
+  std::string lora_base_dtype = "f32";
   int64_t eval_interval = 50;        // 0 = never (and at the end)
   int64_t eval_batches = 8;          // 0 = the whole validation split
   int64_t sample_interval = 0;       // 0 = only at the end
