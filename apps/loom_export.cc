@@ -3,6 +3,7 @@
 //
 //   loom-export --checkpoint out/ckpt/step_000300.safetensors --llmc model.bin --dtype bf16 --hf out/hf
 //   loom-export --checkpoint out/ckpt/step_000300 --hf out/hf     (a sharded checkpoint, consolidated)
+//   loom-export --checkpoint out/lora/step_000300.safetensors --peft out/adapter --merge-lora --hf out/merged
 #include <CLI/CLI.hpp>
 
 #include <cctype>
@@ -20,6 +21,7 @@
 #include "loom/dispatch_modes.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
+#include "loom/io/peft_dir.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "loom/train/checkpoint.h"
@@ -83,10 +85,17 @@ int main(int argc, char** argv) {
                  "--hf: GPT-2: the directory of encoder.json and vocab.bpe (default: $LOOM_CACHE_DIR/gpt2 or "
                  "~/.cache/loom/gpt2); LLaMA: tokenizer files, or a directory of them, to copy (tokenizer.json, "
                  "tokenizer_config.json, special_tokens_map.json, tokenizer.model)");
-  app.add_flag("--force", force, "--hf: write into a directory that already holds files");
+  std::string peft_path;
+  bool merge_lora = false;
+  app.add_option("--peft", peft_path,
+                 "write a LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json, "
+                 "adapter_model.safetensors) that peft's PeftModel.from_pretrained loads over the base model");
+  app.add_flag("--merge-lora", merge_lora,
+               "fold a LoRA checkpoint's adapters into its weights (W + alpha/r B A) before --hf/--llmc");
+  app.add_flag("--force", force, "--hf, --peft: write into a directory that already holds files");
   if (int rc = cli::parse(app, "loom-export", argc, argv); rc >= 0) return rc;
-  if (llmc_path.empty() && hf_path.empty()) {
-    cli::print_error("loom-export", "nothing to write; give --llmc PATH and/or --hf DIR");
+  if (llmc_path.empty() && hf_path.empty() && peft_path.empty()) {
+    cli::print_error("loom-export", "nothing to write; give --llmc PATH, --hf DIR and/or --peft DIR");
     return 2;
   }
   try {
@@ -94,7 +103,7 @@ int main(int argc, char** argv) {
     const DType dtype = dtype_name == "bf16" ? kBF16 : kF32;
     const int64_t shard_bytes = parse_size(max_shard);
     namespace fs = std::filesystem;
-    for (const std::string& out : {llmc_path, hf_path})
+    for (const std::string& out : {llmc_path, hf_path, peft_path})
       LOOM_REQUIRE(out.empty() || fs::weakly_canonical(fs::absolute(out)) != fs::weakly_canonical(fs::absolute(checkpoint)),
                    "'", out, "' is the input checkpoint itself: an export never writes onto its input");
     const bool hf_single_file = ends_with(hf_path, ".safetensors");
@@ -115,6 +124,21 @@ int main(int argc, char** argv) {
     dispatch::check_op_profile_file();
     std::cout << "loom-export: " << checkpoint << ": " << model->config().describe() << ", "
               << model->num_parameters() << " parameters" << std::endl;
+    const bool has_lora = model->config().lora.enabled();
+    LOOM_REQUIRE(has_lora || (peft_path.empty() && !merge_lora), peft_path.empty() ? "--merge-lora" : "--peft",
+                 ": '", checkpoint, "' holds no LoRA adapters");
+    LOOM_REQUIRE(!has_lora || merge_lora || (llmc_path.empty() && hf_path.empty()), "'", checkpoint,
+                 "' holds LoRA adapters: --merge-lora folds them into the weights for --hf/--llmc (--peft DIR "
+                 "writes them alone)");
+    if (!peft_path.empty()) {
+      io::save_peft_dir(peft_path, *model, dtype, "", force);
+      std::cout << "loom-export: wrote " << peft_path << " (PEFT adapter directory, " << model->config().lora.describe()
+                << ", " << dtype_name << ")" << std::endl;
+    }
+    if (merge_lora) {
+      model = nn::merge_lora(*model);
+      std::cout << "loom-export: adapters merged into the weights" << std::endl;
+    }
     if (!llmc_path.empty()) {
       io::save_llmc_model(llmc_path, *model, dtype);
       std::cout << "loom-export: wrote " << llmc_path << " (llm.c model, " << dtype_name << ")" << std::endl;

@@ -508,6 +508,40 @@ TEST(LoomExport, HfDirectoryAndItsErrors) {
   EXPECT_FALSE(io::read_hf_model_dir(dir.file("out")).sharded);
   EXPECT_FALSE(fs::exists(dir.file("out/model.safetensors.index.json")));
 }
+
+// A LoRA checkpoint: --peft writes the adapter directory, --merge-lora the merged model (the adapters folded in), and
+// --hf without --merge-lora is one line.
+TEST(LoomExport, LoraCheckpointAsPeftDirectoryAndMerged) {
+  TempDir dir;
+  nn::ModelConfig c = tiny_llama();
+  c.lora.rank = 4;
+  c.lora.targets = {"q", "v"};
+  auto model = nn::make_model(c, 3);
+  {
+    autograd::NoGradGuard ng;
+    for (auto& [name, p] : model->lora_parameters()) p.copy_from(test::random_tensor(p.shape(), kF32, -0.2, 0.2, 9));
+  }
+  io::TensorMap tensors;
+  for (auto& [name, p] : model->named_parameters()) tensors["model." + name] = p.detach();
+  io::save_safetensors(dir.file("ck.safetensors"), tensors, {{"format", "loom-checkpoint-1"}, {"config", c.to_json()}});
+  const std::string exe = LOOM_EXPORT_EXE, ck = "--checkpoint " + dir.file("ck.safetensors");
+  expect_one_line_error(exe, ck + " --hf " + dir.file("plain"), "--merge-lora");
+  AppRun r = run(exe, ck + " --peft " + dir.file("adapter") + " --merge-lora --hf " + dir.file("merged"));
+  ASSERT_EQ(r.status, 0) << r.all;
+  EXPECT_TRUE(fs::exists(dir.file("adapter/adapter_config.json")));
+  EXPECT_EQ(io::load_safetensors(dir.file("adapter/adapter_model.safetensors")).size(), size_t(2 * 2 * c.n_layer));
+  auto merged = io::load_hf_model(dir.file("merged"));
+  EXPECT_FALSE(merged->config().lora.enabled());
+  autograd::NoGradGuard ng;
+  Tensor idx = test::random_indices({1, 7}, 0, c.vocab_size, kI64, 4);
+  nn::Module::EvalScope e1(*model), e2(*merged);
+  EXPECT_TRUE(test::all_close(ops::narrow(merged->forward(idx), 2, 0, c.vocab_size),
+                              ops::narrow(model->forward(idx), 2, 0, c.vocab_size), 1e-4, 1e-4));
+  nn::ModelConfig plain = c;
+  plain.lora.rank = 0;
+  io::save_hf_model_dir(dir.file("base"), *nn::make_model(plain, 3), {});
+  expect_one_line_error(exe, "--checkpoint " + dir.file("base") + " --peft " + dir.file("a2"), "holds no LoRA adapters");
+}
 #endif
 
 }  // namespace

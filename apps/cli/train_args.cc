@@ -50,9 +50,8 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
   };
   app.add_option("--model", o.model,
                  "model: gpt2 (= gpt2-124m), gpt2-medium (gpt2-350m), gpt2-large (gpt2-774m), gpt2-xl (gpt2-1558m, "
-                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-3b (llama3.2-3b), llama3-8b, "
-                 "llama3-tiny, the "
-                 "path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
+                 "gpt2-1.5b), gpt2-tiny, d<N> (GPT-2 of depth N, width 64N), llama3-1b, llama3-3b (llama3.2-3b), "
+                 "llama3-8b, llama3-tiny, mixtral-tiny, mixtral-1b, mixtral-8x7b, the path of a JSON config, or a Hugging Face model directory; sizes in any case (llm.c's gpt2-124M). "
                  "With --resume or a Loom checkpoint's --init-from: the checkpoint's; with an llm.c --init-from: the file's")
       ->capture_default_str();
   app.add_option("--init-from", o.init_from, "start from weights: safetensors with Hugging Face names, a Hugging Face "
@@ -92,6 +91,21 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
   app.add_option("--fp8-amax-history", o.fp8_amax_history, "FP8 scaling: 1 scales each tensor by its own amax "
                  "(current scaling); N > 1 by the largest of its last N (delayed scaling)")
       ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--lora-rank", o.lora_rank, "LoRA fine-tuning (LLaMA family): adapters of this rank on "
+                 "--lora-targets, every other weight frozen (0: train every weight)")
+      ->capture_default_str()->check(at_least(0));
+  app.add_option("--lora-alpha", o.lora_alpha, "LoRA: the adapters' output scaled by alpha / rank")
+      ->capture_default_str()->check(finite);
+  app.add_option("--lora-dropout", o.lora_dropout, "LoRA: dropout on the adapters' input in training")
+      ->capture_default_str()->check(finite);
+  app.add_option("--lora-targets", o.lora_targets, "LoRA: the adapted layers, comma-separated: q, k, v, o (attention), "
+                 "gate, up, down (the MLP)")
+      ->capture_default_str();
+  app.add_option("--lora-base-dtype", o.lora_base_dtype, "LoRA: f32, or bf16 to hold the frozen projections (q, k, v, "
+                 "o, gate, up, down) in bf16 only (with --dtype bf16)")
+      ->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
+  app.add_option("--lora-from", o.lora_from, "LoRA: start the adapters from a PEFT adapter directory "
+                 "(adapter_config.json, adapter_model.safetensors); its rank, alpha and targets unless given");
   app.add_option("--tf32", args.tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--eval-interval", o.eval_interval, "evaluate every N steps (0: only at the end)")->capture_default_str()

@@ -126,6 +126,24 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
                              cfg.describe(), " is dense"));
   if (o.expert > 1 && rules.experts > 0 && rules.experts % o.expert != 0)
     problems.push_back(words("expert parallelism: ", rules.experts, " experts do not divide over ", o.expert, " ranks"));
+  else if (o.expert > 1 && rules.experts > 0)
+    problems.push_back(words("expert parallelism over ", o.expert, " ranks is not built yet: every rank holds all ",
+                             rules.experts, " experts (train ", cfg.describe(), " data-parallel or with ZeRO)"));
+  // A mixture of experts runs whole on each rank: its experts are not in the tensor-parallel rules, and a pipeline
+  // stage would not carry its routers' auxiliary losses to the last stage's loss.
+  if (o.tensor > 1 && rules.experts > 0)
+    problems.push_back(words("tensor parallelism does not split a mixture of experts (", cfg.describe(),
+                             "); use data parallelism or ZeRO"));
+  if (o.pipeline > 1 && rules.experts > 0)
+    problems.push_back(words("--pp does not carry a mixture of experts' router losses between stages (",
+                             cfg.describe(), "); use data parallelism or ZeRO"));
+
+  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1), split with their layers under tensor
+  // parallelism (the family's rules) and go with their blocks to pipeline stages; ZeRO-2/3 would need the frozen
+  // base apart from the adapters in their flat shards.
+  if (cfg.lora.enabled() && o.zero_stage >= 2)
+    problems.push_back(words("LoRA with --zero ", o.zero_stage, ": ZeRO-2/3 shard whole blocks, frozen base with "
+                             "its adapters; use --zero 1, data, tensor or pipeline parallelism"));
 
   plan.recompute = {o.recompute, o.recompute_mlp};
   if (!problems.empty()) {

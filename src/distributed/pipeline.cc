@@ -221,7 +221,8 @@ struct PipelineParallel::Impl {
         if (a.forward && chunks[size_t(a.chunk)].last)
           ops::add_(loss_sum, flights[{a.micro, a.chunk}].loss.detach().reshape({1}), 1.0 / scale);
       }
-      if (tied && P > 1 && tied_weight.defined()) {  // the first stage's embedding gradient + the last's classifier's
+      // The first stage's embedding gradient + the last's classifier's (none when frozen: a LoRA run's base).
+      if (tied && P > 1 && tied_weight.defined() && tied_weight.requires_grad()) {
         autograd::NoGradGuard ng;
         Tensor g = tied_weight.grad();
         if (!g.defined()) {
@@ -291,6 +292,9 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
   std::set<const TensorImpl*> embedding;
   {
     nn::Module::EvalScope eval(model);
+    std::vector<Tensor> frozen;  // a frozen parameter (a LoRA run's base) is probed as any other
+    for (auto& [name, p] : named)
+      if (!p.requires_grad()) frozen.push_back(p.set_requires_grad(true));
     Tensor probe = model.embed(zeros({1, 1}, kI64, m.device), nullptr);
     autograd::backward({sum(probe)});
     for (auto& [name, p] : named)
@@ -298,6 +302,7 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
         embedding.insert(&p.impl());
         p.set_grad(Tensor());
       }
+    for (Tensor& p : frozen) p.set_requires_grad(false);
   }
   std::map<const TensorImpl*, int> block_of;
   auto blocks = model.blocks();

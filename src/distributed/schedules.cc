@@ -87,8 +87,9 @@ class StagedSchedule final : public Schedule {
   Device device_;
 };
 
-// The plan's synchronizers in order: data parallelism's, then sequence parallelism's sums (of the averaged
-// gradients). ZeRO-2/3 and sequence parallelism do not combine (make_plan refuses it).
+// The plan's synchronizers in order: data parallelism's, then the tensor group's sums of partial gradients of whole
+// parameters (sequence parallelism's, LoRA's; of the averaged gradients). ZeRO-2/3 and sequence parallelism do not
+// combine (make_plan refuses it).
 class PlanGradientSync final : public GradientSync {
  public:
   PlanGradientSync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards, TensorParallelPlan* sequence)

@@ -345,15 +345,18 @@ std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model,
 }
 
 void TensorParallelPlan::reduce_replicated_gradients() {
-  if (!sequence_parallel_ || group_->size() == 1) return;
+  if (group_->size() == 1) return;
   autograd::NoGradGuard ng;
-  // One all-reduce for all of them: their gradients are small (norms, biases, position embeddings).
+  // One all-reduce for all of them: their gradients are small (norms, biases, position embeddings, adapters).
   std::vector<Tensor> grads;
   int64_t total = 0;
   DType dtype = kF32;
   Device device;
   for (auto& [name, p] : model_.named_parameters()) {
     if (split_of(name).sharded || !p.grad().defined()) continue;
+    // Under sequence parallelism each rank saw a slice of the sequence: every whole parameter's gradient is partial.
+    // Without it only a LoRA adapter's whole factor's is: each rank saw a slice of its layer's features.
+    if (!sequence_parallel_ && !nn::is_lora_parameter(name)) continue;
     grads.push_back(p.grad());
     total += p.grad().numel();
     dtype = p.grad().dtype();

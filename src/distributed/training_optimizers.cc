@@ -61,6 +61,19 @@ std::map<std::string, int64_t> every_parameter(const Ownership& own, int64_t ste
   return out;
 }
 
+// Frozen parameters (a LoRA run's base weights) have no optimizer state: their values are saved whole, as a
+// replica's, by the data rank parameter i falls to, with zero moments.
+void add_frozen_pieces(const Ownership& own, std::vector<StatePiece>& out) {
+  for (auto& [name, p] : own.trained_parameters()) {
+    if (p.requires_grad()) continue;
+    const int64_t i = int64_t(own.index_of.at(name));
+    if (!own.saves(name) || (own.tensor_sharded(name) ? i : i / own.tensor_size) % own.data_size != own.data_rank)
+      continue;
+    const Tensor none = zeros({p.numel()}, kF32, p.device());
+    out.push_back({name, part_of(own, name), 0, p.numel(), p.detach().reshape({-1}), none, none});
+  }
+}
+
 optim::OptimizerState step_and_lr(int64_t optimizer_step, double lr) {
   optim::OptimizerState state;
   state["step"] = i64_scalar(optimizer_step);
@@ -106,6 +119,7 @@ class WholeAdamW final : public PlanOptimizer {
       out.push_back({name, part_of(own, name), 0, params[k].numel(), params[k].detach().reshape({-1}),
                      moment(state, key + "exp_avg", params[k]), moment(state, key + "exp_avg_sq", params[k])});
     }
+    add_frozen_pieces(own, out);
     return out;
   }
   // Each parameter's own update count (every replica agrees); under pipeline parallelism a rank sees only its
@@ -116,7 +130,8 @@ class WholeAdamW final : public PlanOptimizer {
     const auto index = index_by_impl(adamw_->parameters());
     std::map<std::string, int64_t> out;
     for (auto& [name, p] : own.model->named_parameters()) {
-      auto it = state.find("state." + std::to_string(index.at(&p.impl())) + ".step");
+      auto k = index.find(&p.impl());  // none for a frozen parameter
+      auto it = k == index.end() ? state.end() : state.find("state." + std::to_string(k->second) + ".step");
       out[name] = it == state.end() ? 0 : it->second.item<int64_t>();
     }
     return out;
@@ -177,6 +192,7 @@ class Zero1AdamW final : public PlanOptimizer {
                      params[seg.param].detach().reshape({-1}).narrow(0, seg.param_start, seg.length),
                      m.narrow(0, seg.shard_start, seg.length), v.narrow(0, seg.shard_start, seg.length)});
     }
+    add_frozen_pieces(own, out);
     return out;
   }
   std::map<std::string, int64_t> adam_steps(const Ownership& own) const override {

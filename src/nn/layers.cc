@@ -40,9 +40,40 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
   if (has_bias) bias = register_parameter("bias", uniform_or_zeros({out_features}, bound));
 }
 
-Tensor Linear::forward(const Tensor& x) const { return fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) const {
+  Tensor y = fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
+  return lora_A ? add(y, adapter(x)) : y;
+}
 Tensor Linear::forward_gelu(const Tensor& x) const {
+  if (lora_A) return gelu(forward(x));
   return fp8 ? gelu(fp8::linear(x, weight, bias, fp8)) : linear_gelu(x, weight, bias);
+}
+
+void Linear::add_adapter(int64_t rank, double alpha, double dropout_p, Generator& gen) {
+  LOOM_REQUIRE(!lora_A, "Linear: the layer already has an adapter");
+  LOOM_REQUIRE(rank > 0, "LoRA: the rank must be positive, got ", rank);
+  const int64_t in = weight.size(1), out = weight.size(0);
+  {
+    SkipInit zeros_first;  // values below, from `gen`
+    lora_A = register_module("lora_A", std::make_shared<Linear>(in, rank, false));
+    lora_B = register_module("lora_B", std::make_shared<Linear>(rank, out, false));
+  }
+  autograd::NoGradGuard ng;
+  // PEFT: kaiming_uniform_(a = sqrt(5)), uniform within 1/sqrt(in); B stays zeros.
+  const double bound = 1.0 / std::sqrt(double(in));
+  lora_A->weight.copy_from(rand(lora_A->weight.shape(), lora_A->weight.dtype(), lora_A->weight.device(), &gen, -bound,
+                                bound));
+  if (weight.device() != lora_A->weight.device()) {  // f32 on the base's device (f32 whatever the base's dtype)
+    lora_A->weight.set_data(lora_A->weight.to(weight.device()));
+    lora_B->weight.set_data(lora_B->weight.to(weight.device()));
+  }
+  lora_scaling = alpha / double(rank);
+  lora_dropout = dropout_p;
+}
+
+Tensor Linear::adapter(const Tensor& x) const {
+  const Tensor h = lora_dropout > 0 ? dropout(x, lora_dropout, is_training()) : x;
+  return mul(linear(linear(h, lora_A->weight), lora_B->weight), lora_scaling);
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim) {  // normal(0, 1), as LibTorch
@@ -153,7 +184,11 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   y = y.transpose(1, 2).reshape({B, T, H * D});
   const Linear& out = cfg.fused_qkv ? *c_proj : *o_proj;
   if (!tp) return out.forward(y);
-  Tensor summed = tp->exit(linear(y, out.weight));  // the bias once, after the ranks' shares are summed
+  // This rank's share: its columns of the weight (and of a LoRA adapter's A, B whole), summed over the ranks; the
+  // bias once, after.
+  Tensor partial = linear(y, out.weight);
+  if (out.has_adapter()) partial = add(partial, out.adapter(y));
+  Tensor summed = tp->exit(partial);
   return out.bias.defined() ? add(summed, out.bias) : summed;
 }
 

@@ -50,6 +50,29 @@ ModelConfig llama_config(int64_t layers, int64_t heads, int64_t kv_heads, int64_
   return c;
 }
 
+// Mixtral's layout: LLaMA blocks whose MLP is a top-2 router over 8 SwiGLU experts, rope theta 1e6, untied.
+ModelConfig mixtral_config(const std::string& name) {
+  ModelConfig c;
+  if (name == "mixtral-tiny") {  // tests and CPU runs
+    c = llama_config(2, 4, 2, 64, 128, 512, 0, false);
+    c.max_seq_len = 256;
+    c.moe.num_experts = 4;
+  } else if (name == "mixtral-1b") {  // about 1.1B active (3.5B total) parameters: benchmarks on one GPU
+    c = llama_config(16, 32, 8, 2048, 4096, 32000, 0, false);
+    c.max_seq_len = 4096;
+    c.moe.num_experts = 8;
+  } else {  // Mixtral-8x7B's shape (mistralai/Mixtral-8x7B-v0.1)
+    c = llama_config(32, 32, 8, 4096, 14336, 32000, 0, false);
+    c.max_seq_len = 32768;
+    c.moe.num_experts = 8;
+    c.moe.aux_loss_coef = 0.02;
+  }
+  c.padded_vocab_size = round_up_vocab(c.vocab_size);
+  c.rope_theta = 1e6;
+  c.moe.top_k = 2;
+  return c;
+}
+
 const char* family_name(ModelFamily f) { return f == ModelFamily::kGPT2 ? "gpt2" : "llama"; }
 
 }  // namespace
@@ -82,6 +105,7 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
     c.rope_scaling = ops::RopeScaling{8.0, 1.0, 4.0, 64};
     return c;
   }
+  if (name == "mixtral-tiny" || name == "mixtral-1b" || name == "mixtral-8x7b") return mixtral_config(name);
   name = name_or_path;
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(name, ec);
@@ -91,8 +115,8 @@ ModelConfig ModelConfig::from_name(const std::string& name_or_path) {
                " (a Hugging Face model directory holds config.json and model.safetensors)");
   LOOM_REQUIRE(std::filesystem::exists(file, ec), "unknown model '", name,
                "' (expected gpt2 or gpt2-124m, gpt2-medium or gpt2-350m, gpt2-large or gpt2-774m, gpt2-xl or "
-               "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-3b or llama3.2-3b, llama3-8b, llama3-tiny, the path of a JSON config file or a "
-               "Hugging Face model directory)");
+               "gpt2-1558m, gpt2-tiny, d<N>, llama3-1b, llama3-3b or llama3.2-3b, llama3-8b, llama3-tiny, mixtral-tiny, "
+               "mixtral-1b, mixtral-8x7b, the path of a JSON config file or a Hugging Face model directory)");
   const std::string text = io::read_input_file(file, io::kMaxConfigFileBytes, "model config");
   try {
     return from_json(text);
@@ -150,6 +174,20 @@ void validate(const ModelConfig& c) {
                " is smaller than vocab_size ", c.vocab_size);
   LOOM_REQUIRE(c.norm_eps > 0 && c.rope_theta > 0 && c.dropout >= 0 && c.dropout < 1,
                "inconsistent config: norm_eps=", c.norm_eps, " rope_theta=", c.rope_theta, " dropout=", c.dropout);
+  if (c.moe.enabled()) {
+    const MoeConfig& m = c.moe;
+    LOOM_REQUIRE(c.family == ModelFamily::kLlama, "inconsistent config: a mixture of experts is for the llama family");
+    LOOM_REQUIRE(m.num_experts <= 4096 && m.top_k >= 1 && m.top_k <= m.num_experts && m.shared_expert_hidden >= 0 &&
+                     m.shared_expert_hidden <= kMaxSize,
+                 "inconsistent config: num_experts=", m.num_experts, " experts_per_token=", m.top_k,
+                 " shared_expert_hidden=", m.shared_expert_hidden, " (1 <= experts_per_token <= num_experts <= 4096)");
+    LOOM_REQUIRE(m.aux_loss_coef >= 0 && m.z_loss_coef >= 0 && m.capacity_factor >= 0 && m.jitter_noise >= 0 &&
+                     m.jitter_noise < 1,
+                 "inconsistent config: router_aux_loss_coef=", m.aux_loss_coef, " router_z_loss_coef=", m.z_loss_coef,
+                 " capacity_factor=", m.capacity_factor, " router_jitter_noise=", m.jitter_noise,
+                 " (non-negative; jitter below 1)");
+  }
+  check_lora(c);
   if (c.rope_scaling)
     LOOM_REQUIRE(c.rope_scaling->factor > 0 && c.rope_scaling->high_freq_factor > c.rope_scaling->low_freq_factor &&
                      c.rope_scaling->original_max_positions > 0,
@@ -186,6 +224,18 @@ void hf_rope(const nlohmann::json& r, ModelConfig& c) {
                                     get<int64_t>(r, "original_max_position_embeddings", 0)};
 }
 
+// The mixture-of-experts keys of Loom's config (Hugging Face's names where it has them).
+void read_moe_keys(const nlohmann::json& j, MoeConfig& m) {
+  m.num_experts = get(j, "num_experts", m.num_experts);
+  m.top_k = get(j, "experts_per_token", m.top_k);
+  m.shared_expert_hidden = get(j, "shared_expert_hidden", m.shared_expert_hidden);
+  m.renormalize = get(j, "renormalize_router", m.renormalize);
+  m.aux_loss_coef = get(j, "router_aux_loss_coef", m.aux_loss_coef);
+  m.z_loss_coef = get(j, "router_z_loss_coef", m.z_loss_coef);
+  m.capacity_factor = get(j, "capacity_factor", m.capacity_factor);
+  m.jitter_noise = get(j, "router_jitter_noise", m.jitter_noise);
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_json(const std::string& text) {
@@ -195,7 +245,9 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   require_known_keys(j,
                      {"family", "vocab_size", "padded_vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head",
                       "n_embd", "ffn_hidden", "head_dim", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings",
-                      "dropout"},
+                      "dropout", "num_experts", "experts_per_token", "shared_expert_hidden", "renormalize_router",
+                      "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "router_jitter_noise",
+                      "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"},
                      "the model config");
   std::string fam = get<std::string>(j, "family", "gpt2");
   LOOM_REQUIRE(fam == "gpt2" || fam == "llama", "family must be gpt2 or llama, got '", fam, "'");
@@ -213,6 +265,21 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   c.rope_theta = get(j, "rope_theta", c.rope_theta);
   c.tie_embeddings = get(j, "tie_embeddings", c.tie_embeddings);
   c.dropout = get(j, "dropout", c.dropout);
+  read_moe_keys(j, c.moe);
+  c.lora.rank = get(j, "lora_rank", c.lora.rank);
+  c.lora.alpha = get(j, "lora_alpha", c.lora.alpha);
+  c.lora.dropout = get(j, "lora_dropout", c.lora.dropout);
+  if (j.contains("lora_targets")) {
+    LOOM_REQUIRE(j["lora_targets"].is_array(), "\"lora_targets\" must be an array of names, got ",
+                 io::json_excerpt(j["lora_targets"]));
+    std::string list;
+    for (const auto& t : j["lora_targets"]) {
+      LOOM_REQUIRE(t.is_string(), "\"lora_targets\" must be an array of names, got ", io::json_excerpt(t));
+      if (!list.empty()) list += ',';
+      list += t.get<std::string>();
+    }
+    c.lora.targets = LoraConfig::parse_targets(list);
+  }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const auto& s = j["rope_scaling"];
     LOOM_REQUIRE(s.is_object(), "\"rope_scaling\" must be an object or null, got ", io::json_excerpt(s));
@@ -248,17 +315,27 @@ ModelConfig ModelConfig::from_hf_json(const std::string& text) {
     LOOM_REQUIRE(get(j, "scale_attn_weights", true) && !get(j, "scale_attn_by_inverse_layer_idx", false),
                  "scale_attn_weights false / scale_attn_by_inverse_layer_idx true are not supported");
     LOOM_REQUIRE(!get(j, "add_cross_attention", false), "add_cross_attention is not supported");
-  } else if (type == "llama") {
-    // LlamaConfig's defaults, for the keys a file leaves out.
+  } else if (type == "llama" || type == "mixtral") {
+    // LlamaConfig's (MixtralConfig's) defaults, for the keys a file leaves out.
+    const bool mixtral = type == "mixtral";
     const int64_t hidden = get(j, "hidden_size", int64_t(4096)), heads = get(j, "num_attention_heads", int64_t(32));
     LOOM_REQUIRE(heads > 0 && hidden > 0, "\"num_attention_heads\" (", heads, ") and \"hidden_size\" (", hidden,
                  ") must be positive");
     c = llama_config(get(j, "num_hidden_layers", int64_t(32)), heads, get(j, "num_key_value_heads", heads), hidden,
-                     get(j, "intermediate_size", int64_t(11008)), get(j, "vocab_size", int64_t(32000)), 0,
-                     get(j, "tie_word_embeddings", false));
-    c.max_seq_len = get(j, "max_position_embeddings", int64_t(2048));
-    c.norm_eps = get(j, "rms_norm_eps", 1e-6);
-    c.rope_theta = get(j, "rope_theta", 10000.0);
+                     get(j, "intermediate_size", mixtral ? int64_t(14336) : int64_t(11008)),
+                     get(j, "vocab_size", int64_t(32000)), 0, get(j, "tie_word_embeddings", false));
+    c.max_seq_len = get(j, "max_position_embeddings", mixtral ? int64_t(4096 * 32) : int64_t(2048));
+    c.norm_eps = get(j, "rms_norm_eps", mixtral ? 1e-5 : 1e-6);
+    c.rope_theta = get(j, "rope_theta", mixtral ? 1e6 : 10000.0);
+    if (mixtral) {
+      c.moe.num_experts = get(j, "num_local_experts", int64_t(8));
+      c.moe.top_k = get(j, "num_experts_per_tok", int64_t(2));
+      c.moe.aux_loss_coef = get(j, "router_aux_loss_coef", 0.001);
+      c.moe.jitter_noise = get(j, "router_jitter_noise", 0.0);
+      const int64_t window = get(j, "sliding_window", int64_t(0));
+      LOOM_REQUIRE(window == 0 || window >= c.max_seq_len, "sliding_window ", window,
+                   " is not supported (Loom's attention is full causal; null or >= max_position_embeddings)");
+    }
     const int64_t head_dim = get(j, "head_dim", int64_t(0));
     LOOM_REQUIRE(head_dim >= 0, "\"head_dim\" must be positive (or absent: hidden_size / num_attention_heads), got ",
                  head_dim);
@@ -271,7 +348,8 @@ ModelConfig ModelConfig::from_hf_json(const std::string& text) {
     if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) hf_rope(j["rope_scaling"], c);
     if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) hf_rope(j["rope_parameters"], c);
   } else {
-    LOOM_THROW("model_type \"", type, "\" is not supported (Loom builds Hugging Face \"gpt2\" and \"llama\" models)");
+    LOOM_THROW("model_type \"", type, "\" is not supported (Loom builds Hugging Face \"gpt2\", \"llama\" and \"mixtral\" "
+               "models)");
   }
   c.padded_vocab_size = round_up_vocab(c.vocab_size);
   validate(c);
@@ -307,6 +385,20 @@ std::string ModelConfig::to_hf_json(DType dtype) const {
                            {"low_freq_factor", rope_scaling->low_freq_factor},
                            {"high_freq_factor", rope_scaling->high_freq_factor},
                            {"original_max_position_embeddings", rope_scaling->original_max_positions}};
+    if (moe.enabled()) {
+      LOOM_REQUIRE(moe.shared_expert_hidden == 0 && moe.renormalize, "Hugging Face Mixtral has no shared expert and "
+                   "always renormalizes its router's weights");
+      j["architectures"] = {"MixtralForCausalLM"};
+      j["model_type"] = "mixtral";
+      j["num_local_experts"] = moe.num_experts;
+      j["num_experts_per_tok"] = moe.top_k;
+      j["router_aux_loss_coef"] = moe.aux_loss_coef;
+      j["router_jitter_noise"] = moe.jitter_noise;
+      j["output_router_logits"] = false;
+      j["sliding_window"] = nullptr;
+      for (const char* k : {"head_dim", "mlp_bias", "pretraining_tp", "attention_bias"}) j.erase(k);
+      if (head_dim > 0) j["head_dim"] = head_dim;
+    }
     if (vocab_size > 128001) {  // <|begin_of_text|>, <|end_of_text|>
       j["bos_token_id"] = 128000;
       j["eos_token_id"] = 128001;
@@ -321,6 +413,22 @@ std::string ModelConfig::to_json() const {
                    {"n_embd", n_embd}, {"ffn_hidden", ffn_hidden}, {"norm_eps", norm_eps}, {"rope_theta", rope_theta},
                    {"tie_embeddings", tie_embeddings}, {"dropout", dropout}};
   if (head_dim > 0) j["head_dim"] = head_dim;
+  if (moe.enabled()) {
+    j["num_experts"] = moe.num_experts;
+    j["experts_per_token"] = moe.top_k;
+    j["shared_expert_hidden"] = moe.shared_expert_hidden;
+    j["renormalize_router"] = moe.renormalize;
+    j["router_aux_loss_coef"] = moe.aux_loss_coef;
+    j["router_z_loss_coef"] = moe.z_loss_coef;
+    j["capacity_factor"] = moe.capacity_factor;
+    j["router_jitter_noise"] = moe.jitter_noise;
+  }
+  if (lora.enabled()) {  // the adapters are part of the model a checkpoint holds
+    j["lora_rank"] = lora.rank;
+    j["lora_alpha"] = lora.alpha;
+    j["lora_dropout"] = lora.dropout;
+    j["lora_targets"] = lora.targets;
+  }
   if (rope_scaling)
     j["rope_scaling"] = {{"factor", rope_scaling->factor}, {"low_freq_factor", rope_scaling->low_freq_factor},
                          {"high_freq_factor", rope_scaling->high_freq_factor},
@@ -335,11 +443,42 @@ std::string ModelConfig::describe() const {
   if (head_dim > 0) os << ", head dim " << head_dim;
   os << ", dim " << n_embd << ", vocab " << vocab_size << " (padded " << padded_vocab_size << "), context "
      << max_seq_len;
+  if (moe.enabled()) {
+    os << ", " << moe.num_experts << " experts of " << ffn_hidden << " (top " << moe.top_k;
+    if (moe.shared_expert_hidden > 0) os << ", shared expert " << moe.shared_expert_hidden;
+    if (moe.capacity_factor > 0) os << ", capacity factor " << moe.capacity_factor << ")";
+    else os << ", dropless)";
+  }
+  if (lora.enabled()) os << ", " << lora.describe();
   return os.str();
 }
 
+int64_t ModelConfig::inactive_expert_parameters() const {
+  if (!moe.enabled()) return 0;
+  return n_layer * (moe.num_experts - moe.top_k) * 3 * n_embd * ffn_hidden;
+}
+
+int64_t ModelConfig::lora_parameters() const {
+  if (!lora.enabled()) return 0;
+  const int64_t q = n_head * head_size(), kv = n_kv_head * head_size();
+  int64_t per_layer = 0;
+  for (const std::string& t : lora.targets) {
+    const auto [in, out] = t == "q"   ? std::pair<int64_t, int64_t>{n_embd, q}
+                           : t == "k" || t == "v" ? std::pair<int64_t, int64_t>{n_embd, kv}
+                           : t == "o"    ? std::pair<int64_t, int64_t>{q, n_embd}
+                           : t == "down" ? std::pair<int64_t, int64_t>{ffn_hidden, n_embd}
+                                         : std::pair<int64_t, int64_t>{n_embd, ffn_hidden};  // gate, up
+    per_layer += lora.rank * (in + out);
+  }
+  return n_layer * per_layer;
+}
+
 double ModelConfig::flops_per_token(int64_t seq_len, int64_t num_params) const {
-  return 6.0 * double(num_params) + 6.0 * double(n_layer) * double(n_embd) * double(seq_len);
+  const double adapters = double(lora_parameters());
+  const double active = double(num_params) - double(inactive_expert_parameters()) - adapters;
+  // A frozen weight takes no weight gradient: 2 flops per token forward and 2 for its input's gradient.
+  return (lora.enabled() ? 4.0 : 6.0) * active + 6.0 * adapters + 6.0 * double(n_layer) * double(n_embd) *
+         double(seq_len);
 }
 
 }  // namespace loom::nn

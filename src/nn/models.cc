@@ -10,6 +10,7 @@
 #include "loom/core/device_runtime.h"
 #include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
+#include "loom/nn/moe.h"
 
 namespace loom::nn {
 
@@ -62,7 +63,12 @@ Tensor LanguageModel::head_logits(const Tensor& h) {
 }
 
 Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
-  return head_loss(hidden(idx, nullptr), targets);
+  Tensor loss = head_loss(hidden(idx, nullptr), targets);
+  if (router_log_) {
+    Tensor aux = router_log_->loss(cfg_.moe);
+    if (aux.defined()) loss = add(loss, aux.reshape(loss.shape()));
+  }
+  return loss;
 }
 
 Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
@@ -73,6 +79,7 @@ Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
   if (caches) caches->resize(size_t(cfg_.n_layer));
   if (tp_) tp_->set_sequence_sharded(tp_->sequence_parallel() && !caches && idx.size(1) % tp_->size() == 0);
   if (hooks_) hooks_->before_forward();
+  if (router_log_) router_log_->clear();
   auto [x, pending] = run_blocks(embed(idx, caches), Tensor(), 0, size_t(cfg_.n_layer), caches);
   return final_norm(x, pending);
 }
@@ -314,14 +321,19 @@ class GPT2 final : public LanguageModel {
 
 class LlamaBlock : public Module {
  public:
-  explicit LlamaBlock(const ModelConfig& c) {
+  LlamaBlock(const ModelConfig& c, const std::shared_ptr<RouterLog>& log) {
     input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
     self_attn = register_module("self_attn", std::make_shared<CausalSelfAttention>(
                                                  AttentionConfig{c.n_embd, c.n_head, c.n_kv_head, false, false,
                                                                  c.head_dim}));
     post_attention_layernorm =
         register_module("post_attention_layernorm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
-    mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(c.n_embd, c.ffn_hidden));
+    if (c.moe.enabled()) {  // Mixtral: the MLP is a mixture of experts (named "mlp" as transformers 5 does)
+      moe = register_module("mlp", std::make_shared<MoeMLP>(c.n_embd, c.ffn_hidden, c.moe));
+      moe->log = log;
+    } else {
+      mlp = register_module("mlp", std::make_shared<SwiGLUMLP>(c.n_embd, c.ffn_hidden));
+    }
   }
   // As GPT2Block: returns the stream after the attention add and the pending MLP output (residual_rms_norm fuses
   // each add into the next norm).
@@ -330,20 +342,22 @@ class LlamaBlock : public Module {
     auto [h, normed_1] = residual_rms_norm(x, pending, input_layernorm->weight, input_layernorm->eps);
     Tensor a = self_attn->forward(normed_1, cos, sin, cache);
     auto [h2, normed_2] = residual_rms_norm(h, a, post_attention_layernorm->weight, post_attention_layernorm->eps);
-    return {h2, mlp->forward(normed_2)};
+    return {h2, mlp ? mlp->forward(normed_2) : moe->forward(normed_2)};
   }
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<CausalSelfAttention> self_attn;
-  std::shared_ptr<SwiGLUMLP> mlp;
+  std::shared_ptr<SwiGLUMLP> mlp;  // null in a mixture-of-experts block
+  std::shared_ptr<MoeMLP> moe;
 };
 
 // Holds the "model." prefix of Hugging Face's LLaMA names.
 class LlamaBody : public Module {
  public:
-  explicit LlamaBody(const ModelConfig& c) {
+  LlamaBody(const ModelConfig& c, const std::shared_ptr<RouterLog>& log) {
     embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(c.padded_vocab_size, c.n_embd));
     layers = register_module("layers", std::make_shared<ModuleList>());
-    for (int64_t i = 0; i < c.n_layer; ++i) blocks.push_back(layers->push_back(std::make_shared<LlamaBlock>(c)));
+    for (int64_t i = 0; i < c.n_layer; ++i)
+      blocks.push_back(layers->push_back(std::make_shared<LlamaBlock>(c, log)));
     norm = register_module("norm", std::make_shared<RMSNorm>(c.n_embd, c.norm_eps));
   }
   std::shared_ptr<Embedding> embed_tokens;
@@ -355,7 +369,14 @@ class LlamaBody : public Module {
 class Llama final : public LanguageModel {
  public:
   explicit Llama(const ModelConfig& c) : LanguageModel(c) {
-    model = register_module("model", std::make_shared<LlamaBody>(c));
+    if (c.moe.enabled()) {
+      LOOM_REQUIRE(c.recompute == autograd::Recompute::kNone ||
+                       (c.moe.aux_loss_coef == 0 && c.moe.z_loss_coef == 0 && c.moe.jitter_noise == 0),
+                   "activation recompute with the routers' auxiliary losses or jitter is not supported yet: set "
+                   "router_aux_loss_coef, router_z_loss_coef and router_jitter_noise to 0, or train without recompute");
+      router_log_ = std::make_shared<RouterLog>();
+    }
+    model = register_module("model", std::make_shared<LlamaBody>(c, router_log_));
     if (!c.tie_embeddings)
       lm_head_ = register_module("lm_head", std::make_shared<Linear>(c.n_embd, c.padded_vocab_size, false));
     auto [cos, sin] = ops::rope_tables(c.max_seq_len, c.head_size(), c.rope_theta, c.rope_scaling);
@@ -388,17 +409,37 @@ class Llama final : public LanguageModel {
                 {"model.layers.*.self_attn.k_proj.weight", Style::kColumnwise, {kv}},
                 {"model.layers.*.self_attn.v_proj.weight", Style::kColumnwise, {kv}},
                 {"model.layers.*.self_attn.o_proj.weight", Style::kRowwise, {q}},
-                {"model.layers.*.mlp.gate_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
-                {"model.layers.*.mlp.up_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
-                {"model.layers.*.mlp.down_proj.weight", Style::kRowwise, {c.ffn_hidden}},
                 {"model.embed_tokens.weight", Style::kVocabulary, {c.padded_vocab_size}}};
+    if (!c.moe.enabled())  // a mixture of experts is not split (make_plan refuses it under tensor parallelism)
+      r.tensor.insert(r.tensor.begin() + 4,
+                      {{"model.layers.*.mlp.gate_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
+                       {"model.layers.*.mlp.up_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
+                       {"model.layers.*.mlp.down_proj.weight", Style::kRowwise, {c.ffn_hidden}}});
     if (!c.tie_embeddings) r.tensor.push_back({"lm_head.weight", Style::kVocabulary, {c.padded_vocab_size}});
+    // LoRA adapters split like their layer: a column-parallel layer's B by its output rows, a row-parallel layer's A
+    // by its input columns. The other factor is whole on every rank and each rank computes only part of its gradient
+    // (TensorParallelPlan::reduce_replicated_gradients sums an adapter's whole factor over the group).
+    if (c.lora.enabled()) {
+      const std::vector<TensorParallelRule> layers = r.tensor;
+      for (const std::string& t : c.lora.targets)
+        for (const TensorParallelRule& base : layers) {
+          const std::string suffix = "." + lora_module_name(t) + ".weight";
+          if (base.parameter.size() <= suffix.size() ||
+              base.parameter.compare(base.parameter.size() - suffix.size(), suffix.size(), suffix) != 0)
+            continue;
+          const std::string layer = base.parameter.substr(0, base.parameter.size() - 7);  // less ".weight"
+          r.tensor.push_back(base.style == Style::kRowwise
+                                 ? TensorParallelRule{layer + ".lora_A.weight", Style::kRowwise, base.blocks}
+                                 : TensorParallelRule{layer + ".lora_B.weight", Style::kColumnwise, base.blocks});
+        }
+    }
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
     if (c.n_kv_head != c.n_head)  // grouped-query attention (with as many, n_head says it)
       r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
                                {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
+    r.experts = c.moe.num_experts;
     r.blocks = "model.layers.*";
     return r;
   }
@@ -441,6 +482,8 @@ bool is_vocabulary_rows(const std::string& name) {
 }  // namespace
 
 std::vector<std::pair<std::string, Tensor>> LanguageModel::hf_state_dict() const {
+  LOOM_REQUIRE(!cfg_.lora.enabled(), "a model with LoRA adapters goes out merged into its weights (loom-export "
+               "--merge-lora) or as a PEFT adapter directory (loom-export --peft DIR)");
   autograd::NoGradGuard ng;
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& [n, p] : named_parameters()) {
@@ -448,13 +491,16 @@ std::vector<std::pair<std::string, Tensor>> LanguageModel::hf_state_dict() const
     if (is_vocabulary_rows(n) && t.size(0) > cfg_.vocab_size) t = ops::contiguous(ops::narrow(t, 0, 0, cfg_.vocab_size));
     out.emplace_back(n, t);
   }
+  if (cfg_.moe.enabled()) out = mixtral_per_expert(std::move(out), cfg_.moe.num_experts);
   return out;
 }
 
-void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& given) {
   autograd::NoGradGuard ng;
+  const auto tensors = cfg_.moe.enabled() ? mixtral_fused(given, cfg_.moe.num_experts) : given;
   std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
   for (auto& [name, p] : named_parameters()) {
+    if (is_lora_parameter(name)) continue;  // a base model's weights: the adapters keep theirs
     auto it = by_name.find(name);
     LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
     const Tensor& src = it->second;
@@ -528,6 +574,16 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<
       seed = uint64_t(r[0]) << 32 | r[1];
     }
     model->init_weights(*seed);
+  }
+  if (cfg.lora.enabled()) {
+    // The adapters are drawn even when the base's weights are about to be loaded (a base model gets new adapters).
+    if (!seed) {
+      uint32_t r[4];
+      const PhiloxState s = default_generator().advance(4);
+      philox4x32(s.seed, s.offset, r);
+      seed = uint64_t(r[0]) << 32 | r[1];
+    }
+    model->add_lora(*seed ^ 0x4c6f5241ull);  // a stream of their own, apart from the base's
   }
   if (cfg.fp8 != fp8::Scope::kOff) model->set_fp8(cfg.fp8, cfg.fp8_recipe);
   return model;

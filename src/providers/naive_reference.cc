@@ -900,6 +900,7 @@ const std::map<std::string, Fn>& table() {
     m["scaled_dot_product_attention_backward"] = m["scaled_dot_product_attention_backward_strided"] =
         attention_backward;
     m["gemm"] = gemm;
+    add_moe_references(m);
     add_fp8_references(m);
     return m;
   }();

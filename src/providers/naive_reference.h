@@ -7,6 +7,8 @@
 // maximum/minimum propagate NaN).
 #pragma once
 
+#include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,5 +67,8 @@ double convert(double v, DType dt);
 // seed, its top 24 bits over 2^24.
 void philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
 double philox_uniform_draw(uint64_t seed, uint64_t offset, uint64_t i);
+
+// The mixture-of-experts ops' entries (naive_reference_moe.cc), added to the table by evaluate's lookup.
+void add_moe_references(std::map<std::string, std::function<void(Case&)>>& table);
 
 }  // namespace loom::conformance::naive

@@ -64,9 +64,16 @@ int64_t count_parameters(const nn::ModelConfig& c) {
     layer.add(2, C);                    // input_layernorm, post_attention_layernorm
     layer.add(C, q + 2 * kv);           // q_proj, k_proj, v_proj
     layer.add(q, C);                    // o_proj
-    layer.add(3, C, F);                 // gate_proj, up_proj, down_proj
+    if (!c.moe.enabled()) {
+      layer.add(3, C, F);               // gate_proj, up_proj, down_proj
+    } else {
+      layer.add(c.moe.num_experts, C);                 // mlp.gate (the router)
+      layer.add(c.moe.num_experts, 3 * C, F);          // mlp.experts.gate_up_proj, down_proj
+      layer.add(3, C, c.moe.shared_expert_hidden);     // mlp.shared_expert
+    }
   }
   total.add(layer.value, c.n_layer);
+  total.add(c.lora_parameters(), 1);  // LoRA adapters
   return total.value;
 }
 
@@ -76,6 +83,9 @@ int64_t count_parameters(const nn::ModelConfig& c) {
 //               GELU pre-activation F and output F                      -> 4C + (H + 2Hkv)D + HD + 2F
 //   LLaMA  none: the same with RMSNorm, and SwiGLU's gate F, up F and their product F -> 4C + (H + 2Hkv)D + HD + 3F
 //   plus, in f32, the log-sum-exp (H) and the norms' statistics (4 for GPT-2's two LayerNorms, 2 for LLaMA).
+//   A mixture of experts keeps, per token and layer, its k assignments' rows instead of the MLP's: the permuted input
+//   C, gate/up 2F, their product F and the experts' output C each k times (3F of a shared expert), and in f32 the
+//   router's logits and probabilities (2E) and the k weights.
 //   selective: the MLP's activation output (F) is recomputed in the backward (GPT-2's recompute_mlp).
 //   full: only each block's input (C) is kept; one block's "none" activations live while it is recomputed.
 // Tensor parallelism divides the head- and F-sized terms by its degree (the C-sized ones stay replicated). Outside
@@ -91,14 +101,24 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
                "memory estimate: recompute must be none, selective or full, got '", in.recompute, "'");
   MemoryEstimate e;
   e.num_parameters = count_parameters(c);
+  e.active_parameters = e.num_parameters - c.inactive_expert_parameters();
   LOOM_REQUIRE(in.pipeline_parallel > 0, "memory estimate: pipeline stages must be positive");
   // A pipeline stage holds 1/pp of the blocks; 1F1B keeps up to pp micro-batches of its blocks' activations, about
   // one micro-batch of the whole model's, so the activation estimate stands.
+  // Under LoRA only the adapters take gradients and AdamW state; the frozen base is held in f32 as well.
+  e.trained_parameters = c.lora.enabled() ? c.lora_parameters() : e.num_parameters;
   const double P = double(e.num_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  const double T = double(e.trained_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
-  e.gradients = 4 * P / (in.zero_stage >= 2 ? dp : 1);
-  e.optimizer_state = 8 * P / (in.zero_stage >= 1 ? dp : 1);
+  if (c.lora.enabled() && in.frozen_base == kBF16) {  // the blocks' projections in 2 bytes instead of 4
+    const double q = double(c.n_head) * double(head_size_of(c)), kv = double(c.n_kv_head) * double(head_size_of(c));
+    const double mlp = c.moe.enabled() ? 0.0 : 3.0 * double(c.n_embd) * double(c.ffn_hidden);
+    const double projections = double(c.n_layer) * (double(c.n_embd) * (2 * q + 2 * kv) + mlp);
+    e.parameters -= 2 * projections / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  }
+  e.gradients = 4 * T / (in.zero_stage >= 2 ? dp : 1);
+  e.optimizer_state = 8 * T / (in.zero_stage >= 1 ? dp : 1);
   // A long context costs LLaMA its rope tables even when the model is small: cos and sin [max_seq_len, D/2] in f32.
   if (c.family == nn::ModelFamily::kLlama) e.buffers = 4.0 * double(c.max_seq_len) * double(head_size_of(c));
 
@@ -109,7 +129,14 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   const bool llama = c.family == nn::ModelFamily::kLlama;
   const double mlp_terms = llama ? 3 : 2;
   const double stats = llama ? 2 : 4;
-  const double none_per_token = a * (4 * C + ((H + 2 * Hkv) * D + H * D + mlp_terms * F) / tp) + 4 * (H / tp + stats);
+  double mlp = mlp_terms * F, router = 0;
+  if (c.moe.enabled()) {
+    const double k = double(c.moe.top_k);
+    mlp = k * (3 * F + 2 * C) + 3 * double(c.moe.shared_expert_hidden);
+    router = 2 * double(c.moe.num_experts) + k;
+  }
+  const double none_per_token =
+      a * (4 * C + ((H + 2 * Hkv) * D + H * D + mlp) / tp) + 4 * (H / tp + stats + router);
   double per_token_layer = none_per_token;
   if (in.recompute == "selective") per_token_layer -= a * F / tp;
   const double tokens = double(in.batch) * double(in.seq_len);

@@ -5,10 +5,13 @@
 #include <cmath>
 #include <functional>
 #include <iostream>
+#include <set>
 #include <vector>
 
+#include "loom/autograd/grad_mode.h"
 #include "loom/distributed/process_group.h"
 #include "loom/io/json_file.h"
+#include "loom/io/peft_dir.h"
 #include "loom/optim/lr_schedule.h"
 #include "loom/train/training_checkpoint.h"
 
@@ -48,6 +51,12 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_RUN_FLAG("model", "tokenizer-path"),
       LOOM_RUN_FLAG("model", "recompute"),
       LOOM_RUN_FLAG("model", "recompute-mlp"),
+      LOOM_SETTING("model", "lora-rank", lora_rank, "the adapters' shapes are the checkpoint's"),
+      LOOM_SETTING("model", "lora-alpha", lora_alpha, "the adapters' scaling is part of the model trained so far"),
+      LOOM_SETTING("model", "lora-dropout", lora_dropout),
+      LOOM_SETTING("model", "lora-targets", lora_targets, "the adapted layers are the checkpoint's"),
+      LOOM_RUN_FLAG("model", "lora-from"),
+      LOOM_SETTING("model", "lora-base-dtype", lora_base_dtype),
       LOOM_RUN_FLAG("training", "train-data"),
       LOOM_RUN_FLAG("training", "val-data"),
       LOOM_SETTING("training", "batch-size", batch_size, "the saved data position counts batches of B x T tokens"),
@@ -200,6 +209,60 @@ std::string adopt_checkpoint_settings(TrainOptions& opts, const std::string& pat
                 << lr_saved << " on the saved schedule)\n";
   }
   return config_json;
+}
+
+nn::LoraConfig lora_config(TrainOptions& o) {
+  auto given = [&](const char* flag) { return o.given && o.given->count(flag); };
+  if (!o.lora_from.empty()) {  // the directory's settings, unless given (then they must agree)
+    const nn::LoraConfig dir = io::read_peft_config(o.lora_from);
+    const std::string targets = [&] {
+      std::string list;
+      for (const std::string& t : dir.targets) list += (list.empty() ? "" : ",") + t;
+      return list;
+    }();
+    LOOM_REQUIRE(!given("lora-rank") || o.lora_rank == dir.rank, "loom-train: --lora-rank ", o.lora_rank,
+                 " differs from --lora-from ", o.lora_from, "'s r = ", dir.rank, " (leave --lora-rank out)");
+    LOOM_REQUIRE(!given("lora-alpha") || o.lora_alpha == dir.alpha, "loom-train: --lora-alpha ", o.lora_alpha,
+                 " differs from --lora-from ", o.lora_from, "'s lora_alpha = ", dir.alpha, " (leave --lora-alpha out)");
+    LOOM_REQUIRE(!given("lora-targets") || nn::LoraConfig::parse_targets(o.lora_targets) == dir.targets,
+                 "loom-train: --lora-targets ", o.lora_targets, " differs from --lora-from ", o.lora_from,
+                 "'s target_modules (", targets, "; leave --lora-targets out)");
+    o.lora_rank = dir.rank;
+    o.lora_alpha = dir.alpha;
+    o.lora_targets = targets;
+    if (!given("lora-dropout")) o.lora_dropout = dir.dropout;
+  }
+  nn::LoraConfig c;
+  c.rank = o.lora_rank;
+  LOOM_REQUIRE(c.rank >= 0, "loom-train: --lora-rank must be at least 0 (0: no adapters), got ", c.rank);
+  if (c.rank == 0) {
+    for (const char* flag : {"lora-alpha", "lora-dropout", "lora-targets", "lora-base-dtype"})
+      LOOM_REQUIRE(!given(flag), "loom-train: --", flag, " applies with --lora-rank > 0");
+    return c;
+  }
+  LOOM_REQUIRE(o.lora_base_dtype == "f32" || o.lora_base_dtype == "bf16", "loom-train: --lora-base-dtype must be f32 "
+               "or bf16, got ", o.lora_base_dtype);
+  LOOM_REQUIRE(o.lora_base_dtype == "f32" || dtype_from_name(o.dtype) == kBF16, "loom-train: --lora-base-dtype bf16 "
+               "computes with the base as it is held: it needs --dtype bf16 (got --dtype ", o.dtype, ")");
+  c.alpha = o.lora_alpha;
+  c.dropout = o.lora_dropout;
+  c.targets = nn::LoraConfig::parse_targets(o.lora_targets);
+  c.check();
+  return c;
+}
+
+void hold_frozen_base(nn::LanguageModel& model, DType dtype) {
+  autograd::NoGradGuard ng;
+  std::set<std::string> projections;
+  for (const char* t : {"q", "k", "v", "o", "gate", "up", "down"}) projections.insert(nn::lora_module_name(t));
+  for (const auto& block : model.blocks())
+    for (const auto& [name, m] : block->named_modules()) {
+      auto layer = std::dynamic_pointer_cast<nn::Linear>(m);
+      const size_t dot = name.rfind('.');
+      if (!layer || layer->weight.requires_grad() || !projections.count(name.substr(dot == std::string::npos ? 0 : dot + 1)))
+        continue;
+      layer->weight.set_data(layer->weight.to(dtype));
+    }
 }
 
 distributed::ParallelOptions parallel_options(const TrainOptions& o, DType compute_dtype) {

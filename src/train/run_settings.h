@@ -20,6 +20,15 @@ nlohmann::json run_settings(const TrainOptions& o, int64_t schedule_steps, int64
 // Returns the checkpoint's model config JSON ("" when it has none).
 std::string adopt_checkpoint_settings(TrainOptions& o, const std::string& path);
 
+// The run's LoRA settings (rank 0: none). With --lora-from, the PEFT directory's settings fill those not given (and
+// are written back into `o`, so checkpoints save them); a given one that differs is an error naming both. A LoRA
+// flag without --lora-rank > 0 is an error.
+nn::LoraConfig lora_config(TrainOptions& o);
+
+// --lora-base-dtype: the frozen projections of the blocks (q, k, v, o, gate, up, down) held in `dtype`, replacing
+// their f32 values; the embeddings, norms, classifier and adapters stay f32.
+void hold_frozen_base(nn::LanguageModel& model, DType dtype);
+
 // What the run asks of the parallel plan, in the library's units, `compute_dtype` the run's autocast dtype. Throws
 // for a setting that another makes meaningless (--virtual-stages without the interleaved schedule, ...), naming both.
 distributed::ParallelOptions parallel_options(const TrainOptions& o, DType compute_dtype);

@@ -30,6 +30,7 @@
 #include "loom/io/input_guard.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/metrics_log.h"
+#include "loom/io/peft_dir.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
@@ -146,6 +147,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   LOOM_REQUIRE(autocast_dtype_ == kF32 || autocast_dtype_ == kBF16 || autocast_dtype_ == kF16, "loom-train: --dtype ",
                opts_.dtype, " is not a training precision (f32, bf16 or f16)");
   const distributed::ParallelOptions parallel_options = train::parallel_options(opts_, autocast_dtype_);
+  const nn::LoraConfig lora = lora_config(opts_);  // before the data: a bad LoRA flag is one line
   LOOM_REQUIRE(opts_.batch_size > 0 && opts_.seq_len > 0, "loom-train: batch size and sequence length must be positive");
   {
     int64_t tokens = 0, bytes = 0;  // the micro-batch's inputs and targets as int32 on the host, in 64 bits
@@ -192,6 +194,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     LOOM_REQUIRE(difference.empty(), "loom-train: --model ", opts_.model, " and --init-from ", opts_.init_from,
                  " are different models: config ", difference, " (leave --model out to take the directory's)");
   }
+  cfg.lora = lora;  // the adapters are part of the model (and of a resumed checkpoint's config)
+  nn::check_lora(cfg);
   if (!saved_config.empty() && model_given) {  // --model with --resume: the same model, or one error naming the key
     const std::string difference =
         config_difference(saved_config, cfg.to_json(), "resume: '" + resume_path_ + "': config");
@@ -211,7 +215,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
        plan_.recompute.mode != autograd::Recompute::kNone ? autograd::recompute_name(plan_.recompute.mode)
        : plan_.recompute.mlp_hidden                      ? "selective"
                                                          : "none",
-       plan_.mesh.pipeline});
+       plan_.mesh.pipeline, cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
@@ -242,7 +246,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
           : "";
   if (!hf_weights.empty() || !opts_.init_from.empty() || !opts_.resume.empty()) {
     nn::SkipInit loaded;  // every weight comes from the files below (or the checkpoint resumed from)
-    model_ = nn::make_model(cfg);
+    model_ = nn::make_model(cfg, opts_.seed);  // the seed draws new LoRA adapters only
   } else {
     model_ = nn::make_model(cfg, opts_.seed);
   }
@@ -266,6 +270,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
       }
     }
   }
+  if (!opts_.lora_from.empty()) io::load_peft_weights(opts_.lora_from, *model_);  // the adapters to start from
+  if (cfg.lora.enabled() && opts_.lora_base_dtype == "bf16") hold_frozen_base(*model_, kBF16);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
   logs_->tokenizer_name = !opts_.tokenizer.empty() ? opts_.tokenizer
                           : cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
@@ -329,7 +335,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
-              << " parameters\n"
+              << " parameters"
+              << (cfg.moe.enabled() ? " (" + human_count(double(model_->num_parameters() -
+                                                                 cfg.inactive_expert_parameters())) + " active)"
+                                    : std::string())
+              << (cfg.lora.enabled() ? ", " + human_count(double(cfg.lora_parameters())) +
+                                           " trained (the LoRA adapters; the base frozen)"
+                                     : std::string())
+              << "\n"
               << "data: " << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
               << " shard(s)";
     if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";

@@ -83,6 +83,7 @@ struct Layout {
   std::string what;
   int ranks = 1;
   int64_t tp = 1, pp = 1, zero = 0, virtual_stages = 1;
+  int64_t lora = 0;  // LoRA adapters of this rank on every LLaMA projection, the base frozen
   bool sp = false;
   std::string schedule = "1f1b", recompute = "none", model = "gpt2.json", format = "auto";
 };
@@ -141,6 +142,11 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.recompute = l.recompute;
     o.checkpoint_format = l.format;
     o.resume = resume;
+    if (l.lora > 0) {
+      o.lora_rank = l.lora;
+      o.lora_targets = "q,k,v,o,gate,up,down";
+      o.lr = 2e-2;
+    }
     o.process_group = group;
     train::Trainer t(o);
     while (t.step() < last) {
@@ -167,16 +173,18 @@ double max_relative_difference(const std::vector<std::pair<double, double>>& a,
 // Every layout through the trainer against one process at the same global batch: 3 steps, losses and norms.
 void check_layouts(const Context& c, const std::vector<Layout>& layouts) {
   const std::string dir = shared_dir(c);
-  std::map<std::string, std::vector<std::pair<double, double>>> one_process;
-  for (const char* model : {"gpt2.json", "llama.json"}) {
+  std::map<std::pair<std::string, int64_t>, std::vector<std::pair<double, double>>> one_process;
+  for (const Layout& l : layouts) {
+    if (one_process.count({l.model, l.lora})) continue;
     Layout one;
-    one.model = model;
-    one_process[model] = train_as(c, dir, one, 3);
+    one.model = l.model;
+    one.lora = l.lora;
+    one_process[{l.model, l.lora}] = train_as(c, dir, one, 3);
   }
   for (const Layout& l : layouts) {
     const auto got = train_as(c, dir, l, 3);
     if (c.world->rank() != 0) continue;
-    const double worst = max_relative_difference(got, one_process.at(l.model));
+    const double worst = max_relative_difference(got, one_process.at({l.model, l.lora}));
     c.check(worst < 2e-5, l.what + " through the trainer: losses/grad norms differ by " + std::to_string(worst) +
                               " (relative) from one process");
     std::printf("  %s: max rel diff %.3g\n", l.what.c_str(), worst);
@@ -276,7 +284,28 @@ void run_road_checks(const Context& c) {
           with(layout("llama zero-3 x 2, selective recompute", 2),
                [](Layout& l) { l.zero = 3; l.recompute = "selective"; l.model = "llama.json"; }),
           with(layout("llama pp 2", 2), [](Layout& l) { l.pp = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA ddp x 2", 2), [](Layout& l) { l.lora = 4; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-1 x 2", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 1; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2 + sp", 2),
+               [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
+          with(layout("llama LoRA pp 2", 2), [](Layout& l) { l.lora = 4; l.pp = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA pp 2 + zero-1", 2),
+               [](Layout& l) { l.lora = 4; l.pp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
+    });
+    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, tp 2, pp 2", [&] {
+      auto lora = [](Layout l) {
+        l.lora = 4;
+        l.model = "llama.json";
+        return l;
+      };
+      check_resumes(c, lora(layout("LoRA ddp x 2", 2)),
+                    {lora(layout("LoRA 1 rank", 1)),
+                     lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; })),
+                     lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; })),
+                     lora(with(layout("LoRA pp 2", 2), [](Layout& l) { l.pp = 2; }))});
     });
     c.run("single-file checkpoints resume with the layout that saved them (pp 2, tp 2)", [&] {
       check_resumes(c, with(layout("pp 2 (single file)", 2), [](Layout& l) { l.pp = 2; l.format = "single"; }),
@@ -304,6 +333,8 @@ void run_road_checks(const Context& c) {
                [](Layout& l) { l.pp = 2; l.schedule = "interleaved"; l.virtual_stages = 2; }),
           with(layout("zero-2 x 4", 4), [](Layout& l) { l.zero = 2; }),
           with(layout("llama tp 2 x zero-3 x 2", 4), [](Layout& l) { l.tp = 2; l.zero = 3; l.model = "llama.json"; }),
+          with(layout("llama LoRA tp 2 x zero-1 x 2", 4),
+               [](Layout& l) { l.lora = 4; l.tp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
     });
     c.run("zero-3 x 2 saved, resumed by 1 rank and by zero-3 x 4", [&] {

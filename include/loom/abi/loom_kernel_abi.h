@@ -9,9 +9,9 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2] and of 1.3 with [1.3], and Loom binds an op
- *   only for a library built against the minor that added it or a newer one (a 1.0 library that names a 1.1 op is
- *   warned, as before, and the rest of its ops load). 1.3 also added the 8-bit float dtypes: only the FP8 ops take
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], of 1.3 with [1.3] and of 1.4 with
+ *   [1.4], and Loom binds an op only for a library built against the minor that added it or a newer one (a 1.0
+ *   library that names a 1.1 op is warned, as before, and the rest of its ops load). 1.3 also added the 8-bit float dtypes: only the FP8 ops take
  *   them, and a mask bit for them counts only in a library built against 1.3 or newer.
  *
  * Memory and streams belong to Loom: outputs are allocated by Loom before a call; a library that needs scratch
@@ -196,6 +196,26 @@
  *       beta * C (+ bias[i] when epilogue == 1; epilogue is 0 or 1). scale_a and scale_b are the operands'
  *       dequantization factors (cuBLASLt's A/B_SCALE_POINTER). attr fast_accumulation (int): 1 allows a less exact,
  *       faster accumulation (cuBLASLt's FAST_ACCUM); 0 asks for f32 partial sums.
+ *   Added in 1.4: the mixture-of-experts ops (src/kernels/moe_kernel.h). A token's K choices are its assignments
+ *   a = t * K + j; every tensor is contiguous; probabilities, weights and their gradients are f32 (f64 for f64).
+ *     moe_route [1.4] (softmax over E and the top K, ties to the lower index, chosen on the logits)
+ *                                                   in: logits [T, E]      out: probs [T, E], weights [T, K],
+ *                                                   experts [T, K] (i64)   attrs: renormalize (int)
+ *     moe_route_backward [1.4]                      in: grad_weights, grad_probs?, probs, experts
+ *                                                   out: grad_logits       attrs: renormalize (int)
+ *     moe_permute [1.4] (assignments grouped by expert, in order; -1 experts are not routed)
+ *                                                   in: x [T, C], experts [T, K]
+ *                                                   out: out [T * K, C], rows [T, K], sources [T * K], counts [E]
+ *                                                   (i64)   attrs: capacity (int; -1 none)
+ *     moe_unpermute [1.4] (out[t] = sum_j weights[t, j] * y[rows[t, j]])
+ *                                                   in: y [N, C], rows [T, K], weights?   out: out [T, C]
+ *     moe_unpermute_backward [1.4]                  in: grad [T, C], y, rows, sources [N], weights?
+ *                                                   out: grad_y? [N, C], grad_weights? [T, K]
+ *     grouped_gemm [1.4] (a's rows in consecutive groups, each times its own b; rows past the groups zero)
+ *                                                   in: a [M, K], b [G, K, N] ([G, N, K] when trans_b)
+ *                                                   out: c [M, N]   attrs: group_sizes (ints), trans_b (int)
+ *     grouped_gemm_weight_grad [1.4]                in: a [M, K], grad [M, N]
+ *                                                   out: grad_b [G, K, N] ([G, N, K] when trans_b)  (same attrs)
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -212,7 +232,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 3
+#define LOOM_ABI_VERSION_MINOR 4
 
 #define LOOM_MAX_DIMS 8
 

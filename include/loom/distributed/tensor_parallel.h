@@ -62,8 +62,9 @@ class TensorParallelPlan {
  public:
   TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group, bool sequence_parallel = false);
   bool sequence_parallel() const { return sequence_parallel_; }
-  // Sequence parallelism: sums the gradients of the parameters every rank holds whole over the group (a no-op
-  // without it). Call after the backward (after DDP's finish), before clipping.
+  // Sums over the group the gradients of parameters every rank holds whole but computes only part of: under sequence
+  // parallelism all of them, without it a LoRA adapter's whole factor (the rules split the other with its layer).
+  // Call after the backward (after DDP's finish), before clipping.
   void reduce_replicated_gradients();
   ProcessGroup& group() const { return *group_; }
   // Per parameter, in named_parameters order: whether it is split across the group (else replicated).

@@ -25,6 +25,15 @@ class Linear : public Module {
   Tensor bias;    // [out] or undefined
   // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.
   std::shared_ptr<fp8::LinearState> fp8;
+
+  // A LoRA adapter (loom/nn/lora.h): forward adds scaling * lora_B(lora_A(dropout(x))). add_adapter registers the
+  // two as submodules "lora_A" [rank, in] (uniform within 1/sqrt(in) from `gen`) and "lora_B" [out, rank] (zeros).
+  void add_adapter(int64_t rank, double alpha, double dropout, Generator& gen);
+  bool has_adapter() const { return lora_A != nullptr; }
+  // scaling * B A dropout(x): the adapter's share of the output.
+  Tensor adapter(const Tensor& x) const;
+  std::shared_ptr<Linear> lora_A, lora_B;
+  double lora_scaling = 0, lora_dropout = 0;
 };
 
 // Built with normal(0, 1) weights from the default generator (unless within nn::SkipInit), as LibTorch.

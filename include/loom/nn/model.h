@@ -10,11 +10,28 @@
 
 #include "loom/autograd/checkpoint.h"
 #include "loom/nn/layers.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/parallel_rules.h"
 
 namespace loom::nn {
 
 enum class ModelFamily { kGPT2, kLlama };
+
+// A LLaMA-family model's mixture of experts (Mixtral's layout): each block's MLP is a router over num_experts SwiGLU
+// experts of ffn_hidden units, of which each token takes top_k.
+struct MoeConfig {
+  int64_t num_experts = 0;  // 0: a dense MLP in every block
+  int64_t top_k = 2;
+  int64_t shared_expert_hidden = 0;  // > 0: one more SwiGLU MLP of this width that every token takes
+  bool renormalize = true;           // the top_k weights divided by their sum (Mixtral)
+  // Training-time options (Hugging Face's router_aux_loss_coef and router_jitter_noise; the others Loom's).
+  double aux_loss_coef = 0.0;    // Switch/Mixtral load balancing: E * sum_e f_e P_e over every layer's tokens
+  double z_loss_coef = 0.0;      // ST-MoE router z-loss: the mean of logsumexp(logits)^2, averaged over layers
+  double capacity_factor = 0.0;  // > 0: an expert takes at most ceil(factor * tokens * top_k / E) rows, dropping
+                                 // the later assignments; 0: dropless
+  double jitter_noise = 0.0;     // > 0: in training, the MLP input times uniform(1 - noise, 1 + noise)
+  bool enabled() const { return num_experts > 0; }
+};
 
 struct ModelConfig {
   ModelFamily family = ModelFamily::kGPT2;
@@ -32,6 +49,10 @@ struct ModelConfig {
   std::optional<ops::RopeScaling> rope_scaling;
   bool tie_embeddings = true;
   double dropout = 0.0;
+  MoeConfig moe;  // LLaMA family only
+  // LoRA adapters (loom/nn/lora.h; LLaMA family only): make_model adds them and freezes every other weight. Saved
+  // with the model (a checkpoint holds the adapters), never in a Hugging Face config.json.
+  LoraConfig lora;
   // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
   // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
   bool recompute_mlp = false;
@@ -62,8 +83,15 @@ struct ModelConfig {
   std::string to_hf_json(DType dtype = kF32) const;
   std::string describe() const;
   int64_t head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
-  // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T.
+  // Flops per token of a training step as llm.c counts them: 6 * params + 6 * n_layer * n_embd * T, with params the
+  // active ones (a mixture of experts' unchosen experts left out); under LoRA 4 per frozen weight (no weight
+  // gradient) and 6 per adapter weight.
   double flops_per_token(int64_t seq_len, int64_t num_params) const;
+  // The expert parameters a token does not use: n_layer * (num_experts - top_k) * 3 * n_embd * ffn_hidden (0 for a
+  // dense model). A model's active parameters are its parameters less these.
+  int64_t inactive_expert_parameters() const;
+  // The LoRA adapters' parameters: n_layer * sum over the targets of rank * (in + out) (0 without LoRA).
+  int64_t lora_parameters() const;
 };
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
@@ -79,6 +107,8 @@ class BlockHooks {
   virtual std::vector<Tensor> after_block(size_t /*index*/, std::vector<Tensor> outputs) { return outputs; }
 };
 
+struct RouterLog;
+
 class LanguageModel : public Module {
  public:
   explicit LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {}
@@ -88,6 +118,9 @@ class LanguageModel : public Module {
   Tensor forward(const Tensor& idx, std::vector<KVCache>* caches = nullptr);
   // Mean cross-entropy of the logits over the real vocabulary against targets [B, T].
   Tensor loss(const Tensor& logits, const Tensor& targets) const;
+  // A mixture-of-experts model's routers in its last training forward (loom/nn/moe.h; null for a dense model).
+  // forward_loss adds their auxiliary losses (load balancing, z-loss) when their coefficients are set.
+  const RouterLog* router_log() const { return router_log_.get(); }
   // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
   // them, so the step holds one logits-sized buffer instead of two.
   Tensor loss(Tensor&& logits, const Tensor& targets) const;
@@ -130,6 +163,13 @@ class LanguageModel : public Module {
   virtual std::vector<std::pair<std::string, Tensor>> hf_state_dict() const;
   virtual void load_hf_state_dict(const std::vector<std::pair<std::string, Tensor>>& tensors);
 
+  // LoRA (loom/nn/lora.h): an adapter on every layer the config's lora targets (A drawn from a generator of `seed`),
+  // every other parameter frozen. make_model calls it for a config with LoRA.
+  void add_lora(uint64_t seed);
+  // The adapters' parameters, by the model's names ("model.layers.0.self_attn.q_proj.lora_A.weight"; PEFT's with
+  // "base_model.model." before them).
+  std::vector<std::pair<std::string, Tensor>> lora_parameters() const;
+
   // The transformer blocks, in order (what plans shard, gather or place by block).
   virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
 
@@ -159,6 +199,7 @@ class LanguageModel : public Module {
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;
+  std::shared_ptr<RouterLog> router_log_;
   fp8::Scope fp8_scope_ = fp8::Scope::kOff;
   std::shared_ptr<fp8::LinearState> classifier_fp8_;  // the classifier's FP8 state, when its scope includes it
 };
@@ -166,6 +207,10 @@ class LanguageModel : public Module {
 // The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,
 // loom::manual_seed); within an nn::SkipInit scope its parameters are zeros, for weights about to be loaded.
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<uint64_t> seed = std::nullopt);
+
+// The model with every adapter folded into its layer (W + (alpha / r) B A, summed in f64) and no adapters: the same
+// config without LoRA, on the CPU in the model's dtype. The model must have adapters.
+std::shared_ptr<LanguageModel> merge_lora(const LanguageModel& model);
 
 struct GenerateOptions {
   int64_t max_new_tokens = 64;

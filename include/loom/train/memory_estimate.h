@@ -28,11 +28,14 @@ struct MemoryEstimateInput {
   int zero_stage = 0;            // 0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters
   std::string recompute = "none";  // "none", "selective" or "full" (see memory_estimate.cc for what each keeps)
   int64_t pipeline_parallel = 1; // stages: each holds 1/pp of the blocks (1F1B keeps up to pp micro-batches in flight)
+  DType frozen_base = kF32;      // LoRA: the dtype the frozen blocks' projections are held in (bf16: 2 bytes each)
 };
 
 // Bytes on each rank.
 struct MemoryEstimate {
   int64_t num_parameters = 0;  // the whole model's
+  int64_t active_parameters = 0;  // those a token uses (a mixture of experts' chosen experts only)
+  int64_t trained_parameters = 0;  // those with gradients and AdamW state (under LoRA the adapters only)
   double parameters = 0;       // f32 master weights
   double gradients = 0;        // f32
   double optimizer_state = 0;  // AdamW: two f32 moments per parameter

@@ -38,6 +38,18 @@ struct TrainOptions {
   std::string dtype = "f32";         // f32, or bf16/f16 mixed precision (f32 master weights, see loom/amp.h)
   std::string fp8 = "off";           // FP8 matrix products (loom/fp8.h): off, classifier, linear or all
   int64_t fp8_amax_history = 1;      // FP8 scaling: 1 current, N > 1 delayed over the last N amaxes
+  // LoRA fine-tuning (loom/nn/lora.h; LLaMA family): rank 0 trains every weight; rank r > 0 adds adapters of that
+  // rank on lora_targets (comma-separated: q, k, v, o, gate, up, down) scaled by lora_alpha / r, with dropout on their
+  // input, and trains only them. lora_from: a PEFT adapter directory to start the adapters from (its settings unless
+  // given).
+  int64_t lora_rank = 0;
+  double lora_alpha = 16;
+  double lora_dropout = 0;
+  std::string lora_targets = "q,v";
+  std::string lora_from;
+  // "bf16": the frozen base's projections (the blocks' q, k, v, o, gate, up, down weights) held in bf16 only, no f32
+  // copy (needs --dtype bf16); "f32": as every weight.
+  std::string lora_base_dtype = "f32";
   int64_t eval_interval = 50;        // 0 = never (and at the end)
   int64_t eval_batches = 8;          // 0 = the whole validation split
   int64_t sample_interval = 0;       // 0 = only at the end

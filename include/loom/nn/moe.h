@@ -1,0 +1,60 @@
+// A mixture-of-experts MLP for LLaMA-family blocks (Mixtral's layout): a linear router over E SwiGLU experts, each
+// token taking its top k, the experts run as grouped matrix products over the tokens permuted into expert groups.
+// Parameters, by Hugging Face's fused names (transformers 5): gate.weight [E, C], experts.gate_up_proj [E, 2F, C]
+// (each expert's gate rows then its up rows), experts.down_proj [E, C, F]; and shared_expert.{gate,up,down}_proj when
+// the config has a shared expert.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "loom/moe.h"
+#include "loom/nn/layers.h"
+#include "loom/nn/model.h"
+
+namespace loom::nn {
+
+// What the routers of a model's MoE blocks did in the last training forward: the terms of the auxiliary losses
+// (kept with their graphs so their gradients reach the routers) and the dropped-token count.
+struct RouterLog {
+  struct Layer {
+    // In the router's statistics dtype: f32 (f64 for an f64 model).
+    Tensor fraction;   // f_e: the assignments to each expert over the tokens [E] (no gradient)
+    Tensor mean_prob;  // P_e: each expert's mean router probability [E] (differentiable)
+    Tensor z;          // the mean of logsumexp(logits)^2 (a scalar, differentiable), when the z-loss is on
+  };
+  std::vector<Layer> layers;
+  int64_t assignments = 0;  // tokens times top_k, over the layers
+  int64_t dropped = 0;      // of them, dropped by the capacity
+  void clear() { *this = RouterLog(); }
+  // aux_coef * E * sum_e mean_l(f_e) mean_l(P_e) + z_coef * mean_l(z), as one scalar (Hugging Face's
+  // load-balancing loss over every layer's tokens); undefined when nothing was logged or both coefficients are 0.
+  Tensor loss(const MoeConfig& cfg) const;
+};
+
+class MoeMLP : public Module {
+ public:
+  MoeMLP(int64_t dim, int64_t hidden, const MoeConfig& cfg);
+  // x [..., C] -> [..., C]. In training mode logs its router terms into `log` when set.
+  Tensor forward(const Tensor& x) const;
+  Tensor forward_tokens(const Tensor& x) const;  // x [N, C]
+  MoeConfig cfg;
+  int64_t dim, hidden;
+  std::shared_ptr<Linear> gate;         // the router, [E, C]
+  std::shared_ptr<Module> experts;      // holds gate_up_proj and down_proj
+  Tensor gate_up_proj, down_proj;       // [E, 2F, C], [E, C, F]
+  std::shared_ptr<SwiGLUMLP> shared_expert;  // or null
+  std::shared_ptr<RouterLog> log;
+};
+
+// A Mixtral state dict by transformers 5's fused names (Loom's parameter names) as the per-expert layout Mixtral-8x7B
+// ships (block_sparse_moe.gate, block_sparse_moe.experts.N.w1|w2|w3, Linear [out, in] each), which transformers 4
+// and 5 both read; other names pass through.
+std::vector<std::pair<std::string, Tensor>> mixtral_per_expert(std::vector<std::pair<std::string, Tensor>> tensors,
+                                                               int64_t num_experts);
+// The reverse, for loading: per-expert names fused into Loom's; fused names (mlp.gate, mlp.experts.gate_up_proj,
+// mlp.experts.down_proj) pass through. Throws naming a missing or misshapen expert tensor.
+std::vector<std::pair<std::string, Tensor>> mixtral_fused(std::vector<std::pair<std::string, Tensor>> tensors,
+                                                          int64_t num_experts);
+
+}  // namespace loom::nn

@@ -1,0 +1,503 @@
+// CUDA kernels of the mixture-of-experts ops (moe_kernel.h). Plain and correct first:
+//  - routing: one thread per token row (E is a router's width, tens to hundreds): softmax in the compute type, the
+//    top K by repeated selection on the logits;
+//  - permutation: the assignments' experts as sort keys, CUB's stable radix sort of (expert, assignment) pairs, a
+//    histogram by integer atomics (exact), the group offsets by a scan on the host side of one small copy, then one
+//    thread per sorted position writes rows / sources, and a block per out row copies the token's row;
+//  - combine and its backward: a thread per (row, column), the K terms in order; grad_weights a warp per assignment;
+//  - grouped gemm: one launch over every group, a 32 x 32 shared-memory tile per block with blockIdx.z the group,
+//    f32 accumulation (f64 for f64). Tiles beyond a group's rows exit. Correct for any shapes, not fast: the Hopper
+//    path is CUTLASS's grouped GEMM (device-side problem sizes, TMA and WGMMA), to be bound here behind the same op.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/reduce_nn_common.cuh"
+#include "kernels/moe_kernel.h"
+
+namespace loom {
+namespace {
+
+using cuda::compute_t;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+unsigned grid_for(int64_t n, int64_t threads) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div(n, threads), 1 << 20)));
+}
+
+[[noreturn]] void throw_bad(const char* op, const char* what, const Tensor& t, int64_t position, int64_t lo,
+                            int64_t hi, cudaStream_t stream) {
+  const int64_t value = cuda::index_value_at(t, position, stream);
+  LOOM_THROW(op, ": ", what, " ", value, " at position ", position, " is out of range [", lo, ", ", hi, ")");
+}
+
+template <typename I>
+__global__ void check_range_kernel(const I* v, int64_t n, int64_t lo, int64_t hi, unsigned long long* bad) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    if (int64_t(v[i]) < lo || int64_t(v[i]) >= hi) cuda::report_bad_position(bad, i);
+}
+
+// Throws the CPU kernel's message for the first value of `t` outside [lo, hi).
+void check_range(const DeviceContext& ctx, cudaStream_t stream, const char* op, const char* what, const Tensor& t,
+                 int64_t lo, int64_t hi) {
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  cuda::IndexStatus status(ctx, stream);
+  LOOM_DISPATCH_INDEX(t.dtype(), op, [&] {
+    check_range_kernel<index_t><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const index_t*>(t.data()), n, lo,
+                                                                       hi, status.bad_position());
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+  const int64_t bad = status.first_bad_position(stream);
+  if (bad >= 0) throw_bad(op, what, t, bad, lo, hi, stream);
+}
+
+// ---- routing ----
+template <typename T, typename S>
+__global__ void route_kernel(const T* logits, int64_t rows, int64_t E, int64_t K, bool renormalize, S* probs,
+                             S* weights, int64_t* experts) {
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < rows; t += int64_t(gridDim.x) * blockDim.x) {
+    const T* x = logits + t * E;
+    S mx = S(x[0]);
+    for (int64_t e = 1; e < E; ++e) mx = max(mx, S(x[e]));
+    S sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += cuda::exp_of(S(x[e]) - mx);
+    for (int64_t e = 0; e < E; ++e) probs[t * E + e] = cuda::exp_of(S(x[e]) - mx) / sum;
+    // The j-th choice: the largest logit below the previous choice in (value desc, index asc) order.
+    S prev_v = S(0);
+    int64_t prev_e = -1;
+    S chosen = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t best = -1;
+      S best_v = S(0);
+      for (int64_t e = 0; e < E; ++e) {
+        const S v = S(x[e]);
+        const bool after_prev = prev_e < 0 || v < prev_v || (v == prev_v && e > prev_e);
+        if (after_prev && (best < 0 || v > best_v)) best = e, best_v = v;
+      }
+      experts[t * K + j] = best;
+      chosen += weights[t * K + j] = probs[t * E + best];
+      prev_v = best_v, prev_e = best;
+    }
+    if (renormalize)
+      for (int64_t j = 0; j < K; ++j) weights[t * K + j] /= chosen;
+  }
+}
+
+void moe_route_cuda(const DeviceContext& ctx, const Tensor& logits, const MoeRouteAttrs& attrs, Tensor& probs,
+                    Tensor& weights, Tensor& experts) {
+  const int64_t rows = logits.size(0), E = logits.size(1), K = weights.size(1);
+  LOOM_REQUIRE(K >= 1 && K <= E, "moe_route: top ", K, " of ", E, " experts");
+  if (rows == 0) return;
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  LOOM_DISPATCH_FLOATING(logits.dtype(), "moe_route", [&] {
+    using S = compute_t<scalar_t>;
+    route_kernel<scalar_t, S><<<grid_for(rows, 128), 128, 0, stream>>>(
+        static_cast<const scalar_t*>(logits.data()), rows, E, K, attrs.renormalize, static_cast<S*>(probs.data()),
+        static_cast<S*>(weights.data()), static_cast<int64_t*>(experts.data()));
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, typename S, typename I>
+__global__ void route_backward_kernel(const S* gw, const S* gp_in, const S* probs, const I* experts, int64_t rows,
+                                      int64_t E, int64_t K, bool renormalize, T* grad_logits) {
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < rows; t += int64_t(gridDim.x) * blockDim.x) {
+    const S* p = probs + t * E;
+    const I* ex = experts + t * K;
+    const S* g = gw + t * K;
+    auto first = [&](int64_t j) {  // a slot repeating an earlier slot's expert adds nothing
+      for (int64_t l = 0; l < j; ++l)
+        if (ex[l] == ex[j]) return false;
+      return true;
+    };
+    // dot = sum_e p_e gp_e without the renormalized weights' part, which is 0 (see the CPU kernel).
+    S s = 0, dot = 0;
+    for (int64_t j = 0; j < K; ++j)
+      if (first(j)) {
+        s += p[ex[j]];
+        if (!renormalize) dot += g[j] * p[ex[j]];
+      }
+    if (gp_in)
+      for (int64_t e = 0; e < E; ++e) dot += gp_in[t * E + e] * p[e];
+    // gp[e] = grad_probs[e] + the weights' terms of the slot choosing e (renormalized: sum_l p_l (g_j - g_l) / s^2).
+    auto gp = [&](int64_t e) {
+      S v = gp_in ? gp_in[t * E + e] : S(0);
+      for (int64_t j = 0; j < K; ++j) {
+        if (int64_t(ex[j]) != e || !first(j)) continue;
+        if (!renormalize) {
+          v += g[j];
+          continue;
+        }
+        S d = 0;
+        for (int64_t l = 0; l < K; ++l)
+          if (first(l)) d += p[ex[l]] * (g[j] - g[l]);
+        v += d / (s * s);
+      }
+      return v;
+    };
+    for (int64_t e = 0; e < E; ++e) grad_logits[t * E + e] = T(p[e] * (gp(e) - dot));
+  }
+}
+
+void moe_route_backward_cuda(const DeviceContext& ctx, const Tensor& grad_weights, const Tensor& grad_probs,
+                             const Tensor& probs, const Tensor& experts, const MoeRouteAttrs& attrs,
+                             Tensor& grad_logits) {
+  const int64_t rows = probs.size(0), E = probs.size(1), K = grad_weights.size(1);
+  if (rows == 0) return;
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  check_range(ctx, stream, "moe_route_backward", "expert", experts, 0, E);
+  LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "moe_route_backward", [&] {
+    using S = compute_t<scalar_t>;
+    using T = scalar_t;
+    LOOM_DISPATCH_INDEX(experts.dtype(), "moe_route_backward", [&] {
+      route_backward_kernel<T, S, index_t><<<grid_for(rows, 128), 128, 0, stream>>>(
+          static_cast<const S*>(grad_weights.data()),
+          grad_probs.defined() ? static_cast<const S*>(grad_probs.data()) : nullptr,
+          static_cast<const S*>(probs.data()), static_cast<const index_t*>(experts.data()), rows, E, K,
+          attrs.renormalize, static_cast<T*>(grad_logits.data()));
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+// ---- permutation ----
+// Keys: the expert, E for an assignment not routed (sorted last); values: the assignment. Counts by atomics.
+template <typename I>
+__global__ void permute_keys_kernel(const I* experts, int64_t n, int64_t E, uint32_t* keys, int32_t* values,
+                                    unsigned long long* counts) {
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < n; a += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = int64_t(experts[a]);
+    keys[a] = e < 0 ? uint32_t(E) : uint32_t(e);
+    values[a] = int32_t(a);
+    if (e >= 0) atomicAdd(counts + e, 1ull);
+  }
+}
+
+// Sorted position p holds assignment a of expert e; its rank in the group is p - start[e]. Kept when below the
+// capacity: out row kept_start[e] + rank.
+__global__ void permute_place_kernel(const uint32_t* keys, const int32_t* values, int64_t n, int64_t E,
+                                     const int64_t* starts, int64_t* rows, int64_t* sources) {
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < n; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = keys[p], a = values[p];
+    if (e >= E) {
+      rows[a] = -1;
+      continue;
+    }
+    const int64_t rank = p - starts[e], kept = starts[2 * (E + 1) + e];
+    const int64_t r = rank < kept ? starts[E + 1 + e] + rank : -1;
+    rows[a] = r;
+    if (r >= 0) sources[r] = a;
+  }
+}
+
+template <typename U>
+__global__ void permute_rows_kernel(const U* x, const int64_t* sources, int64_t n, int64_t K, int64_t units, U* out) {
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const int64_t a = sources[r];
+    U* dst = out + r * units;
+    if (a < 0) {
+      for (int64_t u = threadIdx.x; u < units; u += blockDim.x) dst[u] = U{};
+    } else {
+      const U* src = x + (a / K) * units;
+      for (int64_t u = threadIdx.x; u < units; u += blockDim.x) dst[u] = src[u];
+    }
+  }
+}
+
+void moe_permute_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& experts, const MoePermuteAttrs& attrs,
+                      Tensor& out, Tensor& rows, Tensor& sources, Tensor& counts) {
+  const int64_t T = x.size(0), C = x.size(1), K = experts.size(1), E = counts.size(0), n = T * K;
+  LOOM_REQUIRE(n <= int64_t(INT32_MAX) && E < int64_t(INT32_MAX), "moe_permute (cuda): ", n, " assignments over ", E,
+               " experts exceed the 2^31 limit of the sort");
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  check_range(ctx, stream, "moe_permute", "expert", experts, -1, E);
+  Tensor device_counts = zeros({E}, kI64, ctx.device());
+  if (n > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(sources.data(), 0xff, size_t(n) * sizeof(int64_t), stream));  // -1
+  const int64_t padded = ceil_div(std::max<int64_t>(n, 1), 64) * 64;
+  Tensor buffers = cuda::scratch_bytes(ctx, 4 * padded * 4);
+  uint32_t* keys_in = static_cast<uint32_t*>(buffers.data());
+  uint32_t* keys_sorted = keys_in + padded;
+  int32_t* values_in = reinterpret_cast<int32_t*>(keys_sorted + padded);
+  int32_t* values_sorted = values_in + padded;
+  if (n > 0) {
+    LOOM_DISPATCH_INDEX(experts.dtype(), "moe_permute", [&] {
+      permute_keys_kernel<index_t><<<grid_for(n, 256), 256, 0, stream>>>(
+          static_cast<const index_t*>(experts.data()), n, E, keys_in, values_in,
+          static_cast<unsigned long long*>(device_counts.data()));
+    });
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
+  // The group offsets on the host: E counts come back (the grouped gemm needs them there anyway).
+  std::vector<int64_t> host_counts(static_cast<size_t>(E));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(host_counts.data(), device_counts.data(), size_t(E) * sizeof(int64_t),
+                                  cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // starts: [0, E]: sorted start of each expert; [E + 1, 2E + 1]: out start of each kept group; then kept sizes.
+  std::vector<int64_t> starts(size_t(3 * (E + 1)), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t kept = attrs.capacity >= 0 ? std::min(host_counts[size_t(e)], attrs.capacity) : host_counts[size_t(e)];
+    starts[size_t(e + 1)] = starts[size_t(e)] + host_counts[size_t(e)];
+    starts[size_t(E + 1 + e + 1)] = starts[size_t(E + 1 + e)] + kept;
+    starts[size_t(2 * (E + 1) + e)] = kept;
+    host_counts[size_t(e)] = kept;
+  }
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(counts.data(), host_counts.data(), size_t(E) * sizeof(int64_t),
+                                  cudaMemcpyHostToDevice, stream));
+  if (n == 0) {
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));  // host_counts leaves scope
+    return;
+  }
+  Tensor device_starts = empty({int64_t(starts.size())}, kI64, ctx.device());
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(device_starts.data(), starts.data(), starts.size() * sizeof(int64_t),
+                                  cudaMemcpyHostToDevice, stream));
+  int end_bit = 1;
+  while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(E)) ++end_bit;
+  size_t temp_bytes = 0;
+  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_sorted, values_in, values_sorted,
+                                                  int(n), 0, end_bit, stream));
+  Tensor temp = cuda::scratch_bytes(ctx, int64_t(temp_bytes));
+  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in, keys_sorted, values_in,
+                                                  values_sorted, int(n), 0, end_bit, stream));
+  permute_place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_sorted, values_sorted, n, E,
+                                                              static_cast<const int64_t*>(device_starts.data()),
+                                                              static_cast<int64_t*>(rows.data()),
+                                                              static_cast<int64_t*>(sources.data()));
+  LOOM_CUDA_CHECK_LAUNCH();
+  const int64_t row_bytes = C * int64_t(x.itemsize());
+  const unsigned blocks = unsigned(std::min<int64_t>(n, int64_t(1) << 20));
+  const bool wide = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(out.data()) % 16 == 0;
+  if (wide)
+    permute_rows_kernel<uint4><<<blocks, 128, 0, stream>>>(static_cast<const uint4*>(x.data()),
+                                                           static_cast<const int64_t*>(sources.data()), n, K,
+                                                           row_bytes / 16, static_cast<uint4*>(out.data()));
+  else
+    permute_rows_kernel<uint8_t><<<blocks, 128, 0, stream>>>(static_cast<const uint8_t*>(x.data()),
+                                                             static_cast<const int64_t*>(sources.data()), n, K,
+                                                             row_bytes, static_cast<uint8_t*>(out.data()));
+  LOOM_CUDA_CHECK_LAUNCH();
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));  // `starts` and `host_counts` were copied from host memory
+}
+
+template <typename T, typename I, typename A>
+__global__ void unpermute_kernel(const T* y, const I* rows, const A* weights, int64_t T_, int64_t K, int64_t C,
+                                 T* out) {
+  const int64_t total = T_ * C;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / C, c = i % C;
+    A acc = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = int64_t(rows[t * K + j]);
+      if (r < 0) continue;
+      acc += (weights ? weights[t * K + j] : A(1)) * A(y[r * C + c]);
+    }
+    out[i] = T(acc);
+  }
+}
+
+void moe_unpermute_cuda(const DeviceContext& ctx, const Tensor& y, const Tensor& rows, const Tensor& weights,
+                        Tensor& out) {
+  const int64_t T_ = out.size(0), C = out.size(1), K = rows.size(1);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  check_range(ctx, stream, "moe_unpermute", "row", rows, -1, y.size(0));
+  if (T_ * C == 0) return;
+  LOOM_DISPATCH_FLOATING(y.dtype(), "moe_unpermute", [&] {
+    using A = compute_t<scalar_t>;
+    using T = scalar_t;
+    LOOM_DISPATCH_INDEX(rows.dtype(), "moe_unpermute", [&] {
+      unpermute_kernel<T, index_t, A><<<grid_for(T_ * C, 256), 256, 0, stream>>>(
+          static_cast<const T*>(y.data()), static_cast<const index_t*>(rows.data()),
+          weights.defined() ? static_cast<const A*>(weights.data()) : nullptr, T_, K, C, static_cast<T*>(out.data()));
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, typename J, typename A>
+__global__ void unpermute_grad_y_kernel(const T* grad, const J* sources, const A* weights, int64_t N, int64_t K,
+                                        int64_t C, T* grad_y) {
+  const int64_t total = N * C;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / C, c = i % C, a = int64_t(sources[r]);
+    grad_y[i] = a < 0 ? T(0.0f) : T((weights ? weights[a] : A(1)) * A(grad[(a / K) * C + c]));
+  }
+}
+
+// A warp per assignment: the dot product of its token's gradient with its row of y, lanes then a fixed tree.
+template <typename T, typename I, typename A>
+__global__ void unpermute_grad_weights_kernel(const T* grad, const T* y, const I* rows, int64_t assignments,
+                                              int64_t K, int64_t C, A* grad_weights) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t a = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; a < assignments; a += warps) {
+    const int64_t r = int64_t(rows[a]);
+    A acc = 0;
+    if (r >= 0)
+      for (int64_t c = lane; c < C; c += 32) acc += A(grad[(a / K) * C + c]) * A(y[r * C + c]);
+    acc = cuda::warp_allreduce_sum(acc);
+    if (lane == 0) grad_weights[a] = acc;
+  }
+}
+
+void moe_unpermute_backward_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& y, const Tensor& rows,
+                                 const Tensor& sources, const Tensor& weights, Tensor& grad_y, Tensor& grad_weights) {
+  const int64_t T_ = grad.size(0), C = grad.size(1), K = rows.size(1), N = y.size(0);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  check_range(ctx, stream, "moe_unpermute_backward", "row", rows, -1, N);
+  check_range(ctx, stream, "moe_unpermute_backward", "source", sources, -1, T_ * K);
+  LOOM_DISPATCH_FLOATING(grad.dtype(), "moe_unpermute_backward", [&] {
+    using A = compute_t<scalar_t>;
+    using T = scalar_t;
+    const A* w = weights.defined() ? static_cast<const A*>(weights.data()) : nullptr;
+    if (grad_y.defined() && N * C > 0)
+      LOOM_DISPATCH_INDEX(sources.dtype(), "moe_unpermute_backward", [&] {
+        unpermute_grad_y_kernel<T, index_t, A><<<grid_for(N * C, 256), 256, 0, stream>>>(
+            static_cast<const T*>(grad.data()), static_cast<const index_t*>(sources.data()), w, N, K, C,
+            static_cast<T*>(grad_y.data()));
+      });
+    if (grad_weights.defined() && T_ * K > 0)
+      LOOM_DISPATCH_INDEX(rows.dtype(), "moe_unpermute_backward", [&] {
+        unpermute_grad_weights_kernel<T, index_t, A><<<grid_for(T_ * K, 8), 256, 0, stream>>>(
+            static_cast<const T*>(grad.data()), static_cast<const T*>(y.data()),
+            static_cast<const index_t*>(rows.data()), T_ * K, K, C, static_cast<A*>(grad_weights.data()));
+      });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+// ---- grouped gemm ----
+constexpr int kTile = 32;
+
+// c rows [offsets[g], offsets[g + 1]) = a rows times b[g]: blockIdx.z = g, blockIdx.y the row tile within the group,
+// blockIdx.x the column tile. b[g] is [K, N], or [N, K] when trans_b.
+template <typename T, typename A>
+__global__ void grouped_gemm_kernel(const T* a, const T* b, const int64_t* offsets, int64_t N, int64_t K,
+                                    bool trans_b, T* c) {
+  __shared__ A as[kTile][kTile + 1];
+  __shared__ A bs[kTile][kTile + 1];
+  const int64_t g = blockIdx.z, first = offsets[g], rows = offsets[g + 1] - first;
+  const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  if (row0 >= rows) return;
+  const T* bg = b + g * K * N;
+  const int tx = threadIdx.x, ty = threadIdx.y;  // blockDim (32, 8): each thread 4 rows of the tile
+  A acc[4] = {0, 0, 0, 0};
+  for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+    for (int i = ty; i < kTile; i += 8) {
+      const int64_t r = row0 + i, k = k0 + tx;
+      as[i][tx] = r < rows && k < K ? A(a[(first + r) * K + k]) : A(0);
+      const int64_t kk = k0 + i, n = col0 + tx;
+      bs[i][tx] = kk < K && n < N ? A(trans_b ? bg[n * K + kk] : bg[kk * N + n]) : A(0);
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int k = 0; k < kTile; ++k)
+      for (int q = 0; q < 4; ++q) acc[q] += as[ty + 8 * q][k] * bs[k][tx];
+    __syncthreads();
+  }
+  for (int q = 0; q < 4; ++q) {
+    const int64_t r = row0 + ty + 8 * q, n = col0 + tx;
+    if (r < rows && n < N) c[(first + r) * N + n] = T(acc[q]);
+  }
+}
+
+// grad_b[g] ([K, N], or [N, K] when trans_b) = a_g^T grad_g: blockIdx.z = g, tiles over (K, N), the sum over the
+// group's rows in order.
+template <typename T, typename A>
+__global__ void grouped_weight_grad_kernel(const T* a, const T* grad, const int64_t* offsets, int64_t N, int64_t K,
+                                           bool trans_b, T* grad_b) {
+  __shared__ A as[kTile][kTile + 1];  // [row][k]
+  __shared__ A gs[kTile][kTile + 1];  // [row][n]
+  const int64_t g = blockIdx.z, first = offsets[g], rows = offsets[g + 1] - first;
+  const int64_t k0 = int64_t(blockIdx.y) * kTile, n0 = int64_t(blockIdx.x) * kTile;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  A acc[4] = {0, 0, 0, 0};
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    for (int i = ty; i < kTile; i += 8) {
+      const int64_t r = r0 + i;
+      as[i][tx] = r < rows && k0 + tx < K ? A(a[(first + r) * K + k0 + tx]) : A(0);
+      gs[i][tx] = r < rows && n0 + tx < N ? A(grad[(first + r) * N + n0 + tx]) : A(0);
+    }
+    __syncthreads();
+    for (int r = 0; r < kTile; ++r)
+      for (int q = 0; q < 4; ++q) acc[q] += as[r][ty + 8 * q] * gs[r][tx];
+    __syncthreads();
+  }
+  for (int q = 0; q < 4; ++q) {
+    const int64_t k = k0 + ty + 8 * q, n = n0 + tx;
+    if (k < K && n < N) grad_b[g * K * N + (trans_b ? n * K + k : k * N + n)] = T(acc[q]);
+  }
+}
+
+Tensor device_offsets(const DeviceContext& ctx, const std::vector<int64_t>& offsets, cudaStream_t stream) {
+  Tensor t = empty({int64_t(offsets.size())}, kI64, ctx.device());
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(t.data(), offsets.data(), offsets.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                  stream));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));  // `offsets` is host memory the caller frees
+  return t;
+}
+
+void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& b, const GroupedGemmAttrs& attrs,
+                       Tensor& c) {
+  const int64_t M = a.size(0), K = a.size(1), N = c.size(1), G = b.size(0);
+  LOOM_REQUIRE(int64_t(attrs.group_sizes.size()) == G, "grouped_gemm: ", attrs.group_sizes.size(),
+               " group sizes for ", G, " matrices");
+  const auto off = grouped_gemm_offsets("grouped_gemm", attrs.group_sizes, M);
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  LOOM_DISPATCH_FLOATING(a.dtype(), "grouped_gemm", [&] {
+    using T = scalar_t;
+    T* cs = static_cast<T*>(c.data());
+    if (off.back() < M)  // rows past the groups
+      LOOM_CUDA_CHECK(cudaMemsetAsync(cs + off.back() * N, 0, size_t((M - off.back()) * N) * sizeof(T), stream));
+    int64_t largest = 0;
+    for (int64_t s : attrs.group_sizes) largest = std::max(largest, s);
+    if (largest == 0 || N == 0 || G == 0) return;
+    LOOM_REQUIRE(G <= 65535 && ceil_div(largest, kTile) <= 65535, "grouped_gemm (cuda): ", G, " groups of up to ",
+                 largest, " rows exceed the grid");
+    Tensor offsets = device_offsets(ctx, off, stream);
+    const dim3 grid(unsigned(ceil_div(N, kTile)), unsigned(ceil_div(largest, kTile)), unsigned(G));
+    grouped_gemm_kernel<T, compute_t<T>><<<grid, dim3(kTile, 8), 0, stream>>>(
+        static_cast<const T*>(a.data()), static_cast<const T*>(b.data()),
+        static_cast<const int64_t*>(offsets.data()), N, K, attrs.trans_b, cs);
+    LOOM_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
+                                   const GroupedGemmAttrs& attrs, Tensor& grad_b) {
+  const int64_t M = a.size(0), K = a.size(1), N = grad.size(1), G = grad_b.size(0);
+  LOOM_REQUIRE(int64_t(attrs.group_sizes.size()) == G, "grouped_gemm_weight_grad: ", attrs.group_sizes.size(),
+               " group sizes for ", G, " matrices");
+  const auto off = grouped_gemm_offsets("grouped_gemm_weight_grad", attrs.group_sizes, M);
+  if (grad_b.numel() == 0) return;
+  LOOM_REQUIRE(G <= 65535 && ceil_div(K, kTile) <= 65535, "grouped_gemm_weight_grad (cuda): ", G, " groups of ", K,
+               " rows exceed the grid");
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda::stream_of(ctx);
+  Tensor offsets = device_offsets(ctx, off, stream);
+  LOOM_DISPATCH_FLOATING(a.dtype(), "grouped_gemm_weight_grad", [&] {
+    using T = scalar_t;
+    const dim3 grid(unsigned(ceil_div(N, kTile)), unsigned(ceil_div(K, kTile)), unsigned(G));
+    grouped_weight_grad_kernel<T, compute_t<T>><<<grid, dim3(kTile, 8), 0, stream>>>(
+        static_cast<const T*>(a.data()), static_cast<const T*>(grad.data()),
+        static_cast<const int64_t*>(offsets.data()), N, K, attrs.trans_b, static_cast<T*>(grad_b.data()));
+    LOOM_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace
+
+LOOM_REGISTER_KERNEL(moe_route, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_route_cuda);
+LOOM_REGISTER_KERNEL(moe_route_backward, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_route_backward_cuda);
+LOOM_REGISTER_KERNEL(moe_permute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_permute_cuda);
+LOOM_REGISTER_KERNEL(moe_unpermute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_cuda);
+LOOM_REGISTER_KERNEL(moe_unpermute_backward, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_backward_cuda);
+LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "native", cuda::kCudaFloatingDTypes, grouped_gemm_cuda);
+LOOM_REGISTER_KERNEL(grouped_gemm_weight_grad, kCUDA, "native", cuda::kCudaFloatingDTypes,
+                     grouped_gemm_weight_grad_cuda);
+
+}  // namespace loom

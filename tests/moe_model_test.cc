@@ -1,0 +1,321 @@
+// Mixtral-style models: configs (named, Loom's JSON, Hugging Face's), parameter counts, the MoE block against a
+// per-token reference, gradients against central differences, the routers' auxiliary losses and dropped-token
+// accounting, Hugging Face directories in both expert layouts, and training with falling loss.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/autograd/grad_mode.h"
+#include "loom/distributed/parallel_plan.h"
+#include "loom/data/token_file.h"
+#include "loom/io/hf_model_dir.h"
+#include "loom/io/safetensors.h"
+#include "loom/nn/model.h"
+#include "loom/nn/moe.h"
+#include "loom/train/memory_estimate.h"
+#include "loom/train/trainer.h"
+#include "test_files.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+using test::TempDir;
+
+nn::ModelConfig tiny_mixtral() {
+  nn::ModelConfig c = nn::ModelConfig::from_name("mixtral-tiny");
+  c.vocab_size = 96;  // padded to 128
+  c.padded_vocab_size = 128;
+  c.max_seq_len = 32;
+  return c;
+}
+
+// The model's parameters in f64 (the rope tables stay f32, as the rope op takes them).
+void to_f64(nn::LanguageModel& m) {
+  m.to(kF64);
+  autograd::NoGradGuard ng;
+  for (auto& [n, t] : m.named_buffers()) t.set_data(ops::to_dtype(t, kF32));
+}
+
+TEST(MoeConfig, NamedModelsCountExpertsAndActiveParameters) {
+  nn::ModelConfig big = nn::ModelConfig::from_name("mixtral-8x7b");
+  const int64_t total = train::count_parameters(big), active = total - big.inactive_expert_parameters();
+  EXPECT_NEAR(double(total) / 1e9, 46.7, 0.1);   // Mixtral-8x7B: 46.7B parameters, 12.9B active
+  EXPECT_NEAR(double(active) / 1e9, 12.9, 0.1);
+  EXPECT_NE(big.describe().find("8 experts of 14336 (top 2, dropless)"), std::string::npos) << big.describe();
+  nn::ModelConfig mid = nn::ModelConfig::from_name("mixtral-1b");
+  const int64_t mid_active = train::count_parameters(mid) - mid.inactive_expert_parameters();
+  EXPECT_GT(mid_active, int64_t(0.9e9));
+  EXPECT_LT(mid_active, int64_t(1.3e9));
+  // MFU counts active flops: 6 per active parameter.
+  EXPECT_DOUBLE_EQ(big.flops_per_token(0, total), 6.0 * double(active));
+  // The built model has the counted parameters.
+  auto m = nn::make_model(tiny_mixtral());
+  EXPECT_EQ(m->num_parameters(), train::count_parameters(tiny_mixtral()));
+  train::MemoryEstimateInput in{tiny_mixtral()};
+  in.batch = 2;
+  in.seq_len = 16;
+  train::MemoryEstimate e = train::estimate_training_memory(in);
+  EXPECT_EQ(e.active_parameters, m->num_parameters() - tiny_mixtral().inactive_expert_parameters());
+  EXPECT_LT(e.active_parameters, e.num_parameters);
+}
+
+TEST(MoeConfig, LoomAndHuggingFaceConfigsRoundTrip) {
+  nn::ModelConfig c = tiny_mixtral();
+  c.moe.shared_expert_hidden = 32;
+  c.moe.aux_loss_coef = 0.01;
+  c.moe.z_loss_coef = 0.001;
+  c.moe.capacity_factor = 1.25;
+  c.moe.jitter_noise = 0.1;
+  EXPECT_EQ(nn::ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  // Hugging Face: model_type mixtral with its router keys.
+  nn::ModelConfig plain = tiny_mixtral();
+  plain.moe.aux_loss_coef = 0.02;
+  plain.moe.jitter_noise = 0.05;
+  auto hf = nlohmann::json::parse(plain.to_hf_json());
+  EXPECT_EQ(hf["model_type"], "mixtral");
+  EXPECT_EQ(hf["architectures"][0], "MixtralForCausalLM");
+  EXPECT_EQ(hf["num_local_experts"], 4);
+  EXPECT_EQ(hf["num_experts_per_tok"], 2);
+  nn::ModelConfig back = nn::ModelConfig::from_hf_json(hf.dump());
+  EXPECT_EQ(back.moe.num_experts, 4);
+  EXPECT_DOUBLE_EQ(back.moe.aux_loss_coef, 0.02);
+  EXPECT_DOUBLE_EQ(back.moe.jitter_noise, 0.05);
+  EXPECT_EQ(back.ffn_hidden, plain.ffn_hidden);
+  hf["sliding_window"] = 16;
+  EXPECT_THROW(nn::ModelConfig::from_hf_json(hf.dump()), Error);
+  EXPECT_THROW(c.to_hf_json(), Error);  // a shared expert has no Mixtral name
+  nn::ModelConfig bad = tiny_mixtral();
+  bad.moe.top_k = 5;
+  EXPECT_THROW(nn::ModelConfig::from_json(bad.to_json()), Error);
+}
+
+// The block as Hugging Face's expert loop computes it, token by token in float64.
+TEST(MoeBlock, MatchesAPerTokenExpertLoop) {
+  nn::MoeConfig mc;
+  mc.num_experts = 5;
+  mc.top_k = 2;
+  mc.shared_expert_hidden = 6;
+  nn::MoeMLP block(8, 12, mc);
+  block.to(kF64);
+  Tensor x = test::random_tensor({3, 7, 8}, kF64);
+  Tensor got;
+  {
+    autograd::NoGradGuard ng;
+    got = block.forward(x);
+  }
+  std::vector<double> xv = test::values(x), gw = test::values(block.gate->weight), gu = test::values(block.gate_up_proj),
+                      dp = test::values(block.down_proj), out(static_cast<size_t>(x.numel()));
+  auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+  auto shared = block.shared_expert;
+  Tensor shared_out = shared->forward(x);
+  std::vector<double> sv = test::values(shared_out);
+  const int64_t C = 8, F = 12, E = 5;
+  for (int64_t t = 0; t < 21; ++t) {
+    const double* xt = xv.data() + t * C;
+    std::vector<double> logit(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t c = 0; c < C; ++c) logit[size_t(e)] += gw[size_t(e * C + c)] * xt[c];
+    std::vector<int64_t> order = {0, 1, 2, 3, 4};
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logit[size_t(a)] > logit[size_t(b)]; });
+    const double w0 = std::exp(logit[size_t(order[0])]), w1 = std::exp(logit[size_t(order[1])]);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t e = order[size_t(j)];
+      const double w = (j == 0 ? w0 : w1) / (w0 + w1);
+      std::vector<double> act(static_cast<size_t>(F));
+      for (int64_t f = 0; f < F; ++f) {
+        double g = 0, u = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          g += gu[size_t((e * 2 * F + f) * C + c)] * xt[c];
+          u += gu[size_t((e * 2 * F + F + f) * C + c)] * xt[c];
+        }
+        act[size_t(f)] = silu(g) * u;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        double y = 0;
+        for (int64_t f = 0; f < F; ++f) y += dp[size_t((e * C + c) * F + f)] * act[size_t(f)];
+        out[size_t(t * C + c)] += w * y;
+      }
+    }
+    for (int64_t c = 0; c < C; ++c) out[size_t(t * C + c)] += sv[size_t(t * C + c)];
+  }
+  EXPECT_TRUE(test::all_close(got, from_vector(out, x.shape()), 1e-12, 1e-12));
+}
+
+// Central differences of the whole model's training loss (aux and z losses on) on a sample of every MoE parameter.
+TEST(MoeModel, GradientsMatchCentralDifferences) {
+  nn::ModelConfig c = tiny_mixtral();
+  c.n_layer = 1;
+  c.moe.aux_loss_coef = 0.1;
+  c.moe.z_loss_coef = 0.05;
+  auto model = nn::make_model(c, 3);
+  to_f64(*model);
+  Tensor idx = test::random_indices({2, 8}, 0, c.vocab_size, kI64, 11);
+  Tensor tgt = test::random_indices({2, 8}, 0, c.vocab_size, kI64, 12);
+  model->zero_grad();
+  model->forward_loss(idx, tgt).backward();
+  std::mt19937 eng(4);
+  int checked = 0;
+  for (auto& [name, p] : model->named_parameters()) {
+    if (name.find(".mlp.") == std::string::npos) continue;
+    std::vector<double> g = test::values(p.grad());
+    for (int s = 0; s < 4; ++s) {
+      const int64_t i = int64_t(eng() % uint64_t(p.numel()));
+      Tensor flat = p.detach().reshape({-1});
+      const double v = test::values(flat)[size_t(i)], eps = 1e-6;
+      auto loss_at = [&](double x) {
+        autograd::NoGradGuard ng;
+        flat.narrow(0, i, 1).copy_from(full({1}, x, kF64));
+        return model->forward_loss(idx, tgt).item<double>();
+      };
+      const double numeric = (loss_at(v + eps) - loss_at(v - eps)) / (2 * eps);
+      loss_at(v);
+      EXPECT_NEAR(g[size_t(i)], numeric, 1e-6 + 1e-4 * std::abs(numeric)) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 12);  // router, gate_up_proj, down_proj
+}
+
+TEST(MoeModel, AuxiliaryLossesAndDroppedTokens) {
+  nn::ModelConfig c = tiny_mixtral();
+  c.moe.aux_loss_coef = 0.5;
+  auto model = nn::make_model(c, 5);
+  to_f64(*model);
+  Tensor idx = test::random_indices({2, 12}, 0, c.vocab_size, kI64, 1);
+  Tensor tgt = test::random_indices({2, 12}, 0, c.vocab_size, kI64, 2);
+  Tensor with_aux = model->forward_loss(idx, tgt);
+  const nn::RouterLog* log = model->router_log();
+  ASSERT_NE(log, nullptr);
+  ASSERT_EQ(log->layers.size(), size_t(c.n_layer));
+  EXPECT_EQ(log->assignments, 2 * 24 * 2);
+  EXPECT_EQ(log->dropped, 0);  // dropless
+  // E * sum_e f_e P_e with f and P averaged over layers; for E = 4, top 2, it is 2 when perfectly balanced.
+  std::vector<double> f(4, 0.0), p(4, 0.0);
+  for (const auto& l : log->layers) {
+    auto fv = test::values(l.fraction), pv = test::values(l.mean_prob);
+    for (int e = 0; e < 4; ++e) f[size_t(e)] += fv[size_t(e)] / 2, p[size_t(e)] += pv[size_t(e)] / 2;
+    double fs = 0;
+    for (double v : fv) fs += v;
+    EXPECT_NEAR(fs, 2.0, 1e-12);  // each token counted top_k times
+  }
+  double aux = 0;
+  for (int e = 0; e < 4; ++e) aux += 4 * f[size_t(e)] * p[size_t(e)];
+  Tensor ce;
+  {
+    nn::Module::EvalScope eval(*model);  // no routers' losses outside training
+    ce = model->forward_loss(idx, tgt);
+  }
+  EXPECT_NEAR(with_aux.item<double>(), ce.item<double>() + 0.5 * aux, 1e-10);
+  // A capacity drops the assignments past it, counted.
+  nn::ModelConfig capped = c;
+  capped.moe.capacity_factor = 0.5;
+  auto m2 = nn::make_model(capped, 5);
+  m2->forward_loss(idx, tgt);
+  EXPECT_GT(m2->router_log()->dropped, 0);
+  EXPECT_LE(m2->router_log()->dropped, m2->router_log()->assignments / 2 + 8);
+}
+
+// Export writes Mixtral-8x7B's per-expert names; both that and transformers 5's fused layout load back.
+TEST(MoeModel, HuggingFaceDirectoriesInBothLayoutsRoundTrip) {
+  nn::ModelConfig c = tiny_mixtral();
+  auto model = nn::make_model(c, 9);
+  TempDir dir;
+  io::save_hf_model_dir(dir.file("hf"), *model, {});
+  io::HfModelDir d = io::read_hf_model_dir(dir.file("hf"));
+  EXPECT_EQ(d.config.to_json(), c.to_json());
+  auto tensors = io::load_hf_tensors(d);
+  std::set<std::string> names;
+  for (auto& [n, t] : tensors) names.insert(n);
+  EXPECT_TRUE(names.count("model.layers.1.block_sparse_moe.gate.weight"));
+  EXPECT_TRUE(names.count("model.layers.1.block_sparse_moe.experts.3.w2.weight"));
+  EXPECT_FALSE(names.count("model.layers.1.mlp.experts.gate_up_proj"));
+  Tensor idx = test::random_indices({1, 10}, 0, c.vocab_size, kI64, 3);
+  autograd::NoGradGuard ng;
+  nn::Module::EvalScope e1(*model);
+  auto real_logits = [&](nn::LanguageModel& m) { return ops::narrow(m.forward(idx), 2, 0, c.vocab_size); };
+  Tensor want = real_logits(*model);
+  auto loaded = io::load_hf_model(dir.file("hf"));
+  EXPECT_TRUE(test::bytes_equal(real_logits(*loaded), want));
+  // The fused layout (Loom's own parameter names, as transformers 5 saves).
+  io::TensorMap fused;
+  for (auto& [n, p] : model->named_parameters()) {
+    Tensor t = p.detach();
+    if (n == "model.embed_tokens.weight" || n == "lm_head.weight") t = t.narrow(0, 0, c.vocab_size).contiguous();
+    fused[n] = t;
+  }
+  fs::create_directories(dir.file("fused"));
+  io::save_safetensors(dir.file("fused") + "/model.safetensors", fused, {{"format", "pt"}});
+  std::ofstream(dir.file("fused") + "/config.json") << c.to_hf_json();
+  EXPECT_TRUE(test::bytes_equal(real_logits(*io::load_hf_model(dir.file("fused"))), want));
+  // A missing expert is named.
+  io::TensorMap broken;
+  for (auto& [n, t] : tensors)
+    if (n != "model.layers.0.block_sparse_moe.experts.2.w3.weight") broken[n] = t;
+  fs::create_directories(dir.file("broken"));
+  io::save_safetensors(dir.file("broken") + "/model.safetensors", broken, {{"format", "pt"}});
+  std::ofstream(dir.file("broken") + "/config.json") << c.to_hf_json();
+  try {
+    io::load_hf_model(dir.file("broken"));
+    ADD_FAILURE() << "loaded a directory missing an expert";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("experts.2.w3.weight"), std::string::npos) << err.what();
+  }
+}
+
+// The plan takes a mixture of experts data-parallel and with ZeRO, and refuses in one line each what it does not
+// split yet: tensor parallelism, a pipeline, experts over several ranks.
+TEST(MoeModel, ThePlanRefusesWhatDoesNotSplitExperts) {
+  const nn::ModelConfig c = tiny_mixtral();
+  EXPECT_EQ(nn::parallel_rules(c).experts, 4);
+  for (const auto& rule : nn::parallel_rules(c).tensor) EXPECT_EQ(rule.parameter.find(".mlp."), std::string::npos);
+  distributed::ParallelOptions o;
+  o.zero_stage = 3;
+  EXPECT_EQ(distributed::make_plan(c, 2, o).mesh.world(), 2);
+  o.zero_stage = 0;
+  o.tensor = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
+                                {"tensor parallelism does not split a mixture of experts"});
+  o.tensor = 1;
+  o.pipeline = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--pp does not carry"});
+  o.pipeline = 1;
+  o.zero_stage = 1;
+  o.expert = 2;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
+                                {"expert parallelism over 2 ranks is not built yet"});
+}
+
+TEST(MoeModel, MixtralTinyTrainsWithFallingLoss) {
+  TempDir dir;
+  std::mt19937 eng(5);
+  std::vector<int32_t> tokens(20000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
+  data::write_token_file(dir.file("train_000000.bin"), tokens);
+  data::write_token_file(dir.file("val_000000.bin"), std::vector<int32_t>(tokens.begin(), tokens.begin() + 4000));
+  train::TrainOptions o;
+  o.model = "mixtral-tiny";
+  o.train_data = dir.file("train_000000.bin");
+  o.val_data = dir.file("val_000000.bin");
+  o.batch_size = 4;
+  o.seq_len = 32;
+  o.steps = 30;
+  o.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.quiet = true;
+  train::Trainer t(o);
+  const double before = t.evaluate(4);
+  for (int i = 0; i < 30; ++i) t.train_step();
+  const double after = t.evaluate(4);
+  EXPECT_LT(after, before - 1.0) << before << " -> " << after;
+  EXPECT_LT(t.history().back().loss, t.history().front().loss);
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,232 @@
+// The mixture-of-experts ops against float64 references written here (not the conformance oracle's), their gradients
+// against central differences, their errors, and the conformance suite on the native CPU kernels.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "loom/autograd/gradcheck.h"
+#include "loom/functional.h"
+#include "loom/moe.h"
+#include "providers/conformance.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+std::vector<int64_t> ints(const Tensor& t) { return to_vector<int64_t>(t.to(kI64)); }
+
+// Top-k of each row by (value desc, index asc) and softmax, in float64.
+struct RouteRef {
+  std::vector<double> probs, weights;
+  std::vector<int64_t> experts;
+};
+RouteRef route_reference(const std::vector<double>& logits, int64_t T, int64_t E, int64_t k, bool renormalize) {
+  RouteRef r;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> row(logits.begin() + t * E, logits.begin() + (t + 1) * E);
+    double z = 0;
+    for (double v : row) z += std::exp(v);
+    std::vector<double> p;
+    for (double v : row) p.push_back(std::exp(v) / z);
+    std::vector<int64_t> idx(static_cast<size_t>(E));
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return row[a] != row[b] ? row[a] > row[b] : a < b; });
+    double s = 0;
+    for (int64_t j = 0; j < k; ++j) s += p[size_t(idx[size_t(j)])];
+    for (double v : p) r.probs.push_back(v);
+    for (int64_t j = 0; j < k; ++j) {
+      r.experts.push_back(idx[size_t(j)]);
+      r.weights.push_back(p[size_t(idx[size_t(j)])] / (renormalize ? s : 1.0));
+    }
+  }
+  return r;
+}
+
+TEST(MoeOps, RouteMatchesReferenceInEveryDtypeWithTiesToTheLowerIndex) {
+  for (DType dt : {kF64, kF32, kBF16}) {
+    for (bool renorm : {true, false}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (renorm ? " renormalized" : ""));
+      const int64_t T = 37, E = 8, k = 3;
+      Tensor logits = test::random_tensor({T, E}, dt, -4, 4);
+      // Ties: row 0 all equal, row 1 two equal maxima.
+      std::vector<double> v = test::values(logits);
+      for (int64_t e = 0; e < E; ++e) v[size_t(e)] = 0.5;
+      v[size_t(E + 2)] = v[size_t(E + 6)] = 9.0;
+      logits = from_vector(v, {T, E}).to(dt);
+      v = test::values(logits);
+      auto got = ops::moe_route(logits, k, renorm);
+      RouteRef want = route_reference(v, T, E, k, renorm);
+      EXPECT_EQ(ints(got.experts), want.experts);
+      const double tol = dt == kF64 ? 1e-12 : 1e-6;
+      EXPECT_TRUE(test::all_close(got.probs, from_vector(want.probs, {T, E}).to(got.probs.dtype()), tol, tol));
+      EXPECT_TRUE(test::all_close(got.weights, from_vector(want.weights, {T, k}).to(got.weights.dtype()), tol, tol));
+      EXPECT_EQ(ints(got.experts)[0], 0);
+      EXPECT_EQ(ints(got.experts)[size_t(k)], 2);  // row 1: the tie at 9.0 goes to expert 2, then 6
+      EXPECT_EQ(ints(got.experts)[size_t(k) + 1], 6);
+      EXPECT_EQ(got.probs.dtype(), dt == kF64 ? kF64 : kF32);
+    }
+  }
+}
+
+TEST(MoeOps, RouteGradientsPassGradcheck) {
+  for (bool renorm : {true, false}) {
+    Tensor logits = test::random_tensor({6, 5}, kF64, -2, 2).set_requires_grad(true);
+    Tensor r1 = test::random_tensor({6, 2}, kF64), r2 = test::random_tensor({6, 5}, kF64);
+    auto f = [&](const std::vector<Tensor>& in) {  // weights and probs both reach the logits
+      MoeRouting r = moe_route(in[0], 2, renorm);
+      return add(sum(mul(r.weights, r1)), sum(mul(r.probs, r2)));
+    };
+    auto res = autograd::gradcheck(f, {logits});
+    EXPECT_TRUE(res.ok) << res.message;
+    auto only_weights = [&](const std::vector<Tensor>& in) { return moe_route(in[0], 2, renorm).weights; };
+    res = autograd::gradcheck(only_weights, {logits});
+    EXPECT_TRUE(res.ok) << res.message;
+  }
+}
+
+TEST(MoeOps, PermuteGroupsByExpertInOrderWithCapacityAndUnroutedAssignments) {
+  const int64_t T = 9, K = 2, E = 4, C = 3;
+  Tensor x = test::random_tensor({T, C}, kF32);
+  std::vector<int64_t> ex = {1, 3, 1, 0, 3, 1, 1, 2, 0, 1, -1, 3, 1, 0, 3, 2, 1, 3};
+  for (DType idx : {kI64, kI32}) {
+    for (int64_t capacity : {int64_t(-1), int64_t(3), int64_t(0)}) {
+      SCOPED_TRACE("capacity " + std::to_string(capacity));
+      auto p = ops::moe_permute(x, from_vector(ex, {T, K}).to(idx), E, capacity);
+      // Reference: experts in order, assignments in order, the first `capacity` of each kept.
+      std::vector<int64_t> rows(size_t(T * K), -1), sources(size_t(T * K), -1), counts(size_t(E), 0);
+      int64_t next = 0;
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t a = 0; a < T * K; ++a)
+          if (ex[size_t(a)] == e && (capacity < 0 || counts[size_t(e)] < capacity)) {
+            ++counts[size_t(e)];
+            rows[size_t(a)] = next;
+            sources[size_t(next++)] = a;
+          }
+      EXPECT_EQ(ints(p.rows), rows);
+      EXPECT_EQ(ints(p.sources), sources);
+      EXPECT_EQ(ints(p.counts), counts);
+      std::vector<double> xv = test::values(x), out = test::values(p.out);
+      for (int64_t r = 0; r < T * K; ++r)
+        for (int64_t c = 0; c < C; ++c)
+          EXPECT_EQ(out[size_t(r * C + c)], sources[size_t(r)] < 0 ? 0.0 : xv[size_t(sources[size_t(r)] / K * C + c)]);
+    }
+  }
+  EXPECT_THROW(ops::moe_permute(x, from_vector(std::vector<int64_t>(size_t(T * K), 4), {T, K}), E), Error);
+}
+
+TEST(MoeOps, UnpermuteIsTheWeightedCombineAndItsGradientsPassGradcheck) {
+  const int64_t T = 7, K = 2, E = 3, C = 5;
+  Tensor x = test::random_tensor({T, C}, kF64).set_requires_grad(true);
+  Tensor experts = test::random_indices({T, K}, 0, E);
+  Tensor weights = test::random_tensor({T, K}, kF64, 0.1, 1).set_requires_grad(true);
+  ops::MoePermutation p = ops::moe_permute(x.detach(), experts, E, 2);  // some assignments dropped
+  Tensor y = test::random_tensor({T * K, C}, kF64);
+  Tensor out = ops::moe_unpermute(y, p.rows, weights.detach());
+  std::vector<double> yv = test::values(y), wv = test::values(weights), ov = test::values(out);
+  std::vector<int64_t> rows = ints(p.rows);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      double s = 0;
+      for (int64_t j = 0; j < K; ++j)
+        if (rows[size_t(t * K + j)] >= 0) s += wv[size_t(t * K + j)] * yv[size_t(rows[size_t(t * K + j)] * C + c)];
+      EXPECT_NEAR(ov[size_t(t * C + c)], s, 1e-12);
+    }
+  // x -> permute -> times a per-row scale -> combine: gradients of x and the weights.
+  Tensor scale = test::random_tensor({T * K, C}, kF64);
+  auto f = [&](const std::vector<Tensor>& in) {
+    ops::MoePermutation q = moe_permute(in[0], experts, E, 2);
+    return moe_unpermute(mul(q.out, scale), q, in[1]);
+  };
+  auto res = autograd::gradcheck(f, {x, weights});
+  EXPECT_TRUE(res.ok) << res.message;
+}
+
+// c = per group a_g op(b_g), in float64.
+std::vector<double> grouped_reference(const std::vector<double>& a, const std::vector<double>& b,
+                                      const std::vector<int64_t>& sizes, int64_t M, int64_t K, int64_t N, bool tb) {
+  std::vector<double> c(size_t(M * N), 0.0);
+  int64_t row = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    for (int64_t i = row; i < row + sizes[g]; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k)
+          s += a[size_t(i * K + k)] * b[size_t(int64_t(g) * K * N + (tb ? j * K + k : k * N + j))];
+        c[size_t(i * N + j)] = s;
+      }
+    row += sizes[g];
+  }
+  return c;
+}
+
+TEST(MoeOps, GroupedGemmMatchesPerGroupProductsWithEmptyGroupsAndTrailingRows) {
+  const int64_t M = 23, K = 19, N = 11;
+  const std::vector<int64_t> sizes = {5, 0, 9, 0, 7};  // 21 of 23 rows: two zero rows at the end
+  for (DType dt : {kF64, kF32, kBF16}) {
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (tb ? " trans_b" : ""));
+      Tensor a = test::random_tensor({M, K}, dt);
+      Tensor b = test::random_tensor(tb ? Shape{5, N, K} : Shape{5, K, N}, dt);
+      Tensor c = ops::grouped_gemm(a, b, sizes, tb);
+      std::vector<double> want = grouped_reference(test::values(a), test::values(b), sizes, M, K, N, tb);
+      const double tol = dt == kF64 ? 1e-12 : dt == kF32 ? 1e-5 : 2e-2;
+      EXPECT_TRUE(test::all_close(c.to(kF64), from_vector(want, {M, N}), tol, tol));
+      // The weight gradient: a_g^T grad_g per group, zero for the empty ones.
+      Tensor grad = test::random_tensor({M, N}, dt);
+      Tensor gb = ops::grouped_gemm_weight_grad(a, grad, sizes, tb);
+      ASSERT_EQ(gb.shape(), b.shape());
+      std::vector<double> av = test::values(a), gv = test::values(grad), want_b(static_cast<size_t>(gb.numel()), 0.0);
+      int64_t row = 0;
+      for (size_t g = 0; g < sizes.size(); ++g) {
+        for (int64_t i = row; i < row + sizes[g]; ++i)
+          for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < N; ++j)
+              want_b[size_t(int64_t(g) * K * N + (tb ? j * K + k : k * N + j))] +=
+                  av[size_t(i * K + k)] * gv[size_t(i * N + j)];
+        row += sizes[g];
+      }
+      EXPECT_TRUE(test::all_close(gb.to(kF64), from_vector(want_b, gb.shape()), tol, tol));
+    }
+  }
+}
+
+TEST(MoeOps, GroupedGemmGradientsPassGradcheck) {
+  for (bool tb : {false, true}) {
+    Tensor a = test::random_tensor({9, 4}, kF64).set_requires_grad(true);
+    Tensor b = test::random_tensor(tb ? Shape{3, 5, 4} : Shape{3, 4, 5}, kF64).set_requires_grad(true);
+    auto f = [&](const std::vector<Tensor>& in) { return grouped_gemm(in[0], in[1], {4, 0, 4}, tb); };
+    auto res = autograd::gradcheck(f, {a, b});
+    EXPECT_TRUE(res.ok) << res.message;
+  }
+}
+
+TEST(MoeOps, BadArgumentsAreNamed) {
+  Tensor a = test::random_tensor({6, 4}), b = test::random_tensor({2, 4, 3});
+  EXPECT_THROW(ops::grouped_gemm(a, b, {4, 3}), Error);      // 7 rows of 6
+  EXPECT_THROW(ops::grouped_gemm(a, b, {4, 1, 1}), Error);   // 3 groups, 2 matrices
+  EXPECT_THROW(ops::grouped_gemm(a, b, {-1, 2}), Error);
+  EXPECT_THROW(ops::grouped_gemm(a, b.to(kF64), {3, 3}), Error);
+  EXPECT_THROW(ops::moe_route(test::random_tensor({3, 4}), 5), Error);
+  EXPECT_THROW(ops::moe_route(test::random_tensor({3, 4}), 0), Error);
+  EXPECT_THROW(ops::moe_unpermute(test::random_tensor({4, 2}), from_vector(std::vector<int64_t>{0, 4}, {1, 2})), Error);
+}
+
+TEST(MoeOps, PassTheConformanceSuiteOnNativeCpuKernels) {
+  for (const char* op : {"moe_route", "moe_route_backward", "moe_permute", "moe_unpermute", "moe_unpermute_backward",
+                         "grouped_gemm", "grouped_gemm_weight_grad"}) {
+    SCOPED_TRACE(op);
+    conformance::SuiteOptions o;
+    o.provider = "native";
+    o.ops = {op};
+    o.dtypes = {kF32, kBF16};
+    auto results = conformance::run_suite(o);
+    EXPECT_GT(results.size(), 20u);
+    EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
+    int judged_by_oracle = 0;
+    for (const auto& r : results) judged_by_oracle += r.reference == "naive";
+    EXPECT_GT(judged_by_oracle, 10) << op;
+  }
+}
+
+}  // namespace
+}  // namespace loom
