@@ -143,7 +143,7 @@ std::string read_latest_name(const std::string& dir, const std::string& what);
 std::shared_ptr<nn::LanguageModel> load_model_from(const std::string& path, const std::string& what);
 
 // Removes the temporary directories of sharded checkpoint writes whose writer is gone (killed runs): entries of
-// `dir` named ".loom.tmp.step_NNNNNN.<pid>" whose pid (the last dot-separated field) runs no more on this host.
+// `dir` named ".loom.tmp.step_NNNNNN.<pid>@<host>" (rank 0's; io::temp_writer_gone says when one is gone).
 std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir);
 
 }  // namespace loom::train
