@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
                  "~/.cache/loom/gpt2); LLaMA: tokenizer files, or a directory of them, to copy (tokenizer.json, "
                  "tokenizer_config.json, special_tokens_map.json, tokenizer.model)");
   app.add_flag("--force", force, "--hf: write into a directory that already holds files");
+  cli::output_options(app, {"--llmc", "--hf"});
   if (int rc = cli::parse(app, "loom-export", argc, argv); rc >= 0) return rc;
   if (llmc_path.empty() && hf_path.empty()) {
     cli::print_error("loom-export", "nothing to write; give --llmc PATH and/or --hf DIR");

@@ -1,16 +1,23 @@
 // The apps' shared command-line conventions (cli.h).
 #include "cli/cli.h"
 
+#include <glob.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <iostream>
+#include <map>
 #include <new>
+#include <set>
 #include <sstream>
 
 #include "checked_options.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/input_guard.h"
 #include "loom/io/read_file.h"
 
 namespace loom::cli {
@@ -144,7 +151,48 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
     print_error(name, "the command line could not be read (an unexpected error)");
     return 2;
   }
+  note_command_line_inputs(app);
+  profile_ops_from_environment();
   return -1;
+}
+
+namespace {
+std::map<const CLI::App*, std::set<std::string>>& output_flags() {
+  static std::map<const CLI::App*, std::set<std::string>> flags;
+  return flags;
+}
+}  // namespace
+
+void output_options(const CLI::App& app, const std::vector<std::string>& flags) {
+  for (const std::string& f : flags) output_flags()[&app].insert(f.substr(f.find_first_not_of('-')));
+}
+
+void note_command_line_inputs(const CLI::App& app) {
+  const std::set<std::string>& outputs = output_flags()[&app];
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->count() == 0 || opt->get_lnames().empty() || outputs.count(opt->get_lnames().front())) continue;
+    for (const std::string& value : opt->results()) {
+      struct stat st{};
+      if (value.empty()) continue;
+      if (::stat(value.c_str(), &st) == 0) {
+        if (S_ISREG(st.st_mode)) io::note_input(value);
+        continue;
+      }
+      if (value.find_first_of("*?[") == std::string::npos) continue;
+      glob_t g{};  // a pattern of files (--train-data "data/*_train_*.bin"): each file it names
+      if (::glob(value.c_str(), GLOB_NOSORT, nullptr, &g) == 0)
+        for (size_t i = 0; i < g.gl_pathc && i < 100000; ++i)
+          if (::stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) io::note_input(g.gl_pathv[i]);
+      ::globfree(&g);
+    }
+  }
+}
+
+void profile_ops_from_environment() {
+  const char* mode = std::getenv("LOOM_PROFILE_OPS");
+  if (!mode || !*mode || std::string(mode) == "0") return;
+  const char* file = std::getenv("LOOM_PROFILE_OPS_FILE");
+  dispatch::report_op_profile_at_exit(std::string(mode) == "shapes", file ? file : "", "LOOM_PROFILE_OPS_FILE");
 }
 
 int run(const std::string& name, const std::function<void()>& body) {
