@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
                  "model directory, a Loom checkpoint (weights only: a file, a step directory or a run's checkpoint "
                  "directory, whose latest is taken; its model unless --model is given) or an llm.c GPT-2 .bin (its "
                  "header gives the model unless --model is given)");
-  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
+  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob (required, except by --eval-only "
+                 "with --val-data)");
   app.add_option("--val-data", o.val_data, "validation shard(s)");
   app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
   app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(at_least(1));
@@ -70,7 +71,7 @@ int main(int argc, char** argv) {
                  "raised --steps continues at the final learning rate")
       ->capture_default_str()->check(at_least(0));
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(finite & in_range(0, 1e3));
-  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str()->check(at_least(0));
+  app.add_option("--warmup", o.warmup_steps, "linear warmup steps (the default: at most the schedule's length)")->capture_default_str()->check(at_least(0));
   app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")
       ->capture_default_str()->check(CLI::IsMember({"cosine", "linear", "constant"}));
   app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")
@@ -170,12 +171,17 @@ int main(int argc, char** argv) {
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
   if (int rc = loom::cli::run("loom-train", [&] { loom::cli::add_run_config(app); }); rc != 0) return rc;
+  loom::cli::output_options(app, {"--checkpoint-dir", "--log-dir", "--trace-ops"});
   if (int rc = loom::cli::parse(app, "loom-train", argc, argv); rc >= 0) return rc;
   // The settings the user gave (command line or --config): on --resume the others are the checkpoint's.
   o.given.emplace();
   for (const CLI::Option* opt : app.get_options())
     if (opt->count() > 0 && !opt->get_lnames().empty()) o.given->insert(opt->get_lnames().front());
   if (!tf32.empty()) o.tf32 = tf32 == "on";
+  if (o.train_data.empty() && !(o.eval_only && !o.val_data.empty())) {
+    loom::cli::print_error("loom-train", "--train-data is required (--eval-only needs it only without --val-data)");
+    return 2;
+  }
   return loom::cli::run("loom-train", [&] {
 #ifdef LOOM_WITH_DIOPI
     loom::providers::load_diopi_libraries(diopi_libraries, loom::Device::parse(o.device).type);

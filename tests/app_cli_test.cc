@@ -319,6 +319,14 @@ TEST(AppCli, EvalBatchesZeroIsTheWholeSplit) {
   EXPECT_EQ(got["1000"], got["0"]);
   EXPECT_EQ(got["1"].second, 1);
   EXPECT_NE(got["1"].first, got["0"].first);
+  // --eval-only with --val-data needs no --train-data (it was required), and evaluates the same.
+  AppRun val_only = train("-b 2 -t 16 --sample-tokens 0 --eval-only --init-from " + dir + " --val-data " + val +
+                          " --eval-batches 0");
+  ASSERT_EQ(val_only.status, 0) << val_only.output;
+  EXPECT_EQ(eval_line(val_only.output), got["0"]);
+  AppRun resumed = train("-b 2 -t 16 --sample-tokens 0 --eval-only --resume " + dir + " --val-data " + val);
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(eval_line(resumed.output), got["0"]);
   // In a training run too: the evaluation at the end covers the split.
   AppRun run = train(common + "--resume " + dir + " --steps 2 --checkpoint-dir " + tmp.file("ck2") + " --val-data " +
                      val + " --eval-batches 0 --log-dir " + tmp.file("logs"));
@@ -371,6 +379,7 @@ TEST(AppCli, UnknownFlagsGetTheNearestOneInOneLine) {
       {"loom-train", "--train-data x.bin --batch_size 2", "(did you mean --batch-size?)"},
       {"loom-train", "--train-data x.bin --eval-batches=2 --frobnicate", "unknown flag --frobnicate; loom-train --help"},
       {"loom-train", "--steps 3", "--train-data is required"},
+      {"loom-train", "--eval-only --init-from x", "--train-data is required (--eval-only needs it only without --val-data)"},
       {"loom-generate", "-m x --temprature 0.5", "unknown flag --temprature (did you mean --temperature?)"},
       {"loom-generate", "--prompt-tokens 1", "--model is required"},
       {"loom-export", "--chekpoint x", "(did you mean --checkpoint?)"},

@@ -20,10 +20,12 @@
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/distributed/process_group.h"
+#include "loom/io/atomic_file.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "loom/train/checkpoint.h"
 #include "test_files.h"
 #include "train_output.h"
 #include "test_util.h"
@@ -193,14 +195,25 @@ TEST(LoomTrainCli, StaleTemporariesAreCleanedAtTheStart) {
   test::TempDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   fs::create_directories(dir);
-  // pid 0 can be no writer's; an hour old.
-  const fs::path stale = dir / ".loom.tmp.step_000007.safetensors.0.1234abcd";
-  const fs::path live = dir / (".loom.tmp.step_000008.safetensors." + std::to_string(::getpid()) + ".99");
+  // pid 0 of this host can be no writer's; an hour old.
+  const std::string here = "@" + io::temp_owner_tag(0, io::host_id()).substr(2);
+  const fs::path stale = dir / (".loom.tmp.step_000007.safetensors.0" + here + ".1234abcd");
+  const fs::path live = dir / (".loom.tmp.step_000008.safetensors." + std::to_string(::getpid()) + here + ".99");
+  // A sharded checkpoint's temporary directory of a killed run (this host) and of another host's writer.
+  const fs::path stale_dir = dir / (".loom.tmp.step_000009.0" + here);
+  const fs::path elsewhere_dir = dir / (".loom.tmp.step_000010.0@" + io::temp_owner_tag(0, io::host_id() ^ 1u).substr(2));
   const fs::path other = dir / "notes.tmp.txt";  // not ours: never touched
   for (const auto& p : {stale, live, other}) {
     test::write_all(p.string(), "half a checkpoint");
     fs::last_write_time(p, fs::file_time_type::clock::now() - std::chrono::hours(1));
   }
+  for (const auto& d : {stale_dir, elsewhere_dir}) {
+    fs::create_directories(d);
+    test::write_all((d / "rank0.safetensors").string(), "half a shard");
+    fs::last_write_time(d, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  }
+  EXPECT_EQ(train::remove_stale_checkpoint_dirs(dir.string()), std::vector<std::string>{stale_dir.string()});
+  EXPECT_TRUE(fs::exists(elsewhere_dir)) << "another host's running write was removed";
   AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --warmup 0 --sample-tokens 0 " +
                             "--eval-batches 1 --steps 1 --checkpoint-dir " + dir.string());
   std::remove(shard.c_str());
@@ -627,6 +640,35 @@ TEST(LoomRun, TorchrunFlagsAndCpuRuns) {
   ASSERT_EQ(cpu.status, 0) << cpu.output;
   EXPECT_NE(cpu.output.find("world 2"), std::string::npos) << "not 2 ranks\n" << cpu.output;
   EXPECT_NE(cpu.output.find("step     2/2"), std::string::npos) << cpu.output;
+}
+
+// --eval-batches N counts the world's batches: two data-parallel processes evaluate the batches one process does
+// (each took N of its own, and the printed loss depended on the process count).
+TEST(LoomRun, EvalBatchesCountTheWorldsBatches) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  if (!distributed::mpi_available()) GTEST_SKIP() << "this Loom was built without MPI (LOOM_MPI=OFF)";
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string args = "--train-data " + shard + " --model d2 -b 2 -t 8 --steps 1 --sample-tokens 0 "
+                           "--eval-interval 1 --seed 3 ";
+  auto val_losses = [](const std::string& out) {
+    std::vector<std::string> v;
+    for (size_t at = out.find("train-data loss"); at != std::string::npos; at = out.find("train-data loss", at + 1))
+      v.push_back(out.substr(at, out.find('\n', at) - at));
+    return v;
+  };
+  for (const char* batches : {"3", "4"}) {
+    AppRun one = run_loom_train_with("", args + "--eval-batches " + batches);
+    ASSERT_EQ(one.status, 0) << one.output;
+    AppRun two = run_loom_train_with("OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 ",
+                                     args + "--eval-batches " + batches);
+    ASSERT_EQ(two.status, 0) << two.output;
+    ASSERT_EQ(val_losses(one.output).size(), 2u) << one.output;
+    ASSERT_EQ(val_losses(two.output).size(), 2u) << two.output;
+    // Step 0, the same weights on the same batches, summed in another order: equal to the printed digits. (Step 1
+    // differs: two processes trained on twice the tokens.)
+    EXPECT_EQ(val_losses(two.output)[0], val_losses(one.output)[0]) << one.output << two.output;
+  }
 }
 
 // tools/plot_loss.py draws a run without --val-data (train_data/loss) with the standard library alone, and asking

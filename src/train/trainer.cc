@@ -404,13 +404,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   LOOM_REQUIRE(opts_.schedule_steps >= 0, "loom-train: --schedule-steps must be at least 0, got ",
                opts_.schedule_steps);
   const int64_t schedule_steps = opts_.schedule_steps > 0 ? opts_.schedule_steps : opts_.steps;
+  // The default warmup fits every run (a short one warms up over all its steps); only a given one can be wrong.
+  if (opts_.given && !given("warmup")) opts_.warmup_steps = std::min(opts_.warmup_steps, schedule_steps);
   LOOM_REQUIRE(opts_.warmup_steps >= 0 && opts_.warmup_steps <= schedule_steps, "loom-train: --warmup ",
                opts_.warmup_steps, " must be between 0 and ",
                opts_.schedule_steps > 0 ? "--schedule-steps " : "--steps ", schedule_steps,
                " (lower --warmup for a short run)");
   LOOM_REQUIRE(opts_.keep_checkpoints >= 0, "loom-train: --keep-checkpoints must be at least 0, got ",
                opts_.keep_checkpoints);
-  LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
+  LOOM_REQUIRE(!opts_.train_data.empty() || (opts_.eval_only && !opts_.val_data.empty()),
+               "loom-train: no training data given (--train-data; --eval-only needs it only without --val-data)");
 
   // A Hugging Face model directory (config.json and safetensors) as --init-from brings its own config unless --model
   // names one; as --model it brings its config and, when it has them, its weights.
@@ -554,7 +557,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
 
   data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, dp_group_->rank(), dp, opts_.shuffle, opts_.seed,
                              cfg.vocab_size};
-  train_loader_ = std::make_unique<data::DataLoader>(opts_.train_data, lo);
+  // --eval-only with --val-data needs no training data: the loader that would hold it reads the validation data.
+  train_loader_ = std::make_unique<data::DataLoader>(
+      opts_.train_data.empty() && opts_.eval_only ? opts_.val_data : opts_.train_data, lo);
   if (!opts_.val_data.empty()) {
     data::DataLoaderOptions vo = lo;
     vo.shuffle = false;
@@ -642,14 +647,24 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (!opts_.resume.empty()) load_checkpoint(resume_path_);
   if (!opts_.eval_only) check_checkpoint_targets();
   check_outputs();
-  if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_);
+  if (logs_->jsonl || logs_->tensorboard) {  // the whole configuration: every setting as in effect, and the model
+    const std::string config =
+        nlohmann::json{{"settings", run_settings(opts_, logs_->schedule->total_steps(),
+                                                 grad_accum_ * opts_.batch_size * opts_.seq_len * dp_group_->size())},
+                       {"model", nlohmann::json::parse(cfg.to_json())}}
+            .dump();
+    if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_, config);
+    if (logs_->tensorboard) logs_->tensorboard->add_hparams(config);
+  }
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
               << " parameters\n"
-              << "data: " << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
-              << " shard(s)";
-    if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";
+              << "data: ";
+    if (!opts_.train_data.empty())
+      std::cout << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
+                << " shard(s)" << (val_loader_ ? ", " : "");
+    if (val_loader_) std::cout << val_loader_->num_tokens() << " validation tokens";
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
               << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
               << "memory (estimate): " << memory.str() << "\n";
@@ -761,9 +776,13 @@ double Trainer::evaluate(int64_t batches) {
   data::DataLoader* loader = val_loader_ ? val_loader_.get() : train_loader_.get();
   data::LoaderPosition saved = loader->position();
   if (val_loader_) loader->reset();  // always the same validation batches, so evaluations compare
-  // batches <= 0: the whole split (every batch of B x T tokens it holds, once).
-  const int64_t n = batches > 0 ? std::min(batches, loader->batches_per_epoch()) : loader->batches_per_epoch();
-  LOOM_REQUIRE(n > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
+  // batches <= 0: the whole split (every batch of B x T tokens it holds, once). `batches` counts the whole world's:
+  // data-parallel rank r takes its loader's first of them (windows r, r + dp, ...), so together the ranks read the
+  // batches one process reads and the loss does not depend on the process count.
+  const int64_t dp = dp_group_->size(), dp_rank = dp_group_->rank();
+  const int64_t world = batches > 0 ? std::min(batches, loader->batches_per_epoch() * dp) : loader->batches_per_epoch() * dp;
+  const int64_t n = world / dp + (dp_rank < world % dp ? 1 : 0);
+  LOOM_REQUIRE(world > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
                opts_.batch_size, " x ", opts_.seq_len, " tokens");
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -773,7 +792,11 @@ double Trainer::evaluate(int64_t batches) {
                        : model_->forward_loss(b.x.to(device_), b.y.to(device_)).item<double>();
   }
   loader->set_position(saved);
-  return all_ranks_mean(total / double(n));
+  if (dp == 1) return total / double(n);
+  Tensor sums = from_vector<double>({total, double(n)}, {2}).to(device_);
+  dp_group_->all_reduce(sums, distributed::ReduceOp::kSum);
+  const std::vector<double> s = to_vector<double>(sums);
+  return s[0] / s[1];
 }
 
 std::string Trainer::sample(int64_t tokens) {
@@ -813,6 +836,15 @@ std::string Trainer::sample(int64_t tokens) {
   return tokenizer.decode(prompt) + tokenizer.decode(printable);
 }
 
+namespace {
+// Memory in MiB, as the banner's estimate says it.
+std::string mib_text(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / double(1 << 20));
+  return buf;
+}
+}  // namespace
+
 void Trainer::log_step(const StepStats& s) {
   logs_->smoothed_ms = logs_->smoothed_ms == 0 ? s.ms : 0.9 * logs_->smoothed_ms + 0.1 * s.ms;
   double eta = logs_->smoothed_ms / 1000.0 * double(opts_.steps - s.step);
@@ -826,7 +858,7 @@ void Trainer::log_step(const StepStats& s) {
                   long(s.step), long(opts_.steps), s.loss, s.lr, s.grad_norm, s.ms,
                   human_count(s.tokens_per_second).c_str(),
                   mfu >= 0 ? (std::to_string(int(mfu * 1000) / 10.0).substr(0, 4) + "%").c_str() : "-",
-                  human_duration(eta).c_str(), (human_count(double(mem.allocated)) + "B").c_str());
+                  human_duration(eta).c_str(), mib_text(double(mem.allocated)).c_str());
     std::cout << line << std::endl;
   }
   std::map<std::string, double> values{{"train/loss", s.loss},   {"train/lr", s.lr},
@@ -866,8 +898,8 @@ void Trainer::run() {
   };
   if (opts_.eval_only) {  // --eval-only: the loaded weights' loss, nothing trained or written
     data::DataLoader& loader = val_loader_ ? *val_loader_ : *train_loader_;
-    const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, loader.batches_per_epoch())
-                                                   : loader.batches_per_epoch();
+    const int64_t split = loader.batches_per_epoch() * dp_group_->size();  // the world's, as evaluate() counts
+    const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, split) : split;
     train_loader_->reset();  // from the data's start, wherever a resumed run had got to
     nn::check_finite_parameters(*model_, "--eval-only: " + (opts_.resume.empty() ? opts_.init_from.empty()
                                                                                       ? opts_.model : opts_.init_from
@@ -1306,7 +1338,8 @@ void Trainer::load_checkpoint(const std::string& path) {
     for (auto& [name, t] : file.tensors)
       if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
   }
-  train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
+  if (!opts_.eval_only)  // an evaluation reads from the data's start (and may have no training data)
+    train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
   std::vector<std::pair<std::string, Tensor>> loaded;
   for (size_t i = 0; i < model_params.size(); ++i) loaded.emplace_back(model_params[i].first, weights[i]);
   load_full_parameters(loaded);
@@ -1346,11 +1379,13 @@ void Trainer::save_sharded_checkpoint(const std::string& dir) {
   // The last guard (the run checked its targets at the start): a checkpoint that appeared since is not replaced.
   LOOM_REQUIRE(opts_.overwrite_checkpoints || !fs::exists(final_dir), "save_checkpoint: '", dir,
                "' exists; not written over it (pass --overwrite-checkpoints to replace checkpoints)");
-  // Every rank writes into one temporary directory, named by rank 0's pid (so a killed run's is found and removed).
-  Tensor pid = from_vector<int64_t>({int64_t(::getpid())}, {1}).to(device_);
-  world_->broadcast(pid, 0);
+  // Every rank writes into one temporary directory, named by rank 0's pid and host (so a killed run's is found and
+  // removed, and never a live one of another host).
+  Tensor owner = from_vector<int64_t>({int64_t(::getpid()), int64_t(io::host_id())}, {2}).to(device_);
+  world_->broadcast(owner, 0);
+  const std::vector<int64_t> o = to_vector<int64_t>(owner);
   const fs::path tmp = final_dir.parent_path() / (std::string(io::kTempPrefix) + final_dir.filename().string() + "." +
-                                                  std::to_string(pid.to(Device()).item<int64_t>()));
+                                                  io::temp_owner_tag(o[0], uint32_t(o[1])));
   if (is_rank0_) {
     if (!final_dir.parent_path().empty()) fs::create_directories(final_dir.parent_path());
     for (const std::string& stale : remove_stale_checkpoint_dirs(final_dir.parent_path().string()))
@@ -1595,7 +1630,7 @@ void Trainer::load_sharded_checkpoint(const std::string& dir) {
       }
     }
   }
-  train_loader_->set_position(pos);
+  if (!opts_.eval_only) train_loader_->set_position(pos);  // as above
   for (auto& [dst, value] : copies) dst.copy_from(value);
   if (zero_) zero_->load_state_dict(state);
   else optimizer_->load_state_dict(state);
