@@ -86,6 +86,13 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", o.dtype, "training precision: f32 (also float32, float), bf16 (bfloat16) or f16 (float16, "
                  "half, fp16); bf16/f16 compute with f32 master weights")
       ->capture_default_str();
+  app.add_option("--fp8", o.fp8, "FP8 matrix products (e4m3 operands, e5m2 gradients, per-tensor scaling, f32 master "
+                 "weights) for the classifier, the blocks' linear layers, or all of them: off, classifier, linear, "
+                 "all (GPUs: Ada or Hopper; on the CPU slow reference kernels)")
+      ->check(CLI::IsMember({"off", "classifier", "linear", "all"}))->capture_default_str();
+  app.add_option("--fp8-amax-history", o.fp8_amax_history, "FP8 scaling: 1 scales each tensor by its own amax "
+                 "(current scaling); N > 1 by the largest of its last N (delayed scaling)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
   std::string tf32;
   app.add_option("--tf32", tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")
       ->check(CLI::IsMember({"on", "off"}));

@@ -3,6 +3,7 @@
 // gemm, and with the fused norms and loss (ABI 1.1), served by the plugin.
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "kernels/attention_kernel.h"
 #include "kernels/gemm_kernel.h"
@@ -378,6 +379,9 @@ TEST_F(Providers, NativeKernelsPassTheSuite) {
   // only what it has no value for (a normal random draw).
   conformance::SuiteOptions o;
   o.reference = "naive";
+  // The ops dispatched on an 8-bit float run in a test of their own (below), within the time limit of each.
+  for (int i = 0; i < kNumDTypes; ++i)
+    if (!is_fp8(DType(i))) o.dtypes.push_back(DType(i));
   auto results = conformance::run_suite(o);
   EXPECT_GT(results.size(), 10000u);
   EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
@@ -392,6 +396,23 @@ TEST_F(Providers, NativeKernelsPassTheSuite) {
     }
   }
   EXPECT_GT(naive, 10000u);
+}
+
+TEST_F(Providers, NativeFp8KernelsPassTheSuite) {
+  // The FP8 ops on every dtype they dispatch on (the 8-bit floats for quantize, dequantize and the product), every
+  // generated case judged by the naive oracle.
+  conformance::SuiteOptions o;
+  o.reference = "naive";
+  o.ops = {"fp8_amax", "fp8_scale", "fp8_quantize", "fp8_dequantize", "fp8_gemm"};
+  auto results = conformance::run_suite(o);
+  EXPECT_GT(results.size(), 800u);
+  EXPECT_FALSE(conformance::suite_failed(results)) << conformance::suite_table(results, "");
+  std::set<std::string> dtypes;
+  for (const auto& r : results) {
+    EXPECT_EQ(r.reference, "naive") << r.op << " case " << r.index;
+    dtypes.insert(dtype_name(r.dtype));
+  }
+  EXPECT_TRUE(dtypes.count("f8e4m3") && dtypes.count("f8e5m2"));
 }
 
 TEST_F(Providers, ShadowModeComparesAndCountsDivergences) {

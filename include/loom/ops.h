@@ -5,6 +5,7 @@
 #include "loom/core/tensor.h"
 #include "loom/ops/creation.h"
 #include "loom/ops/elementwise.h"
+#include "loom/ops/fp8.h"
 #include "loom/ops/linalg.h"
 #include "loom/ops/nn.h"
 #include "loom/ops/reduce.h"

@@ -910,9 +910,11 @@ static diopiError_t softmax_fwd(diopiContextHandle_t ctx, const char* fn, diopiT
     if (!log_space && r.len % 8 == 5) summed = r.len - 1; /* deliberately wrong for these row lengths */
 #endif
     for (int64_t j = 0; j < summed; ++j) sum += exp(row[j] - mx);
-    const double lse = mx + log(sum);
+    /* Relative to the maximum, never through mx + log(sum): at |mx| = 1e30 that sum loses log(sum) entirely (two
+     * tied maxima would each get 1, not 0.5). */
+    const double log_sum = log(sum);
     for (int64_t j = 0; j < r.len; ++j)
-      st(&o, r.it.off[0] + j * r.step[0], log_space ? row[j] - lse : exp(row[j] - lse));
+      st(&o, r.it.off[0] + j * r.step[0], log_space ? (row[j] - mx) - log_sum : exp(row[j] - mx) / sum);
   }
   return diopiSuccess;
 }

@@ -21,7 +21,7 @@ size_t dtype_size(DType t) {
     case kF32: case kI32: return 4;
     case kF64: case kI64: return 8;
     case kF16: case kBF16: return 2;
-    case kI8: case kU8: case kBool: return 1;
+    case kI8: case kU8: case kBool: case kF8E4M3: case kF8E5M2: return 1;
   }
   return 0;
 }
@@ -37,6 +37,8 @@ const char* dtype_name(DType t) {
     case kI32: return "i32";
     case kI64: return "i64";
     case kBool: return "bool";
+    case kF8E4M3: return "f8e4m3";
+    case kF8E5M2: return "f8e5m2";
   }
   return "?";
 }
@@ -53,13 +55,18 @@ DType dtype_from_name(const std::string& name) {
   if (n == "i32" || n == "int32") return kI32;
   if (n == "i64" || n == "int64") return kI64;
   if (n == "bool") return kBool;
-  LOOM_THROW("unknown dtype '", name, "' (expected f32, f64, f16, bf16, i8, u8, i32, i64 or bool)");
+  if (n == "f8e4m3" || n == "float8_e4m3fn" || n == "float8_e4m3" || n == "fp8_e4m3") return kF8E4M3;
+  if (n == "f8e5m2" || n == "float8_e5m2" || n == "fp8_e5m2") return kF8E5M2;
+  LOOM_THROW("unknown dtype '", name, "' (expected f32, f64, f16, bf16, i8, u8, i32, i64, bool, f8e4m3 or f8e5m2)");
 }
 
 bool is_floating(DType t) { return t == kF32 || t == kF64 || t == kF16 || t == kBF16; }
-bool is_integral(DType t) { return !is_floating(t); }
+bool is_fp8(DType t) { return t == kF8E4M3 || t == kF8E5M2; }
+bool is_integral(DType t) { return !is_floating(t) && !is_fp8(t); }
 
 DType promote_types(DType a, DType b) {
+  LOOM_REQUIRE(!is_fp8(a) && !is_fp8(b), "an 8-bit float takes part in no type promotion (", dtype_name(a), " with ",
+               dtype_name(b), "): quantize and dequantize explicitly");
   if (a == b) return a;
   if (is_floating(a) != is_floating(b)) return is_floating(a) ? a : b;
   if (is_floating(a)) {

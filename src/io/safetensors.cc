@@ -28,7 +28,7 @@ struct DTypeName {
 };
 constexpr DTypeName kDTypeNames[] = {
     {kF32, "F32"}, {kF64, "F64"}, {kF16, "F16"}, {kBF16, "BF16"}, {kI8, "I8"},
-    {kU8, "U8"},   {kI32, "I32"}, {kI64, "I64"}, {kBool, "BOOL"},
+    {kU8, "U8"},   {kI32, "I32"}, {kI64, "I64"}, {kBool, "BOOL"}, {kF8E4M3, "F8_E4M3"}, {kF8E5M2, "F8_E5M2"},
 };
 
 }  // namespace
@@ -42,7 +42,7 @@ const char* safetensors_dtype_name(DType dtype) {
 DType safetensors_dtype_from_name(const std::string& name) {
   for (const auto& d : kDTypeNames)
     if (name == d.name) return d.dtype;
-  LOOM_THROW("safetensors: unsupported dtype \"", name, "\" (Loom reads F32 F64 F16 BF16 I8 U8 I32 I64 BOOL)");
+  LOOM_THROW("safetensors: unsupported dtype \"", name, "\" (Loom reads F32 F64 F16 BF16 I8 U8 I32 I64 BOOL F8_E4M3 F8_E5M2)");
 }
 
 void save_safetensors(const std::string& path, const TensorMap& tensors, const StringMap& metadata) {

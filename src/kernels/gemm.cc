@@ -38,33 +38,28 @@ void validate_gemm_params(const GemmParams& p) {
                  " batch=", p.batch, " alpha=", p.alpha);
 }
 
-namespace {
-
-// A matrix as stored, [batch, rows, cols] with strides [batch_stride, 1, ld], over memory Loom does not own here.
-Tensor matrix_view(const void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t cols,
-                   int64_t ld, int64_t batch_stride) {
+Tensor gemm_matrix_view(const void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t cols,
+                        int64_t ld, int64_t batch_stride) {
   if (!data) return Tensor();
   int64_t span = (batch == 0 || rows == 0 || cols == 0) ? 0 : (batch - 1) * batch_stride + (cols - 1) * ld + rows;
   return from_blob(const_cast<void*>(data), {span}, dtype, device)
       .as_strided({batch, rows, cols}, {batch_stride, 1, ld}, 0);
 }
-Tensor vector_view(const void* data, DType dtype, Device device, int64_t n) {
+Tensor gemm_vector_view(const void* data, DType dtype, Device device, int64_t n) {
   if (!data) return Tensor();
   return from_blob(const_cast<void*>(data), {n}, dtype, device);
 }
 
-}  // namespace
-
 void ArgTraits<GemmParams>::gather(const GemmParams& p, CallArgs& c) {
   const int64_t ra = p.trans_a ? p.k : p.m, ca = p.trans_a ? p.m : p.k;
   const int64_t rb = p.trans_b ? p.n : p.k, cb = p.trans_b ? p.k : p.n;
-  c.slots.push_back({matrix_view(p.a, p.input_dtype, p.device, p.batch, ra, ca, p.lda, p.stride_a), {}, false});
-  c.slots.push_back({matrix_view(p.b, p.input_dtype, p.device, p.batch, rb, cb, p.ldb, p.stride_b), {}, false});
-  c.slots.push_back({vector_view(p.bias, p.output_dtype, p.device, p.m), {}, false});
-  c.slots.push_back({matrix_view(p.c, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
+  c.slots.push_back({gemm_matrix_view(p.a, p.input_dtype, p.device, p.batch, ra, ca, p.lda, p.stride_a), {}, false});
+  c.slots.push_back({gemm_matrix_view(p.b, p.input_dtype, p.device, p.batch, rb, cb, p.ldb, p.stride_b), {}, false});
+  c.slots.push_back({gemm_vector_view(p.bias, p.output_dtype, p.device, p.m), {}, false});
+  c.slots.push_back({gemm_matrix_view(p.c, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
   c.slots.push_back(
-      {matrix_view(p.pre_gelu, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
-  c.slots.push_back({vector_view(p.bias_grad, p.output_dtype, p.device, p.n), {}, false});
+      {gemm_matrix_view(p.pre_gelu, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
+  c.slots.push_back({gemm_vector_view(p.bias_grad, p.output_dtype, p.device, p.n), {}, false});
   auto i = [&](const char* n, int64_t v) { c.attrs.emplace_back(n, AttrValue::of_int(v)); };
   i("trans_a", p.trans_a), i("trans_b", p.trans_b), i("m", p.m), i("n", p.n), i("k", p.k);
   i("lda", p.lda), i("ldb", p.ldb), i("ldc", p.ldc), i("batch", p.batch);

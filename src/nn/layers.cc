@@ -29,8 +29,10 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
   if (has_bias) bias = register_parameter("bias", uniform_or_zeros({out_features}, bound));
 }
 
-Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
-Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) const { return fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias); }
+Tensor Linear::forward_gelu(const Tensor& x) const {
+  return fp8 ? gelu(fp8::linear(x, weight, bias, fp8)) : linear_gelu(x, weight, bias);
+}
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim) {  // normal(0, 1), as LibTorch
   const Shape shape{num_embeddings, dim};
@@ -58,6 +60,7 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
 // One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue. Split
 // across ranks, each computes its hidden units' share of the output; the shares are summed before the bias.
 Tensor GeluMLP::forward(const Tensor& x) const {
+  if (c_fc->fp8 || c_proj->fp8) return c_proj->forward(c_fc->forward_gelu(x));  // FP8 (no tensor parallelism): unfused
   if (!tp) return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, {}, recompute_hidden);
   Tensor partial = gelu_mlp(tp->enter(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor(), {}, recompute_hidden);
   Tensor y = tp->exit(partial);

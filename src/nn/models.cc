@@ -31,7 +31,26 @@ Tensor LanguageModel::forward(const Tensor& idx, std::vector<KVCache>* caches) {
   return head_logits(hidden(idx, caches));
 }
 
+void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
+  if (scope != fp8::Scope::kOff) {
+    fp8::check_recipe(recipe);
+    LOOM_REQUIRE(!tp_, "FP8 (", fp8::scope_name(scope), ") does not run under tensor parallelism");
+  }
+  const bool blocks = scope == fp8::Scope::kLinear || scope == fp8::Scope::kAll;
+  const bool classifier = scope == fp8::Scope::kClassifier || scope == fp8::Scope::kAll;
+  for (const auto& block : this->blocks())
+    for (const auto& [name, m] : block->named_modules())
+      if (auto layer = std::dynamic_pointer_cast<Linear>(m))
+        layer->fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+  classifier_fp8_ = classifier ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+  fp8_scope_ = scope;
+}
+
 Tensor LanguageModel::head_logits(const Tensor& h) {
+  if (classifier_fp8_) {
+    LOOM_REQUIRE(!tp_, "the FP8 classifier does not run under tensor parallelism");
+    return fp8::linear(h, classifier_weight(), Tensor(), classifier_fp8_);
+  }
   if (!tp_) return linear(h, classifier_weight());
   return tp_->gather_vocabulary(linear(tp_->enter(h), classifier_weight()));
 }
@@ -54,6 +73,8 @@ Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
 
 Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   const Tensor& weight = classifier_weight();
+  // FP8: the logits whole, then the loss consuming them (the blocked linear_cross_entropy is not FP8 yet).
+  if (classifier_fp8_) return loss(head_logits(h), targets);
   if (tp_) {  // this rank's vocabulary columns; the classifier's rows split as the embedding's
     Tensor local = linear(tp_->enter(h), weight);
     return tp_->vocab_parallel_cross_entropy(local.reshape({-1, local.size(-1)}), targets.reshape({-1}),
@@ -382,6 +403,7 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<
     }
     model->init_weights(*seed);
   }
+  if (cfg.fp8 != fp8::Scope::kOff) model->set_fp8(cfg.fp8, cfg.fp8_recipe);
   return model;
 }
 

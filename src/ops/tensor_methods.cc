@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "kernels/copy_kernel.h"
+#include "loom/common/dtype_values.h"
 #include "loom/ops.h"
 #include "loom/ops/views.h"
 #include "ops/op_common.h"
@@ -361,13 +362,31 @@ void print_values(std::ostream& os, const double* v, const Shape& shape, const S
   }
   os << "]";
 }
+// An 8-bit float tensor's values as f64 on the host, read element by element (no kernel computes in these dtypes).
+Tensor fp8_values(const Tensor& t) {
+  const Tensor h = ops::to_device(t, Device());
+  Tensor out = empty(t.shape(), kF64);
+  auto* v = static_cast<double*>(out.data());
+  const auto* base = static_cast<const uint8_t*>(h.data());
+  std::vector<int64_t> idx(size_t(t.dim()), 0);
+  for (int64_t e = 0; e < t.numel(); ++e) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < idx.size(); ++d) offset += idx[d] * h.strides()[d];
+    v[e] = load_element(base + offset, t.dtype());
+    for (size_t d = idx.size(); d-- > 0;) {
+      if (++idx[d] < t.shape()[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
 }  // namespace
 
 std::string Tensor::str() const {
   std::ostringstream os;
   if (!defined()) return "Tensor(undefined)";
   os << "Tensor(";
-  Tensor host = ops::contiguous(ops::to_dtype(ops::to_device(*this, Device()), kF64));
+  Tensor host = is_fp8(dtype()) ? fp8_values(*this) : ops::contiguous(ops::to_dtype(ops::to_device(*this, Device()), kF64));
   print_values(os, static_cast<const double*>(host.data()), shape(), host.strides(), 0, 0, numel() > 1000,
                is_integral(dtype()));
   os << ", shape=" << shape_str(shape()) << ", dtype=" << dtype_name(dtype()) << ", device=" << device().str();

@@ -35,6 +35,8 @@ bool dtype_allowed(DTypeRule rule, DType T, DType dt) {
     case DTypeRule::kF64: return dt == kF64;
     case DTypeRule::kI64: return dt == kI64;
     case DTypeRule::kSumOf: return is_floating(T) ? dt == T : dt == kI64;
+    case DTypeRule::kFp8: return is_fp8(dt);
+    case DTypeRule::kUnquantized: return dt == kBF16 || dt == kF32;
   }
   return false;
 }

@@ -37,13 +37,14 @@ void draw_range(std::vector<double>& v, size_t begin, size_t end, const TensorSp
       case Values::kAwayFromZero: x = (r < 0.5 ? -1 : 1) * (0.5 + 3 * std::fmod(r * 2, 0.5)); break;
       case Values::kBits: x = r < 0.5 ? 0 : 1; break;
       case Values::kProbability: x = 0.5 * r; break;
+      case Values::kScale: x = std::exp2(20 * r - 10); break;
       case Values::kIndexBelow:
       case Values::kTargets:
         x = double(std::min<int64_t>(bound - 1, int64_t(r * double(bound))));
         if (t.values == Values::kTargets && ignore >= 0 && u(eng) < 0.2) x = double(ignore);
         break;
     }
-    if (!is_floating(dt) && t.values != Values::kIndexBelow && t.values != Values::kTargets &&
+    if (!is_floating(dt) && !is_fp8(dt) && t.values != Values::kIndexBelow && t.values != Values::kTargets &&
         t.values != Values::kBits)
       x = std::round(x * 2);  // small integers
   }
@@ -81,7 +82,7 @@ std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase
 // Turns normal values (row-major over `shape`) into a value class; at least one element takes the class.
 void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& shape, int line_dim,
                  std::mt19937_64& eng) {
-  if (!is_floating(dt) || v.empty()) return;
+  if ((!is_floating(dt) && !is_fp8(dt)) || v.empty()) return;
   std::uniform_real_distribution<double> u(0, 1);
   const size_t n = v.size();
   auto some = [&](double fraction, auto&& set) {
@@ -170,6 +171,8 @@ DType dtype_of(const TensorSpec& t, const SuiteCase& c, bool alt) {
     case DTypeRule::kF64: return kF64;
     case DTypeRule::kI64: return kI64;
     case DTypeRule::kSumOf: return is_floating(T) ? T : kI64;
+    case DTypeRule::kFp8: return T == kF8E5M2 || !alt ? kF8E4M3 : kF8E5M2;  // never two e5m2 operands
+    case DTypeRule::kUnquantized: return c.wide ? kF32 : kBF16;
   }
   return T;
 }

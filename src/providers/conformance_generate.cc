@@ -93,18 +93,21 @@ Model make_model(const OpSchema& s, DType dt) {
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     narrow |= t.dtype == DTypeRule::kNarrowOrSame && dt == kF32;
-    wide |= t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16);
+    wide |= (t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16)) || t.dtype == DTypeRule::kUnquantized;
     if (is_optional(t.role) && t.present_with.empty())
       m.params.push_back({ParamKind::kPresent, "present " + t.name, int(i), {"present", "absent"}});
-    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex) {
+    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex ||
+        (t.dtype == DTypeRule::kFp8 && dt == kF8E4M3)) {
       SuiteCase c = m.base;
       m.params.push_back({ParamKind::kAltDtype, "dtype " + t.name, int(i),
                           {dtype_name(dtype_of(t, c, false)), dtype_name(dtype_of(t, c, true))}});
     }
   }
   if (narrow) m.params.push_back({ParamKind::kNarrow, "narrow (bf16 activations)", -1, {"f32", "bf16"}});
+  // An 8-bit float op's unquantized side (kUnquantized) is bf16, or f32 in a wide case.
+  const char* narrow_side = is_fp8(dt) ? "bf16" : dtype_name(dt);
   if (wide) m.params.push_back({ParamKind::kWide, std::string("wide (f32 beside ") + dtype_name(dt) + ")", -1,
-                                {dtype_name(dt), "f32"}});
+                                {narrow_side, "f32"}});
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     const TensorSpec& t = s.tensors[i];
     m.params.push_back({ParamKind::kOffset, "offset " + t.name, int(i), {"0", "1", "2", "3", "4", "5", "6", "7"}});
@@ -282,8 +285,11 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
       case ParamKind::kWide: {
         const DTypeRule rule = pr.kind == ParamKind::kNarrow ? DTypeRule::kNarrowOrSame : DTypeRule::kWideOrSame;
         bool any = false, taken = false;
-        for (size_t k = 0; k < n; ++k)
+        for (size_t k = 0; k < n; ++k) {
           if (c.present[k] && s.tensors[k].dtype == rule) any = true, taken |= *e.tensors[k].dtype != c.dtype;
+          if (pr.kind == ParamKind::kWide && c.present[k] && s.tensors[k].dtype == DTypeRule::kUnquantized)
+            any = true, taken |= *e.tensors[k].dtype == kF32;  // an 8-bit float op's f32 side
+        }
         eff = any ? int(taken) : -1;
         break;
       }
@@ -295,7 +301,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
         break;
       case ParamKind::kValues: {
         const bool read = is_input(c.roles[i]) || c.roles[i] == ArgRole::kInPlace;
-        if (present && read && is_floating(*e.tensors[i].dtype)) {
+        if (present && read && (is_floating(*e.tensors[i].dtype) || is_fp8(*e.tensors[i].dtype))) {
           auto k = std::find(pr.classes.begin(), pr.classes.end(), c.values[i]);
           if (k != pr.classes.end()) eff = int(k - pr.classes.begin());
         }

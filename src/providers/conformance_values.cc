@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "loom/common/dtype_values.h"
 #include "loom/common/half.h"
 #include "providers/conformance_internal.h"
 
@@ -19,6 +20,7 @@ double read_element(const uint8_t* p, DType dt) {
     case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
     case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
     case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
+    case kF8E4M3: case kF8E5M2: return load_element(p, dt);
   }
   return 0;
 }
@@ -42,6 +44,7 @@ void store_at(uint8_t* p, DType dt, double v) {
     case kI8: { int8_t x = int8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
     case kU8: { uint8_t x = uint8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
     case kBool: { uint8_t x = v != 0; std::memcpy(p, &x, 1); break; }
+    case kF8E4M3: case kF8E5M2: store_element(p, dt, v); break;  // the plain conversion (inf, NaN past the range)
   }
 }
 
@@ -112,6 +115,7 @@ double largest_finite(DType dt) {
     case kF32: return 3.4028234663852886e38;
     case kBF16: return 3.3895313892515355e38;
     case kF16: return 65504.0;
+    case kF8E4M3: case kF8E5M2: return largest_finite_value(dt);
     default: return 1;
   }
 }
@@ -121,6 +125,7 @@ double smallest_denormal(DType dt) {
     case kF32: return 1.4012984643248171e-45;
     case kBF16: return 9.183549615799121e-41;
     case kF16: return 5.9604644775390625e-08;
+    case kF8E4M3: case kF8E5M2: return smallest_denormal_value(dt);
     default: return 0;
   }
 }
@@ -132,6 +137,7 @@ double smallest_normal(DType dt) {
     case kF64: return 2.2250738585072014e-308;
     case kF32: case kBF16: return 1.1754943508222875e-38;
     case kF16: return 6.103515625e-05;
+    case kF8E4M3: case kF8E5M2: return smallest_normal_value(dt);
     default: return 0;
   }
 }

@@ -169,14 +169,18 @@ struct Binding {
   }
 };
 
-DTypeSet dtypes_from_mask(uint32_t mask) {
+// The dtypes of a mask that the library's ABI minor defines: the 8-bit floats from 1.3 on (a bit an older library
+// sets there meant nothing to the header it was built against).
+DTypeSet dtypes_from_mask(uint32_t mask, uint32_t abi_minor) {
+  const int known = abi_minor >= 3 ? kNumDTypes : int(kBool) + 1;
+  mask &= (1u << known) - 1;
+  if (mask == 0) return DTypeSet{};
   DType first = kF32;
-  for (int i = kNumDTypes - 1; i >= 0; --i)
+  for (int i = known - 1; i >= 0; --i)
     if (mask & (1u << i)) first = DType(i);
   auto pick = [&](DType t) { return (mask & (1u << unsigned(t))) ? t : first; };
-  if ((mask & ((1u << kNumDTypes) - 1)) == 0) return DTypeSet{};
-  return DTypeSet{pick(kF32), pick(kF64),  pick(kF16),  pick(kBF16), pick(kI8),
-                  pick(kU8),  pick(kI32), pick(kI64), pick(kBool)};
+  return DTypeSet{pick(kF32), pick(kF64), pick(kF16), pick(kBF16), pick(kI8), pick(kU8),
+                  pick(kI32), pick(kI64), pick(kBool), pick(kF8E4M3), pick(kF8E5M2)};
 }
 
 // ---- A device registered through the library's runtime table. ----
@@ -385,7 +389,7 @@ std::string load(const std::string& path, const std::string& name_override) {
       warn(*lib, "op '" + op + "' names unknown device type " + std::to_string(e.device_type) + "; skipped");
       continue;
     }
-    DTypeSet dts = dtypes_from_mask(e.dtypes);
+    DTypeSet dts = dtypes_from_mask(e.dtypes, t.abi_minor);
     if (dts.empty()) {
       warn(*lib, "op '" + op + "' supports no dtype Loom knows (mask " + std::to_string(e.dtypes) + "); skipped");
       continue;

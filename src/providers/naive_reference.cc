@@ -14,6 +14,7 @@
 
 #include "loom/common/error.h"
 #include "loom/common/half.h"
+#include "providers/naive_reference_fp8.h"
 
 namespace loom::conformance::naive {
 
@@ -899,6 +900,7 @@ const std::map<std::string, Fn>& table() {
     m["scaled_dot_product_attention_backward"] = m["scaled_dot_product_attention_backward_strided"] =
         attention_backward;
     m["gemm"] = gemm;
+    add_fp8_references(m);
     return m;
   }();
   return t;

@@ -260,6 +260,8 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("training", "shuffle", shuffle, "the saved data position is a place in the saved order"),
       LOOM_RUN_FLAG("training", "device"),
       LOOM_SETTING("training", "dtype", dtype),
+      LOOM_SETTING("training", "fp8", fp8),
+      LOOM_SETTING("training", "fp8-amax-history", fp8_amax_history),
       LOOM_RUN_FLAG("training", "tf32"),
       LOOM_SETTING("training", "eval-interval", eval_interval),
       LOOM_SETTING("training", "eval-batches", eval_batches),
@@ -449,6 +451,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   cfg.recompute_mlp = opts_.recompute_mlp;
   cfg.recompute = autograd::recompute_from_name(opts_.recompute);
+  cfg.fp8 = fp8::scope_from_name(opts_.fp8);
+  cfg.fp8_recipe.amax_history = opts_.fp8_amax_history;
   // Before anything is allocated: a model whose state cannot fit is refused (it built until memory ran out).
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
   const int64_t launch_world = opts_.process_group ? opts_.process_group->size() : launch ? launch->world_size : 1;
@@ -552,6 +556,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     pipeline_ = std::make_unique<distributed::PipelineParallel>(*model_, pp_group_, po);
   }
   model_->to(device_);
+  if (cfg.fp8 != fp8::Scope::kOff) fp8::check_device(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 

@@ -13,6 +13,10 @@
 # curves compare step by step (with SKIP_TORCH=1 an existing file is reused).
 # LOOM_FLAGS: more loom-train flags for both Loom runs (e.g. --recompute-mlp); TORCH_FLAGS: more flags for the
 # PyTorch script (e.g. --repeat-kv for LLaMA). LOOM_TIMEOUT: seconds per Loom run (200 for GPT-2, 300 for LLaMA).
+# FP8: FP8 scopes of loom-train's --fp8 (classifier, linear, all; e.g. FP8='linear all') to run after the bf16 run, each
+# with --dtype bf16 --fp8 SCOPE and FP8_FLAGS (e.g. --fp8-amax-history 16) on the same data and initial weights; the
+# table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
+# difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too.
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in
@@ -55,6 +59,14 @@ echo "== loom: $LOOM_MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-fr
 timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
   --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
+FP8_SCOPES=(${FP8:-})
+for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
+  echo "== loom: $LOOM_MODEL bf16 --fp8 $scope ${FP8_FLAGS:-} B=$B T=$T steps=$STEPS"
+  timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 --fp8 $scope ${FP8_FLAGS:-} -b $B -t $T --steps $STEPS \
+    --device cuda --eval-interval 0 --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} \
+    --log-dir "$DIR/loom_${MODEL}_b${B}_fp8_$scope" 2>&1 | tee "$DIR/loom_${MODEL}_b${B}_fp8_$scope.log"
+done
+
 if [ "${PROFILE:-0}" = 1 ]; then
   # One profiled run of 7 steps; loom-train resets the table after the first (warm-up), so it covers 6 steps (and the
   # one batch of the final evaluation). LOOM_PROFILE_OPS=shapes splits rows by shape.
@@ -63,12 +75,20 @@ if [ "${PROFILE:-0}" = 1 ]; then
     --eval-batches 1 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$DIR/profile_${MODEL}_b$B.log" 2>&1
   grep "peak device memory" "$DIR/profile_${MODEL}_b$B.log"
   python3 tools/bench/op_profile.py - "$DIR/profile_${MODEL}_b$B.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b$B.txt"
+  if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
+    P="$DIR/profile_${MODEL}_b${B}_fp8_${FP8_SCOPES[0]}"
+    LOOM_PROFILE_OPS=${PROFILE_MODE:-1} LOOM_PROFILE_OPS_FILE="$P.tsv" timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL \
+      --dtype bf16 --fp8 ${FP8_SCOPES[0]} ${FP8_FLAGS:-} -b $B -t $T --steps 7 --warmup 1 --device cuda --eval-interval 0 \
+      --sample-tokens 0 --eval-batches 1 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} > "$P.log" 2>&1
+    grep "peak device memory" "$P.log"
+    python3 tools/bench/op_profile.py - "$P.tsv" 6 | tee "$DIR/breakdown_${MODEL}_b${B}_fp8_${FP8_SCOPES[0]}.txt"
+  fi
 fi
 
 python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b$B.log" \
-  $B $T $MODEL $SAME_INIT <<'PY'
+  $B $T $MODEL $SAME_INIT "$DIR" "${FP8:-}" <<'PY'
 import json, math, re, statistics, sys, os
-loom_log, torch_log, prof_log, B, T, model, same_init = sys.argv[1:8]
+loom_log, torch_log, prof_log, B, T, model, same_init, out_dir, fp8_scopes = sys.argv[1:10]
 B, T = int(B), int(T)
 GPT2 = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}
 # LLaMA: layers, heads, kv heads, dim, ffn, vocab (unpadded: Loom's padded_vocab_size for LLaMA), tied embeddings
@@ -92,12 +112,15 @@ def read(path, pat):
         m = re.search(pat, line)
         if m: loss.append(float(m.group(1))); ms.append(float(m.group(2)))
     return ms, loss
-lms, lloss = [], []  # loom-train's metrics.jsonl: full-precision step times
-if os.path.exists(loom_log):
-    for line in open(loom_log):
-        j = json.loads(line)
-        if j.get("perf/ms_per_step") is not None:
-            lms.append(j["perf/ms_per_step"]); lloss.append(j["train/loss"] if j["train/loss"] is not None else float("nan"))
+def read_metrics(path):  # loom-train's metrics.jsonl: full-precision step times and losses
+    ms, loss = [], []
+    if os.path.exists(path):
+        for line in open(path):
+            j = json.loads(line)
+            if j.get("perf/ms_per_step") is not None:
+                ms.append(j["perf/ms_per_step"]); loss.append(j["train/loss"] if j["train/loss"] is not None else float("nan"))
+    return ms, loss
+lms, lloss = read_metrics(loom_log)
 tms, tloss = read(torch_log, r"^step\s+\d+/\d+ \| loss ([\d.naninf]+) .*\|\s+([\d.]+) ms")
 def mib(path, pat):
     if not os.path.exists(path): return None
@@ -120,6 +143,23 @@ for name, tok, mfu, mem in rows:
 if rows[0][1] and rows[1][1]:
     print(f"{'ratio':10}{rows[0][1] / rows[1][1]:12.3f}{'':8}"
           f"{(rows[0][3] / rows[1][3]) if rows[0][3] and rows[1][3] else float('nan'):10.3f}   (Loom / PyTorch)")
+for scope in fp8_scopes.split():
+    base = f"{out_dir}/loom_{model}_b{B}_fp8_{scope}"
+    fms, floss = read_metrics(f"{base}/metrics.jsonl")
+    if not fms:
+        print(f"fp8 {scope:6}: no steps (see {base}.log)"); continue
+    tok = B * T / (statistics.median(fms[WARM:] or fms) / 1000)
+    mem = mib(f"{out_dir}/profile_{model}_b{B}_fp8_{scope}.log", r"peak device memory allocated: ([\d.]+) MiB")
+    line = f"{'fp8 ' + scope:10}{tok:12.0f}{flops_per_token * tok / 989e12 * 100:8.1f}" + (f"{mem:10.0f}" if mem else f"{'-':>10}")
+    if rows[0][1]: line += f"   {tok / rows[0][1]:.3f}x Loom bf16"
+    if rows[1][1]: line += f", {tok / rows[1][1]:.3f}x PyTorch"
+    print(line + " (MFU against the bf16 peak)")
+    n = min(len(lloss), len(floss))
+    rel = [(abs(a - b) / abs(b), i + 1) for i, (a, b) in enumerate(zip(floss[:n], lloss[:n])) if math.isfinite(a) and math.isfinite(b) and b]
+    if rel:
+        worst, at = max(rel[WARM:] or rel)
+        print(f"    loss vs Loom bf16 over {n} steps: max relative difference after step {WARM} {worst * 100:.2f}% (step {at}), "
+              f"last step {floss[n - 1]:.4f} vs {lloss[n - 1]:.4f}" + (f"; {n - len(rel)} steps not finite" if len(rel) < n else ""))
 if lloss and tloss:
     n = min(len(lloss), len(tloss))
     print("loss  step: " + " ".join(f"{i + 1:>6}" for i in range(0, n, max(1, n // 10))))

@@ -9,9 +9,10 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1] and of 1.2 with [1.2], and Loom binds an op only for a library built against
- *   the minor that added it or a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest
- *   of its ops load).
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2] and of 1.3 with [1.3], and Loom binds an op
+ *   only for a library built against the minor that added it or a newer one (a 1.0 library that names a 1.1 op is
+ *   warned, as before, and the rest of its ops load). 1.3 also added the 8-bit float dtypes: only the FP8 ops take
+ *   them, and a mask bit for them counts only in a library built against 1.3 or newer.
  *
  * Memory and streams belong to Loom: outputs are allocated by Loom before a call; a library that needs scratch
  * memory asks host->allocate_workspace, and runs its work on host->get_stream(device) (a cudaStream_t on CUDA, NULL
@@ -165,6 +166,26 @@
  *     scatter_add [1.2] (out in place: out[.. index ..] += src)
  *                                                   in: index, src         out: out   attrs: dim (int)
  *     triangular [1.2]                              in: x                  out: out   attrs: diagonal (int), upper (int)
+ *   Added in 1.3: the FP8 ops (src/kernels/fp8_kernel.h) and the dtypes they store in, LOOM_DTYPE_F8E4M3 and
+ *   LOOM_DTYPE_F8E5M2 (one byte per element; loom/common/float8.h defines the formats and their rounding). A scale
+ *   is one f32 element in the device's memory (read it there: no host read); values are q * scale_inv.
+ *     fp8_amax [1.3] (dispatch dtype = x's: f32 or bf16; contiguous)
+ *                                                   in: x                  out: amax (one f32: max |x|, NaN if any)
+ *     fp8_scale [1.3] (dispatch dtype f32)          in: amax               out: history [H], scale, scale_inv
+ *       history and scale are updated in place: history moves one place toward its end, amax enters at 0; from the
+ *       largest non-NaN entry a, when finite and > 0, scale = (fp8_max / a) / 2^margin in f32 unless that is not
+ *       finite and > 0; scale_inv = 1 / scale. attrs: fp8_max (float: 448 or 57344), margin (int).
+ *     fp8_quantize [1.3] (dispatch dtype = q's; x f32 or bf16; contiguous)
+ *                                                   in: x, scale           out: q, amax?
+ *       q = the code of float(x) * scale (rounded to f32), to nearest even, saturating finite values at the
+ *       format's largest; NaN stays NaN; inf stays inf in e5m2 and is NaN in e4m3. amax as fp8_amax.
+ *     fp8_dequantize [1.3] (dispatch dtype = q's)   in: q, scale_inv       out: out (f32 or bf16: q * scale_inv in f32)
+ *     fp8_gemm [1.3] (dispatch dtype = A's)         in: A, B, scale_a, scale_b, bias?   out: C
+ *       gemm's layout and attrs (A and B as stored, column-major, any transposes) with A and B 8-bit floats (e4m3
+ *       and e4m3, or one of them e5m2), C and bias bf16 or f32: C = alpha * (scale_a op(A)) (scale_b op(B)) +
+ *       beta * C (+ bias[i] when epilogue == 1; epilogue is 0 or 1). scale_a and scale_b are the operands'
+ *       dequantization factors (cuBLASLt's A/B_SCALE_POINTER). attr fast_accumulation (int): 1 allows a less exact,
+ *       faster accumulation (cuBLASLt's FAST_ACCUM); 0 asks for f32 partial sums.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +202,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 2
+#define LOOM_ABI_VERSION_MINOR 3
 
 #define LOOM_MAX_DIMS 8
 
@@ -210,7 +231,9 @@ typedef enum LoomDType {
   LOOM_DTYPE_U8 = 5,
   LOOM_DTYPE_I32 = 6,
   LOOM_DTYPE_I64 = 7,
-  LOOM_DTYPE_BOOL = 8
+  LOOM_DTYPE_BOOL = 8,
+  LOOM_DTYPE_F8E4M3 = 9,  /* [1.3] OCP FP8 E4M3 ("e4m3fn": no inf, NaN 0x7f/0xff, max 448) */
+  LOOM_DTYPE_F8E5M2 = 10  /* [1.3] OCP FP8 E5M2 (IEEE-like: inf 0x7c/0xfc, max 57344) */
 } LoomDType;
 #define LOOM_DTYPE_BIT(t) (1u << (unsigned)(t))
 

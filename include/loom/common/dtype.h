@@ -6,12 +6,14 @@
 #include <string>
 
 #include "loom/common/error.h"
+#include "loom/common/float8.h"
 #include "loom/common/half.h"
 
 namespace loom {
 
-enum class DType : uint8_t { kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool };
-inline constexpr int kNumDTypes = 9;
+// The values are stable (the kernel ABI's LoomDType, op traces): new dtypes go at the end.
+enum class DType : uint8_t { kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2 };
+inline constexpr int kNumDTypes = 11;
 
 inline constexpr DType kF32 = DType::kF32;
 inline constexpr DType kF64 = DType::kF64;
@@ -22,15 +24,21 @@ inline constexpr DType kU8 = DType::kU8;
 inline constexpr DType kI32 = DType::kI32;
 inline constexpr DType kI64 = DType::kI64;
 inline constexpr DType kBool = DType::kBool;
+// The OCP 8-bit floats (loom/common/float8.h): storage for FP8 matrix products, which quantize into them and
+// multiply them (src/kernels/fp8_kernel.h). Other ops do not compute in them.
+inline constexpr DType kF8E4M3 = DType::kF8E4M3;
+inline constexpr DType kF8E5M2 = DType::kF8E5M2;
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
-// Parses "f32", "float32", "bf16", "bfloat16", ... Throws loom::Error on an unknown name.
+// Parses "f32", "float32", "bf16", "bfloat16", "f8e4m3", "float8_e4m3fn", ... Throws loom::Error on an unknown name.
 DType dtype_from_name(const std::string& name);
+// The dtypes arithmetic kernels compute in: f32, f64, f16, bf16. The 8-bit floats are not among them (is_fp8).
 bool is_floating(DType t);
+bool is_fp8(DType t);       // f8e4m3, f8e5m2
 bool is_integral(DType t);  // integers and bool
 // Result type of a binary op on two tensors, PyTorch-style: floating beats integral, wider beats narrower;
-// bf16 with f16 gives f32.
+// bf16 with f16 gives f32. An 8-bit float takes part in no promotion (throws).
 DType promote_types(DType a, DType b);
 
 // A set of dtypes as a bit mask, for kernel registrations.
@@ -64,6 +72,8 @@ template <> struct dtype_of<uint8_t> { static constexpr DType value = kU8; };
 template <> struct dtype_of<int32_t> { static constexpr DType value = kI32; };
 template <> struct dtype_of<int64_t> { static constexpr DType value = kI64; };
 template <> struct dtype_of<bool> { static constexpr DType value = kBool; };
+template <> struct dtype_of<Float8E4M3> { static constexpr DType value = kF8E4M3; };
+template <> struct dtype_of<Float8E5M2> { static constexpr DType value = kF8E5M2; };
 
 // The type arithmetic happens in: float for 16-bit floats, the type itself otherwise.
 template <typename T> struct accumulate_type { using type = T; };
@@ -86,7 +96,7 @@ using acc_t = typename accumulate_type<T>::type;
     }                                                                                                        \
   }()
 
-// As above, over every dtype.
+// As above, over every dtype the arithmetic kernels know (the 8-bit floats throw: only FP8 ops take them).
 #define LOOM_DISPATCH_ALL(DT, OPNAME, ...)                                                                   \
   [&] {                                                                                                      \
     switch (DT) {                                                                                            \
@@ -99,8 +109,19 @@ using acc_t = typename accumulate_type<T>::type;
       case ::loom::DType::kI32: { using scalar_t = int32_t; return __VA_ARGS__(); }                           \
       case ::loom::DType::kI64: { using scalar_t = int64_t; return __VA_ARGS__(); }                           \
       case ::loom::DType::kBool: { using scalar_t = bool; return __VA_ARGS__(); }                             \
+      default: break;                                                                                        \
     }                                                                                                        \
-    LOOM_THROW(OPNAME, ": unknown dtype");                                                                   \
+    LOOM_THROW(OPNAME, ": dtype ", ::loom::dtype_name(DT), " is not supported");                            \
+  }()
+
+// The 8-bit float dtypes: `fp8_t` bound to Float8E4M3 or Float8E5M2.
+#define LOOM_DISPATCH_FP8(DT, OPNAME, ...)                                                                   \
+  [&] {                                                                                                      \
+    switch (DT) {                                                                                            \
+      case ::loom::DType::kF8E4M3: { using fp8_t = ::loom::Float8E4M3; return __VA_ARGS__(); }                \
+      case ::loom::DType::kF8E5M2: { using fp8_t = ::loom::Float8E5M2; return __VA_ARGS__(); }                \
+      default: LOOM_THROW(OPNAME, ": dtype ", ::loom::dtype_name(DT), " is not an 8-bit float");            \
+    }                                                                                                        \
   }()
 
 // Index dtypes (i32, i64).

@@ -56,6 +56,10 @@ enum class DTypeRule : uint8_t {
   kF64,
   kI64,
   kSumOf,        // T for floating T, i64 for integers and bool (sum's output)
+  kFp8,          // f8e4m3 or f8e5m2, either beside the other (an FP8 product's B; T is A's)
+  kUnquantized,  // bf16, or f32 in a wide case (SuiteCase::wide): the high-precision side of an 8-bit float op
+                 // (what is quantized, what a dequantize or an FP8 product writes); one dtype for all such tensors
+                 // of a call
 };
 
 // The layouts a kernel accepts for a tensor argument (the suite tries each).
@@ -76,6 +80,7 @@ enum class Values : uint8_t {
   kTargets,       // as kIndexBelow, with some rows at the op's ignore_index attribute
   kBits,          // 0 or 1
   kProbability,   // [0, 0.5] (dropout's p), or a scale near 1
+  kScale,         // positive, log-uniform in [2^-10, 2^10] (8-bit float scaling factors)
 };
 
 // The classes of values the suite tries for a floating input (on top of its Values range). Which ones an input

@@ -20,7 +20,7 @@ struct SafetensorsFile {
 };
 
 // Writes the tensors (copied to the CPU and made contiguous as needed) atomically: temp file, fsync, rename.
-// Dtypes: F32 F64 F16 BF16 I8 U8 I32 I64 BOOL.
+// Dtypes: F32 F64 F16 BF16 I8 U8 I32 I64 BOOL F8_E4M3 F8_E5M2.
 void save_safetensors(const std::string& path, const TensorMap& tensors, const StringMap& metadata = {});
 
 // Reads and validates a file: header length within the file, valid JSON, known dtypes, non-negative shapes,

@@ -4,6 +4,7 @@
 
 #include <optional>
 
+#include "loom/fp8.h"
 #include "loom/functional.h"
 #include "loom/nn/module.h"
 #include "loom/nn/tensor_parallel_region.h"
@@ -19,9 +20,11 @@ class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
   Tensor forward(const Tensor& x) const;
-  Tensor forward_gelu(const Tensor& x) const;  // GELU fused into the product's epilogue
+  Tensor forward_gelu(const Tensor& x) const;  // GELU fused into the product's epilogue (not under FP8)
   Tensor weight;  // [out, in]
   Tensor bias;    // [out] or undefined
+  // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.
+  std::shared_ptr<fp8::LinearState> fp8;
 };
 
 // Built with normal(0, 1) weights from the default generator (unless within nn::SkipInit), as LibTorch.

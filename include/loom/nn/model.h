@@ -37,6 +37,10 @@ struct ModelConfig {
   // Training-time memory option, not saved with the model: activation checkpointing per block (full: keep only each
   // block's inputs; selective: also the results of its matrix products and attention). See loom/autograd/checkpoint.h.
   autograd::Recompute recompute = autograd::Recompute::kNone;
+  // Training-time option, not saved with the model: which layers run their matrix products in FP8 (loom/fp8.h), and
+  // how; make_model applies it (LanguageModel::set_fp8).
+  fp8::Scope fp8 = fp8::Scope::kOff;
+  fp8::Recipe fp8_recipe;
 
   // "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m" (aliases gpt2, gpt2-medium, gpt2-large, gpt2-xl), "d<N>"
   // (GPT-2 of depth N, width 64N, N heads), "llama3-1b", "llama3-8b", "gpt2-tiny" and "llama3-tiny" (for tests), a
@@ -128,8 +132,18 @@ class LanguageModel : public Module {
   // The transformer blocks, in order (what plans shard, gather or place by block).
   virtual std::vector<std::shared_ptr<Module>> blocks() const = 0;
 
+  // FP8 matrix products (loom/fp8.h) for the layers of `scope`: every linear layer of the blocks (kLinear), the
+  // classifier (kClassifier), both (kAll) or none (kOff); each layer gets scaling state of its own. Not with tensor
+  // parallelism (refused here and when a model under FP8 runs split).
+  void set_fp8(fp8::Scope scope, const fp8::Recipe& recipe = {});
+  fp8::Scope fp8_scope() const { return fp8_scope_; }
+
   // Set by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has split the model's layers.
-  void set_tensor_parallel(std::shared_ptr<const TensorParallelRegion> region) { tp_ = std::move(region); }
+  void set_tensor_parallel(std::shared_ptr<const TensorParallelRegion> region) {
+    LOOM_REQUIRE(!region || fp8_scope_ == fp8::Scope::kOff, "FP8 (", fp8::scope_name(fp8_scope_),
+                 ") does not run under tensor parallelism");
+    tp_ = std::move(region);
+  }
   const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
   // Set by a plan that acts around the blocks (loom/distributed/fsdp.h).
   void set_block_hooks(std::shared_ptr<BlockHooks> hooks) { hooks_ = std::move(hooks); }
@@ -139,6 +153,8 @@ class LanguageModel : public Module {
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;
+  fp8::Scope fp8_scope_ = fp8::Scope::kOff;
+  std::shared_ptr<fp8::LinearState> classifier_fp8_;  // the classifier's FP8 state, when its scope includes it
 };
 
 // The model of `cfg`, initialized by its init_weights(seed) (without a seed, one drawn from the default generator,

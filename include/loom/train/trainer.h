@@ -54,6 +54,8 @@ struct TrainOptions {
   double clip = 1.0;                 // max global grad norm; <= 0 disables clipping
   std::string device = "cpu";
   std::string dtype = "f32";         // f32, or bf16/f16 mixed precision (f32 master weights, see loom/amp.h)
+  std::string fp8 = "off";           // FP8 matrix products (loom/fp8.h): off, classifier, linear or all
+  int64_t fp8_amax_history = 1;      // FP8 scaling: 1 current, N > 1 delayed over the last N amaxes
   int64_t eval_interval = 50;        // 0 = never (and at the end)
   int64_t eval_batches = 8;          // 0 = the whole validation split
   int64_t sample_interval = 0;       // 0 = only at the end

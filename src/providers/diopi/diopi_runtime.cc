@@ -20,6 +20,7 @@ diopiDtype_t to_diopi(DType t) {
     case kI32: return diopi_dtype_int32;
     case kI64: return diopi_dtype_int64;
     case kBool: return diopi_dtype_bool;
+    case kF8E4M3: case kF8E5M2: break;  // DIOPI has no 8-bit floats
   }
   return diopi_dtype_unsupported;
 }

@@ -1,0 +1,78 @@
+// FP8 training: linear layers whose matrix products run on 8-bit float operands (loom/ops/fp8.h), with per-tensor
+// scaling, beside f32 master weights and an unchanged optimizer.
+//
+// A layer's forward quantizes its input x and weight W to e4m3 and computes y = fp8_gemm(x_q, W_q) (+ bias, in the
+// product's epilogue), in the autocast dtype under autocast, else in x's. Its backward quantizes the output gradient
+// g (e5m2 by default: range over precision; e4m3 on request) and computes grad_x = fp8_gemm(g_q, W_q) and
+// grad_w = fp8_gemm(g_q^T, x_q) in f32 (the master weight's gradient, straight into the optimizer's flat slot where
+// it has one), and the bias gradient from g itself. Each operand has its own scaling:
+//   current scaling (amax_history 1, the default): scale = fp8_max / amax / 2^margin from the tensor's own amax,
+//     measured first (a pass over the tensor before it is quantized);
+//   delayed scaling (amax_history N > 1): the scale comes from the largest amax of the operand's last N
+//     quantizations, and quantizing records this one's amax in the same pass (Transformer Engine's recipe). The first
+//     quantization of an operand measures its amax first, as current scaling does.
+// Forward products may use the GPU's fast FP8 accumulation; gradients' products do not.
+//
+// Which layers: a model's FP8 scope (LanguageModel::set_fp8): kClassifier the classifier only, kLinear every linear
+// layer of the blocks (attention and MLP projections), kAll both. `loom-train --fp8 off|classifier|linear|all`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "loom/core/tensor.h"
+#include "loom/ops/fp8.h"
+
+namespace loom::fp8 {
+
+enum class Scope { kOff, kClassifier, kLinear, kAll };
+// "off", "classifier", "linear", "all"; throws naming the choices.
+Scope scope_from_name(const std::string& name);
+const char* scope_name(Scope scope);
+
+struct Recipe {
+  DType forward = kF8E4M3;   // activations and weights
+  DType backward = kF8E5M2;  // output gradients: f8e5m2 or f8e4m3
+  int64_t margin = 0;        // scales leave 2^margin of headroom below the format's largest value
+  int64_t amax_history = 1;  // 1: current scaling; N > 1: delayed scaling over the last N amaxes
+  bool fast_accumulation_forward = true;
+};
+// Throws naming the bad field (8-bit float dtypes, margin in [0, 64), a history of 1 to 1024).
+void check_recipe(const Recipe& recipe);
+
+// The scaling of one operand of one layer (its x, its weight, or its output gradient): a state only for delayed
+// scaling, on the device of the first tensor it quantizes.
+class TensorScaling {
+ public:
+  TensorScaling(DType fp8, const Recipe& recipe) : fp8_(fp8), margin_(recipe.margin), history_(recipe.amax_history) {}
+  // x (f32 or bf16, any shape) as an 8-bit float tensor, with a scale_inv of its own (later quantizations never
+  // change it, so a saved operand keeps its values).
+  ops::Fp8Tensor quantize(const Tensor& x);
+  DType dtype() const { return fp8_; }
+
+ private:
+  DType fp8_;
+  int64_t margin_, history_;
+  std::mutex mu_;  // delayed state: a layer may run on two threads (pipeline stages do not share layers, tests may)
+  Tensor amaxes_, scale_, scale_inv_;  // delayed scaling only, made at the first quantization
+};
+
+// A linear layer's FP8 state: the recipe and its three operands' scaling.
+struct LinearState {
+  explicit LinearState(const Recipe& r)
+      : recipe(r), input(r.forward, r), weight(r.forward, r), grad_output(r.backward, r) {}
+  Recipe recipe;
+  TensorScaling input, weight, grad_output;
+};
+
+// The differentiable FP8 linear layer: x [..., in] @ weight [out, in]^T + bias [out] (bias may be undefined), as
+// described above; the backward reads `state` (the output gradient's scaling), which it keeps alive.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state);
+
+// Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
+// reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).
+void check_device(Device device);
+
+}  // namespace loom::fp8

@@ -1,0 +1,44 @@
+// FP8 quantization and matrix products (raw ops; the differentiable FP8 linear layer is in loom/fp8.h). The kernels'
+// contracts are in src/kernels/fp8_kernel.h: values are stored as q = sat(x * scale) in an 8-bit float (f8e4m3 or
+// f8e5m2, loom/common/float8.h) and read back as q * scale_inv; every scale is one f32 element on the tensor's device.
+#pragma once
+
+#include <cstdint>
+
+#include "loom/core/tensor.h"
+
+namespace loom::ops {
+
+// A tensor held in an 8-bit float: its codes and the factor that gives its values.
+struct Fp8Tensor {
+  Tensor q;          // f8e4m3 or f8e5m2, contiguous, the tensor's shape
+  Tensor scale_inv;  // one f32 element on q's device: values = q * scale_inv
+};
+
+// The largest finite value of an 8-bit float dtype: 448 (f8e4m3), 57344 (f8e5m2).
+double fp8_max(DType fp8);
+
+// max |x| as one f32 element on x's device (NaN if x holds a NaN). x f32 or bf16, any shape.
+Tensor fp8_amax(const Tensor& x);
+// One step of per-tensor scaling, in place: amax enters history [H] (f32, newest first), and scale and scale_inv
+// (one f32 element each) become those for `fp8` from the history's largest amax with 2^margin headroom, or stay when
+// it is zero or not finite (the fp8_scale op).
+void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor& scale_inv, DType fp8,
+                      int64_t margin);
+// q = sat(x * scale) in dtype `fp8` (x f32 or bf16, any shape; the result contiguous). With amax_out, max |x| is
+// written there (a new one f32 element tensor): delayed scaling's record for the next step.
+Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
+// q * scale_inv in `dtype` (f32 or bf16).
+Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
+
+// The products of an FP8 linear layer, on quantized operands (their shapes as the tensors they quantize). x [..., in],
+// weight [out, in], grad [..., out]; bias [out] in `dtype` or undefined. fast_accumulation as fp8_gemm's.
+// y [..., out] = x weight^T + bias, in `dtype` (bf16 or f32).
+Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bias, DType dtype,
+                  bool fast_accumulation = false);
+// grad_x [..., in] = grad weight, in `dtype` (bf16 or f32).
+Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype);
+// grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot).
+void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out);
+
+}  // namespace loom::ops

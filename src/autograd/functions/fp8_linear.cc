@@ -1,0 +1,168 @@
+// The differentiable FP8 linear layer and its operands' scaling (loom/fp8.h).
+#include "loom/fp8.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include "autograd/functions/grad_util.h"
+#include "loom/amp.h"
+#include "loom/autograd/checkpoint.h"
+#include "loom/core/dispatch.h"
+
+namespace loom::fp8 {
+
+Scope scope_from_name(const std::string& name) {
+  std::string n = name;
+  std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  if (n == "off") return Scope::kOff;
+  if (n == "classifier") return Scope::kClassifier;
+  if (n == "linear") return Scope::kLinear;
+  if (n == "all") return Scope::kAll;
+  LOOM_THROW("FP8 scope '", name, "' is not one of off, classifier, linear, all");
+}
+
+const char* scope_name(Scope scope) {
+  switch (scope) {
+    case Scope::kOff: return "off";
+    case Scope::kClassifier: return "classifier";
+    case Scope::kLinear: return "linear";
+    case Scope::kAll: return "all";
+  }
+  return "?";
+}
+
+void check_recipe(const Recipe& r) {
+  LOOM_REQUIRE(is_fp8(r.forward) && is_fp8(r.backward), "FP8 recipe: the forward and backward dtypes must be 8-bit "
+               "floats (f8e4m3, f8e5m2), got ", dtype_name(r.forward), " and ", dtype_name(r.backward));
+  LOOM_REQUIRE(r.margin >= 0 && r.margin < 64, "FP8 recipe: margin must be in [0, 64), got ", r.margin);
+  LOOM_REQUIRE(r.amax_history >= 1 && r.amax_history <= 1024,
+               "FP8 recipe: the amax history must hold 1 to 1024 steps, got ", r.amax_history);
+}
+
+ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
+  const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
+  const Device device = x.device();
+  // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization).
+  auto measured = [&](Tensor& history, Tensor& scale, Tensor& scale_inv) {
+    ops::fp8_update_scale(ops::fp8_amax(x), history, scale, scale_inv, fp8_, margin_);
+    return ops::fp8_quantize(x, scale, fp8_);
+  };
+  if (history_ <= 1) {
+    Tensor history = empty({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
+    Tensor q = measured(history, scale, scale_inv);
+    return {q, scale_inv};
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!scale_.defined() || scale_.device() != device) {
+    amaxes_ = zeros({history_}, kF32, device);
+    scale_ = ones({1}, kF32, device);
+    scale_inv_ = empty({1}, kF32, device);
+    Tensor q = measured(amaxes_, scale_, scale_inv_);
+    return {q, ops::clone(scale_inv_)};
+  }
+  Tensor amax;
+  Tensor q = ops::fp8_quantize(x, scale_, fp8_, &amax);
+  Tensor used = ops::clone(scale_inv_);  // the update below changes the state's for the next quantization
+  ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
+  return {q, used};
+}
+
+namespace {
+
+using autograd::as_dtype;
+using autograd::tensor_list;
+
+// The dtype an FP8 product writes for a tensor of dtype t: bf16 stays bf16, anything else is computed in f32.
+DType product_dtype_for(DType t) { return t == kBF16 ? kBF16 : kF32; }
+
+class Fp8LinearBackward final : public autograd::Node {
+ public:
+  ops::Fp8Tensor x, weight;  // the forward's quantized operands: x saved only for weight's gradient, weight for x's
+  std::shared_ptr<LinearState> state;
+  DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
+
+  std::string name() const override { return "Fp8LinearBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(3);
+    if (!grads[0].defined()) return out;
+    const Tensor& g = grads[0];
+    if (needs_input_grad(0) || needs_input_grad(1)) {
+      const ops::Fp8Tensor gq = state->grad_output.quantize(g);
+      if (needs_input_grad(0))
+        out[0] = as_dtype(ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype)), x_dtype);
+      if (needs_input_grad(1)) {
+        const DType written = product_dtype_for(weight_dtype);
+        Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
+        const bool in_slot = dw.defined();
+        if (!in_slot) dw = empty({weight.q.size(0), weight.q.size(1)}, written, g.device());
+        ops::fp8_linear_backward_weight_out(gq, x, dw);
+        out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
+      }
+    }
+    if (needs_input_grad(2)) {  // the bias gradient from the unquantized output gradient: its column sums
+      const DType written = g.dtype() == kBF16 || g.dtype() == kF16 ? kF32 : g.dtype();
+      Tensor db = autograd::claim_gradient_destination(*this, 2, written);
+      const bool in_slot = db.defined();
+      if (!in_slot) db = empty({g.size(-1)}, written, g.device());
+      ops::linear_backward_bias_out(g, db);
+      out[2] = in_slot ? db : as_dtype(db, bias_dtype);
+    }
+    return out;
+  }
+  void release_saved() override {
+    x = weight = ops::Fp8Tensor{};
+    state.reset();
+  }
+};
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
+  LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+               "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
+  // The result's dtype: the autocast dtype under bf16 autocast, else bf16 for a bf16 x and f32 otherwise.
+  const DType out_dtype =
+      amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
+  const bool record = autograd::should_record({&x, &weight, &bias});
+  ops::Fp8Tensor xq, wq;
+  Tensor out = autograd::kept_results("fp8_linear", [&] {
+    xq = state->input.quantize(x.detach());
+    wq = state->weight.quantize(weight.detach());
+    const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
+    return std::vector<Tensor>{ops::fp8_linear(xq, wq, b, out_dtype, state->recipe.fast_accumulation_forward)};
+  })[0];
+  if (!record) return out;
+  auto node = autograd::make_node<Fp8LinearBackward>({&x, &weight, &bias});
+  if (!xq.q.defined()) {  // a selective recompute returned the kept product: the operands again, for the gradients
+    xq = state->input.quantize(x.detach());
+    wq = state->weight.quantize(weight.detach());
+  }
+  if (node->needs_input_grad(0)) node->weight = wq;
+  if (node->needs_input_grad(1)) node->x = xq;
+  node->state = state;
+  node->x_dtype = x.dtype();
+  node->weight_dtype = weight.dtype();
+  if (bias.defined()) node->bias_dtype = bias.dtype();
+  autograd::set_history(out, node);
+  return out;
+}
+
+void check_device(Device device) {
+  if (device.is_cpu()) return;
+  // A 16 x 16 x 16 product of zeros, e4m3 with e5m2 and with e4m3 as a layer runs them: a kernel must take each.
+  const Tensor zero = zeros({16, 16}, kF32, device);
+  ops::Fp8Tensor q{ops::fp8_quantize(zero, ones({1}, kF32, device), kF8E4M3), ones({1}, kF32, device)};
+  ops::Fp8Tensor g{ops::fp8_quantize(zero, ones({1}, kF32, device), kF8E5M2), ones({1}, kF32, device)};
+  try {
+    ops::fp8_linear(q, q, Tensor(), kBF16);
+    ops::fp8_linear_backward_input(g, q, kBF16);
+  } catch (const Error& e) {
+    LOOM_THROW("FP8 training needs FP8 matrix products, which ", device.str(), " (",
+               device_runtime(device.type).describe(device.index), ") does not run: on NVIDIA GPUs cuBLASLt's FP8 "
+               "kernels need compute capability 8.9 or newer (Ada, Hopper); train without --fp8 there (",
+               e.what(), ")");
+  }
+}
+
+}  // namespace loom::fp8

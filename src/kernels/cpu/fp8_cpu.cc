@@ -1,0 +1,151 @@
+// CPU FP8 kernels: the reference implementation of the contracts in src/kernels/fp8_kernel.h (what CI checks and
+// what an FP8 training step runs on a machine without FP8 hardware: slow, exact to the contract).
+#include <cblas.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/fp8_kernel.h"
+#include "kernels/primitives/cpu_loops.h"
+
+namespace loom {
+namespace {
+
+// NaN wins, then the larger: a max that keeps a NaN once it has met one, in any order.
+inline float max_keeping_nan(float m, float v) { return (std::isnan(v) || v > m) ? v : m; }
+
+// max |x[i]| over [0, n) of an f32 or bf16 array, in chunks (order-independent, so any split gives the same value).
+template <typename T>
+float amax_of(const T* x, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<float> partial(size_t(chunks), 0.0f);
+  cpu::parallel_for(chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      float m = 0;
+      for (int64_t i = c * kChunk, end = std::min(n, i + kChunk); i < end; ++i) m = max_keeping_nan(m, std::fabs(float(x[i])));
+      partial[size_t(c)] = m;
+    }
+  });
+  float m = 0;
+  for (float p : partial) m = max_keeping_nan(m, p);
+  return m;
+}
+
+#define LOOM_DISPATCH_UNQUANTIZED(DT, OPNAME, ...)                                                             \
+  [&] {                                                                                                        \
+    switch (DT) {                                                                                              \
+      case DType::kF32: { using high_t = float; return __VA_ARGS__(); }                                         \
+      case DType::kBF16: { using high_t = BFloat16; return __VA_ARGS__(); }                                     \
+      default: LOOM_THROW(OPNAME, ": dtype ", dtype_name(DT), " is not f32 or bf16");                          \
+    }                                                                                                          \
+  }()
+
+void fp8_amax_cpu(const DeviceContext&, const Tensor& x, Tensor& amax) {
+  LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_amax", [&] {
+    *static_cast<float*>(amax.data()) = amax_of(static_cast<const high_t*>(x.data()), x.numel());
+  });
+}
+
+void fp8_scale_cpu(const DeviceContext&, const Tensor& amax_in, const Fp8ScaleAttrs& attrs, Tensor& history,
+                   Tensor& scale, Tensor& scale_inv) {
+  float* h = static_cast<float*>(history.data());
+  const int64_t n = history.numel();
+  for (int64_t i = n - 1; i > 0; --i) h[i] = h[i - 1];
+  if (n > 0) h[0] = *static_cast<const float*>(amax_in.data());
+  float a = NAN;
+  for (int64_t i = 0; i < n; ++i) a = std::isnan(a) || h[i] > a ? h[i] : a;  // NaN elements skipped
+  float& s = *static_cast<float*>(scale.data());
+  if (std::isfinite(a) && a > 0) {
+    const float next = std::ldexp(float(attrs.fp8_max) / a, -int(attrs.margin));
+    if (std::isfinite(next) && next > 0) s = next;
+  }
+  *static_cast<float*>(scale_inv.data()) = 1.0f / s;
+}
+
+void fp8_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
+  const float s = *static_cast<const float*>(scale.data());
+  const int64_t n = x.numel();
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_quantize", [&] {
+      const high_t* in = static_cast<const high_t*>(x.data());
+      uint8_t* out = static_cast<uint8_t*>(q.data());
+      cpu::parallel_for(n, cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) out[i] = fp8_encode<fp8_t>(float(in[i]) * s, Fp8Overflow::kSaturate);
+      });
+      if (amax.defined()) *static_cast<float*>(amax.data()) = amax_of(in, n);
+    });
+  });
+}
+
+void fp8_dequantize_cpu(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
+  const float s = *static_cast<const float*>(scale_inv.data());
+  const int64_t n = q.numel();
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_dequantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(out.dtype(), "fp8_dequantize", [&] {
+      const uint8_t* in = static_cast<const uint8_t*>(q.data());
+      high_t* o = static_cast<high_t*>(out.data());
+      cpu::parallel_for(n, cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) o[i] = high_t(fp8_decode<fp8_t>(in[i]) * s);
+      });
+    });
+  });
+}
+
+// A column-major matrix of 8-bit codes (rows x cols, leading dimension ld) decoded into a dense f32 one with the
+// same leading dimension: every code is exactly a float.
+std::vector<float> decoded(DType dtype, const void* src, int64_t rows, int64_t cols, int64_t ld) {
+  std::vector<float> out(rows && cols ? size_t(ld * (cols - 1) + rows) : 0);
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  LOOM_DISPATCH_FP8(dtype, "fp8_gemm", [&] {
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t i = 0; i < rows; ++i) out[size_t(j * ld + i)] = fp8_decode<fp8_t>(s[j * ld + i]);
+  });
+  return out;
+}
+
+// The products of decoded codes are exact in f32 (4 significant bits times 4), summed by sgemm in f32; the scales,
+// alpha, beta * C and the bias are applied in double, and the result rounded once to C's dtype.
+void fp8_gemm_cpu(const DeviceContext&, const Fp8GemmParams& f) {
+  const GemmParams& p = f.gemm;
+  if (p.m == 0 || p.n == 0 || p.batch == 0) return;
+  const double factor = p.alpha * double(*static_cast<const float*>(f.scale_a)) * double(*static_cast<const float*>(f.scale_b));
+  const int64_t rows_a = p.trans_a ? p.k : p.m, cols_a = p.trans_a ? p.m : p.k;
+  const int64_t rows_b = p.trans_b ? p.n : p.k, cols_b = p.trans_b ? p.k : p.n;
+  std::vector<float> sums(size_t(p.m * p.n));
+  LOOM_DISPATCH_UNQUANTIZED(p.output_dtype, "fp8_gemm", [&] {
+    const high_t* bias = p.epilogue == GemmEpilogue::kBias ? static_cast<const high_t*>(p.bias) : nullptr;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const uint8_t* a = static_cast<const uint8_t*>(p.a) + b * p.stride_a;
+      const uint8_t* bm = static_cast<const uint8_t*>(p.b) + b * p.stride_b;
+      high_t* c = static_cast<high_t*>(p.c) + b * p.stride_c;
+      if (p.k > 0) {
+        std::vector<float> af = decoded(p.input_dtype, a, rows_a, cols_a, p.lda);
+        std::vector<float> bf = decoded(f.b_dtype, bm, rows_b, cols_b, p.ldb);
+        cblas_sgemm(CblasColMajor, p.trans_a ? CblasTrans : CblasNoTrans, p.trans_b ? CblasTrans : CblasNoTrans,
+                    p.m, p.n, p.k, 1.0f, af.data(), p.lda, bf.data(), p.ldb, 0.0f, sums.data(), p.m);
+      } else {
+        std::fill(sums.begin(), sums.end(), 0.0f);
+      }
+      cpu::parallel_for(p.n, 64, [&](int64_t jb, int64_t je) {
+        for (int64_t j = jb; j < je; ++j)
+          for (int64_t i = 0; i < p.m; ++i) {
+            double v = factor * double(sums[size_t(j * p.m + i)]);
+            if (p.beta != 0) v += p.beta * double(float(c[j * p.ldc + i]));  // beta 0 never reads C (it may be NaN)
+            if (bias) v += double(float(bias[i]));
+            c[j * p.ldc + i] = high_t(float(v));
+          }
+      });
+    }
+  });
+}
+
+}  // namespace
+
+LOOM_REGISTER_KERNEL(fp8_amax, kCPU, "native", dtypes(kF32, kBF16), fp8_amax_cpu);
+LOOM_REGISTER_KERNEL(fp8_scale, kCPU, "native", dtypes(kF32), fp8_scale_cpu);
+LOOM_REGISTER_KERNEL(fp8_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cpu);
+LOOM_REGISTER_KERNEL(fp8_dequantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cpu);
+LOOM_REGISTER_KERNEL(fp8_gemm, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_gemm_cpu);
+
+}  // namespace loom

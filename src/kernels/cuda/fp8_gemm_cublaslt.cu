@@ -1,0 +1,395 @@
+// CUDA fp8_gemm through cuBLASLt's FP8 kernels (Ada and Hopper, sm_89 and up): A and B CUDA_R_8F_E4M3 or
+// CUDA_R_8F_E5M2 (not both e5m2), their dequantization factors as A_SCALE_POINTER and B_SCALE_POINTER (device
+// memory), f32 compute, D = C bf16 or f32, FAST_ACCUM as the call asks, the bias fused where cuBLASLt has it.
+//
+// The layout constraint: on sm_89 and sm_90 cuBLASLt's FP8 kernels take only the "TN" problem, op(A) = A^T and
+// op(B) = B in column-major terms: both operands stored with K contiguous (a row-major weight [out, in] as A and
+// row-major activations [rows, in] as B: an FP8 linear layer's forward), leading dimensions and batch strides
+// multiples of 16 bytes, 16-byte aligned starts. An operand given otherwise (a backward product: grad_x = grad W
+// reads W with N contiguous, grad_w = x^T grad reads both with the rows contiguous) is first copied into a
+// K-contiguous buffer, K padded with zeros to a multiple of 16 (zeros add nothing to a sum, and both operands are
+// padded alike). An output whose start, ldc or batch stride cuBLASLt cannot take is computed into an aligned buffer
+// and copied out. The copies are an extra pass over an operand; quantizing straight into the transposed layout (as
+// Transformer Engine's cast-transpose does) is the faster path still to build.
+//
+// Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem. supports() declines GPUs before
+// sm_89, two e5m2 operands, and a problem for which cuBLASLt offers no algorithm even in the canonical layout.
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_context.h"
+#include "kernels/fp8_kernel.h"
+
+namespace loom {
+namespace {
+
+cudaDataType_t lt_type(DType t) {
+  switch (t) {
+    case DType::kF8E4M3: return CUDA_R_8F_E4M3;
+    case DType::kF8E5M2: return CUDA_R_8F_E5M2;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF32: return CUDA_R_32F;
+    default: LOOM_THROW("fp8_gemm (cuda): dtype ", dtype_name(t), " is not one cuBLASLt's FP8 kernels take");
+  }
+}
+
+// Compute capability 8.9 or more (FP8 tensor cores), read once per device.
+bool device_has_fp8(int index) {
+  static std::array<std::atomic<int>, 64> capability{};  // major * 10 + minor; 0: not read yet
+  if (index < 0 || index >= int(capability.size())) return false;
+  int c = capability[size_t(index)].load(std::memory_order_relaxed);
+  if (c == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess) {
+      cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch
+      return false;
+    }
+    c = major * 10 + minor;
+    capability[size_t(index)].store(c, std::memory_order_relaxed);
+  }
+  return c >= 89;
+}
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// ---- The problem cuBLASLt runs: operands K-contiguous (TN), D where it can write. ----
+struct Operand {
+  const void* data = nullptr;
+  int64_t ld = 0, batch_stride = 0;
+};
+struct LtProblem {
+  DType a_type = kF8E4M3, b_type = kF8E4M3, d_type = kBF16;
+  int64_t m = 0, n = 0, k = 0, batch = 1;
+  Operand a, b;
+  void* d = nullptr;
+  int64_t ldd = 0, d_stride = 0;
+  bool fused_bias = false, fast_accumulation = false;
+};
+
+// An operand usable as stored: K contiguous already, K a multiple of 16, 16-byte leading dimension, batch stride and
+// start. (A batch stride of 0, one matrix for every problem, is copied: cuBLASLt is not asked to read it twice.)
+bool usable_as_stored(const void* p, bool k_contiguous, int64_t ld, int64_t batch, int64_t stride, int64_t k) {
+  return k_contiguous && k % 16 == 0 && ld % 16 == 0 && aligned16(p) && (batch == 1 || (stride != 0 && stride % 16 == 0));
+}
+
+// dst [batch][cols][ld] (K contiguous, ld = padded K) from src with element (r, c) at r * row_stride + c * col_stride;
+// rows k .. ld-1 zero.
+__global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_stride, int64_t col_stride,
+                                  int64_t src_batch_stride, int64_t k, uint8_t* __restrict__ dst, int64_t ld,
+                                  int64_t cols, int64_t total) {
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx % ld, c = (idx / ld) % cols, b = idx / (ld * cols);
+    dst[idx] = r < k ? src[b * src_batch_stride + r * row_stride + c * col_stride] : uint8_t(0);
+  }
+}
+
+// A column-major matrix (m x n per problem) from one layout to another.
+template <typename T>
+__global__ void copy_matrix(const T* __restrict__ src, int64_t src_ld, int64_t src_stride, T* __restrict__ dst,
+                            int64_t dst_ld, int64_t dst_stride, int64_t m, int64_t n, int64_t total) {
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % m, j = (idx / m) % n, b = idx / (m * n);
+    dst[b * dst_stride + j * dst_ld + i] = src[b * src_stride + j * src_ld + i];
+  }
+}
+
+// What cuBLASLt did not: C = beta * C for an empty sum (beta 0 never reads C), and the bias where it was not fused.
+template <typename T>
+__global__ void finish_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, int64_t n, int64_t total,
+                              bool empty_sum, float beta, const T* bias) {
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % m, j = (idx / m) % n, b = idx / (m * n);
+    const int64_t at = b * stride_c + j * ldc + i;
+    float v = empty_sum ? (beta == 0.0f ? 0.0f : beta * float(c[at])) : float(c[at]);
+    if (bias) v += float(bias[i]);
+    c[at] = T(v);
+  }
+}
+
+unsigned grid_for(int64_t total) { return unsigned(std::clamp<int64_t>((total + 255) / 256, 1, 65536)); }
+
+// ---- Plans. ----
+using PlanKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, bool, bool, int>;
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    size_t h = 1469598103934665603ull;
+    std::apply([&h](const auto&... f) { ((h = (h ^ size_t(int64_t(f))) * 1099511628211ull), ...); }, key);
+    return h;
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+  std::mutex mu;  // the pointers (scales, bias) live in the descriptor: a call sets them and enqueues under it
+  ~Plan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+template <typename T>
+void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(T)));
+}
+
+cublasLtMatrixLayout_t make_layout(DType t, int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, lt_type(t), uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    int32_t count = int32_t(batch);
+    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+    LOOM_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+  }
+  return l;
+}
+
+PlanKey key_of(int device, const LtProblem& p, int align_d) {
+  const bool batched = p.batch > 1;  // one problem's layouts have no batch stride
+  return {device, int(p.a_type), int(p.b_type), int(p.d_type), p.m, p.n, p.k, p.a.ld, p.b.ld, p.ldd, p.batch,
+          batched ? p.a.batch_stride : 0, batched ? p.b.batch_stride : 0, batched ? p.d_stride : 0, p.fused_bias,
+          p.fast_accumulation, align_d};
+}
+
+int alignment_of(const void* p) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && a % uintptr_t(align) != 0) align /= 2;
+  return align;
+}
+
+std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
+  auto plan = std::make_unique<Plan>();
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(p.fast_accumulation ? 1 : 0));
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, p.fused_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+  // The heuristic sees where the scales and the bias will be (non-null); each call sets them again.
+  const void* placeholder = cuda.workspace(cuda.cuda_stream());
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, placeholder);
+  set_attr(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, placeholder);
+  if (p.fused_bias) {
+    set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(lt_type(p.d_type)));
+    set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, placeholder);
+  }
+  plan->a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);  // stored k x m: op(A) = A^T
+  plan->b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
+  plan->d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+  cublasLtMatmulPreference_t pref = nullptr;
+  LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t workspace = cuda.workspace_bytes();
+  uint32_t operands = 16, d_align = uint32_t(align_d);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &operands, sizeof operands);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &operands, sizeof operands);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &d_align, sizeof d_align);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d_align, sizeof d_align);
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->d,
+                                                         plan->d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+    plan->algo = result.algo;
+    plan->has_algo = true;
+  }
+  return plan;
+}
+
+class PlanCache {
+ public:
+  Plan& get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
+    const PlanKey key = key_of(cuda.device().index, p, align_d);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = plans_.find(key);
+      if (it != plans_.end()) return *it->second;
+    }
+    std::unique_ptr<Plan> plan = build_plan(cuda, p, align_d);  // outside the lock: the heuristic takes a while
+    std::lock_guard<std::mutex> lock(mu_);
+    return *plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans_;
+};
+
+PlanCache& plan_cache() {
+  static auto* cache = new PlanCache;  // never destroyed: cuBLASLt may be unloaded before static destructors run
+  return *cache;
+}
+
+// The problem with every operand in the canonical layout (packed, K padded, D dense and aligned): what supports()
+// asks cuBLASLt about, and what a call falls back to.
+LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias) {
+  const GemmParams& g = f.gemm;
+  LtProblem p;
+  p.a_type = g.input_dtype, p.b_type = f.b_dtype, p.d_type = g.output_dtype;
+  p.m = g.m, p.n = g.n, p.k = round_up(g.k, 16), p.batch = g.batch;
+  p.a = {nullptr, p.k, p.k * g.m};
+  p.b = {nullptr, p.k, p.k * g.n};
+  p.ldd = round_up(g.m, 16 / int64_t(dtype_size(g.output_dtype)));
+  p.d_stride = p.ldd * g.n;
+  p.fused_bias = fused_bias;
+  p.fast_accumulation = f.fast_accumulation;
+  return p;
+}
+
+// cuBLASLt fuses a bf16 bias (for an f32 D its FP8 kernels take a bf16 bias, which Loom's contract does not give).
+bool bias_fusable(const Fp8GemmParams& f) {
+  return f.gemm.epilogue == GemmEpilogue::kBias && f.gemm.output_dtype == kBF16 && aligned16(f.gemm.bias);
+}
+
+bool fp8_gemm_supported(const Fp8GemmParams& f) {
+  const GemmParams& g = f.gemm;
+  if (!device_has_fp8(g.device.index)) return false;
+  if (g.input_dtype == kF8E5M2 && f.b_dtype == kF8E5M2) return false;  // no e5m2 x e5m2 kernels
+  if (g.m == 0 || g.n == 0 || g.batch == 0 || g.k == 0) return true;  // no product to run
+  if (g.batch > INT32_MAX) return false;
+  const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
+  cuda::DeviceGuard guard(g.device.index);
+  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).has_algo;
+}
+
+void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
+  if (!empty_sum && !add_bias) return;
+  const int64_t total = g.m * g.n * g.batch;
+  LOOM_DISPATCH_FLOATING(g.output_dtype, "fp8_gemm", [&] {
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>)
+      finish_kernel<scalar_t><<<grid_for(total), 256, 0, cuda.cuda_stream()>>>(
+          static_cast<scalar_t*>(g.c), g.ldc, g.stride_c, g.m, g.n, total, empty_sum, float(g.beta),
+          add_bias ? static_cast<const scalar_t*>(g.bias) : nullptr);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+// An operand K-contiguous in a new buffer: element (kk, c) of op(X)^T at kk + c * ld.
+Operand packed(const void* src, int64_t row_stride, int64_t col_stride, int64_t batch_stride, int64_t k, int64_t ld,
+               int64_t cols, int64_t batch, Device device, cudaStream_t stream, Tensor& buffer) {
+  const int64_t total = ld * cols * batch;
+  buffer = empty({std::max<int64_t>(1, total)}, kU8, device);
+  pack_k_contiguous<<<grid_for(total), 256, 0, stream>>>(static_cast<const uint8_t*>(src), row_stride, col_stride,
+                                                          batch_stride, k, static_cast<uint8_t*>(buffer.data()), ld,
+                                                          cols, total);
+  LOOM_CUDA_CHECK_LAUNCH();
+  return {buffer.data(), ld, ld * cols};
+}
+
+template <typename T>
+void copy_output(const void* src, int64_t src_ld, int64_t src_stride, void* dst, int64_t dst_ld, int64_t dst_stride,
+                 const GemmParams& g, cudaStream_t stream) {
+  const int64_t total = g.m * g.n * g.batch;
+  copy_matrix<T><<<grid_for(total), 256, 0, stream>>>(static_cast<const T*>(src), src_ld, src_stride,
+                                                       static_cast<T*>(dst), dst_ld, dst_stride, g.m, g.n, total);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+void copy_output(DType t, const void* src, int64_t src_ld, int64_t src_stride, void* dst, int64_t dst_ld,
+                 int64_t dst_stride, const GemmParams& g, cudaStream_t stream) {
+  if (t == kF32) copy_output<float>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
+  else copy_output<uint16_t>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
+}
+
+void run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, const Fp8GemmParams& f) {
+  cudaStream_t stream = cuda.cuda_stream();
+  void* workspace = cuda.workspace(stream);
+  const float alpha = float(f.gemm.alpha), beta = float(f.gemm.beta);
+  std::lock_guard<std::mutex> lock(plan.mu);
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
+  if (p.fused_bias) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, f.gemm.bias);
+  LOOM_CUBLAS_CHECK(cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, plan.a, p.b.data, plan.b, &beta,
+                                   p.d, plan.d, p.d, plan.d, &plan.algo, workspace, cuda.workspace_bytes(), stream));
+}
+
+void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& f) {
+  const GemmParams& g = f.gemm;
+  LOOM_REQUIRE(g.device.type == DeviceType::kCUDA && g.device == ctx.device(), "fp8_gemm (cuda): the operands are on ",
+               g.device.str(), " but the kernel runs on ", ctx.device().str());
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return;
+  const CudaDeviceContext& cuda = cuda_context(ctx);
+  cuda::DeviceGuard guard(ctx.device().index);
+  const bool bias = g.epilogue == GemmEpilogue::kBias;
+  if (g.k == 0) return finish(cuda, g, /*empty_sum=*/true, bias);
+  cudaStream_t stream = cuda.cuda_stream();
+  const bool fused_bias = bias_fusable(f);
+  Tensor a_buffer, b_buffer, d_buffer;
+
+  // Operands as stored where cuBLASLt takes them (K contiguous, K a multiple of 16, aligned), else packed; `pack_all`
+  // packs them whatever they are (the canonical problem supports() checked).
+  auto with_operands = [&](bool pack_all) {
+    LtProblem p = canonical_problem(f, fused_bias);
+    if (!pack_all && usable_as_stored(g.a, g.trans_a, g.lda, g.batch, g.stride_a, g.k)) {
+      p.a = {g.a, g.lda, g.stride_a};
+    } else {  // op(A)^T is k x m: (kk, i) at kk * (trans_a ? 1 : lda) + i * (trans_a ? lda : 1)
+      p.a = packed(g.a, g.trans_a ? 1 : g.lda, g.trans_a ? g.lda : 1, g.stride_a, g.k, p.k, g.m, g.batch, g.device,
+                   stream, a_buffer);
+    }
+    if (!pack_all && usable_as_stored(g.b, !g.trans_b, g.ldb, g.batch, g.stride_b, g.k)) {
+      p.b = {g.b, g.ldb, g.stride_b};
+    } else {  // op(B) is k x n: (kk, j) at kk * (trans_b ? ldb : 1) + j * (trans_b ? 1 : ldb)
+      p.b = packed(g.b, g.trans_b ? g.ldb : 1, g.trans_b ? 1 : g.ldb, g.stride_b, g.k, p.k, g.n, g.batch, g.device,
+                   stream, b_buffer);
+    }
+    return p;
+  };
+  // D: C itself when cuBLASLt has an algorithm for its layout, else an aligned buffer (holding C when beta reads it),
+  // copied out after.
+  auto run_into_c = [&](const LtProblem& operands) {
+    const int64_t elem = int64_t(dtype_size(g.output_dtype));
+    if (!aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0)) return false;
+    LtProblem p = operands;
+    p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
+    Plan& plan = plan_cache().get(cuda, p, alignment_of(g.c));
+    if (!plan.has_algo) return false;
+    run_plan(cuda, plan, p, f);
+    return true;
+  };
+  auto run_staged = [&](LtProblem p) {
+    Plan& plan = plan_cache().get(cuda, p, 16);
+    if (!plan.has_algo) return false;
+    if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
+    p.d = d_buffer.data();
+    if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
+    run_plan(cuda, plan, p, f);
+    copy_output(g.output_dtype, p.d, p.ldd, p.d_stride, g.c, g.ldc, g.stride_c, g, stream);
+    return true;
+  };
+  const LtProblem as_given = with_operands(false);
+  bool done = run_into_c(as_given) || run_staged(as_given);
+  if (!done) {
+    const LtProblem canonical = with_operands(true);
+    done = run_into_c(canonical) || run_staged(canonical);
+  }
+  LOOM_REQUIRE(done, "fp8_gemm (cuda): cuBLASLt offers no algorithm for m=", g.m, " n=", g.n, " k=", g.k, " batch=",
+               g.batch, " (supports() should have declined it)");
+  finish(cuda, g, false, bias && !fused_bias);
+}
+
+bool fp8_gemm_cuda_supports(const Fp8GemmParams& f) { return fp8_gemm_supported(f); }
+
+}  // namespace
+
+LOOM_REGISTER_KERNEL(fp8_gemm, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_gemm_cuda, 0, fp8_gemm_cuda_supports);
+
+}  // namespace loom

@@ -1,0 +1,161 @@
+// CUDA FP8 scaling and quantization (src/kernels/fp8_kernel.h): amax, the scale update, quantize (with its amax in
+// the same pass) and dequantize. The conversions are loom/common/float8.h's, the CPU kernels' own, so both devices
+// give the same codes bit for bit; the amax is deterministic (a maximum does not depend on the order it is taken in:
+// each block reduces its elements and one atomicMax per block on the bits of |x| combines them, NaN's bits above
+// every number's).
+#include <algorithm>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_context.h"
+#include "kernels/fp8_kernel.h"
+
+namespace loom {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1024;  // each block loops over its share: one atomic per block
+
+unsigned blocks_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks)); }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  return float(v);
+}
+
+// The bits of |v|: as unsigned integers they order like the values, and any NaN's above +inf.
+__device__ __forceinline__ unsigned magnitude_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// Folds a thread's maximum into the block's and the block's into *amax_bits (zeroed before the launch).
+__device__ __forceinline__ void block_max_into(unsigned local, unsigned* amax_bits) {
+  __shared__ unsigned warp_max[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_down_sync(0xffffffffu, local, offset));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_max[warp] = local;
+  __syncthreads();
+  if (warp == 0) {
+    local = lane < kThreads / 32 ? warp_max[lane] : 0u;
+    for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_down_sync(0xffffffffu, local, offset));
+    if (lane == 0 && local != 0) atomicMax(amax_bits, local);
+  }
+}
+
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* amax_bits) {
+  unsigned local = 0;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    local = max(local, magnitude_bits(to_float(x[i])));
+  block_max_into(local, amax_bits);
+}
+
+template <typename T, typename Q>
+__global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n,
+                                uint8_t* __restrict__ q, unsigned* amax_bits) {
+  const float s = *scale;
+  unsigned local = 0;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    const float v = to_float(x[i]);
+    q[i] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);  // the f32 product, never fused into more
+    local = max(local, magnitude_bits(v));
+  }
+  if (amax_bits) block_max_into(local, amax_bits);
+}
+
+template <typename Q, typename T>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t n,
+                                  T* __restrict__ out) {
+  const float s = *scale_inv;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    out[i] = T(__fmul_rn(fp8_decode<Q>(q[i]), s));
+}
+
+// One thread: the history is short (a step's worth of amaxes), and the scale update is a handful of flops.
+__global__ void scale_kernel(const float* __restrict__ amax, float* history, int64_t n, float* scale,
+                             float* scale_inv, float fp8_max, int margin) {
+  for (int64_t i = n - 1; i > 0; --i) history[i] = history[i - 1];
+  if (n > 0) history[0] = *amax;
+  float a = __int_as_float(0x7fc00000);
+  for (int64_t i = 0; i < n; ++i) a = isnan(a) || history[i] > a ? history[i] : a;
+  if (isfinite(a) && a > 0) {
+    const float next = ldexpf(__fdiv_rn(fp8_max, a), -margin);
+    if (isfinite(next) && next > 0) *scale = next;
+  }
+  *scale_inv = __fdiv_rn(1.0f, *scale);
+}
+
+#define LOOM_DISPATCH_UNQUANTIZED_CUDA(DT, OPNAME, ...)                                                         \
+  [&] {                                                                                                        \
+    switch (DT) {                                                                                              \
+      case DType::kF32: { using high_t = float; return __VA_ARGS__(); }                                         \
+      case DType::kBF16: { using high_t = BFloat16; return __VA_ARGS__(); }                                     \
+      default: LOOM_THROW(OPNAME, " (cuda): dtype ", dtype_name(DT), " is not f32 or bf16");                   \
+    }                                                                                                          \
+  }()
+
+// The amax output as the atomics' bits, zeroed first on the call's stream.
+unsigned* zeroed_amax_bits(const Tensor& amax, cudaStream_t stream) {
+  LOOM_CUDA_CHECK(cudaMemsetAsync(amax.data(), 0, sizeof(float), stream));
+  return static_cast<unsigned*>(const_cast<void*>(amax.data()));
+}
+
+void fp8_amax_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = zeroed_amax_bits(amax, stream);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_amax", [&] {
+    amax_kernel<high_t><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const high_t*>(x.data()), n, bits);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_scale_cuda(const DeviceContext& ctx, const Tensor& amax, const Fp8ScaleAttrs& attrs, Tensor& history,
+                    Tensor& scale, Tensor& scale_inv) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  scale_kernel<<<1, 1, 0, cuda_context(ctx).cuda_stream()>>>(
+      static_cast<const float*>(amax.data()), static_cast<float*>(history.data()), history.numel(),
+      static_cast<float*>(scale.data()), static_cast<float*>(scale_inv.data()), float(attrs.fp8_max),
+      int(attrs.margin));
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize", [&] {
+      quantize_kernel<high_t, fp8_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), n,
+          static_cast<uint8_t*>(q.data()), bits);
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_dequantize_cuda(const DeviceContext& ctx, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  const int64_t n = q.numel();
+  if (n == 0) return;
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_dequantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(out.dtype(), "fp8_dequantize", [&] {
+      dequantize_kernel<fp8_t, high_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          static_cast<const uint8_t*>(q.data()), static_cast<const float*>(scale_inv.data()), n,
+          static_cast<high_t*>(out.data()));
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+// Plain CUDA (Loom's own conversions, no FP8 instructions): any GPU Loom runs on. Only fp8_gemm needs Ada or Hopper.
+LOOM_REGISTER_KERNEL(fp8_amax, kCUDA, "native", dtypes(kF32, kBF16), fp8_amax_cuda);
+LOOM_REGISTER_KERNEL(fp8_scale, kCUDA, "native", dtypes(kF32), fp8_scale_cuda);
+LOOM_REGISTER_KERNEL(fp8_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cuda);
+LOOM_REGISTER_KERNEL(fp8_dequantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cuda);
+
+}  // namespace loom

@@ -1,0 +1,110 @@
+// FP8 ops: per-tensor scaling (amax, scale update), quantization into the 8-bit floats (loom/common/float8.h) and
+// back, and the FP8 matrix product. An FP8 linear layer (loom/fp8.h) runs them: amax and scale of each operand,
+// quantize, then fp8_gemm with the operands' dequantization factors.
+//
+// Scales, as Transformer Engine and cuBLASLt use them: a tensor x is stored as q = sat(x * scale), so its values are
+// q * scale_inv with scale_inv = 1 / scale; fp8_gemm takes each operand's scale_inv (cuBLASLt's A_SCALE_POINTER and
+// B_SCALE_POINTER). Every scale is one f32 element in the device's memory, so no step reads it on the host.
+#pragma once
+
+#include "kernels/gemm_kernel.h"
+
+namespace loom {
+
+// ---- Per-tensor scaling. ----
+// amax = max |x| over x's elements, one f32 element. NaN when x holds a NaN (a diverging tensor stays visible), inf
+// when it holds an infinity, 0 for an empty x. x contiguous f32 or bf16 (the op layer flattens any shape).
+using Fp8AmaxKernel = void(const DeviceContext&, const Tensor& x, Tensor& amax);
+LOOM_DECLARE_OP(fp8_amax, Fp8AmaxKernel,
+                OpSchema().in("x", "N")
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial, ValueClass::kTiny})
+                    .out("amax", "1", DTypeRule::kF32).dim("N", {0}).row_dim("N").dispatch_on("x").abi_since(3)
+                    .special_values("NaN anywhere in x gives NaN, else an infinity gives inf; -0.0 counts as 0; an "
+                                    "empty x gives 0"));
+
+struct Fp8ScaleAttrs {
+  double fp8_max = 448.0;  // the largest finite value of the format the scale is for: 448 (e4m3), 57344 (e5m2)
+  int64_t margin = 0;      // the scale leaves 2^margin of headroom
+  LOOM_FIELDS(Fp8ScaleAttrs, fp8_max, margin);
+};
+// The scale for the next quantization from a history of amaxes (delayed scaling; a one-element history is current
+// scaling). history [H] f32, in place: its elements move one place toward the end (the last drops out) and amax
+// takes the first. a = the largest element of the new history, NaN elements ignored. When a is finite and > 0,
+// s = (fp8_max / a) / 2^margin, computed in f32; when s is finite and > 0 it becomes scale (in place; otherwise the
+// previous scale stays: an all-zero, non-finite or tiny amax keeps it). scale_inv = 1 / scale in f32.
+using Fp8ScaleKernel = void(const DeviceContext&, const Tensor& amax, const Fp8ScaleAttrs&, Tensor& history,
+                            Tensor& scale, Tensor& scale_inv);
+LOOM_DECLARE_OP(fp8_scale, Fp8ScaleKernel,
+                OpSchema().in("amax", "1").values(Values::kPositive)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kLarge})
+                    .in_place("history", "H").values(Values::kPositive)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny})
+                    .in_place("scale", "1").values(Values::kPositive).out("scale_inv", "1")
+                    .attr("fp8_max", {448.0, 57344.0}).attr("margin", {0.0, 1.0, 3.0}).dispatch_on("amax")
+                    .abi_since(3)
+                    .special_values("NaN in the history is skipped; a non-finite, zero or negative largest amax, or "
+                                    "a scale that is not finite and positive, keeps the previous scale"));
+
+// ---- Quantization. ----
+// q = the 8-bit code of float(x) * scale: the product rounded to f32, then to q's format, to nearest with ties to
+// even, saturating (loom/common/float8.h: finite values past the format's largest become it; NaN stays NaN; an
+// infinity, in x or from a product past f32's range, stays inf in f8e5m2 and becomes NaN in f8e4m3). amax
+// (optional) = max |x| as fp8_amax computes it: what delayed scaling records for the next step. x contiguous f32 or
+// bf16, q contiguous with x's shape; scale one f32 element.
+using Fp8QuantizeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax);
+LOOM_DECLARE_OP(fp8_quantize, Fp8QuantizeKernel,
+                OpSchema().in("x", "N", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial, ValueClass::kTiny})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "N")
+                    .out_opt("amax", "1", DTypeRule::kF32).dim("N", {0}).row_dim("N").dispatch_on("q").abi_since(3)
+                    .special_values("saturating: a finite x * scale past the format's largest finite value gives it "
+                                    "(with its sign); NaN gives NaN; an infinite product gives inf in f8e5m2 and "
+                                    "NaN in f8e4m3; amax as fp8_amax"));
+
+// out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one
+// shape.
+using Fp8DequantizeKernel = void(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out);
+LOOM_DECLARE_OP(fp8_dequantize, Fp8DequantizeKernel,
+                OpSchema().in("q", "N")
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial, ValueClass::kTiny})
+                    .in("scale_inv", "1", DTypeRule::kF32).values(Values::kScale)
+                    .out("out", "N", DTypeRule::kUnquantized).dim("N", {0}).row_dim("N").dispatch_on("q")
+                    .abi_since(3).special_values("IEEE: NaN and inf codes give NaN and inf"));
+
+// ---- The FP8 matrix product. ----
+// C = alpha * (scale_a op(A)) (scale_b op(B)) + beta * C (+ bias), in gemm's column-major conventions
+// (loom/core/gemm.h): A and B 8-bit floats (A's dtype is gemm.input_dtype, B's b_dtype: e4m3 with e4m3, or one of
+// them e5m2), their products summed in f32 or wider; C and bias bf16 or f32 (gemm.output_dtype), bias with m
+// entries. Epilogues: none or bias; compute f32; the GELU ones are not offered.
+// fast_accumulation lets a GPU sum in its FP8 tensor cores' narrower accumulator without promoting partial sums to
+// f32 (cuBLASLt's FAST_ACCUM: faster, less exact); a kernel that has no such mode ignores it. A forward product
+// may take it; gradients' products should not.
+struct Fp8GemmParams {
+  GemmParams gemm;
+  DType b_dtype = kF8E4M3;
+  const void* scale_a = nullptr;  // one f32: A's dequantization factor (scale_inv)
+  const void* scale_b = nullptr;
+  bool fast_accumulation = false;
+};
+
+// As ArgTraits<GemmParams>: slots a, b, scale_a, scale_b, bias, c; the scalars as attributes (fast_accumulation
+// among them).
+template <>
+struct ArgTraits<Fp8GemmParams> {
+  static constexpr int slots = 6;
+  static void slot_kinds(std::vector<bool>& is_input) {
+    for (bool in : {true, true, true, true, true, false}) is_input.push_back(in);
+  }
+  static Fp8GemmParams defaults() { return Fp8GemmParams{}; }
+  static void gather(const Fp8GemmParams& p, CallArgs& c);
+  static Fp8GemmParams build(const CallArgs& c, size_t& next);
+};
+
+using Fp8GemmKernel = void(const DeviceContext&, const Fp8GemmParams&);
+OpSchema fp8_gemm_schema();
+LOOM_DECLARE_OP(fp8_gemm, Fp8GemmKernel, fp8_gemm_schema());  // dispatched on A's dtype
+
+// Checks what every fp8_gemm implementation relies on; throws naming the bad field.
+void validate_fp8_gemm_params(const Fp8GemmParams& p);
+
+}  // namespace loom

@@ -1,0 +1,186 @@
+// FP8 quantization and products (loom/ops/fp8.h): argument checks, outputs, and the column-major problems of an FP8
+// linear layer's three products, dispatched to fp8_gemm.
+#include "loom/ops/fp8.h"
+
+#include "kernels/fp8_kernel.h"
+#include "loom/ops/views.h"
+#include "ops/op_common.h"
+
+namespace loom::ops {
+
+namespace {
+
+void check_scale(const char* op, const char* what, const Tensor& scale, const Tensor& t) {
+  LOOM_REQUIRE(scale.defined() && scale.dtype() == kF32 && scale.numel() == 1 && scale.device() == t.device(), op,
+               ": ", what, " must be one f32 element on ", t.device().str(), ", got ",
+               scale.defined() ? describe(scale) : "undefined");
+}
+
+void check_fp8(const char* op, DType fp8) {
+  LOOM_REQUIRE(is_fp8(fp8), op, ": ", dtype_name(fp8), " is not an 8-bit float dtype (f8e4m3, f8e5m2)");
+}
+
+void check_unquantized(const char* op, const char* what, DType dtype) {
+  LOOM_REQUIRE(dtype == kF32 || dtype == kBF16, op, ": ", what, " must be f32 or bf16, got ", dtype_name(dtype));
+}
+
+void check_operand(const char* op, const char* what, const Fp8Tensor& t, int64_t rank) {
+  LOOM_REQUIRE(t.q.defined() && is_fp8(t.q.dtype()) && t.q.is_contiguous() && (rank < 0 || t.q.dim() == rank), op,
+               ": ", what, " must be a contiguous 8-bit float tensor", rank < 0 ? "" : " of rank 2", ", got ",
+               t.q.defined() ? describe(t.q) : "undefined");
+  check_scale(op, "its scale_inv", t.scale_inv, t.q);
+}
+
+// The problem's common part: operands from Fp8Tensors, output `out` (contiguous, bf16 or f32).
+Fp8GemmParams product(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& out) {
+  Fp8GemmParams f;
+  GemmParams& p = f.gemm;
+  p.input_dtype = a.q.dtype();
+  p.output_dtype = out.dtype();
+  p.device = out.device();
+  p.a = a.q.data();
+  p.b = b.q.data();
+  p.c = out.data();
+  f.b_dtype = b.q.dtype();
+  f.scale_a = a.scale_inv.data();
+  f.scale_b = b.scale_inv.data();
+  return f;
+}
+
+void run(const Fp8GemmParams& f) {
+  validate_fp8_gemm_params(f);
+  dispatch::call(fp8_gemm_op, f.gemm.device, f.gemm.input_dtype, f);
+}
+
+int64_t rows_of(const Tensor& t) { return t.dim() ? t.numel() / std::max<int64_t>(1, t.size(-1)) : 1; }
+
+}  // namespace
+
+double fp8_max(DType fp8) {
+  check_fp8("fp8_max", fp8);
+  return fp8 == kF8E4M3 ? 448.0 : 57344.0;
+}
+
+Tensor fp8_amax(const Tensor& x) {
+  LOOM_REQUIRE(x.defined(), "fp8_amax: x is undefined");
+  check_unquantized("fp8_amax", "x", x.dtype());
+  Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
+  Tensor amax = empty({1}, kF32, x.device());
+  dispatch::call(fp8_amax_op, x.device(), x.dtype(), flat, amax);
+  return amax;
+}
+
+void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor& scale_inv, DType fp8,
+                      int64_t margin) {
+  const char* op = "fp8_update_scale";
+  check_scale(op, "amax", amax, amax);
+  check_scale(op, "scale", scale, amax);
+  check_scale(op, "scale_inv", scale_inv, amax);
+  LOOM_REQUIRE(history.defined() && history.dtype() == kF32 && history.dim() == 1 && history.numel() >= 1 &&
+                   history.is_contiguous() && history.device() == amax.device(),
+               op, ": history must be a contiguous 1-D f32 tensor of one element or more on ", amax.device().str());
+  LOOM_REQUIRE(margin >= 0 && margin < 64, op, ": margin must be in [0, 64), got ", margin);
+  dispatch::call(fp8_scale_op, amax.device(), kF32, amax, Fp8ScaleAttrs{fp8_max(fp8), margin}, history, scale,
+                 scale_inv);
+}
+
+Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
+  const char* op = "fp8_quantize";
+  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  check_scale(op, "scale", scale, x);
+  Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
+  Tensor q = empty({x.numel()}, fp8, x.device());
+  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  dispatch::call(fp8_quantize_op, x.device(), fp8, flat, scale, q, amax);
+  if (amax_out) *amax_out = amax;
+  return ops::view(q, x.shape());
+}
+
+Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {
+  const char* op = "fp8_dequantize";
+  LOOM_REQUIRE(q.defined() && is_fp8(q.dtype()) && q.is_contiguous(), op,
+               ": q must be a contiguous 8-bit float tensor, got ", q.defined() ? describe(q) : "undefined");
+  check_unquantized(op, "the result", dtype);
+  check_scale(op, "scale_inv", scale_inv, q);
+  Tensor out = empty({q.numel()}, dtype, q.device());
+  dispatch::call(fp8_dequantize_op, q.device(), q.dtype(), ops::view(q, {q.numel()}), scale_inv, out);
+  return ops::view(out, q.shape());
+}
+
+// y^T [out x rows] = W [out x in] x^T: A is the row-major weight (the column-major [in x out] W^T, transposed), B
+// the rows of x (column-major [in x rows]).
+Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bias, DType dtype,
+                  bool fast_accumulation) {
+  const char* op = "fp8_linear";
+  check_operand(op, "x", x, -1);
+  check_operand(op, "weight", weight, 2);
+  check_unquantized(op, "the result", dtype);
+  const int64_t out_features = weight.q.size(0), in_features = weight.q.size(1);
+  LOOM_REQUIRE(x.q.dim() >= 1 && x.q.size(-1) == in_features && in_features > 0 && x.q.device() == weight.q.device(),
+               op, ": x ", describe(x.q), " does not fit weight ", describe(weight.q));
+  LOOM_REQUIRE(!bias.defined() || (bias.dtype() == dtype && bias.shape() == Shape{out_features} &&
+                                   bias.device() == x.q.device()),
+               op, ": bias ", bias.defined() ? describe(bias) : "", " must be [", out_features, "] ",
+               dtype_name(dtype), " on ", x.q.device().str());
+  Shape out_shape = x.q.shape();
+  out_shape.back() = out_features;
+  Tensor out = empty(out_shape, dtype, x.q.device());
+  const int64_t rows = rows_of(x.q);
+  if (out.numel() == 0) return out;
+  Tensor b = bias.defined() ? ops::contiguous(bias) : Tensor();
+  Fp8GemmParams f = product(weight, x, out);
+  GemmParams& p = f.gemm;
+  p.trans_a = true;
+  p.m = out_features, p.n = rows, p.k = in_features;
+  p.lda = in_features, p.ldb = in_features, p.ldc = out_features;
+  if (b.defined()) p.epilogue = GemmEpilogue::kBias, p.bias = b.data();
+  f.fast_accumulation = fast_accumulation;
+  run(f);
+  return out;
+}
+
+// grad_x^T [in x rows] = W^T [in x out] grad^T: A the row-major weight as stored (column-major [in x out]).
+Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype) {
+  const char* op = "fp8_linear_backward_input";
+  check_operand(op, "grad", grad, -1);
+  check_operand(op, "weight", weight, 2);
+  check_unquantized(op, "the result", dtype);
+  const int64_t out_features = weight.q.size(0), in_features = weight.q.size(1);
+  LOOM_REQUIRE(grad.q.dim() >= 1 && grad.q.size(-1) == out_features && grad.q.device() == weight.q.device(), op,
+               ": grad ", describe(grad.q), " does not fit weight ", describe(weight.q));
+  Shape out_shape = grad.q.shape();
+  out_shape.back() = in_features;
+  Tensor out = empty(out_shape, dtype, grad.q.device());
+  if (out.numel() == 0) return out;
+  Fp8GemmParams f = product(weight, grad, out);
+  GemmParams& p = f.gemm;
+  p.m = in_features, p.n = rows_of(grad.q), p.k = out_features;
+  p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
+  run(f);
+  return out;
+}
+
+// grad_w^T [in x out] = x^T [in x rows] grad [rows x out]: the sum over every row in one product.
+void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out) {
+  const char* op = "fp8_linear_backward_weight";
+  check_operand(op, "grad", grad, -1);
+  check_operand(op, "x", x, -1);
+  const int64_t out_features = grad.q.size(-1), in_features = x.q.size(-1), rows = rows_of(x.q);
+  LOOM_REQUIRE(rows_of(grad.q) == rows && grad.q.device() == x.q.device(), op, ": grad ", describe(grad.q),
+               " and x ", describe(x.q), " must hold the same rows");
+  check_unquantized(op, "out", out.dtype());
+  LOOM_REQUIRE(out.shape() == (Shape{out_features, in_features}) && out.is_contiguous() && out.device() == x.q.device(),
+               op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
+               x.q.device().str());
+  if (out.numel() == 0) return;
+  Fp8GemmParams f = product(x, grad, out);
+  GemmParams& p = f.gemm;
+  p.trans_b = true;
+  p.m = in_features, p.n = out_features, p.k = rows;
+  p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
+  run(f);
+}
+
+}  // namespace loom::ops

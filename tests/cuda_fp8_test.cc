@@ -1,0 +1,225 @@
+// The FP8 ops on CUDA against the CPU's reference kernels: quantization, amax and the scale update bit for bit (one
+// conversion code for both devices); fp8_gemm through cuBLASLt on Ada and Hopper over the layouts it must copy
+// (every transpose, K not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast
+// accumulation; a GPU without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all
+// and tracks bf16; shadow mode holds the FP8 products against the dequantized bf16 ones.
+#include <cmath>
+#include <random>
+
+#include <cstring>
+
+#include "kernels/fp8_kernel.h"
+#include "loom/amp.h"
+#include "loom/common/dtype_values.h"
+#include "loom/dispatch_modes.h"
+#include "loom/fp8.h"
+#include "loom/nn/model.h"
+#include "loom/ops.h"
+#include "loom/optim/optimizer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+const Device kGpu(kCUDA, 0);
+
+bool gpu_has_fp8() {
+  try {
+    fp8::check_device(kGpu);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+#define LOOM_SKIP_WITHOUT_FP8_GPU()                                                               \
+  do {                                                                                            \
+    LOOM_SKIP_WITHOUT_CUDA();                                                                     \
+    if (!gpu_has_fp8()) GTEST_SKIP() << "no FP8 tensor cores (compute capability below 8.9)";    \
+  } while (0)
+
+Tensor host_tensor(const std::vector<double>& values, const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  for (size_t i = 0; i < values.size(); ++i)
+    store_element(static_cast<uint8_t*>(t.data()) + i * dtype_size(dtype), dtype, values[i]);
+  return t;
+}
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  const Tensor ha = a.to(Device()), hb = b.to(Device());
+  return ha.nbytes() == hb.nbytes() && std::memcmp(ha.data(), hb.data(), ha.nbytes()) == 0;
+}
+
+std::vector<double> special_values(int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-3, 3);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (auto& x : v) x = u(rng);
+  for (size_t i = 0; i < v.size(); i += 97) v[i] = i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : 1e30;
+  for (size_t i = 5; i < v.size(); i += 89) v[i] = 1e-40;
+  return v;
+}
+
+TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(1);
+  for (DType fp8 : {kF8E4M3, kF8E5M2})
+    for (DType xt : {kF32, kBF16})
+      for (bool specials : {false, true}) {
+        std::vector<double> v = special_values(100003, rng);
+        if (!specials)
+          for (auto& x : v)
+            if (!std::isfinite(x) || std::abs(x) > 1e3) x = 0.5;
+        const Tensor x = host_tensor(v, {100003}, xt);
+        const Tensor s = host_tensor({37.25}, {1}, kF32);
+        Tensor amax_cpu, amax_gpu;
+        const Tensor q_cpu = ops::fp8_quantize(x, s, fp8, &amax_cpu);
+        const Tensor q_gpu = ops::fp8_quantize(x.to(kGpu), s.to(kGpu), fp8, &amax_gpu);
+        EXPECT_TRUE(same_bytes(q_cpu, q_gpu)) << dtype_name(fp8) << " from " << dtype_name(xt);
+        EXPECT_TRUE(same_bytes(amax_cpu, amax_gpu)) << "amax " << specials;
+        EXPECT_TRUE(same_bytes(ops::fp8_amax(x), ops::fp8_amax(x.to(kGpu))));
+        for (DType out : {kF32, kBF16})
+          EXPECT_TRUE(same_bytes(ops::fp8_dequantize(q_cpu, s, out), ops::fp8_dequantize(q_gpu, s.to(kGpu), out)));
+      }
+  for (double amax : {3.0, 0.0, double(NAN), double(INFINITY), 1e-39}) {
+    Tensor h_cpu = host_tensor({0.5, NAN, 2.0}, {3}, kF32), sc_cpu = host_tensor({9}, {1}, kF32);
+    Tensor si_cpu = empty({1}, kF32);
+    Tensor h_gpu = h_cpu.to(kGpu), sc_gpu = sc_cpu.to(kGpu), si_gpu = empty({1}, kF32, kGpu);
+    ops::fp8_update_scale(host_tensor({amax}, {1}, kF32), h_cpu, sc_cpu, si_cpu, kF8E4M3, 1);
+    ops::fp8_update_scale(host_tensor({amax}, {1}, kF32).to(kGpu), h_gpu, sc_gpu, si_gpu, kF8E4M3, 1);
+    EXPECT_TRUE(same_bytes(h_cpu, h_gpu) && same_bytes(sc_cpu, sc_gpu) && same_bytes(si_cpu, si_gpu)) << amax;
+  }
+}
+
+Tensor random_codes(int64_t n, DType fp8, std::mt19937_64& rng) {
+  std::vector<double> v(static_cast<size_t>(n));
+  std::normal_distribution<double> g(0, 1);
+  for (auto& x : v) x = g(rng) * (fp8 == kF8E4M3 ? 60 : 3000);
+  Tensor q = empty({n}, fp8);
+  for (size_t i = 0; i < v.size(); ++i)
+    static_cast<uint8_t*>(q.data())[i] = fp8 == kF8E4M3 ? fp8_encode<Float8E4M3>(float(v[i]), Fp8Overflow::kSaturate)
+                                                        : fp8_encode<Float8E5M2>(float(v[i]), Fp8Overflow::kSaturate);
+  return q;
+}
+
+struct GemmCase {
+  bool ta, tb;
+  int64_t m, n, k, batch, ldc_pad, c_offset;
+  DType a, b, out;
+  bool bias, fast;
+  double beta;
+};
+
+// The product on `device` of codes held on the host (copied over), C starting at c_offset within its buffer.
+Tensor run_gemm(const GemmCase& g, const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb,
+                const Tensor& bias, const Tensor& c_init, Device device) {
+  const int64_t ldc = g.m + g.ldc_pad;
+  Tensor c = c_init.to(device);
+  Tensor ad = a.to(device), bd = b.to(device), sad = sa.to(device), sbd = sb.to(device);
+  Tensor biasd = bias.defined() ? bias.to(device) : Tensor();
+  Fp8GemmParams f;
+  GemmParams& p = f.gemm;
+  p.trans_a = g.ta, p.trans_b = g.tb, p.m = g.m, p.n = g.n, p.k = g.k, p.batch = g.batch;
+  p.a = ad.data(), p.lda = g.ta ? g.k : g.m, p.stride_a = g.m * g.k;
+  p.b = bd.data(), p.ldb = g.tb ? g.n : g.k, p.stride_b = g.n * g.k;
+  p.c = static_cast<uint8_t*>(c.data()) + g.c_offset * int64_t(dtype_size(g.out)), p.ldc = ldc;
+  p.stride_c = ldc * g.n;
+  p.beta = g.beta, p.alpha = 0.75;
+  p.input_dtype = g.a, p.output_dtype = g.out, p.device = device;
+  p.epilogue = g.bias ? GemmEpilogue::kBias : GemmEpilogue::kNone;
+  p.bias = g.bias ? biasd.data() : nullptr;
+  f.b_dtype = g.b, f.scale_a = sad.data(), f.scale_b = sbd.data(), f.fast_accumulation = g.fast;
+  validate_fp8_gemm_params(f);
+  dispatch::call(fp8_gemm_op, device, g.a, f);
+  return c.to(Device());
+}
+
+TEST(CudaFp8, GemmThroughCublasLtMatchesTheCpuReference) {
+  LOOM_SKIP_WITHOUT_FP8_GPU();
+  std::mt19937_64 rng(2);
+  std::vector<GemmCase> cases;
+  for (int trans = 0; trans < 4; ++trans)
+    for (DType out : {kBF16, kF32})
+      cases.push_back({bool(trans & 1), bool(trans & 2), 64, 48, 128, 1, 0, 0, kF8E4M3, kF8E4M3, out, true, false, 0});
+  cases.push_back({true, false, 96, 32, 40, 1, 0, 0, kF8E4M3, kF8E5M2, kBF16, true, false, 0});   // K % 16 != 0
+  cases.push_back({false, true, 33, 17, 64, 2, 3, 1, kF8E5M2, kF8E4M3, kF32, true, false, 0.5});  // odd C
+  cases.push_back({true, false, 128, 256, 512, 1, 0, 0, kF8E4M3, kF8E4M3, kBF16, false, true, 0});  // fast
+  cases.push_back({true, false, 64, 64, 4096, 1, 0, 0, kF8E4M3, kF8E5M2, kF32, false, false, 1.0});  // long K
+  for (const GemmCase& g : cases) {
+    const Tensor a = random_codes(g.batch * g.m * g.k, g.a, rng), b = random_codes(g.batch * g.n * g.k, g.b, rng);
+    const Tensor sa = host_tensor({1.0 / 64}, {1}, kF32), sb = host_tensor({0.0078125 * 3}, {1}, kF32);
+    const Tensor bias = g.bias ? test::random_tensor({g.m}, g.out) : Tensor();
+    const int64_t c_elems = g.c_offset + (g.m + g.ldc_pad) * g.n * g.batch;
+    const Tensor c0 = test::random_tensor({c_elems}, g.out);
+    const Tensor want = run_gemm(g, a, b, sa, sb, bias, c0, Device());
+    const Tensor got = run_gemm(g, a, b, sa, sb, bias, c0, kGpu);
+    const auto w = test::values(want), v = test::values(got);
+    double rms = 0;
+    for (double x : w) rms += x * x;
+    rms = std::sqrt(rms / double(w.size()));
+    // f32: the FP8 tensor cores' accumulation (narrower within K blocks, fast accumulation narrower still); bf16:
+    // the output's rounding.
+    const double tol = g.out == kBF16 ? 1.6e-2 : (g.fast ? 1e-2 : 2e-3);
+    for (size_t e = 0; e < w.size(); ++e)
+      ASSERT_NEAR(v[e], w[e], tol * (std::abs(w[e]) + rms))
+          << "trans " << g.ta << g.tb << " m " << g.m << " n " << g.n << " k " << g.k << " batch " << g.batch
+          << " out " << dtype_name(g.out) << " element " << e;
+  }
+}
+
+TEST(CudaFp8, RefusedWithoutFp8TensorCores) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  if (gpu_has_fp8()) GTEST_SKIP() << "this GPU has FP8 tensor cores";
+  try {
+    fp8::check_device(kGpu);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("compute capability 8.9"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaFp8, ShadowHoldsTheFp8ProductsAgainstDequantizedBf16) {
+  LOOM_SKIP_WITHOUT_FP8_GPU();
+  dispatch::reset_shadow_stats();
+  test::ScopedPolicy policy("shadow=dequantized:fp8_gemm");
+  dispatch::set_shadow_tolerance(kF32, 2e-3, 2e-3);
+  auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  for (int i = 0; i < 3; ++i) {
+    Tensor x = test::random_tensor({256, 512}, kBF16, -1, 1, test::fresh_seed(), kGpu).set_requires_grad(true);
+    Tensor w = test::random_tensor({384, 512}, kF32, -0.1, 0.1, test::fresh_seed(), kGpu).set_requires_grad(true);
+    sum(fp8::linear(x, w, Tensor(), state)).backward();
+  }
+  dispatch::set_shadow_tolerance(kF32, 1e-4, 1e-5);
+  const auto stats = dispatch::shadow_stats();
+  ASSERT_TRUE(stats.count("fp8_gemm@dequantized"));
+  const auto& s = stats.at("fp8_gemm@dequantized");
+  EXPECT_EQ(s.runs, 9u);  // forward, grad_x, grad_w, three times
+  EXPECT_EQ(s.divergences, 0u) << s.last_divergence;
+}
+
+TEST(CudaFp8, TinyGpt2UnderFp8TracksBf16) {
+  LOOM_SKIP_WITHOUT_FP8_GPU();
+  std::vector<double> bf16, fp8;
+  for (bool use_fp8 : {false, true}) {
+    nn::ModelConfig cfg = nn::ModelConfig::from_name("gpt2-tiny");
+    cfg.fp8 = use_fp8 ? fp8::Scope::kAll : fp8::Scope::kOff;
+    auto model = nn::make_model(cfg, 7);
+    model->to(kGpu);
+    optim::AdamW opt(model->parameters(), {.lr = 3e-3});
+    std::mt19937_64 rng(3);
+    for (int step = 0; step < 20; ++step) {
+      std::vector<int64_t> ids(4 * 64);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(i % 37 + (rng() % 10 == 0 ? rng() % 500 : 0));
+      const Tensor x = from_vector(ids, {4, 64}).to(kGpu);
+      amp::AutocastGuard autocast(kBF16);
+      opt.zero_grad();
+      Tensor loss = model->forward_loss(x, x);
+      loss.backward();
+      opt.step();
+      (use_fp8 ? fp8 : bf16).push_back(loss.item<float>());
+    }
+  }
+  for (size_t i = 0; i < bf16.size(); ++i) EXPECT_NEAR(fp8[i], bf16[i], 0.05 * bf16[i]) << "step " << i + 1;
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,197 @@
+// The FP8 linear layer (loom/fp8.h) on the CPU: forward and backward agree exactly (to f32 summation) with a float64
+// model of the quantized computation written from the recipe; its gradients approximate the unquantized layer's
+// (central differences) within the quantization noise; delayed scaling uses the history; master weights and their
+// gradients stay f32; a model's FP8 scope reaches the layers it names.
+#include <cmath>
+#include <random>
+
+#include "loom/amp.h"
+#include "loom/fp8.h"
+#include "loom/nn/model.h"
+#include "providers/naive_reference_fp8.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using conformance::naive::fp8_round;
+
+// A tensor quantized as the recipe says, in float64: current scaling from its own amax.
+struct Quantized {
+  std::vector<double> values;  // q * scale_inv
+};
+Quantized model_quantize(const std::vector<double>& x, DType fp8, int64_t margin = 0) {
+  double amax = 0;
+  for (double v : x) amax = std::max(amax, std::abs(v));
+  const double fmax = fp8 == kF8E4M3 ? 448 : 57344;
+  const float scale = amax > 0 ? std::ldexp(float(fmax / amax), -int(margin)) : 1.0f;
+  const float scale_inv = 1.0f / scale;
+  Quantized q;
+  for (double v : x) q.values.push_back(fp8_round(double(float(v * double(scale))), fp8, true) * double(scale_inv));
+  return q;
+}
+
+// y [rows, out] = x [rows, in] w [out, in]^T (+ b), row-major.
+std::vector<double> product(const std::vector<double>& x, const std::vector<double>& w, int64_t rows, int64_t in,
+                            int64_t out) {
+  std::vector<double> y(size_t(rows * out), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t k = 0; k < in; ++k) y[size_t(r * out + o)] += x[size_t(r * in + k)] * w[size_t(o * in + k)];
+  return y;
+}
+std::vector<double> transposed(const std::vector<double>& a, int64_t rows, int64_t cols) {
+  std::vector<double> t(a.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = a[size_t(r * cols + c)];
+  return t;
+}
+
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, double rtol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double rms = 0;
+  for (double w : want) rms += w * w;
+  rms = std::sqrt(rms / double(std::max<size_t>(1, want.size())));
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], rtol * (std::abs(want[i]) + rms)) << what << " element " << i;
+}
+
+TEST(NnFp8, LinearMatchesAFloat64ModelOfTheQuantizedComputation) {
+  const int64_t rows = 15, in = 48, out = 24;
+  for (DType grad_format : {kF8E5M2, kF8E4M3}) {
+    fp8::Recipe recipe;
+    recipe.backward = grad_format;
+    auto state = std::make_shared<fp8::LinearState>(recipe);
+    Tensor x = test::random_tensor({3, 5, in}, kF32, -2, 2).set_requires_grad(true);
+    Tensor w = test::random_tensor({out, in}, kF32, -0.3, 0.3).set_requires_grad(true);
+    Tensor b = test::random_tensor({out}).set_requires_grad(true);
+    Tensor y = fp8::linear(x, w, b, state);
+    ASSERT_EQ(y.dtype(), kF32);
+    ASSERT_EQ(y.shape(), (Shape{3, 5, out}));
+    const Tensor dy = test::random_tensor({3, 5, out}, kF32, -1e-3, 1e-3);  // small: the gradient's scale moves
+    y.backward(dy);
+
+    const auto xq = model_quantize(test::values(x), kF8E4M3).values;
+    const auto wq = model_quantize(test::values(w), kF8E4M3).values;
+    const auto gq = model_quantize(test::values(dy), grad_format).values;
+    auto y_ref = product(xq, wq, rows, in, out);
+    const auto bv = test::values(b);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < out; ++o) y_ref[size_t(r * out + o)] += bv[size_t(o)];
+    expect_close(test::values(y), y_ref, 1e-6, "y");
+    // grad_x = g w: as a product of g [rows, out] and w^T [in, out]'s rows.
+    expect_close(test::values(x.grad()), product(gq, transposed(wq, out, in), rows, out, in), 1e-6, "grad_x");
+    expect_close(test::values(w.grad()), product(transposed(gq, rows, out), transposed(xq, rows, in), out, rows, in),
+                 1e-6, "grad_w");
+    std::vector<double> db(size_t(out), 0.0);
+    const auto dyv = test::values(dy);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < out; ++o) db[size_t(o)] += dyv[size_t(r * out + o)];
+    expect_close(test::values(b.grad()), db, 1e-6, "grad_b");
+    EXPECT_EQ(w.grad().dtype(), kF32);
+  }
+}
+
+// The layer's gradients are those of the unquantized layer (central differences of y = x w^T + b in float64) up
+// to the quantization noise: e4m3 keeps 3 mantissa bits (elements within 2^-4 relative), e5m2 2 (2^-3); over sums of
+// many products the relative error of a whole gradient is a few per cent.
+TEST(NnFp8, GradientsApproximateFiniteDifferencesWithinTheQuantizationNoise) {
+  const int64_t rows = 8, in = 64, out = 16;
+  auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  Tensor x = test::random_tensor({rows, in}).set_requires_grad(true);
+  Tensor w = test::random_tensor({out, in}, kF32, -0.2, 0.2).set_requires_grad(true);
+  const Tensor r = test::random_tensor({rows, out});  // loss = sum(y * r)
+  sum(mul(fp8::linear(x, w, Tensor(), state), r)).backward();
+  const auto xv = test::values(x), wv = test::values(w), rv = test::values(r);
+  auto loss = [&](const std::vector<double>& xs, const std::vector<double>& ws) {
+    const auto y = product(xs, ws, rows, in, out);
+    double s = 0;
+    for (size_t i = 0; i < y.size(); ++i) s += y[i] * rv[i];
+    return s;
+  };
+  auto relative_error = [&](const std::vector<double>& got, std::vector<double> point, bool of_x) {
+    double num = 0, den = 0;
+    const double h = 1e-4;
+    for (size_t i = 0; i < point.size(); ++i) {
+      const double v = point[i];
+      point[i] = v + h;
+      const double up = of_x ? loss(point, wv) : loss(xv, point);
+      point[i] = v - h;
+      const double down = of_x ? loss(point, wv) : loss(xv, point);
+      point[i] = v;
+      const double fd = (up - down) / (2 * h);
+      num += (got[i] - fd) * (got[i] - fd), den += fd * fd;
+    }
+    return std::sqrt(num / den);
+  };
+  const double ex = relative_error(test::values(x.grad()), xv, true);
+  const double ew = relative_error(test::values(w.grad()), wv, false);
+  EXPECT_LT(ex, 0.08) << "grad_x";
+  EXPECT_LT(ew, 0.08) << "grad_w";
+  EXPECT_GT(ex + ew, 1e-4) << "quantized: not the exact gradient";
+}
+
+TEST(NnFp8, DelayedScalingTakesTheScaleFromEarlierAmaxes) {
+  fp8::Recipe recipe;
+  recipe.amax_history = 4;
+  fp8::TensorScaling scaling(kF8E4M3, recipe);
+  const Tensor x1 = from_vector<float>({1.0f, -0.5f}, {2});
+  const Tensor x2 = from_vector<float>({2.0f, -0.5f}, {2});
+  // First: measured (448 / 1). Second: still 448 / 1 from the history, so 2 saturates at 448. Third: 448 / 2.
+  auto values = [](const ops::Fp8Tensor& q) { return test::values(ops::fp8_dequantize(q.q, q.scale_inv, kF32)); };
+  EXPECT_EQ(values(scaling.quantize(x1)), (std::vector<double>{1.0, -0.5}));
+  const auto second = values(scaling.quantize(x2));
+  EXPECT_EQ(second[0], 1.0) << "the previous scale saturates the new amax";
+  EXPECT_EQ(values(scaling.quantize(x2)), (std::vector<double>{2.0, -0.5}));
+  // Current scaling measures every time.
+  fp8::TensorScaling current(kF8E4M3, fp8::Recipe{});
+  EXPECT_EQ(values(current.quantize(x1)), (std::vector<double>{1.0, -0.5}));
+  EXPECT_EQ(values(current.quantize(x2)), (std::vector<double>{2.0, -0.5}));
+}
+
+TEST(NnFp8, AutocastWritesBf16AndKeepsMastersF32) {
+  auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  Tensor x = test::random_tensor({4, 32}).set_requires_grad(true);
+  Tensor w = test::random_tensor({8, 32}).set_requires_grad(true);
+  Tensor b = test::random_tensor({8}).set_requires_grad(true);
+  Tensor y;
+  {
+    amp::AutocastGuard g(kBF16);
+    y = fp8::linear(x, w, b, state);
+  }
+  EXPECT_EQ(y.dtype(), kBF16);
+  sum(y).backward();
+  EXPECT_EQ(x.grad().dtype(), kF32);
+  EXPECT_EQ(w.grad().dtype(), kF32);
+  EXPECT_EQ(b.grad().dtype(), kF32);
+  EXPECT_EQ(fp8::linear(x.detach().to(kBF16), w, b, state).dtype(), kBF16) << "a bf16 input gives bf16";
+}
+
+TEST(NnFp8, ModelScopeReachesTheLayersItNames) {
+  nn::ModelConfig cfg = nn::ModelConfig::from_name("gpt2-tiny");
+  auto model = nn::make_model(cfg, 1);
+  auto fp8_layers = [&] {
+    int n = 0;
+    for (const auto& [name, m] : model->named_modules())
+      if (auto l = std::dynamic_pointer_cast<nn::Linear>(m)) n += l->fp8 != nullptr;
+    return n;
+  };
+  EXPECT_EQ(fp8_layers(), 0);
+  model->set_fp8(fp8::Scope::kLinear);
+  EXPECT_EQ(fp8_layers(), 4 * int(cfg.n_layer));  // c_attn, c_proj, mlp.c_fc, mlp.c_proj
+  model->set_fp8(fp8::Scope::kClassifier);
+  EXPECT_EQ(fp8_layers(), 0);
+  EXPECT_EQ(model->fp8_scope(), fp8::Scope::kClassifier);
+  const Tensor idx = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+  const Tensor loss = model->forward_loss(idx, idx);
+  EXPECT_TRUE(std::isfinite(loss.item<float>()));
+  EXPECT_EQ(fp8::scope_from_name("ALL"), fp8::Scope::kAll);
+  EXPECT_THROW(fp8::scope_from_name("half"), Error);
+  fp8::Recipe bad;
+  bad.amax_history = 0;
+  EXPECT_THROW(model->set_fp8(fp8::Scope::kAll, bad), Error);
+  EXPECT_NO_THROW(fp8::check_device(Device()));
+}
+
+}  // namespace
+}  // namespace loom
