@@ -2,6 +2,7 @@
 // naive oracle, or Loom's native CPU kernels), and the checks (inputs unchanged, guards, poison, tolerances).
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <cstring>
 #include <iomanip>
 #include <optional>
@@ -221,8 +222,10 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
       rms = peak * std::sqrt(rms / double(std::max<size_t>(1, ref[i].size())));
     }
     // The looser of the output's dtype and the computation's (an f32 statistic of a bf16 input).
-    auto [rtol, atol] = tolerance(t.dtype, scale);
-    auto [rtol_d, atol_d] = tolerance(c.dtype, scale);
+    // Plain variables, not structured bindings: the lambdas below use them, which clang before 16 refuses for bindings.
+    double rtol, atol;
+    std::tie(rtol, atol) = tolerance(t.dtype, scale);
+    const auto [rtol_d, atol_d] = tolerance(c.dtype, scale);
     // An op's own tolerance for its outputs' or its computation's dtype; for an op that accumulates, it is stated for
     // 64 terms and grows with the square root of the sum's length like the f32 one (scatter_add's 16-bit sums are
     // kept in the 16-bit out).
