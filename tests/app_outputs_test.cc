@@ -270,7 +270,8 @@ TEST(AppOutputs, FilesNamedOnTheCommandLineAreInputsFromTheStart) {
   const std::string shard = test::small_vocab_shard(dir), val = test::small_vocab_shard(dir, "val.bin");
   const std::string other = test::small_vocab_shard(dir, "train_b.bin");
   const auto before = files_of(dir.path());
-  const std::string stops_early = train_command(shard) + "--val-data " + val + " --steps 2 --warmup 5";
+  const std::string stops_early = kTrain + " --train-data " + shard + " --model d2 -b 1 -t 8 --sample-tokens 0 " +
+                                  "--eval-batches 1 --val-data " + val + " --steps 2 --warmup 5";
   expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + val + " " + stops_early,
                         {"LOOM_PROFILE_OPS_FILE", "refusing to write", val});
   expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + other + " " + kTrain + " --train-data '" +
