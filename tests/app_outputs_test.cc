@@ -291,12 +291,10 @@ TEST(AppOutputs, ConformanceJsonIsCheckedBeforeTheCases) {
   ASSERT_EQ(traced.status, 0) << traced.err;
   const auto before = files_of(dir.path());
   const std::string conformance = LOOM_CONFORMANCE_EXE;
-  for (const std::string& input : {trace, shard}) {
-    AppRun r = run_app(conformance + " --provider native --jobs 1 --trace " + trace + " --json " + input);
-    EXPECT_NE(r.status, 0);
-    EXPECT_NE(r.err.find("--json: refusing to write"), std::string::npos) << r.err;
-    EXPECT_EQ(r.out.find("replayed"), std::string::npos) << "the cases ran before the refusal:\n" << r.out;
-  }
+  AppRun r = run_app(conformance + " --provider native --jobs 1 --trace " + trace + " --json " + trace);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--json: refusing to write"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("replayed"), std::string::npos) << "the cases ran before the refusal:\n" << r.out;
   test::write_all(dir.file("cases.json"), "{}");
   expect_one_line_error(conformance + " --provider native --jobs 1 --op gemm --reference pytorch --reference-file " +
                             dir.file("cases.json") + " --json " + dir.file("cases.json"),
