@@ -451,10 +451,13 @@ TEST(AutogradEngine, MixedDtypesGiveEachLeafAGradientOfItsOwnDtype) {
 
 // A small bf16 network (its loss in f32) gets bf16 gradients close to the same network's in f64.
 TEST(AutogradEngine, Bf16NetworkGradientsMatchFloat64) {
-  std::vector<Tensor> params64 = {test::random_tensor({5, 6}, kF64), test::random_tensor({5}, kF64),
-                                  test::random_tensor({5}, kF64, 0.5, 1.5), test::random_tensor({5}, kF64),
-                                  test::random_tensor({7, 5}, kF64)};
-  Tensor x64 = test::random_tensor({4, 6}, kF64, -2, 2);
+  // Drawn in bf16, so both networks see the same values: what differs is only the rounding inside.
+  auto draw = [](Shape shape, double lo = -1, double hi = 1) {
+    return ops::to_dtype(test::random_tensor(shape, kBF16, lo, hi), kF64);
+  };
+  // A hidden width of 16 keeps the layer norm's spread away from zero, where it would amplify any rounding.
+  std::vector<Tensor> params64 = {draw({16, 6}), draw({16}), draw({16}, 0.5, 1.5), draw({16}), draw({7, 16})};
+  Tensor x64 = draw({4, 6}, -2, 2);
   Tensor targets = from_vector<int64_t>({3, 0, 6, 2}, {4});
   auto loss_of = [&](const std::vector<Tensor>& p, const Tensor& x) {
     Tensor h = layer_norm(linear_gelu(x, p[0], p[1]), p[2], p[3]);

@@ -536,6 +536,32 @@ TEST(LoomTrainStart, ConfigFileFlagsWithTheCommandLineOverriding) {
   EXPECT_EQ(std::count(u.output.begin(), u.output.end(), '\n'), 1) << u.output;
 }
 
+// A layout that cannot be, from the flags or the [parallelism] section of a config file, is one line naming every
+// problem, said before the data is opened or anything is allocated.
+TEST(LoomTrainStart, ImpossibleLayoutsAreOneLineBeforeTheData) {
+  test::TempDir tmp;
+  const std::string toml = tmp.file("run.toml");
+  std::ofstream(toml) << "[model]\nmodel = \"d2\"\n[training]\ntrain-data = \"/nonexistent/shard.bin\"\n"
+                      << "[parallelism]\nsp = true\nzero = 3\n";
+  const struct {
+    std::string args;
+    std::vector<std::string> parts;
+  } cases[] = {
+      {"--model d2 --train-data /nonexistent/shard.bin --tp 3", {"parallelism: --tp 3 x --pp 1 does not divide the "
+                                                                 "world of 1 ranks"}},
+      {"--model d2 --train-data /nonexistent/shard.bin --pp 2 --tp 2", {"--tp 2 x --pp 2 does not divide"}},
+      {"--config " + toml, {"--sp splits the sequence over the tensor-parallel ranks", "--sp does not combine with "
+                            "--zero 3"}},
+  };
+  for (const auto& c : cases) {
+    AppRun r = run_loom_train(c.args);
+    EXPECT_EQ(WEXITSTATUS(r.status), 1) << c.args << "\n" << r.output;
+    for (const std::string& part : c.parts) EXPECT_NE(r.output.find(part), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " opened the data first\n" << r.output;
+  }
+}
+
 // --keep-checkpoints N: after each save only the newest N remain (with their optimizer files), single files and
 // sharded directories alike.
 TEST(LoomTrainStart, KeepCheckpointsRemovesTheOlderOnes) {

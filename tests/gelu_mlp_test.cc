@@ -100,7 +100,10 @@ void check_against_composition(Device device, bool autocast, bool biases) {
     yb = linear(linear_gelu(b[0], b[1], b[2]), b[3], b[4]);
   }
   EXPECT_EQ(ya.dtype(), yb.dtype());
-  const double tol = autocast ? 3e-2 : 1e-5;
+  // In bf16 the two round the hidden gradient at different points (the fused backward's dGELU epilogue once, from
+  // the f32 sum; the composition the product, then its derivative), and each parameter gradient sums 21 such
+  // values: up to 1.74x of 3e-2 apart over 150 seeds on the CPU.
+  const double tol = autocast ? 8e-2 : 1e-5;
   EXPECT_TRUE(test::all_close(ya.to(kF32), yb.to(kF32), tol, tol));
   sum(mul(ya.to(kF32), dy)).backward();
   sum(mul(yb.to(kF32), dy)).backward();

@@ -1,11 +1,13 @@
 // The conformance suite against planted bugs. tests/planted/planted.c is a kernel library (provider "planted":
-// gemm (epilogues none and bias), add, mul, relu, softmax and layer_norm in f32 and bf16) whose kernels are correct, or have one deliberately
-// wrong kernel chosen by LOOM_PLANTED: wrong for one residue class of a dimension, only when beta != 0, only in
-// bf16, only for transposed or strided inputs, an out-of-bounds write, an input overwritten, only for long rows;
-// and the kinds a vendor found passing an earlier suite: a special value mishandled (NaN, logits near 100, a fully
-// masked row), an output aliasing an input, an unaligned view start, a zero batch stride, an attribute dropped only
-// at a long size, alpha 0, and m = 1 with a padded leading dimension; and a gemm that keeps state across calls
-// (B copied once per address, stale for new values at the same address).
+// gemm (epilogues none and bias), add, mul, relu, softmax, layer_norm, rope, rope_strided and adamw_update in f32 and
+// bf16) whose kernels are correct, or have one deliberately wrong kernel chosen by LOOM_PLANTED: wrong for one
+// residue class of a dimension, only when beta != 0, only in bf16, only for transposed or strided inputs, an
+// out-of-bounds write, an input overwritten, only for long rows; the kinds a vendor found passing an earlier suite: a
+// special value mishandled (NaN, logits near 100, a fully masked row), an output aliasing an input, an unaligned view
+// start, a zero batch stride, an attribute dropped only at a long size, alpha 0, and m = 1 with a padded leading
+// dimension; a gemm that keeps state across calls (B copied once per address, stale for new values at the same
+// address); and wrong only at values a training run reaches: AdamW past step 1000 or with betas other than PyTorch's
+// defaults, a rotary embedding past position 65535.
 // loom-conformance, run as a subprocess on the library, must exit 1 with a FAIL row for the planted op (and for no
 // other op) for every plant, and must pass the clean library (LOOM_PLANTED=none), so that the failures come from
 // the plants and not from the harness.
@@ -14,6 +16,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -27,7 +30,8 @@ namespace {
 using test::TempDir;
 
 // The ops the library serves.
-const std::vector<std::string> kPlantedOps = {"gemm", "add", "mul", "relu", "softmax", "layer_norm"};
+const std::vector<std::string> kPlantedOps = {"gemm",    "add",  "mul",          "relu",        "softmax",
+                                              "layer_norm", "rope", "rope_strided", "adamw_update"};
 
 struct ConformanceRun {
   int exit_code = -1;  // 128 + n: killed by signal n (a crash)
@@ -69,8 +73,10 @@ ConformanceRun run_conformance(const std::string& plant) {
 #endif
 
 struct Plant {
-  std::string kind;  // LOOM_PLANTED
-  std::string op;    // the op it makes wrong
+  std::string kind;               // LOOM_PLANTED
+  std::string op;                 // the op it makes wrong
+  std::string also = "";          // and a second op its kernel serves
+  std::string reason = "";        // a pattern every failing case's description must hold: why the plant is wrong
 };
 void PrintTo(const Plant& p, std::ostream* os) { *os << p.kind << " (" << p.op << ")"; }
 
@@ -81,7 +87,11 @@ std::vector<Plant> plants() {
           {"add_nan", "add"},        {"add_alias", "add"},     {"softmax_overflow", "softmax"},
           {"softmax_masked", "softmax"}, {"gemm_align", "gemm"}, {"gemm_stride0", "gemm"},
           {"gemm_bias_long", "gemm"}, {"gemm_alpha0", "gemm"},  {"gemm_m1_lda", "gemm"},
-          {"gemm_cache_b", "gemm"}};
+          {"gemm_cache_b", "gemm"},
+          // Wrong only at the values a training run reaches: every failing case has them.
+          {"adamw_step_1000", "adamw_update", "", "\\bstep=(1001|65537|1000000)\\b"},
+          {"adamw_betas", "adamw_update", "", "\\bbeta(1=0\\.8|2=0\\.95)\\b"},
+          {"rope_long", "rope", "rope_strided", "\\bx [a-z0-9]+\\[[0-9]+, [0-9]+, 65537, "}};
 }
 
 class PlantedBug : public ::testing::TestWithParam<Plant> {};
@@ -96,10 +106,27 @@ TEST_P(PlantedBug, ConformanceFailsThePlantedOp) {
   ConformanceRun run = run_conformance(p.kind);
   EXPECT_EQ(run.exit_code, 1) << "LOOM_PLANTED=" << p.kind << ": exit status (128 + n: killed by signal n)";
   EXPECT_TRUE(run.failed(p.op)) << "LOOM_PLANTED=" << p.kind << ": no FAIL row for " << p.op;
+  if (!p.also.empty()) EXPECT_TRUE(run.failed(p.also)) << "LOOM_PLANTED=" << p.kind << ": no FAIL row for " << p.also;
   for (const auto& op : kPlantedOps) {
-    if (op == p.op) continue;
+    if (op == p.op || op == p.also) continue;
     EXPECT_FALSE(run.failed(op)) << "LOOM_PLANTED=" << p.kind << " leaves " << op << " correct";
   }
+  // Failures for the plant's reason: no plant but gemm_cache_b is said to keep state across calls, and where the
+  // plant names the values it is wrong at, each failure shown (up to 20) holds them, in its case's description (the
+  // line after "FAIL ...") or in the attributes of a repeated call (the FAIL line).
+  const std::regex reason(p.reason.empty() ? "." : p.reason);
+  std::istringstream lines(run.output);
+  int shown = 0;
+  for (std::string line, next; std::getline(lines, line);)
+    if (line.rfind("FAIL ", 0) == 0 && std::getline(lines, next)) {
+      ++shown;
+      if (p.kind != "gemm_cache_b")
+        EXPECT_EQ(line.find("keeps state across calls"), std::string::npos)
+            << "LOOM_PLANTED=" << p.kind << " is said to keep state: " << line;
+      EXPECT_TRUE(std::regex_search(line + "\n" + next, reason))
+          << "LOOM_PLANTED=" << p.kind << " fails a case without '" << p.reason << "': " << line << "\n" << next;
+    }
+  EXPECT_GT(shown, 0) << "LOOM_PLANTED=" << p.kind << ": no failure shown";
   if (HasFailure()) std::cout << "loom-conformance with LOOM_PLANTED=" << p.kind << ":\n" << run.output;
 #endif
 }

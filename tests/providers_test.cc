@@ -1,6 +1,8 @@
 // External kernel libraries through the C ABI: loading the sample plugin (plugins/cpu_sample), routing ops to it,
 // fallback when it declines, version checks, shadow mode, the conformance runner, and a few training steps with
 // gemm, and with the fused norms and loss (ABI 1.1), served by the plugin.
+#include <dlfcn.h>
+
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -489,6 +491,119 @@ TEST_F(Providers, TinyGpt2TrainsWithTheFusedOpsFromThePlugin) {
                                                  {"residual_layer_norm_backward", 2 * layers + 1},
                                                  {"cross_entropy_with_grad", 1},
                                                  {"adamw_update", 1}});
+}
+
+// ---- Zero-size tensors reach a library as the op says them. ----
+
+// tests/planted/abi_probe.c's record of the last call it ran.
+struct AbiProbeCall {
+  char op[32];
+  int n_in, n_out;
+  LoomTensorDesc in[8], out[8];
+  int64_t m, n, k;
+  int calls;
+};
+
+struct Unload {
+  std::string provider;
+  ~Unload() { providers::unload(provider); }
+};
+
+const AbiProbeCall& probe_last_call() {
+  void* handle = dlopen(plugin_path("loom_abi_probe").c_str(), RTLD_NOW | RTLD_NOLOAD);
+  EXPECT_NE(handle, nullptr) << "abi_probe is not loaded";
+  auto fn = reinterpret_cast<const AbiProbeCall* (*)()>(dlsym(handle, "abi_probe_last_call"));
+  EXPECT_NE(fn, nullptr);
+  return *fn();
+}
+
+std::vector<int64_t> shape_of(const LoomTensorDesc& d) { return {d.shape, d.shape + d.rank}; }
+std::vector<int64_t> strides_of(const LoomTensorDesc& d) { return {d.strides, d.strides + d.rank}; }
+
+// gemm bf16 with k = 0, A with no memory and B at an element offset (so its pointer is set): C = beta * C.
+conformance::ExplicitCase gemm_k0(DType dtype, int64_t a_offset, int64_t b_offset, bool trans_a) {
+  conformance::ExplicitCase e;
+  e.op = "gemm";
+  e.dtype = dtype;
+  e.attrs = {{"trans_a", AttrValue::of_int(trans_a)}, {"beta", AttrValue::of_float(0.75)}};
+  e.dims = {{"Bt", 1}, {"M", 3}, {"K", 0}, {"N", 4}};
+  e.tensors.resize(6);
+  e.tensors[0].shape = trans_a ? Shape{1, 0, 3} : Shape{1, 3, 0};
+  e.tensors[0].offset = a_offset;
+  e.tensors[1].shape = {1, 0, 4};
+  e.tensors[1].offset = b_offset;
+  e.tensors[2].present = e.tensors[4].present = e.tensors[5].present = false;
+  e.tensors[3].shape = {1, 3, 4};
+  return e;
+}
+
+// What a library is handed for k = 0 (and for an elementwise op over an empty tensor): A and B with A/B's dtype, the
+// shapes and strides of the problem, and a data pointer that is not NULL (NULL would say "absent"). A library that
+// checks that A and B share a dtype therefore takes the call.
+TEST_F(Providers, ZeroSizeTensorsReachALibraryWithTheirDtypeShapeAndStrides) {
+  if (!fs::exists(plugin_path("loom_abi_probe"))) GTEST_SKIP() << "abi_probe not built";
+  ensure_loaded("loom_abi_probe", "abi_probe");
+  Unload unload{"abi_probe"};  // its kernels rank with native's: no other test should meet them
+  conformance::SuiteOptions o;
+  o.provider = "abi_probe";
+  for (bool trans_a : {false, true}) {
+    const int before = probe_last_call().calls;
+    auto r = conformance::run_explicit_case(gemm_k0(kBF16, 0, 3, trans_a), o);  // the probe writes nothing: it fails
+    EXPECT_NE(r.status, conformance::CaseStatus::kDeclined) << r.description;
+    const AbiProbeCall& call = probe_last_call();
+    ASSERT_EQ(call.calls, before + 1) << "the probe's gemm did not run: " << r.description;
+    EXPECT_STREQ(call.op, "gemm");
+    ASSERT_EQ(call.n_in, 3);
+    EXPECT_EQ(call.k, 0);
+    const LoomTensorDesc &a = call.in[0], &b = call.in[1], &bias = call.in[2], &c = call.out[0];
+    for (const LoomTensorDesc* d : {&a, &b, &c}) {
+      EXPECT_EQ(d->dtype, LOOM_DTYPE_BF16);
+      EXPECT_EQ(d->rank, 3);
+      EXPECT_NE(d->data, nullptr);
+      EXPECT_EQ(d->strides[1], 1);
+    }
+    EXPECT_EQ(shape_of(a), trans_a ? (std::vector<int64_t>{1, 0, 3}) : (std::vector<int64_t>{1, 3, 0}));
+    EXPECT_EQ(shape_of(b), (std::vector<int64_t>{1, 0, 4}));
+    EXPECT_EQ(shape_of(c), (std::vector<int64_t>{1, 3, 4}));
+    EXPECT_GE(a.strides[2], trans_a ? 1 : 3);  // lda >= max(1, rows)
+    EXPECT_GE(b.strides[2], 1);
+    EXPECT_EQ(bias.data, nullptr);  // absent: the epilogue is none
+    EXPECT_EQ(bias.rank, 0);
+  }
+  // Every op: an elementwise add over [0, 2, 3].
+  conformance::ExplicitCase e;
+  e.op = "add";
+  e.tensors.resize(3);
+  for (auto& t : e.tensors) t.shape = {0, 2, 3};
+  const int before = probe_last_call().calls;
+  auto r = conformance::run_explicit_case(e, o);
+  EXPECT_EQ(r.status, conformance::CaseStatus::kPass) << r.description << " " << r.detail;  // nothing to write
+  const AbiProbeCall& call = probe_last_call();
+  ASSERT_EQ(call.calls, before + 1);
+  EXPECT_STREQ(call.op, "add");
+  ASSERT_EQ(call.n_in, 2);
+  for (const LoomTensorDesc* d : {&call.in[0], &call.in[1], &call.out[0]}) {
+    EXPECT_EQ(d->dtype, LOOM_DTYPE_F32);
+    EXPECT_EQ(shape_of(*d), (std::vector<int64_t>{0, 2, 3}));
+    EXPECT_EQ(strides_of(*d), (std::vector<int64_t>{6, 3, 1}));
+    EXPECT_NE(d->data, nullptr);
+  }
+}
+
+// The planted library's gemm declines A and B of different dtypes (as vendor libraries do); it takes and passes
+// every 16-bit k = 0 problem, whichever of A and B has memory.
+TEST_F(Providers, ALibraryThatChecksABDtypesPassesSixteenBitKZero) {
+  if (!fs::exists(plugin_path("loom_planted"))) GTEST_SKIP() << "the planted library is not built";
+  setenv("LOOM_PLANTED", "none", 1);
+  ensure_loaded("loom_planted", "planted");
+  Unload unload{"planted"};
+  conformance::SuiteOptions o;
+  o.provider = "planted";
+  for (bool trans_a : {false, true})
+    for (auto [a_offset, b_offset] : {std::pair{0, 0}, {0, 3}, {5, 0}, {1, 2}}) {
+      auto r = conformance::run_explicit_case(gemm_k0(kBF16, a_offset, b_offset, trans_a), o);
+      EXPECT_EQ(r.status, conformance::CaseStatus::kPass) << r.description << " " << r.detail;
+    }
 }
 
 }  // namespace

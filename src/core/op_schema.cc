@@ -190,6 +190,10 @@ OpSchema& OpSchema::row_dim(const std::string& name) {
   for (int64_t v : {1023, 1025, 2047, 2049, 4095, 4097, 8191, 8193}) d.values.push_back(v);
   return *this;
 }
+OpSchema& OpSchema::size_case(std::map<std::string, int64_t> sizes) {
+  size_cases.push_back(std::move(sizes));
+  return *this;
+}
 OpSchema& OpSchema::case_rule(CaseRule fn) {
   rule = std::move(fn);
   return *this;

@@ -272,9 +272,17 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
   auto named = model.named_parameters();
   LOOM_REQUIRE(!named.empty(), "pipeline: the model has no parameters");
   m.device = named.front().second.device();
-  // Blocks per virtual stage: n / stages, the first n % stages one more.
+  const auto cut = options.stages.empty() ? even_stages(n, stages) : options.stages;
+  LOOM_REQUIRE(int64_t(cut.size()) == stages, "pipeline: ", cut.size(), " stage ranges for ", m.P, " stages x ", m.V,
+               " virtual stages");
   std::vector<size_t> start(size_t(stages) + 1, 0);
-  for (int64_t v = 0; v < stages; ++v) start[size_t(v) + 1] = start[size_t(v)] + size_t(n / stages + (v < n % stages));
+  for (int64_t v = 0; v < stages; ++v) {
+    LOOM_REQUIRE(cut[size_t(v)].first == int64_t(start[size_t(v)]) && cut[size_t(v)].second > cut[size_t(v)].first,
+                 "pipeline: virtual stage ", v, "'s blocks [", cut[size_t(v)].first, ", ", cut[size_t(v)].second,
+                 ") do not follow the previous stage's or are empty");
+    start[size_t(v) + 1] = size_t(cut[size_t(v)].second);
+  }
+  LOOM_REQUIRE(int64_t(start.back()) == n, "pipeline: the stages hold ", start.back(), " of ", n, " blocks");
   for (int c = 0; c < m.V; ++c) {
     const int vs = c * m.P + m.s;
     m.chunks.push_back({vs, start[size_t(vs)], start[size_t(vs) + 1], vs == 0, vs == stages - 1});
@@ -331,6 +339,17 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
 }
 
 PipelineParallel::~PipelineParallel() = default;
+
+std::vector<std::pair<int64_t, int64_t>> even_stages(int64_t blocks, int64_t stages) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int64_t v = 0; v < stages; ++v) {
+    const int64_t end = begin + blocks / stages + (v < blocks % stages);
+    out.emplace_back(begin, end);
+    begin = end;
+  }
+  return out;
+}
 
 double PipelineParallel::train_step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
   return impl_->run(inputs, targets, true);

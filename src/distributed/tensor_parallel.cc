@@ -306,9 +306,6 @@ class GroupRegion final : public nn::TensorParallelRegion {
   mutable bool sharded_ = false;  // this forward's stream is split along the sequence
 };
 
-ParameterSplit rows(std::vector<int64_t> blocks) { return {true, 0, std::move(blocks)}; }
-ParameterSplit columns(int64_t width) { return {true, 1, {width}}; }
-
 }  // namespace
 
 TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,
@@ -316,67 +313,30 @@ TensorParallelPlan::TensorParallelPlan(nn::LanguageModel& model, std::shared_ptr
     : model_(model), group_(std::move(group)), sequence_parallel_(sequence_parallel) {
   LOOM_REQUIRE(group_, "parallelize_tensor: no process group");
   LOOM_REQUIRE(!model.tensor_parallel(), "parallelize_tensor: the model is already split");
-  const nn::ModelConfig& c = model.config();
   const int ranks = group_->size();
-  LOOM_REQUIRE(c.padded_vocab_size % ranks == 0, "tensor parallelism: the padded vocabulary of ", c.padded_vocab_size,
-               " does not divide by the tensor-parallel size ", ranks);
-  LOOM_REQUIRE(c.ffn_hidden % ranks == 0, "tensor parallelism: ffn_hidden ", c.ffn_hidden,
-               " does not divide by the tensor-parallel size ", ranks);
-  LOOM_REQUIRE(c.n_head % ranks == 0 && c.n_kv_head % ranks == 0, "tensor parallelism: n_head ", c.n_head,
-               " and n_kv_head ", c.n_kv_head, " must both divide by the tensor-parallel size ", ranks,
-               " (each rank owns whole query and key/value heads)");
-  auto region = std::make_shared<GroupRegion>(group_, sequence_parallel);
-  // Which parameters split how: one rule per layer kind, by the layers' types, for every model family.
-  for (auto& [prefix, module] : model.named_modules()) {
-    const std::string p = prefix + ".";
-    if (auto* attn = dynamic_cast<nn::CausalSelfAttention*>(module.get())) {
-      const int64_t D = attn->head_dim, q = attn->cfg.n_head * D, kv = attn->cfg.n_kv_head * D;
-      if (attn->cfg.fused_qkv) {
-        splits_[p + "c_attn.weight"] = rows({q, kv, kv});
-        if (attn->c_attn->bias.defined()) splits_[p + "c_attn.bias"] = rows({q, kv, kv});
-        splits_[p + "c_proj.weight"] = columns(q);
-      } else {
-        splits_[p + "q_proj.weight"] = rows({q});
-        splits_[p + "k_proj.weight"] = rows({kv});
-        splits_[p + "v_proj.weight"] = rows({kv});
-        if (attn->q_proj->bias.defined()) {
-          splits_[p + "q_proj.bias"] = rows({q});
-          splits_[p + "k_proj.bias"] = rows({kv});
-          splits_[p + "v_proj.bias"] = rows({kv});
-        }
-        splits_[p + "o_proj.weight"] = columns(q);
-      }
-      attn->local_heads = attn->cfg.n_head / ranks;
-      attn->local_kv_heads = attn->cfg.n_kv_head / ranks;
-      attn->tp = region;
-    } else if (auto* gelu = dynamic_cast<nn::GeluMLP*>(module.get())) {
-      const int64_t h = gelu->c_fc->weight.size(0);
-      splits_[p + "c_fc.weight"] = rows({h});
-      if (gelu->c_fc->bias.defined()) splits_[p + "c_fc.bias"] = rows({h});
-      splits_[p + "c_proj.weight"] = columns(h);
-      gelu->tp = region;
-    } else if (auto* swiglu = dynamic_cast<nn::SwiGLUMLP*>(module.get())) {
-      const int64_t h = swiglu->gate_proj->weight.size(0);
-      splits_[p + "gate_proj.weight"] = rows({h});
-      splits_[p + "up_proj.weight"] = rows({h});
-      splits_[p + "down_proj.weight"] = columns(h);
-      swiglu->tp = region;
-    }
-  }
-  // The token embedding and an untied classifier split by vocabulary rows, alike (the loss needs them to).
-  nn::Embedding& embedding = model.token_embedding();
-  nn::Linear* head = model.lm_head();
+  // The family's rules (declared beside its definition): which parameters split how, which sizes must divide.
+  const nn::ParallelRules rules = model.parallel_rules();
+  for (const auto& d : rules.tensor_divisors)
+    LOOM_REQUIRE(d.value % ranks == 0, "tensor parallelism: ", d.name, " ", d.value,
+                 " does not divide by the tensor-parallel size ", ranks, " (", d.why, ")");
+  std::vector<size_t> matched(rules.tensor.size(), 0);
   for (auto& [name, t] : model.named_parameters())
-    if (t.is_same(embedding.weight) || (head && t.is_same(head->weight))) splits_[name] = rows({c.padded_vocab_size});
-  embedding.vocab_start = group_->rank() * (c.padded_vocab_size / ranks);
-  embedding.tp = region;
+    for (size_t k = 0; k < rules.tensor.size(); ++k)
+      if (rules.tensor[k].matches(name)) {
+        splits_[name] = ParameterSplit{true, rules.tensor[k].dim(), rules.tensor[k].blocks};
+        ++matched[k];
+        break;
+      }
+  for (size_t k = 0; k < rules.tensor.size(); ++k)
+    LOOM_CHECK(matched[k] > 0, "tensor parallelism: the rule for '", rules.tensor[k].parameter,
+               "' names no parameter of ", model.config().describe());
   // Cut every split parameter to this rank's shard, in place: the handles the layers hold see it.
   autograd::NoGradGuard ng;
   for (auto& [name, t] : model.named_parameters()) {
     auto it = splits_.find(name);
     if (it != splits_.end()) t.set_data(shard_tensor(t.detach(), it->second, group_->rank(), ranks));
   }
-  model.set_tensor_parallel(region);
+  model.split_layers(std::make_shared<GroupRegion>(group_, sequence_parallel));
 }
 
 std::shared_ptr<TensorParallelPlan> parallelize_tensor(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,

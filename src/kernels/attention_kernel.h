@@ -35,7 +35,8 @@ inline OpSchema attention_schema(bool backward, Layout layout) {
   // attention libraries differ in what a NaN score does to a row (online softmax, masking by -inf).
   for (auto& t : s.tensors)
     if (is_input(t.role)) t.value_classes = {ValueClass::kNormal, ValueClass::kTiny};
-  return s.attr("causal", {1.0, 0.0}).attr("scale", {0.125, 0.3})
+  // scale 1 too: a kernel that takes 1 for "no scale given" and applies 1/sqrt(D) is wrong only there.
+  return s.attr("causal", {1.0, 0.0}).attr("scale", {0.125, 0.3, 1.0})
       .dim("D", {8, 16, 40, 64, 128}, 64).dim("Hkv", {1, 2, 3}, 2).dim("H", {}, 4).dim("T", {1, 17, 64, 129})
       .dim("S", {1, 17, 64, 129, 257}).row_dim("S").accumulates("S").dispatch_on("q").autocast(Autocast::kCastInputs)
       .case_rule([](SuiteCase& c, const OpSchema&) {

@@ -59,8 +59,8 @@ struct RandomAttrs {
 // out (contiguous) element i gets the i-th draw of the Philox stream at `state`, the same on every device.
 using RandomKernel = void(const DeviceContext&, const RandomAttrs&, Tensor& out);
 LOOM_DECLARE_OP(random, RandomKernel,
-                OpSchema().leading_dims("R").out("out", "R C").attr("distribution", {0.0, 1.0}).attr("seed", {1.0, 99.0})
-                    .attr("offset", {0.0, 5.0}).abi_since(2)
+                OpSchema().leading_dims("R").out("out", "R C").attr("distribution", {0.0, 1.0})
+                    .attr("seed", philox_seeds()).attr("offset", philox_offsets()).abi_since(2)
                     // A normal draw is computed in f32 (Box-Muller with logf, cosf, sinf): devices agree to f32
                     // rounding, which an f64 output shows.
                     .tolerance(kF64, 1e-6, 1e-6));

@@ -40,7 +40,7 @@ inline OpSchema& cross_entropy_schema_finish(OpSchema& s, bool scalar_only) {
   return s.attr("ignore_index", {-100.0, 1.0})
       .attr("reduction", scalar_only ? std::initializer_list<double>{0.0, 1.0} : std::initializer_list<double>{0.0, 1.0, 2.0})
       .attr_names("reduction", {"mean", "sum", "none"}).attr("vocab_limit", {-1.0, -2.0})
-      .row_dim("V").accumulates("V").dispatch_on("logits")
+      .row_dim("V").accumulates("V").long_dim("V", kLongVocab).dispatch_on("logits")
       .case_rule([](SuiteCase& c, const OpSchema&) {
         if (AttrValue* limit = c.attr("vocab_limit"); limit && limit->i == -2) limit->i = std::max<int64_t>(1, c.dim("V") - 2);
       });

@@ -14,39 +14,45 @@ namespace loom {
 
 // The descriptions of the families: every tensor has out's shape [A B C], A standing for any number of leading dims
 // (a call's tensors have any rank; A may be 0: an empty tensor); inputs may be broadcast or strided views, out may be
-// a strided view or an input itself (element for element).
+// a strided view or an input itself (element for element). One case has 7 elements in all: fewer than a vector of
+// 8, only a remainder.
 inline constexpr const char* kElementwiseSpecialValues =
     "IEEE, as the float64 function: NaN in gives NaN out, inf follows the function's limit, an overflow of the "
     "output dtype rounds to inf; -0.0 and denormals are values (no flush to zero needed: within tolerance)";
-// A function, not a variable: descriptions are built during static initialization.
+// Functions, not variables: descriptions are built during static initialization.
 inline std::vector<ValueClass> elementwise_classes() {
   return {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kLarge};
 }
+inline std::map<std::string, int64_t> seven_elements() { return {{"A", 1}, {"B", 1}, {"C", 7}}; }
 inline OpSchema unary_schema(Values x_values = Values::kUniform) {
   return OpSchema().in("x", "A B C").layout(Layout::kBroadcast).values(x_values)
       .value_classes(x_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
       .out("out", "A B C")
       .layout(Layout::kStrided).may_alias("out", "x").row_dim("C").dim("A", {0}).leading_dims("A")
-      .special_values(kElementwiseSpecialValues);
+      .special_values(kElementwiseSpecialValues)
+      .size_case(seven_elements());
 }
 inline OpSchema unary_backward_schema() {
   return OpSchema().in("grad", "A B C").layout(Layout::kBroadcast).in("saved", "A B C").layout(Layout::kBroadcast)
       .out("grad_x", "A B C").layout(Layout::kStrided).may_alias("grad_x", "grad").may_alias("grad_x", "saved")
-      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
+      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues)
+      .size_case(seven_elements());
 }
 inline OpSchema binary_schema(Values b_values = Values::kUniform) {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .in("b", "A B C").layout(Layout::kBroadcast).values(b_values)
       .value_classes(b_values == Values::kUniform ? elementwise_classes() : std::vector<ValueClass>{})
       .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "a").may_alias("out", "b")
-      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues);
+      .row_dim("C").dim("A", {0}).leading_dims("A").special_values(kElementwiseSpecialValues)
+      .size_case(seven_elements());
 }
 inline OpSchema compare_schema() {
   return OpSchema().in("a", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .in("b", "A B C").layout(Layout::kBroadcast).value_classes(elementwise_classes())
       .out("out", "A B C", DTypeRule::kBool).layout(Layout::kStrided).dispatch_on("a").row_dim("C").dim("A", {0})
       .leading_dims("A")
-      .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number");
+      .special_values("IEEE: a comparison with NaN is false (ne: true); inf compares as a number")
+      .size_case(seven_elements());
 }
 inline OpSchema scalar_schema(std::initializer_list<double> values, Values x_values = Values::kUniform) {
   return unary_schema(x_values).attr("value", values);
@@ -120,14 +126,16 @@ inline OpSchema add_scaled_schema() {
 LOOM_DECLARE_OP(add_scaled, AddScaledKernel, add_scaled_schema());
 
 // out = f(x, value). The value stays double until the kernel converts it to its math type (acc_t of the dtype;
-// int64 for integer dtypes).
+// int64 for integer dtypes). The suite tries values no 16-bit dtype holds, which a kernel that rounds the value to
+// the tensor's dtype gets wrong: 1/3 (an averaging scale) and 65536 (f16's largest finite is 65504; PyTorch's
+// GradScaler starts its f16 loss scale there).
 struct ScalarAttrs {
   double value = 0;
   LOOM_FIELDS(ScalarAttrs, value);
 };
 using ScalarKernel = void(const DeviceContext&, const Tensor& x, const ScalarAttrs&, Tensor& out);
-LOOM_DECLARE_OP(add_scalar, ScalarKernel, scalar_schema({0.5, -2.0}));
-LOOM_DECLARE_OP(mul_scalar, ScalarKernel, scalar_schema({0.0, -1.5, 3.0}));
+LOOM_DECLARE_OP(add_scalar, ScalarKernel, scalar_schema({0.5, -2.0, 1.0 / 3}));
+LOOM_DECLARE_OP(mul_scalar, ScalarKernel, scalar_schema({0.0, -1.5, 3.0, 1.0 / 3, 65536.0}));
 LOOM_DECLARE_OP(div_scalar, ScalarKernel, scalar_schema({0.5, -3.0}));
 LOOM_DECLARE_OP(rsub_scalar, ScalarKernel, scalar_schema({1.0, -2.0}));  // value - x
 LOOM_DECLARE_OP(maximum_scalar, ScalarKernel, scalar_schema({0.0, 0.3}));
@@ -160,8 +168,8 @@ struct DropoutAttrs {
 };
 using DropoutKernel = void(const DeviceContext&, const Tensor& x, const DropoutAttrs&, Tensor& out);
 inline OpSchema dropout_schema() {
-  return OpSchema().in("x", "R C").out("out", "R C").attr("p", {0.0, 0.1, 0.5}).attr("seed", {7.0, 12345.0})
-      .attr("offset", {0.0, 3.0}).leading_dims("R").abi_since(2);
+  return OpSchema().in("x", "R C").out("out", "R C").attr("p", {0.0, 0.1, 0.5}).attr("seed", philox_seeds())
+      .attr("offset", philox_offsets()).leading_dims("R").abi_since(2);
 }
 LOOM_DECLARE_OP(dropout, DropoutKernel, dropout_schema());
 LOOM_DECLARE_OP(dropout_backward, DropoutKernel, dropout_schema());  // x is the gradient of dropout's output

@@ -12,7 +12,7 @@ namespace loom {
 using EmbeddingKernel = void(const DeviceContext&, const Tensor& weight, const Tensor& indices, Tensor& out);
 LOOM_DECLARE_OP(embedding, EmbeddingKernel,
                 OpSchema().leading_dims("N").in("weight", "V C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
-                    .out("out", "N C"));
+                    .out("out", "N C").long_dim("V", kLongVocab));
 
 // grad [N, C] and indices (N elements) contiguous; grad_weight [V, C] with grad's dtype is fully written: row v is
 // the sum, in index order, of the grad rows whose index is v (zero where none).
@@ -20,6 +20,6 @@ using EmbeddingBackwardKernel = void(const DeviceContext&, const Tensor& grad, c
                                      Tensor& grad_weight);
 LOOM_DECLARE_OP(embedding_backward, EmbeddingBackwardKernel,
                 OpSchema().leading_dims("N").in("grad", "N C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
-                    .out("grad_weight", "V C").accumulates("N"));
+                    .out("grad_weight", "V C").accumulates("N").long_dim("V", kLongVocab));
 
 }  // namespace loom

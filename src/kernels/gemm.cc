@@ -38,28 +38,41 @@ void validate_gemm_params(const GemmParams& p) {
                  " batch=", p.batch, " alpha=", p.alpha);
 }
 
+// A matrix as stored, [batch, rows, cols] with strides [batch_stride, 1, ld], over memory Loom does not own here.
+// One with no elements may have no memory (a null pointer): it is still the matrix the problem names.
 Tensor gemm_matrix_view(const void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t cols,
                         int64_t ld, int64_t batch_stride) {
-  if (!data) return Tensor();
   int64_t span = (batch == 0 || rows == 0 || cols == 0) ? 0 : (batch - 1) * batch_stride + (cols - 1) * ld + rows;
   return from_blob(const_cast<void*>(data), {span}, dtype, device)
       .as_strided({batch, rows, cols}, {batch_stride, 1, ld}, 0);
 }
+// An optional vector: absent where its pointer is null.
 Tensor gemm_vector_view(const void* data, DType dtype, Device device, int64_t n) {
   if (!data) return Tensor();
   return from_blob(const_cast<void*>(data), {n}, dtype, device);
 }
 
+// A, B and C are always present, a zero-size one too (k = 0: A and B; m or n = 0: C), with the problem's dtypes,
+// shapes and strides whatever its pointer: a null pointer only says it has no elements. The optional operands are
+// present as the epilogue says (bias: 1 and 3; bias_grad: 4; pre_gelu: 5, and 2 or 3 where its pointer is set),
+// so that an empty bias is not taken for an absent one.
 void ArgTraits<GemmParams>::gather(const GemmParams& p, CallArgs& c) {
   const int64_t ra = p.trans_a ? p.k : p.m, ca = p.trans_a ? p.m : p.k;
   const int64_t rb = p.trans_b ? p.n : p.k, cb = p.trans_b ? p.k : p.n;
-  c.slots.push_back({gemm_matrix_view(p.a, p.input_dtype, p.device, p.batch, ra, ca, p.lda, p.stride_a), {}, false});
-  c.slots.push_back({gemm_matrix_view(p.b, p.input_dtype, p.device, p.batch, rb, cb, p.ldb, p.stride_b), {}, false});
-  c.slots.push_back({gemm_vector_view(p.bias, p.output_dtype, p.device, p.m), {}, false});
-  c.slots.push_back({gemm_matrix_view(p.c, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
+  const GemmEpilogue e = p.epilogue;
+  const bool bias = e == GemmEpilogue::kBias || e == GemmEpilogue::kBiasGelu;
+  const bool pre_gelu =
+      e == GemmEpilogue::kDGelu || (p.pre_gelu && (e == GemmEpilogue::kGelu || e == GemmEpilogue::kBiasGelu));
+  const Device d = p.device;
+  c.slots.push_back({gemm_matrix_view(p.a, p.input_dtype, d, p.batch, ra, ca, p.lda, p.stride_a), {}, false});
+  c.slots.push_back({gemm_matrix_view(p.b, p.input_dtype, d, p.batch, rb, cb, p.ldb, p.stride_b), {}, false});
+  c.slots.push_back({bias ? from_blob(const_cast<void*>(p.bias), {p.m}, p.output_dtype, d) : Tensor(), {}, false});
+  c.slots.push_back({gemm_matrix_view(p.c, p.output_dtype, d, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
   c.slots.push_back(
-      {gemm_matrix_view(p.pre_gelu, p.output_dtype, p.device, p.batch, p.m, p.n, p.ldc, p.stride_c), {}, false});
-  c.slots.push_back({gemm_vector_view(p.bias_grad, p.output_dtype, p.device, p.n), {}, false});
+      {pre_gelu ? gemm_matrix_view(p.pre_gelu, p.output_dtype, d, p.batch, p.m, p.n, p.ldc, p.stride_c) : Tensor(),
+       {}, false});
+  c.slots.push_back({e == GemmEpilogue::kBiasGradB ? from_blob(const_cast<void*>(static_cast<const void*>(p.bias_grad)), {p.n}, p.output_dtype, d) : Tensor(),
+                     {}, false});
   auto i = [&](const char* n, int64_t v) { c.attrs.emplace_back(n, AttrValue::of_int(v)); };
   i("trans_a", p.trans_a), i("trans_b", p.trans_b), i("m", p.m), i("n", p.n), i("k", p.k);
   i("lda", p.lda), i("ldb", p.ldb), i("ldc", p.ldc), i("batch", p.batch);
@@ -117,6 +130,7 @@ OpSchema gemm_schema() {
       .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5, 0.0})
       .attr("beta", {0.0, 1.0, 0.75}).attr("epilogue", {0.0, 1.0, 2.0, 3.0, 4.0, 5.0})
       .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K").long_dim("K", 65537)
+      .size_case({{"Bt", 8193}})  // a batch past 2^13: B x H heads of a large attention batch, unfused
       .dispatch_on("a").autocast(Autocast::kCastInputs)
       .special_values("IEEE, as the float64 sum: NaN and inf in A, B, bias or C (beta != 0) reach the elements they "
                       "touch (inf - inf and 0 * inf give NaN); beta == 0 ignores C (it may hold NaN); alpha == 0 gives "

@@ -37,7 +37,8 @@ LOOM_DECLARE_OP(gemm, GemmKernel, gemm_schema());  // dispatched on input_dtype
 void validate_gemm_params(const GemmParams& p);
 
 // A gemm matrix as a tensor view of memory described by a problem: [batch, rows, cols] with strides
-// [batch_stride, 1, ld] (undefined for a null pointer); and a vector of n elements (bias, bias_grad).
+// [batch_stride, 1, ld], defined even for a null pointer (a matrix with no elements: k = 0 is still A's and B's
+// dtype and shape); and an optional vector of n elements (a bias, a scale), undefined for a null pointer.
 Tensor gemm_matrix_view(const void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t cols,
                         int64_t ld, int64_t batch_stride);
 Tensor gemm_vector_view(const void* data, DType dtype, Device device, int64_t n);

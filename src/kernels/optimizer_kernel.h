@@ -27,20 +27,26 @@ struct SgdUpdateAttrs {
 
 // All tensors contiguous with param's numel, on one device. Dispatched on param's dtype; grad has any floating
 // dtype; exp_avg and exp_avg_sq have f32 (f64 for an f64 param). Updates param and both states in place.
+// The suite's attribute values span a training run: steps 1 to 10^6 (1001: past a bias correction taken as converged
+// at 1000; 65537: a 16-bit step counter wraps to 1), lr 1e-6 to 1, LLaMA's beta2 0.95 beside PyTorch's defaults, and
+// eps up to 0.1: its ratio to sqrt(v) late in training (gradients near 1e-4), which the suite's states of about 1
+// reach only with a large eps.
 using AdamWUpdateKernel = void(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                                Tensor& exp_avg, Tensor& exp_avg_sq);
 LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
                 OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
                     .in_place("exp_avg", "N", DTypeRule::kStats).in_place("exp_avg_sq", "N", DTypeRule::kStats)
-                    .values(Values::kPositive).attr("lr", {1e-3, 0.1}).attr("weight_decay", {0.0, 0.1})
-                    .attr("step", {1.0, 7.0}).row_dim("N").dispatch_on("param").abi_since(1));
+                    .values(Values::kPositive).attr("lr", {1e-3, 1e-6, 0.1, 1.0}).attr("beta1", {0.9, 0.8})
+                    .attr("beta2", {0.999, 0.95}).attr("eps", {1e-8, 1e-5, 0.1}).attr("weight_decay", {0.0, 0.1})
+                    .attr("step", {1.0, 7.0, 1000.0, 1001.0, 65537.0, 1e6}).row_dim("N").dispatch_on("param")
+                    .abi_since(1));
 
 // As above; momentum_buffer is undefined when attrs.momentum == 0.
 using SgdUpdateKernel = void(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
                              Tensor& momentum_buffer);
 LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel,
                 OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
-                    .in_place("momentum_buffer", "N", DTypeRule::kStats).attr("lr", {1e-2, 0.5})
+                    .in_place("momentum_buffer", "N", DTypeRule::kStats).attr("lr", {1e-2, 1e-6, 0.5, 1.0})
                     .attr("momentum", {0.0, 0.9}).attr("weight_decay", {0.0, 0.1}).attr("first_step", {0.0, 1.0})
                     .row_dim("N").dispatch_on("param").abi_since(1).case_rule([](SuiteCase& c, const OpSchema& s) {
                       c.present[size_t(s.tensor_index("momentum_buffer"))] = c.attr_float("momentum") != 0;

@@ -15,7 +15,10 @@ struct RopeAttrs {
 inline OpSchema rope_schema(Layout layout) {
   return OpSchema().in("x", "B H T D").layout(layout).in("cos", "T D/2", DTypeRule::kF32)
       .in("sin", "T D/2", DTypeRule::kF32).out("out", "B H T D").layout(layout).attr("inverse", {0.0, 1.0})
-      .dim("D", {2, 4, 8, 16, 64, 128}, 8).case_rule([](SuiteCase& c, const OpSchema&) {
+      // T is the position: one long size past 2^16 (long-context training), where a 16-bit position wraps and f16
+      // holds no position; and one case of 2^16 pairs (D/2), where a 16-bit count of them does.
+      .dim("D", {2, 4, 8, 16, 64, 128}, 8).long_dim("T", 65537)
+      .size_case({{"B", 1}, {"H", 1}, {"T", 1}, {"D", 131072}}).case_rule([](SuiteCase& c, const OpSchema&) {
         c.dim("D") += c.dim("D") % 2;  // even
       });
 }

@@ -7,6 +7,17 @@
 
 namespace loom::nn {
 
+void Embedding::shard_vocabulary(std::shared_ptr<const TensorParallelRegion> region, int64_t rows) {
+  vocab_start = region->rank() * (rows / region->size());
+  tp = std::move(region);
+}
+
+void CausalSelfAttention::shard_heads(std::shared_ptr<const TensorParallelRegion> region) {
+  local_heads = cfg.n_head / region->size();
+  local_kv_heads = cfg.n_kv_head / region->size();
+  tp = std::move(region);
+}
+
 void init_normal_(Tensor& t, double std, Generator& gen) {
   autograd::NoGradGuard ng;
   t.copy_from(randn(t.shape(), t.dtype(), t.device(), &gen, 0.0, std));

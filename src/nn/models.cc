@@ -1,4 +1,5 @@
 // GPT-2 and LLaMA-3 built from a ModelConfig, with Hugging Face naming.
+#include <cctype>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -29,6 +30,11 @@ Tensor LanguageModel::loss(Tensor&& logits, const Tensor& targets) const {
 
 Tensor LanguageModel::forward(const Tensor& idx, std::vector<KVCache>* caches) {
   return head_logits(hidden(idx, caches));
+}
+
+void LanguageModel::check_not_fp8(const std::shared_ptr<const TensorParallelRegion>& region) const {
+  LOOM_REQUIRE(!region || fp8_scope_ == fp8::Scope::kOff, "FP8 (", fp8::scope_name(fp8_scope_),
+               ") does not run under tensor parallelism");
 }
 
 void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
@@ -82,6 +88,30 @@ Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   }
   const int64_t classes = weight.size(0) > cfg_.vocab_size ? cfg_.vocab_size : -1;
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
+}
+
+void LanguageModel::set_recompute(autograd::Recompute mode, bool mlp_hidden) {
+  cfg_.recompute = mode;
+  cfg_.recompute_mlp = mlp_hidden;
+}
+
+bool TensorParallelRule::matches(const std::string& name) const {
+  // "*" stands for a block index: one or more digits.
+  size_t p = 0, n = 0;
+  while (p < parameter.size() && n <= name.size()) {
+    if (parameter[p] == '*') {
+      const size_t digits = n;
+      while (n < name.size() && std::isdigit(static_cast<unsigned char>(name[n]))) ++n;
+      if (n == digits) return false;
+      ++p;
+    } else if (n < name.size() && name[n] == parameter[p]) {
+      ++p;
+      ++n;
+    } else {
+      return false;
+    }
+  }
+  return p == parameter.size() && n == name.size();
 }
 
 std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, size_t begin, size_t end,
@@ -172,6 +202,42 @@ class GPT2 final : public LanguageModel {
   }
   std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) override {
     return blocks_[i]->forward(x, pending, cfg_.dropout, cache);
+  }
+
+  // Megatron's split: each attention's heads (the fused c_attn by its q, k and v blocks) and each MLP's hidden
+  // units column-parallel, the projections after them row-parallel, the tied embedding by vocabulary rows.
+  static ParallelRules rules(const ModelConfig& c) {
+    using Style = TensorParallelRule::Style;
+    const int64_t q = c.n_head * c.head_size(), kv = c.n_kv_head * c.head_size();
+    ParallelRules r;
+    r.tensor = {{"h.*.attn.c_attn.weight", Style::kColumnwise, {q, kv, kv}},
+                {"h.*.attn.c_attn.bias", Style::kColumnwise, {q, kv, kv}},
+                {"h.*.attn.c_proj.weight", Style::kRowwise, {q}},
+                {"h.*.mlp.c_fc.weight", Style::kColumnwise, {c.ffn_hidden}},
+                {"h.*.mlp.c_fc.bias", Style::kColumnwise, {c.ffn_hidden}},
+                {"h.*.mlp.c_proj.weight", Style::kRowwise, {c.ffn_hidden}},
+                {"wte.weight", Style::kVocabulary, {c.padded_vocab_size}}};
+    r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
+                         {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
+                         {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
+    if (c.n_kv_head != c.n_head)  // grouped-query attention (with as many, n_head says it)
+      r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
+                               {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
+    r.blocks = "h.*";
+    return r;
+  }
+  void split_layers(std::shared_ptr<const TensorParallelRegion> region) override {
+    check_not_fp8(region);
+    for (auto& b : blocks_) {
+      b->attn->shard_heads(region);
+      b->mlp->tp = region;
+    }
+    wte->shard_vocabulary(region, cfg_.padded_vocab_size);
+    tp_ = std::move(region);
+  }
+  void set_recompute(autograd::Recompute mode, bool mlp_hidden) override {
+    LanguageModel::set_recompute(mode, mlp_hidden);
+    for (auto& b : blocks_) b->mlp->recompute_hidden = mlp_hidden;
   }
   Tensor final_norm(const Tensor& x, const Tensor& pending) override {
     return residual_layer_norm(x, pending, ln_f->weight, ln_f->bias, ln_f->eps).second;
@@ -310,6 +376,41 @@ class Llama final : public LanguageModel {
   std::pair<Tensor, Tensor> block(size_t i, const Tensor& x, const Tensor& pending, KVCache* cache) override {
     return model->blocks[i]->forward(x, pending, rope_cos, rope_sin, cache);
   }
+
+  // Megatron's split under grouped-query attention: q, k and v column-parallel each by its own head count (a rank's
+  // query heads read exactly its kv heads), o_proj row-parallel; gate and up column-, down row-parallel; the
+  // embedding and an untied classifier by vocabulary rows.
+  static ParallelRules rules(const ModelConfig& c) {
+    using Style = TensorParallelRule::Style;
+    const int64_t q = c.n_head * c.head_size(), kv = c.n_kv_head * c.head_size();
+    ParallelRules r;
+    r.tensor = {{"model.layers.*.self_attn.q_proj.weight", Style::kColumnwise, {q}},
+                {"model.layers.*.self_attn.k_proj.weight", Style::kColumnwise, {kv}},
+                {"model.layers.*.self_attn.v_proj.weight", Style::kColumnwise, {kv}},
+                {"model.layers.*.self_attn.o_proj.weight", Style::kRowwise, {q}},
+                {"model.layers.*.mlp.gate_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
+                {"model.layers.*.mlp.up_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
+                {"model.layers.*.mlp.down_proj.weight", Style::kRowwise, {c.ffn_hidden}},
+                {"model.embed_tokens.weight", Style::kVocabulary, {c.padded_vocab_size}}};
+    if (!c.tie_embeddings) r.tensor.push_back({"lm_head.weight", Style::kVocabulary, {c.padded_vocab_size}});
+    r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
+                         {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
+                         {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
+    if (c.n_kv_head != c.n_head)  // grouped-query attention (with as many, n_head says it)
+      r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
+                               {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
+    r.blocks = "model.layers.*";
+    return r;
+  }
+  void split_layers(std::shared_ptr<const TensorParallelRegion> region) override {
+    check_not_fp8(region);
+    for (auto& b : model->blocks) {
+      b->self_attn->shard_heads(region);
+      b->mlp->tp = region;
+    }
+    model->embed_tokens->shard_vocabulary(region, cfg_.padded_vocab_size);
+    tp_ = std::move(region);
+  }
   Tensor final_norm(const Tensor& x, const Tensor& pending) override {
     return residual_rms_norm(x, pending, model->norm->weight, model->norm->eps).second;
   }
@@ -373,6 +474,32 @@ void LanguageModel::load_hf_state_dict(const std::vector<std::pair<std::string, 
   }
 }
 
+namespace {
+
+// Where each family lives: its definition and its parallel rules, beside each other above.
+struct Family {
+  std::shared_ptr<LanguageModel> (*build)(const ModelConfig&);
+  ParallelRules (*rules)(const ModelConfig&);
+};
+
+const Family& family_of(const ModelConfig& cfg) {
+  static const std::map<ModelFamily, Family> families{
+      {ModelFamily::kGPT2, {[](const ModelConfig& c) -> std::shared_ptr<LanguageModel> {
+                              return std::make_shared<GPT2>(c);
+                            },
+                            &GPT2::rules}},
+      {ModelFamily::kLlama, {[](const ModelConfig& c) -> std::shared_ptr<LanguageModel> {
+                               return std::make_shared<Llama>(c);
+                             },
+                             &Llama::rules}},
+  };
+  return families.at(cfg.family);
+}
+
+}  // namespace
+
+ParallelRules parallel_rules(const ModelConfig& cfg) { return family_of(cfg).rules(cfg); }
+
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<uint64_t> seed) {
   // The model is built in f32 on the host: refuse one that cannot fit before allocating (an allocation past memory
   // is std::bad_alloc at best; with overcommit the machine starts killing processes). A lower bound of its bytes
@@ -388,8 +515,7 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& cfg, std::optional<
   {
     SkipInit layers;  // the model's own scheme below replaces its layers' defaults
     try {
-      if (cfg.family == ModelFamily::kGPT2) model = std::make_shared<GPT2>(cfg);
-      else model = std::make_shared<Llama>(cfg);
+      model = family_of(cfg).build(cfg);
     } catch (const std::bad_alloc&) {
       LOOM_THROW("the model (", cfg.describe(), ") does not fit this machine's memory");
     }

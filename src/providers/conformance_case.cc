@@ -1,6 +1,7 @@
 // Building a conformance case: the named dims, shapes and dtypes of a case from the op's description, the values
 // drawn for its inputs (value classes included), and its tensors on the host and on the device.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -99,9 +100,12 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
       for (auto& x : v) x = 200 * u(eng) - 100;
       break;
     case ValueClass::kSpecial:
+      // NaN of two payloads: the quiet one arithmetic makes, and every mantissa bit set, which a rounding to a
+      // narrower dtype without a NaN test carries into the exponent (a NaN turned into inf or 0).
       some(0.08, [&](size_t e) {
-        const uint64_t k = eng() % 3;
-        v[e] = k == 0 ? std::nan("") : (k == 1 ? INFINITY : -INFINITY);
+        const uint64_t k = eng() % 4;
+        const double full_nan = std::bit_cast<double>(~uint64_t(0) >> 1);
+        v[e] = k == 0 ? std::nan("") : k == 1 ? full_nan : (k == 2 ? INFINITY : -INFINITY);
       });
       break;
     case ValueClass::kTiny:

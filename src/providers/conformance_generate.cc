@@ -34,11 +34,13 @@ std::vector<AttrValue> variants_of(const AttrSpec& a, const OpSchema& s, const S
   return a.variants.empty() ? std::vector<AttrValue>{a.default_value} : a.variants;
 }
 
-// the description lists it, and the long size. The description's own sizes join the class they fall in.
+// The size classes of a dim: 2..8 first (the plain one), then 1, 9..17, tile edges and whole tiles (a kernel whose
+// full-tile path is wrong passes on the edges), long rows (row dims), 0 where the description lists it, and the
+// long size. The description's own sizes join the class they fall in.
 std::vector<std::pair<std::string, std::vector<int64_t>>> dim_classes(const OpSchema& s, const std::string& name) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> cls = {
       {"2..8", {2, 3, 4, 5, 6, 7, 8}}, {"1", {1}}, {"9..17", {9, 10, 11, 12, 13, 14, 15, 16, 17}},
-      {"31..257", {31, 33, 63, 65, 127, 129, 255, 257}}, {"rows", {}}, {"0", {}}, {"long", {}}};
+      {"31..257", {31, 33, 63, 65, 127, 129, 255, 257, 32, 64, 128, 256}}, {"rows", {}}, {"0", {}}, {"long", {}}};
   auto it = s.dims.find(name);
   if (it != s.dims.end())
     for (int64_t v : it->second.values) {
@@ -483,6 +485,16 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           }
         }
     }
+    // The description's size cases, once each, from the first accepted case they can be made from.
+    for (const auto& sizes : s.size_cases)
+      for (size_t k = 0; k < g.plans.size() && g.plans.size() < kMaxPlans; ++k) {
+        if (!g.accepted[k]) continue;
+        auto plan = realize(m, g.plans[k].choice, sizes, g.plans.size());
+        if (!plan || !accepts(*plan)) continue;
+        g.plans.push_back(std::move(*plan));
+        g.accepted.push_back(true);
+        break;
+      }
     taken.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
       if (held.at(p, a, q, b) == Pairs::kExcluded) return;
       g.pairs += 1;

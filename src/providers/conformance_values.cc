@@ -10,20 +10,7 @@
 
 namespace loom::conformance {
 
-double read_element(const uint8_t* p, DType dt) {
-  switch (dt) {
-    case kF32: { float f; std::memcpy(&f, p, 4); return f; }
-    case kF64: { double d; std::memcpy(&d, p, 8); return d; }
-    case kBF16: { BFloat16 b; std::memcpy(&b.bits, p, 2); return float(b); }
-    case kF16: { Half h; std::memcpy(&h.bits, p, 2); return float(h); }
-    case kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
-    case kI64: { int64_t x; std::memcpy(&x, p, 8); return double(x); }
-    case kI8: { int8_t x; std::memcpy(&x, p, 1); return x; }
-    case kU8: case kBool: { uint8_t x; std::memcpy(&x, p, 1); return x; }
-    case kF8E4M3: case kF8E5M2: return load_element(p, dt);
-  }
-  return 0;
-}
+double read_element(const uint8_t* p, DType dt) { return load_element(p, dt); }
 
 namespace detail {
 
@@ -34,18 +21,7 @@ void store_at(uint8_t* p, DType dt, double v) {
   if (is_integral(dt) && dt != kBool)
     LOOM_REQUIRE(std::isfinite(v) && v >= -9223372036854775808.0 && v < 9223372036854775808.0, "conformance: ", v,
                  " is not a value of ", dtype_name(dt));
-  switch (dt) {
-    case kF32: { float f = float(v); std::memcpy(p, &f, 4); break; }
-    case kF64: std::memcpy(p, &v, 8); break;
-    case kBF16: { BFloat16 b = BFloat16(float(v)); std::memcpy(p, &b.bits, 2); break; }
-    case kF16: { Half h = Half(float(v)); std::memcpy(p, &h.bits, 2); break; }
-    case kI32: { int32_t x = int32_t(int64_t(v)); std::memcpy(p, &x, 4); break; }
-    case kI64: { int64_t x = int64_t(v); std::memcpy(p, &x, 8); break; }
-    case kI8: { int8_t x = int8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
-    case kU8: { uint8_t x = uint8_t(int64_t(v)); std::memcpy(p, &x, 1); break; }
-    case kBool: { uint8_t x = v != 0; std::memcpy(p, &x, 1); break; }
-    case kF8E4M3: case kF8E5M2: store_element(p, dt, v); break;  // the plain conversion (inf, NaN past the range)
-  }
+  store_element(p, dt, v);
 }
 
 namespace {

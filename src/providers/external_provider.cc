@@ -95,6 +95,10 @@ LoomTensorDesc empty_desc() {
   return d;
 }
 
+// What a zero-size tensor's data points at when it has no memory: data == NULL means absent in the ABI, and a present
+// tensor with no elements is present. Never read or written (there is no element); aligned for any vector load check.
+alignas(256) unsigned char no_elements[256];
+
 LoomTensorDesc to_desc(const Tensor& t) {
   LoomTensorDesc d = empty_desc();
   if (!t.defined()) return d;
@@ -105,6 +109,10 @@ LoomTensorDesc to_desc(const Tensor& t) {
   d.device_index = t.device().index;
   d.rank = int32_t(t.dim());
   d.data = t.data();
+  if (!d.data) {
+    LOOM_CHECK(t.numel() == 0, "external provider: tensor ", describe(t), " has elements and no memory");
+    d.data = no_elements;
+  }
   for (int64_t i = 0; i < t.dim(); ++i) d.shape[i] = t.size(i), d.strides[i] = t.stride(i);
   return d;
 }

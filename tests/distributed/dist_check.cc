@@ -1,5 +1,6 @@
 // Multi-process checks of the distributed layer: collectives, DDP and ZeRO-1 on the tiny GPT-2 against one process at
-// the same global batch, TP=2 against TP=1 for the tiny GPT-2 and LLaMA-3 (grouped-query, tied and untied). On CPU
+// the same global batch, TP=2 against TP=1 for the tiny GPT-2 and LLaMA-3 (grouped-query, tied and untied); then the
+// mesh, the plan and the trainer's road (road_checks.cc). On CPU
 // ctest runs it as `mpirun -np 2 loom_distributed_check` (MPI); on GPUs
 // `loom-run --nproc-per-node 2 loom_distributed_check --device cuda` runs the same checks over NCCL.
 // Prints one line per check and exits non-zero on any failure (on any rank).
@@ -29,6 +30,7 @@
 #include "loom/optim/optimizer.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/trainer.h"
+#include "road_checks.h"
 
 using namespace loom;
 namespace dist = loom::distributed;
@@ -849,6 +851,8 @@ int main(int argc, char** argv) {
         [] { check_sharded_checkpoint({4, 2, 3}, {{1, 1, 0}, {2, 1, 2}, {4, 1, 0}}); });
     run("sharded checkpoint: zero-1 x 2 -> tp 2 x zero-3 x 2", [] { check_sharded_checkpoint({2, 1, 1}, {{4, 2, 3}}); });
   }
+  // The mesh, the plan and the trainer's one road (road_checks.cc).
+  dist_check::run_road_checks({world, dev, check, run});
   Tensor f = full({1}, double(failures), kF32, dev);
   world->all_reduce(f, dist::ReduceOp::kMax);
   return f.item<double>() > 0 ? 1 : 0;

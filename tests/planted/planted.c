@@ -1,6 +1,6 @@
 /* planted: a CPU kernel library for testing the conformance suite. Its kernels (gemm with epilogues none and bias,
- * add, mul, relu, softmax, layer_norm; f32 and bf16) are correct, except for ONE deliberately wrong kernel chosen by the environment variable
- * LOOM_PLANTED, read at init:
+ * add, mul, relu, softmax, layer_norm, rope and rope_strided, adamw_update; f32 and bf16) are correct, except for ONE
+ * deliberately wrong kernel chosen by the environment variable LOOM_PLANTED, read at init:
  *
  *   none (or unset)     every kernel is correct: the suite must pass this library
  *   gemm_residue        gemm is wrong when m % 7 == 3
@@ -23,6 +23,9 @@
  *   gemm_m1_lda         gemm reads A as a packed row when m == 1 (a padded lda misread)
  *   gemm_cache_b        gemm copies B once per address and layout, and reads the copy when they come again
  *                       (right for any one call; wrong for a second call on the same memory with new values)
+ *   adamw_step_1000     adamw_update drops the bias correction past step 1000 (right for the first 1000 steps)
+ *   adamw_betas         adamw_update uses PyTorch's default betas (0.9, 0.999) whatever the attributes say
+ *   rope_long           rope keeps the position in 16 bits: wrong for positions past 65535 (long contexts)
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -59,14 +62,18 @@ enum {
   PLANT_GEMM_BIAS_LONG,
   PLANT_GEMM_ALPHA0,
   PLANT_GEMM_M1_LDA,
-  PLANT_GEMM_CACHE_B
+  PLANT_GEMM_CACHE_B,
+  PLANT_ADAMW_STEP_1000,
+  PLANT_ADAMW_BETAS,
+  PLANT_ROPE_LONG
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
                                           "add_bf16",    "add_strided",  "mul_oob",    "relu_input",
                                           "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
                                           "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
-                                          "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b"};
+                                          "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b",
+                                          "adamw_step_1000", "adamw_betas", "rope_long"};
 #define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
@@ -427,6 +434,90 @@ static int planted_layer_norm(void* ctx, const LoomTensorDesc* in, int n_in, con
   return LOOM_STATUS_OK;
 }
 
+/* ---- rope (contiguous) and rope_strided (unit stride along D): x, out [B, H, T, D]; cos, sin [T, D/2] f32. ---- */
+
+static int rope_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                         const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 3 || n_out != 1 || in[0].rank != 4 || !same_shape(&in[0], &out[0])) return 0;
+  if (!is_float_dtype(in[0].dtype) || out[0].dtype != in[0].dtype) return 0;
+  if (in[0].shape[3] > 1 && (in[0].strides[3] != 1 || out[0].strides[3] != 1)) return 0;
+  for (int i = 1; i < 3; ++i)
+    if (in[i].dtype != LOOM_DTYPE_F32 || !loom_desc_is_contiguous(&in[i])) return 0;
+  return 1;
+}
+
+static int planted_rope(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                        const LoomAttr* attrs, int n_attrs) {
+  if (!rope_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT,
+                "rope: expected x and out [B, H, T, D] (unit stride along D), f32 cos and sin");
+  const LoomTensorDesc *x = &in[0], *o = &out[0];
+  const float *cs = (const float*)in[1].data, *sn = (const float*)in[2].data;
+  const int64_t half = x->shape[3] / 2;
+  const double sign = loom_attr_int(attrs, n_attrs, "inverse", 0) ? -1.0 : 1.0;
+  for (int64_t b = 0; b < x->shape[0]; ++b)
+    for (int64_t h = 0; h < x->shape[1]; ++h)
+      for (int64_t t = 0; t < x->shape[2]; ++t) {
+        const int64_t xr = b * x->strides[0] + h * x->strides[1] + t * x->strides[2];
+        const int64_t orow = b * o->strides[0] + h * o->strides[1] + t * o->strides[2];
+        int64_t pos = t;
+        /* PLANT rope_long: the position is kept in 16 bits (a packed position id): past 65535 it wraps, and the
+         * row of the cos/sin tables read is that of position t - 65536. */
+        if (plant == PLANT_ROPE_LONG) pos = (int64_t)(uint16_t)t;
+        for (int64_t i = 0; i < half; ++i) {
+          const double first = get(x, xr + i), second = get(x, xr + i + half);
+          const double c = cs[pos * half + i], s = sign * sn[pos * half + i];
+          set(o, orow + i, first * c - second * s);
+          set(o, orow + i + half, second * c + first * s);
+        }
+      }
+  return LOOM_STATUS_OK;
+}
+
+/* ---- adamw_update: param (f32/bf16) and its f32 states in place, grad f32/bf16, all contiguous, as PyTorch's. ---- */
+
+static int adamw_supports(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                          const LoomAttr* attrs, int n_attrs) {
+  (void)ctx;
+  (void)attrs;
+  (void)n_attrs;
+  if (n_in != 1 || n_out != 3 || !is_float_dtype(out[0].dtype) || !is_float_dtype(in[0].dtype)) return 0;
+  if (!loom_desc_is_contiguous(&in[0]) || loom_desc_numel(&in[0]) != loom_desc_numel(&out[0])) return 0;
+  for (int i = 0; i < 3; ++i)
+    if (!loom_desc_is_contiguous(&out[i]) || loom_desc_numel(&out[i]) != loom_desc_numel(&out[0])) return 0;
+  return out[1].dtype == LOOM_DTYPE_F32 && out[2].dtype == LOOM_DTYPE_F32;
+}
+
+static int planted_adamw_update(void* ctx, const LoomTensorDesc* in, int n_in, const LoomTensorDesc* out, int n_out,
+                                const LoomAttr* attrs, int n_attrs) {
+  if (!adamw_supports(ctx, in, n_in, out, n_out, attrs, n_attrs))
+    return fail(LOOM_STATUS_INVALID_ARGUMENT, "adamw_update: expected grad; param, f32 exp_avg and exp_avg_sq");
+  const LoomTensorDesc *g = &in[0], *p = &out[0], *m = &out[1], *v = &out[2];
+  const double lr = loom_attr_float(attrs, n_attrs, "lr", 1e-3);
+  const double wd = loom_attr_float(attrs, n_attrs, "weight_decay", 0);
+  double beta1 = loom_attr_float(attrs, n_attrs, "beta1", 0.9), beta2 = loom_attr_float(attrs, n_attrs, "beta2", 0.999);
+  const double eps = loom_attr_float(attrs, n_attrs, "eps", 1e-8);
+  const int64_t step = loom_attr_int(attrs, n_attrs, "step", 1);
+  /* PLANT adamw_betas: the betas are PyTorch's defaults, not the attributes (a kernel written for one recipe). */
+  if (plant == PLANT_ADAMW_BETAS) beta1 = 0.9, beta2 = 0.999;
+  double bc1 = 1 - pow(beta1, (double)step), bc2 = 1 - pow(beta2, (double)step);
+  /* PLANT adamw_step_1000: the bias corrections are taken as converged (1) past step 1000; with beta2 = 0.999 they
+   * are not (1 - 0.999^1001 = 0.63): right for the first 1000 steps of a run only. */
+  if (plant == PLANT_ADAMW_STEP_1000 && step > 1000) bc1 = bc2 = 1;
+  for (int64_t i = 0, n = loom_desc_numel(p); i < n; ++i) {
+    const double gi = get(g, i);
+    const double mi = beta1 * get(m, i) + (1 - beta1) * gi, vi = beta2 * get(v, i) + (1 - beta2) * gi * gi;
+    const double pi = get(p, i) * (1 - lr * wd);
+    set(p, i, pi - lr / bc1 * mi / (sqrt(vi) / sqrt(bc2) + eps));
+    set(m, i, mi);
+    set(v, i, vi);
+  }
+  return LOOM_STATUS_OK;
+}
+
 #define F32_BF16 (LOOM_DTYPE_BIT(LOOM_DTYPE_F32) | LOOM_DTYPE_BIT(LOOM_DTYPE_BF16))
 static const LoomOpEntry planted_ops[] = {
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "gemm", F32_BF16, 0, planted_gemm, gemm_supports, {0}},
@@ -435,6 +526,9 @@ static const LoomOpEntry planted_ops[] = {
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "relu", F32_BF16, 0, planted_relu, elementwise_supports, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "softmax", F32_BF16, 0, planted_softmax, softmax_supports, {0}},
     {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "layer_norm", F32_BF16, 0, planted_layer_norm, layer_norm_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "rope", F32_BF16, 0, planted_rope, rope_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "rope_strided", F32_BF16, 0, planted_rope, rope_supports, {0}},
+    {sizeof(LoomOpEntry), LOOM_DEVICE_CPU, "adamw_update", F32_BF16, 0, planted_adamw_update, adamw_supports, {0}},
 };
 
 LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* host, LoomProvider* p) {
@@ -448,7 +542,7 @@ LOOM_PROVIDER_EXPORT int loom_provider_init(const LoomHost* host, LoomProvider* 
   for (int i = 0; i < N_PLANTS; ++i)
     if (strcmp(which, plant_names[i]) == 0) plant = i;
   if (plant < 0) {
-    char known[400] = "";
+    char known[600] = "";
     for (int i = 0; i < N_PLANTS; ++i) {
       if (i) strncat(known, ", ", sizeof known - strlen(known) - 1);
       strncat(known, plant_names[i], sizeof known - strlen(known) - 1);

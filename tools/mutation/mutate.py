@@ -249,8 +249,10 @@ def const_replacements(lit):
     return [repr(0.0) + suffix if v != 0 else "1.0" + suffix, repr(v * 2) + suffix]
 
 
-def line_mutants(code, func_code_text, tensor_names, rng):
-    """Every mutation of one line of code (comments and strings blanked)."""
+def line_mutants(code, func_code_text, tensor_names, rng, original=None):
+    """Every mutation of one line of code (comments and strings blanked). Text a mutation moves (SWAP's operands,
+    NEG's value) is taken from the original line at the same positions, so that a string in it is kept."""
+    original = code if original is None else original
     toks = tokens(code)
     stripped = code.strip()
     out = []
@@ -280,8 +282,8 @@ def line_mutants(code, func_code_text, tensor_names, rng):
             left = simple_operand_left(toks, i - 1)
             end = simple_operand_right(toks, i + 1)
             if left is not None and end is not None:
-                a = code[toks[left][1]:toks[i - 1][2]]
-                b = code[toks[i + 1][1]:toks[end - 1][2]]
+                a = original[toks[left][1]:toks[i - 1][2]]
+                b = original[toks[i + 1][1]:toks[end - 1][2]]
                 if a != b:
                     out.append(("SWAP", toks[left][1], toks[end - 1][2], b + " " + t + " " + a))
         # CONST: numeric literals moved.
@@ -313,7 +315,7 @@ def line_mutants(code, func_code_text, tensor_names, rng):
     m = re.match(r"^(\s*(?:const\s+)?(?:double|float)?\s*[\w\[\]>\-\.]+(?:\s*\[[^\]]*\])?\s*(?:=|\+=|-=)\s*)([^;=]+?)"
                  r"(\s*;)\s*$", code)
     if m and not is_for and "==" not in m.group(2):
-        out.append(("NEG", m.start(2), m.end(2), "-(" + m.group(2) + ")"))
+        out.append(("NEG", m.start(2), m.end(2), "-(" + original[m.start(2):m.end(2)] + ")"))
     # DEL: a statement on one line deleted (not a declaration, return, loop head or brace).
     if (stripped.endswith(";") and not stripped.startswith(("return", "for", "}", "{", "else", "case", "break"))
             and DECL_START.match(code) is None and code.count("(") == code.count(")") and "{" not in code
@@ -351,7 +353,7 @@ def make_mutants(path, text, seed, skip=None):
                 continue
             rng = random.Random("%d:%s:%s" % (seed, name, lines[ln].strip()))
             seen = set()
-            for cls, s, e, rep in line_mutants(code_lines[ln], func_text, tensor_names, rng):
+            for cls, s, e, rep in line_mutants(code_lines[ln], func_text, tensor_names, rng, lines[ln]):
                 new_line = lines[ln][:s] + rep + lines[ln][e:]
                 if new_line == lines[ln] or new_line in seen:
                     continue
@@ -414,7 +416,8 @@ def judge(lib, ops, args, env, baseline=None):
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                                env=env, timeout=args.timeout, errors="replace")
         except subprocess.TimeoutExpired:
-            return "killed", op + ": hang (over %d s)" % args.timeout
+            how = op + ": hang (over %d s)" % args.timeout
+            return ("killed", how) if baseline is not None else ("killed", how, declined)
         if r.returncode == 0:
             declined[(op, dtype)] = count_declined(r.stdout)
             if baseline is not None and declined[(op, dtype)] > baseline.get((op, dtype), 0):
@@ -422,13 +425,14 @@ def judge(lib, ops, args, env, baseline=None):
                                                               baseline.get((op, dtype), 0)))
             continue
         if r.returncode < 0:
-            return "killed", op + ": crash (signal %d)" % -r.returncode
-        if r.returncode == 1:
+            how = op + ": crash (signal %d)" % -r.returncode
+        elif r.returncode == 1:
             rows = [l.split()[:4] for l in r.stdout.splitlines() if " FAIL " in " " + l + " "]
-            row = " ".join(rows[0]) if rows else "FAIL"
-            return "killed", op + ": " + row
-        tail = r.stdout.strip().splitlines()[-1:] or [""]
-        return "killed", op + ": error exit %d (%s)" % (r.returncode, tail[0][:120])
+            how = op + ": " + (" ".join(rows[0]) if rows else "FAIL")
+        else:
+            tail = r.stdout.strip().splitlines()[-1:] or [""]
+            how = op + ": error exit %d (%s)" % (r.returncode, tail[0][:120])
+        return ("killed", how) if baseline is not None else ("killed", how, declined)
     if baseline is None:
         return "survived", "", declined
     if more:

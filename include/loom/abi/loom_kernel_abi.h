@@ -30,8 +30,12 @@
  *            an op that updates a buffer in place reads it there: gemm's C when beta != 0,
  *            cross_entropy_scale_grad's grad_logits, the optimizer updates' param and states);
  *   attrs:   named scalars (LoomAttr), in no particular order: look them up by name (loom_attr_* below).
- *   An optional tensor that is absent (no affine weight, say) has data == NULL. A backward op takes its gradients
- *   as outputs; an output with data == NULL is not needed and must not be written.
+ *   An optional tensor that is absent (no affine weight, say) has data == NULL (and rank 0). A backward op takes its
+ *   gradients as outputs; an output with data == NULL is not needed and must not be written.
+ *   A tensor with no elements (a dim of 0) is present like any other: its dtype, rank, shape and strides are what
+ *   the op says (a gemm's A for k = 0 is [batch, m, 0] in A/B's dtype), and its data is NOT NULL, but points at no
+ *   element: never read or write through it (it may be host memory whatever the device). So data == NULL always
+ *   and only means absent. Such a tensor counts as contiguous whatever its strides (loom_desc_is_contiguous).
  *   Shapes and strides are in elements; data points at the first element (any view offset already applied), so
  *   data is aligned only to its element size: a matrix or vector may start at any element (do not assume 16 bytes).
  *   Special values (NaN, +-inf, -0.0, denormals) are valid inputs: each op's description says what it does with
@@ -115,6 +119,10 @@
  *              supports().
  *       Read beta: when beta == 0 C's old content must be ignored (it may hold NaN). alpha may be 0: C = beta * C
  *       plus the epilogue (whether NaN or inf in A or B still reach C then is the library's choice, as in BLAS).
+ *       k may be 0: C = beta * C plus the epilogue (the empty sum is 0; bias_grad is zeros); A and B then have no
+ *       elements and are passed as any zero-size tensor is (above): A/B's dtype, shape [batch, m, 0] for A ([batch,
+ *       0, m] with trans_a) and [batch, 0, n] for B ([batch, n, 0] with trans_b), strides [stride_a, 1, lda] and
+ *       [stride_b, 1, ldb], data not NULL. m or n may be 0 too (C has no elements; nothing to write).
  *       A batch stride may be 0 (one matrix shared by every problem of the batch, as Loom's batched matmul passes).
  *   Attention (contiguous; q [B,H,T,D], k and v [B,Hkv,S,D]; lse [B,H,T] f32 (f64 for f64)):
  *     scaled_dot_product_attention                  in: q, k, v            out: out, lse   attrs: causal (int), scale (float)
@@ -245,7 +253,9 @@ enum {
   LOOM_DEVICE_OWN = -1 /* op entries only: the device this library's runtime table registers */
 };
 
-/* A tensor: a view of memory Loom owns. data == NULL means the tensor is absent (or, as an output, not needed). */
+/* A tensor: a view of memory Loom owns. data == NULL means the tensor is absent (or, as an output, not needed); a
+ * present tensor with no elements has its dtype, shape and strides and a data pointer that is not NULL and that
+ * nothing may be read or written through. */
 typedef struct LoomTensorDesc {
   uint32_t struct_size;
   int32_t dtype;        /* LoomDType */
@@ -390,8 +400,10 @@ static inline int64_t loom_desc_numel(const LoomTensorDesc* t) {
   for (int d = 0; d < t->rank; ++d) n *= t->shape[d];
   return n;
 }
+/* A tensor with no elements is contiguous whatever its strides: it has no layout. */
 static inline int loom_desc_is_contiguous(const LoomTensorDesc* t) {
   int64_t expected = 1;
+  if (loom_desc_numel(t) == 0) return 1;
   for (int d = t->rank - 1; d >= 0; --d) {
     if (t->shape[d] != 1 && t->strides[d] != expected) return 0;
     expected *= t->shape[d];

@@ -289,6 +289,10 @@ struct AttrSpec {
 // written in the autocast dtype by the kernel (norms feeding a matrix product).
 enum class Autocast : uint8_t { kNone, kCastInputs, kNarrowOutput };
 
+// The long size of a vocabulary-sized dim (an embedding's rows, the logits' columns): past 2^17, as LLaMA-3's
+// 128,256 is, so that half the indices drawn below it are past 65535, where a 16-bit index wraps.
+inline constexpr int64_t kLongVocab = 131073;
+
 struct DimSpec {
   std::vector<int64_t> values;  // the sizes the suite covers beyond the default list (0: the op takes an empty dim)
   int64_t base = 0;             // the size while another dim is swept (0: chosen by position)
@@ -327,6 +331,9 @@ class OpSchema {
   // Dims: sizes to cover beyond the default list; a row dim also gets long rows (up to 2^13 + 1).
   OpSchema& dim(const std::string& name, std::vector<int64_t> values, int64_t base = 0);
   OpSchema& row_dim(const std::string& name);
+  // Sizes the suite runs together once, beside its covering array: a size that only a product of dims reaches (a
+  // softmax's rows are A x R; 17 rows need A = 1).
+  OpSchema& size_case(std::map<std::string, int64_t> sizes);
   // What the op requires of a case beyond its arguments' specs (T <= S, H a multiple of Hkv, a bias only with a
   // bias epilogue): adjusts a case or marks it skipped.
   OpSchema& case_rule(CaseRule fn);
@@ -361,6 +368,7 @@ class OpSchema {
   std::string accumulate_dim;
   std::map<DType, std::pair<double, double>> tolerances;
   std::string special_contract;
+  std::vector<std::map<std::string, int64_t>> size_cases;
 
   // Type-erased operations made from the signature.
   // Dispatches the op with arguments built from `args` (as the typed call would).

@@ -21,10 +21,15 @@ struct PipelineOptions {
   //       a bubble V times smaller, more messages. The number of micro-batches must be a multiple of the stages.
   std::string schedule = "1f1b";
   int virtual_stages = 1;  // chunks per rank; more than 1 needs the interleaved schedule
+  // Where the stages cut: per virtual stage (P x V of them, in order) its blocks [begin, end). Empty: even_stages.
+  std::vector<std::pair<int64_t, int64_t>> stages;
 };
 
+// `blocks` consecutive blocks in `stages` near-equal ranges [begin, end), the first ones one block more.
+std::vector<std::pair<int64_t, int64_t>> even_stages(int64_t blocks, int64_t stages);
+
 // Splits `model` (built by nn::make_model, possibly split by a tensor-parallel plan first) across the ranks of
-// `group`: n_layer blocks into P x V consecutive virtual stages of near-equal size (the first ones one block more),
+// `group`: n_layer blocks into P x V consecutive virtual stages (options.stages, by default of near-equal size),
 // the token embedding on virtual stage 0, the final norm and classifier on the last. Parameters a rank does not
 // hold are freed (a one-element stand-in keeps their shape); a tied embedding lives on both the first and the last
 // stage, and its gradient is summed between them after each step. Between stages the residual stream (x, pending)

@@ -44,15 +44,14 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     const std::shared_ptr<ProcessGroup>& group);
 
 // Megatron-style tensor parallelism as a plan over the one model definition (as torchtitan's parallelize functions):
-// parallelize_tensor splits a GPT-2 or LLaMA-3 built by nn::make_model across the ranks of `group`, in place. Each
-// attention's query heads and key/value heads (q/k/v or fused c_attn column-parallel, each by its own head count, so
-// that a rank's query heads read exactly its kv heads under grouped-query attention; the output projection
-// row-parallel), each MLP's hidden units (c_fc or gate/up column-, c_proj or down row-parallel), the token embedding's
-// rows (vocabulary-parallel) and an untied classifier's rows. Norms, GPT-2's position embeddings and row-parallel
-// biases stay whole on every rank. Parameters keep their names; their values become this rank's shards, cut from
-// the values they had (so an initialized or loaded full model splits into the same model). Dropout runs as in one
-// process: the ranks of a group draw the same masks. n_head, n_kv_head, ffn_hidden and padded_vocab_size must
-// divide by the group size.
+// parallelize_tensor splits a model built by nn::make_model across the ranks of `group`, in place, by the rules its
+// family declares beside its definition (nn::ParallelRules: GPT-2's and LLaMA-3's split each attention's query and
+// key/value heads and each MLP's hidden units column-parallel, the projections after them row-parallel, the token
+// embedding and an untied classifier by vocabulary rows). Every other parameter (norms, GPT-2's position embeddings,
+// row-parallel biases) stays whole on every rank. Parameters keep their names; their values become this rank's
+// shards, cut from the values they had (so an initialized or loaded full model splits into the same model). Dropout
+// runs as in one process: the ranks of a group draw the same masks. The sizes the rules name (n_head, n_kv_head,
+// ffn_hidden, the padded vocabulary) must divide by the group size.
 //
 // With sequence_parallel the stream between the split layers is split along the sequence too (see
 // nn::TensorParallelRegion): activation memory of norms, dropout and residuals / R, all-gathers and reduce-scatters

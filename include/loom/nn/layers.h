@@ -35,6 +35,8 @@ class Embedding : public Module {
   Tensor weight;  // [num, dim]; under tensor parallelism this rank's rows [vocab_start, vocab_start + num/ranks)
   std::shared_ptr<const TensorParallelRegion> tp;  // set by a tensor-parallel plan
   int64_t vocab_start = 0;
+  // Under tensor parallelism: this rank holds rows [rank rows/R, (rank+1) rows/R) of `rows` (its weight already cut).
+  void shard_vocabulary(std::shared_ptr<const TensorParallelRegion> region, int64_t rows);
 };
 
 class LayerNorm : public Module {
@@ -114,6 +116,8 @@ class CausalSelfAttention : public Module {
   // projection row-parallel. Without, the model's counts.
   int64_t local_heads, local_kv_heads;
   std::shared_ptr<const TensorParallelRegion> tp;
+  // Under tensor parallelism: this rank's heads of the region's group (its q/k/v/o weights already cut).
+  void shard_heads(std::shared_ptr<const TensorParallelRegion> region);
 };
 
 }  // namespace loom::nn

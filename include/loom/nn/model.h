@@ -10,6 +10,7 @@
 
 #include "loom/autograd/checkpoint.h"
 #include "loom/nn/layers.h"
+#include "loom/nn/parallel_rules.h"
 
 namespace loom::nn {
 
@@ -138,18 +139,23 @@ class LanguageModel : public Module {
   void set_fp8(fp8::Scope scope, const fp8::Recipe& recipe = {});
   fp8::Scope fp8_scope() const { return fp8_scope_; }
 
-  // Set by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has split the model's layers.
-  void set_tensor_parallel(std::shared_ptr<const TensorParallelRegion> region) {
-    LOOM_REQUIRE(!region || fp8_scope_ == fp8::Scope::kOff, "FP8 (", fp8::scope_name(fp8_scope_),
-                 ") does not run under tensor parallelism");
-    tp_ = std::move(region);
-  }
+  // How this family splits (parallel_rules(config())): declared beside its definition.
+  ParallelRules parallel_rules() const { return nn::parallel_rules(cfg_); }
+  // Called by a tensor-parallel plan (loom/distributed/tensor_parallel.h) once it has cut the parameters that
+  // parallel_rules().tensor names to this rank's pieces: the split layers take their local head and unit counts and
+  // the region they talk through. Not under FP8 (refused).
+  virtual void split_layers(std::shared_ptr<const TensorParallelRegion> region) = 0;
   const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
+  // Activation checkpointing per block, and GPT-2's MLPs keeping only their pre-activation (a plan sets them; the
+  // config's recompute and recompute_mlp say the same at construction).
+  virtual void set_recompute(autograd::Recompute mode, bool mlp_hidden);
   // Set by a plan that acts around the blocks (loom/distributed/fsdp.h).
   void set_block_hooks(std::shared_ptr<BlockHooks> hooks) { hooks_ = std::move(hooks); }
   BlockHooks* block_hooks() const { return hooks_.get(); }
 
  protected:
+  // split_layers' refusal of FP8.
+  void check_not_fp8(const std::shared_ptr<const TensorParallelRegion>& region) const;
   ModelConfig cfg_;
   std::shared_ptr<const TensorParallelRegion> tp_;
   std::shared_ptr<BlockHooks> hooks_;

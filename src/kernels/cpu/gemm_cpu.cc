@@ -38,10 +38,17 @@ void bias_grad_of_b(const GemmParams& p, const I* b) {
   });
 }
 
-template <typename T>
-// c and pre: this batch entry's C and pre-activation (pre_gelu shares C's layout, batch stride included).
-void apply_epilogue(const GemmParams& p, T* c, T* pre) {
-  if (p.epilogue == GemmEpilogue::kNone || p.epilogue == GemmEpilogue::kBiasGradB) return;
+// acc: this batch entry's alpha A B + beta C in C's layout, C itself or (16-bit C) its f32 copy, so that the
+// epilogue starts from the unrounded sum (a bias that cancels the sum must not meet its 16-bit rounding); c and pre:
+// this batch entry's C and pre-activation (pre_gelu shares C's layout, batch stride included).
+template <typename T, typename A>
+void apply_epilogue(const GemmParams& p, const A* acc, T* c, T* pre) {
+  if (p.epilogue == GemmEpilogue::kNone || p.epilogue == GemmEpilogue::kBiasGradB) {
+    if constexpr (!std::is_same_v<A, T>)
+      for (int64_t j = 0; j < p.n; ++j)
+        for (int64_t i = 0; i < p.m; ++i) c[j * p.ldc + i] = T(acc[j * p.ldc + i]);
+    return;
+  }
   const T* bias = static_cast<const T*>(p.bias);
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
@@ -49,7 +56,7 @@ void apply_epilogue(const GemmParams& p, T* c, T* pre) {
   cpu::parallel_for(p.n, 64, [&](int64_t jb, int64_t je) {
     for (int64_t j = jb; j < je; ++j) {
       for (int64_t i = 0; i < p.m; ++i) {
-        acc_t<T> v = acc_t<T>(c[j * p.ldc + i]);
+        acc_t<T> v = acc_t<T>(acc[j * p.ldc + i]);
         if (dgelu) v *= gelu_tanh_derivative(acc_t<T>(pre[j * p.ldc + i]));
         if (add_bias) v += acc_t<T>(bias[i]);
         if (gelu) {
@@ -89,10 +96,10 @@ void gemm_one(const GemmParams& p, int64_t batch_index, const T* a, const T* b, 
     std::vector<float> cf = p.beta != 0 ? widen<T>(c, p.m, p.n, p.ldc) : std::vector<float>(size_t(p.ldc * (p.n - 1) + p.m));
     cblas_sgemm(CblasColMajor, blas_trans(p.trans_a), blas_trans(p.trans_b), p.m, p.n, p.k, float(p.alpha),
                 af.data(), p.lda, bf.data(), p.ldb, float(p.beta), cf.data(), p.ldc);
-    for (int64_t j = 0; j < p.n; ++j)
-      for (int64_t i = 0; i < p.m; ++i) c[j * p.ldc + i] = T(cf[size_t(j * p.ldc + i)]);
+    apply_epilogue(p, cf.data(), c, p.pre_gelu ? static_cast<O*>(p.pre_gelu) + batch_index * p.stride_c : nullptr);
+    return;
   }
-  apply_epilogue(p, c, p.pre_gelu ? static_cast<O*>(p.pre_gelu) + batch_index * p.stride_c : nullptr);
+  apply_epilogue(p, c, c, p.pre_gelu ? static_cast<O*>(p.pre_gelu) + batch_index * p.stride_c : nullptr);
 }
 
 }  // namespace

@@ -1,0 +1,68 @@
+// The pieces parallelize assembles (src/distributed/parallelize.cc): the modes behind the road's interfaces
+// (loom/distributed/training_interfaces.h). Private to loom::distributed.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/distributed/ddp.h"
+#include "loom/distributed/fsdp.h"
+#include "loom/distributed/pipeline.h"
+#include "loom/distributed/tensor_parallel.h"
+#include "loom/distributed/training_interfaces.h"
+#include "loom/optim/optimizer.h"
+
+namespace loom::distributed {
+
+// Which rank saves which parameters in a sharded checkpoint, and how each splits over the tensor dimension.
+struct Ownership {
+  const nn::LanguageModel* model = nullptr;
+  const TensorParallelPlan* tensor = nullptr;  // null: one tensor rank
+  const PipelineParallel* pipeline = nullptr;  // null: one stage
+  int64_t tensor_rank = 0, tensor_size = 1, data_rank = 0, data_size = 1;
+  std::map<std::string, size_t> index_of;  // the model's parameters in named_parameters order
+
+  bool tensor_sharded(const std::string& name) const;
+  // Whether this rank saves its tensor-parallel part of `name` at all: a part of a split parameter on every tensor
+  // rank, a replicated one on one of them; under pipeline parallelism on the first stage that holds it.
+  bool saves(const std::string& name) const;
+  // The parameters this rank trains (its stage's under pipeline parallelism), by name.
+  std::vector<std::pair<std::string, Tensor>> trained_parameters() const;
+};
+
+// Schedules.
+std::unique_ptr<Schedule> make_micro_batch_schedule(nn::LanguageModel& model, DType compute_dtype,
+                                                    bool every_rank_generates);
+std::unique_ptr<Schedule> make_pipeline_schedule(PipelineParallel& pipeline, nn::LanguageModel& model,
+                                                 DType compute_dtype, Device device);
+
+// Gradient synchronizers, run in the order given (an empty list synchronizes nothing).
+std::unique_ptr<GradientSync> make_gradient_sync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards,
+                                                 TensorParallelPlan* sequence_parallel);
+
+// The optimizers, with their parts of a checkpoint. Each is the one object that knows where its parameters' values
+// and moments live.
+class PlanOptimizer : public TrainingOptimizer {
+ public:
+  virtual optim::OptimizerState state() const = 0;
+  virtual void load_state(const optim::OptimizerState& state) = 0;
+  virtual bool state_per_rank() const = 0;
+  virtual std::vector<StatePiece> pieces(const Ownership& own) const = 0;
+  // Each parameter's AdamW update count as this rank knows it (what rank 0 writes into meta.json).
+  virtual std::map<std::string, int64_t> adam_steps(const Ownership& own) const = 0;
+  virtual void load_pieces(const Ownership& own, const PieceReader& read, int64_t optimizer_step, double lr,
+                           const std::function<int64_t(const std::string&)>& saved_adam_step) = 0;
+};
+// AdamW over the parameters this rank trains, whole. With model-parallel pieces (norm_group non-null) the gradient
+// norm sums over norm_group, each parameter weighted by norm_weights (clip_grad_norm_distributed).
+std::unique_ptr<PlanOptimizer> make_adamw(std::unique_ptr<optim::AdamW> adamw, std::vector<double> norm_weights,
+                                          std::shared_ptr<ProcessGroup> norm_group, bool state_per_rank);
+// ZeRO-1: `flat` holds the parameters' flat slots (backward writes the gradients there); `zero` steps them.
+std::unique_ptr<PlanOptimizer> make_zero1_adamw(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero);
+// ZeRO-2/3: AdamW over the shards of `shards`.
+std::unique_ptr<PlanOptimizer> make_sharded_adamw(std::unique_ptr<optim::AdamW> adamw,
+                                                  FullyShardedDataParallel& shards);
+
+}  // namespace loom::distributed
