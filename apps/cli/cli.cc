@@ -125,8 +125,31 @@ int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
     if (!text.empty() && text.back() == '\n') text.pop_back();  // CLI11 ends it with a newline
     return text;
   }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
+  // --batch_size is --batch-size (as config keys and loom-run take them): an underscore spelling of a long flag the
+  // app has, and does not have as spelt, is read as the flag.
+  std::set<std::string> long_names;
+  for (const CLI::Option* opt : app.get_options())
+    for (const std::string& n : opt->get_lnames()) long_names.insert(n);
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t eq = a.find('=');
+    std::string flag = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    if (flag.find('_') == std::string::npos || long_names.count(flag)) continue;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (long_names.count(flag)) a = "--" + flag + (eq == std::string::npos ? "" : a.substr(eq));
+  }
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
   try {
-    app.parse(argc, argv);
+    app.parse(int(arg_ptrs.size()), arg_ptrs.data());
+  } catch (const CLI::ConfigError& e) {  // a config file's mistakes, all of them, one line each in file order
+    std::istringstream lines(e.what());
+    for (std::string line; std::getline(lines, line);)
+      if (!line.empty()) print_error(name, line);
+    return 2;
   } catch (const CLI::FileError& e) {  // --config naming no readable file: said as the file reader says it
     const std::string text = e.what(), suffix = " was not readable (missing?)";
     const size_t at = text.rfind(suffix);
