@@ -24,6 +24,7 @@
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/tokenizer.h"
+#include "loom/train/training_checkpoint.h"
 #include "loom/dispatch_modes.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
@@ -71,6 +72,15 @@ std::vector<int32_t> parse_token_ids(const std::string& text) {
 // vocab.bpe), LLaMA-3's tokenizer.model, else its tokenizer.json.
 std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, const nn::ModelConfig& cfg,
                                                 std::string name, std::string path) {
+  // A Loom checkpoint records the tokenizer its run used: that one unless the command line names another.
+  if (path.empty()) {
+    const std::string resolved = train::resolve_checkpoint(model_path, "--model");
+    if (const auto recorded = train::checkpoint_tokenizer(resolved); recorded && (name.empty() || name == recorded->name)) {
+      name = recorded->name;
+      path = train::recorded_tokenizer_path(resolved, *recorded);
+      if (!path.empty()) std::fprintf(stderr, "loom-generate: the tokenizer the checkpoint was trained with: %s\n", path.c_str());
+    }
+  }
   if (name.empty()) name = cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
   if (path.empty() && io::is_hf_model_dir(model_path)) {
     const fs::path dir(model_path);

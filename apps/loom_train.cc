@@ -119,6 +119,9 @@ int main(int argc, char** argv) {
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
                  "--checkpoint-dir (0: all); the one 'latest' names is never removed")
       ->capture_default_str()->check(at_least(0));
+  app.add_flag("--keep-best", o.keep_best, "keep the checkpoint with the best validation loss: an evaluation that "
+               "beats the run's earlier ones saves its step's checkpoint and names it in --checkpoint-dir's 'best' file; "
+               "--keep-checkpoints never removes it (needs --checkpoint-dir and --val-data)");
   app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint "
                  "directory's latest; the model and the settings are the checkpoint's unless given (a change is "
                  "printed old -> new, or refused)");

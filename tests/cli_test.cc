@@ -405,6 +405,82 @@ TEST(LoomTrainResume, ChangedSettingsArePrintedOrRefused) {
   EXPECT_NE(step_lines(legacy.output)[5].find("lr 3.00e-03"), std::string::npos) << legacy.output;
 }
 
+// A resume keeps every setting of the run: the dtype (shown in the banner), the validation data, the log directory
+// and the tokenizer, from another working directory too; what the command line changes is printed old -> new.
+TEST(LoomTrainResume, KeepsDtypeDataLogsAndTokenizer) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp), val = small_vocab_shard(tmp, "val.bin");
+  const std::string dir = tmp.file("ck"), logs = tmp.file("logs");
+  // Relative paths, given from tmp: the resume below runs elsewhere.
+  AppRun made = run_loom_train_with("cd " + tmp.path().string() + " && ",
+                                    "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 2 --warmup 1 " +
+                                        "--dtype bf16 --sample-tokens 0 --eval-interval 0 --eval-batches 1 " +
+                                        "--val-data val.bin --log-dir logs --checkpoint-dir " + dir);
+  ASSERT_EQ(made.status, 0) << made.output;
+  EXPECT_NE(made.output.find("bf16 mixed precision"), std::string::npos) << made.output;
+  AppRun resumed = run_loom_train("--train-data " + shard + " --steps 3 --resume " + dir);
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("bf16 mixed precision"), std::string::npos) << "the dtype was dropped\n"
+                                                                            << resumed.output;
+  EXPECT_NE(resumed.output.find("validation tokens"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("step 3: val loss"), std::string::npos) << resumed.output;
+  for (const char* kept : {"--dtype", "--val-data", "--log-dir", "--tokenizer"})
+    EXPECT_EQ(resumed.output.find(std::string("resume: ") + kept), std::string::npos) << kept << "\n" << resumed.output;
+  // The resumed run's lines went on into the first run's metrics.jsonl.
+  const std::string metrics = test::read_all(tmp.file("logs/metrics.jsonl"));
+  EXPECT_NE(metrics.find("\"step\":3"), std::string::npos) << metrics;
+  // A change is taken and printed.
+  AppRun changed = run_loom_train("--train-data " + shard + " --steps 3 --dtype f32 --checkpoint-dir " +
+                                  tmp.file("ck2") + " --resume " + checkpoint_file(dir, 2));
+  ASSERT_EQ(changed.status, 0) << changed.output;
+  EXPECT_NE(changed.output.find("resume: --dtype bf16 -> f32"), std::string::npos) << changed.output;
+}
+
+// --keep-best: each evaluation that beats the run's earlier ones saves its step and names it in 'best'; retention
+// (--keep-checkpoints) never removes it; it needs --checkpoint-dir and --val-data (one line each).
+TEST(LoomTrainCheckpoints, KeepBestSurvivesRetention) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp), val = small_vocab_shard(tmp, "val.bin");
+  const std::string dir = tmp.file("ck");
+  const std::string base = "--train-data " + shard + " --model d2 -b 2 -t 16 --warmup 1 --sample-tokens 0 " +
+                           "--eval-batches 1 ";
+  AppRun r = run_loom_train(base + "--steps 6 --lr 3e-3 --eval-interval 1 --keep-best --keep-checkpoints 1 " +
+                            "--val-data " + val + " --checkpoint-dir " + dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  // The best step, from the printed losses.
+  double best = 1e30;
+  int best_step = -1;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    int step = 0;
+    double loss = 0;
+    if (std::sscanf(line.c_str(), "step %d: val loss %lf", &step, &loss) == 2 && step > 0 && loss < best) {
+      best = loss;
+      best_step = step;
+    }
+  }
+  ASSERT_GT(best_step, 0) << r.output;
+  const std::string best_file = test::read_all(dir + "/best");
+  const std::string name = checkpoint_file(dir, best_step).substr(dir.size() + 1);
+  EXPECT_EQ(best_file.substr(0, best_file.find('\n')), name) << best_file;
+  EXPECT_NE(best_file.find("val loss "), std::string::npos) << best_file;
+  EXPECT_TRUE(std::filesystem::exists(checkpoint_file(dir, best_step))) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(checkpoint_file(dir, 6))) << r.output;  // the latest
+  size_t checkpoints = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    checkpoints += e.path().filename().string().rfind("step_", 0) == 0;
+  EXPECT_EQ(checkpoints, best_step == 6 ? 1u : 2u) << r.output;
+
+  for (const auto& [args, part] : {std::pair{"--steps 2 --keep-best --checkpoint-dir " + tmp.file("a"), "--val-data"},
+                                   std::pair{"--steps 2 --keep-best --val-data " + val, "--checkpoint-dir"}}) {
+    AppRun bad = run_loom_train(base + args);
+    EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
+    EXPECT_NE(bad.output.find(std::string("--keep-best")), std::string::npos) << bad.output;
+    EXPECT_NE(bad.output.find(part), std::string::npos) << bad.output;
+    EXPECT_EQ(std::count(bad.output.begin(), bad.output.end(), '\n'), 1) << bad.output;
+  }
+}
+
 // An llm.c model file as --init-from gives the model its shapes; with --model they are checked.
 TEST(LoomTrainStart, LlmcInitFromBuildsTheModelFromItsHeader) {
   test::TempDir tmp;

@@ -367,8 +367,8 @@ std::string resolve_checkpoint(const std::string& path, const std::string& what)
   return target.string();
 }
 
-std::string read_latest_name(const std::string& dir, const std::string& what) {
-  const fs::path latest = fs::path(dir) / "latest";
+std::string read_latest_name(const std::string& dir, const std::string& what, const std::string& pointer) {
+  const fs::path latest = fs::path(dir) / pointer;
   std::error_code ec;
   // Only an absent entry is "no latest": one that is there but cannot be read as a file (a directory, a link that
   // loops or dangles) is said as the file reader says it.

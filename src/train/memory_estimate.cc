@@ -159,4 +159,17 @@ void check_model_state_fits(const MemoryEstimate& e, Device device) {
                " + ", format_bytes(e.buffers), "), more than the ", format_bytes(mem), " of ", device.str());
 }
 
+void check_training_memory_fits(const MemoryEstimate& e, Device device, int64_t batch_size,
+                                const std::string& recompute) {
+  const double mem = device_memory_bytes(device);
+  if (mem <= 0 || e.total() <= mem) return;
+  const double per_sequence = batch_size > 0 ? e.activations / double(batch_size) : 0;
+  const int64_t fits = per_sequence > 0 ? int64_t((mem - e.model_state()) / per_sequence) : 0;
+  LOOM_THROW("training needs about ", format_bytes(e.total()), " per rank (", e.str(), "), more than the ",
+             format_bytes(mem), " of ", device.str(), ": lower -b ", batch_size,
+             fits > 0 ? " (-b " + std::to_string(fits) + " would fit)" : std::string(),
+             " and keep the step's tokens with --total-batch-tokens (gradient accumulation)",
+             recompute == "full" ? std::string() : ", or keep fewer activations with --recompute full");
+}
+
 }  // namespace loom::train

@@ -13,7 +13,12 @@
 #include <set>
 #include <sstream>
 
+#include <thread>
+#include <mutex>
+#include <condition_variable>
+#include <optional>
 #include <nlohmann/json.hpp>
+#include <limits>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/device_runtime.h"
@@ -48,6 +53,7 @@ struct Trainer::Logs {
   std::unique_ptr<io::TensorBoardWriter> tensorboard;
   std::unique_ptr<optim::LrSchedule> schedule;
   std::string tokenizer_name;  // of samples: options.tokenizer, or the model family's
+  nlohmann::json tokenizer_record;  // what checkpoints record of it (CheckpointTokenizer)
   std::unique_ptr<data::Tokenizer> tokenizer;
   bool tokenizer_missing_reported = false;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -55,6 +61,45 @@ struct Trainer::Logs {
 };
 
 namespace {
+
+// Progress on long work that has no steps of its own to show (building and loading a large model): "what: N s" on
+// stdout every `period` while alive, from a thread of its own; nothing for work done within the first period.
+class ProgressTicker {
+ public:
+  ProgressTicker(bool on, std::string what, std::chrono::seconds period = std::chrono::seconds(5))
+      : what_(std::move(what)) {
+    if (!on) return;
+    thread_ = std::thread([this, period] {
+      const auto start = std::chrono::steady_clock::now();
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!cv_.wait_for(lock, period, [this] { return done_; })) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::cout << what_ << ": " << long(s) << " s so far" << std::endl;
+        said_ = true;
+      }
+      if (said_)
+        std::cout << what_ << ": done in "
+                  << long(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()) << " s"
+                  << std::endl;
+    });
+  }
+  ~ProgressTicker() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::string what_;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false, said_ = false;
+};
 
 std::string human_count(double v) {
   char buf[32];
@@ -123,6 +168,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::snprintf(id, sizeof id, "%08x%08x", unsigned(rd()), unsigned(rd()));
     run_id_ = id;  // rank 0's is the one written: only rank 0 writes checkpoint metadata and removes old checkpoints
   }
+  // Paths a checkpoint keeps for its resumes and for loom-generate and loom-export: absolute, so they hold from
+  // another working directory.
+  if (!opts_.tokenizer_path.empty()) opts_.tokenizer_path = fs::absolute(opts_.tokenizer_path).lexically_normal().string();
+  if (!opts_.val_data.empty()) opts_.val_data = fs::absolute(opts_.val_data).lexically_normal().string();
+  if (!opts_.log_dir.empty()) opts_.log_dir = fs::absolute(opts_.log_dir).lexically_normal().string();
   // Resume: the checkpoint's model and settings come first; everything below sees the merged options.
   std::string saved_config;
   if (!opts_.resume.empty()) {
@@ -168,6 +218,10 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                " (lower --warmup for a short run)");
   LOOM_REQUIRE(opts_.keep_checkpoints >= 0, "loom-train: --keep-checkpoints must be at least 0, got ",
                opts_.keep_checkpoints);
+  best_loss_ = std::numeric_limits<double>::infinity();
+  LOOM_REQUIRE(!opts_.keep_best || opts_.eval_only || (!opts_.checkpoint_dir.empty() && !opts_.val_data.empty()),
+               "loom-train: --keep-best keeps a checkpoint by its validation loss: it needs ",
+               opts_.checkpoint_dir.empty() ? "--checkpoint-dir" : "--val-data");
   LOOM_REQUIRE(!opts_.train_data.empty() || (opts_.eval_only && !opts_.val_data.empty()),
                "loom-train: no training data given (--train-data; --eval-only needs it only without --val-data)");
 
@@ -208,14 +262,15 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
   const int64_t launch_world = opts_.process_group ? opts_.process_group->size() : launch ? launch->world_size : 1;
   plan_ = distributed::make_plan(cfg, launch_world, parallel_options);
-  const MemoryEstimate memory = estimate_training_memory(
-      {cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(), plan_.mesh.tensor,
-       int(plan_.data.zero_stage),
-       plan_.recompute.mode != autograd::Recompute::kNone ? autograd::recompute_name(plan_.recompute.mode)
-       : plan_.recompute.mlp_hidden                      ? "selective"
-                                                         : "none",
-       plan_.mesh.pipeline});
+  const std::string recompute = plan_.recompute.mode != autograd::Recompute::kNone
+                                    ? autograd::recompute_name(plan_.recompute.mode)
+                                : plan_.recompute.mlp_hidden ? "selective"
+                                                             : "none";
+  const MemoryEstimate memory =
+      estimate_training_memory({cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(),
+                                plan_.mesh.tensor, int(plan_.data.zero_stage), recompute, plan_.mesh.pipeline});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
+  if (!opts_.eval_only) check_training_memory_fits(memory, device_, opts_.batch_size, recompute);  // nor activations
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
   if (opts_.device == "cuda" && !opts_.process_group && launch)  // one GPU per local rank
@@ -237,6 +292,10 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   grad_accum_ = total / (micro_tokens * dp);
   plan_.check_micro_batches(grad_accum_);
 
+  // A large model takes a while to build and load on a CPU (gpt2-xl: over a minute): said while it lasts.
+  std::optional<ProgressTicker> building;
+  building.emplace(is_rank0_ && !opts_.quiet,
+                   "building the model (" + human_count(double(memory.num_parameters)) + " parameters)");
   const std::string hf_weights =
       hf_init ? opts_.init_from
       : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
@@ -278,12 +337,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  " tokenizer's ", logs_->tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ",
                  cfg.vocab_size, " (--tokenizer/--tokenizer-path do not match --model)");
   }
+  logs_->tokenizer_record = {{"name", logs_->tokenizer_name},
+                             {"path", opts_.tokenizer_path},
+                             {"hash", tokenizer_content_hash(opts_.tokenizer_path)}};
   optim::AdamWOptions adamw;
   adamw.lr = opts_.lr;
   adamw.beta1 = opts_.beta1;
   adamw.beta2 = opts_.beta2;
   adamw.eps = opts_.eps;
   parallel_ = distributed::parallelize(model_, mesh, plan_, device_, adamw, opts_.weight_decay);
+  building.reset();
   if (cfg.fp8 != fp8::Scope::kOff) fp8::check_device(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
@@ -327,8 +390,13 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   if (!opts_.resume.empty()) load_checkpoint(resume_path_);
   if (!opts_.eval_only)
+  {
     check_checkpoint_targets({opts_.checkpoint_dir, step_, opts_.steps, opts_.checkpoint_interval,
                               sharded_checkpoints(), opts_.overwrite_checkpoints, resume_path_, run_id_});
+    if (opts_.keep_best && opts_.eval_interval > 0)  // and those of the evaluations that may be the best
+      check_checkpoint_targets({opts_.checkpoint_dir, step_, opts_.steps, opts_.eval_interval, sharded_checkpoints(),
+                                opts_.overwrite_checkpoints, resume_path_, run_id_});
+  }
   check_outputs();
   if (logs_->jsonl || logs_->tensorboard) {  // the whole configuration: every setting as in effect, and the model
     const std::string config =
@@ -349,7 +417,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                 << " shard(s)" << (val_loader_ ? ", " : "");
     if (val_loader_) std::cout << val_loader_->num_tokens() << " validation tokens";
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
-              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
+              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << ", "
+              << (autocast_dtype_ == kF32 ? std::string("f32") : opts_.dtype + " mixed precision") << "\n"
               << "memory (estimate): " << memory.str() << "\n";
     if (peak_flops_ > 0)
       std::cout << "MFU against " << peak_flops_ / 1e12 << " TFLOP/s per device"
@@ -432,9 +501,19 @@ double Trainer::evaluate(int64_t batches) {
   LOOM_REQUIRE(world > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
                opts_.batch_size, " x ", opts_.seq_len, " tokens");
   double total = 0;
+  // A long evaluation (a whole split) says how far it got every few seconds.
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start;
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
     total += parallel_->schedule().evaluate({b.x.to(device_), b.y.to(device_)});
+    const auto now = std::chrono::steady_clock::now();
+    if (is_rank0_ && !opts_.quiet && i + 1 < n && now - last >= std::chrono::seconds(5)) {
+      last = now;
+      std::cout << "evaluating: " << (i + 1) << "/" << n << " batches"
+                << (dp > 1 ? " (of this rank's)" : "") << ", "
+                << long(std::chrono::duration<double>(now - start).count()) << " s" << std::endl;
+    }
   }
   loader->set_position(saved);
   if (dp == 1) return total / double(n);
@@ -523,6 +602,10 @@ void Trainer::run() {
   // "train_data/loss"), never passed off as a validation loss.
   auto log_eval = [&](int64_t step) {
     double val = evaluate(opts_.eval_batches);
+    if (opts_.keep_best && step > 0 && val < best_loss_) {
+      best_loss_ = val;
+      best_pending_ = true;
+    }
     const char* key = val_loader_ ? "val/loss" : "train_data/loss";
     if (!opts_.quiet)
       std::cout << "step " << step << ": " << (val_loader_ ? "val loss " : "train-data loss (no --val-data) ") << val
@@ -602,8 +685,8 @@ void Trainer::run() {
     }
     if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && s.step != opts_.steps) log_eval(s.step);
     if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && s.step != opts_.steps) print_sample();
-    if (!opts_.checkpoint_dir.empty() && opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0 &&
-        s.step != opts_.steps)
+    if (!opts_.checkpoint_dir.empty() && s.step != opts_.steps &&
+        ((opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0) || best_pending_))
       save_checkpoint(checkpoint_path(s.step));
   }
   if (opts_.phase_times && is_rank0_) print_phase_summary();
@@ -684,7 +767,18 @@ std::string Trainer::checkpoint_path(int64_t step) const {
 void Trainer::save_checkpoint(const std::string& path) {
   train::save_checkpoint(*parallel_, {path, step_, checkpoint_state_json(), opts_.model, opts_.checkpoint_dir,
                                       opts_.overwrite_checkpoints, opts_.quiet});
+  const bool best = best_pending_;  // this step's evaluation beat the run's earlier ones
+  best_pending_ = false;
   if (!is_rank0_) return;
+  if (best) {
+    char loss[32];
+    std::snprintf(loss, sizeof loss, "%.6f", best_loss_);
+    io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "best").string(),
+                          fs::path(path).filename().string() + "\nval loss " + loss + " at step " +
+                              std::to_string(step_) + "\n");
+    if (!opts_.quiet)
+      std::cout << "best checkpoint: " << path << " (val loss " << loss << "; --keep-best)" << std::endl;
+  }
   for (const std::string& old : remove_old_checkpoints(opts_.checkpoint_dir, opts_.keep_checkpoints, run_id_))
     if (!opts_.quiet)
       std::cout << "removed old checkpoint " << old << " (--keep-checkpoints " << opts_.keep_checkpoints << ")"
@@ -696,6 +790,11 @@ void Trainer::load_checkpoint(const std::string& path) {
   // A resumed run is the same run; one resumed from a checkpoint without an id (an older Loom's) keeps its fresh id,
   // so that --keep-checkpoints removes only what it wrote itself.
   if (!st.run_id.empty()) run_id_ = st.run_id;
+  {  // --keep-best goes on comparing with the best loss of the run so far
+    const nlohmann::json state = nlohmann::json::parse(checkpoint_state_and_config(path).first, nullptr, false);
+    if (state.is_object() && state.contains("best_val_loss") && state.at("best_val_loss").is_number())
+      best_loss_ = state.at("best_val_loss").get<double>();
+  }
   if (!opts_.eval_only)  // an evaluation reads from the data's start (and may have no training data)
     train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
   step_ = st.step;
@@ -711,6 +810,8 @@ std::string Trainer::checkpoint_state_json() const {
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
                       {"model", opts_.model},
                       {"run_id", run_id_},
+                      {"tokenizer", logs_->tokenizer_record},
+                      {"best_val_loss", std::isfinite(best_loss_) ? nlohmann::json(best_loss_) : nlohmann::json()},
                       {"settings", run_settings(opts_, logs_->schedule->total_steps(),
                                                 grad_accum_ * opts_.batch_size * opts_.seq_len *
                                                     parallel_->mesh().data()->size())}};

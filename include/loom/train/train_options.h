@@ -82,6 +82,10 @@ struct TrainOptions {
   // After each save, remove checkpoints of this run's directory older than the newest N (0 = keep all); the one
   // `latest` names is never removed.
   int64_t keep_checkpoints = 0;
+  // Keep the checkpoint with the best validation loss: each evaluation that beats every earlier one of the run saves
+  // a checkpoint of its step (unless one is saved there anyway) and points checkpoint_dir/best at it (its name, then
+  // the loss); retention (keep_checkpoints) never removes it. Needs checkpoint_dir and val_data.
+  bool keep_best = false;
   // Evaluate only: loss and perplexity over eval_batches of the validation (else training) data; no step, no save.
   bool eval_only = false;
   // The settings the user gave (flag names without dashes: "lr", "steps", "model", ...), as loom-train's command line
