@@ -158,7 +158,8 @@ bool temp_writer_gone(const std::string& owner_tag, std::filesystem::file_time_t
   if (owner.pid < 0 || owner.host != here)
     return mtime < std::filesystem::file_time_type::clock::now() - kOtherHostStale;  // it may still run there
   if (owner.pid == long(::getpid())) return false;  // ours
-  return owner.pid > 0 && !(::kill(pid_t(owner.pid), 0) == 0 || errno == EPERM);
+  if (owner.pid == 0) return true;  // no process's: the swapper's pid is no writer
+  return !(::kill(pid_t(owner.pid), 0) == 0 || errno == EPERM);
 }
 
 std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::filesystem::file_time_type before) {
