@@ -224,9 +224,11 @@ int run(const std::string& name, const std::function<void()>& body) {
     dispatch::check_op_profile_file();
     body();
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
+    dispatch::report_op_profile_now();  // the exit report, if any, before the error: the error is the last line
     print_error(name, apps::error_text(e));
     return 1;
   } catch (...) {
+    dispatch::report_op_profile_now();
     print_error(name, "an unexpected error that is not a std::exception (a plugin library's?)");
     return 1;
   }

@@ -85,6 +85,9 @@ std::string op_profile_file();
 // What the apps call before their work: throws one line naming the file's `what` when that file could not be
 // written (io::check_can_write), and there is then no exit report (the error is said once, as the last line).
 void check_op_profile_file();
+// Reports now what report_op_profile_at_exit would at exit, and not again: for an app whose work failed, so that its
+// error line is the last one.
+void report_op_profile_now();
 
 // Op traces (loom-train --trace-ops FILE; docs/PROVIDERS.md): while on, every call dispatched outside a kernel is
 // recorded: the op, device, dispatch dtype, each tensor argument's dtype, shape, strides, storage offset and which

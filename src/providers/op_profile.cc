@@ -52,6 +52,7 @@ std::string& profile_file_what() {
 
 // Off once the apps reported that the report's file cannot be written: their error stays the last line.
 std::atomic<bool> report_at_exit{true};
+std::atomic<bool> report_armed{false};  // report_op_profile_at_exit was called
 
 void write_profile_report() {
   if (!report_at_exit.load()) return;
@@ -86,7 +87,12 @@ void report_op_profile_at_exit(bool shapes, const std::string& file, const std::
   profile_file_what() = what;
   profile_shapes.store(shapes);
   set_op_profiling(true);
+  report_armed = true;
   std::call_once(registered, [] { std::atexit(write_profile_report); });
+}
+void report_op_profile_now() {
+  if (report_armed.load()) write_profile_report();
+  report_at_exit = false;
 }
 void check_op_profile_file() {
   if (!op_profiling() || profile_file().empty()) return;
