@@ -425,7 +425,7 @@ TEST(AppCli, UnknownFlagsGetTheNearestOneInOneLine) {
   } cases[] = {
       {"loom-train", "--train-data x.bin --learning-rate 1e-3", "unknown flag --learning-rate (did you mean --lr?)"},
       {"loom-train", "--train-data x.bin --stpes 3", "unknown flag --stpes (did you mean --steps?)"},
-      {"loom-train", "--train-data x.bin --batch_size 2", "(did you mean --batch-size?)"},
+      {"loom-train", "--train-data x.bin --batch_sise 2", "(did you mean --batch-size?)"},  // --batch_size is taken
       {"loom-train", "--train-data x.bin --eval-batches=2 --frobnicate", "unknown flag --frobnicate; loom-train --help"},
       {"loom-train", "--steps 3", "--train-data is required"},
       {"loom-train", "--eval-only --init-from x", "--train-data is required (--eval-only needs it only without --val-data)"},

@@ -114,7 +114,7 @@ class Mapper {
 
   // Loom's sections and torchtitan's that Loom maps ([lr_scheduler], [job]).
   bool is_section(const std::string& name) const {
-    return sections_.count(flag_of(name)) > 0 || foreign(name, "") != nullptr ||
+    return sections_.count(flag_of(name)) > 0 ||
            std::any_of(std::begin(kForeign), std::end(kForeign),
                        [&](const Foreign& f) { return flag_of(f.section) == flag_of(name); });
   }

@@ -66,8 +66,7 @@ namespace {
 // stdout every `period` while alive, from a thread of its own; nothing for work done within the first period.
 class ProgressTicker {
  public:
-  ProgressTicker(bool on, std::string what, std::chrono::seconds period = std::chrono::seconds(5))
-      : what_(std::move(what)) {
+  ProgressTicker(bool on, std::string what, std::chrono::duration<double> period) : what_(std::move(what)) {
     if (!on) return;
     thread_ = std::thread([this, period] {
       const auto start = std::chrono::steady_clock::now();
@@ -295,7 +294,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   // A large model takes a while to build and load on a CPU (gpt2-xl: over a minute): said while it lasts.
   std::optional<ProgressTicker> building;
   building.emplace(is_rank0_ && !opts_.quiet,
-                   "building the model (" + human_count(double(memory.num_parameters)) + " parameters)");
+                   "building the model (" + human_count(double(memory.num_parameters)) + " parameters)",
+                   std::chrono::duration<double>(opts_.progress_seconds));
   const std::string hf_weights =
       hf_init ? opts_.init_from
       : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
@@ -508,7 +508,7 @@ double Trainer::evaluate(int64_t batches) {
     data::Batch b = loader->next();
     total += parallel_->schedule().evaluate({b.x.to(device_), b.y.to(device_)});
     const auto now = std::chrono::steady_clock::now();
-    if (is_rank0_ && !opts_.quiet && i + 1 < n && now - last >= std::chrono::seconds(5)) {
+    if (is_rank0_ && !opts_.quiet && i + 1 < n && now - last >= std::chrono::duration<double>(opts_.progress_seconds)) {
       last = now;
       std::cout << "evaluating: " << (i + 1) << "/" << n << " batches"
                 << (dp > 1 ? " (of this rank's)" : "") << ", "

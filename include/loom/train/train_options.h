@@ -93,6 +93,9 @@ struct TrainOptions {
   // printed old -> new where safe, refused otherwise. nullopt (library use): every setting counts as given.
   std::optional<std::set<std::string>> given;
   bool quiet = false;                // no per-step lines (tests)
+  // Long work without steps of its own (building the model, an evaluation) prints how far it got this often (not
+  // quiet, rank 0). Not a flag.
+  double progress_seconds = 5;
 
   // Distributed training (docs/DISTRIBUTED.md). Started by mpirun/srun (CPU, MPI) or loom-run (GPUs, NCCL), the
   // trainer joins the world by itself; the world becomes a mesh of pipeline x data-parallel x tensor-parallel ranks
