@@ -157,6 +157,11 @@ TEST(MemoryEstimate, TheTrainerRefusesActivationsThatCannotFit) {
   e.activations = host;
   test::expect_error_mentioning([&] { train::check_training_memory_fits(e, Device(), 4, "full"); },
                                 {"lower -b 4", "--total-batch-tokens"});
+  // Not one sequence fits beside the model state: no smaller batch is offered.
+  e.parameters = host;
+  test::expect_error_mentioning([&] { train::check_training_memory_fits(e, Device(), 4, "none"); },
+                                {"not even -b 1 fits", "--recompute full", "--zero 3"});
+  e.parameters = one.parameters;
   e.activations = 0;
   EXPECT_NO_THROW(train::check_training_memory_fits(e, Device(), 4, "none"));
 }
