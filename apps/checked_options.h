@@ -3,12 +3,22 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <string>
 
 namespace loom::apps {
+
+// A number in a message as it was given: the shortest text that reads back as the same double (1.0000001, never
+// the stream's six digits "1").
+inline std::string exact_number(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
 
 // CLI11 2.1 (as Debian ships it) takes an integer past 64 bits as the nearest bound and wraps a negative one into
 // an unsigned option without an error (--steps 99999999999999999999 became INT64_MAX, --seed -1 2^64-1). This puts a

@@ -233,6 +233,7 @@ int main(int argc, char** argv) {
                  "the verified-routing cache file (default: LOOM_VERIFY_CACHE, else ~/.cache/loom/verified.json)");
   app.add_flag("--list-verified", list_verified,
                "print the recorded verified-routing results for the loaded providers on --device, and exit");
+  loom::cli::output_options(app, {"--json", "--verify-cache"});
   if (int rc = loom::cli::parse(app, "loom-conformance", argc, argv); rc >= 0) return rc;
   describe = describe_flag->count() > 0;
 
@@ -307,6 +308,26 @@ int main(int argc, char** argv) {
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
     std::optional<loom::op_trace::Trace> trace;
     if (!trace_path.empty()) trace = loom::op_trace::read_trace(trace_path);
+    // The stored sets of cases this run reads: --reference-file, or pytorch_refs.json
+    // (tools/reference/make_conformance_refs.py) and, where it has been made, pytorch_sweep.json
+    // (tools/reference/make_conformance_sweep.py).
+    std::vector<std::string> stored_files;
+    if (!trace && (reference == "auto" || reference == "pytorch") && case_index < 0) {
+      stored_files = {reference_file};
+      if (reference_file.empty()) {
+        const fs::path dir = fs::path(cases_path.empty() ? find_cases_dir() : cases_path) / "reference";
+        stored_files = {(dir / "pytorch_refs.json").string()};
+        if (fs::exists(dir / "pytorch_sweep.json")) stored_files.push_back((dir / "pytorch_sweep.json").string());
+      }
+    }
+    // --json is written after the cases ran: checked now against every input of the run (the trace, the stored
+    // cases, the loaded libraries), so that minutes of work never end in a refusal or over an input.
+    if (!worker) {
+      for (const auto& lib : libraries) loom::io::note_input(lib);
+      for (const auto& lib : diopi_libraries) loom::io::note_input(lib);
+      for (const auto& file : stored_files) loom::io::note_input(file);
+      loom::io::check_can_write(json_path, "--json");
+    }
     if (worker) {  // the same options as the parent's; units of work on stdin
       return loom::conformance::serve_units(trace ? loom::op_trace::trace_unit_runner(*trace, o)
                                                   : loom::conformance::suite_unit_runner(o));
@@ -386,15 +407,7 @@ int main(int argc, char** argv) {
                 << "), against " << judge << "\n";
     }
     if ((reference == "auto" || reference == "pytorch") && case_index < 0) {
-      // The stored sets: --reference-file, or pytorch_refs.json (tools/reference/make_conformance_refs.py) and,
-      // where it has been made, pytorch_sweep.json (tools/reference/make_conformance_sweep.py).
-      std::vector<std::string> files{reference_file};
-      if (reference_file.empty()) {
-        const fs::path dir = fs::path(cases_path.empty() ? find_cases_dir() : cases_path) / "reference";
-        files = {(dir / "pytorch_refs.json").string()};
-        if (fs::exists(dir / "pytorch_sweep.json")) files.push_back((dir / "pytorch_sweep.json").string());
-      }
-      for (const auto& file : files) {
+      for (const auto& file : stored_files) {
         if (!fs::exists(file) && reference != "pytorch") {
           std::cout << "(no stored PyTorch cases: " << file
                     << " not found; tools/reference/make_conformance_refs.py writes it)\n";

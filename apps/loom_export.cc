@@ -25,6 +25,8 @@
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/training_checkpoint.h"
+#include "loom/data/tokenizer.h"
 
 namespace {
 
@@ -93,6 +95,7 @@ int main(int argc, char** argv) {
   app.add_flag("--merge-lora", merge_lora,
                "fold a LoRA checkpoint's adapters into its weights (W + alpha/r B A) before --hf/--llmc");
   app.add_flag("--force", force, "--hf, --peft: write into a directory that already holds files");
+  cli::output_options(app, {"--llmc", "--hf", "--peft"});
   if (int rc = cli::parse(app, "loom-export", argc, argv); rc >= 0) return rc;
   if (llmc_path.empty() && hf_path.empty() && peft_path.empty()) {
     cli::print_error("loom-export", "nothing to write; give --llmc PATH, --hf DIR and/or --peft DIR");
@@ -118,6 +121,15 @@ int main(int argc, char** argv) {
     io::check_can_write(llmc_path, "--llmc");  // not a directory or device, in a directory that takes files
     if (hf_single_file) io::check_can_write(hf_path, "--hf");
     std::shared_ptr<nn::LanguageModel> model = train::load_model_from(checkpoint, "--checkpoint");
+    // A Loom checkpoint records its run's tokenizer: exported with it unless --tokenizer-path names another.
+    if (tokenizer_paths.empty() && !hf_path.empty() && !hf_single_file) {
+      const std::string resolved = train::resolve_checkpoint(checkpoint, "--checkpoint");
+      if (const auto recorded = train::checkpoint_tokenizer(resolved))
+        if (const std::string path = train::recorded_tokenizer_path(resolved, *recorded); !path.empty()) {
+          tokenizer_paths = {path};
+          std::cout << "loom-export: the tokenizer the checkpoint was trained with: " << path << std::endl;
+        }
+    }
     // The inputs are noted now (a model directory's config.json, a sharded checkpoint's rank files): none is an output.
     io::check_can_write(llmc_path, "--llmc");
     if (hf_single_file) io::check_can_write(hf_path, "--hf");
@@ -150,9 +162,12 @@ int main(int argc, char** argv) {
       std::cout << "loom-export: wrote " << hf_path << " (Hugging Face names, " << dtype_name << ")" << std::endl;
     } else if (!hf_path.empty()) {
       if (model->config().family == nn::ModelFamily::kGPT2) {
-        LOOM_REQUIRE(tokenizer_paths.size() <= 1, "--tokenizer-path: a GPT-2 export takes one directory (of "
-                     "encoder.json and vocab.bpe), got ", tokenizer_paths.size(), " paths");
-        if (!tokenizer_paths.empty()) opts.gpt2_vocab_dir = tokenizer_paths[0];
+        LOOM_REQUIRE(tokenizer_paths.size() <= 1, "--tokenizer-path: a GPT-2 export takes one tokenizer.json or "
+                     "one directory (of encoder.json and vocab.bpe), got ", tokenizer_paths.size(), " paths");
+        if (!tokenizer_paths.empty() && data::is_tokenizer_json(tokenizer_paths[0]))
+          opts.gpt2_tokenizer_json = tokenizer_paths[0];
+        else if (!tokenizer_paths.empty())
+          opts.gpt2_vocab_dir = tokenizer_paths[0];
       } else {
         opts.tokenizer_files = tokenizer_paths;
         // A Hugging Face directory exported again keeps its tokenizer.

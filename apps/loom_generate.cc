@@ -24,9 +24,11 @@
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
 #include "loom/data/tokenizer.h"
+#include "loom/train/training_checkpoint.h"
 #include "loom/dispatch_modes.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/train/checkpoint.h"
+#include "loom/train/multiple_choice.h"
 #include "loom/io/safetensors.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/read_file.h"
@@ -70,6 +72,15 @@ std::vector<int32_t> parse_token_ids(const std::string& text) {
 // vocab.bpe), LLaMA-3's tokenizer.model, else its tokenizer.json.
 std::unique_ptr<data::Tokenizer> find_tokenizer(const std::string& model_path, const nn::ModelConfig& cfg,
                                                 std::string name, std::string path) {
+  // A Loom checkpoint records the tokenizer its run used: that one unless the command line names another.
+  if (path.empty()) {
+    const std::string resolved = train::resolve_checkpoint(model_path, "--model");
+    if (const auto recorded = train::checkpoint_tokenizer(resolved); recorded && (name.empty() || name == recorded->name)) {
+      name = recorded->name;
+      path = train::recorded_tokenizer_path(resolved, *recorded);
+      if (!path.empty()) std::fprintf(stderr, "loom-generate: the tokenizer the checkpoint was trained with: %s\n", path.c_str());
+    }
+  }
   if (name.empty()) name = cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
   if (path.empty() && io::is_hf_model_dir(model_path)) {
     const fs::path dir(model_path);
@@ -139,18 +150,28 @@ int main(int argc, char** argv) {
                  "(default: a Hugging Face directory's original/tokenizer.model, else its tokenizer.json)");
   app.add_flag("--print-tokens", print_tokens, "print the new token ids instead of text");
   app.add_flag("--no-echo", no_echo, "print only the new text, not the prompt before it");
+  std::string hellaswag;
+  int64_t max_items = 0;
+  app.add_option("--hellaswag", hellaswag,
+                 "instead of generating, score a multiple-choice file in HellaSwag's JSON Lines format (ctx, endings, "
+                 "label; e.g. hellaswag_val.jsonl) as llm.c does: the ending of least loss given the context, by "
+                 "total (acc) and mean per token (acc_norm)");
+  app.add_option("--max-items", max_items, "with --hellaswag: score only the first N items (default: all)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dump-logits", dump_logits,
                  "write the prompt's logits [T, vocab] (f32, safetensors tensor \"logits\") to this file first; for "
                  "comparing with other implementations (tools/reference/hf_check.py)");
+  cli::output_options(app, {"--dump-logits"});
   if (int rc = cli::parse(app, "loom-generate", argc, argv); rc >= 0) return rc;
   try {
     LOOM_REQUIRE(g.max_new_tokens >= 0, "--max-new-tokens must be at least 0, got ", g.max_new_tokens);
     LOOM_REQUIRE(std::isfinite(g.temperature) && g.temperature >= 0, "--temperature must be a finite number >= 0, got ",
-                 g.temperature);
+                 apps::exact_number(g.temperature));
     LOOM_REQUIRE(g.top_k >= 0, "--top-k must be at least 0, got ", g.top_k);
-    LOOM_REQUIRE(g.top_p > 0 && g.top_p <= 1, "--top-p must be in (0, 1], got ", g.top_p);
+    LOOM_REQUIRE(g.top_p > 0 && g.top_p <= 1, "--top-p must be in (0, 1], got ", apps::exact_number(g.top_p));
     LOOM_REQUIRE(std::isfinite(g.repetition_penalty) && g.repetition_penalty > 0,
-                 "--repetition-penalty must be a finite number > 0, got ", g.repetition_penalty);
+                 "--repetition-penalty must be a finite number > 0, got ",
+                 apps::exact_number(g.repetition_penalty));
     LOOM_REQUIRE(num_samples >= 1, "--num-samples must be at least 1, got ", num_samples);
     for (const std::string& stop : g.stop_strings) LOOM_REQUIRE(!stop.empty(), "--stop: the string is empty");
     LOOM_REQUIRE(g.stop_strings.empty() || prompt_tokens.empty(),
@@ -163,6 +184,35 @@ int main(int argc, char** argv) {
     const nn::ModelConfig& cfg = model->config();
     nn::check_finite_parameters(*model, model_path);
 
+    if (!hellaswag.empty()) {
+      LOOM_REQUIRE(prompt.empty() && prompt_file.empty() && prompt_tokens.empty() && dump_logits.empty(),
+                   "--hellaswag scores its file's items: not with a prompt or --dump-logits");
+      const std::vector<train::MultipleChoiceItem> items = train::read_multiple_choice(hellaswag, max_items);
+      const std::unique_ptr<data::Tokenizer> tok = find_tokenizer(model_path, cfg, tokenizer_name, tokenizer_path);
+      dispatch::check_op_profile_file();
+      model->to(device);
+      if (dtype_name == "bf16") model->to(kBF16);
+      std::fprintf(stderr, "loom-generate: %s: %s, %s %s; %zu items of %s\n", model_path.c_str(),
+                   cfg.describe().c_str(), device.str().c_str(), dtype_name.c_str(), items.size(), hellaswag.c_str());
+      const auto start = std::chrono::steady_clock::now();
+      auto last = start;
+      const train::MultipleChoiceScore score = train::evaluate_multiple_choice(
+          *model, *tok, items, device, [&](int64_t done, const train::MultipleChoiceScore& s) {
+            const auto now = std::chrono::steady_clock::now();
+            if (now - last < std::chrono::seconds(10) && done != int64_t(items.size())) return;
+            last = now;
+            std::fprintf(stderr, "loom-generate: hellaswag %lld/%zu items, acc_norm %.4f, %.0f s\n", (long long)done,
+                         items.size(), double(s.correct_mean) / double(done),
+                         std::chrono::duration<double>(now - start).count());
+          });
+      std::printf("hellaswag: %lld items | acc %.4f (%lld by total loss) | acc_norm %.4f (%lld by mean loss per "
+                  "token)%s\n",
+                  (long long)score.items, double(score.correct_total) / double(score.items),
+                  (long long)score.correct_total, double(score.correct_mean) / double(score.items),
+                  (long long)score.correct_mean,
+                  score.truncated ? (" | " + std::to_string(score.truncated) + " contexts cut to fit").c_str() : "");
+      return 0;
+    }
     std::vector<int32_t> ids;
     std::unique_ptr<data::Tokenizer> tokenizer;
     if (!prompt_tokens.empty()) {

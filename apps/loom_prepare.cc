@@ -11,6 +11,14 @@
 // val-fraction of all tokens (or exactly --val-tokens) becomes <name>_val_000000.bin, the rest
 // <name>_train_NNNNNN.bin in shards of at most --shard-tokens. llm.c's tinyshakespeare split is
 // `--paragraph-documents --val-tokens 32768`.
+//
+// JSON Lines (as Hugging Face datasets export them): an input named *.jsonl or *.ndjson, or every input when
+// --text-field is given, holds one JSON object per line whose --text-field (default "text") is one document.
+// Several inputs with --weights: the tokens are mixed in those proportions (each input's documents in order,
+// repeated from its start when its share needs more than it has), its documents interleaved evenly through the
+// shards; the total stays the inputs' total.
+//
+//   loom-prepare --input web.jsonl --input code.jsonl --text-field content --weights 3,1 --name mix
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -28,6 +36,7 @@
 
 #include "cli/cli.h"
 #include "loom/io/input_guard.h"
+#include "loom/io/json_file.h"
 #include "loom/io/read_file.h"
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
@@ -92,6 +101,78 @@ std::vector<std::string> existing_shards(const std::string& dir, const std::stri
   return out;
 }
 
+// The documents of a JSON Lines input: each non-blank line one object whose `field` is a string.
+std::vector<std::string> jsonl_documents(const std::string& text, const std::string& path, const std::string& field) {
+  std::vector<std::string> docs;
+  size_t start = 0;
+  for (int64_t line = 1; start < text.size(); ++line) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string_view row(text.data() + start, end - start);
+    start = end + 1;
+    if (!row.empty() && row.back() == '\r') row.remove_suffix(1);
+    if (row.find_first_not_of(" \t") == std::string_view::npos) continue;
+    const std::string where = "--input " + path + ":" + std::to_string(line);
+    const nlohmann::json j = loom::io::parse_json(row, where);
+    LOOM_REQUIRE(j.is_object(), where, ": a JSON Lines row must be an object, got ", loom::io::json_excerpt(j));
+    const auto it = j.find(field);
+    LOOM_REQUIRE(it != j.end(), where, ": no field \"", field, "\" (--text-field; the row has ",
+                 j.empty() ? std::string("no fields") : "\"" + j.begin().key() + "\"" + (j.size() > 1 ? ", ..." : ""),
+                 ")");
+    LOOM_REQUIRE(it->is_string(), where, ": field \"", field, "\" must be a string, got ",
+                 loom::io::json_excerpt(*it));
+    docs.push_back(it->get<std::string>());
+  }
+  return docs;
+}
+
+bool is_jsonl_name(const std::string& path) {
+  const std::string ext = fs::path(path).extension().string();
+  return ext == ".jsonl" || ext == ".ndjson";
+}
+
+// One input's tokens, each document starting with the tokenizer's document token at one of `starts`.
+struct InputTokens {
+  std::vector<int32_t> tokens;
+  std::vector<size_t> starts;
+  size_t document_end(size_t d) const { return d + 1 < starts.size() ? starts[d + 1] : tokens.size(); }
+};
+
+// The inputs' documents mixed by weight: input i gets round(total * w_i / sum w) tokens (whole documents, in order,
+// from its start again when it runs out), and the next document always comes from the input furthest behind its
+// share. Returns the mixed tokens; `passes` gets how many times over each input was read.
+std::vector<int32_t> mix_by_weight(const std::vector<InputTokens>& in, const std::vector<double>& weights,
+                                   std::vector<double>& passes) {
+  uint64_t total = 0;
+  double weight_sum = 0;
+  for (size_t i = 0; i < in.size(); ++i) total += in[i].tokens.size(), weight_sum += weights[i];
+  std::vector<uint64_t> quota(in.size()), taken(in.size(), 0);
+  std::vector<size_t> next(in.size(), 0);
+  for (size_t i = 0; i < in.size(); ++i) quota[i] = uint64_t(std::llround(double(total) * weights[i] / weight_sum));
+  std::vector<int32_t> out;
+  out.reserve(total);
+  passes.assign(in.size(), 0);
+  for (;;) {
+    size_t pick = in.size();
+    double behind = 2;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (taken[i] >= quota[i] || in[i].starts.empty()) continue;
+      const double share = double(taken[i]) / double(quota[i]);
+      if (share < behind) behind = share, pick = i;
+    }
+    if (pick == in.size()) break;
+    const InputTokens& src = in[pick];
+    const size_t d = next[pick] % src.starts.size();
+    out.insert(out.end(), src.tokens.begin() + ptrdiff_t(src.starts[d]),
+               src.tokens.begin() + ptrdiff_t(src.document_end(d)));
+    taken[pick] += src.document_end(d) - src.starts[d];
+    ++next[pick];
+  }
+  for (size_t i = 0; i < in.size(); ++i)
+    passes[i] = in[i].tokens.empty() ? 0 : double(taken[i]) / double(in[i].tokens.size());
+  return out;
+}
+
 std::vector<std::string_view> split_documents(std::string_view text, bool paragraphs) {
   if (!paragraphs) return {text};
   // Like llm.c: sections of text.split("\n\n"), each but the last keeping its "\n\n".
@@ -115,6 +196,8 @@ int main(int argc, char** argv) {
   int64_t val_tokens = -1;
   int64_t shard_tokens = 100'000'000;
   bool paragraph_documents = false, overwrite = false;
+  std::string text_field = "text";
+  std::vector<double> weights;
   app.add_option("-i,--input", inputs, "text file(s); a bare name is also looked for in $LOOM_DATA_DIR and "
                                        "shared/data beside the repository")
       ->required();
@@ -143,12 +226,31 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"u16", "u32"}));
   app.add_flag("--paragraph-documents", paragraph_documents,
                "each \"\\n\\n\"-separated section is a document (llm.c's tinyshakespeare convention)");
+  auto* text_field_opt = app.add_option("--text-field", text_field,
+                 "read the inputs as JSON Lines (one object per line, as Hugging Face datasets export them) and take "
+                 "this field of each as a document (default \"text\"; inputs named *.jsonl or *.ndjson are read so "
+                 "without the flag)");
+  app.add_option("--weights", weights,
+                 "mix the inputs' tokens in these proportions, one weight per --input in order (3,1: three quarters "
+                 "from the first); an input's documents repeat when its share needs more than it has")
+      ->delimiter(',')
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            char* end = nullptr;
+            const double d = std::strtod(v.c_str(), &end);
+            return end != v.c_str() && !(d > 0 && std::isfinite(d)) ? "a weight must be a finite number > 0, got " + v
+                                                                      : "";
+          },
+          "> 0"));
   app.add_flag("--overwrite", overwrite,
                "replace the shards of an earlier run in --output-dir (its <name>_val_/<name>_train_ files, all of "
                "them); without it such a run is refused before it starts");
+  loom::cli::output_options(app, {"--output-dir"});
   if (int rc = loom::cli::parse(app, "loom-prepare", argc, argv); rc >= 0) return rc;
 
   return loom::cli::run("loom-prepare", [&] {
+    LOOM_REQUIRE(weights.empty() || weights.size() == inputs.size(), "loom-prepare: --weights gives ", weights.size(),
+                 " weight(s) for ", inputs.size(), " --input file(s); give one per input, in their order");
     std::vector<std::string> paths;
     for (const auto& in : inputs) paths.push_back(resolve_input(in));
     for (const auto& path : paths) loom::io::note_input(path);
@@ -173,30 +275,64 @@ int main(int argc, char** argv) {
     std::printf("loom-prepare: tokenizing %zu file(s), %s, with the %s tokenizer into %s shards\n", paths.size(),
                 megabytes(double(total_bytes)).c_str(), tokenizer->name().c_str(), width_name.c_str());
 
-    std::vector<int32_t> tokens;
     uint64_t bytes_done = 0, last_report = 0;
     const uint64_t report_every = std::max<uint64_t>(total_bytes / 10, 1);
     int64_t documents = 0;
-    for (const auto& path : paths) {
+    size_t tokens_so_far = 0;
+    std::vector<InputTokens> per_input(paths.size());
+    for (size_t i = 0; i < paths.size(); ++i) {
+      const std::string& path = paths[i];
+      InputTokens& out = per_input[i];
       const std::string text = loom::io::read_input_file(path, loom::io::kMaxDataFileBytes, "--input");
       LOOM_REQUIRE(!text.empty(), "loom-prepare: input file ", path, " is empty");
-      for (std::string_view doc : split_documents(text, paragraph_documents)) {
-        tokens.push_back(tokenizer->document_token());
+      const bool jsonl = text_field_opt->count() > 0 || is_jsonl_name(path);
+      std::vector<std::string> rows;
+      std::vector<std::string_view> docs;
+      if (jsonl) {
+        rows = jsonl_documents(text, path, text_field);
+        LOOM_REQUIRE(!rows.empty(), "loom-prepare: input file ", path, " holds no JSON Lines row");
+        for (const std::string& row : rows)
+          for (std::string_view doc : split_documents(row, paragraph_documents)) docs.push_back(doc);
+      } else {
+        docs = split_documents(text, paragraph_documents);
+      }
+      for (std::string_view doc : docs) {
+        out.starts.push_back(out.tokens.size());
+        out.tokens.push_back(tokenizer->document_token());
         ++documents;
         // Chunks encode to exactly the tokens of the whole document, and give progress on big files.
         for (std::string_view chunk : loom::data::split_for_encoding(doc, 1 << 18)) {
           auto ids = tokenizer->encode(chunk);
-          tokens.insert(tokens.end(), ids.begin(), ids.end());
+          out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
           bytes_done += chunk.size();
           if (bytes_done - last_report >= report_every) {
             last_report = bytes_done;
             std::printf("loom-prepare: %s / %s, %zu tokens\n", megabytes(double(bytes_done)).c_str(),
-                        megabytes(double(total_bytes)).c_str(), tokens.size());
+                        megabytes(double(total_bytes)).c_str(), tokens_so_far + out.tokens.size());
             std::fflush(stdout);
           }
         }
       }
-      std::printf("loom-prepare: done %s (%zu tokens so far)\n", path.c_str(), tokens.size());
+      tokens_so_far += out.tokens.size();
+      std::printf("loom-prepare: done %s (%zu tokens so far%s)\n", path.c_str(), tokens_so_far,
+                  jsonl ? (", JSON Lines field \"" + text_field + "\"").c_str() : "");
+    }
+    std::vector<int32_t> tokens;
+    if (weights.empty()) {
+      tokens.reserve(tokens_so_far);
+      for (InputTokens& in : per_input) {
+        tokens.insert(tokens.end(), in.tokens.begin(), in.tokens.end());
+        in = InputTokens{};
+      }
+    } else {
+      std::vector<double> passes;
+      tokens = mix_by_weight(per_input, weights, passes);
+      double weight_sum = 0;
+      for (double w : weights) weight_sum += w;
+      for (size_t i = 0; i < paths.size(); ++i)
+        std::printf("loom-prepare: mixture: %s weight %g (%.1f%%): %.0f tokens, %.2f passes over its %zu\n",
+                    paths[i].c_str(), weights[i], 100.0 * weights[i] / weight_sum,
+                    passes[i] * double(per_input[i].tokens.size()), passes[i], per_input[i].tokens.size());
     }
 
     const int64_t total = int64_t(tokens.size());

@@ -12,7 +12,12 @@ int main(int argc, char** argv) {
   CLI::App app{"loom-train: train a GPT-2 or LLaMA-3 language model on llm.c token shards (docs/TRAINING.md)"};
   if (int rc = loom::cli::run("loom-train", [&] { loom::cli::add_train_options(app, args); }); rc != 0) return rc;
   if (int rc = loom::cli::parse(app, "loom-train", argc, argv); rc >= 0) return rc;
-  loom::cli::finish_train_options(app, args);
+  try {
+    loom::cli::finish_train_options(app, args);
+  } catch (const std::exception& e) {
+    loom::cli::print_error("loom-train", e.what());
+    return 2;
+  }
   return loom::cli::run("loom-train", [&] {
     loom::cli::load_train_libraries(args);
     loom::train::Trainer trainer(args.options);

@@ -12,5 +12,8 @@ DATA_DIR=data/tinyshakespeare
 if [ ! -f "$DATA_DIR/tinyshakespeare_train_000000.bin" ]; then
   "$BIN/loom-prepare" --input tinyshakespeare.txt --output-dir "$DATA_DIR"
 fi
-# The settings are configs/gpt2-shakespeare-run.toml's; flags on the command line win over it.
-"$BIN/loom-train" --config configs/gpt2-shakespeare-run.toml --steps "${LOOM_STEPS:-200}" --device "${LOOM_DEVICE:-cpu}"
+# The settings are configs/gpt2-shakespeare-run.toml's; flags on the command line win over it. Its 20 warmup steps
+# are cut to a shorter run's length (LOOM_STEPS=10 for a quick look).
+STEPS=${LOOM_STEPS:-200}
+"$BIN/loom-train" --config configs/gpt2-shakespeare-run.toml --steps "$STEPS" --warmup $((STEPS < 20 ? STEPS : 20)) \
+  --device "${LOOM_DEVICE:-cpu}"

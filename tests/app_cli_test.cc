@@ -125,6 +125,55 @@ TEST(AppCli, ConfigFilesInTorchtitanAndNanoGptStyles) {
   }
 }
 
+// A config file's mistakes come all at once, one line each, in file order; torchtitan's own keys are taken as Loom's
+// settings where they mean the same, else refused with Loom's equivalent; the command line takes --batch_size.
+TEST(AppCli, ConfigErrorsTogetherAndTorchtitanKeys) {
+  test::TempDir tmp;
+  const std::string data = test::small_vocab_shard(tmp);
+  std::ofstream(tmp.file("many.toml")) << "[training]\nstepz = 3\nseq_len = 16\n[optimizer]\nlearning_rate = 1e-3\n"
+                                       << "[trainer]\nsteps = 3\n";
+  AppRun many = train("--config " + tmp.file("many.toml") + " --train-data " + data);
+  EXPECT_EQ(many.status, 2) << many.output;
+  EXPECT_EQ(lines_of(many.output), 3u) << many.output;
+  const size_t a = many.output.find("many.toml:2: unknown key 'stepz'"),
+               b = many.output.find("many.toml:5: unknown key 'learning_rate'"),
+               c = many.output.find("many.toml:6: unknown section [trainer]");
+  EXPECT_TRUE(a != std::string::npos && b != std::string::npos && c != std::string::npos && a < b && b < c)
+      << many.output;
+  // The same in JSON, in the file's order (not the keys' alphabetical one).
+  std::ofstream(tmp.file("many.json")) << R"({"zzz": 1, "aaa": 2})";
+  AppRun j = train("--config " + tmp.file("many.json") + " --train-data " + data);
+  EXPECT_EQ(lines_of(j.output), 2u) << j.output;
+  EXPECT_LT(j.output.find("'zzz'"), j.output.find("'aaa'")) << j.output;
+
+  // torchtitan's keys that Loom has under another name run.
+  std::ofstream(tmp.file("titan.toml")) << "[model]\nmodel = \"d2\"\n[training]\nlocal_batch_size = 2\nseq_len = 16\n"
+                                        << "steps = 2\nmax_norm = 1.0\nsample_tokens = 0\neval_interval = 0\n"
+                                        << "[lr_scheduler]\nwarmup_steps = 1\n[checkpoint]\nfolder = \""
+                                        << tmp.file("ck") << "\"\ninterval = 1\nkeep_latest_k = 1\n"
+                                        << "[metrics]\nlog_freq = 1\n";
+  AppRun titan = train("--config " + tmp.file("titan.toml") + " --train-data " + data);
+  ASSERT_EQ(titan.status, 0) << titan.output;
+  EXPECT_EQ(test::step_lines(titan.output).size(), 2u) << titan.output;
+  EXPECT_TRUE(fs::exists(tmp.file("ck/latest"))) << titan.output;
+  // Those it has not: refused with what Loom has instead, every one at once.
+  std::ofstream(tmp.file("titan_bad.toml")) << "[job]\ndump_folder = \"./out\"\ndescription = \"x\"\n[model]\n"
+                                            << "name = \"llama3\"\nflavor = \"debugmodel\"\n[checkpoint]\nenable = true\n";
+  AppRun bad = train("--config " + tmp.file("titan_bad.toml") + " --train-data " + data);
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_EQ(lines_of(bad.output), 5u) << bad.output;
+  for (const char* said : {"titan_bad.toml:2: 'dump_folder' in [job] is torchtitan's", "checkpoint_dir",
+                           "titan_bad.toml:5: 'name' in [model] is torchtitan's", "model = \"d12\"",
+                           "titan_bad.toml:6: 'flavor'", "titan_bad.toml:8: 'enable' in [checkpoint]"})
+    EXPECT_NE(bad.output.find(said), std::string::npos) << said << "\n" << bad.output;
+
+  // --batch_size and --seq_len=16 on the command line, as in config files.
+  AppRun under = train("--train-data " + data + " --model d2 --batch_size 2 --seq_len=16 --steps 1 --warmup 0 " +
+                       "--sample_tokens 0 --eval_batches 1");
+  ASSERT_EQ(under.status, 0) << under.output;
+  EXPECT_NE(under.output.find("batch: 2 x 16 tokens"), std::string::npos) << under.output;
+}
+
 // ---------------------------------------------------------------- one way to name a checkpoint
 
 // A run's checkpoint directory (its latest), a checkpoint file and a sharded step directory name the same weights
@@ -319,6 +368,14 @@ TEST(AppCli, EvalBatchesZeroIsTheWholeSplit) {
   EXPECT_EQ(got["1000"], got["0"]);
   EXPECT_EQ(got["1"].second, 1);
   EXPECT_NE(got["1"].first, got["0"].first);
+  // --eval-only with --val-data needs no --train-data (it was required), and evaluates the same.
+  AppRun val_only = train("-b 2 -t 16 --sample-tokens 0 --eval-only --init-from " + dir + " --val-data " + val +
+                          " --eval-batches 0");
+  ASSERT_EQ(val_only.status, 0) << val_only.output;
+  EXPECT_EQ(eval_line(val_only.output), got["0"]);
+  AppRun resumed = train("-b 2 -t 16 --sample-tokens 0 --eval-only --resume " + dir + " --val-data " + val);
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(eval_line(resumed.output), got["0"]);
   // In a training run too: the evaluation at the end covers the split.
   AppRun run = train(common + "--resume " + dir + " --steps 2 --checkpoint-dir " + tmp.file("ck2") + " --val-data " +
                      val + " --eval-batches 0 --log-dir " + tmp.file("logs"));
@@ -368,9 +425,10 @@ TEST(AppCli, UnknownFlagsGetTheNearestOneInOneLine) {
   } cases[] = {
       {"loom-train", "--train-data x.bin --learning-rate 1e-3", "unknown flag --learning-rate (did you mean --lr?)"},
       {"loom-train", "--train-data x.bin --stpes 3", "unknown flag --stpes (did you mean --steps?)"},
-      {"loom-train", "--train-data x.bin --batch_size 2", "(did you mean --batch-size?)"},
+      {"loom-train", "--train-data x.bin --batch_sise 2", "(did you mean --batch-size?)"},  // --batch_size is taken
       {"loom-train", "--train-data x.bin --eval-batches=2 --frobnicate", "unknown flag --frobnicate; loom-train --help"},
       {"loom-train", "--steps 3", "--train-data is required"},
+      {"loom-train", "--eval-only --init-from x", "--train-data is required (--eval-only needs it only without --val-data)"},
       {"loom-generate", "-m x --temprature 0.5", "unknown flag --temprature (did you mean --temperature?)"},
       {"loom-generate", "--prompt-tokens 1", "--model is required"},
       {"loom-export", "--chekpoint x", "(did you mean --checkpoint?)"},

@@ -262,6 +262,79 @@ TEST(AppOutputs, ResumeKeepsTheRunsOrderScheduleAndLogs) {
                         {"--shuffle", "saved order"});
 }
 
+// An output checked before its inputs were read: a run that stopped early (a bad setting) wrote its exit profile
+// over the validation shard it had not opened yet. Every file the command line names is an input from the start, and
+// so is every file a pattern of --train-data names.
+TEST(AppOutputs, FilesNamedOnTheCommandLineAreInputsFromTheStart) {
+  TempDir dir;
+  const std::string shard = test::small_vocab_shard(dir), val = test::small_vocab_shard(dir, "val.bin");
+  const std::string other = test::small_vocab_shard(dir, "train_b.bin");
+  const auto before = files_of(dir.path());
+  const std::string stops_early = kTrain + " --train-data " + shard + " --model d2 -b 1 -t 8 --sample-tokens 0 " +
+                                  "--eval-batches 1 --val-data " + val + " --steps 2 --warmup 5";
+  expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + val + " " + stops_early,
+                        {"LOOM_PROFILE_OPS_FILE", "refusing to write", val});
+  expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + other + " " + kTrain + " --train-data '" +
+                            dir.file("train*.bin") + "' --model d2 -b 1 -t 8 --steps 2 --warmup 5",
+                        {"LOOM_PROFILE_OPS_FILE", "refusing to write", other});
+  EXPECT_EQ(files_of(dir.path()), before);
+  // The error of the run itself when the profile's file is not an input.
+  expect_one_line_error("LOOM_PROFILE_OPS=1 LOOM_PROFILE_OPS_FILE=" + dir.file("p.tsv") + " " + stops_early,
+                        {"--warmup 5"});
+}
+
+// loom-conformance wrote --json after the whole replay: onto its --trace, minutes of work ended in a refusal.
+TEST(AppOutputs, ConformanceJsonIsCheckedBeforeTheCases) {
+  TempDir dir;
+  const std::string shard = test::small_vocab_shard(dir), trace = dir.file("run.trace");
+  AppRun traced = run_app(train_command(shard) + "--steps 1 --trace-ops " + trace);
+  ASSERT_EQ(traced.status, 0) << traced.err;
+  const auto before = files_of(dir.path());
+  const std::string conformance = LOOM_CONFORMANCE_EXE;
+  AppRun r = run_app(conformance + " --provider native --jobs 1 --trace " + trace + " --json " + trace);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--json: refusing to write"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("replayed"), std::string::npos) << "the cases ran before the refusal:\n" << r.out;
+  test::write_all(dir.file("cases.json"), "{}");
+  expect_one_line_error(conformance + " --provider native --jobs 1 --op gemm --reference pytorch --reference-file " +
+                            dir.file("cases.json") + " --json " + dir.file("cases.json"),
+                        {"--json", "refusing to write", "cases.json"});
+  EXPECT_EQ(files_of(dir.path()).size(), before.size() + 1);
+}
+
+// A `latest` that is a link looping on itself or a directory was "no 'latest' file"; one ending in CRLF named a
+// checkpoint that does not exist.
+TEST(AppOutputs, LatestIsReadAsWrittenAndItsFaultsNamed) {
+  TempDir dir;
+  const std::string shard = test::small_vocab_shard(dir), ckpt = dir.file("ckpt");
+  AppRun first = run_app(train_command(shard) + "--steps 1 --checkpoint-dir " + ckpt);
+  ASSERT_EQ(first.status, 0) << first.err;
+  test::write_all(ckpt + "/latest", "step_000001.safetensors\r\n");
+  AppRun crlf = run_app(kExport + " --checkpoint " + ckpt + " --llmc " + dir.file("out.bin"));
+  EXPECT_EQ(crlf.status, 0) << crlf.err;
+  fs::remove(ckpt + "/latest");
+  fs::create_symlink("latest", ckpt + "/latest");
+  expect_one_line_error(kExport + " --checkpoint " + ckpt + " --llmc " + dir.file("x.bin"), {"latest", "symbolic links"});
+  fs::remove(ckpt + "/latest");
+  fs::create_directories(ckpt + "/latest");
+  expect_one_line_error(kExport + " --checkpoint " + ckpt + " --llmc " + dir.file("x.bin"), {"latest", "a directory"});
+}
+
+// A default never makes a run an error: --warmup's 10 steps in a run of 3 become 3; a given --warmup past the run is
+// still one. A number in a message is the number given (--top-p 1.0000001 was "got 1").
+TEST(AppOutputs, DefaultsFitShortRunsAndNumbersAreSaidExactly) {
+  TempDir dir;
+  const std::string shard = test::small_vocab_shard(dir);
+  const std::string cmd = kTrain + " --train-data " + shard + " --model d2 -b 1 -t 8 --eval-batches 1 --steps 3";
+  AppRun ok = run_app(cmd);
+  EXPECT_EQ(ok.status, 0) << ok.err;
+  expect_one_line_error(cmd + " --warmup 4", {"--warmup 4", "--steps 3"});
+  const std::string bin = small_model_file(dir);
+  expect_one_line_error(kGenerate + " -m " + bin + " --prompt-tokens 1 --top-p 1.0000001", {"--top-p", "1.0000001"});
+  expect_one_line_error(kGenerate + " -m " + bin + " --prompt-tokens 1 --repetition-penalty -1e-300",
+                        {"--repetition-penalty", "-1e-300"});
+}
+
 #endif
 
 }  // namespace

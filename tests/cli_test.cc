@@ -20,10 +20,12 @@
 #include "loom/common/error.h"
 #include "loom/data/token_file.h"
 #include "loom/distributed/process_group.h"
+#include "loom/io/atomic_file.h"
 #include "loom/io/hf_model_dir.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
+#include "loom/train/checkpoint.h"
 #include "test_files.h"
 #include "train_output.h"
 #include "test_util.h"
@@ -193,14 +195,25 @@ TEST(LoomTrainCli, StaleTemporariesAreCleanedAtTheStart) {
   test::TempDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   fs::create_directories(dir);
-  // pid 0 can be no writer's; an hour old.
-  const fs::path stale = dir / ".loom.tmp.step_000007.safetensors.0.1234abcd";
-  const fs::path live = dir / (".loom.tmp.step_000008.safetensors." + std::to_string(::getpid()) + ".99");
+  // pid 0 of this host can be no writer's; an hour old.
+  const std::string here = "@" + io::temp_owner_tag(0, io::host_id()).substr(2);
+  const fs::path stale = dir / (".loom.tmp.step_000007.safetensors.0" + here + ".1234abcd");
+  const fs::path live = dir / (".loom.tmp.step_000008.safetensors." + std::to_string(::getpid()) + here + ".99");
+  // A sharded checkpoint's temporary directory of a killed run (this host) and of another host's writer.
+  const fs::path stale_dir = dir / (".loom.tmp.step_000009.0" + here);
+  const fs::path elsewhere_dir = dir / (".loom.tmp.step_000010.0@" + io::temp_owner_tag(0, io::host_id() ^ 1u).substr(2));
   const fs::path other = dir / "notes.tmp.txt";  // not ours: never touched
   for (const auto& p : {stale, live, other}) {
     test::write_all(p.string(), "half a checkpoint");
     fs::last_write_time(p, fs::file_time_type::clock::now() - std::chrono::hours(1));
   }
+  for (const auto& d : {stale_dir, elsewhere_dir}) {
+    fs::create_directories(d);
+    test::write_all((d / "rank0.safetensors").string(), "half a shard");
+    fs::last_write_time(d, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  }
+  EXPECT_EQ(train::remove_stale_checkpoint_dirs(dir.string()), std::vector<std::string>{stale_dir.string()});
+  EXPECT_TRUE(fs::exists(elsewhere_dir)) << "another host's running write was removed";
   AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --warmup 0 --sample-tokens 0 " +
                             "--eval-batches 1 --steps 1 --checkpoint-dir " + dir.string());
   std::remove(shard.c_str());
@@ -390,6 +403,82 @@ TEST(LoomTrainResume, ChangedSettingsArePrintedOrRefused) {
   ASSERT_EQ(legacy.status, 0) << legacy.output;
   EXPECT_NE(legacy.output.find("holds no training settings"), std::string::npos) << legacy.output;
   EXPECT_NE(step_lines(legacy.output)[5].find("lr 3.00e-03"), std::string::npos) << legacy.output;
+}
+
+// A resume keeps every setting of the run: the dtype (shown in the banner), the validation data, the log directory
+// and the tokenizer, from another working directory too; what the command line changes is printed old -> new.
+TEST(LoomTrainResume, KeepsDtypeDataLogsAndTokenizer) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp), val = small_vocab_shard(tmp, "val.bin");
+  const std::string dir = tmp.file("ck"), logs = tmp.file("logs");
+  // Relative paths, given from tmp: the resume below runs elsewhere.
+  AppRun made = run_loom_train_with("cd " + tmp.path().string() + " && ",
+                                    "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 2 --warmup 1 " +
+                                        "--dtype bf16 --sample-tokens 0 --eval-interval 0 --eval-batches 1 " +
+                                        "--val-data val.bin --log-dir logs --checkpoint-dir " + dir);
+  ASSERT_EQ(made.status, 0) << made.output;
+  EXPECT_NE(made.output.find("bf16 mixed precision"), std::string::npos) << made.output;
+  AppRun resumed = run_loom_train("--train-data " + shard + " --steps 3 --resume " + dir);
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("bf16 mixed precision"), std::string::npos) << "the dtype was dropped\n"
+                                                                            << resumed.output;
+  EXPECT_NE(resumed.output.find("validation tokens"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("step 3: val loss"), std::string::npos) << resumed.output;
+  for (const char* kept : {"--dtype", "--val-data", "--log-dir", "--tokenizer"})
+    EXPECT_EQ(resumed.output.find(std::string("resume: ") + kept), std::string::npos) << kept << "\n" << resumed.output;
+  // The resumed run's lines went on into the first run's metrics.jsonl.
+  const std::string metrics = test::read_all(tmp.file("logs/metrics.jsonl"));
+  EXPECT_NE(metrics.find("\"step\":3"), std::string::npos) << metrics;
+  // A change is taken and printed.
+  AppRun changed = run_loom_train("--train-data " + shard + " --steps 3 --dtype f32 --checkpoint-dir " +
+                                  tmp.file("ck2") + " --resume " + checkpoint_file(dir, 2));
+  ASSERT_EQ(changed.status, 0) << changed.output;
+  EXPECT_NE(changed.output.find("resume: --dtype bf16 -> f32"), std::string::npos) << changed.output;
+}
+
+// --keep-best: each evaluation that beats the run's earlier ones saves its step and names it in 'best'; retention
+// (--keep-checkpoints) never removes it; it needs --checkpoint-dir and --val-data (one line each).
+TEST(LoomTrainCheckpoints, KeepBestSurvivesRetention) {
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp), val = small_vocab_shard(tmp, "val.bin");
+  const std::string dir = tmp.file("ck");
+  const std::string base = "--train-data " + shard + " --model d2 -b 2 -t 16 --warmup 1 --sample-tokens 0 " +
+                           "--eval-batches 1 ";
+  AppRun r = run_loom_train(base + "--steps 6 --lr 3e-3 --eval-interval 1 --keep-best --keep-checkpoints 1 " +
+                            "--val-data " + val + " --checkpoint-dir " + dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  // The best step, from the printed losses.
+  double best = 1e30;
+  int best_step = -1;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    int step = 0;
+    double loss = 0;
+    if (std::sscanf(line.c_str(), "step %d: val loss %lf", &step, &loss) == 2 && step > 0 && loss < best) {
+      best = loss;
+      best_step = step;
+    }
+  }
+  ASSERT_GT(best_step, 0) << r.output;
+  const std::string best_file = test::read_all(dir + "/best");
+  const std::string name = checkpoint_file(dir, best_step).substr(dir.size() + 1);
+  EXPECT_EQ(best_file.substr(0, best_file.find('\n')), name) << best_file;
+  EXPECT_NE(best_file.find("val loss "), std::string::npos) << best_file;
+  EXPECT_TRUE(std::filesystem::exists(checkpoint_file(dir, best_step))) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(checkpoint_file(dir, 6))) << r.output;  // the latest
+  size_t checkpoints = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    checkpoints += e.path().filename().string().rfind("step_", 0) == 0;
+  EXPECT_EQ(checkpoints, best_step == 6 ? 1u : 2u) << r.output;
+
+  for (const auto& [args, part] : {std::pair{"--steps 2 --keep-best --checkpoint-dir " + tmp.file("a"), "--val-data"},
+                                   std::pair{"--steps 2 --keep-best --val-data " + val, "--checkpoint-dir"}}) {
+    AppRun bad = run_loom_train(base + args);
+    EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
+    EXPECT_NE(bad.output.find(std::string("--keep-best")), std::string::npos) << bad.output;
+    EXPECT_NE(bad.output.find(part), std::string::npos) << bad.output;
+    EXPECT_EQ(std::count(bad.output.begin(), bad.output.end(), '\n'), 1) << bad.output;
+  }
 }
 
 // An llm.c model file as --init-from gives the model its shapes; with --model they are checked.
@@ -662,6 +751,35 @@ TEST(LoomRun, TorchrunFlagsAndCpuRuns) {
   ASSERT_EQ(cpu.status, 0) << cpu.output;
   EXPECT_NE(cpu.output.find("world 2"), std::string::npos) << "not 2 ranks\n" << cpu.output;
   EXPECT_NE(cpu.output.find("step     2/2"), std::string::npos) << cpu.output;
+}
+
+// --eval-batches N counts the world's batches: two data-parallel processes evaluate the batches one process does
+// (each took N of its own, and the printed loss depended on the process count).
+TEST(LoomRun, EvalBatchesCountTheWorldsBatches) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  if (!distributed::mpi_available()) GTEST_SKIP() << "this Loom was built without MPI (LOOM_MPI=OFF)";
+  test::TempDir tmp;
+  const std::string shard = small_vocab_shard(tmp);
+  const std::string args = "--train-data " + shard + " --model d2 -b 2 -t 8 --steps 1 --sample-tokens 0 "
+                           "--eval-interval 1 --seed 3 ";
+  auto val_losses = [](const std::string& out) {
+    std::vector<std::string> v;
+    for (size_t at = out.find("train-data loss"); at != std::string::npos; at = out.find("train-data loss", at + 1))
+      v.push_back(out.substr(at, out.find('\n', at) - at));
+    return v;
+  };
+  for (const char* batches : {"3", "4"}) {
+    AppRun one = run_loom_train_with("", args + "--eval-batches " + batches);
+    ASSERT_EQ(one.status, 0) << one.output;
+    AppRun two = run_loom_train_with("OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 ",
+                                     args + "--eval-batches " + batches);
+    ASSERT_EQ(two.status, 0) << two.output;
+    ASSERT_EQ(val_losses(one.output).size(), 2u) << one.output;
+    ASSERT_EQ(val_losses(two.output).size(), 2u) << two.output;
+    // Step 0, the same weights on the same batches, summed in another order: equal to the printed digits. (Step 1
+    // differs: two processes trained on twice the tokens.)
+    EXPECT_EQ(val_losses(two.output)[0], val_losses(one.output)[0]) << one.output << two.output;
+  }
 }
 
 // tools/plot_loss.py draws a run without --val-data (train_data/loss) with the standard library alone, and asking

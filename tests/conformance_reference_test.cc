@@ -141,5 +141,24 @@ TEST(ConformanceReference, MissingCorruptOrInconsistentFilesAreClearErrors) {
   test::expect_error_mentioning(load(good), {"is not a reference set"});
 }
 
+// The table's columns never run together: a long result ("pass 179/190 (11 declined)") is followed by a space before
+// the worst error.
+TEST(ConformanceTable, ColumnsStaySeparated) {
+  std::vector<conformance::CaseResult> results;
+  for (int i = 0; i < 190; ++i) {
+    conformance::CaseResult r;
+    r.op = "gemm";
+    r.index = i;
+    r.status = i < 179 ? conformance::CaseStatus::kPass : conformance::CaseStatus::kDeclined;
+    r.worst_error = 0.000521;
+    r.reference = "naive";
+    results.push_back(r);
+  }
+  const std::string table = conformance::suite_table(results, "");
+  EXPECT_NE(table.find("pass 179/190 (11 declined) "), std::string::npos) << table;
+  EXPECT_EQ(table.find("declined)0"), std::string::npos) << table;
+  EXPECT_NE(table.find("0.000521 "), std::string::npos) << table;
+}
+
 }  // namespace
 }  // namespace loom

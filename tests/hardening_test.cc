@@ -114,25 +114,38 @@ TEST(Hardening, StaleTemporariesAreRemovedAndNothingElse) {
     if (old) fs::last_write_time(p, old_time);
     return p;
   };
-  const std::string dead = make(".loom.tmp.step_000001.safetensors.0.ab12", true);
-  const std::string running = make(".loom.tmp.step_000002.safetensors." + std::to_string(::getppid()) + ".cd", true);
-  const std::string fresh = make(".loom.tmp.step_000003.safetensors.0.ef", false);
+  const std::string here = "@" + io::temp_owner_tag(0, io::host_id()).substr(2);  // "@<this host>"
+  const std::string dead = make(".loom.tmp.step_000001.safetensors.0" + here + ".ab12", true);
+  const std::string running = make(".loom.tmp.step_000002.safetensors." + std::to_string(::getppid()) + here + ".cd", true);
+  const std::string fresh = make(".loom.tmp.step_000003.safetensors.0" + here + ".ef", false);
   const std::string other = make("step_000001.safetensors.tmp.1.2", true);
+  // Another host's writer (a directory several machines share) may still run: its temporary stays until nothing
+  // wrote it for a day, whatever pid it names; so does one of an older Loom's names, whose host is unknown.
+  const std::string elsewhere = make(".loom.tmp.step_000004.safetensors.0@" +
+                                         io::temp_owner_tag(0, io::host_id() ^ 1u).substr(2) + ".aa", true);
+  const std::string older_form = make(".loom.tmp.step_000005.safetensors.0.bb", true);
+  const std::string elsewhere_long_ago = make(".loom.tmp.step_000006.safetensors.0@" +
+                                                  io::temp_owner_tag(0, io::host_id() ^ 1u).substr(2) + ".cc", true);
+  fs::last_write_time(elsewhere_long_ago, fs::file_time_type::clock::now() - std::chrono::hours(25));
   const std::string target = make("precious.txt", true);
   const std::string link = dir.file(".loom.tmp.latest.0.99");
   fs::create_symlink(target, link);
   const auto before = fs::file_time_type::clock::now() - std::chrono::hours(1);
   std::vector<std::string> removed = io::remove_stale_temporaries(dir.path().string(), before);
   std::sort(removed.begin(), removed.end());
-  EXPECT_EQ(removed, (std::vector<std::string>{link, dead}));
+  std::vector<std::string> expected{link, dead, elsewhere_long_ago};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed, expected);
   EXPECT_FALSE(fs::exists(dead));
   EXPECT_FALSE(fs::is_symlink(link));
   EXPECT_TRUE(fs::exists(running) && fs::exists(fresh) && fs::exists(other));
+  EXPECT_TRUE(fs::exists(elsewhere) && fs::exists(older_form));
   EXPECT_EQ(test::read_all(target), "partial");
   // A writer's temporary carries the prefix, beside its target.
   io::AtomicFileWriter w(dir.file("x.bin"));
   EXPECT_EQ(fs::path(w.temp_path()).parent_path(), dir.path());
   EXPECT_EQ(fs::path(w.temp_path()).filename().string().rfind(std::string(io::kTempPrefix) + "x.bin.", 0), 0u);
+  EXPECT_NE(w.temp_path().find("." + std::to_string(::getpid()) + here + "."), std::string::npos) << w.temp_path();
   EXPECT_TRUE(io::remove_stale_temporaries((dir.path() / "missing").string(), before).empty());
 }
 
@@ -312,6 +325,21 @@ TEST(Hardening, ShardedMetaMustMatchItsFiles) {
                                 {"rank1.safetensors", "not there"});
   meta["layout"] = {{"world", 2}, {"dp", int64_t(1) << 62}, {"tp", 8}, {"zero", 0}, {"pp", 1}};
   test::expect_error_mentioning([&] { train::CheckpointMeta::parse(meta.dump(), "m.json"); }, {"m.json", "layout"});
+}
+
+// The profiler's variables are read by the apps (apps/cli), never inside the library: a program built on libloom
+// decides itself (dispatch::report_op_profile_at_exit), and nothing deep in core reads the environment for it.
+TEST(Hardening, TheLibraryReadsNoProfilingVariable) {
+  size_t files = 0;
+  for (const auto& e : fs::recursive_directory_iterator(std::string(LOOM_SOURCE_DIR) + "/src")) {
+    if (!e.is_regular_file()) continue;
+    ++files;
+    const std::string text = test::read_all(e.path().string());
+    EXPECT_EQ(text.find("getenv(\"LOOM_PROFILE_OPS"), std::string::npos) << e.path();
+  }
+  EXPECT_GT(files, 50u);
+  const std::string cli = test::read_all(std::string(LOOM_SOURCE_DIR) + "/apps/cli/cli.cc");
+  EXPECT_NE(cli.find("getenv(\"LOOM_PROFILE_OPS\")"), std::string::npos);
 }
 
 }  // namespace

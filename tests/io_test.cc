@@ -279,5 +279,40 @@ TEST(MetricsLog, TensorBoardEventsParseBack) {
   expect_error_mentioning([&] { io::read_tensorboard_events(dir.file("bad_len")); }, {"record 0", "length CRC"});
 }
 
+// The run's configuration: in metrics.jsonl's run-start line as "config", and for TensorBoard's HPARAMS tab as the
+// hparams plugin's session_start_info (nested objects flattened to "outer.inner"; numbers, strings, bools).
+TEST(MetricsLog, ConfigurationInTheLogAndAsHparams) {
+  TempDir dir;
+  const std::string config = R"({"settings": {"lr": 0.0006, "decay": "cosine", "shuffle": true, "val-data": ""},)"
+                             R"( "model": {"n_layer": 2}})";
+  const std::string jsonl = dir.file("metrics.jsonl");
+  io::JsonlMetricsWriter(jsonl).write_run_start(0, "", config);
+  const nlohmann::json line = nlohmann::json::parse(read_all(jsonl));
+  EXPECT_EQ(line["config"], nlohmann::json::parse(config));
+  std::string path;
+  {
+    io::TensorBoardWriter w(dir.file("tb"));
+    path = w.path();
+    w.add_hparams(config, 1700000000.0);
+    w.add_scalar("train/loss", 2.5f, 1);
+  }
+  const auto events = io::read_tensorboard_events(path);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_TRUE(events[1].scalars.empty());
+  EXPECT_EQ(events[1].plugin_tag, "_hparams_/session_start_info");
+  EXPECT_EQ(events[1].plugin_name, "hparams");
+  const std::string& c = events[1].plugin_content;
+  // version 0, session_start_info (3) holding map entries (1) of name (1) and google.protobuf.Value (2).
+  EXPECT_EQ(c.substr(0, 3), std::string("\x08\x00\x1a", 3));
+  for (const std::string name : {"settings.lr", "settings.decay", "settings.shuffle", "settings.val-data", "model.n_layer"})
+    EXPECT_NE(c.find(std::string(1, char(name.size())) + name), std::string::npos) << name;
+  double lr = 0.0006;
+  EXPECT_NE(c.find("\x11" + std::string(reinterpret_cast<const char*>(&lr), 8)), std::string::npos);  // number_value
+  EXPECT_NE(c.find(std::string("\x1a\x06" "cosine")), std::string::npos);                             // string_value
+  EXPECT_NE(c.find(std::string("\x20\x01", 2)), std::string::npos);                                   // bool_value
+  ASSERT_EQ(events[2].scalars.size(), 1u);
+  EXPECT_EQ(events[2].scalars[0].first, "train/loss");
+}
+
 }  // namespace
 }  // namespace loom

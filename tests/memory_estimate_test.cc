@@ -134,6 +134,39 @@ TEST(MemoryEstimate, TheTrainerRefusesAModelThatCannotFit) {
   test::expect_error_mentioning([&] { train::Trainer t(o); }, {"max_seq_len=1099511627776", "at most"});
 }
 
+// The activations count: a micro-batch whose activations cannot fit beside the model state is refused with the
+// estimate and the ways to fit (a smaller -b with the batch size that would fit, gradient accumulation through
+// --total-batch-tokens, --recompute full), before anything is allocated. gpt2-xl at B = 64, T = 1024 on a 24 GiB
+// machine was taken (its activations alone need tens of GiB).
+TEST(MemoryEstimate, TheTrainerRefusesActivationsThatCannotFit) {
+  const double host = train::device_memory_bytes(Device());
+  if (host <= 0) GTEST_SKIP() << "this machine's memory is not known";
+  MemoryEstimateInput in{nn::ModelConfig::from_name("d2"), 1, 1024};
+  const train::MemoryEstimate one = estimate_training_memory(in);
+  const int64_t batch = int64_t(host / one.activations) * 2 + 2;  // twice the machine
+  train::TrainOptions o;
+  o.model = "d2";
+  o.batch_size = batch;
+  o.seq_len = 1024;
+  o.train_data = "never_read_*.bin";  // the refusal comes first
+  o.quiet = true;
+  test::expect_error_mentioning([&] { train::Trainer t(o); },
+                                {"training needs about", "activations", "lower -b " + std::to_string(batch),
+                                 "would fit", "--total-batch-tokens", "--recompute full"});
+  // The estimate says so for a synthetic one too, and a fitting one passes.
+  train::MemoryEstimate e = one;
+  e.activations = host;
+  test::expect_error_mentioning([&] { train::check_training_memory_fits(e, Device(), 4, "full"); },
+                                {"lower -b 4", "--total-batch-tokens"});
+  // Not one sequence fits beside the model state: no smaller batch is offered.
+  e.parameters = host;
+  test::expect_error_mentioning([&] { train::check_training_memory_fits(e, Device(), 4, "none"); },
+                                {"not even -b 1 fits", "--recompute full", "--zero 3"});
+  e.parameters = one.parameters;
+  e.activations = 0;
+  EXPECT_NO_THROW(train::check_training_memory_fits(e, Device(), 4, "none"));
+}
+
 // A GPU's size is known (it was 0, so a model that could not fit a GPU was only refused against the host's memory),
 // and a model state larger than it is refused naming the device, while the same state fits the host.
 TEST(MemoryEstimate, CudaModelStateIsCheckedAgainstTheGpusMemory) {

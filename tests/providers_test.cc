@@ -78,8 +78,11 @@ TEST_F(Providers, LoadReportsOpsAndUnknownNames) {
   EXPECT_TRUE(found);
   auto names = dispatch::providers();
   EXPECT_NE(std::find(names.begin(), names.end(), "cpu_sample"), names.end());
-  // Loading the same provider name twice is refused.
+  // Loading the same provider name twice is refused, and its load warnings are not said again.
+  testing::internal::CaptureStderr();
   EXPECT_THROW(providers::load(plugin_path("loom_cpu_sample")), Error);
+  const std::string again = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(again.find("sample_frobnicate"), std::string::npos) << again;
 }
 
 TEST_F(Providers, RoutedOpsMatchNative) {

@@ -59,6 +59,35 @@ TEST(Train, LossFallsAndEvaluates) {
   EXPECT_LT(t.history().back().loss, t.history().front().loss);
 }
 
+// Long work says how far it got: building the model ("building the model (N parameters): S s so far", then "done")
+// and an evaluation ("evaluating: i/n batches, S s"), each at the progress interval (5 s for loom-train).
+TEST(Train, LongWorkPrintsProgress) {
+  TempDir dir;
+  auto o = tiny_setup(dir);
+  o.quiet = false;
+  o.progress_seconds = 1e-3;
+  testing::internal::CaptureStdout();
+  {
+    train::Trainer t(o);
+    t.evaluate(0);  // the whole validation split
+  }
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("evaluating: "), std::string::npos) << out;
+  EXPECT_NE(out.find(" batches, "), std::string::npos) << out;
+  // Building a model this small may take less than the ticker's first wake-up; when it said anything, it said both.
+  if (out.find("building the model (") != std::string::npos)
+    EXPECT_NE(out.find("parameters): done in "), std::string::npos) << out;
+  o.progress_seconds = 3600;  // nothing within the interval
+  testing::internal::CaptureStdout();
+  {
+    train::Trainer t(o);
+    t.evaluate(0);
+  }
+  const std::string quiet = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(quiet.find("evaluating:"), std::string::npos) << quiet;
+  EXPECT_EQ(quiet.find("building the model"), std::string::npos) << quiet;
+}
+
 // --phase-times: each step's phases in order, every micro-batch's forward and backward added up, and together no
 // longer than the step; run() prints their medians.
 TEST(Train, PhaseTimesCoverTheStep) {

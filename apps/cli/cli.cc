@@ -1,11 +1,17 @@
 // The apps' shared command-line conventions (cli.h).
 #include "cli/cli.h"
 
+#include <glob.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cctype>
+#include <cstdlib>
 #include <iostream>
+#include <map>
 #include <new>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -15,6 +21,7 @@
 #include "loom/distributed/parallel_plan.h"
 #include "loom/distributed/process_group.h"
 #include "loom/dispatch_modes.h"
+#include "loom/io/input_guard.h"
 #include "loom/io/read_file.h"
 
 namespace loom::cli {
@@ -120,26 +127,51 @@ void prepare(CLI::App& app, const std::string& name) {
   }, "print the version, the git commit and the CUDA, cuDNN and NCCL versions and CUDA architectures built, then exit");
 }
 
+namespace {
+// --batch_size is --batch-size (as config keys and loom-run take them): an underscore spelling of a long flag the
+// app has, and does not have as spelt, is read as the flag.
+std::vector<std::string> with_underscores_read(const CLI::App& app, std::vector<std::string> args) {
+  std::set<std::string> long_names;
+  for (const CLI::Option* opt : app.get_options())
+    for (const std::string& n : opt->get_lnames()) long_names.insert(n);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t eq = a.find('=');
+    std::string flag = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    if (flag.find('_') == std::string::npos || long_names.count(flag)) continue;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (long_names.count(flag)) a = "--" + flag + (eq == std::string::npos ? "" : a.substr(eq));
+  }
+  return args;
+}
+}  // namespace
+
 std::string parse_args(CLI::App& app, const std::string& name, const std::function<void()>& parse_call) {
   try {
     parse_call();
+  } catch (const CLI::ConfigError& e) {  // a config file's mistakes, all of them, one line each in file order
+    std::string text = e.what();
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    return text;
   } catch (const CLI::FileError& e) {  // --config naming no readable file: said as the file reader says it
     const std::string text = e.what(), suffix = " was not readable (missing?)";
     const size_t at = text.rfind(suffix);
     try {
       if (at != std::string::npos) io::read_input_file(text.substr(0, at), io::kMaxConfigFileBytes, "--config");
-      return "--config: " + text;
+      return one_line("--config: " + text);
     } catch (const Error& reason) {
-      return reason.what();
+      return one_line(reason.what());
     }
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) throw;  // --help, --version
     // A misspelt required flag is reported as what it is, not as the flag missing.
     const bool unknown = dynamic_cast<const CLI::ExtrasError*>(&e) ||
                          (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
-    return unknown ? unexpected_arguments(app, name) : e.what();
+    return one_line(unknown ? unexpected_arguments(app, name) : e.what());
   } catch (const std::exception& e) {  // a --config reader's failure that is no parse error (memory, a filesystem)
-    return apps::error_text(e);
+    return one_line(apps::error_text(e));
   } catch (...) {
     return "the command line could not be read (an unexpected error)";
   }
@@ -156,15 +188,63 @@ std::string error_line(const std::string& name, const std::string& message) {
 
 int parse(CLI::App& app, const std::string& name, int argc, char** argv) {
   prepare(app, name);
+  std::vector<std::string> args = with_underscores_read(app, std::vector<std::string>(argv, argv + argc));
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
   std::string error;
   try {
-    error = parse_args(app, name, [&] { app.parse(argc, argv); });
+    error = parse_args(app, name, [&] { app.parse(int(arg_ptrs.size()), arg_ptrs.data()); });
   } catch (const CLI::ParseError& e) {
     return app.exit(e);  // --help, --version
   }
-  if (error.empty()) return -1;
-  print_error(name, error);
-  return 2;
+  if (!error.empty()) {  // one line per mistake (a config file's several are on lines of their own)
+    std::istringstream lines(error);
+    for (std::string line; std::getline(lines, line);)
+      if (!line.empty()) print_error(name, line);
+    return 2;
+  }
+  note_command_line_inputs(app);
+  profile_ops_from_environment();
+  return -1;
+}
+
+namespace {
+std::map<const CLI::App*, std::set<std::string>>& output_flags() {
+  static std::map<const CLI::App*, std::set<std::string>> flags;
+  return flags;
+}
+}  // namespace
+
+void output_options(const CLI::App& app, const std::vector<std::string>& flags) {
+  for (const std::string& f : flags) output_flags()[&app].insert(f.substr(f.find_first_not_of('-')));
+}
+
+void note_command_line_inputs(const CLI::App& app) {
+  const std::set<std::string>& outputs = output_flags()[&app];
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->count() == 0 || opt->get_lnames().empty() || outputs.count(opt->get_lnames().front())) continue;
+    for (const std::string& value : opt->results()) {
+      struct stat st{};
+      if (value.empty()) continue;
+      if (::stat(value.c_str(), &st) == 0) {
+        if (S_ISREG(st.st_mode)) io::note_input(value);
+        continue;
+      }
+      if (value.find_first_of("*?[") == std::string::npos) continue;
+      glob_t g{};  // a pattern of files (--train-data "data/*_train_*.bin"): each file it names
+      if (::glob(value.c_str(), GLOB_NOSORT, nullptr, &g) == 0)
+        for (size_t i = 0; i < g.gl_pathc && i < 100000; ++i)
+          if (::stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) io::note_input(g.gl_pathv[i]);
+      ::globfree(&g);
+    }
+  }
+}
+
+void profile_ops_from_environment() {
+  const char* mode = std::getenv("LOOM_PROFILE_OPS");
+  if (!mode || !*mode || std::string(mode) == "0") return;
+  const char* file = std::getenv("LOOM_PROFILE_OPS_FILE");
+  dispatch::report_op_profile_at_exit(std::string(mode) == "shapes", file ? file : "", "LOOM_PROFILE_OPS_FILE");
 }
 
 int run(const std::string& name, const std::function<void()>& body) {
@@ -186,9 +266,11 @@ int run(const std::string& name, const std::function<void()>& body) {
     }
     return 1;
   } catch (const std::exception& e) {  // loom::Error; a directory that cannot be made, bad_alloc: in Loom's words
+    dispatch::report_op_profile_now();  // the exit report, if any, before the error: the error is the last line
     print_error(name, apps::error_text(e));
     return 1;
   } catch (...) {
+    dispatch::report_op_profile_now();
     print_error(name, "an unexpected error that is not a std::exception (a plugin library's?)");
     return 1;
   }

@@ -32,6 +32,18 @@ std::string parse_args(CLI::App& app, const std::string& name, const std::functi
 // The message as print_error prints it after "APP: error: ": one line, a leading "APP: " or "error: " dropped.
 std::string error_line(const std::string& name, const std::string& message);
 
+// The flags of `app` whose values are outputs (--dump-logits, --checkpoint-dir, ...): declared before parse(), which
+// otherwise takes every value that names an existing file (or a pattern of files) as an input of the run
+// (note_command_line_inputs), so that no output, the exit report's file included, replaces it even when the run
+// stops before reading it.
+void output_options(const CLI::App& app, const std::vector<std::string>& flags);
+void note_command_line_inputs(const CLI::App& app);
+
+// The environment's settings of the library, read here at the app's edge (the library reads no variable of these):
+// LOOM_PROFILE_OPS (1, or shapes) turns per-op profiling on with its report at exit, and LOOM_PROFILE_OPS_FILE
+// names the file the report is also written to. parse() calls it after a command line that parsed.
+void profile_ops_from_environment();
+
 // Prints "APP: error: <message>" as one line: a message that starts with "APP: " says the name once, and the lines
 // of a message of several are joined with "; ".
 void print_error(const std::string& name, const std::string& message);

@@ -2,6 +2,7 @@
 // trainer's table of settings.
 #include "cli/run_config.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <iterator>
 #include <map>
@@ -40,13 +41,68 @@ std::string number_text(double v) {
   return buf;
 }
 
-// One key of the file: where it is ("run.toml:3" or "run.json"), the section it is in ("" at the top) and its values.
+// One key of the file: where it is ("run.toml:3" or "run.json"), its place in the file (the line, or for JSON the
+// key's number in file order), the section it is in ("" at the top) and its values.
 struct Entry {
-  std::string where, section, key;
+  std::string where;
+  int64_t order = 0;
+  std::string section, key;
   std::vector<std::string> values;
 };
 
-// Checks every key against the settings table and turns the entries into CLI11 items.
+// torchtitan's own spellings: taken as Loom's setting (`flag`), or refused with what Loom has instead (`hint`).
+// key nullptr: every key of the section.
+struct Foreign {
+  const char* section;
+  const char* key;
+  const char* flag;
+  const char* hint;
+};
+constexpr const char* kModelHint =
+    "Loom names a model with one key: model = \"d12\", \"gpt2-xl\", \"llama3-8b\" (loom-train --help lists them) or "
+    "the path of a model config JSON";
+constexpr const char* kDataHint =
+    "Loom trains on token shards: train_data = \"data/train_*.bin\" (loom-prepare makes them from text or JSON Lines)";
+constexpr Foreign kForeign[] = {
+    {"job", "dump_folder", nullptr, "[job] is torchtitan's; Loom writes to checkpoint_dir ([checkpoint]) and log_dir "
+                                    "([metrics])"},
+    {"job", nullptr, nullptr, "[job] is torchtitan's; Loom has no such section (remove it)"},
+    {"lr_scheduler", "warmup_steps", "warmup", nullptr},
+    {"lr_scheduler", "decay_type", "decay", nullptr},
+    {"lr_scheduler", "min_lr_factor", "final-lr-fraction", nullptr},
+    {"lr_scheduler", "lr_min", "final-lr-fraction", nullptr},
+    {"lr_scheduler", nullptr, nullptr, "Loom's schedule is warmup, decay, final_lr_fraction and schedule_steps in "
+                                       "[optimizer]"},
+    {"training", "warmup_steps", "warmup", nullptr},
+    {"training", "local_batch_size", "batch-size", nullptr},
+    {"training", "max_norm", "clip", nullptr},
+    {"training", "global_batch_size", nullptr, "Loom counts tokens per step: total_batch_tokens = the global batch "
+                                               "x seq_len"},
+    {"training", "dataset", nullptr, kDataHint},
+    {"training", "dataset_path", nullptr, kDataHint},
+    {"training", "mixed_precision_param", nullptr, "Loom's compute precision is dtype = \"bf16\" in [training]"},
+    {"checkpoint", "folder", "checkpoint-dir", nullptr},
+    {"checkpoint", "interval", "checkpoint-interval", nullptr},
+    {"checkpoint", "keep_latest_k", "keep-checkpoints", nullptr},
+    {"checkpoint", "enable", nullptr, "Loom saves checkpoints whenever checkpoint_dir is set"},
+    {"checkpoint", "enable_checkpoint", nullptr, "Loom saves checkpoints whenever checkpoint_dir is set"},
+    {"metrics", "log_freq", "log-interval", nullptr},
+    {"metrics", "enable_tensorboard", nullptr, "Loom writes TensorBoard events whenever log_dir is set"},
+    {"metrics", "save_tb_folder", nullptr, "Loom writes TensorBoard events and metrics.jsonl into log_dir"},
+    {"model", "name", nullptr, kModelHint},
+    {"model", "flavor", nullptr, kModelHint},
+    {"optimizer", "name", nullptr, "Loom's optimizer is AdamW (lr, beta1, beta2, eps, weight_decay)"},
+};
+
+const Foreign* foreign(const std::string& section, const std::string& key) {
+  const std::string s = flag_of(section), k = flag_of(key);
+  for (const Foreign& f : kForeign)
+    if (flag_of(f.section) == s && (!f.key || flag_of(f.key) == k)) return &f;
+  return nullptr;
+}
+
+// Checks every key against the settings table and turns the entries into CLI11 items. Every mistake is noted; the
+// file's mistakes are reported together, in file order (items()).
 class Mapper {
  public:
   explicit Mapper(std::string path) : path_(std::move(path)) {
@@ -56,10 +112,15 @@ class Mapper {
     }
   }
 
-  bool is_section(const std::string& name) const { return sections_.count(flag_of(name)) > 0; }
+  // Loom's sections and torchtitan's that Loom maps ([lr_scheduler], [job]).
+  bool is_section(const std::string& name) const {
+    return sections_.count(flag_of(name)) > 0 ||
+           std::any_of(std::begin(kForeign), std::end(kForeign),
+                       [&](const Foreign& f) { return flag_of(f.section) == flag_of(name); });
+  }
 
-  [[noreturn]] void fail(const std::string& where, const std::string& what) const {
-    throw CLI::ConfigError("--config " + where + ": " + what);
+  void fail(const std::string& where, int64_t order, const std::string& what) {
+    errors_.push_back({order, "--config " + where + ": " + what});
   }
 
   std::string section_list() const {
@@ -68,28 +129,38 @@ class Mapper {
     return out;
   }
 
-  void unknown_section(const std::string& where, const std::string& name) const {
+  void unknown_section(const std::string& where, int64_t order, const std::string& name) {
     std::vector<std::string> known(sections_.begin(), sections_.end());
     const std::string near = nearest_name(name, known);
-    fail(where, "unknown section [" + name + "]" + (near.empty() ? "" : " (did you mean [" + near + "]?)") +
-                    "; the sections are " + section_list());
+    fail(where, order, "unknown section [" + name + "]" + (near.empty() ? "" : " (did you mean [" + near + "]?)") +
+                           "; the sections are " + section_list());
   }
 
   void add(const Entry& e) {
-    const std::string flag = flag_of(e.key);
-    const auto it = section_of_.find(flag);
+    std::string flag = flag_of(e.key);
     const std::string in = e.section.empty() ? "" : " in [" + e.section + "]";
+    bool placed = false;  // a torchtitan key taken as Loom's: its section is torchtitan's
+    if (const Foreign* f = e.section.empty() ? nullptr : foreign(e.section, e.key)) {
+      if (!f->flag)
+        return fail(e.where, e.order, "'" + e.key + "'" + in + " is torchtitan's: " + f->hint);
+      flag = f->flag;
+      placed = true;
+    }
+    const auto it = section_of_.find(flag);
     if (it == section_of_.end()) {
       std::vector<std::string> known;
       for (const auto& [f, s] : section_of_)
         if (e.section.empty() || s == flag_of(e.section)) known.push_back(key_of(f));
       const std::string near = nearest_name(e.key, known);
-      fail(e.where, "unknown key '" + e.key + "'" + in + (near.empty() ? "" : " (did you mean '" + near + "'?)") +
-                        "; the keys are loom-train's long flags (loom-train --help)");
+      return fail(e.where, e.order,
+                  "unknown key '" + e.key + "'" + in + (near.empty() ? "" : " (did you mean '" + near + "'?)") +
+                      "; the keys are loom-train's long flags (loom-train --help)");
     }
-    if (!e.section.empty() && it->second != flag_of(e.section))
-      fail(e.where, "'" + e.key + "' belongs in [" + it->second + "], not [" + e.section + "]");
-    if (!seen_.insert(flag).second) fail(e.where, "'" + e.key + "' is set twice");
+    if (!placed && !e.section.empty() && it->second != flag_of(e.section))
+      return fail(e.where, e.order, "'" + e.key + "' belongs in [" + it->second + "], not [" + e.section + "]");
+    if (!seen_.insert(flag).second)
+      return fail(e.where, e.order,
+                  "'" + e.key + "' is set twice" + (flag_of(e.key) == flag ? "" : " (it is Loom's " + key_of(flag) + ")"));
     CLI::ConfigItem item;
     item.name = flag;
     item.inputs = e.values;
@@ -97,7 +168,18 @@ class Mapper {
   }
 
   const std::string& path() const { return path_; }
-  std::vector<CLI::ConfigItem> items() && { return std::move(items_); }
+
+  // The items; or every mistake, in file order, one line each.
+  std::vector<CLI::ConfigItem> items() && {
+    if (!errors_.empty()) {
+      std::stable_sort(errors_.begin(), errors_.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      std::string text;
+      for (const auto& [order, line] : errors_) text += (text.empty() ? "" : "\n") + line;
+      throw CLI::ConfigError(text);
+    }
+    return std::move(items_);
+  }
 
  private:
   std::string path_;
@@ -105,6 +187,7 @@ class Mapper {
   std::set<std::string> sections_;
   std::set<std::string> seen_;
   std::vector<CLI::ConfigItem> items_;
+  std::vector<std::pair<int64_t, std::string>> errors_;
 };
 
 // ---- TOML ----
@@ -123,20 +206,25 @@ std::optional<std::string> toml_scalar(const toml::node& v) {
   }
 }
 
-void toml_entry(Mapper& m, const std::string& section, const toml::key& key, const toml::node& value) {
-  Entry e{toml_where(m.path(), key.source()), section, std::string(key.str()), {}};
+// The entry of a key, or nullopt when its value is none a setting takes (noted).
+std::optional<Entry> toml_entry(Mapper& m, const std::string& section, const toml::key& key, const toml::node& value) {
+  Entry e{toml_where(m.path(), key.source()), int64_t(key.source().begin.line), section, std::string(key.str()), {}};
   if (const toml::array* list = value.as_array()) {
     for (const toml::node& v : *list) {
       std::optional<std::string> s = toml_scalar(v);
-      if (!s) m.fail(e.where, "'" + e.key + "' must be a list of strings, numbers or booleans");
+      if (!s) {
+        m.fail(e.where, e.order, "'" + e.key + "' must be a list of strings, numbers or booleans");
+        return std::nullopt;
+      }
       e.values.push_back(*s);
     }
   } else if (std::optional<std::string> s = toml_scalar(value)) {
     e.values.push_back(*s);
   } else {
-    m.fail(e.where, "'" + e.key + "' must be a string, number, boolean or a list of them");
+    m.fail(e.where, e.order, "'" + e.key + "' must be a string, number, boolean or a list of them");
+    return std::nullopt;
   }
-  m.add(e);
+  return e;
 }
 
 std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::string& text) {
@@ -148,55 +236,78 @@ std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::strin
                            std::string(e.description()));
   }
   Mapper m(path);
+  std::vector<Entry> entries;  // taken in file order (toml++ keeps a section's keys sorted by name)
+  auto line_of = [](const toml::key& k) { return int64_t(k.source().begin.line); };
   for (const auto& [key, value] : doc) {
     if (const toml::table* section = value.as_table()) {
       const std::string name(key.str());
-      if (!m.is_section(name)) m.unknown_section(toml_where(path, key.source()), name);
-      for (const auto& [k, v] : *section) {
-        if (v.is_table()) m.unknown_section(toml_where(path, k.source()), name + "." + std::string(k.str()));
-        toml_entry(m, name, k, v);
+      if (!m.is_section(name)) {
+        m.unknown_section(toml_where(path, key.source()), line_of(key), name);
+        continue;
       }
-    } else {
-      toml_entry(m, "", key, value);
+      for (const auto& [k, v] : *section) {
+        if (v.is_table()) {
+          m.unknown_section(toml_where(path, k.source()), line_of(k), name + "." + std::string(k.str()));
+          continue;
+        }
+        if (auto e = toml_entry(m, name, k, v)) entries.push_back(std::move(*e));
+      }
+    } else if (auto e = toml_entry(m, "", key, value)) {
+      entries.push_back(std::move(*e));
     }
   }
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.order < b.order; });
+  for (const Entry& e : entries) m.add(e);
   return std::move(m).items();
 }
 
 // ---- JSON ----
 
-void json_entry(Mapper& m, const std::string& section, const std::string& key, const nlohmann::json& value) {
-  Entry e{m.path(), section, key, {}};
-  auto scalar = [&](const nlohmann::json& v) -> std::string {
+void json_entry(Mapper& m, int64_t order, const std::string& section, const std::string& key,
+                const nlohmann::ordered_json& value) {
+  Entry e{m.path(), order, section, key, {}};
+  bool ok = true;
+  auto scalar = [&](const nlohmann::ordered_json& v) -> std::string {
     if (v.is_string()) return v.get<std::string>();
     if (v.is_boolean() || v.is_number()) return v.dump();
-    m.fail(e.where, "'" + key + "' must be a string, number, boolean or a list of them, got " + io::json_excerpt(v));
+    if (ok)
+      m.fail(e.where, order, "'" + key + "' must be a string, number, boolean or a list of them, got " +
+                                 io::json_excerpt(nlohmann::json::parse(v.dump())));
+    ok = false;
+    return "";
   };
   if (value.is_array())
     for (const auto& v : value) e.values.push_back(scalar(v));
   else
     e.values.push_back(scalar(value));
-  m.add(e);
+  if (ok) m.add(e);
 }
 
 std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::string& text) {
-  nlohmann::json doc;
   try {
-    doc = io::parse_json(text, "--config " + path);  // nesting bounded
+    io::parse_json(text, "--config " + path);  // nesting bounded, a repeated key refused
   } catch (const Error& e) {
     throw CLI::ConfigError(e.what());
   }
+  const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text);  // the keys in file order
   Mapper m(path);
-  if (!doc.is_object()) m.fail(path, "must hold a JSON object of settings, got " + std::string(doc.type_name()));
+  if (!doc.is_object()) {
+    m.fail(path, 0, "must hold a JSON object of settings, got " + std::string(doc.type_name()));
+    return std::move(m).items();
+  }
+  int64_t order = 0;
   for (const auto& [key, value] : doc.items()) {
     if (value.is_object()) {
-      if (!m.is_section(key)) m.unknown_section(path, key);
+      if (!m.is_section(key)) {
+        m.unknown_section(path, order++, key);
+        continue;
+      }
       for (const auto& [k, v] : value.items()) {
-        if (v.is_object()) m.unknown_section(path, key + "." + k);
-        json_entry(m, key, k, v);
+        if (v.is_object()) m.unknown_section(path, order++, key + "." + k);
+        else json_entry(m, order++, key, k, v);
       }
     } else {
-      json_entry(m, "", key, value);
+      json_entry(m, order++, "", key, value);
     }
   }
   return std::move(m).items();

@@ -8,6 +8,8 @@
 //
 // or flat keys (batch_size = 16, {"batch-size": 16}). Keys are the long flags with '_' or '-'; sections and which
 // key each holds come from the trainer's table of settings (train::run_setting_names). Values on the command line win.
+// torchtitan's own keys are taken where Loom has the setting under another name ([lr_scheduler] warmup_steps,
+// [checkpoint] folder, ...) and refused otherwise with Loom's equivalent ([job], [model] name and flavor, ...).
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -19,7 +21,8 @@ namespace loom::cli {
 
 // The file's settings as CLI11 config items named by their flags ("batch-size"), each value as text. Throws
 // CLI::ConfigError naming the file (and the line, for TOML) on a syntax error, an unknown section or key, a key in
-// another section than its own, a key given twice, or a value that is no string, number, boolean or list of them.
+// another section than its own, a key given twice, or a value that is no string, number, boolean or list of them:
+// every such mistake of the file, one per line, in file order (a syntax error alone).
 std::vector<CLI::ConfigItem> read_run_config(const std::string& path, const std::string& text);
 
 // Gives `app` --config FILE read with read_run_config. Call after every option is added: an option that is not in

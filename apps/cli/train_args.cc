@@ -58,7 +58,8 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "model directory, a Loom checkpoint (weights only: a file, a step directory or a run's checkpoint "
                  "directory, whose latest is taken; its model unless --model is given) or an llm.c GPT-2 .bin (its "
                  "header gives the model unless --model is given)");
-  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob")->required();
+  app.add_option("--train-data", o.train_data, "training shard(s): a path or a glob (required, except by --eval-only "
+                 "with --val-data)");
   app.add_option("--val-data", o.val_data, "validation shard(s)");
   app.add_option("-b,--batch-size", o.batch_size, "sequences per micro-batch (B)")->capture_default_str()->check(at_least(1));
   app.add_option("-t,--seq-len", o.seq_len, "tokens per sequence (T)")->capture_default_str()->check(at_least(1));
@@ -69,7 +70,7 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "raised --steps continues at the final learning rate")
       ->capture_default_str()->check(at_least(0));
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(finite & in_range(0, 1e3));
-  app.add_option("--warmup", o.warmup_steps, "linear warmup steps")->capture_default_str()->check(at_least(0));
+  app.add_option("--warmup", o.warmup_steps, "linear warmup steps (the default: at most the schedule's length)")->capture_default_str()->check(at_least(0));
   app.add_option("--decay", o.decay, "learning-rate decay after warmup: cosine, linear or constant")
       ->capture_default_str()->check(CLI::IsMember({"cosine", "linear", "constant"}));
   app.add_option("--final-lr-fraction", o.final_lr_fraction, "final learning rate as a fraction of the peak")
@@ -131,6 +132,9 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
   app.add_option("--keep-checkpoints", o.keep_checkpoints, "after each save keep only the newest N checkpoints of "
                  "--checkpoint-dir (0: all); the one 'latest' names is never removed")
       ->capture_default_str()->check(at_least(0));
+  app.add_flag("--keep-best", o.keep_best, "keep the checkpoint with the best validation loss: an evaluation that "
+               "beats the run's earlier ones saves its step's checkpoint and names it in --checkpoint-dir's 'best' file; "
+               "--keep-checkpoints never removes it (needs --checkpoint-dir and --val-data)");
   app.add_option("--resume", o.resume, "resume from a checkpoint (file or sharded directory) or a checkpoint "
                  "directory's latest; the model and the settings are the checkpoint's unless given (a change is "
                  "printed old -> new, or refused)");
@@ -189,6 +193,7 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "DIOPI implementation library (libdiopi_impl.so) to load as provider 'diopi'; route ops to it with "
                  "LOOM_PROVIDERS=\"diopi;native\" (docs/PROVIDERS.md)");
   add_run_config(app);
+  output_options(app, {"--checkpoint-dir", "--log-dir", "--trace-ops"});
 }
 
 void finish_train_options(const CLI::App& app, TrainArgs& args) {
@@ -197,6 +202,9 @@ void finish_train_options(const CLI::App& app, TrainArgs& args) {
   for (const CLI::Option* opt : app.get_options())
     if (opt->count() > 0 && !opt->get_lnames().empty()) args.options.given->insert(opt->get_lnames().front());
   if (!args.tf32.empty()) args.options.tf32 = args.tf32 == "on";
+  const train::TrainOptions& o = args.options;
+  if (o.train_data.empty() && !(o.eval_only && !o.val_data.empty()))
+    throw Error("--train-data is required (--eval-only needs it only without --val-data)");
 }
 
 TrainArgs parse_train_args(const std::vector<std::string>& args) {

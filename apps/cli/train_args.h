@@ -22,7 +22,8 @@ struct TrainArgs {
 // Adds every loom-train option to `app`, bound to `args`, and --config (add_run_config).
 void add_train_options(CLI::App& app, TrainArgs& args);
 
-// After a parse: the settings given (TrainOptions::given, from the options that took a value) and --tf32.
+// After a parse: the settings given (TrainOptions::given, from the options that took a value) and --tf32; throws
+// loom::Error naming a required setting that is missing (--train-data but for --eval-only with --val-data).
 void finish_train_options(const CLI::App& app, TrainArgs& args);
 
 // The settings that `args` (as loom-train's command line takes them, without the program name: {"--config",

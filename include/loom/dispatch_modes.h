@@ -54,11 +54,12 @@ std::string autotune_report(const std::string& op, DeviceType device, DType dtyp
 std::map<std::string, uint64_t> cpu_fallback_counts();  // "op@device type" -> calls that ran on the CPU
 void reset_cpu_fallback_counts();
 
-// Per-op timing, opt in with LOOM_PROFILE_OPS=1 (or set_op_profiling): the device is synchronized before and after
-// each kernel call and the wall time added to its (op, device, dtype) row, so a row is the kernel's device time plus
-// one launch. With the variable set, the table goes to stderr at exit, and also, tab-separated, to the file
-// LOOM_PROFILE_OPS_FILE names. LOOM_PROFILE_OPS=shapes splits each row by the shapes of the call's first two tensor
-// arguments (a gemm's A and B as stored), to tell calls apart.
+// Per-op timing, opt in with set_op_profiling (the apps: LOOM_PROFILE_OPS=1, read by them, never by the library):
+// the device is synchronized before and after each kernel call and the wall time added to its (op, device, dtype)
+// row, so a row is the kernel's device time plus one launch. report_op_profile_at_exit() also prints the table to
+// stderr at exit, and writes it tab-separated to a file (the apps: LOOM_PROFILE_OPS_FILE). With `shapes`
+// (LOOM_PROFILE_OPS=shapes) each row is split by the shapes of the call's first two tensor arguments (a gemm's A and
+// B as stored), to tell calls apart.
 struct OpProfileRow {
   std::string op;
   std::string detail;  // the first tensor arguments' shapes, in the shapes mode
@@ -74,13 +75,19 @@ std::vector<OpProfileRow> op_profile();  // by total time, largest first
 void reset_op_profile();
 // The rows as an aligned table with each row's share of the total, and the largest peak device memory seen.
 std::string op_profile_table();
-// The file the exit report is written to (LOOM_PROFILE_OPS_FILE with LOOM_PROFILE_OPS set; "" for none). It is
-// written atomically; a path that cannot be written (an input of the run, a directory, a device) ends the process
-// with one error line and status 1.
+// Turns profiling on and reports at exit: the table on stderr and, when `file` is not empty, the rows there
+// (written atomically; a path that cannot be written, such as an input of the run, a directory or a device, ends the
+// process with one error line naming `what` and status 1). A second call changes the mode and file, not the report.
+void report_op_profile_at_exit(bool shapes, const std::string& file = "",
+                               const std::string& what = "the op profile file");
+// The file the exit report is written to ("" for none).
 std::string op_profile_file();
-// What the apps call before their work: throws one line naming LOOM_PROFILE_OPS_FILE when that file could not be
+// What the apps call before their work: throws one line naming the file's `what` when that file could not be
 // written (io::check_can_write), and there is then no exit report (the error is said once, as the last line).
 void check_op_profile_file();
+// Reports now what report_op_profile_at_exit would at exit, and not again: for an app whose work failed, so that its
+// error line is the last one.
+void report_op_profile_now();
 
 // Op traces (loom-train --trace-ops FILE; docs/PROVIDERS.md): while on, every call dispatched outside a kernel is
 // recorded: the op, device, dispatch dtype, each tensor argument's dtype, shape, strides, storage offset and which

@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -27,16 +29,23 @@ std::string errno_text() { return std::strerror(errno); }
 // When this library was loaded: a temporary older than that cannot be one this process is writing.
 const std::filesystem::file_time_type kLoadTime = std::filesystem::file_time_type::clock::now();
 
-// The pid in a temporary's name ".loom.tmp.<file>.<pid>.<random>", or -1.
-long temp_owner_pid(const std::string& name) {
-  size_t last = name.rfind('.');
-  if (last == std::string::npos || last == 0) return -1;
-  size_t prev = name.rfind('.', last - 1);
-  if (prev == std::string::npos) return -1;
-  std::string pid = name.substr(prev + 1, last - prev - 1);
-  if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stol(pid);
+// The writer of a temporary "...<pid>@<host>" (its last dot-separated field, or the one before the random part):
+// its pid and host, or pid -1 (a name in another form, such as an older Loom's ".<pid>", whose host is unknown).
+struct TempOwner {
+  long pid = -1;
+  std::string host;
+};
+TempOwner parse_owner(const std::string& owner) {
+  const size_t at = owner.find('@');
+  if (at == std::string::npos || at == 0 || at > 9) return {};
+  const std::string pid = owner.substr(0, at);
+  if (pid.find_first_not_of("0123456789") != std::string::npos) return {};
+  return {std::stol(pid), owner.substr(at + 1)};
 }
+
+// Another host's temporary (or one whose host is unknown) may belong to a write still running there, which this host
+// cannot ask about: it is removed only when nothing wrote it for this long.
+constexpr auto kOtherHostStale = std::chrono::hours(24);
 
 // Makes the rename itself durable; failure here is not fatal (some filesystems refuse fsync on directories).
 void fsync_directory_of(const std::string& path) {
@@ -58,8 +67,8 @@ AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   std::random_device rd;
   for (int attempt = 0; attempt < 100 && fd_ < 0; ++attempt) {
     char suffix[40];
-    std::snprintf(suffix, sizeof suffix, ".%d.%08x%llu", int(::getpid()), unsigned(rd()),
-                  static_cast<unsigned long long>(counter.fetch_add(1)));
+    std::snprintf(suffix, sizeof suffix, ".%s.%08x%llu", temp_owner_tag(::getpid(), host_id()).c_str(),
+                  unsigned(rd()), static_cast<unsigned long long>(counter.fetch_add(1)));
     const std::filesystem::path p(path_);
     temp_path_ = (p.parent_path() / (kTempPrefix + p.filename().string() + suffix)).string();
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
@@ -123,6 +132,36 @@ void AtomicFileWriter::commit() {
 
 std::filesystem::file_time_type process_start_time() { return kLoadTime; }
 
+uint32_t host_id() {
+  static const uint32_t id = [] {
+    char name[256] = {};
+    if (::gethostname(name, sizeof name - 1) != 0) name[0] = '\0';
+    uint32_t h = 2166136261u;  // FNV-1a
+    for (const char* c = name; *c; ++c) h = (h ^ uint8_t(*c)) * 16777619u;
+    return h;
+  }();
+  return id;
+}
+
+std::string temp_owner_tag(int64_t pid, uint32_t host) {
+  char tag[40];
+  std::snprintf(tag, sizeof tag, "%lld@%08x", static_cast<long long>(pid), host);
+  return tag;
+}
+
+bool temp_writer_gone(const std::string& owner_tag, std::filesystem::file_time_type mtime,
+                      std::filesystem::file_time_type before) {
+  if (mtime >= before) return false;  // possibly being written now
+  const TempOwner owner = parse_owner(owner_tag);
+  char here[16];
+  std::snprintf(here, sizeof here, "%08x", host_id());
+  if (owner.pid < 0 || owner.host != here)
+    return mtime < std::filesystem::file_time_type::clock::now() - kOtherHostStale;  // it may still run there
+  if (owner.pid == long(::getpid())) return false;  // ours
+  if (owner.pid == 0) return true;  // no process's: the swapper's pid is no writer
+  return !(::kill(pid_t(owner.pid), 0) == 0 || errno == EPERM);
+}
+
 std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::filesystem::file_time_type before) {
   std::vector<std::string> removed;
   std::error_code ec;
@@ -132,12 +171,15 @@ std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::f
     if (name.rfind(kTempPrefix, 0) != 0) continue;
     struct stat st;  // lstat: a link planted under the prefix is removed itself, never its target
     if (::lstat(it->path().c_str(), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISLNK(st.st_mode))) continue;
-    std::error_code tec;
-    auto mtime = std::filesystem::last_write_time(it->path(), tec);
-    if (S_ISREG(st.st_mode) && (tec || mtime >= before)) continue;  // possibly being written now
-    const long pid = temp_owner_pid(name);
-    if (pid == long(::getpid())) continue;  // ours
-    if (pid > 0 && (::kill(pid_t(pid), 0) == 0 || errno == EPERM)) continue;  // its writer still runs (this host)
+    if (S_ISREG(st.st_mode)) {  // a writer creates regular files only: a link is never one of its temporaries
+      std::error_code tec;
+      const auto mtime = std::filesystem::last_write_time(it->path(), tec);
+      // ".loom.tmp.<file>.<pid>@<host>.<random>": the owner is the field before the last.
+      const size_t last = name.rfind('.');
+      const size_t prev = last == 0 ? std::string::npos : name.rfind('.', last - 1);
+      const std::string owner = prev == std::string::npos ? "" : name.substr(prev + 1, last - prev - 1);
+      if (tec || !temp_writer_gone(owner, mtime, before)) continue;
+    }
     if (::unlink(it->path().c_str()) == 0) removed.push_back(it->path().string());
   }
   return removed;

@@ -15,6 +15,7 @@
 #include "loom/autograd/grad_mode.h"
 #include "loom/common/error.h"
 #include "loom/data/gpt2_tokenizer.h"
+#include "loom/data/hf_tokenizer.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/llmc_model.h"
 #include "loom/io/read_file.h"
@@ -273,7 +274,53 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
   }
 
   // Tokenizer.
-  if (cfg.family == nn::ModelFamily::kGPT2) {
+  auto write_gpt2_configs = [&](bool has_end_of_text) {
+    nlohmann::json tc = {{"tokenizer_class", "GPT2Tokenizer"}, {"model_max_length", cfg.max_seq_len},
+                         {"add_prefix_space", false}, {"clean_up_tokenization_spaces", false}};
+    nlohmann::json sm = nlohmann::json::object();
+    if (has_end_of_text)
+      for (const char* k : {"bos_token", "eos_token", "unk_token"}) tc[k] = sm[k] = kGpt2Special;
+    write("tokenizer_config.json", tc.dump(2) + "\n");
+    write("special_tokens_map.json", sm.dump(2) + "\n");
+  };
+  if (cfg.family == nn::ModelFamily::kGPT2 && !opts.gpt2_tokenizer_json.empty()) {
+    // A tokenizer.json as given: it is what the model was trained with; vocab.json and merges.txt for the slow
+    // GPT2Tokenizer come from its model section.
+    const std::string& path = opts.gpt2_tokenizer_json;
+    const data::HfTokenizer tok(path);  // every check of the reader (bounds, types), errors naming the file
+    LOOM_REQUIRE(tok.vocab_size() <= cfg.vocab_size, "Hugging Face export: tokenizer '", path, "' has ",
+                 tok.vocab_size(), " tokens, more than the model's vocabulary of ", cfg.vocab_size);
+    const std::string text = read_text(path);
+    const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text);
+    const auto& model_section = doc.at("model");
+    LOOM_REQUIRE(model_section.value("type", "BPE") == "BPE" && model_section.contains("vocab") &&
+                     model_section.at("vocab").is_object() && model_section.contains("merges") &&
+                     model_section.at("merges").is_array(),
+                 "Hugging Face export: tokenizer '", path, "': model is not a BPE with a vocab object and a merges "
+                 "array (a GPT-2 model's tokenizer is byte-level BPE)");
+    std::string merges = "#version: 0.2\n";
+    for (const auto& m : model_section.at("merges")) {
+      if (m.is_string()) merges += m.get<std::string>() + "\n";
+      else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string())
+        merges += m[0].get<std::string>() + " " + m[1].get<std::string>() + "\n";
+      else
+        LOOM_THROW("Hugging Face export: tokenizer '", path, "': model.merges holds ", json_excerpt(nlohmann::json::parse(m.dump())),
+                   ", not \"a b\" or [\"a\", \"b\"]");
+    }
+    nlohmann::ordered_json vocab = model_section.at("vocab");
+    bool has_end_of_text = vocab.contains(kGpt2Special);
+    if (doc.contains("added_tokens") && doc.at("added_tokens").is_array())
+      for (const auto& a : doc.at("added_tokens"))
+        if (a.is_object() && a.value("content", "") == kGpt2Special && a.contains("id") && a.at("id").is_number_integer()) {
+          has_end_of_text = true;
+          vocab[kGpt2Special] = a.at("id");
+        }
+    write("tokenizer.json", text);
+    write("vocab.json", vocab.dump());
+    write("merges.txt", merges);
+    write_gpt2_configs(has_end_of_text);
+    result.tokenizer_note = "tokenizer from " + path + " (tokenizer.json, with vocab.json and merges.txt made from it)";
+  } else if (cfg.family == nn::ModelFamily::kGPT2) {
     if (cfg.vocab_size != 50257) {
       result.tokenizer_note = "no tokenizer written: the model's vocabulary of " + std::to_string(cfg.vocab_size) +
                               " is not GPT-2's 50257";
@@ -296,14 +343,36 @@ HfExportResult save_hf_model_dir(const std::string& dir, const nn::LanguageModel
         } catch (const std::exception& e) {
           LOOM_THROW("Hugging Face export: '", (fs::path(vocab_dir) / "encoder.json").string(), "': ", json_error_text(e));
         }
+        const std::string bpe = read_text(fs::path(vocab_dir) / "vocab.bpe");
         write("vocab.json", encoder);
-        write("merges.txt", read_text(fs::path(vocab_dir) / "vocab.bpe"));
-        nlohmann::json tc = {{"tokenizer_class", "GPT2Tokenizer"}, {"model_max_length", cfg.max_seq_len},
-                             {"bos_token", kGpt2Special}, {"eos_token", kGpt2Special}, {"unk_token", kGpt2Special},
-                             {"add_prefix_space", false}, {"clean_up_tokenization_spaces", false}};
-        write("tokenizer_config.json", tc.dump(2) + "\n");
-        nlohmann::json sm = {{"bos_token", kGpt2Special}, {"eos_token", kGpt2Special}, {"unk_token", kGpt2Special}};
-        write("special_tokens_map.json", sm.dump(2) + "\n");
+        write("merges.txt", bpe);
+        write_gpt2_configs(true);
+        // And the fast tokenizer's tokenizer.json, as Hugging Face ships GPT-2's (openai-community/gpt2).
+        nlohmann::ordered_json merges = nlohmann::ordered_json::array();
+        std::istringstream lines(bpe);
+        for (std::string line; std::getline(lines, line);) {
+          if (!line.empty() && line.back() == '\r') line.pop_back();
+          if (!line.empty() && line.rfind("#version", 0) != 0) merges.push_back(line);
+        }
+        nlohmann::ordered_json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                                             {"trim_offsets", true}, {"use_regex", true}};
+        nlohmann::ordered_json doc;
+        doc["version"] = "1.0";
+        doc["truncation"] = nullptr;
+        doc["padding"] = nullptr;
+        doc["added_tokens"] = nlohmann::ordered_json::array(
+            {{{"id", 50256}, {"content", kGpt2Special}, {"single_word", false}, {"lstrip", false},
+              {"rstrip", false}, {"normalized", true}, {"special", true}}});
+        doc["normalizer"] = nullptr;
+        doc["pre_tokenizer"] = byte_level;
+        doc["post_processor"] = byte_level;
+        doc["post_processor"]["trim_offsets"] = false;
+        doc["decoder"] = byte_level;
+        doc["model"] = {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                        {"continuing_subword_prefix", ""}, {"end_of_word_suffix", ""}, {"fuse_unk", false},
+                        {"byte_fallback", false}, {"vocab", nlohmann::ordered_json::parse(encoder)},
+                        {"merges", merges}};
+        write("tokenizer.json", doc.dump() + "\n");
         result.tokenizer_note = "GPT-2 tokenizer from " + vocab_dir;
       }
     }

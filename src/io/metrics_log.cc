@@ -124,6 +124,7 @@ TensorBoardEvent decode_event(const std::string& payload, const std::string& con
         ProtoReader value = summary.sub();
         std::string tag;
         float simple_value = 0;
+        bool has_simple_value = false;
         while (!value.done()) {
           const uint64_t vkey = value.varint();
           if ((vkey >> 3) == 1 && (vkey & 7) == kLengthDelimited) {
@@ -131,11 +132,32 @@ TensorBoardEvent decode_event(const std::string& payload, const std::string& con
             tag.assign(payload, t.pos, t.end - t.pos);
           } else if ((vkey >> 3) == 2 && (vkey & 7) == kFixed32) {
             simple_value = value.fixed<float>();
+            has_simple_value = true;
+          } else if ((vkey >> 3) == 9 && (vkey & 7) == kLengthDelimited) {  // SummaryMetadata
+            ProtoReader meta = value.sub();
+            while (!meta.done()) {
+              const uint64_t mkey = meta.varint();
+              if ((mkey >> 3) != 1 || (mkey & 7) != kLengthDelimited) {
+                meta.skip(int(mkey & 7));
+                continue;
+              }
+              ProtoReader plugin = meta.sub();  // PluginData { plugin_name = 1; content = 2 }
+              while (!plugin.done()) {
+                const uint64_t pkey = plugin.varint();
+                if ((pkey & 7) != kLengthDelimited || ((pkey >> 3) != 1 && (pkey >> 3) != 2)) {
+                  plugin.skip(int(pkey & 7));
+                  continue;
+                }
+                ProtoReader f = plugin.sub();
+                ((pkey >> 3) == 1 ? event.plugin_name : event.plugin_content).assign(payload, f.pos, f.end - f.pos);
+              }
+            }
           } else {
             value.skip(int(vkey & 7));
           }
         }
-        event.scalars.emplace_back(std::move(tag), simple_value);
+        if (has_simple_value) event.scalars.emplace_back(std::move(tag), simple_value);
+        else event.plugin_tag = std::move(tag);
       }
     } else {
       r.skip(wire);
@@ -180,12 +202,13 @@ JsonlMetricsWriter::JsonlMetricsWriter(const std::string& path) : path_(path) {
 
 JsonlMetricsWriter::~JsonlMetricsWriter() = default;
 
-void JsonlMetricsWriter::write_run_start(int64_t step, const std::string& resumed_from) {
+void JsonlMetricsWriter::write_run_start(int64_t step, const std::string& resumed_from, const std::string& config) {
   nlohmann::ordered_json line;
   line["run_start"] = true;
   line["step"] = step;
   line["time"] = wall_time_now();
   if (!resumed_from.empty()) line["resumed_from"] = resumed_from;
+  if (!config.empty()) line["config"] = nlohmann::ordered_json::parse(config);
   file_->write(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
@@ -256,6 +279,72 @@ TensorBoardWriter::TensorBoardWriter(const std::string& logdir) {
 }
 
 TensorBoardWriter::~TensorBoardWriter() = default;
+
+namespace {
+
+// google.protobuf.Value: number_value = 2 (double), string_value = 3, bool_value = 4.
+std::string hparam_value(const nlohmann::json& v) {
+  std::string out;
+  if (v.is_boolean()) {
+    put_tag(out, 4, kVarint);
+    put_varint(out, v.get<bool>() ? 1 : 0);
+  } else if (v.is_number()) {
+    put_tag(out, 2, kFixed64);
+    put_fixed(out, v.get<double>());
+  } else {
+    put_bytes_field(out, 3, v.is_string() ? v.get<std::string>() : v.dump(-1, ' ', false,
+                                                                           nlohmann::json::error_handler_t::replace));
+  }
+  return out;
+}
+
+// Objects flattened to "outer.inner" names; arrays and null as their JSON text.
+void flatten(const std::string& prefix, const nlohmann::json& j, std::vector<std::pair<std::string, nlohmann::json>>& out) {
+  if (!j.is_object()) {
+    out.emplace_back(prefix, j.is_null() ? nlohmann::json("null") : j);
+    return;
+  }
+  for (const auto& [key, value] : j.items()) flatten(prefix.empty() ? key : prefix + "." + key, value, out);
+}
+
+}  // namespace
+
+void TensorBoardWriter::add_hparams(const std::string& config_json, double start_time) {
+  std::vector<std::pair<std::string, nlohmann::json>> flat;
+  flatten("", nlohmann::json::parse(config_json), flat);
+  // HParamsPluginData { version = 1; session_start_info = 3 { map<string, Value> hparams = 1;
+  // start_time_secs = 5 } }, as TensorBoard's hparams summary writes it.
+  std::string start_info;
+  for (const auto& [name, value] : flat) {
+    std::string entry;
+    put_bytes_field(entry, 1, name);
+    put_bytes_field(entry, 2, hparam_value(value));
+    put_bytes_field(start_info, 1, entry);
+  }
+  put_tag(start_info, 5, kFixed64);
+  put_fixed(start_info, start_time);
+  std::string plugin_data;
+  put_tag(plugin_data, 1, kVarint);
+  put_varint(plugin_data, 0);
+  put_bytes_field(plugin_data, 3, start_info);
+  std::string plugin;  // PluginData { plugin_name = 1; content = 2 }
+  put_bytes_field(plugin, 1, "hparams");
+  put_bytes_field(plugin, 2, plugin_data);
+  std::string metadata;  // SummaryMetadata { plugin_data = 1 }
+  put_bytes_field(metadata, 1, plugin);
+  std::string value;  // Summary.Value { tag = 1; metadata = 9 }
+  put_bytes_field(value, 1, "_hparams_/session_start_info");
+  put_bytes_field(value, 9, metadata);
+  std::string summary;
+  put_bytes_field(summary, 1, value);
+  std::string event;
+  put_tag(event, 1, kFixed64);
+  put_fixed(event, start_time);
+  put_tag(event, 2, kVarint);
+  put_varint(event, 0);
+  put_bytes_field(event, 5, summary);
+  write_record(event);
+}
 
 void TensorBoardWriter::write_record(const std::string& payload) { file_->write(frame_tfrecord(payload)); }
 

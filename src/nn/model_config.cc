@@ -1,4 +1,5 @@
 // ModelConfig: the named models, Loom's JSON config and its description.
+#include <limits>
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
@@ -27,7 +28,9 @@ ModelConfig gpt2_config(int64_t layers, int64_t heads, int64_t dim) {
   c.n_layer = layers;
   c.n_head = c.n_kv_head = heads;
   c.n_embd = dim;
-  c.ffn_hidden = 4 * dim;
+  // 4 x dim, saturated: a size from a config file is checked after this (naming n_embd), never overflowed before.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max(), kMin = std::numeric_limits<int64_t>::min();
+  c.ffn_hidden = dim > kMax / 4 ? kMax : dim < kMin / 4 ? kMin : 4 * dim;
   return c;
 }
 

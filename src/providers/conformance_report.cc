@@ -36,8 +36,15 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
       row.failures.push_back(&r);
   }
   std::ostringstream os;
-  os << std::left << std::setw(46) << "op" << std::setw(7) << "dtype" << std::setw(26) << "result"
-     << std::setw(27) << "worst error (x tolerance)" << "judged by\n";
+  // A column padded to its width, and always followed by at least one space: a long cell never runs into the next.
+  auto cell = [&os](const std::string& text, size_t width) {
+    os << text << std::string(text.size() < width ? width - text.size() : 1, ' ');
+  };
+  cell("op", 46);
+  cell("dtype", 7);
+  cell("result", 27);
+  cell("worst error (x tolerance)", 27);
+  os << "judged by\n";
   for (const auto& [key, row] : rows) {
     const int total = row.pass + row.fail + row.declined;
     std::string status;
@@ -45,12 +52,15 @@ std::string suite_table(const std::vector<CaseResult>& results, const std::strin
     else if (row.pass) status = "pass " + std::to_string(row.pass) + "/" + std::to_string(total);
     else status = "declined";
     if (row.declined && (row.fail || row.pass)) status += " (" + std::to_string(row.declined) + " declined)";
-    os << std::setw(46) << key.first << std::setw(7) << key.second << std::setw(26) << status;
+    cell(key.first, 46);
+    cell(key.second, 7);
+    cell(status, 27);
     std::ostringstream worst;
     if (row.pass && !row.fail) worst << std::setprecision(3) << row.worst;
     std::string judges;
     for (const auto& j : row.references) judges += (judges.empty() ? "" : "+") + j;
-    os << std::setw(27) << worst.str() << judges << "\n";
+    if (judges.empty()) os << worst.str() << "\n";
+    else cell(worst.str(), 27), os << judges << "\n";
   }
   int shown = 0;
   for (const auto& [key, row] : rows)

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 
@@ -273,9 +274,15 @@ class ExternalRuntime : public DeviceRuntime {
   std::vector<std::unique_ptr<DeviceContext>> contexts_;
 };
 
+// Said once per process and library file: a library loaded again (another name, a test's reload, each app that loads
+// it in one process) keeps its warnings in info.warnings without repeating them.
 std::string warn(Library& lib, const std::string& msg) {
   lib.info.warnings.push_back(msg);
-  std::cerr << "[loom] warning: provider '" << lib.name << "' (" << lib.info.path << "): " << msg << "\n";
+  static std::mutex mu;
+  static std::set<std::string> said;
+  std::lock_guard<std::mutex> lock(mu);
+  if (said.insert(lib.info.path + '\0' + msg).second)
+    std::cerr << "[loom] warning: provider '" << lib.name << "' (" << lib.info.path << "): " << msg << "\n";
   return msg;
 }
 

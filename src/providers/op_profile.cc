@@ -45,9 +45,14 @@ std::string& profile_file() {
   static std::string* path = new std::string;  // never destroyed: the exit report reads it
   return *path;
 }
+std::string& profile_file_what() {
+  static std::string* what = new std::string("the op profile file");  // never destroyed, as above
+  return *what;
+}
 
 // Off once the apps reported that the report's file cannot be written: their error stays the last line.
 std::atomic<bool> report_at_exit{true};
+std::atomic<bool> report_armed{false};  // report_op_profile_at_exit was called
 
 void write_profile_report() {
   if (!report_at_exit.load()) return;
@@ -62,21 +67,11 @@ void write_profile_report() {
     io::write_file_atomic(profile_file(), f.str());
   } catch (const std::exception& e) {  // at exit nothing can catch it: say so and fail the process
     std::fflush(stdout);
-    std::fprintf(stderr, "loom: error: LOOM_PROFILE_OPS_FILE: %s\n", e.what());
+    std::fprintf(stderr, "loom: error: %s: %s\n", profile_file_what().c_str(), e.what());
     std::fflush(stderr);
     std::_Exit(1);
   }
 }
-
-[[maybe_unused]] const bool profile_from_env = [] {
-  const char* env = std::getenv("LOOM_PROFILE_OPS");
-  if (!env || !*env || std::string(env) == "0") return false;
-  if (const char* path = std::getenv("LOOM_PROFILE_OPS_FILE"); path) profile_file() = path;
-  profile_shapes.store(std::string(env) == "shapes");
-  set_op_profiling(true);
-  std::atexit(write_profile_report);
-  return true;
-}();
 
 }  // namespace
 
@@ -86,10 +81,23 @@ void set_op_profiling(bool on) {
 }
 bool op_profiling() { return detail::modes.load() & detail::kModeProfile; }
 std::string op_profile_file() { return profile_file(); }
+void report_op_profile_at_exit(bool shapes, const std::string& file, const std::string& what) {
+  static std::once_flag registered;
+  profile_file() = file;
+  profile_file_what() = what;
+  profile_shapes.store(shapes);
+  set_op_profiling(true);
+  report_armed = true;
+  std::call_once(registered, [] { std::atexit(write_profile_report); });
+}
+void report_op_profile_now() {
+  if (report_armed.load()) write_profile_report();
+  report_at_exit = false;
+}
 void check_op_profile_file() {
   if (!op_profiling() || profile_file().empty()) return;
   try {
-    io::check_can_write(profile_file(), "LOOM_PROFILE_OPS_FILE");
+    io::check_can_write(profile_file(), profile_file_what());
   } catch (const Error&) {
     report_at_exit = false;
     throw;
@@ -166,7 +174,7 @@ std::string op_profile_table() {
   uint64_t calls = 0;
   for (const auto& r : rows) total += r.total_ms, calls += r.calls;
   std::ostringstream os;
-  os << "op profile: device-synchronized time per kernel call (LOOM_PROFILE_OPS)\n"
+  os << "op profile: device-synchronized time per kernel call\n"
      << std::left << std::setw(34) << "op" << std::setw(8) << "device" << std::setw(6) << "dtype" << std::right
      << std::setw(9) << "calls" << std::setw(12) << "total ms" << std::setw(11) << "mean us" << std::setw(11)
      << "max us" << std::setw(8) << "share" << "\n";

@@ -357,7 +357,8 @@ std::string resolve_checkpoint(const std::string& path, const std::string& what)
   LOOM_REQUIRE(fs::exists(path, ec), what, ": '", path, "' does not exist");
   if (!fs::is_directory(path, ec) || is_sharded_checkpoint(path) || io::is_hf_model_dir(path)) return path;
   const fs::path latest = fs::path(path) / "latest";
-  LOOM_REQUIRE(fs::is_regular_file(latest, ec), what, ": '", path, "' holds no checkpoint: no 'latest' file (a run's "
+  LOOM_REQUIRE(fs::symlink_status(latest, ec).type() != fs::file_type::not_found, what, ": '", path,
+               "' holds no checkpoint: no 'latest' file (a run's "
                "checkpoint directory), no ", kCheckpointMetaFile, " (a sharded step directory) and no config.json (a "
                "Hugging Face model directory)");
   const std::string name = read_latest_name(path, what);
@@ -366,14 +367,17 @@ std::string resolve_checkpoint(const std::string& path, const std::string& what)
   return target.string();
 }
 
-std::string read_latest_name(const std::string& dir, const std::string& what) {
-  const fs::path latest = fs::path(dir) / "latest";
+std::string read_latest_name(const std::string& dir, const std::string& what, const std::string& pointer) {
+  const fs::path latest = fs::path(dir) / pointer;
   std::error_code ec;
-  if (!fs::exists(latest, ec)) return "";
+  // Only an absent entry is "no latest": one that is there but cannot be read as a file (a directory, a link that
+  // loops or dangles) is said as the file reader says it.
+  if (fs::symlink_status(latest, ec).type() == fs::file_type::not_found) return "";
   // Not an input: the run that resumes from it rewrites it.
   std::string text = io::read_input_file(latest.string(), io::kMaxSmallFileBytes, what + ": checkpoint pointer",
                                          io::FileUse::kUpdated);
-  const std::string name = text.substr(0, text.find('\n'));
+  std::string name = text.substr(0, text.find('\n'));
+  if (!name.empty() && name.back() == '\r') name.pop_back();  // written on Windows (CRLF)
   const bool plain = !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
                      name.find_first_of(std::string("/\0", 2)) == std::string::npos;
   LOOM_REQUIRE(plain, what, ": '", latest.string(), "' does not name a checkpoint of its directory (it holds '",
@@ -394,15 +398,9 @@ std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir) {
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.rfind(prefix, 0) != 0 || !it->is_directory(ec) || it->is_symlink(ec)) continue;
-    const size_t dot = name.rfind('.');
-    long pid = 0;
-    try {
-      pid = std::stol(name.substr(dot + 1));
-    } catch (const std::exception&) {
-      continue;
-    }
-    if (pid <= 0 || pid == long(::getpid())) continue;
-    if (::kill(pid_t(pid), 0) == 0 || errno == EPERM) continue;  // its writer still runs (this host)
+    std::error_code tec;
+    const auto mtime = fs::last_write_time(it->path(), tec);
+    if (tec || !io::temp_writer_gone(name.substr(name.rfind('.') + 1), mtime, io::process_start_time())) continue;
     std::error_code rec;
     fs::remove_all(it->path(), rec);
     if (!rec) removed.push_back(it->path().string());

@@ -5,6 +5,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -150,6 +152,58 @@ CheckpointState parse_checkpoint_state(const std::string& state_json, const std:
   return st;
 }
 
+std::string tokenizer_content_hash(const std::string& path) {
+  if (path.empty()) return "";
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) files = {fs::path(path) / "encoder.json", fs::path(path) / "vocab.bpe"};
+  else files = {fs::path(path)};
+  uint64_t h = 1469598103934665603ull;  // FNV-1a 64
+  std::vector<char> buf(size_t(1) << 16);
+  for (const fs::path& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    LOOM_REQUIRE(in.good(), "tokenizer '", path, "': cannot read '", f.string(), "'");
+    while (in.read(buf.data(), std::streamsize(buf.size())) || in.gcount() > 0) {
+      for (std::streamsize i = 0; i < in.gcount(); ++i) {
+        h ^= uint8_t(buf[size_t(i)]);
+        h *= 1099511628211ull;
+      }
+    }
+  }
+  char hex[24];
+  std::snprintf(hex, sizeof hex, "fnv1a64:%016llx", (unsigned long long)h);
+  return hex;
+}
+
+std::optional<CheckpointTokenizer> checkpoint_tokenizer(const std::string& path) {
+  if (loom_checkpoint_config(path).empty()) return std::nullopt;
+  const std::string state = checkpoint_state_and_config(path).first;
+  const nlohmann::json meta = io::parse_json(state, "'" + path + "': state metadata");
+  if (!meta.is_object() || !meta.contains("tokenizer")) return std::nullopt;
+  const nlohmann::json& t = meta.at("tokenizer");
+  CheckpointTokenizer tok;
+  for (auto [key, field] : {std::pair{"name", &tok.name}, std::pair{"path", &tok.path}, std::pair{"hash", &tok.hash}}) {
+    LOOM_REQUIRE(t.is_object() && t.contains(key) && t.at(key).is_string(), "'", path,
+                 "': the state metadata's tokenizer.", key, " is ",
+                 t.is_object() && t.contains(key) ? io::json_excerpt(t.at(key)) : std::string("missing"),
+                 ", not a string");
+    *field = t.at(key).get<std::string>();
+  }
+  return tok;
+}
+
+std::string recorded_tokenizer_path(const std::string& checkpoint, const CheckpointTokenizer& tok) {
+  if (tok.path.empty()) return "";
+  std::error_code ec;
+  LOOM_REQUIRE(fs::exists(tok.path, ec), "'", checkpoint, "' was trained with the tokenizer '", tok.path,
+               "' (its state's tokenizer.path), which is no longer there: give --tokenizer-path");
+  const std::string now = tokenizer_content_hash(tok.path);
+  LOOM_REQUIRE(tok.hash.empty() || now == tok.hash, "'", checkpoint, "' was trained with the tokenizer '", tok.path,
+               "' (its state's tokenizer.path), which has changed since (tokenizer.hash ", tok.hash, ", now ", now,
+               "): give --tokenizer-path to use it anyway");
+  return tok.path;
+}
+
 std::string checkpoint_path(const std::string& dir, int64_t step, bool sharded) {
   char name[64];
   std::snprintf(name, sizeof name, sharded ? "step_%06ld" : "step_%06ld.safetensors", long(step));
@@ -202,11 +256,12 @@ std::vector<std::string> remove_old_checkpoints(const std::string& dir_name, int
   std::vector<std::string> removed;
   if (keep <= 0 || dir_name.empty() || run_id.empty()) return removed;
   const fs::path dir = dir_name;
-  std::string latest;
+  std::string latest, best;
   try {
     latest = read_latest_name(dir.string(), "--keep-checkpoints");
+    best = read_latest_name(dir.string(), "--keep-checkpoints", "best");  // --keep-best's
   } catch (const Error&) {
-    return removed;  // a 'latest' that names nothing readable: remove nothing rather than guess
+    return removed;  // a 'latest' or 'best' that names nothing readable: remove nothing rather than guess
   }
   // Every checkpoint of the directory by step: step_NNNNNN.safetensors files and sharded step_NNNNNN/ directories.
   std::map<long, std::vector<fs::path>, std::greater<>> by_step;
@@ -226,7 +281,8 @@ std::vector<std::string> remove_old_checkpoints(const std::string& dir_name, int
   for (auto& [step, paths] : by_step) {
     if (kept++ < keep) continue;
     for (const fs::path& p : paths) {
-      if (p.filename().string() == latest) continue;  // what a resume would read is never removed
+      // What a resume would read is never removed, nor the checkpoint with the best validation loss.
+      if (p.filename().string() == latest || p.filename().string() == best) continue;
       fs::remove_all(p, ec);
       if (p.extension() == ".safetensors") {  // its optimizer files (one per rank, beside it), by their exact names
         const std::string prefix = p.stem().string() + ".optim-rank";

@@ -186,4 +186,22 @@ void check_model_state_fits(const MemoryEstimate& e, Device device) {
                " + ", format_bytes(e.buffers), "), more than the ", format_bytes(mem), " of ", device.str());
 }
 
+void check_training_memory_fits(const MemoryEstimate& e, Device device, int64_t batch_size,
+                                const std::string& recompute) {
+  const double mem = device_memory_bytes(device);
+  if (mem <= 0 || e.total() <= mem) return;
+  const double per_sequence = batch_size > 0 ? e.activations / double(batch_size) : 0;
+  const int64_t fits = per_sequence > 0 ? int64_t((mem - e.model_state()) / per_sequence) : 0;
+  const std::string fewer = recompute == "full" ? "" : "keep fewer activations with --recompute full";
+  if (fits <= 0)  // not one sequence fits beside the model state: a smaller batch is no way out
+    LOOM_THROW("training needs about ", format_bytes(e.total()), " per rank (", e.str(), "), more than the ",
+               format_bytes(mem), " of ", device.str(), ", and not even -b 1 fits beside the model state of ",
+               format_bytes(e.model_state()), ": ", fewer.empty() ? "" : fewer + ", or ",
+               "shard the model state over more ranks (--zero 3) or use a smaller model");
+  LOOM_THROW("training needs about ", format_bytes(e.total()), " per rank (", e.str(), "), more than the ",
+             format_bytes(mem), " of ", device.str(), ": lower -b ", batch_size, " (-b ", fits,
+             " would fit) and keep the step's tokens with --total-batch-tokens (gradient accumulation)",
+             fewer.empty() ? "" : ", or " + fewer);
+}
+
 }  // namespace loom::train

@@ -13,7 +13,12 @@
 #include <set>
 #include <sstream>
 
+#include <thread>
+#include <mutex>
+#include <condition_variable>
+#include <optional>
 #include <nlohmann/json.hpp>
+#include <limits>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/device_runtime.h"
@@ -38,6 +43,7 @@
 #include "loom/train/checkpoint.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/phase_timer.h"
+#include "train/progress_ticker.h"
 #include "train/run_settings.h"
 
 namespace fs = std::filesystem;
@@ -49,6 +55,7 @@ struct Trainer::Logs {
   std::unique_ptr<io::TensorBoardWriter> tensorboard;
   std::unique_ptr<optim::LrSchedule> schedule;
   std::string tokenizer_name;  // of samples: options.tokenizer, or the model family's
+  nlohmann::json tokenizer_record;  // what checkpoints record of it (CheckpointTokenizer)
   std::unique_ptr<data::Tokenizer> tokenizer;
   bool tokenizer_missing_reported = false;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -124,6 +131,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::snprintf(id, sizeof id, "%08x%08x", unsigned(rd()), unsigned(rd()));
     run_id_ = id;  // rank 0's is the one written: only rank 0 writes checkpoint metadata and removes old checkpoints
   }
+  // Paths a checkpoint keeps for its resumes and for loom-generate and loom-export: absolute, so they hold from
+  // another working directory.
+  if (!opts_.tokenizer_path.empty()) opts_.tokenizer_path = fs::absolute(opts_.tokenizer_path).lexically_normal().string();
+  if (!opts_.val_data.empty()) opts_.val_data = fs::absolute(opts_.val_data).lexically_normal().string();
+  if (!opts_.log_dir.empty()) opts_.log_dir = fs::absolute(opts_.log_dir).lexically_normal().string();
   // Resume: the checkpoint's model and settings come first; everything below sees the merged options.
   std::string saved_config;
   if (!opts_.resume.empty()) {
@@ -162,13 +174,20 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   LOOM_REQUIRE(opts_.schedule_steps >= 0, "loom-train: --schedule-steps must be at least 0, got ",
                opts_.schedule_steps);
   const int64_t schedule_steps = opts_.schedule_steps > 0 ? opts_.schedule_steps : opts_.steps;
+  // The default warmup fits every run (a short one warms up over all its steps); only a given one can be wrong.
+  if (opts_.given && !opts_.given->count("warmup")) opts_.warmup_steps = std::min(opts_.warmup_steps, schedule_steps);
   LOOM_REQUIRE(opts_.warmup_steps >= 0 && opts_.warmup_steps <= schedule_steps, "loom-train: --warmup ",
                opts_.warmup_steps, " must be between 0 and ",
                opts_.schedule_steps > 0 ? "--schedule-steps " : "--steps ", schedule_steps,
                " (lower --warmup for a short run)");
   LOOM_REQUIRE(opts_.keep_checkpoints >= 0, "loom-train: --keep-checkpoints must be at least 0, got ",
                opts_.keep_checkpoints);
-  LOOM_REQUIRE(!opts_.train_data.empty(), "loom-train: no training data given (--train-data)");
+  best_loss_ = std::numeric_limits<double>::infinity();
+  LOOM_REQUIRE(!opts_.keep_best || opts_.eval_only || (!opts_.checkpoint_dir.empty() && !opts_.val_data.empty()),
+               "loom-train: --keep-best keeps a checkpoint by its validation loss: it needs ",
+               opts_.checkpoint_dir.empty() ? "--checkpoint-dir" : "--val-data");
+  LOOM_REQUIRE(!opts_.train_data.empty() || (opts_.eval_only && !opts_.val_data.empty()),
+               "loom-train: no training data given (--train-data; --eval-only needs it only without --val-data)");
 
   // A Hugging Face model directory (config.json and safetensors) as --init-from brings its own config unless --model
   // names one; as --model it brings its config and, when it has them, its weights.
@@ -209,14 +228,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
   const int64_t launch_world = opts_.process_group ? opts_.process_group->size() : launch ? launch->world_size : 1;
   plan_ = distributed::make_plan(cfg, launch_world, parallel_options);
+  const std::string recompute = plan_.recompute.mode != autograd::Recompute::kNone
+                                    ? autograd::recompute_name(plan_.recompute.mode)
+                                : plan_.recompute.mlp_hidden ? "selective"
+                                                             : "none";
   const MemoryEstimate memory = estimate_training_memory(
       {cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(), plan_.mesh.tensor,
-       int(plan_.data.zero_stage),
-       plan_.recompute.mode != autograd::Recompute::kNone ? autograd::recompute_name(plan_.recompute.mode)
-       : plan_.recompute.mlp_hidden                      ? "selective"
-                                                         : "none",
-       plan_.mesh.pipeline, cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32});
+       int(plan_.data.zero_stage), recompute, plan_.mesh.pipeline,
+       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
+  if (!opts_.eval_only) check_training_memory_fits(memory, device_, opts_.batch_size, recompute);  // nor activations
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
                " exceeds the model's context of ", cfg.max_seq_len);
   if (opts_.device == "cuda" && !opts_.process_group && launch)  // one GPU per local rank
@@ -238,6 +259,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   grad_accum_ = total / (micro_tokens * dp);
   plan_.check_micro_batches(grad_accum_);
 
+  // A large model takes a while to build and load on a CPU (gpt2-xl: over a minute): said while it lasts.
+  std::optional<ProgressTicker> building;
+  building.emplace(is_rank0_ && !opts_.quiet,
+                   "building the model (" + human_count(double(memory.num_parameters)) + " parameters)",
+                   std::chrono::duration<double>(opts_.progress_seconds));
   const std::string hf_weights =
       hf_init ? opts_.init_from
       : opts_.init_from.empty() && io::is_hf_model_dir(opts_.model) &&
@@ -281,19 +307,25 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  " tokenizer's ", logs_->tokenizer->vocab_size(), " tokens do not fit the model's vocabulary of ",
                  cfg.vocab_size, " (--tokenizer/--tokenizer-path do not match --model)");
   }
+  logs_->tokenizer_record = {{"name", logs_->tokenizer_name},
+                             {"path", opts_.tokenizer_path},
+                             {"hash", tokenizer_content_hash(opts_.tokenizer_path)}};
   optim::AdamWOptions adamw;
   adamw.lr = opts_.lr;
   adamw.beta1 = opts_.beta1;
   adamw.beta2 = opts_.beta2;
   adamw.eps = opts_.eps;
   parallel_ = distributed::parallelize(model_, mesh, plan_, device_, adamw, opts_.weight_decay);
+  building.reset();
   if (cfg.fp8 != fp8::Scope::kOff) fp8::check_device(device_);
   if (cfg.dropout > 0) model_->train(true);
   peak_flops_ = opts_.peak_tflops > 0 ? opts_.peak_tflops * 1e12 : known_peak_flops(device_);
 
   data::DataLoaderOptions lo{opts_.batch_size, opts_.seq_len, mesh->data()->rank(), dp, opts_.shuffle, opts_.seed,
                              cfg.vocab_size};
-  train_loader_ = std::make_unique<data::DataLoader>(opts_.train_data, lo);
+  // --eval-only with --val-data needs no training data: the loader that would hold it reads the validation data.
+  train_loader_ = std::make_unique<data::DataLoader>(
+      opts_.train_data.empty() && opts_.eval_only ? opts_.val_data : opts_.train_data, lo);
   if (!opts_.val_data.empty()) {
     data::DataLoaderOptions vo = lo;
     vo.shuffle = false;
@@ -328,10 +360,23 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   if (!opts_.resume.empty()) load_checkpoint(resume_path_);
   if (!opts_.eval_only)
+  {
     check_checkpoint_targets({opts_.checkpoint_dir, step_, opts_.steps, opts_.checkpoint_interval,
                               sharded_checkpoints(), opts_.overwrite_checkpoints, resume_path_, run_id_});
+    if (opts_.keep_best && opts_.eval_interval > 0)  // and those of the evaluations that may be the best
+      check_checkpoint_targets({opts_.checkpoint_dir, step_, opts_.steps, opts_.eval_interval, sharded_checkpoints(),
+                                opts_.overwrite_checkpoints, resume_path_, run_id_});
+  }
   check_outputs();
-  if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_);
+  if (logs_->jsonl || logs_->tensorboard) {  // the whole configuration: every setting as in effect, and the model
+    const std::string config =
+        nlohmann::json{{"settings", run_settings(opts_, logs_->schedule->total_steps(),
+                                                 grad_accum_ * opts_.batch_size * opts_.seq_len * parallel_->mesh().data()->size())},
+                       {"model", nlohmann::json::parse(cfg.to_json())}}
+            .dump();
+    if (logs_->jsonl) logs_->jsonl->write_run_start(step_, resume_path_, config);
+    if (logs_->tensorboard) logs_->tensorboard->add_hparams(config);
+  }
 
   if (!opts_.quiet) {
     std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
@@ -343,11 +388,14 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                                            " trained (the LoRA adapters; the base frozen)"
                                      : std::string())
               << "\n"
-              << "data: " << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
-              << " shard(s)";
-    if (val_loader_) std::cout << ", " << val_loader_->num_tokens() << " validation tokens";
+              << "data: ";
+    if (!opts_.train_data.empty())
+      std::cout << train_loader_->num_tokens() << " training tokens in " << train_loader_->paths().size()
+                << " shard(s)" << (val_loader_ ? ", " : "");
+    if (val_loader_) std::cout << val_loader_->num_tokens() << " validation tokens";
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
-              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << "\n"
+              << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << ", "
+              << (autocast_dtype_ == kF32 ? std::string("f32") : opts_.dtype + " mixed precision") << "\n"
               << "memory (estimate): " << memory.str() << "\n";
     if (peak_flops_ > 0)
       std::cout << "MFU against " << peak_flops_ / 1e12 << " TFLOP/s per device"
@@ -420,17 +468,36 @@ double Trainer::evaluate(int64_t batches) {
   data::DataLoader* loader = val_loader_ ? val_loader_.get() : train_loader_.get();
   data::LoaderPosition saved = loader->position();
   if (val_loader_) loader->reset();  // always the same validation batches, so evaluations compare
-  // batches <= 0: the whole split (every batch of B x T tokens it holds, once).
-  const int64_t n = batches > 0 ? std::min(batches, loader->batches_per_epoch()) : loader->batches_per_epoch();
-  LOOM_REQUIRE(n > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
+  // batches <= 0: the whole split (every batch of B x T tokens it holds, once). `batches` counts the whole world's:
+  // data-parallel rank r takes its loader's first of them (windows r, r + dp, ...), so together the ranks read the
+  // batches one process reads and the loss does not depend on the process count.
+  distributed::ProcessGroup& dp_group = *parallel_->mesh().data();
+  const int64_t dp = dp_group.size(), dp_rank = dp_group.rank();
+  const int64_t world = batches > 0 ? std::min(batches, loader->batches_per_epoch() * dp) : loader->batches_per_epoch() * dp;
+  const int64_t n = world / dp + (dp_rank < world % dp ? 1 : 0);
+  LOOM_REQUIRE(world > 0, "evaluate: the ", val_loader_ ? "validation" : "training", " data holds no batch of ",
                opts_.batch_size, " x ", opts_.seq_len, " tokens");
   double total = 0;
+  // A long evaluation (a whole split) says how far it got every few seconds.
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start;
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader->next();
     total += parallel_->schedule().evaluate({b.x.to(device_), b.y.to(device_)});
+    const auto now = std::chrono::steady_clock::now();
+    if (is_rank0_ && !opts_.quiet && i + 1 < n && now - last >= std::chrono::duration<double>(opts_.progress_seconds)) {
+      last = now;
+      std::cout << "evaluating: " << (i + 1) << "/" << n << " batches"
+                << (dp > 1 ? " (of this rank's)" : "") << ", "
+                << long(std::chrono::duration<double>(now - start).count()) << " s" << std::endl;
+    }
   }
   loader->set_position(saved);
-  return data_parallel_mean(total / double(n));
+  if (dp == 1) return total / double(n);
+  Tensor sums = from_vector<double>({total, double(n)}, {2}).to(device_);
+  dp_group.all_reduce(sums, distributed::ReduceOp::kSum);
+  const std::vector<double> s = to_vector<double>(sums);
+  return s[0] / s[1];
 }
 
 std::string Trainer::sample(int64_t tokens) {
@@ -462,6 +529,15 @@ std::string Trainer::sample(int64_t tokens) {
   return tokenizer.decode(prompt) + tokenizer.decode(printable);
 }
 
+namespace {
+// Memory in MiB, as the banner's estimate says it.
+std::string mib_text(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / double(1 << 20));
+  return buf;
+}
+}  // namespace
+
 void Trainer::log_step(const StepStats& s) {
   logs_->smoothed_ms = logs_->smoothed_ms == 0 ? s.ms : 0.9 * logs_->smoothed_ms + 0.1 * s.ms;
   double eta = logs_->smoothed_ms / 1000.0 * double(opts_.steps - s.step);
@@ -476,7 +552,7 @@ void Trainer::log_step(const StepStats& s) {
                   long(s.step), long(opts_.steps), s.loss, s.lr, s.grad_norm, s.ms,
                   human_count(s.tokens_per_second).c_str(),
                   mfu >= 0 ? (std::to_string(int(mfu * 1000) / 10.0).substr(0, 4) + "%").c_str() : "-",
-                  human_duration(eta).c_str(), (human_count(double(mem.allocated)) + "B").c_str());
+                  human_duration(eta).c_str(), mib_text(double(mem.allocated)).c_str());
     std::cout << line << std::endl;
   }
   std::map<std::string, double> values{{"train/loss", s.loss},   {"train/lr", s.lr},
@@ -506,6 +582,10 @@ void Trainer::run(const RunCallbacks& callbacks) {
   auto log_eval = [&](int64_t step) {
     double val = evaluate(opts_.eval_batches);
     evaluated_at = step;
+    if (opts_.keep_best && step > 0 && val < best_loss_) {
+      best_loss_ = val;
+      best_pending_ = true;
+    }
     const char* key = val_loader_ ? "val/loss" : "train_data/loss";
     if (!opts_.quiet)
       std::cout << "step " << step << ": " << (val_loader_ ? "val loss " : "train-data loss (no --val-data) ") << val
@@ -520,8 +600,8 @@ void Trainer::run(const RunCallbacks& callbacks) {
   };
   if (opts_.eval_only) {  // --eval-only: the loaded weights' loss, nothing trained or written
     data::DataLoader& loader = val_loader_ ? *val_loader_ : *train_loader_;
-    const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, loader.batches_per_epoch())
-                                                   : loader.batches_per_epoch();
+    const int64_t split = loader.batches_per_epoch() * parallel_->mesh().data()->size();  // the world's, as evaluate() counts
+    const int64_t batches = opts_.eval_batches > 0 ? std::min(opts_.eval_batches, split) : split;
     train_loader_->reset();  // from the data's start, wherever a resumed run had got to
     nn::check_finite_parameters(*model_, "--eval-only: " + (opts_.resume.empty() ? opts_.init_from.empty()
                                                                                       ? opts_.model : opts_.init_from
@@ -589,8 +669,8 @@ void Trainer::run(const RunCallbacks& callbacks) {
     if (opts_.eval_interval > 0 && s.step % opts_.eval_interval == 0 && !last) log_eval(s.step);
     const bool last_now = s.step == opts_.steps || stop;  // an evaluation's callback may have stopped the run
     if (opts_.sample_interval > 0 && s.step % opts_.sample_interval == 0 && !last_now) print_sample();
-    if (!opts_.checkpoint_dir.empty() && opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0 &&
-        !last_now)
+    if (!opts_.checkpoint_dir.empty() && !last_now &&
+        ((opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0) || best_pending_))
       save_checkpoint(checkpoint_path(s.step));
   }
   if (opts_.phase_times && is_rank0_) print_phase_summary();
@@ -671,7 +751,18 @@ std::string Trainer::checkpoint_path(int64_t step) const {
 void Trainer::save_checkpoint(const std::string& path) {
   train::save_checkpoint(*parallel_, {path, step_, checkpoint_state_json(), opts_.model, opts_.checkpoint_dir,
                                       opts_.overwrite_checkpoints, opts_.quiet});
+  const bool best = best_pending_;  // this step's evaluation beat the run's earlier ones
+  best_pending_ = false;
   if (!is_rank0_) return;
+  if (best) {
+    char loss[32];
+    std::snprintf(loss, sizeof loss, "%.6f", best_loss_);
+    io::write_file_atomic((fs::path(opts_.checkpoint_dir) / "best").string(),
+                          fs::path(path).filename().string() + "\nval loss " + loss + " at step " +
+                              std::to_string(step_) + "\n");
+    if (!opts_.quiet)
+      std::cout << "best checkpoint: " << path << " (val loss " << loss << "; --keep-best)" << std::endl;
+  }
   for (const std::string& old : remove_old_checkpoints(opts_.checkpoint_dir, opts_.keep_checkpoints, run_id_))
     if (!opts_.quiet)
       std::cout << "removed old checkpoint " << old << " (--keep-checkpoints " << opts_.keep_checkpoints << ")"
@@ -683,7 +774,13 @@ void Trainer::load_checkpoint(const std::string& path) {
   // A resumed run is the same run; one resumed from a checkpoint without an id (an older Loom's) keeps its fresh id,
   // so that --keep-checkpoints removes only what it wrote itself.
   if (!st.run_id.empty()) run_id_ = st.run_id;
-  train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
+  {  // --keep-best goes on comparing with the best loss of the run so far
+    const nlohmann::json state = nlohmann::json::parse(checkpoint_state_and_config(path).first, nullptr, false);
+    if (state.is_object() && state.contains("best_val_loss") && state.at("best_val_loss").is_number())
+      best_loss_ = state.at("best_val_loss").get<double>();
+  }
+  if (!opts_.eval_only)  // an evaluation reads from the data's start (and may have no training data)
+    train_loader_->set_position(data::LoaderPosition{st.shard_index, st.batch_offset, st.epoch, st.loader_rng});
   step_ = st.step;
   default_generator().set_state(PhiloxState{st.rng_seed, st.rng_offset});
 }
@@ -697,6 +794,8 @@ std::string Trainer::checkpoint_state_json() const {
                       {"rng", {{"seed", rng.seed}, {"offset", rng.offset}}},
                       {"model", opts_.model},
                       {"run_id", run_id_},
+                      {"tokenizer", logs_->tokenizer_record},
+                      {"best_val_loss", std::isfinite(best_loss_) ? nlohmann::json(best_loss_) : nlohmann::json()},
                       {"settings", run_settings(opts_, logs_->schedule->total_steps(),
                                                 grad_accum_ * opts_.batch_size * opts_.seq_len *
                                                     parallel_->mesh().data()->size())}};

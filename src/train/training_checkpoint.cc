@@ -86,11 +86,13 @@ void save_sharded(distributed::ParallelModel& parallel, const CheckpointSave& sa
   distributed::ProcessGroup& world = *parallel.mesh().world();
   const bool rank0 = world.rank() == 0;
   const fs::path final_dir = save.path;
-  // Every rank writes into one temporary directory, named by rank 0's pid (so a killed run's is found and removed).
-  Tensor pid = from_vector<int64_t>({int64_t(::getpid())}, {1}).to(parallel.device());
-  world.broadcast(pid, 0);
+  // Every rank writes into one temporary directory, named by rank 0's pid and host (so a killed run's is found and
+  // removed, and never a live one of another host).
+  Tensor owner = from_vector<int64_t>({int64_t(::getpid()), int64_t(io::host_id())}, {2}).to(parallel.device());
+  world.broadcast(owner, 0);
+  const std::vector<int64_t> o = to_vector<int64_t>(owner);
   const fs::path tmp = final_dir.parent_path() / (std::string(io::kTempPrefix) + final_dir.filename().string() + "." +
-                                                  std::to_string(pid.to(Device()).item<int64_t>()));
+                                                  io::temp_owner_tag(o[0], uint32_t(o[1])));
   if (rank0) {
     if (!final_dir.parent_path().empty()) fs::create_directories(final_dir.parent_path());
     for (const std::string& stale : remove_stale_checkpoint_dirs(final_dir.parent_path().string()))

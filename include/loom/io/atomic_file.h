@@ -3,12 +3,13 @@
 // events). Both refuse a path this run read (input_guard.h) or one that is not a regular file (a directory, a device
 // such as /dev/null, a pipe), and check_can_write() asks the same of a path before the work that produces it.
 //
-// Atomic file writing: data goes to a fresh "<dir>/.loom.tmp.<file>.<pid>.<random>" (created exclusively, never
+// Atomic file writing: data goes to a fresh "<dir>/.loom.tmp.<file>.<pid>@<host>.<random>" (created exclusively, never
 // through a link), is fsync'ed, then renamed over <dir>/<file>, so a crash or an error never leaves a half-written file
 // under the final name. A killed write leaves its temporary behind; remove_stale_temporaries() cleans them.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -50,10 +51,20 @@ class AtomicFileWriter {
   bool committed_ = false;
 };
 
-// Removes the temporaries of killed writes from `dir`: entries named kTempPrefix* last written before `before`,
-// not this process's, and whose writer (the pid in the name) no longer runs on this host. Links under the prefix are
-// removed themselves. Returns the paths removed; a directory that cannot be read removes nothing.
+// Removes the temporaries of killed writes from `dir` (regular files named kTempPrefix*, by temp_writer_gone()).
+// Links under the prefix are removed themselves (a writer never makes one). Returns the paths removed; a directory
+// that cannot be read removes nothing.
 std::vector<std::string> remove_stale_temporaries(const std::string& dir, std::filesystem::file_time_type before);
+// A temporary's name carries its writer as "<pid>@<host>" (temp_owner_tag; the host as 8 hex digits, a hash of its
+// host name: host_id()), so that a directory several machines share is cleaned only of what is surely dead.
+uint32_t host_id();
+std::string temp_owner_tag(int64_t pid, uint32_t host);
+// Whether the writer of a temporary (its "<pid>@<host>" tag, last written at `mtime`) is gone: one of this host's when
+// it was last written before `before`, is not this process's and its pid runs no more; one of another host, or one
+// whose tag is in another form (an older Loom's bare pid), only when nothing wrote it for 24 hours, since a write may
+// still run there.
+bool temp_writer_gone(const std::string& owner_tag, std::filesystem::file_time_type mtime,
+                      std::filesystem::file_time_type before);
 // About when this process started (when libloom was loaded): the `before` that cleans what earlier runs left.
 std::filesystem::file_time_type process_start_time();
 

@@ -61,6 +61,9 @@ struct HfExportOptions {
   // GPT-2: the directory of GPT-2's encoder.json and vocab.bpe (empty: GPT2Tokenizer::find_vocab_dir's search),
   // written as vocab.json, merges.txt, tokenizer_config.json and special_tokens_map.json.
   std::string gpt2_vocab_dir;
+  // GPT-2 family: a Hugging Face tokenizer.json instead (byte-level BPE, at most the model's vocabulary), copied as
+  // tokenizer.json with vocab.json and merges.txt made from its model.vocab and model.merges.
+  std::string gpt2_tokenizer_json;
   // LLaMA: tokenizer files to copy as they are (a directory: its tokenizer.json, tokenizer_config.json,
   // special_tokens_map.json, tokenizer.model and original/tokenizer.model).
   std::vector<std::string> tokenizer_files;

@@ -34,8 +34,9 @@ class JsonlMetricsWriter {
   void write(int64_t step, const std::map<std::string, double>& values);
   // Marks where a run's lines start, so that runs appended to one file stay apart:
   // {"run_start": true, "step": s, "time": t} for a fresh run, with "resumed_from": "<checkpoint>" for a resumed one
-  // (whose steps after s replace the earlier run's).
-  void write_run_start(int64_t step, const std::string& resumed_from = "");
+  // (whose steps after s replace the earlier run's). `config` (a JSON object's text, when given) goes in as "config":
+  // the run's whole configuration, so that a log says what made it.
+  void write_run_start(int64_t step, const std::string& resumed_from = "", const std::string& config = "");
   const std::string& path() const { return path_; }
 
  private:
@@ -53,6 +54,9 @@ class TensorBoardWriter {
   TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
 
   void add_scalar(const std::string& tag, float value, int64_t step, double wall_time = wall_time_now());
+  // The run's configuration for TensorBoard's HPARAMS tab: `config_json` is a JSON object, nested objects flattened
+  // to "outer.inner" names; numbers, strings and bools as such (a session_start_info of the hparams plugin).
+  void add_hparams(const std::string& config_json, double start_time = wall_time_now());
   void flush();
   const std::string& path() const { return path_; }
 
@@ -69,6 +73,7 @@ struct TensorBoardEvent {
   int64_t step = 0;
   std::string file_version;                        // set in the first event only
   std::vector<std::pair<std::string, float>> scalars;  // summary values (tag, simple_value)
+  std::string plugin_tag, plugin_name, plugin_content;  // a value with plugin metadata instead (add_hparams)
 };
 
 // Parses an event file, checking both CRCs of every record. Throws loom::Error naming the file and the record on

@@ -137,13 +137,14 @@ void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, cons
 std::string resolve_checkpoint(const std::string& path, const std::string& what);
 // The checkpoint name a run's checkpoint directory's `latest` file holds ("" when there is no such file): a plain
 // name of an entry of `dir` (never "..", a path or anything past one short line), else an error starting with `what`.
-std::string read_latest_name(const std::string& dir, const std::string& what);
+// `pointer` "best": the file --keep-best writes (the name on its first line, the loss on the second).
+std::string read_latest_name(const std::string& dir, const std::string& what, const std::string& pointer = "latest");
 // The model and weights behind such a name (resolve_checkpoint), or behind an llm.c model file: a Loom checkpoint's
 // own model, consolidated when sharded (loom-generate, loom-export).
 std::shared_ptr<nn::LanguageModel> load_model_from(const std::string& path, const std::string& what);
 
 // Removes the temporary directories of sharded checkpoint writes whose writer is gone (killed runs): entries of
-// `dir` named ".loom.tmp.step_NNNNNN.<pid>" whose pid (the last dot-separated field) runs no more on this host.
+// `dir` named ".loom.tmp.step_NNNNNN.<pid>@<host>" (rank 0's; io::temp_writer_gone says when one is gone).
 std::vector<std::string> remove_stale_checkpoint_dirs(const std::string& dir);
 
 }  // namespace loom::train

@@ -58,6 +58,13 @@ double device_memory_bytes(Device device);
 // exceeds the host's.
 void check_model_state_fits(const MemoryEstimate& estimate, Device device);
 
+// Throws one line when the whole estimate (model state and one micro-batch of `batch_size` sequences' activations)
+// exceeds device_memory_bytes(device): the estimate, the batch size that would fit, and the other ways to fit
+// (gradient accumulation through --total-batch-tokens, --recompute full; when not even one sequence fits beside the
+// model state, sharding it with --zero 3 or a smaller model).
+void check_training_memory_fits(const MemoryEstimate& estimate, Device device, int64_t batch_size,
+                                const std::string& recompute);
+
 // "12.3 GiB", "512.0 MiB", ...
 std::string format_bytes(double bytes);
 

@@ -94,6 +94,10 @@ struct TrainOptions {
   // After each save, remove checkpoints of this run's directory older than the newest N (0 = keep all); the one
   // `latest` names is never removed.
   int64_t keep_checkpoints = 0;
+  // Keep the checkpoint with the best validation loss: each evaluation that beats every earlier one of the run saves
+  // a checkpoint of its step (unless one is saved there anyway) and points checkpoint_dir/best at it (its name, then
+  // the loss); retention (keep_checkpoints) never removes it. Needs checkpoint_dir and val_data.
+  bool keep_best = false;
   // Evaluate only: loss and perplexity over eval_batches of the validation (else training) data; no step, no save.
   bool eval_only = false;
   // The settings the user gave (flag names without dashes: "lr", "steps", "model", ...), as loom-train's command line
@@ -101,6 +105,9 @@ struct TrainOptions {
   // printed old -> new where safe, refused otherwise. nullopt (library use): every setting counts as given.
   std::optional<std::set<std::string>> given;
   bool quiet = false;                // no per-step lines (tests)
+  // Long work without steps of its own (building the model, an evaluation) prints how far it got this often (not
+  // quiet, rank 0). Not a flag.
+  double progress_seconds = 5;
 
   // Distributed training (docs/DISTRIBUTED.md). Started by mpirun/srun (CPU, MPI) or loom-run (GPUs, NCCL), the
   // trainer joins the world by itself; the world becomes a mesh of pipeline x data-parallel x tensor-parallel ranks

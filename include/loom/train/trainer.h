@@ -105,6 +105,8 @@ class Trainer {
   std::string run_id_;            // written into every checkpoint; retention removes only this run's
   std::vector<StepStats> history_;
   std::unique_ptr<PhaseTimer> phase_timer_;  // --phase-times
+  double best_loss_;               // --keep-best: the run's best validation loss so far (+inf: none yet)
+  bool best_pending_ = false;      // an evaluation beat it; the next save at its step becomes `best`
 };
 
 }  // namespace loom::train

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,6 +78,22 @@ std::pair<std::string, std::string> checkpoint_state_and_config(const std::strin
 // here"); "" when they agree.
 std::string config_difference(const std::string& saved_json, const std::string& mine_json, const std::string& what);
 
+// The tokenizer a run used, as its checkpoints record it (the state's "tokenizer"): load_tokenizer's name, the
+// --tokenizer-path given (absolute; empty: the name's default) and a content hash of what was at that path then
+// (tokenizer_content_hash), so that loom-generate and loom-export need no --tokenizer-path again.
+struct CheckpointTokenizer {
+  std::string name, path, hash;
+};
+// What the checkpoint at `path` (a file or a sharded directory; anything else: nullopt) records; nullopt when it
+// records no tokenizer (saved by an older Loom). A malformed record is an error naming the checkpoint and the field.
+std::optional<CheckpointTokenizer> checkpoint_tokenizer(const std::string& path);
+// FNV-1a 64 of a tokenizer's files, in hex: the file, or a directory's encoder.json and vocab.bpe (GPT-2's); "" for
+// an empty path.
+std::string tokenizer_content_hash(const std::string& path);
+// The recorded tokenizer's path for use again: "" when the run named none (the name's default), else the path,
+// checked: it still exists and holds what it held (errors name the checkpoint, the field and --tokenizer-path).
+std::string recorded_tokenizer_path(const std::string& checkpoint, const CheckpointTokenizer& tok);
+
 // A run's checkpoint directory: "<dir>/step_NNNNNN.safetensors" or, sharded, "<dir>/step_NNNNNN".
 std::string checkpoint_path(const std::string& dir, int64_t step, bool sharded);
 // The checkpoints a run from step `from` to `steps` would write into `dir` (every `interval` steps, and at the end),
@@ -90,8 +107,8 @@ struct CheckpointTargets {
   std::string resumed_from, run_id;
 };
 void check_checkpoint_targets(const CheckpointTargets& targets);
-// After a save: removes the checkpoints of `dir` that run `run_id` wrote, but the newest `keep` (and the one `latest`
-// names). Returns what it removed.
+// After a save: removes the checkpoints of `dir` that run `run_id` wrote, but the newest `keep` (and the ones `latest`
+// and `best` name). Returns what it removed.
 std::vector<std::string> remove_old_checkpoints(const std::string& dir, int64_t keep, const std::string& run_id);
 
 }  // namespace loom::train

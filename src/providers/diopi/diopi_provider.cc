@@ -724,6 +724,8 @@ void load_diopi_from_env() {
                        "one, comma-separated)");
           }
         }
+      LOOM_REQUIRE(!o.devices.empty(), "LOOM_DIOPI_DEVICES='", devs, "' names no device type (cpu, cuda or a "
+                   "registered one, comma-separated; leave it unset for the default)");
     }
     std::stringstream ss(env);
     std::string path;
