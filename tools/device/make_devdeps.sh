@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gathers, into .devdeps/ (git-ignored), what the GPU machine lacks to build and test Loom, copied from this machine
 # (where scripts/setup.sh installed it): OpenBLAS with its Fortran runtime, GoogleTest, nlohmann-json, PCRE2, CLI11,
-# toml++ (a compiled library on Debian: its headers, shared library and CMake package), cuDNN's headers, and GPT-2's
+# toml++ (a compiled library on Debian: its headers, shared library and CMake package), pybind11, cuDNN's headers, and GPT-2's
 # vocabulary (scripts/fetch_gpt2_vocab.sh) for the tokenizer tests. Carry ".devdeps" with each GPU call.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +49,8 @@ cp -r /usr/include/CLI $D/include/
 cp -r /usr/include/toml++ $D/include/
 cp -P /usr/lib/x86_64-linux-gnu/libtomlplusplus.so* $D/lib/x86_64-linux-gnu/
 cp -r /usr/lib/x86_64-linux-gnu/cmake/tomlplusplus $D/lib/x86_64-linux-gnu/cmake/
+# pybind11 (the Python package, built on the GPU machine with LOOM_PYTHON=ON): headers and CMake package.
+mkdir -p $D/lib/cmake && cp -r /usr/include/pybind11 $D/include/ && cp -r /usr/lib/cmake/pybind11 $D/lib/cmake/
 mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
 # GPT-2's vocabulary (the GPU machine cannot fetch it): LOOM_CACHE_DIR points here there.
 ./scripts/fetch_gpt2_vocab.sh .devdeps/cache/gpt2 >/dev/null
