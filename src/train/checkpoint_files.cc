@@ -177,6 +177,8 @@ std::string tokenizer_content_hash(const std::string& path) {
 
 std::optional<CheckpointTokenizer> checkpoint_tokenizer(const std::string& path) {
   if (loom_checkpoint_config(path).empty()) return std::nullopt;
+  if (!is_sharded_checkpoint(path) && !io::SafetensorsReader(path).metadata().count("state"))
+    return std::nullopt;  // weights alone (a saved model, no run): no tokenizer recorded
   const std::string state = checkpoint_state_and_config(path).first;
   const nlohmann::json meta = io::parse_json(state, "'" + path + "': state metadata");
   if (!meta.is_object() || !meta.contains("tokenizer")) return std::nullopt;

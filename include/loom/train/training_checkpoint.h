@@ -85,7 +85,8 @@ struct CheckpointTokenizer {
   std::string name, path, hash;
 };
 // What the checkpoint at `path` (a file or a sharded directory; anything else: nullopt) records; nullopt when it
-// records no tokenizer (saved by an older Loom). A malformed record is an error naming the checkpoint and the field.
+// records no tokenizer (saved by an older Loom, or weights without a run's state). A malformed record is an error
+// naming the checkpoint and the field.
 std::optional<CheckpointTokenizer> checkpoint_tokenizer(const std::string& path);
 // FNV-1a 64 of a tokenizer's files, in hex: the file, or a directory's encoder.json and vocab.bpe (GPT-2's); "" for
 // an empty path.
