@@ -39,7 +39,7 @@ LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
                     .values(Values::kPositive).attr("lr", {1e-3, 1e-6, 0.1, 1.0}).attr("beta1", {0.9, 0.8})
                     .attr("beta2", {0.999, 0.95}).attr("eps", {1e-8, 1e-5, 0.1}).attr("weight_decay", {0.0, 0.1})
                     .attr("step", {1.0, 7.0, 1000.0, 1001.0, 65537.0, 1e6}).row_dim("N").dispatch_on("param")
-                    .abi_since(1));
+                    .size_case({{"N", 65536}}).abi_since(1));  // 2^16: a block size's multiple, past the long rows
 
 // As above; momentum_buffer is undefined when attrs.momentum == 0.
 using SgdUpdateKernel = void(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
@@ -48,7 +48,8 @@ LOOM_DECLARE_OP(sgd_update, SgdUpdateKernel,
                 OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
                     .in_place("momentum_buffer", "N", DTypeRule::kStats).attr("lr", {1e-2, 1e-6, 0.5, 1.0})
                     .attr("momentum", {0.0, 0.9}).attr("weight_decay", {0.0, 0.1}).attr("first_step", {0.0, 1.0})
-                    .row_dim("N").dispatch_on("param").abi_since(1).case_rule([](SuiteCase& c, const OpSchema& s) {
+                    .row_dim("N").dispatch_on("param").size_case({{"N", 65536}}).abi_since(1)
+                    .case_rule([](SuiteCase& c, const OpSchema& s) {
                       c.present[size_t(s.tensor_index("momentum_buffer"))] = c.attr_float("momentum") != 0;
                     }));
 
