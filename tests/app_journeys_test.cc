@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app_run.h"
+#include "byte_tokenizer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/io/llmc_model.h"
 #include "loom/nn/model.h"
@@ -31,27 +32,7 @@ const std::string kTrain = LOOM_TRAIN_EXE, kGenerate = LOOM_GENERATE_EXE, kExpor
 
 // A byte-level tokenizer.json: bytes as ids 0..255 (in GPT-2's printable stand-ins), <|endoftext|> as 256, and one
 // merge ("h" "i" -> 257), so "hello" is 5 tokens where GPT-2's vocabulary makes it 1.
-std::string byte_tokenizer_json() {
-  nlohmann::json vocab = nlohmann::json::object();
-  int next = 0;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    const uint32_t cp = printable ? uint32_t(b) : 256 + uint32_t(next++);
-    std::string s;
-    if (cp < 0x80) {
-      s += char(cp);
-    } else {
-      s += char(0xC0 | (cp >> 6));
-      s += char(0x80 | (cp & 0x3F));
-    }
-    vocab[s] = b;
-  }
-  vocab["hi"] = 257;
-  return nlohmann::json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array({"h i"})}}},
-                        {"added_tokens", {{{"id", 256}, {"content", "<|endoftext|>"}, {"special", true}}}},
-                        {"pre_tokenizer", {{"type", "ByteLevel"}, {"use_regex", true}}}}
-      .dump();
-}
+std::string byte_tokenizer_json() { return test::byte_tokenizer_json({"h i"}); }
 
 TEST(LoomTokenizerRecord, GenerateAndExportUseTheCheckpointsTokenizer) {
   TempDir dir;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app_run.h"
+#include "byte_tokenizer.h"
 #include "loom/data/token_file.h"
 #include "test_files.h"
 
@@ -27,25 +28,8 @@ const std::string kPrepare = LOOM_PREPARE_EXE;
 // A byte-level tokenizer.json without merges: byte b is token b (through GPT-2's printable stand-ins), and
 // <|endoftext|>, the document token, is 256. So a document's tokens are 256 and then its bytes.
 std::string byte_tokenizer(const TempDir& dir) {
-  nlohmann::json vocab = nlohmann::json::object();
-  int next = 0;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    const uint32_t cp = printable ? uint32_t(b) : 256 + uint32_t(next++);
-    std::string s;
-    if (cp < 0x80) {
-      s += char(cp);
-    } else {
-      s += char(0xC0 | (cp >> 6));
-      s += char(0x80 | (cp & 0x3F));
-    }
-    vocab[s] = b;
-  }
   const std::string path = dir.file("tokenizer.json");
-  test::write_all(path, nlohmann::json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}},
-                                       {"added_tokens", {{{"id", 256}, {"content", "<|endoftext|>"}, {"special", true}}}},
-                                       {"pre_tokenizer", {{"type", "ByteLevel"}, {"use_regex", true}}}}
-                            .dump());
+  test::write_all(path, test::byte_tokenizer_json());
   return path;
 }
 
