@@ -91,6 +91,19 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
     for (size_t e = 0; e < n; ++e)
       if (u(eng) < fraction) set(e);
   };
+  // The lines along line_dim (the last dim when it names none; the shape is not empty): element j of a line.
+  struct Lines {
+    int64_t inner = 1, len = 0, count = 0;
+    size_t at(int64_t line, int64_t j) const { return size_t(((line / inner) * len + j) * inner + line % inner); }
+  };
+  auto lines_of = [&] {
+    Lines l;
+    const size_t d = line_dim >= 0 && size_t(line_dim) < shape.size() ? size_t(line_dim) : shape.size() - 1;
+    for (size_t k = d + 1; k < shape.size(); ++k) l.inner *= shape[k];
+    l.len = shape[d];
+    l.count = int64_t(n) / std::max<int64_t>(1, l.len);
+    return l;
+  };
   switch (cls) {
     case ValueClass::kNormal: break;
     case ValueClass::kLarge:
@@ -101,13 +114,9 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
       // One line along line_dim ends in a logit 800 above the rest: a kernel whose running max misses a line's
       // last element (a tile's tail) overflows exp() there, even in double.
       if (shape.empty() || largest_finite(dt) < 1e3) break;
-      const size_t d = line_dim >= 0 && size_t(line_dim) < shape.size() ? size_t(line_dim) : shape.size() - 1;
-      int64_t inner = 1;
-      for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
-      const int64_t len = shape[d], lines = int64_t(n) / std::max<int64_t>(1, len);
-      if (len == 0 || lines == 0) break;
-      const int64_t line = int64_t(eng() % uint64_t(lines)), outer = line / inner, in = line % inner;
-      v[size_t((outer * len + len - 1) * inner + in)] = 900;
+      const Lines lines = lines_of();
+      if (lines.len == 0 || lines.count == 0) break;
+      v[lines.at(int64_t(eng() % uint64_t(lines.count)), lines.len - 1)] = 900;
       break;
     }
     case ValueClass::kSpecial:
@@ -127,15 +136,11 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
       break;
     case ValueClass::kMasked: {  // whole lines along line_dim at -inf
       if (shape.empty()) break;
-      const size_t d = line_dim >= 0 && size_t(line_dim) < shape.size() ? size_t(line_dim) : shape.size() - 1;
-      int64_t inner = 1;
-      for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
-      const int64_t len = shape[d], lines = int64_t(n) / std::max<int64_t>(1, len);
-      const int64_t first = lines ? int64_t(eng() % uint64_t(lines)) : 0;
-      for (int64_t line = 0; line < lines; ++line) {
+      const Lines lines = lines_of();
+      const int64_t first = lines.count ? int64_t(eng() % uint64_t(lines.count)) : 0;
+      for (int64_t line = 0; line < lines.count; ++line) {
         if (line != first && u(eng) >= 0.3) continue;
-        const int64_t outer = line / inner, in = line % inner;
-        for (int64_t j = 0; j < len; ++j) v[size_t((outer * len + j) * inner + in)] = -INFINITY;
+        for (int64_t j = 0; j < lines.len; ++j) v[lines.at(line, j)] = -INFINITY;
       }
       break;
     }
