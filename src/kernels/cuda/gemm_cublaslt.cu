@@ -5,8 +5,9 @@
 //
 // Descriptors, layouts and the heuristic's algorithm are cached per problem (shapes, layouts, dtypes, epilogue and
 // pointer alignments). Where cuBLASLt has no fused epilogue for a problem (f64, an aux buffer whose leading dimension is
-// not a multiple of 8, a misaligned bias) the matmul runs plain and a small kernel applies the epilogue; where it has
-// no algorithm at all, legacy cuBLAS runs the product.
+// not a multiple of 8, a misaligned bias) the matmul runs plain and a small kernel applies the epilogue (from an f32
+// product for a 16-bit C, which is then rounded once, as the fused epilogue does); where it has no algorithm at all,
+// legacy cuBLAS runs the product.
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -239,19 +240,28 @@ void run_cublas(const CudaDeviceContext& cuda, const GemmParams& p) {
       compute, CUBLAS_GEMM_DEFAULT));
 }
 
-// The unfused epilogue, and the whole result when k == 0 (C = beta * C, which cuBLAS is not asked to do).
+// The unfused epilogue, and the whole result when k == 0 (C = beta * C, which cuBLAS is not asked to do). With
+// `product` (alpha op(A) op(B) in f32, dense m x n per problem) the result is product + beta * C, so that a 16-bit C
+// is rounded once, after the bias: rounding the product first and adding a bias of the opposite sign after would
+// keep only the rounding error (a pre-activation of 0 where the exact one is -0.0017).
 template <typename T>
 __global__ void epilogue_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, int64_t n, int64_t total,
                                 bool scale_by_beta, double beta, const T* bias, T* pre_gelu, bool gelu,
-                                bool dgelu) {
+                                bool dgelu, const float* product) {
   using acc = acc_t<T>;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     int64_t i = idx % m, j = (idx / m) % n, b = idx / (m * n);
     int64_t offset = b * stride_c + j * ldc + i;
     acc v;
-    if (scale_by_beta) v = beta == 0 ? acc(0) : acc(beta) * acc(c[offset]);  // beta == 0 never reads C (may be NaN)
-    else v = acc(c[offset]);
+    if (product) {
+      v = acc(product[idx]);
+      if (beta != 0) v += acc(beta) * acc(c[offset]);
+    } else if (scale_by_beta) {
+      v = beta == 0 ? acc(0) : acc(beta) * acc(c[offset]);  // beta == 0 never reads C (may be NaN)
+    } else {
+      v = acc(c[offset]);
+    }
     if (bias) v += acc(bias[i]);
     if (dgelu) v *= gelu_tanh_derivative(acc(pre_gelu[offset]));
     if (gelu) {
@@ -262,18 +272,19 @@ __global__ void epilogue_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, 
   }
 }
 
-void run_epilogue(const CudaDeviceContext& cuda, const GemmParams& p, bool scale_by_beta) {
+void run_epilogue(const CudaDeviceContext& cuda, const GemmParams& p, bool scale_by_beta,
+                  const float* product = nullptr) {
   bool add_bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
   bool dgelu = p.epilogue == GemmEpilogue::kDGelu;
-  if (!scale_by_beta && !add_bias && !gelu && !dgelu) return;
+  if (!product && !scale_by_beta && !add_bias && !gelu && !dgelu) return;
   int64_t total = p.m * p.n * p.batch;
   unsigned grid = unsigned(std::min<int64_t>((total + 255) / 256, 65536));
   LOOM_DISPATCH_FLOATING(p.output_dtype, "gemm", [&] {
     epilogue_kernel<scalar_t><<<grid, 256, 0, cuda.cuda_stream()>>>(
         static_cast<scalar_t*>(p.c), p.ldc, p.stride_c, p.m, p.n, total, scale_by_beta, p.beta,
         add_bias ? static_cast<const scalar_t*>(p.bias) : nullptr,
-        gelu || dgelu ? static_cast<scalar_t*>(p.pre_gelu) : nullptr, gelu, dgelu);
+        gelu || dgelu ? static_cast<scalar_t*>(p.pre_gelu) : nullptr, gelu, dgelu, product);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -326,6 +337,16 @@ void gemm_cuda(const DeviceContext& ctx, const GemmParams& p) {
   }
   cublasLtEpilogue_t fused = fused_epilogue(p);
   if (fused != CUBLASLT_EPILOGUE_DEFAULT && run_cublaslt(cuda, p, fused)) return;
+  const bool sixteen_bit = p.output_dtype == kBF16 || p.output_dtype == kF16;
+  if (sixteen_bit && p.epilogue != GemmEpilogue::kNone && p.epilogue != GemmEpilogue::kBiasGradB) {
+    // An unfused epilogue on a 16-bit C: the product in f32 first, the epilogue rounding once (epilogue_kernel).
+    Tensor product = empty({p.batch * p.m * p.n}, kF32, p.device);
+    GemmParams q = p;
+    q.c = product.data(), q.ldc = p.m, q.stride_c = p.m * p.n, q.output_dtype = kF32;
+    q.beta = 0, q.epilogue = GemmEpilogue::kNone, q.bias = nullptr, q.pre_gelu = nullptr;
+    if (!run_cublaslt(cuda, q, CUBLASLT_EPILOGUE_DEFAULT)) run_cublas(cuda, q);
+    return run_epilogue(cuda, p, /*scale_by_beta=*/false, static_cast<const float*>(product.data()));
+  }
   if (!run_cublaslt(cuda, p, CUBLASLT_EPILOGUE_DEFAULT)) run_cublas(cuda, p);
   if (p.epilogue == GemmEpilogue::kBiasGradB) return bias_grad_unfused(ctx, p);
   run_epilogue(cuda, p, /*scale_by_beta=*/false);
