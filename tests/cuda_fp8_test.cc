@@ -152,7 +152,9 @@ TEST(CudaFp8, GemmThroughCublasLtMatchesTheCpuReference) {
     for (DType out : {kBF16, kF32})
       cases.push_back({bool(trans & 1), bool(trans & 2), 64, 48, 128, 1, 0, 0, kF8E4M3, kF8E4M3, out, true, false, 0});
   cases.push_back({true, false, 96, 32, 40, 1, 0, 0, kF8E4M3, kF8E5M2, kBF16, true, false, 0});   // K % 16 != 0
-  cases.push_back({false, true, 33, 17, 64, 2, 3, 1, kF8E5M2, kF8E4M3, kF32, true, false, 0.5});  // odd C
+  // An odd C (padded ldc, misaligned start: the staged output), e5m2 as A. (M = 33, N = 17 has no cuBLASLt FP8
+  // algorithm on an H200: supports() declines it.)
+  cases.push_back({false, true, 48, 32, 64, 2, 3, 1, kF8E5M2, kF8E4M3, kF32, true, false, 0.5});
   cases.push_back({true, false, 128, 256, 512, 1, 0, 0, kF8E4M3, kF8E4M3, kBF16, false, true, 0});  // fast
   cases.push_back({true, false, 64, 64, 4096, 1, 0, 0, kF8E4M3, kF8E5M2, kF32, false, false, 1.0});  // long K
   for (const GemmCase& g : cases) {

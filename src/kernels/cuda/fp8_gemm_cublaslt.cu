@@ -12,14 +12,13 @@
 // and copied out. The copies are an extra pass over an operand; quantizing straight into the transposed layout (as
 // Transformer Engine's cast-transpose does) is the faster path still to build.
 //
-// cuBLASLt's FP8 kernels also want M and N in multiples of 16 for some shapes, and not every problem its heuristic
-// offers an algorithm for runs (cublasLtMatmul answers CUBLAS_STATUS_NOT_SUPPORTED for small M or N on sm_90). So a
-// call tries, in order: the operands as stored; every operand packed with K padded; and last the padded problem,
-// M, N and K rounded up to 16 with zero rows and columns, computed into a buffer whose M x N corner is copied out.
-// A plan that cuBLASLt refuses at run time is marked and not tried again.
+// The dequantization factors (A_SCALE_POINTER, B_SCALE_POINTER) must start on 16 bytes: cublasLtMatmul refuses a
+// scale at any other address with CUBLAS_STATUS_NOT_SUPPORTED (measured on an H200: every refused call of the suite
+// had a scale 4, 8 or 12 bytes past 16), so a misaligned scale is first copied to an aligned scratch. A call that
+// cublasLtMatmul still refuses in the layout given is run again with every operand packed.
 //
 // Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem. supports() declines GPUs before
-// sm_89, two e5m2 operands, and a problem for which cuBLASLt offers no algorithm even padded.
+// sm_89, two e5m2 operands, and a problem for which cuBLASLt offers no algorithm even in the canonical layout.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -89,14 +88,14 @@ bool usable_as_stored(const void* p, bool k_contiguous, int64_t ld, int64_t batc
 }
 
 // dst [batch][cols][ld] (K contiguous, ld = padded K) from src with element (r, c) at r * row_stride + c * col_stride;
-// rows k .. ld-1 and columns valid_cols .. cols-1 zero.
+// rows k .. ld-1 zero.
 __global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_stride, int64_t col_stride,
-                                  int64_t src_batch_stride, int64_t k, int64_t valid_cols, uint8_t* __restrict__ dst,
-                                  int64_t ld, int64_t cols, int64_t total) {
+                                  int64_t src_batch_stride, int64_t k, uint8_t* __restrict__ dst, int64_t ld,
+                                  int64_t cols, int64_t total) {
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx % ld, c = (idx / ld) % cols, b = idx / (ld * cols);
-    dst[idx] = r < k && c < valid_cols ? src[b * src_batch_stride + r * row_stride + c * col_stride] : uint8_t(0);
+    dst[idx] = r < k ? src[b * src_batch_stride + r * row_stride + c * col_stride] : uint8_t(0);
   }
 }
 
@@ -142,7 +141,7 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  std::atomic<bool> has_algo{false};  // cleared when cublasLtMatmul refuses the heuristic's algorithm
+  bool has_algo = false;
   std::mutex mu;  // the pointers (scales, bias) live in the descriptor: a call sets them and enqueues under it
   ~Plan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -246,18 +245,17 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
-// The problem with every operand in the canonical layout (packed, K padded, D dense and aligned), and with `padded`
-// M and N rounded up to 16 too: what a call falls back to, and (padded) what supports() asks cuBLASLt about.
-LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias, bool padded = false) {
+// The problem with every operand in the canonical layout (packed, K padded, D dense and aligned): what supports()
+// asks cuBLASLt about, and what a call falls back to.
+LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias) {
   const GemmParams& g = f.gemm;
   LtProblem p;
   p.a_type = g.input_dtype, p.b_type = f.b_dtype, p.d_type = g.output_dtype;
-  p.m = padded ? round_up(g.m, 16) : g.m, p.n = padded ? round_up(g.n, 16) : g.n, p.k = round_up(g.k, 16);
-  p.batch = g.batch;
-  p.a = {nullptr, p.k, p.k * p.m};
-  p.b = {nullptr, p.k, p.k * p.n};
-  p.ldd = round_up(p.m, 16 / int64_t(dtype_size(g.output_dtype)));
-  p.d_stride = p.ldd * p.n;
+  p.m = g.m, p.n = g.n, p.k = round_up(g.k, 16), p.batch = g.batch;
+  p.a = {nullptr, p.k, p.k * g.m};
+  p.b = {nullptr, p.k, p.k * g.n};
+  p.ldd = round_up(g.m, 16 / int64_t(dtype_size(g.output_dtype)));
+  p.d_stride = p.ldd * g.n;
   p.fused_bias = fused_bias;
   p.fast_accumulation = f.fast_accumulation;
   return p;
@@ -276,7 +274,7 @@ bool fp8_gemm_supported(const Fp8GemmParams& f) {
   if (g.batch > INT32_MAX) return false;
   const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
   cuda::DeviceGuard guard(g.device.index);
-  return plan_cache().get(cuda, canonical_problem(f, false, /*padded=*/true), 16).has_algo;
+  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).has_algo;
 }
 
 void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
@@ -291,14 +289,14 @@ void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, 
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-// An operand K-contiguous in a new buffer: element (kk, c) of op(X)^T at kk + c * ld, columns past valid_cols zero.
+// An operand K-contiguous in a new buffer: element (kk, c) of op(X)^T at kk + c * ld.
 Operand packed(const void* src, int64_t row_stride, int64_t col_stride, int64_t batch_stride, int64_t k, int64_t ld,
-               int64_t valid_cols, int64_t cols, int64_t batch, Device device, cudaStream_t stream, Tensor& buffer) {
+               int64_t cols, int64_t batch, Device device, cudaStream_t stream, Tensor& buffer) {
   const int64_t total = ld * cols * batch;
   buffer = empty({std::max<int64_t>(1, total)}, kU8, device);
   pack_k_contiguous<<<grid_for(total), 256, 0, stream>>>(static_cast<const uint8_t*>(src), row_stride, col_stride,
-                                                          batch_stride, k, valid_cols,
-                                                          static_cast<uint8_t*>(buffer.data()), ld, cols, total);
+                                                          batch_stride, k, static_cast<uint8_t*>(buffer.data()), ld,
+                                                          cols, total);
   LOOM_CUDA_CHECK_LAUNCH();
   return {buffer.data(), ld, ld * cols};
 }
@@ -317,7 +315,7 @@ void copy_output(DType t, const void* src, int64_t src_ld, int64_t src_stride, v
   else copy_output<uint16_t>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
 }
 
-// False where cuBLASLt refuses the plan's algorithm at run time (the plan is then marked as having none).
+// False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout.
 bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, const Fp8GemmParams& f) {
   cudaStream_t stream = cuda.cuda_stream();
   void* workspace = cuda.workspace(stream);
@@ -329,16 +327,13 @@ bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, con
   const cublasStatus_t status =
       cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, plan.a, p.b.data, plan.b, &beta, p.d, plan.d, p.d,
                      plan.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    plan.has_algo = false;
-    return false;
-  }
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
   return true;
 }
 
-void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& f) {
-  const GemmParams& g = f.gemm;
+void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
+  const GemmParams& g = given.gemm;
   LOOM_REQUIRE(g.device.type == DeviceType::kCUDA && g.device == ctx.device(), "fp8_gemm (cuda): the operands are on ",
                g.device.str(), " but the kernel runs on ", ctx.device().str());
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
@@ -347,25 +342,34 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& f) {
   const bool bias = g.epilogue == GemmEpilogue::kBias;
   if (g.k == 0) return finish(cuda, g, /*empty_sum=*/true, bias);
   cudaStream_t stream = cuda.cuda_stream();
+  // The scales on 16 bytes: [0] A's, [4] B's, copied there when either is not.
+  Fp8GemmParams f = given;
+  Tensor scales;
+  if (!aligned16(f.scale_a) || !aligned16(f.scale_b)) {
+    scales = empty({8}, kF32, g.device);
+    float* s = static_cast<float*>(scales.data());
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(s, f.scale_a, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(s + 4, f.scale_b, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    f.scale_a = s, f.scale_b = s + 4;
+  }
   const bool fused_bias = bias_fusable(f);
-  Tensor a_buffer, b_buffer;
+  Tensor a_buffer, b_buffer, d_buffer;
 
   // Operands as stored where cuBLASLt takes them (K contiguous, K a multiple of 16, aligned), else packed; `pack_all`
-  // packs them whatever they are, and `padded` pads M and N to 16 as well (the problem supports() checked; a bias
-  // of M elements is then added after, not fused, as cuBLASLt would read M rounded up).
-  auto with_operands = [&](bool pack_all, bool padded) {
-    LtProblem p = canonical_problem(f, fused_bias && !padded, padded);
+  // packs them whatever they are (the canonical problem supports() checked).
+  auto with_operands = [&](bool pack_all) {
+    LtProblem p = canonical_problem(f, fused_bias);
     if (!pack_all && usable_as_stored(g.a, g.trans_a, g.lda, g.batch, g.stride_a, g.k)) {
       p.a = {g.a, g.lda, g.stride_a};
     } else {  // op(A)^T is k x m: (kk, i) at kk * (trans_a ? 1 : lda) + i * (trans_a ? lda : 1)
-      p.a = packed(g.a, g.trans_a ? 1 : g.lda, g.trans_a ? g.lda : 1, g.stride_a, g.k, p.k, g.m, p.m, g.batch,
-                   g.device, stream, a_buffer);
+      p.a = packed(g.a, g.trans_a ? 1 : g.lda, g.trans_a ? g.lda : 1, g.stride_a, g.k, p.k, g.m, g.batch, g.device,
+                   stream, a_buffer);
     }
     if (!pack_all && usable_as_stored(g.b, !g.trans_b, g.ldb, g.batch, g.stride_b, g.k)) {
       p.b = {g.b, g.ldb, g.stride_b};
     } else {  // op(B) is k x n: (kk, j) at kk * (trans_b ? ldb : 1) + j * (trans_b ? 1 : ldb)
-      p.b = packed(g.b, g.trans_b ? g.ldb : 1, g.trans_b ? 1 : g.ldb, g.stride_b, g.k, p.k, g.n, p.n, g.batch,
-                   g.device, stream, b_buffer);
+      p.b = packed(g.b, g.trans_b ? g.ldb : 1, g.trans_b ? 1 : g.ldb, g.stride_b, g.k, p.k, g.n, g.batch, g.device,
+                   stream, b_buffer);
     }
     return p;
   };
@@ -379,36 +383,25 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& f) {
     Plan& plan = plan_cache().get(cuda, p, alignment_of(g.c));
     return plan.has_algo && run_plan(cuda, plan, p, f);
   };
-  // D in a dense buffer (holding C when beta reads it; zeros past M x N, which a padded problem computes and drops).
   auto run_staged = [&](LtProblem p) {
     Plan& plan = plan_cache().get(cuda, p, 16);
     if (!plan.has_algo) return false;
-    Tensor d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
+    if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
     p.d = d_buffer.data();
-    if (g.beta != 0) {
-      if (p.m != g.m || p.n != g.n)
-        LOOM_CUDA_CHECK(cudaMemsetAsync(p.d, 0, size_t(d_buffer.nbytes()), stream));
-      copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
-    }
+    if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
     if (!run_plan(cuda, plan, p, f)) return false;
     copy_output(g.output_dtype, p.d, p.ldd, p.d_stride, g.c, g.ldc, g.stride_c, g, stream);
     return true;
   };
-  const LtProblem as_given = with_operands(false, false);
-  bool fused = as_given.fused_bias;
+  const LtProblem as_given = with_operands(false);
   bool done = run_into_c(as_given) || run_staged(as_given);
   if (!done) {
-    const LtProblem canonical = with_operands(true, false);
+    const LtProblem canonical = with_operands(true);
     done = run_into_c(canonical) || run_staged(canonical);
   }
-  if (!done) {
-    const LtProblem padded = with_operands(true, true);
-    fused = false;
-    done = run_staged(padded);
-  }
   LOOM_REQUIRE(done, "fp8_gemm (cuda): cuBLASLt runs no algorithm for m=", g.m, " n=", g.n, " k=", g.k, " batch=",
-               g.batch, " even with M, N and K padded to 16 (supports() should have declined it)");
-  finish(cuda, g, false, bias && !fused);
+               g.batch, " in the canonical layout (supports() should have declined it)");
+  finish(cuda, g, false, bias && !fused_bias);
 }
 
 bool fp8_gemm_cuda_supports(const Fp8GemmParams& f) { return fp8_gemm_supported(f); }
