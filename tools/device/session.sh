@@ -17,6 +17,10 @@
 #   racecheck racecheck, the slowest tool, alone over the cores (SAN_SHARDS, default the cores less one)
 #   sweep     tools/reference/make_conformance_sweep.py (PyTorch on this machine) writes the sweep set to $OUT,
 #             and loom-conformance checks the native CUDA kernels against it
+#   reference transformers and PEFT on this machine: tools/reference/hf_check.py (Loom's GPT-2, LLaMA and Mixtral
+#             exports loaded by transformers, its PEFT adapter directory loaded by peft, HF models loaded by Loom, on
+#             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
+#             tests/fixtures, then tests/moe_fixture_test.cc run against it)
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
@@ -256,6 +260,30 @@ sanitize() {  # n, tools...
 stage_sanitize() { sanitize "${SAN_SHARDS:-5}" ${SANITIZERS:-memcheck synccheck initcheck}; }
 stage_racecheck() { sanitize "${SAN_SHARDS:-$(($(nproc) - 1))}" racecheck; }
 
+stage_reference() {
+  need_build || return 1
+  local t0=$SECONDS result=pass passed failed
+  PYTHONUNBUFFERED=1 timeout 400 python3 tools/reference/hf_check.py --bin $BIN --work /tmp/hf_check \
+    --devices cpu,cuda --out "$OUT" > $S/hf_check.log 2>&1 || result=FAIL
+  grep -E "^(PASS|FAIL)" $S/hf_check.log | head -40
+  passed=$(grep -c "^PASS" $S/hf_check.log) failed=$(grep -c "^FAIL" $S/hf_check.log)
+  row "reference hf_check" "$result" "$passed checks pass, $failed fail" $((SECONDS - t0))
+  t0=$SECONDS
+  mkdir -p "$OUT/fixtures"
+  if timeout 120 python3 tools/reference/make_mixtral_fixture.py "$OUT/fixtures" > $S/mixtral_fixture.log 2>&1; then
+    cp "$OUT"/fixtures/mixtral_tiny.* tests/fixtures/
+    $BIN/tests/loom_tests --gtest_filter='ModelFixture.Mixtral*' > $S/mixtral_fixture_test.log 2>&1
+    local rc=$?
+    tail -3 $S/mixtral_fixture_test.log
+    row "reference mixtral fixture" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
+      "written to \$OUT/fixtures (commit to tests/fixtures); $(grep -c '^\[       OK' $S/mixtral_fixture_test.log) tests ok" \
+      $((SECONDS - t0))
+  else
+    tail -5 $S/mixtral_fixture.log
+    row "reference mixtral fixture" FAIL "make_mixtral_fixture.py (see mixtral_fixture.log)" $((SECONDS - t0))
+  fi
+}
+
 stage_sweep() {
   need_build || return 1
   local t0=$SECONDS
@@ -281,7 +309,7 @@ stage_bench() {
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|traces|sanitize|racecheck|sweep|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|traces|sanitize|racecheck|sweep|reference|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite traces sanitize sweep bench)"; exit 2 ;;
   esac
 done

@@ -14,6 +14,9 @@ Needs torch, transformers and safetensors (the GPU machine has them; this reposi
 (c) In: random LLaMAs built by transformers (2 layers, head_dim != hidden/heads, vocab 1001, rope_scaling llama3,
     tied and untied) and a random GPT-2, saved sharded (model.safetensors.index.json): Loom loads them with equal
     logits and greedy tokens, and loom-train --init-from DIR starts from them.
+(d) PEFT: a LoRA run of llama3-tiny exported with `loom-export --peft` loads with peft's PeftModel onto its base
+    (`loom-export --hf`), giving the LoRA checkpoint's logits, as does its `--merge-lora` export.
+(a) covers gpt2-tiny, llama3-tiny and mixtral-tiny.
 
 Relative error = max |loom - hf| / max |hf| over all positions and the real vocabulary. Prints a PASS/FAIL table and
 writes hf_check.json (to --out when given); exits 1 when a check fails.
@@ -130,7 +133,8 @@ def check_out(args):
     """(a) and (b): models trained by Loom, exported, loaded by transformers."""
     import torch
     rng = random.Random(args.seed)
-    for tag, model, vocab in (("gpt2-tiny", "gpt2-tiny", 50257), ("llama3-tiny", "llama3-tiny", 512)):
+    for tag, model, vocab in (("gpt2-tiny", "gpt2-tiny", 50257), ("llama3-tiny", "llama3-tiny", 512),
+                              ("mixtral-tiny", "mixtral-tiny", 512)):
         work = os.path.join(args.work, tag)
         shutil.rmtree(work, ignore_errors=True)  # loom-train refuses to write over an earlier run's checkpoints
         os.makedirs(work)
@@ -179,6 +183,47 @@ def check_out(args):
             record("%s bf16 export loads as bfloat16" % tag, ok, "rel err vs f32 %.2e (tol 5e-2)" % err)
         except Exception as e:  # noqa: BLE001
             record("%s bf16 export" % tag, False, str(e).splitlines()[0][:300])
+
+
+def check_peft(args):
+    """(d) A LoRA run of llama3-tiny: its `loom-export --peft` directory loaded by peft onto the base model that
+    `loom-export --hf` writes gives loom-generate's logits of the LoRA checkpoint, and so does `--merge-lora --hf`."""
+    rng = random.Random(args.seed + 1)
+    vocab = 512
+    work = os.path.join(args.work, "lora")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    shard = os.path.join(work, "train_000000.bin")
+    write_shard(shard, [rng.randrange(vocab) for _ in range(8192)])
+    try:
+        from peft import PeftModel
+        run([os.path.join(args.bin, "loom-train"), "--model", "llama3-tiny", "--train-data", shard, "-b", "4", "-t",
+             "64", "--steps", "3", "--warmup", "0", "--lr", "1e-2", "--sample-tokens", "0", "--device", "cpu",
+             "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down",
+             "--checkpoint-dir", os.path.join(work, "ckpt")])
+        ckpt = os.path.join(work, "ckpt", "step_000003.safetensors")
+        base_dir, adapter_dir, merged_dir = (os.path.join(work, d) for d in ("base", "adapter", "merged"))
+        run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--hf", base_dir, "--force"])
+        run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--peft", adapter_dir, "--force"])
+        run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--merge-lora", "--hf", merged_dir,
+             "--force"])
+        prompt = [rng.randrange(vocab) for _ in range(24)]
+        peft_model = PeftModel.from_pretrained(hf_model(base_dir), adapter_dir)
+        peft_model.eval()
+        want = hf_logits(peft_model, prompt, vocab)
+        base = hf_logits(hf_model(base_dir), prompt, vocab)
+        record("llama3-tiny LoRA: the adapters change the logits", rel_err(want, base) > 1e-4,
+               "rel change %.2e" % rel_err(want, base))
+        merged = hf_logits(hf_model(merged_dir), prompt, vocab)
+        err = rel_err(merged, want)
+        record("llama3-tiny LoRA: --merge-lora export vs peft on the base", err <= args.tol,
+               "rel err %.2e (tol %.0e)" % (err, args.tol))
+        for device in args.devices:
+            err = rel_err(loom_logits(args, ckpt, prompt, device), want)
+            record("llama3-tiny LoRA checkpoint (loom %s) vs peft on the base" % device, err <= args.tol,
+                   "rel err %.2e (tol %.0e)" % (err, args.tol))
+    except Exception as e:  # noqa: BLE001
+        record("llama3-tiny LoRA and PEFT", False, str(e).splitlines()[0][:300])
 
 
 def check_in(args):
@@ -249,6 +294,7 @@ def main():
                                                                      args.bin, ",".join(args.devices)))
     t0 = time.time()
     check_out(args)
+    check_peft(args)
     check_in(args)
     print("\n%-72s %s" % ("check", "result"))
     for r in RESULTS:
