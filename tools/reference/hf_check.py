@@ -14,8 +14,8 @@ Needs torch, transformers and safetensors (the GPU machine has them; this reposi
 (c) In: random LLaMAs built by transformers (2 layers, head_dim != hidden/heads, vocab 1001, rope_scaling llama3,
     tied and untied) and a random GPT-2, saved sharded (model.safetensors.index.json): Loom loads them with equal
     logits and greedy tokens, and loom-train --init-from DIR starts from them.
-(d) PEFT: a LoRA run of llama3-tiny exported with `loom-export --peft` loads with peft's PeftModel onto its base
-    (`loom-export --hf`), giving the LoRA checkpoint's logits, as does its `--merge-lora` export.
+(d) PEFT: a LoRA run of llama3-tiny started from an exported base directory; its `loom-export --peft` directory
+    loads with peft's PeftModel onto that base, giving the LoRA checkpoint's logits, as does its `--merge-lora` export.
 (a) covers gpt2-tiny, llama3-tiny and mixtral-tiny.
 
 Relative error = max |loom - hf| / max |hf| over all positions and the real vocabulary. Prints a PASS/FAIL table and
@@ -186,8 +186,8 @@ def check_out(args):
 
 
 def check_peft(args):
-    """(d) A LoRA run of llama3-tiny: its `loom-export --peft` directory loaded by peft onto the base model that
-    `loom-export --hf` writes gives loom-generate's logits of the LoRA checkpoint, and so does `--merge-lora --hf`."""
+    """(d) A LoRA run of llama3-tiny from an exported base directory: its `loom-export --peft` directory loaded by
+    peft onto that base gives loom-generate's logits of the LoRA checkpoint, and so does `--merge-lora --hf`."""
     rng = random.Random(args.seed + 1)
     vocab = 512
     work = os.path.join(args.work, "lora")
@@ -197,13 +197,18 @@ def check_peft(args):
     write_shard(shard, [rng.randrange(vocab) for _ in range(8192)])
     try:
         from peft import PeftModel
-        run([os.path.join(args.bin, "loom-train"), "--model", "llama3-tiny", "--train-data", shard, "-b", "4", "-t",
-             "64", "--steps", "3", "--warmup", "0", "--lr", "1e-2", "--sample-tokens", "0", "--device", "cpu",
-             "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down",
-             "--checkpoint-dir", os.path.join(work, "ckpt")])
-        ckpt = os.path.join(work, "ckpt", "step_000003.safetensors")
+        common = ["--train-data", shard, "-b", "4", "-t", "64", "--warmup", "0", "--sample-tokens", "0", "--device",
+                  "cpu"]
+        # The base: 2 steps of llama3-tiny, exported; the LoRA run starts from that directory (the base frozen).
+        run([os.path.join(args.bin, "loom-train"), "--model", "llama3-tiny", "--steps", "2", "--lr", "1e-3"] +
+            common + ["--checkpoint-dir", os.path.join(work, "base_ckpt")])
         base_dir, adapter_dir, merged_dir = (os.path.join(work, d) for d in ("base", "adapter", "merged"))
-        run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--hf", base_dir, "--force"])
+        run([os.path.join(args.bin, "loom-export"), "--checkpoint",
+             os.path.join(work, "base_ckpt", "step_000002.safetensors"), "--hf", base_dir, "--force"])
+        run([os.path.join(args.bin, "loom-train"), "--init-from", base_dir, "--steps", "3", "--lr", "1e-2",
+             "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o,gate,up,down"] + common +
+            ["--checkpoint-dir", os.path.join(work, "ckpt")])
+        ckpt = os.path.join(work, "ckpt", "step_000003.safetensors")
         run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--peft", adapter_dir, "--force"])
         run([os.path.join(args.bin, "loom-export"), "--checkpoint", ckpt, "--merge-lora", "--hf", merged_dir,
              "--force"])
