@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <cstring>
 #include <random>
 #include <set>
 #include <vector>
@@ -149,9 +150,23 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     }
     o.process_group = group;
     train::Trainer t(o);
+    std::vector<std::pair<std::string, Tensor>> base;  // under LoRA: this rank's frozen parameters, as they start
+    for (auto& [name, p] : t.model().named_parameters())
+      if (l.lora > 0 && !p.requires_grad()) base.emplace_back(name, p.detach().to(Device()).clone());
     while (t.step() < last) {
       const train::StepStats s = t.train_step();
       out.emplace_back(s.loss, s.grad_norm);
+    }
+    if (l.lora > 0) {
+      c.check(!base.empty(), l.what + ": no frozen parameter");
+      std::map<std::string, Tensor> now;
+      for (auto& [name, p] : t.model().named_parameters()) now[name] = p.detach().to(Device()).contiguous();
+      for (auto& [name, before] : base) {
+        const Tensor& after = now.at(name);
+        c.check(after.dtype() == before.dtype() && after.shape() == before.shape() &&
+                    std::memcmp(after.data(), before.data(), before.nbytes()) == 0,
+                l.what + ": the frozen '" + name + "' changed in training");
+      }
     }
     if (!save.empty()) t.save_checkpoint(save);
   }
@@ -287,6 +302,12 @@ void run_road_checks(const Context& c) {
           with(layout("llama LoRA ddp x 2", 2), [](Layout& l) { l.lora = 4; l.model = "llama.json"; }),
           with(layout("llama LoRA zero-1 x 2", 2),
                [](Layout& l) { l.lora = 4; l.zero = 1; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-2 x 2", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-3 x 2", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 3; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-3 x 2, full recompute", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 3; l.recompute = "full"; l.model = "llama.json"; }),
           with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
           with(layout("llama LoRA tp 2 + sp", 2),
                [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
@@ -295,7 +316,8 @@ void run_road_checks(const Context& c) {
                [](Layout& l) { l.lora = 4; l.pp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
     });
-    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, tp 2, pp 2", [&] {
+    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, zero-2, zero-3, tp 2, pp 2",
+          [&] {
       auto lora = [](Layout l) {
         l.lora = 4;
         l.model = "llama.json";
@@ -304,8 +326,14 @@ void run_road_checks(const Context& c) {
       check_resumes(c, lora(layout("LoRA ddp x 2", 2)),
                     {lora(layout("LoRA 1 rank", 1)),
                      lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; })),
+                     lora(with(layout("LoRA zero-2 x 2", 2), [](Layout& l) { l.zero = 2; })),
+                     lora(with(layout("LoRA zero-3 x 2", 2), [](Layout& l) { l.zero = 3; })),
                      lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; })),
                      lora(with(layout("LoRA pp 2", 2), [](Layout& l) { l.pp = 2; }))});
+      // Saved from the shards (the adapters) and the whole frozen base of every rank.
+      check_resumes(c, lora(with(layout("LoRA zero-3 x 2", 2), [](Layout& l) { l.zero = 3; })),
+                    {lora(layout("LoRA 1 rank", 1)),
+                     lora(with(layout("LoRA zero-2 x 2", 2), [](Layout& l) { l.zero = 2; }))});
     });
     c.run("single-file checkpoints resume with the layout that saved them (pp 2, tp 2)", [&] {
       check_resumes(c, with(layout("pp 2 (single file)", 2), [](Layout& l) { l.pp = 2; l.format = "single"; }),
