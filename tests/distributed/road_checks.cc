@@ -84,7 +84,7 @@ struct Layout {
   std::string what;
   int ranks = 1;
   int64_t tp = 1, pp = 1, zero = 0, virtual_stages = 1;
-  int64_t lora = 0;  // LoRA adapters of this rank on every LLaMA projection, the base frozen
+  int64_t lora = 0;  // LoRA adapters of this rank on every projection (LLaMA's seven, GPT-2's four), the base frozen
   bool sp = false;
   std::string schedule = "1f1b", recompute = "none", model = "gpt2.json", format = "auto";
 };
@@ -145,7 +145,7 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.resume = resume;
     if (l.lora > 0) {
       o.lora_rank = l.lora;
-      o.lora_targets = "q,k,v,o,gate,up,down";
+      o.lora_targets = l.model == "gpt2.json" ? "c_attn,c_proj,c_fc" : "q,k,v,o,gate,up,down";
       o.lr = 2e-2;
     }
     o.process_group = group;
@@ -309,6 +309,8 @@ void run_road_checks(const Context& c) {
           with(layout("llama LoRA zero-3 x 2, full recompute", 2),
                [](Layout& l) { l.lora = 4; l.zero = 3; l.recompute = "full"; l.model = "llama.json"; }),
           with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
+          with(layout("gpt2 LoRA zero-2 x 2", 2), [](Layout& l) { l.lora = 4; l.zero = 2; }),
+          with(layout("gpt2 LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; }),
           with(layout("llama LoRA tp 2 + sp", 2),
                [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
           with(layout("llama LoRA pp 2", 2), [](Layout& l) { l.lora = 4; l.pp = 2; l.model = "llama.json"; }),
