@@ -399,23 +399,20 @@ TEST(LoraTraining, BadSettingsAreOneLineEach) {
           x.model = "gpt2-tiny";
           x.init_from.clear();
         }),
-        {"llama family", "not for GPT-2"});
+        {"target 'gate'", "no layer of GPT-2", "no gate"});
+  fails(with([](auto& x) { x.lora_targets = "q,c_attn"; }), {"target 'c_attn' is a GPT-2 layer"});
   fails(with([](auto& x) {
           x.model = "mixtral-tiny";
           x.init_from.clear();
         }),
         {"target 'gate'", "experts take no adapters"});
-  // The layouts the adapters do not run under yet: one line from the plan each.
+  // Every ZeRO stage plans with adapters (ZeRO-2/3 shard the adapters; the frozen base stays whole).
   nn::ModelConfig c = tiny_llama();
-  for (auto [edit, words] : std::vector<std::pair<std::function<void(distributed::ParallelOptions&)>, std::string>>{
-           {[](auto& p) { p.zero_stage = 3; }, "ZeRO-2/3 shard whole blocks"}}) {
-    distributed::ParallelOptions p;
-    edit(p);
-    test::expect_error_mentioning([&] { distributed::make_plan(c, 2, p); }, {"parallelism: LoRA", words});
+  for (int64_t stage : {1, 2, 3}) {
+    distributed::ParallelOptions zero;
+    zero.zero_stage = stage;
+    EXPECT_EQ(distributed::make_plan(c, 2, zero).data.zero_stage, stage);
   }
-  distributed::ParallelOptions zero1;
-  zero1.zero_stage = 1;
-  EXPECT_EQ(distributed::make_plan(c, 2, zero1).data.zero_stage, 1);
 }
 
 // Under tensor parallelism an adapter splits like its layer: a column-parallel layer's B by rows, a row-parallel
@@ -450,6 +447,170 @@ TEST(LoraModel, AdaptersSplitLikeTheirLayers) {
   distributed::ParallelOptions pp;
   pp.pipeline = 2;
   EXPECT_EQ(distributed::make_plan(c, 2, pp).mesh.pipeline, 2);
+}
+
+nn::ModelConfig tiny_gpt2(const std::string& targets) {
+  nn::ModelConfig c = nn::ModelConfig::from_name("gpt2-tiny");
+  c.vocab_size = 200;
+  c.padded_vocab_size = 256;
+  c.max_seq_len = 32;
+  c.lora.rank = 4;
+  c.lora.alpha = 8;
+  c.lora.targets = nn::LoraConfig::parse_targets(targets);
+  return c;
+}
+
+// GPT-2: the LLaMA names go to its layers (q, k, v one adapter on the fused c_attn, as PEFT adapts it), its own names
+// are targets too, the base is frozen and the model starts as its base.
+TEST(LoraGpt2, AdaptersOnItsLayersStartAsTheBase) {
+  EXPECT_EQ(nn::LoraConfig::parse_targets("c_proj,c_attn"),
+            (std::vector<std::string>{"c_attn", "attn.c_proj", "mlp.c_proj"}));
+  nn::ModelConfig c = tiny_gpt2("q,v,o,up,down");
+  EXPECT_EQ(nn::resolve_lora_targets(c), (std::vector<std::string>{"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}));
+  auto model = nn::make_model(c, 3);
+  EXPECT_EQ(model->config().lora.targets,
+            (std::vector<std::string>{"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}));
+  nn::ModelConfig plain = c;
+  plain.lora = {};
+  plain.lora.rank = 0;
+  auto base = nn::make_model(plain, 3);
+  std::map<std::string, Tensor> adapters;
+  int64_t n = 0;
+  for (auto& [name, p] : model->lora_parameters()) {
+    adapters[name] = p;
+    n += p.numel();
+  }
+  EXPECT_EQ(int64_t(adapters.size()), 2 * 4 * c.n_layer);
+  EXPECT_EQ(n, c.lora_parameters());
+  EXPECT_EQ(train::count_parameters(c), model->num_parameters());
+  const int64_t C = c.n_embd;
+  EXPECT_EQ(adapters.at("h.0.attn.c_attn.lora_A.weight").shape(), (Shape{4, C}));
+  EXPECT_EQ(adapters.at("h.0.attn.c_attn.lora_B.weight").shape(), (Shape{3 * C, 4}));
+  EXPECT_EQ(adapters.at("h.1.mlp.c_fc.lora_B.weight").shape(), (Shape{c.ffn_hidden, 4}));
+  EXPECT_EQ(adapters.at("h.1.mlp.c_proj.lora_A.weight").shape(), (Shape{4, c.ffn_hidden}));
+  EXPECT_EQ(adapters.at("h.1.attn.c_proj.lora_B.weight").shape(), (Shape{C, 4}));
+  for (auto& [name, p] : model->named_parameters()) EXPECT_EQ(p.requires_grad(), nn::is_lora_parameter(name)) << name;
+  autograd::NoGradGuard ng;
+  Tensor idx = test::random_indices({2, 9}, 0, c.vocab_size, kI64, 1);
+  EXPECT_TRUE(test::bytes_equal(model->forward(idx), base->forward(idx)));
+  // Only c_attn: the other layers take none.
+  auto qv = nn::make_model(tiny_gpt2("q,v"), 3);
+  EXPECT_EQ(qv->config().lora.targets, std::vector<std::string>{"c_attn"});
+  EXPECT_EQ(int64_t(qv->lora_parameters().size()), 2 * c.n_layer);
+}
+
+// merge_lora on GPT-2: the merged logits are the adapted model's, and the Hugging Face (Conv1D, [in, out]) weights
+// are the transpose of W + (alpha / r) B A.
+TEST(LoraGpt2, MergedModelEqualsBasePlusAdapters) {
+  nn::ModelConfig c = tiny_gpt2("c_attn,c_proj,c_fc");
+  auto model = nn::make_model(c, 5);
+  randomize_adapters(*model, 200);
+  to_f64(*model);
+  auto merged = nn::merge_lora(*model);
+  EXPECT_FALSE(merged->config().lora.enabled());
+  autograd::NoGradGuard ng;
+  nn::Module::EvalScope e1(*model), e2(*merged);
+  Tensor idx = test::random_indices({2, 11}, 0, c.vocab_size, kI64, 2);
+  Tensor adapted = model->forward(idx);
+  EXPECT_TRUE(test::all_close(merged->forward(idx), adapted, 1e-10, 1e-10));
+  nn::ModelConfig plain = c;
+  plain.lora.rank = 0;
+  auto base_only = nn::make_model(plain, 5);
+  to_f64(*base_only);
+  EXPECT_FALSE(test::all_close(base_only->forward(idx), adapted, 1e-6, 1e-6));  // the adapters do move the logits
+  std::map<std::string, Tensor> mine, hf;
+  for (auto& [n, p] : model->named_parameters()) mine[n] = p;
+  for (auto& [n, t] : merged->hf_state_dict()) hf[n] = t;
+  const std::string L = "h.1.attn.c_attn";
+  const Tensor w = mine.at(L + ".weight");
+  const std::vector<double> wv = column(w), a = column(mine.at(L + ".lora_A.weight")),
+                            b = column(mine.at(L + ".lora_B.weight"));
+  const int64_t out = w.size(0), in = w.size(1), r = c.lora.rank;
+  std::vector<double> want(size_t(in * out));  // [in, out]
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) {
+      double d = 0;
+      for (int64_t k = 0; k < r; ++k) d += b[size_t(o * r + k)] * a[size_t(k * in + i)];
+      want[size_t(i * out + o)] = wv[size_t(o * in + i)] + c.lora.scaling() * d;
+    }
+  EXPECT_TRUE(test::all_close(hf.at(L + ".weight"), from_vector(want, {in, out}), 1e-14, 1e-14));
+  test::expect_error_mentioning([&] { model->hf_state_dict(); }, {"--merge-lora", "--peft"});
+}
+
+// A GPT-2 PEFT directory as PEFT writes one for GPT2LMHeadModel: target_modules c_attn, c_proj, c_fc,
+// fan_in_fan_out (Conv1D), names under transformer., A [r, in] and B [out, r]; read back, the same adapters.
+TEST(LoraGpt2, PeftDirectoryRoundTrips) {
+  nn::ModelConfig c = tiny_gpt2("c_attn,c_proj,c_fc");
+  auto model = nn::make_model(c, 11);
+  randomize_adapters(*model, 9);
+  TempDir dir;
+  io::save_peft_dir(dir.file("adapter"), *model, kF32, "gpt2");
+  const nlohmann::json j = nlohmann::json::parse(test::read_all(dir.file("adapter/adapter_config.json")));
+  EXPECT_EQ(j.at("target_modules"), nlohmann::json({"c_attn", "c_proj", "c_fc"}));
+  EXPECT_EQ(j.at("fan_in_fan_out"), true);
+  const io::TensorMap tensors = io::load_safetensors(dir.file("adapter/adapter_model.safetensors"));
+  EXPECT_EQ(tensors.size(), size_t(2 * 4 * c.n_layer));
+  const int64_t C = c.n_embd;
+  EXPECT_EQ(tensors.at("base_model.model.transformer.h.0.attn.c_attn.lora_A.weight").shape(), (Shape{4, C}));
+  EXPECT_EQ(tensors.at("base_model.model.transformer.h.0.attn.c_attn.lora_B.weight").shape(), (Shape{3 * C, 4}));
+  EXPECT_EQ(tensors.at("base_model.model.transformer.h.1.mlp.c_proj.lora_A.weight").shape(),
+            (Shape{4, c.ffn_hidden}));
+  const nn::LoraConfig back = io::read_peft_config(dir.file("adapter"));
+  EXPECT_EQ(back.targets, model->config().lora.targets);
+  auto fresh = nn::make_model(c, 11);
+  io::load_peft_weights(dir.file("adapter"), *fresh);
+  auto a = model->lora_parameters(), b = fresh->lora_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test::bytes_equal(a[i].second, b[i].second)) << a[i].first;
+  // Only the attention's projection: PEFT's dotted name for it.
+  auto attn_only = nn::make_model(tiny_gpt2("q,o"), 1);
+  io::save_peft_dir(dir.file("attn"), *attn_only, kF32);
+  const nlohmann::json ja = nlohmann::json::parse(test::read_all(dir.file("attn/adapter_config.json")));
+  EXPECT_EQ(ja.at("target_modules"), nlohmann::json({"c_attn", "attn.c_proj"}));
+  EXPECT_EQ(io::read_peft_config(dir.file("attn")).targets, (std::vector<std::string>{"c_attn", "attn.c_proj"}));
+}
+
+// loom-train with LoRA on GPT-2: the loss falls, only the adapters change (the base bit-identical), and the adapters
+// exported as a PEFT directory come back through --lora-from.
+TEST(LoraGpt2, OnlyTheAdaptersTrainAndPeftDirectoriesComeBack) {
+  TempDir dir;
+  nn::ModelConfig c = tiny_gpt2("q");
+  c.lora = {};
+  c.lora.rank = 0;
+  std::ofstream(dir.file("model.json")) << c.to_json();
+  train::TrainOptions o = lora_options(dir, "");
+  o.init_from.clear();
+  o.lora_targets = "c_attn,c_proj,c_fc";
+  train::Trainer t(o);
+  EXPECT_EQ(t.model().config().lora.targets,
+            (std::vector<std::string>{"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}));
+  std::map<std::string, Tensor> before;
+  for (auto& [name, p] : t.model().named_parameters()) before[name] = p.detach().clone();
+  const double loss0 = t.evaluate(2);
+  for (int i = 0; i < 12; ++i) t.train_step();
+  EXPECT_LT(t.evaluate(2), loss0 - 0.3);
+  int changed = 0;
+  for (auto& [name, p] : t.model().named_parameters()) {
+    if (nn::is_lora_parameter(name)) {
+      changed += !test::bytes_equal(p, before.at(name));
+    } else {
+      EXPECT_TRUE(test::bytes_equal(p, before.at(name))) << name << " changed";
+      EXPECT_FALSE(p.grad().defined()) << name << " has a gradient";
+    }
+  }
+  EXPECT_EQ(changed, int(t.model().lora_parameters().size()));
+  io::save_peft_dir(dir.file("adapter"), t.model());
+
+  train::TrainOptions again = lora_options(dir, "");
+  again.init_from.clear();
+  again.lora_rank = 0;  // from the directory
+  again.lora_targets = "q";
+  again.lora_from = dir.file("adapter");
+  train::Trainer t2(again);  // the same seed: the same base
+  EXPECT_EQ(t2.model().config().lora.targets, t.model().config().lora.targets);
+  auto a = t.model().named_parameters(), b = t2.model().named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test::bytes_equal(a[i].second, b[i].second)) << a[i].first;
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
 // ZeRO-2/3: flat per-unit shards, block-by-block gathers with prefetch, reduce-scatters from gradient hooks.
+// Frozen parameters (requires_grad false: a LoRA run's base) join no unit: they take no gradient and no optimizer
+// state, so every rank holds them whole, as it holds them without ZeRO, and only the trained ones are sharded.
 #include "loom/distributed/fsdp.h"
 
 #include <cmath>
@@ -77,6 +79,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
   Unit root;
   std::deque<PendingReduce> pending;
   std::map<const TensorImpl*, double> norm_weight;  // per parameter (default 1)
+  std::map<std::string, Tensor> frozen;              // by name: held whole on every rank, never updated
   bool reshard_after_forward = true;
   int64_t prefetches = 0;
 
@@ -289,10 +292,16 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std
   m.device = named.front().second.device();
   std::map<const TensorImpl*, std::string> name_of;
   for (auto& [n, p] : named) {
-    LOOM_REQUIRE(p.dtype() == kF32 && p.device() == m.device, "FSDP: parameters must be f32 on one device; '", n,
-                 "' is ", describe(p));
+    if (!p.requires_grad()) {  // frozen: stays as it is (a frozen base may be held in bf16)
+      LOOM_REQUIRE(p.device() == m.device, "FSDP: parameters must be on one device; '", n, "' is ", describe(p));
+      m.frozen[n] = p;
+      continue;
+    }
+    LOOM_REQUIRE(p.dtype() == kF32 && p.device() == m.device, "FSDP: trained parameters must be f32 on one device; '",
+                 n, "' is ", describe(p));
     name_of[&p.impl()] = n;
   }
+  LOOM_REQUIRE(!name_of.empty(), "FSDP: the model has no trained parameters (all are frozen)");
   std::set<const TensorImpl*> in_blocks;
   for (auto& block : model.blocks()) {
     std::vector<std::pair<std::string, Tensor>> params;
@@ -306,7 +315,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std
   }
   std::vector<std::pair<std::string, Tensor>> rest;
   for (auto& [n, p] : named)
-    if (!in_blocks.count(&p.impl())) rest.emplace_back(n, p);
+    if (name_of.count(&p.impl()) && !in_blocks.count(&p.impl())) rest.emplace_back(n, p);
   m.build_unit(m.root, rest, true);
   // Gradient hooks: a block's gradients are reduce-scattered as soon as its last one arrives.
   std::weak_ptr<Impl> weak = impl_;
@@ -410,7 +419,10 @@ std::vector<std::pair<std::string, Tensor>> FullyShardedDataParallel::full_named
         by_name[g.names[k]] = flat.narrow(0, g.offsets[k], g.params[k].numel()).view(g.params[k].shape()).clone();
     }
   std::vector<std::pair<std::string, Tensor>> out;
-  for (auto& [name, p] : m.model->named_parameters()) out.emplace_back(name, by_name.at(name));
+  for (auto& [name, p] : m.model->named_parameters()) {
+    auto frozen = m.frozen.find(name);
+    out.emplace_back(name, frozen != m.frozen.end() ? frozen->second.detach() : by_name.at(name));
+  }
   return out;
 }
 
@@ -418,6 +430,13 @@ void FullyShardedDataParallel::load_full_named_parameters(const std::vector<std:
   Impl& m = *impl_;
   autograd::NoGradGuard ng;
   std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  for (auto& [name, p] : m.frozen) {
+    auto it = by_name.find(name);
+    LOOM_REQUIRE(it != by_name.end(), "FSDP: tensor '", name, "' is missing");
+    LOOM_REQUIRE(it->second.shape() == p.shape(), "FSDP: tensor '", name, "' has shape ",
+                 shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
+    p.detach().copy_from(it->second);
+  }
   for (Unit* u : m.units()) {
     m.free_unit(*u);
     for (FlatGroup& g : u->groups) {

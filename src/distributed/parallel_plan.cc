@@ -138,12 +138,9 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
     problems.push_back(words("--pp does not carry a mixture of experts' router losses between stages (",
                              cfg.describe(), "); use data parallelism or ZeRO"));
 
-  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1), split with their layers under tensor
-  // parallelism (the family's rules) and go with their blocks to pipeline stages; ZeRO-2/3 would need the frozen
-  // base apart from the adapters in their flat shards.
-  if (cfg.lora.enabled() && o.zero_stage >= 2)
-    problems.push_back(words("LoRA with --zero ", o.zero_stage, ": ZeRO-2/3 shard whole blocks, frozen base with "
-                             "its adapters; use --zero 1, data, tensor or pipeline parallelism"));
+  // LoRA: the adapters train with the data dimensions (replicas, ZeRO-1, and ZeRO-2/3, which shard the adapters
+  // alone and leave the frozen base whole on every rank), split with their layers under tensor parallelism (the
+  // family's rules) and go with their blocks to pipeline stages.
 
   plan.recompute = {o.recompute, o.recompute_mlp};
   if (!problems.empty()) {

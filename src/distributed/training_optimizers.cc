@@ -259,14 +259,17 @@ class ShardedAdamW final : public PlanOptimizer {
                          view.shard.detach().narrow(0, sp.shard_offset, sp.length),
                          m.narrow(0, sp.shard_offset, sp.length), v.narrow(0, sp.shard_offset, sp.length)});
     }
+    add_frozen_pieces(own, out);  // held whole on every rank, outside the shards
     return out;
   }
   std::map<std::string, int64_t> adam_steps(const Ownership& own) const override {
     return every_parameter(own, adamw_->step_count());
   }
-  void load_pieces(const Ownership&, const PieceReader& read, int64_t optimizer_step, double lr,
+  void load_pieces(const Ownership& own, const PieceReader& read, int64_t optimizer_step, double lr,
                    const std::function<int64_t(const std::string&)>&) override {
     std::vector<std::pair<Tensor, Tensor>> copies;
+    for (auto& [name, p] : own.trained_parameters())  // frozen ones: whole on every rank, outside the shards
+      if (!p.requires_grad()) copies.emplace_back(p.detach(), read(name, "model", 0, p.numel()).view(p.shape()));
     optim::OptimizerState state = step_and_lr(optimizer_step, lr);
     const auto opt_index = index_by_impl(adamw_->parameters());
     for (const auto& view : shards_.shard_views()) {

@@ -21,6 +21,11 @@ namespace {
 
 constexpr const char* kPeftPrefix = "base_model.model.";
 
+// Where PEFT's names of a model's adapters start: GPT2LMHeadModel holds Loom's GPT-2 under "transformer.".
+std::string peft_prefix(const nn::ModelConfig& c) {
+  return std::string(kPeftPrefix) + (c.family == nn::ModelFamily::kGPT2 ? "transformer." : "");
+}
+
 }  // namespace
 
 bool is_peft_dir(const std::string& path) {
@@ -55,7 +60,11 @@ nn::LoraConfig read_peft_config(const std::string& dir) {
   require_off("bias", "the adapters have no bias");
   require_off("layers_to_transform", "every layer is adapted");
   require_off("modules_to_save", "only the adapters are saved");
-  require_off("fan_in_fan_out", "LLaMA's linear layers are [out, in]");
+  // GPT-2's layers are Conv1D ([in, out]): PEFT marks them fan_in_fan_out, and its A [r, in] and B [out, r] are
+  // nn.Linear's either way; LLaMA's are nn.Linear.
+  const nlohmann::json* fan_in_fan_out = get("fan_in_fan_out");
+  const bool transposed = fan_in_fan_out && fan_in_fan_out->is_boolean() && fan_in_fan_out->get<bool>();
+  if (!transposed) require_off("fan_in_fan_out", "LLaMA's linear layers are [out, in]");
   nn::LoraConfig c;
   try {
     const nlohmann::json* r = get("r");
@@ -73,18 +82,24 @@ nn::LoraConfig read_peft_config(const std::string& dir) {
     if (t->is_string()) modules.push_back(t->get<std::string>());
     else
       for (const auto& m : *t) modules.push_back(m.get<std::string>());
-    c.targets.clear();
-    // In the order Loom lists them (q, k, v, o, gate, up, down), whatever order the file has.
-    std::set<std::string> wanted;
-    for (const std::string& m : modules) wanted.insert(nn::lora_target_of_module(m));
-    for (const char* name : {"q", "k", "v", "o", "gate", "up", "down"})
-      if (wanted.count(name)) c.targets.push_back(name);
+    // In the order Loom lists them (q, k, v, o, gate, up, down, then GPT-2's), whatever order the file has; GPT-2's
+    // "c_proj" names both of its projections.
+    std::string list;
+    std::set<std::string> seen;
+    for (const std::string& m : modules) {
+      const std::string t = m == "c_proj" ? m : nn::lora_target_of_module(m);
+      if (seen.insert(t).second) list += (list.empty() ? "" : ",") + t;
+    }
+    c.targets = nn::LoraConfig::parse_targets(list);
   } catch (const nlohmann::json::exception& e) {
     LOOM_THROW("'", path, "': ", json_error_text(e));
   } catch (const Error& e) {
     LOOM_THROW("'", path, "': ", e.what());
   }
   LOOM_REQUIRE(c.rank > 0, "'", path, "': r must be positive, got ", c.rank);
+  for (const std::string& t : c.targets)
+    LOOM_REQUIRE(!transposed || nn::is_gpt2_lora_target(t), "'", path, "': fan_in_fan_out true with target '",
+                 nn::lora_module_name(t), "' (it is for GPT-2's Conv1D layers; LLaMA's linear layers are [out, in])");
   c.check();
   return c;
 }
@@ -104,10 +119,17 @@ void save_peft_dir(const std::string& dir, const nn::LanguageModel& model, DType
   LOOM_REQUIRE(!ec, "PEFT export: cannot create '", dir, "': ", ec.message());
   autograd::NoGradGuard ng;
   TensorMap tensors;
-  for (auto& [name, p] : model.lora_parameters())
-    tensors[kPeftPrefix + name] = p.detach().to(Device()).to(dtype).contiguous();
+  const std::string prefix = peft_prefix(model.config());
+  for (auto& [name, p] : model.lora_parameters())  // A [r, in], B [out, r]: for GPT-2's Conv1D layers as well
+    tensors[prefix + name] = p.detach().to(Device()).to(dtype).contiguous();
+  const bool gpt2 = model.config().family == nn::ModelFamily::kGPT2;
   std::vector<std::string> modules;
-  for (const std::string& t : lora.targets) modules.push_back(nn::lora_module_name(t));
+  const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
+  const bool both_c_proj = targets.count("attn.c_proj") && targets.count("mlp.c_proj");
+  for (const std::string& t : lora.targets) {
+    if (both_c_proj && t == "mlp.c_proj") continue;
+    modules.push_back(both_c_proj && t == "attn.c_proj" ? "c_proj" : nn::lora_module_name(t));  // as PEFT's GPT-2
+  }
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";
@@ -117,7 +139,7 @@ void save_peft_dir(const std::string& dir, const nn::LanguageModel& model, DType
   j["lora_dropout"] = lora.dropout;
   j["target_modules"] = modules;
   j["bias"] = "none";
-  j["fan_in_fan_out"] = false;
+  j["fan_in_fan_out"] = gpt2;  // GPT-2's layers are Conv1D in transformers
   j["inference_mode"] = true;
   j["init_lora_weights"] = true;
   j["use_rslora"] = false;
@@ -150,9 +172,10 @@ void load_peft_weights(const std::string& dir, nn::LanguageModel& model) {
   }
   autograd::NoGradGuard ng;
   std::set<std::string> used;
+  const std::string prefix = peft_prefix(model.config());
   for (auto& [name, p] : model.lora_parameters()) {
-    auto it = by_name.find(kPeftPrefix + name);
-    LOOM_REQUIRE(it != by_name.end(), "--lora-from: '", path, "' lacks '", kPeftPrefix, name, "'");
+    auto it = by_name.find(prefix + name);
+    LOOM_REQUIRE(it != by_name.end(), "--lora-from: '", path, "' lacks '", prefix, name, "'");
     LOOM_REQUIRE(is_floating(it->second.dtype()) && it->second.shape() == p.shape(), "--lora-from: '", path, "': '",
                  it->first, "' has shape ", shape_str(it->second.shape()), " (", dtype_name(it->second.dtype()),
                  "), the model's adapter is ", shape_str(p.shape()));

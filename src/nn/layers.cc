@@ -103,6 +103,15 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
 // across ranks, each computes its hidden units' share of the output; the shares are summed before the bias.
 Tensor GeluMLP::forward(const Tensor& x) const {
   if (c_fc->fp8 || c_proj->fp8) return c_proj->forward(c_fc->forward_gelu(x));  // FP8 (no tensor parallelism): unfused
+  if (c_fc->has_adapter() || c_proj->has_adapter()) {  // LoRA: unfused, each layer with its adapter
+    if (!tp) return c_proj->forward(c_fc->forward_gelu(x));
+    // c_fc's adapter B holds this rank's hidden units; c_proj's share of the output, its adapter's A by the same units.
+    const Tensor h = c_fc->forward_gelu(tp->enter(x));
+    Tensor partial = linear(h, c_proj->weight);
+    if (c_proj->has_adapter()) partial = add(partial, c_proj->adapter(h));
+    Tensor y = tp->exit(partial);
+    return c_proj->bias.defined() ? add(y, c_proj->bias) : y;
+  }
   if (!tp) return gelu_mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, {}, recompute_hidden);
   Tensor partial = gelu_mlp(tp->enter(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor(), {}, recompute_hidden);
   Tensor y = tp->exit(partial);

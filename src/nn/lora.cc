@@ -1,4 +1,4 @@
-// LoRA adapters: their settings, where they go in a LLaMA model, and folding them into the weights.
+// LoRA adapters: their settings, where they go in a LLaMA or GPT-2 model, and folding them into the weights.
 #include "loom/nn/lora.h"
 
 #include <cmath>
@@ -17,20 +17,32 @@ namespace {
 const std::vector<std::pair<std::string, std::string>>& target_table() {
   static const std::vector<std::pair<std::string, std::string>> table{
       {"q", "q_proj"}, {"k", "k_proj"},       {"v", "v_proj"},    {"o", "o_proj"},
-      {"gate", "gate_proj"}, {"up", "up_proj"}, {"down", "down_proj"}};
+      {"gate", "gate_proj"}, {"up", "up_proj"}, {"down", "down_proj"},
+      // GPT-2's layers (Conv1D in Hugging Face), named as PEFT's target_modules name them.
+      {"c_attn", "c_attn"}, {"attn.c_proj", "attn.c_proj"}, {"c_fc", "c_fc"}, {"mlp.c_proj", "mlp.c_proj"}};
   return table;
 }
 
 std::string known_targets() {
   std::string list;
   for (const auto& [t, m] : target_table()) list += (list.empty() ? "" : ",") + t;
-  return list;
+  return list + ",c_proj";
 }
 
-// The last component of a dotted name.
-std::string leaf(const std::string& name) {
-  const size_t dot = name.rfind('.');
-  return dot == std::string::npos ? name : name.substr(dot + 1);
+// Whether the dotted path `name` is the layer `module` ("h.0.attn.c_proj" is "attn.c_proj" and "c_proj").
+bool ends_with_module(const std::string& name, const std::string& module) {
+  return name == module || (name.size() > module.size() && name[name.size() - module.size() - 1] == '.' &&
+                            name.compare(name.size() - module.size(), module.size(), module) == 0);
+}
+
+// A LLaMA target's GPT-2 layer ("" for gate: GPT-2's MLP has none).
+std::string gpt2_layer_of(const std::string& t) {
+  if (t == "q" || t == "k" || t == "v") return "c_attn";
+  if (t == "o") return "attn.c_proj";
+  if (t == "up") return "c_fc";
+  if (t == "down") return "mlp.c_proj";
+  if (t == "gate") return "";
+  return t;
 }
 
 }  // namespace
@@ -49,6 +61,34 @@ std::string lora_target_of_module(const std::string& module) {
   LOOM_THROW("LoRA: target module '", module, "' is not one Loom adapts (", list, ")");
 }
 
+bool is_gpt2_lora_target(const std::string& target) {
+  return target == "c_attn" || target == "attn.c_proj" || target == "c_fc" || target == "mlp.c_proj";
+}
+
+std::vector<std::string> resolve_lora_targets(const ModelConfig& c) {
+  std::vector<std::string> layers;
+  for (const std::string& t : c.lora.targets) {
+    if (c.family == ModelFamily::kGPT2) {
+      const std::string layer = gpt2_layer_of(t);
+      LOOM_REQUIRE(!layer.empty(), "LoRA: target '", t, "' names no layer of GPT-2 (its MLP has no gate; targets: "
+                   "c_attn, attn.c_proj, c_fc, mlp.c_proj, c_proj for both projections, or q, k, v, o, up, down)");
+      layers.push_back(layer);
+    } else {
+      LOOM_REQUIRE(!is_gpt2_lora_target(t), "LoRA: target '", t, "' is a GPT-2 layer; ", c.describe(),
+                   " takes q, k, v, o, gate, up, down");
+      layers.push_back(t);
+    }
+  }
+  std::vector<std::string> ordered;  // in the table's order, each once (q, k and v are one c_attn on GPT-2)
+  for (const auto& [t, m] : target_table())
+    for (const std::string& layer : layers)
+      if (layer == t) {
+        ordered.push_back(t);
+        break;
+      }
+  return ordered;
+}
+
 bool is_lora_parameter(const std::string& name) {
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
 }
@@ -61,7 +101,7 @@ std::vector<std::string> LoraConfig::parse_targets(const std::string& list) {
     const size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
     item = b == std::string::npos ? "" : item.substr(b, e - b + 1);
     LOOM_REQUIRE(!item.empty(), "--lora-targets: an empty name in '", list, "' (known: ", known_targets(), ")");
-    bool known = false;
+    bool known = item == "c_proj";
     for (const auto& [t, m] : target_table()) known = known || t == item;
     LOOM_REQUIRE(known, "--lora-targets: unknown target '", item, "' (known: ", known_targets(), ")");
     for (const std::string& seen : out)
@@ -69,10 +109,13 @@ std::vector<std::string> LoraConfig::parse_targets(const std::string& list) {
     out.push_back(item);
   }
   LOOM_REQUIRE(!out.empty(), "--lora-targets: no layer named (known: ", known_targets(), ")");
-  std::vector<std::string> ordered;  // in the table's order, whatever the list's
+  std::vector<std::string> ordered;  // in the table's order, whatever the list's; GPT-2's c_proj is both of them
   for (const auto& [t, m] : target_table())
     for (const std::string& item : out)
-      if (item == t) ordered.push_back(t);
+      if (item == t || (item == "c_proj" && (t == "attn.c_proj" || t == "mlp.c_proj"))) {
+        ordered.push_back(t);
+        break;
+      }
   return ordered;
 }
 
@@ -100,8 +143,7 @@ void check_lora(const ModelConfig& c) {
     return;
   }
   c.lora.check();
-  LOOM_REQUIRE(c.family == ModelFamily::kLlama, "LoRA: adapters are built for the llama family (its q, k, v, o, "
-               "gate, up and down projections), not for GPT-2");
+  resolve_lora_targets(c);  // every target names a layer of the family
   for (const std::string& t : c.lora.targets)
     LOOM_REQUIRE(!c.moe.enabled() || (t != "gate" && t != "up" && t != "down"), "LoRA: target '", t,
                  "' is an MLP projection, and a mixture of experts' experts take no adapters (target q, k, v, o)");
@@ -110,12 +152,14 @@ void check_lora(const ModelConfig& c) {
 void LanguageModel::add_lora(uint64_t seed) {
   check_lora(cfg_);
   LOOM_REQUIRE(cfg_.lora.enabled(), "LoRA: the config has no adapters (rank 0)");
+  cfg_.lora.targets = resolve_lora_targets(cfg_);  // GPT-2: its own layers' names
   std::map<std::string, int> hits;
   for (const std::string& t : cfg_.lora.targets) hits[lora_module_name(t)] = 0;
   Generator gen(seed);
   // Block by block, in the model's order, so the same seed gives the same adapters.
   for (const auto& [name, m] : named_modules()) {
-    auto it = hits.find(leaf(name));
+    auto it = hits.begin();
+    while (it != hits.end() && !ends_with_module(name, it->first)) ++it;
     if (it == hits.end()) continue;
     auto layer = std::dynamic_pointer_cast<Linear>(m);
     LOOM_REQUIRE(layer, "LoRA: '", name, "' is not a linear layer");

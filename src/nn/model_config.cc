@@ -465,12 +465,13 @@ int64_t ModelConfig::lora_parameters() const {
   if (!lora.enabled()) return 0;
   const int64_t q = n_head * head_size(), kv = n_kv_head * head_size();
   int64_t per_layer = 0;
-  for (const std::string& t : lora.targets) {
+  for (const std::string& t : resolve_lora_targets(*this)) {  // GPT-2's c_attn is one layer for q, k and v
     const auto [in, out] = t == "q"   ? std::pair<int64_t, int64_t>{n_embd, q}
                            : t == "k" || t == "v" ? std::pair<int64_t, int64_t>{n_embd, kv}
-                           : t == "o"    ? std::pair<int64_t, int64_t>{q, n_embd}
-                           : t == "down" ? std::pair<int64_t, int64_t>{ffn_hidden, n_embd}
-                                         : std::pair<int64_t, int64_t>{n_embd, ffn_hidden};  // gate, up
+                           : t == "c_attn" ? std::pair<int64_t, int64_t>{n_embd, q + 2 * kv}
+                           : t == "o" || t == "attn.c_proj" ? std::pair<int64_t, int64_t>{q, n_embd}
+                           : t == "down" || t == "mlp.c_proj" ? std::pair<int64_t, int64_t>{ffn_hidden, n_embd}
+                                         : std::pair<int64_t, int64_t>{n_embd, ffn_hidden};  // gate, up, c_fc
     per_layer += lora.rank * (in + out);
   }
   return n_layer * per_layer;

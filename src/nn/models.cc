@@ -147,6 +147,26 @@ std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, si
 
 namespace {
 
+// LoRA adapters split like their layer: a column-parallel layer's B by its output rows (in the layer's blocks), a
+// row-parallel layer's A by its input columns. The other factor is whole on every rank and each rank computes only
+// part of its gradient (TensorParallelPlan::reduce_replicated_gradients sums an adapter's whole factor over the group).
+void add_lora_rules(const ModelConfig& c, ParallelRules& r) {
+  using Style = TensorParallelRule::Style;
+  if (!c.lora.enabled()) return;
+  const std::vector<TensorParallelRule> layers = r.tensor;
+  for (const std::string& t : resolve_lora_targets(c))
+    for (const TensorParallelRule& base : layers) {
+      const std::string suffix = "." + lora_module_name(t) + ".weight";
+      if (base.parameter.size() <= suffix.size() ||
+          base.parameter.compare(base.parameter.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      const std::string layer = base.parameter.substr(0, base.parameter.size() - 7);  // less ".weight"
+      r.tensor.push_back(base.style == Style::kRowwise
+                             ? TensorParallelRule{layer + ".lora_A.weight", Style::kRowwise, base.blocks}
+                             : TensorParallelRule{layer + ".lora_B.weight", Style::kColumnwise, base.blocks});
+    }
+}
+
 // Children named "0", "1", ... so parameters read "h.3.attn.c_attn.weight".
 class ModuleList : public Module {
  public:
@@ -224,6 +244,7 @@ class GPT2 final : public LanguageModel {
                 {"h.*.mlp.c_fc.bias", Style::kColumnwise, {c.ffn_hidden}},
                 {"h.*.mlp.c_proj.weight", Style::kRowwise, {c.ffn_hidden}},
                 {"wte.weight", Style::kVocabulary, {c.padded_vocab_size}}};
+    add_lora_rules(c, r);  // c_attn's B by its q, k and v rows
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};
@@ -263,6 +284,8 @@ class GPT2 final : public LanguageModel {
   }
 
   std::vector<std::pair<std::string, Tensor>> hf_state_dict() const override {
+    LOOM_REQUIRE(!cfg_.lora.enabled(), "a model with LoRA adapters goes out merged into its weights (loom-export "
+                 "--merge-lora) or as a PEFT adapter directory (loom-export --peft DIR)");
     autograd::NoGradGuard ng;
     std::vector<std::pair<std::string, Tensor>> out;
     for (auto& [name, p] : named_parameters()) {
@@ -282,6 +305,7 @@ class GPT2 final : public LanguageModel {
       by_name[name] = t;
     }
     for (auto& [name, p] : named_parameters()) {
+      if (is_lora_parameter(name)) continue;  // a base model's weights: the adapters keep theirs
       auto it = by_name.find(name);
       LOOM_REQUIRE(it != by_name.end(), "load: tensor '", name, "' is missing from the checkpoint");
       Tensor src = it->second;
@@ -416,23 +440,7 @@ class Llama final : public LanguageModel {
                        {"model.layers.*.mlp.up_proj.weight", Style::kColumnwise, {c.ffn_hidden}},
                        {"model.layers.*.mlp.down_proj.weight", Style::kRowwise, {c.ffn_hidden}}});
     if (!c.tie_embeddings) r.tensor.push_back({"lm_head.weight", Style::kVocabulary, {c.padded_vocab_size}});
-    // LoRA adapters split like their layer: a column-parallel layer's B by its output rows, a row-parallel layer's A
-    // by its input columns. The other factor is whole on every rank and each rank computes only part of its gradient
-    // (TensorParallelPlan::reduce_replicated_gradients sums an adapter's whole factor over the group).
-    if (c.lora.enabled()) {
-      const std::vector<TensorParallelRule> layers = r.tensor;
-      for (const std::string& t : c.lora.targets)
-        for (const TensorParallelRule& base : layers) {
-          const std::string suffix = "." + lora_module_name(t) + ".weight";
-          if (base.parameter.size() <= suffix.size() ||
-              base.parameter.compare(base.parameter.size() - suffix.size(), suffix.size(), suffix) != 0)
-            continue;
-          const std::string layer = base.parameter.substr(0, base.parameter.size() - 7);  // less ".weight"
-          r.tensor.push_back(base.style == Style::kRowwise
-                                 ? TensorParallelRule{layer + ".lora_A.weight", Style::kRowwise, base.blocks}
-                                 : TensorParallelRule{layer + ".lora_B.weight", Style::kColumnwise, base.blocks});
-        }
-    }
+    add_lora_rules(c, r);
     r.tensor_divisors = {{"n_head", c.n_head, "each rank owns whole query heads"},
                          {"ffn_hidden", c.ffn_hidden, "each rank owns whole MLP units"},
                          {"the padded vocabulary", c.padded_vocab_size, "each rank owns whole embedding rows"}};

@@ -256,6 +256,7 @@ void hold_frozen_base(nn::LanguageModel& model, DType dtype) {
   autograd::NoGradGuard ng;
   std::set<std::string> projections;
   for (const char* t : {"q", "k", "v", "o", "gate", "up", "down"}) projections.insert(nn::lora_module_name(t));
+  for (const char* t : {"c_attn", "c_proj", "c_fc"}) projections.insert(t);  // GPT-2's
   for (const auto& block : model.blocks())
     for (const auto& [name, m] : block->named_modules()) {
       auto layer = std::dynamic_pointer_cast<nn::Linear>(m);

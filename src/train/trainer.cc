@@ -175,6 +175,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
   cfg.lora = lora;  // the adapters are part of the model (and of a resumed checkpoint's config)
   nn::check_lora(cfg);
+  if (cfg.lora.enabled()) cfg.lora.targets = nn::resolve_lora_targets(cfg);  // GPT-2: its own layers' names
   if (!saved_config.empty() && model_given) {  // --model with --resume: the same model, or one error naming the key
     const std::string difference =
         config_difference(saved_config, cfg.to_json(), "resume: '" + resume_path_ + "': config");

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <cstring>
 #include <random>
 #include <set>
 #include <vector>
@@ -83,7 +84,7 @@ struct Layout {
   std::string what;
   int ranks = 1;
   int64_t tp = 1, pp = 1, zero = 0, virtual_stages = 1;
-  int64_t lora = 0;  // LoRA adapters of this rank on every LLaMA projection, the base frozen
+  int64_t lora = 0;  // LoRA adapters of this rank on every projection (LLaMA's seven, GPT-2's four), the base frozen
   bool sp = false;
   std::string schedule = "1f1b", recompute = "none", model = "gpt2.json", format = "auto";
 };
@@ -144,14 +145,28 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.resume = resume;
     if (l.lora > 0) {
       o.lora_rank = l.lora;
-      o.lora_targets = "q,k,v,o,gate,up,down";
+      o.lora_targets = l.model == "gpt2.json" ? "c_attn,c_proj,c_fc" : "q,k,v,o,gate,up,down";
       o.lr = 2e-2;
     }
     o.process_group = group;
     train::Trainer t(o);
+    std::vector<std::pair<std::string, Tensor>> base;  // under LoRA: this rank's frozen parameters, as they start
+    for (auto& [name, p] : t.model().named_parameters())
+      if (l.lora > 0 && !p.requires_grad()) base.emplace_back(name, p.detach().to(Device()).clone());
     while (t.step() < last) {
       const train::StepStats s = t.train_step();
       out.emplace_back(s.loss, s.grad_norm);
+    }
+    if (l.lora > 0) {
+      c.check(!base.empty(), l.what + ": no frozen parameter");
+      std::map<std::string, Tensor> now;
+      for (auto& [name, p] : t.model().named_parameters()) now[name] = p.detach().to(Device()).contiguous();
+      for (auto& [name, before] : base) {
+        const Tensor& after = now.at(name);
+        c.check(after.dtype() == before.dtype() && after.shape() == before.shape() &&
+                    std::memcmp(after.data(), before.data(), before.nbytes()) == 0,
+                l.what + ": the frozen '" + name + "' changed in training");
+      }
     }
     if (!save.empty()) t.save_checkpoint(save);
   }
@@ -287,7 +302,15 @@ void run_road_checks(const Context& c) {
           with(layout("llama LoRA ddp x 2", 2), [](Layout& l) { l.lora = 4; l.model = "llama.json"; }),
           with(layout("llama LoRA zero-1 x 2", 2),
                [](Layout& l) { l.lora = 4; l.zero = 1; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-2 x 2", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 2; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-3 x 2", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 3; l.model = "llama.json"; }),
+          with(layout("llama LoRA zero-3 x 2, full recompute", 2),
+               [](Layout& l) { l.lora = 4; l.zero = 3; l.recompute = "full"; l.model = "llama.json"; }),
           with(layout("llama LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; l.model = "llama.json"; }),
+          with(layout("gpt2 LoRA zero-2 x 2", 2), [](Layout& l) { l.lora = 4; l.zero = 2; }),
+          with(layout("gpt2 LoRA tp 2", 2), [](Layout& l) { l.lora = 4; l.tp = 2; }),
           with(layout("llama LoRA tp 2 + sp", 2),
                [](Layout& l) { l.lora = 4; l.tp = 2; l.sp = true; l.model = "llama.json"; }),
           with(layout("llama LoRA pp 2", 2), [](Layout& l) { l.lora = 4; l.pp = 2; l.model = "llama.json"; }),
@@ -295,7 +318,8 @@ void run_road_checks(const Context& c) {
                [](Layout& l) { l.lora = 4; l.pp = 2; l.zero = 1; l.model = "llama.json"; }),
       });
     });
-    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, tp 2, pp 2", [&] {
+    c.run("LoRA checkpoints (the frozen base among the pieces) resume by 1 rank, zero-1, zero-2, zero-3, tp 2, pp 2",
+          [&] {
       auto lora = [](Layout l) {
         l.lora = 4;
         l.model = "llama.json";
@@ -304,8 +328,14 @@ void run_road_checks(const Context& c) {
       check_resumes(c, lora(layout("LoRA ddp x 2", 2)),
                     {lora(layout("LoRA 1 rank", 1)),
                      lora(with(layout("LoRA zero-1 x 2", 2), [](Layout& l) { l.zero = 1; })),
+                     lora(with(layout("LoRA zero-2 x 2", 2), [](Layout& l) { l.zero = 2; })),
+                     lora(with(layout("LoRA zero-3 x 2", 2), [](Layout& l) { l.zero = 3; })),
                      lora(with(layout("LoRA tp 2", 2), [](Layout& l) { l.tp = 2; })),
                      lora(with(layout("LoRA pp 2", 2), [](Layout& l) { l.pp = 2; }))});
+      // Saved from the shards (the adapters) and the whole frozen base of every rank.
+      check_resumes(c, lora(with(layout("LoRA zero-3 x 2", 2), [](Layout& l) { l.zero = 3; })),
+                    {lora(layout("LoRA 1 rank", 1)),
+                     lora(with(layout("LoRA zero-2 x 2", 2), [](Layout& l) { l.zero = 2; }))});
     });
     c.run("single-file checkpoints resume with the layout that saved them (pp 2, tp 2)", [&] {
       check_resumes(c, with(layout("pp 2 (single file)", 2), [](Layout& l) { l.pp = 2; l.format = "single"; }),

@@ -105,6 +105,13 @@ run gpt2-2-zero3-bf16 2 gpt2 --zero 3 --dtype bf16
 run gpt2-2-tp-bf16 2 gpt2 --tp 2 --dtype bf16
 run gpt2-2-ddp-bf16 2 gpt2 --dtype bf16
 run gpt2-2-zero2-bf16-reduce 2 gpt2 --zero 2 --reduce-dtype bf16
+# LoRA: adapters on every projection, the base frozen, under one process and the data-parallel modes.
+LORA="--lora-rank 4 --lora-targets q,k,v,o,gate,up,down"
+run llama-1-lora 1 llama $LORA
+run llama-2-lora-ddp 2 llama $LORA
+run llama-2-lora-zero1 2 llama $LORA --zero 1
+run llama-2-lora-zero2 2 llama $LORA --zero 2
+run llama-2-lora-zero3 2 llama $LORA --zero 3
 resume resume-zero3x2-to-1 2 "--zero 3" 1 ""
 resume resume-zero3x2-to-zero3x4 2 "--zero 3" 4 "--zero 3"
 resume resume-zero3x2-to-ddp4 2 "--zero 3" 4 "--zero 0"

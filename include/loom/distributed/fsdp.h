@@ -35,6 +35,9 @@ struct FSDPOptions {
 //   fsdp.finish();  norm = fsdp.clip_grad_norm(max);  optimizer.step();  fsdp.after_step();
 // Gives the parameters of AdamW on the averaged gradients of the global batch, as DDP does. The model must outlive
 // this object; the model's own parameters are views of gathered buffers (stage 3: only while gathered).
+// Frozen parameters (requires_grad false, as a LoRA run's base) are left as they are, whole on every rank and in
+// their own dtype: they have no gradient or optimizer state to shard, and only the trained parameters (the
+// adapters) form the units, under either stage.
 class FullyShardedDataParallel {
  public:
   FullyShardedDataParallel(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {});

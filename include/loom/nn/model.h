@@ -50,8 +50,8 @@ struct ModelConfig {
   bool tie_embeddings = true;
   double dropout = 0.0;
   MoeConfig moe;  // LLaMA family only
-  // LoRA adapters (loom/nn/lora.h; LLaMA family only): make_model adds them and freezes every other weight. Saved
-  // with the model (a checkpoint holds the adapters), never in a Hugging Face config.json.
+  // LoRA adapters (loom/nn/lora.h; LLaMA, Mixtral and GPT-2): make_model adds them and freezes every other weight.
+  // Saved with the model (a checkpoint holds the adapters), never in a Hugging Face config.json.
   LoraConfig lora;
   // Training-time memory option, not saved with the model: GPT-2's MLPs keep only their pre-activation and recompute
   // the GELU output in the backward (about 4 x n_embd bf16 values less per token and layer, one more pass).
