@@ -278,7 +278,7 @@ void run_expert_checks(const Context& c) {
     return l;
   };
   std::vector<Layout> layouts{mixtral("mixtral ddp x " + std::to_string(n), n, 1),
-                              mixtral("mixtral ep 2 (ddp x " + std::to_string(n) + ")", n, 2)};
+                              mixtral("mixtral ep 2 (ddp x " + std::to_string(n) + ")", n, 2)};  // 4: 2 replicas
   if (n == 4) layouts.push_back(mixtral("mixtral ep 4", 4, 4));
   Layout aux = mixtral("mixtral with the load-balancing loss, ep 2", n, 2);
   aux.model = "mixtral_aux.json";
@@ -368,6 +368,7 @@ void run_road_checks(const Context& c) {
                               "zero1_x2_single_resumed_by_zero1_x2");
     });
   }
+  if (n == 4) run_expert_checks(c);  // on 2 ranks: Distributed.mpi_np2_expert_parallel
   if (n == 4) {
     c.run("every layout of 4 ranks through the trainer", [&] {
       check_layouts(c, {
