@@ -201,9 +201,11 @@ std::vector<std::string> ParallelPlan::describe() const {
   }
   if (mesh.expert > 1 && !expert.parameters.empty())
     lines.push_back(words("expert ", mesh.expert, ": ", expert.experts / mesh.expert, " of ", expert.experts,
-                          " experts per rank and layer, tokens exchanged by all-to-all; expert gradients averaged over ",
-                          mesh.data() * mesh.context / mesh.expert, " replica", 
-                          mesh.data() * mesh.context / mesh.expert == 1 ? "" : "s", " of each expert"));
+                          " experts per rank and layer, tokens exchanged by all-to-all",
+                          mesh.data() * mesh.context == mesh.expert
+                              ? std::string("; each expert on one rank")
+                              : words("; each expert on ", mesh.data() * mesh.context / mesh.expert,
+                                      " ranks, which average its gradients")));
   if (recompute.mode != autograd::Recompute::kNone || recompute.mlp_hidden)
     lines.push_back(std::string("recompute: ") + autograd::recompute_name(recompute.mode) + " per block" +
                     (recompute.mlp_hidden ? ", the MLPs' GELU output" : ""));
