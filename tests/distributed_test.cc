@@ -142,6 +142,21 @@ TEST(DistributedSingle, CollectivesAreIdentity) {
   EXPECT_EQ(g->split(0, 0)->size(), 1);
 }
 
+TEST(DistributedSingle, ExpertAllToAllOfOneCopiesAndChecksCounts) {
+  auto g = dist::make_single_process_group();
+  Tensor a = test::random_tensor({6});
+  Tensor out = test::poisoned({8}, kF32);
+  g->all_to_all(a, {6}, out, {6});
+  EXPECT_EQ(max_diff(out.narrow(0, 0, 6), a), 0);
+  Tensor empty_in = zeros({0}), empty_out = zeros({0});
+  g->all_to_all(empty_in, {0}, empty_out, {0});
+  EXPECT_THROW(g->all_to_all(a, {6, 0}, out, {6, 0}), Error);  // a count per rank of the group
+  EXPECT_THROW(g->all_to_all(a, {7}, out, {7}), Error);        // more than the input holds
+  EXPECT_THROW(g->all_to_all(a, {6}, out, {5}), Error);        // this rank sends itself what it does not expect
+  Tensor wrong = zeros({6}, kF64);
+  EXPECT_THROW(g->all_to_all(a, {6}, wrong, {6}), Error);
+}
+
 TEST(DistributedSingle, DdpOfOneKeepsGradientsAndAccumulates) {
   auto model = nn::make_model(tiny());
   model->init_weights(3);

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/autograd/grad_mode.h"
+#include "loom/distributed/expert_parallel.h"
 #include "loom/distributed/parallel_plan.h"
 #include "loom/data/token_file.h"
 #include "loom/io/hf_model_dir.h"
@@ -269,8 +270,8 @@ TEST(MoeModel, HuggingFaceDirectoriesInBothLayoutsRoundTrip) {
   }
 }
 
-// The plan takes a mixture of experts data-parallel and with ZeRO, and refuses in one line each what it does not
-// split yet: tensor parallelism, a pipeline, experts over several ranks.
+// The plan takes a mixture of experts data-parallel, with ZeRO and with its experts split over the data ranks (--ep),
+// and refuses in one line each what it does not split yet: tensor parallelism, a pipeline, --ep with ZeRO.
 TEST(MoeModel, ThePlanRefusesWhatDoesNotSplitExperts) {
   const nn::ModelConfig c = tiny_mixtral();
   EXPECT_EQ(nn::parallel_rules(c).experts, 4);
@@ -286,10 +287,51 @@ TEST(MoeModel, ThePlanRefusesWhatDoesNotSplitExperts) {
   o.pipeline = 2;
   test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--pp does not carry"});
   o.pipeline = 1;
-  o.zero_stage = 1;
   o.expert = 2;
-  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
-                                {"expert parallelism over 2 ranks is not built yet"});
+  const distributed::ParallelPlan plan = distributed::make_plan(c, 4, o);
+  EXPECT_EQ(plan.mesh.expert, 2);
+  EXPECT_EQ(plan.mesh.data(), 4);
+  EXPECT_EQ(plan.expert.experts, 4);
+  EXPECT_EQ(plan.expert.parameters.size(), 2u);
+  bool described = false;
+  for (const std::string& line : plan.describe()) described |= line.rfind("expert 2: 2 of 4 experts per rank", 0) == 0;
+  EXPECT_TRUE(described);
+  o.zero_stage = 1;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--ep 2 does not combine with --zero 1"});
+  o.zero_stage = 0;
+  o.expert = 3;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 3, o); }, {"4 experts do not divide over 3 ranks"});
+  o.expert = 4;
+  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--ep 4 does not divide the 2"});
+}
+
+// Expert parallelism over a group of one rank is the whole model: the same loss and gradients.
+TEST(MoeModel, ExpertParallelPlanOfOneRankIsTheModel) {
+  const nn::ModelConfig c = tiny_mixtral();
+  auto whole = nn::make_model(c, 11);
+  auto split = nn::make_model(c, 11);
+  auto plan = distributed::parallelize_experts(*split, distributed::make_single_process_group(), Device());
+  EXPECT_TRUE(plan->is_expert("model.layers.0.mlp.experts.gate_up_proj"));
+  EXPECT_TRUE(plan->is_expert("model.layers.1.mlp.experts.down_proj"));
+  EXPECT_FALSE(plan->is_expert("model.layers.0.mlp.gate.weight"));
+  std::mt19937 eng(3);
+  std::vector<int64_t> ids(2 * 9);
+  for (auto& v : ids) v = int64_t(eng() % 96);
+  Tensor x = from_vector(ids, {2, 9});
+  Tensor in = x.narrow(1, 0, 8).contiguous(), target = x.narrow(1, 1, 8).contiguous();
+  Tensor a = whole->forward_loss(in, target), b = split->forward_loss(in, target);
+  a.backward();
+  b.backward();
+  EXPECT_EQ(a.item<double>(), b.item<double>());
+  auto pa = whole->named_parameters(), pb = split->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_EQ(test::max_abs_diff(pa[i].second.grad(), pb[i].second.grad()), 0) << pa[i].first;
+  for (auto& [name, p] : split->named_parameters())
+    if (plan->is_expert(name)) {
+      EXPECT_EQ(p.size(0), 4);
+      EXPECT_EQ(test::max_abs_diff(plan->full_of(name, p), p), 0) << name;
+    }
 }
 
 TEST(MoeModel, MixtralTinyTrainsWithFallingLoss) {

@@ -166,6 +166,9 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
   // Distributed (docs/DISTRIBUTED.md): start with mpirun (CPU) or loom-run (GPUs); the world joins by itself.
   app.add_option("--tp", o.tensor_parallel, "tensor-parallel ranks per model replica (GPT-2 and LLaMA-3)")->capture_default_str()
       ->check(at_least(1));
+  app.add_option("--ep", o.expert_parallel, "expert-parallel ranks (a mixture of experts: each holds num_experts / ep "
+                 "of every layer's experts; tokens go to their experts' ranks and back by all-to-all)")
+      ->check(at_least(1))->capture_default_str();
   app.add_option("--zero", o.zero_stage,
                  "ZeRO stage over data-parallel ranks: 1 shards AdamW state, 2 also gradients, 3 also parameters "
                  "(gathered block by block; with --recompute for the memory)")

@@ -53,7 +53,7 @@ std::string MeshShape::str() const {
   dim("context", context);
   dim("tensor", tensor);
   if (world() == 1) os << " one rank";
-  if (expert > 1) os << ", experts over " << expert << " of the data x context ranks";
+  if (expert > 1) os << ", experts split over " << expert << " of the data ranks";
   return os.str();
 }
 
@@ -83,22 +83,28 @@ Mesh::Mesh(std::shared_ptr<ProcessGroup> world, MeshShape shape) : world_(std::m
   dims_[MeshDim::kDataReplicate] = span(bit(MeshDim::kDataReplicate));
   dims_[MeshDim::kDataShard] = span(bit(MeshDim::kDataShard));
   dims_[MeshDim::kContext] = span(bit(MeshDim::kContext));
-  // Experts: consecutive runs of `expert` ranks of the data-shard x context group.
-  const int64_t borrowed = shape_.data_shard * shape_.context;
+  // Experts: consecutive runs of `expert` ranks of the data x context group; the ranks at the same place in every
+  // run hold the same experts.
+  const unsigned borrowed_dims = data | bit(MeshDim::kContext);
+  const int64_t borrowed = shape_.data() * shape_.context;
   LOOM_REQUIRE(shape_.expert >= 1 && borrowed % shape_.expert == 0, "mesh: experts over ", shape_.expert,
-               " ranks do not divide the ", borrowed, " data-shard x context ranks");
+               " ranks do not divide the ", borrowed, " data x context ranks");
   if (shape_.expert == 1) {
     dims_[MeshDim::kExpert] = make_single_process_group();
+    expert_replicas_ = span(borrowed_dims);
   } else if (shape_.expert == borrowed) {
-    dims_[MeshDim::kExpert] = span(bit(MeshDim::kDataShard) | bit(MeshDim::kContext));
+    dims_[MeshDim::kExpert] = span(borrowed_dims);
+    expert_replicas_ = make_single_process_group();
   } else {
-    const int64_t within = coords_[size_t(MeshDim::kDataShard)] * shape_.context + coords_[size_t(MeshDim::kContext)];
+    const int64_t within = (coords_[size_t(MeshDim::kDataReplicate)] * shape_.data_shard +
+                            coords_[size_t(MeshDim::kDataShard)]) * shape_.context +
+                           coords_[size_t(MeshDim::kContext)];
     int64_t outside = 0;
     for (size_t i = 0; i < kGridDims.size(); ++i)
-      if (kGridDims[i] != MeshDim::kDataShard && kGridDims[i] != MeshDim::kContext)
-        outside = outside * shape_.size(kGridDims[i]) + coords_[i];
-    const int64_t color = outside * (borrowed / shape_.expert) + within / shape_.expert;
-    dims_[MeshDim::kExpert] = world_->split(int(color), world_->rank());
+      if (!(borrowed_dims & bit(kGridDims[i]))) outside = outside * shape_.size(kGridDims[i]) + coords_[i];
+    dims_[MeshDim::kExpert] =
+        world_->split(int(outside * (borrowed / shape_.expert) + within / shape_.expert), world_->rank());
+    expert_replicas_ = world_->split(int(outside * shape_.expert + within % shape_.expert), world_->rank());
   }
 }
 

@@ -236,6 +236,34 @@ class MpiProcessGroup final : public ProcessGroup {
     return std::make_shared<MpiWork>(req, t, 1.0, timeout_s_, what("recv", t));
   }
 
+  std::shared_ptr<Work> all_to_all_async(const Tensor& input, const std::vector<int64_t>& send_counts, Tensor& output,
+                                         const std::vector<int64_t>& recv_counts) override {
+    detail::check_all_to_all(input, send_counts, output, recv_counts, size_);
+    Tensor in = cpu_flat(input, "all_to_all"), out = cpu_flat(output, "all_to_all");
+    // Counts and displacements in elements of a contiguous type of the element's bytes (MPI's counts are ints).
+    MPI_Datatype element;
+    LOOM_MPI_CALL("all_to_all", MPI_Type_contiguous(int(in.itemsize()), MPI_BYTE, &element));
+    LOOM_MPI_CALL("all_to_all", MPI_Type_commit(&element));
+    std::vector<int> sc(static_cast<size_t>(size_)), sd(sc), rc(sc), rd(sc);
+    int64_t sent = 0, received = 0;
+    for (int r = 0; r < size_; ++r) {
+      sc[size_t(r)] = count_of(send_counts[size_t(r)], "all_to_all");
+      rc[size_t(r)] = count_of(recv_counts[size_t(r)], "all_to_all");
+      sd[size_t(r)] = count_of(sent, "all_to_all");
+      rd[size_t(r)] = count_of(received, "all_to_all");
+      sent += send_counts[size_t(r)];
+      received += recv_counts[size_t(r)];
+    }
+    MPI_Request req;
+    const int rc_call = MPI_Ialltoallv(in.data(), sc.data(), sd.data(), element, out.data(), rc.data(), rd.data(),
+                                       element, comm_, &req);
+    MPI_Type_free(&element);  // freed once the exchange no longer needs it
+    LOOM_MPI_CALL("all_to_all", rc_call);
+    // The counts' arrays must outlive the request: wait here.
+    MpiWork(req, out, 1.0, timeout_s_, what("all_to_all", in)).wait();
+    return std::make_shared<MpiWork>(MPI_REQUEST_NULL, Tensor(), 1.0, timeout_s_, "all_to_all");
+  }
+
   void barrier() override {
     MPI_Request req;
     LOOM_MPI_CALL("barrier", MPI_Ibarrier(comm_, &req));

@@ -192,6 +192,33 @@ class NcclProcessGroup final : public ProcessGroup {
     return enqueue("recv", t,
                    [&](cudaStream_t s) { return ncclRecv(t.data(), t.nbytes(), ncclUint8, src, comm_->comm, s); });
   }
+  // Grouped sends and receives, one pair per peer with anything to exchange (NCCL has no all-to-all of its own).
+  std::shared_ptr<Work> all_to_all_async(const Tensor& input, const std::vector<int64_t>& send_counts, Tensor& output,
+                                         const std::vector<int64_t>& recv_counts) override {
+    detail::check_all_to_all(input, send_counts, output, recv_counts, size());
+    Tensor in = cuda_flat(input, "all_to_all"), out = cuda_flat(output, "all_to_all");
+    const size_t bytes = in.itemsize();
+    auto* src = static_cast<const char*>(in.data());
+    auto* dst = static_cast<char*>(out.data());
+    return enqueue("all_to_all", out, [&](cudaStream_t s) {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) return rc;
+      size_t sent = 0, received = 0;
+      for (int r = 0; r < size(); ++r) {
+        const size_t sn = size_t(send_counts[size_t(r)]) * bytes, rn = size_t(recv_counts[size_t(r)]) * bytes;
+        if (sn > 0) rc = ncclSend(src + sent, sn, ncclUint8, r, comm_->comm, s);
+        if ((rc == ncclSuccess || rc == ncclInProgress) && rn > 0)
+          rc = ncclRecv(dst + received, rn, ncclUint8, r, comm_->comm, s);
+        if (rc != ncclSuccess && rc != ncclInProgress) {
+          ncclGroupEnd();
+          return rc;
+        }
+        sent += sn;
+        received += rn;
+      }
+      return ncclGroupEnd();
+    }, in);
+  }
   void barrier() override {
     Tensor one = zeros({1}, kF32, comm_->device);
     all_reduce(one, ReduceOp::kSum);

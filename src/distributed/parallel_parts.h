@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "loom/distributed/ddp.h"
+#include "loom/distributed/expert_parallel.h"
 #include "loom/distributed/fsdp.h"
 #include "loom/distributed/pipeline.h"
 #include "loom/distributed/tensor_parallel.h"
@@ -21,13 +22,21 @@ struct Ownership {
   const nn::LanguageModel* model = nullptr;
   const TensorParallelPlan* tensor = nullptr;  // null: one tensor rank
   const PipelineParallel* pipeline = nullptr;  // null: one stage
+  const ExpertParallelPlan* expert = nullptr;  // null: one expert rank
   int64_t tensor_rank = 0, tensor_size = 1, data_rank = 0, data_size = 1;
+  // Expert parallelism: this rank's place in its expert group, and among the replicas of its experts.
+  int64_t expert_rank = 0, replica_rank = 0, replica_size = 1;
   std::map<std::string, size_t> index_of;  // the model's parameters in named_parameters order
 
   bool tensor_sharded(const std::string& name) const;
   // Whether this rank saves its tensor-parallel part of `name` at all: a part of a split parameter on every tensor
   // rank, a replicated one on one of them; under pipeline parallelism on the first stage that holds it.
   bool saves(const std::string& name) const;
+  // Whether `name` is an expert weight split over the expert group (its part: expert_rank).
+  bool expert_sharded(const std::string& name) const;
+  // Whether this rank saves its part of `name` in a sharded checkpoint: saves(name), and parameter i of a part held
+  // by several data ranks falls to one of them (i mod their number).
+  bool saves_piece(const std::string& name) const;
   // The parameters this rank trains (its stage's under pipeline parallelism), by name.
   std::vector<std::pair<std::string, Tensor>> trained_parameters() const;
 };
@@ -39,8 +48,12 @@ std::unique_ptr<Schedule> make_pipeline_schedule(PipelineParallel& pipeline, nn:
                                                  DType compute_dtype, Device device);
 
 // Gradient synchronizers, run in the order given (an empty list synchronizes nothing).
+// Under expert parallelism: the expert weights' replicas (null with one replica of each expert) and the expert
+// weights, whose gradients are divided by the expert ranks once reduced (see expert_gradients in parallelize.cc).
 std::unique_ptr<GradientSync> make_gradient_sync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards,
-                                                 TensorParallelPlan* sequence_parallel);
+                                                 TensorParallelPlan* sequence_parallel,
+                                                 DistributedDataParallel* expert_replicas = nullptr,
+                                                 std::vector<Tensor> expert_weights = {}, int64_t expert_ranks = 1);
 
 // The optimizers, with their parts of a checkpoint. Each is the one object that knows where its parameters' values
 // and moments live.

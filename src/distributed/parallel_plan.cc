@@ -30,7 +30,7 @@ std::string words(const Args&... args) {
 MeshShape mesh_shape(int64_t world, const ParallelOptions& o, std::vector<std::string>& problems) {
   MeshShape shape;
   for (auto [flag, n] : {std::pair<const char*, int64_t>{"--tp", o.tensor}, {"--pp", o.pipeline},
-                         {"context parallelism", o.context}, {"expert parallelism", o.expert}})
+                         {"context parallelism", o.context}, {"--ep", o.expert}})
     if (n < 1) problems.push_back(words(flag, " must be at least 1, got ", n));
   if (!problems.empty()) return shape;
   const int64_t model = o.tensor * o.pipeline * o.context;
@@ -46,9 +46,9 @@ MeshShape mesh_shape(int64_t world, const ParallelOptions& o, std::vector<std::s
   shape.context = o.context;
   (o.zero_stage > 0 ? shape.data_shard : shape.data_replicate) = world / model;
   shape.expert = o.expert;
-  if ((shape.data_shard * shape.context) % o.expert != 0)
-    problems.push_back(words("expert parallelism over ", o.expert, " ranks does not divide the ",
-                             shape.data_shard * shape.context, " data-shard x context ranks it borrows"));
+  if ((shape.data() * shape.context) % o.expert != 0)
+    problems.push_back(words("--ep ", o.expert, " does not divide the ", shape.data() * shape.context,
+                             " data-parallel ranks it splits the experts over"));
   return shape;
 }
 
@@ -126,9 +126,13 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
                              cfg.describe(), " is dense"));
   if (o.expert > 1 && rules.experts > 0 && rules.experts % o.expert != 0)
     problems.push_back(words("expert parallelism: ", rules.experts, " experts do not divide over ", o.expert, " ranks"));
-  else if (o.expert > 1 && rules.experts > 0)
-    problems.push_back(words("expert parallelism over ", o.expert, " ranks is not built yet: every rank holds all ",
-                             rules.experts, " experts (train ", cfg.describe(), " data-parallel or with ZeRO)"));
+  else if (o.expert > 1 && rules.experts > 0) {
+    plan.expert.parameters = rules.expert_parameters;
+    plan.expert.experts = rules.experts;
+  }
+  if (o.expert > 1 && o.zero_stage > 0)
+    problems.push_back(words("--ep ", o.expert, " does not combine with --zero ", o.zero_stage, " yet; use --ep with "
+                             "data parallelism (--zero 0), or --zero without --ep"));
   // A mixture of experts runs whole on each rank: its experts are not in the tensor-parallel rules, and a pipeline
   // stage would not carry its routers' auxiliary losses to the last stage's loss.
   if (o.tensor > 1 && rules.experts > 0)
@@ -192,6 +196,13 @@ std::vector<std::string> ParallelPlan::describe() const {
       os << (v ? " |" : "") << " blocks " << pipeline.stages[v].first << "-" << pipeline.stages[v].second - 1;
     lines.push_back(os.str());
   }
+  if (mesh.expert > 1 && !expert.parameters.empty())
+    lines.push_back(words("expert ", mesh.expert, ": ", expert.experts / mesh.expert, " of ", expert.experts,
+                          " experts per rank and layer, tokens exchanged by all-to-all",
+                          mesh.data() * mesh.context == mesh.expert
+                              ? std::string("; each expert on one rank")
+                              : words("; each expert on ", mesh.data() * mesh.context / mesh.expert,
+                                      " ranks, which average its gradients")));
   if (recompute.mode != autograd::Recompute::kNone || recompute.mlp_hidden)
     lines.push_back(std::string("recompute: ") + autograd::recompute_name(recompute.mode) + " per block" +
                     (recompute.mlp_hidden ? ", the MLPs' GELU output" : ""));

@@ -19,6 +19,8 @@ struct ParallelModel::Impl {
   std::unique_ptr<PipelineParallel> pipeline;
   std::unique_ptr<FullyShardedDataParallel> shards;
   std::unique_ptr<DistributedDataParallel> replicas;
+  std::shared_ptr<ExpertParallelPlan> expert;
+  std::unique_ptr<DistributedDataParallel> expert_replicas;  // the expert weights' replicas, when there are several
   // What the road sees.
   std::unique_ptr<Schedule> schedule;
   std::unique_ptr<GradientSync> gradients;
@@ -43,6 +45,40 @@ std::map<const TensorImpl*, double> norm_weights(const ParallelModel::Impl& m) {
   return weight_of;
 }
 
+std::string own_name(const Ownership& own, const Tensor& p) {
+  for (auto& [name, q] : own.model->named_parameters())
+    if (q.is_same(p)) return name;
+  return "";
+}
+
+// Under expert parallelism each rank's experts got the gradients of every rank's tokens routed to them (the exchanges'
+// backward): summed over the expert group where the other parameters' are averaged over the data ranks. The replicas
+// of the same experts average theirs (expert_replicas); dividing by the expert ranks makes that the mean over every
+// data rank.
+std::vector<Tensor> expert_gradients(const ParallelModel::Impl& m) {
+  std::vector<Tensor> out;
+  if (!m.expert) return out;
+  for (auto& [name, p] : m.model->named_parameters())
+    if (m.expert->is_expert(name)) out.push_back(p);
+  return out;
+}
+
+// AdamW's groups over what this rank trains. Under expert parallelism the expert weights form a group of their own,
+// last: their gradient slots then follow every other parameter's in the flat buffer, so that no all-reduce over a
+// range of the other parameters' slots (DDP's flat buckets, over every data rank) takes an expert's gradient along.
+std::vector<optim::ParamGroup> param_groups(const ParallelModel::Impl& m, double weight_decay) {
+  std::vector<optim::ParamGroup> groups = optim::adamw_param_groups(m.ownership.trained_parameters(), weight_decay);
+  if (!m.expert) return groups;
+  optim::ParamGroup experts{{}, weight_decay};
+  for (optim::ParamGroup& g : groups) {
+    std::vector<Tensor> rest;
+    for (Tensor& p : g.params) (m.expert->is_expert(own_name(m.ownership, p)) ? experts.params : rest).push_back(p);
+    g.params = std::move(rest);
+  }
+  groups.push_back(std::move(experts));
+  return groups;
+}
+
 }  // namespace
 
 std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> model, std::shared_ptr<const Mesh> mesh,
@@ -50,7 +86,7 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
                                            double weight_decay) {
   LOOM_REQUIRE(model && mesh, "parallelize: no model or no mesh");
   LOOM_REQUIRE(mesh->shape().world() == plan.mesh.world() && mesh->shape().tensor == plan.mesh.tensor &&
-                   mesh->shape().pipeline == plan.mesh.pipeline,
+                   mesh->shape().pipeline == plan.mesh.pipeline && mesh->shape().expert == plan.mesh.expert,
                "parallelize: the plan is for ", plan.mesh.str(), ", the mesh is ", mesh->str());
   auto m = std::make_unique<ParallelModel::Impl>();
   m->model = model;
@@ -69,8 +105,9 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
     po.stages = plan.pipeline.stages;
     m->pipeline = std::make_unique<PipelineParallel>(*model, mesh->group(MeshDim::kPipeline), po);
   }
-  // Context and expert: at one rank each (make_plan refuses more until a model family brings their ops) they leave
-  // the model as it is.
+  // Experts: each MoE layer keeps this rank's experts and exchanges tokens with the rest of its expert group.
+  if (plan.mesh.expert > 1) m->expert = parallelize_experts(*model, mesh->group(MeshDim::kExpert), device);
+  // Context: at one rank (make_plan refuses more until a model family brings its ops) it leaves the model as it is.
   model->to(device);
 
   Ownership& own = m->ownership;
@@ -81,6 +118,10 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
   own.tensor_size = plan.mesh.tensor;
   own.data_rank = mesh->data()->rank();
   own.data_size = mesh->data()->size();
+  own.expert = m->expert.get();
+  own.expert_rank = mesh->coordinate(MeshDim::kExpert);
+  own.replica_rank = mesh->expert_replicas()->rank();
+  own.replica_size = mesh->expert_replicas()->size();
   const auto named = model->named_parameters();
   for (size_t i = 0; i < named.size(); ++i) own.index_of[named[i].first] = i;
 
@@ -103,7 +144,7 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
     }
     m->optimizer = make_sharded_adamw(std::move(opt), *m->shards);
   } else {
-    auto opt = std::make_unique<optim::AdamW>(optim::adamw_param_groups(own.trained_parameters(), weight_decay), ao);
+    auto opt = std::make_unique<optim::AdamW>(param_groups(*m, weight_decay), ao);
     std::vector<double> weights;
     if (model_parallel)
       for (const Tensor& p : opt->parameters()) weights.push_back(weight_of.at(&p.impl()));
@@ -117,17 +158,35 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
         DDPOptions ddp;
         ddp.reduce_dtype = plan.data.reduce_dtype;
         ddp.bucket_bytes = plan.data.bucket_bytes;
-        m->replicas = std::make_unique<DistributedDataParallel>(parameters_for_ddp(*opt), mesh->data(), ddp);
+        // Under expert parallelism the experts' gradients go over the replicas of the same experts only.
+        std::vector<Tensor> whole, experts;
+        for (const Tensor& p : parameters_for_ddp(*opt))
+          (m->expert && m->expert->is_expert(own_name(own, p)) ? experts : whole).push_back(p);
+        m->replicas = std::make_unique<DistributedDataParallel>(whole, mesh->data(), ddp);
         m->replicas->broadcast_parameters(0);
+        if (!experts.empty() && mesh->expert_replicas()->size() > 1) {
+          m->expert_replicas = std::make_unique<DistributedDataParallel>(experts, mesh->expert_replicas(), ddp);
+          m->expert_replicas->broadcast_parameters(0);
+        }
       }
-      // Under model parallelism each rank holds the state of its own pieces.
-      m->optimizer = make_adamw(std::move(opt), std::move(weights), model_parallel ? mesh->model() : nullptr,
-                                model_parallel);
+      if (m->expert) {
+        // The norm over the expert group: each rank's experts once, the rest replicated over it.
+        weights.clear();
+        for (const Tensor& p : opt->parameters())
+          weights.push_back(m->expert->is_expert(own_name(own, p)) ? 1.0 : 1.0 / double(plan.mesh.expert));
+        m->optimizer = make_adamw(std::move(opt), std::move(weights), mesh->group(MeshDim::kExpert), true);
+      } else {
+        // Under model parallelism each rank holds the state of its own pieces.
+        m->optimizer = make_adamw(std::move(opt), std::move(weights), model_parallel ? mesh->model() : nullptr,
+                                  model_parallel);
+      }
     }
   }
-  m->gradients = make_gradient_sync(m->replicas.get(), m->shards.get(), m->tensor.get());
+  m->gradients = make_gradient_sync(m->replicas.get(), m->shards.get(), m->tensor.get(), m->expert_replicas.get(),
+                                    expert_gradients(*m), plan.mesh.expert);
   m->schedule = m->pipeline ? make_pipeline_schedule(*m->pipeline, *model, plan.compute_dtype, device)
-                            : make_micro_batch_schedule(*model, plan.compute_dtype, m->tensor || m->shards);
+                            : make_micro_batch_schedule(*model, plan.compute_dtype,
+                                                        m->tensor || m->shards || m->expert);
   return std::make_unique<ParallelModel>(std::move(m));
 }
 
@@ -153,6 +212,8 @@ std::vector<std::pair<std::string, Tensor>> ParallelModel::full_parameters() con
   std::vector<std::pair<std::string, Tensor>> local = m.shards     ? m.shards->full_named_parameters()
                                                       : m.pipeline ? m.pipeline->full_named_parameters()
                                                                    : m.model->named_parameters();
+  if (m.expert)
+    for (auto& [name, t] : local) t = m.expert->full_of(name, t);
   if (!m.tensor) return local;
   for (auto& [name, t] : local) t = m.tensor->full_of(name, t);
   return local;
@@ -164,6 +225,8 @@ void ParallelModel::load_full_parameters(const std::vector<std::pair<std::string
   std::vector<std::pair<std::string, Tensor>> local = full;
   if (m.tensor)
     for (auto& [name, t] : local) t = m.tensor->local_of(name, t);
+  if (m.expert)
+    for (auto& [name, t] : local) t = m.expert->local_of(name, t);
   if (m.shards) {
     m.shards->load_full_named_parameters(local);
     return;
@@ -181,7 +244,18 @@ void ParallelModel::load_optimizer_state(const optim::OptimizerState& state) { i
 bool ParallelModel::optimizer_state_per_rank() const { return impl_->optimizer->state_per_rank(); }
 
 ParameterSplit ParallelModel::tensor_split(const std::string& name) const {
+  if (impl_->expert && impl_->expert->is_expert(name)) return impl_->expert->split_of(name);
   return impl_->tensor ? impl_->tensor->split_of(name) : ParameterSplit{};
+}
+
+int64_t ParallelModel::split_parts(const std::string& name) const {
+  if (impl_->expert && impl_->expert->is_expert(name)) return impl_->plan.mesh.expert;
+  return impl_->plan.mesh.tensor;
+}
+
+int64_t ParallelModel::split_part(const std::string& name) const {
+  if (impl_->expert && impl_->expert->is_expert(name)) return impl_->mesh->coordinate(MeshDim::kExpert);
+  return impl_->mesh->coordinate(MeshDim::kTensor);
 }
 
 std::vector<StatePiece> ParallelModel::state_pieces() const {

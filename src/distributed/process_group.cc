@@ -127,6 +127,61 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(const Tensor& input, Te
   return std::make_shared<DoneWork>();
 }
 
+namespace detail {
+
+void check_all_to_all(const Tensor& input, const std::vector<int64_t>& send_counts, const Tensor& output,
+                      const std::vector<int64_t>& recv_counts, int ranks) {
+  LOOM_REQUIRE(int64_t(send_counts.size()) == ranks && int64_t(recv_counts.size()) == ranks, "all_to_all: ",
+               send_counts.size(), " send and ", recv_counts.size(), " receive counts for a group of ", ranks);
+  int64_t sent = 0, received = 0;
+  for (int r = 0; r < ranks; ++r) {
+    LOOM_REQUIRE(send_counts[size_t(r)] >= 0 && recv_counts[size_t(r)] >= 0, "all_to_all: negative count for rank ",
+                 r);
+    sent += send_counts[size_t(r)];
+    received += recv_counts[size_t(r)];
+  }
+  LOOM_REQUIRE(input.defined() && output.defined() && input.dtype() == output.dtype(), "all_to_all: input ",
+               input.defined() ? describe(input) : "undefined", " and output ",
+               output.defined() ? describe(output) : "undefined", " must share a dtype");
+  LOOM_REQUIRE(input.numel() >= sent && output.numel() >= received, "all_to_all: input ", describe(input),
+               " must hold the ", sent, " elements sent and output ", describe(output), " the ", received,
+               " received");
+}
+
+}  // namespace detail
+
+std::shared_ptr<Work> ProcessGroup::all_to_all_async(const Tensor& input, const std::vector<int64_t>& send_counts,
+                                                     Tensor& output, const std::vector<int64_t>& recv_counts) {
+  const int n = size(), me = rank();
+  detail::check_all_to_all(input, send_counts, output, recv_counts, n);
+  LOOM_REQUIRE(send_counts[size_t(me)] == recv_counts[size_t(me)], "all_to_all: rank ", me, " sends itself ",
+               send_counts[size_t(me)], " elements but expects ", recv_counts[size_t(me)]);
+  Tensor in = detail::flat_view(input, "all_to_all"), out = detail::flat_view(output, "all_to_all");
+  std::vector<int64_t> send_at(static_cast<size_t>(n) + 1, 0), recv_at(send_at);
+  for (int r = 0; r < n; ++r) {
+    send_at[size_t(r) + 1] = send_at[size_t(r)] + send_counts[size_t(r)];
+    recv_at[size_t(r) + 1] = recv_at[size_t(r)] + recv_counts[size_t(r)];
+  }
+  // Receives first, then sends: no rank waits on a send its peer has not posted a receive for.
+  std::vector<std::shared_ptr<Work>> pending;
+  std::vector<Tensor> recv_views(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (r == me || recv_counts[size_t(r)] == 0) continue;
+    recv_views[size_t(r)] = out.narrow(0, recv_at[size_t(r)], recv_counts[size_t(r)]);
+    pending.push_back(recv_async(recv_views[size_t(r)], r));
+  }
+  for (int r = 0; r < n; ++r) {
+    if (r == me || send_counts[size_t(r)] == 0) continue;
+    pending.push_back(send_async(in.narrow(0, send_at[size_t(r)], send_counts[size_t(r)]), r));
+  }
+  if (send_counts[size_t(me)] > 0) {
+    Tensor dst = out.narrow(0, recv_at[size_t(me)], recv_counts[size_t(me)]);
+    dst.copy_from(in.narrow(0, send_at[size_t(me)], send_counts[size_t(me)]));
+  }
+  for (auto& w : pending) w->wait();
+  return std::make_shared<DoneWork>();
+}
+
 std::optional<LaunchInfo> detect_launch() {
   LaunchInfo info;
   if (std::getenv("OMPI_COMM_WORLD_RANK")) {

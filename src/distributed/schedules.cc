@@ -2,6 +2,7 @@
 // synchronizers (data parallelism's buckets, ZeRO-2/3's reduce-scatters, sequence parallelism's replicated sums).
 #include "distributed/parallel_parts.h"
 #include "loom/amp.h"
+#include "loom/autograd/grad_mode.h"
 #include "loom/functional.h"
 #include "loom/ops.h"
 
@@ -92,13 +93,24 @@ class StagedSchedule final : public Schedule {
 // combine (make_plan refuses it).
 class PlanGradientSync final : public GradientSync {
  public:
-  PlanGradientSync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards, TensorParallelPlan* sequence)
-      : replicas_(replicas), shards_(shards), sequence_(sequence) {}
+  PlanGradientSync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards, TensorParallelPlan* sequence,
+                   DistributedDataParallel* expert_replicas, std::vector<Tensor> expert_weights, int64_t expert_ranks)
+      : replicas_(replicas), shards_(shards), sequence_(sequence), expert_replicas_(expert_replicas),
+        expert_weights_(std::move(expert_weights)), expert_ranks_(expert_ranks) {}
   void before_backward(bool last) override {
     if (replicas_) replicas_->set_require_sync(last);  // communicate on the last micro-batch only
+    if (expert_replicas_) expert_replicas_->set_require_sync(last);
   }
   void finish() override {
     if (replicas_) replicas_->finish();
+    if (expert_replicas_) expert_replicas_->finish();
+    if (expert_ranks_ > 1) {
+      autograd::NoGradGuard ng;
+      for (Tensor& w : expert_weights_) {
+        Tensor g = w.grad();
+        if (g.defined()) ops::mul_(g, 1.0 / double(expert_ranks_));
+      }
+    }
     if (sequence_) sequence_->reduce_replicated_gradients();
     if (shards_) shards_->finish();
   }
@@ -107,6 +119,9 @@ class PlanGradientSync final : public GradientSync {
   DistributedDataParallel* replicas_;
   FullyShardedDataParallel* shards_;
   TensorParallelPlan* sequence_;
+  DistributedDataParallel* expert_replicas_;
+  std::vector<Tensor> expert_weights_;
+  int64_t expert_ranks_;
 };
 
 }  // namespace
@@ -122,8 +137,11 @@ std::unique_ptr<Schedule> make_pipeline_schedule(PipelineParallel& pipeline, nn:
 }
 
 std::unique_ptr<GradientSync> make_gradient_sync(DistributedDataParallel* replicas, FullyShardedDataParallel* shards,
-                                                 TensorParallelPlan* sequence_parallel) {
-  return std::make_unique<PlanGradientSync>(replicas, shards, sequence_parallel);
+                                                 TensorParallelPlan* sequence_parallel,
+                                                 DistributedDataParallel* expert_replicas,
+                                                 std::vector<Tensor> expert_weights, int64_t expert_ranks) {
+  return std::make_unique<PlanGradientSync>(replicas, shards, sequence_parallel, expert_replicas,
+                                            std::move(expert_weights), expert_ranks);
 }
 
 }  // namespace loom::distributed

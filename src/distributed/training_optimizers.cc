@@ -17,6 +17,14 @@ bool Ownership::saves(const std::string& name) const {
          (!pipeline || pipeline->saves(name));
 }
 
+bool Ownership::expert_sharded(const std::string& name) const { return expert && expert->is_expert(name); }
+
+bool Ownership::saves_piece(const std::string& name) const {
+  const int64_t i = int64_t(index_of.at(name));
+  if (expert_sharded(name)) return i % replica_size == replica_rank;
+  return saves(name) && (tensor_sharded(name) ? i : i / tensor_size) % data_size == data_rank;
+}
+
 std::vector<std::pair<std::string, Tensor>> Ownership::trained_parameters() const {
   return pipeline ? pipeline->local_named_parameters() : model->named_parameters();
 }
@@ -44,6 +52,7 @@ std::map<const TensorImpl*, size_t> index_by_impl(const std::vector<Tensor>& par
 }
 
 int64_t part_of(const Ownership& own, const std::string& name) {
+  if (own.expert_sharded(name)) return own.expert_rank;
   return own.tensor_sharded(name) ? own.tensor_rank : 0;
 }
 
@@ -66,9 +75,7 @@ std::map<std::string, int64_t> every_parameter(const Ownership& own, int64_t ste
 void add_frozen_pieces(const Ownership& own, std::vector<StatePiece>& out) {
   for (auto& [name, p] : own.trained_parameters()) {
     if (p.requires_grad()) continue;
-    const int64_t i = int64_t(own.index_of.at(name));
-    if (!own.saves(name) || (own.tensor_sharded(name) ? i : i / own.tensor_size) % own.data_size != own.data_rank)
-      continue;
+    if (!own.saves_piece(name)) continue;
     const Tensor none = zeros({p.numel()}, kF32, p.device());
     out.push_back({name, part_of(own, name), 0, p.numel(), p.detach().reshape({-1}), none, none});
   }
@@ -112,9 +119,7 @@ class WholeAdamW final : public PlanOptimizer {
     std::vector<StatePiece> out;
     for (size_t k = 0; k < params.size(); ++k) {
       const std::string& name = name_of.at(&params[k].impl());
-      const int64_t i = int64_t(own.index_of.at(name));
-      if (!own.saves(name) || (own.tensor_sharded(name) ? i : i / own.tensor_size) % own.data_size != own.data_rank)
-        continue;
+      if (!own.saves_piece(name)) continue;
       const std::string key = "state." + std::to_string(k) + ".";
       out.push_back({name, part_of(own, name), 0, params[k].numel(), params[k].detach().reshape({-1}),
                      moment(state, key + "exp_avg", params[k]), moment(state, key + "exp_avg_sq", params[k])});

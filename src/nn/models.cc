@@ -448,6 +448,8 @@ class Llama final : public LanguageModel {
       r.tensor_divisors.insert(r.tensor_divisors.begin() + 1,
                                {"n_kv_head", c.n_kv_head, "each rank owns whole key/value heads"});
     r.experts = c.moe.num_experts;
+    if (c.moe.enabled())
+      r.expert_parameters = {"model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"};
     r.blocks = "model.layers.*";
     return r;
   }

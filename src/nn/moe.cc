@@ -46,9 +46,7 @@ Tensor MoeMLP::forward_tokens(const Tensor& x) const {
       cfg.capacity_factor > 0 ? int64_t(std::ceil(cfg.capacity_factor * double(N * k) / double(E))) : -1;
   ops::MoePermutation perm = moe_permute(h, route.experts, E, capacity);
   const std::vector<int64_t> sizes = ops::group_sizes_of(perm.counts);  // one small copy to the host
-  Tensor gate_up = grouped_gemm(perm.out, gate_up_proj, sizes, true);  // [N k, 2F]
-  std::vector<Tensor> halves = split(gate_up, hidden, 1);
-  Tensor y = grouped_gemm(swiglu(halves[0], halves[1]), down_proj, sizes, true);  // [N k, C]
+  Tensor y = run_experts(perm.out, sizes);  // [N k, C]
   Tensor out = moe_unpermute(y, perm, route.weights);
   if (shared_expert) out = add(out, shared_expert->forward(h));
 
@@ -81,6 +79,56 @@ Tensor MoeMLP::forward_tokens(const Tensor& x) const {
     }
   }
   return out;
+}
+
+Tensor MoeMLP::local_experts(const Tensor& rows, const std::vector<int64_t>& sizes) const {
+  Tensor gate_up = grouped_gemm(rows, gate_up_proj, sizes, true);  // [rows, 2F]
+  std::vector<Tensor> halves = split(gate_up, hidden, 1);
+  return grouped_gemm(swiglu(halves[0], halves[1]), down_proj, sizes, true);  // [rows, C]
+}
+
+// Under expert parallelism rank r holds experts [r L, (r + 1) L). The rows of its tokens go, expert group by expert
+// group, to the ranks holding those experts; each rank runs its experts over what it received (reordered from
+// (source rank, expert) to (expert, source rank), so that each expert's rows are one group), and the results go
+// back the same way. The exchanges' backward sends the gradients back along the same paths.
+Tensor MoeMLP::run_experts(const Tensor& rows, const std::vector<int64_t>& sizes) const {
+  if (!expert_parallel || expert_parallel->size() == 1) return local_experts(rows, sizes);
+  const int R = expert_parallel->size();
+  const int64_t E = cfg.num_experts, L = E / R, total = rows.size(0);
+  LOOM_REQUIRE(E % R == 0 && gate_up_proj.size(0) == L, "MoeMLP: ", E, " experts over ", R,
+               " expert-parallel ranks, but this rank holds ", gate_up_proj.size(0));
+  std::vector<int64_t> send_rows(size_t(R), 0);
+  int64_t kept = 0;
+  for (int64_t e = 0; e < E; ++e) send_rows[size_t(e / L)] += sizes[size_t(e)], kept += sizes[size_t(e)];
+  // got[s L + l]: the rows rank s sends for this rank's expert l.
+  const std::vector<int64_t> got = expert_parallel->exchange_counts(sizes);
+  std::vector<int64_t> recv_rows(size_t(R), 0), local_sizes(size_t(L), 0), start(size_t(R * L), 0);
+  int64_t received = 0;
+  for (int s = 0; s < R; ++s)
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t n = got[size_t(s * L + l)];
+      start[size_t(s * L + l)] = received;
+      received += n;
+      recv_rows[size_t(s)] += n;
+      local_sizes[size_t(l)] += n;
+    }
+  Tensor sent = kept == total ? rows : narrow(rows, 0, 0, kept);
+  Tensor arrived = expert_parallel->exchange_rows(sent, send_rows, recv_rows);  // by (source, expert)
+  // The rows by (expert, source), and the way back.
+  std::vector<int64_t> order(static_cast<size_t>(received)), back(order);
+  int64_t at = 0;
+  for (int64_t l = 0; l < L; ++l)
+    for (int s = 0; s < R; ++s)
+      for (int64_t i = 0; i < got[size_t(s * L + l)]; ++i, ++at) {
+        order[size_t(at)] = start[size_t(s * L + l)] + i;
+        back[size_t(start[size_t(s * L + l)] + i)] = at;
+      }
+  Tensor grouped = embedding(arrived, from_vector(order, {received}, rows.device()));
+  Tensor y = local_experts(grouped, local_sizes);
+  Tensor returned = expert_parallel->exchange_rows(embedding(y, from_vector(back, {received}, rows.device())),
+                                                   recv_rows, send_rows);  // by expert, as `rows`
+  if (kept == total) return returned;
+  return cat({returned, zeros({total - kept, returned.size(1)}, returned.dtype(), returned.device())}, 0);
 }
 
 Tensor RouterLog::loss(const MoeConfig& cfg) const {

@@ -157,6 +157,8 @@ std::string CheckpointMeta::to_json() const {
     for (const CheckpointPiece& piece : p.pieces) pieces.push_back({piece.file, piece.tp_rank, piece.lo, piece.hi});
     nlohmann::ordered_json split = nullptr;
     if (p.split.sharded) split = {{"dim", p.split.dim}, {"blocks", p.split.blocks}};
+    // A split over another dimension than the tensor one (an expert weight over the expert ranks) says its parts.
+    if (p.split.sharded && p.split.ranks != layout.tp) split["parts"] = p.split.ranks;
     params_json.push_back({{"name", p.name}, {"shape", p.shape}, {"split", split}, {"adam_step", p.adam_step},
                            {"pieces", pieces}});
   }
@@ -200,7 +202,8 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
         p.split.dim = io::json_int(pj.at("split").at("dim"));
         p.split.blocks = io::json_ints(pj.at("split").at("blocks"));
       }
-      p.split.ranks = m.layout.tp;
+      p.split.ranks = p.split.sharded && pj.at("split").contains("parts") ? io::json_int(pj.at("split").at("parts"))
+                                                                           : m.layout.tp;
       p.adam_step = io::json_int(pj.at("adam_step"));
       for (const auto& q : pj.at("pieces")) {
         LOOM_REQUIRE(q.is_array() && q.size() == 4, "checkpoint: '", path, "': parameter '", p.name,
@@ -227,6 +230,8 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
   for (const CheckpointParam& p : m.params) {
     const std::string where = "checkpoint: '" + path + "': parameter '" + p.name + "'";
     for (int64_t d : p.shape) LOOM_REQUIRE(d >= 0, where, " has a negative size in ", shape_str(p.shape));
+    LOOM_REQUIRE(p.split.ranks >= 1 && p.split.ranks <= l.world, where, " is split into ", p.split.ranks,
+                 " parts over ", l.world, " ranks");
     Shape local;
     try {
       local = tp_local_shape(p.shape, p.split);
@@ -239,7 +244,8 @@ CheckpointMeta CheckpointMeta::parse(const std::string& json_text, const std::st
     for (int64_t part = 0; part < parts; ++part) {
       std::vector<std::pair<int64_t, int64_t>> ranges;
       for (const CheckpointPiece& q : p.pieces) {
-        LOOM_REQUIRE(q.file >= 0 && q.file < l.world && q.tp_rank >= 0 && q.tp_rank < l.tp && q.lo >= 0 &&
+        LOOM_REQUIRE(q.file >= 0 && q.file < l.world && q.tp_rank >= 0 && q.tp_rank < std::max(parts, l.tp) &&
+                         q.lo >= 0 &&
                          q.lo < q.hi && q.hi <= numel,
                      where, " has a piece [file ", q.file, ", tp rank ", q.tp_rank, ", ", q.lo, ", ", q.hi,
                      ") outside its ", numel, " elements per part or its ", l.world, " files");

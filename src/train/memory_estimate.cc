@@ -107,8 +107,15 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   // one micro-batch of the whole model's, so the activation estimate stands.
   // Under LoRA only the adapters take gradients and AdamW state; the frozen base is held in f32 as well.
   e.trained_parameters = c.lora.enabled() ? c.lora_parameters() : e.num_parameters;
-  const double P = double(e.num_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
-  const double T = double(e.trained_parameters) / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  // Under expert parallelism each rank holds num_experts / ep of every layer's experts.
+  LOOM_REQUIRE(in.expert_parallel > 0, "memory estimate: expert-parallel ranks must be positive");
+  const double elsewhere = c.moe.enabled() ? double(c.n_layer) * 3.0 * double(c.n_embd) * double(c.ffn_hidden) *
+                                                 double(c.moe.num_experts) * (1.0 - 1.0 / double(in.expert_parallel))
+                                           : 0.0;
+  const double held = double(e.num_parameters) - elsewhere;
+  const double P = held / double(in.tensor_parallel) / double(in.pipeline_parallel);
+  const double T = (c.lora.enabled() ? double(e.trained_parameters) : held) / double(in.tensor_parallel) /
+                   double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
   if (c.lora.enabled() && in.frozen_base == kBF16) {  // the blocks' projections in 2 bytes instead of 4

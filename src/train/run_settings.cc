@@ -107,6 +107,7 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_RUN_FLAG("metrics", "trace-value-limit"),
       LOOM_RUN_FLAG("parallelism", "tp"),
       LOOM_RUN_FLAG("parallelism", "sp"),
+      LOOM_RUN_FLAG("parallelism", "ep"),
       LOOM_RUN_FLAG("parallelism", "pp"),
       LOOM_RUN_FLAG("parallelism", "pp-schedule"),
       LOOM_RUN_FLAG("parallelism", "virtual-stages"),

@@ -196,7 +196,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const MemoryEstimate memory = estimate_training_memory(
       {cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(), plan_.mesh.tensor,
        int(plan_.data.zero_stage), recompute, plan_.mesh.pipeline,
-       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32});
+       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32, plan_.mesh.expert});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
   if (!opts_.eval_only) check_training_memory_fits(memory, device_, opts_.batch_size, recompute);  // nor activations
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,
@@ -340,11 +340,16 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   }
 
   if (!opts_.quiet) {
-    std::cout << "model: " << cfg.describe() << ", " << human_count(double(model_->num_parameters()))
-              << " parameters"
-              << (cfg.moe.enabled() ? " (" + human_count(double(model_->num_parameters() -
-                                                                 cfg.inactive_expert_parameters())) + " active)"
+    // Under expert parallelism this rank holds a part of the experts: the whole model's count, then this rank's.
+    const int64_t ep = plan_.mesh.expert, whole = ep > 1 ? count_parameters(cfg) : model_->num_parameters();
+    std::cout << "model: " << cfg.describe() << ", " << human_count(double(whole)) << " parameters"
+              << (cfg.moe.enabled() ? " (" + human_count(double(whole - cfg.inactive_expert_parameters())) + " active)"
                                     : std::string())
+              << (ep > 1 ? ", " + std::to_string(cfg.moe.num_experts / ep) + " of " +
+                               std::to_string(cfg.moe.num_experts) + " experts per layer on each of " +
+                               std::to_string(ep) + " expert-parallel ranks (" +
+                               human_count(double(model_->num_parameters())) + " parameters per rank)"
+                         : std::string())
               << (cfg.lora.enabled() ? ", " + human_count(double(cfg.lora_parameters())) +
                                            " trained (the LoRA adapters; the base frozen)"
                                      : std::string())
@@ -452,6 +457,12 @@ double Trainer::evaluate(int64_t batches) {
                 << (dp > 1 ? " (of this rank's)" : "") << ", "
                 << long(std::chrono::duration<double>(now - start).count()) << " s" << std::endl;
     }
+  }
+  // Under expert parallelism every forward exchanges tokens with the expert group: a rank with one batch fewer runs
+  // one more forward, uncounted, so that every rank takes part in as many exchanges.
+  if (parallel_->plan().mesh.expert > 1 && world % dp != 0 && n == world / dp) {
+    data::Batch b = loader->next();
+    (void)parallel_->schedule().evaluate({b.x.to(device_), b.y.to(device_)});
   }
   loader->set_position(saved);
   if (dp == 1) return total / double(n);

@@ -34,7 +34,7 @@ std::string optimizer_shard_path(const std::string& checkpoint, int rank) {
 
 TpSplit split_of(const distributed::ParallelModel& parallel, const std::string& name) {
   const distributed::ParameterSplit s = parallel.tensor_split(name);
-  return TpSplit{s.sharded, s.dim, s.blocks, parallel.mesh().shape().tensor};
+  return TpSplit{s.sharded, s.dim, s.blocks, parallel.split_parts(name)};
 }
 
 Shape full_shape_of(const Shape& local, const TpSplit& split) {
@@ -238,10 +238,9 @@ CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::st
                  " data-parallel ranks cannot continue from (not a multiple of ", dp, ")");
     st.batch_offset = st.batch_offset * meta.layout.dp / dp;
   }
-  const int64_t tensor_rank = parallel.mesh().coordinate(distributed::MeshDim::kTensor);
   parallel.load_state_pieces(
       [&](const std::string& name, const char* kind, int64_t lo, int64_t hi) {
-        return ck.read(name, kind, split.at(name), tensor_rank, lo, hi);
+        return ck.read(name, kind, split.at(name), parallel.split_part(name), lo, hi);
       },
       meta.optimizer_step, meta.lr, [&](const std::string& name) { return meta.param(name).adam_step; });
   return st;

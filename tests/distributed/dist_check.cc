@@ -119,6 +119,21 @@ void check_collectives() {
   bool ok = true;
   for (int k = 0; k < n; ++k) ok &= g.select(0, k).select(0, 1).item<int64_t>() == k;
   check(ok, "all_gather");
+  {  // all_to_all of variable sizes: rank r sends rank q (q + r + 1) values 100 r + q, none to rank 1 from rank 0
+    auto count = [](int from, int to) { return from == 0 && to == 1 ? 0 : int64_t(to + from + 1); };
+    std::vector<int64_t> send(static_cast<size_t>(n)), recv(send);
+    std::vector<float> values, want;
+    for (int q = 0; q < n; ++q) {
+      send[size_t(q)] = count(r, q);
+      recv[size_t(q)] = count(q, r);
+      for (int64_t i = 0; i < count(r, q); ++i) values.push_back(float(100 * r + q));
+      for (int64_t i = 0; i < count(q, r); ++i) want.push_back(float(100 * q + r));
+    }
+    Tensor a2a_in = from_vector<float>(values, {int64_t(values.size())}, dev);
+    Tensor a2a_out = full({int64_t(want.size())}, -1.0, kF32, dev);
+    world->all_to_all(a2a_in, send, a2a_out, recv);
+    check(max_abs_diff(a2a_out, from_vector<float>(want, {int64_t(want.size())}, dev)) == 0, "all_to_all");
+  }
   const int root = n - 1;  // not rank 0, where the world has more than one rank
   Tensor bc = full({3}, double(r == root ? 7 : 0), kF32, dev);
   world->broadcast(bc, root);
@@ -749,13 +764,14 @@ void run(const char* name, const std::function<void()>& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool stuck_rank = false, cuda = false;
+  bool stuck_rank = false, cuda = false, experts = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--stuck-rank") stuck_rank = true;
+    else if (a == "--experts") experts = true;
     else if (a == "--device" && i + 1 < argc) cuda = std::string(argv[++i]) == "cuda";
     else {
-      std::fprintf(stderr, "usage: loom_distributed_check [--device cpu|cuda] [--stuck-rank]\n");
+      std::fprintf(stderr, "usage: loom_distributed_check [--device cpu|cuda] [--stuck-rank] [--experts]\n");
       return 2;
     }
   }
@@ -782,6 +798,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   run("collectives", check_collectives);
+  if (experts) {  // expert parallelism alone: the all-to-all above, the mesh's groups, the trainer's runs
+    dist_check::Context context{world, dev, check, run};
+    context.only_experts = true;
+    dist_check::run_road_checks(context);
+    Tensor f = full({1}, double(failures), kF32, dev);
+    world->all_reduce(f, dist::ReduceOp::kMax);
+    return f.item<double>() > 0 ? 1 : 0;
+  }
   run("ddp f32", [] { check_ddp(kF32, false, 2e-5); });
   // bf16 averaging rounds once per rank's contribution: the bound grows with the world.
   run("ddp bf16 reduction", [] { check_ddp(kBF16, false, 1e-2 * world->size()); });

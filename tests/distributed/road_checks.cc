@@ -70,20 +70,23 @@ void check_mesh_groups(const Context& c) {
     c.check(mesh.group(dist::MeshDim::kContext)->size() == 1 && mesh.group(dist::MeshDim::kExpert)->size() == 1,
             at + ": context and expert groups of one rank");
   }
-  if (n % 2 == 0) {  // experts borrow the data-shard ranks: over all of them, the data-shard group
-    dist::MeshShape shape;
-    shape.data_shard = n;
-    shape.expert = 2;
-    dist::Mesh mesh(c.world, shape);
-    std::vector<int64_t> want{r / 2 * 2, r / 2 * 2 + 1};
-    c.check(members(*mesh.group(dist::MeshDim::kExpert), r, c.device) == want, "expert groups of 2 over data-shard");
-  }
+  if (n % 2 == 0)  // experts borrow the data ranks, sharded or replicated: runs of 2 consecutive ranks
+    for (bool sharded : {true, false}) {
+      dist::MeshShape shape;
+      (sharded ? shape.data_shard : shape.data_replicate) = n;
+      shape.expert = 2;
+      dist::Mesh mesh(c.world, shape);
+      std::vector<int64_t> want{r / 2 * 2, r / 2 * 2 + 1}, replicas;
+      for (int q = r % 2; q < n; q += 2) replicas.push_back(q);
+      c.check(members(*mesh.group(dist::MeshDim::kExpert), r, c.device) == want, "expert groups of 2 over data");
+      c.check(members(*mesh.expert_replicas(), r, c.device) == replicas, "the replicas of an expert shard");
+    }
 }
 
 struct Layout {
   std::string what;
   int ranks = 1;
-  int64_t tp = 1, pp = 1, zero = 0, virtual_stages = 1;
+  int64_t tp = 1, pp = 1, zero = 0, virtual_stages = 1, ep = 1;
   int64_t lora = 0;  // LoRA adapters of this rank on every projection (LLaMA's seven, GPT-2's four), the base frozen
   bool sp = false;
   std::string schedule = "1f1b", recompute = "none", model = "gpt2.json", format = "auto";
@@ -107,6 +110,12 @@ std::string shared_dir(const Context& c) {
     std::ofstream(dir + "/llama.json") << R"({"family": "llama", "vocab_size": 250, "padded_vocab_size": 256,
       "max_seq_len": 32, "n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 160,
       "tie_embeddings": false})";
+    // A small Mixtral: 4 experts, top 2; and with the load-balancing loss (its router terms cross no ranks).
+    const std::string mixtral = R"({"family": "llama", "vocab_size": 250, "padded_vocab_size": 256,
+      "max_seq_len": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 96,
+      "tie_embeddings": false, "num_experts": 4, "experts_per_token": 2)";
+    std::ofstream(dir + "/mixtral.json") << mixtral << "}";
+    std::ofstream(dir + "/mixtral_aux.json") << mixtral << R"(, "router_aux_loss_coef": 0.02})";
   }
   c.world->barrier();
   return dir;
@@ -137,6 +146,7 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.tensor_parallel = l.tp;
     o.pipeline_parallel = l.pp;
     o.zero_stage = l.zero;
+    o.expert_parallel = l.ep;
     o.sequence_parallel = l.sp;
     o.pp_schedule = l.schedule;
     o.virtual_stages = l.virtual_stages;
@@ -273,11 +283,49 @@ Layout layout(std::string what, int ranks) {
   return l;
 }
 
+// Expert parallelism: a small Mixtral through the trainer against one process, and its checkpoints across layouts.
+void run_expert_checks(const Context& c) {
+  const int n = c.world->size();
+  auto mixtral = [](std::string what, int ranks, int64_t ep) {
+    Layout l = layout(std::move(what), ranks);
+    l.model = "mixtral.json";
+    l.ep = ep;
+    return l;
+  };
+  std::vector<Layout> layouts{mixtral("mixtral ddp x " + std::to_string(n), n, 1),
+                              mixtral("mixtral ep 2 (ddp x " + std::to_string(n) + ")", n, 2)};  // 4: 2 replicas
+  if (n == 4) layouts.push_back(mixtral("mixtral ep 4", 4, 4));
+  Layout aux = mixtral("mixtral with the load-balancing loss, ep 2", n, 2);
+  aux.model = "mixtral_aux.json";
+  layouts.push_back(aux);
+  {
+    Layout full = mixtral("mixtral ep 2, full recompute", n, 2);
+    full.recompute = "full";
+    layouts.push_back(full);
+    Layout selective = mixtral("mixtral ep 2, selective recompute", n, 2);
+    selective.recompute = "selective";
+    layouts.push_back(selective);
+  }
+  c.run("expert parallelism through the trainer", [&] { check_layouts(c, layouts); });
+  c.run("expert-parallel checkpoints resume by 1 rank and by ddp; ddp's by ep 2", [&] {
+    check_resumes(c, mixtral("mixtral ep 2", n, 2),
+                  {mixtral("mixtral 1 rank", 1, 1), mixtral("mixtral ddp", n, 1), mixtral("mixtral ep 2", n, 2)});
+    check_resumes(c, mixtral("mixtral 1 rank", 1, 1), {mixtral("mixtral ep 2", n, 2)});
+    Layout single = mixtral("mixtral ep 2 (single file)", n, 2);
+    single.format = "single";
+    check_resumes(c, single, {single});
+  });
+}
+
 }  // namespace
 
 void run_road_checks(const Context& c) {
   const int n = c.world->size();
   c.run("mesh groups", [&] { check_mesh_groups(c); });
+  if (c.only_experts) {
+    run_expert_checks(c);
+    return;
+  }
   auto with = [](Layout l, auto&& set) {
     set(l);
     return l;
@@ -350,6 +398,7 @@ void run_road_checks(const Context& c) {
                               "zero1_x2_single_resumed_by_zero1_x2");
     });
   }
+  if (n == 4) run_expert_checks(c);  // on 2 ranks: Distributed.mpi_np2_expert_parallel
   if (n == 4) {
     c.run("every layout of 4 ranks through the trainer", [&] {
       check_layouts(c, {

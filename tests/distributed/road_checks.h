@@ -15,6 +15,7 @@ struct Context {
   Device device;
   std::function<void(bool ok, const std::string& what)> check;         // a failure is counted and printed
   std::function<void(const char* name, const std::function<void()>& body)> run;  // one named check
+  bool only_experts = false;  // --experts: only the mesh's groups and expert parallelism's checks
 };
 
 // The mesh's groups against the world's layout (rank = (stage x replicas + replica) x tp + tp rank), every parallel

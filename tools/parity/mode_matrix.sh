@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trains a tiny GPT-2 and a tiny LLaMA-3 under every parallel mode and combination loom-train offers on the CPU
+# Trains a tiny GPT-2, a tiny LLaMA-3 and a tiny Mixtral under every parallel mode and combination loom-train offers on the CPU
 # (mpirun with 1, 2 and 4 ranks) and writes each run's per-step loss, gradient norm and evaluation loss with every
 # digit, one JSON line per run, into OUT. Two such files from two builds compare with tools/parity/compare.py: the
 # same bits mean the two builds train alike in every mode.
@@ -22,6 +22,10 @@ J
 cat > "$WORK/llama.json" <<'J'
 {"family": "llama", "vocab_size": 250, "padded_vocab_size": 256, "max_seq_len": 32, "n_layer": 4, "n_head": 4,
  "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 160, "tie_embeddings": false}
+J
+cat > "$WORK/mixtral.json" <<'J'
+{"family": "llama", "vocab_size": 250, "padded_vocab_size": 256, "max_seq_len": 32, "n_layer": 2, "n_head": 4,
+ "n_kv_head": 2, "n_embd": 64, "ffn_hidden": 96, "tie_embeddings": false, "num_experts": 4, "experts_per_token": 2}
 J
 : > "$OUT"
 MPIRUN="mpirun --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1"
@@ -112,6 +116,13 @@ run llama-2-lora-ddp 2 llama $LORA
 run llama-2-lora-zero1 2 llama $LORA --zero 1
 run llama-2-lora-zero2 2 llama $LORA --zero 2
 run llama-2-lora-zero3 2 llama $LORA --zero 3
+# A mixture of experts: data-parallel, and its experts split over the data ranks (--ep; with --zero it is refused).
+run mixtral-1 1 mixtral
+run mixtral-2-ddp 2 mixtral
+run mixtral-2-zero1 2 mixtral --zero 1
+run mixtral-2-ep 2 mixtral --ep 2
+run mixtral-4-ep2-ddp 4 mixtral --ep 2
+run mixtral-4-ep4 4 mixtral --ep 4
 resume resume-zero3x2-to-1 2 "--zero 3" 1 ""
 resume resume-zero3x2-to-zero3x4 2 "--zero 3" 4 "--zero 3"
 resume resume-zero3x2-to-ddp4 2 "--zero 3" 4 "--zero 0"

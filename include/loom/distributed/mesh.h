@@ -15,8 +15,8 @@ namespace loom::distributed {
 
 // The dimensions of the mesh. The first five form the grid: a rank's number is its coordinates read as one
 // mixed-radix number, outermost first, so the tensor dimension's groups are adjacent ranks (one node's NVLink). The
-// expert dimension is not in the grid: it borrows its ranks from data-shard x context, where experts would otherwise
-// be sharded or replicated (as torchtitan's ParallelDims has it).
+// expert dimension is not in the grid: it borrows its ranks from data x context, where experts would otherwise be
+// replicated or sharded (as torchtitan's ParallelDims has it): runs of `expert` consecutive ranks of that group.
 enum class MeshDim { kPipeline, kDataReplicate, kDataShard, kContext, kTensor, kExpert };
 inline constexpr std::array<MeshDim, 5> kGridDims{MeshDim::kPipeline, MeshDim::kDataReplicate, MeshDim::kDataShard,
                                                   MeshDim::kContext, MeshDim::kTensor};
@@ -28,7 +28,7 @@ struct MeshShape {
   int64_t data_shard = 1;      // ranks that shard optimizer state, gradients or parameters between them (ZeRO)
   int64_t context = 1;         // ranks that split each sequence
   int64_t tensor = 1;          // ranks that split each layer
-  int64_t expert = 1;          // ranks that split the experts (borrowed from data_shard x context)
+  int64_t expert = 1;          // ranks that split the experts (borrowed from data x context)
 
   int64_t size(MeshDim dim) const;
   int64_t world() const;  // the grid's ranks
@@ -54,6 +54,9 @@ class Mesh {
   // parameters that model parallelism splits).
   const std::shared_ptr<ProcessGroup>& data() const { return data_; }
   const std::shared_ptr<ProcessGroup>& model() const { return model_; }
+  // The ranks that hold the same experts as this one under expert parallelism: the data x context ranks of the same
+  // expert coordinate (one per expert group). Their expert gradients are reduced together; the rest go over data().
+  const std::shared_ptr<ProcessGroup>& expert_replicas() const { return expert_replicas_; }
   std::string str() const { return shape_.str(); }
 
  private:
@@ -65,7 +68,7 @@ class Mesh {
   std::array<int64_t, kGridDims.size()> coords_{};
   std::map<unsigned, std::shared_ptr<ProcessGroup>> spans_;  // by the dims of size > 1 they span
   std::map<MeshDim, std::shared_ptr<ProcessGroup>> dims_;
-  std::shared_ptr<ProcessGroup> data_, model_;
+  std::shared_ptr<ProcessGroup> data_, model_, expert_replicas_;
 };
 
 }  // namespace loom::distributed

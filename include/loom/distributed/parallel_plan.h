@@ -52,6 +52,10 @@ struct PipelinePlan {  // the pipeline dimension
   int64_t virtual_stages = 1;
   std::vector<std::pair<int64_t, int64_t>> stages;  // per virtual stage (stage s's chunk c is c x P + s): blocks
 };
+struct ExpertPlan {  // the expert dimension (empty with one expert rank)
+  std::vector<std::string> parameters;  // the experts' stacked weights, "*" standing for the block index; dim 0 splits
+  int64_t experts = 0;                  // per MoE layer, over every rank (mesh.expert ranks hold experts / mesh.expert)
+};
 struct RecomputePlan {
   autograd::Recompute mode = autograd::Recompute::kNone;  // per block
   bool mlp_hidden = false;
@@ -64,7 +68,8 @@ struct ParallelPlan {
   DataPlan data;
   PipelinePlan pipeline;
   RecomputePlan recompute;
-  // The context and expert dimensions hold no plan of their own yet: at size 1 they leave the model as it is.
+  ExpertPlan expert;
+  // The context dimension holds no plan of its own yet: at size 1 it leaves the model as it is.
 
   // The mesh, then one line per dimension that does something ("tensor 2, sequence parallel: columnwise
   // h.*.attn.c_attn.weight, ...; rowwise ...", "data 2: ZeRO stage 1, optimizer state sharded", ...).

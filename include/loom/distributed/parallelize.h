@@ -48,9 +48,13 @@ class ParallelModel {
   void load_optimizer_state(const optim::OptimizerState& state);
   bool optimizer_state_per_rank() const;
 
-  // Sharded checkpoints. How `name` splits over the tensor dimension; this rank's pieces (every element of every
+  // Sharded checkpoints. How `name` splits over the tensor dimension (or, for an expert weight, the expert one); this rank's pieces (every element of every
   // tensor-parallel part is saved by exactly one rank); each parameter's AdamW step count as this rank knows it.
   ParameterSplit tensor_split(const std::string& name) const;
+  // Into how many parts a split parameter is cut (the tensor ranks, or the expert ranks for an expert weight), and
+  // which of them this rank holds.
+  int64_t split_parts(const std::string& name) const;
+  int64_t split_part(const std::string& name) const;
   std::vector<StatePiece> state_pieces() const;
   std::map<std::string, int64_t> adam_steps() const;
   // Loads this rank's pieces of a checkpoint saved by any layout: everything is read before anything changes.
@@ -63,7 +67,8 @@ class ParallelModel {
 };
 
 // Applies `plan` to `model` (built by nn::make_model, whole, on the host) over `mesh`, in place: recomputation, the
-// tensor split (and sequence parallelism), the pipeline's stages (this rank keeps its own), the move to `device`, the
+// tensor split (and sequence parallelism), the pipeline's stages (this rank keeps its own), the experts' split, the
+// move to `device`, the
 // data dimensions' sharding or replication with the optimizer over what this rank trains. Collective over the mesh.
 std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> model, std::shared_ptr<const Mesh> mesh,
                                            const ParallelPlan& plan, Device device, const optim::AdamWOptions& adamw,

@@ -54,6 +54,17 @@ class ProcessGroup {
   // group of its own, so that two ranks sending to each other never wait on one stream.
   virtual std::shared_ptr<Work> send_async(const Tensor& tensor, int dst);
   virtual std::shared_ptr<Work> recv_async(Tensor& tensor, int src);
+  // Variable-size all-to-all: input holds send_counts[r] elements for each rank r, one run after the other in rank
+  // order; output receives recv_counts[r] elements from each rank r, in rank order. Counts are elements, one per rank
+  // of the group, and must agree between ranks (rank a's send_counts[b] is rank b's recv_counts[a]); input and output
+  // share a dtype and hold at least the sums. What expert parallelism exchanges tokens with (MPI_Alltoallv; grouped
+  // NCCL sends and receives). The default goes through send_async and recv_async.
+  virtual std::shared_ptr<Work> all_to_all_async(const Tensor& input, const std::vector<int64_t>& send_counts,
+                                                 Tensor& output, const std::vector<int64_t>& recv_counts);
+  void all_to_all(const Tensor& input, const std::vector<int64_t>& send_counts, Tensor& output,
+                  const std::vector<int64_t>& recv_counts) {
+    all_to_all_async(input, send_counts, output, recv_counts)->wait();
+  }
   virtual void barrier() = 0;
   // A subgroup of the ranks that pass the same color, ordered by (key, rank). Collective over this group.
   virtual std::shared_ptr<ProcessGroup> split(int color, int key) = 0;

@@ -32,6 +32,23 @@ struct RouterLog {
   Tensor loss(const MoeConfig& cfg) const;
 };
 
+// What an MoE layer whose experts are split across the ranks of an expert-parallel group needs from the others. nn
+// names only this interface: the one Mixtral definition runs split when a plan (loom/distributed/expert_parallel.h)
+// has cut its experts to this rank's and handed the layer a region, and whole without one.
+class ExpertParallelRegion {
+ public:
+  virtual ~ExpertParallelRegion() = default;
+  virtual int rank() const = 0;  // this rank holds experts [rank * local, (rank + 1) * local)
+  virtual int size() const = 0;
+  // Each rank's counts[r] (a vector of size() x n values, n per destination rank) -> the n values every rank sent
+  // this one, in rank order (size() x n). Not differentiable.
+  virtual std::vector<int64_t> exchange_counts(const std::vector<int64_t>& counts) const = 0;
+  // Rows [sum(send_rows), C] -> rows [sum(recv_rows), C]: send_rows[r] rows to rank r, recv_rows[r] rows from rank r,
+  // in rank order. Differentiable: the backward sends the gradient back the way the rows came.
+  virtual Tensor exchange_rows(const Tensor& rows, const std::vector<int64_t>& send_rows,
+                               const std::vector<int64_t>& recv_rows) const = 0;
+};
+
 class MoeMLP : public Module {
  public:
   MoeMLP(int64_t dim, int64_t hidden, const MoeConfig& cfg);
@@ -45,6 +62,15 @@ class MoeMLP : public Module {
   Tensor gate_up_proj, down_proj;       // [E, 2F, C], [E, C, F]
   std::shared_ptr<SwiGLUMLP> shared_expert;  // or null
   std::shared_ptr<RouterLog> log;
+  // Expert parallelism: set by a plan that kept this rank's experts (gate_up_proj and down_proj then hold
+  // num_experts / region->size() experts); the router still scores every expert on every rank.
+  std::shared_ptr<const ExpertParallelRegion> expert_parallel;
+
+ private:
+  // The experts over tokens permuted into groups of every expert (sizes: rows per expert, num_experts of them):
+  // here, or on the ranks that hold them.
+  Tensor run_experts(const Tensor& rows, const std::vector<int64_t>& sizes) const;
+  Tensor local_experts(const Tensor& rows, const std::vector<int64_t>& sizes) const;
 };
 
 // A Mixtral state dict by transformers 5's fused names (Loom's parameter names) as the per-expert layout Mixtral-8x7B

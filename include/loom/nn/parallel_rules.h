@@ -36,8 +36,10 @@ struct ParallelRules {
     std::string why;
   };
   std::vector<Divisor> tensor_divisors;
-  // Expert parallelism: experts per mixture-of-experts layer (0: a dense model, nothing to split).
+  // Expert parallelism: experts per mixture-of-experts layer (0: a dense model, nothing to split), and the stacked
+  // expert weights whose first dimension is the expert ("*" standing for the block index).
   int64_t experts = 0;
+  std::vector<std::string> expert_parameters;
   // Context parallelism: whether the attention can run over a sequence split across ranks.
   bool attention_splits_sequence = false;
   // The transformer blocks' module names, "*" standing for the index ("h.*"): what ZeRO-2/3 wraps and the pipeline

@@ -29,6 +29,7 @@ struct MemoryEstimateInput {
   std::string recompute = "none";  // "none", "selective" or "full" (see memory_estimate.cc for what each keeps)
   int64_t pipeline_parallel = 1; // stages: each holds 1/pp of the blocks (1F1B keeps up to pp micro-batches in flight)
   DType frozen_base = kF32;      // LoRA: the dtype the frozen blocks' projections are held in (bf16: 2 bytes each)
+  int64_t expert_parallel = 1;   // ranks that split each layer's experts (each holds num_experts / expert_parallel)
 };
 
 // Bytes on each rank.
