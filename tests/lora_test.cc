@@ -611,6 +611,18 @@ TEST(LoraGpt2, OnlyTheAdaptersTrainAndPeftDirectoriesComeBack) {
   auto a = t.model().named_parameters(), b = t2.model().named_parameters();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(test::bytes_equal(a[i].second, b[i].second)) << a[i].first;
+
+  // Targets given beside a GPT-2 directory compare as the layers they name: q, k, v, o, up, down are its four.
+  again.given = std::set<std::string>{"lora-targets", "lora-from"};
+  again.lora_targets = "q,k,v,o,up,down";
+  EXPECT_NO_THROW(train::Trainer{again});
+  again.lora_targets = "q,v";  // c_attn alone
+  try {
+    train::Trainer t3(again);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differs from --lora-from"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

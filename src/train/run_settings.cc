@@ -226,7 +226,19 @@ nn::LoraConfig lora_config(TrainOptions& o) {
                  " differs from --lora-from ", o.lora_from, "'s r = ", dir.rank, " (leave --lora-rank out)");
     LOOM_REQUIRE(!given("lora-alpha") || o.lora_alpha == dir.alpha, "loom-train: --lora-alpha ", o.lora_alpha,
                  " differs from --lora-from ", o.lora_from, "'s lora_alpha = ", dir.alpha, " (leave --lora-alpha out)");
-    LOOM_REQUIRE(!given("lora-targets") || nn::LoraConfig::parse_targets(o.lora_targets) == dir.targets,
+    // A GPT-2 directory names layers (c_attn, ...): the given targets compare as the GPT-2 layers they resolve to
+    // (q, k and v are all c_attn).
+    auto layers = [&](const std::vector<std::string>& targets) {
+      bool gpt2 = false;
+      for (const std::string& t : dir.targets) gpt2 = gpt2 || nn::is_gpt2_lora_target(t);
+      if (!gpt2) return targets;
+      nn::ModelConfig cfg;
+      cfg.family = nn::ModelFamily::kGPT2;
+      cfg.lora.targets = targets;
+      return nn::resolve_lora_targets(cfg);
+    };
+    LOOM_REQUIRE(!given("lora-targets") ||
+                     layers(nn::LoraConfig::parse_targets(o.lora_targets)) == layers(dir.targets),
                  "loom-train: --lora-targets ", o.lora_targets, " differs from --lora-from ", o.lora_from,
                  "'s target_modules (", targets, "; leave --lora-targets out)");
     o.lora_rank = dir.rank;
