@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
                  "DIOPI implementation library (libdiopi_impl.so) to load first as provider 'diopi' (repeatable: "
                  "diopi2, ...)");
   app.add_option("--json", json_path, "write every case's result as JSON");
-  app.add_option("--op", op_filter, "only this op");
+  app.add_option("--op", op_filter, "only this op (or these: a comma-separated list)");
   app.add_option("--dtype", dtype_filter, "only this dtype (f32, bf16, ...), also with --list-kernels");
   app.add_option("--fuzz", fuzz, "also run N random cases per op and dtype, drawn from --seed")->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
@@ -262,8 +262,14 @@ int main(int argc, char** argv) {
     if (trace_path.empty() && (max_calls_option->count() > 0 || budget_option->count() > 0))
       throw loom::Error(std::string(max_calls_option->count() ? "--max-calls" : "--budget") +
                         " needs --trace (it limits the replay of a trace's calls)");
-    if (case_option->count() > 0 && (op_filter.empty() || dtype_filter.empty()))
-      throw loom::Error("--case needs --op and --dtype (a case number counts the cases of one op and dtype)");
+    std::vector<std::string> ops;  // --op's list
+    for (size_t at = 0; !op_filter.empty() && at <= op_filter.size();) {
+      const size_t comma = std::min(op_filter.find(',', at), op_filter.size());
+      ops.push_back(op_filter.substr(at, comma - at));
+      at = comma + 1;
+    }
+    if (case_option->count() > 0 && (ops.size() != 1 || dtype_filter.empty()))
+      throw loom::Error("--case needs one --op and --dtype (a case number counts the cases of one op and dtype)");
     loom::providers::load_from_env();
     for (const auto& lib : libraries) loom::providers::load(lib);
 #ifdef LOOM_WITH_DIOPI
@@ -297,14 +303,15 @@ int main(int argc, char** argv) {
     loom::dispatch::explain("gemm", loom::Device::parse(device_name).type, loom::kF32);
     if (!loom::has_device_runtime(loom::Device::parse(device_name).type))
       throw loom::Error("--device " + device_name + ": this Loom was built without that device's runtime");
-    if (!op_filter.empty() && !loom::find_op_schema(op_filter))
-      throw loom::Error("--op: no op named '" + op_filter + "' (loom-conformance --list-ops lists them)");
+    for (const std::string& op : ops)
+      if (!loom::find_op_schema(op))
+        throw loom::Error("--op: no op named '" + op + "' (loom-conformance --list-ops lists them)");
     loom::conformance::SuiteOptions o;
     o.provider = provider, o.device = loom::Device::parse(device_name), o.fuzz = fuzz, o.seed = seed;
     o.only_case = case_index;
     o.generated = !no_generated;
     o.reference = reference == "native" ? "native" : "naive";
-    if (!op_filter.empty()) o.ops = {op_filter};
+    o.ops = ops;
     if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
     std::optional<loom::op_trace::Trace> trace;
     if (!trace_path.empty()) trace = loom::op_trace::read_trace(trace_path);

@@ -80,7 +80,15 @@ TEST(AppHardening, ConformanceNeverPassesWithoutACase) {
   expect_one_line_error(kConformance + " --provider native --op add --dtype f32 --case 999999 --reference none",
                         {"no case ran", "--case 999999"});
   expect_one_line_error(kConformance + " --provider native --case 0", {"--case", "--op"});
+  expect_one_line_error(kConformance + " --provider native --op add,relu --dtype f32 --case 0", {"--case", "one --op"});
+  expect_one_line_error(kConformance + " --provider native --op add,no_such_op --dtype f32", {"no_such_op"});
+  expect_one_line_error(kConformance + " --provider native --op add,,relu --dtype f32", {"--op", "no op named ''"});
   expect_one_line_error(kConformance + " --describe no_such_op", {"no_such_op"});
+  // A list runs every op named, and no other.
+  const AppRun listed = run(kConformance + " --provider native --op add,relu --dtype f32 --reference none --jobs 1");
+  EXPECT_EQ(listed.status, 0) << listed.out << listed.err;
+  for (const char* row : {"\nadd ", "\nrelu "}) EXPECT_NE(listed.out.find(row), std::string::npos) << listed.out;
+  EXPECT_EQ(listed.out.find("\nsoftmax "), std::string::npos) << listed.out;
 #ifndef LOOM_WITH_CUDA
   expect_one_line_error(kConformance + " --provider native --device cuda --op add --dtype f32", {"cuda"});
 #endif

@@ -17,6 +17,8 @@
 #   racecheck racecheck, the slowest tool, alone over the cores (SAN_SHARDS, default the cores less one)
 #   sweep     tools/reference/make_conformance_sweep.py (PyTorch on this machine) writes the sweep set to $OUT,
 #             and loom-conformance checks the native CUDA kernels against it
+#   suite_initcheck  initcheck over the CUDA suite's ops but gemm and fp8_gemm (inputs and outputs copied from and to
+#             the host, so every report is Loom's), SAN_JOBS worker processes (8), within SAN_TIMEOUT s (500)
 #   reference transformers and PEFT on this machine: tools/reference/hf_check.py (Loom's GPT-2, LLaMA and Mixtral
 #             exports loaded by transformers, its PEFT adapter directory loaded by peft, HF models loaded by Loom, on
 #             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
@@ -260,6 +262,28 @@ sanitize() {  # n, tools...
 stage_sanitize() { sanitize "${SAN_SHARDS:-5}" ${SANITIZERS:-memcheck synccheck initcheck}; }
 stage_racecheck() { sanitize "${SAN_SHARDS:-$(($(nproc) - 1))}" racecheck; }
 
+# initcheck over the CUDA suite: every input there is written by a copy from the host, and every output read back by
+# one, so each report is a read of memory nothing wrote, by Loom's kernel or by the copy of an output it left
+# unwritten. The gemm and fp8_gemm ops run cuBLASLt, whose Hopper kernels' stores initcheck does not see: left out.
+stage_suite_initcheck() {
+  need_build || return 1
+  local t0=$SECONDS SAN ops rc errors result=pass
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$SAN" ] || { row "suite initcheck" FAIL "no compute-sanitizer on this machine" 0; return 1; }
+  ops=$($BIN/loom-conformance --list-ops | awk '{print $1}' | grep -v -x -E 'gemm|fp8_gemm' | paste -sd,)
+  # shellcheck disable=SC2086
+  timeout ${SAN_TIMEOUT:-500} "$SAN" --tool initcheck --target-processes all --print-limit 50 \
+    $BIN/loom-conformance --provider native --device cuda --op "$ops" --jobs "${SAN_JOBS:-8}" \
+    --json $S/suite_initcheck.json > $S/suite_initcheck.log 2>&1
+  rc=$?
+  grep -h -E "^========= (Uninitialized|Host API)" -A3 $S/suite_initcheck.log | head -24
+  # One "ERROR SUMMARY" per process (the runner and its workers).
+  errors=$(grep -o -E 'ERROR SUMMARY: [0-9]+' $S/suite_initcheck.log | awk '{n += $3} END {print n + 0}')
+  read -r cases failures declined <<< "$(report_counts $S/suite_initcheck.json)"
+  [ "$rc" = 0 ] && [ "$errors" = 0 ] || result=FAIL
+  row "suite initcheck" "$result" "$cases cases, $failures failures, $errors initcheck errors (gemm, fp8_gemm left out; exit $rc)" $((SECONDS - t0))
+}
+
 stage_reference() {
   need_build || return 1
   local t0=$SECONDS result=pass passed failed
@@ -309,7 +333,7 @@ stage_bench() {
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|traces|sanitize|racecheck|sweep|reference|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|traces|sanitize|racecheck|sweep|reference|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite traces sanitize sweep bench)"; exit 2 ;;
   esac
 done
