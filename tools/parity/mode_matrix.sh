@@ -116,6 +116,11 @@ run llama-2-lora-ddp 2 llama $LORA
 run llama-2-lora-zero1 2 llama $LORA --zero 1
 run llama-2-lora-zero2 2 llama $LORA --zero 2
 run llama-2-lora-zero3 2 llama $LORA --zero 3
+# GPT-2's four adapted layers (c_attn, attn.c_proj, c_fc, mlp.c_proj), the tied embedding frozen on both stages under --pp.
+GPT2_LORA="--lora-rank 4 --lora-targets c_attn,c_proj,c_fc"
+run gpt2-1-lora 1 gpt2 $GPT2_LORA
+run gpt2-2-lora-ddp 2 gpt2 $GPT2_LORA
+run gpt2-2-lora-pp 2 gpt2 $GPT2_LORA --pp 2
 # A mixture of experts: data-parallel, and its experts split over the data ranks (--ep; with --zero it is refused).
 run mixtral-1 1 mixtral
 run mixtral-2-ddp 2 mixtral
