@@ -296,8 +296,14 @@ TEST(MoeModel, ThePlanRefusesWhatDoesNotSplitExperts) {
   bool described = false;
   for (const std::string& line : plan.describe()) described |= line.rfind("expert 2: 2 of 4 experts per rank", 0) == 0;
   EXPECT_TRUE(described);
-  o.zero_stage = 1;
-  test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); }, {"--ep 2 does not combine with --zero 1"});
+  o.zero_stage = 1;  // ZeRO-1 shards the experts' state over their replicas, the rest over the data ranks
+  EXPECT_EQ(distributed::make_plan(c, 4, o).mesh.data_shard, 4);
+  EXPECT_EQ(distributed::make_plan(c, 2, o).mesh.expert, 2);
+  for (int64_t stage : {2, 3}) {
+    o.zero_stage = stage;
+    test::expect_error_mentioning([&] { distributed::make_plan(c, 2, o); },
+                                  {"--ep 2 does not combine with --zero " + std::to_string(stage)});
+  }
   o.zero_stage = 0;
   o.expert = 3;
   test::expect_error_mentioning([&] { distributed::make_plan(c, 3, o); }, {"4 experts do not divide over 3 ranks"});

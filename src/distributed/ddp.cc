@@ -379,6 +379,14 @@ void ZeroAdamW::set_norm_reduction(std::vector<double> norm_weights, std::shared
 }
 
 double ZeroAdamW::step(double max_norm) {
+  Tensor sq = reduce_gradients();
+  impl_->norm_group->all_reduce(sq, ReduceOp::kSum);
+  const double norm = std::sqrt(sq.item<double>());
+  update(max_norm > 0 && std::isfinite(norm) && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0);
+  return norm;
+}
+
+Tensor ZeroAdamW::reduce_gradients() {
   Impl& m = *impl_;
   autograd::NoGradGuard ng;
   for (size_t i = 0; i < m.params.size(); ++i) {
@@ -393,9 +401,13 @@ double ZeroAdamW::step(double max_norm) {
   for (auto& seg : m.segments)
     ops::add_(sq, optim::grad_norm_squared(m.shard_grad.narrow(0, seg.shard_start, seg.length)).reshape({1}),
               m.norm_weights[seg.param]);
-  m.norm_group->all_reduce(sq, ReduceOp::kSum);
-  double norm = std::sqrt(sq.item<double>());
-  if (max_norm > 0 && std::isfinite(norm) && norm > max_norm) ops::mul_(m.shard_grad, max_norm / (norm + 1e-6));
+  return sq;
+}
+
+void ZeroAdamW::update(double scale) {
+  Impl& m = *impl_;
+  autograd::NoGradGuard ng;
+  if (scale != 1.0) ops::mul_(m.shard_grad, scale);
 
   ++step_;
   Tensor shard_param = m.flat_param.narrow(0, m.shard_begin, m.shard);
@@ -413,7 +425,6 @@ double ZeroAdamW::step(double max_norm) {
   m.dp->all_gather(mine, m.flat_param);
   for (size_t i = 0; i < m.params.size(); ++i)
     m.params[i].detach().copy_from(m.flat_param.narrow(0, m.offsets[i], m.params[i].numel()).reshape(m.params[i].shape()));
-  return norm;
 }
 
 void ZeroAdamW::zero_grad() {

@@ -72,8 +72,12 @@ class PlanOptimizer : public TrainingOptimizer {
 // norm sums over norm_group, each parameter weighted by norm_weights (clip_grad_norm_distributed).
 std::unique_ptr<PlanOptimizer> make_adamw(std::unique_ptr<optim::AdamW> adamw, std::vector<double> norm_weights,
                                           std::shared_ptr<ProcessGroup> norm_group, bool state_per_rank);
-// ZeRO-1: `flat` holds the parameters' flat slots (backward writes the gradients there); `zero` steps them.
-std::unique_ptr<PlanOptimizer> make_zero1_adamw(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero);
+// ZeRO-1: `flat` holds the parameters' flat slots (backward writes the gradients there); `zero` steps them. Under
+// expert parallelism `experts` (over the replicas of this rank's experts) steps the expert weights, `zero` (over the
+// data ranks) the rest, and the gradient norm sums both shards once over `norm_group` (the world).
+std::unique_ptr<PlanOptimizer> make_zero1_adamw(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero,
+                                                std::unique_ptr<ZeroAdamW> experts = nullptr,
+                                                std::shared_ptr<ProcessGroup> norm_group = nullptr);
 // ZeRO-2/3: AdamW over the shards of `shards`.
 std::unique_ptr<PlanOptimizer> make_sharded_adamw(std::unique_ptr<optim::AdamW> adamw,
                                                   FullyShardedDataParallel& shards);

@@ -130,9 +130,9 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
     plan.expert.parameters = rules.expert_parameters;
     plan.expert.experts = rules.experts;
   }
-  if (o.expert > 1 && o.zero_stage > 0)
+  if (o.expert > 1 && o.zero_stage > 1)
     problems.push_back(words("--ep ", o.expert, " does not combine with --zero ", o.zero_stage, " yet; use --ep with "
-                             "data parallelism (--zero 0), or --zero without --ep"));
+                             "--zero 1 or data parallelism (--zero 0), or --zero ", o.zero_stage, " without --ep"));
   // A mixture of experts runs whole on each rank: its experts are not in the tensor-parallel rules, and a pipeline
   // stage would not carry its routers' auxiliary losses to the last stage's loss.
   if (o.tensor > 1 && rules.experts > 0)
@@ -202,7 +202,8 @@ std::vector<std::string> ParallelPlan::describe() const {
                           mesh.data() * mesh.context == mesh.expert
                               ? std::string("; each expert on one rank")
                               : words("; each expert on ", mesh.data() * mesh.context / mesh.expert,
-                                      " ranks, which average its gradients")));
+                                      " ranks, which average its gradients",
+                                      data.zero_stage == 1 ? " and shard its optimizer state" : "")));
   if (recompute.mode != autograd::Recompute::kNone || recompute.mlp_hidden)
     lines.push_back(std::string("recompute: ") + autograd::recompute_name(recompute.mode) + " per block" +
                     (recompute.mlp_hidden ? ", the MLPs' GELU output" : ""));

@@ -148,7 +148,18 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
     std::vector<double> weights;
     if (model_parallel)
       for (const Tensor& p : opt->parameters()) weights.push_back(weight_of.at(&p.impl()));
-    if (plan.data.zero_stage == 1) {
+    if (plan.data.zero_stage == 1 && m->expert && !param_groups(*m, weight_decay).back().params.empty()) {
+      // The expert weights' state sharded over the replicas of this rank's experts (each keeps its experts' whole
+      // with one replica), the rest over every data rank. The experts' gradients, summed over the expert group and
+      // divided by its ranks (the gradient sync), are averaged over the replicas: the mean over every data rank.
+      LOOM_REQUIRE(!model_parallel, "parallelize: expert parallelism with ZeRO-1 takes no tensor or pipeline split");
+      std::vector<optim::ParamGroup> groups = param_groups(*m, weight_decay);
+      std::vector<optim::ParamGroup> experts{groups.back()};
+      groups.pop_back();
+      auto zero = std::make_unique<ZeroAdamW>(std::move(groups), ao, mesh->data());
+      auto expert_zero = std::make_unique<ZeroAdamW>(std::move(experts), ao, mesh->expert_replicas());
+      m->optimizer = make_zero1_adamw(std::move(opt), std::move(zero), std::move(expert_zero), mesh->world());
+    } else if (plan.data.zero_stage == 1) {
       auto zero = std::make_unique<ZeroAdamW>(optim::adamw_param_groups(own.trained_parameters(), weight_decay), ao,
                                               mesh->data());
       if (model_parallel) zero->set_norm_reduction(weights, mesh->world());

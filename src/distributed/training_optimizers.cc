@@ -1,5 +1,6 @@
 // The plan's optimizers (AdamW, ZeRO-1's sharded AdamW, AdamW over ZeRO-2/3's shards) and their parts of a sharded
 // checkpoint: each knows where its parameters' values and moments live, and so which pieces it saves and loads.
+#include <cmath>
 #include <map>
 
 #include "distributed/parallel_parts.h"
@@ -168,35 +169,54 @@ class WholeAdamW final : public PlanOptimizer {
 };
 
 // ZeRO-1: the flat AdamW only lays the gradients out (backward writes into its slots; zero_grad drops them); the
-// sharded one steps.
+// sharded one steps. Under expert parallelism a second one holds the expert weights, sharded over the replicas of
+// this rank's experts, and the norm sums both shards' squares once over `norm_group` (every rank holds a distinct
+// shard of the one model's gradients: the others' over the data ranks, each expert's over its replicas).
 class Zero1AdamW final : public PlanOptimizer {
  public:
-  Zero1AdamW(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero)
-      : flat_(std::move(flat)), zero_(std::move(zero)) {}
+  Zero1AdamW(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero, std::unique_ptr<ZeroAdamW> experts,
+             std::shared_ptr<ProcessGroup> norm_group)
+      : flat_(std::move(flat)), zero_(std::move(zero)), experts_(std::move(experts)),
+        norm_group_(std::move(norm_group)) {}
   void zero_grad() override { flat_->zero_grad(); }
   double step(double lr, double max_norm) override {
     zero_->set_lr(lr);
-    return zero_->step(max_norm);
+    if (!experts_) return zero_->step(max_norm);
+    experts_->set_lr(lr);
+    Tensor sq = zero_->reduce_gradients();
+    {
+      autograd::NoGradGuard ng;
+      ops::add_(sq, experts_->reduce_gradients(), 1.0);
+    }
+    norm_group_->all_reduce(sq, ReduceOp::kSum);
+    const double norm = std::sqrt(sq.item<double>());
+    const double scale = max_norm > 0 && std::isfinite(norm) && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+    zero_->update(scale);
+    experts_->update(scale);
+    return norm;
   }
   int64_t step_count() const override { return zero_->step_count(); }
   double lr() const override { return zero_->lr(); }
-  optim::OptimizerState state() const override { return zero_->state_dict(); }
-  void load_state(const optim::OptimizerState& state) override { zero_->load_state_dict(state); }
+  // The expert shard's keys carry the prefix "experts.".
+  optim::OptimizerState state() const override {
+    optim::OptimizerState state = zero_->state_dict();
+    if (experts_)
+      for (auto& [key, t] : experts_->state_dict()) state[kExperts + key] = t;
+    return state;
+  }
+  void load_state(const optim::OptimizerState& state) override {
+    optim::OptimizerState mine, experts;
+    for (auto& [key, t] : state)
+      (key.rfind(kExperts, 0) == 0 ? experts[key.substr(kExperts.size())] : mine[key]) = t;
+    zero_->load_state_dict(mine);
+    if (experts_) experts_->load_state_dict(experts);
+  }
   bool state_per_rank() const override { return true; }
 
   std::vector<StatePiece> pieces(const Ownership& own) const override {
-    const optim::OptimizerState state = zero_->state_dict();
-    const auto name_of = names_by_impl(*own.model);
-    auto params = zero_->parameters();
-    const Tensor m = state.at("shard.exp_avg"), v = state.at("shard.exp_avg_sq");
     std::vector<StatePiece> out;
-    for (const auto& seg : zero_->shard_segments()) {
-      const std::string& name = name_of.at(&params[seg.param].impl());
-      if (!own.saves(name)) continue;
-      out.push_back({name, part_of(own, name), seg.param_start, seg.param_start + seg.length,
-                     params[seg.param].detach().reshape({-1}).narrow(0, seg.param_start, seg.length),
-                     m.narrow(0, seg.shard_start, seg.length), v.narrow(0, seg.shard_start, seg.length)});
-    }
+    add_pieces(own, *zero_, out);
+    if (experts_) add_pieces(own, *experts_, out);
     add_frozen_pieces(own, out);
     return out;
   }
@@ -206,12 +226,39 @@ class Zero1AdamW final : public PlanOptimizer {
   void load_pieces(const Ownership& own, const PieceReader& read, int64_t optimizer_step, double lr,
                    const std::function<int64_t(const std::string&)>&) override {
     auto copies = whole_parameters(own, read);  // ZeRO-1 holds its (stage's) parameters whole
-    optim::OptimizerState state = step_and_lr(optimizer_step, lr);
-    const optim::OptimizerState mine = zero_->state_dict();
+    const optim::OptimizerState state = read_shard(own, read, *zero_, optimizer_step, lr);
+    const optim::OptimizerState experts =
+        experts_ ? read_shard(own, read, *experts_, optimizer_step, lr) : optim::OptimizerState();
+    for (auto& [dst, value] : copies) dst.copy_from(value);
+    zero_->load_state_dict(state);
+    if (experts_) experts_->load_state_dict(experts);
+  }
+
+ private:
+  inline static const std::string kExperts = "experts.";
+
+  static void add_pieces(const Ownership& own, const ZeroAdamW& zero, std::vector<StatePiece>& out) {
+    const optim::OptimizerState state = zero.state_dict();
     const auto name_of = names_by_impl(*own.model);
-    auto params = zero_->parameters();
+    auto params = zero.parameters();
+    const Tensor m = state.at("shard.exp_avg"), v = state.at("shard.exp_avg_sq");
+    for (const auto& seg : zero.shard_segments()) {
+      const std::string& name = name_of.at(&params[seg.param].impl());
+      if (!own.saves(name)) continue;
+      out.push_back({name, part_of(own, name), seg.param_start, seg.param_start + seg.length,
+                     params[seg.param].detach().reshape({-1}).narrow(0, seg.param_start, seg.length),
+                     m.narrow(0, seg.shard_start, seg.length), v.narrow(0, seg.shard_start, seg.length)});
+    }
+  }
+  // `zero`'s shard of the moments, read from a checkpoint, as its state_dict.
+  static optim::OptimizerState read_shard(const Ownership& own, const PieceReader& read, const ZeroAdamW& zero,
+                                          int64_t optimizer_step, double lr) {
+    optim::OptimizerState state = step_and_lr(optimizer_step, lr);
+    const optim::OptimizerState mine = zero.state_dict();
+    const auto name_of = names_by_impl(*own.model);
+    auto params = zero.parameters();
     Tensor m = zeros(mine.at("shard.exp_avg").shape(), kF32), v = zeros(mine.at("shard.exp_avg_sq").shape(), kF32);
-    for (const auto& seg : zero_->shard_segments()) {
+    for (const auto& seg : zero.shard_segments()) {
       const std::string& name = name_of.at(&params[seg.param].impl());
       const int64_t lo = seg.param_start, hi = seg.param_start + seg.length;
       m.narrow(0, seg.shard_start, seg.length).copy_from(read(name, "exp_avg", lo, hi));
@@ -220,13 +267,12 @@ class Zero1AdamW final : public PlanOptimizer {
     state["shard.exp_avg"] = m;
     state["shard.exp_avg_sq"] = v;
     state["shard.layout"] = mine.at("shard.layout");
-    for (auto& [dst, value] : copies) dst.copy_from(value);
-    zero_->load_state_dict(state);
+    return state;
   }
 
- private:
   std::unique_ptr<optim::AdamW> flat_;
-  std::unique_ptr<ZeroAdamW> zero_;
+  std::unique_ptr<ZeroAdamW> zero_, experts_;
+  std::shared_ptr<ProcessGroup> norm_group_;
 };
 
 // ZeRO-2/3: AdamW updates this rank's f32 shards of every unit.
@@ -312,8 +358,11 @@ std::unique_ptr<PlanOptimizer> make_adamw(std::unique_ptr<optim::AdamW> adamw, s
                                       state_per_rank);
 }
 
-std::unique_ptr<PlanOptimizer> make_zero1_adamw(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero) {
-  return std::make_unique<Zero1AdamW>(std::move(flat), std::move(zero));
+std::unique_ptr<PlanOptimizer> make_zero1_adamw(std::unique_ptr<optim::AdamW> flat, std::unique_ptr<ZeroAdamW> zero,
+                                                std::unique_ptr<ZeroAdamW> experts,
+                                                std::shared_ptr<ProcessGroup> norm_group) {
+  LOOM_REQUIRE(!experts || norm_group, "ZeRO-1 with expert weights of their own needs a norm group");
+  return std::make_unique<Zero1AdamW>(std::move(flat), std::move(zero), std::move(experts), std::move(norm_group));
 }
 
 std::unique_ptr<PlanOptimizer> make_sharded_adamw(std::unique_ptr<optim::AdamW> adamw,

@@ -295,6 +295,14 @@ void run_expert_checks(const Context& c) {
   std::vector<Layout> layouts{mixtral("mixtral ddp x " + std::to_string(n), n, 1),
                               mixtral("mixtral ep 2 (ddp x " + std::to_string(n) + ")", n, 2)};  // 4: 2 replicas
   if (n == 4) layouts.push_back(mixtral("mixtral ep 4", 4, 4));
+  // ZeRO-1: the experts' state over their replicas (one with 2 ranks, 2 with 4), the rest over every data rank.
+  auto zero1 = [&](std::string what, int ranks, int64_t ep) {
+    Layout l = mixtral(std::move(what), ranks, ep);
+    l.zero = 1;
+    return l;
+  };
+  layouts.push_back(zero1("mixtral ep 2, zero 1 x " + std::to_string(n), n, 2));
+  if (n == 4) layouts.push_back(zero1("mixtral ep 4, zero 1", 4, 4));
   Layout aux = mixtral("mixtral with the load-balancing loss, ep 2", n, 2);
   aux.model = "mixtral_aux.json";
   layouts.push_back(aux);
@@ -314,6 +322,16 @@ void run_expert_checks(const Context& c) {
     Layout single = mixtral("mixtral ep 2 (single file)", n, 2);
     single.format = "single";
     check_resumes(c, single, {single});
+  });
+  c.run("expert-parallel ZeRO-1 checkpoints resume by 1 rank, by ep 2, by zero 1 alone; theirs by it", [&] {
+    check_resumes(c, zero1("mixtral ep 2, zero 1", n, 2),
+                  {mixtral("mixtral 1 rank", 1, 1), mixtral("mixtral ep 2", n, 2), zero1("mixtral ep 2, zero 1", n, 2),
+                   zero1("mixtral zero 1", n, 1)});
+    check_resumes(c, mixtral("mixtral 1 rank", 1, 1), {zero1("mixtral ep 2, zero 1", n, 2)});
+    check_resumes(c, mixtral("mixtral ep 2", n, 2), {zero1("mixtral ep 2, zero 1", n, 2)});
+    Layout single_zero1 = zero1("mixtral ep 2, zero 1 (single file)", n, 2);
+    single_zero1.format = "single";
+    check_resumes(c, single_zero1, {single_zero1});  // a single file with per-rank state: the same layout
   });
 }
 

@@ -111,6 +111,12 @@ class ZeroAdamW {
   // Returns the global gradient norm before clipping (max_norm <= 0: no clipping). A non-finite norm skips nothing:
   // the caller decides.
   double step(double max_norm);
+  // step() in two halves, for a norm that spans several ZeroAdamW (each over its own group): reduce_gradients
+  // reduce-scatters the gradients and returns this rank's shard's weighted squared norm ([1] f64, not yet summed over
+  // any group); update scales the shard's gradients by `scale` (the clip factor, 1: none), updates the shard and
+  // all-gathers the parameters.
+  Tensor reduce_gradients();
+  void update(double scale);
   void zero_grad();
   double lr() const { return lr_; }
   void set_lr(double lr) { lr_ = lr; }
