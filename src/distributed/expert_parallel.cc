@@ -121,19 +121,15 @@ ExpertParallelPlan::ExpertParallelPlan(nn::LanguageModel& model, std::shared_ptr
 }
 
 const ParameterSplit& ExpertParallelPlan::split_of(const std::string& name) const {
-  static const ParameterSplit kWhole;
-  auto it = splits_.find(name);
-  return it == splits_.end() ? kWhole : it->second;
+  return split_or_whole(splits_, name);
 }
 
 Tensor ExpertParallelPlan::full_of(const std::string& name, const Tensor& local) const {
-  const ParameterSplit& split = split_of(name);
-  return split.sharded ? unshard_tensor(local.detach(), split, *group_) : local.detach();
+  return full_of_split(split_of(name), local, *group_);
 }
 
 Tensor ExpertParallelPlan::local_of(const std::string& name, const Tensor& full) const {
-  const ParameterSplit& split = split_of(name);
-  return split.sharded ? shard_tensor(full, split, group_->rank(), group_->size()) : full;
+  return local_of_split(split_of(name), full, *group_);
 }
 
 std::shared_ptr<ExpertParallelPlan> parallelize_experts(nn::LanguageModel& model, std::shared_ptr<ProcessGroup> group,

@@ -377,20 +377,30 @@ void TensorParallelPlan::reduce_replicated_gradients() {
   }
 }
 
-const ParameterSplit& TensorParallelPlan::split_of(const std::string& name) const {
+const ParameterSplit& split_or_whole(const std::map<std::string, ParameterSplit>& splits, const std::string& name) {
   static const ParameterSplit kWhole;
-  auto it = splits_.find(name);
-  return it == splits_.end() ? kWhole : it->second;
+  auto it = splits.find(name);
+  return it == splits.end() ? kWhole : it->second;
+}
+
+Tensor full_of_split(const ParameterSplit& split, const Tensor& local, ProcessGroup& group) {
+  return split.sharded ? unshard_tensor(local.detach(), split, group) : local.detach();
+}
+
+Tensor local_of_split(const ParameterSplit& split, const Tensor& full, const ProcessGroup& group) {
+  return split.sharded ? shard_tensor(full, split, group.rank(), group.size()) : full;
+}
+
+const ParameterSplit& TensorParallelPlan::split_of(const std::string& name) const {
+  return split_or_whole(splits_, name);
 }
 
 Tensor TensorParallelPlan::full_of(const std::string& name, const Tensor& local) const {
-  const ParameterSplit& split = split_of(name);
-  return split.sharded ? unshard_tensor(local.detach(), split, *group_) : local.detach();
+  return full_of_split(split_of(name), local, *group_);
 }
 
 Tensor TensorParallelPlan::local_of(const std::string& name, const Tensor& full) const {
-  const ParameterSplit& split = split_of(name);
-  return split.sharded ? shard_tensor(full, split, group_->rank(), group_->size()) : full;
+  return local_of_split(split_of(name), full, *group_);
 }
 
 std::vector<double> TensorParallelPlan::norm_weights() const {

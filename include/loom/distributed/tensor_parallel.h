@@ -36,6 +36,12 @@ struct ParameterSplit {
 Tensor shard_tensor(const Tensor& full, const ParameterSplit& split, int rank, int ranks);
 // The inverse, collectively over the group: every rank passes its shard, every rank gets the full tensor.
 Tensor unshard_tensor(const Tensor& shard, const ParameterSplit& split, ProcessGroup& group);
+// What a plan that splits some parameters over `group` (tensor parallelism, expert parallelism) answers for one of
+// them: its split (whole when `splits` lacks it), its full value from this rank's piece (gathered; collective when
+// sharded), and this rank's piece of a full value. A whole parameter passes through.
+const ParameterSplit& split_or_whole(const std::map<std::string, ParameterSplit>& splits, const std::string& name);
+Tensor full_of_split(const ParameterSplit& split, const Tensor& local, ProcessGroup& group);
+Tensor local_of_split(const ParameterSplit& split, const Tensor& full, const ProcessGroup& group);
 
 // Mean cross-entropy of logits whose last dim is split across ranks: logits [N, V/ranks] hold global columns
 // [vocab_start, vocab_start + V/ranks); columns at or beyond `vocab_size` (padding) are left out; targets [N] are
