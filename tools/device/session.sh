@@ -56,6 +56,8 @@ environment() {
   cudnn_lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
   [ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib:$LD_LIBRARY_PATH
 }
+# compute-sanitizer's path ("" when this machine has none).
+sanitizer_path() { command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1; }
 need_build() { [ -x $BIN/tests/loom_tests ] && [ -x $BIN/loom-conformance ] || { echo "session.sh: build first (stage build)"; return 1; }; }
 # Whether loom-conformance takes a flag (older builds lack --jobs and --max-calls).
 conformance_has() { $BIN/loom-conformance --help 2>&1 | grep -q -- "$1"; }
@@ -206,7 +208,7 @@ sanitize() {  # n, tools...
   local SAN tool n=$1 i t0=$SECONDS list
   shift
   local tools=("$@")
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  SAN=$(sanitizer_path)
   [ -n "$SAN" ] || { row sanitize FAIL "no compute-sanitizer on this machine" 0; return 1; }
   cuda_tests > $S/tests.txt
   for tool in "${tools[@]}"; do
@@ -268,7 +270,7 @@ stage_racecheck() { sanitize "${SAN_SHARDS:-$(($(nproc) - 1))}" racecheck; }
 stage_suite_initcheck() {
   need_build || return 1
   local t0=$SECONDS SAN ops rc errors result=pass
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  SAN=$(sanitizer_path)
   [ -n "$SAN" ] || { row "suite initcheck" FAIL "no compute-sanitizer on this machine" 0; return 1; }
   ops=$($BIN/loom-conformance --list-ops | awk '{print $1}' | grep -v -x -E 'gemm|fp8_gemm' | paste -sd,)
   # shellcheck disable=SC2086
