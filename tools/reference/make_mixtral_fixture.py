@@ -52,8 +52,13 @@ def main():
                            rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=4, num_experts_per_tok=2,
                            router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=None,
                            tie_word_embeddings=False, attn_implementation="eager")
+    # Newer transformers run the experts through torch._grouped_mm, which has no float64: ask for the per-expert loop.
+    if hasattr(hf_cfg, "_experts_implementation"):
+        hf_cfg._experts_implementation = "eager"
     torch.manual_seed(1234)
     model = MixtralForCausalLM(hf_cfg).double().eval()
+    if hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"
     with torch.no_grad():  # weights that move the logits, rounded to f32 (Loom loads f32 weights)
         for n, p in model.named_parameters():
             p.copy_((torch.randn_like(p) * (0.08 if p.dim() > 1 else 0.1) + (1.0 if "norm" in n else 0.0))
