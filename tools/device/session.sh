@@ -101,8 +101,8 @@ stage_tests() {
   wait
   local ok failed skipped
   ok=$(cat $S/tests_*.log | grep -c '^\[       OK \]')
-  failed=$(cat $S/tests_*.log | grep -c '^\[  FAILED  \] [A-Za-z]')
-  skipped=$(cat $S/tests_*.log | grep -c '^\[  SKIPPED \]')
+  failed=$(cat $S/tests_*.log | grep -c -E '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$')
+  skipped=$(cat $S/tests_*.log | grep -c -E '^\[  SKIPPED \] [A-Za-z].* \([0-9]+ ms\)$')
   grep -h '^\[  FAILED  \] [A-Za-z]' $S/tests_*.log | sort -u | head -20
   local result=pass
   [ "$failed" = 0 ] && [ $((ok + skipped)) -ge "$(wc -l < $S/tests.txt)" ] || result=FAIL
@@ -253,7 +253,7 @@ sanitize() {  # n, tools...
     done
     echo "-- $tool"
     grep -h -E "^========= (Invalid|Race|Barrier|Uninitialized|Program hit|Error|Unused|Leaked)" $S/${tool}_*.log | sort | uniq -c | sort -rn | head -8
-    failed=$(cat $S/${tool}_*.log | grep -c '^\[  FAILED  \] [A-Za-z]')
+    failed=$(cat $S/${tool}_*.log | grep -c -E '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$')
     [ "$errors" = 0 ] && [ "$timed_out" = 0 ] && [ "$failed" = 0 ] || result=FAIL
     row "sanitize $tool" "$result" "$(wc -l < $S/tests.txt) tests: $ok ok, $failed failed, $errors errors$([ $timed_out = 0 ] || echo ", $timed_out of $shards processes out of time")" $((SECONDS - t0))
   done
