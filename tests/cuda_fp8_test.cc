@@ -1,10 +1,13 @@
 // The FP8 ops on CUDA against the CPU's reference kernels: quantization, amax and the scale update bit for bit (one
-// conversion code for both devices), dequantization value for value; fp8_gemm through cuBLASLt on Ada and Hopper over the layouts it must copy
-// (every transpose, K not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast
-// accumulation; a GPU without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all
-// and tracks bf16; shadow mode holds the FP8 products against the dequantized bf16 ones.
+// conversion code for both devices), dequantization value for value; fp8_gemm through cuBLASLt on Ada and Hopper,
+// with the CPU's kernel, against a float64 product written here, over the layouts it must copy (every transpose, K
+// not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast accumulation; a GPU
+// without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all and tracks bf16; shadow
+// mode holds the FP8 products against the dequantized bf16 ones.
 #include <cmath>
 #include <random>
+#include <sstream>
+#include <string>
 
 #include <cstring>
 
@@ -144,7 +147,76 @@ Tensor run_gemm(const GemmCase& g, const Tensor& a, const Tensor& b, const Tenso
   return c.to(Device());
 }
 
-TEST(CudaFp8, GemmThroughCublasLtMatchesTheCpuReference) {
+// The whole C buffer (padding and the elements before C's start included) in float64, from the codes as decoded
+// here: alpha * scale_a * scale_b * op(A) op(B) + beta * C + bias where C is, C's first value elsewhere.
+std::vector<double> reference_gemm(const GemmCase& g, const Tensor& a, const Tensor& b, double sa, double sb,
+                                   const Tensor& bias, const Tensor& c0) {
+  auto decode = [](DType t, uint8_t code) {
+    return double(t == kF8E4M3 ? fp8_decode<Float8E4M3>(code) : fp8_decode<Float8E5M2>(code));
+  };
+  const auto* ac = static_cast<const uint8_t*>(a.data());
+  const auto* bc = static_cast<const uint8_t*>(b.data());
+  std::vector<double> out = test::values(c0);
+  const std::vector<double> bv = g.bias ? test::values(bias) : std::vector<double>();
+  const int64_t ldc = g.m + g.ldc_pad, lda = g.ta ? g.k : g.m, ldb = g.tb ? g.n : g.k;
+  for (int64_t s = 0; s < g.batch; ++s)
+    for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t i = 0; i < g.m; ++i) {
+        double sum = 0;
+        for (int64_t kk = 0; kk < g.k; ++kk) {
+          const int64_t ai = s * g.m * g.k + (g.ta ? kk + i * lda : i + kk * lda);
+          const int64_t bi = s * g.n * g.k + (g.tb ? j + kk * ldb : kk + j * ldb);
+          sum += decode(g.a, ac[ai]) * decode(g.b, bc[bi]);
+        }
+        double& c = out[size_t(g.c_offset + s * ldc * g.n + j * ldc + i)];
+        c = 0.75 * sa * sb * sum + (g.beta != 0 ? g.beta * c : 0.0) + (g.bias ? bv[size_t(i)] : 0.0);
+      }
+  return out;
+}
+
+std::string describe(const GemmCase& g) {
+  std::ostringstream o;
+  o << "trans " << g.ta << g.tb << " m " << g.m << " n " << g.n << " k " << g.k << " batch " << g.batch << " A "
+    << dtype_name(g.a) << " B " << dtype_name(g.b) << " out " << dtype_name(g.out) << " ldc pad " << g.ldc_pad
+    << " C offset " << g.c_offset << " beta " << g.beta << (g.bias ? " bias" : "") << (g.fast ? " fast" : "");
+  return o.str();
+}
+
+// How `got` (the whole C buffer) differs from the float64 reference: "" when within tol of every element, else the
+// count, the worst element, and the factors on the scaled product and on C that the elements imply (a wrong scale
+// shows as one factor, a lost C term as a beta of 0, a misplaced result as a spread).
+std::string mismatch(const GemmCase& g, const std::vector<double>& ref, const std::vector<double>& got,
+                     const std::vector<double>& c, const std::vector<double>& bias, double tol) {
+  double rms = 0;
+  for (double x : ref) rms += x * x;
+  rms = std::sqrt(rms / double(ref.size()));
+  size_t bad = 0, worst = 0;
+  double worst_err = 0;
+  for (size_t e = 0; e < ref.size(); ++e) {
+    const double err = std::abs(got[e] - ref[e]) / (std::abs(ref[e]) + rms);
+    if (!(err <= tol)) ++bad;
+    if (!(err <= worst_err)) worst_err = err, worst = e;
+  }
+  if (bad == 0) return "";
+  const int64_t ldc = g.m + g.ldc_pad;
+  double lo_ab = 1e300, hi_ab = -1e300, lo_c = 1e300, hi_c = -1e300;
+  for (int64_t s = 0; s < g.batch; ++s)
+    for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t i = 0; i < g.m; ++i) {
+        const size_t e = size_t(g.c_offset + s * ldc * g.n + j * ldc + i);
+        const double ci = g.beta * c[e], bi = g.bias ? bias[size_t(i)] : 0.0, ab = ref[e] - ci - bi;
+        if (std::abs(ab) > 1e-2 * rms) lo_ab = std::min(lo_ab, (got[e] - ci - bi) / ab), hi_ab = std::max(hi_ab, (got[e] - ci - bi) / ab);
+        if (g.beta != 0 && std::abs(c[e]) > 0.25)
+          lo_c = std::min(lo_c, (got[e] - ab - bi) / c[e]), hi_c = std::max(hi_c, (got[e] - ab - bi) / c[e]);
+      }
+  std::ostringstream o;
+  o << bad << " of " << ref.size() << " elements off; worst at " << worst << ": " << got[worst] << " for "
+    << ref[worst] << "; factor on the scaled product " << lo_ab << " .. " << hi_ab;
+  if (g.beta != 0) o << "; implied beta " << lo_c << " .. " << hi_c;
+  return o.str();
+}
+
+TEST(CudaFp8, GemmThroughCublasLtMatchesFloat64) {
   LOOM_SKIP_WITHOUT_FP8_GPU();
   std::mt19937_64 rng(2);
   std::vector<GemmCase> cases;
@@ -152,30 +224,38 @@ TEST(CudaFp8, GemmThroughCublasLtMatchesTheCpuReference) {
     for (DType out : {kBF16, kF32})
       cases.push_back({bool(trans & 1), bool(trans & 2), 64, 48, 128, 1, 0, 0, kF8E4M3, kF8E4M3, out, true, false, 0});
   cases.push_back({true, false, 96, 32, 40, 1, 0, 0, kF8E4M3, kF8E5M2, kBF16, true, false, 0});   // K % 16 != 0
-  // An odd C (padded ldc, misaligned start: the staged output), e5m2 as A. (M = 33, N = 17 has no cuBLASLt FP8
+  // An odd C (padded ldc, misaligned start: the staged output), e5m2 as A, a batch of 2, beta and the bias; then
+  // the same with one thing changed at a time, so a failure names its cause. (M = 33, N = 17 has no cuBLASLt FP8
   // algorithm on an H200: supports() declines it.)
-  cases.push_back({false, true, 48, 32, 64, 2, 3, 1, kF8E5M2, kF8E4M3, kF32, true, false, 0.5});
+  const GemmCase odd{false, true, 48, 32, 64, 2, 3, 1, kF8E5M2, kF8E4M3, kF32, true, false, 0.5};
+  cases.push_back(odd);
+  for (int variant = 0; variant < 5; ++variant) {
+    GemmCase v = odd;
+    if (variant == 0) v.a = kF8E4M3, v.b = kF8E5M2;      // the other mixed pair
+    if (variant == 1) v.batch = 1;                        // one problem
+    if (variant == 2) v.beta = 0;                         // C not read
+    if (variant == 3) v.bias = false;                     // no bias
+    if (variant == 4) v.ldc_pad = 0, v.c_offset = 0;      // C aligned: cuBLASLt writes it in place
+    cases.push_back(v);
+  }
   cases.push_back({true, false, 128, 256, 512, 1, 0, 0, kF8E4M3, kF8E4M3, kBF16, false, true, 0});  // fast
   cases.push_back({true, false, 64, 64, 4096, 1, 0, 0, kF8E4M3, kF8E5M2, kF32, false, false, 1.0});  // long K
+  const double scale_a = 1.0 / 64, scale_b = 0.0078125 * 3;
   for (const GemmCase& g : cases) {
     const Tensor a = random_codes(g.batch * g.m * g.k, g.a, rng), b = random_codes(g.batch * g.n * g.k, g.b, rng);
-    const Tensor sa = host_tensor({1.0 / 64}, {1}, kF32), sb = host_tensor({0.0078125 * 3}, {1}, kF32);
+    const Tensor sa = host_tensor({scale_a}, {1}, kF32), sb = host_tensor({scale_b}, {1}, kF32);
     const Tensor bias = g.bias ? test::random_tensor({g.m}, g.out) : Tensor();
     const int64_t c_elems = g.c_offset + (g.m + g.ldc_pad) * g.n * g.batch;
     const Tensor c0 = test::random_tensor({c_elems}, g.out);
-    const Tensor want = run_gemm(g, a, b, sa, sb, bias, c0, Device());
-    const Tensor got = run_gemm(g, a, b, sa, sb, bias, c0, kGpu);
-    const auto w = test::values(want), v = test::values(got);
-    double rms = 0;
-    for (double x : w) rms += x * x;
-    rms = std::sqrt(rms / double(w.size()));
+    const std::vector<double> ref = reference_gemm(g, a, b, scale_a, scale_b, bias, c0);
+    const auto c = test::values(c0), bv = g.bias ? test::values(bias) : std::vector<double>();
     // f32: the FP8 tensor cores' accumulation (narrower within K blocks, fast accumulation narrower still); bf16:
     // the output's rounding.
     const double tol = g.out == kBF16 ? 1.6e-2 : (g.fast ? 1e-2 : 2e-3);
-    for (size_t e = 0; e < w.size(); ++e)
-      ASSERT_NEAR(v[e], w[e], tol * (std::abs(w[e]) + rms))
-          << "trans " << g.ta << g.tb << " m " << g.m << " n " << g.n << " k " << g.k << " batch " << g.batch
-          << " out " << dtype_name(g.out) << " element " << e;
+    const std::string cpu = mismatch(g, ref, test::values(run_gemm(g, a, b, sa, sb, bias, c0, Device())), c, bv, tol);
+    const std::string gpu = mismatch(g, ref, test::values(run_gemm(g, a, b, sa, sb, bias, c0, kGpu)), c, bv, tol);
+    EXPECT_EQ(cpu, "") << "CPU, " << describe(g);
+    EXPECT_EQ(gpu, "") << "GPU, " << describe(g);
   }
 }
 
