@@ -25,6 +25,7 @@
 #             exports loaded by transformers, its PEFT adapter directory loaded by peft, HF models loaded by Loom, on
 #             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
 #             tests/fixtures, then tests/moe_fixture_test.cc run against it)
+#   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm)
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
@@ -415,6 +416,20 @@ stage_sweep() {
   row sweep "$result" "$cases cases, $failures failures, $declined declined ($(du -k "$OUT/pytorch_sweep.safetensors" | cut -f1) KiB)" $((SECONDS - t0))
 }
 
+# Loom's grouped GEMM at Mixtral's shapes beside torch._grouped_mm, a loop of torch.mm and one dense product, the
+# same group sizes on both sides (bench/grouped_gemm_bench.cc, bench/grouped_gemm_torch_reference.py).
+stage_grouped_gemm() {
+  need_build || return 1
+  local t0=$SECONDS rc1 rc2
+  timeout 300 $BIN/bench/loom-bench-grouped-gemm > $S/grouped_gemm_loom.log 2>&1
+  rc1=$?
+  timeout 300 python3 bench/grouped_gemm_torch_reference.py > $S/grouped_gemm_torch.log 2>&1
+  rc2=$?
+  cat $S/grouped_gemm_loom.log $S/grouped_gemm_torch.log
+  row "grouped gemm" "$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo done || echo "FAIL (rc $rc1, $rc2)")" \
+    "Loom and torch tables above (grouped_gemm_*.log)" $((SECONDS - t0))
+}
+
 stage_bench() {
   local t0=$SECONDS
   OUT=$OUT tools/bench/device_session.sh 2>&1 | tee $S/bench.log | tail -${BENCH_TAIL:-40}
@@ -424,8 +439,8 @@ stage_bench() {
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
-    *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize initcheck racecheck sweep reference bench)"; exit 2 ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
+    *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize initcheck racecheck sweep reference grouped_gemm bench)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
