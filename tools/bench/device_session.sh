@@ -21,10 +21,10 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/bench; mkdir -p $W
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $W/gpu.txt
 python3 tools/bench/make_shard.py /tmp/e2e_shard.bin --tokens ${SHARD_TOKENS:-2000000} > $W/shard.log 2>&1 &
-is_llama() { case "$1" in llama*) return 0;; esac; return 1; }
+is_llama() { case "$1" in llama*|mixtral*) return 0;; esac; return 1; }  # the LLaMA family (Mixtral too)
 gpt2_models=0; llama_warm=""
 for m in ${MODELS:-124m}; do
-  if ! is_llama $m; then gpt2_models=1; elif [ -z "$llama_warm" ] && [ $m != llama3-tiny ]; then llama_warm=$m; fi
+  if ! is_llama $m; then gpt2_models=1; elif [ -z "$llama_warm" ] && [ "${m%-tiny}" = "$m" ]; then llama_warm=$m; fi
 done
 read -r llama_b0 _ <<< "${LLAMA_BATCHES:-4}"
 [ "${MODELS:-124m}" = none ] && gpt2_models=0
@@ -56,9 +56,9 @@ fi
 wait; tail -2 $W/torch_warm.log 2>/dev/null; tail -2 $W/torch_warm_llama.log 2>/dev/null
 for m in ${MODELS:-124m}; do
   if is_llama $m; then batches=${LLAMA_BATCHES:-4}; t=${LLAMA_T:-2048}; limit=${E2E_TIMEOUT:-420}
-    [ $m = llama3-tiny ] && t=${LLAMA_T:-256}  # its context
+    [ "${m%-tiny}" != "$m" ] && t=${LLAMA_T:-256}  # its context
   else batches=${BATCHES:-16}; t=1024; limit=${E2E_TIMEOUT:-300}; fi
-  data=/tmp/e2e_shard.bin; [ $m = llama3-tiny ] && data=  # e2e_gpt2.sh makes a shard of its 512-token vocabulary
+  data=/tmp/e2e_shard.bin; case $m in *-tiny|mixtral*) data= ;; esac  # e2e_gpt2.sh makes a shard of their vocabulary
   for b in $batches; do
     stamp "e2e $m B=$b T=$t"
     prof=0; case " ${PROFILE_BATCHES:-16} " in *" $b "*) prof=1;; esac

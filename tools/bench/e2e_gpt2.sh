@@ -3,7 +3,7 @@
 # (tools/bench/pytorch_gpt2.py, or tools/bench/pytorch_llama.py for MODEL=llama3-*) on the same llm.c shard, one after
 # the other on the same GPU, then a table of tokens/s, MFU, peak memory, the ratio Loom/PyTorch and both loss curves.
 # Run from the repository root on a GPU machine after building (build-dev/ by tools/device/build.sh). Options
-# (environment): MODEL (124m, 350m or 774m for GPT-2; llama3-1b, or llama3-tiny for a smoke test), B (16 for GPT-2, 4
+# (environment): MODEL (124m, 350m or 774m for GPT-2; llama3-1b, mixtral-1b, or llama3-tiny / mixtral-tiny for a smoke test), B (16 for GPT-2, 4
 # for LLaMA), T (1024 for GPT-2, 2048 for LLaMA, 256 for llama3-tiny), STEPS (30), DATA (a shard; default: a synthetic
 # Markov-chain shard from tools/bench/make_shard.py), LOOM (build-dev/loom-train), DIR (where logs go; default
 # $OUT/e2e or /tmp/e2e), PROFILE=1 to also take Loom's per-op breakdown of one step (tools/bench/op_profile.py),
@@ -20,8 +20,8 @@
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in
-  llama*) LOOM_MODEL=$MODEL; TORCH_SCRIPT=tools/bench/pytorch_llama.py; B=${B:-4}
-          if [ "$MODEL" = llama3-tiny ]; then T=${T:-256}; else T=${T:-2048}; fi
+  llama*|mixtral*) LOOM_MODEL=$MODEL; TORCH_SCRIPT=tools/bench/pytorch_llama.py; B=${B:-4}
+          case $MODEL in *-tiny) T=${T:-256} ;; *) T=${T:-2048} ;; esac
           LOOM_TIMEOUT=${LOOM_TIMEOUT:-300} ;;
   *) LOOM_MODEL=gpt2-$MODEL; TORCH_SCRIPT=tools/bench/pytorch_gpt2.py; B=${B:-16}; T=${T:-1024}
      LOOM_TIMEOUT=${LOOM_TIMEOUT:-200} ;;
@@ -32,7 +32,10 @@ mkdir -p "$DIR"
 DATA=${DATA:-}
 if [ -z "$DATA" ]; then
   DATA=/tmp/e2e_shard.bin; VOCAB=()
-  [ "$MODEL" = llama3-tiny ] && { DATA=/tmp/e2e_shard_v512.bin; VOCAB=(--vocab 512); }  # its vocabulary is 512
+  case $MODEL in  # tokens within the model's vocabulary
+    *-tiny) DATA=/tmp/e2e_shard_v512.bin; VOCAB=(--vocab 512) ;;
+    mixtral-1b) DATA=/tmp/e2e_shard_v32000.bin; VOCAB=(--vocab 32000) ;;
+  esac
   need=$(( (STEPS + 2) * B * T + 1 ))
   [ -f $DATA ] || python3 tools/bench/make_shard.py $DATA --tokens $(( need > 2000000 ? need : 2000000 )) \
     ${VOCAB[@]+"${VOCAB[@]}"} || exit 1
@@ -94,11 +97,14 @@ GPT2 = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}
 # LLaMA: layers, heads, kv heads, dim, ffn, vocab (unpadded: Loom's padded_vocab_size for LLaMA), tied embeddings
 LLAMA = {"llama3-1b": (16, 32, 8, 2048, 8192, 128256, True), "llama3-3b": (28, 24, 8, 3072, 8192, 128256, True),
          "llama3-8b": (32, 32, 8, 4096, 14336, 128256, False),
-         "llama3-tiny": (2, 4, 2, 64, 160, 512, False)}
-if model in LLAMA:  # Loom's num_parameters: the tied embedding once; no biases; RMSNorm weights only
+         "llama3-tiny": (2, 4, 2, 64, 160, 512, False),
+         "mixtral-1b": (16, 32, 8, 2048, 4096, 32000, False), "mixtral-tiny": (2, 4, 2, 64, 128, 512, False)}
+MOE = {"mixtral-1b": (8, 2), "mixtral-tiny": (4, 2)}  # experts, top k: the active MLP is k experts plus the router
+if model in LLAMA:  # Loom's active parameters: the tied embedding once; no biases; RMSNorm weights only
     L, H, KV, C, FFN, V, tied = LLAMA[model]
     kv_dim = KV * (C // H)
-    params = V * C * (1 if tied else 2) + L * (2 * C * C + 2 * C * kv_dim + 3 * C * FFN + 2 * C) + C
+    E, K = MOE.get(model, (0, 1))
+    params = V * C * (1 if tied else 2) + L * (2 * C * C + 2 * C * kv_dim + K * 3 * C * FFN + E * C + 2 * C) + C
     label = f"LLaMA {model}"
 else:
     L, H, C = GPT2[model]

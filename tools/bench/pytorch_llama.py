@@ -17,6 +17,8 @@ parameter names of this model, which are Loom's; no lm_head when tied), for loom
 
   python3 tools/bench/pytorch_llama.py --model llama3-1b -b 4 -t 2048 --steps 30 --data shard.bin
   python3 tools/bench/pytorch_llama.py --model llama3-tiny -b 2 -t 64 --steps 2 --device cpu --dtype f32 --no-compile
+With --model mixtral-1b (or mixtral-tiny) the MLPs are Loom's mixture of experts (Mixtral's layout, 8 experts,
+top-2) run with torch._grouped_mm, rope theta 1e6, untied; MFU counts the active parameters.
 """
 import argparse
 import math
@@ -40,8 +42,13 @@ MODELS = {
     "llama3-3b": (28, 24, 8, 3072, 8192, 128256, (32.0, 1.0, 4.0, 8192), True, 8192),
     "llama3-8b": (32, 32, 8, 4096, 14336, 128256, (8.0, 1.0, 4.0, 8192), False, 8192),
     "llama3-tiny": (2, 4, 2, 64, 160, 512, (8.0, 1.0, 4.0, 64), False, 256),
+    "mixtral-1b": (16, 32, 8, 2048, 4096, 32000, None, False, 4096),
+    "mixtral-tiny": (2, 4, 2, 64, 128, 512, None, False, 256),
 }
-NORM_EPS, ROPE_THETA = 1e-5, 500000.0
+# Loom's mixtral_config: (experts, top k) of the models whose MLP is a mixture of experts (Mixtral's router: softmax
+# over every expert, the top k renormalized; no auxiliary loss at these sizes), rope theta 1e6.
+MOE = {"mixtral-1b": (8, 2), "mixtral-tiny": (4, 2)}
+NORM_EPS, ROPE_THETA, MIXTRAL_ROPE_THETA = 1e-5, 500000.0, 1e6
 
 
 def torch_at_least(major, minor):
@@ -137,13 +144,65 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts as transformers 5 stores them (gate_up_proj [E, 2F, C], gate rows first; down_proj [E, C, F]),
+    run over the rows grouped by expert with torch._grouped_mm (one call per projection, as Loom's grouped_gemm)."""
+
+    def __init__(self, dim, hidden, n_experts):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, rows, offsets):
+        if rows.is_cuda:
+            gate_up = torch._grouped_mm(rows, self.gate_up_proj.to(rows.dtype).transpose(-2, -1), offs=offsets)
+        else:  # a loop over the experts (CPU smoke tests: _grouped_mm is CUDA only)
+            gate_up = torch.cat([rows[s:e] @ w.to(rows.dtype).t() for s, e, w in
+                                 zip([0] + offsets[:-1].tolist(), offsets.tolist(), self.gate_up_proj)])
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        if rows.is_cuda:
+            return torch._grouped_mm(h, self.down_proj.to(h.dtype).transpose(-2, -1), offs=offsets)
+        return torch.cat([h[s:e] @ w.to(h.dtype).t() for s, e, w in
+                          zip([0] + offsets[:-1].tolist(), offsets.tolist(), self.down_proj)])
+
+
+class MoeMLP(nn.Module):
+    """Loom's MoeMLP: a router (mlp.gate), softmax over the experts, the top k renormalized, the tokens' rows sorted
+    by expert, the experts, and the weighted sum back per token."""
+
+    def __init__(self, dim, hidden, n_experts, top_k):
+        super().__init__()
+        self.top_k, self.n_experts = top_k, n_experts
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(dim, hidden, n_experts)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        order = experts.reshape(-1).argsort(stable=True)
+        # histc rather than bincount: a fixed output shape, which torch.compile keeps in one graph
+        counts = torch.histc(experts.reshape(-1).float(), bins=self.n_experts, min=0, max=self.n_experts - 1)
+        offsets = counts.cumsum(0).to(torch.int32)
+        amp = torch.is_autocast_enabled(x.device.type) if torch_at_least(2, 4) else torch.is_autocast_enabled()
+        rows = flat.to(torch.bfloat16 if amp else flat.dtype)[order // self.top_k]
+        out = self.experts(rows, offsets)
+        combined = torch.empty_like(out)
+        combined[order] = out
+        combined = combined.view(B * T, self.top_k, C) * weights.unsqueeze(-1).to(out.dtype)
+        return combined.sum(1).view(B, T, C)
+
+
 class Block(nn.Module):
-    def __init__(self, dim, n_head, n_kv_head, ffn, repeat_kv):
+    def __init__(self, dim, n_head, n_kv_head, ffn, repeat_kv, moe=None):
         super().__init__()
         self.input_layernorm = RMSNorm(dim, NORM_EPS)
         self.self_attn = Attention(dim, n_head, n_kv_head, repeat_kv)
         self.post_attention_layernorm = RMSNorm(dim, NORM_EPS)
-        self.mlp = MLP(dim, ffn)
+        self.mlp = MoeMLP(dim, ffn, *moe) if moe else MLP(dim, ffn)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -151,10 +210,10 @@ class Block(nn.Module):
 
 
 class Body(nn.Module):  # holds the "model." prefix of the Hugging Face names, as Loom's LlamaBody
-    def __init__(self, n_layer, n_head, n_kv_head, dim, ffn, vocab, repeat_kv):
+    def __init__(self, n_layer, n_head, n_kv_head, dim, ffn, vocab, repeat_kv, moe=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, n_head, n_kv_head, ffn, repeat_kv) for _ in range(n_layer))
+        self.layers = nn.ModuleList(Block(dim, n_head, n_kv_head, ffn, repeat_kv, moe) for _ in range(n_layer))
         self.norm = RMSNorm(dim, NORM_EPS)
 
 
@@ -166,9 +225,9 @@ class Llama(nn.Module):
         super().__init__()
         n_layer, n_head, n_kv_head, dim, ffn, vocab, scaling, tie, context = MODELS[name]
         self.n_layer, self.dim, self.vocab = n_layer, dim, vocab
-        self.model = Body(n_layer, n_head, n_kv_head, dim, ffn, vocab, repeat_kv)
+        self.model = Body(n_layer, n_head, n_kv_head, dim, ffn, vocab, repeat_kv, MOE.get(name))
         self.lm_head = None if tie else nn.Linear(dim, vocab, bias=False)
-        cos, sin = rope_tables(context, dim // n_head, ROPE_THETA, scaling)
+        cos, sin = rope_tables(context, dim // n_head, MIXTRAL_ROPE_THETA if name in MOE else ROPE_THETA, scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         proj_std = 0.02 / math.sqrt(2 * n_layer)  # Loom's Llama::init_weights
@@ -245,7 +304,11 @@ def main():
         save_init(model, args.save_init, args)
     model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = 6 * n_params + 6 * n_layer * dim * T
+    # Active parameters (what a token's products touch, as loom-train counts them): all but the experts it skips.
+    n_experts, top_k = MOE.get(args.model, (1, 1))
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    n_active = n_params - expert_params * (n_experts - top_k) // n_experts
+    flops_per_token = 6 * n_active + 6 * n_layer * dim * T
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -254,6 +317,7 @@ def main():
     attn = ("no GQA" if model.model.layers[0].self_attn.n_kv_head == model.model.layers[0].self_attn.n_head
             else "kv repeated" if model.model.layers[0].self_attn.repeat_kv else "SDPA enable_gqa")
     print(f"pytorch {torch.__version__}: LLaMA {args.model}, {n_params / 1e6:.1f}M parameters "
+          f"({n_active / 1e6:.1f}M active) "
           f"({'tied' if tie else 'untied'} embeddings), batch {B}x{T}, {args.steps} steps, "
           f"{'random tokens' if not args.data else args.data}, {args.dtype} on {dev}, attention {attn}, "
           f"compile {'off' if args.no_compile else 'on'}", flush=True)
