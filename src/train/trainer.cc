@@ -530,7 +530,8 @@ void Trainer::log_step(const StepStats& s) {
   std::map<std::string, double> values{{"train/loss", s.loss},   {"train/lr", s.lr},
                                        {"train/grad_norm", s.grad_norm}, {"perf/ms_per_step", s.ms},
                                        {"perf/tokens_per_second", s.tokens_per_second},
-                                       {"perf/memory_allocated_bytes", double(mem.allocated)}};
+                                       {"perf/memory_allocated_bytes", double(mem.allocated)},
+                                       {"perf/memory_peak_bytes", double(mem.peak_allocated)}};
   if (mfu >= 0) values["perf/mfu"] = mfu;
   for (const auto& [phase, ms] : s.phases) values["perf/phase_ms/" + phase] = ms;
   if (logs_->jsonl) logs_->jsonl->write(s.step, values);
