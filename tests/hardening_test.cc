@@ -269,6 +269,12 @@ TEST(Hardening, OutputsNeverReplaceInputs) {
   EXPECT_EQ(test::read_all(in), before);
   // Another file in the same directory is fine.
   EXPECT_NO_THROW(io::save_safetensors(dir.file("other.safetensors"), {{"w", test::random_tensor({4})}}));
+  // An input this run removed no longer holds its inode, which the next file created may get (an old checkpoint
+  // pruned, then the new "latest" written): the file now under that inode is not the input. Here the input's last
+  // name goes, so the inode lives on only as the hard link, which is then no input of this run.
+  std::filesystem::remove(in);
+  std::filesystem::remove(dir.file("soft.safetensors"));
+  EXPECT_NO_THROW(io::save_safetensors(dir.file("hard.safetensors"), {{"w", test::random_tensor({4})}}));
 }
 
 // Policy files: an empty provider and a deep file are errors naming the file; an unknown device type is an error

@@ -77,7 +77,12 @@ void check_output_file(const std::string& path) {
   std::lock_guard<std::mutex> g(all.mu);
   for (const Input& in : all.list) {
     const bool same_path = in.canonical == out;
-    const bool same_file = exists && in.has_inode && in.dev == st.st_dev && in.ino == st.st_ino;
+    // The same file under another name: the same inode, while the input still holds it. An input this run removed
+    // (an old checkpoint pruned by --keep-checkpoints) frees its inode for the next file created, which is not it.
+    struct stat now{};
+    const bool input_holds_it = in.has_inode && ::stat(in.path.c_str(), &now) == 0 && now.st_dev == in.dev &&
+                                now.st_ino == in.ino;
+    const bool same_file = exists && input_holds_it && in.dev == st.st_dev && in.ino == st.st_ino;
     LOOM_REQUIRE(!same_path && !same_file, "refusing to write '", path, "': it is ",
                  same_path ? "" : "a link to ", "'", in.path, "', which this run read; choose another output");
   }
