@@ -266,7 +266,9 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
     t.strides = tc.strides.empty() ? dense_strides(spec, t.shape) : tc.strides;
     LOOM_REQUIRE(t.strides.size() == t.shape.size() && tc.offset >= 0, "conformance: tensor '", spec.name,
                  "' has shape ", shape_str(t.shape), ", strides ", shape_str(t.strides), " and offset ", tc.offset);
-    const int64_t guard = t.is_input ? 0 : kGuardBytes / int64_t(dtype_size(t.dtype));
+    // Guards of poison before and after every tensor: an output's catch a write outside its elements, an input's a
+    // read past its ends (the poison, NaN or an out-of-range index, reaches the result).
+    const int64_t guard = kGuardBytes / int64_t(dtype_size(t.dtype));
     t.case_offset = tc.offset;
     t.offset = guard + tc.offset;
     t.buffer_elems = t.offset + span_of(t.shape, t.strides) + guard;

@@ -17,7 +17,7 @@
 
 namespace loom::conformance::detail {
 
-// Poisoned guard bytes before and after every output: 256, so an output's first element keeps the alignment its
+// Poisoned guard bytes before and after every tensor: 256, so a tensor's first element keeps the alignment its
 // buffer has (kernels that need 16-byte rows still take it); the offset variant misaligns on purpose.
 constexpr int64_t kGuardBytes = 256;
 constexpr int64_t kMaxCaseElements = 1 << 22;  // a case whose tensors are larger is not generated

@@ -26,6 +26,8 @@
  *   adamw_step_1000     adamw_update drops the bias correction past step 1000 (right for the first 1000 steps)
  *   adamw_betas         adamw_update uses PyTorch's default betas (0.9, 0.999) whatever the attributes say
  *   rope_long           rope keeps the position in 16 bits: wrong for positions past 65535 (long contexts)
+ *   mul_tail_read       mul reads one element past the end of a, times zero (a vector tail's masked-off lane):
+ *                       right whatever lies there, but NaN or inf
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -65,7 +67,8 @@ enum {
   PLANT_GEMM_CACHE_B,
   PLANT_ADAMW_STEP_1000,
   PLANT_ADAMW_BETAS,
-  PLANT_ROPE_LONG
+  PLANT_ROPE_LONG,
+  PLANT_MUL_TAIL_READ
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
@@ -73,7 +76,7 @@ static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_b
                                           "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
                                           "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
                                           "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b",
-                                          "adamw_step_1000", "adamw_betas", "rope_long"};
+                                          "adamw_step_1000", "adamw_betas", "rope_long", "mul_tail_read"};
 #define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
@@ -284,6 +287,14 @@ static int binary(int op, const LoomTensorDesc* in, int n_in, const LoomTensorDe
       memcpy(&u, &f, sizeof u);
       ((uint16_t*)o->data)[at] = (uint16_t)(u >> 16);
     }
+  }
+  if (op == OP_MUL && plant == PLANT_MUL_TAIL_READ && numel > 0) {
+    /* PLANT mul_tail_read: the last element adds 0 times the element just past a's end, as a vectorized tail whose
+     * masked-off lane was loaded anyway: the product is unchanged unless that memory holds NaN or inf. */
+    int64_t a_end = 1;
+    for (int d = 0; d < rank; ++d) a_end += (o->shape[d] - 1) * a->strides[d];
+    const int64_t last = offset_of(rank, o->shape, o->strides, numel - 1);
+    set(o, last, get(o, last) + 0.0 * get(a, a_end));
   }
   if (op == OP_MUL && plant == PLANT_MUL_OOB && numel > 0) {
     /* PLANT mul_oob: the element just past the end of out is written (its bits flipped, so any guard value
