@@ -675,8 +675,10 @@ TEST(LoomTrainStart, KeepCheckpointsRemovesTheOlderOnes) {
 TEST(LoomTrainStart, EpsAndTf32) {
   test::TempDir tmp;
   const std::string shard = small_vocab_shard(tmp);
-  const std::string common = "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 3 --warmup 0 --decay constant " +
+  const std::string common = "--train-data " + shard + " --model d2 -b 2 -t 16 --steps 5 --warmup 0 --decay constant " +
                              "--weight-decay 0 --sample-tokens 0 --eval-interval 0 --seed 3 ";
+  // Five steps: the default eps's run must leave the still run's losses by 1e-2 at some step; after two updates
+  // alone it moved only 0.008 on one fresh shard (tests run under load, on shards drawn anew each time).
   AppRun still = run_loom_train(common + "--lr 0");
   // lr 3e-2: Adam's first steps move every weight by about lr, so the default eps's run leaves the still run's losses
   // clearly (at 3e-3 it moved step 3's loss by 0.0099 on one of CI's fresh shards, under the 1e-2 asked below).
@@ -689,11 +691,13 @@ TEST(LoomTrainStart, EpsAndTf32) {
     const std::string line = step_lines(output).at(step);
     return std::stod(line.substr(line.find("loss") + 5));
   };
-  EXPECT_LE(std::abs(loss_at(damped.output, 3) - loss_at(still.output, 3)), 1e-4) << damped.output << still.output;
-  EXPECT_GT(std::max(std::abs(loss_at(normal.output, 2) - loss_at(still.output, 2)),
-                     std::abs(loss_at(normal.output, 3) - loss_at(still.output, 3))),
-            1e-2)
-      << normal.output << still.output;
+  double moved = 0;
+  for (int64_t step = 2; step <= 5; ++step) {
+    EXPECT_LE(std::abs(loss_at(damped.output, step) - loss_at(still.output, step)), 1e-4)
+        << "step " << step << "\n" << damped.output << still.output;
+    moved = std::max(moved, std::abs(loss_at(normal.output, step) - loss_at(still.output, step)));
+  }
+  EXPECT_GT(moved, 1e-2) << normal.output << still.output;
 }
 
 // --explain-kernels lists only the dtypes the run called: an f32 CPU run lists no bf16 or f16 kernel and
