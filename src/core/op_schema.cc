@@ -222,6 +222,10 @@ OpSchema& OpSchema::tolerance(DType dtype, double rtol, double atol) {
   tolerances[dtype] = {rtol, atol};
   return *this;
 }
+OpSchema& OpSchema::order_dependent(std::string why) {
+  order_dependence = std::move(why);
+  return *this;
+}
 
 const TensorSpec* OpSchema::tensor(const std::string& n) const {
   for (const auto& t : tensors)

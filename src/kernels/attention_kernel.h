@@ -58,8 +58,10 @@ LOOM_DECLARE_OP(scaled_dot_product_attention, AttentionForwardKernel,
 using AttentionBackwardKernel = void(const DeviceContext&, const Tensor& grad_out, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& out, const Tensor& lse, const AttentionAttrs&,
                                      Tensor& grad_q, Tensor& grad_k, Tensor& grad_v);
+// The flash backward adds each key block's share of grad_q with float atomics: its bits follow the blocks' order.
 LOOM_DECLARE_OP(scaled_dot_product_attention_backward, AttentionBackwardKernel,
-                attention_schema(true, Layout::kContiguous));
+                attention_schema(true, Layout::kContiguous)
+                    .order_dependent("the flash backward sums grad_q over key blocks with float atomics"));
 
 // The same two ops on strided views: every [B, H, T, D] tensor (inputs and outputs, not lse) may have any strides
 // for B, H and T as long as D's stride is 1. Only kernels that read and write such layouts register here (the flash
@@ -68,6 +70,7 @@ LOOM_DECLARE_OP(scaled_dot_product_attention_strided, AttentionForwardKernel,
                 attention_schema(false, Layout::kUnitInner).abi_since(1).reference_op("scaled_dot_product_attention"));
 LOOM_DECLARE_OP(scaled_dot_product_attention_backward_strided, AttentionBackwardKernel,
                 attention_schema(true, Layout::kUnitInner).abi_since(1)
-                    .reference_op("scaled_dot_product_attention_backward"));
+                    .reference_op("scaled_dot_product_attention_backward")
+                    .order_dependent("the flash backward sums grad_q over key blocks with float atomics"));
 
 }  // namespace loom

@@ -358,6 +358,11 @@ CaseResult run_repeated(const OpSchema& s, const ExplicitCase& first, const std:
     if (r.status == CaseStatus::kFail) r.detail = "the first call: " + r.detail;
     return r;
   }
+  // The first call's outputs, for the same call made again at the end.
+  std::vector<std::pair<size_t, std::vector<uint8_t>>> first_outputs;
+  if (s.order_dependence.empty())
+    for (size_t i = 0; i < b.tensors.size(); ++i)
+      if (b.tensors[i].present && !is_input(s.tensors[i].role)) first_outputs.emplace_back(i, read_back(b.tensors[i], o.device));
   for (size_t call = 0; call < again.size(); ++call) {
     // New values in the same memory (outputs poisoned again), with this call's attributes.
     const SuiteCase cn = suite_case_of(s, again[call]);
@@ -397,6 +402,35 @@ CaseResult run_repeated(const OpSchema& s, const ExplicitCase& first, const std:
       return r;
     }
     if (next.status == CaseStatus::kDeclined) r.detail += (r.detail.empty() ? "the " : "; the ") + which + " was declined";
+  }
+  // The same call again on the same values (built anew: the oracle took the first's in-place values) gives the same
+  // bits, unless the op says its results follow a summation order (atomics): Loom's exact resumes and parallel
+  // parity rest on it.
+  if (s.order_dependence.empty()) {
+    Built again_b = build(s, first, c, o.device);
+    const CaseResult same = run_built(s, c, again_b, o, nullptr, policies.setup, policies.only);
+    if (same.status == CaseStatus::kFail) {
+      r.status = CaseStatus::kFail;
+      r.detail = "the same call again, on the same values, is wrong (the first was right): " + same.detail;
+      return r;
+    }
+    for (const auto& [i, bytes] : first_outputs) {
+      if (same.status != CaseStatus::kPass) break;
+      const CaseTensor& t = again_b.tensors[i];
+      const std::vector<uint8_t> again_bytes = read_back(t, o.device);
+      if (again_bytes == bytes) continue;
+      const size_t es = dtype_size(t.dtype);
+      size_t e = 0;
+      while (e + es <= bytes.size() && std::memcmp(&bytes[e], &again_bytes[e], es) == 0) e += es;
+      std::ostringstream d;
+      d << std::setprecision(17) << "the same call again, on the same values, gave other bits: output '" << s.tensors[i].name
+        << "' buffer element " << e / es << " was " << read_element(bytes.data() + e, t.dtype) << ", then "
+        << read_element(again_bytes.data() + e, t.dtype) << " (results that follow the order of a sum, as with "
+        << "atomics; an op whose kernels may do that says so in its description)";
+      r.status = CaseStatus::kFail;
+      r.detail = d.str();
+      return r;
+    }
   }
   return r;
 }

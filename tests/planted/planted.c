@@ -28,6 +28,8 @@
  *   rope_long           rope keeps the position in 16 bits: wrong for positions past 65535 (long contexts)
  *   mul_tail_read       mul reads one element past the end of a, times zero (a vector tail's masked-off lane):
  *                       right whatever lies there, but NaN or inf
+ *   softmax_order       softmax sums each row in f32, in an order that changes from call to call (as atomics do):
+ *                       within every tolerance, but the same call twice gives other bits
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -68,7 +70,8 @@ enum {
   PLANT_ADAMW_STEP_1000,
   PLANT_ADAMW_BETAS,
   PLANT_ROPE_LONG,
-  PLANT_MUL_TAIL_READ
+  PLANT_MUL_TAIL_READ,
+  PLANT_SOFTMAX_ORDER
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
@@ -76,7 +79,7 @@ static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_b
                                           "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
                                           "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
                                           "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b",
-                                          "adamw_step_1000", "adamw_betas", "rope_long", "mul_tail_read"};
+                                          "adamw_step_1000", "adamw_betas", "rope_long", "mul_tail_read", "softmax_order"};
 #define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
@@ -368,6 +371,8 @@ static int planted_softmax(void* ctx, const LoomTensorDesc* in, int n_in, const 
    * reduction that forgets the tail): longer rows come out too large, but finite. */
   int64_t sum_end = cols;
   if (plant == PLANT_SOFTMAX_LONG && cols > 4096) sum_end = 4096;
+  static unsigned softmax_calls = 0;  /* for softmax_order: one order per call */
+  ++softmax_calls;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t base = r * cols;
     double max = -INFINITY, sum = 0;
@@ -386,6 +391,15 @@ static int planted_softmax(void* ctx, const LoomTensorDesc* in, int n_in, const 
       /* PLANT softmax_masked: a fully masked row (every logit -inf) is written as zeros; the op's result there is
        * NaN (0 / 0, as PyTorch and Loom's native kernel give). */
       for (int64_t c = 0; c < cols; ++c) set(o, base + c, 0.0);
+      continue;
+    }
+    if (plant == PLANT_SOFTMAX_ORDER) {
+      /* PLANT softmax_order: the row's sum in f32, starting at a column that moves with every call (the order in
+       * which atomics from many threads land): each result is within tolerance, their bits differ. */
+      const int64_t start = (int64_t)(softmax_calls % (unsigned)cols);
+      float fsum = 0;
+      for (int64_t k = 0; k < cols; ++k) fsum += (float)exp(get(x, base + (start + k) % cols) - max);
+      for (int64_t c = 0; c < cols; ++c) set(o, base + c, (float)exp(get(x, base + c) - max) / fsum);
       continue;
     }
     for (int64_t c = 0; c < sum_end; ++c) sum += exp(get(x, base + c) - max);

@@ -352,6 +352,10 @@ class OpSchema {
   // The suite's tolerance for outputs of a dtype, where the contract rounds in between (a fused norm normalizes its
   // residual rounded to bf16, which a float64 reference does not).
   OpSchema& tolerance(DType dtype, double rtol, double atol);
+  // Results that may differ in their last bits between two calls on the same values, and why (a kernel that sums
+  // with atomics, in the order the hardware runs its threads). Without it the suite's repeat of a call on the same
+  // values must give the same bits, as Loom's exact resumes and parallel parity need.
+  OpSchema& order_dependent(std::string why);
 
   // Filled from the kernel signature when the op is declared.
   std::string name;
@@ -367,6 +371,7 @@ class OpSchema {
   std::string reference;
   std::string accumulate_dim;
   std::map<DType, std::pair<double, double>> tolerances;
+  std::string order_dependence;  // why the op's results may change bits from call to call ("": they may not)
   std::string special_contract;
   std::vector<std::map<std::string, int64_t>> size_cases;
 
