@@ -205,6 +205,22 @@ for k in range(n):
 PY
 }
 
+# The kernels a compute-sanitizer tool leaves out or takes alone, as flags. Vendor kernels a tool cannot judge are
+# left out of that tool only: cuDNN's fused attention kernels and cuBLAS's Hopper kernels synchronize through wgmma,
+# TMA and mbarrier waits that racecheck and synccheck do not model (synccheck: barrier errors inside cuDNN's SDPA
+# backward; racecheck: read-write races inside a cuBLAS split-K kernel, and "the Sanitizer failed to handle a hardware
+# exception" inside cuBLASLt's epilogue and FP8 kernels, after which the context is lost). racecheck therefore
+# instruments Loom's kernels alone (their mangled names hold "loom"); Loom's own kernels are checked by every tool.
+# cuDNN's grouped-query reduction (fmha_reduce_head) reads memory nothing wrote; its results do not depend on it
+# (CudnnAttention.GroupedQueryResultsDoNotDependOnTheWorkspaceContents fills the workspace with NaN first).
+tool_filters() {
+  case $1 in
+    racecheck) echo --kernel-name kns=loom ;;
+    synccheck) echo --kernel-name-exclude kns=cudnn ;;
+    initcheck) echo --kernel-name-exclude kns=fmha_reduce_head ;;
+  esac
+}
+
 # compute-sanitizer's TOOLS over every test of `tests`, all tools at once, each tool's tests in n processes.
 sanitize() {  # n, tools...
   need_build || return 1
@@ -217,19 +233,7 @@ sanitize() {  # n, tools...
   for tool in "${tools[@]}"; do
     balanced_shards "$n" "$tool"
     local extra=()
-    case $tool in
-      # Vendor kernels a tool cannot judge, left out of that tool only: cuDNN's fused attention kernels and cuBLAS's
-      # Hopper kernels synchronize through wgmma, TMA and mbarrier waits that racecheck and synccheck do not model
-      # (synccheck: barrier errors inside cuDNN's SDPA backward; racecheck: read-write races inside a cuBLAS split-K
-      # kernel, and "the Sanitizer failed to handle a hardware exception" inside cuBLASLt's epilogue and FP8 kernels,
-      # after which the context is lost). racecheck therefore instruments Loom's kernels alone (their mangled names
-      # hold "loom"); Loom's own kernels are checked by every tool.
-      racecheck) extra=(--kernel-name kns=loom) ;;
-      synccheck) extra=(--kernel-name-exclude kns=cudnn) ;;
-      # cuDNN's grouped-query reduction (fmha_reduce_head) reads memory nothing wrote; its results do not depend on
-      # it (CudnnAttention.GroupedQueryResultsDoNotDependOnTheWorkspaceContents fills the workspace with NaN first).
-      initcheck) extra=(--kernel-name-exclude kns=fmha_reduce_head) ;;
-    esac
+    read -r -a extra <<< "$(tool_filters "$tool")"
     rm -f $S/${tool}_*.log
     for ((i = 0; i < n; ++i)); do
       list=$(grep -v OutOfMemory $S/${tool}_shard_$i.txt | paste -sd:)
@@ -279,10 +283,7 @@ per_test_sanitizer() {  # tool
   local tool=$1 SAN t0=$SECONDS extra=()
   SAN=$(sanitizer_path)
   [ -n "$SAN" ] || { row "sanitize $tool" FAIL "no compute-sanitizer on this machine" 0; return 1; }
-  case $tool in
-    racecheck) extra=(--kernel-name kns=loom) ;;
-    initcheck) extra=(--kernel-name-exclude kns=fmha_reduce_head) ;;  # see tools/device/README.md
-  esac
+  read -r -a extra <<< "$(tool_filters "$tool")"
   cuda_tests > $S/tests.txt
   rm -rf "${S:?}/$tool" && mkdir -p $S/$tool
   one_test() {  # test, folder, sanitizer, bin, seconds, tool, extra...
@@ -358,7 +359,7 @@ suite_sanitizer() {  # tool
   local tool=$1 t0=$SECONDS SAN ops rc errors result=pass extra=()
   SAN=$(sanitizer_path)
   [ -n "$SAN" ] || { row "suite $tool" FAIL "no compute-sanitizer on this machine" 0; return 1; }
-  [ "$tool" = racecheck ] && extra=(--kernel-name kns=loom)
+  read -r -a extra <<< "$(tool_filters "$tool")"
   ops=$($BIN/loom-conformance --list-ops | awk '{print $1}' | grep -v -x -E 'gemm|fp8_gemm' | paste -sd,)
   # shellcheck disable=SC2086
   timeout ${SAN_TIMEOUT:-500} "$SAN" --tool $tool "${extra[@]}" --target-processes all --print-limit 50 \
