@@ -2,6 +2,7 @@
 // against central differences, their errors, and the conformance suite on the native CPU kernels.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <numeric>
 
 #include "loom/autograd/gradcheck.h"
@@ -159,21 +160,22 @@ std::vector<double> grouped_reference(const std::vector<double>& a, const std::v
   return c;
 }
 
-TEST(MoeOps, GroupedGemmMatchesPerGroupProductsWithEmptyGroupsAndTrailingRows) {
-  const int64_t M = 23, K = 19, N = 11;
-  const std::vector<int64_t> sizes = {5, 0, 9, 0, 7};  // 21 of 23 rows: two zero rows at the end
-  for (DType dt : {kF64, kF32, kBF16}) {
+// grouped_gemm and grouped_gemm_weight_grad on `device` for every dtype and both layouts of b, against float64: the
+// product by grouped_reference, the weight gradient a_g^T grad_g per group (zero for the empty ones).
+void check_grouped_gemm(Device device, int64_t M, int64_t K, int64_t N, const std::vector<int64_t>& sizes,
+                        std::initializer_list<DType> dtypes) {
+  const int64_t G = int64_t(sizes.size());
+  for (DType dt : dtypes) {
     for (bool tb : {false, true}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + (tb ? " trans_b" : ""));
       Tensor a = test::random_tensor({M, K}, dt);
-      Tensor b = test::random_tensor(tb ? Shape{5, N, K} : Shape{5, K, N}, dt);
-      Tensor c = ops::grouped_gemm(a, b, sizes, tb);
+      Tensor b = test::random_tensor(tb ? Shape{G, N, K} : Shape{G, K, N}, dt);
+      Tensor c = ops::grouped_gemm(a.to(device), b.to(device), sizes, tb).to(Device());
       std::vector<double> want = grouped_reference(test::values(a), test::values(b), sizes, M, K, N, tb);
       const double tol = dt == kF64 ? 1e-12 : dt == kF32 ? 1e-5 : 2e-2;
       EXPECT_TRUE(test::all_close(c.to(kF64), from_vector(want, {M, N}), tol, tol));
-      // The weight gradient: a_g^T grad_g per group, zero for the empty ones.
       Tensor grad = test::random_tensor({M, N}, dt);
-      Tensor gb = ops::grouped_gemm_weight_grad(a, grad, sizes, tb);
+      Tensor gb = ops::grouped_gemm_weight_grad(a.to(device), grad.to(device), sizes, tb).to(Device());
       ASSERT_EQ(gb.shape(), b.shape());
       std::vector<double> av = test::values(a), gv = test::values(grad), want_b(static_cast<size_t>(gb.numel()), 0.0);
       int64_t row = 0;
@@ -190,39 +192,16 @@ TEST(MoeOps, GroupedGemmMatchesPerGroupProductsWithEmptyGroupsAndTrailingRows) {
   }
 }
 
+TEST(MoeOps, GroupedGemmMatchesPerGroupProductsWithEmptyGroupsAndTrailingRows) {
+  check_grouped_gemm(Device(), 23, 19, 11, {5, 0, 9, 0, 7}, {kF64, kF32, kBF16});  // two zero rows at the end
+}
+
 // The CUDA kernels (one cuBLAS product per group) against the same float64 products: empty groups, a group of one
 // row, trailing rows, sizes off every tile, both layouts of b, every floating dtype.
 TEST(MoeOps, CudaGroupedGemmMatchesFloat64) {
   LOOM_SKIP_WITHOUT_CUDA();
-  const Device gpu(kCUDA, 0);
-  const int64_t M = 307, K = 129, N = 67;
-  const std::vector<int64_t> sizes = {100, 0, 150, 1, 0, 52};  // 303 of 307 rows
-  const int64_t G = int64_t(sizes.size());
-  for (DType dt : {kF64, kF32, kBF16, kF16}) {
-    for (bool tb : {false, true}) {
-      SCOPED_TRACE(std::string(dtype_name(dt)) + (tb ? " trans_b" : ""));
-      Tensor a = test::random_tensor({M, K}, dt);
-      Tensor b = test::random_tensor(tb ? Shape{G, N, K} : Shape{G, K, N}, dt);
-      Tensor c = ops::grouped_gemm(a.to(gpu), b.to(gpu), sizes, tb).to(Device());
-      std::vector<double> want = grouped_reference(test::values(a), test::values(b), sizes, M, K, N, tb);
-      const double tol = dt == kF64 ? 1e-12 : dt == kF32 ? 1e-5 : 2e-2;
-      EXPECT_TRUE(test::all_close(c.to(kF64), from_vector(want, {M, N}), tol, tol));
-      Tensor grad = test::random_tensor({M, N}, dt);
-      Tensor gb = ops::grouped_gemm_weight_grad(a.to(gpu), grad.to(gpu), sizes, tb).to(Device());
-      ASSERT_EQ(gb.shape(), b.shape());
-      std::vector<double> av = test::values(a), gv = test::values(grad), want_b(static_cast<size_t>(gb.numel()), 0.0);
-      int64_t row = 0;
-      for (size_t g = 0; g < sizes.size(); ++g) {
-        for (int64_t i = row; i < row + sizes[g]; ++i)
-          for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < N; ++j)
-              want_b[size_t(int64_t(g) * K * N + (tb ? j * K + k : k * N + j))] +=
-                  av[size_t(i * K + k)] * gv[size_t(i * N + j)];
-        row += sizes[g];
-      }
-      EXPECT_TRUE(test::all_close(gb.to(kF64), from_vector(want_b, gb.shape()), tol, tol));
-    }
-  }
+  // 303 of 307 rows in groups
+  check_grouped_gemm(Device(kCUDA, 0), 307, 129, 67, {100, 0, 150, 1, 0, 52}, {kF64, kF32, kBF16, kF16});
 }
 
 TEST(MoeOps, GroupedGemmGradientsPassGradcheck) {
