@@ -2,10 +2,13 @@
 bf16, loads proportional to 1..8), timed the same way (CUDA events, warm-up, median of 20), beside one dense
 torch.mm of the same work and a loop of one torch.mm per expert.
     python3 bench/grouped_gemm_torch_reference.py [tokens...]      (default 8192 32768)"""
-import statistics
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_torch_reference import median_ms  # noqa: E402  (CUDA events, warm-up, median of 20)
 
 EXPERTS, TOP_K, HIDDEN, FFN = 8, 2, 4096, 14336
 
@@ -17,21 +20,6 @@ def uneven_sizes(rows):
         sizes.append(s)
         given += s
     return sizes
-
-
-def median_ms(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def main():
@@ -61,7 +49,7 @@ def main():
                                    lambda: dy.t() @ x),
         }
         for name, (grouped, loop, dense) in cases.items():
-            g, lo, d = median_ms(grouped), median_ms(loop), median_ms(dense)
+            g, lo, d = median_ms(grouped, warmup=3), median_ms(loop, warmup=3), median_ms(dense, warmup=3)
             print(f"{name:34s} {g:10.3f} {flops / g / 1e9:9.1f} {lo:9.3f} {flops / lo / 1e9:9.1f} {d:9.3f} "
                   f"{flops / d / 1e9:9.1f}", flush=True)
 
