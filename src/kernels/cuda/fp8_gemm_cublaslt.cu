@@ -101,8 +101,8 @@ __global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_s
 
 // What cuBLASLt did not, in one pass over C: C = product + beta * C (+ bias where it was not fused). `product` is the
 // staged f32 result, or null: then C holds the result already (`c_holds_product`), or the sum was empty.
-// cuBLASLt never reads C: with C as D and beta != 0, its Hopper FP8 kernels return (1 + beta) * alpha * AB on an H200
-// (C read after D was written), so a product with beta is staged and C is added here.
+// cuBLASLt never reads C: asked for beta != 0 (C as D), its FP8 kernels returned (1 + beta) * alpha * AB + beta * C on
+// an H200 (cuBLAS 13, 2026-12-02), so cuBLASLt runs with beta 0 and a product with beta is staged and added here.
 template <typename T>
 __global__ void finish_kernel(T* c, int64_t ldc, int64_t stride_c, const float* __restrict__ product, int64_t ldp,
                               int64_t stride_p, int64_t m, int64_t n, int64_t total, bool c_holds_product, float beta,
