@@ -32,6 +32,8 @@ struct FlatGroup {
   int64_t total = 0, shard = 0, padded = 0;
   DType gather_dtype = kF32;
   bool matrices = false;
+  std::shared_ptr<ProcessGroup> group;  // the ranks it is sharded over: the data group, or an expert's replicas
+  double grad_scale = 1.0;              // on the gradient before it is averaged over `group`
   Tensor shard_param;  // f32 [shard], a leaf: the optimizer's parameter
   Tensor full;         // [padded] in gather_dtype while gathered
   std::shared_ptr<Work> gathering;
@@ -91,28 +93,33 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
 
   void build_unit(Unit& u, const std::vector<std::pair<std::string, Tensor>>& params, bool is_root) {
     u.root = is_root;
-    FlatGroup matrices, vectors;
-    matrices.matrices = true;
+    // Matrices and vectors apart (gathered in different dtypes, decayed or not), experts apart from the rest.
+    FlatGroup matrices, vectors, expert_matrices, expert_vectors;
+    matrices.matrices = expert_matrices.matrices = true;
+    matrices.group = vectors.group = group;
+    expert_matrices.group = expert_vectors.group = options.expert_replicas;
+    expert_matrices.grad_scale = expert_vectors.grad_scale = 1.0 / double(options.expert_ranks);
     for (auto& [name, p] : params) {
-      FlatGroup& g = p.dim() >= 2 ? matrices : vectors;
+      const bool expert = options.is_expert && options.is_expert(name);
+      FlatGroup& g = p.dim() >= 2 ? (expert ? expert_matrices : matrices) : (expert ? expert_vectors : vectors);
       g.params.push_back(p);
       g.names.push_back(name);
     }
-    for (FlatGroup* g : {&matrices, &vectors}) {
+    for (FlatGroup* g : {&matrices, &vectors, &expert_matrices, &expert_vectors}) {
       if (g->params.empty()) continue;
       g->gather_dtype = options.stage == 3 && !is_root && g->matrices ? options.param_dtype : kF32;
       for (const Tensor& p : g->params) {
         g->offsets.push_back(g->total);
         g->total += align_up(p.numel());
       }
-      const int64_t ranks = group->size();
+      const int64_t ranks = g->group->size();
       g->shard = (g->total + ranks - 1) / ranks;
       g->padded = g->shard * ranks;
       autograd::NoGradGuard ng;
       Tensor flat = zeros({g->padded}, kF32, device);
       for (size_t k = 0; k < g->params.size(); ++k)
         flat.narrow(0, g->offsets[k], g->params[k].numel()).copy_from(g->params[k].detach().reshape({-1}));
-      g->shard_param = ops::contiguous(flat.narrow(0, group->rank() * g->shard, g->shard)).clone();
+      g->shard_param = ops::contiguous(flat.narrow(0, g->group->rank() * g->shard, g->shard)).clone();
       g->shard_param.set_requires_grad(true);
       if (options.stage == 2) {  // the parameters become views of one f32 buffer that after_step gathers into
         g->full = flat;
@@ -143,7 +150,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
       const DType dtype = narrow ? g.gather_dtype : kF32;
       Tensor in = narrow ? ops::to_dtype(g.shard_param.detach(), dtype) : g.shard_param.detach();
       g.full = empty({g.padded}, dtype, device);
-      g.gathering = group->all_gather_async(in, g.full);
+      g.gathering = g.group->all_gather_async(in, g.full);
     }
   }
 
@@ -193,16 +200,17 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
         if (grad.defined()) flat.narrow(0, g.offsets[k], grad.numel()).copy_from(grad.reshape({-1}));
         g.params[k].set_grad(Tensor());
       }
+      if (g.grad_scale != 1.0) ops::mul_(flat, g.grad_scale);
       PendingReduce r;
       r.shard_param = g.shard_param;
       Tensor current = g.shard_param.grad();
       if (!current.defined() && options.reduce_dtype == g.shard_param.dtype()) {
         // The first micro-batch: straight into the shard's gradient (its slot in a flat optimizer), no temporary.
         Tensor dst = new_grad(r.shard_param);
-        r.work = group->reduce_scatter_async(flat, dst, ReduceOp::kAvg);
+        r.work = g.group->reduce_scatter_async(flat, dst, ReduceOp::kAvg);
       } else {
         r.out = empty({g.shard}, options.reduce_dtype, device);
-        r.work = group->reduce_scatter_async(flat, r.out, ReduceOp::kAvg);
+        r.work = g.group->reduce_scatter_async(flat, r.out, ReduceOp::kAvg);
       }
       pending.push_back(std::move(r));
     }
@@ -282,6 +290,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std
   LOOM_REQUIRE(options.reduce_dtype == kF32 || options.reduce_dtype == kBF16, "FSDP: reduce_dtype must be f32 or "
                "bf16, got ", dtype_name(options.reduce_dtype));
   LOOM_REQUIRE(!model.block_hooks(), "FSDP: the model is already wrapped");
+  LOOM_REQUIRE(!options.is_expert || (options.expert_replicas && options.expert_ranks >= 1),
+               "FSDP: expert parameters need the group of their replicas and the expert ranks");
   Impl& m = *impl_;
   m.model = &model;
   m.group = m.norm_group = std::move(group);
@@ -371,7 +381,7 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
       Tensor grad = g.shard_param.grad();
       if (!grad.defined()) continue;
       grads.push_back(grad);
-      const int64_t begin = m.group->rank() * g.shard;
+      const int64_t begin = g.group->rank() * g.shard;
       for (size_t k = 0; k < g.params.size(); ++k) {  // each parameter's piece of this rank's shard
         const int64_t lo = std::max(g.offsets[k], begin);
         const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);
@@ -396,7 +406,7 @@ void FullyShardedDataParallel::after_step() {
   }
   autograd::NoGradGuard ng;
   for (Unit* u : m.units())
-    for (FlatGroup& g : u->groups) m.group->all_gather(g.shard_param.detach(), g.full);
+    for (FlatGroup& g : u->groups) g.group->all_gather(g.shard_param.detach(), g.full);
 }
 
 void FullyShardedDataParallel::zero_grad() {
@@ -414,7 +424,7 @@ std::vector<std::pair<std::string, Tensor>> FullyShardedDataParallel::full_named
   for (Unit* u : m.units())
     for (FlatGroup& g : u->groups) {
       Tensor flat = empty({g.padded}, kF32, m.device);
-      m.group->all_gather(g.shard_param.detach(), flat);
+      g.group->all_gather(g.shard_param.detach(), flat);
       for (size_t k = 0; k < g.params.size(); ++k)
         by_name[g.names[k]] = flat.narrow(0, g.offsets[k], g.params[k].numel()).view(g.params[k].shape()).clone();
     }
@@ -449,7 +459,7 @@ void FullyShardedDataParallel::load_full_named_parameters(const std::vector<std:
         flat.narrow(0, g.offsets[k], g.params[k].numel()).copy_from(it->second.reshape({-1}));
       }
       Tensor shard = g.shard_param.detach();
-      shard.copy_from(flat.narrow(0, m.group->rank() * g.shard, g.shard));
+      shard.copy_from(flat.narrow(0, g.group->rank() * g.shard, g.shard));
       if (m.options.stage == 2) g.full.copy_from(flat);
     }
   }
@@ -462,7 +472,7 @@ std::vector<FullyShardedDataParallel::ShardView> FullyShardedDataParallel::shard
   for (Unit* u : impl_->units())
     for (FlatGroup& g : u->groups) {
       ShardView v{g.shard_param, {}};
-      const int64_t begin = impl_->group->rank() * g.shard;
+      const int64_t begin = g.group->rank() * g.shard;
       for (size_t k = 0; k < g.params.size(); ++k) {
         const int64_t lo = std::max(g.offsets[k], begin);
         const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);

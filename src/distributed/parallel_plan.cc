@@ -130,9 +130,6 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
     plan.expert.parameters = rules.expert_parameters;
     plan.expert.experts = rules.experts;
   }
-  if (o.expert > 1 && o.zero_stage > 1)
-    problems.push_back(words("--ep ", o.expert, " does not combine with --zero ", o.zero_stage, " yet; use --ep with "
-                             "--zero 1 or data parallelism (--zero 0), or --zero ", o.zero_stage, " without --ep"));
   // A mixture of experts runs whole on each rank: its experts are not in the tensor-parallel rules, and a pipeline
   // stage would not carry its routers' auxiliary losses to the last stage's loss.
   if (o.tensor > 1 && rules.experts > 0)

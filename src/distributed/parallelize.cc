@@ -135,6 +135,11 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
     fo.stage = int(plan.data.zero_stage);
     fo.param_dtype = plan.data.gather_dtype;
     fo.reduce_dtype = plan.data.reduce_dtype;
+    if (m->expert) {  // this rank's experts sharded over their replicas, the rest over every data rank
+      fo.is_expert = [expert = m->expert](const std::string& name) { return expert->is_expert(name); };
+      fo.expert_replicas = mesh->expert_replicas();
+      fo.expert_ranks = plan.mesh.expert;
+    }
     m->shards = std::make_unique<FullyShardedDataParallel>(*model, mesh->data(), fo);
     auto opt = std::make_unique<optim::AdamW>(m->shards->param_groups(weight_decay), ao);
     if (model_parallel) {
@@ -193,8 +198,10 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
       }
     }
   }
+  // ZeRO-2/3 divide the experts' gradients themselves, as they reduce them.
   m->gradients = make_gradient_sync(m->replicas.get(), m->shards.get(), m->tensor.get(), m->expert_replicas.get(),
-                                    expert_gradients(*m), plan.mesh.expert);
+                                    m->shards ? std::vector<Tensor>() : expert_gradients(*m),
+                                    m->shards ? 1 : plan.mesh.expert);
   m->schedule = m->pipeline ? make_pipeline_schedule(*m->pipeline, *model, plan.compute_dtype, device)
                             : make_micro_batch_schedule(*model, plan.compute_dtype,
                                                         m->tensor || m->shards || m->expert);

@@ -303,6 +303,15 @@ void run_expert_checks(const Context& c) {
   };
   layouts.push_back(zero1("mixtral ep 2, zero 1 x " + std::to_string(n), n, 2));
   if (n == 4) layouts.push_back(zero1("mixtral ep 4, zero 1", 4, 4));
+  // ZeRO-2/3: the experts sharded over their replicas, the rest over every data rank.
+  auto sharded = [&](int64_t stage, int ranks, int64_t ep) {
+    Layout l = mixtral("mixtral ep " + std::to_string(ep) + ", zero " + std::to_string(stage) + " x " +
+                           std::to_string(ranks), ranks, ep);
+    l.zero = stage;
+    return l;
+  };
+  for (int64_t stage : {2, 3}) layouts.push_back(sharded(stage, n, 2));
+  if (n == 4) layouts.push_back(sharded(3, 4, 4));
   Layout aux = mixtral("mixtral with the load-balancing loss, ep 2", n, 2);
   aux.model = "mixtral_aux.json";
   layouts.push_back(aux);
@@ -323,12 +332,16 @@ void run_expert_checks(const Context& c) {
     single.format = "single";
     check_resumes(c, single, {single});
   });
-  c.run("expert-parallel ZeRO-1 checkpoints resume by 1 rank, by ep 2, by zero 1 alone; theirs by it", [&] {
+  c.run("expert-parallel ZeRO checkpoints resume by 1 rank, by ep 2, by zero 1 alone, by the other stages; theirs by "
+        "them", [&] {
     check_resumes(c, zero1("mixtral ep 2, zero 1", n, 2),
                   {mixtral("mixtral 1 rank", 1, 1), mixtral("mixtral ep 2", n, 2), zero1("mixtral ep 2, zero 1", n, 2),
                    zero1("mixtral zero 1", n, 1)});
     check_resumes(c, mixtral("mixtral 1 rank", 1, 1), {zero1("mixtral ep 2, zero 1", n, 2)});
     check_resumes(c, mixtral("mixtral ep 2", n, 2), {zero1("mixtral ep 2, zero 1", n, 2)});
+    check_resumes(c, sharded(3, n, 2),
+                  {mixtral("mixtral 1 rank", 1, 1), sharded(3, n, 2), sharded(2, n, 2), sharded(3, n, 1)});
+    check_resumes(c, mixtral("mixtral ep 2", n, 2), {sharded(3, n, 2)});
     Layout single_zero1 = zero1("mixtral ep 2, zero 1 (single file)", n, 2);
     single_zero1.format = "single";
     check_resumes(c, single_zero1, {single_zero1});  // a single file with per-rank state: the same layout

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -24,6 +25,13 @@ struct FSDPOptions {
   // classifier are gathered in f32.
   DType param_dtype = kF32;
   DType reduce_dtype = kF32;  // gradients are reduce-scattered (averaged) in this dtype
+  // Expert parallelism: the parameters `is_expert` names hold this rank's experts, which the other data ranks do not
+  // hold. They are sharded over `expert_replicas` (the ranks holding the same experts) instead of the data group, and
+  // their gradients, summed over the expert group by the token exchanges' backward, are divided by `expert_ranks` as
+  // they are averaged over the replicas: the mean over every data rank, as the other parameters'.
+  std::function<bool(const std::string&)> is_expert;
+  std::shared_ptr<ProcessGroup> expert_replicas;
+  int64_t expert_ranks = 1;
 };
 
 // Wraps `model` (built by nn::make_model, possibly split by a tensor-parallel plan first) over the data-parallel
