@@ -121,8 +121,8 @@ GPT2_LORA="--lora-rank 4 --lora-targets c_attn,c_proj,c_fc"
 run gpt2-1-lora 1 gpt2 $GPT2_LORA
 run gpt2-2-lora-ddp 2 gpt2 $GPT2_LORA
 run gpt2-2-lora-pp 2 gpt2 $GPT2_LORA --pp 2
-# A mixture of experts: data-parallel, and its experts split over the data ranks (--ep; with --zero 1 the experts'
-# state is sharded over their replicas; with --zero 2/3 it is refused).
+# A mixture of experts: data-parallel, and its experts split over the data ranks (--ep; with --zero 1/2/3 the
+# experts' state, and with 2/3 their gradients and weights, are sharded over their replicas).
 run mixtral-1 1 mixtral
 run mixtral-2-ddp 2 mixtral
 run mixtral-2-zero1 2 mixtral --zero 1
@@ -132,6 +132,9 @@ run mixtral-4-ep4 4 mixtral --ep 4
 run mixtral-2-ep-zero1 2 mixtral --ep 2 --zero 1
 run mixtral-4-ep2-zero1 4 mixtral --ep 2 --zero 1
 run mixtral-4-ep4-zero1 4 mixtral --ep 4 --zero 1
+run mixtral-2-ep-zero3 2 mixtral --ep 2 --zero 3
+run mixtral-4-ep2-zero2 4 mixtral --ep 2 --zero 2
+run mixtral-4-ep2-zero3 4 mixtral --ep 2 --zero 3
 resume resume-zero3x2-to-1 2 "--zero 3" 1 ""
 resume resume-zero3x2-to-zero3x4 2 "--zero 3" 4 "--zero 3"
 resume resume-zero3x2-to-ddp4 2 "--zero 3" 4 "--zero 0"
