@@ -61,7 +61,13 @@ environment() {
 }
 # compute-sanitizer's path ("" when this machine has none).
 sanitizer_path() { command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1; }
-need_build() { [ -x $BIN/tests/loom_tests ] && [ -x $BIN/loom-conformance ] || { echo "session.sh: build first (stage build)"; return 1; }; }
+# Every stage runs on a build of the tree this call brought: the first stage to need one builds (incrementally when
+# the machine kept build-dev/, from scratch on a fresh machine), so a call works whatever the machine kept.
+built=0
+need_build() {
+  [ $built = 1 ] && return 0
+  stage_build || return 1
+}
 # Whether loom-conformance takes a flag (older builds lack --jobs and --max-calls).
 conformance_has() { $BIN/loom-conformance --help 2>&1 | grep -q -- "$1"; }
 jobs_flag() { conformance_has --jobs && echo "--jobs $(nproc)"; }
@@ -89,7 +95,7 @@ PY
 stage_build() {
   local t0=$SECONDS
   # shellcheck disable=SC1091
-  if . tools/device/build.sh; then row build pass "build-dev ($(nproc) cores)" $((SECONDS - t0))
+  if . tools/device/build.sh; then built=1; row build pass "build-dev ($(nproc) cores)" $((SECONDS - t0))
   else row build FAIL "see build-dev.log" $((SECONDS - t0)); cp build-dev.log "$OUT/" 2>/dev/null; return 1; fi
 }
 
