@@ -89,8 +89,9 @@ Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_no
   if (max_norm > 0 && !ranges.empty()) {
     const Tensor one = ones({}, kF64, device);
     const Tensor coef = ops::div(full({}, max_norm, kF64, device), ops::add(norm, 1e-6));
-    // A non-finite norm scales nothing (the caller decides); lt(norm, inf) is false for inf and NaN.
-    const Tensor finite_coef = ops::where(ops::lt(norm, std::numeric_limits<double>::infinity()), coef, one);
+    // A non-finite norm scales nothing (the caller decides); norm < the largest double is false for inf and NaN
+    // (a finite bound: op traces record attributes as JSON numbers).
+    const Tensor finite_coef = ops::where(ops::lt(norm, std::numeric_limits<double>::max()), coef, one);
     const Tensor scale = ops::where(ops::gt(norm, max_norm), finite_coef, one);
     for (Tensor& r : ranges) scale_in_place(r, scale);
   }
