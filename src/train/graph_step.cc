@@ -1,6 +1,8 @@
 // loom-train --cuda-graph (train/graph_step.h).
 #include "train/graph_step.h"
 
+#include <iostream>
+
 #include "loom/backends/cuda.h"
 #include "loom/data/loader.h"
 #include "loom/nn/model.h"
@@ -52,19 +54,29 @@ distributed::MicroBatch GraphStep::next() {
 
 bool GraphStep::captured() const { return graph_ && graph_->captured(); }
 
-void GraphStep::capture(const std::function<std::pair<Tensor, Tensor>()>& step) {
-  auto graph = std::make_unique<cuda::StepGraph>(device_.index);
-  std::pair<Tensor, Tensor> out;
-  graph->capture([&] { out = step(); });
-  graph_ = std::move(graph);
-  loss_sum_ = out.first;
-  norm_ = out.second;
-  replays_ = 0;
-}
-
-void GraphStep::replay(double lr) {
-  graph_->replay(lr, replays_);
-  ++replays_;
+std::pair<Tensor, double> GraphStep::run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer,
+                                         bool quiet, const std::function<std::pair<Tensor, Tensor>()>& step) {
+  if (!captured()) {
+    auto graph = std::make_unique<cuda::StepGraph>(device_.index);
+    std::pair<Tensor, Tensor> out;
+    try {
+      graph->capture([&] { out = step(); });
+    } catch (const Error& e) {
+      LOOM_THROW("loom-train: --cuda-graph: capturing step ", step_number,
+                 " failed (train without --cuda-graph): ", e.what());
+    }
+    graph_ = std::move(graph);
+    loss_sum_ = out.first;
+    norm_ = out.second;
+    replays_ = 0;
+    if (!quiet)
+      std::cout << "cuda graph: captured step " << step_number << " after " << kWarmupSteps
+                << " warm-up steps; replaying it from now on" << std::endl;
+  } else {
+    optimizer.count_replayed_step(lr);  // the captured step counted itself while it was captured
+  }
+  graph_->replay(lr, replays_++);
+  return {loss_sum_, norm_.item<double>()};
 }
 
 }  // namespace loom::train

@@ -46,12 +46,12 @@ class GraphStep {
   bool ready() const { return warmed_up_ >= kWarmupSteps; }
   void count_warmup_step() { ++warmed_up_; }
   bool captured() const;
-  // Captures `step`, which returns the step's loss sum and gradient norm as device tensors.
-  void capture(const std::function<std::pair<Tensor, Tensor>()>& step);
-  // Launches the captured step at `lr`; its loss sum and norm are then in loss_sum() and norm().
-  void replay(double lr);
-  const Tensor& loss_sum() const { return loss_sum_; }
-  const Tensor& norm() const { return norm_; }
+  // Step `step_number` at `lr` as the graph: the first time `step` (which returns the step's loss sum and gradient
+  // norm as device tensors, reading nothing back) is captured, and a line says so unless `quiet`; every time the
+  // graph is replayed, and for each replay after the captured step `optimizer` counts it on the host. Returns the
+  // loss sum (on the device) and the norm, read after the replay. A failed capture throws naming --cuda-graph.
+  std::pair<Tensor, double> run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer, bool quiet,
+                                const std::function<std::pair<Tensor, Tensor>()>& step);
 
  private:
   Device device_;

@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <thread>
 #include <mutex>
@@ -409,31 +410,15 @@ StepStats Trainer::train_step() {
     return distributed::MicroBatch{batch.x.to(device_), batch.y.to(device_)};
   };
   Tensor loss_sum;
-  if (graph_ && graph_->ready()) {
-    if (!graph_->captured()) {
-      try {
-        graph_->capture([&] {
-          model_->train(true);
-          parallel_->optimizer().zero_grad();
-          Tensor losses = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(),
-                                                                 [](const char*) {});
-          parallel_->gradients().finish();
-          Tensor norm = parallel_->optimizer().step_on_device(s.lr, opts_.clip);
-          return std::pair{losses, norm};
-        });
-      } catch (const Error& e) {
-        LOOM_THROW("loom-train: --cuda-graph: capturing step ", step_ + 1, " failed (train without --cuda-graph): ",
-                   e.what());
-      }
-      if (!opts_.quiet)
-        std::cout << "cuda graph: captured step " << step_ + 1 << " after " << GraphStep::kWarmupSteps
-                  << " warm-up steps; replaying it from now on" << std::endl;
-    } else {
-      parallel_->optimizer().count_replayed_step(s.lr);  // the captured step counted itself while captured
-    }
-    graph_->replay(s.lr);
-    loss_sum = graph_->loss_sum();
-    s.grad_norm = graph_->norm().item<double>();
+  if (graph_ && graph_->ready()) {  // captured the first time, replayed from then on
+    std::tie(loss_sum, s.grad_norm) = graph_->run(step_ + 1, s.lr, parallel_->optimizer(), opts_.quiet, [&] {
+      model_->train(true);
+      parallel_->optimizer().zero_grad();
+      Tensor losses = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(),
+                                                             [](const char*) {});
+      parallel_->gradients().finish();
+      return std::pair{losses, parallel_->optimizer().step_on_device(s.lr, opts_.clip)};
+    });
   } else {
     model_->train(true);
     parallel_->optimizer().zero_grad();
