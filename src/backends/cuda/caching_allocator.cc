@@ -256,11 +256,11 @@ void CachingAllocator::release_private_pool(uint64_t id) {
     if (entry.second->pool == id) entry.second->pool = 0;
   std::vector<std::pair<uint64_t, Block*>> kept;
   for (auto& [pool_id, block] : deferred_) {
+    if (block->pool == id) block->pool = 0;  // held for another pool's graph, but no longer this pool's
     if (pool_id != id) {
       kept.emplace_back(pool_id, block);
       continue;
     }
-    if (block->pool == id) block->pool = 0;
     insert_free(block);
   }
   deferred_ = std::move(kept);
