@@ -17,6 +17,10 @@ void TrainingOptimizer::count_replayed_step(double) {
   LOOM_THROW("this optimizer cannot count a replayed step (only one process's AdamW can)");
 }
 
+void TrainingOptimizer::take_back_step() {
+  LOOM_THROW("this optimizer cannot take back a step (only one process's AdamW can)");
+}
+
 bool Ownership::tensor_sharded(const std::string& name) const {
   return tensor && tensor_size > 1 && tensor->split_of(name).sharded;
 }
@@ -124,6 +128,7 @@ class WholeAdamW final : public PlanOptimizer {
     adamw_->set_lr(lr);
     adamw_->count_step();
   }
+  void take_back_step() override { adamw_->count_step(-1); }
   int64_t step_count() const override { return adamw_->step_count(); }
   double lr() const override { return adamw_->lr(); }
   optim::OptimizerState state() const override { return adamw_->state_dict(); }

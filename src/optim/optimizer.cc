@@ -185,7 +185,7 @@ void Optimizer::step() {
   ++step_count_;
 }
 
-void Optimizer::count_step() { ++step_count_; }
+void Optimizer::count_step(int64_t steps) { step_count_ += steps; }
 
 void Optimizer::step_flat() {
   size_t index = 0;
@@ -321,10 +321,10 @@ void AdamW::update_run(const FlatRun& run, const ParamGroup& group, Tensor& para
   adamw_update(params, grads, exp_avg, exp_avg_sq, attrs_for(group, step));
 }
 
-void AdamW::count_step() {
-  Optimizer::count_step();
+void AdamW::count_step(int64_t steps) {
+  Optimizer::count_step(steps);
   for (State& s : state_)
-    if (s.step > 0) ++s.step;  // a replayed step updates what the captured one did: every parameter updated before
+    if (s.step > 0) s.step += steps;  // a replayed step updates what the captured one did: those updated before
 }
 
 bool AdamW::can_share_update(size_t first, size_t index) const { return state_[first].step == state_[index].step; }

@@ -54,18 +54,26 @@ distributed::MicroBatch GraphStep::next() {
 
 bool GraphStep::captured() const { return graph_ && graph_->captured(); }
 
-std::pair<Tensor, double> GraphStep::run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer,
-                                         bool quiet, const std::function<std::pair<Tensor, Tensor>()>& step) {
+bool GraphStep::run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer, bool quiet,
+                    Tensor& loss_sum, double& norm, const std::function<std::pair<Tensor, Tensor>()>& step) {
+  if (!ready()) return false;
   if (!captured()) {
-    auto graph = std::make_unique<cuda::StepGraph>(device_.index);
+    const int64_t counted = optimizer.step_count();
     std::pair<Tensor, Tensor> out;
     try {
+      auto graph = std::make_unique<cuda::StepGraph>(device_.index);
       graph->capture([&] { out = step(); });
+      graph_ = std::move(graph);
     } catch (const Error& e) {
-      LOOM_THROW("loom-train: --cuda-graph: capturing step ", step_number,
-                 " failed (train without --cuda-graph): ", e.what());
+      // Nothing of the captured step ran on the device: the host's count of it is taken back, and the step runs
+      // eagerly on the same inputs.
+      failed_ = true;
+      next_ = 0;
+      if (optimizer.step_count() != counted) optimizer.take_back_step();
+      std::cerr << "loom-train: --cuda-graph: capturing step " << step_number
+                << " failed; training on without the graph: " << e.what() << std::endl;
+      return false;
     }
-    graph_ = std::move(graph);
     loss_sum_ = out.first;
     norm_ = out.second;
     replays_ = 0;
@@ -76,7 +84,9 @@ std::pair<Tensor, double> GraphStep::run(int64_t step_number, double lr, distrib
     optimizer.count_replayed_step(lr);  // the captured step counted itself while it was captured
   }
   graph_->replay(lr, replays_++);
-  return {loss_sum_, norm_.item<double>()};
+  loss_sum = loss_sum_;
+  norm = norm_.item<double>();
+  return true;
 }
 
 }  // namespace loom::train

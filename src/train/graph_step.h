@@ -42,16 +42,18 @@ class GraphStep {
   // The static inputs of micro-batch after micro-batch of the step, in turn (the schedule's NextBatch).
   distributed::MicroBatch next();
 
-  // Whether the warm-up steps are done and the step runs as the graph (captured now or earlier).
-  bool ready() const { return warmed_up_ >= kWarmupSteps; }
+  // Whether the warm-up steps are done and no capture failed: the step runs as the graph.
+  bool ready() const { return !failed_ && warmed_up_ >= kWarmupSteps; }
   void count_warmup_step() { ++warmed_up_; }
   bool captured() const;
-  // Step `step_number` at `lr` as the graph: the first time `step` (which returns the step's loss sum and gradient
-  // norm as device tensors, reading nothing back) is captured, and a line says so unless `quiet`; every time the
-  // graph is replayed, and for each replay after the captured step `optimizer` counts it on the host. Returns the
-  // loss sum (on the device) and the norm, read after the replay. A failed capture throws naming --cuda-graph.
-  std::pair<Tensor, double> run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer, bool quiet,
-                                const std::function<std::pair<Tensor, Tensor>()>& step);
+  // Step `step_number` at `lr` as the graph, once ready(): the first time `step` (which returns the step's loss sum
+  // and gradient norm as device tensors, reading nothing back) is captured, and a line says so unless `quiet`; every
+  // time the graph is replayed, and `optimizer` counts each replay after the captured step on the host. Sets the
+  // loss sum (on the device) and the norm (read after the replay) and returns true. Returns false when not ready, or
+  // when the capture failed: then a line on stderr names --cuda-graph and what broke, the optimizer's count of the
+  // step that never ran is taken back, the inputs are read again from the first, and the run goes on eagerly.
+  bool run(int64_t step_number, double lr, distributed::TrainingOptimizer& optimizer, bool quiet, Tensor& loss_sum,
+           double& norm, const std::function<std::pair<Tensor, Tensor>()>& step);
 
  private:
   Device device_;
@@ -59,6 +61,7 @@ class GraphStep {
   size_t next_ = 0;
   int64_t warmed_up_ = 0;
   int64_t replays_ = 0;
+  bool failed_ = false;
   std::unique_ptr<cuda::StepGraph> graph_;
   Tensor loss_sum_, norm_;
 };

@@ -12,7 +12,6 @@
 #include <random>
 #include <set>
 #include <sstream>
-#include <tuple>
 
 #include <thread>
 #include <mutex>
@@ -410,16 +409,16 @@ StepStats Trainer::train_step() {
     return distributed::MicroBatch{batch.x.to(device_), batch.y.to(device_)};
   };
   Tensor loss_sum;
-  if (graph_ && graph_->ready()) {  // captured the first time, replayed from then on
-    std::tie(loss_sum, s.grad_norm) = graph_->run(step_ + 1, s.lr, parallel_->optimizer(), opts_.quiet, [&] {
-      model_->train(true);
-      parallel_->optimizer().zero_grad();
-      Tensor losses = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(),
-                                                             [](const char*) {});
-      parallel_->gradients().finish();
-      return std::pair{losses, parallel_->optimizer().step_on_device(s.lr, opts_.clip)};
-    });
-  } else {
+  // --cuda-graph: captured the first time, replayed from then on; eager below while warming up or after a failure.
+  const bool graphed = graph_ && graph_->run(step_ + 1, s.lr, parallel_->optimizer(), opts_.quiet, loss_sum,
+                                             s.grad_norm, [&] {
+    model_->train(true);
+    parallel_->optimizer().zero_grad();
+    Tensor losses = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(), [](const char*) {});
+    parallel_->gradients().finish();
+    return std::pair{losses, parallel_->optimizer().step_on_device(s.lr, opts_.clip)};
+  });
+  if (!graphed) {
     model_->train(true);
     parallel_->optimizer().zero_grad();
     if (phase_timer_) phase_timer_->begin();

@@ -62,6 +62,8 @@ class TrainingOptimizer {
   // After a replay of a captured step, which updated on the device without the host: counts that step at `lr` in the
   // host's step counts (what checkpoints save), as step would have.
   virtual void count_replayed_step(double lr);
+  // Takes back the host's count of a step whose capture failed (its work never ran).
+  virtual void take_back_step();
   virtual int64_t step_count() const = 0;
   virtual double lr() const = 0;
 };
