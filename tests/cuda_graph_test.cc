@@ -1,9 +1,10 @@
 // loom-train --cuda-graph on a GPU: tiny GPT-2 (f32) and LLaMA-3 (bf16 autocast, two micro-batches per step) trained
 // eagerly and with the step captured into a CUDA graph after its warm-up steps, from the same weights and data, give
 // the same bits: every step's loss and gradient norm and every final parameter (with Loom's own attention kernels,
-// which are deterministic; cuDNN's backward accumulates dQ in any order, so with it the runs only stay close). The
-// replayed steps dispatch no kernel (the AdamW update ran only in the warm-up steps and the capture). Skips where no
-// GPU is visible.
+// which are deterministic at these head sizes; cuDNN's backward accumulates dQ in any order, so with it the runs
+// only stay close). The replayed steps dispatch no kernel (the AdamW update ran only in the warm-up steps and the
+// capture); a checkpoint saved after replays resumes to the eager bits; a failed capture falls back to eager steps.
+// Skips where no GPU is visible.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -34,9 +35,8 @@ uint64_t adamw_calls() {
   return n;
 }
 
-// `before_step(n)` runs before step n (1-based).
-Trained train(const TempDir& dir, const std::string& model, const std::string& dtype, int64_t micro_batches,
-              bool graph, const std::function<void(int64_t)>& before_step = {}) {
+train::TrainOptions options(const TempDir& dir, const std::string& model, const std::string& dtype,
+                            int64_t micro_batches, bool graph) {
   train::TrainOptions o;
   o.model = model;
   o.train_data = (dir.path() / "train_*.bin").string();
@@ -54,6 +54,13 @@ Trained train(const TempDir& dir, const std::string& model, const std::string& d
   o.sample_tokens = 0;
   o.eval_interval = 0;
   o.cuda_graph = graph;
+  return o;
+}
+
+// `before_step(n)` runs before step n (1-based).
+Trained train(const TempDir& dir, const std::string& model, const std::string& dtype, int64_t micro_batches,
+              bool graph, const std::function<void(int64_t)>& before_step = {}) {
+  const train::TrainOptions o = options(dir, model, dtype, micro_batches, graph);
   Trained out;
   const uint64_t before = adamw_calls();
   {
@@ -143,6 +150,52 @@ TEST(CudaGraph, AFailedCaptureFallsBackToEagerSteps) {
       << err;
   EXPECT_NE(err.find("cudaStreamEndCapture"), std::string::npos) << err;
   expect_same_bits(eager, graph, "gpt2-tiny");
+}
+
+// A checkpoint saved after replayed steps holds the step counts the replays advanced on the host, and a run resumed
+// with --cuda-graph warms up again before it captures: 6 steps with the graph, saved, then 6 more resumed with it,
+// give the bits of 12 eager steps (AdamW's bias corrections at the right step throughout).
+TEST(CudaGraph, ACheckpointAfterReplaysResumesToTheEagerBits) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  TempDir dir;
+  write_tokens(dir);
+  test::ScopedPolicy own_attention("-cudnn");
+  train::TrainOptions o = options(dir, "gpt2-tiny", "f32", 1, false);
+  o.steps = 12;
+  Trained straight, resumed;
+  auto run = [](train::Trainer& t, int64_t steps, Trained& out) {
+    for (int64_t i = 0; i < steps; ++i) {
+      const train::StepStats s = t.train_step();
+      out.losses.push_back(s.loss);
+      out.norms.push_back(s.grad_norm);
+    }
+  };
+  auto keep_parameters = [](train::Trainer& t, Trained& out) {
+    for (auto& [name, p] : t.model().named_parameters()) out.parameters.emplace_back(name, to_vector<float>(p));
+  };
+  {
+    train::Trainer t(o);
+    run(t, 12, straight);
+    keep_parameters(t, straight);
+  }
+  const std::string checkpoint = dir.file("ckpt/step_6.safetensors");
+  {
+    train::TrainOptions g = o;
+    g.cuda_graph = true;
+    train::Trainer t(g);
+    run(t, 6, resumed);
+    t.save_checkpoint(checkpoint);
+  }
+  {
+    train::TrainOptions g = o;
+    g.cuda_graph = true;
+    g.resume = checkpoint;
+    train::Trainer t(g);
+    EXPECT_EQ(t.step(), 6);
+    run(t, 6, resumed);
+    keep_parameters(t, resumed);
+  }
+  expect_same_bits(straight, resumed, "gpt2-tiny resumed");
 }
 
 // With the default providers (cuDNN's attention where it loads) the captured step runs too, and trains as the eager
