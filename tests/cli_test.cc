@@ -647,6 +647,31 @@ TEST(LoomTrainStart, ImpossibleLayoutsAreOneLineBeforeTheData) {
   EXPECT_EQ(two.output.find(said, first + 1), std::string::npos) << "said by more than one rank\n" << two.output;
 }
 
+// --cuda-graph where it cannot capture the step yet: one line naming the option and why, and a non-zero exit, before
+// the data is read or a device is used.
+TEST(LoomTrainStart, CudaGraphRefusalsAreOneLine) {
+  const std::string common = "--model d2 --train-data /nonexistent/shard.bin --cuda-graph ";
+  const struct {
+    std::string args;
+    std::vector<std::string> parts;
+  } cases[] = {
+      {common + "--device cpu", {"--cuda-graph", "needs --device cuda"}},
+      {common + "--device cuda --phase-times", {"--cuda-graph", "--phase-times", "reads the device mid-step"}},
+      {common + "--device cuda --zero 1", {"--cuda-graph", "runs one process", "--zero"}},
+      {common + "--device cuda --fp8 all", {"--cuda-graph", "--fp8"}},
+      {common + "--device cuda --trace-ops /nonexistent/trace.json", {"--cuda-graph", "--trace-ops"}},
+      {"--model mixtral-tiny --train-data /nonexistent/shard.bin --cuda-graph --device cuda",
+       {"--cuda-graph", "mixture of experts"}},
+  };
+  for (const auto& c : cases) {
+    AppRun r = run_loom_train(c.args);
+    EXPECT_EQ(WEXITSTATUS(r.status), 1) << c.args << "\n" << r.output;
+    for (const std::string& part : c.parts) EXPECT_NE(r.output.find(part), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " opened the data first\n" << r.output;
+  }
+}
+
 // --keep-checkpoints N: after each save only the newest N remain (with their optimizer files), single files and
 // sharded directories alike.
 TEST(LoomTrainStart, KeepCheckpointsRemovesTheOlderOnes) {

@@ -297,6 +297,57 @@ TEST_F(CudaAllocator, OutOfMemoryFreesTheCacheThenThrows) {
   alloc_->deallocate(held);
 }
 
+// A CUDA graph's private pool: while it is active, allocations on its stream come from its own segments and reuse
+// only its own blocks; its blocks (freed or not) and the common blocks freed meanwhile go to nobody else until the
+// pool is released; empty_cache keeps its segments; other streams are served from the common pools throughout.
+TEST_F(CudaAllocator, PrivatePoolBlocksGoToNobodyElse) {
+  DeviceRuntime& rt = device_runtime(kCUDA);
+  Stream other = rt.create_stream(0);
+  void* common = alloc_->allocate(1000, stream_);
+  void* spare = alloc_->allocate(1000, stream_);
+  alloc_->deallocate(spare);  // a free common block of the right size: the pool must not take it
+  EXPECT_EQ(alloc_->stats().num_device_mallocs, 1u);
+
+  alloc_->begin_private_pool(7, stream_);
+  void* a = alloc_->allocate(1000, stream_);
+  EXPECT_NE(a, spare);
+  EXPECT_EQ(alloc_->pool_of(a), 7u);
+  EXPECT_EQ(alloc_->stats().num_device_mallocs, 2u);  // a segment of the pool's own
+  alloc_->deallocate(a);
+  void* a2 = alloc_->allocate(1000, stream_);
+  EXPECT_EQ(a2, a);  // reused inside the pool, as stream order allows
+  void* side = alloc_->allocate(1000, other.handle);
+  EXPECT_EQ(alloc_->pool_of(side), 0u);  // another stream: the common pools
+  alloc_->deallocate(common);            // freed during the capture: held back while the pool lives
+  alloc_->end_private_pool();
+
+  alloc_->deallocate(a2);  // back to the pool, not to the common pools
+  void* b = alloc_->allocate(1000, stream_);
+  void* c = alloc_->allocate(1000, stream_);
+  for (void* p : {b, c}) {
+    EXPECT_NE(p, a);
+    EXPECT_NE(p, common);
+    EXPECT_EQ(alloc_->pool_of(p), 0u);
+  }
+  alloc_->deallocate(b);
+  alloc_->deallocate(c);
+  alloc_->deallocate(side);
+  const size_t segments = alloc_->segment_count();
+  alloc_->empty_cache();  // the pool's segment stays, and so does the common one holding `common`
+  EXPECT_EQ(alloc_->segment_count(), segments - 1);  // only the other stream's segment went
+
+  alloc_->release_private_pool(7);
+  void* d = alloc_->allocate(1000, stream_);
+  EXPECT_EQ(alloc_->pool_of(d), 0u);
+  EXPECT_TRUE(d == common || d == a) << "after the release both blocks are everyone's again";
+  alloc_->deallocate(d);
+  alloc_->empty_cache();
+  EXPECT_EQ(alloc_->segment_count(), 0u);
+  EXPECT_EQ(alloc_->stats().allocated_bytes, 0u);
+  alloc_.reset();  // frees its segments before the stream goes
+  rt.destroy_stream(other);
+}
+
 TEST(CudaAllocatorFormat, BytesReadNaturally) {
   EXPECT_EQ(cuda::format_bytes(0), "0 B");
   EXPECT_EQ(cuda::format_bytes(512), "512 B");

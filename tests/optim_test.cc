@@ -307,6 +307,35 @@ TEST(Optim, ClipGradNormMeasuresAndScales) {
   EXPECT_EQ(optim::clip_grad_norm({no_grad}, 1.0), 0.0);
 }
 
+// The device-side clip (what a step captured into a CUDA graph runs) returns the norm as a 0-d f64 tensor and scales
+// exactly as clip_grad_norm, which is that code followed by one read.
+TEST(Optim, ClipGradNormOnDeviceIsClipGradNormWithoutTheRead) {
+  Tensor a = leaf(zeros({3, 4})), b = leaf(zeros({5}, kBF16)), a2 = leaf(zeros({3, 4})), b2 = leaf(zeros({5}, kBF16));
+  const Tensor ga = test::random_tensor({3, 4}, kF32), gb = test::random_tensor({5}, kBF16);
+  a.set_grad(ga.clone()), b.set_grad(gb.clone()), a2.set_grad(ga.clone()), b2.set_grad(gb.clone());
+  const Tensor norm = optim::clip_grad_norm_on_device({a, b}, 0.1);
+  EXPECT_EQ(norm.dtype(), kF64);
+  EXPECT_EQ(norm.dim(), 0);
+  EXPECT_EQ(norm.item<double>(), optim::clip_grad_norm({a2, b2}, 0.1));
+  EXPECT_EQ(test::values(a.grad()), test::values(a2.grad()));
+  EXPECT_EQ(test::values(b.grad()), test::values(b2.grad()));
+  EXPECT_NE(test::values(a.grad()), test::values(ga));  // it clipped
+}
+
+// A step a CUDA graph replayed is counted on the host as step() counts one: the optimizer's count and the update
+// count of every parameter updated before, not of one never updated.
+TEST(Optim, CountStepAdvancesTheCountsAsAStepDoes) {
+  Tensor w = leaf(test::random_tensor({3, 5})), never = leaf(test::random_tensor({2}));
+  optim::AdamW adamw({w, never}, optim::AdamWOptions{});
+  w.set_grad(test::random_tensor({3, 5}));
+  adamw.step();
+  adamw.count_step();
+  EXPECT_EQ(adamw.step_count(), 2);
+  const optim::OptimizerState state = adamw.state_dict();
+  EXPECT_EQ(state.at("state.0.step").item<int64_t>(), 2);
+  EXPECT_EQ(state.count("state.1.step"), 0u);
+}
+
 TEST(Optim, LrSchedulesAtKeySteps) {
   using optim::LrSchedule;
   const double max_lr = 1e-3, min_lr = 1e-4;

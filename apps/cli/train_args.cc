@@ -155,6 +155,8 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                "--trace-value-limit elements per tensor) in FILE.values.safetensors");
   app.add_option("--trace-value-limit", o.trace_value_limit, "with --trace-values: the largest tensor (elements) "
                  "whose values are recorded")->capture_default_str()->check(at_least(0));
+  app.add_flag("--cuda-graph", o.cuda_graph, "capture the training step into a CUDA graph after 3 warm-up steps and "
+               "replay it every later step (one process on CUDA; refused with what it cannot capture yet)");
   app.add_flag("--phase-times", o.phase_times, "time each step's phases on the device (forward, backward, gradient "
                "sync, optimizer) into metrics.jsonl and print their medians at the end");
   app.add_option("--log-dir", o.log_dir, "write metrics.jsonl and a TensorBoard event file here; "

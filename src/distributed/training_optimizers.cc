@@ -9,6 +9,18 @@
 
 namespace loom::distributed {
 
+Tensor TrainingOptimizer::step_on_device(double, double) {
+  LOOM_THROW("this optimizer cannot step without reading the gradient norm back (only one process's AdamW can)");
+}
+
+void TrainingOptimizer::count_replayed_step(double) {
+  LOOM_THROW("this optimizer cannot count a replayed step (only one process's AdamW can)");
+}
+
+void TrainingOptimizer::take_back_step() {
+  LOOM_THROW("this optimizer cannot take back a step (only one process's AdamW can)");
+}
+
 bool Ownership::tensor_sharded(const std::string& name) const {
   return tensor && tensor_size > 1 && tensor->split_of(name).sharded;
 }
@@ -98,13 +110,25 @@ class WholeAdamW final : public PlanOptimizer {
         per_rank_(per_rank) {}
   void zero_grad() override { adamw_->zero_grad(); }
   double step(double lr, double max_norm) override {
-    const double norm = norm_group_ ? clip_grad_norm_distributed(adamw_->parameters(), norm_weights_, max_norm,
-                                                                 *norm_group_)
-                                    : optim::clip_grad_norm(adamw_->parameters(), max_norm);
+    // One process: the device-side clip that a captured step runs too, so that both give the same bits.
+    if (!norm_group_) return step_on_device(lr, max_norm).item<double>();
+    const double norm = clip_grad_norm_distributed(adamw_->parameters(), norm_weights_, max_norm, *norm_group_);
     adamw_->set_lr(lr);
     adamw_->step();
     return norm;
   }
+  Tensor step_on_device(double lr, double max_norm) override {
+    LOOM_REQUIRE(!norm_group_, "a step on the device alone: the gradient norm spans other ranks' pieces");
+    Tensor norm = optim::clip_grad_norm_on_device(adamw_->parameters(), max_norm);
+    adamw_->set_lr(lr);
+    adamw_->step();
+    return norm;
+  }
+  void count_replayed_step(double lr) override {
+    adamw_->set_lr(lr);
+    adamw_->count_step();
+  }
+  void take_back_step() override { adamw_->count_step(-1); }
   int64_t step_count() const override { return adamw_->step_count(); }
   double lr() const override { return adamw_->lr(); }
   optim::OptimizerState state() const override { return adamw_->state_dict(); }

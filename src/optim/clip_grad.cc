@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/ops/elementwise.h"
@@ -45,14 +46,64 @@ std::vector<Tensor> merged_ranges(const std::vector<Tensor>& grads) {
 
 }  // namespace
 
-double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
-  autograd::NoGradGuard no_grad;
+namespace {
+
+std::vector<Tensor> defined_grads(const std::vector<Tensor>& params) {
   std::vector<Tensor> grads;
   for (const Tensor& p : params) {
     LOOM_REQUIRE(p.defined(), "clip_grad_norm: a parameter is undefined");
     Tensor g = p.grad();
     if (g.defined()) grads.push_back(g);
   }
+  return grads;
+}
+
+// r *= coef (a 0-d f64 tensor), rounding coef to r's math type first as a host scalar would be (f32 for 16-bit r).
+void scale_in_place(Tensor& r, const Tensor& coef) {
+  const Tensor c = ops::cast(coef, r.dtype() == kF64 ? kF64 : kF32);
+  if (c.dtype() == r.dtype()) ops::mul_out(r, c, r);
+  else r.copy_from(ops::mul(r, c));
+}
+
+}  // namespace
+
+Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_norm) {
+  autograd::NoGradGuard no_grad;
+  const std::vector<Tensor> grads = defined_grads(params);
+  const Device device = grads.empty() ? (params.empty() ? Device() : params.front().device()) : grads.front().device();
+  for (const Tensor& g : grads)
+    LOOM_REQUIRE(g.device() == device, "clip_grad_norm_on_device: gradients on ", device.str(), " and ",
+                 g.device().str(), "; it measures one device's");
+  std::vector<Tensor> ranges = merged_ranges(grads);
+  Tensor total = zeros({}, kF64, device);
+  if (!ranges.empty()) {
+    Tensor sums = empty({int64_t(ranges.size())}, kF64, device);
+    for (size_t k = 0; k < ranges.size(); ++k) {
+      Tensor slot = sums.select(0, int64_t(k));
+      grad_norm_squared_out(ranges[k], slot);
+    }
+    // Summed one by one in order, as a host loop would: the norm does not depend on a reduction's tree.
+    for (size_t k = 0; k < ranges.size(); ++k) total = ops::add(total, sums.select(0, int64_t(k)));
+  }
+  Tensor norm = ops::sqrt(total);
+  if (max_norm > 0 && !ranges.empty()) {
+    const Tensor one = ones({}, kF64, device);
+    const Tensor coef = ops::div(full({}, max_norm, kF64, device), ops::add(norm, 1e-6));
+    // A non-finite norm scales nothing (the caller decides); norm < the largest double is false for inf and NaN
+    // (a finite bound: op traces record attributes as JSON numbers).
+    const Tensor finite_coef = ops::where(ops::lt(norm, std::numeric_limits<double>::max()), coef, one);
+    const Tensor scale = ops::where(ops::gt(norm, max_norm), finite_coef, one);
+    for (Tensor& r : ranges) scale_in_place(r, scale);
+  }
+  return norm;
+}
+
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  autograd::NoGradGuard no_grad;
+  std::vector<Tensor> grads = defined_grads(params);
+  bool one_device = true;
+  for (const Tensor& g : grads) one_device = one_device && g.device() == grads.front().device();
+  if (one_device) return clip_grad_norm_on_device(params, max_norm).item<double>();
   // One buffer per device so that each device is read back once, not once per tensor.
   std::vector<Device> devices;
   std::vector<std::vector<Tensor>> members;

@@ -185,6 +185,8 @@ void Optimizer::step() {
   ++step_count_;
 }
 
+void Optimizer::count_step(int64_t steps) { step_count_ += steps; }
+
 void Optimizer::step_flat() {
   size_t index = 0;
   for (auto& group : groups_) {
@@ -317,6 +319,12 @@ void AdamW::update_run(const FlatRun& run, const ParamGroup& group, Tensor& para
   for (size_t i = run.first; i < run.first + run.count; ++i) state_[i].step = step;
   Tensor exp_avg = run_range(flat_exp_avg_[run.buffer], run), exp_avg_sq = run_range(flat_exp_avg_sq_[run.buffer], run);
   adamw_update(params, grads, exp_avg, exp_avg_sq, attrs_for(group, step));
+}
+
+void AdamW::count_step(int64_t steps) {
+  Optimizer::count_step(steps);
+  for (State& s : state_)
+    if (s.step > 0) s.step += steps;  // a replayed step updates what the captured one did: those updated before
 }
 
 bool AdamW::can_share_update(size_t first, size_t index) const { return state_[first].step == state_[index].step; }

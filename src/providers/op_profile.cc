@@ -139,7 +139,10 @@ void profile_end(OpId op, Device device, DType dtype, int64_t begin_ns, const st
 void detail::run_entry(const KernelEntry* e, OpId op, Device device, DType dtype, const CallArgs& args) {
   const DeviceContext& ctx = device_runtime(device.type).context(device.index);
   if (!(detail::modes.load(std::memory_order_relaxed) & detail::kModeProfile)) return e->run_generic(e, ctx, args);
-  if (profile_depth++ == 0) device_runtime(device.type).synchronize(device.index);
+  // Synchronized before the depth counts this call: a synchronize that throws (under CUDA graph capture) leaves the
+  // depth as it was.
+  if (profile_depth == 0) device_runtime(device.type).synchronize(device.index);
+  ++profile_depth;
   const int64_t begin = now_ns();
   try {
     e->run_generic(e, ctx, args);

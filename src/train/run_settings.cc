@@ -72,6 +72,7 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("training", "fp8", fp8),
       LOOM_SETTING("training", "fp8-amax-history", fp8_amax_history),
       LOOM_RUN_FLAG("training", "tf32"),
+      LOOM_RUN_FLAG("training", "cuda-graph"),
       LOOM_SETTING("training", "eval-interval", eval_interval),
       LOOM_SETTING("training", "eval-batches", eval_batches),
       LOOM_RUN_FLAG("training", "eval-only"),

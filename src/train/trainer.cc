@@ -43,6 +43,7 @@
 #include "loom/train/checkpoint.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/phase_timer.h"
+#include "train/graph_step.h"
 #include "train/peak_flops.h"
 #include "train/progress_ticker.h"
 #include "train/run_settings.h"
@@ -189,6 +190,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
   const int64_t launch_world = opts_.process_group ? opts_.process_group->size() : launch ? launch->world_size : 1;
   plan_ = distributed::make_plan(cfg, launch_world, parallel_options);
+  check_cuda_graph_options(opts_, cfg, launch_world);
   const std::string recompute = plan_.recompute.mode != autograd::Recompute::kNone
                                     ? autograd::recompute_name(plan_.recompute.mode)
                                 : plan_.recompute.mlp_hidden ? "selective"
@@ -380,6 +382,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     std::cout.flush();
   }
   if (opts_.phase_times) phase_timer_ = std::make_unique<PhaseTimer>(device_);
+  if (opts_.cuda_graph && !opts_.eval_only) graph_ = std::make_unique<GraphStep>(device_, grad_accum_);
 }
 
 Trainer::~Trainer() = default;
@@ -393,29 +396,45 @@ double Trainer::data_parallel_mean(double local) {
 }
 
 // The one road: zero the gradients, the schedule's forwards and backwards, synchronize, clip and step, average the
-// loss. Every parallel layout runs it; the plan decides what each part does.
+// loss. Every parallel layout runs it; the plan decides what each part does. With --cuda-graph the same step, once
+// warmed up, is captured into a CUDA graph and replayed from then on.
 StepStats Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
-  model_->train(true);
-  parallel_->optimizer().zero_grad();
-  if (phase_timer_) phase_timer_->begin();
-  auto mark = [&](const char* phase) {
-    if (phase_timer_) phase_timer_->mark(phase);
-  };
+  StepStats s;
+  s.lr = logs_->schedule->lr(step_);
+  if (graph_) graph_->load(*train_loader_);  // warm-up steps read the same buffers that the graph will
   auto next = [&] {
+    if (graph_) return graph_->next();
     data::Batch batch = train_loader_->next();
     return distributed::MicroBatch{batch.x.to(device_), batch.y.to(device_)};
   };
-  // The losses stay on the device until the step is queued: reading them each micro-batch would stall a GPU.
-  Tensor loss_sum = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(), mark);
-  parallel_->gradients().finish();
-  StepStats s;
-  s.lr = logs_->schedule->lr(step_);
-  mark("gradient sync");  // what of the gradient communication the backward did not hide
-  s.grad_norm = parallel_->optimizer().step(s.lr, opts_.clip);
-  mark("optimizer");  // with the norm's read-back; ZeRO-1: also its reduce-scatter and gather
+  Tensor loss_sum;
+  // --cuda-graph: captured the first time, replayed from then on; eager below while warming up or after a failure.
+  const bool graphed = graph_ && graph_->run(step_ + 1, s.lr, parallel_->optimizer(), opts_.quiet, loss_sum,
+                                             s.grad_norm, [&] {
+    model_->train(true);
+    parallel_->optimizer().zero_grad();
+    Tensor losses = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(), [](const char*) {});
+    parallel_->gradients().finish();
+    return std::pair{losses, parallel_->optimizer().step_on_device(s.lr, opts_.clip)};
+  });
+  if (!graphed) {
+    model_->train(true);
+    parallel_->optimizer().zero_grad();
+    if (phase_timer_) phase_timer_->begin();
+    auto mark = [&](const char* phase) {
+      if (phase_timer_) phase_timer_->mark(phase);
+    };
+    // The losses stay on the device until the step is queued: reading them each micro-batch would stall a GPU.
+    loss_sum = parallel_->schedule().forward_backward(grad_accum_, next, parallel_->gradients(), mark);
+    parallel_->gradients().finish();
+    mark("gradient sync");  // what of the gradient communication the backward did not hide
+    s.grad_norm = parallel_->optimizer().step(s.lr, opts_.clip);
+    mark("optimizer");  // with the norm's read-back; ZeRO-1: also its reduce-scatter and gather
+    if (graph_) graph_->count_warmup_step();
+  }
   s.loss = data_parallel_mean(loss_sum.item<double>() / double(grad_accum_));
-  mark("loss average");
+  if (phase_timer_) phase_timer_->mark("loss average");
   device_runtime(device_.type).synchronize(device_.index);
   if (phase_timer_) s.phases = phase_timer_->finish();
   ++step_;

@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 
 #include "loom/common/error.h"
 
@@ -40,6 +42,43 @@ inline MemoryStats memory_stats(int = 0) {
 inline void reset_peak_memory_stats(int = 0) {}
 inline void empty_cache() {}
 inline void synchronize(int = -1) {}
+#endif
+
+// One training step captured into a CUDA graph on a device's current stream and replayed (loom-train --cuda-graph,
+// torch.cuda.graphs' model). Memory the step allocates while it is captured comes from a pool private to the graph,
+// so every replay finds the addresses it was captured with; the pool returns to the allocator when the graph goes.
+// The step must read nothing back to the host and synchronize nothing; the kernels whose scalars change from step to
+// step (the optimizer's learning rate and bias corrections) read them from device slots that replay() rewrites.
+class StepGraph {
+ public:
+  explicit StepGraph(int device);
+  ~StepGraph();
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+
+  // Captures `step` (nothing runs on the device). On failure throws naming what broke (the step's own error, and
+  // cudaStreamEndCapture's), leaving no graph and the allocator as it was.
+  void capture(const std::function<void()>& step);
+  // Launches the captured step at `lr`, `steps_since_capture` steps after the captured one (0: the captured step
+  // itself). Queued on the stream: the caller reads the step's results after it.
+  void replay(double lr, int64_t steps_since_capture);
+  bool captured() const;
+
+  struct Impl;  // opaque; the backend's kernels find the graph being captured through it
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+#ifndef LOOM_WITH_CUDA
+struct StepGraph::Impl {};
+inline StepGraph::StepGraph(int) {
+  LOOM_THROW("cuda::StepGraph: CUDA is not available (this build of Loom has no CUDA backend)");
+}
+inline StepGraph::~StepGraph() = default;
+inline void StepGraph::capture(const std::function<void()>&) {}
+inline void StepGraph::replay(double, int64_t) {}
+inline bool StepGraph::captured() const { return false; }
 #endif
 
 }  // namespace loom::cuda

@@ -56,6 +56,14 @@ class TrainingOptimizer {
   // Clips the gradients to max_norm by their global norm (<= 0: no clipping) and steps at `lr`; returns the norm
   // before clipping.
   virtual double step(double lr, double max_norm) = 0;
+  // As step, reading nothing back to the host (a step captured into a CUDA graph): returns the norm before clipping
+  // as a 0-d f64 tensor on the device. Only the one-process AdamW can; the others throw.
+  virtual Tensor step_on_device(double lr, double max_norm);
+  // After a replay of a captured step, which updated on the device without the host: counts that step at `lr` in the
+  // host's step counts (what checkpoints save), as step would have.
+  virtual void count_replayed_step(double lr);
+  // Takes back the host's count of a step whose capture failed (its work never ran).
+  virtual void take_back_step();
   virtual int64_t step_count() const = 0;
   virtual double lr() const = 0;
 };

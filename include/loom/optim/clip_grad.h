@@ -13,4 +13,10 @@ namespace loom::optim {
 // the caller decides (skip the step, stop).
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
 
+// As above for gradients that all live on one device, with nothing read back: the norm is returned as a 0-d f64
+// tensor on that device, and the clip coefficient (max_norm / (norm + 1e-6) when max_norm > 0 and the finite norm
+// exceeds it, else 1) is computed there and multiplied into every gradient. clip_grad_norm runs this on one device
+// and reads the norm after, so a step captured into a CUDA graph clips with the same bits as an eager one.
+Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_norm);
+
 }  // namespace loom::optim

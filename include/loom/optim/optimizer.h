@@ -42,6 +42,10 @@ class Optimizer {
 
   // Updates every parameter that has a gradient (those with an undefined grad are skipped), under NoGradGuard.
   virtual void step();
+  // Counts `steps` steps that ran without this object (replays of a captured one): the step count and each
+  // parameter's own update count advance as step() would have advanced them for parameters updated before. -1 takes
+  // back a step() whose work never ran (a capture that failed).
+  virtual void count_step(int64_t steps = 1);
   // Drops every parameter's gradient (the next backward writes a fresh one: into its flat slot in the flat layout,
   // so this launches nothing).
   void zero_grad();
@@ -136,6 +140,7 @@ class AdamW : public Optimizer {
   AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options);
   AdamW(std::vector<Tensor> params, const AdamWOptions& options);  // one group with options.weight_decay
   const AdamWOptions& options() const { return options_; }
+  void count_step(int64_t steps = 1) override;
 
  protected:
   void update(size_t index, const ParamGroup& group, Tensor& param, const Tensor& grad) override;

@@ -85,6 +85,9 @@ struct TrainOptions {
   // Device time per phase of each step (forward, backward, gradient sync, optimizer, loss average; PhaseTimer), in
   // metrics.jsonl as perf/phase_ms/<phase> and as medians at the end of the run.
   bool phase_times = false;
+  // Capture the steady-state step (zero grads, forward, backward, clipping, AdamW) into a CUDA graph after a few
+  // eager warm-up steps and replay it every later step. One process on CUDA only; Trainer refuses what it cannot.
+  bool cuda_graph = false;
   // metrics.jsonl (appended to, each run's lines after a mark of its start) and a TensorBoard event file (one per
   // run); empty = console only.
   std::string log_dir;

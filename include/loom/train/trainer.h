@@ -28,6 +28,7 @@ class ParallelModel;
 namespace loom::train {
 
 class PhaseTimer;
+class GraphStep;
 
 struct StepStats {
   int64_t step = 0;  // 1-based, after the update
@@ -105,6 +106,7 @@ class Trainer {
   std::string run_id_;            // written into every checkpoint; retention removes only this run's
   std::vector<StepStats> history_;
   std::unique_ptr<PhaseTimer> phase_timer_;  // --phase-times
+  std::unique_ptr<GraphStep> graph_;         // --cuda-graph
   double best_loss_;               // --keep-best: the run's best validation loss so far (+inf: none yet)
   bool best_pending_ = false;      // an evaluation beat it; the next save at its step becomes `best`
 };

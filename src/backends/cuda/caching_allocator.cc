@@ -28,6 +28,7 @@ std::string format_bytes(size_t bytes) {
 }
 
 bool CachingAllocator::BlockOrder::operator()(const Block* a, const Block* b) const {
+  if (a->pool != b->pool) return a->pool < b->pool;
   if (a->stream != b->stream) return reinterpret_cast<uintptr_t>(a->stream) < reinterpret_cast<uintptr_t>(b->stream);
   if (a->size != b->size) return a->size < b->size;
   return reinterpret_cast<uintptr_t>(a->ptr) < reinterpret_cast<uintptr_t>(b->ptr);
@@ -43,6 +44,8 @@ CachingAllocator::~CachingAllocator() {
       if (!b->prev) heads.push_back(b);
   for (auto& entry : allocated_)
     if (!entry.second->prev) heads.push_back(entry.second);
+  for (auto& entry : deferred_)
+    if (!entry.second->prev) heads.push_back(entry.second);
   DeviceGuard guard(device_);
   for (Block* head : heads) {
     cudaFree(head->ptr);  // no throwing from a destructor; a failure here leaks device memory at worst
@@ -57,8 +60,13 @@ CachingAllocator::~CachingAllocator() {
 char* CachingAllocator::malloc_segment(size_t segment_bytes, size_t requested_bytes) {
   DeviceGuard guard(device_);
   void* p = nullptr;
+  // Under graph capture cudaMalloc counts as unsafe (it may synchronize); it is what the private pool is made of, so
+  // this thread relaxes the capture's mode around it, as PyTorch's allocator does.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (active_pool_ != 0) LOOM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
   cudaError_t err = cudaMalloc(&p, segment_bytes);
-  if (err == cudaErrorMemoryAllocation) {
+  if (active_pool_ != 0) LOOM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  if (err == cudaErrorMemoryAllocation && active_pool_ == 0) {  // no cudaFree while a graph is captured
     cudaGetLastError();  // clear the error so it does not surface at an unrelated later check
     ++stats_.num_alloc_retries;
     release_free_segments();
@@ -95,12 +103,14 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
   bool small = size <= kSmallSize;
   Pool& pool = pool_for(small);
 
+  const uint64_t pool_id = active_pool_ != 0 && stream == active_stream_ ? active_pool_ : 0;
   Block key;
+  key.pool = pool_id;
   key.stream = stream;
   key.size = size;
   Block* block = nullptr;
   auto it = pool.lower_bound(&key);
-  if (it != pool.end() && (*it)->stream == stream) {
+  if (it != pool.end() && (*it)->pool == pool_id && (*it)->stream == stream) {
     block = *it;
     pool.erase(it);
   } else {
@@ -112,6 +122,7 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
       delete block;
       throw;
     }
+    block->pool = pool_id;
     block->stream = stream;
     block->size = segment;
     block->small = small;
@@ -120,6 +131,7 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
   size_t remaining = block->size - size;
   if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
     Block* rest = new Block;
+    rest->pool = block->pool;
     rest->stream = stream;
     rest->size = remaining;
     rest->ptr = block->ptr + size;
@@ -146,9 +158,18 @@ void CachingAllocator::deallocate(void* ptr) {
   LOOM_CHECK(it != allocated_.end(), "CUDA caching allocator: freeing a pointer it did not allocate");
   Block* block = it->second;
   allocated_.erase(it);
-  block->allocated = false;
   stats_.allocated_bytes -= block->size;
+  if (active_pool_ != 0 && block->pool != active_pool_) {
+    // Freed while a graph is captured: the graph may still read it at replay, so nobody gets it until the graph is
+    // gone. It stays marked allocated so that its neighbours do not merge with it.
+    deferred_.emplace_back(active_pool_, block);
+    return;
+  }
+  insert_free(block);
+}
 
+void CachingAllocator::insert_free(Block* block) {
+  block->allocated = false;
   Pool& pool = pool_for(block->small);
   if (Block* prev = block->prev; prev && !prev->allocated) {
     pool.erase(prev);
@@ -182,7 +203,7 @@ void CachingAllocator::release_free_segments() {
   for (Pool* pool : {&small_pool_, &large_pool_}) {
     std::vector<Block*> whole;
     for (Block* b : *pool)
-      if (!b->prev && !b->next) whole.push_back(b);
+      if (!b->prev && !b->next && b->pool == 0) whole.push_back(b);  // a graph's pool stays while the graph lives
     for (Block* b : whole) free_segment(b);
   }
 }
@@ -200,6 +221,56 @@ MemoryStats CachingAllocator::stats() const {
 void CachingAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
+}
+
+void CachingAllocator::begin_private_pool(uint64_t id, void* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LOOM_CHECK(id != 0, "CUDA caching allocator: private pool ids are non-zero");
+  LOOM_CHECK(active_pool_ == 0, "CUDA caching allocator: private pool ", active_pool_, " is still active");
+  active_pool_ = id;
+  active_stream_ = stream;
+}
+
+void CachingAllocator::end_private_pool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  active_pool_ = 0;
+  active_stream_ = nullptr;
+}
+
+void CachingAllocator::release_private_pool(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id == 0) return;
+  if (active_pool_ == id) active_pool_ = 0, active_stream_ = nullptr;
+  // Every block of the pool's segments, free or allocated, is retagged, so a segment stays in one pool.
+  for (Pool* pool : {&small_pool_, &large_pool_}) {
+    std::vector<Block*> owned;
+    for (Block* b : *pool)
+      if (b->pool == id) owned.push_back(b);
+    for (Block* b : owned) {
+      pool->erase(b);
+      b->pool = 0;
+      pool->insert(b);
+    }
+  }
+  for (auto& entry : allocated_)
+    if (entry.second->pool == id) entry.second->pool = 0;
+  std::vector<std::pair<uint64_t, Block*>> kept;
+  for (auto& [pool_id, block] : deferred_) {
+    if (block->pool == id) block->pool = 0;  // held for another pool's graph, but no longer this pool's
+    if (pool_id != id) {
+      kept.emplace_back(pool_id, block);
+      continue;
+    }
+    insert_free(block);
+  }
+  deferred_ = std::move(kept);
+}
+
+uint64_t CachingAllocator::pool_of(void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocated_.find(ptr);
+  LOOM_REQUIRE(it != allocated_.end(), "CachingAllocator::pool_of: pointer is not allocated here");
+  return it->second->pool;
 }
 
 size_t CachingAllocator::block_size(void* ptr) const {

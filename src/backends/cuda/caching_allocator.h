@@ -12,6 +12,12 @@
 //   allocations on that stream. Kernels on one stream run in order, so a block freed while a kernel still reads it is
 //   safe to hand out again on the same stream. A tensor used on a second stream must be kept alive by the caller until
 //   that stream is done with it (there is no record_stream yet).
+// - Graph-private pools (CUDA graphs, as PyTorch's): while a pool is active, allocations on its stream come only from
+//   segments tagged with the pool's id, and blocks freed there go back to that pool alone. A captured graph replays
+//   with the addresses it was captured with, so nothing else may be handed those blocks while the graph lives; the
+//   pool keeps them (empty_cache leaves them alone) until release_private_pool gives them back to everyone. A block
+//   of the common pools freed while a pool is active is held back until that pool is released: the captured graph
+//   may still read it.
 // - When cudaMalloc fails, every cached free segment is released and the call retried once; if that fails too, it
 //   throws loom::Error "CUDA out of memory: ..." with what Loom holds and what the device has free.
 // The header is CUDA-free (streams are opaque pointers, cudaStream_t underneath) so that tests can include it.
@@ -23,6 +29,8 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "loom/backends/cuda.h"
 
@@ -50,12 +58,23 @@ class CachingAllocator {
   void reset_peak();
   int device() const { return device_; }
 
+  // Between begin_private_pool and end_private_pool, allocations on `stream` come from pool `id` (non-zero) only;
+  // other streams use the common pools. One pool is active at a time. While one is active no segment is returned
+  // to the driver (cudaFree is not allowed while a stream is captured).
+  void begin_private_pool(uint64_t id, void* stream);
+  void end_private_pool();
+  // Pool `id`'s blocks, free or still allocated, join the common pools (its graph is gone).
+  void release_private_pool(uint64_t id);
+  // The pool behind an allocated pointer (0: the common pools). For tests.
+  uint64_t pool_of(void* ptr) const;
+
   // For tests and diagnostics: the rounded size of the block behind an allocated pointer, and the segment count.
   size_t block_size(void* ptr) const;
   size_t segment_count() const;
 
  private:
   struct Block {
+    uint64_t pool = 0;  // 0: the common pools; otherwise the private pool owning the whole segment
     void* stream = nullptr;
     size_t size = 0;
     char* ptr = nullptr;
@@ -73,6 +92,7 @@ class CachingAllocator {
   char* malloc_segment(size_t segment_bytes, size_t requested_bytes);
   void release_free_segments();  // mu_ held
   void free_segment(Block* head);  // mu_ held; head is a whole free segment in its pool
+  void insert_free(Block* block);  // mu_ held; merges with free neighbours and returns the result to its pool
 
   int device_;
   mutable std::mutex mu_;
@@ -80,7 +100,13 @@ class CachingAllocator {
   std::unordered_map<void*, Block*> allocated_;
   size_t segments_ = 0;
   MemoryStats stats_;
+  uint64_t active_pool_ = 0;  // the private pool allocations on active_stream_ come from (0: none)
+  void* active_stream_ = nullptr;
+  std::vector<std::pair<uint64_t, Block*>> deferred_;  // common blocks freed during a capture, held for its pool
 };
+
+// The runtime's allocator of `device` (the one tensors on it come from).
+CachingAllocator& device_allocator(int device);
 
 // "1.50 MiB": byte counts for messages.
 std::string format_bytes(size_t bytes);

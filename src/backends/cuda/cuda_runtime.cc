@@ -212,6 +212,8 @@ MemoryStats memory_stats(int device) { return runtime().allocator(device).stats(
 
 void reset_peak_memory_stats(int device) { runtime().allocator(device).reset_peak(); }
 
+CachingAllocator& device_allocator(int device) { return runtime().allocator(device); }
+
 void empty_cache() {
   if (!is_available()) return;
   CudaRuntime& rt = runtime();

@@ -1,8 +1,10 @@
 // CUDA optimizer kernels: fused AdamW and SGD updates (math in the parameter's accumulate type, f32 for 16-bit
-// parameters, the step's scalars derived in double on the host as on the CPU), and a deterministic f64 sum of squares.
+// parameters, the step's scalars derived in double on the host as on the CPU; under CUDA graph capture AdamW reads
+// them from a slot rewritten before each replay), and a deterministic f64 sum of squares.
 #include <algorithm>
 #include <cmath>
 
+#include "backends/cuda/cuda_graph.h"
 #include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/optimizer_kernel.h"
 
@@ -27,10 +29,27 @@ struct AdamWScalars {
   M decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_bias_correction2_sqrt, eps;
 };
 
+// The step's scalars, derived in double on the host from the attributes.
+template <typename M>
+AdamWScalars<M> adamw_scalars(const AdamWUpdateAttrs& a) {
+  return AdamWScalars<M>{M(1.0 - a.lr * a.weight_decay),
+                         M(a.beta1),
+                         M(a.beta2),
+                         M(1.0 - a.beta1),
+                         M(1.0 - a.beta2),
+                         M(a.lr / (1.0 - std::pow(a.beta1, double(a.step)))),
+                         M(1.0 / std::sqrt(1.0 - std::pow(a.beta2, double(a.step)))),
+                         M(a.eps)};
+}
+
+// The scalars come from `slot` when it is set (a step captured into a CUDA graph, whose learning rate and step count
+// change from replay to replay), else from `arg`; the same values either way, so both give the same bits.
 template <typename P, typename G>
-__global__ void adamw_kernel(AdamWScalars<acc_t<P>> s, P* __restrict__ param, const G* __restrict__ grad,
-                             acc_t<P>* __restrict__ exp_avg, acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
+__global__ void adamw_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScalars<acc_t<P>>* __restrict__ slot,
+                             P* __restrict__ param, const G* __restrict__ grad, acc_t<P>* __restrict__ exp_avg,
+                             acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
   using M = acc_t<P>;
+  const AdamWScalars<M> s = slot ? *slot : arg;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     M g = to_math<M>(grad[i]);
@@ -54,17 +73,18 @@ void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tens
   LOOM_DISPATCH_FLOATING(param.dtype(), "adamw_update", [&] {
     using P = scalar_t;
     using M = acc_t<P>;
-    const AdamWScalars<M> s{M(1.0 - a.lr * a.weight_decay),
-                            M(a.beta1),
-                            M(a.beta2),
-                            M(1.0 - a.beta1),
-                            M(1.0 - a.beta2),
-                            M(a.lr / (1.0 - std::pow(a.beta1, double(a.step)))),
-                            M(1.0 / std::sqrt(1.0 - std::pow(a.beta2, double(a.step)))),
-                            M(a.eps)};
+    const AdamWScalars<M> s = adamw_scalars<M>(a);
+    // Captured: each replay's learning rate, and the step count that many steps past the captured one.
+    const auto* slot = static_cast<const AdamWScalars<M>*>(
+        cuda::replay_scalar_slot(stream, sizeof(AdamWScalars<M>), [a](const cuda::ReplayStep& r, void* out) {
+          AdamWUpdateAttrs at = a;
+          at.lr = r.lr;
+          at.step = a.step + r.steps_since_capture;
+          *static_cast<AdamWScalars<M>*>(out) = adamw_scalars<M>(at);
+        }));
     LOOM_DISPATCH_FLOATING(grad.dtype(), "adamw_update", [&] {
       adamw_kernel<P, scalar_t><<<loop_blocks(n), kLoopThreads, 0, stream>>>(
-          s, param.data_ptr<P>(), grad.data_ptr<scalar_t>(), exp_avg.data_ptr<M>(), exp_avg_sq.data_ptr<M>(), n);
+          s, slot, param.data_ptr<P>(), grad.data_ptr<scalar_t>(), exp_avg.data_ptr<M>(), exp_avg_sq.data_ptr<M>(), n);
       LOOM_CUDA_CHECK_LAUNCH();
     });
   });

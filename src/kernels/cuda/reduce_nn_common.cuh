@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_graph.h"
 #include "backends/cuda/cuda_context.h"
 #include "loom/core/tensor.h"
 
@@ -166,8 +167,10 @@ class IndexStatus {
   unsigned long long* bad_position() const { return static_cast<unsigned long long*>(buffer_.data()); }
   unsigned long long* counter() const { return bad_position() + 1; }
 
-  // The first bad position, or -1. Waits for the stream.
+  // The first bad position, or -1. Waits for the stream. Under CUDA graph capture nothing may wait: -1 (the warm-up
+  // steps before the capture checked the indices; a replay's are not checked).
   int64_t first_bad_position(cudaStream_t stream) const {
+    if (stream_capturing(stream)) return -1;
     unsigned long long host = kNone;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(&host, bad_position(), sizeof(host), cudaMemcpyDeviceToHost, stream));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));

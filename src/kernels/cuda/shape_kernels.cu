@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "backends/cuda/cuda_graph.h"
 #include "kernels/primitives/element_size.h"
 #include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/shape_kernel.h"
@@ -39,6 +40,7 @@ class BadIndexFlag {
   // Waits for the kernel and throws with the CPU kernel's message when it saw an out-of-range index.
   template <typename I>
   void throw_if_set(const char* op, const I* index, int64_t limit) const {
+    if (cuda::stream_capturing(stream_)) return;  // nothing may wait under CUDA graph capture
     unsigned long long position = kNoBadIndex;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(&position, device_ptr(), sizeof(position), cudaMemcpyDeviceToHost, stream_));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
