@@ -127,7 +127,9 @@ struct GemmCase {
 Tensor run_gemm(const GemmCase& g, const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb,
                 const Tensor& bias, const Tensor& c_init, Device device) {
   const int64_t ldc = g.m + g.ldc_pad;
-  Tensor c = c_init.to(device);
+  // A copy: to() on the tensor's own device returns the tensor itself, and the product writes C in place, so the
+  // CPU's run would hand the GPU's a C already holding its result.
+  Tensor c = c_init.clone().to(device);
   Tensor ad = a.to(device), bd = b.to(device), sad = sa.to(device), sbd = sb.to(device);
   Tensor biasd = bias.defined() ? bias.to(device) : Tensor();
   Fp8GemmParams f;
@@ -274,7 +276,10 @@ TEST(CudaFp8, ShadowHoldsTheFp8ProductsAgainstDequantizedBf16) {
   LOOM_SKIP_WITHOUT_FP8_GPU();
   dispatch::reset_shadow_stats();
   test::ScopedPolicy policy("shadow=dequantized:fp8_gemm");
-  dispatch::set_shadow_tolerance(kF32, 2e-3, 2e-3);
+  // An absolute tolerance near the outputs' size times 1e-3: grad_w's elements sum 256 products and reach about 10,
+  // and where they cancel to near 0 the FP8 tensor cores' accumulation leaves an error of a few 1e-3 against the
+  // exact bf16 product (seen: 0.19898 for 0.20201 on an H200). A wrong scale, operand or layout is off by far more.
+  dispatch::set_shadow_tolerance(kF32, 2e-3, 1e-2);
   auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
   for (int i = 0; i < 3; ++i) {
     Tensor x = test::random_tensor({256, 512}, kBF16, -1, 1, test::fresh_seed(), kGpu).set_requires_grad(true);

@@ -99,25 +99,26 @@ __global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_s
   }
 }
 
-// What cuBLASLt did not, in one pass over C: C = product + beta * C (+ bias where it was not fused). `product` is the
-// staged f32 result, or null: then C holds the result already (`c_holds_product`), or the sum was empty.
-// cuBLASLt never reads C: asked for beta != 0 (C as D), its FP8 kernels returned (1 + beta) * alpha * AB + beta * C on
-// an H200 (cuBLAS 13, 2026-12-02), so cuBLASLt runs with beta 0 and a product with beta is staged and added here.
+// A column-major matrix (m x n per problem) from one layout to another.
 template <typename T>
-__global__ void finish_kernel(T* c, int64_t ldc, int64_t stride_c, const float* __restrict__ product, int64_t ldp,
-                              int64_t stride_p, int64_t m, int64_t n, int64_t total, bool c_holds_product, float beta,
-                              const T* __restrict__ bias) {
+__global__ void copy_matrix(const T* __restrict__ src, int64_t src_ld, int64_t src_stride, T* __restrict__ dst,
+                            int64_t dst_ld, int64_t dst_stride, int64_t m, int64_t n, int64_t total) {
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % m, j = (idx / m) % n, b = idx / (m * n);
+    dst[b * dst_stride + j * dst_ld + i] = src[b * src_stride + j * src_ld + i];
+  }
+}
+
+// What cuBLASLt did not: C = beta * C for an empty sum (beta 0 never reads C), and the bias where it was not fused.
+template <typename T>
+__global__ void finish_kernel(T* c, int64_t ldc, int64_t stride_c, int64_t m, int64_t n, int64_t total,
+                              bool empty_sum, float beta, const T* bias) {
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = idx % m, j = (idx / m) % n, b = idx / (m * n);
     const int64_t at = b * stride_c + j * ldc + i;
-    float v;
-    if (c_holds_product) {
-      v = float(c[at]);
-    } else {
-      v = product ? product[b * stride_p + j * ldp + i] : 0.0f;
-      if (beta != 0.0f) v += beta * float(c[at]);  // beta 0 never reads C (it may hold NaN)
-    }
+    float v = empty_sum ? (beta == 0.0f ? 0.0f : beta * float(c[at])) : float(c[at]);
     if (bias) v += float(bias[i]);
     c[at] = T(v);
   }
@@ -244,8 +245,8 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
-// The problem with every operand in the canonical layout (packed, K padded): what a call falls back to when the
-// operands as stored have no algorithm.
+// The problem with every operand in the canonical layout (packed, K padded, D dense and aligned): what supports()
+// asks cuBLASLt about, and what a call falls back to.
 LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias) {
   const GemmParams& g = f.gemm;
   LtProblem p;
@@ -257,17 +258,6 @@ LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias) {
   p.d_stride = p.ldd * g.n;
   p.fused_bias = fused_bias;
   p.fast_accumulation = f.fast_accumulation;
-  return p;
-}
-
-// The problem written to a dense f32 buffer instead of C (the bias added after): what a call falls back to when C
-// cannot be D (beta reads it, or its layout has no algorithm).
-LtProblem staged(LtProblem p) {
-  p.d_type = kF32;
-  p.d = nullptr;
-  p.ldd = round_up(p.m, 4);
-  p.d_stride = p.ldd * p.n;
-  p.fused_bias = false;
   return p;
 }
 
@@ -284,20 +274,17 @@ bool fp8_gemm_supported(const Fp8GemmParams& f) {
   if (g.batch > INT32_MAX) return false;
   const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
   cuda::DeviceGuard guard(g.device.index);
-  return plan_cache().get(cuda, staged(canonical_problem(f, false)), 16).has_algo;  // the last resort
+  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).has_algo;
 }
 
-// C from the product (`product`: staged f32, ldp and stride_p; null: in C already, or `empty_sum`), beta and the bias.
-void finish(const CudaDeviceContext& cuda, const GemmParams& g, const float* product, int64_t ldp, int64_t stride_p,
-            bool empty_sum, bool add_bias) {
-  const bool c_holds_product = product == nullptr && !empty_sum;
-  if (c_holds_product && !add_bias) return;
+void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
+  if (!empty_sum && !add_bias) return;
   const int64_t total = g.m * g.n * g.batch;
   LOOM_DISPATCH_FLOATING(g.output_dtype, "fp8_gemm", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>)
       finish_kernel<scalar_t><<<grid_for(total), 256, 0, cuda.cuda_stream()>>>(
-          static_cast<scalar_t*>(g.c), g.ldc, g.stride_c, product, ldp, stride_p, g.m, g.n, total, c_holds_product,
-          float(g.beta), add_bias ? static_cast<const scalar_t*>(g.bias) : nullptr);
+          static_cast<scalar_t*>(g.c), g.ldc, g.stride_c, g.m, g.n, total, empty_sum, float(g.beta),
+          add_bias ? static_cast<const scalar_t*>(g.bias) : nullptr);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -314,11 +301,25 @@ Operand packed(const void* src, int64_t row_stride, int64_t col_stride, int64_t 
   return {buffer.data(), ld, ld * cols};
 }
 
+template <typename T>
+void copy_output(const void* src, int64_t src_ld, int64_t src_stride, void* dst, int64_t dst_ld, int64_t dst_stride,
+                 const GemmParams& g, cudaStream_t stream) {
+  const int64_t total = g.m * g.n * g.batch;
+  copy_matrix<T><<<grid_for(total), 256, 0, stream>>>(static_cast<const T*>(src), src_ld, src_stride,
+                                                       static_cast<T*>(dst), dst_ld, dst_stride, g.m, g.n, total);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+void copy_output(DType t, const void* src, int64_t src_ld, int64_t src_stride, void* dst, int64_t dst_ld,
+                 int64_t dst_stride, const GemmParams& g, cudaStream_t stream) {
+  if (t == kF32) copy_output<float>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
+  else copy_output<uint16_t>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
+}
+
 // False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout.
 bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, const Fp8GemmParams& f) {
   cudaStream_t stream = cuda.cuda_stream();
   void* workspace = cuda.workspace(stream);
-  const float alpha = float(f.gemm.alpha), beta = 0.0f;  // C is added by finish()
+  const float alpha = float(f.gemm.alpha), beta = float(f.gemm.beta);
   std::lock_guard<std::mutex> lock(plan.mu);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
@@ -339,7 +340,7 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
   const CudaDeviceContext& cuda = cuda_context(ctx);
   cuda::DeviceGuard guard(ctx.device().index);
   const bool bias = g.epilogue == GemmEpilogue::kBias;
-  if (g.k == 0) return finish(cuda, g, nullptr, 0, 0, /*empty_sum=*/true, bias);
+  if (g.k == 0) return finish(cuda, g, /*empty_sum=*/true, bias);
   cudaStream_t stream = cuda.cuda_stream();
   // The scales on 16 bytes: [0] A's, [4] B's, copied there when either is not.
   Fp8GemmParams f = given;
@@ -372,27 +373,24 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
     }
     return p;
   };
-  // D: C itself when beta is 0 and cuBLASLt has an algorithm for C's layout; else a dense f32 buffer that finish()
-  // adds to beta * C and writes into C (one rounding to C's dtype).
+  // D: C itself when cuBLASLt has an algorithm for its layout, else an aligned buffer (holding C when beta reads it),
+  // copied out after.
   auto run_into_c = [&](const LtProblem& operands) {
     const int64_t elem = int64_t(dtype_size(g.output_dtype));
-    if (g.beta != 0 || !aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0))
-      return false;
+    if (!aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0)) return false;
     LtProblem p = operands;
     p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
     Plan& plan = plan_cache().get(cuda, p, alignment_of(g.c));
-    if (!plan.has_algo || !run_plan(cuda, plan, p, f)) return false;
-    finish(cuda, g, nullptr, 0, 0, false, bias && !p.fused_bias);
-    return true;
+    return plan.has_algo && run_plan(cuda, plan, p, f);
   };
   auto run_staged = [&](LtProblem p) {
-    p = staged(p);
     Plan& plan = plan_cache().get(cuda, p, 16);
     if (!plan.has_algo) return false;
-    if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, kF32, g.device);
+    if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
     p.d = d_buffer.data();
+    if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
     if (!run_plan(cuda, plan, p, f)) return false;
-    finish(cuda, g, static_cast<const float*>(p.d), p.ldd, p.d_stride, false, bias);
+    copy_output(g.output_dtype, p.d, p.ldd, p.d_stride, g.c, g.ldc, g.stride_c, g, stream);
     return true;
   };
   const LtProblem as_given = with_operands(false);
@@ -403,6 +401,7 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
   }
   LOOM_REQUIRE(done, "fp8_gemm (cuda): cuBLASLt runs no algorithm for m=", g.m, " n=", g.n, " k=", g.k, " batch=",
                g.batch, " in the canonical layout (supports() should have declined it)");
+  finish(cuda, g, false, bias && !fused_bias);
 }
 
 bool fp8_gemm_cuda_supports(const Fp8GemmParams& f) { return fp8_gemm_supported(f); }
