@@ -67,6 +67,7 @@ built=0
 need_build() {
   [ $built = 1 ] && return 0
   stage_build || return 1
+  t0=$SECONDS  # the calling stage's own clock (its local t0, which bash lets this function set) starts after the build
 }
 # Whether loom-conformance takes a flag (older builds lack --jobs and --max-calls).
 conformance_has() { $BIN/loom-conformance --help 2>&1 | grep -q -- "$1"; }
