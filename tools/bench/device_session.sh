@@ -16,6 +16,8 @@
 # FP8='all' (or 'linear all', FP8_FLAGS='--fp8-amax-history 16') also runs Loom with --dtype bf16 --fp8 SCOPE after its
 # bf16 run, in the same call, and reports FP8 beside bf16 (tokens/s, ratios, the loss difference; e2e_gpt2.sh):
 #   TESTS='CudaFp8*' FP8=all MODELS='124m' BATCHES=32 STEPS=30 tools/bench/device_session.sh
+# GRAPH=1 also runs Loom's bf16 step as a CUDA graph (--cuda-graph) and reports it beside eager (e2e_gpt2.sh):
+#   TESTS='CudaGraph*' GRAPH=1 FP8=all MODELS='124m llama3-1b' BATCHES=32 LLAMA_BATCHES=8 tools/bench/device_session.sh
 set -u
 O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/bench; mkdir -p $W
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }

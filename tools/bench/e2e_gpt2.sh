@@ -16,7 +16,9 @@
 # FP8: FP8 scopes of loom-train's --fp8 (classifier, linear, all; e.g. FP8='linear all') to run after the bf16 run, each
 # with --dtype bf16 --fp8 SCOPE and FP8_FLAGS (e.g. --fp8-amax-history 16) on the same data and initial weights; the
 # table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
-# difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too.
+# difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
+# bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
+# losses equal the bf16 run's).
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in
@@ -63,11 +65,17 @@ timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 -b $B -t $T --ste
   --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 FP8_SCOPES=(${FP8:-})
-for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
-  echo "== loom: $LOOM_MODEL bf16 --fp8 $scope ${FP8_FLAGS:-} B=$B T=$T steps=$STEPS"
-  timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 --fp8 $scope ${FP8_FLAGS:-} -b $B -t $T --steps $STEPS \
+# The variants run after Loom's bf16 run on the same data and weights, each "label|log suffix|loom-train flags".
+VARIANTS=()
+for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do VARIANTS+=("fp8 $scope|_fp8_$scope|--fp8 $scope ${FP8_FLAGS:-}"); done
+[ "${GRAPH:-0}" = 1 ] && VARIANTS+=("graph|_graph|--cuda-graph")
+for variant in ${VARIANTS[@]+"${VARIANTS[@]}"}; do
+  IFS='|' read -r label suffix flags <<< "$variant"
+  echo "== loom: $LOOM_MODEL bf16 $flags B=$B T=$T steps=$STEPS"
+  # shellcheck disable=SC2086
+  timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 $flags -b $B -t $T --steps $STEPS \
     --device cuda --eval-interval 0 --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} \
-    --log-dir "$DIR/loom_${MODEL}_b${B}_fp8_$scope" 2>&1 | tee "$DIR/loom_${MODEL}_b${B}_fp8_$scope.log"
+    --log-dir "$DIR/loom_${MODEL}_b${B}$suffix" 2>&1 | tee "$DIR/loom_${MODEL}_b${B}$suffix.log"
 done
 
 if [ "${PROFILE:-0}" = 1 ]; then
@@ -89,9 +97,9 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 
 python3 - "$DIR/loom_${MODEL}_b$B/metrics.jsonl" "$DIR/torch_${MODEL}_b$B.log" "$DIR/profile_${MODEL}_b$B.log" \
-  $B $T $MODEL $SAME_INIT "$DIR" "${FP8:-}" <<'PY'
+  $B $T $MODEL $SAME_INIT "$DIR" "$(for v in ${VARIANTS[@]+"${VARIANTS[@]}"}; do IFS='|' read -r l x _ <<< "$v"; printf '%s|%s;' "$l" "$x"; done)" <<'PY'
 import json, math, re, statistics, sys, os
-loom_log, torch_log, prof_log, B, T, model, same_init, out_dir, fp8_scopes = sys.argv[1:10]
+loom_log, torch_log, prof_log, B, T, model, same_init, out_dir, variants = sys.argv[1:10]
 B, T = int(B), int(T)
 GPT2 = {"124m": (12, 12, 768), "350m": (24, 16, 1024), "774m": (36, 20, 1280)}
 # LLaMA: layers, heads, kv heads, dim, ffn, vocab (unpadded: Loom's padded_vocab_size for LLaMA), tied embeddings
@@ -150,14 +158,15 @@ for name, tok, mfu, mem in rows:
 if rows[0][1] and rows[1][1]:
     print(f"{'ratio':10}{rows[0][1] / rows[1][1]:12.3f}{'':8}"
           f"{(rows[0][3] / rows[1][3]) if rows[0][3] and rows[1][3] else float('nan'):10.3f}   (Loom / PyTorch)")
-for scope in fp8_scopes.split():
-    base = f"{out_dir}/loom_{model}_b{B}_fp8_{scope}"
+for variant in filter(None, variants.split(";")):
+    label, suffix = variant.split("|")
+    base = f"{out_dir}/loom_{model}_b{B}{suffix}"
     fms, floss = read_metrics(f"{base}/metrics.jsonl")
     if not fms:
-        print(f"fp8 {scope:6}: no steps (see {base}.log)"); continue
+        print(f"{label:10}: no steps (see {base}.log)"); continue
     tok = B * T / (statistics.median(fms[WARM:] or fms) / 1000)
-    mem = mib(f"{out_dir}/profile_{model}_b{B}_fp8_{scope}.log", r"peak device memory allocated: ([\d.]+) MiB")
-    line = f"{'fp8 ' + scope:10}{tok:12.0f}{flops_per_token * tok / 989e12 * 100:8.1f}" + (f"{mem:10.0f}" if mem else f"{'-':>10}")
+    mem = mib(f"{out_dir}/profile_{model}_b{B}{suffix}.log", r"peak device memory allocated: ([\d.]+) MiB")
+    line = f"{label:10}{tok:12.0f}{flops_per_token * tok / 989e12 * 100:8.1f}" + (f"{mem:10.0f}" if mem else f"{'-':>10}")
     if rows[0][1]: line += f"   {tok / rows[0][1]:.3f}x Loom bf16"
     if rows[1][1]: line += f", {tok / rows[1][1]:.3f}x PyTorch"
     print(line + " (MFU against the bf16 peak)")
