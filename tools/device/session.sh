@@ -62,8 +62,25 @@ environment() {
 # compute-sanitizer's path ("" when this machine has none).
 sanitizer_path() { command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1; }
 # Every stage runs on a build of the tree this call brought: the first stage to need one builds (incrementally when
-# the machine kept build-dev/, from scratch on a fresh machine), so a call works whatever the machine kept.
+# the machine kept build-dev/, from scratch on a fresh machine), so a call works whatever the machine kept. Unless
+# the call names `build` (everything) or sets LOOM_BUILD_TARGETS, it builds the targets its stages run, no more.
 built=0
+stage_targets() {  # stage -> the build targets it runs
+  case $1 in
+    tests|sanitize|initcheck|racecheck) echo loom_tests ;;
+    suite|suite_initcheck|suite_racecheck|sweep) echo loom-conformance ;;
+    traces) echo loom-train loom-conformance ;;
+    reference) echo loom_tests loom-train loom-export loom-generate ;;
+    grouped_gemm) echo loom-bench-grouped-gemm ;;
+    *) echo all ;;  # build, and bench (tools/bench/device_session.sh runs the apps and benchmarks)
+  esac
+}
+targets=""
+for stage in "${stages[@]}"; do targets="$targets $(stage_targets "$stage")"; done
+if [ -z "${LOOM_BUILD_TARGETS:-}" ] && [[ " $targets " != *" all "* ]]; then
+  LOOM_BUILD_TARGETS=$(tr ' ' '\n' <<< "$targets" | sort -u | paste -sd' ' | sed 's/^ *//')
+  export LOOM_BUILD_TARGETS
+fi
 need_build() {
   [ $built = 1 ] && return 0
   stage_build || return 1
@@ -96,7 +113,8 @@ PY
 stage_build() {
   local t0=$SECONDS
   # shellcheck disable=SC1091
-  if . tools/device/build.sh; then built=1; row build pass "build-dev ($(nproc) cores)" $((SECONDS - t0))
+  if . tools/device/build.sh; then
+    built=1; row build pass "build-dev ($(nproc) cores)${LOOM_BUILD_TARGETS:+: $LOOM_BUILD_TARGETS}" $((SECONDS - t0))
   else row build FAIL "see build-dev.log" $((SECONDS - t0)); cp build-dev.log "$OUT/" 2>/dev/null; return 1; fi
 }
 
