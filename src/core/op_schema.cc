@@ -32,6 +32,7 @@ const char* value_class_name(ValueClass v) {
     case ValueClass::kSpecial: return "special";
     case ValueClass::kTiny: return "tiny";
     case ValueClass::kMasked: return "masked";
+    case ValueClass::kShifted: return "shifted";
   }
   return "?";
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <type_traits>
+#include <vector>
 
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
@@ -14,13 +15,20 @@ struct NormAttrs {
   LOOM_FIELDS(NormAttrs, eps);
 };
 
+// The values layer_norm's input takes in the suite: the default classes, and rows far from 0 (a variance taken as
+// E[x^2] - mean^2 in one pass cancels there). Not the fused residual norm's: its residual x + delta is rounded to its
+// dtype before it is normalized, and at an offset that rounding is as large as the tolerance.
+inline std::vector<ValueClass> layer_norm_x_classes() {
+  return {ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kShifted};
+}
+
 // x contiguous [..., C]; weight and bias [C] with x's dtype, or undefined (no affine part). out like x.
 // mean and rstd have x.shape()[:-1] and dtype f32 (f64 for an f64 x); the statistics are computed in f64.
 using LayerNormKernel = void(const DeviceContext&, const Tensor& x, const Tensor& weight, const Tensor& bias,
                              const NormAttrs&, Tensor& out, Tensor& mean, Tensor& rstd);
 LOOM_DECLARE_OP(layer_norm, LayerNormKernel,
-                OpSchema().leading_dims("R").in("x", "R C").in_opt("weight", "C").in_opt("bias", "C").out("out", "R C")
-                    .out("mean", "R", DTypeRule::kStats).out("rstd", "R", DTypeRule::kStats)
+                OpSchema().leading_dims("R").in("x", "R C").value_classes(layer_norm_x_classes()).in_opt("weight", "C")
+                    .in_opt("bias", "C").out("out", "R C").out("mean", "R", DTypeRule::kStats).out("rstd", "R", DTypeRule::kStats)
                     .attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C").autocast(Autocast::kNarrowOutput));
 
 // Gradients are outputs: an undefined grad_input, grad_weight or grad_bias is not computed. grad_weight and

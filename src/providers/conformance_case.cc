@@ -134,6 +134,18 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
         v[e] = k == 0 ? -0.0 : k == 1 ? 0.0 : (k == 2 ? 1 : -1) * smallest_denormal(dt) * double(1 + eng() % 64);
       });
       break;
+    case ValueClass::kShifted: {  // each line moved by +-(16..32): its mean far from 0 beside its spread (about 1)
+      // Not further: a right f32 kernel's x - mean keeps x's rounding (half an ulp of the offset), which the
+      // tolerance of a normalized output near 0 must still hold; a one-pass variance's error grows with the
+      // offset's square and already fails at 16.
+      if (shape.empty() || largest_finite(dt) < 1e3) break;
+      const Lines lines = lines_of();
+      for (int64_t line = 0; line < lines.count; ++line) {
+        const double offset = (eng() % 2 ? -1 : 1) * (16 + 16 * u(eng));
+        for (int64_t j = 0; j < lines.len; ++j) v[lines.at(line, j)] += offset;
+      }
+      break;
+    }
     case ValueClass::kMasked: {  // whole lines along line_dim at -inf
       if (shape.empty()) break;
       const Lines lines = lines_of();

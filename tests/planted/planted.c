@@ -30,6 +30,8 @@
  *                       right whatever lies there, but NaN or inf
  *   softmax_order       softmax sums each row in f32, in an order that changes from call to call (as atomics do):
  *                       within every tolerance, but the same call twice gives other bits
+ *   layer_norm_one_pass layer_norm takes the variance in one f32 pass as E[x^2] - mean^2: right for rows centred
+ *                       near 0, lost to cancellation in rows whose mean is large beside their spread
  *
  * Each plant is marked "PLANT" below. Plain C99, built only against the ABI header (like plugins/cpu_sample). */
 #include <math.h>
@@ -71,7 +73,8 @@ enum {
   PLANT_ADAMW_BETAS,
   PLANT_ROPE_LONG,
   PLANT_MUL_TAIL_READ,
-  PLANT_SOFTMAX_ORDER
+  PLANT_SOFTMAX_ORDER,
+  PLANT_LAYER_NORM_ONE_PASS
 };
 /* The LOOM_PLANTED values, in the order of the enum. */
 static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_beta",  "gemm_trans",
@@ -79,7 +82,8 @@ static const char* const plant_names[] = {"none",        "gemm_residue", "gemm_b
                                           "softmax_long", "layer_norm_residue", "add_nan",    "add_alias",
                                           "softmax_overflow", "softmax_masked", "gemm_align", "gemm_stride0",
                                           "gemm_bias_long", "gemm_alpha0",  "gemm_m1_lda", "gemm_cache_b",
-                                          "adamw_step_1000", "adamw_betas", "rope_long", "mul_tail_read", "softmax_order"};
+                                          "adamw_step_1000", "adamw_betas", "rope_long", "mul_tail_read", "softmax_order",
+                                          "layer_norm_one_pass"};
 #define N_PLANTS ((int)(sizeof plant_names / sizeof plant_names[0]))
 static int plant = PLANT_NONE;
 
@@ -445,6 +449,16 @@ static int planted_layer_norm(void* ctx, const LoomTensorDesc* in, int n_in, con
     for (int64_t c = 0; c < cols; ++c) {
       const double d = get(x, base + c) - mean;
       var += d * d;
+    }
+    if (plant == PLANT_LAYER_NORM_ONE_PASS) { /* PLANT layer_norm_one_pass: sum and sum of squares in f32 */
+      float s = 0, s2 = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = (float)get(x, base + c);
+        s += v;
+        s2 += v * v;
+      }
+      const float m = s / (float)cols, v = s2 / (float)cols - m * m;
+      var = (v > 0 ? v : 0) * divisor;
     }
     const double rstd = 1.0 / sqrt(var / divisor + eps);
     for (int64_t c = 0; c < cols; ++c) {

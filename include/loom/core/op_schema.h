@@ -93,6 +93,8 @@ enum class ValueClass : uint8_t {
   kSpecial,  // NaN, +inf and -inf at random positions among normal values
   kTiny,     // -0.0, +0.0 and denormals of the dtype at random positions among normal values
   kMasked,   // some rows (along the op's dim attribute, else the last dim) all -inf (a fully masked softmax row)
+  kShifted,  // each line (along the op's dim attribute, else the last dim) moved by an offset of its own, 16 to 32
+             // times the values' spread: a norm whose variance is E[x^2] - mean^2 in one pass loses it to cancellation
 };
 const char* value_class_name(ValueClass v);
 
