@@ -612,6 +612,16 @@ TEST(LoomTrainStart, ConfigFileFlagsWithTheCommandLineOverriding) {
   EXPECT_EQ(std::count(u.output.begin(), u.output.end(), '\n'), 1) << u.output;
 }
 
+// loom-train refuses `args` at start-up: exit status 1, one line holding every one of `parts`, and the data file
+// (a path under /nonexistent) never opened.
+void expect_refused_at_start(const std::string& args, const std::vector<std::string>& parts) {
+  AppRun r = run_loom_train(args);
+  EXPECT_EQ(WEXITSTATUS(r.status), 1) << args << "\n" << r.output;
+  for (const std::string& part : parts) EXPECT_NE(r.output.find(part), std::string::npos) << args << "\n" << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << args << "\n" << r.output;
+  EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << args << " opened the data first\n" << r.output;
+}
+
 // A layout that cannot be, from the flags or the [parallelism] section of a config file, is one line naming every
 // problem, said before the data is opened or anything is allocated.
 TEST(LoomTrainStart, ImpossibleLayoutsAreOneLineBeforeTheData) {
@@ -629,13 +639,7 @@ TEST(LoomTrainStart, ImpossibleLayoutsAreOneLineBeforeTheData) {
       {"--config " + toml, {"--sp splits the sequence over the tensor-parallel ranks", "--sp does not combine with "
                             "--zero 3"}},
   };
-  for (const auto& c : cases) {
-    AppRun r = run_loom_train(c.args);
-    EXPECT_EQ(WEXITSTATUS(r.status), 1) << c.args << "\n" << r.output;
-    for (const std::string& part : c.parts) EXPECT_NE(r.output.find(part), std::string::npos) << c.args << "\n" << r.output;
-    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c.args << "\n" << r.output;
-    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " opened the data first\n" << r.output;
-  }
+  for (const auto& c : cases) expect_refused_at_start(c.args, c.parts);
   // Under mpirun every rank finds the same problem; it is said once, and the launch fails.
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0 || !distributed::mpi_available()) return;
   AppRun two = run_loom_train_with("OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 2 ",
@@ -663,13 +667,7 @@ TEST(LoomTrainStart, CudaGraphRefusalsAreOneLine) {
       {"--model mixtral-tiny --train-data /nonexistent/shard.bin --cuda-graph --device cuda",
        {"--cuda-graph", "mixture of experts"}},
   };
-  for (const auto& c : cases) {
-    AppRun r = run_loom_train(c.args);
-    EXPECT_EQ(WEXITSTATUS(r.status), 1) << c.args << "\n" << r.output;
-    for (const std::string& part : c.parts) EXPECT_NE(r.output.find(part), std::string::npos) << c.args << "\n" << r.output;
-    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << c.args << "\n" << r.output;
-    EXPECT_EQ(r.output.find("nonexistent"), std::string::npos) << c.args << " opened the data first\n" << r.output;
-  }
+  for (const auto& c : cases) expect_refused_at_start(c.args, c.parts);
 }
 
 // --keep-checkpoints N: after each save only the newest N remain (with their optimizer files), single files and
