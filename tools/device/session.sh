@@ -315,8 +315,10 @@ per_test_sanitizer() {  # tool
     local name=$1 dir=$2 san=$3 bin=$4 seconds=$5 t=$6 api=()
     shift 6
     case $name in *OutOfMemory*) api=(--report-api-errors no) ;; esac  # asks for 1 PiB on purpose
+    # The status is read from the log, never returned: xargs stops the whole run when a command exits 255, as
+    # compute-sanitizer does for a test that makes no CUDA call (a test of an app's refusal, say).
     timeout "$seconds" "$san" --tool "$t" "$@" "${api[@]}" --error-exitcode 99 --print-limit 20 \
-      "$bin/tests/loom_tests" --gtest_filter="$name" > "$dir/$name.log" 2>&1
+      "$bin/tests/loom_tests" --gtest_filter="$name" > "$dir/$name.log" 2>&1 || true
   }
   export -f one_test
   xargs -P "${SAN_JOBS:-$(($(nproc) - 1))}" -I{} bash -c 'one_test "$@"' _ {} $S/$tool "$SAN" $BIN \
@@ -334,7 +336,8 @@ clean, reported, apart, failed, errors = [], [], [], [], 0
 for t in tests:
     path = os.path.join(folder, t + ".log")
     log = open(path, errors="replace").read() if os.path.exists(path) else ""
-    finished = re.search(r"(ERROR|RACECHECK) SUMMARY", log)
+    # A test that makes no CUDA call has nothing to judge: the tool says so instead of printing a summary.
+    finished = re.search(r"(ERROR|RACECHECK) SUMMARY|terminated before first instrumented API call", log)
     passed = re.search(r"^\[  (PASSED  |SKIPPED )\]", log, re.M) and "[  FAILED  ]" not in log
     if tool == "racecheck":
         # Its summary counts a hardware exception as an error too: the races are the reports that name one.
