@@ -199,6 +199,30 @@ OpSchema& OpSchema::case_rule(CaseRule fn) {
   rule = std::move(fn);
   return *this;
 }
+OpSchema& OpSchema::ignored_when_zero(std::string attr) {
+  LOOM_CHECK(last().role == ArgRole::kInPlace, "op description: ignored_when_zero on '", last().name,
+             "', which is not in place");
+  last().ignored_when_zero = std::move(attr);
+  return *this;
+}
+namespace {
+bool is_zero(const AttrValue* a) {
+  return a != nullptr && (a->kind == AttrValue::kFloat ? a->f == 0 : a->kind == AttrValue::kInt && a->i == 0);
+}
+}  // namespace
+void OpSchema::apply_case_rule(SuiteCase& c) const {
+  if (rule) rule(c, *this);
+  for (size_t i = 0; i < tensors.size() && i < c.roles.size(); ++i)
+    if (!tensors[i].ignored_when_zero.empty() && c.roles[i] == ArgRole::kInPlace &&
+        is_zero(c.attr(tensors[i].ignored_when_zero)))
+      c.roles[i] = ArgRole::kOutput;
+}
+ArgRole OpSchema::role_in_call(size_t i, const CallArgs& args) const {
+  if (i >= tensors.size()) return ArgRole::kInPlace;  // past the description: treated as read and written
+  const TensorSpec& t = tensors[i];
+  if (!t.ignored_when_zero.empty() && is_zero(args.attr(t.ignored_when_zero))) return ArgRole::kOutput;
+  return t.role;
+}
 OpSchema& OpSchema::dispatch_on(const std::string& tensor) {
   dispatch_tensor = tensor;
   return *this;

@@ -85,7 +85,7 @@ OpSchema fp8_gemm_schema() {
       .in("scale_a", "1", DTypeRule::kF32).values(Values::kScale)
       .in("scale_b", "1", DTypeRule::kF32).values(Values::kScale)
       .in_opt("bias", "M", DTypeRule::kUnquantized)
-      .in_place("c", "Bt M N", DTypeRule::kUnquantized).layout(Layout::kColumnMajor)
+      .in_place("c", "Bt M N", DTypeRule::kUnquantized).layout(Layout::kColumnMajor).ignored_when_zero("beta")
       .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5, 0.0})
       .attr("beta", {0.0, 1.0, 0.75}).attr("epilogue", {0.0, 1.0}).attr("fast_accumulation", {0.0, 1.0})
       .dim("Bt", {1, 2, 3}, 1).dim("K", {0}).row_dim("M").row_dim("N").row_dim("K").accumulates("K")
@@ -100,7 +100,6 @@ OpSchema fp8_gemm_schema() {
         auto idx = [&](const char* n) { return size_t(s.tensor_index(n)); };
         c.attr("compute")->i = int64_t(ComputeType::kF32);
         c.present[idx("bias")] = GemmEpilogue(c.attr_int("epilogue")) == GemmEpilogue::kBias;
-        if (c.attr_float("beta") == 0) c.roles[idx("c")] = ArgRole::kOutput;
         if (c.attr_float("alpha") == 0 && !c.values.empty())
           for (const char* n : {"a", "b"})
             if (c.values[idx(n)] == ValueClass::kSpecial) c.values[idx(n)] = ValueClass::kNormal;

@@ -124,7 +124,7 @@ OpSchema gemm_schema() {
       .in("a", "Bt M K").layout(Layout::kColumnMajor).shape_fn(a_shape)
       .in("b", "Bt K N").layout(Layout::kColumnMajor).shape_fn(b_shape)
       .in_opt("bias", "M", DTypeRule::kWideOrSame)
-      .in_place("c", "Bt M N", DTypeRule::kWideOrSame).layout(Layout::kColumnMajor)
+      .in_place("c", "Bt M N", DTypeRule::kWideOrSame).layout(Layout::kColumnMajor).ignored_when_zero("beta")
       .out_opt("pre_gelu", "Bt M N", DTypeRule::kWideOrSame).layout(Layout::kColumnMajor)
       .out_opt("bias_grad", "N", DTypeRule::kWideOrSame).omit_when_absent()
       .attr("trans_a", {0.0, 1.0}).attr("trans_b", {0.0, 1.0}).attr("alpha", {1.0, -0.5, 0.0})
@@ -156,7 +156,6 @@ OpSchema gemm_schema() {
           c.dim("Bt") = 1;
           c.attr("beta")->f = 0;
         }
-        if (c.attr_float("beta") == 0) c.roles[idx("c")] = ArgRole::kOutput;  // C's old content must be ignored
         if (c.attr_float("alpha") == 0 && !c.values.empty())  // NaN or inf in A or B is unspecified with alpha 0
           for (const char* n : {"a", "b"})
             if (c.values[idx(n)] == ValueClass::kSpecial) c.values[idx(n)] = ValueClass::kNormal;

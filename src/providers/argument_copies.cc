@@ -61,10 +61,12 @@ Tensor copy_span(const void* data, Device source, int64_t span, DType dtype, Dev
 }
 
 // A copy on `dest` of the memory a defined tensor spans, viewed with its shape and strides; `flat` gets the buffer.
-Tensor copy_of(const Tensor& t, Device dest, Tensor* flat) {
+// An output the kernel writes whole (`written_whole`) and that has no gaps is not read: its buffer is left unset.
+Tensor copy_of(const Tensor& t, Device dest, Tensor* flat, bool written_whole = false) {
   int64_t span = span_of(t.shape(), t.strides());
   if (span == 0) return empty(t.shape(), t.dtype(), dest);
-  Tensor buffer = copy_span(t.data(), t.device(), span, t.dtype(), dest);
+  Tensor buffer = written_whole && span == t.numel() ? empty({span}, t.dtype(), dest)
+                                                     : copy_span(t.data(), t.device(), span, t.dtype(), dest);
   if (flat) *flat = buffer;
   return buffer.as_strided(t.shape(), t.strides(), 0);
 }
@@ -76,13 +78,15 @@ ArgumentCopies::ArgumentCopies(const OpSchema& schema, const CallArgs& args, Dev
   copies_.attrs = args.attrs;
   for (size_t i = 0; i < args.slots.size(); ++i) {
     const ArgSlot& slot = args.slots[i];
-    const bool input = i < schema.tensors.size() && is_input(schema.tensors[i].role);
+    const ArgRole role = schema.role_in_call(i, args);
+    const bool input = is_input(role) && i < schema.tensors.size();
+    const bool written_whole = role == ArgRole::kOutput || role == ArgRole::kOptionalOutput;
     ArgSlot copy;
     copy.is_list = slot.is_list;
     auto one = [&](const Tensor& t, Tensor* flat) -> Tensor {
       if (!t.defined()) return t;
       if (input) return t.device() == from ? copy_of(t, to, nullptr) : t;
-      return copy_of(t, t.device() == from ? to : t.device(), flat);
+      return copy_of(t, t.device() == from ? to : t.device(), flat, written_whole);
     };
     for (const Tensor& t : slot.list) copy.list.push_back(one(t, nullptr));
     copy.tensor = one(slot.tensor, &flats_[i]);

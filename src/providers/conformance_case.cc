@@ -244,9 +244,9 @@ SuiteCase suite_case_of(const OpSchema& s, const ExplicitCase& e) {
     if (i < e.tensors.size()) c.present[i] = e.tensors[i].present, c.values[i] = e.tensors[i].values;
     c.roles.push_back(s.tensors[i].role);
   }
-  if (s.rule) {  // only the roles: the case's own attributes and sizes stay as given
+  {  // only the roles: the case's own attributes and sizes stay as given
     SuiteCase ruled = c;
-    s.rule(ruled, s);
+    s.apply_case_rule(ruled);
     c.roles = ruled.roles;
   }
   for (size_t i = 0; i < s.tensors.size() && i < e.tensors.size(); ++i)

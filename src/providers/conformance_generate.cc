@@ -178,7 +178,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
   for (size_t i = 0; i < n; ++i)
     if (!s.tensors[i].present_with.empty()) c.present[i] = c.present[size_t(s.tensor_index(s.tensors[i].present_with))];
   const SuiteCase before_rule = c;
-  if (s.rule) s.rule(c, s);
+  s.apply_case_rule(c);
   if (c.skip) return std::nullopt;
   auto elements = [&](const SuiteCase& sc) {
     int64_t total = 0;
@@ -199,7 +199,7 @@ std::optional<Plan> realize(const Model& m, const std::vector<int>& choice, cons
         c.dims[dim] = *std::min_element(sizes.begin(), sizes.end());
       }
     }
-    if (s.rule) s.rule(c, s);
+    s.apply_case_rule(c);
     if (c.skip) return std::nullopt;
   }
   if (elements(c) > kMaxCaseElements) return std::nullopt;

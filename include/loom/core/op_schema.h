@@ -273,6 +273,7 @@ struct TensorSpec {
   std::string present_with;       // an optional argument present exactly when this other one is
   std::vector<ValueClass> value_classes;  // what the suite tries for a floating input (empty: the default)
   std::vector<std::string> may_alias;     // an output: the inputs it may share memory with, element for element
+  std::string ignored_when_zero;  // in place, but its old content is ignored (an output) when this attribute is 0
   // Shapes that the named dims cannot say (a reduction's output): from the dims and attributes of a case.
   ShapeFn shape_fn;
 };
@@ -321,6 +322,9 @@ class OpSchema {
   // An output that may share an input's memory element for element (same data, shape, strides and dtype): the
   // kernel reads each element before writing it. The suite runs cases with the output on the input's buffer.
   OpSchema& may_alias(const std::string& output, const std::string& input);
+  // The in-place argument added last is an output (its old content ignored) when the attribute is 0: a gemm's C
+  // with beta 0. The suite then poisons it, and copies of the call (a shadow, a CPU fallback) do not read it.
+  OpSchema& ignored_when_zero(std::string attr);
   // The op's contract for NaN, inf and overflow, in words (printed by --describe; the float64 reference follows it).
   OpSchema& special_values(std::string contract);
   // One long size for a dim (gemm's K at 65537 with small M and N); the accumulated dim gets 65537 by default.
@@ -339,6 +343,10 @@ class OpSchema {
   // What the op requires of a case beyond its arguments' specs (T <= S, H a multiple of Hkv, a bias only with a
   // bias epilogue): adjusts a case or marks it skipped.
   OpSchema& case_rule(CaseRule fn);
+  // The case rule, then the roles ignored_when_zero gives for the case's attributes.
+  void apply_case_rule(SuiteCase& c) const;
+  // Tensor argument i's role in a call: its declared one, or kOutput where ignored_when_zero applies.
+  ArgRole role_in_call(size_t i, const CallArgs& args) const;
   // A named dim that stands for any number of leading dims in a call, none included: the kernels flatten them (a
   // norm's rows "R" are [B, T] of a [B, T, C] input). The suite's cases give it one dim; a call checked against the
   // description (LOOM_CHECK_CALLS) binds the group of leading dims, right-aligning the other names.

@@ -42,6 +42,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
 #include "kernels/attention_kernel.h"
+#include "kernels/cuda/vendor_writes.h"
 
 #if __has_include(<cudnn_graph.h>)
 #include <cudnn_graph.h>
@@ -826,6 +827,8 @@ void cudnn_forward(const DeviceContext& ctx, const Tensor& q, const Tensor& k, c
   Binding b;
   bind_common(b, *plan, q, k, v, out, lse, args);
   execute(*plan, p, false, stream, b);
+  cuda::mark_vendor_written(out, stream);
+  cuda::mark_vendor_written(lse, stream);
 }
 
 bool backward_supports(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -859,6 +862,7 @@ void cudnn_backward(const DeviceContext& ctx, const Tensor& grad_out, const Tens
   b.add(kUidDQAccum, dq_accum.data());
   b.add(kUidOne, &one);
   execute(*plan, p, true, stream, b);
+  for (const Tensor* g : {&grad_q, &grad_k, &grad_v}) cuda::mark_vendor_written(*g, stream);
 }
 
 }  // namespace

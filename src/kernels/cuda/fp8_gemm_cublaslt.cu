@@ -31,6 +31,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/vendor_writes.h"
 #include "kernels/fp8_kernel.h"
 
 namespace loom {
@@ -329,6 +330,7 @@ bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, con
                      plan.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
+  cuda::mark_vendor_written(p.d, p.m, p.n, p.ldd, p.batch, p.d_stride, dtype_size(p.d_type), stream);
   return true;
 }
 

@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
 #include "kernels/column_sums_kernel.h"
+#include "kernels/cuda/vendor_writes.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/primitives/gelu.h"
 
@@ -195,6 +196,11 @@ PlanKey make_key(const GemmParams& p, cublasLtEpilogue_t epilogue) {
   return key;
 }
 
+// C as written by cuBLAS (vendor_writes.h).
+void mark_written(const GemmParams& p, cudaStream_t stream) {
+  cuda::mark_vendor_written(p.c, p.m, p.n, p.ldc, p.batch, p.stride_c, dtype_size(p.output_dtype), stream);
+}
+
 // Runs the product with cuBLASLt, with `epilogue` fused; false when cuBLASLt has no algorithm for it.
 bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEpilogue_t epilogue) {
   PlanKey key = make_key(p, epilogue);
@@ -214,6 +220,11 @@ bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEp
   const void* beta = f64 ? static_cast<const void*>(&p.beta) : &beta32;
   LOOM_CUBLAS_CHECK(cublasLtMatmul(cuda.cublaslt(), plan.desc, alpha, p.a, plan.a, p.b, plan.b, beta, p.c, plan.c,
                                    p.c, plan.c, &plan.algo, workspace, cuda.workspace_bytes(), stream));
+  mark_written(p, stream);
+  if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+    cuda::mark_vendor_written(p.pre_gelu, p.m, p.n, p.ldc, p.batch, p.stride_c, dtype_size(p.output_dtype), stream);
+  if (epilogue == CUBLASLT_EPILOGUE_BGRADB)
+    cuda::mark_vendor_written(p.bias_grad, size_t(p.n) * dtype_size(p.output_dtype), stream);
   return true;
 }
 
@@ -238,6 +249,7 @@ void run_cublas(const CudaDeviceContext& cuda, const GemmParams& p) {
       alpha, p.a, cuda_data_type(p.input_dtype), int(p.lda), p.stride_a, p.b, cuda_data_type(p.input_dtype),
       int(p.ldb), p.stride_b, beta, p.c, cuda_data_type(p.output_dtype), int(p.ldc), p.stride_c, int(p.batch),
       compute, CUBLAS_GEMM_DEFAULT));
+  mark_written(p, stream);
 }
 
 // The unfused epilogue, and the whole result when k == 0 (C = beta * C, which cuBLAS is not asked to do). With
