@@ -239,7 +239,7 @@ PY
 # cuDNN's grouped-query reduction (fmha_reduce_head) reads memory nothing wrote; its results do not depend on it
 # (CudnnAttention.GroupedQueryResultsDoNotDependOnTheWorkspaceContents fills the workspace with NaN first).
 # initcheck does not see the bulk (TMA) stores of cuBLASLt's and cuDNN's Hopper kernels: Loom marks what they wrote
-# through the NVTX memory API (src/kernels/cuda/vendor_writes.h), which the tool reads with --nvtx yes.
+# through the NVTX memory API (src/backends/cuda/vendor_writes.h), which the tool reads with --nvtx yes.
 tool_filters() {
   case $1 in
     racecheck) echo --kernel-name kns=loom ;;

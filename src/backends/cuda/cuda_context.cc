@@ -2,6 +2,7 @@
 #include "backends/cuda/cuda_context.h"
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/vendor_writes.h"
 
 #include <array>
 #include <atomic>
@@ -109,6 +110,8 @@ void* CudaDeviceContext::workspace(cudaStream_t stream) const {
       workspaces_.erase(stream);
       LOOM_CUDA_CHECK(err);
     }
+    // Only cuBLAS and cuBLASLt use it, for partial sums their own kernels write and read (split-K).
+    cuda::mark_vendor_written(ws, kWorkspaceBytes, stream);
   }
   return ws;
 }

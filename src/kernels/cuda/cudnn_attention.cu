@@ -42,7 +42,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
 #include "kernels/attention_kernel.h"
-#include "kernels/cuda/vendor_writes.h"
+#include "backends/cuda/vendor_writes.h"
 
 #if __has_include(<cudnn_graph.h>)
 #include <cudnn_graph.h>

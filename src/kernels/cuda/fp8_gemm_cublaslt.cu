@@ -31,7 +31,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
-#include "kernels/cuda/vendor_writes.h"
+#include "backends/cuda/vendor_writes.h"
 #include "kernels/fp8_kernel.h"
 
 namespace loom {

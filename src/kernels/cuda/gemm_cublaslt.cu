@@ -17,7 +17,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
 #include "kernels/column_sums_kernel.h"
-#include "kernels/cuda/vendor_writes.h"
+#include "backends/cuda/vendor_writes.h"
 #include "kernels/gemm_kernel.h"
 #include "kernels/primitives/gelu.h"
 

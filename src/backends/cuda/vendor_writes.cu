@@ -1,5 +1,5 @@
 // vendor_writes.h: the NVTX calls compute-sanitizer's initcheck reads.
-#include "kernels/cuda/vendor_writes.h"
+#include "backends/cuda/vendor_writes.h"
 
 #include <nvtx3/nvToolsExtMemCudaRt.h>
 
