@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/copy_kernel.h"
+#include "kernels/gemm_kernel.h"
 #include "test_util.h"
 
 namespace loom {
@@ -153,6 +154,36 @@ TEST(Dispatch, NewDeviceTypeRegistersAtRunTime) {
   EXPECT_EQ(test::values(t), (std::vector<double>{1002, 1002, 1002}));  // copied back to host through the runtime
   EXPECT_GE(raw->copies, 1);
   EXPECT_THROW(full({3}, 1.0, kF64, dev), Error);  // no f64 kernel on that device
+}
+
+// A gemm's C is read only when beta != 0: the description says so once (ignored_when_zero), and a call's role for C
+// follows its beta, which decides whether copies of the call (a shadow, a CPU fallback) read C's old content.
+TEST(Dispatch, RoleOfAnIgnoredInPlaceArgumentFollowsTheCall) {
+  const OpSchema& s = op_schema(gemm_op.id());
+  const size_t c = size_t(s.tensor_index("c")), a = size_t(s.tensor_index("a"));
+  std::vector<float> a_data(6, 1.0f), b_data(6, 1.0f), c_data(4, 0.0f);
+  GemmParams p;
+  p.m = 2, p.n = 2, p.k = 3, p.lda = 2, p.ldb = 3, p.ldc = 2;
+  p.a = a_data.data(), p.b = b_data.data(), p.c = c_data.data();
+  for (double beta : {0.0, 1.0, 0.75}) {
+    p.beta = beta;
+    CallArgs args;
+    ArgTraits<GemmParams>::gather(p, args);
+    EXPECT_EQ(s.role_in_call(c, args), beta == 0 ? ArgRole::kOutput : ArgRole::kInPlace) << "beta " << beta;
+    EXPECT_EQ(s.role_in_call(a, args), ArgRole::kInput);
+  }
+  // And the suite's cases: every generated gemm case with beta 0 has C as an output, the others in place.
+  SuiteCase sc;
+  for (const auto& t : s.tensors) sc.roles.push_back(t.role), sc.present.push_back(true);
+  for (const auto& at : s.attrs) sc.attrs.emplace_back(at.name, at.default_value);
+  sc.values.assign(s.tensors.size(), ValueClass::kNormal);
+  sc.dense.assign(s.tensors.size(), false);
+  for (double beta : {0.0, 1.0}) {
+    SuiteCase x = sc;
+    x.attr("beta")->f = beta;
+    s.apply_case_rule(x);
+    EXPECT_EQ(x.roles[c], beta == 0 ? ArgRole::kOutput : ArgRole::kInPlace) << "beta " << beta;
+  }
 }
 
 }  // namespace
