@@ -72,7 +72,8 @@ stage_targets() {  # stage -> the build targets it runs
     traces) echo loom-train loom-conformance ;;
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
-    *) echo all ;;  # build, and bench (tools/bench/device_session.sh runs the apps and benchmarks)
+    bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
+    *) echo all ;;  # build
   esac
 }
 targets=""
