@@ -662,7 +662,6 @@ TEST(LoomTrainStart, CudaGraphRefusalsAreOneLine) {
       {common + "--device cpu", {"--cuda-graph", "needs --device cuda"}},
       {common + "--device cuda --phase-times", {"--cuda-graph", "--phase-times", "reads the device mid-step"}},
       {common + "--device cuda --zero 1", {"--cuda-graph", "runs one process", "--zero"}},
-      {common + "--device cuda --fp8 all", {"--cuda-graph", "--fp8"}},
       {common + "--device cuda --trace-ops /nonexistent/trace.json", {"--cuda-graph", "--trace-ops"}},
       {"--model mixtral-tiny --train-data /nonexistent/shard.bin --cuda-graph --device cuda",
        {"--cuda-graph", "mixture of experts"}},

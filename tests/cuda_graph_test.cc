@@ -2,7 +2,7 @@
 // eagerly and with the step captured into a CUDA graph after its warm-up steps, from the same weights and data, give
 // the same bits: every step's loss and gradient norm and every final parameter (with Loom's own attention kernels,
 // which are deterministic at these head sizes; cuDNN's backward accumulates dQ in any order, so with it the runs
-// only stay close). The replayed steps dispatch no kernel (the AdamW update ran only in the warm-up steps and the
+// only stay close), FP8 steps included. The replayed steps dispatch no kernel (the AdamW update ran only in the warm-up steps and the
 // capture); a checkpoint saved after replays resumes to the eager bits; a failed capture falls back to eager steps.
 // Skips where no GPU is visible.
 #include <cmath>
@@ -12,6 +12,7 @@
 
 #include "loom/core/dispatch.h"
 #include "loom/dispatch_modes.h"
+#include "loom/fp8.h"
 #include "loom/data/token_file.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
@@ -35,8 +36,14 @@ uint64_t adamw_calls() {
   return n;
 }
 
+// FP8 (`fp8` a --fp8 scope, `amax_history` its scaling) or off.
+struct Fp8Choice {
+  std::string scope = "off";
+  int64_t amax_history = 1;
+};
+
 train::TrainOptions options(const TempDir& dir, const std::string& model, const std::string& dtype,
-                            int64_t micro_batches, bool graph) {
+                            int64_t micro_batches, bool graph, const Fp8Choice& fp8 = {}) {
   train::TrainOptions o;
   o.model = model;
   o.train_data = (dir.path() / "train_*.bin").string();
@@ -54,13 +61,15 @@ train::TrainOptions options(const TempDir& dir, const std::string& model, const 
   o.sample_tokens = 0;
   o.eval_interval = 0;
   o.cuda_graph = graph;
+  o.fp8 = fp8.scope;
+  o.fp8_amax_history = fp8.amax_history;
   return o;
 }
 
 // `before_step(n)` runs before step n (1-based).
 Trained train(const TempDir& dir, const std::string& model, const std::string& dtype, int64_t micro_batches,
-              bool graph, const std::function<void(int64_t)>& before_step = {}) {
-  const train::TrainOptions o = options(dir, model, dtype, micro_batches, graph);
+              bool graph, const std::function<void(int64_t)>& before_step = {}, const Fp8Choice& fp8 = {}) {
+  const train::TrainOptions o = options(dir, model, dtype, micro_batches, graph, fp8);
   Trained out;
   const uint64_t before = adamw_calls();
   {
@@ -106,12 +115,13 @@ void expect_same_bits(const Trained& eager, const Trained& graph, const std::str
   }
 }
 
-void expect_same_run(const std::string& model, const std::string& dtype, int64_t micro_batches) {
+void expect_same_run(const std::string& model, const std::string& dtype, int64_t micro_batches,
+                     const Fp8Choice& fp8 = {}) {
   TempDir dir;
   write_tokens(dir);
   test::ScopedPolicy own_attention("-cudnn");
-  const Trained eager = train(dir, model, dtype, micro_batches, false);
-  const Trained graph = train(dir, model, dtype, micro_batches, true);
+  const Trained eager = train(dir, model, dtype, micro_batches, false, {}, fp8);
+  const Trained graph = train(dir, model, dtype, micro_batches, true, {}, fp8);
   expect_same_bits(eager, graph, model);
   // Eager: an update per step (one launch per flat run); graph: only the warm-up steps and the capture dispatch.
   ASSERT_GT(eager.adamw_launches, 0u);
@@ -126,6 +136,29 @@ TEST(CudaGraph, Gpt2StepsReplayWithTheEagerBits) {
 TEST(CudaGraph, LlamaBf16WithTwoMicroBatchesReplaysWithTheEagerBits) {
   LOOM_SKIP_WITHOUT_CUDA();
   expect_same_run("llama3-tiny", "bf16", 2);
+}
+
+bool gpu_has_fp8() {
+  try {
+    fp8::check_device(Device(kCUDA, 0));
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// FP8 steps captured: the scales come from amaxes measured on the device (current scaling) or from an amax history
+// the step updates in place there (delayed scaling), so a replay quantizes as the eager step does, bit for bit.
+TEST(CudaGraph, Fp8CurrentScalingReplaysWithTheEagerBits) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  if (!gpu_has_fp8()) GTEST_SKIP() << "no FP8 tensor cores (compute capability below 8.9)";
+  expect_same_run("gpt2-tiny", "bf16", 1, {"all", 1});
+}
+
+TEST(CudaGraph, Fp8DelayedScalingWithTwoMicroBatchesReplaysWithTheEagerBits) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  if (!gpu_has_fp8()) GTEST_SKIP() << "no FP8 tensor cores (compute capability below 8.9)";
+  expect_same_run("llama3-tiny", "bf16", 2, {"linear", 16});
 }
 
 // A capture that fails (here: the op profiler synchronizes the device before each call, which no capture allows,

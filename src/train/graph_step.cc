@@ -23,7 +23,6 @@ void check_cuda_graph_options(const TrainOptions& o, const nn::ModelConfig& cfg,
     refuse("runs one process without a parallel mode: --tp, --pp, --ep, --sp and --zero are not captured yet");
   if (o.phase_times) refuse("does not combine with --phase-times: the phase timer reads the device mid-step");
   if (!o.trace_ops.empty()) refuse("does not combine with --trace-ops: a replayed step dispatches no op to record");
-  if (o.fp8 != "off") refuse("does not combine with --fp8 yet: the scaling's amax history is not captured");
   if (cfg.moe.enabled())
     refuse("cannot capture a mixture of experts yet: routing reads the tokens' counts back to the host");
   if (cfg.dropout > 0 || o.lora_dropout > 0)

@@ -18,7 +18,7 @@
 # table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
 # difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
-# losses equal the bf16 run's).
+# losses equal the bf16 run's), and with FP8 each FP8 scope as a graph too.
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in
@@ -68,7 +68,12 @@ FP8_SCOPES=(${FP8:-})
 # The variants run after Loom's bf16 run on the same data and weights, each "label|log suffix|loom-train flags".
 VARIANTS=()
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do VARIANTS+=("fp8 $scope|_fp8_$scope|--fp8 $scope ${FP8_FLAGS:-}"); done
-[ "${GRAPH:-0}" = 1 ] && VARIANTS+=("graph|_graph|--cuda-graph")
+if [ "${GRAPH:-0}" = 1 ]; then
+  VARIANTS+=("graph|_graph|--cuda-graph")
+  for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
+    VARIANTS+=("fp8 $scope graph|_fp8_${scope}_graph|--fp8 $scope ${FP8_FLAGS:-} --cuda-graph")
+  done
+fi
 for variant in ${VARIANTS[@]+"${VARIANTS[@]}"}; do
   IFS='|' read -r label suffix flags <<< "$variant"
   echo "== loom: $LOOM_MODEL bf16 $flags B=$B T=$T steps=$STEPS"
