@@ -26,10 +26,13 @@ void store_at(uint8_t* p, DType dt, double v) {
 
 namespace {
 
-// The poison's bits per floating dtype.
-constexpr uint32_t kPoisonF32 = 0x7fc5a5a5u;
-constexpr uint64_t kPoisonF64 = 0x7ff8a5a5a5a5a5a5ull;
-constexpr uint16_t kPoisonBF16 = 0x7fe5, kPoisonF16 = 0x7f5a;
+// The poison's bits per floating dtype: signalling NaNs (the quiet bit clear). A load or a store keeps their bits,
+// but any arithmetic on them gives a quiet NaN: a kernel that scales memory past its elements in place (x * s, or
+// x * 1) changes the guard's bits, where a quiet NaN's payload would come through the product unchanged. Read as an
+// input, the poison is still a NaN.
+constexpr uint32_t kPoisonF32 = 0x7fa5a5a5u;
+constexpr uint64_t kPoisonF64 = 0x7ff4a5a5a5a5a5a5ull;
+constexpr uint16_t kPoisonBF16 = 0x7fa5, kPoisonF16 = 0x7d5a;
 
 }  // namespace
 
