@@ -81,8 +81,11 @@ struct SoftmaxCase {
   Shape shape;
   int64_t dim;
 };
-const std::vector<SoftmaxCase> kSoftmaxCases = {{{3, 1, 17}, -1}, {{5, 33}, 1}, {{1, 1}, -1}, {{4, 5, 6}, 1},
-                                                {{4, 5, 6}, 0},   {{3, 1, 17}, 1}, {{7}, 0}};
+// Ranks past 3 too: the op layer hands the kernels a rank-3 view of any call.
+const std::vector<SoftmaxCase> kSoftmaxCases = {{{3, 1, 17}, -1}, {{5, 33}, 1},  {{1, 1}, -1},
+                                                {{4, 5, 6}, 1},   {{4, 5, 6}, 0}, {{3, 1, 17}, 1},
+                                                {{7}, 0},         {{2, 3, 1, 4, 5}, 2}, {{2, 1, 3, 2, 2, 3}, 0},
+                                                {{2, 3, 2, 1, 2, 1, 5}, -1}, {{2, 3, 2, 1, 2, 1, 5}, 5}};
 
 TEST(NnSoftmax, ForwardMatchesFloat64Reference) {
   for (DType dt : test::cpu_float_dtypes()) {

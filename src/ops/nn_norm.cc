@@ -15,14 +15,32 @@
 namespace loom::ops {
 namespace {
 
+// The kernels see every call at rank 3 (a view of the contiguous tensor): [1, outer, n] along the last dim (the
+// fast path, and the only one some libraries take) when nothing follows the dim, else [outer, n, inner] along dim 1.
+// Whatever the call's rank and dim, its work is one of the rank-3 problems the suite covers.
+struct SoftmaxProblem {
+  Shape shape;
+  int64_t dim;
+};
+SoftmaxProblem softmax_problem(const Tensor& x, int64_t dim) {
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (d < dim) outer *= x.size(d);
+    else if (d > dim) inner *= x.size(d);
+  const int64_t n = x.dim() ? x.size(dim) : 1;
+  if (inner == 1) return {{1, outer, n}, 2};
+  return {{outer, n, inner}, 1};
+}
+
 template <typename Op>
 Tensor run_softmax(Op op, const char* name, const Tensor& x, int64_t dim) {
   ops_detail::check_same_device(name, {&x});
-  SoftmaxAttrs attrs{infermeta::infer_softmax_dim(name, x, dim)};
-  Tensor in = ops::contiguous(x);
-  Tensor out = empty(x.shape(), x.dtype(), x.device());
-  dispatch::call(op, x.device(), x.dtype(), in, attrs, out);
-  return out;
+  const int64_t d = infermeta::infer_softmax_dim(name, x, dim);
+  const SoftmaxProblem p = softmax_problem(x, d);
+  Tensor in = ops::view(ops::contiguous(x), p.shape);
+  Tensor out = empty(p.shape, x.dtype(), x.device());
+  dispatch::call(op, x.device(), x.dtype(), in, SoftmaxAttrs{p.dim}, out);
+  return ops::view(out, x.shape());
 }
 
 template <typename Op>
@@ -32,10 +50,11 @@ Tensor run_softmax_backward(Op op, const char* name, const Tensor& grad, const T
   ops_detail::check_same_dtype(name, grad, out);
   LOOM_REQUIRE(grad.shape() == out.shape(), name, ": grad and out shapes differ (", describe(grad), " vs ",
                describe(out), ")");
-  Tensor g = ops::contiguous(grad), y = ops::contiguous(out);
-  Tensor grad_input = empty(out.shape(), out.dtype(), out.device());
-  dispatch::call(op, out.device(), out.dtype(), g, y, attrs, grad_input);
-  return grad_input;
+  const SoftmaxProblem p = softmax_problem(out, attrs.dim);
+  Tensor g = ops::view(ops::contiguous(grad), p.shape), y = ops::view(ops::contiguous(out), p.shape);
+  Tensor grad_input = empty(p.shape, out.dtype(), out.device());
+  dispatch::call(op, out.device(), out.dtype(), g, y, SoftmaxAttrs{p.dim}, grad_input);
+  return ops::view(grad_input, out.shape());
 }
 
 Tensor contiguous_or_undefined(const Tensor& t) { return t.defined() ? ops::contiguous(t) : Tensor(); }
