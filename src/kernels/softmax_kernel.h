@@ -31,7 +31,8 @@ inline OpSchema softmax_backward_schema() {
       .size_case({{"A", 1}, {"R", 257}, {"C", 64}});
 }
 
-// x and out contiguous, same shape and dtype.
+// x and out contiguous, same shape and dtype. The op layer passes every call at rank 3: [1, outer, n] along dim 2
+// when nothing follows the dim, else [outer, n, inner] along dim 1 (a replayed trace may hold other ranks).
 using SoftmaxKernel = void(const DeviceContext&, const Tensor& x, const SoftmaxAttrs&, Tensor& out);
 LOOM_DECLARE_OP(softmax, SoftmaxKernel, softmax_schema());
 LOOM_DECLARE_OP(log_softmax, SoftmaxKernel, softmax_schema());
