@@ -123,6 +123,17 @@ Shape contiguous_strides(const Shape& s) {
   return st;
 }
 
+int64_t span_of(const Shape& shape, const Shape& strides) {
+  LOOM_CHECK(shape.size() == strides.size(), "span_of: shape and strides differ in rank");
+  int64_t span = 1;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0) return 0;
+    LOOM_CHECK(strides[d] >= 0, "span_of: negative stride");
+    span += (shape[d] - 1) * strides[d];
+  }
+  return span;
+}
+
 int64_t wrap_dim(int64_t dim, int64_t rank, const char* op) {
   int64_t r = std::max<int64_t>(rank, 1);
   LOOM_REQUIRE(dim >= -r && dim < r, op, ": dim ", dim, " is out of range for a tensor of rank ", rank,

@@ -25,17 +25,6 @@ FallbackBook& fallback_book() {
   return *b;
 }
 
-// Elements from a view's first element to its last, inclusive (0 when empty).
-int64_t span_of(const Shape& shape, const Shape& strides) {
-  int64_t span = 1;
-  for (size_t d = 0; d < shape.size(); ++d) {
-    if (shape[d] == 0) return 0;
-    LOOM_CHECK(strides[d] >= 0, "argument copies: negative stride");
-    span += (shape[d] - 1) * strides[d];
-  }
-  return span;
-}
-
 // Copies bytes between two devices, one of them the CPU or both the same device.
 void copy_bytes(void* dst, Device to, const void* src, Device from, size_t bytes) {
   if (bytes == 0) return;

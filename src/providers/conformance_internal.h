@@ -74,8 +74,6 @@ class Positions {
   int64_t offset_ = 0;
   std::vector<int64_t> pos_;
 };
-// Elements a view spans from its first one (0 for an empty view).
-int64_t span_of(const Shape& shape, const Shape& strides);
 // Dense strides in the spec's own layout: row-major, or a gemm matrix packed column-major.
 Shape dense_strides(const TensorSpec& spec, const Shape& shape);
 

@@ -146,16 +146,6 @@ Positions::Positions(const CaseTensor& t) : n_(size_t(numel_of(t.shape))), offse
   }
 }
 
-// Elements a view spans from its first one (0 for an empty view).
-int64_t span_of(const Shape& shape, const Shape& strides) {
-  int64_t span = 1;
-  for (size_t d = 0; d < shape.size(); ++d) {
-    if (shape[d] == 0) return 0;
-    span += (shape[d] - 1) * strides[d];
-  }
-  return span;
-}
-
 // Dense strides in the spec's own layout: row-major, or a gemm matrix packed column-major.
 Shape dense_strides(const TensorSpec& spec, const Shape& shape) {
   if (spec.layout == Layout::kColumnMajor && shape.size() == 3) {  // [batch, rows, cols]

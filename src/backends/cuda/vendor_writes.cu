@@ -39,9 +39,7 @@ void mark_vendor_written(const void* data, int64_t m, int64_t n, int64_t ld, int
 
 void mark_vendor_written(const Tensor& t, cudaStream_t stream) {
   if (!t.defined() || t.numel() == 0) return;
-  int64_t span = 1;
-  for (size_t d = 0; d < t.shape().size(); ++d) span += (t.shape()[d] - 1) * t.strides()[d];
-  mark_vendor_written(t.data(), size_t(span) * t.itemsize(), stream);
+  mark_vendor_written(t.data(), size_t(span_of(t.shape(), t.strides())) * t.itemsize(), stream);
 }
 
 }  // namespace loom::cuda
