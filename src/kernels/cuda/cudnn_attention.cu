@@ -826,9 +826,14 @@ void cudnn_forward(const DeviceContext& ctx, const Tensor& q, const Tensor& k, c
   CommonArgs args{float(attrs.scale), forward_mask_value(), int32_t(p.S), int32_t(p.T)};
   Binding b;
   bind_common(b, *plan, q, k, v, out, lse, args);
+  // What cuDNN writes (vendor_writes.h): outputs it never reads, so marked before the call too.
+  auto mark_written = [&] {
+    cuda::mark_vendor_written(out, stream);
+    cuda::mark_vendor_written(lse, stream);
+  };
+  mark_written();
   execute(*plan, p, false, stream, b);
-  cuda::mark_vendor_written(out, stream);
-  cuda::mark_vendor_written(lse, stream);
+  mark_written();
 }
 
 bool backward_supports(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -861,6 +866,7 @@ void cudnn_backward(const DeviceContext& ctx, const Tensor& grad_out, const Tens
   b.add(kUidDV, grad_v.data());
   b.add(kUidDQAccum, dq_accum.data());
   b.add(kUidOne, &one);
+  for (const Tensor* g : {&grad_q, &grad_k, &grad_v}) cuda::mark_vendor_written(*g, stream);  // before, as forward
   execute(*plan, p, true, stream, b);
   for (const Tensor* g : {&grad_q, &grad_k, &grad_v}) cuda::mark_vendor_written(*g, stream);
 }

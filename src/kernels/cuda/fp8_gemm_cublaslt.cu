@@ -325,12 +325,18 @@ bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, con
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
   if (p.fused_bias) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, f.gemm.bias);
+  // D as written by cuBLASLt (vendor_writes.h), before the call too when the call does not read it (a call declined
+  // at once then leaves D marked for the fallback that writes it).
+  auto mark_d = [&] {
+    cuda::mark_vendor_written(p.d, p.m, p.n, p.ldd, p.batch, p.d_stride, dtype_size(p.d_type), stream);
+  };
+  if (beta == 0) mark_d();
   const cublasStatus_t status =
       cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, plan.a, p.b.data, plan.b, &beta, p.d, plan.d, p.d,
                      plan.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
-  cuda::mark_vendor_written(p.d, p.m, p.n, p.ldd, p.batch, p.d_stride, dtype_size(p.d_type), stream);
+  mark_d();
   return true;
 }
 

@@ -200,6 +200,14 @@ PlanKey make_key(const GemmParams& p, cublasLtEpilogue_t epilogue) {
 void mark_written(const GemmParams& p, cudaStream_t stream) {
   cuda::mark_vendor_written(p.c, p.m, p.n, p.ldc, p.batch, p.stride_c, dtype_size(p.output_dtype), stream);
 }
+// Before the call, what it writes without reading (vendor_writes.h): C when beta is 0, and the epilogue's outputs.
+void mark_written_before(const GemmParams& p, cublasLtEpilogue_t epilogue, cudaStream_t stream) {
+  if (p.beta == 0) mark_written(p, stream);
+  if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+    cuda::mark_vendor_written(p.pre_gelu, p.m, p.n, p.ldc, p.batch, p.stride_c, dtype_size(p.output_dtype), stream);
+  if (epilogue == CUBLASLT_EPILOGUE_BGRADB)
+    cuda::mark_vendor_written(p.bias_grad, size_t(p.n) * dtype_size(p.output_dtype), stream);
+}
 
 // Runs the product with cuBLASLt, with `epilogue` fused; false when cuBLASLt has no algorithm for it.
 bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEpilogue_t epilogue) {
@@ -218,13 +226,10 @@ bool run_cublaslt(const CudaDeviceContext& cuda, const GemmParams& p, cublasLtEp
   bool f64 = key.compute == CUBLAS_COMPUTE_64F;
   const void* alpha = f64 ? static_cast<const void*>(&p.alpha) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&p.beta) : &beta32;
+  mark_written_before(p, epilogue, stream);
   LOOM_CUBLAS_CHECK(cublasLtMatmul(cuda.cublaslt(), plan.desc, alpha, p.a, plan.a, p.b, plan.b, beta, p.c, plan.c,
                                    p.c, plan.c, &plan.algo, workspace, cuda.workspace_bytes(), stream));
   mark_written(p, stream);
-  if (epilogue == CUBLASLT_EPILOGUE_GELU_AUX || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
-    cuda::mark_vendor_written(p.pre_gelu, p.m, p.n, p.ldc, p.batch, p.stride_c, dtype_size(p.output_dtype), stream);
-  if (epilogue == CUBLASLT_EPILOGUE_BGRADB)
-    cuda::mark_vendor_written(p.bias_grad, size_t(p.n) * dtype_size(p.output_dtype), stream);
   return true;
 }
 
@@ -244,6 +249,7 @@ void run_cublas(const CudaDeviceContext& cuda, const GemmParams& p) {
   cublasHandle_t h = cuda.cublas();
   LOOM_CUBLAS_CHECK(cublasSetStream(h, stream));
   LOOM_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, cuda.workspace_bytes()));
+  mark_written_before(p, CUBLASLT_EPILOGUE_DEFAULT, stream);
   LOOM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
       h, p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, int(p.m), int(p.n), int(p.k),
       alpha, p.a, cuda_data_type(p.input_dtype), int(p.lda), p.stride_a, p.b, cuda_data_type(p.input_dtype),
