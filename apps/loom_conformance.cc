@@ -78,15 +78,21 @@ std::string find_cases_dir() {
   return "conformance";
 }
 
+// "a,b,c" as {"a", "b", "c"}; "" as none.
+std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> items;
+  for (size_t at = 0; !text.empty() && at <= text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    items.push_back(text.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return items;
+}
+
 // One line per op: for each dtype, the providers in the order the dispatcher tries them ("a>b": a first, b when a
 // declines), "-" when none serves it. The policy in force (LOOM_PROVIDERS, LOOM_PROVIDERS_FILE) applies.
-void list_kernels(loom::Device device, const std::string& dtype_filter) {
-  std::vector<loom::DType> dtypes;
-  for (int i = 0; i < loom::kNumDTypes; ++i) {
-    auto dt = loom::DType(i);
-    if (dtype_filter.empty() || dtype_filter == loom::dtype_name(dt)) dtypes.push_back(dt);
-  }
-  if (dtypes.empty()) throw loom::Error("--dtype: unknown dtype '" + dtype_filter + "'");
+void list_kernels(loom::Device device, std::vector<loom::DType> dtypes) {
+  for (int i = 0; dtypes.empty() && i < loom::kNumDTypes; ++i) dtypes.push_back(loom::DType(i));
   auto ops = loom::op_names();
   std::sort(ops.begin(), ops.end());
   std::vector<std::vector<std::string>> rows;
@@ -184,7 +190,8 @@ int main(int argc, char** argv) {
                  "diopi2, ...)");
   app.add_option("--json", json_path, "write every case's result as JSON");
   app.add_option("--op", op_filter, "only this op (or these: a comma-separated list)");
-  app.add_option("--dtype", dtype_filter, "only this dtype (f32, bf16, ...), also with --list-kernels");
+  app.add_option("--dtype", dtype_filter,
+                 "only this dtype (f32, bf16, ...; or these: a comma-separated list), also with --list-kernels");
   app.add_option("--fuzz", fuzz, "also run N random cases per op and dtype, drawn from --seed")->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "the seed of the generated and fuzz cases (default 1)");
   auto* case_option = app.add_option("--case", case_index,
@@ -262,13 +269,16 @@ int main(int argc, char** argv) {
     if (trace_path.empty() && (max_calls_option->count() > 0 || budget_option->count() > 0))
       throw loom::Error(std::string(max_calls_option->count() ? "--max-calls" : "--budget") +
                         " needs --trace (it limits the replay of a trace's calls)");
-    std::vector<std::string> ops;  // --op's list
-    for (size_t at = 0; !op_filter.empty() && at <= op_filter.size();) {
-      const size_t comma = std::min(op_filter.find(',', at), op_filter.size());
-      ops.push_back(op_filter.substr(at, comma - at));
-      at = comma + 1;
+    const std::vector<std::string> ops = comma_list(op_filter);
+    std::vector<loom::DType> dtypes;  // --dtype's list
+    for (const std::string& name : comma_list(dtype_filter)) {
+      try {
+        dtypes.push_back(loom::dtype_from_name(name));
+      } catch (const loom::Error& e) {
+        throw loom::Error(std::string("--dtype: ") + e.what());
+      }
     }
-    if (case_option->count() > 0 && (ops.size() != 1 || dtype_filter.empty()))
+    if (case_option->count() > 0 && (ops.size() != 1 || dtypes.size() != 1))
       throw loom::Error("--case needs one --op and --dtype (a case number counts the cases of one op and dtype)");
     loom::providers::load_from_env();
     for (const auto& lib : libraries) loom::providers::load(lib);
@@ -279,7 +289,7 @@ int main(int argc, char** argv) {
 #endif
     if (!verify_cache.empty()) loom::dispatch::set_verify_cache(verify_cache);
     if (list_kernels_flag) {
-      list_kernels(loom::Device::parse(device_name), dtype_filter);
+      list_kernels(loom::Device::parse(device_name), dtypes);
       return 0;
     }
     if (list_verified) {
@@ -312,7 +322,7 @@ int main(int argc, char** argv) {
     o.generated = !no_generated;
     o.reference = reference == "native" ? "native" : "naive";
     o.ops = ops;
-    if (!dtype_filter.empty()) o.dtypes = {loom::dtype_from_name(dtype_filter)};
+    o.dtypes = dtypes;
     std::optional<loom::op_trace::Trace> trace;
     if (!trace_path.empty()) trace = loom::op_trace::read_trace(trace_path);
     // The stored sets of cases this run reads: --reference-file, or pytorch_refs.json

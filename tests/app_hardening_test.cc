@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "loom/data/token_file.h"
@@ -89,6 +91,17 @@ TEST(AppHardening, ConformanceNeverPassesWithoutACase) {
   EXPECT_EQ(listed.status, 0) << listed.out << listed.err;
   for (const char* row : {"\nadd ", "\nrelu "}) EXPECT_NE(listed.out.find(row), std::string::npos) << listed.out;
   EXPECT_EQ(listed.out.find("\nsoftmax "), std::string::npos) << listed.out;
+  // So does a list of dtypes; a bad name in it is one error naming it.
+  const AppRun dtypes = run(kConformance + " --provider native --op relu --dtype f64,bf16 --reference none --jobs 2");
+  EXPECT_EQ(dtypes.status, 0) << dtypes.out << dtypes.err;
+  std::istringstream table(dtypes.out);
+  std::set<std::string> rows;
+  for (std::string line, op, dtype; std::getline(table, line);)
+    if (std::istringstream(line) >> op >> dtype && op == "relu") rows.insert(dtype);
+  EXPECT_EQ(rows, (std::set<std::string>{"bf16", "f64"})) << dtypes.out;
+  expect_one_line_error(kConformance + " --provider native --op relu --dtype f32,f33", {"--dtype", "f33"});
+  expect_one_line_error(kConformance + " --list-kernels --dtype bf17", {"--dtype", "bf17"});
+  expect_one_line_error(kConformance + " --provider native --op relu --dtype f32,bf16 --case 0", {"--case", "--dtype"});
 #ifndef LOOM_WITH_CUDA
   expect_one_line_error(kConformance + " --provider native --device cuda --op add --dtype f32", {"cuda"});
 #endif
