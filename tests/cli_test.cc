@@ -828,6 +828,32 @@ TEST(PlotLoss, TrainDataLossAndNoMatplotlib) {
   EXPECT_NE(m.output.find("pip install matplotlib"), std::string::npos) << m.output;
   EXPECT_EQ(m.output.find("Traceback"), std::string::npos) << m.output;
 }
+
+// Several runs on one plot (bf16 beside FP8, say): each after the first is compared with it step by step, the
+// warm-up left out of the largest difference; a --label count that does not match is one line.
+TEST(PlotLoss, SeveralRunsAreComparedWithTheFirst) {
+  if (std::system("command -v python3 > /dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  test::TempDir tmp;
+  const std::string a = tmp.file("a.jsonl"), b = tmp.file("b.jsonl");
+  std::ofstream(a) << R"({"step": 1, "train/loss": 10.0})" << "\n" << R"({"step": 2, "train/loss": 8.0})" << "\n"
+                   << R"({"step": 3, "train/loss": 5.0})" << "\n";
+  std::ofstream(b) << R"({"step": 1, "train/loss": 12.0})" << "\n" << R"({"step": 2, "train/loss": 8.2})" << "\n"
+                   << R"({"step": 3, "train/loss": 5.05})" << "\n" << R"({"step": 4, "train/loss": 4.0})" << "\n";
+  const std::string script = "python3 " + std::string(LOOM_SOURCE_DIR) + "/tools/plot_loss.py";
+  AppRun r = run_loom_train_with("", a + " " + b + " --label bf16 --label fp8 --warmup 1 --backend builtin -o " +
+                                         tmp.file("both.png"), script);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("bf16: train 5.0000 at step 3; fp8: train 4.0000 at step 4"), std::string::npos) << r.output;
+  // Step 1 (20%) is warm-up: the largest after it is step 2's 2.5%; the last shared step is 3 (1%).
+  EXPECT_NE(r.output.find("fp8 against bf16: largest relative difference after step 1 2.50% (step 2), at the last "
+                          "shared step 3 1.00% (5.0500 against 5.0000)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(test::read_all(tmp.file("both.png")).substr(1, 3), "PNG");
+  AppRun bad = run_loom_train_with("", a + " " + b + " --label bf16 --backend builtin", script);
+  EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
+  EXPECT_NE(bad.output.find("1 --label for 2 metrics files"), std::string::npos) << bad.output;
+}
 #endif
 
 TEST(ModelConfigChecks, ZeroKvHeadsIsAnErrorNotADivisionByZero) {

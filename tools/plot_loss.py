@@ -3,6 +3,11 @@
 
     python3 tools/plot_loss.py out/logs/metrics.jsonl -o loss.png
     python3 tools/plot_loss.py out/logs                 # the directory's metrics.jsonl, writes out/logs/loss.png
+    python3 tools/plot_loss.py logs_bf16 logs_fp8 --label bf16 --label fp8 --warmup 100 -o bf16_fp8.png
+
+Several runs are drawn on one plot, a color each (labels: --label, in order, else each run's directory name), and
+each run after the first is compared with the first step by step: the largest relative difference of its train loss
+after --warmup steps, and at the last step both share.
 
 Each line of metrics.jsonl is a JSON object {"step": s, "time": t, "train/loss": ..., ...} or, after an evaluation,
 {"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc); a run without --val-data evaluates on the training
@@ -284,48 +289,90 @@ def plot_builtin(series, out_path, title, width=800, height=500):
 
 # ---------------------------------------------------------------------------------------------------------- main
 
+PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127)]
+MATPLOTLIB_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                     "tab:gray"]
+
+
+def compare(first, other, warmup):
+    """The largest relative difference of `other`'s train loss from `first`'s over the steps both have after
+    `warmup`, as (difference, step), and at the last step both have, as (difference, step, other's, first's)."""
+    steps = sorted(set(first) & set(other))
+    if not steps:
+        return None, None
+    rel = lambda s: abs(other[s] - first[s]) / abs(first[s]) if first[s] else math.inf
+    after = [s for s in steps if s > warmup]
+    worst = max(((rel(s), s) for s in after), default=None)
+    last = steps[-1]
+    return worst, (rel(last), last, other[last], first[last])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("metrics", help="metrics.jsonl written by loom-train --log-dir, or that directory")
-    ap.add_argument("-o", "--output", help="PNG to write (default: loss.png beside the metrics file)")
+    ap.add_argument("metrics", nargs="+",
+                    help="metrics.jsonl written by loom-train --log-dir, or that directory; several: one plot")
+    ap.add_argument("-o", "--output", help="PNG to write (default: loss.png beside the first metrics file)")
+    ap.add_argument("--label", action="append", default=[],
+                    help="a run's name in the legend, once per metrics file in order (default: its directory)")
     ap.add_argument("--title", default="loss", help="plot title")
     ap.add_argument("--smooth", type=float, default=0.0,
                     help="EMA smoothing of the train loss in [0, 1) (0 = none; TensorBoard's slider)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="with several runs: steps left out of the largest difference from the first run (default 0)")
     ap.add_argument("--backend", choices=["auto", "matplotlib", "builtin"], default="auto",
                     help="auto: matplotlib if installed, else the built-in renderer")
     args = ap.parse_args(argv)
 
-    path = args.metrics
-    if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(path):
-        print(f"plot_loss: error: {path} does not exist", file=sys.stderr)
+    paths = [os.path.join(p, "metrics.jsonl") if os.path.isdir(p) else p for p in args.metrics]
+    for path in paths:
+        if not os.path.isfile(path):
+            print(f"plot_loss: error: {path} does not exist", file=sys.stderr)
+            return 1
+    if args.label and len(args.label) != len(paths):
+        print(f"plot_loss: error: {len(args.label)} --label for {len(paths)} metrics files (give one per file, or none)",
+              file=sys.stderr)
         return 1
     if not 0.0 <= args.smooth < 1.0:
         print("plot_loss: error: --smooth must be in [0, 1)", file=sys.stderr)
         return 1
-    train, val, train_eval = read_metrics(path)
-    if not train and not val and not train_eval:
-        print(f"plot_loss: error: {path} has no finite train/loss, val/loss or train_data/loss values",
-              file=sys.stderr)
+    if args.warmup < 0:
+        print("plot_loss: error: --warmup must be 0 or more", file=sys.stderr)
         return 1
-    out = args.output or os.path.join(os.path.dirname(os.path.abspath(path)), "loss.png")
+    if len(paths) > len(PALETTE):
+        print(f"plot_loss: error: at most {len(PALETTE)} runs on one plot ({len(paths)} given)", file=sys.stderr)
+        return 1
+    runs = []
+    for n, path in enumerate(paths):
+        train, val, train_eval = read_metrics(path)
+        if not train and not val and not train_eval:
+            print(f"plot_loss: error: {path} has no finite train/loss, val/loss or train_data/loss values",
+                  file=sys.stderr)
+            return 1
+        name = args.label[n] if args.label else os.path.basename(os.path.dirname(os.path.abspath(path)))
+        runs.append((name, train, val, train_eval))
+    out = args.output or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "loss.png")
 
+    # (label, steps, values, color, markers): one run keeps its three colors, several runs take one color each.
     series = []
-    if train:
-        steps = sorted(train)
-        ys = [train[s] for s in steps]
-        label = "train"
-        if args.smooth > 0:
-            ys = ema(ys, args.smooth)
-            label = f"train (ema {args.smooth:g})"
-        series.append((label, steps, ys, (31, 119, 180), False))
-    if val:
-        steps = sorted(val)
-        series.append(("val", steps, [val[s] for s in steps], (255, 127, 14), True))
-    if train_eval:
-        steps = sorted(train_eval)
-        series.append(("train data (eval)", steps, [train_eval[s] for s in steps], (44, 160, 44), True))
+    several = len(runs) > 1
+    for n, (name, train, val, train_eval) in enumerate(runs):
+        prefix = name + " " if several else ""
+        colors = [PALETTE[n]] * 3 if several else PALETTE[:3]
+        if train:
+            steps = sorted(train)
+            ys = [train[s] for s in steps]
+            label = prefix + "train" if not several else name
+            if args.smooth > 0:
+                ys = ema(ys, args.smooth)
+                label += f" (ema {args.smooth:g})"
+            series.append((label, steps, ys, colors[0], False))
+        if val:
+            steps = sorted(val)
+            series.append((prefix + "val", steps, [val[s] for s in steps], colors[1], True))
+        if train_eval:
+            steps = sorted(train_eval)
+            series.append((prefix + "train data (eval)", steps, [train_eval[s] for s in steps], colors[2], True))
 
     backend = args.backend
     if backend == "auto":
@@ -343,18 +390,32 @@ def main(argv=None):
                   "no dependency)", file=sys.stderr)
             return 1
     if backend == "matplotlib":
-        colors = {(31, 119, 180): "tab:blue", (255, 127, 14): "tab:orange", (44, 160, 44): "tab:green"}
-        plot_matplotlib([(l, x, y, colors[c], m) for l, x, y, c, m in series], out, args.title)
+        names = dict(zip(PALETTE, MATPLOTLIB_COLORS))
+        plot_matplotlib([(l, x, y, names[c], m) for l, x, y, c, m in series], out, args.title)
     else:
         plot_builtin(series, out, args.title)
-    summary = []
-    if train:
-        summary.append(f"train {train[max(train)]:.4f} at step {max(train)}")
-    if val:
-        summary.append(f"val {val[max(val)]:.4f} at step {max(val)}")
-    if train_eval:
-        summary.append(f"train data (eval) {train_eval[max(train_eval)]:.4f} at step {max(train_eval)}")
-    print(f"plot_loss: wrote {out} ({backend}; last: {', '.join(summary)})")
+    lines = []
+    for name, train, val, train_eval in runs:
+        summary = []
+        if train:
+            summary.append(f"train {train[max(train)]:.4f} at step {max(train)}")
+        if val:
+            summary.append(f"val {val[max(val)]:.4f} at step {max(val)}")
+        if train_eval:
+            summary.append(f"train data (eval) {train_eval[max(train_eval)]:.4f} at step {max(train_eval)}")
+        lines.append((name + ": " if several else "") + ", ".join(summary))
+    print(f"plot_loss: wrote {out} ({backend}; last: {'; '.join(lines)})")
+    first_name, first_train = runs[0][0], runs[0][1]
+    for name, train, _, _ in runs[1:]:
+        worst, last = compare(first_train, train, args.warmup)
+        if last is None:
+            print(f"plot_loss: {name} and {first_name} share no train step")
+            continue
+        text = f"plot_loss: {name} against {first_name}: "
+        if worst:
+            text += f"largest relative difference after step {args.warmup} {worst[0] * 100:.2f}% (step {worst[1]}), "
+        text += f"at the last shared step {last[1]} {last[0] * 100:.2f}% ({last[2]:.4f} against {last[3]:.4f})"
+        print(text)
     return 0
 
 
