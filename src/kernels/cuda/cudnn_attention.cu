@@ -4,7 +4,7 @@
 // cuDNN is loaded at run time (dlopen("libcudnn.so.9"), a handful of dlsym'd functions); its header gives only types
 // and enums. Without the library every kernel here declines and the native kernels serve. Where cuDNN loads, these
 // kernels rank above the native flash kernels (cuDNN's Hopper engines are 1.4-2x faster forward + backward on an
-// H100); LOOM_CUDNN_ATTENTION=0 or a policy denying "cudnn" (LOOM_PROVIDERS="-cudnn") turns them off.
+// H100); a policy denying "cudnn" (LOOM_PROVIDERS="-cudnn") turns them off, as any provider.
 //
 // The graphs are the operation graphs cuDNN's SDPA runtime-fusion engines recognise (the layout cudnn-frontend emits
 // for its SDPA nodes), built here from the raw backend descriptors:
@@ -506,15 +506,6 @@ bool problem_ok(const Tensor& q, const Tensor& k, const Tensor& v, const Attenti
   return layout_ok(q) && layout_ok(k) && layout_ok(v);
 }
 
-// On unless LOOM_CUDNN_ATTENTION=0 (a policy can deny the provider as any other).
-bool enabled() {
-  static const bool disabled = [] {
-    const char* e = std::getenv("LOOM_CUDNN_ATTENTION");
-    return e != nullptr && std::strcmp(e, "0") == 0;
-  }();
-  return !disabled;
-}
-
 cudnnDataType_t cudnn_dtype(DType dt) { return dt == kBF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
 
 // The value masked scores take. cuDNN before 9.1 wanted the lowest finite float in the forward.
@@ -790,7 +781,7 @@ bool lse_ok(const Tensor& lse, const Tensor& q) {
 // One predicate for the plain and the strided op: the plain op's contiguous tensors are one case of the views.
 bool forward_supports(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionAttrs& attrs, Tensor& out,
                       Tensor& lse) {
-  if (!api().ok || !enabled()) return false;
+  if (!api().ok) return false;
   if (!problem_ok(q, k, v, attrs) || !like(out, q) || !lse_ok(lse, q)) return false;
   return forward_plan(q, k, v, attrs, out)->ok;
 }
@@ -839,7 +830,7 @@ void cudnn_forward(const DeviceContext& ctx, const Tensor& q, const Tensor& k, c
 bool backward_supports(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                        const Tensor& lse, const AttentionAttrs& attrs, Tensor& grad_q, Tensor& grad_k,
                        Tensor& grad_v) {
-  if (!api().ok || !enabled()) return false;
+  if (!api().ok) return false;
   if (!problem_ok(q, k, v, attrs) || !like(out, q) || !like(grad_out, q) || !lse_ok(lse, q)) return false;
   // cuDNN writes all three gradients: a call that needs only some is left to the native kernels.
   if (!like(grad_q, q) || !like(grad_k, k) || !like(grad_v, v)) return false;
