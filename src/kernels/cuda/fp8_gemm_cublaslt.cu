@@ -9,8 +9,9 @@
 // reads W with N contiguous, grad_w = x^T grad reads both with the rows contiguous) is first copied into a
 // K-contiguous buffer, K padded with zeros to a multiple of 16 (zeros add nothing to a sum, and both operands are
 // padded alike). An output whose start, ldc or batch stride cuBLASLt cannot take is computed into an aligned buffer
-// and copied out. The copies are an extra pass over an operand; quantizing straight into the transposed layout (as
-// Transformer Engine's cast-transpose does) is the faster path still to build.
+// and copied out. The copies are an extra pass over an operand (a transpose through shared-memory tiles, coalesced
+// both ways); quantizing straight into the transposed layout (as Transformer Engine's cast-transpose does) is the
+// faster path still to build.
 //
 // The dequantization factors (A_SCALE_POINTER, B_SCALE_POINTER) must start on 16 bytes: cublasLtMatmul refuses a
 // scale at any other address with CUBLAS_STATUS_NOT_SUPPORTED (measured on an H200: every refused call of the suite
@@ -97,6 +98,30 @@ __global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_s
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx % ld, c = (idx / ld) % cols, b = idx / (ld * cols);
     dst[idx] = r < k ? src[b * src_batch_stride + r * row_stride + c * col_stride] : uint8_t(0);
+  }
+}
+
+// The same for a source whose columns are contiguous (col_stride 1: a transpose, as the operands of the backward
+// products are): 64 x 64-byte tiles through shared memory, so that the reads (along a source row) and the writes
+// (along K) are both coalesced, where the kernel above reads one byte of each 32-byte sector. Block kPackTile x
+// kPackRows threads; grid (ld, cols, batch) in tiles.
+constexpr int kPackTile = 64, kPackRows = 4;
+__global__ void pack_k_contiguous_transposed(const uint8_t* __restrict__ src, int64_t row_stride,
+                                             int64_t src_batch_stride, int64_t k, uint8_t* __restrict__ dst,
+                                             int64_t ld, int64_t cols) {
+  __shared__ uint8_t tile[kPackTile][kPackTile + 4];  // + a word: a column's bytes fall in different banks
+  const int64_t r0 = int64_t(blockIdx.x) * kPackTile, c0 = int64_t(blockIdx.y) * kPackTile;
+  const int tx = int(threadIdx.x), ty = int(threadIdx.y);
+  src += int64_t(blockIdx.z) * src_batch_stride;
+  dst += int64_t(blockIdx.z) * ld * cols;
+  for (int i = ty; i < kPackTile; i += kPackRows) {  // K index r0 + i: columns c0 .. c0 + 63 of the source
+    const int64_t r = r0 + i, c = c0 + tx;
+    tile[i][tx] = r < k && c < cols ? src[r * row_stride + c] : uint8_t(0);
+  }
+  __syncthreads();
+  for (int j = ty; j < kPackTile; j += kPackRows) {  // destination column c0 + j: K indices r0 .. r0 + 63
+    const int64_t r = r0 + tx, c = c0 + j;
+    if (r < ld && c < cols) dst[c * ld + r] = tile[tx][j];
   }
 }
 
@@ -295,9 +320,17 @@ Operand packed(const void* src, int64_t row_stride, int64_t col_stride, int64_t 
                int64_t cols, int64_t batch, Device device, cudaStream_t stream, Tensor& buffer) {
   const int64_t total = ld * cols * batch;
   buffer = empty({std::max<int64_t>(1, total)}, kU8, device);
-  pack_k_contiguous<<<grid_for(total), 256, 0, stream>>>(static_cast<const uint8_t*>(src), row_stride, col_stride,
-                                                          batch_stride, k, static_cast<uint8_t*>(buffer.data()), ld,
-                                                          cols, total);
+  const uint8_t* from = static_cast<const uint8_t*>(src);
+  uint8_t* to = static_cast<uint8_t*>(buffer.data());
+  const int64_t tiles_r = (ld + kPackTile - 1) / kPackTile, tiles_c = (cols + kPackTile - 1) / kPackTile;
+  if (total == 0) return {buffer.data(), ld, ld * cols};
+  if (col_stride == 1 && row_stride != 1 && tiles_r <= INT32_MAX && tiles_c <= 65535 && batch <= 65535) {
+    const dim3 grid{unsigned(tiles_r), unsigned(tiles_c), unsigned(batch)}, block{kPackTile, kPackRows};
+    pack_k_contiguous_transposed<<<grid, block, 0, stream>>>(from, row_stride, batch_stride, k, to, ld, cols);
+  } else {
+    pack_k_contiguous<<<grid_for(total), 256, 0, stream>>>(from, row_stride, col_stride, batch_stride, k, to, ld,
+                                                            cols, total);
+  }
   LOOM_CUDA_CHECK_LAUNCH();
   return {buffer.data(), ld, ld * cols};
 }
