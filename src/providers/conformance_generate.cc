@@ -387,8 +387,8 @@ std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
 
 
 // The covering array for (op, dtype): pass 1 covers every pair the op takes; pass 2 covers again, from cases the
-// provider accepts, each pair that only declined cases hold; pass 3 runs every concrete size of every class once;
-// then the fuzz cases.
+// provider accepts, each pair that only declined cases hold; pass 3 runs every concrete size of every class once in
+// the plainest case, and each below 1000 again in the fullest; then the description's size cases and the fuzz cases.
 Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
                    const std::function<bool(const Plan&)>& accepts) {
   Generated g{make_model(s, dt), {}, {}, {}, {}, 0, 0};
@@ -503,6 +503,40 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
             g.accepted.push_back(true);
             seen.insert(v);
             seen.insert(got);
+            break;
+          }
+        }
+    }
+    // Each concrete size below 1000 also in the fullest accepted case holding its class (the most optional inputs
+    // present and attributes off their first value; the other dims plain), where that has any: a kernel wrong at one
+    // size only with a feature on (a gemm's bias left off the last row at m = 256) passes where the size meets the
+    // feature nowhere.
+    auto fullness = [&](size_t k) {
+      int n = 0;
+      for (size_t q = 0; q < P; ++q)
+        n += (m.params[q].kind == ParamKind::kPresent && g.plans[k].effective[q] == 0) ||
+             (m.params[q].kind == ParamKind::kAttr && g.plans[k].effective[q] > 0);
+      return n;
+    };
+    std::vector<size_t> fullest(plainest);
+    std::stable_sort(fullest.begin(), fullest.end(), [&](size_t a, size_t b) { return fullness(a) > fullness(b); });
+    for (size_t p = 0; p < P; ++p) {
+      const Param& pr = m.params[p];
+      if (pr.kind != ParamKind::kDim) continue;
+      const std::string dim = pr.name.substr(4);
+      for (size_t cls = 0; cls < pr.sizes.size(); ++cls)
+        for (int64_t v : pr.sizes[cls]) {
+          if (v >= 1000 || g.plans.size() >= kMaxPlans) continue;
+          for (size_t k : fullest) {
+            if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
+            if (fullness(k) == 0) break;
+            std::vector<int> choice = g.plans[k].choice;  // its features, the other dims at their plain sizes
+            for (size_t q = 0; q < P; ++q)
+              if (q != p && m.params[q].kind == ParamKind::kDim) choice[q] = 0;
+            auto plan = realize(m, choice, {{dim, v}}, g.plans.size());
+            if (!plan || !accepts(*plan)) continue;
+            g.plans.push_back(std::move(*plan));
+            g.accepted.push_back(true);
             break;
           }
         }

@@ -286,8 +286,8 @@ typedef struct LoomTensorDesc {
   int32_t rank;         /* 0 .. LOOM_MAX_DIMS */
   int32_t reserved0;
   void* data;           /* the first element */
-  int64_t shape[LOOM_MAX_DIMS];
-  int64_t strides[LOOM_MAX_DIMS]; /* in elements */
+  int64_t shape[LOOM_MAX_DIMS];   /* entries past rank are 0 */
+  int64_t strides[LOOM_MAX_DIMS]; /* in elements; entries past rank are 0 */
   uint64_t reserved[4];
 } LoomTensorDesc;
 
