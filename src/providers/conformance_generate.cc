@@ -511,15 +511,13 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
     // present and attributes off their first value; the other dims plain), where that has any: a kernel wrong at one
     // size only with a feature on (a gemm's bias left off the last row at m = 256) passes where the size meets the
     // feature nowhere.
-    auto fullness = [&](size_t k) {
-      int n = 0;
+    std::vector<int> fullness(plainest.size(), 0);  // per case before this pass: the features it has on
+    for (size_t k = 0; k < fullness.size(); ++k)
       for (size_t q = 0; q < P; ++q)
-        n += (m.params[q].kind == ParamKind::kPresent && g.plans[k].effective[q] == 0) ||
-             (m.params[q].kind == ParamKind::kAttr && g.plans[k].effective[q] > 0);
-      return n;
-    };
+        fullness[k] += (m.params[q].kind == ParamKind::kPresent && g.plans[k].effective[q] == 0) ||
+                       (m.params[q].kind == ParamKind::kAttr && g.plans[k].effective[q] > 0);
     std::vector<size_t> fullest(plainest);
-    std::stable_sort(fullest.begin(), fullest.end(), [&](size_t a, size_t b) { return fullness(a) > fullness(b); });
+    std::stable_sort(fullest.begin(), fullest.end(), [&](size_t a, size_t b) { return fullness[a] > fullness[b]; });
     for (size_t p = 0; p < P; ++p) {
       const Param& pr = m.params[p];
       if (pr.kind != ParamKind::kDim) continue;
@@ -529,7 +527,7 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           if (v >= 1000 || g.plans.size() >= kMaxPlans) continue;
           for (size_t k : fullest) {
             if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
-            if (fullness(k) == 0) break;
+            if (fullness[k] == 0) break;
             std::vector<int> choice = g.plans[k].choice;  // its features, the other dims at their plain sizes
             for (size_t q = 0; q < P; ++q)
               if (q != p && m.params[q].kind == ParamKind::kDim) choice[q] = 0;
