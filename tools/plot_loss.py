@@ -289,6 +289,7 @@ def plot_builtin(series, out_path, title, width=800, height=500):
 
 # ---------------------------------------------------------------------------------------------------------- main
 
+KINDS = ("train", "val", "train data (eval)")  # read_metrics's three tables, in its order
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
            (227, 119, 194), (127, 127, 127)]
 MATPLOTLIB_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
@@ -342,37 +343,33 @@ def main(argv=None):
     if len(paths) > len(PALETTE):
         print(f"plot_loss: error: at most {len(PALETTE)} runs on one plot ({len(paths)} given)", file=sys.stderr)
         return 1
-    runs = []
+    runs = []  # (name, {kind: {step: loss}}) with the kinds of KINDS
     for n, path in enumerate(paths):
-        train, val, train_eval = read_metrics(path)
-        if not train and not val and not train_eval:
+        tables = dict(zip(KINDS, read_metrics(path)))
+        if not any(tables.values()):
             print(f"plot_loss: error: {path} has no finite train/loss, val/loss or train_data/loss values",
                   file=sys.stderr)
             return 1
         name = args.label[n] if args.label else os.path.basename(os.path.dirname(os.path.abspath(path)))
-        runs.append((name, train, val, train_eval))
+        runs.append((name, tables))
     out = args.output or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "loss.png")
 
-    # (label, steps, values, color, markers): one run keeps its three colors, several runs take one color each.
+    # (label, steps, values, color, markers): one run takes a color per kind, several runs a color each. The train
+    # loss is a line (labelled by the run's name when there are several), the evaluations are points.
     series = []
     several = len(runs) > 1
-    for n, (name, train, val, train_eval) in enumerate(runs):
-        prefix = name + " " if several else ""
-        colors = [PALETTE[n]] * 3 if several else PALETTE[:3]
-        if train:
-            steps = sorted(train)
-            ys = [train[s] for s in steps]
-            label = prefix + "train" if not several else name
-            if args.smooth > 0:
+    for n, (name, tables) in enumerate(runs):
+        for i, kind in enumerate(KINDS):
+            table = tables[kind]
+            if not table:
+                continue
+            steps = sorted(table)
+            ys = [table[s] for s in steps]
+            label = (name if kind == "train" else f"{name} {kind}") if several else kind
+            if kind == "train" and args.smooth > 0:
                 ys = ema(ys, args.smooth)
                 label += f" (ema {args.smooth:g})"
-            series.append((label, steps, ys, colors[0], False))
-        if val:
-            steps = sorted(val)
-            series.append((prefix + "val", steps, [val[s] for s in steps], colors[1], True))
-        if train_eval:
-            steps = sorted(train_eval)
-            series.append((prefix + "train data (eval)", steps, [train_eval[s] for s in steps], colors[2], True))
+            series.append((label, steps, ys, PALETTE[n] if several else PALETTE[i], kind != "train"))
 
     backend = args.backend
     if backend == "auto":
@@ -395,19 +392,13 @@ def main(argv=None):
     else:
         plot_builtin(series, out, args.title)
     lines = []
-    for name, train, val, train_eval in runs:
-        summary = []
-        if train:
-            summary.append(f"train {train[max(train)]:.4f} at step {max(train)}")
-        if val:
-            summary.append(f"val {val[max(val)]:.4f} at step {max(val)}")
-        if train_eval:
-            summary.append(f"train data (eval) {train_eval[max(train_eval)]:.4f} at step {max(train_eval)}")
-        lines.append((name + ": " if several else "") + ", ".join(summary))
+    for name, tables in runs:
+        summary = ", ".join(f"{kind} {t[max(t)]:.4f} at step {max(t)}" for kind, t in tables.items() if t)
+        lines.append((name + ": " if several else "") + summary)
     print(f"plot_loss: wrote {out} ({backend}; last: {'; '.join(lines)})")
-    first_name, first_train = runs[0][0], runs[0][1]
-    for name, train, _, _ in runs[1:]:
-        worst, last = compare(first_train, train, args.warmup)
+    first_name, first_train = runs[0][0], runs[0][1]["train"]
+    for name, tables in runs[1:]:
+        worst, last = compare(first_train, tables["train"], args.warmup)
         if last is None:
             print(f"plot_loss: {name} and {first_name} share no train step")
             continue
