@@ -388,7 +388,8 @@ std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
 
 // The covering array for (op, dtype): pass 1 covers every pair the op takes; pass 2 covers again, from cases the
 // provider accepts, each pair that only declined cases hold; pass 3 runs every concrete size of every class once in
-// the plainest case, and each below 1000 again in the fullest; then the description's size cases and the fuzz cases.
+// the plainest case, and each below 1000 again in the fullest and (ops that do not accumulate) as a whole element
+// count; then the description's size cases and the fuzz cases.
 Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
                    const std::function<bool(const Plan&)>& accepts) {
   Generated g{make_model(s, dt), {}, {}, {}, {}, 0, 0};
@@ -538,6 +539,36 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
             break;
           }
         }
+    }
+    // Each concrete size below 1000 also as a whole element count, once: that dim at the size, every other dim at 1,
+    // in the plainest accepted case holding its class. A kernel that works on the flattened elements (an add one
+    // element short when there are exactly 5) is wrong only there. Not for ops that accumulate: a sum of a few terms
+    // that cancel is judged against the result's scale, which a one-element output does not hold.
+    if (s.accumulate_dim.empty()) {
+      std::map<int64_t, std::vector<std::pair<size_t, size_t>>> where;  // size -> (dim param, class)
+      for (size_t p = 0; p < P; ++p)
+        if (m.params[p].kind == ParamKind::kDim)
+          for (size_t cls = 0; cls < m.params[p].sizes.size(); ++cls)
+            for (int64_t v : m.params[p].sizes[cls])
+              if (v >= 2 && v < 1000) where[v].push_back({p, cls});
+      for (const auto& [v, places] : where) {
+        bool met = false;
+        for (auto [p, cls] : places) {
+          if (met || g.plans.size() >= kMaxPlans) break;
+          std::map<std::string, int64_t> forced;
+          for (size_t q = 0; q < P; ++q)
+            if (m.params[q].kind == ParamKind::kDim) forced[m.params[q].name.substr(4)] = q == p ? v : 1;
+          for (size_t k : plainest) {
+            if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
+            auto plan = realize(m, g.plans[k].choice, forced, g.plans.size());
+            if (!plan || !accepts(*plan)) continue;
+            g.plans.push_back(std::move(*plan));
+            g.accepted.push_back(true);
+            met = true;
+            break;
+          }
+        }
+      }
     }
     // The description's size cases (whole tiles, rows a block reduction splits), once per value class of the first
     // input that has several, each from the first accepted case of that class: a tile's tail that a kernel misses
