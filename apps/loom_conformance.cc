@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
   bool list = false, list_kernels_flag = false, describe = false, no_generated = false;
   bool verify = false, list_verified = false, coverage = false, worker = false;
   std::string verify_cache;
-  int fuzz = 0, case_index = -1, jobs = loom::conformance::default_jobs();
+  int fuzz = 0, case_index = -1, sample = 0, jobs = loom::conformance::default_jobs();
   size_t max_calls = 0;
   double budget = 120;
   uint64_t seed = 1;
@@ -197,6 +197,10 @@ int main(int argc, char** argv) {
   auto* case_option = app.add_option("--case", case_index,
                                      "run only this case of --op and --dtype (what a failure's rerun line gives)")
                           ->check(CLI::NonNegativeNumber);
+  app.add_option("--sample", sample,
+                 "at most N generated cases per op and dtype, spread from the cheapest to the dearest (for slow "
+                 "tools such as compute-sanitizer's racecheck)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--no-generated", no_generated, "skip the cases generated from the op descriptions");
   app.add_flag("--coverage", coverage,
                "print, per op and dtype, the parameters of the generated cases with how many accepted cases hold each "
@@ -319,6 +323,7 @@ int main(int argc, char** argv) {
     loom::conformance::SuiteOptions o;
     o.provider = provider, o.device = loom::Device::parse(device_name), o.fuzz = fuzz, o.seed = seed;
     o.only_case = case_index;
+    o.sample = sample;
     o.generated = !no_generated;
     o.reference = reference == "native" ? "native" : "naive";
     o.ops = ops;

@@ -62,6 +62,8 @@ struct SuiteOptions {
   int fuzz = 0;                  // random cases per (op, dtype) after the generated ones
   uint64_t seed = 1;
   int only_case = -1;            // run only this case index (the repro command's --case)
+  int sample = 0;                // > 0: at most this many cases per (op, dtype), spread from the cheapest to the
+                                 // dearest (for tools that slow every case a hundredfold, as racecheck does)
   bool generated = true;         // false: only the fuzz cases
   bool exhaustive = false;       // also every concrete size of every dim as its own case, at the base sizes
   // What judges a generated case: "naive" (the naive oracle, naive_reference.h; Loom's native CPU kernels in float64

@@ -188,6 +188,22 @@ struct Row {
   double seconds = 0;
 };
 
+// Keeps `n` of a row's cases, spread over their costs from the cheapest to the dearest (the sizes that take a
+// kernel's short paths and its long ones), in their order; `total_cost` loses the others'.
+void sample_cases(Row& row, size_t n, double& total_cost) {
+  std::vector<size_t> by_cost(row.cases.size());
+  for (size_t i = 0; i < by_cost.size(); ++i) by_cost[i] = i;
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](size_t a, size_t b) { return row.costs[a] < row.costs[b]; });
+  std::vector<bool> keep(row.cases.size(), false);
+  for (size_t i = 0; i < n; ++i) keep[by_cost[n == 1 ? by_cost.size() - 1 : i * (by_cost.size() - 1) / (n - 1)]] = true;
+  Row kept;
+  for (size_t i = 0; i < row.cases.size(); ++i) {
+    if (keep[i]) kept.cases.push_back(row.cases[i]), kept.costs.push_back(row.costs[i]);
+    else total_cost -= row.costs[i];
+  }
+  row.cases = std::move(kept.cases), row.costs = std::move(kept.costs);
+}
+
 }  // namespace
 
 std::function<std::vector<CaseResult>(const WorkUnit&)> suite_unit_runner(const SuiteOptions& o) {
@@ -221,6 +237,7 @@ std::vector<CaseResult> run_suite(const SuiteOptions& o) {
         row.costs.push_back(case_cost(*s, g.plans[plan].e) * (size_t(k) < g.plans.size() ? 1 : 3));
         total_cost += row.costs.back();
       }
+      if (o.sample > 0 && row.cases.size() > size_t(o.sample)) sample_cases(row, size_t(o.sample), total_cost);
       row.pending = int(row.cases.size());
       total_cases += row.pending;
     }

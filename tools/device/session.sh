@@ -22,7 +22,7 @@
 #             the host, so every report is Loom's), SAN_JOBS worker processes (the cores less one), within
 #             SAN_TIMEOUT s (500)
 #   suite_racecheck  racecheck the same way over the ops whose CUDA kernels use shared memory (RACE_OPS), in
-#             RACE_DTYPES (f32,bf16), Loom's kernels instrumented
+#             RACE_DTYPES (f32,bf16), RACE_SAMPLE (12) cases per op and dtype, Loom's kernels instrumented
 #   reference transformers and PEFT on this machine: tools/reference/hf_check.py (Loom's GPT-2, LLaMA and Mixtral
 #             exports loaded by transformers, its PEFT adapter directory loaded by peft, HF models loaded by Loom, on
 #             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
@@ -387,8 +387,9 @@ stage_initcheck() { per_test_sanitizer initcheck; }
 # output it left unwritten). initcheck takes every op: what cuBLASLt writes for gemm and fp8_gemm is marked (NVTX).
 # racecheck judges shared memory only, and under it a case runs a hundred times slower: it takes the ops served by
 # Loom's CUDA kernels that use shared memory (found in src/kernels/cuda/*.cu: a file holding __shared__, its
-# LOOM_REGISTER_KERNEL ops), in RACE_DTYPES (f32,bf16), Loom's kernels instrumented alone, as in stage_racecheck.
-# RACE_OPS names other ops. A run cut short by SAN_TIMEOUT says how many cases it reached (the progress lines in its
+# LOOM_REGISTER_KERNEL ops), in RACE_DTYPES (f32,bf16), RACE_SAMPLE (12) generated cases per op and dtype spread
+# from the smallest to the largest (`--sample`; every case of 35 ops would take hours), Loom's kernels instrumented
+# alone, as in stage_racecheck. RACE_OPS names other ops. A run cut short by SAN_TIMEOUT says how many cases it reached (the progress lines in its
 # log, one per finished op and dtype). Both use SAN_JOBS workers (the cores less one).
 shared_memory_ops() {  # but gemm and fp8_gemm: cuBLASLt stops under racecheck (stage_racecheck)
   local f
@@ -404,8 +405,8 @@ suite_sanitizer() {  # tool
   read -r -a extra <<< "$(tool_filters "$tool")"
   if [ "$tool" = racecheck ]; then
     ops=${RACE_OPS:-$(shared_memory_ops)}
-    dtypes=(--dtype "${RACE_DTYPES:-f32,bf16}")
-    note="$(echo "$ops" | tr ',' '\n' | wc -l) ops with shared memory, ${RACE_DTYPES:-f32,bf16}"
+    dtypes=(--dtype "${RACE_DTYPES:-f32,bf16}" --sample "${RACE_SAMPLE:-12}" --reference naive)
+    note="$(echo "$ops" | tr ',' '\n' | wc -l) ops with shared memory, ${RACE_DTYPES:-f32,bf16}, ${RACE_SAMPLE:-12} cases each"
   else
     ops=$($BIN/loom-conformance --list-ops | awk '{print $1}' | paste -sd,)
   fi
