@@ -199,7 +199,7 @@ TEST(ConformanceCoverage, NativePassesTheNewClasses) {
 
 TEST(ConformanceCoverage, ALibraryWrongInOneRegionFails) {
   Unregister u{{"right", "nan_to_zero", "alias_misread", "unaligned", "softmax_no_max", "batch_stride0",
-                "alpha0", "gemv_m1", "beta_long", "last_column_long", "bias_m256"}};
+                "alpha0", "gemv_m1", "beta_long", "last_column_long", "bias_m256", "add_short_at_5"}};
   // The same arguments passed through: passes (no false failure from the erased path).
   register_library("add", "right", nullptr);
   register_library("gemm", "right", nullptr);
@@ -326,6 +326,36 @@ TEST(ConformanceCoverage, ALibraryWrongInOneRegionFails) {
     });
   });
   EXPECT_TRUE(fails("bias_m256", "gemm"));
+
+  // add over the flattened elements, wrong in the last one when there are exactly 5 of them. The
+  // suite meets each size of an op that does not accumulate also as a whole element count.
+  register_library("add", "add_short_at_5", nullptr, [](const CallArgs& c) {
+    const Tensor& out = c.slots[2].tensor;
+    if (out.numel() != 5) return;
+    for_each3(out, [&](float& v, int64_t i, int64_t j, int64_t k) {
+      if (i == out.size(0) - 1 && j == out.size(1) - 1 && k == out.size(2) - 1) v = -v;
+    });
+  });
+  EXPECT_TRUE(fails("add_short_at_5", "add"));
+}
+
+TEST(ConformanceCoverage, SampleRunsSomeOfTheSameCasesInTheirOrder) {
+  conformance::SuiteOptions all = options("native", "softmax");
+  all.dtypes = {kF32};
+  conformance::SuiteOptions sampled = all;
+  sampled.sample = 5;
+  const auto every = conformance::run_suite(all);
+  const auto some = conformance::run_suite(sampled);
+  ASSERT_GT(every.size(), 50u);
+  ASSERT_EQ(some.size(), 5u);
+  // The kept cases are cases of the whole run (the same indices, so --case reruns one), in their order.
+  std::set<int> indices;
+  for (const auto& r : every) indices.insert(r.index);
+  for (size_t i = 0; i < some.size(); ++i) {
+    EXPECT_TRUE(indices.count(some[i].index)) << some[i].index;
+    if (i > 0) EXPECT_LT(some[i - 1].index, some[i].index);
+  }
+  EXPECT_FALSE(conformance::suite_failed(some));
 }
 
 // An explicit case, as a replay of a recorded call gives it: add with out on a's buffer at element offset 3, and
