@@ -133,11 +133,13 @@ def read(path, pat):
         m = re.search(pat, line)
         if m: loss.append(float(m.group(1))); ms.append(float(m.group(2)))
     return ms, loss
-def read_metrics(path):  # loom-train's metrics.jsonl: full-precision step times and losses
-    ms, loss = [], []
+def read_metrics(path):  # loom-train's metrics.jsonl: full-precision step times and losses, of its last run only
+    ms, loss = [], []  # (loom-train appends to a log dir's metrics.jsonl after a run_start line)
     if os.path.exists(path):
         for line in open(path):
             j = json.loads(line)
+            if j.get("run_start"):
+                ms, loss = [], []
             if j.get("perf/ms_per_step") is not None:
                 ms.append(j["perf/ms_per_step"]); loss.append(j["train/loss"] if j["train/loss"] is not None else float("nan"))
     return ms, loss

@@ -10,7 +10,9 @@
 #   tests     the CUDA tests of loom_tests (TESTS, default every suite naming Cuda or Cudnn) in SHARDS processes
 #   suite     loom-conformance --provider native --device cuda: the generated cases and the stored PyTorch sets
 #   traces    one training step of GPT-2 124M (B=4, T=1024) and of LLaMA-3 1B (B=1, T=2048) recorded with
-#             loom-train --trace-ops, each replayed with loom-conformance --trace on the native CUDA kernels
+#             loom-train --trace-ops, each replayed with loom-conformance --trace on the native CUDA kernels;
+#             TRACE_MODELS (gpt2 llama) picks them, TRAIN_FLAGS adds loom-train flags (--fp8 all: the FP8 ops at a
+#             training step's shapes)
 #   sanitize  compute-sanitizer's memcheck and synccheck (SANITIZERS) over every test of `tests`, both tools at once,
 #             each tool's tests split over SAN_SHARDS (5) processes of about equal time (by
 #             tools/device/sanitizer_seconds.tsv), within SAN_TIMEOUT s (500)
@@ -185,9 +187,12 @@ stage_traces() {
   replay_flags=$(jobs_flag)
   for spec in gpt2-124M:gpt2:1024:4 llama3-1B:llama:2048:1; do
     IFS=: read -r model shard T B <<< "$spec"
+    [[ " ${TRACE_MODELS:-gpt2 llama} " == *" $shard "* ]] || continue
     t0=$SECONDS
+    # shellcheck disable=SC2086
     timeout 300 $BIN/loom-train --model $model --device cuda --dtype bf16 --train-data $S/$shard.bin -t $T -b $B \
-      --steps 1 --eval-interval 0 --sample-tokens 0 --warmup 1 --trace-ops $S/trace_$shard.json > $S/train_$shard.log 2>&1
+      --steps 1 --eval-interval 0 --sample-tokens 0 --warmup 1 ${TRAIN_FLAGS:-} --trace-ops $S/trace_$shard.json \
+      > $S/train_$shard.log 2>&1
     rc1=$?
     [ $rc1 = 0 ] || { tail -5 $S/train_$shard.log; row "trace $model" FAIL "loom-train rc=$rc1 (see train_$shard.log)" $((SECONDS - t0)); continue; }
     t0=$SECONDS
