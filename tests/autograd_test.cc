@@ -1,6 +1,7 @@
 // Autograd: finite-difference gradient checks of every differentiable function in loom/functional.h (f64, small
 // awkward shapes), and the engine's behaviour (accumulation, deep graphs, retain_graph, grad mode, hooks, saving only
 // what is needed, mixed dtypes).
+#include <algorithm>
 #include <cmath>
 
 #include "loom/autograd/engine.h"
@@ -261,6 +262,32 @@ TEST(AutogradShape, UnusedSplitPiecesGetZeroGradient) {
   ASSERT_EQ(pieces.size(), 3u);
   sum(pieces[1]).backward();
   EXPECT_EQ(test::values(x.grad()), (std::vector<double>{0, 0, 1, 1, 0}));
+}
+
+// The pieces' gradients, from cat's backward, are views side by side of one buffer (split's backward takes it as it
+// is); out of order they are copied into place.
+TEST(AutogradShape, SplitGathersThePiecesGradientsInPlace) {
+  for (int64_t dim : {0, 1, 2}) {
+    Tensor x = leaf({4, 6, 3});
+    std::vector<Tensor> pieces = split(x, dim == 1 ? 4 : 2, dim);
+    const Tensor g = test::random_tensor({4, 6, 3}, kF64);
+    cat(pieces, dim).backward(g);
+    EXPECT_EQ(test::values(x.grad()), test::values(g)) << "dim " << dim;
+    // Out of order the pieces do not tile: copied into place.
+    Tensor y = leaf({4, 6, 3});
+    std::vector<Tensor> p = split(y, dim == 1 ? 4 : 2, dim);
+    std::reverse(p.begin(), p.end());
+    cat(p, dim).backward(g);
+    int64_t at = 0;
+    for (auto it = p.rbegin(); it != p.rend(); ++it) {
+      const int64_t n = it->size(dim);
+      const int64_t from = y.size(dim) - at - n;  // where this piece sits in the reversed cat
+      EXPECT_EQ(test::values(ops::contiguous(ops::narrow(y.grad(), dim, at, n))),
+                test::values(ops::contiguous(ops::narrow(g, dim, from, n))))
+          << "dim " << dim;
+      at += n;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

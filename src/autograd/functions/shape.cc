@@ -1,5 +1,5 @@
 // Differentiable cat, stack, split and chunk. cat and stack hand each input its slice of the gradient; split and
-// chunk return narrow views, whose backward is the differentiable narrow's.
+// chunk return views of x whose gradients one node gathers into one buffer of x's shape.
 #include "autograd/functions/grad_util.h"
 #include "loom/functional.h"
 
@@ -41,18 +41,73 @@ class StackBackward final : public autograd::Node {
   }
 };
 
-// Re-expresses pieces of x along dim (views from ops::split or ops::chunk) as differentiable narrows of x.
-std::vector<Tensor> narrow_pieces(const Tensor& x, const std::vector<Tensor>& pieces, int64_t dim) {
-  if (!autograd::should_record({&x})) return pieces;
-  int64_t d = wrap_dim(dim, x.dim(), "split");
-  std::vector<Tensor> out;
-  out.reserve(pieces.size());
-  int64_t start = 0;
-  for (const Tensor& piece : pieces) {
-    out.push_back(narrow(x, d, start, piece.size(d)));
-    start += piece.size(d);
+// The backward of split and chunk: the pieces' gradients written into one buffer of x's shape (zeroed only where a
+// piece has none), or that buffer itself when they already tile it (a kernel that wrote them side by side). A narrow
+// per piece would zero a whole buffer for each piece and sum them: three passes over x's size per piece, where this
+// is one copy.
+class SplitBackward final : public autograd::Node {
+ public:
+  SplitBackward(const Tensor& x, int64_t dim, std::vector<int64_t> sizes)
+      : shape_(x.shape()), dtype_(x.dtype()), device_(x.device()), dim_(dim), sizes_(std::move(sizes)) {}
+  std::string name() const override { return "SplitBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    bool all = true, any = false;
+    for (const Tensor& g : grads) all = all && g.defined(), any = any || g.defined();
+    if (!any) return {Tensor()};
+    if (all) {
+      if (Tensor whole = adopt_tiled(grads); whole.defined()) return {whole};
+    }
+    Tensor out = all ? empty(shape_, dtype_, device_) : zeros(shape_, dtype_, device_);
+    int64_t start = 0;
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      if (grads[i].defined()) {
+        Tensor slice = ops::narrow(out, dim_, start, sizes_[i]);
+        slice.copy_from(grads[i]);
+      }
+      start += sizes_[i];
+    }
+    return {out};
   }
-  return out;
+
+ private:
+  // The gradients when they are the consecutive pieces of one contiguous buffer of x's shape and dtype: that buffer.
+  Tensor adopt_tiled(const tensor_list& grads) const {
+    const Tensor& first = grads[0];
+    if (first.dtype() != dtype_ || first.device() != device_) return Tensor();
+    const Shape strides = contiguous_strides(shape_);
+    int64_t start = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      Shape piece = shape_;
+      piece[size_t(dim_)] = sizes_[i];
+      const Tensor& g = grads[i];
+      if (g.storage() != first.storage() || g.dtype() != dtype_ || g.shape() != piece || g.strides() != strides ||
+          g.storage_offset() != first.storage_offset() + start * strides[size_t(dim_)])
+        return Tensor();
+      start += sizes_[i];
+    }
+    const int64_t end = first.storage_offset() + numel_of(shape_);
+    if (first.storage()->nbytes() < size_t(end) * first.itemsize()) return Tensor();
+    return first.as_strided(shape_, strides, first.storage_offset());
+  }
+
+  Shape shape_;
+  DType dtype_;
+  Device device_;
+  int64_t dim_;
+  std::vector<int64_t> sizes_;
+};
+
+// Records pieces of x along dim (views from ops::split or ops::chunk) under one SplitBackward.
+std::vector<Tensor> split_views(const Tensor& x, std::vector<Tensor> pieces, int64_t dim) {
+  if (pieces.size() == 1 && pieces[0].is_same(x)) return pieces;  // x itself: nothing to record
+  const int64_t d = wrap_dim(dim, x.dim(), "split");
+  std::vector<int64_t> sizes;
+  for (const Tensor& piece : pieces) sizes.push_back(piece.size(d));
+  auto node = autograd::make_node<SplitBackward>({&x}, x, d, sizes);
+  if (!node) return pieces;
+  node->set_num_outputs(uint32_t(pieces.size()));
+  for (size_t i = 0; i < pieces.size(); ++i) autograd::set_history(pieces[i], node, uint32_t(i));
+  return pieces;
 }
 
 }  // namespace
@@ -81,11 +136,11 @@ Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim) {
-  return narrow_pieces(x, ops::split(x, split_size, dim), dim);
+  return split_views(x, ops::split(x, split_size, dim), dim);
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
-  return narrow_pieces(x, ops::chunk(x, chunks, dim), dim);
+  return split_views(x, ops::chunk(x, chunks, dim), dim);
 }
 
 }  // namespace loom
