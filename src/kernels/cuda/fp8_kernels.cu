@@ -4,6 +4,7 @@
 // each block reduces its elements and one atomicMax per block on the bits of |x| combines them, NaN's bits above
 // every number's).
 #include <algorithm>
+#include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
@@ -39,20 +40,69 @@ __device__ __forceinline__ void block_max_into(unsigned local, unsigned* amax_bi
   }
 }
 
+// Elements per thread and iteration: one 16-byte load of x (8 bf16 or 4 f32) and one 8- or 4-byte store of codes.
+// A thread with one element in flight at a time left the quantization at about a fifth of the memory bandwidth
+// (77 us for a [32768, 768] bf16 activation on an H200); a vector in flight per thread is what moves it.
 template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* amax_bits) {
+constexpr int kVector = 16 / int(sizeof(T));
+template <typename T>
+struct alignas(16) Vec {
+  T v[kVector<T>];
+};
+template <int N>
+struct alignas(N) Codes {
+  uint8_t c[N];
+};
+// Whether the vector path may take x (and q): 16-byte aligned x, q aligned to its store.
+template <typename T>
+bool vectorizable(const void* x, const void* q) {
+  return reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!q || reinterpret_cast<uintptr_t>(q) % kVector<T> == 0);
+}
+
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vectors, unsigned* amax_bits) {
   unsigned local = 0;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  int64_t done = 0;
+  if (vectors) {
+    constexpr int V = kVector<T>;
+    const int64_t nv = n / V;
+    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nv; i += stride) {
+      const Vec<T> in = reinterpret_cast<const Vec<T>*>(x)[i];
+#pragma unroll
+      for (int e = 0; e < V; ++e) local = max(local, magnitude_bits(to_float(in.v[e])));
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride)
     local = max(local, magnitude_bits(to_float(x[i])));
   block_max_into(local, amax_bits);
 }
 
 template <typename T, typename Q>
-__global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n,
+__global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n, bool vectors,
                                 uint8_t* __restrict__ q, unsigned* amax_bits) {
   const float s = *scale;
   unsigned local = 0;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  int64_t done = 0;
+  if (vectors) {
+    constexpr int V = kVector<T>;
+    const int64_t nv = n / V;
+    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nv; i += stride) {
+      const Vec<T> in = reinterpret_cast<const Vec<T>*>(x)[i];
+      Codes<V> out;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float v = to_float(in.v[e]);
+        out.c[e] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
+        local = max(local, magnitude_bits(v));
+      }
+      reinterpret_cast<Codes<V>*>(q)[i] = out;
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     const float v = to_float(x[i]);
     q[i] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);  // the f32 product, never fused into more
     local = max(local, magnitude_bits(v));
@@ -104,7 +154,9 @@ void fp8_amax_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& amax) {
   const int64_t n = x.numel();
   if (n == 0) return;
   LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_amax", [&] {
-    amax_kernel<high_t><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const high_t*>(x.data()), n, bits);
+    const bool vectors = vectorizable<high_t>(x.data(), nullptr);
+    amax_kernel<high_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
+        static_cast<const high_t*>(x.data()), n, vectors, bits);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -127,8 +179,9 @@ void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& 
   if (n == 0) return;
   LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize", [&] {
-      quantize_kernel<high_t, fp8_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), n,
+      const bool vectors = vectorizable<high_t>(x.data(), q.data());
+      quantize_kernel<high_t, fp8_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
+          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), n, vectors,
           static_cast<uint8_t*>(q.data()), bits);
     });
   });
