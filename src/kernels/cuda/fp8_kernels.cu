@@ -5,6 +5,7 @@
 // every number's).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
@@ -59,31 +60,18 @@ bool vectorizable(const void* x, const void* q) {
   return reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!q || reinterpret_cast<uintptr_t>(q) % kVector<T> == 0);
 }
 
-template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t n, bool vectors, unsigned* amax_bits) {
-  unsigned local = 0;
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  int64_t done = 0;
-  if (vectors) {
-    constexpr int V = kVector<T>;
-    const int64_t nv = n / V;
-    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nv; i += stride) {
-      const Vec<T> in = reinterpret_cast<const Vec<T>*>(x)[i];
-#pragma unroll
-      for (int e = 0; e < V; ++e) local = max(local, magnitude_bits(to_float(in.v[e])));
-    }
-    done = nv * V;
-  }
-  for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride)
-    local = max(local, magnitude_bits(to_float(x[i])));
-  block_max_into(local, amax_bits);
-}
-
+// One pass over x: its amax into *amax_bits (when given) and, unless Q is void (fp8_amax), its codes into q. Whole
+// vectors first when `vectors`, then the tail (and an unaligned x) element by element.
 template <typename T, typename Q>
-__global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n, bool vectors,
-                                uint8_t* __restrict__ q, unsigned* amax_bits) {
-  const float s = *scale;
+__global__ void scan_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n, bool vectors,
+                            uint8_t* __restrict__ q, unsigned* amax_bits) {
+  constexpr bool kCodes = !std::is_void_v<Q>;
+  const float s = kCodes ? *scale : 0.0f;
   unsigned local = 0;
+  auto code = [&](float v) {  // the f32 product, never fused into more
+    if constexpr (kCodes) return fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
+    else return uint8_t(0);
+  };
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   int64_t done = 0;
   if (vectors) {
@@ -95,19 +83,27 @@ __global__ void quantize_kernel(const T* __restrict__ x, const float* __restrict
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const float v = to_float(in.v[e]);
-        out.c[e] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
+        out.c[e] = code(v);
         local = max(local, magnitude_bits(v));
       }
-      reinterpret_cast<Codes<V>*>(q)[i] = out;
+      if constexpr (kCodes) reinterpret_cast<Codes<V>*>(q)[i] = out;
     }
     done = nv * V;
   }
   for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     const float v = to_float(x[i]);
-    q[i] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);  // the f32 product, never fused into more
+    if constexpr (kCodes) q[i] = code(v);
     local = max(local, magnitude_bits(v));
   }
   if (amax_bits) block_max_into(local, amax_bits);
+}
+
+// Launches scan_kernel over x's n elements: vectors where x (and q) are aligned for them.
+template <typename T, typename Q>
+void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned* amax_bits, cudaStream_t stream) {
+  const bool vectors = vectorizable<T>(x, q);
+  scan_kernel<T, Q><<<blocks_for(vectors ? n / kVector<T> + 1 : n), kThreads, 0, stream>>>(x, scale, n, vectors, q,
+                                                                                           amax_bits);
 }
 
 template <typename Q, typename T>
@@ -154,9 +150,7 @@ void fp8_amax_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& amax) {
   const int64_t n = x.numel();
   if (n == 0) return;
   LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_amax", [&] {
-    const bool vectors = vectorizable<high_t>(x.data(), nullptr);
-    amax_kernel<high_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
-        static_cast<const high_t*>(x.data()), n, vectors, bits);
+    launch_scan<high_t, void>(static_cast<const high_t*>(x.data()), nullptr, n, nullptr, bits, stream);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -179,10 +173,8 @@ void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& 
   if (n == 0) return;
   LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize", [&] {
-      const bool vectors = vectorizable<high_t>(x.data(), q.data());
-      quantize_kernel<high_t, fp8_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
-          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), n, vectors,
-          static_cast<uint8_t*>(q.data()), bits);
+      launch_scan<high_t, fp8_t>(static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), n,
+                                 static_cast<uint8_t*>(q.data()), bits, stream);
     });
   });
   LOOM_CUDA_CHECK_LAUNCH();
