@@ -394,8 +394,9 @@ stage_initcheck() { per_test_sanitizer initcheck; }
 # Loom's CUDA kernels that use shared memory (found in src/kernels/cuda/*.cu: a file holding __shared__, its
 # LOOM_REGISTER_KERNEL ops), in RACE_DTYPES (f32,bf16), RACE_SAMPLE (12) generated cases per op and dtype spread
 # from the smallest to the largest (`--sample`; every case of 35 ops would take hours), Loom's kernels instrumented
-# alone, as in stage_racecheck. RACE_OPS names other ops. A run cut short by SAN_TIMEOUT says how many cases it reached (the progress lines in its
-# log, one per finished op and dtype). Both use SAN_JOBS workers (the cores less one).
+# alone, as in stage_racecheck. RACE_OPS names other ops. A run cut short by SAN_TIMEOUT says how many cases it
+# reached (the progress lines in its log, one per finished op and dtype). Both use SAN_JOBS workers (the cores less
+# one).
 shared_memory_ops() {  # but gemm and fp8_gemm: cuBLASLt stops under racecheck (stage_racecheck)
   local f
   for f in $(grep -l "__shared__" src/kernels/cuda/*.cu); do
