@@ -1,7 +1,14 @@
 // The conformance runner over worker processes (loom-conformance --jobs N): the same results, table and exit status
 // as one process; progress lines with where the run stands; a worker that dies fails only the case it ran (found
-// by rerunning its unit's cases one by one), and one that cannot start is one error.
+// by rerunning its unit's cases one by one), one that cannot start is one error, and one stuck in a unit ends with
+// its parent.
 #include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <thread>
 
 #include <cstdlib>
 #include <string>
@@ -136,6 +143,61 @@ TEST(ConformanceWorkers, BadJobsAndTraceOnlyOptionsAreOneError) {
   }
 }
 #endif
+
+// Whether process pid has ended (gone, or a zombie nobody reaped yet).
+bool process_ended(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
+}
+
+// A parent killed for its time (a kernel under test that hangs) must not leave its workers behind: a worker stuck in
+// a unit never reads the end of its stdin, so it has to end with its parent. Here the test holds the worker's stdin
+// open, as a stuck unit would keep it from reading, and the worker's parent exits.
+TEST(ConformanceWorkers, AWorkerStuckInAUnitEndsWithItsParent) {
+#ifndef __linux__
+  GTEST_SKIP() << "the parent-death signal is Linux's";
+#else
+  int to_worker[2], from_worker[2], pid_pipe[2];
+  ASSERT_EQ(::pipe(to_worker), 0);
+  ASSERT_EQ(::pipe(from_worker), 0);
+  ASSERT_EQ(::pipe(pid_pipe), 0);
+  const pid_t parent = ::fork();
+  ASSERT_GE(parent, 0);
+  if (parent == 0) {
+    const pid_t worker = ::fork();
+    if (worker == 0) {
+      ::dup2(to_worker[0], 0);
+      ::dup2(from_worker[1], 3);
+      conformance::serve_units([](const conformance::WorkUnit&) {
+        for (;;) ::pause();  // a kernel that never returns
+        return std::vector<conformance::CaseResult>{};
+      });
+      ::_exit(0);
+    }
+    char ready[64];
+    const bool told = ::write(pid_pipe[1], &worker, sizeof worker) == ssize_t(sizeof worker) &&
+                      ::read(from_worker[0], ready, sizeof ready) > 0;
+    const std::string unit = R"({"op":"add","dtype":"f32","cases":[0],"cost":1,"threads":1})" "\n";
+    const bool sent = ::write(to_worker[1], unit.data(), unit.size()) == ssize_t(unit.size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the worker is inside the unit now
+    ::_exit(told && sent ? 0 : 1);
+  }
+  pid_t worker = -1;
+  ASSERT_EQ(::read(pid_pipe[0], &worker, sizeof worker), ssize_t(sizeof worker));
+  int status = 0;
+  ASSERT_EQ(::waitpid(parent, &status, 0), parent);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the worker's parent could not set it to work";
+  bool ended = false;
+  for (int i = 0; i < 100 && !(ended = process_ended(worker)); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(ended) << "a worker outlived its parent";
+  if (!ended) ::kill(worker, SIGKILL);
+  for (int fd : {to_worker[0], to_worker[1], from_worker[0], from_worker[1], pid_pipe[0], pid_pipe[1]}) ::close(fd);
+#endif
+}
 
 }  // namespace
 }  // namespace loom

@@ -6,6 +6,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -274,6 +277,12 @@ void run_on_workers(const std::vector<WorkUnit>& units_in, const std::vector<std
 }
 
 int serve_units(const std::function<std::vector<CaseResult>(const WorkUnit&)>& run) {
+#ifdef __linux__
+  // A worker ends with its parent: a parent killed for its time (a hung kernel under test) must not leave its
+  // workers spinning in that kernel, which a closed stdin alone would not stop. Parent gone already: nothing to serve.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) return 1;
+#endif
   if (!write_all(3, "{\"ready\": true}\n")) return 1;
   for (std::string line; std::getline(std::cin, line);) {
     if (line.empty()) continue;

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -402,6 +403,23 @@ def count_declined(output):
     return n
 
 
+def run_in_group(cmd, env, timeout):
+    """subprocess.run of cmd in a process group of its own, the whole group killed past timeout (then
+    TimeoutExpired): a hung mutant's loom-conformance has worker processes, stuck in the mutant as well."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, env=env,
+                         errors="replace", start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out)
+
+
 def judge(lib, ops, args, env, baseline=None):
     """('killed', how) at the first op (and --dtype) whose conformance run fails, crashes, hangs or errors; else
     ('declines', how) when it passes but declines more cases than the original (baseline: {(op, dtype): declined}),
@@ -413,8 +431,7 @@ def judge(lib, ops, args, env, baseline=None):
         if dtype:
             cmd += ["--dtype", dtype]
         try:
-            r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                               env=env, timeout=args.timeout, errors="replace")
+            r = run_in_group(cmd, env, args.timeout)
         except subprocess.TimeoutExpired:
             how = op + ": hang (over %d s)" % args.timeout
             return ("killed", how) if baseline is not None else ("killed", how, declined)
