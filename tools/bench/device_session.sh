@@ -16,6 +16,10 @@
 # FP8='all' (or 'linear all', FP8_FLAGS='--fp8-amax-history 16') also runs Loom with --dtype bf16 --fp8 SCOPE after its
 # bf16 run, in the same call, and reports FP8 beside bf16 (tokens/s, ratios, the loss difference; e2e_gpt2.sh):
 #   TESTS='CudaFp8*' FP8=all MODELS='124m' BATCHES=32 STEPS=30 tools/bench/device_session.sh
+# DATA: a token shard for every model instead of the synthetic Markov chain (tools/bench/make_shard.py), which is
+# fine for speed but no test of a loss: its loss drops suddenly at a step that varies between runs. For FP8's loss,
+# text (loom-prepare's shards; LOOM_FLAGS='--val-data VAL.bin' adds a validation loss):
+#   DATA=data/tinyshakespeare/tinyshakespeare_train_000000.bin SKIP_TORCH=1 FP8=all STEPS=1000 BATCHES=32 tools/bench/device_session.sh
 # GRAPH=1 also runs Loom's bf16 step as a CUDA graph (--cuda-graph) and reports it beside eager (e2e_gpt2.sh):
 #   TESTS='CudaGraph*' GRAPH=1 FP8=all MODELS='124m llama3-1b' BATCHES=32 LLAMA_BATCHES=8 tools/bench/device_session.sh
 set -u
@@ -61,6 +65,7 @@ for m in ${MODELS:-124m}; do
     [ "${m%-tiny}" != "$m" ] && t=${LLAMA_T:-256}  # its context
   else batches=${BATCHES:-16}; t=1024; limit=${E2E_TIMEOUT:-300}; fi
   data=/tmp/e2e_shard.bin; case $m in *-tiny|mixtral*) data= ;; esac  # e2e_gpt2.sh makes a shard of their vocabulary
+  [ -n "${DATA:-}" ] && data=$DATA
   for b in $batches; do
     stamp "e2e $m B=$b T=$t"
     prof=0; case " ${PROFILE_BATCHES:-16} " in *" $b "*) prof=1;; esac
