@@ -28,6 +28,47 @@ int threads_for(double work) {
   return max_threads > 0 ? max_threads : omp_get_max_threads();
 }
 
+// op(A) is taken as [M, K] rows and op(B) as [K, N] rows (copied so when transposed), then each tile of the result
+// sums its dots over k with its sums in the L1 cache.
+void tiled_dot_products(const std::vector<double>& A, const std::vector<double>& B, bool ta, bool tb, int64_t batch,
+                        int64_t M, int64_t N, int64_t K,
+                        const std::function<void(int64_t, int64_t, int64_t, double)>& each) {
+  constexpr int64_t kRows = 16, kCols = 64;
+  std::vector<double> a_rows, b_rows;  // op(A) [M, K] and op(B) [K, N] of one batch, when transposed
+  for (int64_t b = 0; b < batch; ++b) {
+    const double* ap = A.data() + b * M * K;
+    const double* bp = B.data() + b * K * N;
+    if (ta) {
+      a_rows.resize(size_t(M * K));
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t k = 0; k < K; ++k) a_rows[size_t(i * K + k)] = ap[k * M + i];
+      ap = a_rows.data();
+    }
+    if (tb) {
+      b_rows.resize(size_t(K * N));
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < N; ++j) b_rows[size_t(k * N + j)] = bp[j * K + k];
+      bp = b_rows.data();
+    }
+    const int64_t row_tiles = (M + kRows - 1) / kRows, col_tiles = (N + kCols - 1) / kCols;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(double(M) * double(N) * double(K)))
+    for (int64_t tile = 0; tile < row_tiles * col_tiles; ++tile) {
+      const int64_t i0 = tile / col_tiles * kRows, j0 = tile % col_tiles * kCols;
+      const int64_t rows = std::min(kRows, M - i0), cols = std::min(kCols, N - j0);
+      double dots[kRows][kCols] = {};
+      for (int64_t k = 0; k < K; ++k) {
+        const double* b_row = bp + k * N + j0;
+        for (int64_t i = 0; i < rows; ++i) {
+          const double x = ap[(i0 + i) * K + k];
+          for (int64_t j = 0; j < cols; ++j) dots[i][j] += x * b_row[j];
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) each(b, i0 + i, j0 + j, dots[i][j]);
+    }
+  }
+}
+
 const Operand& Case::in(const std::string& name) const {
   for (const auto& t : tensors)
     if (t.name == name) return t;
@@ -738,8 +779,6 @@ void attention_backward(Case& c) {
 }
 
 // ---- gemm: C = alpha op(A) op(B) + beta C, the matrices as stored ([batch, rows, cols], row-major values). ----
-// op(A) is taken as [M, K] rows and op(B) as [K, N] rows (copied so when transposed); each dot product is summed in
-// k order, over tiles of C that threads share, so the values do not depend on the tiling or the threads.
 void gemm(Case& c) {
   const Operand &A = c.in("a"), &Bm = c.in("b");
   Operand* C = c.out("c");
@@ -747,70 +786,30 @@ void gemm(Case& c) {
   const double alpha = c.attr_float("alpha", 1), beta = c.attr_float("beta", 0);
   const int epilogue = int(c.attr_int("epilogue", 0));
   const int64_t batch = C->shape[0], M = C->shape[1], N = C->shape[2], K = ta ? A.shape[1] : A.shape[2];
-  auto a = [&](int64_t b, int64_t i, int64_t k) {
-    return ta ? A.values[size_t((b * K + k) * M + i)] : A.values[size_t((b * M + i) * K + k)];
-  };
-  auto bv = [&](int64_t b, int64_t k, int64_t j) {
-    return tb ? Bm.values[size_t((b * N + j) * K + k)] : Bm.values[size_t((b * K + k) * N + j)];
-  };
   std::vector<double> pre_read = c.has("pre_gelu") ? c.in("pre_gelu").values : std::vector<double>{};
   Operand* pre = c.out("pre_gelu");
   const double* bias = epilogue == 1 || epilogue == 3 ? c.in("bias").values.data() : nullptr;
   LOOM_REQUIRE(epilogue != 5 || pre_read.size() == size_t(batch * M * N),
                "naive reference: gemm's GELU-derivative epilogue reads pre_gelu, which has ", pre_read.size(),
                " values for ", batch * M * N);
-  constexpr int64_t kRows = 16, kCols = 64;  // a tile of C: its sums stay in the L1 cache
-  std::vector<double> a_rows, b_rows;         // op(A) [M, K] and op(B) [K, N] of one batch, when transposed
-  for (int64_t b = 0; b < batch; ++b) {
-    const double* ap = A.values.data() + b * M * K;
-    const double* bp = Bm.values.data() + b * K * N;
-    if (ta) {
-      a_rows.resize(size_t(M * K));
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t k = 0; k < K; ++k) a_rows[size_t(i * K + k)] = a(b, i, k);
-      ap = a_rows.data();
+  tiled_dot_products(A.values, Bm.values, ta, tb, batch, M, N, K, [&](int64_t b, int64_t i, int64_t j, double dot) {
+    const size_t e = size_t((b * M + i) * N + j);
+    double r = alpha * dot;
+    if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
+    if (bias) r += bias[i];
+    if (epilogue == 2 || epilogue == 3) {
+      if (pre) pre->values[e] = r;
+      r = gelu(r);
     }
-    if (tb) {
-      b_rows.resize(size_t(K * N));
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < N; ++j) b_rows[size_t(k * N + j)] = bv(b, k, j);
-      bp = b_rows.data();
-    }
-    const int64_t row_tiles = (M + kRows - 1) / kRows, col_tiles = (N + kCols - 1) / kCols;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(double(M) * double(N) * double(K)))
-    for (int64_t tile = 0; tile < row_tiles * col_tiles; ++tile) {
-      const int64_t i0 = tile / col_tiles * kRows, j0 = tile % col_tiles * kCols;
-      const int64_t rows = std::min(kRows, M - i0), cols = std::min(kCols, N - j0);
-      double dots[kRows][kCols] = {};
-      for (int64_t k = 0; k < K; ++k) {
-        const double* b_row = bp + k * N + j0;
-        for (int64_t i = 0; i < rows; ++i) {
-          const double x = ap[(i0 + i) * K + k];
-          for (int64_t j = 0; j < cols; ++j) dots[i][j] += x * b_row[j];
-        }
-      }
-      for (int64_t i = i0; i < i0 + rows; ++i)
-        for (int64_t j = j0; j < j0 + cols; ++j) {
-          const double dot = dots[i - i0][j - j0];
-          const size_t e = size_t((b * M + i) * N + j);
-          double r = alpha * dot;
-          if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
-          if (bias) r += bias[i];
-          if (epilogue == 2 || epilogue == 3) {
-            if (pre) pre->values[e] = r;
-            r = gelu(r);
-          }
-          if (epilogue == 5) r = alpha * dot * gelu_grad(pre_read[e]);
-          C->values[e] = r;
-        }
-    }
-  }
+    if (epilogue == 5) r = alpha * dot * gelu_grad(pre_read[e]);
+    C->values[e] = r;
+  });
   if (epilogue == 5 && pre) pre->values = pre_read;  // read, not written
   if (epilogue == 4) {
     Operand* bg = c.out("bias_grad");
     for (int64_t j = 0; j < N; ++j) {
       double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += bv(0, k, j);
+      for (int64_t k = 0; k < K; ++k) s += tb ? Bm.values[size_t(j * K + k)] : Bm.values[size_t(k * N + j)];
       bg->values[size_t(j)] = s;
     }
   }

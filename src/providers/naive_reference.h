@@ -50,6 +50,14 @@ void set_threads(int n);
 // The threads a loop of `work` multiply-adds (or as costly) takes: one below a million, else the set number.
 int threads_for(double work);
 
+// The dot products of a batched matrix product, op(A) [M, K] times op(B) [K, N] for each of `batch` problems, the
+// matrices as stored ([batch, rows, cols], row-major values; trans_a: A stored [K, M], trans_b: B stored [N, K]).
+// Each dot is summed in k order over tiles of the result that threads share, so its value depends on neither;
+// `each(b, i, j, dot)` is called once per element, from any thread, never twice for one element at once.
+void tiled_dot_products(const std::vector<double>& a, const std::vector<double>& b, bool trans_a, bool trans_b,
+                        int64_t batch, int64_t M, int64_t N, int64_t K,
+                        const std::function<void(int64_t, int64_t, int64_t, double)>& each);
+
 // Fills every present written operand of `c` for op `op`. Returns false when the op has no naive reference
 // (naive_missing_reason says why) or when this case has none (c.no_value says why).
 bool evaluate(const std::string& op, Case& c);

@@ -97,25 +97,15 @@ void fp8_gemm(Case& c) {
   const bool ta = c.attr_int("trans_a", 0) != 0, tb = c.attr_int("trans_b", 0) != 0;
   const double alpha = c.attr_float("alpha", 1), beta = c.attr_float("beta", 0);
   const double scales = c.in("scale_a").values[0] * c.in("scale_b").values[0];
-  const bool bias = c.attr_int("epilogue", 0) == 1;
+  const double* bias = c.attr_int("epilogue", 0) == 1 ? c.in("bias").values.data() : nullptr;
   const int64_t batch = C->shape[0], M = C->shape[1], N = C->shape[2], K = ta ? A.shape[1] : A.shape[2];
-  auto a = [&](int64_t b, int64_t i, int64_t k) {
-    return ta ? A.values[size_t((b * K + k) * M + i)] : A.values[size_t((b * M + i) * K + k)];
-  };
-  auto bv = [&](int64_t b, int64_t k, int64_t j) {
-    return tb ? Bm.values[size_t((b * N + j) * K + k)] : Bm.values[size_t((b * K + k) * N + j)];
-  };
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) {
-        double dot = 0;
-        for (int64_t k = 0; k < K; ++k) dot += a(b, i, k) * bv(b, k, j);
-        const size_t e = size_t((b * M + i) * N + j);
-        double r = alpha * scales * dot;
-        if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
-        if (bias) r += c.in("bias").values[size_t(i)];
-        C->values[e] = r;
-      }
+  tiled_dot_products(A.values, Bm.values, ta, tb, batch, M, N, K, [&](int64_t b, int64_t i, int64_t j, double dot) {
+    const size_t e = size_t((b * M + i) * N + j);
+    double r = alpha * scales * dot;
+    if (beta != 0) r += beta * C->values[e];  // beta 0: C's old content is ignored (it may hold NaN)
+    if (bias) r += bias[i];
+    C->values[e] = r;
+  });
 }
 
 }  // namespace
