@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "kernels/elementwise_kernel.h"
+#include "loom/core/dispatch.h"
+#include "loom/dispatch_modes.h"
 #include "loom/amp.h"
 #include "loom/autograd/gradcheck.h"
 #include "loom/autograd/node.h"
@@ -100,6 +102,9 @@ void check_forward(Device device) {
   EXPECT_EQ(ops::swiglu(e, e).shape(), (Shape{0, 4}));
 }
 
+// A contiguous tensor as the kernel's [rows, cols] matrix (a view).
+Tensor as_matrix(const Tensor& t) { return t.reshape({-1, t.dim() ? t.size(-1) : 1}); }
+
 void check_backward(Device device) {
   for (DType dt : float_dtypes()) {
     for (const Shape& shape : awkward_shapes()) {
@@ -112,7 +117,9 @@ void check_backward(Device device) {
         SCOPED_TRACE(which == 0 ? "both gradients" : which == 1 ? "grad_gate only" : "grad_up only");
         Tensor grad_gate = which != 2 ? test::poisoned(shape, dt, device) : Tensor();
         Tensor grad_up = which != 1 ? test::poisoned(shape, dt, device) : Tensor();
-        dispatch::call(swiglu_backward_op, device, dt, grad, gate, up, grad_gate, grad_up);
+        Tensor gg = grad_gate.defined() ? as_matrix(grad_gate) : Tensor();
+        Tensor gu = grad_up.defined() ? as_matrix(grad_up) : Tensor();
+        dispatch::call(swiglu_backward_op, device, dt, as_matrix(grad), as_matrix(gate), as_matrix(up), gg, gu);
         if (grad_gate.defined()) {
           EXPECT_TRUE(close(grad_gate, expected_gate, dt, device));
         }
@@ -279,6 +286,82 @@ void expect_error(const std::function<void()>& f, std::initializer_list<const ch
   }
 }
 
+// The kernels on row-strided matrices: gate and up the two halves of each row of one [R, 2C] product (as a
+// mixture-of-experts layer splits its fused gate/up projection), grad with padded rows, and both gradients written
+// into the halves of one poisoned [R, 2C] buffer, through the op (leading dims folded into rows) and the kernel.
+void check_backward_row_strided(Device device) {
+  for (DType dt : float_dtypes()) {
+    for (const Shape& shape : std::vector<Shape>{{1, 1}, {3, 5}, {2, 7, 13}, {5, 64}, {33, 40}}) {
+      SCOPED_TRACE(testing::Message() << device.str() << " " << dtype_name(dt) << " " << shape_str(shape));
+      const int64_t C = shape.back();
+      Shape doubled = shape, padded = shape;
+      doubled.back() = 2 * C;
+      padded.back() = C + 3;
+      Tensor both = random_gate(doubled, dt, device);
+      both = ops::contiguous(both);
+      Tensor gate = ops::narrow(both, -1, 0, C), up = ops::narrow(both, -1, C, C);
+      Tensor grad = ops::narrow(random_other(padded, dt, device), -1, 1, C);
+      auto [expected_gate, expected_up] = reference_backward(grad, gate, up);
+      Tensor out = test::poisoned(doubled, dt, device);
+      Tensor dg = ops::narrow(out, -1, 0, C), du = ops::narrow(out, -1, C, C);
+      ops::swiglu_backward_out(grad, gate, up, dg, du);
+      EXPECT_TRUE(close(dg, expected_gate, dt, device)) << "grad_gate";
+      EXPECT_TRUE(close(du, expected_up, dt, device)) << "grad_up";
+      // The kernel itself, with grad_up alone, into a buffer whose rows are padded: the padding stays poisoned.
+      const int64_t rows = numel_of(shape) / C;
+      Tensor wide = test::poisoned({rows, C + 5}, dt, device);
+      Tensor only_up = ops::narrow(wide, 1, 2, C), none;
+      Tensor m_grad = ops::contiguous(grad).reshape({rows, C});
+      dispatch::call(swiglu_backward_op, device, dt, m_grad, gate.reshape({rows, C}), up.reshape({rows, C}), none,
+                     only_up);
+      EXPECT_TRUE(close(ops::contiguous(only_up), expected_up.reshape({rows, C}), dt, device));
+      Tensor pad = ops::contiguous(ops::narrow(wide, 1, 0, 2)).to(Device());
+      for (double v : test::values(pad)) EXPECT_TRUE(std::isnan(v)) << "a gradient was written into a row's padding";
+    }
+  }
+}
+
+TEST(Swiglu, BackwardOnRowStridedHalvesMatchesFloat64) { check_backward_row_strided(Device()); }
+
+TEST(Swiglu, CudaBackwardOnRowStridedHalvesMatchesFloat64) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  check_backward_row_strided(kGpu);
+}
+
+// swiglu of the two halves of one product (split along the last dim): both gradients land in the halves of one
+// buffer that the split's backward takes whole, so the backward copies and fills nothing; the values are those of
+// the composition.
+void check_split_halves_backward(Device device, DType dt) {
+  SCOPED_TRACE(testing::Message() << device.str() << " " << dtype_name(dt));
+  const int64_t R = 6, C = 20;
+  Tensor x0 = random_gate({R, 2 * C}, dt, device), dy = random_other({R, C}, dt, device);
+  Tensor x = x0.clone().set_requires_grad(true);
+  std::vector<Tensor> halves = split(x, C, 1);
+  Tensor y = swiglu(halves[0], halves[1]);
+  dispatch::set_op_profiling(true);
+  dispatch::reset_op_profile();
+  y.backward(dy);
+  uint64_t moves = 0;
+  for (const auto& row : dispatch::op_profile())
+    if (row.op == "copy" || row.op == "fill") moves += row.calls;
+  dispatch::set_op_profiling(false);
+  EXPECT_EQ(moves, 0u) << "the halves' gradients were copied or zero-filled into the product's gradient";
+  auto [expected_gate, expected_up] =
+      reference_backward(dy, ops::narrow(x0, 1, 0, C), ops::narrow(x0, 1, C, C));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(close(ops::contiguous(ops::narrow(x.grad(), 1, 0, C)), expected_gate, dt, device)) << "gate half";
+  EXPECT_TRUE(close(ops::contiguous(ops::narrow(x.grad(), 1, C, C)), expected_up, dt, device)) << "up half";
+}
+
+TEST(Swiglu, SplitHalvesGradientsNeedNoCopy) {
+  for (DType dt : float_dtypes()) check_split_halves_backward(Device(), dt);
+}
+
+TEST(Swiglu, CudaSplitHalvesGradientsNeedNoCopy) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  for (DType dt : float_dtypes()) check_split_halves_backward(kGpu, dt);
+}
+
 TEST(Swiglu, BadInputsAreClearErrors) {
   Tensor a = random_other({4, 6}, kF32, Device()), b = random_other({4, 6}, kF32, Device());
   Tensor wide = random_other({4, 7}, kF32, Device()), row = random_other({6}, kF32, Device());
@@ -296,6 +379,11 @@ TEST(Swiglu, BadInputsAreClearErrors) {
   expect_error([&] { ops::swiglu_backward(a, f64, b); }, {"swiglu_backward", "same dtype"});
   expect_error([&] { ops::swiglu_backward(ints, ints, ints); }, {"swiglu_backward", "floating", "i32"});
   expect_error([&] { ops::swiglu_backward(Tensor(), a, b); }, {"swiglu_backward", "defined"});
+  Tensor narrow_out = empty({4, 3}, kF32), transposed = empty({6, 4}, kF32).transpose(0, 1), none;
+  expect_error([&] { ops::swiglu_backward_out(a, a, b, narrow_out, none); },
+               {"swiglu_backward", "grad_gate", "[4, 6]"});
+  expect_error([&] { ops::swiglu_backward_out(a, a, b, none, transposed); },
+               {"swiglu_backward", "grad_up", "unit-stride columns"});
 }
 
 TEST(Swiglu, CudaDeviceMismatchIsAClearError) {

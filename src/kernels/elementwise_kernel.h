@@ -98,13 +98,19 @@ LOOM_DECLARE_OP(swiglu, BinaryKernel,
                     .in("up", "A B C").layout(Layout::kStrided)
                     .out("out", "A B C").layout(Layout::kStrided).may_alias("out", "gate").may_alias("out", "up")
                     .leading_dims("A").special_values(kElementwiseSpecialValues));
-// Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is
-// contiguous with one shape and dtype; an undefined grad_gate or grad_up is not computed (at least one is defined).
+// Its gradients from one pass: grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate). Every tensor is an
+// [R, C] matrix of one dtype with unit column stride and a row stride of its own (a mixture-of-experts layer's gate
+// and up are the two halves of one product's rows, and their gradients are written into the halves of one buffer);
+// an undefined grad_gate or grad_up is not computed (at least one is defined).
 using SwigluBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
                                   Tensor& grad_gate, Tensor& grad_up);
 LOOM_DECLARE_OP(swiglu_backward, SwigluBackwardKernel,
-                OpSchema().in("grad", "R C").in("gate", "R C").in("up", "R C").out_opt("grad_gate", "R C")
-                    .out_opt("grad_up", "R C").leading_dims("R").case_rule([](SuiteCase& c, const OpSchema& s) {
+                OpSchema().in("grad", "R C").layout(Layout::kUnitInner)
+                    .in("gate", "R C").layout(Layout::kUnitInner)
+                    .in("up", "R C").layout(Layout::kUnitInner)
+                    .out_opt("grad_gate", "R C").layout(Layout::kUnitInner)
+                    .out_opt("grad_up", "R C").layout(Layout::kUnitInner)
+                    .case_rule([](SuiteCase& c, const OpSchema& s) {
                       c.skip = !c.present[size_t(s.tensor_index("grad_gate"))] &&
                                !c.present[size_t(s.tensor_index("grad_up"))];  // at least one is wanted
                     }));

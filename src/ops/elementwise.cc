@@ -179,20 +179,68 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
   return out;
 }
 
-SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate, bool need_up) {
+namespace {
+
+// t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
+// where its layout allows; else undefined.
+Tensor as_row_matrix(const Tensor& t) {
+  const int64_t r = t.dim(), C = r ? t.size(r - 1) : 1;
+  if (r >= 1 && C > 1 && t.stride(r - 1) != 1) return Tensor();
+  int64_t rows = 1, row_stride = -1, next = 0;
+  for (int64_t d = r - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (row_stride < 0) row_stride = t.stride(d), next = row_stride * t.size(d);
+    else if (t.stride(d) != next) return Tensor();
+    else next *= t.size(d);
+    rows *= t.size(d);
+  }
+  return t.as_strided({rows, C}, {row_stride < 0 ? C : row_stride, 1}, t.storage_offset());
+}
+
+Tensor row_matrix_of_input(const Tensor& t) {
+  Tensor m = as_row_matrix(t);
+  return m.defined() ? m : as_row_matrix(contiguous_copy(t));
+}
+
+}  // namespace
+
+void swiglu_backward_out(const Tensor& grad, const Tensor& gate, const Tensor& up, Tensor& grad_gate,
+                         Tensor& grad_up) {
   LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined(),
                "swiglu_backward: grad, gate and up must all be defined");
   check_same_device("swiglu_backward", {&grad, &gate, &up});
-  ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
-                                               gate.dtype(), up.shape(), up.dtype());
+  const ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
+                                                     gate.dtype(), up.shape(), up.dtype());
+  Tensor outs[2];
+  const char* names[2] = {"grad_gate", "grad_up"};
+  Tensor* given[2] = {&grad_gate, &grad_up};
+  for (int i = 0; i < 2; ++i) {
+    if (!given[i]->defined()) continue;
+    const Tensor& o = *given[i];
+    check_writable("swiglu_backward", o);
+    LOOM_REQUIRE(o.shape() == meta.shape && o.dtype() == meta.dtype && o.device() == grad.device(),
+                 "swiglu_backward: ", names[i], " ", describe(o), " must be ", dtype_name(meta.dtype),
+                 shape_str(meta.shape), " on ", grad.device().str());
+    outs[i] = as_row_matrix(o);
+    LOOM_REQUIRE(outs[i].defined() && (outs[i].size(0) <= 1 || outs[i].stride(0) >= outs[i].size(1)),
+                 "swiglu_backward: ", names[i], " ", describe(o), " is not rows of unit-stride columns that do not "
+                 "overlap");
+  }
+  if (!outs[0].defined() && !outs[1].defined()) return;
+  if (numel_of(meta.shape) == 0) return;
+  dispatch::call(swiglu_backward_op, grad.device(), meta.dtype, row_matrix_of_input(grad), row_matrix_of_input(gate),
+                 row_matrix_of_input(up), outs[0], outs[1]);
+}
+
+SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate, bool need_up) {
+  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined(),
+               "swiglu_backward: grad, gate and up must all be defined");
+  const ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
+                                                     gate.dtype(), up.shape(), up.dtype());
   SwigluGrads grads;
   if (need_gate) grads.grad_gate = empty(meta.shape, meta.dtype, grad.device());
   if (need_up) grads.grad_up = empty(meta.shape, meta.dtype, grad.device());
-  if ((need_gate || need_up) && numel_of(meta.shape)) {
-    // The kernel contract is contiguous operands: one flat, vectorized pass.
-    dispatch::call(swiglu_backward_op, grad.device(), meta.dtype, made_contiguous(grad), made_contiguous(gate),
-                   made_contiguous(up), grads.grad_gate, grads.grad_up);
-  }
+  swiglu_backward_out(grad, gate, up, grads.grad_gate, grads.grad_up);
   return grads;
 }
 

@@ -39,6 +39,10 @@ struct SwigluGrads {
 };
 SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate = true,
                             bool need_up = true);
+// The same into given tensors (an undefined one is not computed): each of the inputs' shape and dtype, its last dim
+// of unit stride and its leading dims folding into one row stride (the halves of one [.., 2C] buffer, say).
+void swiglu_backward_out(const Tensor& grad, const Tensor& gate, const Tensor& up, Tensor& grad_gate,
+                         Tensor& grad_up);
 
 // Binary with broadcasting; the result dtype is promote_types of the inputs.
 Tensor add(const Tensor& a, const Tensor& b);
