@@ -496,6 +496,24 @@ TEST_F(Providers, TinyGpt2TrainsWithTheFusedOpsFromThePlugin) {
                                                  {"adamw_update", 1}});
 }
 
+// What Loom hands a library is what the op's description says, also for views: rope of heads broadcast along H
+// (stride 0) must give rope_strided an out with a unit stride along D, as the ABI promises (a library without a
+// supports() of its own, as cpu_sample, is called with it; a broadcast dim once became out's innermost).
+TEST_F(Providers, RopeOfABroadcastViewGivesTheLibraryAUnitStrideOut) {
+  route("cpu_sample:rope_strided");
+  dispatch::set_call_checking(true);
+  auto [cos, sin] = ops::rope_tables(4, 8, 10000.0, std::nullopt);
+  Tensor x = ops::expand(test::random_tensor({1, 1, 4, 8}, kF32), {1, 3, 4, 8});  // strides {32, 0, 8, 1}
+  const uint64_t before = calls_of("rope_strided", "cpu_sample");
+  Tensor got;
+  EXPECT_NO_THROW(got = ops::rope(x, cos, sin));
+  dispatch::set_call_checking(false);
+  ASSERT_TRUE(got.defined());
+  EXPECT_EQ(got.stride(3), 1);
+  EXPECT_EQ(calls_of("rope_strided", "cpu_sample"), before + 1) << "the library was not the one called";
+  EXPECT_TRUE(test::all_close(got, ops::rope(ops::contiguous(x), cos, sin), 1e-6, 1e-6));
+}
+
 // ---- Zero-size tensors reach a library as the op says them. ----
 
 // tests/planted/abi_probe.c's record of the last call it ran.

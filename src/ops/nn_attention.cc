@@ -50,12 +50,14 @@ Tensor empty_heads_last(const Tensor& like) {
   return ops::transpose(empty({s[0], s[2], s[1], s[3]}, like.dtype(), like.device()), 1, 2);
 }
 
-// An uninitialized dense tensor of t's shape whose dims lie in memory in the order of t's strides (largest first):
-// t's own strides when t is dense, e.g. a [B, T, H, D] buffer viewed as [B, H, T, D].
+// An uninitialized dense tensor of t's shape whose leading dims lie in memory in the order of t's strides (largest
+// first) and whose last dim is innermost, as the strided kernels take it: t's own strides when t is dense, e.g. a
+// [B, T, H, D] buffer viewed as [B, H, T, D]. (A broadcast dim of stride 0 must not become the innermost one.)
 Tensor empty_like_layout(const Tensor& t) {
   std::vector<int64_t> order(size_t(t.dim()));
   for (int64_t d = 0; d < t.dim(); ++d) order[size_t(d)] = d;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  if (t.dim() > 1)
+    std::stable_sort(order.begin(), order.end() - 1, [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
   Shape dense_shape, strides(size_t(t.dim()));
   for (int64_t d : order) dense_shape.push_back(t.size(d));
   int64_t step = 1;

@@ -51,6 +51,8 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> dim_classes(const OpSc
   int64_t long_size = it != s.dims.end() ? it->second.long_size : 0;
   if (!long_size && s.accumulate_dim == name) long_size = kLongSize;
   if (long_size) cls[6].second = {long_size};
+  // 2^k + 1 is a tile's tail; the whole power below it beside it (a loop wrong only on whole tiles passes the tail).
+  if (long_size > 2 && ((long_size - 1) & (long_size - 2)) == 0) cls[6].second.push_back(long_size - 1);
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (auto& c : cls)
     if (!c.second.empty()) out.push_back(std::move(c));
