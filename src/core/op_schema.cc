@@ -33,6 +33,7 @@ const char* value_class_name(ValueClass v) {
     case ValueClass::kTiny: return "tiny";
     case ValueClass::kMasked: return "masked";
     case ValueClass::kShifted: return "shifted";
+    case ValueClass::kExact: return "exact";
   }
   return "?";
 }

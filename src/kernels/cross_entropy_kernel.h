@@ -84,10 +84,12 @@ LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel,
 
 // grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a scalar of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
-// exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it.
+// exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it. The suite tries exact
+// scales (0, 1, 2, ...) too: a kernel that treats the wrong one apart fails.
 using CrossEntropyScaleGradKernel = void(const DeviceContext&, const Tensor& scale, Tensor& grad_logits);
 LOOM_DECLARE_OP(cross_entropy_scale_grad, CrossEntropyScaleGradKernel,
-                OpSchema().in("scale", "", DTypeRule::kStats).values(Values::kPositive).in_place("grad_logits", "N V")
+                OpSchema().in("scale", "", DTypeRule::kStats).values(Values::kPositive)
+                    .value_classes({ValueClass::kNormal, ValueClass::kExact}).in_place("grad_logits", "N V")
                     .row_dim("V").abi_since(1));
 
 }  // namespace loom

@@ -146,6 +146,12 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
       }
       break;
     }
+    case ValueClass::kExact:
+      some(0.25, [&](size_t e) {
+        static constexpr double kValues[] = {0.0, -0.0, 1.0, 2.0, 0.5, 1024.0};
+        v[e] = kValues[eng() % std::size(kValues)];
+      });
+      break;
     case ValueClass::kMasked: {  // whole lines along line_dim at -inf
       if (shape.empty()) break;
       const Lines lines = lines_of();

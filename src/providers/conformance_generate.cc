@@ -542,24 +542,27 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           }
         }
     }
-    // Each concrete size below 1000 also as a whole element count, once: that dim at the size, every other dim at 1,
-    // in the plainest accepted case holding its class. A kernel that works on the flattened elements (an add one
-    // element short when there are exactly 5) is wrong only there. Not for ops that accumulate: a sum of a few terms
-    // that cancel is judged against the result's scale, which a one-element output does not hold.
-    if (s.accumulate_dim.empty()) {
+    // Each concrete size also as a whole element count, once: that dim at the size, every other dim at 1, in the
+    // plainest accepted case holding its class. A kernel that works on the flattened elements (an add one element
+    // short when there are exactly 5, a scale wrong at exactly 8193) is wrong only there. An op that accumulates
+    // keeps its accumulated dim at its plain size (softmax's 13 rows of a few columns): a sum of one or two terms
+    // that cancel is judged against the result's scale, which such a sum does not hold.
+    {
       std::map<int64_t, std::vector<std::pair<size_t, size_t>>> where;  // size -> (dim param, class)
       for (size_t p = 0; p < P; ++p)
-        if (m.params[p].kind == ParamKind::kDim)
+        if (m.params[p].kind == ParamKind::kDim && m.params[p].name.substr(4) != s.accumulate_dim)
           for (size_t cls = 0; cls < m.params[p].sizes.size(); ++cls)
             for (int64_t v : m.params[p].sizes[cls])
-              if (v >= 2 && v < 1000) where[v].push_back({p, cls});
+              if (v >= 2) where[v].push_back({p, cls});
       for (const auto& [v, places] : where) {
         bool met = false;
         for (auto [p, cls] : places) {
           if (met || g.plans.size() >= kMaxPlans) break;
           std::map<std::string, int64_t> forced;
-          for (size_t q = 0; q < P; ++q)
-            if (m.params[q].kind == ParamKind::kDim) forced[m.params[q].name.substr(4)] = q == p ? v : 1;
+          for (size_t q = 0; q < P; ++q) {
+            const std::string name = m.params[q].name.substr(4);
+            if (m.params[q].kind == ParamKind::kDim && name != s.accumulate_dim) forced[name] = q == p ? v : 1;
+          }
           for (size_t k : plainest) {
             if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
             auto plan = realize(m, g.plans[k].choice, forced, g.plans.size());

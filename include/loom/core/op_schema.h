@@ -95,6 +95,8 @@ enum class ValueClass : uint8_t {
   kMasked,   // some rows (along the op's dim attribute, else the last dim) all -inf (a fully masked softmax row)
   kShifted,  // each line (along the op's dim attribute, else the last dim) moved by an offset of its own, 16 to 32
              // times the values' spread: a norm whose variance is E[x^2] - mean^2 in one pass loses it to cancellation
+  kExact,    // exact values a kernel may treat apart (+0, -0, 1, 2, 0.5, 1024: a scale that is zero, one or a power
+             // of two) at random positions among normal values; a scalar takes one of them
 };
 const char* value_class_name(ValueClass v);
 
