@@ -202,15 +202,18 @@ Tensor row_matrix_of_input(const Tensor& t) {
   return m.defined() ? m : as_row_matrix(contiguous_copy(t));
 }
 
-}  // namespace
-
-void swiglu_backward_out(const Tensor& grad, const Tensor& gate, const Tensor& up, Tensor& grad_gate,
-                         Tensor& grad_up) {
+// The checked inputs' shape and dtype, which the gradients take.
+ElementwiseMeta swiglu_backward_meta(const Tensor& grad, const Tensor& gate, const Tensor& up) {
   LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined(),
                "swiglu_backward: grad, gate and up must all be defined");
   check_same_device("swiglu_backward", {&grad, &gate, &up});
-  const ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
-                                                     gate.dtype(), up.shape(), up.dtype());
+  return infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(), gate.dtype(), up.shape(),
+                               up.dtype());
+}
+
+// The kernel over the given gradients (an undefined one is not computed), each checked to be meta's as rows.
+void run_swiglu_backward(const ElementwiseMeta& meta, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                         Tensor& grad_gate, Tensor& grad_up) {
   Tensor outs[2];
   const char* names[2] = {"grad_gate", "grad_up"};
   Tensor* given[2] = {&grad_gate, &grad_up};
@@ -232,15 +235,19 @@ void swiglu_backward_out(const Tensor& grad, const Tensor& gate, const Tensor& u
                  row_matrix_of_input(up), outs[0], outs[1]);
 }
 
+}  // namespace
+
+void swiglu_backward_out(const Tensor& grad, const Tensor& gate, const Tensor& up, Tensor& grad_gate,
+                         Tensor& grad_up) {
+  run_swiglu_backward(swiglu_backward_meta(grad, gate, up), grad, gate, up, grad_gate, grad_up);
+}
+
 SwigluGrads swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, bool need_gate, bool need_up) {
-  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined(),
-               "swiglu_backward: grad, gate and up must all be defined");
-  const ElementwiseMeta meta = infer_swiglu_backward("swiglu_backward", grad.shape(), grad.dtype(), gate.shape(),
-                                                     gate.dtype(), up.shape(), up.dtype());
+  const ElementwiseMeta meta = swiglu_backward_meta(grad, gate, up);
   SwigluGrads grads;
   if (need_gate) grads.grad_gate = empty(meta.shape, meta.dtype, grad.device());
   if (need_up) grads.grad_up = empty(meta.shape, meta.dtype, grad.device());
-  swiglu_backward_out(grad, gate, up, grads.grad_gate, grads.grad_up);
+  run_swiglu_backward(meta, grad, gate, up, grads.grad_gate, grads.grad_up);
   return grads;
 }
 

@@ -9,6 +9,7 @@ namespace {
 using autograd::as_dtype;
 using autograd::fit_gradient;
 using autograd::tensor_list;
+using autograd::tiled_whole;
 
 Tensor scalar_like(double value, const Tensor& t) { return full({}, value, t.dtype(), t.device()); }
 
@@ -219,37 +220,24 @@ class SwigluBackward final : public autograd::Node {
     const bool need_gate = needs_input_grad(0), need_up = needs_input_grad(1);
     if (!grads[0].defined() || (!need_gate && !need_up)) return out;
     const Tensor g = as_dtype(grads[0], dtype);
-    if (need_gate && need_up && halves_of_one_buffer()) {
-      // gate and up are the two halves of each row of one [.., 2C] product (a fused gate/up projection split in
-      // two): their gradients go to the halves of one buffer of that shape, which the split's backward then takes
-      // as the product's gradient without a copy.
-      const int64_t C = gate.size(-1);
-      Shape whole_shape = gate.shape();
-      whole_shape.back() = 2 * C;
-      Tensor whole = empty(whole_shape, dtype, g.device());
-      out[0] = ops::narrow(whole, -1, 0, C);
-      out[1] = ops::narrow(whole, -1, C, C);
-      ops::swiglu_backward_out(g, gate, up, out[0], out[1]);
-      return out;
+    if (need_gate && need_up) {
+      // gate and up the two halves of each row of one [.., 2C] product (a fused gate/up projection split in two):
+      // their gradients go to the halves of one buffer of that shape, which the split's backward then takes as the
+      // product's gradient without a copy.
+      if (const Tensor product = tiled_whole({gate, up}, -1); product.defined()) {
+        const int64_t C = gate.size(-1);
+        Tensor whole = empty(product.shape(), dtype, g.device());
+        out[0] = ops::narrow(whole, -1, 0, C);
+        out[1] = ops::narrow(whole, -1, C, C);
+        ops::swiglu_backward_out(g, gate, up, out[0], out[1]);
+        return out;
+      }
     }
     // up is saved only for gate's gradient; without it gate stands in (the kernel reads up only for grad_gate).
     ops::SwigluGrads r = ops::swiglu_backward(g, gate, need_gate ? up : gate, need_gate, need_up);
     out[0] = r.grad_gate;
     out[1] = r.grad_up;
     return out;
-  }
-  // Whether gate and up are the left and right halves of the rows of one contiguous [.., 2C] tensor.
-  bool halves_of_one_buffer() const {
-    const int64_t r = gate.dim(), C = r ? gate.size(-1) : 0;
-    if (r < 1 || C == 0 || gate.storage() != up.storage() || gate.shape() != up.shape() ||
-        gate.strides() != up.strides() || up.storage_offset() != gate.storage_offset() + C)
-      return false;
-    Shape whole_shape = gate.shape();
-    whole_shape.back() = 2 * C;
-    const Shape dense = contiguous_strides(whole_shape);
-    for (int64_t d = 0; d < r; ++d)
-      if (gate.size(d) > 1 && gate.stride(d) != dense[size_t(d)]) return false;
-    return true;
   }
   void release_saved() override { gate = up = Tensor(); }
 };

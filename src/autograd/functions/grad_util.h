@@ -20,6 +20,34 @@ inline Tensor fit_gradient(const Tensor& g, const Shape& shape, DType dtype) {
   return as_dtype(g.shape() == shape ? g : ops::sum_to(g, shape), dtype);
 }
 
+// The one contiguous tensor that `pieces` tile, consecutive along dim (the views split or chunk make of it, or
+// gradients a kernel wrote side by side into one buffer): a view of all of it, or undefined when they do not.
+inline Tensor tiled_whole(const std::vector<Tensor>& pieces, int64_t dim) {
+  if (pieces.empty() || !pieces[0].defined()) return Tensor();
+  const Tensor& first = pieces[0];
+  const int64_t d = dim < 0 ? dim + first.dim() : dim;
+  if (d < 0 || d >= first.dim()) return Tensor();
+  Shape whole = first.shape();
+  whole[size_t(d)] = 0;
+  for (const Tensor& p : pieces) {
+    if (!p.defined()) return Tensor();
+    whole[size_t(d)] += p.size(d);
+  }
+  const Shape strides = contiguous_strides(whole);
+  int64_t start = 0;
+  for (const Tensor& p : pieces) {
+    Shape piece = whole;
+    piece[size_t(d)] = p.size(d);
+    if (p.storage() != first.storage() || p.dtype() != first.dtype() || p.shape() != piece ||
+        p.strides() != strides || p.storage_offset() != first.storage_offset() + start * strides[size_t(d)])
+      return Tensor();
+    start += p.size(d);
+  }
+  const int64_t end = first.storage_offset() + numel_of(whole);
+  if (first.storage()->nbytes() < size_t(end) * first.itemsize()) return Tensor();
+  return first.as_strided(whole, strides, first.storage_offset());
+}
+
 // Where a node may write input `input`'s gradient directly, given the dtype its kernel writes: the flat-buffer slot
 // of a leaf that has no gradient yet, when the slot has that dtype (AccumulateGrad then takes the slot as it is,
 // with no copy), or undefined. Claims the slot for this backward.

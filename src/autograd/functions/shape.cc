@@ -8,6 +8,7 @@ namespace {
 
 using autograd::as_dtype;
 using autograd::tensor_list;
+using autograd::tiled_whole;
 
 class CatBackward final : public autograd::Node {
  public:
@@ -72,22 +73,12 @@ class SplitBackward final : public autograd::Node {
  private:
   // The gradients when they are the consecutive pieces of one contiguous buffer of x's shape and dtype: that buffer.
   Tensor adopt_tiled(const tensor_list& grads) const {
-    const Tensor& first = grads[0];
-    if (first.dtype() != dtype_ || first.device() != device_) return Tensor();
-    const Shape strides = contiguous_strides(shape_);
-    int64_t start = 0;
-    for (size_t i = 0; i < grads.size(); ++i) {
-      Shape piece = shape_;
-      piece[size_t(dim_)] = sizes_[i];
-      const Tensor& g = grads[i];
-      if (g.storage() != first.storage() || g.dtype() != dtype_ || g.shape() != piece || g.strides() != strides ||
-          g.storage_offset() != first.storage_offset() + start * strides[size_t(dim_)])
-        return Tensor();
-      start += sizes_[i];
-    }
-    const int64_t end = first.storage_offset() + numel_of(shape_);
-    if (first.storage()->nbytes() < size_t(end) * first.itemsize()) return Tensor();
-    return first.as_strided(shape_, strides, first.storage_offset());
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (grads[i].size(dim_) != sizes_[i]) return Tensor();
+    Tensor whole = tiled_whole(grads, dim_);
+    if (!whole.defined() || whole.shape() != shape_ || whole.dtype() != dtype_ || whole.device() != device_)
+      return Tensor();
+    return whole;
   }
 
   Shape shape_;
