@@ -104,6 +104,41 @@ TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
   }
 }
 
+// Every rounding decision of both formats on the GPU's conversion (Ada and up convert with one instruction, the
+// CPU with Loom's code): each midpoint between neighbouring codes and the floats either side of it, each code itself,
+// the saturation edge, the denormal range, signed zeros, infinities and NaN of either sign, in f32 (no rounding on
+// the way in) and in bf16, at a power-of-two scale and at one that rounds its products.
+TEST(CudaFp8, QuantizeEveryRoundingBoundaryMatchesTheCpu) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  for (DType fp8 : {kF8E4M3, kF8E5M2}) {
+    std::vector<double> v = {0.0, -0.0, INFINITY, -INFINITY, NAN, -NAN, 1e30, -1e30, 3.4e38, 1e-45, -1e-45, 1e-40};
+    const double max = ops::fp8_max(fp8);
+    for (double f : {1.0, 1.0625, 1.125, 1.25, 1.5, 2.0}) v.push_back(max * f), v.push_back(-max * f);
+    for (int c = 0; c < 0x7f; ++c) {
+      const float lo = fp8 == kF8E4M3 ? fp8_decode<Float8E4M3>(uint8_t(c)) : fp8_decode<Float8E5M2>(uint8_t(c));
+      const float hi = fp8 == kF8E4M3 ? fp8_decode<Float8E4M3>(uint8_t(c + 1)) : fp8_decode<Float8E5M2>(uint8_t(c + 1));
+      if (!std::isfinite(lo) || !std::isfinite(hi)) continue;
+      const float mid = (lo + hi) / 2;  // exact: both are short binary fractions
+      for (float x : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)}) v.push_back(x), v.push_back(-x);
+    }
+    v.resize((v.size() / 8 + 1) * 8 + 3, 0.75);  // whole vectors and a tail the kernel takes element by element
+    for (DType xt : {kF32, kBF16})
+      for (double scale : {1.0, 0.37}) {
+        const Tensor x = host_tensor(v, {int64_t(v.size())}, xt);
+        const Tensor s = host_tensor({scale}, {1}, kF32);
+        const Tensor q_cpu = ops::fp8_quantize(x, s, fp8);
+        const Tensor q_gpu = ops::fp8_quantize(x.to(kGpu), s.to(kGpu), fp8);
+        const Tensor h = q_gpu.to(Device());
+        for (int64_t i = 0; i < x.numel(); ++i) {
+          const uint8_t a = static_cast<const uint8_t*>(q_cpu.data())[i], b = static_cast<const uint8_t*>(h.data())[i];
+          EXPECT_EQ(a, b) << dtype_name(fp8) << " from " << dtype_name(xt) << " at scale " << scale << ": x = "
+                          << v[size_t(i)] << " (element " << i << ")";
+          if (a != b) break;
+        }
+      }
+  }
+}
+
 Tensor random_codes(int64_t n, DType fp8, std::mt19937_64& rng) {
   std::vector<double> v(static_cast<size_t>(n));
   std::normal_distribution<double> g(0, 1);

@@ -58,11 +58,13 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
     scale_ = ones({1}, kF32, device);
     scale_inv_ = empty({1}, kF32, device);
     Tensor q = measured(amaxes_, scale_, scale_inv_);
-    return {q, ops::clone(scale_inv_)};
+    return {q, scale_inv_};  // the next quantization's update writes a new scale_inv, never this one
   }
   Tensor amax;
   Tensor q = ops::fp8_quantize(x, scale_, fp8_, &amax);
-  Tensor used = ops::clone(scale_inv_);  // the update below changes the state's for the next quantization
+  // The update writes the next scale_inv into a new element, so q keeps this one without a copy.
+  Tensor used = scale_inv_;
+  scale_inv_ = empty({1}, kF32, device);
   ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
   return {q, used};
 }
