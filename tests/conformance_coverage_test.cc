@@ -3,6 +3,7 @@
 // an output on an input, element offsets, stride 0 and a gemm batch stride of 0, alpha 0, empty and long dims), a
 // library kernel registered the way the ABI loader registers one that is wrong in one narrow region fails, native
 // passes, and an explicit case (what a replay of a recorded call gives) runs through the same checks.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -52,8 +53,9 @@ void register_library(const std::string& op, const std::string& provider, std::f
 
 const AttrValue* attr(const CallArgs& c, const char* name) { return c.attr(name); }
 
-// Every element of a rank-3 f32 view.
+// Every element of a rank-3 f32 view (none of another rank: the planted mistakes below are made at rank 3 only).
 void for_each3(const Tensor& t, const std::function<void(float&, int64_t, int64_t, int64_t)>& f) {
+  if (t.dim() != 3) return;
   float* p = static_cast<float*>(const_cast<void*>(t.data()));
   for (int64_t i = 0; i < t.size(0); ++i)
     for (int64_t j = 0; j < t.size(1); ++j)
@@ -337,6 +339,60 @@ TEST(ConformanceCoverage, ALibraryWrongInOneRegionFails) {
     });
   });
   EXPECT_TRUE(fails("add_short_at_5", "add"));
+}
+
+TEST(ConformanceCoverage, ALibraryWrongAtAnEdgeOfTheCallsShapesOrValuesFails) {
+  Unregister u{{"clamps_targets", "scale_two_skipped", "cat_127", "add_rank8"}};
+  // Cross entropy that clamps a target outside [0, classes) into range instead of refusing it.
+  register_library("cross_entropy_with_grad", "clamps_targets", [](CallArgs& c) {
+    const int64_t vocab = c.slots[0].tensor.size(1), limit = attr(c, "vocab_limit")->as_int();
+    const int64_t classes = limit < 0 ? vocab : limit, ignore = attr(c, "ignore_index")->as_int();
+    Tensor t = c.slots[1].tensor.clone();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      auto fix = [&](auto* p) {
+        if (p[i] != ignore) p[i] = std::clamp<std::remove_reference_t<decltype(p[i])>>(p[i], 0, classes - 1);
+      };
+      if (t.dtype() == kI64) fix(static_cast<int64_t*>(t.data()));
+      else fix(static_cast<int32_t*>(t.data()));
+    }
+    c.slots[1].tensor = t;
+  });
+  EXPECT_TRUE(fails("clamps_targets", "cross_entropy_with_grad"));
+
+  // A loss-gradient scale that returns early at exactly 2 (a power of two, as loss scales are).
+  const OpSchema* scale_grad = find_op_schema("cross_entropy_scale_grad");
+  scale_grad->register_erased(
+      kCPU, "scale_two_skipped", dtypes(kF32), 0,
+      [scale_grad](const DeviceContext&, const CallArgs& c) {
+        if (*static_cast<const float*>(c.slots[0].tensor.data()) == 2.0f) return;
+        scale_grad->run_provider("native", Device(), kF32, c);
+      },
+      nullptr, "test");
+  EXPECT_TRUE(fails("scale_two_skipped", "cross_entropy_scale_grad"));
+
+  // cat that leaves the last of 127 pieces out (its part of out keeps what was there).
+  const OpSchema* cat = find_op_schema("cat");
+  cat->register_erased(
+      kCPU, "cat_127", dtypes(kF32), 0,
+      [cat](const DeviceContext&, const CallArgs& c) {
+        CallArgs args = c;
+        if (args.slots[0].list.size() == 127) {
+          const Tensor& last = args.slots[0].list.back();
+          const int64_t d = attr(c, "dim")->as_int(), keep = args.slots[1].tensor.size(d) - last.size(d);
+          args.slots[1].tensor = args.slots[1].tensor.narrow(d, 0, keep);
+          args.slots[0].list.pop_back();
+        }
+        cat->run_provider("native", Device(), kF32, args);
+      },
+      nullptr, "test");
+  EXPECT_TRUE(fails("cat_127", "cat"));
+
+  // add whose index arithmetic leaves the eighth dim out of a rank-8 call (its first element negated here).
+  register_library("add", "add_rank8", nullptr, [](const CallArgs& c) {
+    const Tensor& out = c.slots[2].tensor;
+    if (out.dim() == 8 && out.numel() > 0) *static_cast<float*>(const_cast<void*>(out.data())) *= -1.0f;
+  });
+  EXPECT_TRUE(fails("add_rank8", "add"));
 }
 
 TEST(ConformanceCoverage, SampleRunsSomeOfTheSameCasesInTheirOrder) {

@@ -34,6 +34,7 @@ const char* value_class_name(ValueClass v) {
     case ValueClass::kMasked: return "masked";
     case ValueClass::kShifted: return "shifted";
     case ValueClass::kExact: return "exact";
+    case ValueClass::kSpike: return "spike";
   }
   return "?";
 }
@@ -126,6 +127,10 @@ OpSchema& OpSchema::omit_when_absent() {
 }
 OpSchema& OpSchema::shape_fn(ShapeFn fn) {
   last().shape_fn = std::move(fn);
+  return *this;
+}
+OpSchema& OpSchema::rejects_out_of_range() {
+  last().rejects_out_of_range = true;
   return *this;
 }
 OpSchema& OpSchema::present_with(std::string other) {

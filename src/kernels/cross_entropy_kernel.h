@@ -25,7 +25,9 @@ struct CrossEntropyAttrs {
 
 // The suite's cases: reductions, an ignore_index that some targets hit, and a vocabulary limit below V (the
 // variant -2 stands for V - 2). The logits take normal, special and tiny values, not +-100: with one logit far
-// above the rest its gradient p - 1 cancels to 0 in f32 where float64 keeps 1e-8 (and 0 * inf is NaN).
+// above the rest its gradient p - 1 cancels to 0 in f32 where float64 keeps 1e-8 (and 0 * inf is NaN). A spike
+// (one row's last logit 900 above normal ones, at 257 and 8193 classes too: a tile's tail) has nothing to cancel:
+// its p is exactly 1 and every other exactly 0. Targets at the classes or below 0 are refused.
 inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
   OpSchema s;
   // An infinite grad_loss meets (softmax - onehot) elements that are 0 in one rounding and tiny in another (inf * 0 is
@@ -34,7 +36,10 @@ inline OpSchema cross_entropy_schema_start(bool with_grad_loss) {
     s.in("grad_loss", "", DTypeRule::kStats).shape_fn([](const SuiteCase& c) {
       return c.attr_int("reduction") == 2 ? Shape{c.dim("N")} : Shape{};
     }).value_classes({ValueClass::kNormal, ValueClass::kTiny});
-  return s.in("logits", "N V").in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V");
+  return s.in("logits", "N V")
+      .value_classes({ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny, ValueClass::kSpike})
+      .in("targets", "N", DTypeRule::kIndex).values(Values::kTargets, "V").rejects_out_of_range()
+      .size_case({{"V", 257}}).size_case({{"V", 8193}});
 }
 inline OpSchema& cross_entropy_schema_finish(OpSchema& s, bool scalar_only) {
   return s.attr("ignore_index", {-100.0, 1.0})

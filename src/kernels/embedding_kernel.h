@@ -12,14 +12,15 @@ namespace loom {
 using EmbeddingKernel = void(const DeviceContext&, const Tensor& weight, const Tensor& indices, Tensor& out);
 LOOM_DECLARE_OP(embedding, EmbeddingKernel,
                 OpSchema().leading_dims("N").in("weight", "V C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
-                    .out("out", "N C").long_dim("V", kLongVocab));
+                    .rejects_out_of_range().out("out", "N C").long_dim("V", kLongVocab));
 
 // grad [N, C] and indices (N elements) contiguous; grad_weight [V, C] with grad's dtype is fully written: row v is
-// the sum, in index order, of the grad rows whose index is v (zero where none).
+// the sum, in index order, of the grad rows whose index is v (zero where none). Throws loom::Error for an index
+// outside [0, V).
 using EmbeddingBackwardKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& indices,
                                      Tensor& grad_weight);
 LOOM_DECLARE_OP(embedding_backward, EmbeddingBackwardKernel,
                 OpSchema().leading_dims("N").in("grad", "N C").in("indices", "N", DTypeRule::kIndex).values(Values::kIndexBelow, "V")
-                    .out("grad_weight", "V C").accumulates("N").long_dim("V", kLongVocab));
+                    .rejects_out_of_range().out("grad_weight", "V C").accumulates("N").long_dim("V", kLongVocab));
 
 }  // namespace loom

@@ -36,7 +36,7 @@ struct IndexAttrs {
 using IndexSelectKernel = void(const DeviceContext&, const Tensor& x, const Tensor& index, const IndexAttrs&,
                                Tensor& out);
 LOOM_DECLARE_OP(index_select, IndexSelectKernel,
-                OpSchema().leading_dims("A").in("x", "A B C").in("index", "J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:x")
+                OpSchema().leading_dims("A").in("x", "A B C").in("index", "J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:x").rejects_out_of_range()
                     .out("out", "").shape_fn([](const SuiteCase& c) {
                       Shape s{c.dim("A"), c.dim("B"), c.dim("C")};
                       s[size_t(c.attr_int("dim"))] = c.dim("J");
@@ -51,7 +51,7 @@ using GatherKernel = void(const DeviceContext&, const Tensor& x, const Tensor& i
                           Tensor& out);
 LOOM_DECLARE_OP(gather, GatherKernel,
                 OpSchema().leading_dims("A").in("x", "A B C").layout(Layout::kStrided).in("index", "A B J", DTypeRule::kIndex)
-                    .values(Values::kIndexBelow, "@dim:x").out("out", "A B J").attr("dim", {2.0}).abi_since(2));
+                    .values(Values::kIndexBelow, "@dim:x").rejects_out_of_range().out("out", "A B J").attr("dim", {2.0}).abi_since(2));
 
 // out (contiguous, already holding the values to add to) gets out[p with dim coordinate index[p]] += src[p] for
 // every position p of index; index.size(d) <= src.size(d), and <= out.size(d) for d != dim. index contiguous, src
@@ -59,7 +59,7 @@ LOOM_DECLARE_OP(gather, GatherKernel,
 using ScatterAddKernel = void(const DeviceContext&, const Tensor& index, const Tensor& src, const IndexAttrs&,
                               Tensor& out);
 LOOM_DECLARE_OP(scatter_add, ScatterAddKernel,
-                OpSchema().leading_dims("A").in("index", "A B J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:out")
+                OpSchema().leading_dims("A").in("index", "A B J", DTypeRule::kIndex).values(Values::kIndexBelow, "@dim:out").rejects_out_of_range()
                     .in("src", "A B J").layout(Layout::kStrided).in_place("out", "A B C").attr("dim", {2.0}).accumulates("J")
                     .tolerance(kBF16, 1.5e-1, 1.5e-1).tolerance(kF16, 3e-2, 3e-2)  // sums kept in the 16-bit out
                     .long_dim("J", 1025)  // a 16-bit out's sums (kept in the out dtype) stagnate long before 65537 terms

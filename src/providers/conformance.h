@@ -109,6 +109,8 @@ struct TensorCase {
   ValueClass values = ValueClass::kNormal;  // how read elements are drawn
   int line_dim = -1;                  // kMasked: the dim along which a masked row runs (-1: the last)
   std::vector<double> given;          // row-major values of a read tensor (empty: drawn)
+  int out_of_range = 0;               // an index input: its middle element at the bound (1) or below 0 (-1), and the
+                                      // case expects the call to fail (OpSchema::rejects_out_of_range)
   std::vector<TensorCase> list;       // a list argument's tensors (cat's inputs)
 };
 struct ExplicitCase {

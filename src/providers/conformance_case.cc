@@ -51,18 +51,22 @@ void draw_range(std::vector<double>& v, size_t begin, size_t end, const TensorSp
   }
 }
 
+// An index input's bound (a target's: the classes, below a vocabulary limit) and its ignored value (-1: none).
+std::pair<int64_t, int64_t> index_limits(const TensorSpec& t, const OpSchema& s, const SuiteCase& c) {
+  int64_t bound = index_bound(t, s, c), ignore = -1;
+  if (t.values == Values::kTargets) {
+    const int64_t limit = c.attr_int("vocab_limit", -1);
+    if (limit >= 0) bound = std::min(bound, limit);
+    ignore = c.attr_int("ignore_index", -100);
+  }
+  return {bound, ignore};
+}
+
 std::vector<double> draw(const TensorSpec& t, const OpSchema& s, const SuiteCase& c, int64_t n, DType dt,
                          std::mt19937_64& eng) {
   std::vector<double> v(static_cast<size_t>(n));
   int64_t bound = 0, ignore = -1;
-  if (t.values == Values::kIndexBelow || t.values == Values::kTargets) {
-    bound = index_bound(t, s, c);
-    if (t.values == Values::kTargets) {
-      const int64_t limit = c.attr_int("vocab_limit", -1);
-      if (limit >= 0) bound = std::min(bound, limit);
-      ignore = c.attr_int("ignore_index", -100);
-    }
-  }
+  if (t.values == Values::kIndexBelow || t.values == Values::kTargets) std::tie(bound, ignore) = index_limits(t, s, c);
   if (n <= kMaxCaseElements) {  // one stream, as every generated case
     draw_range(v, 0, v.size(), t, dt, bound, ignore, eng);
     return v;
@@ -148,10 +152,16 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
     }
     case ValueClass::kExact:
       some(0.25, [&](size_t e) {
-        static constexpr double kValues[] = {0.0, -0.0, 1.0, 2.0, 0.5, 1024.0};
-        v[e] = kValues[eng() % std::size(kValues)];
+        v[e] = kExactValues[eng() % std::size(kExactValues)];
       });
       break;
+    case ValueClass::kSpike: {  // one line's last element 900 above the normal values: exp(-900) is 0 in double too
+      if (shape.empty() || largest_finite(dt) < 1e3) break;
+      const Lines lines = lines_of();
+      if (lines.len == 0 || lines.count == 0) break;
+      v[lines.at(int64_t(eng() % uint64_t(lines.count)), lines.len - 1)] = 900;
+      break;
+    }
     case ValueClass::kMasked: {  // whole lines along line_dim at -inf
       if (shape.empty()) break;
       const Lines lines = lines_of();
@@ -302,6 +312,14 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
         t.values = draw(spec, s, c, n, t.dtype, eng);
         apply_class(t.values, tc.values, t.dtype, t.shape, tc.line_dim, eng);
       }
+      if (tc.out_of_range && n > 0) {  // one index past its bound: the call must refuse it
+        const auto [bound, ignore] = index_limits(spec, s, c);
+        int64_t bad = tc.out_of_range > 0 ? bound : -1;
+        if (bad == ignore) bad += tc.out_of_range;  // an ignored target is no error
+        t.values[size_t(n / 2)] = double(bad);
+        b.refusal = spec.name + "[" + std::to_string(n / 2) + "] = " + std::to_string(bad) + " (outside [0, " +
+                    std::to_string(bound) + "))";
+      }
       // Stored (rounded to the dtype), then read back: a stride-0 input's values repeat, and the last write of a
       // position is what every element sees.
       const Positions pos(t);
@@ -364,6 +382,7 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
       if (t.alias_of >= 0) desc << " on " << s.tensors[size_t(t.alias_of)].name;
       if (t.values.size() && e.tensors[i].values != ValueClass::kNormal && e.tensors[i].given.empty())
         desc << " " << value_class_name(e.tensors[i].values);
+      if (e.tensors[i].given.size() == 1) desc << " = " << e.tensors[i].given[0];
     }
     b.args.slots.push_back(slot);
   }
@@ -373,6 +392,7 @@ Built build(const OpSchema& s, const ExplicitCase& e, const SuiteCase& c, Device
     if (a && a->variants.empty() && a->dim_of.empty() && v.str() == a->default_value.str()) continue;
     desc << "; " << n << "=" << v.str();
   }
+  if (!b.refusal.empty()) desc << "; expects an error for " << b.refusal;
   b.description = desc.str();
   if (with_values) upload(b, device);
   return b;

@@ -1,6 +1,7 @@
 // Case generation: a parameter model per (op, dtype) from the op's description, and a pairwise covering array over
-// it (greedy, after the op's case rule and the size limit), then every concrete size once and the fuzz cases; and
-// what the cases cover (loom-conformance --coverage).
+// it (greedy, after the op's case rule and the size limit), then every concrete size once, the shapes and values at
+// the edges of an op's contract (exact scalars, the ranks a call may have, a list's length, indices it must refuse)
+// and the fuzz cases; and what the cases cover (loom-conformance --coverage).
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
@@ -388,6 +389,96 @@ std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
 }
 
 
+// A plan's tensors with the op's leading-dims group (its first named dim, standing for any number of a call's
+// leading dims) as `k` dims instead of one: none (the group's size must be 1; a tensor of the group alone keeps it),
+// two (an even size split as 2 x size/2), or more (size-1 dims in front, their strides those of dense ones, so
+// larger than 1). Cases are dense or strided; each dim keeps its stride. Attributes naming a dim of such a tensor
+// follow it. None where a case cannot take it (an attribute naming the group when it has no dims).
+std::optional<Plan> with_leading_rank(const OpSchema& s, const std::string& lead_dim, Plan p, int k) {
+  auto reshape = [&](const TensorSpec& spec, TensorCase& t) {
+    if (t.shape.size() != spec.shape.size() || t.shape.empty()) return true;
+    const int64_t a = t.shape[0];
+    Shape strides = t.strides.empty() ? dense_strides(spec, t.shape) : t.strides;
+    const int64_t s0 = strides[0];
+    Shape shape(t.shape.begin() + 1, t.shape.end()), st(strides.begin() + 1, strides.end());
+    Shape lead, lead_st;
+    if (k == 0) {
+      if (a != 1) return false;
+      if (spec.shape.size() == 1) return true;
+    } else if (k == 2) {
+      if (a % 2) return false;
+      lead = {2, a / 2}, lead_st = {s0 * (a / 2), s0};
+    } else {
+      lead.assign(size_t(k - 1), 1), lead_st.assign(size_t(k - 1), s0 * std::max<int64_t>(1, a));
+      lead.push_back(a), lead_st.push_back(s0);
+    }
+    shape.insert(shape.begin(), lead.begin(), lead.end());
+    st.insert(st.begin(), lead_st.begin(), lead_st.end());
+    t.shape = shape, t.strides = st;
+    return true;
+  };
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    const TensorSpec& spec = s.tensors[i];
+    TensorCase& t = p.e.tensors[i];
+    if (!t.present || spec.shape.empty() || spec.shape[0] != lead_dim) continue;
+    if (!reshape(spec, t)) return std::nullopt;
+    for (TensorCase& piece : t.list)
+      if (!reshape(spec, piece)) return std::nullopt;
+  }
+  auto moved = [&](int64_t d) -> std::optional<int64_t> {
+    if (d > 0) return d + k - 1;
+    if (k == 0) return std::nullopt;
+    return int64_t(k - 1);
+  };
+  for (auto& [name, value] : p.e.attrs) {
+    const AttrSpec* a = nullptr;
+    for (const auto& spec : s.attrs)
+      if (spec.name == name) a = &spec;
+    if (!a || (a->dim_of.empty() && a->name != "dim")) continue;  // a dim given by its variants (gather's 2) too
+    if (value.kind == AttrValue::kInt) {
+      auto d = moved(value.i);
+      if (!d) return std::nullopt;
+      value.i = *d;
+    } else if (value.kind == AttrValue::kInts) {
+      for (int64_t& v : value.ints) {
+        auto d = moved(v);
+        if (!d) return std::nullopt;
+        v = *d;
+      }
+    }
+  }
+  return p;
+}
+
+// A plan whose list argument (cat's inputs) holds `pieces` copies of its first piece, then, when `empty_last`, one
+// more of size 0 along the attribute dim; the output's size there is their sum (dense, where it was).
+std::optional<Plan> with_list(const OpSchema& s, Plan p, int pieces, bool empty_last) {
+  const int64_t d = p.c.attr_int("dim");
+  int64_t along = 0;
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    TensorCase& t = p.e.tensors[i];
+    if (!s.tensors[i].list || t.list.empty()) continue;
+    std::vector<TensorCase> list(t.list);
+    if (pieces > 0) list.assign(size_t(pieces), t.list.front());
+    if (empty_last) {
+      TensorCase e = t.list.back();
+      if (size_t(d) >= e.shape.size()) return std::nullopt;
+      e.shape[size_t(d)] = 0;
+      e.strides.clear();
+      list.push_back(e);
+    }
+    t.list = list;
+    for (const TensorCase& piece : t.list) along += piece.shape.at(size_t(d));
+  }
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    TensorCase& t = p.e.tensors[i];
+    if (s.tensors[i].list || !t.present || is_input(s.tensors[i].role) || size_t(d) >= t.shape.size()) continue;
+    t.shape[size_t(d)] = along;
+    t.strides.clear();
+  }
+  return p;
+}
+
 // The covering array for (op, dtype): pass 1 covers every pair the op takes; pass 2 covers again, from cases the
 // provider accepts, each pair that only declined cases hold; pass 3 runs every concrete size of every class once in
 // the plainest case, and each below 1000 again in the fullest and (ops that do not accumulate) as a whole element
@@ -528,6 +619,22 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
       for (size_t cls = 0; cls < pr.sizes.size(); ++cls)
         for (int64_t v : pr.sizes[cls]) {
           if (v >= 1000 || g.plans.size() >= kMaxPlans) continue;
+          // Every attribute at its last value and every optional input present (a padded vocabulary's last column
+          // zeroed only when the size meets the limit), and the fullest accepted case (the op's rule may drop a
+          // feature of the first: a gemm's bias with an epilogue that takes none).
+          {
+            std::vector<int> every(P, 0);
+            bool any = false;
+            for (size_t q = 0; q < P; ++q) {
+              if (m.params[q].kind == ParamKind::kAttr) every[q] = int(m.params[q].labels.size()) - 1, any = true;
+              if (m.params[q].kind == ParamKind::kPresent) any = true;
+            }
+            auto plan = any ? realize(m, every, {{dim, v}}, g.plans.size()) : std::nullopt;
+            if (plan && accepts(*plan)) {
+              g.plans.push_back(std::move(*plan));
+              g.accepted.push_back(true);
+            }
+          }
           for (size_t k : fullest) {
             if (!g.accepted[k] || g.plans[k].effective[p] != int(cls)) continue;
             if (fullness[k] == 0) break;
@@ -576,15 +683,17 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
       }
     }
     // The description's size cases (whole tiles, rows a block reduction splits), once per value class of the first
-    // input that has several, each from the first accepted case of that class: a tile's tail that a kernel misses
-    // shows only with the values that make it matter (a row's max there among logits).
+    // input that has several, each from the plainest accepted case of that class: a tile's tail that a kernel misses
+    // shows only with the values that make it matter (a row's max there among logits), and where every element
+    // counts (no vocabulary limit hiding the last class, no row ignored).
     size_t class_param = P;
     for (size_t p = 0; p < P && class_param == P; ++p)
       if (m.params[p].kind == ParamKind::kValues && m.params[p].labels.size() > 1) class_param = p;
     const size_t n_plans = g.plans.size();
     for (const auto& sizes : s.size_cases) {
       std::set<int> done;
-      for (size_t k = 0; k < n_plans && g.plans.size() < kMaxPlans; ++k) {
+      for (size_t k : plainest) {
+        if (k >= n_plans || g.plans.size() >= kMaxPlans) continue;
         if (!g.accepted[k]) continue;
         const int cls = class_param == P ? 0 : g.plans[k].effective[class_param];
         if (done.count(cls)) continue;
@@ -594,6 +703,82 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
         g.accepted.push_back(true);
         done.insert(cls);
       }
+    }
+    // The first accepted plainest case; passes below vary it.
+    std::optional<size_t> plain_case;
+    for (size_t k : plainest)
+      if (g.accepted[k] && !plain_case) plain_case = k;
+    auto add_if_taken = [&](std::optional<Plan> plan) {
+      if (!plan || g.plans.size() >= kMaxPlans || !accepts(*plan)) return;
+      plan->e.seed = g.plans.size();
+      g.plans.push_back(std::move(*plan));
+      g.accepted.push_back(true);
+    };
+    // A one-element input with exact values (a scale): one case per value, each a value a kernel may treat apart
+    // (a loss scale of exactly 2, a power of two, is as likely as 1).
+    for (size_t q = 0; q < P; ++q) {
+      const Param& pr = m.params[q];
+      auto exact = std::find(pr.classes.begin(), pr.classes.end(), ValueClass::kExact);
+      if (pr.kind != ParamKind::kValues || exact == pr.classes.end()) continue;
+      const size_t i = size_t(pr.tensor);
+      for (size_t k = 0; k < g.plans.size(); ++k) {
+        if (!g.accepted[k] || g.plans[k].effective[q] != int(exact - pr.classes.begin()) ||
+            numel_of(g.plans[k].e.tensors[i].shape) != 1)
+          continue;
+        for (double v : kExactValues) {
+          Plan plan = g.plans[k];
+          plan.e.tensors[i].given = {v};
+          add_if_taken(std::move(plan));
+        }
+        break;
+      }
+    }
+    // The leading-dims group as no dims, as two, and as many as make a rank of 7 and 8 (a kernel's index arithmetic
+    // over any rank: an odometer that starts past the last dim, an offset that leaves the eighth out).
+    // (Not where an output's shape is computed, a reduction's from the dims it keeps; but cat's, whose output is
+    // its inputs' shape with their sizes along dim added, as with_list keeps it.)
+    const bool has_list = std::any_of(s.tensors.begin(), s.tensors.end(), [](const TensorSpec& t) { return t.list; });
+    // Nor where an index's bound is the size along the dim attribute (gather's): the bound is the description's.
+    const bool fixed_rank = !has_list && std::any_of(s.tensors.begin(), s.tensors.end(), [](const TensorSpec& t) {
+      return (!is_input(t.role) && t.shape_fn) || t.values_dim.rfind("@dim:", 0) == 0;
+    });
+    // A list op (cat) takes any rank too: its first dim is the group.
+    std::string lead = s.leading_dim;
+    for (const auto& t : s.tensors)
+      if (t.list && lead.empty() && !t.shape.empty()) lead = t.shape[0];
+    if (!lead.empty() && plain_case && !fixed_rank) {
+      size_t widest = 1;
+      for (const auto& t : s.tensors)
+        if (!t.shape.empty() && t.shape[0] == lead) widest = std::max(widest, t.shape.size());
+      const std::vector<int> choice = g.plans[*plain_case].choice;
+      for (auto [k, size] : std::vector<std::pair<int, int64_t>>{{0, 1}, {2, 6}, {int(8 - widest), 2},
+                                                                 {int(9 - widest), 2}}) {
+        if (k < 0 || k == 1) continue;
+        if (auto plan = realize(m, choice, {{lead, size}}, g.plans.size()))
+          add_if_taken(with_leading_rank(s, lead, std::move(*plan), k));
+      }
+    }
+    // An index input that must be refused outside its bound: at the bound and below 0, in the plainest case and in
+    // the one with every attribute at its last value (a vocabulary limit, whose bound is the limit).
+    for (size_t i = 0; i < s.tensors.size(); ++i) {
+      if (!s.tensors[i].rejects_out_of_range || !plain_case) continue;
+      std::vector<int> every = g.plans[*plain_case].choice;
+      for (size_t q = 0; q < P; ++q)
+        if (m.params[q].kind == ParamKind::kAttr) every[q] = int(m.params[q].labels.size()) - 1;
+      std::vector<Plan> bases{g.plans[*plain_case]};
+      if (auto full = realize(m, every, {}, g.plans.size()); full && accepts(*full)) bases.push_back(*full);
+      for (const Plan& base : bases)
+        for (int side : {1, -1}) {
+          if (!base.e.tensors[i].present || numel_of(base.e.tensors[i].shape) == 0) continue;
+          Plan plan = base;
+          plan.e.tensors[i].out_of_range = side;
+          add_if_taken(std::move(plan));
+        }
+    }
+    // A list argument's length: 127 pieces, and the three pieces then one of size 0 along dim.
+    if (plain_case && has_list) {
+      add_if_taken(with_list(s, g.plans[*plain_case], 127, false));
+      add_if_taken(with_list(s, g.plans[*plain_case], 0, true));
     }
     taken.for_each([&](size_t p, int a, size_t q, int b, uint8_t& st) {
       if (held.at(p, a, q, b) == Pairs::kExcluded) return;

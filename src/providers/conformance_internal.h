@@ -76,6 +76,8 @@ class Positions {
 };
 // Dense strides in the spec's own layout: row-major, or a gemm matrix packed column-major.
 Shape dense_strides(const TensorSpec& spec, const Shape& shape);
+// The value class kExact's values.
+inline constexpr double kExactValues[] = {0.0, -0.0, 1.0, 2.0, 0.5, 1024.0};
 
 // The layout classes a tensor takes (its Layout allows them); the first is the dense one.
 enum class LayoutClass : uint8_t { kDense, kStrided, kTransposed, kPadded, kZeroStride, kZeroBatchStride };
@@ -92,6 +94,7 @@ struct Built {
   std::vector<CaseTensor> tensors;   // per spec (lists are inputs only)
   std::vector<std::vector<CaseTensor>> lists;
   std::string description;
+  std::string refusal;               // what the call must refuse (an index out of range), or empty
 };
 
 std::vector<std::string> dims_of(const OpSchema& s);

@@ -155,11 +155,19 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
     if (!o.device.is_cpu()) device_runtime(o.device.type).synchronize(o.device.index);
   } catch (const std::exception& e) {
     dispatch::set_policy(setup);
-    r.status = CaseStatus::kFail;
-    r.detail = std::string("the kernel threw: ") + e.what();
+    r.status = b.refusal.empty() ? CaseStatus::kFail : CaseStatus::kPass;
+    r.detail = b.refusal.empty() ? std::string("the kernel threw: ") + e.what() : std::string("refused: ") + e.what();
+    if (!b.refusal.empty()) r.reference = "refusal";  // judged by the error contract, no values
     return r;
   }
   dispatch::set_policy(setup);
+  if (!b.refusal.empty()) {  // an index out of range taken without an error
+    r.reference = "refusal";
+    r.status = CaseStatus::kFail;
+    r.worst_error = INFINITY;
+    r.detail = "the kernel returned without an error for " + b.refusal;
+    return r;
+  }
   auto fail = [&](std::string why) {
     r.status = CaseStatus::kFail;
     r.worst_error = INFINITY;

@@ -97,7 +97,8 @@ std::optional<RepeatCases> repeat_cases(const Generated& g) {
     double elements = 0;
     for (size_t i = 0; i < p.e.tensors.size(); ++i) {
       all_present &= p.e.tensors[i].present;
-      plain &= !p.e.tensors[i].present || p.e.tensors[i].values == ValueClass::kNormal;
+      plain &= !p.e.tensors[i].present ||
+               (p.e.tensors[i].values == ValueClass::kNormal && !p.e.tensors[i].out_of_range);
       if (p.e.tensors[i].present) elements += double(numel_of(p.e.tensors[i].shape));
     }
     if (!plain || elements > 4096) continue;
@@ -107,6 +108,8 @@ std::optional<RepeatCases> repeat_cases(const Generated& g) {
     size_t twin = k;
     for (size_t j = 0; j < g.plans.size() && twin == k; ++j)
       if (j != k && g.accepted[j] && !g.plans[j].fuzz && same_tensors(p.e, g.plans[j].e) &&
+          std::none_of(g.plans[j].e.tensors.begin(), g.plans[j].e.tensors.end(),
+                       [](const TensorCase& t) { return t.out_of_range != 0; }) &&
           !same_attrs(p.e, g.plans[j].e))
         twin = j;
     const auto rank = std::make_tuple(all_present, plain_attrs, twin != k, elements);

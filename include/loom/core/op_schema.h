@@ -96,7 +96,9 @@ enum class ValueClass : uint8_t {
   kShifted,  // each line (along the op's dim attribute, else the last dim) moved by an offset of its own, 16 to 32
              // times the values' spread: a norm whose variance is E[x^2] - mean^2 in one pass loses it to cancellation
   kExact,    // exact values a kernel may treat apart (+0, -0, 1, 2, 0.5, 1024: a scale that is zero, one or a power
-             // of two) at random positions among normal values; a scalar takes one of them
+             // of two) at random positions among normal values; a one-element input takes each in a case of its own
+  kSpike,    // normal values, one line ending in a value 900 above them: a max or sum that misses a line's last
+             // element (a tile's tail) is wrong there, where nothing cancels (kLogits' +-100 would in a loss gradient)
 };
 const char* value_class_name(ValueClass v);
 
@@ -275,6 +277,7 @@ struct TensorSpec {
   std::string present_with;       // an optional argument present exactly when this other one is
   std::vector<ValueClass> value_classes;  // what the suite tries for a floating input (empty: the default)
   std::vector<std::string> may_alias;     // an output: the inputs it may share memory with, element for element
+  bool rejects_out_of_range = false;      // an index input: a value outside its bound is an error the kernel reports
   std::string ignored_when_zero;  // in place, but its old content is ignored (an output) when this attribute is 0
   // Shapes that the named dims cannot say (a reduction's output): from the dims and attributes of a case.
   ShapeFn shape_fn;
@@ -321,6 +324,10 @@ class OpSchema {
   OpSchema& shape_fn(ShapeFn fn);
   OpSchema& present_with(std::string other);
   OpSchema& value_classes(std::vector<ValueClass> classes);
+  // An index input (kIndexBelow, kTargets) whose values outside [0, bound) the kernel refuses with an error (a
+  // non-OK status): the suite runs cases with one index at the bound and one at -1 (-2 where -1 is ignore_index)
+  // and expects the error.
+  OpSchema& rejects_out_of_range();
   // An output that may share an input's memory element for element (same data, shape, strides and dtype): the
   // kernel reads each element before writing it. The suite runs cases with the output on the input's buffer.
   OpSchema& may_alias(const std::string& output, const std::string& input);
