@@ -158,7 +158,9 @@ void apply_class(std::vector<double>& v, ValueClass cls, DType dt, const Shape& 
     case ValueClass::kSpike: {  // one line's last element 900 above the normal values: exp(-900) is 0 in double too
       if (shape.empty() || largest_finite(dt) < 1e3) break;
       const Lines lines = lines_of();
-      if (lines.len == 0 || lines.count == 0) break;
+      // Not in lines of one element: there is nothing to be above, and a loss gradient p - 1 of a single class is
+      // all cancellation (a GPU's approximate exp leaves 1e-5 where the result, and so its tolerance, is 0).
+      if (lines.len < 2 || lines.count == 0) break;
       v[lines.at(int64_t(eng() % uint64_t(lines.count)), lines.len - 1)] = 900;
       break;
     }

@@ -58,13 +58,13 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
     scale_ = ones({1}, kF32, device);
     scale_inv_ = empty({1}, kF32, device);
     Tensor q = measured(amaxes_, scale_, scale_inv_);
-    return {q, scale_inv_};  // the next quantization's update writes a new scale_inv, never this one
+    return {q, ops::clone(scale_inv_)};
   }
   Tensor amax;
   Tensor q = ops::fp8_quantize(x, scale_, fp8_, &amax);
-  // The update writes the next scale_inv into a new element, so q keeps this one without a copy.
-  Tensor used = scale_inv_;
-  scale_inv_ = empty({1}, kF32, device);
+  // A copy, not a new element for the state's next scale_inv: the state's tensors keep their addresses, which a
+  // captured CUDA graph reads and writes on every replay.
+  Tensor used = ops::clone(scale_inv_);
   ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
   return {q, used};
 }
