@@ -390,7 +390,7 @@ std::string pair_label(const Model& m, size_t p, int a, size_t q, int b) {
 
 
 // A plan's tensors with the op's leading-dims group (its first named dim, standing for any number of a call's
-// leading dims) as `k` dims instead of one: none (the group's size must be 1; a tensor of the group alone keeps it),
+// leading dims) as `k` dims instead of one: none (the group's size must be 1),
 // two (an even size split as 2 x size/2), or more (size-1 dims in front, their strides those of dense ones, so
 // larger than 1). Cases are dense or strided; each dim keeps its stride. Attributes naming a dim of such a tensor
 // follow it. None where a case cannot take it (an attribute naming the group when it has no dims).
@@ -403,8 +403,7 @@ std::optional<Plan> with_leading_rank(const OpSchema& s, const std::string& lead
     Shape shape(t.shape.begin() + 1, t.shape.end()), st(strides.begin() + 1, strides.end());
     Shape lead, lead_st;
     if (k == 0) {
-      if (a != 1) return false;
-      if (spec.shape.size() == 1) return true;
+      if (a != 1) return false;  // a tensor of the group alone becomes a scalar (embedding's indices, a norm's rstd)
     } else if (k == 2) {
       if (a % 2) return false;
       lead = {2, a / 2}, lead_st = {s0 * (a / 2), s0};
