@@ -619,8 +619,8 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
         for (int64_t v : pr.sizes[cls]) {
           if (v >= 1000 || g.plans.size() >= kMaxPlans) continue;
           // Every attribute at its last value and every optional input present (a padded vocabulary's last column
-          // zeroed only when the size meets the limit), and the fullest accepted case (the op's rule may drop a
-          // feature of the first: a gemm's bias with an epilogue that takes none).
+          // zeroed only when the size meets the limit); where the op's rule drops an input of that case (a gemm's
+          // bias with an epilogue that takes none), the fullest accepted case instead.
           {
             std::vector<int> every(P, 0);
             bool any = false;
@@ -629,9 +629,13 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
               if (m.params[q].kind == ParamKind::kPresent) any = true;
             }
             auto plan = any ? realize(m, every, {{dim, v}}, g.plans.size()) : std::nullopt;
-            if (plan && accepts(*plan)) {
+            bool whole = plan.has_value();
+            for (size_t q = 0; q < P && whole; ++q)
+              whole = m.params[q].kind != ParamKind::kPresent || plan->effective[q] != 1;
+            if (whole && accepts(*plan)) {
               g.plans.push_back(std::move(*plan));
               g.accepted.push_back(true);
+              continue;
             }
           }
           for (size_t k : fullest) {
