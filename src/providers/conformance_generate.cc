@@ -449,6 +449,14 @@ std::optional<Plan> with_leading_rank(const OpSchema& s, const std::string& lead
   return p;
 }
 
+// `choice` with every attribute at its last value (the fullest an op's attributes go: a vocabulary limit, reduction
+// none).
+std::vector<int> attrs_last(const Model& m, std::vector<int> choice) {
+  for (size_t q = 0; q < m.params.size(); ++q)
+    if (m.params[q].kind == ParamKind::kAttr) choice[q] = int(m.params[q].labels.size()) - 1;
+  return choice;
+}
+
 // A plan whose list argument (cat's inputs) holds `pieces` copies of its first piece, then, when `empty_last`, one
 // more of size 0 along the attribute dim; the output's size there is their sum (dense, where it was).
 std::optional<Plan> with_list(const OpSchema& s, Plan p, int pieces, bool empty_last) {
@@ -622,13 +630,11 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           // zeroed only when the size meets the limit); where the op's rule drops an input of that case (a gemm's
           // bias with an epilogue that takes none), the fullest accepted case instead.
           {
-            std::vector<int> every(P, 0);
-            bool any = false;
-            for (size_t q = 0; q < P; ++q) {
-              if (m.params[q].kind == ParamKind::kAttr) every[q] = int(m.params[q].labels.size()) - 1, any = true;
-              if (m.params[q].kind == ParamKind::kPresent) any = true;
-            }
-            auto plan = any ? realize(m, every, {{dim, v}}, g.plans.size()) : std::nullopt;
+            const bool any = std::any_of(m.params.begin(), m.params.end(), [](const Param& q) {
+              return q.kind == ParamKind::kAttr || q.kind == ParamKind::kPresent;
+            });
+            auto plan = any ? realize(m, attrs_last(m, std::vector<int>(P, 0)), {{dim, v}}, g.plans.size())
+                            : std::nullopt;
             bool whole = plan.has_value();
             for (size_t q = 0; q < P && whole; ++q)
               whole = m.params[q].kind != ParamKind::kPresent || plan->effective[q] != 1;
@@ -765,11 +771,9 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
     // the one with every attribute at its last value (a vocabulary limit, whose bound is the limit).
     for (size_t i = 0; i < s.tensors.size(); ++i) {
       if (!s.tensors[i].rejects_out_of_range || !plain_case) continue;
-      std::vector<int> every = g.plans[*plain_case].choice;
-      for (size_t q = 0; q < P; ++q)
-        if (m.params[q].kind == ParamKind::kAttr) every[q] = int(m.params[q].labels.size()) - 1;
       std::vector<Plan> bases{g.plans[*plain_case]};
-      if (auto full = realize(m, every, {}, g.plans.size()); full && accepts(*full)) bases.push_back(*full);
+      if (auto full = realize(m, attrs_last(m, g.plans[*plain_case].choice), {}, g.plans.size()); full && accepts(*full))
+        bases.push_back(*full);
       for (const Plan& base : bases)
         for (int side : {1, -1}) {
           if (!base.e.tensors[i].present || numel_of(base.e.tensors[i].shape) == 0) continue;
