@@ -782,6 +782,46 @@ Generated generate(const OpSchema& s, DType dt, const SuiteOptions& o,
           add_if_taken(std::move(plan));
         }
     }
+    // A norm about a mean (an op with a statistics output `mean`), in f32 and f64: nearly constant rows at a large
+    // offset (1e5 to 2e5 plus a few of f32's ulps there). A variance written as sum(x (x - m)) in place of
+    // sum((x - m)^2), even in double, carries the mean's rounding to first order (m^2 2^-53 / spread^2: rstd 1-3%
+    // off); a two-pass variance in f32 carries it squared, which is then the whole variance, so a kernel must take
+    // the deviations' sum out (the corrected two-pass) or work in double. Every input of the normalized input's
+    // shape but the first holds only ulps (a residual's delta), so the sum stays such a row. out still holds the
+    // mean's own rounding (half an ulp, times rstd): a bias of 1e4 to 2e4 sets out's scale, and so its tolerance,
+    // above it.
+    const int mean_out = s.tensor_index("mean");
+    const int norm_in = s.tensor_index(s.dispatch_tensor.empty() ? "x" : s.dispatch_tensor);
+    if ((dt == kF32 || dt == kF64) && mean_out >= 0 && s.tensors[size_t(mean_out)].dtype == DTypeRule::kStats &&
+        norm_in >= 0 && !is_input(s.tensors[size_t(mean_out)].role) && is_input(s.tensors[size_t(norm_in)].role)) {
+      auto plan = realize(m, std::vector<int>(P, 0), {}, g.plans.size());
+      const int bias = s.tensor_index("bias");
+      if (plan && bias >= 0 && plan->e.tensors[size_t(bias)].present) {
+        std::mt19937_64 eng(o.seed * 7919u + 17);
+        auto unit = [&] { return double(eng() >> 11) * 0x1p-53; };
+        const Shape rows_shape = plan->e.tensors[size_t(norm_in)].shape;
+        const int64_t cols = rows_shape.empty() ? 1 : rows_shape.back(), n = numel_of(rows_shape);
+        std::vector<double> offset(size_t(n / std::max<int64_t>(1, cols))), ulp(offset.size());
+        for (size_t r = 0; r < offset.size(); ++r) {
+          const float o32 = float((eng() % 2 ? -1 : 1) * (1e5 + 1e5 * unit()));
+          offset[r] = o32;
+          ulp[r] = double(std::nextafter(std::fabs(o32), INFINITY)) - std::fabs(double(o32));
+        }
+        bool first = true;
+        for (size_t i = 0; i < s.tensors.size(); ++i) {
+          TensorCase& t = plan->e.tensors[i];
+          if (!is_input(s.tensors[i].role) || !t.present || t.shape != rows_shape) continue;
+          t.given.resize(size_t(n));
+          for (int64_t e = 0; e < n; ++e)
+            t.given[size_t(e)] = (first ? offset[size_t(e / cols)] : 0) + double(eng() % 2) * ulp[size_t(e / cols)];
+          first = false;
+        }
+        TensorCase& b = plan->e.tensors[size_t(bias)];
+        b.given.resize(size_t(numel_of(b.shape)));
+        for (double& v : b.given) v = (eng() % 2 ? -1 : 1) * (1e4 + 1e4 * unit());
+        if (cols > 1 && n > 0) add_if_taken(std::move(plan));
+      }
+    }
     // A list argument's length: 127 pieces, and the three pieces then one of size 0 along dim.
     if (plain_case && has_list) {
       add_if_taken(with_list(s, g.plans[*plain_case], 127, false));

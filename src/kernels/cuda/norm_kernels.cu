@@ -1,6 +1,7 @@
 // CUDA layer norm and RMS norm over the last dim, forward and backward, with or without a residual add fused in
 // (the plain norms are the residual kernels without a delta). Statistics in float (double for f64) from two passes
-// over the row (mean, then centered squares), so no cancellation; mean and rstd are stored f32 (f64 for f64 input).
+// over the row (mean, then centred squares and their sum: CenteredStats), so no cancellation; mean and rstd are
+// stored f32 (f64 for f64 input).
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/norm_kernel.h"
 
@@ -83,6 +84,25 @@ __device__ __forceinline__ void store_pack(T* row, int64_t k, int64_t cols, bool
   }
 }
 
+// A row's statistics by the corrected two-pass (Chan, Golub and LeVeque): with the mean m rounded, d = x - m is
+// exact where x is near m (Sterbenz), and the deviations' sum, cols times m's rounding, comes out of the squares and
+// out of every centred value. A nearly constant row at a large offset (1e5 plus a few ulps) keeps its variance,
+// which the plain two-pass loses to m's rounding (whose square is then the whole variance). RMS norm: m and the
+// deviations 0.
+template <typename C>
+struct CenteredStats {
+  C base, shift, rstd;
+  __device__ __forceinline__ CenteredStats(C mean, C squares, C deviations, int64_t cols, C eps)
+      : base(mean), shift(deviations / C(cols)) {
+    C var = squares / C(cols) - shift * shift;
+    if (var < C(0)) var = C(0);  // rounding of a constant row; a NaN stays
+    rstd = C(1) / cuda::sqrt_of(var + eps);
+  }
+  __device__ __forceinline__ C centered(C x) const { return (x - base) - shift; }
+  // An infinite row's mean stays infinite (its deviations are NaN).
+  __device__ __forceinline__ C mean() const { return isfinite(shift) ? base + shift : base; }
+};
+
 // T: x and residual; D: delta; O: out. mean_out null for RMS norm; delta null for a plain norm (residual null too).
 template <typename T, typename D, typename O>
 __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
@@ -118,7 +138,7 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
     }
     if (mean_out) mean = cuda::row_allreduce_sum(sum, scratch) / C(cols);
   }
-  C squares = 0;
+  C squares = 0, deviations = 0;
   for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
     C v[4];
     residual_pack(k, v);
@@ -126,14 +146,15 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const C d = v[i] - mean;
-      if (i < valid) squares += d * d;
+      if (i < valid) squares += d * d, deviations += d;
     }
   }
   squares = cuda::row_allreduce_sum(squares, scratch);
-  const C rstd = C(1) / cuda::sqrt_of(squares / C(cols) + eps);
+  if (mean_out) deviations = cuda::row_allreduce_sum(deviations, scratch);
+  const CenteredStats<C> st(mean, squares, mean_out ? deviations : C(0), cols, eps);
   if (threadIdx.x == 0) {
-    if (mean_out) mean_out[row] = stats_t<T>(mean);
-    rstd_out[row] = stats_t<T>(rstd);
+    if (mean_out) mean_out[row] = stats_t<T>(st.mean());
+    rstd_out[row] = stats_t<T>(st.rstd);
   }
   for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
     C v[4], w[4] = {1, 1, 1, 1}, b[4] = {0, 0, 0, 0};
@@ -141,7 +162,7 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
     if (weight) load_pack(weight, k, cols, vectorized, w);
     if (bias) load_pack(bias, k, cols, vectorized, b);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = (v[i] - mean) * rstd * w[i] + b[i];
+    for (int i = 0; i < 4; ++i) v[i] = st.centered(v[i]) * st.rstd * w[i] + b[i];
     store_pack(orow, k, cols, vectorized, v);
   }
 }
@@ -342,21 +363,22 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     for (int k = 0; k < kPacks; ++k) sum += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);  // zeros past the end
     mean = cuda::warp_allreduce_sum(sum) / C(cols);
   }
-  C squares = 0;
+  C squares = 0, deviations = 0;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     if (k * 32 + lane >= packs) continue;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const C d = v[k][i] - mean;
-      squares += d * d;
+      squares += d * d, deviations += d;
     }
   }
   squares = cuda::warp_allreduce_sum(squares);
-  const C rstd = C(1) / cuda::sqrt_of(squares / C(cols) + eps);
+  if (mean_out) deviations = cuda::warp_allreduce_sum(deviations);
+  const CenteredStats<C> st(mean, squares, mean_out ? deviations : C(0), cols, eps);
   if (lane == 0) {
-    if (mean_out) mean_out[row] = stats_t<T>(mean);
-    rstd_out[row] = stats_t<T>(rstd);
+    if (mean_out) mean_out[row] = stats_t<T>(st.mean());
+    rstd_out[row] = stats_t<T>(st.rstd);
   }
   // Weight and bias (L1/L2 hits) a chunk of packs at a time, loaded before the chunk's stores for the same reason.
   constexpr int kChunk = kPacks < 8 ? kPacks : 8;
@@ -380,7 +402,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       const int p = (k0 + j) * 32 + lane;
       if (p >= packs) continue;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[k0 + j][i] = (v[k0 + j][i] - mean) * rstd * w[j][i] + b[j][i];
+      for (int i = 0; i < 4; ++i) v[k0 + j][i] = st.centered(v[k0 + j][i]) * st.rstd * w[j][i] + b[j][i];
       store_pack(out + base, p, cols, true, v[k0 + j]);
     }
   }
