@@ -108,6 +108,23 @@ TEST(Fp8Training, TinyLlamaFollowsF32) {
   expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all");
 }
 
+// Recompute changes where FP8's operands come from (a selective recompute keeps them with the kept products, a full
+// one quantizes them again), not their values: every step's loss is the same bits as without recompute.
+TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
+  TempDir dir;
+  auto o = setup(dir, "llama3-tiny");
+  o.steps = 6;
+  o.fp8 = "all";
+  const auto plain = losses(o);
+  for (const char* mode : {"selective", "full"}) {
+    o.recompute = mode;
+    const auto again = losses(o);
+    ASSERT_EQ(again.size(), plain.size());
+    for (size_t i = 0; i < plain.size(); ++i)
+      EXPECT_EQ(again[i], plain[i]) << "--recompute " << mode << " step " << i + 1;
+  }
+}
+
 #ifdef LOOM_TRAIN_EXE
 // The train/loss of every step of a loom-train run's metrics.jsonl.
 std::vector<double> logged_losses(const std::string& log_dir) {

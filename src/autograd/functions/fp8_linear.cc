@@ -127,19 +127,20 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
   const DType out_dtype =
       amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
   const bool record = autograd::should_record({&x, &weight, &bias});
-  ops::Fp8Tensor xq, wq;
-  Tensor out = autograd::kept_results("fp8_linear", [&] {
-    xq = state->input.quantize(x.detach());
-    wq = state->weight.quantize(weight.detach());
+  // The quantized operands are kept with the product: a selective recompute returns all of them, and the gradients
+  // read the forward's operands without quantizing x and weight again (an amax and a cast over each, and the
+  // weight's from f32).
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_linear", [&] {
+    const ops::Fp8Tensor xq = state->input.quantize(x.detach());
+    const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
-    return std::vector<Tensor>{ops::fp8_linear(xq, wq, b, out_dtype, state->recipe.fast_accumulation_forward)};
-  })[0];
+    return std::vector<Tensor>{ops::fp8_linear(xq, wq, b, out_dtype, state->recipe.fast_accumulation_forward), xq.q,
+                               xq.scale_inv, wq.q, wq.scale_inv};
+  });
+  Tensor out = kept[0];
   if (!record) return out;
+  const ops::Fp8Tensor xq{kept[1], kept[2]}, wq{kept[3], kept[4]};
   auto node = autograd::make_node<Fp8LinearBackward>({&x, &weight, &bias});
-  if (!xq.q.defined()) {  // a selective recompute returned the kept product: the operands again, for the gradients
-    xq = state->input.quantize(x.detach());
-    wq = state->weight.quantize(weight.detach());
-  }
   if (node->needs_input_grad(0)) node->weight = wq;
   if (node->needs_input_grad(1)) node->x = xq;
   node->state = state;
