@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "loom/core/tensor.h"
 #include "loom/ops/fp8.h"
@@ -70,6 +71,15 @@ struct LinearState {
 // The differentiable FP8 linear layer: x [..., in] @ weight [out, in]^T + bias [out] (bias may be undefined), as
 // described above; the backward reads `state` (the output gradient's scaling), which it keeps alive.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state);
+
+// Several FP8 linear layers reading the same x (a block's q, k and v; its gate and up): x is quantized once, by the
+// first layer's input scaling (one amax and one cast where each layer would make its own of the same values), and
+// each product is made as linear() makes it.
+struct LinearWeights {
+  Tensor weight, bias;
+  std::shared_ptr<LinearState> state;
+};
+std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers);
 
 // Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
 // reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).

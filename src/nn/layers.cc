@@ -44,6 +44,24 @@ Tensor Linear::forward(const Tensor& x) const {
   Tensor y = fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
   return lora_A ? add(y, adapter(x)) : y;
 }
+namespace {
+
+// Layers reading the same x. Under FP8 (every one, none with an adapter) x is quantized once for all of them.
+std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Linear*> layers) {
+  bool shared = layers.size() > 1;
+  for (const Linear* l : layers) shared = shared && l->fp8 && !l->has_adapter();
+  if (shared) {
+    std::vector<fp8::LinearWeights> weights;
+    for (const Linear* l : layers) weights.push_back({l->weight, l->bias, l->fp8});
+    return fp8::linears(x, weights);
+  }
+  std::vector<Tensor> out;
+  for (const Linear* l : layers) out.push_back(l->forward(x));
+  return out;
+}
+
+}  // namespace
+
 Tensor Linear::forward_gelu(const Tensor& x) const {
   if (lora_A) return gelu(forward(x));
   return fp8 ? gelu(fp8::linear(x, weight, bias, fp8)) : linear_gelu(x, weight, bias);
@@ -124,9 +142,13 @@ SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
   down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, dim, false));
 }
 Tensor SwiGLUMLP::forward(const Tensor& x) const {
-  if (!tp) return down_proj->forward(swiglu(gate_proj->forward(x), up_proj->forward(x)));
+  if (!tp) {
+    const std::vector<Tensor> gate_up = forward_each(x, {gate_proj.get(), up_proj.get()});
+    return down_proj->forward(swiglu(gate_up[0], gate_up[1]));
+  }
   Tensor xr = tp->enter(x);
-  return tp->exit(down_proj->forward(swiglu(gate_proj->forward(xr), up_proj->forward(xr))));
+  const std::vector<Tensor> gate_up = forward_each(xr, {gate_proj.get(), up_proj.get()});
+  return tp->exit(down_proj->forward(swiglu(gate_up[0], gate_up[1])));
 }
 
 void KVCache::append(Tensor& new_k, Tensor& new_v) {
@@ -178,9 +200,10 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
     v = heads[2];
   } else {
     // [B, T, H*D] -> [B, H, T, D]
-    q = q_proj->forward(xr).reshape({B, T, H, D}).transpose(1, 2);
-    k = k_proj->forward(xr).reshape({B, T, Hkv, D}).transpose(1, 2);
-    v = v_proj->forward(xr).reshape({B, T, Hkv, D}).transpose(1, 2);
+    const std::vector<Tensor> qkv = forward_each(xr, {q_proj.get(), k_proj.get(), v_proj.get()});
+    q = qkv[0].reshape({B, T, H, D}).transpose(1, 2);
+    k = qkv[1].reshape({B, T, Hkv, D}).transpose(1, 2);
+    v = qkv[2].reshape({B, T, Hkv, D}).transpose(1, 2);
   }
   int64_t past = cache ? cache->length() : 0;
   if (rope_cos.defined()) {

@@ -119,7 +119,11 @@ class Fp8LinearBackward final : public autograd::Node {
 
 }  // namespace
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state) {
+namespace {
+
+// linear() with x's quantization given (shared by layers that read the same x), or made here when null.
+Tensor linear_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                 const ops::Fp8Tensor* x_quantized) {
   LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
   LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
@@ -131,7 +135,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
   // read the forward's operands without quantizing x and weight again (an amax and a cast over each, and the
   // weight's from f32).
   const std::vector<Tensor> kept = autograd::kept_results("fp8_linear", [&] {
-    const ops::Fp8Tensor xq = state->input.quantize(x.detach());
+    const ops::Fp8Tensor xq = x_quantized ? *x_quantized : state->input.quantize(x.detach());
     const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
     return std::vector<Tensor>{ops::fp8_linear(xq, wq, b, out_dtype, state->recipe.fast_accumulation_forward), xq.q,
@@ -148,6 +152,25 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
   node->weight_dtype = weight.dtype();
   if (bias.defined()) node->bias_dtype = bias.dtype();
   autograd::set_history(out, node);
+  return out;
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state) {
+  return linear_of(x, weight, bias, state, nullptr);
+}
+
+std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers) {
+  LOOM_REQUIRE(!layers.empty() && layers[0].state, "fp8::linears: no layers, or no FP8 state");
+  // Kept like the products, so that a selective recompute does not quantize x again either.
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_input", [&] {
+    const ops::Fp8Tensor q = layers[0].state->input.quantize(x.detach());
+    return std::vector<Tensor>{q.q, q.scale_inv};
+  });
+  const ops::Fp8Tensor xq{kept[0], kept[1]};
+  std::vector<Tensor> out;
+  for (const LinearWeights& l : layers) out.push_back(linear_of(x, l.weight, l.bias, l.state, &xq));
   return out;
 }
 
