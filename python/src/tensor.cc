@@ -207,7 +207,8 @@ py::capsule to_dlpack(const Tensor& t, const py::object& stream) {
       DeviceRuntime& rt = device_runtime(kCUDA);
       const Event ready = rt.create_event(dev.index);
       rt.record_event(ready, rt.current_stream(dev.index));
-      void* handle = s == 1 ? nullptr : s == 2 ? reinterpret_cast<void*>(intptr_t(2)) : reinterpret_cast<void*>(intptr_t(s));
+      // 1 and 2 are CUDA's own handles (cudaStreamLegacy, cudaStreamPerThread); a null one would mean Loom's stream.
+      void* handle = reinterpret_cast<void*>(intptr_t(s));
       rt.wait_event(Stream{dev, handle}, ready);
       rt.destroy_event(ready);
     }

@@ -30,6 +30,11 @@
 #             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
 #             tests/fixtures, then tests/moe_fixture_test.cc run against it)
 #   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm)
+#   python    the loom Python package: when the interpreter (PYTHON_EXE, else the python3 that imports torch) has
+#             Python.h, built with LOOM_PYTHON=ON, then its pytest suite, python/tests/test_cuda_dlpack.py (CUDA
+#             tensors to and from PyTorch through DLPack) and tools/bench/python_overhead.py (loom.Trainer with a
+#             per-step Python callback against loom-train from the same TOML: PY_MODEL gpt2-124m, PY_B 16, T 1024,
+#             PY_STEPS 30, bf16); without Python.h a row says so and the stage stops
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
@@ -76,6 +81,7 @@ stage_targets() {  # stage -> the build targets it runs
     traces) echo loom-train loom-conformance ;;
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
+    python) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
     *) echo all ;;  # build
   esac
@@ -497,6 +503,126 @@ stage_grouped_gemm() {
     "Loom and torch tables above (grouped_gemm_*.log)" $((SECONDS - t0))
 }
 
+# The Python the `python` stage builds the package for and tests with: PYTHON_EXE, else the first of python3 on PATH
+# and PyTorch's virtual environment that imports torch (the DLPack tests need it), else python3.
+python_interpreter() {
+  local p
+  [ -n "${PYTHON_EXE:-}" ] && { echo "$PYTHON_EXE"; return; }
+  for p in "$(command -v python3)" /opt/torch/.venv/bin/python3; do
+    [ -x "$p" ] && "$p" -c "import torch" 2>/dev/null && { echo "$p"; return; }
+  done
+  command -v python3
+}
+# The interpreter's include folder; fails when Python.h is not there (the extension module cannot be built).
+python_headers() {  # interpreter
+  local inc
+  inc=$("$1" -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
+  echo "${inc:-?}"
+  [ -n "$inc" ] && [ -f "$inc/Python.h" ]
+}
+# "passed skipped failed errors" from a pytest log's last summary line ("3 passed, 1 skipped in 2.1s").
+pytest_counts() {  # log
+  local line w n out=""
+  line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$1" 2>/dev/null | tail -1)
+  for w in passed skipped failed error; do
+    n=$(grep -oE "[0-9]+ $w" <<< "$line" | grep -oE '^[0-9]+')
+    out="$out ${n:-0}"
+  done
+  echo "${out# }"
+}
+
+# The loom Python package on the GPU, built with LOOM_PYTHON=ON for python_interpreter (a reconfigure when the last
+# build had it off; later stages of the call keep it on): its pytest suite but the DLPack file, in the environment
+# ctest's python.pytest gets; python/tests/test_cuda_dlpack.py (CUDA tensors to and from PyTorch) alone; then
+# tools/bench/python_overhead.py (loom.Trainer with a per-step callback against loom-train, same TOML, PY_MODEL
+# gpt2-124m, PY_B 16, T 1024, PY_STEPS 30, bf16). Without the interpreter's headers it records why and stops.
+stage_python() {
+  local t0=$SECONDS py inc version pybind missing="" m
+  py=$(python_interpreter)
+  version=$("$py" -c "import platform; print(platform.python_version())" 2>/dev/null)
+  if ! inc=$(python_headers "$py"); then
+    row python FAIL "no Python.h in $inc for $py (Python ${version:-?}): the package cannot be built here" \
+      $((SECONDS - t0))
+    return 1
+  fi
+  for m in numpy pytest torch; do "$py" -c "import $m" 2>/dev/null || missing="$missing $m"; done
+  pybind=$(awk '/define PYBIND11_VERSION_(MAJOR|MINOR|PATCH)/ {v = v (v == "" ? "" : ".") $3} END {print v}' \
+    .devdeps/usr/include/pybind11/detail/common.h 2>/dev/null)
+  local had_args=${LOOM_CMAKE_ARGS+1} old_args=${LOOM_CMAKE_ARGS:-} old_python=${LOOM_PYTHON:-}
+  local args=${LOOM_CMAKE_ARGS:--DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF}
+  [[ " $args " == *" -DPython3_EXECUTABLE="* ]] || args="$args -DPython3_EXECUTABLE=$py"
+  export LOOM_PYTHON=ON LOOM_CMAKE_ARGS=$args
+  local LOOM_BUILD_TARGETS="loom_python loom-train"
+  # shellcheck disable=SC1091
+  if ! . tools/device/build.sh; then
+    cp build-dev.log "$OUT/python_build.log" 2>/dev/null
+    # The next build configures afresh with its own flags (a failed configure leaves LOOM_PYTHON=ON in the cache).
+    rm -f build-dev/.loom_cmake_args
+    if [ -n "$had_args" ]; then LOOM_CMAKE_ARGS=$old_args; else unset LOOM_CMAKE_ARGS; fi
+    if [ -n "$old_python" ]; then LOOM_PYTHON=$old_python; else unset LOOM_PYTHON; fi
+    row python FAIL "build with LOOM_PYTHON=ON for $py (Python $version, pybind11 ${pybind:-?}) failed: see \
+python_build.log" $((SECONDS - t0))
+    return 1
+  fi
+  row "python build" pass "$LOOM_BUILD_TARGETS for $py (Python $version, pybind11 ${pybind:-?})" $((SECONDS - t0))
+  t0=$SECONDS
+
+  # python.pytest's environment (python/CMakeLists.txt), and tiny Shakespeare for the trainer tests where it is here.
+  local mpi mpiexec data="" d
+  mpi=$(grep -m1 '^LOOM_MPI:' $BIN/CMakeCache.txt | cut -d= -f2)
+  case ${mpi^^} in ON|TRUE|YES|Y|1) mpi=ON ;; *) mpi=OFF ;; esac
+  mpiexec=$(grep -m1 '^MPIEXEC_EXECUTABLE:' $BIN/CMakeCache.txt | cut -d= -f2 | grep -v NOTFOUND)
+  for d in "${LOOM_DATA_DIR:-}" "$PWD/shared/data"; do  # conftest.py looks beside the tree itself
+    [ -n "$d" ] && [ -f "$d/tinyshakespeare.txt" ] && { data=$d; break; }
+  done
+  local pyenv=(PYTHONPATH="$PWD/$BIN/python" LOOM_TRAIN_EXE="$PWD/$BIN/loom-train" LOOM_PLUGIN_DIR="$PWD/$BIN/plugins"
+             LOOM_MPI="$mpi" LOOM_MPIEXEC="$mpiexec" LOOM_SOURCE_DIR="$PWD" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1)
+  [ -z "$data" ] || pyenv+=(LOOM_DATA_DIR="$data")
+  local result=pass tests="pytest not run (needs numpy and pytest)" dlpack="dlpack cuda not run" overhead
+  local rc1=0 rc2=0 rc3 passed skipped failed errors
+  if [[ " $missing " != *" pytest "* && " $missing " != *" numpy "* ]]; then
+    env "${pyenv[@]}" timeout "${PY_TEST_TIMEOUT:-400}" "$py" -m pytest -q -p no:cacheprovider -rfEs python/tests \
+      --ignore=python/tests/test_cuda_dlpack.py > $S/python_pytest.log 2>&1
+    rc1=$?
+    read -r passed skipped failed errors <<< "$(pytest_counts $S/python_pytest.log)"
+    tests="pytest $passed passed $skipped skipped"
+    [ "$failed$errors" = 00 ] || tests="$tests $failed FAILED $errors errors"
+    [ $rc1 = 124 ] && tests="$tests (TIMEOUT ${PY_TEST_TIMEOUT:-400} s)"
+    grep -E '^(FAILED|ERROR) ' $S/python_pytest.log | head -20
+    env "${pyenv[@]}" timeout "${DLPACK_TIMEOUT:-180}" "$py" -m pytest -q -p no:cacheprovider -rfEs \
+      python/tests/test_cuda_dlpack.py > $S/python_dlpack.log 2>&1
+    rc2=$?
+    read -r passed skipped failed errors <<< "$(pytest_counts $S/python_dlpack.log)"
+    dlpack="dlpack cuda $passed passed"
+    [ "$skipped" = 0 ] || dlpack="$dlpack $skipped skipped"
+    [ "$failed$errors" = 00 ] || dlpack="$dlpack $failed FAILED $errors errors"
+    [ $rc2 = 124 ] && dlpack="$dlpack (TIMEOUT ${DLPACK_TIMEOUT:-180} s)"
+    grep -E '^(FAILED|ERROR) ' $S/python_dlpack.log | head -20
+    [ $rc1 = 0 ] && [ $rc2 = 0 ] || result=FAIL
+  else
+    result=incomplete
+  fi
+  env "${pyenv[@]}" timeout "${OVERHEAD_TIMEOUT:-400}" "$py" tools/bench/python_overhead.py \
+    --model "${PY_MODEL:-gpt2-124m}" --device cuda -b "${PY_B:-16}" -t 1024 --steps "${PY_STEPS:-30}" \
+    --loom-train $BIN/loom-train --work $S/python_overhead > $S/python_overhead.log 2>&1
+  rc3=$?
+  grep -v '^step ' $S/python_overhead.log | tail -8
+  local r
+  r=$(grep '^RESULT ' $S/python_overhead.log | tail -1)
+  result_field() { grep -oE "(^| )$1=[^ ]*" <<< "$r" | cut -d= -f2; }
+  if [ $rc3 = 0 ] && [ -n "$r" ]; then
+    overhead="loop overhead $(result_field overhead_pct)% (loom-train $(result_field loom_train_tok_s) tok/s, \
+loom.Trainer $(result_field trainer_tok_s) tok/s, ${PY_MODEL:-gpt2-124m} B=${PY_B:-16} T=1024)"
+  else
+    overhead="loop overhead FAILED (rc $rc3: see python_overhead.log)"
+    result=FAIL
+  fi
+  [ "$result" = pass ] && [ -n "$missing" ] && result=incomplete
+  cp $S/python_pytest.log $S/python_dlpack.log $S/python_overhead.log "$OUT/" 2>/dev/null
+  row python "$result" "$tests, $dlpack, $overhead${missing:+; not installed:$missing}" $((SECONDS - t0))
+  [ "$result" = pass ]
+}
+
 stage_bench() {
   local t0=$SECONDS
   OUT=$OUT tools/bench/device_session.sh 2>&1 | tee $S/bench.log | tail -${BENCH_TAIL:-40}
@@ -507,7 +633,9 @@ environment
 for stage in "${stages[@]}"; do
   case $stage in
     build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
-    *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize initcheck racecheck sweep reference grouped_gemm bench)"; exit 2 ;;
+    python) stage_python ;;
+    *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
+initcheck racecheck sweep reference grouped_gemm python bench)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
