@@ -31,10 +31,11 @@
 #             tests/fixtures, then tests/moe_fixture_test.cc run against it)
 #   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm)
 #   python    the loom Python package: when the interpreter (PYTHON_EXE, else the python3 that imports torch) has
-#             Python.h, built with LOOM_PYTHON=ON, then its pytest suite, python/tests/test_cuda_dlpack.py (CUDA
-#             tensors to and from PyTorch through DLPack) and tools/bench/python_overhead.py (loom.Trainer with a
-#             per-step Python callback against loom-train from the same TOML: PY_MODEL gpt2-124m, PY_B 16, T 1024,
-#             PY_STEPS 30, bf16); without Python.h a row says so and the stage stops
+#             Python.h, built with LOOM_PYTHON=ON, then python/tests/test_cuda_dlpack.py (CUDA tensors to and
+#             from PyTorch through DLPack), tools/bench/python_overhead.py (loom.Trainer with a per-step Python
+#             callback against loom-train from the same TOML: PY_MODEL gpt2-124m, PY_B 16, T 1024, PY_STEPS 30,
+#             bf16) and last the whole pytest suite, each with its row and log as it ends; without Python.h a row
+#             says so and the stage stops
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
@@ -578,34 +579,30 @@ python_build.log" $((SECONDS - t0))
   local pyenv=(PYTHONPATH="$PWD/$BIN/python" LOOM_TRAIN_EXE="$PWD/$BIN/loom-train" LOOM_PLUGIN_DIR="$PWD/$BIN/plugins"
              LOOM_MPI="$mpi" LOOM_MPIEXEC="$mpiexec" LOOM_SOURCE_DIR="$PWD" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1)
   [ -z "$data" ] || pyenv+=(LOOM_DATA_DIR="$data")
+  # The GPU's own parts first (DLPack with torch, the loop's overhead), then the whole suite; each part's log goes to
+  # $OUT and its row to the table as soon as it ends, so that a call cut short still brings back what ran.
   local result=pass tests="pytest not run (needs numpy and pytest)" dlpack="dlpack cuda not run" overhead
   local rc1=0 rc2=0 rc3 passed skipped failed errors
-  if [[ " $missing " != *" pytest "* && " $missing " != *" numpy "* ]]; then
-    env "${pyenv[@]}" timeout "${PY_TEST_TIMEOUT:-400}" "$py" -m pytest -q -p no:cacheprovider -rfEs python/tests \
-      --ignore=python/tests/test_cuda_dlpack.py > $S/python_pytest.log 2>&1
-    rc1=$?
-    read -r passed skipped failed errors <<< "$(pytest_counts $S/python_pytest.log)"
-    tests="pytest $passed passed $skipped skipped"
-    [ "$failed$errors" = 00 ] || tests="$tests $failed FAILED $errors errors"
-    [ $rc1 = 124 ] && tests="$tests (TIMEOUT ${PY_TEST_TIMEOUT:-400} s)"
-    grep -E '^(FAILED|ERROR) ' $S/python_pytest.log | head -20
-    env "${pyenv[@]}" timeout "${DLPACK_TIMEOUT:-180}" "$py" -m pytest -q -p no:cacheprovider -rfEs \
-      python/tests/test_cuda_dlpack.py > $S/python_dlpack.log 2>&1
+  local have_pytest=1
+  [[ " $missing " != *" pytest "* && " $missing " != *" numpy "* ]] || have_pytest=0
+  if [ $have_pytest = 1 ]; then
+    env "${pyenv[@]}" timeout "${DLPACK_TIMEOUT:-120}" "$py" -m pytest -q -p no:cacheprovider -rfEs \
+      -o faulthandler_timeout=60 python/tests/test_cuda_dlpack.py > $S/python_dlpack.log 2>&1
     rc2=$?
+    cp $S/python_dlpack.log "$OUT/" 2>/dev/null
     read -r passed skipped failed errors <<< "$(pytest_counts $S/python_dlpack.log)"
     dlpack="dlpack cuda $passed passed"
     [ "$skipped" = 0 ] || dlpack="$dlpack $skipped skipped"
     [ "$failed$errors" = 00 ] || dlpack="$dlpack $failed FAILED $errors errors"
-    [ $rc2 = 124 ] && dlpack="$dlpack (TIMEOUT ${DLPACK_TIMEOUT:-180} s)"
+    [ $rc2 = 124 ] && dlpack="$dlpack (TIMEOUT ${DLPACK_TIMEOUT:-120} s)"
     grep -E '^(FAILED|ERROR) ' $S/python_dlpack.log | head -20
-    [ $rc1 = 0 ] && [ $rc2 = 0 ] || result=FAIL
-  else
-    result=incomplete
+    row "python dlpack" "$([ $rc2 = 0 ] && echo pass || echo FAIL)" "$dlpack" $((SECONDS - t0))
   fi
-  env "${pyenv[@]}" timeout "${OVERHEAD_TIMEOUT:-400}" "$py" tools/bench/python_overhead.py \
+  env "${pyenv[@]}" timeout "${OVERHEAD_TIMEOUT:-240}" "$py" tools/bench/python_overhead.py \
     --model "${PY_MODEL:-gpt2-124m}" --device cuda -b "${PY_B:-16}" -t 1024 --steps "${PY_STEPS:-30}" \
     --loom-train $BIN/loom-train --work $S/python_overhead > $S/python_overhead.log 2>&1
   rc3=$?
+  cp $S/python_overhead.log "$OUT/" 2>/dev/null
   grep -v '^step ' $S/python_overhead.log | tail -8
   local r
   r=$(grep '^RESULT ' $S/python_overhead.log | tail -1)
@@ -613,12 +610,30 @@ python_build.log" $((SECONDS - t0))
   if [ $rc3 = 0 ] && [ -n "$r" ]; then
     overhead="loop overhead $(result_field overhead_pct)% (loom-train $(result_field loom_train_tok_s) tok/s, \
 loom.Trainer $(result_field trainer_tok_s) tok/s, ${PY_MODEL:-gpt2-124m} B=${PY_B:-16} T=1024)"
+    row "python overhead" pass "$overhead" $((SECONDS - t0))
   else
     overhead="loop overhead FAILED (rc $rc3: see python_overhead.log)"
+    row "python overhead" FAIL "$overhead" $((SECONDS - t0))
     result=FAIL
   fi
+  if [ $have_pytest = 1 ]; then
+    # -v and a traceback of every thread after 60 s in one test: a test that hangs on this machine is named.
+    env "${pyenv[@]}" timeout "${PY_TEST_TIMEOUT:-200}" "$py" -m pytest -v -p no:cacheprovider -rfEs \
+      -o faulthandler_timeout=60 --durations=10 python/tests --ignore=python/tests/test_cuda_dlpack.py \
+      > $S/python_pytest.log 2>&1
+    rc1=$?
+    cp $S/python_pytest.log "$OUT/" 2>/dev/null
+    read -r passed skipped failed errors <<< "$(pytest_counts $S/python_pytest.log)"
+    tests="pytest $passed passed $skipped skipped"
+    [ "$failed$errors" = 00 ] || tests="$tests $failed FAILED $errors errors"
+    [ $rc1 = 124 ] && tests="$tests (TIMEOUT ${PY_TEST_TIMEOUT:-200} s; last: $(grep -E '::' $S/python_pytest.log \
+| tail -1 | cut -c1-80))"
+    grep -E '^(FAILED|ERROR) ' $S/python_pytest.log | head -20
+    [ $rc1 = 0 ] && [ $rc2 = 0 ] || result=FAIL
+  else
+    result=incomplete
+  fi
   [ "$result" = pass ] && [ -n "$missing" ] && result=incomplete
-  cp $S/python_pytest.log $S/python_dlpack.log $S/python_overhead.log "$OUT/" 2>/dev/null
   row python "$result" "$tests, $dlpack, $overhead${missing:+; not installed:$missing}" $((SECONDS - t0))
   [ "$result" = pass ]
 }
