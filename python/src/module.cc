@@ -28,13 +28,14 @@ Device to_device(const py::handle& h) {
 
 void bind_core(py::module_& m) {
   // Every loom::Error (a user's mistake, or an internal check) is a loom.Error with Loom's one-line message.
-  static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
-  error.attr("__module__") = "loom";  // shown as loom.Error, the name users catch
+  // Never destroyed: a static Python object's destructor would run after the interpreter is gone.
+  static auto* error = new py::exception<Error>(m, "Error", PyExc_RuntimeError);
+  error->attr("__module__") = "loom";  // shown as loom.Error, the name users catch
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      error(e.what());
+      PyErr_SetString(error->ptr(), e.what());
     }
   });
 

@@ -19,7 +19,7 @@ cudnn_lib=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.
 [ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib:$LD_LIBRARY_PATH
 cmake_args="-DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGTest_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/GTest -Dnlohmann_json_DIR=$D/usr/share/cmake/nlohmann_json \
-  -Dtomlplusplus_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/tomlplusplus -Dpybind11_DIR=$D/usr/lib/cmake/pybind11 \
+  -Dtomlplusplus_DIR=$D/usr/lib/x86_64-linux-gnu/cmake/tomlplusplus \
   -DLOOM_PYTHON=${LOOM_PYTHON:-OFF} ${LOOM_CMAKE_ARGS:--DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF}"
 if [ ! -f build-dev/build.ninja ] || [ "$(cat build-dev/.loom_cmake_args 2>/dev/null)" != "$cmake_args" ]; then
   # shellcheck disable=SC2086

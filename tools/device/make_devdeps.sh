@@ -49,8 +49,10 @@ cp -r /usr/include/CLI $D/include/
 cp -r /usr/include/toml++ $D/include/
 cp -P /usr/lib/x86_64-linux-gnu/libtomlplusplus.so* $D/lib/x86_64-linux-gnu/
 cp -r /usr/lib/x86_64-linux-gnu/cmake/tomlplusplus $D/lib/x86_64-linux-gnu/cmake/
-# pybind11 (the Python package, built on the GPU machine with LOOM_PYTHON=ON): headers and CMake package.
-mkdir -p $D/lib/cmake && cp -r /usr/include/pybind11 $D/include/ && cp -r /usr/lib/cmake/pybind11 $D/lib/cmake/
+# pybind11 (the Python package, built on the GPU machine with LOOM_PYTHON=ON): its headers, apart from CPATH's folder
+# so that a newer pybind11 the GPU machine has (PyTorch's) can be chosen over it (tools/device/session.sh).
+rm -rf $D/include/pybind11 $D/lib/cmake/pybind11 .devdeps/pybind11  # an older layout's copies
+mkdir -p .devdeps/pybind11/include && cp -r /usr/include/pybind11 .devdeps/pybind11/include/
 mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
 # GPT-2's vocabulary (the GPU machine cannot fetch it): LOOM_CACHE_DIR points here there.
 ./scripts/fetch_gpt2_vocab.sh .devdeps/cache/gpt2 >/dev/null

@@ -521,6 +521,29 @@ python_headers() {  # interpreter
   echo "${inc:-?}"
   [ -n "$inc" ] && [ -f "$inc/Python.h" ]
 }
+# The version in a pybind11 include folder ("" when none).
+pybind11_version() {  # include folder
+  awk '/define PYBIND11_VERSION_(MAJOR|MINOR|PATCH) / {v = v (v == "" ? "" : ".") $3} END {print v}' \
+    "$1/pybind11/detail/common.h" 2>/dev/null
+}
+# The newest pybind11 for the interpreter: its own pybind11 package, the copy PyTorch ships (copied apart, as
+# torch/include holds much else) or the one carried in .devdeps/pybind11 (Debian's; too old for Python 3.12 or numpy 2:
+# CMake then says so).
+pybind11_include() {  # interpreter
+  local best=$PWD/.devdeps/pybind11/include dir torch_dir
+  dir=$("$1" -c "import pybind11; print(pybind11.get_include())" 2>/dev/null)
+  torch_dir=$("$1" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))" 2>/dev/null)
+  if [ -f "$torch_dir/pybind11/pybind11.h" ]; then
+    [ -f "$S/pybind11/pybind11/pybind11.h" ] || { mkdir -p "$S/pybind11" && cp -r "$torch_dir/pybind11" "$S/pybind11/"; }
+    torch_dir=$S/pybind11
+  fi
+  for dir in "$dir" "$torch_dir"; do
+    [ -f "$dir/pybind11/pybind11.h" ] || continue
+    if [ "$(printf '%s\n%s\n' "$(pybind11_version "$best")" "$(pybind11_version "$dir")" | sort -V | tail -1)" = \
+         "$(pybind11_version "$dir")" ]; then best=$dir; fi
+  done
+  echo "$best"
+}
 # "passed skipped failed errors" from a pytest log's last summary line ("3 passed, 1 skipped in 2.1s").
 pytest_counts() {  # log
   local line w n out=""
@@ -547,11 +570,13 @@ stage_python() {
     return 1
   fi
   for m in numpy pytest torch; do "$py" -c "import $m" 2>/dev/null || missing="$missing $m"; done
-  pybind=$(awk '/define PYBIND11_VERSION_(MAJOR|MINOR|PATCH)/ {v = v (v == "" ? "" : ".") $3} END {print v}' \
-    .devdeps/usr/include/pybind11/detail/common.h 2>/dev/null)
+  local pyb_inc
+  pyb_inc=$(pybind11_include "$py")
+  pybind=$(pybind11_version "$pyb_inc")
   local had_args=${LOOM_CMAKE_ARGS+1} old_args=${LOOM_CMAKE_ARGS:-} old_python=${LOOM_PYTHON:-}
   local args=${LOOM_CMAKE_ARGS:--DLOOM_INFINIOPS=OFF -DLOOM_DIOPI=OFF}
   [[ " $args " == *" -DPython3_EXECUTABLE="* ]] || args="$args -DPython3_EXECUTABLE=$py"
+  [[ " $args " == *" -DLOOM_PYBIND11_INCLUDE="* ]] || args="$args -DLOOM_PYBIND11_INCLUDE=$pyb_inc"
   export LOOM_PYTHON=ON LOOM_CMAKE_ARGS=$args
   local LOOM_BUILD_TARGETS="loom_python loom-train"
   # shellcheck disable=SC1091
