@@ -7,7 +7,8 @@
 // grad_w = fp8_gemm(g_q^T, x_q) in f32 (the master weight's gradient, straight into the optimizer's flat slot where
 // it has one), and the bias gradient from g itself. Each operand has its own scaling:
 //   current scaling (amax_history 1, the default): scale = fp8_max / amax / 2^margin from the tensor's own amax,
-//     measured first (a pass over the tensor before it is quantized);
+//     measured first (a pass over the tensor before it is quantized); an all-zero or non-finite amax keeps the
+//     operand's last scale (1 at first);
 //   delayed scaling (amax_history N > 1): the scale comes from the largest amax of the operand's last N
 //     quantizations, and quantizing records this one's amax in the same pass (Transformer Engine's recipe). The first
 //     quantization of an operand measures its amax first, as current scaling does.
@@ -56,8 +57,9 @@ class TensorScaling {
  private:
   DType fp8_;
   int64_t margin_, history_;
-  std::mutex mu_;  // delayed state: a layer may run on two threads (pipeline stages do not share layers, tests may)
-  Tensor amaxes_, scale_, scale_inv_;  // delayed scaling only, made at the first quantization
+  std::mutex mu_;  // the state: a layer may run on two threads (pipeline stages do not share layers, tests may)
+  // Made at the first quantization and kept, so no call fills a fresh scale (a kernel launch per operand).
+  Tensor amaxes_, scale_, scale_inv_;
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.

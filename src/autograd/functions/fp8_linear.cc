@@ -42,23 +42,20 @@ void check_recipe(const Recipe& r) {
 ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
   const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
   const Device device = x.device();
-  // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization).
-  auto measured = [&](Tensor& history, Tensor& scale, Tensor& scale_inv) {
-    ops::fp8_update_scale(ops::fp8_amax(x), history, scale, scale_inv, fp8_, margin_);
-    return ops::fp8_quantize(x, scale, fp8_);
-  };
-  if (history_ <= 1) {
-    Tensor history = empty({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
-    Tensor q = measured(history, scale, scale_inv);
-    return {q, scale_inv};
-  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (!scale_.defined() || scale_.device() != device) {
+  const bool first = !scale_.defined() || scale_.device() != device;
+  if (first) {
     amaxes_ = zeros({history_}, kF32, device);
     scale_ = ones({1}, kF32, device);
     scale_inv_ = empty({1}, kF32, device);
-    Tensor q = measured(amaxes_, scale_, scale_inv_);
-    return {q, ops::clone(scale_inv_)};
+  }
+  if (history_ <= 1 || first) {
+    // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Current
+    // scaling writes each operand's scale_inv apart: the operand keeps it while the state's scale moves on.
+    Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
+    ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
+    Tensor q = ops::fp8_quantize(x, scale_, fp8_);
+    return {q, history_ <= 1 ? scale_inv : ops::clone(scale_inv_)};
   }
   Tensor amax;
   Tensor q = ops::fp8_quantize(x, scale_, fp8_, &amax);
