@@ -26,8 +26,10 @@ struct Run {
 };
 
 // One forward_loss + backward of a fresh model of `cfg` (seeded), the gradients copied out.
-Run run_model(nn::ModelConfig cfg, Recompute mode, DType autocast, const Tensor& x, const Tensor& y) {
+Run run_model(nn::ModelConfig cfg, Recompute mode, DType autocast, const Tensor& x, const Tensor& y,
+              int64_t recompute_blocks = -1) {
   cfg.recompute = mode;
+  cfg.recompute_blocks = recompute_blocks;
   auto model = nn::make_model(cfg);
   model->init_weights(42);
   manual_seed(7);
@@ -72,6 +74,24 @@ nn::ModelConfig small(const char* name) {
   return cfg;
 }
 
+// Only the first blocks recomputed (the rest keep everything): the same loss and gradients, to the bit, as no
+// recompute and as every block recomputed.
+TEST(Checkpoint, SomeBlocksRecomputedGiveThePlainGradients) {
+  for (const char* family : {"gpt2-tiny", "llama3-tiny"}) {
+    const nn::ModelConfig cfg = small(family);
+    Tensor x = test::random_indices({2, 12}, 0, cfg.vocab_size, kI64);
+    Tensor y = test::random_indices({2, 12}, 0, cfg.vocab_size, kI64);
+    const struct Run plain = run_model(cfg, Recompute::kNone, kF32, x, y);
+    for (Recompute mode : {Recompute::kFull, Recompute::kSelective})
+      for (int64_t blocks : {1, 2}) {
+        const struct Run r = run_model(cfg, mode, kF32, x, y, blocks);
+        EXPECT_EQ(r.loss, plain.loss) << family << " " << autograd::recompute_name(mode) << " in " << blocks;
+        for (size_t i = 0; i < r.grads.size(); ++i)
+          EXPECT_EQ(max_abs_diff(r.grads[i], plain.grads[i]), 0.0) << family << " parameter " << i;
+      }
+  }
+}
+
 TEST(Checkpoint, GPT2WithDropoutGivesThePlainGradients) {
   nn::ModelConfig cfg = small("gpt2-tiny");
   cfg.dropout = 0.2;  // the recompute must draw the same masks
@@ -95,18 +115,23 @@ TEST(Checkpoint, KeepsLessActivationMemory) {
   cfg.ffn_hidden = 512;
   Tensor x = test::random_indices({4, 16}, 0, 128, kI64), y = test::random_indices({4, 16}, 0, 128, kI64);
   DeviceRuntime& cpu = device_runtime(kCPU);
-  std::map<Recompute, size_t> held;
-  for (Recompute mode : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+  auto kept = [&](Recompute mode, int64_t blocks) {
     cfg.recompute = mode;
+    cfg.recompute_blocks = blocks;
     auto model = nn::make_model(cfg);
     model->init_weights(1);
     const size_t before = cpu.memory_stats(0).allocated;
     Tensor loss = model->forward_loss(x, y);
-    held[mode] = cpu.memory_stats(0).allocated - before;  // what the graph keeps for the backward
+    const size_t held = cpu.memory_stats(0).allocated - before;  // what the graph keeps for the backward
     loss.backward();
-  }
-  EXPECT_LT(held[Recompute::kFull], held[Recompute::kSelective]);
-  EXPECT_LT(held[Recompute::kSelective], held[Recompute::kNone]);
+    return held;
+  };
+  const size_t none = kept(Recompute::kNone, -1), selective = kept(Recompute::kSelective, -1);
+  const size_t full = kept(Recompute::kFull, -1), half = kept(Recompute::kFull, 3);
+  EXPECT_LT(full, selective);
+  EXPECT_LT(selective, none);
+  EXPECT_LT(full, half);  // three of six blocks recomputed: between full and none
+  EXPECT_LT(half, none);
 }
 
 // A region with a parameter inside: its gradient and its hook arrive through the recompute; without grad mode the

@@ -88,6 +88,12 @@ TEST(MemoryEstimate, ModelStateAndActivationsFollowTheFormula) {
   EXPECT_DOUBLE_EQ(estimate_training_memory(in).activations, N * (L * (layer - 4 * F) + 4 * 2 * C));
   in.recompute = "full";
   EXPECT_DOUBLE_EQ(estimate_training_memory(in).activations, N * (L * 4 * C + layer + 4 * 2 * C));
+  in.recompute_blocks = 1;  // block 0 recomputed, block 1 keeps everything
+  EXPECT_DOUBLE_EQ(estimate_training_memory(in).activations, N * (4 * C + layer + layer + 4 * 2 * C));
+  in.recompute = "selective";
+  EXPECT_DOUBLE_EQ(estimate_training_memory(in).activations, N * ((layer - 4 * F) + layer + 4 * 2 * C));
+  in.recompute_blocks = -1;
+  in.recompute = "full";
   in.recompute = "none";
   in.autocast = kBF16;  // 16-bit activations, f32 statistics and model state
   auto b = estimate_training_memory(in);

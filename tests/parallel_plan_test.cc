@@ -248,6 +248,14 @@ TEST(ParallelPlan, DescribeSaysWhatEachDimensionDoes) {
   EXPECT_EQ(lines[2], "data 2: ZeRO stage 1, optimizer state sharded");
   EXPECT_EQ(lines[3], "pipeline 2 (1f1b): blocks 0-0 | blocks 1-1");
   EXPECT_EQ(lines[4], "recompute: full per block");
+  o.recompute_blocks = 1;
+  EXPECT_EQ(dist::make_plan(tiny_gpt2(), 8, o).describe()[4], "recompute: full in blocks 0..0");
+  o.recompute_blocks = 3;  // the model has 2
+  test::expect_error_mentioning([&] { dist::make_plan(tiny_gpt2(), 8, o); }, {"--recompute-blocks 3", "1..2"});
+  o.recompute = autograd::Recompute::kNone;
+  o.recompute_blocks = 1;
+  test::expect_error_mentioning([&] { dist::make_plan(tiny_gpt2(), 8, o); },
+                                {"--recompute-blocks needs --recompute selective or full"});
   EXPECT_EQ(dist::make_plan(tiny_gpt2(), 2, {}).describe(),
             (std::vector<std::string>{"world 2 = data 2", "data 2: ZeRO stage 0, gradients averaged in buckets of 25 MiB"}));
 }

@@ -188,6 +188,9 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "activation checkpointing per block: none, selective (keep matrix products and attention, recompute "
                  "the rest) or full (keep only each block's input)")
       ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
+  app.add_option("--recompute-blocks", o.recompute_blocks,
+                 "with --recompute selective or full: only the first N blocks recompute, the rest keep every "
+                 "activation (between the two in memory and speed; default: every block)");
   app.add_flag("--recompute-mlp", o.recompute_mlp,
                "GPT-2: keep only the MLPs' pre-activations and recompute their GELU output in the backward");
   app.add_option("--reduce-dtype", o.reduce_dtype, "gradient all-reduce precision: f32 or bf16")->capture_default_str()

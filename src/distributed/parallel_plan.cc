@@ -143,7 +143,14 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
   // alone and leave the frozen base whole on every rank), split with their layers under tensor parallelism (the
   // family's rules) and go with their blocks to pipeline stages.
 
-  plan.recompute = {o.recompute, o.recompute_mlp};
+  plan.recompute = {o.recompute, o.recompute_mlp, o.recompute_blocks};
+  if (o.recompute_blocks != -1) {
+    if (o.recompute == autograd::Recompute::kNone)
+      problems.push_back("--recompute-blocks needs --recompute selective or full");
+    else if (o.recompute_blocks < 1 || o.recompute_blocks > cfg.n_layer)
+      problems.push_back(words("--recompute-blocks ", o.recompute_blocks, " is not 1..", cfg.n_layer,
+                               " (the model's blocks)"));
+  }
   if (!problems.empty()) {
     std::string all = "parallelism: " + problems.front();
     for (size_t i = 1; i < problems.size(); ++i) all += "; " + problems[i];
@@ -202,7 +209,8 @@ std::vector<std::string> ParallelPlan::describe() const {
                                       " ranks, which average its gradients",
                                       data.zero_stage == 1 ? " and shard its optimizer state" : "")));
   if (recompute.mode != autograd::Recompute::kNone || recompute.mlp_hidden)
-    lines.push_back(std::string("recompute: ") + autograd::recompute_name(recompute.mode) + " per block" +
+    lines.push_back(std::string("recompute: ") + autograd::recompute_name(recompute.mode) +
+                    (recompute.blocks < 0 ? std::string(" per block") : words(" in blocks 0..", recompute.blocks - 1)) +
                     (recompute.mlp_hidden ? ", the MLPs' GELU output" : ""));
   return lines;
 }

@@ -93,7 +93,7 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
   m->mesh = mesh;
   m->plan = plan;
   m->device = device;
-  model->set_recompute(plan.recompute.mode, plan.recompute.mlp_hidden);
+  model->set_recompute(plan.recompute.mode, plan.recompute.mlp_hidden, plan.recompute.blocks);
   // Tensor: the layers split in place by the family's rules; this rank keeps its pieces of the full model.
   if (plan.mesh.tensor > 1)
     m->tensor = parallelize_tensor(*model, mesh->group(MeshDim::kTensor), plan.tensor.sequence_parallel);

@@ -97,9 +97,10 @@ Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
-void LanguageModel::set_recompute(autograd::Recompute mode, bool mlp_hidden) {
+void LanguageModel::set_recompute(autograd::Recompute mode, bool mlp_hidden, int64_t blocks) {
   cfg_.recompute = mode;
   cfg_.recompute_mlp = mlp_hidden;
+  cfg_.recompute_blocks = blocks;
 }
 
 bool TensorParallelRule::matches(const std::string& name) const {
@@ -136,7 +137,8 @@ std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, si
         auto [stream, o] = block(i, in[0], in[1], nullptr);
         return std::vector<Tensor>{stream, o};
       };
-      out = autograd::checkpoint(run, {x, pending}, cfg_.recompute);
+      const bool recomputed = cfg_.recompute_blocks < 0 || int64_t(i) < cfg_.recompute_blocks;
+      out = autograd::checkpoint(run, {x, pending}, recomputed ? cfg_.recompute : autograd::Recompute::kNone);
     }
     if (hooks_) out = hooks_->after_block(i, std::move(out));
     x = out[0];
@@ -263,8 +265,8 @@ class GPT2 final : public LanguageModel {
     wte->shard_vocabulary(region, cfg_.padded_vocab_size);
     tp_ = std::move(region);
   }
-  void set_recompute(autograd::Recompute mode, bool mlp_hidden) override {
-    LanguageModel::set_recompute(mode, mlp_hidden);
+  void set_recompute(autograd::Recompute mode, bool mlp_hidden, int64_t blocks) override {
+    LanguageModel::set_recompute(mode, mlp_hidden, blocks);
     for (auto& b : blocks_) b->mlp->recompute_hidden = mlp_hidden;
   }
   Tensor final_norm(const Tensor& x, const Tensor& pending) override {

@@ -1,6 +1,8 @@
 // Parameter count and training-memory estimate from a config (loom/train/memory_estimate.h).
 #include "loom/train/memory_estimate.h"
 
+#include <algorithm>
+
 #include <cstdio>
 
 #include "loom/common/error.h"
@@ -144,14 +146,16 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   }
   const double none_per_token =
       a * (4 * C + ((H + 2 * Hkv) * D + H * D + mlp) / tp) + 4 * (H / tp + stats + router);
-  double per_token_layer = none_per_token;
-  if (in.recompute == "selective") per_token_layer -= a * F / tp;
   const double tokens = double(in.batch) * double(in.seq_len);
   const double L = double(c.n_layer);
+  // R blocks recompute as the mode says; the other L - R keep everything ("none").
+  const double R = in.recompute_blocks < 0 ? L : std::min(L, double(in.recompute_blocks));
   if (in.recompute == "full") {
-    e.activations = tokens * (L * a * C + none_per_token);
+    e.activations = tokens * (R * a * C + (L - R) * none_per_token + (R > 0 ? none_per_token : 0));
+  } else if (in.recompute == "selective") {
+    e.activations = tokens * (R * (none_per_token - a * F / tp) + (L - R) * none_per_token);
   } else {
-    e.activations = tokens * L * per_token_layer;
+    e.activations = tokens * L * none_per_token;
   }
   e.activations += tokens * a * 2 * C;
   return e;

@@ -51,6 +51,7 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("model", "tokenizer-path", tokenizer_path),
       LOOM_SETTING("model", "recompute", recompute),
       LOOM_SETTING("model", "recompute-mlp", recompute_mlp),
+      LOOM_SETTING("model", "recompute-blocks", recompute_blocks),
       LOOM_SETTING("model", "lora-rank", lora_rank, "the adapters' shapes are the checkpoint's"),
       LOOM_SETTING("model", "lora-alpha", lora_alpha, "the adapters' scaling is part of the model trained so far"),
       LOOM_SETTING("model", "lora-dropout", lora_dropout),
@@ -302,6 +303,7 @@ distributed::ParallelOptions parallel_options(const TrainOptions& o, DType compu
   p.virtual_stages = o.virtual_stages;
   p.recompute = autograd::recompute_from_name(o.recompute);
   p.recompute_mlp = o.recompute_mlp;
+  p.recompute_blocks = o.recompute_blocks;
   p.reduce_dtype = dtype_from_name(o.reduce_dtype);
   p.bucket_mb = o.bucket_mb;
   p.compute_dtype = compute_dtype;

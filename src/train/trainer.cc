@@ -198,7 +198,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const MemoryEstimate memory = estimate_training_memory(
       {cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(), plan_.mesh.tensor,
        int(plan_.data.zero_stage), recompute, plan_.mesh.pipeline,
-       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32, plan_.mesh.expert});
+       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32, plan_.mesh.expert,
+       plan_.recompute.blocks});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
   if (!opts_.eval_only) check_training_memory_fits(memory, device_, opts_.batch_size, recompute);  // nor activations
   LOOM_REQUIRE(opts_.seq_len <= cfg.max_seq_len, "loom-train: --seq-len ", opts_.seq_len,

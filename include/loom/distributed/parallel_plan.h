@@ -28,6 +28,7 @@ struct ParallelOptions {
   int64_t virtual_stages = 1;
   autograd::Recompute recompute = autograd::Recompute::kNone;
   bool recompute_mlp = false;  // GPT-2: the MLPs' GELU output recomputed in the backward
+  int64_t recompute_blocks = -1;  // --recompute-blocks: only blocks 0..n-1 recompute (-1: every block)
   DType reduce_dtype = kF32;   // gradients averaged (DDP) or reduce-scattered (ZeRO-2/3) in f32 or bf16
   double bucket_mb = 25;       // DDP: gradient MiB per all-reduce
   DType compute_dtype = kF32;  // autocast's: ZeRO-3 gathers the blocks' matrices in it
@@ -59,6 +60,7 @@ struct ExpertPlan {  // the expert dimension (empty with one expert rank)
 struct RecomputePlan {
   autograd::Recompute mode = autograd::Recompute::kNone;  // per block
   bool mlp_hidden = false;
+  int64_t blocks = -1;  // the first `blocks` blocks recompute, the rest keep their activations (-1: every block)
 };
 
 struct ParallelPlan {

@@ -59,6 +59,8 @@ struct ModelConfig {
   // Training-time memory option, not saved with the model: activation checkpointing per block (full: keep only each
   // block's inputs; selective: also the results of its matrix products and attention). See loom/autograd/checkpoint.h.
   autograd::Recompute recompute = autograd::Recompute::kNone;
+  // With recompute: only blocks 0..recompute_blocks-1 are checkpointed, the rest keep every activation (-1: all).
+  int64_t recompute_blocks = -1;
   // Training-time option, not saved with the model: which layers run their matrix products in FP8 (loom/fp8.h), and
   // how; make_model applies it (LanguageModel::set_fp8).
   fp8::Scope fp8 = fp8::Scope::kOff;
@@ -188,7 +190,7 @@ class LanguageModel : public Module {
   const TensorParallelRegion* tensor_parallel() const { return tp_.get(); }
   // Activation checkpointing per block, and GPT-2's MLPs keeping only their pre-activation (a plan sets them; the
   // config's recompute and recompute_mlp say the same at construction).
-  virtual void set_recompute(autograd::Recompute mode, bool mlp_hidden);
+  virtual void set_recompute(autograd::Recompute mode, bool mlp_hidden, int64_t blocks = -1);
   // Set by a plan that acts around the blocks (loom/distributed/fsdp.h).
   void set_block_hooks(std::shared_ptr<BlockHooks> hooks) { hooks_ = std::move(hooks); }
   BlockHooks* block_hooks() const { return hooks_.get(); }

@@ -30,6 +30,7 @@ struct MemoryEstimateInput {
   int64_t pipeline_parallel = 1; // stages: each holds 1/pp of the blocks (1F1B keeps up to pp micro-batches in flight)
   DType frozen_base = kF32;      // LoRA: the dtype the frozen blocks' projections are held in (bf16: 2 bytes each)
   int64_t expert_parallel = 1;   // ranks that split each layer's experts (each holds num_experts / expert_parallel)
+  int64_t recompute_blocks = -1; // blocks that recompute as `recompute` says (the rest keep everything); -1: every one
 };
 
 // Bytes on each rank.

@@ -132,6 +132,7 @@ struct TrainOptions {
   int64_t virtual_stages = 1;
   bool recompute_mlp = false;        // GPT-2: recompute the MLPs' GELU output in the backward (less memory)
   std::string recompute = "none";   // activation checkpointing per block: none, selective or full
+  int64_t recompute_blocks = -1;     // with recompute: only blocks 0..n-1 recompute (-1: every block)
   std::string reduce_dtype = "f32";  // DDP gradient all-reduce in f32 or bf16
   double bucket_mb = 25;             // DDP gradient bytes per all-reduce (MiB)
   std::shared_ptr<distributed::ProcessGroup> process_group;  // the world; default: distributed::init_process_group()
