@@ -623,7 +623,7 @@ python_build.log" $((SECONDS - t0))
     grep -E '^(FAILED|ERROR) ' $S/python_dlpack.log | head -20
     row "python dlpack" "$([ $rc2 = 0 ] && echo pass || echo FAIL)" "$dlpack" $((SECONDS - t0))
   fi
-  env "${pyenv[@]}" timeout "${OVERHEAD_TIMEOUT:-240}" "$py" tools/bench/python_overhead.py \
+  env "${pyenv[@]}" timeout "${OVERHEAD_TIMEOUT:-150}" "$py" tools/bench/python_overhead.py \
     --model "${PY_MODEL:-gpt2-124m}" --device cuda -b "${PY_B:-16}" -t 1024 --steps "${PY_STEPS:-30}" \
     --loom-train $BIN/loom-train --work $S/python_overhead > $S/python_overhead.log 2>&1
   rc3=$?
