@@ -2,7 +2,6 @@
 #include "loom/train/memory_estimate.h"
 
 #include <algorithm>
-
 #include <cstdio>
 
 #include "loom/common/error.h"
