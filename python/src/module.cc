@@ -8,6 +8,11 @@
 #include "loom/core/gemm.h"
 #include "loom/core/generator.h"
 
+#if defined(LOOM_PYBIND11_MAJOR) && \
+    (PYBIND11_VERSION_MAJOR != LOOM_PYBIND11_MAJOR || PYBIND11_VERSION_MINOR != LOOM_PYBIND11_MINOR)
+#error "the pybind11 headers found first are not the version CMake checked (LOOM_PYBIND11_INCLUDE): another pybind11 on CPATH or in the compiler's include folders comes before it"
+#endif
+
 namespace loom::python {
 
 Shape shape_from_args(const py::args& args) {
