@@ -1,6 +1,5 @@
 """Loom beside other libraries that bring the C++ runtime into the process first (numpy, toml++, MPI, torch)."""
 
-import ctypes.util
 import os
 import subprocess
 import sys

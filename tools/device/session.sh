@@ -651,8 +651,10 @@ loom.Trainer $(result_field trainer_tok_s) tok/s, ${PY_MODEL:-gpt2-124m} B=${PY_
     read -r passed skipped failed errors <<< "$(pytest_counts $S/python_pytest.log)"
     tests="pytest $passed passed $skipped skipped"
     [ "$failed$errors" = 00 ] || tests="$tests $failed FAILED $errors errors"
-    [ $rc1 = 124 ] && tests="$tests (TIMEOUT ${PY_TEST_TIMEOUT:-200} s; last: $(grep -E '::' $S/python_pytest.log \
-| tail -1 | cut -c1-80))"
+    local last
+    last=$(grep -E '::' $S/python_pytest.log | tail -1 | cut -c1-80)
+    [ $rc1 = 124 ] && tests="$tests (TIMEOUT ${PY_TEST_TIMEOUT:-200} s; last: $last)"
+    [ $rc1 -gt 128 ] && tests="$tests (crashed, signal $((rc1 - 128)); last: $last)"
     grep -E '^(FAILED|ERROR) ' $S/python_pytest.log | head -20
     [ $rc1 = 0 ] && [ $rc2 = 0 ] || result=FAIL
   else
