@@ -58,14 +58,15 @@ class MoeUnpermuteBackward final : public autograd::Node {
 
 class GroupedGemmBackward final : public autograd::Node {
  public:
-  Tensor a, b;
+  Tensor a, b;  // a is saved only for b's gradient (frozen experts need none)
+  DType a_dtype = kF32;
   std::vector<int64_t> group_sizes;
   bool trans_b = false;
   std::string name() const override { return "GroupedGemmBackward"; }
   tensor_list apply(tensor_list&& grads) override {
     tensor_list out(2);
     if (!grads[0].defined()) return out;
-    Tensor g = as_dtype(grads[0], a.dtype());
+    Tensor g = as_dtype(grads[0], a_dtype);
     if (needs_input_grad(0)) out[0] = ops::grouped_gemm(g, b, group_sizes, !trans_b);
     if (needs_input_grad(1)) out[1] = ops::grouped_gemm_weight_grad(a, g, group_sizes, trans_b);
     return out;
@@ -118,6 +119,7 @@ Tensor grouped_gemm(const Tensor& a, const Tensor& b, const std::vector<int64_t>
   if (auto node = autograd::make_node<GroupedGemmBackward>({&a, &b})) {
     if (node->needs_input_grad(1)) node->a = a.detach();
     node->b = b.detach();
+    node->a_dtype = a.dtype();
     node->group_sizes = group_sizes;
     node->trans_b = trans_b;
     autograd::set_history(c, node);
