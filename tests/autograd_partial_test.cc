@@ -103,6 +103,12 @@ TEST(PartialGradients, EachInputAloneMatchesCentralDifferences) {
                      },
                      {0, 1}});
   }
+  // lora_add with y a leaf (added in a copy) and with y computed inside (added in y's own buffer).
+  cases.push_back({"lora_add", {rand64({T, H}), rand64({T, 3}), rand64({H, 3})},
+                   [](const std::vector<Tensor>& in) { return lora_add(in[0], in[1], in[2], 1.5); }, {0, 1, 2}});
+  cases.push_back({"lora_add of a product", {rand64({T, C}), rand64({T, 3}), rand64({H, 3}), rand64({H, C})},
+                   [](const std::vector<Tensor>& in) { return lora_add(linear(in[0], in[3]), in[1], in[2], 1.5); },
+                   {0, 1, 2, 3}});
   for (const Case& c : cases) check_each_input_alone(c);
 }
 

@@ -12,7 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/amp.h"
 #include "loom/autograd/grad_mode.h"
+#include "loom/functional.h"
 #include "loom/data/token_file.h"
 #include "loom/distributed/parallel_plan.h"
 #include "loom/io/hf_model_dir.h"
@@ -110,6 +112,46 @@ TEST(LoraLinear, MatchesTheFormulaAndCentralDifferences) {
       EXPECT_NEAR(g[size_t(i)], numeric, 1e-8 + 1e-7 * std::abs(numeric)) << i;
     }
   }
+}
+
+// lora_add puts the adapter's product into the base output's own buffer when nothing else holds it, and into a copy
+// when something does (the caller's y then unchanged); in f64 both equal y + s h B^T by hand, and under bf16
+// autocast (an f32 B) the sum stays within bf16's rounding of it.
+TEST(LoraLinear, AdapterSumLandsInTheBaseOutputUnlessItIsShared) {
+  const int64_t T = 7, out = 9, r = 3;
+  const double s = 2.5;
+  const Tensor h = test::random_tensor({T, r}, kF64, -1, 1, 11), b = test::random_tensor({out, r}, kF64, -1, 1, 12);
+  const Tensor y0 = test::random_tensor({T, out}, kF64, -1, 1, 13);
+  const std::vector<double> hv = column(h), bv = column(b), yv = column(y0);
+  std::vector<double> want(size_t(T * out));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = 0;
+      for (int64_t k = 0; k < r; ++k) acc += hv[size_t(t * r + k)] * bv[size_t(o * r + k)];
+      want[size_t(t * out + o)] = yv[size_t(t * out + o)] + s * acc;
+    }
+  {
+    Tensor y = y0.clone();
+    const void* buffer = y.data();
+    Tensor sum = lora_add(std::move(y), h, b, s);
+    EXPECT_EQ(sum.data(), buffer);  // no copy
+    EXPECT_TRUE(test::all_close(sum, from_vector(want, {T, out}), 1e-14, 1e-14));
+  }
+  {
+    Tensor y = y0.clone();
+    const Tensor other = y;  // a second handle: y must not change
+    Tensor sum = lora_add(Tensor(y), h, b, s);
+    EXPECT_NE(sum.data(), other.data());
+    EXPECT_TRUE(test::bytes_equal(other, y0));
+    EXPECT_TRUE(test::all_close(sum, from_vector(want, {T, out}), 1e-14, 1e-14));
+  }
+  {
+    amp::AutocastGuard bf16(kBF16);
+    Tensor sum = lora_add(y0.to(kBF16), h.to(kBF16), b.to(kF32), s);
+    EXPECT_EQ(sum.dtype(), kBF16);
+    EXPECT_TRUE(test::all_close(sum, from_vector(want, {T, out}), 0.05, 0.02));
+  }
+  EXPECT_THROW(lora_add(y0.clone(), h, b.narrow(1, 0, 2), s), Error);  // rank 2 against h's 3 columns
 }
 
 // Adapters on every target, named as PEFT names them, the base frozen, and the model starting as its base.

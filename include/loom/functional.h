@@ -72,6 +72,12 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, co
 Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
                 const ops::MatmulOptions& opts = {}, bool recompute_hidden = false);
 
+// y + scaling * h @ b^T: a LoRA adapter's output (h = dropout(x) @ A^T, rank columns; b = B [out, rank]) added to its
+// base layer's output y, for a caller done with y (pass it with std::move). The product accumulates into y's buffer
+// (the gemm's beta = 1) when nothing else holds it, so the adapter makes no pass of its own over the layer's output;
+// the scaling is applied to h. Gradients: y's is the output's; h's and b's as for the sum.
+Tensor lora_add(Tensor y, const Tensor& h, const Tensor& b, double scaling);
+
 // Neural-network ops.
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);

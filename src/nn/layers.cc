@@ -42,7 +42,9 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
 
 Tensor Linear::forward(const Tensor& x) const {
   Tensor y = fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
-  return lora_A ? add(y, adapter(x)) : y;
+  if (!lora_A) return y;
+  const Tensor h = lora_dropout > 0 ? dropout(x, lora_dropout, is_training()) : x;
+  return lora_add(std::move(y), linear(h, lora_A->weight), lora_B->weight, lora_scaling);
 }
 namespace {
 

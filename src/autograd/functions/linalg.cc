@@ -159,6 +159,31 @@ class GeluMlpBackward final : public autograd::Node {
   void release_saved() override { x = w1 = w2 = pre_activation = hidden = Tensor(); }
 };
 
+// lora_add's gradients: y's is the output's own; h's is scaling * grad @ b (rank columns); b's is grad^T @ (scaling * h),
+// written in f32 for an f32 master from a 16-bit product. Edges: y, h, b.
+class LoraAddBackward final : public autograd::Node {
+ public:
+  Tensor scaled_h, b;  // scaling * h and b, in the product's dtype
+  double scaling = 1;
+  DType h_dtype = kF32, b_dtype = kF32;
+  std::string name() const override { return "LoraAddBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(3);
+    if (!grads[0].defined()) return out;
+    const Tensor g = as_dtype(grads[0], b.dtype());
+    if (needs_input_grad(1)) out[1] = as_dtype(ops::mul(ops::linear_backward_input(g, b), scaling), h_dtype);
+    if (needs_input_grad(2)) {
+      bool in_slot = false;
+      Tensor db = gradient_destination(*this, 2, b_dtype, b.dtype(), b.shape(), g.device(), in_slot);
+      ops::linear_backward_weight_out(g, scaled_h, db);
+      out[2] = in_slot ? db : as_dtype(db, b_dtype);
+    }
+    if (needs_input_grad(0)) out[0] = grads[0];
+    return out;
+  }
+  void release_saved() override { scaled_h = b = Tensor(); }
+};
+
 // linear_cross_entropy's gradients, taken in the forward for a loss gradient of 1 (the sum over rows; scaled by
 // 1/counted targets for a mean): the backward scales them by the real loss gradient. Edges: x, weight.
 class LinearCrossEntropyBackward final : public autograd::Node {
@@ -382,6 +407,34 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   node->weight_dtype = weight.dtype();
   autograd::set_history(loss, node);
   return loss;
+}
+
+Tensor lora_add(Tensor y, const Tensor& h, const Tensor& b, double scaling) {
+  LOOM_REQUIRE(y.defined() && h.defined() && b.defined() && b.dim() == 2 && h.dim() == y.dim() &&
+                   h.size(-1) == b.size(1) && y.size(-1) == b.size(0) &&
+                   std::equal(y.shape().begin(), y.shape().end() - 1, h.shape().begin()),
+               "lora_add: y ", describe(y), ", h ", describe(h), " and b ", describe(b),
+               " do not make y + h @ b^T");
+  const DType d = y.dtype();
+  const Tensor scaled_h = ops::mul(as_dtype(h.detach(), d), scaling);  // rank columns: the cheap side to scale
+  // b in the product's dtype: under autocast the step's cached copy of the master weight.
+  const Tensor bd = (b.dtype() == d                                           ? b
+                     : amp::is_autocast_enabled() && d == amp::autocast_dtype() ? amp::cast_parameter(b)
+                                                                               : ops::to_dtype(b, d))
+                        .detach();
+  auto node = autograd::make_node<LoraAddBackward>({&y, &h, &b});
+  // The sum lands in y's own buffer when nothing else can see it (the gemm's beta = 1), else in a copy.
+  Tensor out = y.is_exclusive() && y.is_contiguous() ? y.detach() : ops::clone(y.detach());
+  y = Tensor();
+  ops::linear_backward_input_out(scaled_h, ops::contiguous(ops::transpose(bd, 0, 1)), out, {}, /*accumulate=*/true);
+  if (!node) return out;
+  node->scaled_h = scaled_h;
+  node->b = bd;
+  node->scaling = scaling;
+  node->h_dtype = h.dtype();
+  node->b_dtype = b.dtype();
+  autograd::set_history(out, node);
+  return out;
 }
 
 }  // namespace loom
