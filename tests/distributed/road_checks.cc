@@ -155,7 +155,10 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.resume = resume;
     if (l.lora > 0) {
       o.lora_rank = l.lora;
-      o.lora_targets = l.model == "gpt2.json" ? "c_attn,c_proj,c_fc" : "q,k,v,o,gate,up,down";
+      // A mixture of experts' experts take no adapters: its attention does.
+      o.lora_targets = l.model == "gpt2.json"               ? "c_attn,c_proj,c_fc"
+                       : l.model.rfind("mixtral", 0) == 0 ? "q,k,v,o"
+                                                          : "q,k,v,o,gate,up,down";
       o.lr = 2e-2;
     }
     o.process_group = group;
@@ -322,6 +325,15 @@ void run_expert_checks(const Context& c) {
     Layout selective = mixtral("mixtral ep 2, selective recompute", n, 2);
     selective.recompute = "selective";
     layouts.push_back(selective);
+  }
+  {
+    Layout lora = mixtral("mixtral ep 2, LoRA on the attention", n, 2);
+    lora.lora = 4;
+    layouts.push_back(lora);
+    Layout lora3 = mixtral("mixtral ep 2, zero 3, LoRA on the attention", n, 2);
+    lora3.lora = 4;
+    lora3.zero = 3;
+    layouts.push_back(lora3);
   }
   c.run("expert parallelism through the trainer", [&] { check_layouts(c, layouts); });
   c.run("expert-parallel checkpoints resume by 1 rank and by ddp; ddp's by ep 2", [&] {

@@ -602,7 +602,9 @@ python_build.log" $((SECONDS - t0))
   mpi=$(grep -m1 '^LOOM_MPI:' $BIN/CMakeCache.txt | cut -d= -f2)
   case ${mpi^^} in ON|TRUE|YES|Y|1) mpi=ON ;; *) mpi=OFF ;; esac
   mpiexec=$(grep -m1 '^MPIEXEC_EXECUTABLE:' $BIN/CMakeCache.txt | cut -d= -f2 | grep -v NOTFOUND)
-  for d in "${LOOM_DATA_DIR:-}" "$PWD/shared/data"; do  # conftest.py looks beside the tree itself
+  # conftest.py looks beside the tree itself; data/tinyshakespeare is the folder a call may carry (scripts/setup.sh
+  # fills it here).
+  for d in "${LOOM_DATA_DIR:-}" "$PWD/shared/data" "$PWD/data/tinyshakespeare"; do
     [ -n "$d" ] && [ -f "$d/tinyshakespeare.txt" ] && { data=$d; break; }
   done
   local pyenv=(PYTHONPATH="$PWD/$BIN/python" LOOM_TRAIN_EXE="$PWD/$BIN/loom-train" LOOM_PLUGIN_DIR="$PWD/$BIN/plugins"
