@@ -42,9 +42,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
 
 Tensor Linear::forward(const Tensor& x) const {
   Tensor y = fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
-  if (!lora_A) return y;
-  const Tensor h = lora_dropout > 0 ? dropout(x, lora_dropout, is_training()) : x;
-  return lora_add(std::move(y), linear(h, lora_A->weight), lora_B->weight, lora_scaling);
+  return lora_A ? add_adapter_output(std::move(y), x) : y;
 }
 namespace {
 
@@ -91,9 +89,9 @@ void Linear::add_adapter(int64_t rank, double alpha, double dropout_p, Generator
   lora_dropout = dropout_p;
 }
 
-Tensor Linear::adapter(const Tensor& x) const {
+Tensor Linear::add_adapter_output(Tensor y, const Tensor& x) const {
   const Tensor h = lora_dropout > 0 ? dropout(x, lora_dropout, is_training()) : x;
-  return mul(linear(linear(h, lora_A->weight), lora_B->weight), lora_scaling);
+  return lora_add(std::move(y), linear(h, lora_A->weight), lora_B->weight, lora_scaling);
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim) {  // normal(0, 1), as LibTorch
@@ -128,7 +126,7 @@ Tensor GeluMLP::forward(const Tensor& x) const {
     // c_fc's adapter B holds this rank's hidden units; c_proj's share of the output, its adapter's A by the same units.
     const Tensor h = c_fc->forward_gelu(tp->enter(x));
     Tensor partial = linear(h, c_proj->weight);
-    if (c_proj->has_adapter()) partial = add(partial, c_proj->adapter(h));
+    if (c_proj->has_adapter()) partial = c_proj->add_adapter_output(std::move(partial), h);
     Tensor y = tp->exit(partial);
     return c_proj->bias.defined() ? add(y, c_proj->bias) : y;
   }
@@ -221,7 +219,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, con
   // This rank's share: its columns of the weight (and of a LoRA adapter's A, B whole), summed over the ranks; the
   // bias once, after.
   Tensor partial = linear(y, out.weight);
-  if (out.has_adapter()) partial = add(partial, out.adapter(y));
+  if (out.has_adapter()) partial = out.add_adapter_output(std::move(partial), y);
   Tensor summed = tp->exit(partial);
   return out.bias.defined() ? add(summed, out.bias) : summed;
 }

@@ -30,8 +30,9 @@ class Linear : public Module {
   // two as submodules "lora_A" [rank, in] (uniform within 1/sqrt(in) from `gen`) and "lora_B" [out, rank] (zeros).
   void add_adapter(int64_t rank, double alpha, double dropout, Generator& gen);
   bool has_adapter() const { return lora_A != nullptr; }
-  // scaling * B A dropout(x): the adapter's share of the output.
-  Tensor adapter(const Tensor& x) const;
+  // y + scaling * B A dropout(x): the adapter's share added to y, an output of this layer's base product for x (a
+  // partial one under tensor parallelism), which it consumes (lora_add: into y's buffer when nothing else holds it).
+  Tensor add_adapter_output(Tensor y, const Tensor& x) const;
   std::shared_ptr<Linear> lora_A, lora_B;
   double lora_scaling = 0, lora_dropout = 0;
 };
