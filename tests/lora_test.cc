@@ -542,6 +542,20 @@ TEST(LoraGpt2, AdaptersOnItsLayersStartAsTheBase) {
             (std::vector<std::string>{"c_attn", "attn.c_proj", "mlp.c_proj"}));
   nn::ModelConfig c = tiny_gpt2("q,v,o,up,down");
   EXPECT_EQ(nn::resolve_lora_targets(c), (std::vector<std::string>{"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}));
+  {  // targets set directly (the API, not the flag's parser): c_proj is both projections on GPT-2, refused on LLaMA
+    nn::ModelConfig direct = c;
+    direct.lora.targets = {"c_proj"};
+    EXPECT_NO_THROW(nn::check_lora(direct));
+    EXPECT_EQ(nn::resolve_lora_targets(direct), (std::vector<std::string>{"attn.c_proj", "mlp.c_proj"}));
+    nn::ModelConfig llama = tiny_llama();
+    llama.lora.targets = {"q", "c_proj"};
+    try {
+      nn::check_lora(llama);
+      ADD_FAILURE() << "c_proj on LLaMA was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("target 'c_proj' is a GPT-2 layer"), std::string::npos) << e.what();
+    }
+  }
   auto model = nn::make_model(c, 3);
   EXPECT_EQ(model->config().lora.targets,
             (std::vector<std::string>{"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}));

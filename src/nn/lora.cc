@@ -62,7 +62,8 @@ std::string lora_target_of_module(const std::string& module) {
 }
 
 bool is_gpt2_lora_target(const std::string& target) {
-  return target == "c_attn" || target == "attn.c_proj" || target == "c_fc" || target == "mlp.c_proj";
+  return target == "c_attn" || target == "attn.c_proj" || target == "c_fc" || target == "mlp.c_proj" ||
+         target == "c_proj";
 }
 
 std::vector<std::string> resolve_lora_targets(const ModelConfig& c) {
@@ -72,6 +73,10 @@ std::vector<std::string> resolve_lora_targets(const ModelConfig& c) {
       const std::string layer = gpt2_layer_of(t);
       LOOM_REQUIRE(!layer.empty(), "LoRA: target '", t, "' names no layer of GPT-2 (its MLP has no gate; targets: "
                    "c_attn, attn.c_proj, c_fc, mlp.c_proj, c_proj for both projections, or q, k, v, o, up, down)");
+      if (layer == "c_proj") {
+        layers.insert(layers.end(), {"attn.c_proj", "mlp.c_proj"});
+        continue;
+      }
       layers.push_back(layer);
     } else {
       LOOM_REQUIRE(!is_gpt2_lora_target(t), "LoRA: target '", t, "' is a GPT-2 layer; ", c.describe(),
@@ -125,7 +130,8 @@ void LoraConfig::check() const {
   LOOM_REQUIRE(alpha > 0 && std::isfinite(alpha), "--lora-alpha must be positive, got ", alpha);
   LOOM_REQUIRE(dropout >= 0 && dropout < 1, "--lora-dropout must be in [0, 1), got ", dropout);
   LOOM_REQUIRE(!targets.empty(), "--lora-targets: no layer named (known: ", known_targets(), ")");
-  for (const std::string& t : targets) lora_module_name(t);
+  for (const std::string& t : targets)
+    if (t != "c_proj") lora_module_name(t);  // GPT-2's c_proj names both its projections (resolve_lora_targets)
 }
 
 std::string LoraConfig::describe() const {

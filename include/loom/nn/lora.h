@@ -42,7 +42,7 @@ void check_lora(const ModelConfig& cfg);
 // down -> mlp.c_proj (in the table's order, each once); for LLaMA as they are. Throws for a target the family lacks.
 std::vector<std::string> resolve_lora_targets(const ModelConfig& cfg);
 
-// Whether a (resolved) target is one of GPT-2's layers (c_attn, attn.c_proj, c_fc, mlp.c_proj).
+// Whether a target is one of GPT-2's layers (c_attn, attn.c_proj, c_fc, mlp.c_proj, or c_proj for both).
 bool is_gpt2_lora_target(const std::string& target);
 
 // The module a target adapts, as PEFT's target_modules name it and as the end of the layer's path ("q" ->
