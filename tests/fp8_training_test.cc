@@ -3,6 +3,7 @@
 // step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
 // products; loom-train itself with --dtype bf16 --fp8 all follows its --dtype bf16 run within 1% at every step and
 // 0.5% over the last ten (0.1% when written); --fp8 is a setting of the trainer's table.
+#include <set>
 #include <cmath>
 #include <fstream>
 #include <random>
@@ -171,6 +172,16 @@ TEST(Fp8Training, IsASettingOfTheTrainersTable) {
   auto o = setup(dir, "gpt2-tiny");
   o.fp8 = "most";
   EXPECT_THROW(train::Trainer{o}, Error);
+  // A history without FP8 would do nothing: refused, naming both settings.
+  auto plain = setup(dir, "gpt2-tiny");
+  plain.given = std::set<std::string>{"fp8-amax-history"};
+  plain.fp8_amax_history = 16;
+  try {
+    train::Trainer t{plain};
+    ADD_FAILURE() << "--fp8-amax-history without --fp8 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-amax-history applies with --fp8"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -184,6 +184,8 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
   }
   cfg.fp8 = fp8::scope_from_name(opts_.fp8);
+  LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-amax-history"),
+               "loom-train: --fp8-amax-history applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8, ")");
   cfg.fp8_recipe.amax_history = opts_.fp8_amax_history;
   // The plan from the settings, the world's size and the config alone: a layout that cannot be is one error here,
   // before any rank allocates anything.
