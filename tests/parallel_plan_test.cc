@@ -256,6 +256,11 @@ TEST(ParallelPlan, DescribeSaysWhatEachDimensionDoes) {
   o.recompute_blocks = 1;
   test::expect_error_mentioning([&] { dist::make_plan(tiny_gpt2(), 8, o); },
                                 {"--recompute-blocks needs --recompute selective or full"});
+  dist::ParallelOptions mlp;  // GPT-2's GELU output recomputed; a SwiGLU MLP has none to recompute
+  mlp.recompute_mlp = true;
+  EXPECT_NO_THROW(dist::make_plan(tiny_gpt2(), 1, mlp));
+  nn::ModelConfig llama = nn::ModelConfig::from_name("llama3-tiny");
+  test::expect_error_mentioning([&] { dist::make_plan(llama, 1, mlp); }, {"--recompute-mlp", "SwiGLU"});
   EXPECT_EQ(dist::make_plan(tiny_gpt2(), 2, {}).describe(),
             (std::vector<std::string>{"world 2 = data 2", "data 2: ZeRO stage 0, gradients averaged in buckets of 25 MiB"}));
 }

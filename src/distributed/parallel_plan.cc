@@ -151,6 +151,9 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
       problems.push_back(words("--recompute-blocks ", o.recompute_blocks, " is not 1..", cfg.n_layer,
                                " (the model's blocks)"));
   }
+  if (o.recompute_mlp && (cfg.family != nn::ModelFamily::kGPT2 || cfg.moe.enabled()))
+    problems.push_back(words("--recompute-mlp recomputes GPT-2's GELU output, which ", cfg.describe(),
+                             " has none (its MLP is SwiGLU); --recompute selective or full recomputes it"));
   if (!problems.empty()) {
     std::string all = "parallelism: " + problems.front();
     for (size_t i = 1; i < problems.size(); ++i) all += "; " + problems[i];
