@@ -37,6 +37,8 @@
 #             bf16) and last the whole pytest suite, each with its row and log as it ends; without Python.h a row
 #             says so and the stage stops
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
+#   lora      tools/bench/lora_8b.sh: LoRA on LLaMA-3 8B beside PEFT in the same call (RECOMPUTE_BLOCKS, LOOM_FLAGS,
+#             SKIP_PEFT, STEPS: see that script), one row with each run's tokens/s and memory against PEFT's
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
 # Logs stay in $LOOM_SESSION_DIR (default /tmp/loom-session); the table and the logs are copied to $OUT. LOOM_TREE
@@ -82,6 +84,7 @@ stage_targets() {  # stage -> the build targets it runs
     traces) echo loom-train loom-conformance ;;
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
+    lora) echo loom-train ;;
     python) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
     *) echo all ;;  # build
@@ -677,13 +680,40 @@ stage_bench() {
   row bench "rc ${PIPESTATUS[0]}" "see bench.log" $((SECONDS - t0))
 }
 
+# LoRA on LLaMA-3 8B beside PEFT (tools/bench/lora_8b.sh, its variables: RECOMPUTE_BLOCKS, LOOM_FLAGS, SKIP_PEFT,
+# STEPS, ...), one row with each Loom run's tokens/s, peak memory and ratios to PEFT.
+stage_lora() {
+  local t0=$SECONDS figures rc
+  need_build || return 1
+  DIR=$OUT/lora tools/bench/lora_8b.sh 2>&1 | tee $S/lora.log | grep -v '^step'
+  rc=${PIPESTATUS[0]}
+  rm -f "$OUT"/lora/shard.bin "$OUT"/lora/*/events.out.tfevents.*
+  figures=$(python3 - $S/lora.log <<'PY'
+import re, sys
+runs, run = [], None
+for line in open(sys.argv[1]):
+    if m := re.match(r"loom, recompute (.*): rc", line):
+        run = {"name": m.group(1)}
+        runs.append(run)
+    elif run is not None and (m := re.match(r"loom tokens/s (\d+) \| loom peak ([\d.]+) GiB", line)):
+        run["figures"] = f"{m.group(1)} tok/s, {m.group(2)} GiB"
+    elif run is not None and (m := re.match(r"ratio loom / peft: ([\d.]+x), memory ([\d.]+x)", line)):
+        run["figures"] += f" ({m.group(1)} PEFT at {m.group(2)} its memory)"
+peft = re.search(r"peft tokens/s (\d+) \| peft peak ([\d.]+) GiB", open(sys.argv[1]).read())
+parts = [f"PEFT {peft.group(1)} tok/s, {peft.group(2)} GiB"] if peft else []
+print("; ".join(parts + [f"{r['name']}: {r.get('figures', 'no figures')}" for r in runs]))
+PY
+)
+  row lora "rc $rc" "${figures:-see lora.log}" $((SECONDS - t0))
+}
+
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench|lora) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
-initcheck racecheck sweep reference grouped_gemm python bench)"; exit 2 ;;
+initcheck racecheck sweep reference grouped_gemm python bench lora)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
