@@ -261,6 +261,16 @@ TEST(ParallelPlan, DescribeSaysWhatEachDimensionDoes) {
   EXPECT_NO_THROW(dist::make_plan(tiny_gpt2(), 1, mlp));
   nn::ModelConfig llama = nn::ModelConfig::from_name("llama3-tiny");
   test::expect_error_mentioning([&] { dist::make_plan(llama, 1, mlp); }, {"--recompute-mlp", "SwiGLU"});
+  // A mixture of experts' router losses are drawn in the forward: recompute is refused by the plan and by the model.
+  nn::ModelConfig moe = nn::ModelConfig::from_name("mixtral-tiny");
+  moe.moe.aux_loss_coef = 0.01;
+  dist::ParallelOptions full;
+  full.recompute = autograd::Recompute::kFull;
+  test::expect_error_mentioning([&] { dist::make_plan(moe, 1, full); }, {"recompute", "router_aux_loss_coef"});
+  test::expect_error_mentioning([&] { nn::make_model(moe)->set_recompute(autograd::Recompute::kSelective, false); },
+                                {"recompute", "router_aux_loss_coef"});
+  moe.moe.aux_loss_coef = 0;
+  EXPECT_NO_THROW(dist::make_plan(moe, 1, full));
   EXPECT_EQ(dist::make_plan(tiny_gpt2(), 2, {}).describe(),
             (std::vector<std::string>{"world 2 = data 2", "data 2: ZeRO stage 0, gradients averaged in buckets of 25 MiB"}));
 }

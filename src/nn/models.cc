@@ -97,7 +97,17 @@ Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
+std::string recompute_problem(const ModelConfig& c, autograd::Recompute mode) {
+  if (mode == autograd::Recompute::kNone || !c.moe.enabled() ||
+      (c.moe.aux_loss_coef == 0 && c.moe.z_loss_coef == 0 && c.moe.jitter_noise == 0))
+    return "";
+  return "activation recompute with the routers' auxiliary losses or jitter is not supported yet: set "
+         "router_aux_loss_coef, router_z_loss_coef and router_jitter_noise to 0, or train without recompute";
+}
+
 void LanguageModel::set_recompute(autograd::Recompute mode, bool mlp_hidden, int64_t blocks) {
+  const std::string problem = recompute_problem(cfg_, mode);
+  LOOM_REQUIRE(problem.empty(), problem);
   cfg_.recompute = mode;
   cfg_.recompute_mlp = mlp_hidden;
   cfg_.recompute_blocks = blocks;
@@ -396,10 +406,8 @@ class Llama final : public LanguageModel {
  public:
   explicit Llama(const ModelConfig& c) : LanguageModel(c) {
     if (c.moe.enabled()) {
-      LOOM_REQUIRE(c.recompute == autograd::Recompute::kNone ||
-                       (c.moe.aux_loss_coef == 0 && c.moe.z_loss_coef == 0 && c.moe.jitter_noise == 0),
-                   "activation recompute with the routers' auxiliary losses or jitter is not supported yet: set "
-                   "router_aux_loss_coef, router_z_loss_coef and router_jitter_noise to 0, or train without recompute");
+      const std::string problem = recompute_problem(c, c.recompute);
+      LOOM_REQUIRE(problem.empty(), problem);
       router_log_ = std::make_shared<RouterLog>();
     }
     model = register_module("model", std::make_shared<LlamaBody>(c, router_log_));

@@ -98,6 +98,10 @@ struct ModelConfig {
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
 
+// Why `mode` cannot recompute cfg's blocks, or "" when it can: a mixture of experts' router losses (load balancing,
+// z-loss) and jitter are drawn in the forward that a recompute would repeat outside the loss.
+std::string recompute_problem(const ModelConfig& cfg, autograd::Recompute mode);
+
 // What a parallelization plan does around a model's blocks: FSDP gathers a block's parameters before it runs and
 // frees them after, and has them gathered again when the backward reaches the block. nn names only this interface.
 class BlockHooks {
