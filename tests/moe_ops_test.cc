@@ -5,7 +5,9 @@
 #include <initializer_list>
 #include <numeric>
 
+#include "loom/amp.h"
 #include "loom/autograd/gradcheck.h"
+#include "loom/dispatch_modes.h"
 #include "loom/functional.h"
 #include "loom/moe.h"
 #include "providers/conformance.h"
@@ -212,6 +214,45 @@ TEST(MoeOps, GroupedGemmGradientsPassGradcheck) {
     auto res = autograd::gradcheck(f, {a, b});
     EXPECT_TRUE(res.ok) << res.message;
   }
+}
+
+// Under bf16 autocast an expert weight (a parameter) is cast once per autocast region, as linear's weights are, not
+// once per product; its gradient comes back in f32, and both gradients match float64 over the bf16-rounded operands.
+TEST(MoeOps, GroupedGemmUnderAutocastCastsAnExpertWeightOnce) {
+  const std::vector<int64_t> sizes{4, 0, 5};
+  Tensor a = test::random_tensor({9, 4}, kF32).to(kBF16).set_requires_grad(true);
+  Tensor b = test::random_tensor({3, 4, 5}, kF32).set_requires_grad(true);
+  Tensor r = test::random_tensor({9, 5}, kF64);
+  {
+    amp::AutocastGuard bf16(kBF16);
+    Tensor first = grouped_gemm(a, b, sizes);
+    dispatch::set_op_profiling(true);
+    dispatch::reset_op_profile();
+    Tensor second = grouped_gemm(a, b, sizes);
+    uint64_t copies = 0;
+    for (const auto& row : dispatch::op_profile()) copies += row.op == "copy" ? row.calls : 0;
+    dispatch::set_op_profiling(false);
+    EXPECT_EQ(copies, 0u) << "the second product cast its weight again";
+    EXPECT_EQ(second.dtype(), kBF16);
+    sum(mul(add(first, second), r.to(kBF16))).backward();
+  }
+  ASSERT_TRUE(b.grad().defined() && a.grad().defined());
+  EXPECT_EQ(b.grad().dtype(), kF32);
+  EXPECT_EQ(a.grad().dtype(), kBF16);
+  // float64: dL/db_g = 2 a_g^T r_g, dL/da_g = 2 r_g b_g^T, over the bf16-rounded operands.
+  const Tensor a64 = a.detach().to(kF64), b64 = b.detach().to(kBF16).to(kF64);
+  Tensor want_b = zeros({3, 4, 5}, kF64), want_a = zeros({9, 4}, kF64);
+  int64_t row = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] > 0) {
+      Tensor ag = a64.narrow(0, row, sizes[g]), rg = r.narrow(0, row, sizes[g]), bg = b64.select(0, int64_t(g));
+      want_b.select(0, int64_t(g)).copy_from(mul(matmul(ag.transpose(0, 1), rg), 2.0));
+      want_a.narrow(0, row, sizes[g]).copy_from(mul(matmul(rg, bg.transpose(0, 1)), 2.0));
+    }
+    row += sizes[g];
+  }
+  EXPECT_TRUE(test::all_close(b.grad(), want_b, 0.05, 0.02));
+  EXPECT_TRUE(test::all_close(a.grad(), want_a, 0.05, 0.02));
 }
 
 TEST(MoeOps, BadArgumentsAreNamed) {

@@ -58,8 +58,8 @@ class MoeUnpermuteBackward final : public autograd::Node {
 
 class GroupedGemmBackward final : public autograd::Node {
  public:
-  Tensor a, b;  // a is saved only for b's gradient (frozen experts need none)
-  DType a_dtype = kF32;
+  Tensor a, b;  // as the product saw them; a is saved only for b's gradient (frozen experts need none)
+  DType a_dtype = kF32, b_dtype = kF32;
   std::vector<int64_t> group_sizes;
   bool trans_b = false;
   std::string name() const override { return "GroupedGemmBackward"; }
@@ -68,7 +68,7 @@ class GroupedGemmBackward final : public autograd::Node {
     if (!grads[0].defined()) return out;
     Tensor g = as_dtype(grads[0], a_dtype);
     if (needs_input_grad(0)) out[0] = ops::grouped_gemm(g, b, group_sizes, !trans_b);
-    if (needs_input_grad(1)) out[1] = ops::grouped_gemm_weight_grad(a, g, group_sizes, trans_b);
+    if (needs_input_grad(1)) out[1] = as_dtype(ops::grouped_gemm_weight_grad(a, g, group_sizes, trans_b), b_dtype);
     return out;
   }
   void release_saved() override { a = b = Tensor(); }
@@ -113,13 +113,17 @@ Tensor moe_unpermute(const Tensor& y, const ops::MoePermutation& p, const Tensor
 }
 
 Tensor grouped_gemm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_sizes, bool trans_b) {
-  if (amp::should_cast("grouped_gemm", {&a, &b}))
-    return loom::grouped_gemm(amp::cast(a), amp::cast(b), group_sizes, trans_b);
-  Tensor c = ops::grouped_gemm(a, b, group_sizes, trans_b);
-  if (auto node = autograd::make_node<GroupedGemmBackward>({&a, &b})) {
-    if (node->needs_input_grad(1)) node->a = a.detach();
-    node->b = b.detach();
-    node->a_dtype = a.dtype();
+  // Under autocast the rows go through the differentiable cast and the experts' weights come from the step's
+  // parameter cast (one kernel for a flat buffer, not one per call), the node recording b itself, as linear does.
+  const bool cast = amp::should_cast("grouped_gemm", {&a, &b});
+  const Tensor a_used = cast ? amp::cast(a) : a;
+  const Tensor b_used = cast ? amp::cast_parameter(b) : b;
+  Tensor c = ops::grouped_gemm(a_used, b_used, group_sizes, trans_b);
+  if (auto node = autograd::make_node<GroupedGemmBackward>({&a_used, &b})) {
+    if (node->needs_input_grad(1)) node->a = a_used.detach();
+    node->b = b_used.detach();
+    node->a_dtype = a_used.dtype();
+    node->b_dtype = b.dtype();
     node->group_sizes = group_sizes;
     node->trans_b = trans_b;
     autograd::set_history(c, node);
