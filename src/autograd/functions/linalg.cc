@@ -417,11 +417,9 @@ Tensor lora_add(Tensor y, const Tensor& h, const Tensor& b, double scaling) {
                " do not make y + h @ b^T");
   const DType d = y.dtype();
   const Tensor scaled_h = ops::mul(as_dtype(h.detach(), d), scaling);  // rank columns: the cheap side to scale
-  // b in the product's dtype: under autocast the step's cached copy of the master weight.
-  const Tensor bd = (b.dtype() == d                                           ? b
-                     : amp::is_autocast_enabled() && d == amp::autocast_dtype() ? amp::cast_parameter(b)
-                                                                               : ops::to_dtype(b, d))
-                        .detach();
+  // b in the product's dtype: under autocast the step's cached copy of the master weight (b itself when it has it).
+  const bool autocast = amp::is_autocast_enabled() && d == amp::autocast_dtype();
+  const Tensor bd = (autocast ? amp::cast_parameter(b) : as_dtype(b, d)).detach();
   auto node = autograd::make_node<LoraAddBackward>({&y, &h, &b});
   // The sum lands in y's own buffer when nothing else can see it (the gemm's beta = 1), else in a copy.
   Tensor out = y.is_exclusive() && y.is_contiguous() ? y.detach() : ops::clone(y.detach());
