@@ -10,6 +10,7 @@
 #include "loom/dispatch_modes.h"
 #include "loom/functional.h"
 #include "loom/moe.h"
+#include "loom/optim/optimizer.h"
 #include "providers/conformance.h"
 #include "test_util.h"
 
@@ -190,6 +191,11 @@ void check_grouped_gemm(Device device, int64_t M, int64_t K, int64_t N, const st
         row += sizes[g];
       }
       EXPECT_TRUE(test::all_close(gb.to(kF64), from_vector(want_b, gb.shape()), tol, tol));
+      if (dt == kBF16 || dt == kF16) {  // widened: the f32 sums as they are, to f32's precision
+        Tensor wide = empty(gb.shape(), kF32, device);
+        ops::grouped_gemm_weight_grad_out(a.to(device), grad.to(device), sizes, tb, wide);
+        EXPECT_TRUE(test::all_close(wide.to(Device()).to(kF64), from_vector(want_b, gb.shape()), 1e-5, 1e-5));
+      }
     }
   }
 }
@@ -255,12 +261,55 @@ TEST(MoeOps, GroupedGemmUnderAutocastCastsAnExpertWeightOnce) {
   EXPECT_TRUE(test::all_close(a.grad(), want_a, 0.05, 0.02));
 }
 
+// With an optimizer's flat gradient buffer, an f32 expert weight's gradient under bf16 autocast is written by the
+// grouped product straight into its slot in f32: no conversion or copy, and no bf16 rounding of the sums.
+TEST(MoeOps, GroupedWeightGradientUnderAutocastGoesIntoTheFlatSlotInF32) {
+  const std::vector<int64_t> sizes{7, 0, 9};
+  Tensor a = test::random_tensor({16, 24}, kF32).to(kBF16);
+  Tensor b = test::random_tensor({3, 5, 24}, kF32).set_requires_grad(true);
+  Tensor r = test::random_tensor({16, 5}, kF32).to(kBF16);
+  optim::AdamW opt(std::vector<Tensor>{b}, optim::AdamWOptions{});
+  opt.zero_grad();
+  uint64_t copies = 0;
+  {
+    amp::AutocastGuard bf16(kBF16);
+    Tensor c = grouped_gemm(a, b, sizes, true);
+    Tensor loss = sum(mul(c, r));
+    dispatch::set_op_profiling(true);
+    dispatch::reset_op_profile();
+    loss.backward();
+    for (const auto& row : dispatch::op_profile()) copies += row.op == "copy" ? row.calls : 0;
+    dispatch::set_op_profiling(false);
+  }
+  ASSERT_TRUE(b.grad().defined());
+  EXPECT_EQ(b.grad().dtype(), kF32);
+  EXPECT_TRUE(b.grad().shares_storage_with(opt.flat_gradient_buffers()[0]));
+  EXPECT_EQ(copies, 0u) << "the weight gradient was converted or copied on its way into the slot";
+  // float64 of the bf16 operands: dL/db_g = r_g^T a_g (trans_b), to f32's precision (a bf16 rounding is 2^-9).
+  const Tensor a64 = a.to(kF64), r64 = r.to(kF64);
+  Tensor want = zeros({3, 5, 24}, kF64);
+  int64_t row = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] > 0)
+      want.select(0, int64_t(g)).copy_from(
+          matmul(r64.narrow(0, row, sizes[g]).transpose(0, 1), a64.narrow(0, row, sizes[g])));
+    row += sizes[g];
+  }
+  EXPECT_TRUE(test::all_close(b.grad().to(kF64), want, 1e-5, 1e-5));
+}
+
 TEST(MoeOps, BadArgumentsAreNamed) {
   Tensor a = test::random_tensor({6, 4}), b = test::random_tensor({2, 4, 3});
   EXPECT_THROW(ops::grouped_gemm(a, b, {4, 3}), Error);      // 7 rows of 6
   EXPECT_THROW(ops::grouped_gemm(a, b, {4, 1, 1}), Error);   // 3 groups, 2 matrices
   EXPECT_THROW(ops::grouped_gemm(a, b, {-1, 2}), Error);
   EXPECT_THROW(ops::grouped_gemm(a, b.to(kF64), {3, 3}), Error);
+  Tensor grad = test::random_tensor({6, 3});
+  Tensor f64_out = empty({2, 4, 3}, kF64), f32_out = empty({2, 4, 3}, kF32), wrong = empty({2, 3, 4}, kF32);
+  EXPECT_THROW(ops::grouped_gemm_weight_grad_out(a, grad, {3, 3}, false, f64_out), Error);  // f64 from f32
+  EXPECT_THROW(ops::grouped_gemm_weight_grad_out(a, grad, {3, 3}, false, wrong), Error);    // [2, 3, 4]
+  EXPECT_THROW(ops::grouped_gemm_weight_grad_out(a.to(kF64), grad.to(kF64), {3, 3}, false, f32_out), Error);
+  EXPECT_NO_THROW(ops::grouped_gemm_weight_grad_out(a.to(kBF16), grad.to(kBF16), {3, 3}, false, f32_out));
   EXPECT_THROW(ops::moe_route(test::random_tensor({3, 4}), 5), Error);
   EXPECT_THROW(ops::moe_route(test::random_tensor({3, 4}), 0), Error);
   EXPECT_THROW(ops::moe_unpermute(test::random_tensor({4, 2}), from_vector(std::vector<int64_t>{0, 4}, {1, 2})), Error);

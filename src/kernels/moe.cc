@@ -82,7 +82,7 @@ OpSchema grouped_gemm_weight_grad_schema() {
     return c.attr_int("trans_b") ? Shape{c.dim("G"), c.dim("N"), c.dim("K")} : Shape{c.dim("G"), c.dim("K"), c.dim("N")};
   };
   return OpSchema()
-      .in("a", "M K").in("grad", "M N").out("grad_b", "G K N").shape_fn(grad_b_shape)
+      .in("a", "M K").in("grad", "M N").out("grad_b", "G K N", DTypeRule::kWideOrSame).shape_fn(grad_b_shape)
       .attr("trans_b", {1.0, 0.0}).dim("G", {1, 8, 64}).dim("M", {0}).accumulates("M")
       .dispatch_on("a").abi_since(4).case_rule(grouped_gemm_rule)
       .special_values("IEEE, as the float64 sum: NaN and inf in a or grad reach the elements they touch");

@@ -106,7 +106,9 @@ OpSchema grouped_gemm_schema();
 LOOM_DECLARE_OP(grouped_gemm, GroupedGemmKernel, grouped_gemm_schema());
 
 // The weights' gradient of grouped_gemm: grad_b[g] = a_g^T grad_g ([G, K, N]), or its transpose grad_g^T a_g
-// ([G, N, K]) when trans_b; zero for an empty group. a [M, K], grad [M, N] (c's gradient), contiguous, one dtype.
+// ([G, N, K]) when trans_b; zero for an empty group. a [M, K], grad [M, N] (c's gradient), contiguous, one dtype;
+// grad_b has their dtype or, for bf16/f16, f32 (an f32 master weight's gradient under autocast, written without a
+// 16-bit rounding or a conversion pass).
 using GroupedGemmWeightGradKernel = void(const DeviceContext&, const Tensor& a, const Tensor& grad,
                                          const GroupedGemmAttrs&, Tensor& grad_b);
 OpSchema grouped_gemm_weight_grad_schema();

@@ -125,7 +125,10 @@ Tensor grouped_gemm(const Tensor& a, const Tensor& b, const std::vector<int64_t>
   return c;
 }
 
-Tensor grouped_gemm_weight_grad(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
+namespace {
+
+// The checks of a grouped weight gradient's operands; its shape.
+Shape grouped_weight_grad_shape(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
                                 bool trans_b) {
   const char* op = "grouped_gemm_weight_grad";
   ops_detail::check_same_device(op, {&a, &grad});
@@ -137,10 +140,33 @@ Tensor grouped_gemm_weight_grad(const Tensor& a, const Tensor& grad, const std::
                " have different rows");
   grouped_gemm_offsets(op, group_sizes, a.size(0));
   const int64_t G = int64_t(group_sizes.size()), K = a.size(1), N = grad.size(1);
-  Tensor out = empty(trans_b ? Shape{G, N, K} : Shape{G, K, N}, a.dtype(), a.device());
+  return trans_b ? Shape{G, N, K} : Shape{G, K, N};
+}
+
+void run_grouped_weight_grad(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
+                             bool trans_b, Tensor& out) {
   Tensor ac = ops::contiguous(a), gc = ops::contiguous(grad);
   dispatch::call(grouped_gemm_weight_grad_op, a.device(), a.dtype(), ac, gc, GroupedGemmAttrs{group_sizes, trans_b},
                  out);
+}
+
+}  // namespace
+
+void grouped_gemm_weight_grad_out(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
+                                  bool trans_b, Tensor& out) {
+  const Shape shape = grouped_weight_grad_shape(a, grad, group_sizes, trans_b);
+  const bool sixteen = a.dtype() == kBF16 || a.dtype() == kF16;
+  LOOM_REQUIRE(out.shape() == shape && out.is_contiguous() && out.device() == a.device() &&
+                   (out.dtype() == a.dtype() || (sixteen && out.dtype() == kF32)),
+               "grouped_gemm_weight_grad: out ", describe(out), " must be a contiguous ", shape_str(shape), " tensor of ",
+               dtype_name(a.dtype()), sixteen ? " or f32" : "", " on ", a.device().str());
+  run_grouped_weight_grad(a, grad, group_sizes, trans_b, out);
+}
+
+Tensor grouped_gemm_weight_grad(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
+                                bool trans_b) {
+  Tensor out = empty(grouped_weight_grad_shape(a, grad, group_sizes, trans_b), a.dtype(), a.device());
+  run_grouped_weight_grad(a, grad, group_sizes, trans_b, out);
   return out;
 }
 

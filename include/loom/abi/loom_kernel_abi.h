@@ -216,6 +216,7 @@
  *                                                   out: c [M, N]   attrs: group_sizes (ints), trans_b (int)
  *     grouped_gemm_weight_grad [1.4]                in: a [M, K], grad [M, N]
  *                                                   out: grad_b [G, K, N] ([G, N, K] when trans_b)  (same attrs)
+ *       grad_b has a's dtype or, for bf16/f16 a and grad, f32 (check its descriptor; sums in f32 either way).
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------

@@ -45,9 +45,12 @@ MoeUnpermuteGrads moe_unpermute_backward(const Tensor& grad, const Tensor& y, co
 // a [M, K], b [G, K, N] (or [G, N, K] with trans_b) -> c [M, N]: a's rows in G consecutive groups of group_sizes[g]
 // rows (sum <= M; rows past them give zero rows), each times its b[g]. One dtype throughout.
 Tensor grouped_gemm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& group_sizes, bool trans_b = false);
-// b's gradient: [G, K, N] (or [G, N, K] with trans_b) from a [M, K] and c's gradient grad [M, N].
+// b's gradient: [G, K, N] (or [G, N, K] with trans_b) from a [M, K] and c's gradient grad [M, N], in their dtype.
 Tensor grouped_gemm_weight_grad(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
                                 bool trans_b = false);
+// As above into `out`: contiguous, of that shape, in their dtype or (for bf16/f16) f32.
+void grouped_gemm_weight_grad_out(const Tensor& a, const Tensor& grad, const std::vector<int64_t>& group_sizes,
+                                  bool trans_b, Tensor& out);
 
 // The group sizes `counts` (an i64 tensor on any device) holds, read on the host.
 std::vector<int64_t> group_sizes_of(const Tensor& counts);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "autograd/record.h"
@@ -64,6 +65,24 @@ inline Tensor claim_gradient_destination(const Node& node, size_t input, DType w
     return Tensor();
   meta.grad_destination_claimed = true;
   return slot;
+}
+
+// The dtype a product's gradient can be written in directly for an input of dtype `target`: f32 from bf16/f16
+// products (an f32 master weight under autocast), else the product's own dtype (converted afterwards if needed).
+inline std::optional<DType> widened(DType product, DType target) {
+  if (target == kF32 && (product == kBF16 || product == kF16)) return kF32;
+  return std::nullopt;
+}
+
+// Where edge `input` of `node` gets its gradient, written in the product's dtype or f32 (widened): the optimizer's
+// flat gradient slot when the leaf has one of that dtype (claimed for this backward; no copy afterwards), else a new
+// tensor (converted to `target` after).
+inline Tensor gradient_destination(const Node& node, size_t input, DType target, DType product, const Shape& shape,
+                                   const Device& device, bool& is_slot) {
+  const DType written = widened(product, target).value_or(product);
+  Tensor slot = claim_gradient_destination(node, input, written);
+  is_slot = slot.defined();
+  return is_slot ? slot : empty(shape, written, device);
 }
 
 // make_node for a runtime list of inputs (cat, stack).

@@ -10,6 +10,8 @@ namespace loom {
 namespace {
 
 using autograd::as_dtype;
+using autograd::gradient_destination;
+using autograd::widened;
 using autograd::tensor_list;
 
 class MatmulBackward final : public autograd::Node {
@@ -30,24 +32,6 @@ class MatmulBackward final : public autograd::Node {
   }
   void release_saved() override { a = b = Tensor(); }
 };
-
-// The dtype a product's gradient can be written in directly for an input of dtype `target`: f32 from bf16/f16
-// products (an f32 master weight under autocast), else the product's own dtype (converted afterwards if needed).
-std::optional<DType> widened(DType product, DType target) {
-  if (target == kF32 && (product == kBF16 || product == kF16)) return kF32;
-  return std::nullopt;
-}
-
-// Where edge `input` of `node` gets its gradient, written in the product's dtype or f32 (widened): the optimizer's
-// flat gradient slot when the leaf has one of that dtype (claimed for this backward; no copy afterwards), else a new
-// tensor (converted to `target` after).
-Tensor gradient_destination(const autograd::Node& node, size_t input, DType target, DType product, const Shape& shape,
-                            const Device& device, bool& is_slot) {
-  const DType written = widened(product, target).value_or(product);
-  Tensor slot = autograd::claim_gradient_destination(node, input, written);
-  is_slot = slot.defined();
-  return is_slot ? slot : empty(shape, written, device);
-}
 
 // The parameters of one linear product x @ weight^T + bias inside a node: which edges they are, their dtypes.
 struct LinearParams {

@@ -68,7 +68,12 @@ class GroupedGemmBackward final : public autograd::Node {
     if (!grads[0].defined()) return out;
     Tensor g = as_dtype(grads[0], a_dtype);
     if (needs_input_grad(0)) out[0] = ops::grouped_gemm(g, b, group_sizes, !trans_b);
-    if (needs_input_grad(1)) out[1] = as_dtype(ops::grouped_gemm_weight_grad(a, g, group_sizes, trans_b), b_dtype);
+    if (needs_input_grad(1)) {  // straight into the optimizer's flat slot where there is one, f32 from 16 bits
+      bool in_slot = false;
+      Tensor db = autograd::gradient_destination(*this, 1, b_dtype, a_dtype, b.shape(), g.device(), in_slot);
+      ops::grouped_gemm_weight_grad_out(a, g, group_sizes, trans_b, db);
+      out[1] = in_slot ? db : as_dtype(db, b_dtype);
+    }
     return out;
   }
   void release_saved() override { a = b = Tensor(); }

@@ -246,20 +246,21 @@ void moe_unpermute_backward_cpu(const DeviceContext&, const Tensor& grad, const 
 }
 
 // ---- grouped gemm ----
-// c [m, n] (ldc) = op(a) [m, k] op(b) [k, n], row-major, in the dtype's BLAS (f32 for bf16 and f16, widened).
-template <typename T>
+// c [m, n] (ldc) = op(a) [m, k] op(b) [k, n], row-major, in the dtype's BLAS (f32 for bf16 and f16, widened); c is
+// T or, for 16-bit T, float (the f32 sums stored as they are).
+template <typename T, typename C = T>
 void blas_rows(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-               T* c, int64_t ldc) {
+               C* c, int64_t ldc) {
   const CBLAS_TRANSPOSE ta_ = ta ? CblasTrans : CblasNoTrans, tb_ = tb ? CblasTrans : CblasNoTrans;
   if (m == 0 || n == 0) return;
   if (k == 0) {
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = T(0.0f);
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = C(0.0f);
     return;
   }
-  if constexpr (std::is_same_v<T, double>) {
+  if constexpr (std::is_same_v<T, double> && std::is_same_v<C, double>) {
     cblas_dgemm(CblasRowMajor, ta_, tb_, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, ldc);
-  } else if constexpr (std::is_same_v<T, float>) {
+  } else if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
     cblas_sgemm(CblasRowMajor, ta_, tb_, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
   } else {
     const int64_t a_rows = ta ? k : m, b_rows = tb ? n : k;
@@ -269,7 +270,7 @@ void blas_rows(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, in
     for (size_t i = 0; i < bf.size(); ++i) bf[i] = float(b[i]);
     cblas_sgemm(CblasRowMajor, ta_, tb_, m, n, k, 1.0f, af.data(), lda, bf.data(), ldb, 0.0f, cf.data(), n);
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = T(cf[size_t(i * n + j)]);
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = C(cf[size_t(i * n + j)]);
   }
 }
 
@@ -297,16 +298,21 @@ void grouped_gemm_weight_grad_cpu(const DeviceContext&, const Tensor& a, const T
                " group sizes for ", G, " matrices");
   const auto off = grouped_gemm_offsets("grouped_gemm_weight_grad", attrs.group_sizes, M);
   LOOM_DISPATCH_FLOATING(a.dtype(), "grouped_gemm_weight_grad", [&] {
-    const scalar_t* as = static_cast<const scalar_t*>(a.data());
-    const scalar_t* gs = static_cast<const scalar_t*>(grad.data());
-    scalar_t* out = static_cast<scalar_t*>(grad_b.data());
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t rows = off[size_t(g) + 1] - off[size_t(g)];
-      const scalar_t* ag = as + off[size_t(g)] * K;
-      const scalar_t* gg = gs + off[size_t(g)] * N;
-      if (attrs.trans_b) blas_rows(true, false, N, K, rows, gg, N, ag, K, out + g * N * K, K);  // grad^T a
-      else blas_rows(true, false, K, N, rows, ag, K, gg, N, out + g * K * N, N);               // a^T grad
-    }
+    auto run = [&](auto* out) {
+      const scalar_t* as = static_cast<const scalar_t*>(a.data());
+      const scalar_t* gs = static_cast<const scalar_t*>(grad.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t rows = off[size_t(g) + 1] - off[size_t(g)];
+        const scalar_t* ag = as + off[size_t(g)] * K;
+        const scalar_t* gg = gs + off[size_t(g)] * N;
+        if (attrs.trans_b) blas_rows(true, false, N, K, rows, gg, N, ag, K, out + g * N * K, K);  // grad^T a
+        else blas_rows(true, false, K, N, rows, ag, K, gg, N, out + g * K * N, N);               // a^T grad
+      }
+    };
+    // f32 beside 16-bit inputs (an f32 master's gradient): the sums stored as they are (the ops layer allows no other
+    // mix).
+    if (grad_b.dtype() == kF32) run(static_cast<float*>(grad_b.data()));
+    else run(static_cast<scalar_t*>(grad_b.data()));
   });
 }
 

@@ -392,11 +392,12 @@ cudaDataType_t cublas_type(DType t) {
 
 // Row-major products C[m, n] = op(A)[m, k] op(B)[k, n] with one cuBLAS handle held for a whole loop of them. cuBLAS
 // is column-major: the row-major C is the column-major C^T = op(B)^T op(A)^T, so B goes first, its transpose flag
-// as given.
+// as given. C is A and B's dtype or (c_dtype f32 beside 16-bit inputs) the f32 sums as they are.
 class RowsProducts {
  public:
-  RowsProducts(const DeviceContext& ctx, DType dtype)
-      : cuda_(cuda_context(ctx)), lock_(cuda_.cublas_mutex()), type_(cublas_type(dtype)), dtype_(dtype) {
+  RowsProducts(const DeviceContext& ctx, DType dtype, DType c_dtype)
+      : cuda_(cuda_context(ctx)), lock_(cuda_.cublas_mutex()), type_(cublas_type(dtype)),
+        c_type_(cublas_type(c_dtype)), dtype_(dtype), c_dtype_(c_dtype) {
     stream_ = cuda_.cuda_stream();
     LOOM_CUBLAS_CHECK(cublasSetStream(cuda_.cublas(), stream_));
     LOOM_CUBLAS_CHECK(cublasSetWorkspace(cuda_.cublas(), cuda_.workspace(stream_), cuda_.workspace_bytes()));
@@ -407,7 +408,7 @@ class RowsProducts {
            void* c, int64_t ldc) {
     if (m == 0 || n == 0) return;
     if (k == 0) {
-      LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, size_t(m * n) * dtype_size(dtype_), stream_));
+      LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, size_t(m * n) * dtype_size(c_dtype_), stream_));
       return;
     }
     for (int64_t v : {m, n, k, lda, ldb, ldc})
@@ -418,15 +419,15 @@ class RowsProducts {
     LOOM_CUBLAS_CHECK(cublasGemmEx(
         cuda_.cublas(), tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k),
         f64 ? static_cast<const void*>(&one64) : &one32, b, type_, int(ldb), a, type_, int(lda),
-        f64 ? static_cast<const void*>(&zero64) : &zero32, c, type_, int(ldc),
+        f64 ? static_cast<const void*>(&zero64) : &zero32, c, c_type_, int(ldc),
         f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
  private:
   const CudaDeviceContext& cuda_;
   std::lock_guard<std::mutex> lock_;
-  cudaDataType_t type_;
-  DType dtype_;
+  cudaDataType_t type_, c_type_;
+  DType dtype_, c_dtype_;
   cudaStream_t stream_ = nullptr;
 };
 
@@ -445,7 +446,7 @@ void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& 
   if (N == 0 || G == 0 || off.back() == 0) return;
   const auto* as = static_cast<const uint8_t*>(a.data());
   const auto* bs = static_cast<const uint8_t*>(b.data());
-  RowsProducts products(ctx, a.dtype());
+  RowsProducts products(ctx, a.dtype(), a.dtype());
   for (int64_t g = 0; g < G; ++g)  // c rows of group g = its a rows times b[g] ([K, N], or [N, K] when trans_b)
     products.run(false, attrs.trans_b, off[size_t(g) + 1] - off[size_t(g)], N, K, as + off[size_t(g)] * K * elem, K,
                  bs + g * K * N * elem, attrs.trans_b ? K : N, cs + off[size_t(g)] * N * elem, N);
@@ -459,17 +460,17 @@ void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, co
   const auto off = grouped_gemm_offsets("grouped_gemm_weight_grad", attrs.group_sizes, M);
   if (grad_b.numel() == 0) return;
   cuda::DeviceGuard guard(ctx.device().index);
-  const int64_t elem = int64_t(dtype_size(a.dtype()));
+  const int64_t elem = int64_t(dtype_size(a.dtype())), out_elem = int64_t(dtype_size(grad_b.dtype()));
   const auto* as = static_cast<const uint8_t*>(a.data());
   const auto* gs = static_cast<const uint8_t*>(grad.data());
   auto* out = static_cast<uint8_t*>(grad_b.data());
-  RowsProducts products(ctx, a.dtype());
+  RowsProducts products(ctx, a.dtype(), grad_b.dtype());  // f32 grad_b beside 16-bit a: written as summed
   for (int64_t g = 0; g < G; ++g) {  // a group with no rows gets zeros
     const int64_t rows = off[size_t(g) + 1] - off[size_t(g)];
     const uint8_t* ag = as + off[size_t(g)] * K * elem;
     const uint8_t* gg = gs + off[size_t(g)] * N * elem;
-    if (attrs.trans_b) products.run(true, false, N, K, rows, gg, N, ag, K, out + g * N * K * elem, K);  // grad^T a
-    else products.run(true, false, K, N, rows, ag, K, gg, N, out + g * K * N * elem, N);               // a^T grad
+    if (attrs.trans_b) products.run(true, false, N, K, rows, gg, N, ag, K, out + g * N * K * out_elem, K);  // grad^T a
+    else products.run(true, false, K, N, rows, ag, K, gg, N, out + g * K * N * out_elem, N);               // a^T grad
   }
 }
 
