@@ -1,7 +1,9 @@
-"""torch._grouped_mm on loom-bench-grouped-gemm's shapes and group sizes (8 experts, top-2, hidden 4096, FFN 14336,
-bf16, loads proportional to 1..8), timed the same way (CUDA events, warm-up, median of 20), beside one dense
-torch.mm of the same work and a loop of one torch.mm per expert.
-    python3 bench/grouped_gemm_torch_reference.py [tokens...]      (default 8192 32768)"""
+"""torch._grouped_mm on loom-bench-grouped-gemm's shapes and group sizes (by default 8 experts, top-2, hidden 4096,
+FFN 14336, bf16, loads proportional to 1..8), timed the same way (CUDA events, warm-up, median of 20), beside one
+dense torch.mm of the same work and a loop of one torch.mm per expert.
+    python3 bench/grouped_gemm_torch_reference.py [--experts E] [--top-k K] [--hidden C] [--ffn F] [tokens...]
+    (default tokens 8192 32768; the flags as loom-bench-grouped-gemm's)"""
+import argparse
 import os
 import sys
 
@@ -23,7 +25,19 @@ def uneven_sizes(rows):
 
 
 def main():
-    counts = [int(a) for a in sys.argv[1:]] or [8192, 32768]
+    global EXPERTS, TOP_K, HIDDEN, FFN
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=EXPERTS)
+    parser.add_argument("--top-k", type=int, default=TOP_K)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--ffn", type=int, default=FFN)
+    parser.add_argument("tokens", type=int, nargs="*")
+    args = parser.parse_args()
+    for v in (args.experts, args.top_k, args.hidden, args.ffn, *args.tokens):
+        if v <= 0:
+            parser.error(f"sizes must be positive, got {v}")
+    EXPERTS, TOP_K, HIDDEN, FFN = args.experts, args.top_k, args.hidden, args.ffn
+    counts = args.tokens or [8192, 32768]
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
     print(f"{'product':34s} {'grouped ms':>10s} {'TFLOP/s':>9s} {'loop ms':>9s} {'TFLOP/s':>9s} {'dense ms':>9s} {'TFLOP/s':>9s}")
     for tokens in counts:

@@ -29,7 +29,9 @@
 #             exports loaded by transformers, its PEFT adapter directory loaded by peft, HF models loaded by Loom, on
 #             the CPU and CUDA) and the Mixtral fixture (tools/reference/make_mixtral_fixture.py, written to $OUT for
 #             tests/fixtures, then tests/moe_fixture_test.cc run against it)
-#   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm)
+#   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm), with
+#             GG_ARGS for both (e.g. "--hidden 2048 --ffn 8192 16384": mixtral-1b's gate and up), once per provider
+#             of the grouped kernels in GG_PROVIDERS ("native lt_buckets")
 #   python    the loom Python package: when the interpreter (PYTHON_EXE, else the python3 that imports torch) has
 #             Python.h, built with LOOM_PYTHON=ON, then python/tests/test_cuda_dlpack.py (CUDA tensors to and
 #             from PyTorch through DLPack), tools/bench/python_overhead.py (loom.Trainer with a per-step Python
@@ -501,10 +503,16 @@ stage_sweep() {
 # same group sizes on both sides (bench/grouped_gemm_bench.cc, bench/grouped_gemm_torch_reference.py).
 stage_grouped_gemm() {
   need_build || return 1
-  local t0=$SECONDS rc1 rc2
-  timeout 300 $BIN/bench/loom-bench-grouped-gemm > $S/grouped_gemm_loom.log 2>&1
-  rc1=$?
-  timeout 300 python3 bench/grouped_gemm_torch_reference.py > $S/grouped_gemm_torch.log 2>&1
+  local t0=$SECONDS rc1=0 rc2 p
+  : > $S/grouped_gemm_loom.log
+  # shellcheck disable=SC2086
+  for p in ${GG_PROVIDERS:-native lt_buckets}; do
+    echo "== grouped_gemm kernels of provider $p" >> $S/grouped_gemm_loom.log
+    LOOM_PROVIDERS="$p:grouped_gemm,grouped_gemm_weight_grad" timeout 300 $BIN/bench/loom-bench-grouped-gemm \
+      ${GG_ARGS:-} >> $S/grouped_gemm_loom.log 2>&1 || rc1=$?
+  done
+  # shellcheck disable=SC2086
+  timeout 300 python3 bench/grouped_gemm_torch_reference.py ${GG_ARGS:-} > $S/grouped_gemm_torch.log 2>&1
   rc2=$?
   cat $S/grouped_gemm_loom.log $S/grouped_gemm_torch.log
   row "grouped gemm" "$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo done || echo "FAIL (rc $rc1, $rc2)")" \
