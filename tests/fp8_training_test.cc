@@ -11,8 +11,10 @@
 #include <nlohmann/json.hpp>
 
 #include "app_run.h"
+#include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
 #include "loom/data/token_file.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
 #include "test_files.h"
@@ -123,6 +125,52 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
     ASSERT_EQ(again.size(), plain.size());
     for (size_t i = 0; i < plain.size(); ++i)
       EXPECT_EQ(again[i], plain[i]) << "--recompute " << mode << " step " << i + 1;
+  }
+}
+
+// FP8 casts (either format) in one forward of llama3-tiny under --fp8 all, with the adapters of `lora`.
+uint64_t casts_in_a_forward(const nn::LoraConfig& lora) {
+  nn::ModelConfig cfg = nn::ModelConfig::from_name("llama3-tiny");
+  cfg.fp8 = fp8::Scope::kAll;
+  cfg.lora = lora;
+  auto model = nn::make_model(cfg, 5);
+  autograd::NoGradGuard no_grad;
+  const Tensor idx = zeros({2, 16}, kI64);
+  model->forward(idx);  // the scaling states are made at the first cast
+  auto count = [] {
+    uint64_t n = 0;
+    for (DType d : {kF8E4M3, kF8E5M2})
+      for (const auto& c : dispatch::explain("fp8_quantize", kCPU, d)) n += c.calls;
+    return n;
+  };
+  const uint64_t before = count();
+  model->forward(idx);
+  return count() - before;
+}
+
+// Adapters add no FP8 casts: the layers reading one x (q, k, v; gate, up) quantize it once between them with or
+// without adapters, and each adapter reads x as it is. With adapters everywhere the losses under full and selective
+// recompute are the same bits as without recompute.
+TEST(Fp8Training, AdaptersShareTheirLayersInputCast) {
+  nn::LoraConfig lora;
+  const uint64_t plain = casts_in_a_forward(lora);
+  lora.rank = 4;
+  lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+  EXPECT_EQ(casts_in_a_forward(lora), plain);
+  TempDir dir;
+  auto o = setup(dir, "llama3-tiny");
+  o.fp8 = "all";
+  o.lora_rank = 4;
+  o.lora_targets = "q,k,v,o,gate,up,down";
+  o.steps = 4;
+  o.warmup_steps = 1;
+  const auto losses_plain = losses(o);
+  for (const char* mode : {"selective", "full"}) {
+    o.recompute = mode;
+    const auto again = losses(o);
+    ASSERT_EQ(again.size(), losses_plain.size());
+    for (size_t i = 0; i < again.size(); ++i)
+      EXPECT_EQ(again[i], losses_plain[i]) << "LoRA, --recompute " << mode << " step " << i + 1;
   }
 }
 

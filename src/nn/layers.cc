@@ -46,14 +46,21 @@ Tensor Linear::forward(const Tensor& x) const {
 }
 namespace {
 
-// Layers reading the same x. Under FP8 (every one, none with an adapter) x is quantized once for all of them.
+// Layers reading the same x. Under FP8 (every one) x is quantized once for all the base products; an adapter reads
+// x as it is and adds its product to its layer's output.
 std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Linear*> layers) {
   bool shared = layers.size() > 1;
-  for (const Linear* l : layers) shared = shared && l->fp8 && !l->has_adapter();
+  for (const Linear* l : layers) shared = shared && l->fp8;
   if (shared) {
     std::vector<fp8::LinearWeights> weights;
     for (const Linear* l : layers) weights.push_back({l->weight, l->bias, l->fp8});
-    return fp8::linears(x, weights);
+    std::vector<Tensor> out = fp8::linears(x, weights);
+    size_t i = 0;
+    for (const Linear* l : layers) {
+      if (l->has_adapter()) out[i] = l->add_adapter_output(std::move(out[i]), x);
+      ++i;
+    }
+    return out;
   }
   std::vector<Tensor> out;
   for (const Linear* l : layers) out.push_back(l->forward(x));
