@@ -25,6 +25,7 @@
 #include "loom/train/memory_estimate.h"
 #include "loom/train/trainer.h"
 #include "test_files.h"
+#include "loom/dispatch_modes.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -133,7 +134,13 @@ TEST(LoraLinear, AdapterSumLandsInTheBaseOutputUnlessItIsShared) {
   {
     Tensor y = y0.clone();
     const void* buffer = y.data();
+    dispatch::set_op_profiling(true);
+    dispatch::reset_op_profile();
     Tensor sum = lora_add(std::move(y), h, b, s);
+    uint64_t copies = 0;
+    for (const auto& row : dispatch::op_profile()) copies += row.op == "copy" ? row.calls : 0;
+    dispatch::set_op_profiling(false);
+    EXPECT_EQ(copies, 0u) << "neither y nor b^T is copied";
     EXPECT_EQ(sum.data(), buffer);  // no copy
     EXPECT_TRUE(test::all_close(sum, from_vector(want, {T, out}), 1e-14, 1e-14));
   }

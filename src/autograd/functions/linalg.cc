@@ -408,7 +408,8 @@ Tensor lora_add(Tensor y, const Tensor& h, const Tensor& b, double scaling) {
   // The sum lands in y's own buffer when nothing else can see it (the gemm's beta = 1), else in a copy.
   Tensor out = y.is_exclusive() && y.is_contiguous() ? y.detach() : ops::clone(y.detach());
   y = Tensor();
-  ops::linear_backward_input_out(scaled_h, ops::contiguous(ops::transpose(bd, 0, 1)), out, {}, /*accumulate=*/true);
+  // h @ b^T as linear's input gradient against b^T, a view: the gemm reads b transposed, no copy.
+  ops::linear_backward_input_out(scaled_h, ops::transpose(bd, 0, 1), out, {}, /*accumulate=*/true);
   if (!node) return out;
   node->scaled_h = scaled_h;
   node->b = bd;
