@@ -158,8 +158,8 @@ void grouped_gemm_weight_grad_out(const Tensor& a, const Tensor& grad, const std
   const bool sixteen = a.dtype() == kBF16 || a.dtype() == kF16;
   LOOM_REQUIRE(out.shape() == shape && out.is_contiguous() && out.device() == a.device() &&
                    (out.dtype() == a.dtype() || (sixteen && out.dtype() == kF32)),
-               "grouped_gemm_weight_grad: out ", describe(out), " must be a contiguous ", shape_str(shape), " tensor of ",
-               dtype_name(a.dtype()), sixteen ? " or f32" : "", " on ", a.device().str());
+               "grouped_gemm_weight_grad: out ", describe(out), " must be a contiguous ", shape_str(shape),
+               " tensor of ", dtype_name(a.dtype()), sixteen ? " or f32" : "", " on ", a.device().str());
   run_grouped_weight_grad(a, grad, group_sizes, trans_b, out);
 }
 

@@ -32,6 +32,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/pointer_alignment.h"
 #include "backends/cuda/vendor_writes.h"
 #include "kernels/fp8_kernel.h"
 
@@ -199,13 +200,6 @@ PlanKey key_of(int device, const LtProblem& p, int align_d) {
   return {device, int(p.a_type), int(p.b_type), int(p.d_type), p.m, p.n, p.k, p.a.ld, p.b.ld, p.ldd, p.batch,
           batched ? p.a.batch_stride : 0, batched ? p.b.batch_stride : 0, batched ? p.d_stride : 0, p.fused_bias,
           p.fast_accumulation, align_d};
-}
-
-int alignment_of(const void* p) {
-  auto a = reinterpret_cast<uintptr_t>(p);
-  int align = 256;
-  while (align > 1 && a % uintptr_t(align) != 0) align /= 2;
-  return align;
 }
 
 std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
@@ -421,7 +415,7 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
     if (!aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0)) return false;
     LtProblem p = operands;
     p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
-    Plan& plan = plan_cache().get(cuda, p, alignment_of(g.c));
+    Plan& plan = plan_cache().get(cuda, p, cuda::pointer_alignment(g.c));
     return plan.has_algo && run_plan(cuda, plan, p, f);
   };
   auto run_staged = [&](LtProblem p) {

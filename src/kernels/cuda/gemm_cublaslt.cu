@@ -16,6 +16,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/pointer_alignment.h"
 #include "kernels/column_sums_kernel.h"
 #include "backends/cuda/vendor_writes.h"
 #include "kernels/gemm_kernel.h"
@@ -38,14 +39,6 @@ cublasComputeType_t compute_type(const GemmParams& p) {
   if (p.input_dtype == kF64) return CUBLAS_COMPUTE_64F;
   if (p.input_dtype == kF32 && p.compute == ComputeType::kTF32) return CUBLAS_COMPUTE_32F_FAST_TF32;
   return CUBLAS_COMPUTE_32F;
-}
-
-// The largest power of two (up to 256) that divides the address: what cuBLASLt's heuristic must assume.
-int alignment_of(const void* p) {
-  auto a = reinterpret_cast<uintptr_t>(p);
-  int align = 256;
-  while (align > 1 && a % uintptr_t(align) != 0) align /= 2;
-  return align;
 }
 
 struct PlanKey {
@@ -189,10 +182,12 @@ PlanKey make_key(const GemmParams& p, cublasLtEpilogue_t epilogue) {
   key.batch = p.batch;
   if (p.batch > 1) key.stride_a = p.stride_a, key.stride_b = p.stride_b, key.stride_c = p.stride_c;
   key.epilogue = epilogue;
-  key.align_a = alignment_of(p.a);
-  key.align_b = alignment_of(p.b);
-  key.align_c = alignment_of(p.c);
-  key.align_aux = p.pre_gelu ? alignment_of(p.pre_gelu) : p.bias_grad ? alignment_of(p.bias_grad) : 0;
+  key.align_a = cuda::pointer_alignment(p.a);
+  key.align_b = cuda::pointer_alignment(p.b);
+  key.align_c = cuda::pointer_alignment(p.c);
+  key.align_aux = p.pre_gelu    ? cuda::pointer_alignment(p.pre_gelu)
+                  : p.bias_grad ? cuda::pointer_alignment(p.bias_grad)
+                                : 0;
   return key;
 }
 
@@ -311,21 +306,21 @@ void run_epilogue(const CudaDeviceContext& cuda, const GemmParams& p, bool scale
 cublasLtEpilogue_t fused_epilogue(const GemmParams& p) {
   if (p.epilogue == GemmEpilogue::kNone || p.input_dtype == kF64) return CUBLASLT_EPILOGUE_DEFAULT;
   if (p.epilogue == GemmEpilogue::kBiasGradB)
-    return alignment_of(p.bias_grad) < 16 ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BGRADB;
+    return cuda::pointer_alignment(p.bias_grad) < 16 ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BGRADB;
   if (p.epilogue == GemmEpilogue::kDGelu) {
     // cuBLASLt's GELU derivative is approximate (about 4e-5 relative, measured on an H100): far below a 16-bit
     // output's rounding, but not f32's, so f32 takes the exact epilogue kernel. The aux (pre-activation) has C's
     // layout: its ld must be a multiple of 8 and its start 16-byte aligned.
     bool sixteen_bit = p.output_dtype == kBF16 || p.output_dtype == kF16;
-    return !sixteen_bit || p.ldc % 8 != 0 || alignment_of(p.pre_gelu) < 16 ? CUBLASLT_EPILOGUE_DEFAULT
+    return !sixteen_bit || p.ldc % 8 != 0 || cuda::pointer_alignment(p.pre_gelu) < 16 ? CUBLASLT_EPILOGUE_DEFAULT
                                                                            : CUBLASLT_EPILOGUE_DGELU;
   }
   bool bias = p.epilogue == GemmEpilogue::kBias || p.epilogue == GemmEpilogue::kBiasGelu;
   bool gelu = p.epilogue == GemmEpilogue::kGelu || p.epilogue == GemmEpilogue::kBiasGelu;
-  if (bias && alignment_of(p.bias) < 16) return CUBLASLT_EPILOGUE_DEFAULT;
+  if (bias && cuda::pointer_alignment(p.bias) < 16) return CUBLASLT_EPILOGUE_DEFAULT;
   bool aux = gelu && p.pre_gelu;
   // cuBLASLt needs the aux leading dimension and batch stride to be multiples of 8.
-  if (aux && (p.ldc % 8 != 0 || (p.batch > 1 && p.stride_c % 8 != 0) || alignment_of(p.pre_gelu) < 16))
+  if (aux && (p.ldc % 8 != 0 || (p.batch > 1 && p.stride_c % 8 != 0) || cuda::pointer_alignment(p.pre_gelu) < 16))
     return CUBLASLT_EPILOGUE_DEFAULT;
   if (!gelu) return CUBLASLT_EPILOGUE_BIAS;
   if (aux) return bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;

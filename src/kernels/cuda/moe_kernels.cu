@@ -21,6 +21,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/pointer_alignment.h"
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/moe_kernel.h"
 
@@ -408,13 +409,6 @@ int64_t bucket_of(int64_t v) {
   return b;
 }
 
-int pointer_alignment(const void* p) {
-  auto a = reinterpret_cast<uintptr_t>(p);
-  int align = 256;
-  while (align > 1 && a % uintptr_t(align) != 0) align /= 2;
-  return align;
-}
-
 struct BucketKey {
   int device;
   DType in, out;
@@ -460,8 +454,10 @@ class BucketPlans {
     if (it != plans_.end()) return it->second;
     BucketPlan plan;
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_first = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first));
+    const cublasOperation_t op_first = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    LOOM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first));
     LOOM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second));
     const Layouts l(in, out, key.ta, key.tb, key.m, key.n, key.k, key.lda, key.ldb, key.ldc);
@@ -476,8 +472,8 @@ class BucketPlans {
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c, sizeof c);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan.desc, l.first, l.second, l.c, l.c, pref, 1, &result, &found);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan.desc, l.first, l.second, l.c,
+                                                                 l.c, pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (status == CUBLAS_STATUS_SUCCESS && found > 0) plan.algo = result.algo, plan.has_algo = true;
     return plans_.emplace(key, plan).first->second;
@@ -533,7 +529,7 @@ class RowsProducts {
   bool run_lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
               int64_t ldb, void* c, int64_t ldc) {
     BucketKey key{cuda_.device().index, dtype_, c_dtype_, ta, tb, m, n, k, lda, ldb, ldc,
-                  pointer_alignment(a), pointer_alignment(b), pointer_alignment(c)};
+                  cuda::pointer_alignment(a), cuda::pointer_alignment(b), cuda::pointer_alignment(c)};
     (varying_ == Varying::kRows ? key.m : key.k) = bucket_of(varying_ == Varying::kRows ? m : k);
     const BucketPlan& plan = bucket_plans().get(cuda_, key, type_, c_type_);
     if (!plan.has_algo) return false;
