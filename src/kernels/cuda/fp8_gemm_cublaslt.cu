@@ -32,7 +32,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
-#include "kernels/cuda/pointer_alignment.h"
+#include "kernels/cuda/cublaslt_util.h"
 #include "backends/cuda/vendor_writes.h"
 #include "kernels/fp8_kernel.h"
 
@@ -220,22 +220,10 @@ std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
   plan->a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);  // stored k x m: op(A) = A^T
   plan->b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
   plan->d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
-  cublasLtMatmulPreference_t pref = nullptr;
-  LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  uint64_t workspace = cuda.workspace_bytes();
-  uint32_t operands = 16, d_align = uint32_t(align_d);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &operands, sizeof operands);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &operands, sizeof operands);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &d_align, sizeof d_align);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d_align, sizeof d_align);
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->d,
-                                                         plan->d, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
-    plan->algo = result.algo;
+  // A and B 16-byte aligned (the FP8 operands' buffers), D as given.
+  if (auto algo = cuda::heuristic_algorithm(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->d,
+                                            cuda.workspace_bytes(), 16, 16, uint32_t(align_d))) {
+    plan->algo = *algo;
     plan->has_algo = true;
   }
   return plan;

@@ -16,7 +16,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
-#include "kernels/cuda/pointer_alignment.h"
+#include "kernels/cuda/cublaslt_util.h"
 #include "kernels/column_sums_kernel.h"
 #include "backends/cuda/vendor_writes.h"
 #include "kernels/gemm_kernel.h"
@@ -148,22 +148,10 @@ std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const PlanKey& k
                         key.stride_b);
   plan->c = make_layout(key.output, key.m, key.n, key.ldc, key.batch, key.stride_c);
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  uint64_t workspace = cuda.workspace_bytes();
-  uint32_t align_a = uint32_t(key.align_a), align_b = uint32_t(key.align_b), align_c = uint32_t(key.align_c);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c);
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->c,
-                                                         plan->c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
-    plan->algo = result.algo;
+  if (auto algo = cuda::heuristic_algorithm(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->c,
+                                            cuda.workspace_bytes(), uint32_t(key.align_a), uint32_t(key.align_b),
+                                            uint32_t(key.align_c))) {
+    plan->algo = *algo;
     plan->has_algo = true;
   }
   return plan;

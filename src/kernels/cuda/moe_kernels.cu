@@ -21,7 +21,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
-#include "kernels/cuda/pointer_alignment.h"
+#include "kernels/cuda/cublaslt_util.h"
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/moe_kernel.h"
 
@@ -461,21 +461,11 @@ class BucketPlans {
     LOOM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second));
     const Layouts l(in, out, key.ta, key.tb, key.m, key.n, key.k, key.lda, key.ldb, key.ldc);
-    cublasLtMatmulPreference_t pref = nullptr;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t workspace = cuda.workspace_bytes();
-    const uint32_t first = uint32_t(key.align_b), second = uint32_t(key.align_a), c = uint32_t(key.align_c);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &first, sizeof first);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &second, sizeof second);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c, sizeof c);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c, sizeof c);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(cuda.cublaslt(), plan.desc, l.first, l.second, l.c,
-                                                                 l.c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    if (status == CUBLAS_STATUS_SUCCESS && found > 0) plan.algo = result.algo, plan.has_algo = true;
+    // The first operand is B as stored, the second A.
+    if (auto algo = cuda::heuristic_algorithm(cuda.cublaslt(), plan.desc, l.first, l.second, l.c,
+                                              cuda.workspace_bytes(), uint32_t(key.align_b), uint32_t(key.align_a),
+                                              uint32_t(key.align_c)))
+      plan.algo = *algo, plan.has_algo = true;
     return plans_.emplace(key, plan).first->second;
   }
 
@@ -554,8 +544,9 @@ class RowsProducts {
   cudaStream_t stream_ = nullptr;
 };
 
-void grouped_gemm_with(GroupEngine engine, const DeviceContext& ctx, const Tensor& a, const Tensor& b,
-                       const GroupedGemmAttrs& attrs, Tensor& c) {
+template <GroupEngine engine>
+void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& b, const GroupedGemmAttrs& attrs,
+                       Tensor& c) {
   const int64_t M = a.size(0), K = a.size(1), N = c.size(1), G = b.size(0);
   LOOM_REQUIRE(int64_t(attrs.group_sizes.size()) == G, "grouped_gemm: ", attrs.group_sizes.size(),
                " group sizes for ", G, " matrices");
@@ -575,7 +566,8 @@ void grouped_gemm_with(GroupEngine engine, const DeviceContext& ctx, const Tenso
                  bs + g * K * N * elem, attrs.trans_b ? K : N, cs + off[size_t(g)] * N * elem, N);
 }
 
-void grouped_gemm_weight_grad_with(GroupEngine engine, const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
+template <GroupEngine engine>
+void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
                                    const GroupedGemmAttrs& attrs, Tensor& grad_b) {
   const int64_t M = a.size(0), K = a.size(1), N = grad.size(1), G = grad_b.size(0);
   LOOM_REQUIRE(int64_t(attrs.group_sizes.size()) == G, "grouped_gemm_weight_grad: ", attrs.group_sizes.size(),
@@ -597,23 +589,6 @@ void grouped_gemm_weight_grad_with(GroupEngine engine, const DeviceContext& ctx,
   }
 }
 
-void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& b, const GroupedGemmAttrs& attrs,
-                       Tensor& c) {
-  grouped_gemm_with(GroupEngine::kCublas, ctx, a, b, attrs, c);
-}
-void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
-                                   const GroupedGemmAttrs& attrs, Tensor& grad_b) {
-  grouped_gemm_weight_grad_with(GroupEngine::kCublas, ctx, a, grad, attrs, grad_b);
-}
-void grouped_gemm_lt_buckets(const DeviceContext& ctx, const Tensor& a, const Tensor& b, const GroupedGemmAttrs& attrs,
-                             Tensor& c) {
-  grouped_gemm_with(GroupEngine::kLtBuckets, ctx, a, b, attrs, c);
-}
-void grouped_gemm_weight_grad_lt_buckets(const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
-                                         const GroupedGemmAttrs& attrs, Tensor& grad_b) {
-  grouped_gemm_weight_grad_with(GroupEngine::kLtBuckets, ctx, a, grad, attrs, grad_b);
-}
-
 }  // namespace
 
 LOOM_REGISTER_KERNEL(moe_route, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_route_cuda);
@@ -621,13 +596,14 @@ LOOM_REGISTER_KERNEL(moe_route_backward, kCUDA, "native", cuda::kCudaFloatingDTy
 LOOM_REGISTER_KERNEL(moe_permute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_permute_cuda);
 LOOM_REGISTER_KERNEL(moe_unpermute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_cuda);
 LOOM_REGISTER_KERNEL(moe_unpermute_backward, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_backward_cuda);
-LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "native", cuda::kCudaFloatingDTypes, grouped_gemm_cuda);
+LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "native", cuda::kCudaFloatingDTypes, grouped_gemm_cuda<GroupEngine::kCublas>);
 LOOM_REGISTER_KERNEL(grouped_gemm_weight_grad, kCUDA, "native", cuda::kCudaFloatingDTypes,
-                     grouped_gemm_weight_grad_cuda);
+                     grouped_gemm_weight_grad_cuda<GroupEngine::kCublas>);
 // The same products through cuBLASLt's per-bucket algorithms, chosen with LOOM_PROVIDERS="lt_buckets:grouped_gemm,
 // grouped_gemm_weight_grad" while they are measured against the loop of cublasGemmEx above (below native otherwise).
-LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "lt_buckets", cuda::kCudaFloatingDTypes, grouped_gemm_lt_buckets, -20);
+LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "lt_buckets", cuda::kCudaFloatingDTypes,
+                     grouped_gemm_cuda<GroupEngine::kLtBuckets>, -20);
 LOOM_REGISTER_KERNEL(grouped_gemm_weight_grad, kCUDA, "lt_buckets", cuda::kCudaFloatingDTypes,
-                     grouped_gemm_weight_grad_lt_buckets, -20);
+                     grouped_gemm_weight_grad_cuda<GroupEngine::kLtBuckets>, -20);
 
 }  // namespace loom

@@ -42,41 +42,27 @@ AdamWScalars<M> adamw_scalars(const AdamWUpdateAttrs& a) {
                          M(a.eps)};
 }
 
-// One element's update: the same expressions in both kernels below, so that a vector step and a scalar one give the
-// same bits.
-template <typename P, typename G, typename M>
-__device__ __forceinline__ void adamw_element(const AdamWScalars<M>& s, P& param, G grad, M& exp_avg, M& exp_avg_sq) {
-  M g = to_math<M>(grad);
-  M m = s.beta1 * exp_avg + s.one_minus_beta1 * g;
-  M v = s.beta2 * exp_avg_sq + s.one_minus_beta2 * g * g;
-  exp_avg = m;
-  exp_avg_sq = v;
-  M denom = sqrt_of(v) * s.inv_bias_correction2_sqrt + s.eps;
-  M p = to_math<M>(param) * s.decay;
-  param = P(p - s.step_size * m / denom);
-}
-
 // The scalars come from `slot` when it is set (a step captured into a CUDA graph, whose learning rate and step count
-// change from replay to replay), else from `arg`; the same values either way, so both give the same bits.
-template <typename P, typename G>
+// change from replay to replay), else from `arg`; the same values either way, so both give the same bits. Every
+// operand is aligned to VEC elements (16 bytes of the widest type where they align, else VEC = 1): one load and one
+// store per operand per VEC elements (the update is bandwidth-bound: 28 bytes an f32 element), then the tail.
+template <int VEC, typename P, typename G>
 __global__ void adamw_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScalars<acc_t<P>>* __restrict__ slot,
                              P* __restrict__ param, const G* __restrict__ grad, acc_t<P>* __restrict__ exp_avg,
                              acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
-  const AdamWScalars<acc_t<P>> s = slot ? *slot : arg;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step)
-    adamw_element(s, param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
-}
-
-// As adamw_kernel with every operand aligned to VEC elements of the widest type (16 bytes): one load and one store
-// per operand per VEC elements (the update is bandwidth-bound: 28 bytes an f32 element), then the tail one by one.
-template <int VEC, typename P, typename G>
-__global__ void adamw_vector_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScalars<acc_t<P>>* __restrict__ slot,
-                                    P* __restrict__ param, const G* __restrict__ grad, acc_t<P>* __restrict__ exp_avg,
-                                    acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
   using M = acc_t<P>;
   using cuda::AlignedVector;
   const AdamWScalars<M> s = slot ? *slot : arg;
+  auto update = [&s](P& param, G grad, M& exp_avg, M& exp_avg_sq) {
+    M g = to_math<M>(grad);
+    M m = s.beta1 * exp_avg + s.one_minus_beta1 * g;
+    M v = s.beta2 * exp_avg_sq + s.one_minus_beta2 * g * g;
+    exp_avg = m;
+    exp_avg_sq = v;
+    M denom = sqrt_of(v) * s.inv_bias_correction2_sqrt + s.eps;
+    M p = to_math<M>(param) * s.decay;
+    param = P(p - s.step_size * m / denom);
+  };
   const int64_t step = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vectors = n / VEC;
   for (int64_t v = first; v < vectors; v += step) {
@@ -86,13 +72,12 @@ __global__ void adamw_vector_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScala
     auto m = *reinterpret_cast<const AlignedVector<M, VEC>*>(exp_avg + base);
     auto w = *reinterpret_cast<const AlignedVector<M, VEC>*>(exp_avg_sq + base);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) adamw_element(s, p.v[j], g.v[j], m.v[j], w.v[j]);
+    for (int j = 0; j < VEC; ++j) update(p.v[j], g.v[j], m.v[j], w.v[j]);
     *reinterpret_cast<AlignedVector<P, VEC>*>(param + base) = p;
     *reinterpret_cast<AlignedVector<M, VEC>*>(exp_avg + base) = m;
     *reinterpret_cast<AlignedVector<M, VEC>*>(exp_avg_sq + base) = w;
   }
-  for (int64_t i = vectors * VEC + first; i < n; i += step)
-    adamw_element(s, param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
+  for (int64_t i = vectors * VEC + first; i < n; i += step) update(param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
 }
 
 void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
@@ -123,10 +108,9 @@ void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tens
       M* v = exp_avg_sq.data_ptr<M>();
       if (cuda::vector_aligned<VEC>(p, sizeof(P)) && cuda::vector_aligned<VEC>(g, sizeof(G)) &&
           cuda::vector_aligned<VEC>(m, sizeof(M)) && cuda::vector_aligned<VEC>(v, sizeof(M)))
-        adamw_vector_kernel<VEC, P, G><<<loop_blocks((n + VEC - 1) / VEC), kLoopThreads, 0, stream>>>(s, slot, p, g, m,
-                                                                                                       v, n);
+        adamw_kernel<VEC, P, G><<<loop_blocks((n + VEC - 1) / VEC), kLoopThreads, 0, stream>>>(s, slot, p, g, m, v, n);
       else
-        adamw_kernel<P, G><<<loop_blocks(n), kLoopThreads, 0, stream>>>(s, slot, p, g, m, v, n);
+        adamw_kernel<1, P, G><<<loop_blocks(n), kLoopThreads, 0, stream>>>(s, slot, p, g, m, v, n);
       LOOM_CUDA_CHECK_LAUNCH();
     });
   });
