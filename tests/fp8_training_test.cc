@@ -111,6 +111,18 @@ TEST(Fp8Training, TinyLlamaFollowsF32) {
   expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all");
 }
 
+// Every step's loss of `o` under selective and under full recompute is the same bits as without recompute.
+void expect_recompute_keeps_the_losses(train::TrainOptions o, const std::string& what) {
+  const auto plain = losses(o);
+  for (const char* mode : {"selective", "full"}) {
+    o.recompute = mode;
+    const auto again = losses(o);
+    ASSERT_EQ(again.size(), plain.size());
+    for (size_t i = 0; i < plain.size(); ++i)
+      EXPECT_EQ(again[i], plain[i]) << what << "--recompute " << mode << " step " << i + 1;
+  }
+}
+
 // Recompute changes where FP8's operands come from (a selective recompute keeps them with the kept products, a full
 // one quantizes them again), not their values: every step's loss is the same bits as without recompute.
 TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
@@ -118,14 +130,7 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
   auto o = setup(dir, "llama3-tiny");
   o.steps = 6;
   o.fp8 = "all";
-  const auto plain = losses(o);
-  for (const char* mode : {"selective", "full"}) {
-    o.recompute = mode;
-    const auto again = losses(o);
-    ASSERT_EQ(again.size(), plain.size());
-    for (size_t i = 0; i < plain.size(); ++i)
-      EXPECT_EQ(again[i], plain[i]) << "--recompute " << mode << " step " << i + 1;
-  }
+  expect_recompute_keeps_the_losses(o, "");
 }
 
 // FP8 casts (either format) in one forward of llama3-tiny under --fp8 all, with the adapters of `lora`.
@@ -164,14 +169,7 @@ TEST(Fp8Training, AdaptersShareTheirLayersInputCast) {
   o.lora_targets = "q,k,v,o,gate,up,down";
   o.steps = 4;
   o.warmup_steps = 1;
-  const auto losses_plain = losses(o);
-  for (const char* mode : {"selective", "full"}) {
-    o.recompute = mode;
-    const auto again = losses(o);
-    ASSERT_EQ(again.size(), losses_plain.size());
-    for (size_t i = 0; i < again.size(); ++i)
-      EXPECT_EQ(again[i], losses_plain[i]) << "LoRA, --recompute " << mode << " step " << i + 1;
-  }
+  expect_recompute_keeps_the_losses(o, "LoRA, ");
 }
 
 #ifdef LOOM_TRAIN_EXE
