@@ -1,13 +1,14 @@
 // The FP8 linear layer (loom/fp8.h) on the CPU: forward and backward agree exactly (to f32 summation) with a float64
 // model of the quantized computation written from the recipe; its gradients approximate the unquantized layer's
 // (central differences) within the quantization noise; delayed scaling uses the history; master weights and their
-// gradients stay f32; a model's FP8 scope reaches the layers it names.
+// gradients stay f32; a model's FP8 scope reaches the layers it names; the grouped (mixture of experts) layer likewise.
 #include <cmath>
 #include <random>
 
 #include "loom/amp.h"
 #include "loom/fp8.h"
 #include "loom/nn/model.h"
+#include "loom/nn/moe.h"
 #include "providers/naive_reference_fp8.h"
 #include "test_util.h"
 
@@ -167,6 +168,50 @@ TEST(NnFp8, AutocastWritesBf16AndKeepsMastersF32) {
   EXPECT_EQ(fp8::linear(x.detach().to(kBF16), w, b, state).dtype(), kBF16) << "a bf16 input gives bf16";
 }
 
+// The grouped layer (a mixture of experts' products): each group's rows times its own matrix, one scaling per operand
+// over all groups; an empty group, a group of one row and rows past the groups (zeros out, zero gradients back);
+// sizes off every 16. Forward and both gradients against the float64 model of the quantized computation.
+TEST(NnFp8, GroupedLinearMatchesAFloat64ModelOfTheQuantizedComputation) {
+  const std::vector<int64_t> sizes{5, 0, 7, 1, 3};
+  const int64_t rows = 19, used = 16, in = 40, out = 24, groups = int64_t(sizes.size());
+  auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  Tensor x = test::random_tensor({rows, in}, kF32, -2, 2).set_requires_grad(true);
+  Tensor w = test::random_tensor({groups, out, in}, kF32, -0.3, 0.3).set_requires_grad(true);
+  Tensor y = fp8::grouped_linear(x, w, sizes, state);
+  ASSERT_EQ(y.shape(), (Shape{rows, out}));
+  const Tensor dy = test::random_tensor({rows, out}, kF32, -1e-3, 1e-3);
+  y.backward(dy);
+
+  const auto xq = model_quantize(test::values(x), kF8E4M3).values;
+  const auto wq = model_quantize(test::values(w), kF8E4M3).values;
+  const auto gq = model_quantize(test::values(dy), kF8E5M2).values;
+  std::vector<double> y_ref(size_t(rows * out), 0.0), dx_ref(size_t(rows * in), 0.0), dw_ref(size_t(groups * out * in));
+  int64_t first = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n = sizes[size_t(g)];
+    auto slice = [](const std::vector<double>& v, int64_t from, int64_t count) {
+      return std::vector<double>(v.begin() + from, v.begin() + from + count);
+    };
+    const auto xg = slice(xq, first * in, n * in), gg = slice(gq, first * out, n * out);
+    const auto wg = slice(wq, g * out * in, out * in);
+    const auto yg = product(xg, wg, n, in, out), dxg = product(gg, transposed(wg, out, in), n, out, in);
+    const auto dwg = product(transposed(gg, n, out), transposed(xg, n, in), out, n, in);
+    std::copy(yg.begin(), yg.end(), y_ref.begin() + first * out);
+    std::copy(dxg.begin(), dxg.end(), dx_ref.begin() + first * in);
+    std::copy(dwg.begin(), dwg.end(), dw_ref.begin() + g * out * in);
+    first += n;
+  }
+  ASSERT_EQ(first, used);
+  expect_close(test::values(y), y_ref, 1e-6, "y");
+  expect_close(test::values(x.grad()), dx_ref, 1e-6, "grad_x");
+  expect_close(test::values(w.grad()), dw_ref, 1e-6, "grad_w");
+  EXPECT_EQ(w.grad().dtype(), kF32);
+
+  EXPECT_THROW(fp8::grouped_linear(x, w, {5, 0, 7, 1}, state), Error) << "one size per group";
+  EXPECT_THROW(fp8::grouped_linear(x, w, {5, 0, 7, 1, 9}, state), Error) << "more rows than x holds";
+  EXPECT_THROW(fp8::grouped_linear(x, w.reshape({groups * out, in}), sizes, state), Error) << "weight [G, out, in]";
+}
+
 TEST(NnFp8, ModelScopeReachesTheLayersItNames) {
   nn::ModelConfig cfg = nn::ModelConfig::from_name("gpt2-tiny");
   auto model = nn::make_model(cfg, 1);
@@ -191,6 +236,20 @@ TEST(NnFp8, ModelScopeReachesTheLayersItNames) {
   bad.amax_history = 0;
   EXPECT_THROW(model->set_fp8(fp8::Scope::kAll, bad), Error);
   EXPECT_NO_THROW(fp8::check_device(Device()));
+
+  // A mixture of experts' grouped products are linear layers of the blocks; the router is not.
+  auto moe_model = nn::make_model(nn::ModelConfig::from_name("mixtral-tiny"), 1);
+  auto fp8_experts = [&] {
+    int n = 0;
+    for (const auto& [name, m] : moe_model->named_modules())
+      if (auto moe = std::dynamic_pointer_cast<nn::MoeMLP>(m))
+        n += (moe->gate_up_fp8 != nullptr) + (moe->down_fp8 != nullptr);
+    return n;
+  };
+  moe_model->set_fp8(fp8::Scope::kAll);
+  EXPECT_EQ(fp8_experts(), 2 * 2);  // two blocks
+  moe_model->set_fp8(fp8::Scope::kClassifier);
+  EXPECT_EQ(fp8_experts(), 0);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// FP8 training end to end on the CPU (Loom's reference FP8 kernels): tiny GPT-2 and LLaMA-3 models trained with
+// FP8 training end to end on the CPU (Loom's reference FP8 kernels): tiny GPT-2, LLaMA-3 and Mixtral models trained with
 // --fp8 all (current scaling in f32, delayed scaling under bf16 autocast) follow the f32 run's losses within 2% per
 // step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
 // products; loom-train itself with --dtype bf16 --fp8 all follows its --dtype bf16 run within 1% at every step and
@@ -111,6 +111,19 @@ TEST(Fp8Training, TinyLlamaFollowsF32) {
   expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all");
 }
 
+// The experts' grouped products in FP8 too: a tiny Mixtral follows its f32 run, and recompute keeps its losses.
+TEST(Fp8Training, TinyMixtralFollowsF32) {
+  TempDir dir;
+  auto o = setup(dir, "mixtral-tiny");
+  o.steps = 20;
+  const auto f32 = losses(o);
+  o.fp8 = "all";
+  const uint64_t before = fp8_products();
+  expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all");
+  // Per step at least the experts' 6 grouped products per block (forward 2, gradients 4) of its 4 experts.
+  EXPECT_GE(fp8_products() - before, uint64_t(o.steps * 2 * 6 * 4)) << "the experts ran FP8 products";
+}
+
 // Every step's loss of `o` under selective and under full recompute is the same bits as without recompute.
 void expect_recompute_keeps_the_losses(train::TrainOptions o, const std::string& what) {
   const auto plain = losses(o);
@@ -131,6 +144,11 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
   o.steps = 6;
   o.fp8 = "all";
   expect_recompute_keeps_the_losses(o, "");
+  auto m = setup(dir, "mixtral-tiny");
+  m.steps = 4;
+  m.warmup_steps = 1;
+  m.fp8 = "all";
+  expect_recompute_keeps_the_losses(m, "mixtral-tiny, ");
 }
 
 // FP8 casts (either format) in one forward of llama3-tiny under --fp8 all, with the adapters of `lora`.

@@ -83,6 +83,13 @@ struct LinearWeights {
 };
 std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers);
 
+// A mixture of experts' grouped layer in FP8: rows [M, in] in groups of sizes[g] rows (in order; rows past the groups
+// give zero rows), group g's rows times weight[g]^T (weight [G, out, in]) -> [M, out], as linear() computes each
+// product: one input scaling over all the rows, one weight scaling over all the groups' matrices, one for the
+// output gradient.
+Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vector<int64_t>& sizes,
+                      const std::shared_ptr<LinearState>& state);
+
 // Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
 // reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).
 void check_device(Device device);

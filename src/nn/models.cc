@@ -47,8 +47,12 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
   const bool classifier = scope == fp8::Scope::kClassifier || scope == fp8::Scope::kAll;
   for (const auto& block : this->blocks())
     for (const auto& [name, m] : block->named_modules())
-      if (auto layer = std::dynamic_pointer_cast<Linear>(m))
+      if (auto layer = std::dynamic_pointer_cast<Linear>(m)) {
         layer->fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+      } else if (auto moe = std::dynamic_pointer_cast<MoeMLP>(m)) {
+        moe->gate_up_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+        moe->down_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+      }
   classifier_fp8_ = classifier ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
   fp8_scope_ = scope;
 }

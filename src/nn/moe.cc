@@ -82,9 +82,12 @@ Tensor MoeMLP::forward_tokens(const Tensor& x) const {
 }
 
 Tensor MoeMLP::local_experts(const Tensor& rows, const std::vector<int64_t>& sizes) const {
-  Tensor gate_up = grouped_gemm(rows, gate_up_proj, sizes, true);  // [rows, 2F]
+  auto product = [&](const Tensor& x, const Tensor& w, const std::shared_ptr<fp8::LinearState>& fp8) {
+    return fp8 ? fp8::grouped_linear(x, w, sizes, fp8) : grouped_gemm(x, w, sizes, true);
+  };
+  Tensor gate_up = product(rows, gate_up_proj, gate_up_fp8);  // [rows, 2F]
   std::vector<Tensor> halves = split(gate_up, hidden, 1);
-  return grouped_gemm(swiglu(halves[0], halves[1]), down_proj, sizes, true);  // [rows, C]
+  return product(swiglu(halves[0], halves[1]), down_proj, down_fp8);  // [rows, C]
 }
 
 // Under expert parallelism rank r holds experts [r L, (r + 1) L). The rows of its tokens go, expert group by expert

@@ -3,6 +3,8 @@
 #include "loom/ops/fp8.h"
 
 #include "kernels/fp8_kernel.h"
+#include "kernels/moe_kernel.h"
+#include "loom/ops/elementwise.h"
 #include "loom/ops/views.h"
 #include "ops/op_common.h"
 
@@ -53,6 +55,29 @@ void run(const Fp8GemmParams& f) {
 }
 
 int64_t rows_of(const Tensor& t) { return t.dim() ? t.numel() / std::max<int64_t>(1, t.size(-1)) : 1; }
+
+// A grouped product's operands: x [M, in] (or grad [M, out]) rows in groups, weight [G, out, in]; the row offsets.
+std::vector<int64_t> check_grouped(const char* op, const char* rows_name, const Fp8Tensor& rows, int64_t row_width,
+                                   const Fp8Tensor& weight, const std::vector<int64_t>& sizes) {
+  check_operand(op, rows_name, rows, 2);
+  LOOM_REQUIRE(weight.q.defined() && weight.q.dim() == 3, op, ": weight must be [groups, out, in], got ",
+               weight.q.defined() ? describe(weight.q) : "undefined");
+  check_operand(op, "weight", weight, -1);
+  LOOM_REQUIRE(int64_t(sizes.size()) == weight.q.size(0), op, ": ", sizes.size(), " group sizes for ",
+               weight.q.size(0), " weight matrices");
+  LOOM_REQUIRE(rows.q.size(1) == row_width && rows.q.device() == weight.q.device(), op, ": ", rows_name, " ",
+               describe(rows.q), " does not fit weight ", describe(weight.q));
+  return grouped_gemm_offsets(op, sizes, rows.q.size(0));
+}
+
+const uint8_t* bytes(const Tensor& t) { return static_cast<const uint8_t*>(t.data()); }
+
+// Zeros in the rows of `out` [M, width] past the groups (rows no group took: dropped tokens).
+void zero_rows_past(Tensor& out, int64_t first) {
+  if (first >= out.size(0)) return;
+  Tensor past = ops::narrow(out, 0, first, out.size(0) - first);
+  ops::fill_(past, 0.0);
+}
 
 }  // namespace
 
@@ -181,6 +206,86 @@ void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, T
   p.m = in_features, p.n = out_features, p.k = rows;
   p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
   run(f);
+}
+
+// The grouped forms: one product per group, each on its rows' slice and its matrix, the operands' scales shared.
+Tensor fp8_grouped_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const std::vector<int64_t>& sizes, DType dtype,
+                          bool fast_accumulation) {
+  const char* op = "fp8_grouped_linear";
+  check_unquantized(op, "the result", dtype);
+  const int64_t in_features = weight.q.defined() && weight.q.dim() == 3 ? weight.q.size(2) : -1;
+  const auto off = check_grouped(op, "x", x, in_features, weight, sizes);
+  const int64_t out_features = weight.q.size(1);
+  Tensor out = empty({x.q.size(0), out_features}, dtype, x.q.device());
+  zero_rows_past(out, off.back());
+  const int64_t elem = int64_t(dtype_size(dtype));
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] == 0 || out_features == 0) continue;
+    Fp8GemmParams f = product(weight, x, out);
+    GemmParams& p = f.gemm;
+    p.a = bytes(weight.q) + int64_t(g) * out_features * in_features;
+    p.b = bytes(x.q) + off[g] * in_features;
+    p.c = static_cast<uint8_t*>(out.data()) + off[g] * out_features * elem;
+    p.trans_a = true;
+    p.m = out_features, p.n = sizes[g], p.k = in_features;
+    p.lda = in_features, p.ldb = in_features, p.ldc = out_features;
+    f.fast_accumulation = fast_accumulation;
+    run(f);
+  }
+  return out;
+}
+
+Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
+                                         const std::vector<int64_t>& sizes, DType dtype) {
+  const char* op = "fp8_grouped_linear_backward_input";
+  check_unquantized(op, "the result", dtype);
+  const int64_t out_features = weight.q.defined() && weight.q.dim() == 3 ? weight.q.size(1) : -1;
+  const auto off = check_grouped(op, "grad", grad, out_features, weight, sizes);
+  const int64_t in_features = weight.q.size(2);
+  Tensor out = empty({grad.q.size(0), in_features}, dtype, grad.q.device());
+  zero_rows_past(out, off.back());
+  const int64_t elem = int64_t(dtype_size(dtype));
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] == 0 || in_features == 0) continue;
+    Fp8GemmParams f = product(weight, grad, out);
+    GemmParams& p = f.gemm;
+    p.a = bytes(weight.q) + int64_t(g) * out_features * in_features;
+    p.b = bytes(grad.q) + off[g] * out_features;
+    p.c = static_cast<uint8_t*>(out.data()) + off[g] * in_features * elem;
+    p.m = in_features, p.n = sizes[g], p.k = out_features;
+    p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
+    run(f);
+  }
+  return out;
+}
+
+void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x,
+                                            const std::vector<int64_t>& sizes, Tensor& out) {
+  const char* op = "fp8_grouped_linear_backward_weight";
+  check_operand(op, "grad", grad, 2);
+  check_operand(op, "x", x, 2);
+  LOOM_REQUIRE(grad.q.size(0) == x.q.size(0) && grad.q.device() == x.q.device(), op, ": grad ", describe(grad.q),
+               " and x ", describe(x.q), " must hold the same rows");
+  const int64_t out_features = grad.q.size(1), in_features = x.q.size(1), groups = int64_t(sizes.size());
+  const auto off = grouped_gemm_offsets(op, sizes, x.q.size(0));
+  check_unquantized(op, "out", out.dtype());
+  LOOM_REQUIRE(out.shape() == (Shape{groups, out_features, in_features}) && out.is_contiguous() &&
+                   out.device() == x.q.device(),
+               op, ": out ", describe(out), " must be a contiguous [", groups, ", ", out_features, ", ", in_features,
+               "] tensor on ", x.q.device().str());
+  const int64_t elem = int64_t(dtype_size(out.dtype()));
+  for (int64_t g = 0; g < groups; ++g) {
+    if (out_features == 0 || in_features == 0) break;
+    Fp8GemmParams f = product(x, grad, out);  // an empty group's sum is zero: fp8_gemm writes it for k = 0
+    GemmParams& p = f.gemm;
+    p.a = bytes(x.q) + off[size_t(g)] * in_features;
+    p.b = bytes(grad.q) + off[size_t(g)] * out_features;
+    p.c = static_cast<uint8_t*>(out.data()) + g * out_features * in_features * elem;
+    p.trans_b = true;
+    p.m = in_features, p.n = out_features, p.k = sizes[size_t(g)];
+    p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
+    run(f);
+  }
 }
 
 }  // namespace loom::ops

@@ -62,6 +62,9 @@ class MoeMLP : public Module {
   Tensor gate_up_proj, down_proj;       // [E, 2F, C], [E, C, F]
   std::shared_ptr<SwiGLUMLP> shared_expert;  // or null
   std::shared_ptr<RouterLog> log;
+  // Set (by a model's FP8 scope over its blocks): the experts' two grouped products run in FP8 (fp8::grouped_linear)
+  // with these scalings. The router stays in the autocast dtype: routing is decided on its logits.
+  std::shared_ptr<fp8::LinearState> gate_up_fp8, down_fp8;
   // Expert parallelism: set by a plan that kept this rank's experts (gate_up_proj and down_proj then hold
   // num_experts / region->size() experts); the router still scores every expert on every rank.
   std::shared_ptr<const ExpertParallelRegion> expert_parallel;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "loom/core/tensor.h"
 
@@ -40,5 +41,16 @@ Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bia
 Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype);
 // grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot).
 void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out);
+
+// The same three products for a mixture of experts' grouped layer: the rows of x [M, in] (grad [M, out]) come in
+// groups of sizes[g] rows, in order, and group g's rows use weight[g] (weight [G, out, in], one scale for all of it).
+// Rows past the groups (tokens no expert took) give zero rows; an empty group gets a zero weight gradient.
+Tensor fp8_grouped_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const std::vector<int64_t>& sizes, DType dtype,
+                          bool fast_accumulation = false);
+Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
+                                         const std::vector<int64_t>& sizes, DType dtype);
+// out [G, out, in] (contiguous, bf16 or f32): out[g] = grad_g^T x_g.
+void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x,
+                                            const std::vector<int64_t>& sizes, Tensor& out);
 
 }  // namespace loom::ops

@@ -171,6 +171,71 @@ std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& l
   return out;
 }
 
+namespace {
+
+class Fp8GroupedLinearBackward final : public autograd::Node {
+ public:
+  ops::Fp8Tensor x, weight;  // as Fp8LinearBackward's
+  std::vector<int64_t> sizes;
+  std::shared_ptr<LinearState> state;
+  DType x_dtype = kF32, weight_dtype = kF32;
+
+  std::string name() const override { return "Fp8GroupedLinearBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(2);
+    if (!grads[0].defined() || !(needs_input_grad(0) || needs_input_grad(1))) return out;
+    const ops::Fp8Tensor gq = state->grad_output.quantize(grads[0]);
+    if (needs_input_grad(0))
+      out[0] = as_dtype(ops::fp8_grouped_linear_backward_input(gq, weight, sizes, product_dtype_for(x_dtype)), x_dtype);
+    if (needs_input_grad(1)) {
+      const DType written = product_dtype_for(weight_dtype);
+      Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
+      const bool in_slot = dw.defined();
+      if (!in_slot) dw = empty(weight.q.shape(), written, grads[0].device());
+      ops::fp8_grouped_linear_backward_weight_out(gq, x, sizes, dw);
+      out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
+    }
+    return out;
+  }
+  void release_saved() override {
+    x = weight = ops::Fp8Tensor{};
+    state.reset();
+  }
+};
+
+}  // namespace
+
+Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vector<int64_t>& sizes,
+                      const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::grouped_linear: no FP8 state");
+  LOOM_REQUIRE(rows.defined() && weight.defined() && rows.dim() == 2 && weight.dim() == 3 &&
+                   rows.size(1) == weight.size(2),
+               "fp8::grouped_linear: rows ", describe(rows), " do not fit weight ", describe(weight),
+               " (expected rows [M, in] and weight [groups, out, in])");
+  const DType out_dtype =
+      amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(rows.dtype());
+  const bool record = autograd::should_record({&rows, &weight});
+  // Kept as linear() keeps its operands: a selective recompute quantizes neither again.
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_grouped_linear", [&] {
+    const ops::Fp8Tensor xq = state->input.quantize(rows.detach());
+    const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
+    return std::vector<Tensor>{
+        ops::fp8_grouped_linear(xq, wq, sizes, out_dtype, state->recipe.fast_accumulation_forward), xq.q,
+        xq.scale_inv, wq.q, wq.scale_inv};
+  });
+  Tensor out = kept[0];
+  if (!record) return out;
+  auto node = autograd::make_node<Fp8GroupedLinearBackward>({&rows, &weight});
+  if (node->needs_input_grad(0)) node->weight = {kept[3], kept[4]};
+  if (node->needs_input_grad(1)) node->x = {kept[1], kept[2]};
+  node->sizes = sizes;
+  node->state = state;
+  node->x_dtype = rows.dtype();
+  node->weight_dtype = weight.dtype();
+  autograd::set_history(out, node);
+  return out;
+}
+
 void check_device(Device device) {
   if (device.is_cpu()) return;
   // A 16 x 16 x 16 product of zeros, e4m3 with e5m2 and with e4m3 as a layer runs them: a kernel must take each.

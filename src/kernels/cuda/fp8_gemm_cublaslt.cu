@@ -18,11 +18,12 @@
 // had a scale 4, 8 or 12 bytes past 16), so a misaligned scale is first copied to an aligned scratch. A call that
 // cublasLtMatmul still refuses in the layout given is run again with every operand packed.
 //
-// Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem. supports() declines GPUs before
+// Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem, the newest 4096 of them. supports() declines GPUs before
 // sm_89, two e5m2 operands, and a problem for which cuBLASLt offers no algorithm even in the canonical layout.
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -202,8 +203,8 @@ PlanKey key_of(int device, const LtProblem& p, int align_d) {
           p.fast_accumulation, align_d};
 }
 
-std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
-  auto plan = std::make_unique<Plan>();
+std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
+  auto plan = std::make_shared<Plan>();
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
   set_attr(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
@@ -229,23 +230,35 @@ std::unique_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
   return plan;
 }
 
+// At most kCapacity plans, the oldest dropped first: a mixture of experts' products take new row counts every step,
+// and a plan per count ever seen would grow without end. A dropped plan lives on while a call still holds it.
 class PlanCache {
  public:
-  Plan& get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
+  static constexpr size_t kCapacity = 4096;
+  std::shared_ptr<Plan> get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
     const PlanKey key = key_of(cuda.device().index, p, align_d);
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = plans_.find(key);
-      if (it != plans_.end()) return *it->second;
+      if (it != plans_.end()) return it->second;
     }
-    std::unique_ptr<Plan> plan = build_plan(cuda, p, align_d);  // outside the lock: the heuristic takes a while
+    std::shared_ptr<Plan> plan = build_plan(cuda, p, align_d);  // outside the lock: the heuristic takes a while
     std::lock_guard<std::mutex> lock(mu_);
-    return *plans_.emplace(key, std::move(plan)).first->second;
+    auto [it, added] = plans_.emplace(key, std::move(plan));
+    if (added) {
+      order_.push_back(key);
+      if (order_.size() > kCapacity) {
+        plans_.erase(order_.front());
+        order_.pop_front();
+      }
+    }
+    return it->second;
   }
 
  private:
   std::mutex mu_;
-  std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans_;
+  std::unordered_map<PlanKey, std::shared_ptr<Plan>, PlanKeyHash> plans_;
+  std::deque<PlanKey> order_;  // keys by age
 };
 
 PlanCache& plan_cache() {
@@ -282,7 +295,7 @@ bool fp8_gemm_supported(const Fp8GemmParams& f) {
   if (g.batch > INT32_MAX) return false;
   const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
   cuda::DeviceGuard guard(g.device.index);
-  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).has_algo;
+  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16)->has_algo;
 }
 
 void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
@@ -403,16 +416,16 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
     if (!aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0)) return false;
     LtProblem p = operands;
     p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
-    Plan& plan = plan_cache().get(cuda, p, cuda::pointer_alignment(g.c));
-    return plan.has_algo && run_plan(cuda, plan, p, f);
+    const std::shared_ptr<Plan> plan = plan_cache().get(cuda, p, cuda::pointer_alignment(g.c));
+    return plan->has_algo && run_plan(cuda, *plan, p, f);
   };
   auto run_staged = [&](LtProblem p) {
-    Plan& plan = plan_cache().get(cuda, p, 16);
-    if (!plan.has_algo) return false;
+    const std::shared_ptr<Plan> plan = plan_cache().get(cuda, p, 16);
+    if (!plan->has_algo) return false;
     if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
     p.d = d_buffer.data();
     if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
-    if (!run_plan(cuda, plan, p, f)) return false;
+    if (!run_plan(cuda, *plan, p, f)) return false;
     copy_output(g.output_dtype, p.d, p.ldd, p.d_stride, g.c, g.ldc, g.stride_c, g, stream);
     return true;
   };
