@@ -212,16 +212,6 @@ TEST(MoeOps, CudaGroupedGemmMatchesFloat64) {
   check_grouped_gemm(Device(kCUDA, 0), 307, 129, 67, {100, 0, 150, 1, 0, 52}, {kF64, kF32, kBF16, kF16});
 }
 
-// The same through cuBLASLt's per-bucket algorithms (provider "lt_buckets"), with group sizes that change from call
-// to call so that one bucket's algorithm serves several exact sizes.
-TEST(MoeOps, CudaGroupedGemmThroughBucketAlgorithmsMatchesFloat64) {
-  LOOM_SKIP_WITHOUT_CUDA();
-  test::ScopedPolicy lt("lt_buckets:grouped_gemm,grouped_gemm_weight_grad");
-  check_grouped_gemm(Device(kCUDA, 0), 307, 129, 67, {100, 0, 150, 1, 0, 52}, {kF64, kF32, kBF16, kF16});
-  check_grouped_gemm(Device(kCUDA, 0), 307, 128, 64, {97, 3, 150, 7, 0, 50}, {kBF16, kF16});  // same buckets
-  check_grouped_gemm(Device(kCUDA, 0), 1030, 64, 40, {512, 1, 500, 17}, {kBF16, kF32});
-}
-
 TEST(MoeOps, GroupedGemmGradientsPassGradcheck) {
   for (bool tb : {false, true}) {
     Tensor a = test::random_tensor({9, 4}, kF64).set_requires_grad(true);

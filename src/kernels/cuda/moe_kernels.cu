@@ -9,19 +9,16 @@
 //    accumulation (f64 for f64). cuBLAS rather than Loom's cached cuBLASLt plans: a group's row count changes every
 //    step, and a plan per count would grow without end. Timed from PyTorch on an H200, a loop of cuBLAS products ran
 //    at about torch._grouped_mm's speed at Mixtral's shapes (730 against 706 TFLOP/s at 8K tokens) with the sizes
-//    repeating; in training they change every step. The provider "lt_buckets" runs the same loop through cuBLASLt
-//    with one algorithm per bucket of the varying size (docs/KERNELS.md); a single launch over every group
-//    (CUTLASS's grouped GEMM: device-side problem sizes, TMA and WGMMA) is the step after, for many small experts.
+//    repeating; in training they change every step (cuBLASLt with one algorithm per size bucket was measured slower:
+//    docs/KERNELS.md). A single launch over every group (CUTLASS's grouped GEMM: device-side problem sizes, TMA and
+//    WGMMA) is the step after, for many small experts.
 #include <cub/device/device_radix_sort.cuh>
 
 #include <climits>
-#include <map>
 #include <mutex>
-#include <tuple>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
-#include "kernels/cuda/cublaslt_util.h"
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/moe_kernel.h"
 
@@ -394,100 +391,14 @@ cudaDataType_t cublas_type(DType t) {
   }
 }
 
-// How a group's product is run. kCublas: cublasGemmEx, whose heuristic sees each exact size (a group's row count
-// changes every step, so each call may query it again and pick a kernel not loaded yet). kLtBuckets: cuBLASLt with
-// one algorithm per bucket of the size that varies (rounded up to a power of two), chosen once and checked against
-// the exact problem on each call (legacy cuBLAS where it does not fit).
-enum class GroupEngine { kCublas, kLtBuckets };
-// Which of a row-major product's sizes varies from call to call: the rows (forward, input gradient) or the inner
-// size (the weight gradient sums over a group's rows).
-enum class Varying { kRows, kInner };
-
-int64_t bucket_of(int64_t v) {
-  int64_t b = 16;
-  while (b < v) b *= 2;
-  return b;
-}
-
-struct BucketKey {
-  int device;
-  DType in, out;
-  bool ta, tb;
-  int64_t m, n, k, lda, ldb, ldc;  // the varying size as its bucket
-  int align_a, align_b, align_c;
-  auto fields() const { return std::tie(device, in, out, ta, tb, m, n, k, lda, ldb, ldc, align_a, align_b, align_c); }
-  bool operator<(const BucketKey& o) const { return fields() < o.fields(); }
-};
-
-// A bucket's matmul descriptor and algorithm (none when cuBLASLt has none: legacy cuBLAS runs those problems).
-struct BucketPlan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool has_algo = false;
-};
-
-// cuBLASLt's column-major layouts of the row-major C[m, n] = op(A)[m, k] op(B)[k, n] computed as C^T = op(B)^T op(A)^T:
-// the first operand is B as stored, the second A.
-struct Layouts {
-  cublasLtMatrixLayout_t first = nullptr, second = nullptr, c = nullptr;
-  Layouts(cudaDataType_t in, cudaDataType_t out, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
-          int64_t ldb, int64_t ldc) {
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&first, in, uint64_t(tb ? k : n), uint64_t(tb ? n : k), ldb));
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&second, in, uint64_t(ta ? m : k), uint64_t(ta ? k : m), lda));
-    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, out, uint64_t(n), uint64_t(m), ldc));
-  }
-  ~Layouts() {
-    if (first) cublasLtMatrixLayoutDestroy(first);
-    if (second) cublasLtMatrixLayoutDestroy(second);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-  }
-  Layouts(const Layouts&) = delete;
-  Layouts& operator=(const Layouts&) = delete;
-};
-
-class BucketPlans {
- public:
-  // The bucket's plan, built on first use (the heuristic query runs once per bucket).
-  const BucketPlan& get(const CudaDeviceContext& cuda, const BucketKey& key, cudaDataType_t in, cudaDataType_t out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = plans_.find(key);
-    if (it != plans_.end()) return it->second;
-    BucketPlan plan;
-    LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_first = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const cublasOperation_t op_second = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    LOOM_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first));
-    LOOM_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second));
-    const Layouts l(in, out, key.ta, key.tb, key.m, key.n, key.k, key.lda, key.ldb, key.ldc);
-    // The first operand is B as stored, the second A.
-    if (auto algo = cuda::heuristic_algorithm(cuda.cublaslt(), plan.desc, l.first, l.second, l.c,
-                                              cuda.workspace_bytes(), uint32_t(key.align_b), uint32_t(key.align_a),
-                                              uint32_t(key.align_c)))
-      plan.algo = *algo, plan.has_algo = true;
-    return plans_.emplace(key, plan).first->second;
-  }
-
- private:
-  std::mutex mu_;
-  std::map<BucketKey, BucketPlan> plans_;  // never destroyed (cuBLASLt may be unloaded before static destructors)
-};
-
-BucketPlans& bucket_plans() {
-  static auto* plans = new BucketPlans;
-  return *plans;
-}
-
 // Row-major products C[m, n] = op(A)[m, k] op(B)[k, n] with one cuBLAS handle held for a whole loop of them. cuBLAS
 // is column-major: the row-major C is the column-major C^T = op(B)^T op(A)^T, so B goes first, its transpose flag
 // as given. C is A and B's dtype or (c_dtype f32 beside 16-bit inputs) the f32 sums as they are.
 class RowsProducts {
  public:
-  RowsProducts(const DeviceContext& ctx, DType dtype, DType c_dtype, GroupEngine engine, Varying varying)
+  RowsProducts(const DeviceContext& ctx, DType dtype, DType c_dtype)
       : cuda_(cuda_context(ctx)), lock_(cuda_.cublas_mutex()), type_(cublas_type(dtype)),
-        c_type_(cublas_type(c_dtype)), dtype_(dtype), c_dtype_(c_dtype),
-        lt_(engine == GroupEngine::kLtBuckets && dtype != kF64), varying_(varying) {
+        c_type_(cublas_type(c_dtype)), dtype_(dtype), c_dtype_(c_dtype) {
     stream_ = cuda_.cuda_stream();
     LOOM_CUBLAS_CHECK(cublasSetStream(cuda_.cublas(), stream_));
     LOOM_CUBLAS_CHECK(cublasSetWorkspace(cuda_.cublas(), cuda_.workspace(stream_), cuda_.workspace_bytes()));
@@ -501,7 +412,6 @@ class RowsProducts {
       LOOM_CUDA_CHECK(cudaMemsetAsync(c, 0, size_t(m * n) * dtype_size(c_dtype_), stream_));
       return;
     }
-    if (lt_ && run_lt(ta, tb, m, n, k, a, lda, b, ldb, c, ldc)) return;
     for (int64_t v : {m, n, k, lda, ldb, ldc})
       LOOM_REQUIRE(v <= INT_MAX, "grouped_gemm (cuda): a size (", v, ") is too large for cuBLAS");
     const bool f64 = dtype_ == kF64;
@@ -515,36 +425,13 @@ class RowsProducts {
   }
 
  private:
-  // The product with its bucket's cuBLASLt algorithm; false where there is none or it does not fit this problem.
-  bool run_lt(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
-              int64_t ldb, void* c, int64_t ldc) {
-    BucketKey key{cuda_.device().index, dtype_, c_dtype_, ta, tb, m, n, k, lda, ldb, ldc,
-                  cuda::pointer_alignment(a), cuda::pointer_alignment(b), cuda::pointer_alignment(c)};
-    (varying_ == Varying::kRows ? key.m : key.k) = bucket_of(varying_ == Varying::kRows ? m : k);
-    const BucketPlan& plan = bucket_plans().get(cuda_, key, type_, c_type_);
-    if (!plan.has_algo) return false;
-    const Layouts l(type_, c_type_, ta, tb, m, n, k, lda, ldb, ldc);
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(cuda_.cublaslt(), plan.desc, l.first, l.second, l.c, l.c, &plan.algo, &check) !=
-            CUBLAS_STATUS_SUCCESS ||
-        check.workspaceSize > cuda_.workspace_bytes())
-      return false;
-    const float one = 1, zero = 0;
-    LOOM_CUBLAS_CHECK(cublasLtMatmul(cuda_.cublaslt(), plan.desc, &one, b, l.first, a, l.second, &zero, c, l.c, c,
-                                     l.c, &plan.algo, cuda_.workspace(stream_), cuda_.workspace_bytes(), stream_));
-    return true;
-  }
-
   const CudaDeviceContext& cuda_;
   std::lock_guard<std::mutex> lock_;
   cudaDataType_t type_, c_type_;
   DType dtype_, c_dtype_;
-  bool lt_;
-  Varying varying_;
   cudaStream_t stream_ = nullptr;
 };
 
-template <GroupEngine engine>
 void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& b, const GroupedGemmAttrs& attrs,
                        Tensor& c) {
   const int64_t M = a.size(0), K = a.size(1), N = c.size(1), G = b.size(0);
@@ -560,13 +447,12 @@ void grouped_gemm_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& 
   if (N == 0 || G == 0 || off.back() == 0) return;
   const auto* as = static_cast<const uint8_t*>(a.data());
   const auto* bs = static_cast<const uint8_t*>(b.data());
-  RowsProducts products(ctx, a.dtype(), a.dtype(), engine, Varying::kRows);
+  RowsProducts products(ctx, a.dtype(), a.dtype());
   for (int64_t g = 0; g < G; ++g)  // c rows of group g = its a rows times b[g] ([K, N], or [N, K] when trans_b)
     products.run(false, attrs.trans_b, off[size_t(g) + 1] - off[size_t(g)], N, K, as + off[size_t(g)] * K * elem, K,
                  bs + g * K * N * elem, attrs.trans_b ? K : N, cs + off[size_t(g)] * N * elem, N);
 }
 
-template <GroupEngine engine>
 void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, const Tensor& grad,
                                    const GroupedGemmAttrs& attrs, Tensor& grad_b) {
   const int64_t M = a.size(0), K = a.size(1), N = grad.size(1), G = grad_b.size(0);
@@ -579,7 +465,7 @@ void grouped_gemm_weight_grad_cuda(const DeviceContext& ctx, const Tensor& a, co
   const auto* as = static_cast<const uint8_t*>(a.data());
   const auto* gs = static_cast<const uint8_t*>(grad.data());
   auto* out = static_cast<uint8_t*>(grad_b.data());
-  RowsProducts products(ctx, a.dtype(), grad_b.dtype(), engine, Varying::kInner);  // f32 grad_b: as summed
+  RowsProducts products(ctx, a.dtype(), grad_b.dtype());  // f32 grad_b: as summed
   for (int64_t g = 0; g < G; ++g) {  // a group with no rows gets zeros
     const int64_t rows = off[size_t(g) + 1] - off[size_t(g)];
     const uint8_t* ag = as + off[size_t(g)] * K * elem;
@@ -596,14 +482,8 @@ LOOM_REGISTER_KERNEL(moe_route_backward, kCUDA, "native", cuda::kCudaFloatingDTy
 LOOM_REGISTER_KERNEL(moe_permute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_permute_cuda);
 LOOM_REGISTER_KERNEL(moe_unpermute, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_cuda);
 LOOM_REGISTER_KERNEL(moe_unpermute_backward, kCUDA, "native", cuda::kCudaFloatingDTypes, moe_unpermute_backward_cuda);
-LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "native", cuda::kCudaFloatingDTypes, grouped_gemm_cuda<GroupEngine::kCublas>);
+LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "native", cuda::kCudaFloatingDTypes, grouped_gemm_cuda);
 LOOM_REGISTER_KERNEL(grouped_gemm_weight_grad, kCUDA, "native", cuda::kCudaFloatingDTypes,
-                     grouped_gemm_weight_grad_cuda<GroupEngine::kCublas>);
-// The same products through cuBLASLt's per-bucket algorithms, chosen with LOOM_PROVIDERS="lt_buckets:grouped_gemm,
-// grouped_gemm_weight_grad" while they are measured against the loop of cublasGemmEx above (below native otherwise).
-LOOM_REGISTER_KERNEL(grouped_gemm, kCUDA, "lt_buckets", cuda::kCudaFloatingDTypes,
-                     grouped_gemm_cuda<GroupEngine::kLtBuckets>, -20);
-LOOM_REGISTER_KERNEL(grouped_gemm_weight_grad, kCUDA, "lt_buckets", cuda::kCudaFloatingDTypes,
-                     grouped_gemm_weight_grad_cuda<GroupEngine::kLtBuckets>, -20);
+                     grouped_gemm_weight_grad_cuda);
 
 }  // namespace loom
