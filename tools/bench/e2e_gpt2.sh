@@ -22,12 +22,14 @@
 # With FP8 the loss curves of the bf16 run and each scope are drawn on one picture, loss_$MODEL_b$B_fp8.png in DIR.
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
+case "$MODEL" in gpt2) MODEL=124m ;; gpt2-*) MODEL=${MODEL#gpt2-} ;; esac  # GPT-2 by Loom's names too
 case "$MODEL" in
   llama*|mixtral*) LOOM_MODEL=$MODEL; TORCH_SCRIPT=tools/bench/pytorch_llama.py; B=${B:-4}
           case $MODEL in *-tiny) T=${T:-256} ;; *) T=${T:-2048} ;; esac
           LOOM_TIMEOUT=${LOOM_TIMEOUT:-300} ;;
-  *) LOOM_MODEL=gpt2-$MODEL; TORCH_SCRIPT=tools/bench/pytorch_gpt2.py; B=${B:-16}; T=${T:-1024}
+  124m|350m|774m) LOOM_MODEL=gpt2-$MODEL; TORCH_SCRIPT=tools/bench/pytorch_gpt2.py; B=${B:-16}; T=${T:-1024}
      LOOM_TIMEOUT=${LOOM_TIMEOUT:-200} ;;
+  *) echo "e2e_gpt2.sh: unknown MODEL '$MODEL' (expected 124m, 350m, 774m or gpt2, llama3-*, mixtral-*)" >&2; exit 2 ;;
 esac
 LOOM=${LOOM:-build-dev/loom-train}
 DIR=${DIR:-${OUT:-/tmp}/e2e}
