@@ -18,7 +18,8 @@
 // had a scale 4, 8 or 12 bytes past 16), so a misaligned scale is first copied to an aligned scratch. A call that
 // cublasLtMatmul still refuses in the layout given is run again with every operand packed.
 //
-// Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem, the newest 4096 of them. supports() declines GPUs before
+// Plans (descriptors, layouts, the heuristic's algorithm) are cached per problem, the newest 4096 of them, and a
+// problem of a new size borrows a checked algorithm from a plan of its size bucket (PlanCache below). supports() declines GPUs before
 // sm_89, two e5m2 operands, and a problem for which cuBLASLt offers no algorithm even in the canonical layout.
 #include <algorithm>
 #include <array>
@@ -230,35 +231,54 @@ std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
   return plan;
 }
 
-// At most kCapacity plans, the oldest dropped first: a mixture of experts' products take new row counts every step,
-// and a plan per count ever seen would grow without end. A dropped plan lives on while a call still holds it.
+// Plans by exact problem, and the same plans by a size bucket (m, n, k and the leading dimensions rounded up to 256):
+// a mixture of experts' per-expert products take new row counts every step, and a heuristic query for each (two per
+// call with supports()) costs host time that its FP8 products, about 0.1 ms each, no longer hide. A problem missing
+// from the first map borrows the algorithm of a plan in its bucket, checked against the exact problem on each call
+// (cublasLtMatmulAlgoCheck); only where the check fails is a plan of its own built. At most kCapacity plans by exact
+// problem, the oldest dropped first; a dropped plan lives on while a call still holds it.
+struct FoundPlan {
+  std::shared_ptr<Plan> plan;
+  bool exact;  // false: a plan of the same bucket, whose layouts are not this problem's
+};
+
 class PlanCache {
  public:
   static constexpr size_t kCapacity = 4096;
-  std::shared_ptr<Plan> get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
-    const PlanKey key = key_of(cuda.device().index, p, align_d);
+  FoundPlan get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d, bool exact_only = false) {
+    const PlanKey key = key_of(cuda.device().index, p, align_d), bucket = bucket_of(key);
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = plans_.find(key);
-      if (it != plans_.end()) return it->second;
+      if (it != plans_.end()) return {it->second, true};
+      auto b = buckets_.find(bucket);
+      if (!exact_only && b != buckets_.end()) return {b->second, false};
     }
     std::shared_ptr<Plan> plan = build_plan(cuda, p, align_d);  // outside the lock: the heuristic takes a while
     std::lock_guard<std::mutex> lock(mu_);
     auto [it, added] = plans_.emplace(key, std::move(plan));
     if (added) {
+      if (it->second->has_algo) buckets_.emplace(bucket, it->second);
       order_.push_back(key);
       if (order_.size() > kCapacity) {
         plans_.erase(order_.front());
         order_.pop_front();
       }
     }
-    return it->second;
+    return {it->second, true};
   }
 
  private:
+  static PlanKey bucket_of(PlanKey key) {
+    auto up = [](int64_t& v) { v = (v + 255) / 256 * 256; };
+    up(std::get<4>(key)), up(std::get<5>(key)), up(std::get<6>(key));  // m, n, k
+    up(std::get<7>(key)), up(std::get<8>(key)), up(std::get<9>(key));  // lda, ldb, ldd
+    up(std::get<11>(key)), up(std::get<12>(key)), up(std::get<13>(key));  // batch strides
+    return key;
+  }
   std::mutex mu_;
-  std::unordered_map<PlanKey, std::shared_ptr<Plan>, PlanKeyHash> plans_;
-  std::deque<PlanKey> order_;  // keys by age
+  std::unordered_map<PlanKey, std::shared_ptr<Plan>, PlanKeyHash> plans_, buckets_;
+  std::deque<PlanKey> order_;  // exact keys by age
 };
 
 PlanCache& plan_cache() {
@@ -295,7 +315,7 @@ bool fp8_gemm_supported(const Fp8GemmParams& f) {
   if (g.batch > INT32_MAX) return false;
   const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
   cuda::DeviceGuard guard(g.device.index);
-  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16)->has_algo;
+  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).plan->has_algo;
 }
 
 void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
@@ -344,12 +364,32 @@ void copy_output(DType t, const void* src, int64_t src_ld, int64_t src_stride, v
   else copy_output<uint16_t>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
 }
 
-// False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout.
-bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, const Fp8GemmParams& f) {
+// False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout. A plan
+// borrowed from the problem's bucket runs with this problem's layouts once its algorithm passes the check, else with
+// a plan of its own.
+bool run_plan(const CudaDeviceContext& cuda, FoundPlan found, const LtProblem& p, const Fp8GemmParams& f, int align_d) {
   cudaStream_t stream = cuda.cuda_stream();
   void* workspace = cuda.workspace(stream);
   const float alpha = float(f.gemm.alpha), beta = float(f.gemm.beta);
-  std::lock_guard<std::mutex> lock(plan.mu);
+  Plan exact_layouts;  // this problem's layouts for a borrowed plan (its descriptor stays the plan's)
+  if (!found.exact) {
+    exact_layouts.a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
+    exact_layouts.b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
+    exact_layouts.d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+  }
+  Plan& plan = *found.plan;
+  std::unique_lock<std::mutex> lock(plan.mu);
+  const Plan& layouts = found.exact ? plan : exact_layouts;
+  if (!found.exact) {
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(cuda.cublaslt(), plan.desc, layouts.a, layouts.b, layouts.d, layouts.d, &plan.algo,
+                                &check) != CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > cuda.workspace_bytes()) {
+      lock.unlock();
+      FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
+      return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
+    }
+  }
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
   if (p.fused_bias) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, f.gemm.bias);
@@ -360,8 +400,8 @@ bool run_plan(const CudaDeviceContext& cuda, Plan& plan, const LtProblem& p, con
   };
   if (beta == 0) mark_d();
   const cublasStatus_t status =
-      cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, plan.a, p.b.data, plan.b, &beta, p.d, plan.d, p.d,
-                     plan.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
+      cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, layouts.a, p.b.data, layouts.b, &beta, p.d,
+                     layouts.d, p.d, layouts.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
   mark_d();
@@ -416,16 +456,17 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
     if (!aligned16(g.c) || (g.ldc * elem) % 16 != 0 || (g.batch > 1 && (g.stride_c * elem) % 16 != 0)) return false;
     LtProblem p = operands;
     p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
-    const std::shared_ptr<Plan> plan = plan_cache().get(cuda, p, cuda::pointer_alignment(g.c));
-    return plan->has_algo && run_plan(cuda, *plan, p, f);
+    const int align = cuda::pointer_alignment(g.c);
+    const FoundPlan found = plan_cache().get(cuda, p, align);
+    return found.plan->has_algo && run_plan(cuda, found, p, f, align);
   };
   auto run_staged = [&](LtProblem p) {
-    const std::shared_ptr<Plan> plan = plan_cache().get(cuda, p, 16);
-    if (!plan->has_algo) return false;
+    const FoundPlan found = plan_cache().get(cuda, p, 16);
+    if (!found.plan->has_algo) return false;
     if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
     p.d = d_buffer.data();
     if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);
-    if (!run_plan(cuda, *plan, p, f)) return false;
+    if (!run_plan(cuda, found, p, f, 16)) return false;
     copy_output(g.output_dtype, p.d, p.ldd, p.d_stride, g.c, g.ldc, g.stride_c, g, stream);
     return true;
   };
