@@ -30,9 +30,11 @@ struct Trained {
   uint64_t adamw_launches = 0;  // AdamW update calls dispatched on the GPU
 };
 
+// The clipped steps run adamw_update_scaled (AdamW with the clip coefficient); counted with adamw_update.
 uint64_t adamw_calls() {
   uint64_t n = 0;
-  for (const auto& c : dispatch::explain("adamw_update", kCUDA, kF32)) n += c.calls;
+  for (const char* op : {"adamw_update", "adamw_update_scaled"})
+    for (const auto& c : dispatch::explain(op, kCUDA, kF32)) n += c.calls;
   return n;
 }
 

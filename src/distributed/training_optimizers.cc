@@ -119,10 +119,11 @@ class WholeAdamW final : public PlanOptimizer {
   }
   Tensor step_on_device(double lr, double max_norm) override {
     LOOM_REQUIRE(!norm_group_, "a step on the device alone: the gradient norm spans other ranks' pieces");
-    Tensor norm = optim::clip_grad_norm_on_device(adamw_->parameters(), max_norm);
+    // The coefficient rides in AdamW's pass over the gradients (left unclipped in memory: nothing reads them after).
+    const optim::ClipCoefficient clip = optim::clip_coefficient_on_device(adamw_->parameters(), max_norm);
     adamw_->set_lr(lr);
-    adamw_->step();
-    return norm;
+    adamw_->step(clip.scale);
+    return clip.norm;
   }
   void count_replayed_step(double lr) override {
     adamw_->set_lr(lr);

@@ -1,4 +1,5 @@
-// Optimizer kernels: the fused AdamW and SGD updates and the f64 sum of squares behind gradient clipping.
+// Optimizer kernels: the fused AdamW (plain, and on gradients scaled by a clipping coefficient) and SGD updates
+// and the f64 sum of squares behind gradient clipping.
 #pragma once
 
 #include "loom/core/device_runtime.h"
@@ -40,6 +41,23 @@ LOOM_DECLARE_OP(adamw_update, AdamWUpdateKernel,
                     .attr("beta2", {0.999, 0.95}).attr("eps", {1e-8, 1e-5, 0.1}).attr("weight_decay", {0.0, 0.1})
                     .attr("step", {1.0, 7.0, 1000.0, 1001.0, 65537.0, 1e6}).row_dim("N").dispatch_on("param")
                     .size_case({{"N", 65536}}).abi_since(1));  // 2^16: a block size's multiple, past the long rows
+
+// adamw_update on the gradient that clipping would have left: each element is g * grad_scale computed and rounded as
+// an in-place multiply of the gradient would (in acc_t of grad's dtype, grad_scale rounded to it first, the product
+// stored in grad's dtype), then updated as by adamw_update. grad_scale is one f64 element on the device (read there:
+// no host read). grad is not written. The same update as a mul then adamw_update, in one pass over memory.
+using AdamWUpdateScaledKernel = void(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param,
+                                     const Tensor& grad, const Tensor& grad_scale, Tensor& exp_avg,
+                                     Tensor& exp_avg_sq);
+LOOM_DECLARE_OP(adamw_update_scaled, AdamWUpdateScaledKernel,
+                OpSchema().leading_dims("N").in_place("param", "N").in("grad", "N", DTypeRule::kAnyFloat)
+                    .in("grad_scale", "", DTypeRule::kF64).values(Values::kProbability)
+                    .value_classes({ValueClass::kNormal})
+                    .in_place("exp_avg", "N", DTypeRule::kStats).in_place("exp_avg_sq", "N", DTypeRule::kStats)
+                    .values(Values::kPositive).attr("lr", {1e-3, 1e-6, 0.1, 1.0}).attr("beta1", {0.9, 0.8})
+                    .attr("beta2", {0.999, 0.95}).attr("eps", {1e-8, 1e-5, 0.1}).attr("weight_decay", {0.0, 0.1})
+                    .attr("step", {1.0, 7.0, 1000.0, 1001.0, 65537.0, 1e6}).row_dim("N").dispatch_on("param")
+                    .size_case({{"N", 65536}}).abi_since(5));
 
 // As above; momentum_buffer is undefined when attrs.momentum == 0.
 using SgdUpdateKernel = void(const DeviceContext&, const SgdUpdateAttrs& attrs, Tensor& param, const Tensor& grad,

@@ -16,6 +16,8 @@ namespace loom::ops {
 
 namespace {
 
+using ops_detail::kernel_accepts;
+
 constexpr const char* kAttention = "scaled_dot_product_attention";
 constexpr const char* kAttentionBackward = "scaled_dot_product_attention_backward";
 
@@ -33,15 +35,6 @@ AttentionAttrs attention_attrs(const char* op, const AttentionMeta& meta, bool c
 }
 
 DType lse_dtype_for(DType input) { return input == kF64 ? kF64 : kF32; }
-
-// Whether some kernel of `op` (the strided variants) would take these arguments.
-template <typename Op, typename... Args>
-bool kernel_accepts(Op, Device device, DType dtype, Args&... args) {
-  using supports_function = typename Op::traits::supports_function;
-  for (const KernelEntry* e : dispatch::candidates(Op::id(), device.type, dtype))
-    if (!e->supports || (*static_cast<const supports_function*>(e->supports.get()))(args...)) return true;
-  return false;
-}
 
 // An uninitialized [B, H, T, D] tensor laid out as [B, T, H, D]: its transpose(1, 2) is contiguous, so a caller that
 // merges the heads back into [B, T, H * D] gets a view instead of a copy.

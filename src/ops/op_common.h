@@ -1,4 +1,5 @@
-// Helpers every op implementation uses: argument checks with clear messages, output allocation.
+// Helpers every op implementation uses: argument checks with clear messages, output allocation, whether a kernel
+// would take a call.
 #pragma once
 
 #include <initializer_list>
@@ -38,6 +39,21 @@ inline void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
 
 inline void check_rank(const char* op, const char* what, const Tensor& t, int64_t rank) {
   LOOM_REQUIRE(t.dim() == rank, op, ": ", what, " must have rank ", rank, ", got ", describe(t));
+}
+
+// The kernel of `op` that would take these arguments (the first candidate whose predicate accepts them), or null: an
+// op layer with a composite of older ops to fall back on (a strided or fused variant) calls the variant only then.
+template <typename Op, typename... Args>
+const KernelEntry* accepting_kernel(Op, Device device, DType dtype, Args&... args) {
+  using supports_function = typename Op::traits::supports_function;
+  for (const KernelEntry* e : dispatch::candidates(Op::id(), device.type, dtype))
+    if (!e->supports || (*static_cast<const supports_function*>(e->supports.get()))(args...)) return e;
+  return nullptr;
+}
+
+template <typename Op, typename... Args>
+bool kernel_accepts(Op op, Device device, DType dtype, Args&... args) {
+  return accepting_kernel(op, device, dtype, args...) != nullptr;
 }
 
 }  // namespace loom::ops_detail

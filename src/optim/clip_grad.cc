@@ -58,16 +58,9 @@ std::vector<Tensor> defined_grads(const std::vector<Tensor>& params) {
   return grads;
 }
 
-// r *= coef (a 0-d f64 tensor), rounding coef to r's math type first as a host scalar would be (f32 for 16-bit r).
-void scale_in_place(Tensor& r, const Tensor& coef) {
-  const Tensor c = ops::cast(coef, r.dtype() == kF64 ? kF64 : kF32);
-  if (c.dtype() == r.dtype()) ops::mul_out(r, c, r);
-  else r.copy_from(ops::mul(r, c));
-}
-
 }  // namespace
 
-Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_norm) {
+ClipCoefficient clip_coefficient_on_device(const std::vector<Tensor>& params, double max_norm) {
   autograd::NoGradGuard no_grad;
   const std::vector<Tensor> grads = defined_grads(params);
   const Device device = grads.empty() ? (params.empty() ? Device() : params.front().device()) : grads.front().device();
@@ -85,17 +78,29 @@ Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_no
     // Summed one by one in order, as a host loop would: the norm does not depend on a reduction's tree.
     for (size_t k = 0; k < ranges.size(); ++k) total = ops::add(total, sums.select(0, int64_t(k)));
   }
-  Tensor norm = ops::sqrt(total);
+  ClipCoefficient out;
+  out.norm = ops::sqrt(total);
   if (max_norm > 0 && !ranges.empty()) {
+    const Tensor& norm = out.norm;
     const Tensor one = ones({}, kF64, device);
     const Tensor coef = ops::div(full({}, max_norm, kF64, device), ops::add(norm, 1e-6));
     // A non-finite norm scales nothing (the caller decides); norm < the largest double is false for inf and NaN
     // (a finite bound: op traces record attributes as JSON numbers).
     const Tensor finite_coef = ops::where(ops::lt(norm, std::numeric_limits<double>::max()), coef, one);
-    const Tensor scale = ops::where(ops::gt(norm, max_norm), finite_coef, one);
-    for (Tensor& r : ranges) scale_in_place(r, scale);
+    out.scale = ops::where(ops::gt(norm, max_norm), finite_coef, one);
   }
-  return norm;
+  return out;
+}
+
+void scale_grads(const std::vector<Tensor>& params, const Tensor& scale) {
+  autograd::NoGradGuard no_grad;
+  for (Tensor& r : merged_ranges(defined_grads(params))) scale_grad_(r, scale);
+}
+
+Tensor clip_grad_norm_on_device(const std::vector<Tensor>& params, double max_norm) {
+  ClipCoefficient clip = clip_coefficient_on_device(params, max_norm);
+  if (clip.scale.defined()) scale_grads(params, clip.scale);
+  return clip.norm;
 }
 
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {

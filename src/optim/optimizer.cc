@@ -5,6 +5,7 @@
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/ops/elementwise.h"
+#include "loom/optim/clip_grad.h"
 #include "loom/optim/update_ops.h"
 
 namespace loom::optim {
@@ -185,6 +186,20 @@ void Optimizer::step() {
   ++step_count_;
 }
 
+void Optimizer::step(const Tensor& grad_scale) {
+  if (!grad_scale.defined()) return step();
+  if (!applies_grad_scale()) {
+    scale_grads(parameters(), grad_scale);
+    return step();
+  }
+  grad_scale_ = grad_scale;
+  struct Clear {
+    Tensor& t;
+    ~Clear() { t = Tensor(); }
+  } clear{grad_scale_};
+  step();
+}
+
 void Optimizer::count_step(int64_t steps) { step_count_ += steps; }
 
 void Optimizer::step_flat() {
@@ -310,7 +325,14 @@ void AdamW::update(size_t index, const ParamGroup& group, Tensor& param, const T
     s.exp_avg_sq = zeros(param.shape(), dt, param.device());
   }
   ++s.step;
-  adamw_update(param, grad, s.exp_avg, s.exp_avg_sq, attrs_for(group, s.step));
+  run_update(param, grad, s.exp_avg, s.exp_avg_sq, attrs_for(group, s.step));
+}
+
+void AdamW::run_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                       const AdamWAttrs& attrs) {
+  if (!grad_scale().defined()) return adamw_update(param, grad, exp_avg, exp_avg_sq, attrs);
+  Tensor g = grad;  // the same gradient (a handle): scaled in place only where no kernel fuses the scale
+  adamw_update_scaled(param, g, grad_scale(), exp_avg, exp_avg_sq, attrs);
 }
 
 void AdamW::update_run(const FlatRun& run, const ParamGroup& group, Tensor& params, const Tensor& grads) {
@@ -318,7 +340,7 @@ void AdamW::update_run(const FlatRun& run, const ParamGroup& group, Tensor& para
   const int64_t step = state_[run.first].step + 1;
   for (size_t i = run.first; i < run.first + run.count; ++i) state_[i].step = step;
   Tensor exp_avg = run_range(flat_exp_avg_[run.buffer], run), exp_avg_sq = run_range(flat_exp_avg_sq_[run.buffer], run);
-  adamw_update(params, grads, exp_avg, exp_avg_sq, attrs_for(group, step));
+  run_update(params, grads, exp_avg, exp_avg_sq, attrs_for(group, step));
 }
 
 void AdamW::count_step(int64_t steps) {

@@ -1,7 +1,9 @@
-// The op layer of the optimizer updates: argument checks, contiguous working copies, dispatch.
+// The op layer of the optimizer updates: argument checks, contiguous working copies, dispatch (and the composite
+// of older ops where no kernel serves the fused AdamW on clipped gradients).
 #include <vector>
 
 #include "kernels/optimizer_kernel.h"
+#include "loom/ops/elementwise.h"
 #include "loom/ops/views.h"
 #include "loom/optim/update_ops.h"
 #include "ops/op_common.h"
@@ -41,10 +43,8 @@ void with_contiguous(std::initializer_list<Tensor*> in_place, F&& update) {
   }
 }
 
-}  // namespace
-
-void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWAttrs& attrs) {
-  const char* op = "adamw_update";
+void check_adamw(const char* op, const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                 const Tensor& exp_avg_sq, const AdamWAttrs& attrs) {
   check_same_device(op, {&param, &grad, &exp_avg, &exp_avg_sq});
   check_floating(op, param);
   check_floating(op, grad);
@@ -55,12 +55,59 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& ex
   LOOM_REQUIRE(attrs.beta1 >= 0 && attrs.beta1 < 1 && attrs.beta2 >= 0 && attrs.beta2 < 1, op,
                ": betas must be in [0, 1), got (", attrs.beta1, ", ", attrs.beta2, ")");
   LOOM_REQUIRE(attrs.eps > 0, op, ": eps must be positive, got ", attrs.eps);
+}
+
+AdamWUpdateAttrs kernel_attrs(const AdamWAttrs& a) {
+  return AdamWUpdateAttrs{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step};
+}
+
+// A one-element f64 tensor on `device`, as the kernels' 0-d grad_scale.
+Tensor scalar_view(const char* op, const Tensor& scale, Device device) {
+  LOOM_REQUIRE(scale.defined() && scale.dtype() == kF64 && scale.numel() == 1 && scale.device() == device, op,
+               ": the scale must be a one-element f64 tensor on ", device.str(), ", got ", describe(scale));
+  return scale.as_strided({}, {}, scale.storage_offset());
+}
+
+}  // namespace
+
+void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWAttrs& attrs) {
+  check_adamw("adamw_update", param, grad, exp_avg, exp_avg_sq, attrs);
   if (param.numel() == 0) return;
   Tensor g = ops::contiguous(grad);
   with_contiguous({&param, &exp_avg, &exp_avg_sq}, [&](std::vector<Tensor>& w) {
-    const AdamWUpdateAttrs k{attrs.lr, attrs.beta1, attrs.beta2, attrs.eps, attrs.weight_decay, attrs.step};
-    dispatch::call(adamw_update_op, param.device(), param.dtype(), k, w[0], g, w[1], w[2]);
+    dispatch::call(adamw_update_op, param.device(), param.dtype(), kernel_attrs(attrs), w[0], g, w[1], w[2]);
   });
+}
+
+void scale_grad_(Tensor& grad, const Tensor& scale) {
+  const Tensor s = scalar_view("scale_grad_", scale, grad.device());
+  const Tensor c = ops::cast(s, grad.dtype() == kF64 ? kF64 : kF32);
+  if (c.dtype() == grad.dtype()) ops::mul_out(grad, c, grad);
+  else grad.copy_from(ops::mul(grad, c));
+}
+
+void adamw_update_scaled(Tensor& param, Tensor& grad, const Tensor& grad_scale, Tensor& exp_avg, Tensor& exp_avg_sq,
+                         const AdamWAttrs& attrs) {
+  const char* op = "adamw_update_scaled";
+  check_adamw(op, param, grad, exp_avg, exp_avg_sq, attrs);
+  const Tensor s = scalar_view(op, grad_scale, param.device());
+  if (param.numel() == 0) return;
+  const Tensor g = ops::contiguous(grad);
+  const AdamWUpdateAttrs k = kernel_attrs(attrs);
+  // Fused only by the provider that would run adamw_update itself: a policy that routes AdamW to a library without
+  // the fused op keeps that library's update (after the multiply) instead of switching to another's.
+  bool fused = false;
+  with_contiguous({&param, &exp_avg, &exp_avg_sq}, [&](std::vector<Tensor>& w) {
+    const Device d = param.device();
+    const KernelEntry* scaled = ops_detail::accepting_kernel(adamw_update_scaled_op, d, param.dtype(), k, w[0], g, s,
+                                                             w[1], w[2]);
+    const KernelEntry* plain = ops_detail::accepting_kernel(adamw_update_op, d, param.dtype(), k, w[0], g, w[1], w[2]);
+    fused = scaled && (!plain || plain->provider == scaled->provider);
+    if (fused) dispatch::call(adamw_update_scaled_op, d, param.dtype(), k, w[0], g, s, w[1], w[2]);
+  });
+  if (fused) return;
+  scale_grad_(grad, s);
+  adamw_update(param, grad, exp_avg, exp_avg_sq, attrs);
 }
 
 void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, const SgdAttrs& attrs) {

@@ -645,11 +645,10 @@ Fn residual_norm_grad(bool centered) {
 }
 
 // ---- Optimizer updates (in place). ----
-void adamw_update(Case& c) {
+void adamw_with_grad(Case& c, const std::vector<double>& g) {
   const double lr = c.attr_float("lr", 1e-3), b1 = c.attr_float("beta1", 0.9), b2 = c.attr_float("beta2", 0.999);
   const double eps = c.attr_float("eps", 1e-8), wd = c.attr_float("weight_decay", 0);
   const double step = double(c.attr_int("step", 1));
-  const auto& g = c.in("grad").values;
   auto &p = c.out("param")->values, &m = c.out("exp_avg")->values, &v = c.out("exp_avg_sq")->values;
   const double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
 #pragma omp parallel for num_threads(elementwise_threads(p.size()))
@@ -659,6 +658,16 @@ void adamw_update(Case& c) {
     v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
     p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + eps);
   }
+}
+void adamw_update(Case& c) { adamw_with_grad(c, c.in("grad").values); }
+// The gradient as clipping in place leaves it: the scale rounded to the gradient's math type (f64 for f64, else
+// f32), the product to the gradient's dtype.
+void adamw_update_scaled(Case& c) {
+  const Operand& grad = c.in("grad");
+  const double scale = convert(c.in("grad_scale").values.at(0), grad.dtype == kF64 ? kF64 : kF32);
+  std::vector<double> g(grad.values.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = convert(grad.values[i] * scale, grad.dtype);
+  adamw_with_grad(c, g);
 }
 void sgd_update(Case& c) {
   const double lr = c.attr_float("lr", 1e-2), mom = c.attr_float("momentum", 0), wd = c.attr_float("weight_decay", 0);
@@ -893,6 +902,7 @@ const std::map<std::string, Fn>& table() {
     m["residual_layer_norm_backward"] = residual_norm_grad(true);
     m["residual_rms_norm_backward"] = residual_norm_grad(false);
     m["adamw_update"] = adamw_update;
+    m["adamw_update_scaled"] = adamw_update_scaled;
     m["sgd_update"] = sgd_update;
     m["rope"] = m["rope_strided"] = rope;
     m["scaled_dot_product_attention"] = m["scaled_dot_product_attention_strided"] = attention;

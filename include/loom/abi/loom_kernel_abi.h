@@ -9,10 +9,11 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], of 1.3 with [1.3] and of 1.4 with
- *   [1.4], and Loom binds an op only for a library built against the minor that added it or a newer one (a 1.0
- *   library that names a 1.1 op is warned, as before, and the rest of its ops load). 1.3 also added the 8-bit float dtypes: only the FP8 ops take
- *   them, and a mask bit for them counts only in a library built against 1.3 or newer.
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], of 1.3 with [1.3], of 1.4 with
+ *   [1.4] and of 1.5 with [1.5], and Loom binds an op only for a library built against the minor that added it or
+ *   a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest of its ops load). 1.3 also
+ *   added the 8-bit float dtypes: only the FP8 ops take them, and a mask bit for them counts only in a library built
+ *   against 1.3 or newer.
  *
  * Memory and streams belong to Loom: outputs are allocated by Loom before a call; a library that needs scratch
  * memory asks host->allocate_workspace, and runs its work on host->get_stream(device) (a cudaStream_t on CUDA, NULL
@@ -217,6 +218,12 @@
  *     grouped_gemm_weight_grad [1.4]                in: a [M, K], grad [M, N]
  *                                                   out: grad_b [G, K, N] ([G, N, K] when trans_b)  (same attrs)
  *       grad_b has a's dtype or, for bf16/f16 a and grad, f32 (check its descriptor; sums in f32 either way).
+ *   Added in 1.5: AdamW on clipped gradients, so that clipping's multiply rides in the update's pass.
+ *     adamw_update_scaled [1.5]                     in: grad, grad_scale   out: param, exp_avg, exp_avg_sq
+ *       adamw_update's attrs and update on g = grad * grad_scale as an in-place multiply of grad would store it:
+ *       grad_scale is one f64 element in the device's memory (read it there: no host read), rounded to f32 (f64 for
+ *       an f64 grad); the product in that type, rounded to grad's dtype. grad is not written. A library without it
+ *       keeps serving adamw_update: Loom then multiplies the gradients first.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -233,7 +240,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 4
+#define LOOM_ABI_VERSION_MINOR 5
 
 #define LOOM_MAX_DIMS 8
 

@@ -42,6 +42,11 @@ class Optimizer {
 
   // Updates every parameter that has a gradient (those with an undefined grad are skipped), under NoGradGuard.
   virtual void step();
+  // step() on every gradient multiplied by `grad_scale` (a one-element f64 tensor on the gradients' device, never
+  // read on the host: clip_coefficient_on_device's), with the same bits as scale_grads(parameters(), grad_scale) then
+  // step(). An optimizer whose update takes the scale in its own pass (AdamW) leaves the stored gradients unscaled;
+  // the others scale them in place first. An undefined grad_scale is a plain step().
+  void step(const Tensor& grad_scale);
   // Counts `steps` steps that ran without this object (replays of a captured one): the step count and each
   // parameter's own update count advance as step() would have advanced them for parameters updated before. -1 takes
   // back a step() whose work never ran (a capture that failed).
@@ -77,6 +82,10 @@ class Optimizer {
   virtual void load_param_states(const std::vector<Tensor>& params,
                                  const std::vector<std::map<std::string, Tensor>>& entries) = 0;
   size_t num_params() const { return num_params_; }
+  // Whether update and update_run apply grad_scale() themselves (else step(grad_scale) scales the gradients first).
+  virtual bool applies_grad_scale() const { return false; }
+  // The scale of the step(grad_scale) in progress in an optimizer that applies it; undefined otherwise.
+  const Tensor& grad_scale() const { return grad_scale_; }
 
   // Flat layout. A run: parameters [first, first + count) (global indices, one group) whose slots follow each other
   // in buffer `buffer`, covering elements [offset, offset + length) of it (the padding between slots included: it
@@ -121,6 +130,7 @@ class Optimizer {
   bool flat_ = false;
   std::vector<FlatBuffer> flat_buffers_;
   std::vector<FlatSlot> flat_slots_;  // per global parameter index
+  Tensor grad_scale_;
 };
 
 struct AdamWOptions {
@@ -133,6 +143,8 @@ struct AdamWOptions {
 };
 
 // AdamW as PyTorch's (decoupled weight decay, bias-corrected moments). Each group's weight_decay applies.
+// step(grad_scale) runs adamw_update_scaled: the clip coefficient is applied as each gradient is read, and the
+// stored gradients stay unclipped after the step.
 // Per-parameter state: "exp_avg", "exp_avg_sq" (optimizer_state_dtype of the parameter) and "step" (i64 0-d,
 // the parameter's own update count, for bias correction).
 class AdamW : public Optimizer {
@@ -149,6 +161,7 @@ class AdamW : public Optimizer {
                          const std::vector<std::map<std::string, Tensor>>& entries) override;
   void update_run(const FlatRun& run, const ParamGroup& group, Tensor& params, const Tensor& grads) override;
   bool can_share_update(size_t first, size_t index) const override;
+  bool applies_grad_scale() const override { return true; }
 
  private:
   struct State {
@@ -158,6 +171,8 @@ class AdamW : public Optimizer {
   // Flat layout: allocates the flat moments at the first step (an optimizer that never steps costs no state).
   void ensure_flat_state();
   AdamWAttrs attrs_for(const ParamGroup& group, int64_t step) const;
+  // adamw_update, or adamw_update_scaled inside step(grad_scale).
+  void run_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWAttrs& attrs);
   AdamWOptions options_;
   std::vector<State> state_;
   std::vector<Tensor> flat_exp_avg_, flat_exp_avg_sq_;  // per flat buffer

@@ -35,6 +35,18 @@ DType optimizer_state_dtype(DType param);
 // math type in the kernel); states: optimizer_state_dtype(param.dtype()). All of param's shape and device.
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWAttrs& attrs);
 
+// grad *= scale in place, as gradient clipping scales: scale (a one-element f64 tensor on grad's device, read there)
+// rounded first to grad's math type (f64 for f64, else f32), the product rounded to grad's dtype.
+void scale_grad_(Tensor& grad, const Tensor& scale);
+
+// adamw_update on grad * grad_scale as scale_grad_ would leave it, in one pass over memory where a kernel serves the
+// fused op (the native CPU and CUDA ones do): grad_scale is a one-element f64 tensor on param's device (clipping's
+// coefficient, never read on the host). grad's content afterwards is unspecified: the fused kernel leaves it as it
+// was; where no kernel takes the call, or the provider that would run adamw_update has no fused kernel (a library
+// without the op), it is scaled in place (scale_grad_), then adamw_update runs.
+void adamw_update_scaled(Tensor& param, Tensor& grad, const Tensor& grad_scale, Tensor& exp_avg, Tensor& exp_avg_sq,
+                         const AdamWAttrs& attrs);
+
 // In place on param and momentum_buffer. momentum_buffer may be undefined when attrs.momentum == 0.
 void sgd_update(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, const SgdAttrs& attrs);
 

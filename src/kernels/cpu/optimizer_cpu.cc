@@ -1,57 +1,57 @@
-// CPU optimizer kernels: fused AdamW and SGD updates (math in the parameter's accumulate type, f32 for 16-bit
-// parameters), and a sum of squares accumulated in f64.
+// CPU optimizer kernels: fused AdamW (plain and on clipped gradients) and SGD updates (math in the parameter's
+// accumulate type, f32 for 16-bit parameters), and a sum of squares accumulated in f64.
 #include <cmath>
 #include <vector>
 
 #include "kernels/optimizer_kernel.h"
+#include "kernels/primitives/adamw_math.h"
 #include "kernels/primitives/cpu_loops.h"
 
 namespace loom {
 namespace {
 
-// Converts a stored element (including 16-bit floats, through float) to the math type.
-template <typename M, typename T>
-inline M to_math(T v) {
-  if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) return M(float(v));
-  else return M(v);
-}
+using adamw_math::to_math;
 
+// `grad_scale` null: the plain update; else each gradient element scaled as clipping in place would leave it.
 template <typename P, typename G>
-void adamw_contiguous(const AdamWUpdateAttrs& a, P* param, const G* grad, acc_t<P>* exp_avg, acc_t<P>* exp_avg_sq,
-                      int64_t n) {
+void adamw_contiguous(const AdamWUpdateAttrs& a, P* param, const G* grad, const double* grad_scale,
+                      acc_t<P>* exp_avg, acc_t<P>* exp_avg_sq, int64_t n) {
   using M = acc_t<P>;
-  // Scalars derived in double, then rounded once to the math type.
-  const M decay = M(1.0 - a.lr * a.weight_decay);
-  const M beta1 = M(a.beta1), beta2 = M(a.beta2);
-  const M one_minus_beta1 = M(1.0 - a.beta1), one_minus_beta2 = M(1.0 - a.beta2);
-  const M step_size = M(a.lr / (1.0 - std::pow(a.beta1, double(a.step))));
-  const M inv_bias_correction2_sqrt = M(1.0 / std::sqrt(1.0 - std::pow(a.beta2, double(a.step))));
-  const M eps = M(a.eps);
-  cpu::parallel_for(n, cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      M g = to_math<M>(grad[i]);
-      M m = beta1 * exp_avg[i] + one_minus_beta1 * g;
-      M v = beta2 * exp_avg_sq[i] + one_minus_beta2 * g * g;
-      exp_avg[i] = m;
-      exp_avg_sq[i] = v;
-      M denom = std::sqrt(v) * inv_bias_correction2_sqrt + eps;
-      M p = to_math<M>(param[i]) * decay;
-      param[i] = P(p - step_size * m / denom);
-    }
-  });
+  const adamw_math::Scalars<M> s = adamw_math::scalars<M>(a);
+  auto run = [&](auto read_grad) {
+    cpu::parallel_for(n, cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) adamw_math::update(s, param[i], read_grad(grad[i]), exp_avg[i], exp_avg_sq[i]);
+    });
+  };
+  if (grad_scale) {
+    const acc_t<G> c = adamw_math::grad_scale_value<G>(*grad_scale);
+    run([c](G g) { return to_math<M>(adamw_math::scaled_grad(g, c)); });
+  } else {
+    run([](G g) { return to_math<M>(g); });
+  }
 }
 
-void adamw_update_cpu(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
+void adamw_update_any(const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad, const double* grad_scale,
                       Tensor& exp_avg, Tensor& exp_avg_sq) {
   LOOM_DISPATCH_FLOATING(param.dtype(), "adamw_update", [&] {
     using param_t = scalar_t;
     using state_t = acc_t<param_t>;
     LOOM_DISPATCH_FLOATING(grad.dtype(), "adamw_update", [&] {
-      adamw_contiguous<param_t, scalar_t>(attrs, param.data_ptr<param_t>(), grad.data_ptr<scalar_t>(),
+      adamw_contiguous<param_t, scalar_t>(attrs, param.data_ptr<param_t>(), grad.data_ptr<scalar_t>(), grad_scale,
                                           exp_avg.data_ptr<state_t>(), exp_avg_sq.data_ptr<state_t>(),
                                           param.numel());
     });
   });
+}
+
+void adamw_update_cpu(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
+                      Tensor& exp_avg, Tensor& exp_avg_sq) {
+  adamw_update_any(attrs, param, grad, nullptr, exp_avg, exp_avg_sq);
+}
+
+void adamw_update_scaled_cpu(const DeviceContext&, const AdamWUpdateAttrs& attrs, Tensor& param, const Tensor& grad,
+                             const Tensor& grad_scale, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  adamw_update_any(attrs, param, grad, grad_scale.data_ptr<double>(), exp_avg, exp_avg_sq);
 }
 
 template <typename P, typename G>
@@ -114,6 +114,7 @@ void grad_norm_squared_cpu(const DeviceContext&, const Tensor& x, Tensor& out) {
 }  // namespace
 
 LOOM_REGISTER_KERNEL(adamw_update, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), adamw_update_cpu);
+LOOM_REGISTER_KERNEL(adamw_update_scaled, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), adamw_update_scaled_cpu);
 LOOM_REGISTER_KERNEL(sgd_update, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), sgd_update_cpu);
 LOOM_REGISTER_KERNEL(grad_norm_squared, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), grad_norm_squared_cpu);
 

@@ -1,12 +1,14 @@
-// CUDA optimizer kernels: fused AdamW and SGD updates (math in the parameter's accumulate type, f32 for 16-bit
-// parameters, the step's scalars derived in double on the host as on the CPU; under CUDA graph capture AdamW reads
-// them from a slot rewritten before each replay), and a deterministic f64 sum of squares.
+// CUDA optimizer kernels: fused AdamW (plain and on clipped gradients) and SGD updates (math in the parameter's
+// accumulate type, f32 for 16-bit parameters, the step's scalars derived in double on the host as on the CPU; under
+// CUDA graph capture AdamW reads them from a slot rewritten before each replay), and a deterministic f64 sum of
+// squares.
 #include <algorithm>
 #include <cmath>
 
 #include "backends/cuda/cuda_graph.h"
 #include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/optimizer_kernel.h"
+#include "kernels/primitives/adamw_math.h"
 
 namespace loom {
 namespace {
@@ -14,54 +16,28 @@ namespace {
 using cuda::kLoopThreads;
 using cuda::loop_blocks;
 
-// A stored element (16-bit floats through float) in the math type.
-template <typename M, typename T>
-__device__ __forceinline__ M to_math(T v) {
-  if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) return M(float(v));
-  else return M(v);
-}
-
-__device__ __forceinline__ float sqrt_of(float x) { return sqrtf(x); }
-__device__ __forceinline__ double sqrt_of(double x) { return sqrt(x); }
-
+using adamw_math::to_math;
 template <typename M>
-struct AdamWScalars {
-  M decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_bias_correction2_sqrt, eps;
-};
-
-// The step's scalars, derived in double on the host from the attributes.
-template <typename M>
-AdamWScalars<M> adamw_scalars(const AdamWUpdateAttrs& a) {
-  return AdamWScalars<M>{M(1.0 - a.lr * a.weight_decay),
-                         M(a.beta1),
-                         M(a.beta2),
-                         M(1.0 - a.beta1),
-                         M(1.0 - a.beta2),
-                         M(a.lr / (1.0 - std::pow(a.beta1, double(a.step)))),
-                         M(1.0 / std::sqrt(1.0 - std::pow(a.beta2, double(a.step)))),
-                         M(a.eps)};
-}
+using AdamWScalars = adamw_math::Scalars<M>;
 
 // The scalars come from `slot` when it is set (a step captured into a CUDA graph, whose learning rate and step count
 // change from replay to replay), else from `arg`; the same values either way, so both give the same bits. Every
 // operand is aligned to VEC elements (16 bytes of the widest type where they align, else VEC = 1): one load and one
-// store per operand per VEC elements (the update is bandwidth-bound: 28 bytes an f32 element), then the tail.
-template <int VEC, typename P, typename G>
+// store per operand per VEC elements (the update is bandwidth-bound: 28 bytes an f32 element), then the tail. SCALED:
+// each gradient element is first scaled by *grad_scale (clipping's coefficient, read on the device) as an in-place
+// multiply would store it.
+template <int VEC, bool SCALED, typename P, typename G>
 __global__ void adamw_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScalars<acc_t<P>>* __restrict__ slot,
-                             P* __restrict__ param, const G* __restrict__ grad, acc_t<P>* __restrict__ exp_avg,
-                             acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
+                             P* __restrict__ param, const G* __restrict__ grad, const double* __restrict__ grad_scale,
+                             acc_t<P>* __restrict__ exp_avg, acc_t<P>* __restrict__ exp_avg_sq, int64_t n) {
   using M = acc_t<P>;
   using cuda::AlignedVector;
   const AdamWScalars<M> s = slot ? *slot : arg;
-  auto update = [&s](P& param, G grad, M& exp_avg, M& exp_avg_sq) {
-    M g = to_math<M>(grad);
-    M m = s.beta1 * exp_avg + s.one_minus_beta1 * g;
-    M v = s.beta2 * exp_avg_sq + s.one_minus_beta2 * g * g;
-    exp_avg = m;
-    exp_avg_sq = v;
-    M denom = sqrt_of(v) * s.inv_bias_correction2_sqrt + s.eps;
-    M p = to_math<M>(param) * s.decay;
-    param = P(p - s.step_size * m / denom);
+  acc_t<G> c{};
+  if constexpr (SCALED) c = adamw_math::grad_scale_value<G>(*grad_scale);
+  auto update = [&s, c](P& param, G grad, M& exp_avg, M& exp_avg_sq) {
+    if constexpr (SCALED) grad = adamw_math::scaled_grad(grad, c);
+    adamw_math::update(s, param, to_math<M>(grad), exp_avg, exp_avg_sq);
   };
   const int64_t step = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vectors = n / VEC;
@@ -80,8 +56,9 @@ __global__ void adamw_kernel(AdamWScalars<acc_t<P>> arg, const AdamWScalars<acc_
   for (int64_t i = vectors * VEC + first; i < n; i += step) update(param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
 }
 
-void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
-                       Tensor& exp_avg, Tensor& exp_avg_sq) {
+// Both AdamW ops: grad_scale null for adamw_update.
+void adamw_launch(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
+                  const double* grad_scale, Tensor& exp_avg, Tensor& exp_avg_sq) {
   const int64_t n = param.numel();
   if (n == 0) return;
   const CudaDeviceContext& cuda_ctx = cuda_context(ctx);
@@ -90,14 +67,14 @@ void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tens
   LOOM_DISPATCH_FLOATING(param.dtype(), "adamw_update", [&] {
     using P = scalar_t;
     using M = acc_t<P>;
-    const AdamWScalars<M> s = adamw_scalars<M>(a);
+    const AdamWScalars<M> s = adamw_math::scalars<M>(a);
     // Captured: each replay's learning rate, and the step count that many steps past the captured one.
     const auto* slot = static_cast<const AdamWScalars<M>*>(
         cuda::replay_scalar_slot(stream, sizeof(AdamWScalars<M>), [a](const cuda::ReplayStep& r, void* out) {
           AdamWUpdateAttrs at = a;
           at.lr = r.lr;
           at.step = a.step + r.steps_since_capture;
-          *static_cast<AdamWScalars<M>*>(out) = adamw_scalars<M>(at);
+          *static_cast<AdamWScalars<M>*>(out) = adamw_math::scalars<M>(at);
         }));
     LOOM_DISPATCH_FLOATING(grad.dtype(), "adamw_update", [&] {
       using G = scalar_t;
@@ -106,14 +83,32 @@ void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tens
       const G* g = grad.data_ptr<G>();
       M* m = exp_avg.data_ptr<M>();
       M* v = exp_avg_sq.data_ptr<M>();
-      if (cuda::vector_aligned<VEC>(p, sizeof(P)) && cuda::vector_aligned<VEC>(g, sizeof(G)) &&
-          cuda::vector_aligned<VEC>(m, sizeof(M)) && cuda::vector_aligned<VEC>(v, sizeof(M)))
-        adamw_kernel<VEC, P, G><<<loop_blocks((n + VEC - 1) / VEC), kLoopThreads, 0, stream>>>(s, slot, p, g, m, v, n);
-      else
-        adamw_kernel<1, P, G><<<loop_blocks(n), kLoopThreads, 0, stream>>>(s, slot, p, g, m, v, n);
+      const bool aligned = cuda::vector_aligned<VEC>(p, sizeof(P)) && cuda::vector_aligned<VEC>(g, sizeof(G)) &&
+                           cuda::vector_aligned<VEC>(m, sizeof(M)) && cuda::vector_aligned<VEC>(v, sizeof(M));
+      auto launch = [&](auto scaled) {
+        constexpr bool SCALED = decltype(scaled)::value;
+        if (aligned)
+          adamw_kernel<VEC, SCALED, P, G><<<loop_blocks((n + VEC - 1) / VEC), kLoopThreads, 0, stream>>>(
+              s, slot, p, g, grad_scale, m, v, n);
+        else
+          adamw_kernel<1, SCALED, P, G><<<loop_blocks(n), kLoopThreads, 0, stream>>>(s, slot, p, g, grad_scale, m,
+                                                                                      v, n);
+      };
+      if (grad_scale) launch(std::true_type{});
+      else launch(std::false_type{});
       LOOM_CUDA_CHECK_LAUNCH();
     });
   });
+}
+
+void adamw_update_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
+                       Tensor& exp_avg, Tensor& exp_avg_sq) {
+  adamw_launch(ctx, a, param, grad, nullptr, exp_avg, exp_avg_sq);
+}
+
+void adamw_update_scaled_cuda(const DeviceContext& ctx, const AdamWUpdateAttrs& a, Tensor& param, const Tensor& grad,
+                              const Tensor& grad_scale, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  adamw_launch(ctx, a, param, grad, grad_scale.data_ptr<double>(), exp_avg, exp_avg_sq);
 }
 
 template <typename P, typename G>
@@ -216,6 +211,7 @@ void grad_norm_squared_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& o
 }  // namespace
 
 LOOM_REGISTER_KERNEL(adamw_update, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), adamw_update_cuda);
+LOOM_REGISTER_KERNEL(adamw_update_scaled, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), adamw_update_scaled_cuda);
 LOOM_REGISTER_KERNEL(sgd_update, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), sgd_update_cuda);
 LOOM_REGISTER_KERNEL(grad_norm_squared, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), grad_norm_squared_cuda);
 
