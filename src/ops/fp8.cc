@@ -56,6 +56,40 @@ void run(const Fp8GemmParams& f) {
 
 int64_t rows_of(const Tensor& t) { return t.dim() ? t.numel() / std::max<int64_t>(1, t.size(-1)) : 1; }
 
+// The three products of an FP8 linear layer as fp8_gemm's column-major problems over `rows` rows, shared by the
+// dense and the grouped forms (which move the pointers onto a group's slices).
+// y^T [out x rows] = W [out x in] x^T: A is the row-major weight (the column-major [in x out] W^T, transposed), B
+// the rows of x (column-major [in x rows]).
+Fp8GemmParams forward_problem(const Fp8Tensor& x, const Fp8Tensor& weight, Tensor& out, int64_t rows,
+                              int64_t out_features, int64_t in_features, bool fast_accumulation) {
+  Fp8GemmParams f = product(weight, x, out);
+  GemmParams& p = f.gemm;
+  p.trans_a = true;
+  p.m = out_features, p.n = rows, p.k = in_features;
+  p.lda = in_features, p.ldb = in_features, p.ldc = out_features;
+  f.fast_accumulation = fast_accumulation;
+  return f;
+}
+// grad_x^T [in x rows] = W^T [in x out] grad^T: A the row-major weight as stored (column-major [in x out]).
+Fp8GemmParams input_grad_problem(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, int64_t rows,
+                                 int64_t out_features, int64_t in_features) {
+  Fp8GemmParams f = product(weight, grad, out);
+  GemmParams& p = f.gemm;
+  p.m = in_features, p.n = rows, p.k = out_features;
+  p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
+  return f;
+}
+// grad_w^T [in x out] = x^T [in x rows] grad [rows x out]: the sum over the rows in one product.
+Fp8GemmParams weight_grad_problem(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out, int64_t rows,
+                                  int64_t out_features, int64_t in_features) {
+  Fp8GemmParams f = product(x, grad, out);
+  GemmParams& p = f.gemm;
+  p.trans_b = true;
+  p.m = in_features, p.n = out_features, p.k = rows;
+  p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
+  return f;
+}
+
 // A grouped product's operands: x [M, in] (or grad [M, out]) rows in groups, weight [G, out, in]; the row offsets.
 std::vector<int64_t> check_grouped(const char* op, const char* rows_name, const Fp8Tensor& rows, int64_t row_width,
                                    const Fp8Tensor& weight, const std::vector<int64_t>& sizes) {
@@ -77,6 +111,26 @@ void zero_rows_past(Tensor& out, int64_t first) {
   if (first >= out.size(0)) return;
   Tensor past = ops::narrow(out, 0, first, out.size(0) - first);
   ops::fill_(past, 0.0);
+}
+
+// out [M, width] from `rows` [M, k] grouped by `off`: group g's product (`problem` for its row count, writing `out`)
+// moved onto its rows of `rows` and `out` and onto weight's matrix g; zeros in the rows past the groups.
+template <typename Problem>
+Tensor grouped_rows_product(const Fp8Tensor& rows, const Fp8Tensor& weight, const std::vector<int64_t>& off,
+                            int64_t width, DType dtype, Problem problem) {
+  Tensor out = empty({rows.q.size(0), width}, dtype, rows.q.device());
+  zero_rows_past(out, off.back());
+  const int64_t elem = int64_t(dtype_size(dtype)), matrix = weight.q.size(1) * weight.q.size(2);
+  for (size_t g = 0; g + 1 < off.size(); ++g) {
+    const int64_t n = off[g + 1] - off[g];
+    if (n == 0 || width == 0) continue;
+    Fp8GemmParams f = problem(out, n);
+    f.gemm.a = bytes(weight.q) + int64_t(g) * matrix;
+    f.gemm.b = bytes(rows.q) + off[g] * rows.q.size(1);
+    f.gemm.c = static_cast<uint8_t*>(out.data()) + off[g] * width * elem;
+    run(f);
+  }
+  return out;
 }
 
 }  // namespace
@@ -134,8 +188,6 @@ Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {
   return ops::view(out, q.shape());
 }
 
-// y^T [out x rows] = W [out x in] x^T: A is the row-major weight (the column-major [in x out] W^T, transposed), B
-// the rows of x (column-major [in x rows]).
 Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bias, DType dtype,
                   bool fast_accumulation) {
   const char* op = "fp8_linear";
@@ -155,18 +207,12 @@ Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bia
   const int64_t rows = rows_of(x.q);
   if (out.numel() == 0) return out;
   Tensor b = bias.defined() ? ops::contiguous(bias) : Tensor();
-  Fp8GemmParams f = product(weight, x, out);
-  GemmParams& p = f.gemm;
-  p.trans_a = true;
-  p.m = out_features, p.n = rows, p.k = in_features;
-  p.lda = in_features, p.ldb = in_features, p.ldc = out_features;
-  if (b.defined()) p.epilogue = GemmEpilogue::kBias, p.bias = b.data();
-  f.fast_accumulation = fast_accumulation;
+  Fp8GemmParams f = forward_problem(x, weight, out, rows, out_features, in_features, fast_accumulation);
+  if (b.defined()) f.gemm.epilogue = GemmEpilogue::kBias, f.gemm.bias = b.data();
   run(f);
   return out;
 }
 
-// grad_x^T [in x rows] = W^T [in x out] grad^T: A the row-major weight as stored (column-major [in x out]).
 Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype) {
   const char* op = "fp8_linear_backward_input";
   check_operand(op, "grad", grad, -1);
@@ -179,15 +225,10 @@ Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
   out_shape.back() = in_features;
   Tensor out = empty(out_shape, dtype, grad.q.device());
   if (out.numel() == 0) return out;
-  Fp8GemmParams f = product(weight, grad, out);
-  GemmParams& p = f.gemm;
-  p.m = in_features, p.n = rows_of(grad.q), p.k = out_features;
-  p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
-  run(f);
+  run(input_grad_problem(grad, weight, out, rows_of(grad.q), out_features, in_features));
   return out;
 }
 
-// grad_w^T [in x out] = x^T [in x rows] grad [rows x out]: the sum over every row in one product.
 void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out) {
   const char* op = "fp8_linear_backward_weight";
   check_operand(op, "grad", grad, -1);
@@ -200,12 +241,7 @@ void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, T
                op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
                x.q.device().str());
   if (out.numel() == 0) return;
-  Fp8GemmParams f = product(x, grad, out);
-  GemmParams& p = f.gemm;
-  p.trans_b = true;
-  p.m = in_features, p.n = out_features, p.k = rows;
-  p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
-  run(f);
+  run(weight_grad_problem(grad, x, out, rows, out_features, in_features));
 }
 
 // The grouped forms: one product per group, each on its rows' slice and its matrix, the operands' scales shared.
@@ -216,23 +252,9 @@ Tensor fp8_grouped_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const std
   const int64_t in_features = weight.q.defined() && weight.q.dim() == 3 ? weight.q.size(2) : -1;
   const auto off = check_grouped(op, "x", x, in_features, weight, sizes);
   const int64_t out_features = weight.q.size(1);
-  Tensor out = empty({x.q.size(0), out_features}, dtype, x.q.device());
-  zero_rows_past(out, off.back());
-  const int64_t elem = int64_t(dtype_size(dtype));
-  for (size_t g = 0; g < sizes.size(); ++g) {
-    if (sizes[g] == 0 || out_features == 0) continue;
-    Fp8GemmParams f = product(weight, x, out);
-    GemmParams& p = f.gemm;
-    p.a = bytes(weight.q) + int64_t(g) * out_features * in_features;
-    p.b = bytes(x.q) + off[g] * in_features;
-    p.c = static_cast<uint8_t*>(out.data()) + off[g] * out_features * elem;
-    p.trans_a = true;
-    p.m = out_features, p.n = sizes[g], p.k = in_features;
-    p.lda = in_features, p.ldb = in_features, p.ldc = out_features;
-    f.fast_accumulation = fast_accumulation;
-    run(f);
-  }
-  return out;
+  return grouped_rows_product(x, weight, off, out_features, dtype, [&](Tensor& out, int64_t rows) {
+    return forward_problem(x, weight, out, rows, out_features, in_features, fast_accumulation);
+  });
 }
 
 Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
@@ -242,21 +264,9 @@ Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor&
   const int64_t out_features = weight.q.defined() && weight.q.dim() == 3 ? weight.q.size(1) : -1;
   const auto off = check_grouped(op, "grad", grad, out_features, weight, sizes);
   const int64_t in_features = weight.q.size(2);
-  Tensor out = empty({grad.q.size(0), in_features}, dtype, grad.q.device());
-  zero_rows_past(out, off.back());
-  const int64_t elem = int64_t(dtype_size(dtype));
-  for (size_t g = 0; g < sizes.size(); ++g) {
-    if (sizes[g] == 0 || in_features == 0) continue;
-    Fp8GemmParams f = product(weight, grad, out);
-    GemmParams& p = f.gemm;
-    p.a = bytes(weight.q) + int64_t(g) * out_features * in_features;
-    p.b = bytes(grad.q) + off[g] * out_features;
-    p.c = static_cast<uint8_t*>(out.data()) + off[g] * in_features * elem;
-    p.m = in_features, p.n = sizes[g], p.k = out_features;
-    p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
-    run(f);
-  }
-  return out;
+  return grouped_rows_product(grad, weight, off, in_features, dtype, [&](Tensor& out, int64_t rows) {
+    return input_grad_problem(grad, weight, out, rows, out_features, in_features);
+  });
 }
 
 void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x,
@@ -276,14 +286,11 @@ void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tens
   const int64_t elem = int64_t(dtype_size(out.dtype()));
   for (int64_t g = 0; g < groups; ++g) {
     if (out_features == 0 || in_features == 0) break;
-    Fp8GemmParams f = product(x, grad, out);  // an empty group's sum is zero: fp8_gemm writes it for k = 0
-    GemmParams& p = f.gemm;
-    p.a = bytes(x.q) + off[size_t(g)] * in_features;
-    p.b = bytes(grad.q) + off[size_t(g)] * out_features;
-    p.c = static_cast<uint8_t*>(out.data()) + g * out_features * in_features * elem;
-    p.trans_b = true;
-    p.m = in_features, p.n = out_features, p.k = sizes[size_t(g)];
-    p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
+    // An empty group's sum is zero: fp8_gemm writes it for k = 0.
+    Fp8GemmParams f = weight_grad_problem(grad, x, out, sizes[size_t(g)], out_features, in_features);
+    f.gemm.a = bytes(x.q) + off[size_t(g)] * in_features;
+    f.gemm.b = bytes(grad.q) + off[size_t(g)] * out_features;
+    f.gemm.c = static_cast<uint8_t*>(out.data()) + g * out_features * in_features * elem;
     run(f);
   }
 }
