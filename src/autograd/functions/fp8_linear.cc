@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <optional>
 
 #include "autograd/functions/grad_util.h"
 #include "loom/amp.h"
@@ -74,27 +75,34 @@ using autograd::tensor_list;
 // The dtype an FP8 product writes for a tensor of dtype t: bf16 stays bf16, anything else is computed in f32.
 DType product_dtype_for(DType t) { return t == kBF16 ? kBF16 : kF32; }
 
+// The backward of linear() and of grouped_linear() (group_sizes set: weight [G, out, in], x's rows in groups).
 class Fp8LinearBackward final : public autograd::Node {
  public:
   ops::Fp8Tensor x, weight;  // the forward's quantized operands: x saved only for weight's gradient, weight for x's
   std::shared_ptr<LinearState> state;
+  std::optional<std::vector<int64_t>> group_sizes;
   DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
 
-  std::string name() const override { return "Fp8LinearBackward"; }
+  std::string name() const override { return group_sizes ? "Fp8GroupedLinearBackward" : "Fp8LinearBackward"; }
   tensor_list apply(tensor_list&& grads) override {
     tensor_list out(3);
     if (!grads[0].defined()) return out;
     const Tensor& g = grads[0];
     if (needs_input_grad(0) || needs_input_grad(1)) {
       const ops::Fp8Tensor gq = state->grad_output.quantize(g);
-      if (needs_input_grad(0))
-        out[0] = as_dtype(ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype)), x_dtype);
+      if (needs_input_grad(0)) {
+        const DType written = product_dtype_for(x_dtype);
+        out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
+                                      : ops::fp8_linear_backward_input(gq, weight, written),
+                          x_dtype);
+      }
       if (needs_input_grad(1)) {
         const DType written = product_dtype_for(weight_dtype);
         Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
         const bool in_slot = dw.defined();
-        if (!in_slot) dw = empty({weight.q.size(0), weight.q.size(1)}, written, g.device());
-        ops::fp8_linear_backward_weight_out(gq, x, dw);
+        if (!in_slot) dw = empty(weight.q.shape(), written, g.device());
+        if (group_sizes) ops::fp8_grouped_linear_backward_weight_out(gq, x, *group_sizes, dw);
+        else ops::fp8_linear_backward_weight_out(gq, x, dw);
         out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
       }
     }
@@ -114,16 +122,11 @@ class Fp8LinearBackward final : public autograd::Node {
   }
 };
 
-}  // namespace
-
-namespace {
-
-// linear() with x's quantization given (shared by layers that read the same x), or made here when null.
-Tensor linear_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
-                 const ops::Fp8Tensor* x_quantized) {
-  LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
-  LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
-               "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
+// The FP8 product of x and weight (+ bias), recorded for the backward: linear()'s, with x's quantization given
+// (shared by layers that read the same x) or made here when null, or grouped_linear()'s when group_sizes is set (no
+// bias). The callers check the shapes.
+Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                  const ops::Fp8Tensor* x_quantized, const std::vector<int64_t>* group_sizes) {
   // The result's dtype: the autocast dtype under bf16 autocast, else bf16 for a bf16 x and f32 otherwise.
   const DType out_dtype =
       amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
@@ -131,25 +134,36 @@ Tensor linear_of(const Tensor& x, const Tensor& weight, const Tensor& bias, cons
   // The quantized operands are kept with the product: a selective recompute returns all of them, and the gradients
   // read the forward's operands without quantizing x and weight again (an amax and a cast over each, and the
   // weight's from f32).
-  const std::vector<Tensor> kept = autograd::kept_results("fp8_linear", [&] {
+  const bool fast = state->recipe.fast_accumulation_forward;
+  const std::vector<Tensor> kept = autograd::kept_results(group_sizes ? "fp8_grouped_linear" : "fp8_linear", [&] {
     const ops::Fp8Tensor xq = x_quantized ? *x_quantized : state->input.quantize(x.detach());
     const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
-    return std::vector<Tensor>{ops::fp8_linear(xq, wq, b, out_dtype, state->recipe.fast_accumulation_forward), xq.q,
-                               xq.scale_inv, wq.q, wq.scale_inv};
+    Tensor y = group_sizes ? ops::fp8_grouped_linear(xq, wq, *group_sizes, out_dtype, fast)
+                           : ops::fp8_linear(xq, wq, b, out_dtype, fast);
+    return std::vector<Tensor>{y, xq.q, xq.scale_inv, wq.q, wq.scale_inv};
   });
   Tensor out = kept[0];
   if (!record) return out;
-  const ops::Fp8Tensor xq{kept[1], kept[2]}, wq{kept[3], kept[4]};
   auto node = autograd::make_node<Fp8LinearBackward>({&x, &weight, &bias});
-  if (node->needs_input_grad(0)) node->weight = wq;
-  if (node->needs_input_grad(1)) node->x = xq;
+  if (node->needs_input_grad(0)) node->weight = {kept[3], kept[4]};
+  if (node->needs_input_grad(1)) node->x = {kept[1], kept[2]};
   node->state = state;
+  if (group_sizes) node->group_sizes = *group_sizes;
   node->x_dtype = x.dtype();
   node->weight_dtype = weight.dtype();
   if (bias.defined()) node->bias_dtype = bias.dtype();
   autograd::set_history(out, node);
   return out;
+}
+
+// linear() with x's quantization given, or made here when null.
+Tensor linear_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                 const ops::Fp8Tensor* x_quantized) {
+  LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
+  LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+               "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
+  return product_of(x, weight, bias, state, x_quantized, nullptr);
 }
 
 }  // namespace
@@ -171,40 +185,6 @@ std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& l
   return out;
 }
 
-namespace {
-
-class Fp8GroupedLinearBackward final : public autograd::Node {
- public:
-  ops::Fp8Tensor x, weight;  // as Fp8LinearBackward's
-  std::vector<int64_t> sizes;
-  std::shared_ptr<LinearState> state;
-  DType x_dtype = kF32, weight_dtype = kF32;
-
-  std::string name() const override { return "Fp8GroupedLinearBackward"; }
-  tensor_list apply(tensor_list&& grads) override {
-    tensor_list out(2);
-    if (!grads[0].defined() || !(needs_input_grad(0) || needs_input_grad(1))) return out;
-    const ops::Fp8Tensor gq = state->grad_output.quantize(grads[0]);
-    if (needs_input_grad(0))
-      out[0] = as_dtype(ops::fp8_grouped_linear_backward_input(gq, weight, sizes, product_dtype_for(x_dtype)), x_dtype);
-    if (needs_input_grad(1)) {
-      const DType written = product_dtype_for(weight_dtype);
-      Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
-      const bool in_slot = dw.defined();
-      if (!in_slot) dw = empty(weight.q.shape(), written, grads[0].device());
-      ops::fp8_grouped_linear_backward_weight_out(gq, x, sizes, dw);
-      out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
-    }
-    return out;
-  }
-  void release_saved() override {
-    x = weight = ops::Fp8Tensor{};
-    state.reset();
-  }
-};
-
-}  // namespace
-
 Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vector<int64_t>& sizes,
                       const std::shared_ptr<LinearState>& state) {
   LOOM_REQUIRE(state, "fp8::grouped_linear: no FP8 state");
@@ -212,28 +192,7 @@ Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vecto
                    rows.size(1) == weight.size(2),
                "fp8::grouped_linear: rows ", describe(rows), " do not fit weight ", describe(weight),
                " (expected rows [M, in] and weight [groups, out, in])");
-  const DType out_dtype =
-      amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(rows.dtype());
-  const bool record = autograd::should_record({&rows, &weight});
-  // Kept as linear() keeps its operands: a selective recompute quantizes neither again.
-  const std::vector<Tensor> kept = autograd::kept_results("fp8_grouped_linear", [&] {
-    const ops::Fp8Tensor xq = state->input.quantize(rows.detach());
-    const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
-    return std::vector<Tensor>{
-        ops::fp8_grouped_linear(xq, wq, sizes, out_dtype, state->recipe.fast_accumulation_forward), xq.q,
-        xq.scale_inv, wq.q, wq.scale_inv};
-  });
-  Tensor out = kept[0];
-  if (!record) return out;
-  auto node = autograd::make_node<Fp8GroupedLinearBackward>({&rows, &weight});
-  if (node->needs_input_grad(0)) node->weight = {kept[3], kept[4]};
-  if (node->needs_input_grad(1)) node->x = {kept[1], kept[2]};
-  node->sizes = sizes;
-  node->state = state;
-  node->x_dtype = rows.dtype();
-  node->weight_dtype = weight.dtype();
-  autograd::set_history(out, node);
-  return out;
+  return product_of(rows, weight, Tensor(), state, nullptr, &sizes);
 }
 
 void check_device(Device device) {
