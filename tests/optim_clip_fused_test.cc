@@ -27,29 +27,6 @@ using optim::ParamGroup;
 
 const Device kGpu(DeviceType::kCUDA, 0);
 
-// Counts kernel calls per op name while alive (the dispatcher's profiling mode).
-class CallCounter {
- public:
-  CallCounter() : previous_(dispatch::op_profiling()) {
-    dispatch::reset_op_profile();
-    dispatch::set_op_profiling(true);
-  }
-  ~CallCounter() {
-    dispatch::set_op_profiling(previous_);
-    dispatch::reset_op_profile();
-  }
-  uint64_t calls(const std::string& op) const {
-    uint64_t n = 0;
-    for (const auto& row : dispatch::op_profile())
-      if (row.op == op) n += row.calls;
-    return n;
-  }
-  void reset() const { dispatch::reset_op_profile(); }
-
- private:
-  bool previous_;
-};
-
 // A library that serves adamw_update (native's kernel under its own name) and not adamw_update_scaled, as one built
 // before the fused op; unregistered when the scope ends.
 constexpr const char* kPlainAdamW = "plain_adamw";
@@ -113,7 +90,7 @@ void check_fused_step_matches(Device device, bool flat, bool plain_library) {
   }
   const AdamWOptions options{.lr = 0.03, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .flat = flat};
   AdamW fused(groups(a), options), reference(groups(b), options);
-  CallCounter counter;
+  test::CallCounter counter;
   for (int step = 0; step < 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     fused.zero_grad();
@@ -235,7 +212,7 @@ TrainedRun train_run(const test::TempDir& dir) {
   o.sample_tokens = 0;
   o.eval_interval = 0;
   TrainedRun out;
-  CallCounter counter;
+  test::CallCounter counter;
   train::Trainer t(o);
   for (int64_t i = 0; i < o.steps; ++i) {
     const train::StepStats s = t.train_step();

@@ -30,29 +30,6 @@ Tensor leaf_on(const Tensor& values, Device device) {
   return p;
 }
 
-// Counts kernel calls per op name while alive (the dispatcher's profiling mode).
-class CallCounter {
- public:
-  CallCounter() : previous_(dispatch::op_profiling()) {
-    dispatch::reset_op_profile();
-    dispatch::set_op_profiling(true);
-  }
-  ~CallCounter() {
-    dispatch::set_op_profiling(previous_);
-    dispatch::reset_op_profile();
-  }
-  uint64_t calls(const std::string& op) const {
-    uint64_t n = 0;
-    for (const auto& row : dispatch::op_profile())
-      if (row.op == op) n += row.calls;
-    return n;
-  }
-  void reset() const { dispatch::reset_op_profile(); }
-
- private:
-  bool previous_;
-};
-
 // The same parameters twice (one set for the flat optimizer, one for the per-parameter reference), in two groups:
 // decayed {w1 [3,5], w2 [2,1,3], wb bf16 [4,4]} and undecayed {b1 [7], scalar [], late [1] (gradients from step 1
 // on: its own step count), frozen [5] (never a gradient)}.
@@ -125,7 +102,7 @@ void check_adamw_flat_matches_per_parameter(Device device) {
   // Expected adamw_update launches per step (see TwinParams): step 0: decayed f32 run + bf16 run, undecayed
   // {b1, scalar}; later the late parameter adds a run of its own; step 3's f64 gradient for w1 splits its run.
   const std::vector<uint64_t> expected_launches{3, 4, 4, 5, 4};
-  CallCounter counter;
+  test::CallCounter counter;
   for (int step = 0; step < 5; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     std::vector<Tensor> weights = random_weights(device);
@@ -298,7 +275,7 @@ TEST(OptimFlat, ClipGradNormOverFlatGradientsMatchesPerTensor) {
     for (size_t i = 0; i < shapes.size(); ++i) plain_params[i].set_grad(test::random_tensor(shapes[i]));
     for (size_t i = 0; i < shapes.size(); ++i) sum(mul(flat_params[i], plain_params[i].grad())).backward();
   };
-  CallCounter counter;
+  test::CallCounter counter;
   for (double max_norm : {0.0, 0.5}) {
     SCOPED_TRACE(max_norm);
     set_grads();
@@ -404,7 +381,7 @@ TEST(OptimFlat, CudaAdamWMatchesPerParameterBitForBitAndCpuClosely) {
   }
   AdamW gpu_opt({ParamGroup{{gpu[0], gpu[2]}, 0.1}, ParamGroup{{gpu[1], gpu[3], gpu[4]}, 0.0}}, AdamWOptions{.lr = 0.01});
   AdamW cpu_opt({ParamGroup{{cpu[0], cpu[2]}, 0.1}, ParamGroup{{cpu[1], cpu[3], cpu[4]}, 0.0}}, AdamWOptions{.lr = 0.01});
-  CallCounter counter;
+  test::CallCounter counter;
   for (int step = 0; step < 3; ++step) {
     gpu_opt.zero_grad();
     cpu_opt.zero_grad();

@@ -13,6 +13,7 @@
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
+#include "loom/dispatch_modes.h"
 #include "loom/ops.h"
 
 namespace loom::test {
@@ -154,6 +155,31 @@ class ScopedPolicy {
 
  private:
   ProviderPolicy previous_;
+};
+
+// Counts kernel calls per op name while alive (the dispatcher's profiling mode), the previous mode restored after.
+class CallCounter {
+ public:
+  CallCounter() : previous_(dispatch::op_profiling()) {
+    dispatch::reset_op_profile();
+    dispatch::set_op_profiling(true);
+  }
+  ~CallCounter() {
+    dispatch::set_op_profiling(previous_);
+    dispatch::reset_op_profile();
+  }
+  CallCounter(const CallCounter&) = delete;
+  CallCounter& operator=(const CallCounter&) = delete;
+  uint64_t calls(const std::string& op) const {
+    uint64_t n = 0;
+    for (const auto& row : dispatch::op_profile())
+      if (row.op == op) n += row.calls;
+    return n;
+  }
+  void reset() const { dispatch::reset_op_profile(); }
+
+ private:
+  bool previous_;
 };
 
 }  // namespace loom::test
