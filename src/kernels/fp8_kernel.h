@@ -61,6 +61,25 @@ LOOM_DECLARE_OP(fp8_quantize, Fp8QuantizeKernel,
                                     "(with its sign); NaN gives NaN; an infinite product gives inf in f8e5m2 and "
                                     "NaN in f8e4m3; amax as fp8_amax"));
 
+// ---- Quantization where the values are made. ----
+// The codes of SwiGLU's output, for an FP8 product that reads it (a down projection): v = swiglu(gate, up) as the
+// swiglu op stores it in gate's dtype (silu(gate) * up in f32, rounded to gate's dtype), then q = the code of
+// float(v) * scale as fp8_quantize makes it, and amax (optional) = max |v| as fp8_amax takes it. Bit for bit
+// fp8_quantize(swiglu(gate, up), scale), without the activation written and read back. gate and up [R, C] f32 or
+// bf16 (one dtype), unit column strides, each row at a row stride of its own (a mixture of experts' gate and up are
+// the halves of one product's rows); q contiguous [R, C].
+using SwigluQuantizeKernel = void(const DeviceContext&, const Tensor& gate, const Tensor& up, const Tensor& scale,
+                                  Tensor& q, Tensor& amax);
+LOOM_DECLARE_OP(swiglu_quantize, SwigluQuantizeKernel,
+                OpSchema().in("gate", "R C", DTypeRule::kUnquantized).layout(Layout::kUnitInner)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("up", "R C", DTypeRule::kUnquantized).layout(Layout::kUnitInner)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "R C")
+                    .out_opt("amax", "1", DTypeRule::kF32).dispatch_on("q").abi_since(6)
+                    .special_values("as swiglu then fp8_quantize: a NaN or infinite activation gives the codes and "
+                                    "the amax fp8_quantize gives it"));
+
 // out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one
 // shape.
 using Fp8DequantizeKernel = void(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out);

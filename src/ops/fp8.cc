@@ -2,6 +2,7 @@
 // linear layer's three products, dispatched to fp8_gemm.
 #include "loom/ops/fp8.h"
 
+#include "kernels/elementwise_kernel.h"
 #include "kernels/fp8_kernel.h"
 #include "kernels/moe_kernel.h"
 #include "loom/ops/elementwise.h"
@@ -175,6 +176,39 @@ Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* ama
   dispatch::call(fp8_quantize_op, x.device(), fp8, flat, scale, q, amax);
   if (amax_out) *amax_out = amax;
   return ops::view(q, x.shape());
+}
+
+namespace {
+// t as rows of unit-stride columns [R, C] (C its last dim): a view where its layout allows, else a copy.
+Tensor as_rows(const Tensor& t) {
+  const int64_t C = t.dim() ? t.size(-1) : 1;
+  if (t.dim() == 2 && (t.stride(1) == 1 || C <= 1)) return t;
+  return ops::view(ops::contiguous(t), {C ? t.numel() / C : 0, C});
+}
+}  // namespace
+
+Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8, Tensor* amax_out) {
+  const char* op = "fp8_swiglu_quantize";
+  LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
+               ": up ", describe(up), " does not match gate ", describe(gate));
+  check_scale(op, "scale", scale, gate);
+  const Tensor g = as_rows(gate), u = as_rows(up);
+  Tensor q = empty(g.shape(), fp8, gate.device());
+  Tensor amax = amax_out ? empty({1}, kF32, gate.device()) : Tensor();
+  // Fused only by the provider that would run swiglu itself: one that serves swiglu but not this op keeps its
+  // swiglu, and the codes come from fp8_quantize (the same bits by the contract).
+  // (swiglu's first candidate: asking its supports() would need an activation-sized output.)
+  const KernelEntry* fused = ops_detail::accepting_kernel(swiglu_quantize_op, gate.device(), fp8, g, u, scale, q, amax);
+  const auto& plain = dispatch::candidates(swiglu_op.id(), gate.device().type, gate.dtype());
+  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+    dispatch::call(swiglu_quantize_op, gate.device(), fp8, g, u, scale, q, amax);
+    if (amax_out) *amax_out = amax;
+    return ops::view(q, gate.shape());
+  }
+  return fp8_quantize(ops::swiglu(gate, up), scale, fp8, amax_out);
 }
 
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {

@@ -81,6 +81,41 @@ void fp8_quantize(Case& c) {
   }
 }
 
+// swiglu's activation v = silu(gate) * up in float64, rounded to gate's dtype as the swiglu op stores it, then
+// fp8_quantize's code of it and the amax of the stored activations. A kernel computes v in f32 first, a few of its
+// ulps from float64's; where that could move the rounded activation or its code (v within 2^-20 of a rounding
+// boundary), the case is left to another reference rather than judged on one side.
+void swiglu_quantize(Case& c) {
+  const Operand &gate = c.in("gate"), &up = c.in("up");
+  const double s = c.in("scale").values[0];
+  Operand* q = c.out("q");
+  const DType dt = gate.dtype;
+  auto code = [&](double v) { return fp8_round(f32(convert(v, dt) * s), q->dtype, true); };
+  auto same = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  double m = 0, m_below = 0, m_above = 0;  // the amax, and its bounds from the activations' bounds
+  auto fold = [](double& into, double v) { into = std::isnan(into) || std::isnan(v) ? kNaN : std::max(into, v); };
+  for (size_t i = 0; i < q->values.size(); ++i) {
+    const double g = gate.values[i];
+    const double v = g * (1 / (1 + std::exp(-g))) * up.values[i];
+    const double below = v * (1 - 0x1p-20), above = v * (1 + 0x1p-20);
+    if (!same(code(below), code(above))) {
+      c.no_value = "an activation within float32's reach of a rounding boundary of its code";
+      return;
+    }
+    q->values[i] = code(v);
+    fold(m, std::abs(convert(v, dt)));
+    fold(m_below, std::abs(convert(below, dt)));
+    fold(m_above, std::abs(convert(above, dt)));
+  }
+  if (Operand* amax = c.out("amax")) {
+    if (!same(m_below, m_above)) {
+      c.no_value = "the largest activation within float32's reach of a rounding boundary of its dtype";
+      return;
+    }
+    amax->values[0] = m;
+  }
+}
+
 // The f32 product; the suite rounds it to out's dtype as the kernel does.
 void fp8_dequantize(Case& c) {
   const auto& q = c.in("q").values;
@@ -115,6 +150,7 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["fp8_scale"] = fp8_scale;
   table["fp8_quantize"] = fp8_quantize;
   table["fp8_dequantize"] = fp8_dequantize;
+  table["swiglu_quantize"] = swiglu_quantize;
   table["fp8_gemm"] = fp8_gemm;
 }
 

@@ -10,7 +10,7 @@
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
  *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], of 1.3 with [1.3], of 1.4 with
- *   [1.4] and of 1.5 with [1.5], and Loom binds an op only for a library built against the minor that added it or
+ *   [1.4], of 1.5 with [1.5] and of 1.6 with [1.6], and Loom binds an op only for a library built against the minor that added it or
  *   a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest of its ops load). 1.3 also
  *   added the 8-bit float dtypes: only the FP8 ops take them, and a mask bit for them counts only in a library built
  *   against 1.3 or newer.
@@ -224,6 +224,13 @@
  *       grad_scale is one f64 element in the device's memory (read it there: no host read), rounded to f32 (f64 for
  *       an f64 grad); the product in that type, rounded to grad's dtype. grad is not written. A library without it
  *       keeps serving adamw_update: Loom then multiplies the gradients first.
+ *   Added in 1.6: quantization where the values are made, so that an FP8 product's operand is never written in 16
+ *   bits first.
+ *     swiglu_quantize [1.6] (dispatch dtype = q's; gate and up f32 or bf16, one dtype, [R, C] with unit column
+ *       strides and row strides of their own; q contiguous)
+ *                                                   in: gate, up, scale    out: q, amax?
+ *       v = swiglu(gate, up) as swiglu stores it in gate's dtype; q and amax as fp8_quantize gives them for v. A
+ *       library without it keeps serving swiglu: Loom then quantizes swiglu's output with fp8_quantize.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -240,7 +247,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 5
+#define LOOM_ABI_VERSION_MINOR 6
 
 #define LOOM_MAX_DIMS 8
 

@@ -29,6 +29,11 @@ void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor
 // q = sat(x * scale) in dtype `fp8` (x f32 or bf16, any shape; the result contiguous). With amax_out, max |x| is
 // written there (a new one f32 element tensor): delayed scaling's record for the next step.
 Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
+// fp8_quantize(swiglu(gate, up), scale, fp8, amax_out), bit for bit, in one pass where the kernel that would run
+// swiglu has the fused op (swiglu_quantize): the activation is then never written. gate and up one shape and dtype
+// (f32 or bf16), any strides; the result contiguous with gate's shape.
+Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8,
+                           Tensor* amax_out = nullptr);
 // q * scale_inv in `dtype` (f32 or bf16).
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
 

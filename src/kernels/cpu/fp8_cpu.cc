@@ -5,8 +5,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/elementwise_cpu_common.h"
 #include "kernels/fp8_kernel.h"
-#include "kernels/primitives/cpu_loops.h"
 
 namespace loom {
 namespace {
@@ -78,6 +78,47 @@ void fp8_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale
   });
 }
 
+// swiglu's element as the swiglu kernel stores it, then fp8_quantize's code of it; the amax over the stored
+// activations in chunks, as amax_of takes it.
+void swiglu_quantize_cpu(const DeviceContext&, const Tensor& gate, const Tensor& up, const Tensor& scale, Tensor& q,
+                         Tensor& amax) {
+  const float s = *static_cast<const float*>(scale.data());
+  const int64_t R = q.size(0), C = q.size(1), n = R * C;
+  if (n == 0) {
+    if (amax.defined()) *static_cast<float*>(amax.data()) = 0;
+    return;
+  }
+  const int64_t lg = gate.stride(0), lu = up.stride(0);
+  LOOM_DISPATCH_FP8(q.dtype(), "swiglu_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(gate.dtype(), "swiglu_quantize", [&] {
+      using M = cpu::math_t<high_t>;
+      const high_t* g = static_cast<const high_t*>(gate.data());
+      const high_t* u = static_cast<const high_t*>(up.data());
+      uint8_t* out = static_cast<uint8_t*>(q.data());
+      constexpr int64_t kChunk = 1 << 16;
+      std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
+      cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
+        for (int64_t chunk = b; chunk < e; ++chunk) {
+          float m = 0;
+          const int64_t first = chunk * kChunk, end = std::min(n, first + kChunk);
+          for (int64_t i = first, r = first / C, c = first % C; i < end; ++i) {
+            const float v = float(high_t(elementwise_math::Swiglu{}(M(g[r * lg + c]), M(u[r * lu + c]))));
+            out[i] = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
+            m = max_keeping_nan(m, std::fabs(v));
+            if (++c == C) c = 0, ++r;
+          }
+          partial[size_t(chunk)] = m;
+        }
+      });
+      if (amax.defined()) {
+        float m = 0;
+        for (float p : partial) m = max_keeping_nan(m, p);
+        *static_cast<float*>(amax.data()) = m;
+      }
+    });
+  });
+}
+
 void fp8_dequantize_cpu(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
   const float s = *static_cast<const float*>(scale_inv.data());
   const int64_t n = q.numel();
@@ -145,6 +186,7 @@ void fp8_gemm_cpu(const DeviceContext&, const Fp8GemmParams& f) {
 LOOM_REGISTER_KERNEL(fp8_amax, kCPU, "native", dtypes(kF32, kBF16), fp8_amax_cpu);
 LOOM_REGISTER_KERNEL(fp8_scale, kCPU, "native", dtypes(kF32), fp8_scale_cpu);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cpu);
+LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_gemm, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_gemm_cpu);
 

@@ -12,6 +12,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
 #include "kernels/fp8_kernel.h"
+#include "kernels/primitives/elementwise_math.h"
 
 namespace loom {
 namespace {
@@ -128,6 +129,45 @@ void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned
                                                                                            amax_bits);
 }
 
+// swiglu_quantize: scan_kernel's pass with the values made from gate and up ([rows, cols] at row strides lg and lu)
+// as the swiglu kernel makes them (silu(gate) * up in f32, rounded to T), never written. Whole vectors of each row
+// first when `vectors` (cols and both row strides whole vectors, every base aligned), then the rest one by one.
+template <typename T, typename Q>
+__global__ void swiglu_scan_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t lg, int64_t lu,
+                                   int64_t rows, int64_t cols, const float* __restrict__ scale, bool vectors,
+                                   uint8_t* __restrict__ q, unsigned* amax_bits) {
+  const float s = *scale;
+  auto value = [](T g, T u) { return to_float(T(elementwise_math::Swiglu{}(float(g), float(u)))); };
+  unsigned local = 0;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  constexpr int V = kVector<T>;
+  const int64_t per_row = vectors ? cols / V : 0;
+  for (int64_t i = first; i < rows * per_row; i += stride) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(gate + r * lg + c);
+    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(up + r * lu + c);
+    Codes<V> out;
+#pragma unroll
+    for (int e = 0; e < V; e += 2) {
+      const float v0 = value(g.v[e], u.v[e]), v1 = value(g.v[e + 1], u.v[e + 1]);
+      const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
+      out.c[e] = uint8_t(pair & 0xffu);
+      out.c[e + 1] = uint8_t(pair >> 8);
+      local = max(local, max(magnitude_bits(v0), magnitude_bits(v1)));
+    }
+    *reinterpret_cast<Codes<V>*>(q + r * cols + c) = out;
+  }
+  const int64_t tail = cols - per_row * V;  // all of each row without vectors
+  for (int64_t i = first; i < rows * tail; i += stride) {
+    const int64_t r = i / tail, c = per_row * V + (i - r * tail);
+    const float v = value(gate[r * lg + c], up[r * lu + c]);
+    q[r * cols + c] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
+    local = max(local, magnitude_bits(v));
+  }
+  if (amax_bits) block_max_into(local, amax_bits);
+}
+
 template <typename Q, typename T>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int64_t n,
                                   T* __restrict__ out) {
@@ -202,6 +242,31 @@ void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& 
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
+void swiglu_quantize_cuda(const DeviceContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& scale,
+                          Tensor& q, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
+  const int64_t rows = q.size(0), cols = q.size(1);
+  if (rows * cols == 0) return;
+  // A single row's stride is never stepped over: any value does.
+  const int64_t lg = rows == 1 ? cols : gate.stride(0), lu = rows == 1 ? cols : up.stride(0);
+  LOOM_DISPATCH_FP8(q.dtype(), "swiglu_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_quantize", [&] {
+      constexpr int V = kVector<high_t>;
+      const high_t* g = static_cast<const high_t*>(gate.data());
+      const high_t* u = static_cast<const high_t*>(up.data());
+      uint8_t* out = static_cast<uint8_t*>(q.data());
+      const bool vectors = cols % V == 0 && lg % V == 0 && lu % V == 0 && vectorizable<high_t>(g, out) &&
+                           vectorizable<high_t>(u, nullptr);
+      const int64_t work = vectors ? rows * (cols / V) : rows * cols;
+      swiglu_scan_kernel<high_t, fp8_t><<<blocks_for(work), kThreads, 0, stream>>>(
+          g, u, lg, lu, rows, cols, static_cast<const float*>(scale.data()), vectors, out, bits);
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
 void fp8_dequantize_cuda(const DeviceContext& ctx, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
   cuda::DeviceGuard guard(ctx.device().index);
   const int64_t n = q.numel();
@@ -223,6 +288,7 @@ void fp8_dequantize_cuda(const DeviceContext& ctx, const Tensor& q, const Tensor
 LOOM_REGISTER_KERNEL(fp8_amax, kCUDA, "native", dtypes(kF32, kBF16), fp8_amax_cuda);
 LOOM_REGISTER_KERNEL(fp8_scale, kCUDA, "native", dtypes(kF32), fp8_scale_cuda);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cuda);
+LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cuda);
 
 }  // namespace loom
