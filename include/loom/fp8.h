@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,6 +53,13 @@ class TensorScaling {
   // x (f32 or bf16, any shape) as an 8-bit float tensor, with a scale_inv of its own (later quantizations never
   // change it, so a saved operand keeps its values).
   ops::Fp8Tensor quantize(const Tensor& x);
+  // The same for a tensor whose producing kernel can quantize it as it makes it: values() makes the tensor, and
+  // codes(scale, amax) its codes with `scale` and their amax (fp8_quantize's, bit for bit, as
+  // ops::fp8_swiglu_quantize gives them). Delayed scaling with a scale at hand takes codes(): the tensor is never
+  // made nor read again. Otherwise (current scaling, an operand's first quantization) quantize(values()), whose
+  // amax is needed before the cast.
+  using Codes = std::function<Tensor(const Tensor& scale, Tensor* amax)>;
+  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device);
   DType dtype() const { return fp8_; }
 
  private:
@@ -89,6 +97,17 @@ std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& l
 // output gradient.
 Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vector<int64_t>& sizes,
                       const std::shared_ptr<LinearState>& state);
+
+// A linear layer on swiglu(gate, up) (LLaMA's down projection): linear(swiglu(gate, up), weight, bias, state),
+// with the activation quantized by the kernel that makes it (ops::fp8_swiglu_quantize): under delayed scaling the
+// activation is never written in 16 or 32 bits, and quantizing it is no pass of its own. Its gradient flows to gate
+// and up through SwiGLU's backward. gate and up one shape and dtype, [..., in].
+Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight, const Tensor& bias,
+                     const std::shared_ptr<LinearState>& state);
+// The same for a mixture of experts' grouped layer: grouped_linear(swiglu(gate, up), weight, sizes, state), gate and
+// up [M, in] (the halves of the experts' gate and up product).
+Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
+                             const std::vector<int64_t>& sizes, const std::shared_ptr<LinearState>& state);
 
 // Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
 // reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).

@@ -74,6 +74,11 @@ Tensor Linear::forward_gelu(const Tensor& x) const {
   return fp8 ? gelu(fp8::linear(x, weight, bias, fp8)) : linear_gelu(x, weight, bias);
 }
 
+Tensor Linear::forward_swiglu(const Tensor& gate, const Tensor& up) const {
+  if (fp8 && !lora_A) return fp8::swiglu_linear(gate, up, weight, bias, fp8);
+  return forward(swiglu(gate, up));
+}
+
 void Linear::add_adapter(int64_t rank, double alpha, double dropout_p, Generator& gen) {
   LOOM_REQUIRE(!lora_A, "Linear: the layer already has an adapter");
   LOOM_REQUIRE(rank > 0, "LoRA: the rank must be positive, got ", rank);
@@ -151,11 +156,11 @@ SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
 Tensor SwiGLUMLP::forward(const Tensor& x) const {
   if (!tp) {
     const std::vector<Tensor> gate_up = forward_each(x, {gate_proj.get(), up_proj.get()});
-    return down_proj->forward(swiglu(gate_up[0], gate_up[1]));
+    return down_proj->forward_swiglu(gate_up[0], gate_up[1]);
   }
   Tensor xr = tp->enter(x);
   const std::vector<Tensor> gate_up = forward_each(xr, {gate_proj.get(), up_proj.get()});
-  return tp->exit(down_proj->forward(swiglu(gate_up[0], gate_up[1])));
+  return tp->exit(down_proj->forward_swiglu(gate_up[0], gate_up[1]));
 }
 
 void KVCache::append(Tensor& new_k, Tensor& new_v) {

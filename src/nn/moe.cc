@@ -87,7 +87,9 @@ Tensor MoeMLP::local_experts(const Tensor& rows, const std::vector<int64_t>& siz
   };
   Tensor gate_up = product(rows, gate_up_proj, gate_up_fp8);  // [rows, 2F]
   std::vector<Tensor> halves = split(gate_up, hidden, 1);
-  return product(swiglu(halves[0], halves[1]), down_proj, down_fp8);  // [rows, C]
+  // Under FP8 the activation is quantized where it is made (fp8::grouped_swiglu_linear).
+  if (down_fp8) return fp8::grouped_swiglu_linear(halves[0], halves[1], down_proj, sizes, down_fp8);  // [rows, C]
+  return grouped_gemm(swiglu(halves[0], halves[1]), down_proj, sizes, true);
 }
 
 // Under expert parallelism rank r holds experts [r L, (r + 1) L). The rows of its tokens go, expert group by expert

@@ -21,6 +21,9 @@ class Linear : public Module {
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
   Tensor forward(const Tensor& x) const;
   Tensor forward_gelu(const Tensor& x) const;  // GELU fused into the product's epilogue (not under FP8)
+  // forward(swiglu(gate, up)); under FP8 without an adapter the activation is quantized by the kernel that makes it
+  // (fp8::swiglu_linear), as an adapter reads it unquantized.
+  Tensor forward_swiglu(const Tensor& gate, const Tensor& up) const;
   Tensor weight;  // [out, in]
   Tensor bias;    // [out] or undefined
   // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.

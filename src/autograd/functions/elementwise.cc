@@ -282,6 +282,17 @@ class DropoutBackward final : public autograd::Node {
 
 }  // namespace
 
+namespace autograd {
+void record_swiglu(const Tensor& gate, const Tensor& up, Tensor& out, DType grad_dtype) {
+  if (auto node = make_node<SwigluBackward>({&gate, &up})) {
+    node->gate = gate.detach();
+    if (node->needs_input_grad(0)) node->up = up.detach();
+    node->dtype = grad_dtype;
+    set_history(out, node);
+  }
+}
+}  // namespace autograd
+
 Tensor neg(const Tensor& x) { return unary<NegBackward>(x, ops::neg(x), Saves::kNothing); }
 Tensor exp(const Tensor& x) { return unary<ExpBackward>(x, ops::exp(x), Saves::kOutput); }
 Tensor log(const Tensor& x) { return unary<LogBackward>(x, ops::log(x), Saves::kInput); }
@@ -295,12 +306,7 @@ Tensor relu(const Tensor& x) { return unary<ReluBackward>(x, ops::relu(x), Saves
 
 Tensor swiglu(const Tensor& gate, const Tensor& up) {
   Tensor out = ops::swiglu(gate, up);
-  if (auto node = autograd::make_node<SwigluBackward>({&gate, &up})) {
-    node->gate = gate.detach();
-    if (node->needs_input_grad(0)) node->up = up.detach();
-    node->dtype = out.dtype();
-    autograd::set_history(out, node);
-  }
+  autograd::record_swiglu(gate, up, out, out.dtype());
   return out;
 }
 

@@ -42,7 +42,12 @@ void check_recipe(const Recipe& r) {
 
 ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
   const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
-  const Device device = x.device();
+  return quantize([&] { return x; },
+                  [&](const Tensor& scale, Tensor* amax) { return ops::fp8_quantize(x, scale, fp8_, amax); },
+                  x.device());
+}
+
+ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, Device device) {
   std::lock_guard<std::mutex> lock(mu_);
   const bool first = !scale_.defined() || scale_.device() != device;
   if (first) {
@@ -53,13 +58,14 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
   if (history_ <= 1 || first) {
     // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Current
     // scaling writes each operand's scale_inv apart: the operand keeps it while the state's scale moves on.
+    const Tensor x = values();
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
     ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
     Tensor q = ops::fp8_quantize(x, scale_, fp8_);
     return {q, history_ <= 1 ? scale_inv : ops::clone(scale_inv_)};
   }
   Tensor amax;
-  Tensor q = ops::fp8_quantize(x, scale_, fp8_, &amax);
+  Tensor q = codes(scale_, &amax);
   // A copy, not a new element for the state's next scale_inv: the state's tensors keep their addresses, which a
   // captured CUDA graph reads and writes on every replay.
   Tensor used = ops::clone(scale_inv_);
@@ -150,7 +156,8 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   if (node->needs_input_grad(1)) node->x = {kept[1], kept[2]};
   node->state = state;
   if (group_sizes) node->group_sizes = *group_sizes;
-  node->x_dtype = x.dtype();
+  // An x given as its codes (a quantizing producer's: swiglu_linear) takes its gradient in the product's dtype.
+  node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->weight_dtype = weight.dtype();
   if (bias.defined()) node->bias_dtype = bias.dtype();
   autograd::set_history(out, node);
@@ -193,6 +200,50 @@ Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vecto
                "fp8::grouped_linear: rows ", describe(rows), " do not fit weight ", describe(weight),
                " (expected rows [M, in] and weight [groups, out, in])");
   return product_of(rows, weight, Tensor(), state, nullptr, &sizes);
+}
+
+namespace {
+
+// swiglu(gate, up) quantized as `state`'s input, by the swiglu kernel where it can (TensorScaling::quantize): its
+// codes, recorded as SwiGLU's result for the backward, and their scale_inv. Kept like a product's operands, so that a
+// selective recompute neither runs the activation again nor quantizes it a second time.
+ops::Fp8Tensor quantized_swiglu(const Tensor& gate, const Tensor& up, LinearState& state) {
+  LOOM_REQUIRE(gate.defined() && up.defined() && gate.shape() == up.shape() && gate.dtype() == up.dtype(),
+               "fp8: swiglu's gate ", gate.defined() ? describe(gate) : "undefined", " and up ",
+               up.defined() ? describe(up) : "undefined", " must have one shape and dtype");
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_swiglu", [&] {
+    const Tensor g = gate.detach(), u = up.detach();
+    TensorScaling& scaling = state.input;
+    const ops::Fp8Tensor q = scaling.quantize(
+        [&] { return ops::swiglu(g, u); },
+        [&](const Tensor& scale, Tensor* amax) { return ops::fp8_swiglu_quantize(g, u, scale, scaling.dtype(), amax); },
+        gate.device());
+    return std::vector<Tensor>{q.q, q.scale_inv};
+  });
+  ops::Fp8Tensor q{kept[0], kept[1]};
+  autograd::record_swiglu(gate, up, q.q, gate.dtype());
+  return q;
+}
+
+}  // namespace
+
+Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight, const Tensor& bias,
+                     const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::swiglu_linear: no FP8 state");
+  const ops::Fp8Tensor q = quantized_swiglu(gate, up, *state);
+  return linear_of(q.q, weight, bias, state, &q);
+}
+
+Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
+                             const std::vector<int64_t>& sizes, const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::grouped_swiglu_linear: no FP8 state");
+  LOOM_REQUIRE(gate.defined() && weight.defined() && gate.dim() == 2 && weight.dim() == 3 &&
+                   gate.size(1) == weight.size(2),
+               "fp8::grouped_swiglu_linear: rows ", gate.defined() ? describe(gate) : "undefined",
+               " do not fit weight ", weight.defined() ? describe(weight) : "undefined",
+               " (expected rows [M, in] and weight [groups, out, in])");
+  const ops::Fp8Tensor q = quantized_swiglu(gate, up, *state);
+  return product_of(q.q, weight, Tensor(), state, &q, &sizes);
 }
 
 void check_device(Device device) {

@@ -49,6 +49,10 @@ inline Tensor tiled_whole(const std::vector<Tensor>& pieces, int64_t dim) {
   return first.as_strided(whole, strides, first.storage_offset());
 }
 
+// Records `out`, swiglu(gate, up) as some kernel stored it (its FP8 codes, say), for the backward: SwiGLU's node,
+// whose incoming gradient it takes in `grad_dtype`. Does nothing when neither input needs a gradient.
+void record_swiglu(const Tensor& gate, const Tensor& up, Tensor& out, DType grad_dtype);
+
 // Where a node may write input `input`'s gradient directly, given the dtype its kernel writes: the flat-buffer slot
 // of a leaf that has no gradient yet, when the slot has that dtype (AccumulateGrad then takes the slot as it is,
 // with no copy), or undefined. Claims the slot for this backward.
