@@ -4,7 +4,7 @@
 // not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast accumulation; a GPU
 // without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all and tracks bf16; shadow
 // mode holds the FP8 products against the dequantized bf16 ones; the grouped (mixture of experts) layer matches the
-// CPU's.
+// CPU's; SwiGLU's activation quantized where it is made matches the GPU's swiglu then quantize.
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -103,6 +103,43 @@ TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
     ops::fp8_update_scale(host_tensor({amax}, {1}, kF32).to(kGpu), h_gpu, sc_gpu, si_gpu, kF8E4M3, 1);
     EXPECT_TRUE(same_bytes(h_cpu, h_gpu) && same_bytes(sc_cpu, sc_gpu) && same_bytes(si_cpu, si_gpu)) << amax;
   }
+}
+
+// SwiGLU's activation quantized where it is made (swiglu_quantize) on the GPU: the GPU's own swiglu then
+// fp8_quantize bit for bit, codes and amax, over sizes that take the vector path and the element loop, the halves of
+// one product's rows (row stride 2C), special values, both formats and both input dtypes; and within one code of the
+// CPU's (each device rounds its f32 exp on its own).
+TEST(CudaFp8, SwigluQuantizeIsTheGpusSwigluThenQuantize) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(4);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {7, 13}, {64, 256}, {33, 1032}})
+        for (bool halves : {false, true}) {
+          std::vector<double> v = special_values(rows * 2 * cols, rng);
+          for (auto& x : v)
+            if (std::isfinite(x) && std::abs(x) > 1e3) x = 4.0;
+          const Tensor both = host_tensor(v, {rows, 2 * cols}, xt).to(kGpu);
+          const Tensor gate = halves ? ops::narrow(both, 1, 0, cols) : ops::contiguous(ops::narrow(both, 1, 0, cols));
+          const Tensor up = halves ? ops::narrow(both, 1, cols, cols) : ops::contiguous(ops::narrow(both, 1, cols, cols));
+          const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+          Tensor amax, amax_ref, amax_cpu;
+          const Tensor q = ops::fp8_swiglu_quantize(gate, up, s, fp8, &amax);
+          const Tensor ref = ops::fp8_quantize(ops::swiglu(gate, up), s, fp8, &amax_ref);
+          const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "]" + (halves ? " halves" : "");
+          EXPECT_TRUE(same_bytes(q, ref)) << what;
+          EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+          const Tensor q_cpu = ops::fp8_swiglu_quantize(gate.to(Device()), up.to(Device()), s.to(Device()), fp8,
+                                                        &amax_cpu);
+          const auto a = test::values(ops::fp8_dequantize(q.to(Device()), host_tensor({1}, {1}, kF32), kF32));
+          const auto b = test::values(ops::fp8_dequantize(q_cpu, host_tensor({1}, {1}, kF32), kF32));
+          const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
+          for (size_t i = 0; i < a.size(); ++i)
+            ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
+                        std::abs(a[i] - b[i]) <= step * std::max(std::abs(a[i]), std::abs(b[i])) + 1e-30)
+                << what << " element " << i << ": " << a[i] << " on the GPU, " << b[i] << " on the CPU";
+        }
 }
 
 // Every rounding decision of both formats on the GPU's conversion (Ada and up convert with one instruction, the

@@ -1,0 +1,276 @@
+// Quantization where the values are made: swiglu_quantize gives swiglu then fp8_quantize bit for bit (awkward sizes,
+// the halves of one product's rows, special values, both formats and both input dtypes) and the float64 oracle's
+// codes; a library that serves swiglu without it keeps its swiglu; the FP8 down projection on the fused codes gives
+// the unfused layer's outputs and gradients bit for bit under delayed scaling; tiny LLaMA and Mixtral models trained
+// with --fp8 all and delayed scaling take the fused codes and keep the unfused run's losses bit for bit.
+#include <cmath>
+#include <random>
+
+#include "kernels/elementwise_kernel.h"
+#include "kernels/fp8_kernel.h"
+#include "loom/amp.h"
+#include "loom/common/dtype_values.h"
+#include "loom/core/dispatch.h"
+#include "loom/data/token_file.h"
+#include "loom/fp8.h"
+#include "loom/functional.h"
+#include "loom/ops.h"
+#include "loom/train/trainer.h"
+#include "providers/naive_reference_fp8.h"
+#include "test_files.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// A library that serves swiglu (native's kernel under its own name) and not swiglu_quantize, as one built before the
+// fused op; unregistered when the scope ends.
+constexpr const char* kPlainSwiglu = "plain_swiglu";
+class PlainSwigluLibrary {
+ public:
+  PlainSwigluLibrary() {
+    for (const KernelEntry* e : dispatch::candidates(swiglu_op.id(), kCPU, kF32))
+      if (e->provider == "native")
+        dispatch::register_kernel_function(swiglu_op, kCPU, kPlainSwiglu, dtypes(kF32, kF64, kF16, kBF16),
+                                           *static_cast<const swiglu_op_t::traits::function*>(e->fn.get()));
+  }
+  ~PlainSwigluLibrary() { dispatch::unregister_provider(kPlainSwiglu); }
+};
+
+// Values around SwiGLU's working range with, at `special` (a fraction), NaN and infinities among them.
+Tensor activations(const Shape& shape, DType dt, std::mt19937_64& rng, double special) {
+  Tensor t = test::random_tensor(shape, kF32, -6.0, 6.0, rng());
+  std::uniform_real_distribution<double> u(0, 1);
+  float* p = static_cast<float*>(t.data());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double r = u(rng);
+    if (r < special / 3) p[i] = NAN;
+    else if (r < 2 * special / 3) p[i] = i % 2 ? INFINITY : -INFINITY;
+  }
+  return ops::to_dtype(t, dt);
+}
+
+Tensor scale_of(double s) { return full({1}, s, kF32); }
+
+// Any dtype's elements (8-bit codes among them) as doubles.
+std::vector<double> host_values(const Tensor& t) {
+  const Tensor h = ops::contiguous(t);
+  std::vector<double> v(size_t(h.numel()));
+  for (int64_t i = 0; i < h.numel(); ++i)
+    v[size_t(i)] = load_element(static_cast<const uint8_t*>(h.data()) + i * int64_t(dtype_size(h.dtype())), h.dtype());
+  return v;
+}
+
+struct Operands {
+  Tensor gate, up;
+};
+
+// gate and up of [rows, cols]: separate tensors, or the halves of one [rows, 2 cols] product (row stride 2 cols).
+Operands operands(int64_t rows, int64_t cols, DType dt, bool halves, std::mt19937_64& rng, double special = 0.02) {
+  if (!halves) return {activations({rows, cols}, dt, rng, special), activations({rows, cols}, dt, rng, special)};
+  Tensor both = activations({rows, 2 * cols}, dt, rng, special);
+  return {ops::narrow(both, 1, 0, cols), ops::narrow(both, 1, cols, cols)};
+}
+
+TEST(Fp8Fused, SwigluQuantizeIsSwigluThenQuantizeBitForBit) {
+  std::mt19937_64 rng(11);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {5, 16}, {33, 40}, {2, 1000}})
+        for (bool halves : {false, true}) {
+          const Operands o = operands(rows, cols, dt, halves, rng);
+          const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+          Tensor amax, amax_ref;
+          const Tensor q = ops::fp8_swiglu_quantize(o.gate, o.up, s, fp8, &amax);
+          const Tensor ref = ops::fp8_quantize(ops::swiglu(o.gate, o.up), s, fp8, &amax_ref);
+          const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " [" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "]" + (halves ? " halves" : "");
+          ASSERT_EQ(q.shape(), o.gate.shape()) << what;
+          EXPECT_TRUE(test::bytes_equal(q, ref)) << what;
+          EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+          EXPECT_TRUE(test::bytes_equal(ops::fp8_swiglu_quantize(o.gate, o.up, s, fp8), ref)) << what << " (no amax)";
+        }
+  // A three-dimensional activation, as a dense MLP's [B, T, F], keeps its shape.
+  const Operands o{activations({2, 3, 24}, kBF16, rng, 0), activations({2, 3, 24}, kBF16, rng, 0)};
+  const Tensor q = ops::fp8_swiglu_quantize(o.gate, o.up, scale_of(8), kF8E4M3);
+  EXPECT_EQ(q.shape(), (Shape{2, 3, 24}));
+  EXPECT_TRUE(test::bytes_equal(q, ops::fp8_quantize(ops::swiglu(o.gate, o.up), scale_of(8), kF8E4M3)));
+}
+
+TEST(Fp8Fused, SwigluQuantizeMatchesTheFloat64Oracle) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("swiglu_quantize"));
+  std::mt19937_64 rng(12);
+  int judged = 0;
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (int trial = 0; trial < 4; ++trial) {
+        const Operands o = operands(9, 23, dt, false, rng, trial % 2 ? 0.05 : 0.0);
+        const double scale = std::ldexp(1.0, int(rng() % 12) - 4);
+        Tensor amax;
+        const Tensor q = ops::fp8_swiglu_quantize(o.gate, o.up, scale_of(scale), fp8, &amax);
+        conformance::naive::Case c;
+        auto operand = [](const std::string& name, const Tensor& t, bool written) {
+          conformance::naive::Operand op;
+          op.name = name, op.present = true, op.written = written, op.dtype = t.dtype(), op.shape = t.shape();
+          if (!written) op.values = host_values(t);
+          return op;
+        };
+        c.tensors = {operand("gate", o.gate, false), operand("up", o.up, false),
+                     operand("scale", scale_of(scale), false), operand("q", q, true), operand("amax", amax, true)};
+        table["swiglu_quantize"](c);
+        if (!c.no_value.empty()) continue;  // too near a rounding boundary to judge from float64
+        ++judged;
+        const std::vector<double> got = host_values(q), want = c.out("q")->values;
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_TRUE(got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i])))
+              << dtype_name(dt) << " -> " << dtype_name(fp8) << " element " << i << ": " << got[i] << " against "
+              << want[i];
+        const double a = host_values(amax)[0], a_ref = c.out("amax")->values[0];
+        EXPECT_TRUE(a == a_ref || (std::isnan(a) && std::isnan(a_ref))) << a << " against " << a_ref;
+      }
+  EXPECT_GE(judged, 12) << "most cases are judged";
+}
+
+TEST(Fp8Fused, ALibraryWithoutTheFusedOpKeepsItsSwiglu) {
+  std::mt19937_64 rng(13);
+  const Operands o = operands(17, 40, kBF16, true, rng);
+  Tensor amax_fused, amax_plain;
+  const Tensor fused = ops::fp8_swiglu_quantize(o.gate, o.up, scale_of(4), kF8E4M3, &amax_fused);
+  PlainSwigluLibrary library;
+  test::ScopedPolicy policy(std::string(kPlainSwiglu) + ";native");
+  test::CallCounter counter;
+  const Tensor plain = ops::fp8_swiglu_quantize(o.gate, o.up, scale_of(4), kF8E4M3, &amax_plain);
+  EXPECT_EQ(counter.calls("swiglu_quantize"), 0u);
+  EXPECT_EQ(counter.calls("swiglu"), 1u);
+  EXPECT_TRUE(test::bytes_equal(fused, plain));
+  EXPECT_TRUE(test::bytes_equal(amax_fused, amax_plain));
+}
+
+TEST(Fp8Fused, BadOperandsAreRefusedInOneLine) {
+  const Tensor g = zeros({4, 8}, kBF16), s = scale_of(1);
+  EXPECT_THROW(ops::fp8_swiglu_quantize(g, zeros({4, 7}, kBF16), s, kF8E4M3), Error);
+  EXPECT_THROW(ops::fp8_swiglu_quantize(g, zeros({4, 8}, kF32), s, kF8E4M3), Error);
+  EXPECT_THROW(ops::fp8_swiglu_quantize(g, g, s, kBF16), Error);
+  EXPECT_THROW(ops::fp8_swiglu_quantize(zeros({4, 8}, kF64), zeros({4, 8}, kF64), s, kF8E4M3), Error);
+  EXPECT_THROW(ops::fp8_swiglu_quantize(g, g, zeros({2}, kF32), kF8E4M3), Error);
+  try {
+    ops::fp8_swiglu_quantize(g, zeros({4, 7}, kBF16), s, kF8E4M3);
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_NE(m.find("does not match gate"), std::string::npos) << m;
+  }
+}
+
+Tensor leaf(const Tensor& values) {
+  Tensor t = values.detach().clone();
+  t.set_requires_grad(true);
+  return t;
+}
+
+// The FP8 down projection on fused codes against the unfused layer (swiglu, then fp8::linear), each with its own
+// delayed-scaling state, over steps that move the scales: outputs and gradients bit for bit, with autocast to bf16
+// and in f32; and the grouped (experts') form against fp8::grouped_linear on swiglu of the halves.
+TEST(Fp8Fused, SwigluLinearGivesTheUnfusedLayersOutputsAndGradients) {
+  fp8::Recipe recipe;
+  recipe.amax_history = 4;
+  test::CallCounter counter;
+  for (bool autocast : {true, false})
+    for (bool grouped : {false, true}) {
+      auto fused_state = std::make_shared<fp8::LinearState>(recipe);
+      auto plain_state = std::make_shared<fp8::LinearState>(recipe);
+      std::mt19937_64 rng(autocast ? 21 : 22);
+      const int64_t rows = 37, hidden = 48, out = 24;
+      const std::vector<int64_t> sizes{10, 0, 20};  // 7 rows past the groups
+      const Tensor w0 = test::random_tensor(grouped ? Shape{3, out, hidden} : Shape{out, hidden}, kF32, -0.2, 0.2,
+                                            rng());
+      Tensor w_fused = leaf(w0), w_plain = leaf(w0);
+      for (int step = 0; step < 4; ++step) {
+        const Tensor both = test::random_tensor({rows, 2 * hidden}, kF32, -3.0 * (step + 1), 3.0 * (step + 1), rng());
+        const Tensor dy = test::random_tensor({rows, out}, kF32, -1, 1, rng());
+        Tensor both_fused = leaf(both), both_plain = leaf(both);
+        Tensor y_fused, y_plain;
+        {
+          std::optional<amp::AutocastGuard> guard;
+          if (autocast) guard.emplace(kBF16);
+          auto halves = [&](const Tensor& t) {
+            const Tensor m = autocast ? to(t, kBF16) : t;  // a bf16 product's output under autocast
+            return std::vector<Tensor>{narrow(m, 1, 0, m.size(1) / 2), narrow(m, 1, m.size(1) / 2, m.size(1) / 2)};
+          };
+          const std::vector<Tensor> f = halves(both_fused), p = halves(both_plain);
+          y_fused = grouped ? fp8::grouped_swiglu_linear(f[0], f[1], w_fused, sizes, fused_state)
+                            : fp8::swiglu_linear(f[0], f[1], w_fused, Tensor(), fused_state);
+          y_plain = grouped ? fp8::grouped_linear(swiglu(p[0], p[1]), w_plain, sizes, plain_state)
+                            : fp8::linear(swiglu(p[0], p[1]), w_plain, Tensor(), plain_state);
+        }
+        const std::string what = std::string(autocast ? "bf16" : "f32") + (grouped ? " grouped" : "") + " step " +
+                                 std::to_string(step);
+        ASSERT_TRUE(test::bytes_equal(y_fused, y_plain)) << what;
+        y_fused.backward(ops::to_dtype(dy, y_fused.dtype()));
+        y_plain.backward(ops::to_dtype(dy, y_plain.dtype()));
+        EXPECT_TRUE(test::bytes_equal(both_fused.grad(), both_plain.grad())) << what << ": gate and up's gradient";
+        EXPECT_TRUE(test::bytes_equal(w_fused.grad(), w_plain.grad())) << what << ": the weight's gradient";
+        w_fused.zero_grad(), w_plain.zero_grad();
+      }
+    }
+  EXPECT_EQ(counter.calls("swiglu_quantize"), 4u * 3u) << "every step after the first quantizes where it makes";
+}
+
+// A tiny model trained with --fp8 all and delayed scaling under bf16 autocast: the fused codes (counted) keep the
+// losses of a run through a library without the fused op, bit for bit, and so does a selective recompute.
+std::vector<double> train_losses(const test::TempDir& dir, const std::string& model, const std::string& recompute,
+                                 uint64_t* fused_calls) {
+  train::TrainOptions o;
+  o.model = model;
+  o.train_data = (dir.path() / "train_*.bin").string();
+  o.batch_size = 2;
+  o.seq_len = 32;
+  o.steps = 5;
+  o.lr = 3e-3;
+  o.warmup_steps = 1;
+  o.dtype = "bf16";
+  o.fp8 = "all";
+  o.fp8_amax_history = 4;
+  o.recompute = recompute;
+  o.quiet = true;
+  o.sample_tokens = 0;
+  o.eval_interval = 0;
+  test::CallCounter counter;
+  train::Trainer t(o);
+  std::vector<double> out;
+  for (int64_t i = 0; i < o.steps; ++i) out.push_back(t.train_step().loss);
+  if (fused_calls) *fused_calls = counter.calls("swiglu_quantize");
+  return out;
+}
+
+TEST(Fp8Fused, TrainingTakesTheFusedCodesAndKeepsTheLosses) {
+  test::TempDir dir;
+  std::mt19937 eng(5);
+  std::vector<int32_t> tokens(20000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = eng() % 10 == 0 ? int32_t(eng() % 200) : int32_t(i % 37);
+  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
+    uint64_t fused_calls = 0, plain_calls = 0;
+    const std::vector<double> fused = train_losses(dir, model, "none", &fused_calls);
+    EXPECT_GT(fused_calls, 0u) << model << ": the activations were quantized where they were made";
+    std::vector<double> plain;
+    {
+      PlainSwigluLibrary library;
+      test::ScopedPolicy policy(std::string(kPlainSwiglu) + ";native");
+      plain = train_losses(dir, model, "none", &plain_calls);
+    }
+    EXPECT_EQ(plain_calls, 0u) << model;
+    const std::vector<double> selective = train_losses(dir, model, "selective", nullptr);
+    ASSERT_EQ(fused.size(), plain.size());
+    for (size_t i = 0; i < fused.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(fused[i])) << model << " step " << i + 1;
+      EXPECT_EQ(fused[i], plain[i]) << model << " step " << i + 1;
+      EXPECT_EQ(selective[i], fused[i]) << model << " step " << i + 1 << " under selective recompute";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loom
