@@ -151,6 +151,21 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
   expect_recompute_keeps_the_losses(m, "mixtral-tiny, ");
 }
 
+// Delayed scaling too: a full recompute quantizes its region with the scales the forward used and records no amax
+// a second time, so its steps are the forward's bits (a selective one keeps the forward's operands).
+TEST(Fp8Training, RecomputeUnderDelayedScalingKeepsTheLossesBitForBit) {
+  TempDir dir;
+  for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
+    auto o = setup(dir, model);
+    o.steps = 5;
+    o.warmup_steps = 1;
+    o.fp8 = "all";
+    o.fp8_amax_history = 4;
+    o.dtype = "bf16";
+    expect_recompute_keeps_the_losses(o, std::string(model) + ", delayed scaling, ");
+  }
+}
+
 // FP8 casts (either format) in one forward of llama3-tiny under --fp8 all, with the adapters of `lora`.
 uint64_t casts_in_a_forward(const nn::LoraConfig& lora) {
   nn::ModelConfig cfg = nn::ModelConfig::from_name("llama3-tiny");

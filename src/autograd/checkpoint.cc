@@ -1,4 +1,4 @@
-// Activation checkpointing: the checkpoint node and the selective tape.
+// Activation checkpointing: the checkpoint node and its tape.
 #include "loom/autograd/checkpoint.h"
 
 #include <deque>
@@ -24,10 +24,12 @@ const char* recompute_name(Recompute r) {
 
 namespace {
 
-// What a selective checkpoint keeps: the results of kept_results calls, in call order.
+// What a checkpoint keeps, in call order: a selective one the results of kept_results calls, a full one the state of
+// keep_state calls.
 struct Tape {
   std::deque<std::vector<Tensor>> results;
   bool replaying = false;
+  bool selective = true;
 };
 thread_local Tape* active_tape = nullptr;
 
@@ -53,7 +55,7 @@ class CheckpointBackward final : public Node {
   PhiloxState rng;  // the default generator before the forward ran
   bool autocast = false;
   DType autocast_dtype = kF32;
-  std::shared_ptr<Tape> tape;  // selective only
+  std::shared_ptr<Tape> tape;
 
   std::string name() const override { return "CheckpointBackward"; }
   void release_saved() override {
@@ -106,7 +108,7 @@ class CheckpointBackward final : public Node {
 
 std::vector<Tensor> kept_results(const char* what, const std::function<std::vector<Tensor>()>& compute) {
   Tape* tape = active_tape;
-  if (!tape) return compute();
+  if (!tape || !tape->selective) return compute();
   if (!tape->replaying) {
     std::vector<Tensor> r = compute();
     std::vector<Tensor> kept;
@@ -120,13 +122,33 @@ std::vector<Tensor> kept_results(const char* what, const std::function<std::vect
   return r;
 }
 
+void keep_state(const char* what, const std::function<std::vector<Tensor>()>& make) {
+  Tape* tape = active_tape;
+  if (!tape || tape->selective) return;
+  LOOM_CHECK(!tape->replaying, "checkpoint: ", what, " kept during a recompute");
+  std::vector<Tensor> kept;
+  for (const Tensor& t : make()) kept.push_back(t.defined() ? t.detach() : Tensor());
+  tape->results.push_back(std::move(kept));
+}
+
+std::optional<std::vector<Tensor>> replayed_state(const char* what) {
+  Tape* tape = active_tape;
+  if (!tape || tape->selective || !tape->replaying) return std::nullopt;
+  LOOM_CHECK(!tape->results.empty(), "checkpoint: the recompute asks for ", what,
+             " more often than the forward kept it");
+  std::vector<Tensor> r = std::move(tape->results.front());
+  tape->results.pop_front();
+  return r;
+}
+
 std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<Tensor>& inputs, Recompute mode) {
   if (mode == Recompute::kNone || !is_grad_enabled()) return fn(inputs);
   auto node = std::make_shared<CheckpointBackward>();
   node->rng = default_generator().state();
   node->autocast = amp::is_autocast_enabled();
   node->autocast_dtype = amp::autocast_dtype();
-  if (mode == Recompute::kSelective) node->tape = std::make_shared<Tape>();
+  node->tape = std::make_shared<Tape>();
+  node->tape->selective = mode == Recompute::kSelective;
   // The forward runs with grad mode on, so that each op computes what its backward needs (the selective tape keeps
   // those results); the graph it builds is dropped with the region's outputs' history, right after.
   std::vector<Tensor> detached_inputs;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,5 +37,12 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
 // recompute, returns what was kept instead of running `compute` again (the calls are matched in order, and checked
 // by shape and dtype). Anywhere else, compute().
 std::vector<Tensor> kept_results(const char* what, const std::function<std::vector<Tensor>()>& compute);
+
+// For small state a full recompute must see as its forward did (an FP8 operand's scale under delayed scaling, which
+// the forward moves on): in a full checkpoint's forward keep_state keeps what `make` returns (make runs only there);
+// in its recompute replayed_state returns what was kept, in call order (nullopt anywhere else, so the caller
+// computes as usual and calls keep_state).
+void keep_state(const char* what, const std::function<std::vector<Tensor>()>& make);
+std::optional<std::vector<Tensor>> replayed_state(const char* what);
 
 }  // namespace loom::autograd

@@ -49,6 +49,11 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
 
 ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, Device device) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Delayed scaling in a full recompute: the scale its forward used (the state's has moved on since), and no amax
+  // recorded a second time, so the recomputed codes are the forward's. Current scaling recomputes the same codes.
+  if (history_ > 1)
+    if (std::optional<std::vector<Tensor>> kept = autograd::replayed_state("an FP8 scale"))
+      return {codes((*kept)[0], nullptr), (*kept)[1]};
   const bool first = !scale_.defined() || scale_.device() != device;
   if (first) {
     amaxes_ = zeros({history_}, kF32, device);
@@ -62,13 +67,17 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
     ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
     Tensor q = ops::fp8_quantize(x, scale_, fp8_);
-    return {q, history_ <= 1 ? scale_inv : ops::clone(scale_inv_)};
+    if (history_ <= 1) return {q, scale_inv};
+    const Tensor used = ops::clone(scale_inv_);
+    autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
+    return {q, used};
   }
   Tensor amax;
   Tensor q = codes(scale_, &amax);
   // A copy, not a new element for the state's next scale_inv: the state's tensors keep their addresses, which a
   // captured CUDA graph reads and writes on every replay.
   Tensor used = ops::clone(scale_inv_);
+  autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
   ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
   return {q, used};
 }
