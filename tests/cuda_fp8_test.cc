@@ -120,8 +120,8 @@ TEST(CudaFp8, SwigluQuantizeIsTheGpusSwigluThenQuantize) {
           for (auto& x : v)
             if (std::isfinite(x) && std::abs(x) > 1e3) x = 4.0;
           const Tensor both = host_tensor(v, {rows, 2 * cols}, xt).to(kGpu);
-          const Tensor gate = halves ? ops::narrow(both, 1, 0, cols) : ops::contiguous(ops::narrow(both, 1, 0, cols));
-          const Tensor up = halves ? ops::narrow(both, 1, cols, cols) : ops::contiguous(ops::narrow(both, 1, cols, cols));
+          const Tensor first = ops::narrow(both, 1, 0, cols), second = ops::narrow(both, 1, cols, cols);
+          const Tensor gate = halves ? first : ops::contiguous(first), up = halves ? second : ops::contiguous(second);
           const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
           Tensor amax, amax_ref, amax_cpu;
           const Tensor q = ops::fp8_swiglu_quantize(gate, up, s, fp8, &amax);

@@ -9,9 +9,9 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], of 1.3 with [1.3], of 1.4 with
- *   [1.4], of 1.5 with [1.5] and of 1.6 with [1.6], and Loom binds an op only for a library built against the minor that added it or
- *   a newer one (a 1.0 library that names a 1.1 op is warned, as before, and the rest of its ops load). 1.3 also
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], and so on to [1.6], and Loom binds
+ *   an op only for a library built against the minor that added it or a newer one (a 1.0 library that names a 1.1
+ *   op is warned, as before, and the rest of its ops load). 1.3 also
  *   added the 8-bit float dtypes: only the FP8 ops take them, and a mask bit for them counts only in a library built
  *   against 1.3 or newer.
  *
