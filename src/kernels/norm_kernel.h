@@ -112,6 +112,24 @@ LOOM_DECLARE_OP(residual_rms_norm_backward, ResidualRmsNormBackwardKernel,
                     .out_opt("grad_delta", "R C", DTypeRule::kNarrowOrSame).out_opt("grad_weight", "C")
                     .row_dim("C").accumulates("C").dispatch_on("residual").abi_since(1));
 
+// The same forward writing the normalized output as FP8 codes for the FP8 products that read it (q, k and v; gate and
+// up), the output never written in 16 bits: v = residual_rms_norm's out in bf16 (x f32 or bf16), q = the code of
+// float(v) * scale as fp8_quantize makes it, amax (optional) = max |v|. residual, rstd, q and amax are bit for bit
+// residual_rms_norm (with a bf16 out) then fp8_quantize on the same device. The suite computes the norm in float64,
+// so it takes a neighbouring code, and an amax one bf16 rounding away (rstd judged as loosely), where a kernel's f32
+// statistics may round the value across.
+using ResidualRmsNormQuantizeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta,
+                                           const Tensor& weight, const Tensor& scale, const NormAttrs&,
+                                           Tensor& residual, Tensor& q, Tensor& rstd, Tensor& amax);
+LOOM_DECLARE_OP(residual_rms_norm_quantize, ResidualRmsNormQuantizeKernel,
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame)
+                    .in_opt("weight", "C").in("scale", "1", DTypeRule::kF32).values(Values::kScale)
+                    .out_opt("residual", "R C").present_with("delta").out("q", "R C", DTypeRule::kFp8)
+                    .out("rstd", "R", DTypeRule::kStats).out_opt("amax", "1", DTypeRule::kF32)
+                    .attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C").dispatch_on("x").abi_since(6)
+                    .special_values("as residual_rms_norm then fp8_quantize of its bf16 output")
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
 // The dtypes a fused norm takes beside its residual dtype `main` (for delta, out and their gradients): main itself
 // or, for an f32 main, the 16-bit autocast dtypes.
 inline bool residual_norm_dtype_supported(DType main, DType other) {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <sstream>
 
+#include "loom/common/float8.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/op_schema.h"
 #include "providers/conformance_internal.h"
@@ -120,6 +121,19 @@ std::optional<std::vector<std::vector<double>>> naive_reference(const OpSchema& 
   for (size_t i = 0; i < s.tensors.size(); ++i)
     if (nc.tensors[i].written) outs[i] = std::move(nc.tensors[i].values);
   return outs;
+}
+
+// Whether two 8-bit float values are the same or neighbouring codes of `fp8` (one step apart in magnitude, with one
+// sign or about zero).
+bool neighbouring_codes(double a, double b, DType fp8) {
+  if (!std::isfinite(a) || !std::isfinite(b)) return false;
+  auto code = [&](double v) {
+    return fp8 == kF8E4M3 ? int(fp8_encode<Float8E4M3>(float(v), Fp8Overflow::kSaturate))
+                          : int(fp8_encode<Float8E5M2>(float(v), Fp8Overflow::kSaturate));
+  };
+  const int ca = code(a), cb = code(b);
+  const bool same_sign = (ca & 0x80) == (cb & 0x80) || (ca & 0x7f) == 0 || (cb & 0x7f) == 0;
+  return same_sign && std::abs((ca & 0x7f) - (cb & 0x7f)) <= 1;
 }
 
 // (rtol, atol) for a dtype; atol is in units of the output's root mean square, so that outputs of any scale (a
@@ -249,6 +263,10 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
     };
     const double normal = smallest_normal(t.dtype), finest = 16 * smallest_denormal(t.dtype);
     const bool floating = is_floating(t.dtype);
+    // 8-bit codes are judged exactly, but for an op that declares a tolerance for their format: its contract
+    // quantizes a value it computes first (a norm's, an activation's), whose f32 rounding may land across a code's
+    // rounding boundary from float64's, so a neighbouring code is right too.
+    const bool codes_may_neighbour = is_fp8(t.dtype) && s.tolerances.count(t.dtype) > 0;
     LOOM_REQUIRE(ref[i].size() == pos.size(), "conformance: the reference of ", name, " has ", ref[i].size(),
                  " values for ", pos.size(), " elements");
     // Each element alone: 0 when it is right, else what is wrong with it (never written, a NaN or an infinity that
@@ -269,7 +287,7 @@ CaseResult run_built(const OpSchema& s, const SuiteCase& c, Built& b, const Suit
       // asked (a denormal result keeps few bits, and each rounding on the way there may move it by one).
       const bool flushed = g == 0 && std::abs(w) < normal;
       err = g == w || g == wr || flushed ? 0 : std::abs(g - w) / (std::max(atol, finest) + rtol * std::abs(w));
-      if (!floating && g != w) err = INFINITY;
+      if (!floating && g != w) err = codes_may_neighbour && neighbouring_codes(g, w, t.dtype) ? 0 : INFINITY;
       misround = !acc && (t.dtype == kBF16 || t.dtype == kF16) && g != wr;
       return kRight;
     };

@@ -81,39 +81,55 @@ void fp8_quantize(Case& c) {
   }
 }
 
-// swiglu's activation v = silu(gate) * up in float64, rounded to gate's dtype as the swiglu op stores it, then
-// fp8_quantize's code of it and the amax of the stored activations. A kernel computes v in f32 first, a few of its
-// ulps from float64's; where that could move the rounded activation or its code (v within 2^-20 of a rounding
-// boundary), the case is left to another reference rather than judged on one side.
-void swiglu_quantize(Case& c) {
-  const Operand &gate = c.in("gate"), &up = c.in("up");
+// The codes and amax of activations v (float64, before the rounding to `dt` a kernel stores them with) as
+// fp8_quantize makes them from the rounded values. (A kernel computes v in f32 first, some ulps from float64's; the
+// ops' suite tolerances take the neighbouring code, and the amax one rounding away, where that lands across.)
+void quantize_activations(Case& c, const std::vector<double>& v, DType dt) {
   const double s = c.in("scale").values[0];
   Operand* q = c.out("q");
-  const DType dt = gate.dtype;
-  auto code = [&](double v) { return fp8_round(f32(convert(v, dt) * s), q->dtype, true); };
-  auto same = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
-  double m = 0, m_below = 0, m_above = 0;  // the amax, and its bounds from the activations' bounds
-  auto fold = [](double& into, double v) { into = std::isnan(into) || std::isnan(v) ? kNaN : std::max(into, v); };
+  double m = 0;
   for (size_t i = 0; i < q->values.size(); ++i) {
+    const double stored = convert(v[i], dt);
+    q->values[i] = fp8_round(f32(stored * s), q->dtype, true);
+    m = std::isnan(m) || std::isnan(stored) ? kNaN : std::max(m, std::abs(stored));
+  }
+  if (Operand* amax = c.out("amax")) amax->values[0] = m;
+}
+
+// swiglu's activation silu(gate) * up, stored in gate's dtype.
+void swiglu_quantize(Case& c) {
+  const Operand &gate = c.in("gate"), &up = c.in("up");
+  std::vector<double> v(gate.values.size());
+  for (size_t i = 0; i < v.size(); ++i) {
     const double g = gate.values[i];
-    const double v = g * (1 / (1 + std::exp(-g))) * up.values[i];
-    const double below = v * (1 - 0x1p-20), above = v * (1 + 0x1p-20);
-    if (!same(code(below), code(above))) {
-      c.no_value = "an activation within float32's reach of a rounding boundary of its code";
-      return;
-    }
-    q->values[i] = code(v);
-    fold(m, std::abs(convert(v, dt)));
-    fold(m_below, std::abs(convert(below, dt)));
-    fold(m_above, std::abs(convert(above, dt)));
+    v[i] = g * (1 / (1 + std::exp(-g))) * up.values[i];
   }
-  if (Operand* amax = c.out("amax")) {
-    if (!same(m_below, m_above)) {
-      c.no_value = "the largest activation within float32's reach of a rounding boundary of its dtype";
-      return;
-    }
-    amax->values[0] = m;
+  quantize_activations(c, v, gate.dtype);
+}
+
+// residual = x + delta rounded to x's dtype (x without delta), rstd = 1 / sqrt(mean(residual^2) + eps), and the
+// normalized residual (times weight) stored in bf16.
+void residual_rms_norm_quantize(Case& c) {
+  const Operand& x = c.in("x");
+  const int64_t R = x.shape[0], C = x.shape[1];
+  std::vector<double> residual = x.values;
+  if (c.has("delta")) {
+    const auto& d = c.in("delta").values;
+    for (size_t i = 0; i < residual.size(); ++i) residual[i] = convert(x.values[i] + d[i], x.dtype);
+    if (Operand* r = c.out("residual")) r->values = residual;
   }
+  const double eps = c.attr_float("eps", 1e-5);
+  const std::vector<double>* w = c.has("weight") ? &c.in("weight").values : nullptr;
+  std::vector<double> v(residual.size());
+  auto& rstd = c.out("rstd")->values;
+  for (int64_t r = 0; r < R; ++r) {
+    double squares = 0;
+    for (int64_t j = 0; j < C; ++j) squares += residual[size_t(r * C + j)] * residual[size_t(r * C + j)];
+    rstd[size_t(r)] = 1 / std::sqrt((C ? squares / double(C) : 0.0) + eps);
+    for (int64_t j = 0; j < C; ++j)
+      v[size_t(r * C + j)] = residual[size_t(r * C + j)] * rstd[size_t(r)] * (w ? (*w)[size_t(j)] : 1.0);
+  }
+  quantize_activations(c, v, kBF16);
 }
 
 // The f32 product; the suite rounds it to out's dtype as the kernel does.
@@ -151,6 +167,7 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["fp8_quantize"] = fp8_quantize;
   table["fp8_dequantize"] = fp8_dequantize;
   table["swiglu_quantize"] = swiglu_quantize;
+  table["residual_rms_norm_quantize"] = residual_rms_norm_quantize;
   table["fp8_gemm"] = fp8_gemm;
 }
 

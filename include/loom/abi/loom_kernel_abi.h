@@ -231,6 +231,10 @@
  *                                                   in: gate, up, scale    out: q, amax?
  *       v = swiglu(gate, up) as swiglu stores it in gate's dtype; q and amax as fp8_quantize gives them for v. A
  *       library without it keeps serving swiglu: Loom then quantizes swiglu's output with fp8_quantize.
+ *     residual_rms_norm_quantize [1.6] (dispatch dtype = x's: f32 or bf16; q f8e4m3 or f8e5m2)
+ *                                                   in: x, delta?, weight?, scale   out: residual?, q, rstd, amax?
+ *       residual_rms_norm with out in bf16 (attr eps), whose out is not written: q and amax as fp8_quantize gives
+ *       them for it. A library without it keeps serving residual_rms_norm, then fp8_quantize.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------

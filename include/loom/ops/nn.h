@@ -48,6 +48,11 @@ ResidualNormResult residual_layer_norm(const Tensor& x, const Tensor& delta, con
                                        double eps = 1e-5, std::optional<DType> out_dtype = std::nullopt);
 ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps = 1e-6,
                                      std::optional<DType> out_dtype = std::nullopt);
+// residual_rms_norm with a bf16 out, whose FP8 codes for `scale` come back as out (fp8_quantize(out, scale, fp8,
+// amax_out) bit for bit): in one pass where the kernel that would run residual_rms_norm has the fused op
+// (residual_rms_norm_quantize), the bf16 output never written. x f32 or bf16.
+ResidualNormResult residual_rms_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                              const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // grad_out: out's gradient (any supported dtype); grad_residual: the residual's gradient, or undefined (zero).
 // grad_x = grad_residual + the norm's input gradient, in the residual's dtype (when need_x); grad_delta: the same
 // values in delta_dtype (when set), written by the same kernel. grad_weight and grad_bias in weight's dtype.

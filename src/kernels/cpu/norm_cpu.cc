@@ -3,9 +3,11 @@
 // input gradient are computed in double; the weight and bias gradients are summed per column block over all rows in
 // row order, so they are deterministic.
 #include <cmath>
+#include <vector>
 
 #include "kernels/norm_kernel.h"
 #include "kernels/primitives/cpu_loops.h"
+#include "loom/common/float8.h"
 
 namespace loom {
 namespace {
@@ -27,10 +29,45 @@ int64_t columns_of(const Tensor& t) { return t.dim() ? t.shape().back() : 1; }
 
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, cols)); }
 
-// T: x and residual; D: delta; O: out. mean_out null for RMS norm.
-template <typename T, typename D, typename O>
+// NaN wins, then the larger: a maximum that keeps a NaN once it has met one, in any order.
+inline float max_keeping_nan(float m, float v) { return std::isnan(m) || !(std::isnan(v) || v > m) ? m : v; }
+
+// Where a forward puts the normalized value of row r, column c: out's element in O.
+template <typename O>
+struct PlainOut {
+  O* out;
+  int64_t cols;
+  template <typename C>
+  void operator()(int64_t r, int64_t c, C v) const { out[r * cols + c] = O(v); }
+};
+
+// Or its FP8 code: the value rounded to V (what out would hold), times scale in f32, encoded as fp8_quantize does;
+// each row's amax of the rounded values beside (a row is one thread's).
+template <typename V, typename Q>
+struct QuantizedOut {
+  uint8_t* q;
+  int64_t cols;
+  float scale;
+  float* row_amax;
+  template <typename C>
+  void operator()(int64_t r, int64_t c, C v) const {
+    const float f = float(V(v));
+    q[r * cols + c] = fp8_encode<Q>(f * scale, Fp8Overflow::kSaturate);
+    row_amax[r] = max_keeping_nan(row_amax[r], std::fabs(f));
+  }
+};
+
+template <typename O>
+PlainOut<O> plain_out(Tensor& out, const Tensor& x) {
+  return {static_cast<O*>(out.data()), columns_of(x)};
+}
+
+// T: x and residual; D: delta; `store` takes each normalized value (PlainOut, QuantizedOut). mean_out null for RMS
+// norm.
+template <typename T, typename D, typename Store>
 void residual_norm_forward(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
-                           double eps, Tensor& residual, Tensor& out, stats_t<T>* mean_out, stats_t<T>* rstd_out) {
+                           double eps, Tensor& residual, const Store& store, stats_t<T>* mean_out,
+                           stats_t<T>* rstd_out) {
   using C = acc_t<T>;
   const int64_t cols = columns_of(x);
   const int64_t rows = cols ? x.numel() / cols : 0;
@@ -40,7 +77,6 @@ void residual_norm_forward(const Tensor& x, const Tensor& delta, const Tensor& w
   LOOM_CHECK(!d || res, "residual_norm: a delta needs a residual output");
   const T* w = data_or_null<T>(weight);
   const T* b = data_or_null<T>(bias);
-  O* o = static_cast<O*>(out.data());
   const bool centered = mean_out != nullptr;
   cpu::parallel_for(rows, row_grain(cols), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
@@ -51,7 +87,6 @@ void residual_norm_forward(const Tensor& x, const Tensor& delta, const Tensor& w
         for (int64_t c = 0; c < cols; ++c) rr[c] = T(C(xr[c]) + C(dr[c]));
         xr = rr;  // normalize the stored (rounded) residual
       }
-      O* orow = o + r * cols;
       double mean = 0;
       if (centered) {
         for (int64_t c = 0; c < cols; ++c) mean += double(C(xr[c]));
@@ -70,7 +105,7 @@ void residual_norm_forward(const Tensor& x, const Tensor& delta, const Tensor& w
         C v = (C(xr[c]) - m) * s;
         if (w) v *= C(w[c]);
         if (b) v += C(b[c]);
-        orow[c] = O(v);
+        store(r, c, v);
       }
     }
   });
@@ -153,9 +188,9 @@ void residual_layer_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor
                          [&](auto t, auto d, auto o) {
                            using T = typename decltype(t)::type;
                            using S = stats_t<T>;
-                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
-                               x, delta, weight, bias, attrs.eps, residual, out, mean.data_ptr<S>(),
-                               rstd.data_ptr<S>());
+                           residual_norm_forward<T, typename decltype(d)::type>(
+                               x, delta, weight, bias, attrs.eps, residual,
+                               plain_out<typename decltype(o)::type>(out, x), mean.data_ptr<S>(), rstd.data_ptr<S>());
                          });
 }
 
@@ -164,9 +199,9 @@ void residual_rms_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& 
   dispatch_residual_norm("residual_rms_norm", x.dtype(), dtype_or(delta, x.dtype()), out.dtype(),
                          [&](auto t, auto d, auto o) {
                            using T = typename decltype(t)::type;
-                           residual_norm_forward<T, typename decltype(d)::type, typename decltype(o)::type>(
-                               x, delta, weight, Tensor(), attrs.eps, residual, out, nullptr,
-                               rstd.data_ptr<stats_t<T>>());
+                           residual_norm_forward<T, typename decltype(d)::type>(
+                               x, delta, weight, Tensor(), attrs.eps, residual,
+                               plain_out<typename decltype(o)::type>(out, x), nullptr, rstd.data_ptr<stats_t<T>>());
                          });
 }
 
@@ -197,14 +232,39 @@ void residual_rms_norm_backward_cpu(const DeviceContext&, const Tensor& grad_out
                          });
 }
 
+// residual_rms_norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same loop, each value
+// rounded to bf16 and encoded as fp8_quantize encodes it; the amax of the rounded values from each row's.
+void residual_rms_norm_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                    const Tensor& scale, const NormAttrs& attrs, Tensor& residual, Tensor& q,
+                                    Tensor& rstd, Tensor& amax) {
+  const int64_t cols = columns_of(x), rows = cols ? x.numel() / cols : 0;
+  std::vector<float> row_amax(size_t(rows), 0.0f);
+  const float s = *static_cast<const float*>(scale.data());
+  LOOM_DISPATCH_FP8(q.dtype(), "residual_rms_norm_quantize", [&] {
+    dispatch_residual_norm("residual_rms_norm_quantize", x.dtype(), dtype_or(delta, x.dtype()), kBF16,
+                           [&](auto t, auto d, auto) {
+                             using T = typename decltype(t)::type;
+                             const QuantizedOut<BFloat16, fp8_t> store{static_cast<uint8_t*>(q.data()), cols, s,
+                                                                       row_amax.data()};
+                             residual_norm_forward<T, typename decltype(d)::type>(
+                                 x, delta, weight, Tensor(), attrs.eps, residual, store, nullptr,
+                                 rstd.data_ptr<stats_t<T>>());
+                           });
+  });
+  if (!amax.defined()) return;
+  float m = 0;
+  for (float a : row_amax) m = max_keeping_nan(m, a);
+  *static_cast<float*>(amax.data()) = m;
+}
+
 // The plain norms: no delta in (so no residual out) and no residual gradient in, one dtype throughout.
 void layer_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& weight, const Tensor& bias,
                     const NormAttrs& attrs, Tensor& out, Tensor& mean, Tensor& rstd) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "layer_norm", [&] {
     using S = stats_t<scalar_t>;
     Tensor no_residual;
-    residual_norm_forward<scalar_t, scalar_t, scalar_t>(x, Tensor(), weight, bias, attrs.eps, no_residual, out,
-                                                        mean.data_ptr<S>(), rstd.data_ptr<S>());
+    residual_norm_forward<scalar_t, scalar_t>(x, Tensor(), weight, bias, attrs.eps, no_residual,
+                                              plain_out<scalar_t>(out, x), mean.data_ptr<S>(), rstd.data_ptr<S>());
   });
 }
 
@@ -224,8 +284,8 @@ void rms_norm_cpu(const DeviceContext&, const Tensor& x, const Tensor& weight, c
                   Tensor& rstd) {
   LOOM_DISPATCH_FLOATING(x.dtype(), "rms_norm", [&] {
     Tensor no_residual;
-    residual_norm_forward<scalar_t, scalar_t, scalar_t>(x, Tensor(), weight, Tensor(), attrs.eps, no_residual, out,
-                                                        nullptr, rstd.data_ptr<stats_t<scalar_t>>());
+    residual_norm_forward<scalar_t, scalar_t>(x, Tensor(), weight, Tensor(), attrs.eps, no_residual,
+                                              plain_out<scalar_t>(out, x), nullptr, rstd.data_ptr<stats_t<scalar_t>>());
   });
 }
 
@@ -251,6 +311,7 @@ LOOM_REGISTER_KERNEL(residual_layer_norm, kCPU, "native", dtypes(kF32, kF64, kF1
 LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_layer_norm_backward_cpu);
 LOOM_REGISTER_KERNEL(residual_rms_norm, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cpu);
+LOOM_REGISTER_KERNEL(residual_rms_norm_quantize, kCPU, "native", dtypes(kF32, kBF16), residual_rms_norm_quantize_cpu);
 LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_rms_norm_backward_cpu);
 

@@ -7,15 +7,17 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <cuda_fp8.h>
-
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/fp8_kernel.h"
 #include "kernels/primitives/elementwise_math.h"
 
 namespace loom {
 namespace {
+
+using cuda::encode_pair;
+using cuda::magnitude_bits;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1024;  // each block loops over its share: one atomic per block
@@ -26,9 +28,6 @@ template <typename T>
 __device__ __forceinline__ float to_float(T v) {
   return float(v);
 }
-
-// The bits of |v|: as unsigned integers they order like the values, and any NaN's above +inf.
-__device__ __forceinline__ unsigned magnitude_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 // Folds a thread's maximum into the block's and the block's into *amax_bits (zeroed before the launch).
 __device__ __forceinline__ void block_max_into(unsigned local, unsigned* amax_bits) {
@@ -61,22 +60,6 @@ struct alignas(N) Codes {
 template <typename T>
 bool vectorizable(const void* x, const void* q) {
   return reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!q || reinterpret_cast<uintptr_t>(q) % kVector<T> == 0);
-}
-
-// The saturating codes of two f32 values, the first in the low byte. From Ada (sm_89) on, one cvt.rn.satfinite
-// instruction converts both: rounding to nearest even and saturating finite values as fp8_encode does, so the codes
-// are the same bits. It also saturates infinities and makes NaN positive, which fp8_encode does not (float8.h), so a
-// pair holding either takes the portable conversion. Loom's portable conversion alone is some 30 integer
-// instructions per element, which kept the quantization at about a quarter of an H200's memory bandwidth.
-template <typename Q>
-__device__ __forceinline__ uint16_t encode_pair(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  constexpr unsigned kExponent = 0x7f800000u;
-  if ((__float_as_uint(a) & kExponent) != kExponent && (__float_as_uint(b) & kExponent) != kExponent)
-    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
-                                    std::is_same_v<Q, Float8E4M3> ? __NV_E4M3 : __NV_E5M2);
-#endif
-  return uint16_t(fp8_encode<Q>(a, Fp8Overflow::kSaturate) | (fp8_encode<Q>(b, Fp8Overflow::kSaturate) << 8));
 }
 
 // One pass over x: its amax into *amax_bits (when given) and, unless Q is void (fp8_amax), its codes into q. Whole

@@ -2,6 +2,7 @@
 // (the plain norms are the residual kernels without a delta). Statistics in float (double for f64) from two passes
 // over the row (mean, then centred squares and their sum: CenteredStats), so no cancellation; mean and rstd are
 // stored f32 (f64 for f64 input).
+#include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/norm_kernel.h"
 
@@ -84,6 +85,55 @@ __device__ __forceinline__ void store_pack(T* row, int64_t k, int64_t cols, bool
   }
 }
 
+// Where a forward kernel puts a row's normalized values, a pack of 4 at a time: out's elements in O (PlainOut), or
+// their FP8 codes (QuantizedOut: each value rounded to V as out would hold it, times the scale in f32, encoded as
+// fp8_quantize does, 4 codes in one 4-byte store; the rounded values' amax into the call's bits, one atomic per warp
+// at most). start() at the kernel's beginning, finish() at its end by every lane of every warp that did not return.
+template <typename O>
+struct PlainOut {
+  O* out;
+  __device__ __forceinline__ void start() {}
+  template <typename C>
+  __device__ __forceinline__ void store(int64_t base, int64_t k, int64_t cols, bool vectorized, const C (&v)[4]) {
+    store_pack(out + base, k, cols, vectorized, v);
+  }
+  __device__ __forceinline__ void finish() {}
+};
+
+template <typename V, typename Q>
+struct QuantizedOut {
+  uint8_t* q;
+  const float* scale;
+  unsigned* amax_bits;  // null: no amax wanted
+  float s = 0;
+  unsigned local = 0;
+  __device__ __forceinline__ void start() { s = *scale; }
+  template <typename C>
+  __device__ __forceinline__ void store(int64_t base, int64_t k, int64_t cols, bool vectorized, const C (&v)[4]) {
+    float f[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = float(V(v[i]));
+    // The f32 products, never fused into more.
+    const uint32_t codes = uint32_t(cuda::encode_pair<Q>(__fmul_rn(f[0], s), __fmul_rn(f[1], s))) |
+                           (uint32_t(cuda::encode_pair<Q>(__fmul_rn(f[2], s), __fmul_rn(f[3], s))) << 16);
+    if (vectorized) {
+      reinterpret_cast<uint32_t*>(q + base)[k] = codes;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) local = max(local, cuda::magnitude_bits(f[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (4 * k + i >= cols) continue;
+        q[base + 4 * k + i] = uint8_t(codes >> (8 * i));
+        local = max(local, cuda::magnitude_bits(f[i]));
+      }
+    }
+  }
+  __device__ __forceinline__ void finish() {
+    if (amax_bits) cuda::warp_max_into(local, amax_bits);
+  }
+};
+
 // A row's statistics by the corrected two-pass (Chan, Golub and LeVeque): with the mean m rounded, d = x - m is
 // exact where x is near m (Sterbenz), and the deviations' sum, cols times m's rounding, comes out of the squares and
 // out of every centred value. A nearly constant row at a large offset (1e5 plus a few ulps) keeps its variance,
@@ -103,19 +153,20 @@ struct CenteredStats {
   __device__ __forceinline__ C mean() const { return isfinite(shift) ? base + shift : base; }
 };
 
-// T: x and residual; D: delta; O: out. mean_out null for RMS norm; delta null for a plain norm (residual null too).
-template <typename T, typename D, typename O>
+// T: x and residual; D: delta; Out: where the normalized values go (PlainOut, QuantizedOut). mean_out null for RMS
+// norm; delta null for a plain norm (residual null too).
+template <typename T, typename D, typename Out>
 __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
-                                             O* out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t cols,
+                                             Out out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t cols,
                                              compute_t<T> eps, bool vectorized) {
   using C = compute_t<T>;
   __shared__ C scratch[32];
+  out.start();
   const int64_t row = blockIdx.x;
   const int64_t packs = (cols + 3) / 4;
   const T* xr = x + row * cols;
   const D* dr = delta ? delta + row * cols : nullptr;
   T* rr = residual ? residual + row * cols : nullptr;
-  O* orow = out + row * cols;
   // The residual as stored: rounded to T, so the statistics describe what the backward will read.
   auto residual_pack = [&](int64_t k, C (&v)[4]) {
     load_pack(xr, k, cols, vectorized, v);
@@ -163,8 +214,9 @@ __global__ void residual_norm_forward_kernel(const T* x, const D* delta, const T
     if (bias) load_pack(bias, k, cols, vectorized, b);
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = st.centered(v[i]) * st.rstd * w[i] + b[i];
-    store_pack(orow, k, cols, vectorized, v);
+    out.store(row * cols, k, cols, vectorized, v);
   }
+  out.finish();
 }
 
 // ---- The backward's products, with float64's special values ---------------------------------------------------------
@@ -317,14 +369,15 @@ constexpr int kRowWarps = 4;  // warps (rows at a time) per block of the warp-pe
 
 // Every load of the row is issued before the first reduction, and each element is read from memory once: the
 // residual is rounded to T before the statistics (as stored, as in the block kernel), both from registers.
-template <typename T, typename D, typename O, int kPacks>
+template <typename T, typename D, typename Out, int kPacks>
 __global__ void __launch_bounds__(kRowWarps * 32)
     residual_norm_forward_warp_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
-                                      O* out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t rows, int cols,
+                                      Out out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t rows, int cols,
                                       compute_t<T> eps) {
   using C = compute_t<T>;
   const int64_t row = int64_t(blockIdx.x) * kRowWarps + threadIdx.y;
   if (row >= rows) return;  // whole warps; no block-wide synchronization below
+  out.start();
   const int lane = int(threadIdx.x), packs = cols / 4;
   const int64_t base = row * cols;
   C v[kPacks][4];
@@ -403,9 +456,10 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       if (p >= packs) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[k0 + j][i] = st.centered(v[k0 + j][i]) * st.rstd * w[j][i] + b[j][i];
-      store_pack(out + base, p, cols, true, v[k0 + j]);
+      out.store(base, p, cols, true, v[k0 + j]);
     }
   }
+  out.finish();
 }
 
 // Warp w of block b takes rows b * rows_per_block + w, + kRowWarps, ...: the assignment, and so the order of the
@@ -562,10 +616,12 @@ int warp_row_packs(int64_t cols) {
   return per_lane <= 4 ? 4 : per_lane <= 6 ? 6 : per_lane <= 8 ? 8 : 16;
 }
 
-template <typename T, typename D, typename O>
+// The forward over x's rows into `out` (PlainOut, QuantizedOut), whose pointer may take pack stores when
+// `out_aligned`.
+template <typename T, typename D, typename Out>
 void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
-                           const Tensor& bias, double eps, Tensor& residual, Tensor& out, stats_t<T>* mean_out,
-                           stats_t<T>* rstd_out) {
+                           const Tensor& bias, double eps, Tensor& residual, Out out, bool out_aligned,
+                           stats_t<T>* mean_out, stats_t<T>* rstd_out) {
   const int64_t cols = columns_of(x);
   const int64_t rows = cols ? x.numel() / cols : 0;
   if (rows == 0) return;
@@ -576,31 +632,40 @@ void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tens
   const T* wp = data_or_null<T>(weight);
   const T* bp = data_or_null<T>(bias);
   T* rp = mutable_data_or_null<T>(residual);
-  O* op = static_cast<O*>(out.data());
   const bool vectorized = cols % 4 == 0 && pack_aligned(xp) && pack_aligned(dp) && pack_aligned(wp) &&
-                          pack_aligned(bp) && pack_aligned<T>(rp) && pack_aligned<O>(op);
+                          pack_aligned(bp) && pack_aligned<T>(rp) && out_aligned;
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
   if constexpr (!std::is_same_v<T, double>) {
     if (vectorized && cols <= kWarpForwardMaxCols) {
       const dim3 grid(unsigned(ceil_div(rows, kRowWarps))), block(32, kRowWarps);
       auto launch = [&](auto kernel) {
-        kernel<<<grid, block, 0, stream>>>(xp, dp, wp, bp, rp, op, mean_out, rstd_out, rows, int(cols),
+        kernel<<<grid, block, 0, stream>>>(xp, dp, wp, bp, rp, out, mean_out, rstd_out, rows, int(cols),
                                            compute_t<T>(eps));
       };
       switch (warp_row_packs(cols)) {
-        case 4: launch(residual_norm_forward_warp_kernel<T, D, O, 4>); break;
-        case 6: launch(residual_norm_forward_warp_kernel<T, D, O, 6>); break;
-        case 8: launch(residual_norm_forward_warp_kernel<T, D, O, 8>); break;
-        default: launch(residual_norm_forward_warp_kernel<T, D, O, 16>); break;
+        case 4: launch(residual_norm_forward_warp_kernel<T, D, Out, 4>); break;
+        case 6: launch(residual_norm_forward_warp_kernel<T, D, Out, 6>); break;
+        case 8: launch(residual_norm_forward_warp_kernel<T, D, Out, 8>); break;
+        default: launch(residual_norm_forward_warp_kernel<T, D, Out, 16>); break;
       }
       LOOM_CUDA_CHECK_LAUNCH();
       return;
     }
   }
-  residual_norm_forward_kernel<T, D, O><<<unsigned(rows), residual_norm_threads(cols), 0, stream>>>(
-      xp, dp, wp, bp, rp, op, mean_out, rstd_out, cols, compute_t<T>(eps), vectorized);
+  residual_norm_forward_kernel<T, D, Out><<<unsigned(rows), residual_norm_threads(cols), 0, stream>>>(
+      xp, dp, wp, bp, rp, out, mean_out, rstd_out, cols, compute_t<T>(eps), vectorized);
   LOOM_CUDA_CHECK_LAUNCH();
+}
+
+// Into out's elements.
+template <typename T, typename D, typename O>
+void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                           const Tensor& bias, double eps, Tensor& residual, Tensor& out, stats_t<T>* mean_out,
+                           stats_t<T>* rstd_out) {
+  O* op = static_cast<O*>(out.data());
+  residual_norm_forward<T, D>(ctx, x, delta, weight, bias, eps, residual, PlainOut<O>{op}, pack_aligned<O>(op),
+                              mean_out, rstd_out);
 }
 
 template <typename T, typename G, typename D>
@@ -706,6 +771,37 @@ void residual_rms_norm_cuda(const DeviceContext& ctx, const Tensor& x, const Ten
                          });
 }
 
+// residual_rms_norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same kernels, each value
+// rounded to bf16 and encoded as fp8_quantize encodes it (cuda::encode_pair), so the codes, the residual and rstd
+// are the unfused pair's bits.
+void residual_rms_norm_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta,
+                                     const Tensor& weight, const Tensor& scale, const NormAttrs& attrs,
+                                     Tensor& residual, Tensor& q, Tensor& rstd, Tensor& amax) {
+  cudaStream_t stream = cuda::stream_of(ctx);
+  unsigned* bits = nullptr;
+  if (amax.defined()) {
+    cuda::DeviceGuard guard(ctx.device().index);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(amax.data(), 0, sizeof(float), stream));
+    bits = static_cast<unsigned*>(amax.data());
+  }
+  LOOM_DISPATCH_FP8(q.dtype(), "residual_rms_norm_quantize", [&] {
+    dispatch_residual_norm("residual_rms_norm_quantize", x.dtype(), dtype_or(delta, x.dtype()), kBF16,
+                           [&](auto t, auto d, auto) {
+                             using T = typename decltype(t)::type;
+                             if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+                               uint8_t* qp = static_cast<uint8_t*>(q.data());
+                               const QuantizedOut<BFloat16, fp8_t> out{
+                                   qp, static_cast<const float*>(scale.data()), bits};
+                               residual_norm_forward<T, typename decltype(d)::type>(
+                                   ctx, x, delta, weight, Tensor(), attrs.eps, residual, out,
+                                   reinterpret_cast<uintptr_t>(qp) % 4 == 0, nullptr, rstd.data_ptr<stats_t<T>>());
+                             } else {
+                               LOOM_THROW("residual_rms_norm_quantize (cuda): x must be f32 or bf16");
+                             }
+                           });
+  });
+}
+
 void residual_layer_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad_out,
                                        const Tensor& grad_residual, const Tensor& residual, const Tensor& weight,
                                        const Tensor& mean, const Tensor& rstd, Tensor& grad_x, Tensor& grad_delta,
@@ -787,6 +883,8 @@ LOOM_REGISTER_KERNEL(residual_layer_norm, kCUDA, "native", dtypes(kF32, kF64, kF
 LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_layer_norm_backward_cuda);
 LOOM_REGISTER_KERNEL(residual_rms_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cuda);
+LOOM_REGISTER_KERNEL(residual_rms_norm_quantize, kCUDA, "native", dtypes(kF32, kBF16),
+                     residual_rms_norm_quantize_cuda);
 LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_rms_norm_backward_cuda);
 
