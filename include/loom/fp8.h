@@ -61,6 +61,9 @@ class TensorScaling {
   using Codes = std::function<Tensor(const Tensor& scale, Tensor* amax)>;
   ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device);
   DType dtype() const { return fp8_; }
+  // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
+  // fp8::residual_rms_norm's output), else undefined.
+  Tensor scale_inv_of(const Tensor& q);
 
  private:
   DType fp8_;
@@ -68,6 +71,12 @@ class TensorScaling {
   std::mutex mu_;  // the state: a layer may run on two threads (pipeline stages do not share layers, tests may)
   // Made at the first quantization and kept, so no call fills a fresh scale (a kernel launch per operand).
   Tensor amaxes_, scale_, scale_inv_;
+  // The last codes made, known by their storage (not kept alive) and place, and their scale_inv.
+  std::weak_ptr<Storage> last_storage_;
+  int64_t last_offset_ = 0;
+  Shape last_shape_;
+  Tensor last_scale_inv_;
+  ops::Fp8Tensor made(const ops::Fp8Tensor& q);  // records q as the last codes made
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.
@@ -84,7 +93,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
 
 // Several FP8 linear layers reading the same x (a block's q, k and v; its gate and up): x is quantized once, by the
 // first layer's input scaling (one amax and one cast where each layer would make its own of the same values), and
-// each product is made as linear() makes it.
+// each product is made as linear() makes it. x may be the codes that scaling made last (fp8::residual_rms_norm's
+// output), which are taken as x's quantization.
 struct LinearWeights {
   Tensor weight, bias;
   std::shared_ptr<LinearState> state;
@@ -108,6 +118,14 @@ Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
 // up [M, in] (the halves of the experts' gate and up product).
 Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
                              const std::vector<int64_t>& sizes, const std::shared_ptr<LinearState>& state);
+
+// residual_rms_norm(x, delta, weight, eps) (loom/functional.h) whose output feeds FP8 layers that read it together
+// (linears(): q, k, v; gate, up), `input` being the first one's input scaling: under delayed scaling with a bf16
+// output (autocast) the norm's kernel writes the output's codes itself (ops::residual_rms_norm_quantize) and they
+// come back as the output, which linears() takes as that scaling's quantization; otherwise residual_rms_norm's
+// output. Returns the residual and the output; the gradient flows through the norm's backward either way.
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                            TensorScaling& input);
 
 // Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
 // reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).

@@ -24,12 +24,14 @@ const char* recompute_name(Recompute r) {
 
 namespace {
 
-// What a checkpoint keeps, in call order: a selective one the results of kept_results calls, a full one the state of
-// keep_state calls.
+// What a checkpoint keeps, each in call order: a selective one the results of kept_results calls, and either the
+// state of keep_state calls (a selective one only those outside a kept result's computation, which its recompute
+// does not run again).
 struct Tape {
-  std::deque<std::vector<Tensor>> results;
+  std::deque<std::vector<Tensor>> results, state;
   bool replaying = false;
   bool selective = true;
+  int computing = 0;  // kept results being computed (selective forward)
 };
 thread_local Tape* active_tape = nullptr;
 
@@ -110,6 +112,11 @@ std::vector<Tensor> kept_results(const char* what, const std::function<std::vect
   Tape* tape = active_tape;
   if (!tape || !tape->selective) return compute();
   if (!tape->replaying) {
+    struct Computing {
+      Tape* t;
+      ~Computing() { --t->computing; }
+    } computing{tape};
+    ++tape->computing;
     std::vector<Tensor> r = compute();
     std::vector<Tensor> kept;
     for (const Tensor& t : r) kept.push_back(t.defined() ? t.detach() : Tensor());
@@ -124,20 +131,19 @@ std::vector<Tensor> kept_results(const char* what, const std::function<std::vect
 
 void keep_state(const char* what, const std::function<std::vector<Tensor>()>& make) {
   Tape* tape = active_tape;
-  if (!tape || tape->selective) return;
+  if (!tape || (tape->selective && tape->computing > 0)) return;
   LOOM_CHECK(!tape->replaying, "checkpoint: ", what, " kept during a recompute");
   std::vector<Tensor> kept;
   for (const Tensor& t : make()) kept.push_back(t.defined() ? t.detach() : Tensor());
-  tape->results.push_back(std::move(kept));
+  tape->state.push_back(std::move(kept));
 }
 
 std::optional<std::vector<Tensor>> replayed_state(const char* what) {
   Tape* tape = active_tape;
-  if (!tape || tape->selective || !tape->replaying) return std::nullopt;
-  LOOM_CHECK(!tape->results.empty(), "checkpoint: the recompute asks for ", what,
-             " more often than the forward kept it");
-  std::vector<Tensor> r = std::move(tape->results.front());
-  tape->results.pop_front();
+  if (!tape || !tape->replaying) return std::nullopt;
+  LOOM_CHECK(!tape->state.empty(), "checkpoint: the recompute asks for ", what, " more often than the forward kept it");
+  std::vector<Tensor> r = std::move(tape->state.front());
+  tape->state.pop_front();
   return r;
 }
 

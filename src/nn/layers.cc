@@ -195,6 +195,24 @@ CausalSelfAttention::CausalSelfAttention(const AttentionConfig& c) : cfg(c) {
   }
 }
 
+namespace {
+// The first layer's input scaling when every layer reads x in FP8 with no adapter beside (their x is only ever
+// quantized, so its codes may stand for it).
+fp8::TensorScaling* shared_fp8_input(std::initializer_list<const Linear*> layers) {
+  for (const Linear* l : layers)
+    if (!l || !l->fp8 || l->has_adapter()) return nullptr;
+  return &(*layers.begin())->fp8->input;
+}
+}  // namespace
+
+fp8::TensorScaling* CausalSelfAttention::fp8_input() const {
+  return cfg.fused_qkv || tp ? nullptr : shared_fp8_input({q_proj.get(), k_proj.get(), v_proj.get()});
+}
+
+fp8::TensorScaling* SwiGLUMLP::fp8_input() const {
+  return tp ? nullptr : shared_fp8_input({gate_proj.get(), up_proj.get()});
+}
+
 Tensor CausalSelfAttention::forward(const Tensor& x, const Tensor& rope_cos, const Tensor& rope_sin,
                                     KVCache* cache) const {
   LOOM_REQUIRE(x.dim() == 3 && x.size(2) == cfg.dim, "CausalSelfAttention: expected input [B, T, ", cfg.dim,

@@ -379,10 +379,17 @@ class LlamaBlock : public Module {
   // each add into the next norm).
   std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, const Tensor& cos, const Tensor& sin,
                                     KVCache* cache) {
-    auto [h, normed_1] = residual_rms_norm(x, pending, input_layernorm->weight, input_layernorm->eps);
+    auto [h, normed_1] = norm(x, pending, *input_layernorm, self_attn->fp8_input());
     Tensor a = self_attn->forward(normed_1, cos, sin, cache);
-    auto [h2, normed_2] = residual_rms_norm(h, a, post_attention_layernorm->weight, post_attention_layernorm->eps);
+    auto [h2, normed_2] = norm(h, a, *post_attention_layernorm, mlp ? mlp->fp8_input() : nullptr);
     return {h2, mlp ? mlp->forward(normed_2) : moe->forward(normed_2)};
+  }
+  // The residual add and norm before FP8 layers that alone read its output (`input` their input scaling): the norm
+  // quantizes the output itself where it can (fp8::residual_rms_norm), and the layers take its codes.
+  static std::pair<Tensor, Tensor> norm(const Tensor& x, const Tensor& pending, const RMSNorm& n,
+                                        fp8::TensorScaling* input) {
+    return input ? fp8::residual_rms_norm(x, pending, n.weight, n.eps, *input)
+                 : residual_rms_norm(x, pending, n.weight, n.eps);
   }
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   std::shared_ptr<CausalSelfAttention> self_attn;

@@ -38,10 +38,11 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
 // by shape and dtype). Anywhere else, compute().
 std::vector<Tensor> kept_results(const char* what, const std::function<std::vector<Tensor>()>& compute);
 
-// For small state a full recompute must see as its forward did (an FP8 operand's scale under delayed scaling, which
-// the forward moves on): in a full checkpoint's forward keep_state keeps what `make` returns (make runs only there);
-// in its recompute replayed_state returns what was kept, in call order (nullopt anywhere else, so the caller
-// computes as usual and calls keep_state).
+// For small state a recompute must see as its forward did (an FP8 operand's scale under delayed scaling, which the
+// forward moves on): in a checkpoint's forward keep_state keeps what `make` returns (make runs only there; in a
+// selective one not within a kept result's computation, which its recompute does not run); in its recompute
+// replayed_state returns what was kept, in call order (nullopt anywhere else, so the caller computes as usual and
+// calls keep_state).
 void keep_state(const char* what, const std::function<std::vector<Tensor>()>& make);
 std::optional<std::vector<Tensor>> replayed_state(const char* what);
 

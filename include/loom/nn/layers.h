@@ -92,6 +92,8 @@ class SwiGLUMLP : public Module {
  public:
   SwiGLUMLP(int64_t dim, int64_t hidden);
   Tensor forward(const Tensor& x) const;
+  // As CausalSelfAttention's: gate_proj's input scaling when gate and up alone read x, in FP8; else null.
+  fp8::TensorScaling* fp8_input() const;
   std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
   std::shared_ptr<const TensorParallelRegion> tp;
 };
@@ -120,6 +122,9 @@ class CausalSelfAttention : public Module {
   // With a cache, appends this call's keys/values to it and attends over all of them.
   Tensor forward(const Tensor& x, const Tensor& rope_cos = Tensor(), const Tensor& rope_sin = Tensor(),
                  KVCache* cache = nullptr) const;
+  // The input scaling whose codes forward() may take as x: q_proj's when q, k and v alone read x, in FP8 (no
+  // adapter, not fused, no tensor parallelism); else null.
+  fp8::TensorScaling* fp8_input() const;
   AttentionConfig cfg;
   int64_t head_dim;
   std::shared_ptr<Linear> c_attn, c_proj;                   // fused (GPT-2)

@@ -9,6 +9,7 @@
 #include "loom/amp.h"
 #include "loom/autograd/checkpoint.h"
 #include "loom/core/dispatch.h"
+#include "loom/functional.h"
 
 namespace loom::fp8 {
 
@@ -53,7 +54,7 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   // recorded a second time, so the recomputed codes are the forward's. Current scaling recomputes the same codes.
   if (history_ > 1)
     if (std::optional<std::vector<Tensor>> kept = autograd::replayed_state("an FP8 scale"))
-      return {codes((*kept)[0], nullptr), (*kept)[1]};
+      return made({codes((*kept)[0], nullptr), (*kept)[1]});
   const bool first = !scale_.defined() || scale_.device() != device;
   if (first) {
     amaxes_ = zeros({history_}, kF32, device);
@@ -67,10 +68,10 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
     ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
     Tensor q = ops::fp8_quantize(x, scale_, fp8_);
-    if (history_ <= 1) return {q, scale_inv};
+    if (history_ <= 1) return made({q, scale_inv});
     const Tensor used = ops::clone(scale_inv_);
     autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
-    return {q, used};
+    return made({q, used});
   }
   Tensor amax;
   Tensor q = codes(scale_, &amax);
@@ -79,7 +80,23 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   Tensor used = ops::clone(scale_inv_);
   autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
   ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
-  return {q, used};
+  return made({q, used});
+}
+
+ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
+  last_storage_ = q.q.storage();
+  last_offset_ = q.q.storage_offset();
+  last_shape_ = q.q.shape();
+  last_scale_inv_ = q.scale_inv;
+  return q;
+}
+
+Tensor TensorScaling::scale_inv_of(const Tensor& q) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::shared_ptr<Storage> last = last_storage_.lock();
+  const bool same = q.defined() && last && q.storage() == last && q.storage_offset() == last_offset_ &&
+                    q.shape() == last_shape_ && q.is_contiguous();
+  return same ? last_scale_inv_ : Tensor();
 }
 
 namespace {
@@ -190,12 +207,19 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
 
 std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers) {
   LOOM_REQUIRE(!layers.empty() && layers[0].state, "fp8::linears: no layers, or no FP8 state");
-  // Kept like the products, so that a selective recompute does not quantize x again either.
-  const std::vector<Tensor> kept = autograd::kept_results("fp8_input", [&] {
-    const ops::Fp8Tensor q = layers[0].state->input.quantize(x.detach());
-    return std::vector<Tensor>{q.q, q.scale_inv};
-  });
-  const ops::Fp8Tensor xq{kept[0], kept[1]};
+  ops::Fp8Tensor xq;
+  if (x.defined() && is_fp8(x.dtype())) {  // a producer's codes (fp8::residual_rms_norm)
+    xq = {x, layers[0].state->input.scale_inv_of(x)};
+    LOOM_REQUIRE(xq.scale_inv.defined(), "fp8::linears: x ", describe(x), " holds 8-bit codes that the first "
+                 "layer's input scaling did not make last");
+  } else {
+    // Kept like the products, so that a selective recompute does not quantize x again either.
+    const std::vector<Tensor> kept = autograd::kept_results("fp8_input", [&] {
+      const ops::Fp8Tensor q = layers[0].state->input.quantize(x.detach());
+      return std::vector<Tensor>{q.q, q.scale_inv};
+    });
+    xq = {kept[0], kept[1]};
+  }
   std::vector<Tensor> out;
   for (const LinearWeights& l : layers) out.push_back(linear_of(x, l.weight, l.bias, l.state, &xq));
   return out;
@@ -235,6 +259,33 @@ ops::Fp8Tensor quantized_swiglu(const Tensor& gate, const Tensor& up, LinearStat
 }
 
 }  // namespace
+
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                            TensorScaling& input) {
+  LOOM_REQUIRE(x.defined(), "fp8::residual_rms_norm: input is undefined");
+  if (amp::output_dtype("residual_rms_norm", x.dtype()) != kBF16 || (x.dtype() != kF32 && x.dtype() != kBF16))
+    return loom::residual_rms_norm(x, delta, weight, eps);
+  return autograd::record_residual_rms_norm(
+      x, delta, weight,
+      [&](const Tensor& d) {
+        const Tensor xd = x.detach(), dd = d.defined() ? d.detach() : Tensor();
+        const Tensor wd = weight.defined() ? weight.detach() : Tensor();
+        ops::ResidualNormResult r;
+        const ops::Fp8Tensor q = input.quantize(
+            [&] {
+              r = ops::residual_rms_norm(xd, dd, wd, eps, kBF16);
+              return r.out;
+            },
+            [&](const Tensor& scale, Tensor* amax) {
+              r = ops::residual_rms_norm_quantize(xd, dd, wd, eps, scale, input.dtype(), amax);
+              return r.out;
+            },
+            x.device());
+        r.out = q.q;
+        return r;
+      },
+      kBF16);
+}
 
 Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight, const Tensor& bias,
                      const std::shared_ptr<LinearState>& state) {

@@ -2,6 +2,7 @@
 // node over a list of inputs. Private to src/autograd.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -52,6 +53,13 @@ inline Tensor tiled_whole(const std::vector<Tensor>& pieces, int64_t dim) {
 // Records `out`, swiglu(gate, up) as some kernel stored it (its FP8 codes, say), for the backward: SwiGLU's node,
 // whose incoming gradient it takes in `grad_dtype`. Does nothing when neither input needs a gradient.
 void record_swiglu(const Tensor& gate, const Tensor& up, Tensor& out, DType grad_dtype);
+
+// residual_rms_norm(x, delta, weight) whose result `compute` makes (given delta in a dtype the kernels pair with
+// x's): an FP8 quantization of the output, say. Recorded for the backward with out's gradient taken in
+// `out_grad_dtype`; returns the residual and the output.
+std::pair<Tensor, Tensor> record_residual_rms_norm(
+    const Tensor& x, const Tensor& delta, const Tensor& weight,
+    const std::function<ops::ResidualNormResult(const Tensor&)>& compute, DType out_grad_dtype);
 
 // Where a node may write input `input`'s gradient directly, given the dtype its kernel writes: the flat-buffer slot
 // of a leaf that has no gradient yet, when the slot has that dtype (AccumulateGrad then takes the slot as it is,

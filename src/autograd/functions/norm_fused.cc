@@ -55,8 +55,12 @@ class ResidualNormBackward final : public autograd::Node {
   void release_saved() override { residual = weight = mean = rstd = Tensor(); }
 };
 
+// The fused norm's result from `compute` (given delta in a dtype the kernels pair with x's), recorded for the
+// backward with out's gradient taken in `out_grad_dtype`.
 std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor& delta_in, const Tensor& weight,
-                                        const Tensor& bias, double eps) {
+                                        const Tensor& bias,
+                                        const std::function<ops::ResidualNormResult(const Tensor&)>& compute,
+                                        std::optional<DType> out_grad_dtype) {
   const char* op = rms ? "residual_rms_norm" : "residual_layer_norm";
   LOOM_REQUIRE(x.defined(), op, ": input is undefined");
   // A delta whose dtype the kernel does not pair with x's joins the residual stream in x's dtype.
@@ -64,9 +68,7 @@ std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor&
   if (delta.defined() && is_floating(delta.dtype()) && delta.dtype() != x.dtype() &&
       !(x.dtype() == kF32 && (delta.dtype() == kBF16 || delta.dtype() == kF16)))
     delta = to(delta, x.dtype());
-  const DType out_dtype = amp::output_dtype(op, x.dtype());
-  ops::ResidualNormResult r = rms ? ops::residual_rms_norm(x, delta, weight, eps, out_dtype)
-                                  : ops::residual_layer_norm(x, delta, weight, bias, eps, out_dtype);
+  ops::ResidualNormResult r = compute(delta);
   auto node = rms ? autograd::make_node<ResidualNormBackward>({&x, &delta, &weight})
                   : autograd::make_node<ResidualNormBackward>({&x, &delta, &weight, &bias});
   if (!node) return {r.residual, r.out};
@@ -76,7 +78,7 @@ std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor&
   if (weight.defined()) node->weight = weight.detach();
   if (r.mean.defined()) node->mean = r.mean.detach();
   node->rstd = r.rstd.detach();
-  node->out_dtype = r.out.dtype();
+  node->out_dtype = out_grad_dtype.value_or(r.out.dtype());
   if (delta.defined()) node->delta_dtype = delta.dtype();
   if (node->has_delta) {
     node->set_num_outputs(2);
@@ -86,6 +88,18 @@ std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor&
     autograd::set_history(r.out, node, 0);
   }
   return {r.residual, r.out};
+}
+
+std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                        const Tensor& bias, double eps) {
+  const DType out_dtype = amp::output_dtype(rms ? "residual_rms_norm" : "residual_layer_norm", x.dtype());
+  return residual_norm(
+      rms, x, delta, weight, bias,
+      [&](const Tensor& d) {
+        return rms ? ops::residual_rms_norm(x, d, weight, eps, out_dtype)
+                   : ops::residual_layer_norm(x, d, weight, bias, eps, out_dtype);
+      },
+      std::nullopt);
 }
 
 }  // namespace
@@ -98,5 +112,13 @@ std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& del
 std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
   return residual_norm(true, x, delta, weight, Tensor(), eps);
 }
+
+namespace autograd {
+std::pair<Tensor, Tensor> record_residual_rms_norm(
+    const Tensor& x, const Tensor& delta, const Tensor& weight,
+    const std::function<ops::ResidualNormResult(const Tensor&)>& compute, DType out_grad_dtype) {
+  return residual_norm(true, x, delta, weight, Tensor(), compute, out_grad_dtype);
+}
+}  // namespace autograd
 
 }  // namespace loom
