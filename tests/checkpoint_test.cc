@@ -185,41 +185,48 @@ TEST(Checkpoint, ParametersInsideGetGradientsAndHooks) {
   EXPECT_THROW(autograd::recompute_from_name("partial"), Error);
 }
 
-// State kept for a full recompute (keep_state, replayed_state): the recompute gets the forward's values in call
-// order, while state that moved on since would give another result; make runs only in a full region's forward, and
-// nothing is replayed outside one or in a selective region (whose kept results hold what it needs).
-TEST(Checkpoint, AFullRecomputeSeesTheStateItsForwardKept) {
+// State kept for a recompute (keep_state, replayed_state): the recompute gets the forward's values in call order,
+// while state that moved on since would give another result; make runs only in a checkpoint's forward. A selective
+// region keeps none from within a kept result's computation (its recompute returns the kept result instead), and
+// nothing is replayed outside a region.
+TEST(Checkpoint, ARecomputeSeesTheStateItsForwardKept) {
   Tensor counter = zeros({1});  // state that moves on every forward call, as an FP8 scale does
   int made = 0, replayed = 0;
-  auto fn = [&](const std::vector<Tensor>& in) {
-    Tensor factor;
+  auto factor_now = [&] {
     if (std::optional<std::vector<Tensor>> kept = autograd::replayed_state("the factor")) {
-      factor = (*kept)[0];
       ++replayed;
-    } else {
-      autograd::NoGradGuard ng;
-      counter.copy_from(ops::add(counter, 1.0));
-      factor = counter.clone();
-      autograd::keep_state("the factor", [&] {
-        ++made;
-        return std::vector<Tensor>{factor};
-      });
+      return (*kept)[0];
     }
-    return std::vector<Tensor>{mul(in[0], factor.detach())};
+    autograd::NoGradGuard ng;
+    counter.copy_from(ops::add(counter, 1.0));
+    Tensor factor = counter.clone();
+    autograd::keep_state("the factor", [&] {
+      ++made;
+      return std::vector<Tensor>{factor};
+    });
+    return factor;
   };
+  auto fn = [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{mul(in[0], factor_now().detach())}; };
   Tensor x = test::random_tensor({4}).set_requires_grad();
-  Tensor out = autograd::checkpoint(fn, {x}, Recompute::kFull)[0];
-  counter.copy_from(full({1}, 10.0));  // moved on before the backward
-  sum(out).backward();
-  EXPECT_EQ(made, 1);
-  EXPECT_EQ(replayed, 1);
-  EXPECT_EQ(test::values(x.grad()), std::vector<double>(4, 1.0)) << "the forward's factor, not the moved state";
-  x.zero_grad();
-  out = autograd::checkpoint(fn, {x}, Recompute::kSelective)[0];
-  sum(out).backward();  // the recompute reads the state as it is now (12): nothing was kept for it
-  EXPECT_EQ(made, 1);
-  EXPECT_EQ(replayed, 1);
-  EXPECT_EQ(test::values(x.grad()), std::vector<double>(4, 12.0));
+  for (Recompute mode : {Recompute::kFull, Recompute::kSelective}) {
+    made = replayed = 0;
+    counter.copy_from(zeros({1}));
+    Tensor out = autograd::checkpoint(fn, {x}, mode)[0];
+    counter.copy_from(full({1}, 10.0));  // moved on before the backward
+    sum(out).backward();
+    EXPECT_EQ(made, 1) << recompute_name(mode);
+    EXPECT_EQ(replayed, 1) << recompute_name(mode);
+    EXPECT_EQ(test::values(x.grad()), std::vector<double>(4, 1.0)) << "the forward's factor, not the moved state";
+    x.zero_grad();
+  }
+  // Within a kept result's computation a selective region keeps nothing: the recompute does not run it.
+  made = replayed = 0;
+  auto kept_fn = [&](const std::vector<Tensor>& in) {
+    return autograd::kept_results("scaled", [&] { return std::vector<Tensor>{mul(in[0], factor_now().detach())}; });
+  };
+  sum(autograd::checkpoint(kept_fn, {x}, Recompute::kSelective)[0]).backward();
+  EXPECT_EQ(made, 0);
+  EXPECT_EQ(replayed, 0);
   EXPECT_FALSE(autograd::replayed_state("the factor").has_value());
 }
 

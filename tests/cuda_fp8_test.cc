@@ -4,7 +4,8 @@
 // not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast accumulation; a GPU
 // without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all and tracks bf16; shadow
 // mode holds the FP8 products against the dequantized bf16 ones; the grouped (mixture of experts) layer matches the
-// CPU's; SwiGLU's activation quantized where it is made matches the GPU's swiglu then quantize.
+// CPU's; SwiGLU's activation and the residual RMS norm's output quantized where they are made match the GPU's
+// unfused ops.
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -134,6 +135,53 @@ TEST(CudaFp8, SwigluQuantizeIsTheGpusSwigluThenQuantize) {
                                                         &amax_cpu);
           const auto a = test::values(ops::fp8_dequantize(q.to(Device()), host_tensor({1}, {1}, kF32), kF32));
           const auto b = test::values(ops::fp8_dequantize(q_cpu, host_tensor({1}, {1}, kF32), kF32));
+          const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
+          for (size_t i = 0; i < a.size(); ++i)
+            ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
+                        std::abs(a[i] - b[i]) <= step * std::max(std::abs(a[i]), std::abs(b[i])) + 1e-30)
+                << what << " element " << i << ": " << a[i] << " on the GPU, " << b[i] << " on the CPU";
+        }
+}
+
+// The residual RMS norm writing its bf16 output's FP8 codes (residual_rms_norm_quantize) on the GPU: the GPU's own
+// norm then fp8_quantize bit for bit (codes, amax, residual, rstd) through both kernels (a warp per row for widths
+// that are multiples of 4 up to 2048, a block per row otherwise), deltas in x's dtype and bf16, with and without a
+// weight, special values; and within one code of the CPU's (the devices' statistics round apart).
+TEST(CudaFp8, ResidualRmsNormQuantizeIsTheGpusNormThenQuantize) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(5);
+  for (DType xt : {kF32, kBF16})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{3, 7}, {64, 768}, {33, 2048}, {5, 3001}})
+        for (int delta_kind : {0, 1, 2}) {
+          if (delta_kind == 2 && xt == kBF16) continue;
+          std::vector<double> v = special_values(rows * cols, rng);
+          for (auto& e : v)
+            if (std::isfinite(e) && std::abs(e) > 1e3) e = 2.0;
+          const Tensor x = host_tensor(v, {rows, cols}, xt).to(kGpu);
+          const Tensor delta = delta_kind ? test::random_tensor({rows, cols}, delta_kind == 1 ? xt : kBF16, -1, 1,
+                                                                rng()).to(kGpu)
+                                          : Tensor();
+          const Tensor w = rng() % 2 ? test::random_tensor({cols}, xt, 0.5, 1.5, rng()).to(kGpu) : Tensor();
+          const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+          Tensor amax, amax_ref;
+          const ops::ResidualNormResult f = ops::residual_rms_norm_quantize(x, delta, w, 1e-5, s, fp8, &amax);
+          const ops::ResidualNormResult u = ops::residual_rms_norm(x, delta, w, 1e-5, kBF16);
+          const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
+          const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "] delta " +
+                                   std::to_string(delta_kind) + (w.defined() ? " weighted" : "");
+          EXPECT_TRUE(same_bytes(f.out, q_ref)) << what;
+          EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+          EXPECT_TRUE(same_bytes(f.rstd, u.rstd)) << what;
+          if (delta_kind) {
+            EXPECT_TRUE(same_bytes(f.residual, u.residual)) << what;
+          }
+          const ops::ResidualNormResult c = ops::residual_rms_norm_quantize(
+              x.to(Device()), delta.defined() ? delta.to(Device()) : Tensor(), w.defined() ? w.to(Device()) : Tensor(),
+              1e-5, s.to(Device()), fp8);
+          const auto a = test::values(ops::fp8_dequantize(f.out.to(Device()), host_tensor({1}, {1}, kF32), kF32));
+          const auto b = test::values(ops::fp8_dequantize(c.out, host_tensor({1}, {1}, kF32), kF32));
           const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
           for (size_t i = 0; i < a.size(); ++i)
             ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
