@@ -142,13 +142,15 @@ int main(int argc, char** argv) {
     LOOM_REQUIRE(!has_lora || merge_lora || (llmc_path.empty() && hf_path.empty()), "'", checkpoint,
                  "' holds LoRA adapters: --merge-lora folds them into the weights for --hf/--llmc (--peft DIR "
                  "writes them alone)");
+    // The merge first: one refused (a base held in FP8) writes nothing.
+    std::shared_ptr<nn::LanguageModel> merged = merge_lora ? nn::merge_lora(*model) : nullptr;
     if (!peft_path.empty()) {
       io::save_peft_dir(peft_path, *model, dtype, "", force);
       std::cout << "loom-export: wrote " << peft_path << " (PEFT adapter directory, " << model->config().lora.describe()
                 << ", " << dtype_name << ")" << std::endl;
     }
-    if (merge_lora) {
-      model = nn::merge_lora(*model);
+    if (merged) {
+      model = merged;
       std::cout << "loom-export: adapters merged into the weights" << std::endl;
     }
     if (!llmc_path.empty()) {

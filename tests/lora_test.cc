@@ -24,8 +24,9 @@
 #include "loom/nn/model.h"
 #include "loom/train/memory_estimate.h"
 #include "loom/train/trainer.h"
-#include "test_files.h"
 #include "loom/dispatch_modes.h"
+#include "lora_fixture.h"
+#include "test_files.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -33,18 +34,11 @@ namespace fs = std::filesystem;
 namespace loom {
 namespace {
 
+using test::lora_options;
 using test::TempDir;
-
-nn::ModelConfig tiny_llama(int64_t rank = 4) {
-  nn::ModelConfig c = nn::ModelConfig::from_name("llama3-tiny");
-  c.vocab_size = 200;
-  c.padded_vocab_size = 256;
-  c.max_seq_len = 32;
-  c.lora.rank = rank;
-  c.lora.alpha = 8;
-  c.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
-  return c;
-}
+using test::tiny_llama;
+using test::train_only_adapters;
+using test::write_base;
 
 // B drawn too (PEFT starts it at zeros, which would hide A from every check).
 void randomize_adapters(nn::LanguageModel& m, uint64_t seed) {
@@ -283,65 +277,6 @@ TEST(LoraModel, PeftDirectoryRoundTrips) {
   test::expect_error_mentioning([&] { io::read_peft_config(dir.file("dora")); }, {"use_dora", "not supported"});
 }
 
-// A tiny token file: a repeating pattern with noise (learnable in a few steps).
-std::string write_tokens(const TempDir& dir) {
-  std::mt19937 eng(5);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file(dir.file("train_000000.bin"), tokens);
-  return dir.file("train_000000.bin");
-}
-
-train::TrainOptions lora_options(const TempDir& dir, const std::string& base) {
-  train::TrainOptions o;
-  o.model = dir.file("model.json");
-  o.init_from = base;
-  o.train_data = write_tokens(dir);
-  o.batch_size = 4;
-  o.seq_len = 32;
-  o.steps = 12;
-  o.lr = 1e-2;
-  o.warmup_steps = 1;
-  o.eval_interval = 0;
-  o.sample_tokens = 0;
-  o.lora_rank = 4;
-  o.lora_alpha = 8;
-  o.lora_targets = "q,k,v,o,gate,up,down";
-  o.quiet = true;
-  return o;
-}
-
-// A base model as a Hugging Face directory, and its config as --model.
-std::string write_base(const TempDir& dir) {
-  nn::ModelConfig c = tiny_llama(0);
-  c.lora = {};
-  c.lora.rank = 0;
-  std::ofstream(dir.file("model.json")) << c.to_json();
-  auto base = nn::make_model(c, 21);
-  io::save_hf_model_dir(dir.file("base"), *base, {});
-  return dir.file("base");
-}
-
-// 12 steps of `t`: the loss falls by min_drop, every adapter changes, and every base weight stays bit-identical with
-// no gradient.
-void train_only_adapters(train::Trainer& t, double min_drop = 0.3) {
-  std::map<std::string, Tensor> before;
-  for (auto& [name, p] : t.model().named_parameters()) before[name] = p.detach().clone();
-  const double loss0 = t.evaluate(2);
-  for (int i = 0; i < 12; ++i) t.train_step();
-  EXPECT_LT(t.evaluate(2), loss0 - min_drop);
-  int changed = 0;
-  for (auto& [name, p] : t.model().named_parameters()) {
-    if (nn::is_lora_parameter(name)) {
-      changed += !test::bytes_equal(p, before.at(name));
-    } else {
-      EXPECT_TRUE(test::bytes_equal(p, before.at(name))) << name << " changed";
-      EXPECT_FALSE(p.grad().defined()) << name << " has a gradient";
-    }
-  }
-  EXPECT_EQ(changed, int(t.model().lora_parameters().size()));
-}
-
 // loom-train's road with LoRA: the loss falls, only the adapters change (every base weight bit-identical), the
 // trained adapters go out as a PEFT directory, and --init-from BASE --lora-from DIR starts from them exactly.
 TEST(LoraTraining, OnlyTheAdaptersTrainAndPeftDirectoriesComeBack) {
@@ -392,31 +327,17 @@ TEST(LoraTraining, MixtureOfExpertsTrainsAttentionAdapters) {
 }
 
 // A LoRA run's checkpoint (the base and the adapters, AdamW state for the adapters only) resumes to the same losses
-// as the run that did not stop.
+// as the run that did not stop: a single file, and a sharded directory of a run holding its base in bf16 (its pieces
+// widened to f32, as the reader takes them).
 TEST(LoraTraining, CheckpointsResumeExactly) {
   TempDir dir;
   const std::string base_dir = write_base(dir);
   train::TrainOptions o = lora_options(dir, base_dir);
-  o.steps = 6;
-  o.schedule_steps = 6;  // the stopped run on the same schedule
-  std::vector<double> straight;
-  {
-    train::Trainer t(o);
-    for (int i = 0; i < 6; ++i) straight.push_back(t.train_step().loss);
-  }
-  train::TrainOptions first = o;
-  first.steps = 3;
-  first.checkpoint_dir = dir.file("ck");
-  {
-    train::Trainer t(first);
-    for (int i = 0; i < 3; ++i) t.train_step();
-    t.save_checkpoint(dir.file("ck/step_000003.safetensors"));
-  }
-  train::TrainOptions second = o;
-  second.init_from.clear();
-  second.resume = dir.file("ck/step_000003.safetensors");
-  train::Trainer t(second);
-  for (int i = 3; i < 6; ++i) EXPECT_EQ(t.train_step().loss, straight[size_t(i)]) << "step " << i + 1;
+  test::expect_resumes_exactly(o, dir.file("ck/step_000003.safetensors"));
+  train::TrainOptions bf16 = o;
+  bf16.dtype = "bf16";
+  bf16.lora_base_dtype = "bf16";
+  test::expect_resumes_exactly(bf16, dir.file("sharded/step_000003"));
   // The exported checkpoint: its adapters, and merged.
   auto loaded = io::load_model(dir.file("ck/step_000003.safetensors"));
   EXPECT_TRUE(loaded->config().lora.enabled());

@@ -103,8 +103,10 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "gate, up, down (the MLP)")
       ->capture_default_str();
   app.add_option("--lora-base-dtype", o.lora_base_dtype, "LoRA: f32, or bf16 to hold the frozen projections (q, k, v, "
-                 "o, gate, up, down) in bf16 only (with --dtype bf16)")
-      ->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
+                 "o, gate, up, down) in bf16 only (with --dtype bf16), or fp8 to hold them as e4m3 codes quantized "
+                 "once at the start, half bf16's memory and no weight casts per step (with --dtype bf16 and --fp8 "
+                 "linear|all)")
+      ->check(CLI::IsMember({"f32", "bf16", "fp8"}))->capture_default_str();
   app.add_option("--lora-from", o.lora_from, "LoRA: start the adapters from a PEFT adapter directory "
                  "(adapter_config.json, adapter_model.safetensors); its rank, alpha and targets unless given");
   app.add_option("--tf32", args.tf32, "f32 matrix products in TF32 on CUDA: on or off [default: off]")

@@ -91,6 +91,16 @@ struct LinearState {
 // described above; the backward reads `state` (the output gradient's scaling), which it keeps alive.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state);
 
+// A frozen weight held quantized, made once (a LoRA run's base under --lora-base-dtype fp8): what the weight scaling
+// of a layer with `recipe` makes of `weight` at its first quantization, the scale from the weight's own amax with
+// the recipe's margin. A constant weight gets that scale at every quantization, under delayed scaling too, so the
+// held codes are the ones each step would make.
+ops::Fp8Tensor hold_weight(const Tensor& weight, const Recipe& recipe);
+// linear() of a held weight (hold_weight; codes in the recipe's forward dtype): the forward reads its codes and
+// scale_inv as they are (no amax, no cast) and the backward gives x's gradient alone (no weight gradient).
+Tensor linear(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+              const std::shared_ptr<LinearState>& state);
+
 // Several FP8 linear layers reading the same x (a block's q, k and v; its gate and up): x is quantized once, by the
 // first layer's input scaling (one amax and one cast where each layer would make its own of the same values), and
 // each product is made as linear() makes it. x may be the codes that scaling made last (fp8::residual_rms_norm's
@@ -98,6 +108,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const s
 struct LinearWeights {
   Tensor weight, bias;
   std::shared_ptr<LinearState> state;
+  ops::Fp8Tensor held;  // q defined: the weight held quantized (hold_weight), read in place of `weight`
 };
 std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers);
 

@@ -292,9 +292,11 @@ PipelineParallel::PipelineParallel(nn::LanguageModel& model, std::shared_ptr<Pro
   std::set<const TensorImpl*> embedding;
   {
     nn::Module::EvalScope eval(model);
-    std::vector<Tensor> frozen;  // a frozen parameter (a LoRA run's base) is probed as any other
+    // A frozen parameter (a LoRA run's base) is probed as any other; a held FP8 weight's codes (u8) are no floating
+    // tensor, and a block's.
+    std::vector<Tensor> frozen;
     for (auto& [name, p] : named)
-      if (!p.requires_grad()) frozen.push_back(p.set_requires_grad(true));
+      if (!p.requires_grad() && is_floating(p.dtype())) frozen.push_back(p.set_requires_grad(true));
     Tensor probe = model.embed(zeros({1, 1}, kI64, m.device), nullptr);
     autograd::backward({sum(probe)});
     for (auto& [name, p] : named)

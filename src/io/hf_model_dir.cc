@@ -167,18 +167,27 @@ std::shared_ptr<nn::LanguageModel> load_model(const std::string& path) {
     LOOM_THROW("'", path, "': bad config metadata: ", e.what());
   }
   auto model = nn::make_model(cfg);
+  nn::hold_fp8_as_saved(*model, checkpoint_parameter_names(file));  // a frozen base held in FP8: codes and scales
   autograd::NoGradGuard no_grad;
   for (auto& [name, p] : model->named_parameters()) {
     auto it = file.tensors.find("model." + name);
     LOOM_REQUIRE(it != file.tensors.end(), "'", path, "' lacks tensor 'model.", name, "' that its config (",
                  cfg.describe(), ") needs");
-    LOOM_REQUIRE(is_floating(it->second.dtype()), "'", path, "': tensor 'model.", name, "' has dtype ",
-                 dtype_name(it->second.dtype()), ", a weight must be floating point");
+    // A held FP8 weight's codes are u8, and load into such codes only.
+    LOOM_REQUIRE(is_floating(it->second.dtype()) || it->second.dtype() == p.dtype(), "'", path, "': tensor 'model.",
+                 name, "' has dtype ", dtype_name(it->second.dtype()), ", a weight must be floating point");
     LOOM_REQUIRE(it->second.shape() == p.shape(), "'", path, "': tensor 'model.", name, "' has shape ",
                  shape_str(it->second.shape()), ", the config needs ", shape_str(p.shape()));
     p.copy_from(it->second);
   }
   return model;
+}
+
+std::vector<std::string> checkpoint_parameter_names(const SafetensorsFile& file) {
+  std::vector<std::string> names;
+  for (const auto& [name, t] : file.tensors)
+    if (name.rfind("model.", 0) == 0) names.push_back(name.substr(6));
+  return names;
 }
 
 void save_model(const std::string& path, const nn::LanguageModel& model) {

@@ -40,10 +40,35 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool has_bias) {
   if (has_bias) bias = register_parameter("bias", uniform_or_zeros({out_features}, bound));
 }
 
+Tensor Linear::base_product(const Tensor& x) const {
+  if (holds_fp8()) return fp8::linear(x, held_weight(), bias, fp8);
+  return fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
+}
+
 Tensor Linear::forward(const Tensor& x) const {
-  Tensor y = fp8 ? fp8::linear(x, weight, bias, fp8) : linear(x, weight, bias);
+  Tensor y = base_product(x);
   return lora_A ? add_adapter_output(std::move(y), x) : y;
 }
+
+void Linear::hold_fp8(const ops::Fp8Tensor& held) {
+  LOOM_REQUIRE(!weight.requires_grad(), "Linear: only a frozen weight is held in FP8 (this one trains)");
+  LOOM_REQUIRE(held.q.defined() && held.q.dtype() == kF8E4M3 && held.q.is_contiguous() &&
+                   held.q.shape() == weight.shape() && held.scale_inv.defined() && held.scale_inv.numel() == 1 &&
+                   held.scale_inv.dtype() == kF32 && held.scale_inv.device() == held.q.device(),
+               "Linear: a weight ", shape_str(weight.shape()), " is held as f8e4m3 codes of its shape and one f32 "
+               "scale_inv on their device, got ", held.q.defined() ? describe(held.q) : std::string("no codes"));
+  if (!fp8) fp8 = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  weight.set_data(Tensor::make(held.q.storage(), held.q.shape(), held.q.strides(), held.q.storage_offset(), kU8));
+  if (holds_fp8()) weight_scale_inv.set_data(held.scale_inv);
+  else weight_scale_inv = register_parameter(kFp8ScaleParameter, held.scale_inv, false, /*keeps_dtype=*/true);
+}
+
+ops::Fp8Tensor Linear::held_weight() const {
+  LOOM_REQUIRE(holds_fp8(), "Linear: the weight is not held in FP8");
+  return {Tensor::make(weight.storage(), weight.shape(), weight.strides(), weight.storage_offset(), kF8E4M3),
+          weight_scale_inv};
+}
+
 namespace {
 
 // Layers reading the same x. Under FP8 (every one) x is quantized once for all the base products; an adapter reads
@@ -53,7 +78,8 @@ std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Li
   for (const Linear* l : layers) shared = shared && l->fp8;
   if (shared) {
     std::vector<fp8::LinearWeights> weights;
-    for (const Linear* l : layers) weights.push_back({l->weight, l->bias, l->fp8});
+    for (const Linear* l : layers)
+      weights.push_back({l->weight, l->bias, l->fp8, l->holds_fp8() ? l->held_weight() : ops::Fp8Tensor{}});
     std::vector<Tensor> out = fp8::linears(x, weights);
     size_t i = 0;
     for (const Linear* l : layers) {
@@ -71,7 +97,7 @@ std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Li
 
 Tensor Linear::forward_gelu(const Tensor& x) const {
   if (lora_A) return gelu(forward(x));
-  return fp8 ? gelu(fp8::linear(x, weight, bias, fp8)) : linear_gelu(x, weight, bias);
+  return fp8 ? gelu(base_product(x)) : linear_gelu(x, weight, bias);
 }
 
 Tensor Linear::forward_swiglu(const Tensor& gate, const Tensor& up) const {

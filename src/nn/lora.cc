@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "loom/autograd/grad_mode.h"
@@ -185,6 +186,29 @@ std::vector<std::pair<std::string, Tensor>> LanguageModel::lora_parameters() con
   return out;
 }
 
+bool is_fp8_scale_parameter(const std::string& name) {
+  const std::string suffix = std::string(".") + kFp8ScaleParameter;
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void hold_fp8_as_saved(LanguageModel& model, const std::vector<std::string>& saved) {
+  std::set<std::string> held;  // the layers
+  for (const std::string& name : saved)
+    if (is_fp8_scale_parameter(name)) held.insert(name.substr(0, name.rfind('.')));
+  if (held.empty()) return;
+  autograd::NoGradGuard ng;
+  for (const auto& [name, m] : model.named_modules()) {
+    if (!held.erase(name)) continue;
+    auto layer = std::dynamic_pointer_cast<Linear>(m);
+    LOOM_REQUIRE(layer && !layer->weight.requires_grad(), "a checkpoint holds '", name, "' in FP8 (a LoRA run's "
+                 "frozen base under --lora-base-dtype fp8), but '", name, "' is no frozen linear layer of ",
+                 model.config().describe(), " (only a LoRA model's frozen base is held in FP8)");
+    layer->hold_fp8(fp8::hold_weight(layer->weight, fp8::Recipe{}));  // codes and scale for the load to fill
+  }
+  LOOM_REQUIRE(held.empty(), "a checkpoint holds '", *held.begin(), ".", kFp8ScaleParameter, "', but ",
+               model.config().describe(), " has no layer '", *held.begin(), "'");
+}
+
 std::shared_ptr<LanguageModel> merge_lora(const LanguageModel& model) {
   autograd::NoGradGuard ng;
   ModelConfig c = model.config();
@@ -202,6 +226,9 @@ std::shared_ptr<LanguageModel> merge_lora(const LanguageModel& model) {
   // Each adapted layer: W + scaling * B A, summed in f64 and rounded once to W's dtype.
   for (const auto& [name, m] : model.named_modules()) {
     auto layer = std::dynamic_pointer_cast<Linear>(m);
+    LOOM_REQUIRE(!layer || !layer->holds_fp8(), "merge LoRA: '", name, "' holds its frozen weight in FP8 (a "
+                 "--lora-base-dtype fp8 run): folding the adapters into its codes would change the base; write the "
+                 "adapters with --peft DIR and merge them into the original base weights");
     if (!layer || !layer->has_adapter()) continue;
     const Tensor w = base.at(name + ".weight");
     const Tensor a = layer->lora_A->weight.detach().to(Device()).to(kF64);

@@ -45,6 +45,11 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
   }
   const bool blocks = scope == fp8::Scope::kLinear || scope == fp8::Scope::kAll;
   const bool classifier = scope == fp8::Scope::kClassifier || scope == fp8::Scope::kAll;
+  for (const auto& block : this->blocks())  // a weight held in FP8 has no other product
+    for (const auto& [name, m] : block->named_modules())
+      if (auto layer = std::dynamic_pointer_cast<Linear>(m))
+        LOOM_REQUIRE(blocks || !layer->holds_fp8(), "FP8 scope '", fp8::scope_name(scope), "' leaves out the blocks' "
+                     "layers, and '", name, "' holds its frozen weight in FP8 (its products run in FP8 only)");
   for (const auto& block : this->blocks())
     for (const auto& [name, m] : block->named_modules())
       if (auto layer = std::dynamic_pointer_cast<Linear>(m)) {

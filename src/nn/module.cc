@@ -1,6 +1,7 @@
 // nn::Module bookkeeping.
 #include "loom/nn/module.h"
 
+#include <algorithm>
 #include <set>
 
 #include "loom/autograd/grad_mode.h"
@@ -16,10 +17,11 @@ SkipInit::SkipInit() { ++skip_init_depth; }
 SkipInit::~SkipInit() { --skip_init_depth; }
 bool SkipInit::active() { return skip_init_depth > 0; }
 
-Tensor Module::register_parameter(const std::string& name, Tensor t, bool requires_grad) {
+Tensor Module::register_parameter(const std::string& name, Tensor t, bool requires_grad, bool keeps_dtype) {
   LOOM_REQUIRE(t.defined(), "register_parameter: parameter '", name, "' is undefined");
   if (requires_grad) t.set_requires_grad(true);
   params_.emplace_back(name, t);
+  if (keeps_dtype) keeps_dtype_.push_back(name);
   return t;
 }
 
@@ -82,10 +84,13 @@ void Module::to(Device device) {
 
 void Module::to(DType dtype) {
   autograd::NoGradGuard ng;
-  for (auto& [n, t] : named_parameters())
+  // Module by module, each knowing which of its own keep their dtype (a tied tensor met again is already converted).
+  for (auto& [n, t] : params_)
+    if (is_floating(t.dtype()) && std::find(keeps_dtype_.begin(), keeps_dtype_.end(), n) == keeps_dtype_.end())
+      t.set_data(ops::to_dtype(t, dtype));
+  for (auto& [n, t] : buffers_)
     if (is_floating(t.dtype())) t.set_data(ops::to_dtype(t, dtype));
-  for (auto& [n, t] : named_buffers())
-    if (is_floating(t.dtype())) t.set_data(ops::to_dtype(t, dtype));
+  for (auto& [n, child] : children_) child->to(dtype);
 }
 
 void Module::zero_grad() {

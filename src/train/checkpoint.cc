@@ -332,6 +332,9 @@ Tensor ShardedCheckpointReader::read_full(const std::string& name, const std::st
 
 void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, const char* what) {
   ShardedCheckpointReader reader(dir);
+  std::vector<std::string> saved;
+  for (const CheckpointParam& p : reader.meta().params) saved.push_back(p.name);
+  nn::hold_fp8_as_saved(model, saved);  // a frozen base held in FP8: its codes and scales
   auto named = model.named_parameters();
   LOOM_REQUIRE(named.size() == reader.meta().params.size(), what, ": '", dir, "' holds ", reader.meta().params.size(),
                " parameters, the model has ", named.size(), " (saved from a different model?)");

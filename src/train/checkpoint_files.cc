@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "io/json_numbers.h"
+#include "loom/autograd/grad_mode.h"
+#include "loom/io/hf_model_dir.h"
 #include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/io/llmc_model.h"
@@ -76,13 +78,23 @@ std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const st
     auto it = file.tensors.find("model." + name);
     LOOM_REQUIRE(it != file.tensors.end(), what, ": '", path, "' lacks parameter '", name,
                  "' (was it saved from a different model?)");
-    LOOM_REQUIRE(is_floating(it->second.dtype()), what, ": parameter '", name, "' in '", path, "' has dtype ",
-                 dtype_name(it->second.dtype()), ", a weight must be floating point");
+    // A held FP8 weight's codes are u8, and load into such codes only.
+    LOOM_REQUIRE(is_floating(it->second.dtype()) || it->second.dtype() == p.dtype(), what, ": parameter '", name,
+                 "' in '", path, "' has dtype ", dtype_name(it->second.dtype()), ", a weight must be floating point");
     LOOM_REQUIRE(it->second.shape() == p.shape(), what, ": parameter '", name, "' in '", path, "' has shape ",
                  shape_str(it->second.shape()), ", the model has ", shape_str(p.shape()));
     out.push_back(it->second);
   }
   return out;
+}
+
+void load_checkpoint_weights(const io::SafetensorsFile& file, const std::string& path, const char* what,
+                             nn::LanguageModel& model) {
+  nn::hold_fp8_as_saved(model, io::checkpoint_parameter_names(file));
+  autograd::NoGradGuard ng;
+  auto params = model.named_parameters();
+  std::vector<Tensor> weights = checkpoint_weights(file, path, what, params);
+  for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_from(weights[i]);
 }
 
 std::string loom_checkpoint_config(const std::string& path) {

@@ -106,7 +106,8 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   LOOM_REQUIRE(in.pipeline_parallel > 0, "memory estimate: pipeline stages must be positive");
   // A pipeline stage holds 1/pp of the blocks; 1F1B keeps up to pp micro-batches of its blocks' activations, about
   // one micro-batch of the whole model's, so the activation estimate stands.
-  // Under LoRA only the adapters take gradients and AdamW state; the frozen base is held in f32 as well.
+  // Under LoRA only the adapters take gradients and AdamW state; the frozen base is held in f32 as well, or its
+  // projections in the dtype --lora-base-dtype says (below).
   e.trained_parameters = c.lora.enabled() ? c.lora_parameters() : e.num_parameters;
   // Under expert parallelism each rank holds num_experts / ep of every layer's experts.
   LOOM_REQUIRE(in.expert_parallel > 0, "memory estimate: expert-parallel ranks must be positive");
@@ -119,11 +120,15 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
                    double(in.pipeline_parallel);
   const double dp = double(in.data_parallel);
   e.parameters = 4 * P / (in.zero_stage >= 3 ? dp : 1);
-  if (c.lora.enabled() && in.frozen_base == kBF16) {  // the blocks' projections in 2 bytes instead of 4
+  if (c.lora.enabled() && in.frozen_base != kF32) {
+    // The blocks' projections in the held dtype's bytes instead of 4 (bf16 2, FP8 1 and an f32 scale per weight).
+    const bool llama = c.family == nn::ModelFamily::kLlama;
     const double q = double(c.n_head) * double(head_size_of(c)), kv = double(c.n_kv_head) * double(head_size_of(c));
-    const double mlp = c.moe.enabled() ? 0.0 : 3.0 * double(c.n_embd) * double(c.ffn_hidden);
+    const double mlp = c.moe.enabled() ? 0.0 : (llama ? 3.0 : 2.0) * double(c.n_embd) * double(c.ffn_hidden);
     const double projections = double(c.n_layer) * (double(c.n_embd) * (2 * q + 2 * kv) + mlp);
-    e.parameters -= 2 * projections / double(in.tensor_parallel) / double(in.pipeline_parallel);
+    const double weights = double(c.n_layer) * ((llama ? 4 : 2) + (c.moe.enabled() ? 0 : llama ? 3 : 2));
+    const double held = projections * double(dtype_size(in.frozen_base)) + (is_fp8(in.frozen_base) ? 4 * weights : 0);
+    e.parameters -= (4 * projections - held) / double(in.tensor_parallel) / double(in.pipeline_parallel);
   }
   e.gradients = 4 * T / (in.zero_stage >= 2 ? dp : 1);
   e.optimizer_state = 8 * T / (in.zero_stage >= 1 ? dp : 1);

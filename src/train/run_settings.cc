@@ -10,6 +10,7 @@
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/distributed/process_group.h"
+#include "loom/fp8.h"
 #include "loom/io/json_file.h"
 #include "loom/io/peft_dir.h"
 #include "loom/optim/lr_schedule.h"
@@ -32,6 +33,7 @@ struct RunSetting {
   const char* refused = nullptr;  // why a change is refused; nullptr: a change is taken
   bool zero_is_unset = false;     // 0 means "derive it" (not a value the user chose)
   const char* note = nullptr;     // said with a change that is taken
+  const char* refused_value = nullptr;  // set: only a change to or from this value is refused
 };
 
 const std::vector<RunSetting>& run_setting_table() {
@@ -57,7 +59,9 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("model", "lora-dropout", lora_dropout),
       LOOM_SETTING("model", "lora-targets", lora_targets, "the adapted layers are the checkpoint's"),
       LOOM_RUN_FLAG("model", "lora-from"),
-      LOOM_SETTING("model", "lora-base-dtype", lora_base_dtype),
+      LOOM_SETTING("model", "lora-base-dtype", lora_base_dtype, "the checkpoint holds the frozen base as its run "
+                   "held it, and an FP8 base is codes and scales, not weights (a run from them holds its base in FP8)",
+                   false, nullptr, "fp8"),
       LOOM_RUN_FLAG("training", "train-data"),
       LOOM_SETTING("training", "val-data", val_data),
       LOOM_SETTING("training", "batch-size", batch_size, "the saved data position counts batches of B x T tokens"),
@@ -138,7 +142,8 @@ void apply_settings(TrainOptions& o, const nlohmann::json& saved, std::vector<st
       if (!given) {
         s.set(o, old);
       } else if (now != old) {
-        LOOM_REQUIRE(!s.refused, "resume: --", s.flag, " ", setting_str(now), " differs from the checkpoint's ",
+        const bool refused = s.refused && (!s.refused_value || old == s.refused_value || now == s.refused_value);
+        LOOM_REQUIRE(!refused, "resume: --", s.flag, " ", setting_str(now), " differs from the checkpoint's ",
                      setting_str(old), " ('", path, "'): ", s.refused, "; leave --", s.flag,
                      " out, or start a new run from its weights with --init-from");
         std::string line = "--" + std::string(s.flag) + " " + setting_str(old) + " -> " + setting_str(now);
@@ -256,10 +261,13 @@ nn::LoraConfig lora_config(TrainOptions& o) {
       LOOM_REQUIRE(!given(flag), "loom-train: --", flag, " applies with --lora-rank > 0");
     return c;
   }
-  LOOM_REQUIRE(o.lora_base_dtype == "f32" || o.lora_base_dtype == "bf16", "loom-train: --lora-base-dtype must be f32 "
-               "or bf16, got ", o.lora_base_dtype);
-  LOOM_REQUIRE(o.lora_base_dtype == "f32" || dtype_from_name(o.dtype) == kBF16, "loom-train: --lora-base-dtype bf16 "
-               "computes with the base as it is held: it needs --dtype bf16 (got --dtype ", o.dtype, ")");
+  const DType base = frozen_base_dtype(o);
+  LOOM_REQUIRE(base == kF32 || dtype_from_name(o.dtype) == kBF16, "loom-train: --lora-base-dtype ", o.lora_base_dtype,
+               " computes with the base as a bf16 run holds it: it needs --dtype bf16 (got --dtype ", o.dtype, ")");
+  const fp8::Scope scope = fp8::scope_from_name(o.fp8);
+  LOOM_REQUIRE(base != kF8E4M3 || scope == fp8::Scope::kLinear || scope == fp8::Scope::kAll,
+               "loom-train: --lora-base-dtype fp8 holds the frozen projections for the blocks' FP8 products: it needs "
+               "--fp8 linear or --fp8 all (got --fp8 ", o.fp8, ")");
   c.alpha = o.lora_alpha;
   c.dropout = o.lora_dropout;
   c.targets = nn::LoraConfig::parse_targets(o.lora_targets);
@@ -267,7 +275,19 @@ nn::LoraConfig lora_config(TrainOptions& o) {
   return c;
 }
 
-void hold_frozen_base(nn::LanguageModel& model, DType dtype) {
+DType frozen_base_dtype(const TrainOptions& o) {
+  if (o.lora_base_dtype == "f32") return kF32;
+  if (o.lora_base_dtype == "bf16") return kBF16;
+  if (o.lora_base_dtype == "fp8") return kF8E4M3;
+  LOOM_THROW("loom-train: --lora-base-dtype must be f32, bf16 or fp8, got ", o.lora_base_dtype);
+}
+
+std::string frozen_base_note(const TrainOptions& o) {
+  return o.lora_base_dtype == "f32" ? "" : ", its projections held in " + o.lora_base_dtype;
+}
+
+void hold_frozen_base(nn::LanguageModel& model, const TrainOptions& o) {
+  const DType dtype = model.config().lora.enabled() ? frozen_base_dtype(o) : kF32;
   autograd::NoGradGuard ng;
   std::set<std::string> projections;
   for (const char* t : {"q", "k", "v", "o", "gate", "up", "down"}) projections.insert(nn::lora_module_name(t));
@@ -275,10 +295,23 @@ void hold_frozen_base(nn::LanguageModel& model, DType dtype) {
   for (const auto& block : model.blocks())
     for (const auto& [name, m] : block->named_modules()) {
       auto layer = std::dynamic_pointer_cast<nn::Linear>(m);
-      const size_t dot = name.rfind('.');
-      if (!layer || layer->weight.requires_grad() || !projections.count(name.substr(dot == std::string::npos ? 0 : dot + 1)))
+      if (layer && layer->holds_fp8()) {  // loaded from a checkpoint of a run that held its base so
+        LOOM_REQUIRE(dtype == kF8E4M3, "--init-from: '", o.init_from, "' holds its frozen base in FP8 (a "
+                     "--lora-base-dtype fp8 run's checkpoint): a run from it takes --lora-base-dtype fp8, or starts "
+                     "from the original base model");
         continue;
-      layer->weight.set_data(layer->weight.to(dtype));
+      }
+      const size_t dot = name.rfind('.');
+      if (dtype == kF32 || !layer || layer->weight.requires_grad() ||
+          !projections.count(name.substr(dot == std::string::npos ? 0 : dot + 1)))
+        continue;
+      if (dtype != kF8E4M3) {
+        layer->weight.set_data(layer->weight.to(dtype));
+        continue;
+      }
+      LOOM_REQUIRE(layer->fp8, "--lora-base-dtype fp8: '", name, "' has no FP8 products (--fp8 linear or all)");
+      // The codes a bf16 base's FP8 products make of it each step.
+      layer->hold_fp8(fp8::hold_weight(layer->weight.to(kBF16), layer->fp8->recipe));
     }
 }
 

@@ -25,9 +25,18 @@ std::string adopt_checkpoint_settings(TrainOptions& o, const std::string& path);
 // flag without --lora-rank > 0 is an error.
 nn::LoraConfig lora_config(TrainOptions& o);
 
-// --lora-base-dtype: the frozen projections of the blocks (q, k, v, o, gate, up, down) held in `dtype`, replacing
-// their f32 values; the embeddings, norms, classifier and adapters stay f32.
-void hold_frozen_base(nn::LanguageModel& model, DType dtype);
+// --lora-base-dtype as a dtype: f32, bf16, or f8e4m3 for fp8; another name is an error naming the choices.
+DType frozen_base_dtype(const TrainOptions& o);
+
+// The banner's word on it: "" for f32, else ", its projections held in bf16" (or fp8).
+std::string frozen_base_note(const TrainOptions& o);
+
+// --lora-base-dtype, once the weights are loaded (--init-from, --lora-from): the frozen projections of the blocks
+// (q, k, v, o, gate, up, down) held in its dtype, replacing their f32 values; the embeddings, norms, classifier and
+// adapters stay f32. fp8: each held in FP8 (nn::Linear::hold_fp8) as its layer's FP8 products quantize it in bf16
+// each step, once (the layers need FP8 states). A layer already held, loaded from a checkpoint of such a run, stays;
+// it is an error naming --init-from in a run that does not hold its base in FP8.
+void hold_frozen_base(nn::LanguageModel& model, const TrainOptions& o);
 
 // What the run asks of the parallel plan, in the library's units, `compute_dtype` the run's autocast dtype. Throws
 // for a setting that another makes meaningless (--virtual-stages without the interleaved schedule, ...), naming both.

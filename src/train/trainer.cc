@@ -200,7 +200,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   const MemoryEstimate memory = estimate_training_memory(
       {cfg, opts_.batch_size, opts_.seq_len, autocast_dtype_, plan_.mesh.data(), plan_.mesh.tensor,
        int(plan_.data.zero_stage), recompute, plan_.mesh.pipeline,
-       cfg.lora.enabled() && opts_.lora_base_dtype == "bf16" ? kBF16 : kF32, plan_.mesh.expert,
+       cfg.lora.enabled() ? frozen_base_dtype(opts_) : kF32, plan_.mesh.expert,
        plan_.recompute.blocks});
   check_model_state_fits(memory, device_);  // a model whose state cannot fit is refused (it built until memory ran out)
   if (!opts_.eval_only) check_training_memory_fits(memory, device_, opts_.batch_size, recompute);  // nor activations
@@ -252,10 +252,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     } else {
       io::SafetensorsFile file = io::load_safetensors_file(opts_.init_from);
       if (is_loom_checkpoint(file)) {  // a training checkpoint: its weights, without its optimizer state or step
-        autograd::NoGradGuard ng;
-        auto params = model_->named_parameters();
-        std::vector<Tensor> weights = checkpoint_weights(file, opts_.init_from, "--init-from", params);
-        for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_from(weights[i]);
+        load_checkpoint_weights(file, opts_.init_from, "--init-from", *model_);
       } else {
         model_->load_hf_state_dict(
             std::vector<std::pair<std::string, Tensor>>(file.tensors.begin(), file.tensors.end()));
@@ -263,7 +260,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     }
   }
   if (!opts_.lora_from.empty()) io::load_peft_weights(opts_.lora_from, *model_);  // the adapters to start from
-  if (cfg.lora.enabled() && opts_.lora_base_dtype == "bf16") hold_frozen_base(*model_, kBF16);
+  hold_frozen_base(*model_, opts_);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
   logs_->tokenizer_name = !opts_.tokenizer.empty() ? opts_.tokenizer
                           : cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
@@ -356,7 +353,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                                human_count(double(model_->num_parameters())) + " parameters per rank)"
                          : std::string())
               << (cfg.lora.enabled() ? ", " + human_count(double(cfg.lora_parameters())) +
-                                           " trained (the LoRA adapters; the base frozen)"
+                                           " trained (the LoRA adapters; the base frozen" + frozen_base_note(opts_) + ")"
                                      : std::string())
               << "\n"
               << "data: ";

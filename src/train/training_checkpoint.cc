@@ -105,7 +105,8 @@ void save_sharded(distributed::ParallelModel& parallel, const CheckpointSave& sa
   io::TensorMap tensors;
   nlohmann::json piece_json = nlohmann::json::object();
   for (const distributed::StatePiece& p : parallel.state_pieces()) {
-    tensors["model." + p.name] = p.value.to(Device());
+    // Pieces are f32 (what the reader takes): a frozen base held in another dtype is widened, exactly.
+    tensors["model." + p.name] = p.value.to(Device()).to(kF32);
     tensors["exp_avg." + p.name] = p.exp_avg.to(Device());
     tensors["exp_avg_sq." + p.name] = p.exp_avg_sq.to(Device());
     piece_json[p.name] = {p.tensor_rank, p.lo, p.hi};

@@ -5,7 +5,8 @@
 # STEPS (20) steps on a synthetic shard. Prints both runs' tokens/s and peak memory and their ratio.
 # RECOMPUTE_BLOCKS="8 16 24" runs Loom once per value with --recompute-blocks N (only the first N blocks recompute;
 # "all" is every block, the default) beside one PEFT run: the speed and memory between full and no recompute.
-# SKIP_PEFT=1 leaves PEFT out; LOOM_FLAGS adds loom-train flags.
+# SKIP_PEFT=1 leaves PEFT out; LOOM_FLAGS adds loom-train flags (a --lora-base-dtype there replaces the bf16 base:
+# LOOM_FLAGS='--fp8 all --lora-base-dtype fp8' holds it in FP8).
 #   tools/bench/lora_8b.sh          (from the repository root, with build-dev/ built; MODEL=llama3-tiny to try it)
 set -uo pipefail
 MODEL=${MODEL:-llama3-8b}; B=${B:-2}; T=${T:-4096}; R=${R:-16}; STEPS=${STEPS:-20}
@@ -22,6 +23,8 @@ if [ -z "${SKIP_PEFT:-}" ]; then
     --steps "$STEPS" --data "$DATA" --device "$DEVICE" > "$DIR/peft.log" 2>&1
   echo "peft: rc $? ($(grep -c '^step' "$DIR/peft.log") steps)"; tail -2 "$DIR/peft.log"
 fi
+base=(--lora-base-dtype bf16)
+[[ " ${LOOM_FLAGS:-} " == *" --lora-base-dtype"[\ =]* ]] && base=()
 for blocks in ${RECOMPUTE_BLOCKS:-all}; do
   extra=(); [ "$blocks" = all ] || extra=(--recompute-blocks "$blocks")
   run=$DIR/loom_$blocks
@@ -29,7 +32,7 @@ for blocks in ${RECOMPUTE_BLOCKS:-all}; do
   # shellcheck disable=SC2086
   timeout ${LOOM_TIMEOUT:-900} "$LOOM" --model "$MODEL" --device "$DEVICE" --dtype bf16 --train-data "$DATA" -b "$B" \
     -t "$T" --steps "$STEPS" --lora-rank "$R" --lora-alpha $((2 * R)) --lora-targets q,k,v,o,gate,up,down \
-    --lora-base-dtype bf16 --recompute "${RECOMPUTE:-full}" ${extra[@]+"${extra[@]}"} --eval-interval 0 \
+    ${base[@]+"${base[@]}"} --recompute "${RECOMPUTE:-full}" ${extra[@]+"${extra[@]}"} --eval-interval 0 \
     --sample-tokens 0 --warmup 2 --log-dir "$run" ${LOOM_FLAGS:-} > "$run.log" 2>&1
   echo "loom, recompute ${RECOMPUTE:-full} in $blocks blocks: rc $?"; tail -3 "$run.log"
   python3 - "$run/metrics.jsonl" "$DIR/peft.log" "$B" "$T" <<'PY'

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "loom/core/tensor.h"
+#include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
 
 namespace loom::io {
@@ -48,6 +49,8 @@ std::shared_ptr<nn::LanguageModel> load_hf_model(const std::string& dir);
 // file (by its magic) or a Loom training checkpoint (safetensors with "model.<name>" tensors and the config in its
 // metadata). What loom-export and loom-generate take. Errors name the path and what it is not.
 std::shared_ptr<nn::LanguageModel> load_model(const std::string& path);
+// The parameter names a Loom checkpoint file holds (its "model.<name>" tensors, without the prefix).
+std::vector<std::string> checkpoint_parameter_names(const SafetensorsFile& file);
 
 // A model alone in Loom's format, the file load_model reads as a Loom checkpoint: its parameters as "model.<name>"
 // (f32, contiguous, from any device) and its config as the "config" metadata, with format "loom-model-1" (no

@@ -29,6 +29,16 @@ class Linear : public Module {
   // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.
   std::shared_ptr<fp8::LinearState> fp8;
 
+  // A frozen weight held in FP8 (a LoRA run's base under --lora-base-dtype fp8): hold_fp8 replaces its values by
+  // `held`'s e4m3 codes, kept in `weight` as their bytes (u8: copies, fills and checkpoints take them, to(DType)
+  // leaves them) beside weight_scale_inv, the codes' f32 scale_inv [1] (a frozen parameter of that name, so
+  // checkpoints save and restore both). The products read them as they are (fp8::linear of a held weight), in FP8
+  // always: a layer without an FP8 state gets one with the default recipe.
+  void hold_fp8(const ops::Fp8Tensor& held);
+  bool holds_fp8() const { return weight_scale_inv.defined(); }
+  ops::Fp8Tensor held_weight() const;  // the codes (a view of weight's bytes) and their scale_inv
+  Tensor weight_scale_inv;             // defined only for a held weight
+
   // A LoRA adapter (loom/nn/lora.h): forward adds scaling * lora_B(lora_A(dropout(x))). add_adapter registers the
   // two as submodules "lora_A" [rank, in] (uniform within 1/sqrt(in) from `gen`) and "lora_B" [out, rank] (zeros).
   void add_adapter(int64_t rank, double alpha, double dropout, Generator& gen);
@@ -38,7 +48,13 @@ class Linear : public Module {
   Tensor add_adapter_output(Tensor y, const Tensor& x) const;
   std::shared_ptr<Linear> lora_A, lora_B;
   double lora_scaling = 0, lora_dropout = 0;
+
+ private:
+  Tensor base_product(const Tensor& x) const;  // W x + b in FP8 (held or quantized each call) or as W's dtype runs
 };
+
+// The name a held FP8 weight's scale_inv has beside its layer's weight ("....q_proj.weight_scale_inv").
+inline constexpr char kFp8ScaleParameter[] = "weight_scale_inv";
 
 // Built with normal(0, 1) weights from the default generator (unless within nn::SkipInit), as LibTorch.
 class Embedding : public Module {

@@ -54,4 +54,15 @@ std::string lora_target_of_module(const std::string& module);
 // Whether a parameter name is an adapter's ("....lora_A.weight" or "....lora_B.weight").
 bool is_lora_parameter(const std::string& name);
 
+// Whether a parameter name is the scale_inv of a weight held in FP8 ("....q_proj.weight_scale_inv",
+// Linear::hold_fp8): a checkpoint of a run whose frozen base was held in FP8 (--lora-base-dtype fp8) names one per
+// held weight, beside the weight's codes.
+bool is_fp8_scale_parameter(const std::string& name);
+
+class LanguageModel;
+// Loading such a checkpoint (its parameter names `saved`) into a model built from its config: each layer whose
+// scale_inv it holds is held in FP8 here too, for the load to fill its codes and scale. Nothing for a checkpoint
+// without one; a name that is no frozen linear layer of the model is an error naming it.
+void hold_fp8_as_saved(LanguageModel& model, const std::vector<std::string>& saved);
+
 }  // namespace loom::nn

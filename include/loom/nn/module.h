@@ -28,8 +28,9 @@ class Module {
  public:
   virtual ~Module() = default;
 
-  // Registers a parameter (requires_grad set) and returns the handle the subclass keeps.
-  Tensor register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
+  // Registers a parameter (requires_grad set) and returns the handle the subclass keeps. One registered with
+  // keeps_dtype stays in its dtype under to(DType) (a held FP8 weight's f32 scale, which its codes need as it is).
+  Tensor register_parameter(const std::string& name, Tensor t, bool requires_grad = true, bool keeps_dtype = false);
   Tensor register_buffer(const std::string& name, Tensor t);
   template <typename M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
@@ -64,7 +65,7 @@ class Module {
   };
 
   // Moves every parameter and buffer in place (handles held elsewhere see the move). to(dtype) converts floating
-  // parameters only.
+  // parameters and buffers only, and not those registered with keeps_dtype.
   void to(Device device);
   void to(DType dtype);
   void zero_grad();
@@ -72,6 +73,7 @@ class Module {
  private:
   void collect(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& out, bool buffers) const;
   std::vector<std::pair<std::string, Tensor>> params_;
+  std::vector<std::string> keeps_dtype_;  // of params_, by name
   std::vector<std::pair<std::string, Tensor>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;

@@ -126,7 +126,8 @@ class ShardedCheckpointReader {
 // Consolidates a sharded checkpoint into a model built from its config (loom-export, --init-from, loom-generate):
 // every parameter read whole.
 std::shared_ptr<nn::LanguageModel> load_sharded_model(const std::string& dir);
-// Copies a sharded checkpoint's weights into `model` (built with the same config, not split), names and shapes checked.
+// Copies a sharded checkpoint's weights into `model` (built with the same config, not split), names and shapes checked;
+// layers whose weights it holds in FP8 (a --lora-base-dtype fp8 run's) are held so in `model` first.
 void load_sharded_weights(const std::string& dir, nn::LanguageModel& model, const char* what);
 
 // The checkpoint a name given to an app means, the same in every app (loom-train --resume and --init-from,

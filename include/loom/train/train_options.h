@@ -48,7 +48,9 @@ struct TrainOptions {
   std::string lora_targets = "q,v";
   std::string lora_from;
   // "bf16": the frozen base's projections (the blocks' q, k, v, o, gate, up, down weights) held in bf16 only, no f32
-  // copy (needs --dtype bf16); "f32": as every weight.
+  // copy (needs --dtype bf16); "fp8": held as e4m3 codes and one f32 scale each, quantized once when the run starts
+  // as the FP8 products quantize a bf16 base each step (needs --dtype bf16 and --fp8 linear|all); "f32": as every
+  // weight.
   std::string lora_base_dtype = "f32";
   int64_t eval_interval = 50;        // 0 = never (and at the end)
   int64_t eval_batches = 8;          // 0 = the whole validation split

@@ -20,6 +20,9 @@ class ParallelModel;
 namespace loom::io {
 struct SafetensorsFile;
 }
+namespace loom::nn {
+class LanguageModel;
+}
 
 namespace loom::train {
 
@@ -72,6 +75,10 @@ std::string loom_checkpoint_config(const std::string& path);
 // and shape checked. `what` names the option in errors.
 std::vector<Tensor> checkpoint_weights(const io::SafetensorsFile& file, const std::string& path, const char* what,
                                        const std::vector<std::pair<std::string, Tensor>>& params);
+// A checkpoint file's weights copied into `model` (checkpoint_weights' checks); layers whose weights it holds in FP8
+// (a --lora-base-dtype fp8 run's) are held so in `model` first.
+void load_checkpoint_weights(const io::SafetensorsFile& file, const std::string& path, const char* what,
+                             nn::LanguageModel& model);
 // The training state and model config a checkpoint holds (file or sharded directory), from its metadata alone.
 std::pair<std::string, std::string> checkpoint_state_and_config(const std::string& path);
 // The first key where two model configs (JSON) differ, said for an error ("'n_layer' is 2 in the checkpoint, 3

@@ -155,10 +155,11 @@ class Fp8LinearBackward final : public autograd::Node {
 };
 
 // The FP8 product of x and weight (+ bias), recorded for the backward: linear()'s, with x's quantization given
-// (shared by layers that read the same x) or made here when null, or grouped_linear()'s when group_sizes is set (no
-// bias). The callers check the shapes.
+// (shared by layers that read the same x) or made here when null and the weight held quantized when `held` is set
+// (`weight` is then its codes), or grouped_linear()'s when group_sizes is set (no bias). The callers check the shapes.
 Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
-                  const ops::Fp8Tensor* x_quantized, const std::vector<int64_t>* group_sizes) {
+                  const ops::Fp8Tensor* x_quantized, const ops::Fp8Tensor* held,
+                  const std::vector<int64_t>* group_sizes) {
   // The result's dtype: the autocast dtype under bf16 autocast, else bf16 for a bf16 x and f32 otherwise.
   const DType out_dtype =
       amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
@@ -169,7 +170,7 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   const bool fast = state->recipe.fast_accumulation_forward;
   const std::vector<Tensor> kept = autograd::kept_results(group_sizes ? "fp8_grouped_linear" : "fp8_linear", [&] {
     const ops::Fp8Tensor xq = x_quantized ? *x_quantized : state->input.quantize(x.detach());
-    const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
+    const ops::Fp8Tensor wq = held ? *held : state->weight.quantize(weight.detach());
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
     Tensor y = group_sizes ? ops::fp8_grouped_linear(xq, wq, *group_sizes, out_dtype, fast)
                            : ops::fp8_linear(xq, wq, b, out_dtype, fast);
@@ -190,19 +191,37 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   return out;
 }
 
-// linear() with x's quantization given, or made here when null.
-Tensor linear_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
-                 const ops::Fp8Tensor* x_quantized) {
+// linear() with x's quantization given, or made here when null; of a held weight when `held` is set.
+Tensor linear_of(const Tensor& x, const Tensor& weight_in, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                 const ops::Fp8Tensor* x_quantized, const ops::Fp8Tensor* held) {
   LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
+  const Tensor& weight = held ? held->q : weight_in;
   LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
-  return product_of(x, weight, bias, state, x_quantized, nullptr);
+  LOOM_REQUIRE(!held || (held->q.dtype() == state->recipe.forward && !held->q.requires_grad()),
+               "fp8::linear: a held weight is frozen ", dtype_name(state->recipe.forward), " codes (hold_weight), got ",
+               describe(held->q));
+  return product_of(x, weight, bias, state, x_quantized, held, nullptr);
 }
 
 }  // namespace
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state) {
-  return linear_of(x, weight, bias, state, nullptr);
+  return linear_of(x, weight, bias, state, nullptr, nullptr);
+}
+
+ops::Fp8Tensor hold_weight(const Tensor& weight, const Recipe& recipe) {
+  check_recipe(recipe);
+  LOOM_REQUIRE(weight.defined() && weight.dim() == 2, "fp8::hold_weight: expected a weight [out, in], got ",
+               weight.defined() ? describe(weight) : std::string("an undefined tensor"));
+  // A fresh scaling: its first quantization measures the weight's amax, as a layer's first step does.
+  TensorScaling scaling(recipe.forward, recipe);
+  return scaling.quantize(weight.detach());
+}
+
+Tensor linear(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+              const std::shared_ptr<LinearState>& state) {
+  return linear_of(x, Tensor(), bias, state, nullptr, &held_weight);
 }
 
 std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& layers) {
@@ -221,7 +240,8 @@ std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& l
     xq = {kept[0], kept[1]};
   }
   std::vector<Tensor> out;
-  for (const LinearWeights& l : layers) out.push_back(linear_of(x, l.weight, l.bias, l.state, &xq));
+  for (const LinearWeights& l : layers)
+    out.push_back(linear_of(x, l.weight, l.bias, l.state, &xq, l.held.q.defined() ? &l.held : nullptr));
   return out;
 }
 
@@ -232,7 +252,7 @@ Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vecto
                    rows.size(1) == weight.size(2),
                "fp8::grouped_linear: rows ", describe(rows), " do not fit weight ", describe(weight),
                " (expected rows [M, in] and weight [groups, out, in])");
-  return product_of(rows, weight, Tensor(), state, nullptr, &sizes);
+  return product_of(rows, weight, Tensor(), state, nullptr, nullptr, &sizes);
 }
 
 namespace {
