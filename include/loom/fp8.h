@@ -125,6 +125,9 @@ Tensor grouped_linear(const Tensor& rows, const Tensor& weight, const std::vecto
 // and up through SwiGLU's backward. gate and up one shape and dtype, [..., in].
 Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight, const Tensor& bias,
                      const std::shared_ptr<LinearState>& state);
+// The same on a held weight (hold_weight), as linear() of one.
+Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                     const std::shared_ptr<LinearState>& state);
 // The same for a mixture of experts' grouped layer: grouped_linear(swiglu(gate, up), weight, sizes, state), gate and
 // up [M, in] (the halves of the experts' gate and up product).
 Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,

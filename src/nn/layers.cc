@@ -101,8 +101,9 @@ Tensor Linear::forward_gelu(const Tensor& x) const {
 }
 
 Tensor Linear::forward_swiglu(const Tensor& gate, const Tensor& up) const {
-  if (fp8 && !lora_A) return fp8::swiglu_linear(gate, up, weight, bias, fp8);
-  return forward(swiglu(gate, up));
+  if (!fp8 || lora_A) return forward(swiglu(gate, up));
+  return holds_fp8() ? fp8::swiglu_linear(gate, up, held_weight(), bias, fp8)
+                     : fp8::swiglu_linear(gate, up, weight, bias, fp8);
 }
 
 void Linear::add_adapter(int64_t rank, double alpha, double dropout_p, Generator& gen) {

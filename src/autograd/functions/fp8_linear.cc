@@ -311,7 +311,14 @@ Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
                      const std::shared_ptr<LinearState>& state) {
   LOOM_REQUIRE(state, "fp8::swiglu_linear: no FP8 state");
   const ops::Fp8Tensor q = quantized_swiglu(gate, up, *state);
-  return linear_of(q.q, weight, bias, state, &q);
+  return linear_of(q.q, weight, bias, state, &q, nullptr);
+}
+
+Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                     const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::swiglu_linear: no FP8 state");
+  const ops::Fp8Tensor q = quantized_swiglu(gate, up, *state);
+  return linear_of(q.q, Tensor(), bias, state, &q, &held_weight);
 }
 
 Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
@@ -323,7 +330,7 @@ Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor&
                " do not fit weight ", weight.defined() ? describe(weight) : "undefined",
                " (expected rows [M, in] and weight [groups, out, in])");
   const ops::Fp8Tensor q = quantized_swiglu(gate, up, *state);
-  return product_of(q.q, weight, Tensor(), state, &q, &sizes);
+  return product_of(q.q, weight, Tensor(), state, &q, nullptr, &sizes);
 }
 
 void check_device(Device device) {
