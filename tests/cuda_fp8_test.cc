@@ -106,6 +106,19 @@ TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
   }
 }
 
+// The GPU's codes and the CPU's for values each device computes in f32 before quantizing: the same or, where the
+// devices' roundings differ, one code apart (a relative step of the format's mantissa).
+void expect_within_a_code(const Tensor& gpu_codes, const Tensor& cpu_codes, DType fp8, const std::string& what) {
+  const auto a = test::values(ops::fp8_dequantize(gpu_codes.to(Device()), host_tensor({1}, {1}, kF32), kF32));
+  const auto b = test::values(ops::fp8_dequantize(cpu_codes, host_tensor({1}, {1}, kF32), kF32));
+  ASSERT_EQ(a.size(), b.size()) << what;
+  const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
+                std::abs(a[i] - b[i]) <= step * std::max(std::abs(a[i]), std::abs(b[i])) + 1e-30)
+        << what << " element " << i << ": " << a[i] << " on the GPU, " << b[i] << " on the CPU";
+}
+
 // SwiGLU's activation quantized where it is made (swiglu_quantize) on the GPU: the GPU's own swiglu then
 // fp8_quantize bit for bit, codes and amax, over sizes that take the vector path and the element loop, the halves of
 // one product's rows (row stride 2C), special values, both formats and both input dtypes; and within one code of the
@@ -133,13 +146,7 @@ TEST(CudaFp8, SwigluQuantizeIsTheGpusSwigluThenQuantize) {
           EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
           const Tensor q_cpu = ops::fp8_swiglu_quantize(gate.to(Device()), up.to(Device()), s.to(Device()), fp8,
                                                         &amax_cpu);
-          const auto a = test::values(ops::fp8_dequantize(q.to(Device()), host_tensor({1}, {1}, kF32), kF32));
-          const auto b = test::values(ops::fp8_dequantize(q_cpu, host_tensor({1}, {1}, kF32), kF32));
-          const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
-          for (size_t i = 0; i < a.size(); ++i)
-            ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
-                        std::abs(a[i] - b[i]) <= step * std::max(std::abs(a[i]), std::abs(b[i])) + 1e-30)
-                << what << " element " << i << ": " << a[i] << " on the GPU, " << b[i] << " on the CPU";
+          expect_within_a_code(q, q_cpu, fp8, what);
         }
 }
 
@@ -180,13 +187,7 @@ TEST(CudaFp8, ResidualRmsNormQuantizeIsTheGpusNormThenQuantize) {
           const ops::ResidualNormResult c = ops::residual_rms_norm_quantize(
               x.to(Device()), delta.defined() ? delta.to(Device()) : Tensor(), w.defined() ? w.to(Device()) : Tensor(),
               1e-5, s.to(Device()), fp8);
-          const auto a = test::values(ops::fp8_dequantize(f.out.to(Device()), host_tensor({1}, {1}, kF32), kF32));
-          const auto b = test::values(ops::fp8_dequantize(c.out, host_tensor({1}, {1}, kF32), kF32));
-          const double step = fp8 == kF8E4M3 ? 0.125 : 0.25;
-          for (size_t i = 0; i < a.size(); ++i)
-            ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])) ||
-                        std::abs(a[i] - b[i]) <= step * std::max(std::abs(a[i]), std::abs(b[i])) + 1e-30)
-                << what << " element " << i << ": " << a[i] << " on the GPU, " << b[i] << " on the CPU";
+          expect_within_a_code(f.out, c.out, fp8, what);
         }
 }
 

@@ -61,15 +61,6 @@ Tensor activations(const Shape& shape, DType dt, std::mt19937_64& rng, double sp
 
 Tensor scale_of(double s) { return full({1}, s, kF32); }
 
-// Any dtype's elements (8-bit codes among them) as doubles.
-std::vector<double> host_values(const Tensor& t) {
-  const Tensor h = ops::contiguous(t);
-  std::vector<double> v(size_t(h.numel()));
-  for (int64_t i = 0; i < h.numel(); ++i)
-    v[size_t(i)] = load_element(static_cast<const uint8_t*>(h.data()) + i * int64_t(dtype_size(h.dtype())), h.dtype());
-  return v;
-}
-
 struct Operands {
   Tensor gate, up;
 };
@@ -136,19 +127,19 @@ TEST(Fp8Fused, SwigluQuantizeMatchesTheFloat64Oracle) {
         auto operand = [](const std::string& name, const Tensor& t, bool written) {
           conformance::naive::Operand op;
           op.name = name, op.present = true, op.written = written, op.dtype = t.dtype(), op.shape = t.shape();
-          if (!written) op.values = host_values(t);
+          if (!written) op.values = test::element_values(t);
           return op;
         };
         c.tensors = {operand("gate", o.gate, false), operand("up", o.up, false),
                      operand("scale", scale_of(scale), false), operand("q", q, true), operand("amax", amax, true)};
         table["swiglu_quantize"](c);
         ASSERT_TRUE(c.no_value.empty()) << c.no_value;
-        const std::vector<double> got = host_values(q), want = c.out("q")->values;
+        const std::vector<double> got = test::element_values(q), want = c.out("q")->values;
         for (size_t i = 0; i < got.size(); ++i)
           ASSERT_TRUE(got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i])))
               << dtype_name(dt) << " -> " << dtype_name(fp8) << " element " << i << ": " << got[i] << " against "
               << want[i];
-        const double a = host_values(amax)[0], a_ref = c.out("amax")->values[0];
+        const double a = test::element_values(amax)[0], a_ref = c.out("amax")->values[0];
         EXPECT_TRUE(a == a_ref || (std::isnan(a) && std::isnan(a_ref))) << a << " against " << a_ref;
       }
 }
@@ -241,7 +232,7 @@ TEST(Fp8Fused, ResidualRmsNormQuantizeMatchesTheFloat64Oracle) {
     op.name = name, op.present = t.defined(), op.written = written;
     if (!t.defined()) return op;
     op.dtype = t.dtype(), op.shape = t.shape();
-    if (!written) op.values = host_values(t);
+    if (!written) op.values = test::element_values(t);
     return op;
   };
   for (DType xt : {kF32, kBF16})
@@ -261,11 +252,11 @@ TEST(Fp8Fused, ResidualRmsNormQuantizeMatchesTheFloat64Oracle) {
       c.attrs = {{"eps", AttrValue::of_float(1e-5)}};
       table["residual_rms_norm_quantize"](c);
       ASSERT_TRUE(c.no_value.empty()) << c.no_value;
-      const std::vector<double> got = host_values(f.out), want = c.out("q")->values;
+      const std::vector<double> got = test::element_values(f.out), want = c.out("q")->values;
       for (size_t i = 0; i < got.size(); ++i)
         ASSERT_EQ(got[i], want[i]) << dtype_name(xt) << " trial " << trial << " element " << i;
-      EXPECT_EQ(host_values(amax)[0], c.out("amax")->values[0]) << dtype_name(xt) << " trial " << trial;
-      const std::vector<double> rstd = host_values(f.rstd), rstd_ref = c.out("rstd")->values;
+      EXPECT_EQ(test::element_values(amax)[0], c.out("amax")->values[0]) << dtype_name(xt) << " trial " << trial;
+      const std::vector<double> rstd = test::element_values(f.rstd), rstd_ref = c.out("rstd")->values;
       for (size_t r = 0; r < rstd.size(); ++r) EXPECT_NEAR(rstd[r], rstd_ref[r], 1e-6 * rstd_ref[r]);
     }
 }

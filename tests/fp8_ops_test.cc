@@ -19,14 +19,6 @@ namespace {
 using conformance::naive::Case;
 using conformance::naive::Operand;
 
-std::vector<double> host_values(const Tensor& t) {
-  const Tensor h = ops::contiguous(t);
-  std::vector<double> v(size_t(h.numel()));
-  for (int64_t i = 0; i < h.numel(); ++i)
-    v[size_t(i)] = load_element(static_cast<const uint8_t*>(h.data()) + i * int64_t(dtype_size(h.dtype())), h.dtype());
-  return v;
-}
-
 Tensor tensor_of(const std::vector<double>& values, const Shape& shape, DType dtype) {
   Tensor t = empty(shape, dtype);
   for (size_t i = 0; i < values.size(); ++i)
@@ -39,7 +31,7 @@ Operand operand(const std::string& name, const Tensor& t, bool written = false) 
   o.name = name, o.present = t.defined(), o.written = written;
   if (!t.defined()) return o;
   o.dtype = t.dtype(), o.shape = t.shape();
-  if (!written) o.values = host_values(t);
+  if (!written) o.values = test::element_values(t);
   return o;
 }
 
@@ -77,13 +69,13 @@ TEST(Fp8Ops, QuantizeMatchesTheOracleBitForBit) {
           c.tensors = {operand("x", ops::view(x, {300})), operand("scale", s), operand("q", ops::view(q, {300}), true),
                        operand("amax", amax, true)};
           ASSERT_TRUE(conformance::naive::evaluate("fp8_quantize", c));
-          const auto got = host_values(q), want = result(c, "q");
+          const auto got = test::element_values(q), want = result(c, "q");
           for (size_t i = 0; i < got.size(); ++i)
             ASSERT_TRUE(same(got[i], want[i])) << dtype_name(fp8) << " from " << dtype_name(xt) << " " << cls
                                                << " scale " << scale << " element " << i << ": got " << got[i]
                                                << ", want " << want[i];
-          ASSERT_TRUE(same(host_values(amax)[0], result(c, "amax")[0])) << cls;
-          ASSERT_TRUE(same(host_values(ops::fp8_amax(x))[0], result(c, "amax")[0])) << cls;
+          ASSERT_TRUE(same(test::element_values(amax)[0], result(c, "amax")[0])) << cls;
+          ASSERT_TRUE(same(test::element_values(ops::fp8_amax(x))[0], result(c, "amax")[0])) << cls;
         }
 }
 
@@ -91,18 +83,18 @@ TEST(Fp8Ops, QuantizeSaturatesAndKeepsNonFiniteVisible) {
   const Tensor x = tensor_of({1000, -1e30, INFINITY, -INFINITY, NAN, 0.5}, {6}, kF32);
   const Tensor one = tensor_of({1}, {1}, kF32);
   EXPECT_EQ(test::values(ops::fp8_dequantize(ops::fp8_quantize(x, one, kF8E4M3), one, kF32))[0], 448);
-  const auto e4m3 = host_values(ops::fp8_quantize(x, one, kF8E4M3));
+  const auto e4m3 = test::element_values(ops::fp8_quantize(x, one, kF8E4M3));
   EXPECT_EQ(e4m3[1], -448);
   EXPECT_TRUE(std::isnan(e4m3[2]) && std::isnan(e4m3[3]) && std::isnan(e4m3[4]));  // no infinity in e4m3
-  const auto e5m2 = host_values(ops::fp8_quantize(x, one, kF8E5M2));
+  const auto e5m2 = test::element_values(ops::fp8_quantize(x, one, kF8E5M2));
   EXPECT_EQ(e5m2[0], 1024);
   EXPECT_EQ(e5m2[1], -57344);
   EXPECT_EQ(e5m2[2], INFINITY);
   EXPECT_EQ(e5m2[3], -INFINITY);
   EXPECT_TRUE(std::isnan(e5m2[4]));
-  EXPECT_TRUE(std::isnan(host_values(ops::fp8_amax(x))[0]));
-  EXPECT_EQ(host_values(ops::fp8_amax(ops::narrow(x, 0, 0, 2)))[0], double(1e30f));
-  EXPECT_EQ(host_values(ops::fp8_amax(empty({0}, kF32)))[0], 0);
+  EXPECT_TRUE(std::isnan(test::element_values(ops::fp8_amax(x))[0]));
+  EXPECT_EQ(test::element_values(ops::fp8_amax(ops::narrow(x, 0, 0, 2)))[0], double(1e30f));
+  EXPECT_EQ(test::element_values(ops::fp8_amax(empty({0}, kF32)))[0], 0);
 }
 
 TEST(Fp8Ops, ScaleUpdateFollowsItsRules) {
@@ -131,7 +123,7 @@ TEST(Fp8Ops, ScaleUpdateFollowsItsRules) {
         ASSERT_TRUE(conformance::naive::evaluate("fp8_scale", c));
         for (const char* name : {"history", "scale", "scale_inv"}) {
           const Tensor& t = std::string(name) == "history" ? history : std::string(name) == "scale" ? scale : scale_inv;
-          const auto got = host_values(t), want = result(c, name);
+          const auto got = test::element_values(t), want = result(c, name);
           for (size_t i = 0; i < got.size(); ++i)
             ASSERT_TRUE(same(got[i], want[i])) << name << "[" << i << "] amax " << st.amax << ": got " << got[i]
                                                << ", want " << want[i];
@@ -152,7 +144,7 @@ TEST(Fp8Ops, DequantizeIsTheScaledCode) {
     for (double s : {std::ldexp(1.0, -10), 0.1, 1.0, 7.25}) {
       const Tensor v = ops::fp8_dequantize(q, tensor_of({s}, {1}, kF32), out);
       ASSERT_EQ(v.dtype(), out);
-      const auto got = host_values(v);
+      const auto got = test::element_values(v);
       for (int c = 0; c < 256; ++c) {
         const double want = double(float(float(codes[size_t(c)]) * float(s)));  // in f32, then out's dtype
         uint8_t buf[4];

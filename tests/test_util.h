@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/common/dtype_values.h"
 #include "loom/core/device_runtime.h"
 #include "loom/core/dispatch.h"
 #include "loom/core/tensor.h"
@@ -61,6 +62,15 @@ inline Tensor poisoned(const Shape& shape, DType dtype, Device device = Device()
 }
 
 inline std::vector<double> values(const Tensor& t) { return to_vector<double>(t); }
+
+// The elements of a host tensor of any dtype (8-bit float codes among them) as doubles, row-major.
+inline std::vector<double> element_values(const Tensor& t) {
+  const Tensor h = ops::contiguous(t);
+  std::vector<double> v(size_t(h.numel()));
+  for (int64_t i = 0; i < h.numel(); ++i)
+    v[size_t(i)] = load_element(static_cast<const uint8_t*>(h.data()) + i * int64_t(dtype_size(h.dtype())), h.dtype());
+  return v;
+}
 
 // The largest |a - b| over the elements (infinity when a and b differ in size).
 inline double max_abs_diff(const Tensor& a, const Tensor& b) {
