@@ -138,6 +138,13 @@ int main(int argc, char** argv) {
     report("weight grad dy^T x", flops, wgrad, wgrad_moving,
            dense_ms(false, true, kHidden, kFfn, rows, x, kHidden, dy, kFfn, dw));
   }
+  // Which kernels served (a provider's predicate may decline and pass a call on): the dispatcher's counts.
+  for (const char* op : {"grouped_gemm", "grouped_gemm_weight_grad"}) {
+    std::string served;
+    for (const auto& c : dispatch::explain(op, kCUDA, kBF16))
+      if (c.calls > 0) served += " " + c.provider + " (" + std::to_string(c.calls) + " calls)";
+    std::printf("%s served by:%s\n", op, served.empty() ? " nothing" : served.c_str());
+  }
   cublasDestroy(handle);
   return 0;
 }

@@ -212,6 +212,36 @@ TEST(MoeOps, CudaGroupedGemmMatchesFloat64) {
   check_grouped_gemm(Device(kCUDA, 0), 307, 129, 67, {100, 0, 150, 1, 0, 52}, {kF64, kF32, kBF16, kF16});
 }
 
+// Calls served so far by `provider`'s CUDA kernel of a grouped op for bf16 (the dispatcher's counters).
+uint64_t cuda_calls(const std::string& op, const std::string& provider) {
+  for (const auto& c : dispatch::explain(op, kCUDA, kBF16))
+    if (c.provider == provider) return c.calls;
+  return 0;
+}
+
+// CUTLASS's Hopper grouped kernels (provider "cutlass", built for sm_90a) against the same float64 products: empty
+// groups (a weight gradient of zeros), groups of one row, trailing rows, sizes off every tile (several 128 x 256
+// tiles, a reduction of 264 = 4 x 64 + 8), both layouts of b, bf16 and f32 weight gradients. Every call must have
+// been served by cutlass, not passed on to the native kernels; sizes it declines (K = 67) still come out right.
+TEST(MoeOps, CudaGroupedGemmThroughCutlassMatchesFloat64) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  bool built = false;
+  for (const auto& c : dispatch::explain("grouped_gemm", kCUDA, kBF16)) built |= c.provider == "cutlass";
+  if (!built) GTEST_SKIP() << "the cutlass provider is not built (cmake/Cutlass.cmake)";
+  test::ScopedPolicy route("cutlass:grouped_gemm,grouped_gemm_weight_grad");
+  const uint64_t forward0 = cuda_calls("grouped_gemm", "cutlass");
+  const uint64_t wgrad0 = cuda_calls("grouped_gemm_weight_grad", "cutlass");
+  check_grouped_gemm(Device(kCUDA, 0), 307, 136, 72, {100, 0, 150, 1, 0, 52}, {kBF16});
+  if (cuda_calls("grouped_gemm", "cutlass") == forward0) GTEST_SKIP() << "cutlass declined: not an sm_90 GPU";
+  check_grouped_gemm(Device(kCUDA, 0), 1030, 264, 520, {512, 1, 0, 500, 17}, {kBF16});
+  check_grouped_gemm(Device(kCUDA, 0), 40, 64, 16, {0, 0, 0}, {kBF16});  // every row past the (empty) groups
+  // per check: a forward for each layout of b, a bf16 and an f32 weight gradient for each
+  EXPECT_EQ(cuda_calls("grouped_gemm", "cutlass"), forward0 + 3 * 2);
+  EXPECT_EQ(cuda_calls("grouped_gemm_weight_grad", "cutlass"), wgrad0 + 3 * 4);
+  check_grouped_gemm(Device(kCUDA, 0), 90, 67, 24, {40, 50}, {kBF16});  // K = 67: declined, served natively
+  EXPECT_EQ(cuda_calls("grouped_gemm", "cutlass"), forward0 + 3 * 2);
+}
+
 TEST(MoeOps, GroupedGemmGradientsPassGradcheck) {
   for (bool tb : {false, true}) {
     Tensor a = test::random_tensor({9, 4}, kF64).set_requires_grad(true);

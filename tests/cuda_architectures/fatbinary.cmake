@@ -1,5 +1,6 @@
 # The built library holds GPU code for exactly the architectures asked for (CMAKE_CUDA_ARCHITECTURES) and no other:
-# `cmake -DCUOBJDUMP=<cuobjdump> -DLIBRARY=<libloom.so> -DARCHS=<a,b,...> -P fatbinary.cmake`.
+# `cmake -DCUOBJDUMP=<cuobjdump> -DLIBRARY=<libloom.so> -DARCHS=<a,b,...> [-DEXTRA=sm_90a] -P fatbinary.cmake`;
+# EXTRA: the code of kernels built for one architecture of their own (the cutlass provider's sm_90a).
 execute_process(COMMAND ${CUOBJDUMP} --list-elf ${LIBRARY} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "cuobjdump --list-elf ${LIBRARY} failed (${rc}): ${err}")
@@ -21,6 +22,8 @@ foreach(arch ${archs})
     return()
   endif()
 endforeach()
+string(REPLACE "," ";" extra "${EXTRA}")
+list(APPEND want ${extra})
 list(REMOVE_DUPLICATES want)
 list(SORT want)
 if(NOT found STREQUAL want)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gathers, into .devdeps/ (git-ignored), what the GPU machine lacks to build and test Loom, copied from this machine
 # (where scripts/setup.sh installed it): OpenBLAS with its Fortran runtime, GoogleTest, nlohmann-json, PCRE2, CLI11,
-# toml++ (a compiled library on Debian: its headers, shared library and CMake package), pybind11, cuDNN's headers, and GPT-2's
+# toml++ (a compiled library on Debian: its headers, shared library and CMake package), pybind11, cuDNN's headers, CUTLASS's headers, and GPT-2's
 # vocabulary (scripts/fetch_gpt2_vocab.sh) for the tokenizer tests. Carry ".devdeps" with each GPU call.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,6 +54,9 @@ cp -r /usr/lib/x86_64-linux-gnu/cmake/tomlplusplus $D/lib/x86_64-linux-gnu/cmake
 rm -rf $D/include/pybind11 $D/lib/cmake/pybind11 .devdeps/pybind11  # an older layout's copies
 mkdir -p .devdeps/pybind11/include && cp -r /usr/include/pybind11 .devdeps/pybind11/include/
 mkdir -p .devdeps/cudnn_include && cp /usr/local/cuda/include/cudnn*.h .devdeps/cudnn_include/  # cudnn provider
+# CUTLASS's headers (the cutlass provider, cmake/Cutlass.cmake), from the third-party snapshots when present.
+mkdir -p .devdeps/third_party && rm -f .devdeps/third_party/cutlass-*-include.tar.gz
+for t in ../shared/third_party/cutlass-*-include.tar.gz; do [ -f "$t" ] && cp "$t" .devdeps/third_party/; done
 # GPT-2's vocabulary (the GPU machine cannot fetch it): LOOM_CACHE_DIR points here there.
 ./scripts/fetch_gpt2_vocab.sh .devdeps/cache/gpt2 >/dev/null
 du -sh .devdeps

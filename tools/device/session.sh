@@ -31,7 +31,7 @@
 #             tests/fixtures, then tests/moe_fixture_test.cc run against it)
 #   grouped_gemm  loom-bench-grouped-gemm beside bench/grouped_gemm_torch_reference.py (torch._grouped_mm), with
 #             GG_ARGS for both (e.g. "--hidden 2048 --ffn 8192 16384": mixtral-1b's gate and up), once per provider
-#             of the grouped kernels in GG_PROVIDERS ("native")
+#             of the grouped kernels in GG_PROVIDERS ("native cutlass")
 #   python    the loom Python package: when the interpreter (PYTHON_EXE, else the python3 that imports torch) has
 #             Python.h, built with LOOM_PYTHON=ON, then python/tests/test_cuda_dlpack.py (CUDA tensors to and
 #             from PyTorch through DLPack), tools/bench/python_overhead.py (loom.Trainer with a per-step Python
@@ -506,7 +506,7 @@ stage_grouped_gemm() {
   local t0=$SECONDS rc1=0 rc2 p
   : > $S/grouped_gemm_loom.log
   # shellcheck disable=SC2086
-  for p in ${GG_PROVIDERS:-native}; do
+  for p in ${GG_PROVIDERS:-native cutlass}; do
     echo "== grouped_gemm kernels of provider $p" >> $S/grouped_gemm_loom.log
     LOOM_PROVIDERS="$p:grouped_gemm,grouped_gemm_weight_grad" timeout 300 $BIN/bench/loom-bench-grouped-gemm \
       ${GG_ARGS:-} >> $S/grouped_gemm_loom.log 2>&1 || rc1=$?
