@@ -9,6 +9,7 @@
 #   build     configure once, then an incremental build into build-dev/ (kept while the machine stays warm)
 #   tests     the CUDA tests of loom_tests (TESTS, default every suite naming Cuda or Cudnn) in SHARDS processes
 #   suite     loom-conformance --provider native --device cuda: the generated cases and the stored PyTorch sets
+#             (SUITE_PROVIDER another provider, SUITE_FLAGS more flags: '--op grouped_gemm' for cutlass's)
 #   traces    one training step of GPT-2 124M (B=4, T=1024) and of LLaMA-3 1B (B=1, T=2048) recorded with
 #             loom-train --trace-ops, each replayed with loom-conformance --trace on the native CUDA kernels;
 #             TRACE_MODELS (gpt2 llama) picks them, TRAIN_FLAGS adds loom-train flags (--fp8 all: the FP8 ops at a
@@ -160,7 +161,8 @@ stage_suite() {
   rm -rf $S/suite && mkdir -p $S/suite
   if conformance_has --jobs; then
     # shellcheck disable=SC2086
-    timeout ${SUITE_TIMEOUT:-540} $BIN/loom-conformance --provider native --device cuda --jobs "$(nproc)" \
+    timeout ${SUITE_TIMEOUT:-540} $BIN/loom-conformance --provider "${SUITE_PROVIDER:-native}" --device cuda \
+      --jobs "$(nproc)" \
       ${SUITE_FLAGS:-} --json $S/suite/all.json > $S/suite.log 2> $S/suite.err
     rc=$?
   else
