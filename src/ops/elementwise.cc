@@ -12,7 +12,9 @@
 namespace loom::ops {
 namespace {
 
+using ops_detail::as_row_matrix;
 using ops_detail::check_same_device;
+using ops_detail::row_matrix_of_input;
 
 // Raw helpers built on as_strided and copy_from, so that no view or copy made here records autograd.
 
@@ -180,27 +182,6 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
 }
 
 namespace {
-
-// t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
-// where its layout allows; else undefined.
-Tensor as_row_matrix(const Tensor& t) {
-  const int64_t r = t.dim(), C = r ? t.size(r - 1) : 1;
-  if (r >= 1 && C > 1 && t.stride(r - 1) != 1) return Tensor();
-  int64_t rows = 1, row_stride = -1, next = 0;
-  for (int64_t d = r - 2; d >= 0; --d) {
-    if (t.size(d) == 1) continue;
-    if (row_stride < 0) row_stride = t.stride(d), next = row_stride * t.size(d);
-    else if (t.stride(d) != next) return Tensor();
-    else next *= t.size(d);
-    rows *= t.size(d);
-  }
-  return t.as_strided({rows, C}, {row_stride < 0 ? C : row_stride, 1}, t.storage_offset());
-}
-
-Tensor row_matrix_of_input(const Tensor& t) {
-  Tensor m = as_row_matrix(t);
-  return m.defined() ? m : as_row_matrix(contiguous_copy(t));
-}
 
 // The checked inputs' shape and dtype, which the gradients take.
 ElementwiseMeta swiglu_backward_meta(const Tensor& grad, const Tensor& gate, const Tensor& up) {

@@ -178,15 +178,6 @@ Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* ama
   return ops::view(q, x.shape());
 }
 
-namespace {
-// t as rows of unit-stride columns [R, C] (C its last dim): a view where its layout allows, else a copy.
-Tensor as_rows(const Tensor& t) {
-  const int64_t C = t.dim() ? t.size(-1) : 1;
-  if (t.dim() == 2 && (t.stride(1) == 1 || C <= 1)) return t;
-  return ops::view(ops::contiguous(t), {C ? t.numel() / C : 0, C});
-}
-}  // namespace
-
 Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_swiglu_quantize";
   LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
@@ -195,7 +186,7 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
   LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
                ": up ", describe(up), " does not match gate ", describe(gate));
   check_scale(op, "scale", scale, gate);
-  const Tensor g = as_rows(gate), u = as_rows(up);
+  const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
   Tensor q = empty(g.shape(), fp8, gate.device());
   Tensor amax = amax_out ? empty({1}, kF32, gate.device()) : Tensor();
   // Fused only by the provider that would run swiglu itself: one that serves swiglu but not this op keeps its

@@ -1,5 +1,5 @@
 // Helpers every op implementation uses: argument checks with clear messages, output allocation, whether a kernel
-// would take a call.
+// would take a call, a tensor as a row matrix.
 #pragma once
 
 #include <initializer_list>
@@ -54,6 +54,35 @@ const KernelEntry* accepting_kernel(Op, Device device, DType dtype, Args&... arg
 template <typename Op, typename... Args>
 bool kernel_accepts(Op op, Device device, DType dtype, Args&... args) {
   return accepting_kernel(op, device, dtype, args...) != nullptr;
+}
+
+// t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
+// where its layout allows; else undefined.
+inline Tensor as_row_matrix(const Tensor& t) {
+  const int64_t r = t.dim(), C = r ? t.size(r - 1) : 1;
+  if (r >= 1 && C > 1 && t.stride(r - 1) != 1) return Tensor();
+  int64_t rows = 1, row_stride = -1, next = 0;
+  for (int64_t d = r - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (row_stride < 0) row_stride = t.stride(d), next = row_stride * t.size(d);
+    else if (t.stride(d) != next) return Tensor();
+    else next *= t.size(d);
+    rows *= t.size(d);
+  }
+  return t.as_strided({rows, C}, {row_stride < 0 ? C : row_stride, 1}, t.storage_offset());
+}
+
+// An input as such a matrix: a view of it where its layout allows, else of a contiguous copy (of any input, an empty
+// one included).
+inline Tensor row_matrix_of_input(const Tensor& t) {
+  Tensor m = as_row_matrix(t);
+  if (m.defined()) return m;
+  const int64_t r = t.dim(), C = t.size(r - 1);  // r >= 1: a 0-dim tensor is always a row matrix
+  int64_t rows = 1;
+  for (int64_t d = 0; d < r - 1; ++d) rows *= t.size(d);
+  Tensor copy = empty(t.shape(), t.dtype(), t.device());
+  copy.copy_from(t);
+  return copy.as_strided({rows, C}, {C, 1}, 0);
 }
 
 }  // namespace loom::ops_detail
