@@ -8,7 +8,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loom/data/token_file.h"
 #include "loom/distributed/tensor_parallel.h"
 #include "loom/io/safetensors.h"
 #include "loom/nn/model.h"
@@ -208,10 +207,7 @@ TEST(CheckpointShard, SafetensorsReaderReadsElementRanges) {
 // ---- the trainer, one process ----
 
 train::TrainOptions tiny_setup(const TempDir& dir) {
-  std::mt19937 eng(7);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 7);
   std::ofstream((dir.path() / "model.json").string())
       << R"({"family": "gpt2", "vocab_size": 200, "max_seq_len": 64, "n_layer": 2, "n_head": 2, "n_embd": 32})";
   train::TrainOptions o;

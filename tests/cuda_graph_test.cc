@@ -8,12 +8,10 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <random>
 
 #include "loom/core/dispatch.h"
 #include "loom/dispatch_modes.h"
 #include "loom/fp8.h"
-#include "loom/data/token_file.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
 #include "test_files.h"
@@ -91,10 +89,7 @@ Trained train(const TempDir& dir, const std::string& model, const std::string& d
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 void write_tokens(const TempDir& dir) {
-  std::mt19937 eng(11);
-  std::vector<int32_t> tokens(40000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 300) : int32_t(i % 41);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  test::write_patterned_shard(dir.file("train_000000.bin"), 40000, 11, /*vocab=*/300, /*period=*/41);
 }
 
 void expect_same_bits(const Trained& eager, const Trained& graph, const std::string& model) {

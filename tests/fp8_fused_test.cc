@@ -13,7 +13,6 @@
 #include "loom/amp.h"
 #include "loom/common/dtype_values.h"
 #include "loom/core/dispatch.h"
-#include "loom/data/token_file.h"
 #include "loom/fp8.h"
 #include "loom/functional.h"
 #include "loom/ops.h"
@@ -348,10 +347,7 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
 
 TEST(Fp8Fused, TrainingTakesTheFusedCodesAndKeepsTheLosses) {
   test::TempDir dir;
-  std::mt19937 eng(5);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = eng() % 10 == 0 ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
   for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
     uint64_t fused_calls = 0, plain_calls = 0;
     const std::vector<double> fused = train_losses(dir, model, "none", &fused_calls);

@@ -6,14 +6,12 @@
 #include <set>
 #include <cmath>
 #include <fstream>
-#include <random>
 
 #include <nlohmann/json.hpp>
 
 #include "app_run.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
-#include "loom/data/token_file.h"
 #include "loom/nn/lora.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
@@ -27,10 +25,7 @@ using test::TempDir;
 
 // Token shards with learnable structure (a repeating pattern with noise).
 train::TrainOptions setup(const TempDir& dir, const std::string& model) {
-  std::mt19937 eng(7);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 7);
   train::TrainOptions o;
   o.model = model;
   o.train_data = (dir.path() / "train_*.bin").string();
@@ -219,10 +214,7 @@ std::vector<double> logged_losses(const std::string& log_dir) {
 
 TEST(Fp8Training, LoomTrainWithFp8FollowsItsBf16Run) {
   TempDir dir;
-  std::mt19937 eng(11);
-  std::vector<int32_t> tokens(30000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  test::write_patterned_shard(dir.file("train_000000.bin"), 30000, 11);
   std::ofstream((dir.path() / "model.json").string())
       << R"({"family": "gpt2", "vocab_size": 200, "max_seq_len": 64, "n_layer": 2, "n_head": 2, "n_embd": 32})";
   auto run = [&](const std::string& fp8) {

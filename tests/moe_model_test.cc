@@ -343,10 +343,7 @@ TEST(MoeModel, ExpertParallelPlanOfOneRankIsTheModel) {
 
 TEST(MoeModel, MixtralTinyTrainsWithFallingLoss) {
   TempDir dir;
-  std::mt19937 eng(5);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file(dir.file("train_000000.bin"), tokens);
+  const std::vector<int32_t> tokens = test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
   data::write_token_file(dir.file("val_000000.bin"), std::vector<int32_t>(tokens.begin(), tokens.begin() + 4000));
   train::TrainOptions o;
   o.model = "mixtral-tiny";

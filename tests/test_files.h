@@ -1,4 +1,5 @@
-// Test helpers for file work: a temporary directory per test, whole-file reads and writes, and error-message checks.
+// Test helpers for file work: a temporary directory per test, whole-file reads and writes, token shards for training
+// runs, and error-message checks.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -6,11 +7,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <cstdint>
 #include <initializer_list>
+#include <random>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "loom/common/error.h"
+#include "loom/data/token_file.h"
 
 namespace loom::test {
 
@@ -62,6 +67,17 @@ inline std::string read_all(const std::string& path) {
 inline void write_all(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+// Writes a token shard with learnable structure to `path` and returns its tokens: n tokens repeating 0 .. period-1,
+// about one in ten (as an mt19937 seeded with `seed` picks them) replaced by a draw from [0, vocab).
+inline std::vector<int32_t> write_patterned_shard(const std::string& path, size_t n, uint32_t seed,
+                                                  uint32_t vocab = 200, uint32_t period = 37) {
+  std::mt19937 eng(seed);
+  std::vector<int32_t> tokens(n);
+  for (size_t i = 0; i < n; ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % vocab) : int32_t(i % period);
+  data::write_token_file(path, tokens);
+  return tokens;
 }
 
 }  // namespace loom::test

@@ -2,7 +2,6 @@
 // with exactly the losses of an uninterrupted run, bf16 autocast tracks f32, and bad inputs give clear errors.
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,10 +23,7 @@ using test::TempDir;
 
 // Token shards with learnable structure (a repeating pattern with noise) and a tiny GPT-2 config.
 train::TrainOptions tiny_setup(const TempDir& dir) {
-  std::mt19937 eng(5);
-  std::vector<int32_t> tokens(20000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (eng() % 10 == 0) ? int32_t(eng() % 200) : int32_t(i % 37);
-  data::write_token_file((dir.path() / "train_000000.bin").string(), tokens);
+  const std::vector<int32_t> tokens = test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
   data::write_token_file((dir.path() / "val_000000.bin").string(), std::vector<int32_t>(tokens.begin(), tokens.begin() + 4000));
   std::ofstream((dir.path() / "model.json").string())
       << R"({"family": "gpt2", "vocab_size": 200, "max_seq_len": 64, "n_layer": 2, "n_head": 2, "n_embd": 32})";
