@@ -3,13 +3,16 @@
 // accounting, Hugging Face directories in both expert layouts, and training with falling loss.
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <random>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
+#include "loom/autograd/checkpoint.h"
 #include "loom/autograd/grad_mode.h"
+#include "loom/core/generator.h"
 #include "loom/distributed/expert_parallel.h"
 #include "loom/distributed/parallel_plan.h"
 #include "loom/data/token_file.h"
@@ -223,6 +226,98 @@ TEST(MoeModel, AuxiliaryLossesAndDroppedTokens) {
   EXPECT_LE(m2->router_log()->dropped, m2->router_log()->assignments / 2 + 8);
 }
 
+// Recompute with every router term on (load balancing, z-loss, jitter) and a capacity that drops assignments: full
+// and selective recompute give the losses, every parameter's gradient (the routers' included, which the auxiliary
+// losses reach through the checkpoint's extra outputs) and the router counts of the run that keeps everything; the
+// backward's recompute logs nothing twice. Two micro-batches, as a step with gradient accumulation runs them.
+TEST(MoeModel, RecomputeWithRouterLossesAndJitterKeepsLossesAndGradients) {
+  nn::ModelConfig c = tiny_mixtral();
+  c.moe.aux_loss_coef = 0.3;
+  c.moe.z_loss_coef = 0.05;
+  c.moe.jitter_noise = 0.2;
+  c.moe.capacity_factor = 0.75;
+  Tensor idx = test::random_indices({2, 12}, 0, c.vocab_size, kI64, 21);
+  Tensor tgt = test::random_indices({2, 12}, 0, c.vocab_size, kI64, 22);
+  struct Run {
+    std::vector<double> losses;
+    std::map<std::string, std::vector<double>> grads;
+    nn::RouterStats stats;
+  };
+  auto run = [&](autograd::Recompute mode) {
+    auto model = nn::make_model(c, 7);
+    to_f64(*model);
+    model->set_recompute(mode, false);
+    model->zero_grad();
+    default_generator().manual_seed(99);  // the jitter's draws
+    Run r;
+    for (int micro = 0; micro < 2; ++micro) {
+      Tensor loss = model->forward_loss(idx, tgt);
+      r.losses.push_back(loss.item<double>());
+      loss.backward();
+    }
+    for (auto& [name, p] : model->named_parameters()) r.grads[name] = test::values(p.grad());
+    r.stats = model->take_router_stats();
+    return r;
+  };
+  const Run kept = run(autograd::Recompute::kNone);
+  ASSERT_GT(kept.stats.dropped, 0);
+  EXPECT_EQ(kept.stats.assignments, 2 * 2 * 24 * 2);  // micro-batches x layers x tokens x top_k
+  EXPECT_FALSE(std::isnan(kept.stats.aux_loss));
+  EXPECT_NE(kept.losses[0], kept.losses[1]);  // the jitter drew new numbers for the second micro-batch
+  for (autograd::Recompute mode : {autograd::Recompute::kFull, autograd::Recompute::kSelective}) {
+    SCOPED_TRACE(autograd::recompute_name(mode));
+    const Run again = run(mode);
+    EXPECT_EQ(again.losses, kept.losses);
+    EXPECT_EQ(again.stats.assignments, kept.stats.assignments);
+    EXPECT_EQ(again.stats.dropped, kept.stats.dropped);
+    EXPECT_NEAR(again.stats.aux_loss, kept.stats.aux_loss, 1e-15);
+    for (const auto& [name, g] : kept.grads) {
+      const std::vector<double>& h = again.grads.at(name);
+      ASSERT_EQ(h.size(), g.size()) << name;
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(h[i] - g[i])), scale = std::max(scale, std::abs(g[i]));
+      EXPECT_LE(worst, 1e-12 * std::max(scale, 1.0)) << name;
+      if (name.find(".mlp.gate.") != std::string::npos) {
+        EXPECT_GT(scale, 0) << name;  // the router learns
+      }
+    }
+  }
+  // The auxiliary losses of later blocks reach the parameters before them through the recomputed blocks: the first
+  // block's attention against central differences under full recompute (the same draws for every forward).
+  c.moe.aux_loss_coef = 2.0;
+  c.moe.z_loss_coef = 0.5;
+  auto model = nn::make_model(c, 7);
+  to_f64(*model);
+  model->set_recompute(autograd::Recompute::kFull, false);
+  auto loss_now = [&] {
+    default_generator().manual_seed(99);
+    return model->forward_loss(idx, tgt);
+  };
+  model->zero_grad();
+  loss_now().backward();
+  std::mt19937 eng(5);
+  int checked = 0;
+  for (auto& [name, p] : model->named_parameters()) {
+    if (name.find("layers.0.self_attn.") == std::string::npos) continue;
+    std::vector<double> g = test::values(p.grad());
+    for (int s = 0; s < 3; ++s) {
+      const int64_t i = int64_t(eng() % uint64_t(p.numel()));
+      Tensor flat = p.detach().reshape({-1});
+      const double v = test::values(flat)[size_t(i)], eps = 1e-6;
+      auto loss_at = [&](double x) {
+        autograd::NoGradGuard ng;
+        flat.narrow(0, i, 1).copy_from(full({1}, x, kF64));
+        return loss_now().item<double>();
+      };
+      const double numeric = (loss_at(v + eps) - loss_at(v - eps)) / (2 * eps);
+      loss_at(v);
+      EXPECT_NEAR(g[size_t(i)], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 9);
+}
+
 // Export writes Mixtral-8x7B's per-expert names; both that and transformers 5's fused layout load back.
 TEST(MoeModel, HuggingFaceDirectoriesInBothLayoutsRoundTrip) {
   nn::ModelConfig c = tiny_mixtral();
@@ -361,6 +456,48 @@ TEST(MoeModel, MixtralTinyTrainsWithFallingLoss) {
   const double after = t.evaluate(4);
   EXPECT_LT(after, before - 1.0) << before << " -> " << after;
   EXPECT_LT(t.history().back().loss, t.history().front().loss);
+}
+
+// The trainer with every router term on, a capacity and full recompute over two micro-batches: each step reports
+// the routers' auxiliary loss and the share of assignments dropped (StepStats::metrics, also the step line and
+// metrics.jsonl), and the loss falls. A dense model reports none.
+TEST(MoeModel, TheTrainerReportsTheRoutersUnderRecompute) {
+  TempDir dir;
+  test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
+  nn::ModelConfig c = nn::ModelConfig::from_name("mixtral-tiny");
+  c.moe.aux_loss_coef = 0.02;
+  c.moe.z_loss_coef = 0.001;
+  c.moe.jitter_noise = 0.01;
+  c.moe.capacity_factor = 1.0;
+  {
+    std::ofstream(dir.file("mixtral.json")) << c.to_json();
+  }
+  train::TrainOptions o;
+  o.model = dir.file("mixtral.json");
+  o.train_data = dir.file("train_000000.bin");
+  o.batch_size = 2;
+  o.total_batch_tokens = 4 * 32;  // two micro-batches per step
+  o.seq_len = 32;
+  o.steps = 12;
+  o.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.recompute = "full";
+  o.quiet = true;
+  train::Trainer t(o);
+  for (int i = 0; i < 12; ++i) {
+    const train::StepStats s = t.train_step();
+    std::map<std::string, double> m(s.metrics.begin(), s.metrics.end());
+    ASSERT_EQ(m.size(), 2u);
+    EXPECT_GT(m.at("moe/aux_loss"), 0);
+    EXPECT_LT(m.at("moe/aux_loss"), 0.1);  // about 0.02 * 2 (E sum f P is 2 for top 2, balanced) plus the z-loss
+    EXPECT_GE(m.at("moe/dropped_fraction"), 0);
+    EXPECT_LT(m.at("moe/dropped_fraction"), 0.5);
+  }
+  EXPECT_LT(t.history().back().loss, t.history().front().loss);
+  train::TrainOptions dense = o;
+  dense.model = "llama3-tiny";
+  train::Trainer d(dense);
+  EXPECT_TRUE(d.train_step().metrics.empty());
 }
 
 }  // namespace

@@ -64,6 +64,7 @@ py::dict step_dict(const train::StepStats& s) {
   d["ms"] = s.ms;
   d["tokens_per_second"] = s.tokens_per_second;
   for (const auto& [phase, ms] : s.phases) d[py::str("phase_ms/" + phase)] = ms;
+  for (const auto& [name, value] : s.metrics) d[py::str(name)] = value;  // "moe/aux_loss", "moe/dropped_fraction"
   return d;
 }
 

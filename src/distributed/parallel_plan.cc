@@ -151,8 +151,6 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
       problems.push_back(words("--recompute-blocks ", o.recompute_blocks, " is not 1..", cfg.n_layer,
                                " (the model's blocks)"));
   }
-  if (const std::string problem = nn::recompute_problem(cfg, o.recompute); !problem.empty())
-    problems.push_back(problem);
   if (o.recompute_mlp && (cfg.family != nn::ModelFamily::kGPT2 || cfg.moe.enabled()))
     problems.push_back(words("--recompute-mlp recomputes GPT-2's GELU output, which ", cfg.describe(),
                              " has none (its MLP is SwiGLU); --recompute selective or full recomputes it"));

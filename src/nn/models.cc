@@ -5,6 +5,7 @@
 #include <numeric>
 #include <random>
 #include <tuple>
+#include <utility>
 
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/device_runtime.h"
@@ -75,9 +76,27 @@ Tensor LanguageModel::forward_loss(const Tensor& idx, const Tensor& targets) {
   Tensor loss = head_loss(hidden(idx, nullptr), targets);
   if (router_log_) {
     Tensor aux = router_log_->loss(cfg_.moe);
-    if (aux.defined()) loss = add(loss, aux.reshape(loss.shape()));
+    if (aux.defined()) {
+      loss = add(loss, aux.reshape(loss.shape()));
+      autograd::NoGradGuard ng;  // for the step's report, read back once per step (take_router_stats)
+      Tensor value = aux.detach().reshape({1});
+      router_log_->loss_total = router_log_->loss_total.defined() ? add(router_log_->loss_total, value) : value;
+      ++router_log_->losses;
+    }
   }
   return loss;
+}
+
+RouterStats LanguageModel::take_router_stats() {
+  RouterStats r;
+  if (!router_log_) return r;
+  r.assignments = router_log_->assignments;
+  r.dropped = router_log_->dropped;
+  if (router_log_->losses > 0)
+    r.aux_loss = router_log_->loss_total.to(kF64).to(Device()).item<double>() / double(router_log_->losses);
+  router_log_->assignments = router_log_->dropped = router_log_->losses = 0;
+  router_log_->loss_total = Tensor();
+  return r;
 }
 
 Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
@@ -88,7 +107,7 @@ Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
   if (caches) caches->resize(size_t(cfg_.n_layer));
   if (tp_) tp_->set_sequence_sharded(tp_->sequence_parallel() && !caches && idx.size(1) % tp_->size() == 0);
   if (hooks_) hooks_->before_forward();
-  if (router_log_) router_log_->clear();
+  if (router_log_) router_log_->layers.clear();  // this forward's terms; the counts run on until taken
   auto [x, pending] = run_blocks(embed(idx, caches), Tensor(), 0, size_t(cfg_.n_layer), caches);
   return final_norm(x, pending);
 }
@@ -106,17 +125,7 @@ Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 
-std::string recompute_problem(const ModelConfig& c, autograd::Recompute mode) {
-  if (mode == autograd::Recompute::kNone || !c.moe.enabled() ||
-      (c.moe.aux_loss_coef == 0 && c.moe.z_loss_coef == 0 && c.moe.jitter_noise == 0))
-    return "";
-  return "activation recompute with the routers' auxiliary losses or jitter is not supported yet: set "
-         "router_aux_loss_coef, router_z_loss_coef and router_jitter_noise to 0, or train without recompute";
-}
-
 void LanguageModel::set_recompute(autograd::Recompute mode, bool mlp_hidden, int64_t blocks) {
-  const std::string problem = recompute_problem(cfg_, mode);
-  LOOM_REQUIRE(problem.empty(), problem);
   cfg_.recompute = mode;
   cfg_.recompute_mlp = mlp_hidden;
   cfg_.recompute_blocks = blocks;
@@ -152,12 +161,37 @@ std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, si
       auto [stream, o] = block(i, x, pending, &(*caches)[i]);
       out = {stream, o};
     } else {
-      auto run = [this, i](const std::vector<Tensor>& in) {  // the model outlives its graphs
+      // A mixture of experts' router terms leave the block as more outputs of its checkpoint, after the stream and
+      // the pending output, so that a recomputed block's backward takes the auxiliary losses' gradients to its
+      // router; the log is written here from those outputs, once (a recompute leaves it as it was).
+      auto logged = router_log_ ? std::make_shared<RouterLog>() : nullptr;  // the block's entries, latest run
+      auto run = [this, i, logged](const std::vector<Tensor>& in) {  // the model outlives its graphs
+        RouterLog before;
+        if (logged) std::swap(before, *router_log_);
         auto [stream, o] = block(i, in[0], in[1], nullptr);
-        return std::vector<Tensor>{stream, o};
+        std::vector<Tensor> result{stream, o};
+        if (logged) {
+          *logged = std::exchange(*router_log_, std::move(before));
+          for (const RouterLog::Layer& l : logged->layers) {
+            result.push_back(l.mean_prob);
+            if (l.z.defined()) result.push_back(l.z);
+          }
+        }
+        return result;
       };
       const bool recomputed = cfg_.recompute_blocks < 0 || int64_t(i) < cfg_.recompute_blocks;
       out = autograd::checkpoint(run, {x, pending}, recomputed ? cfg_.recompute : autograd::Recompute::kNone);
+      if (logged) {
+        size_t next = 2;
+        for (RouterLog::Layer& l : logged->layers) {
+          l.mean_prob = out[next++];
+          if (l.z.defined()) l.z = out[next++];
+          router_log_->layers.push_back(l);
+        }
+        router_log_->assignments += logged->assignments;
+        router_log_->dropped += logged->dropped;
+        out.resize(2);
+      }
     }
     if (hooks_) out = hooks_->after_block(i, std::move(out));
     x = out[0];
@@ -421,11 +455,7 @@ class LlamaBody : public Module {
 class Llama final : public LanguageModel {
  public:
   explicit Llama(const ModelConfig& c) : LanguageModel(c) {
-    if (c.moe.enabled()) {
-      const std::string problem = recompute_problem(c, c.recompute);
-      LOOM_REQUIRE(problem.empty(), problem);
-      router_log_ = std::make_shared<RouterLog>();
-    }
+    if (c.moe.enabled()) router_log_ = std::make_shared<RouterLog>();
     model = register_module("model", std::make_shared<LlamaBody>(c, router_log_));
     if (!c.tie_embeddings)
       lm_head_ = register_module("lm_head", std::make_shared<Linear>(c.n_embd, c.padded_vocab_size, false));

@@ -39,6 +39,7 @@
 #include "loom/io/safetensors.h"
 #include "loom/nn/finite_weights.h"
 #include "loom/nn/model.h"
+#include "loom/nn/moe.h"
 #include "loom/optim/lr_schedule.h"
 #include "loom/train/checkpoint.h"
 #include "loom/train/memory_estimate.h"
@@ -56,7 +57,7 @@ struct Trainer::Logs {
   std::unique_ptr<io::JsonlMetricsWriter> jsonl;
   std::unique_ptr<io::TensorBoardWriter> tensorboard;
   std::unique_ptr<optim::LrSchedule> schedule;
-  std::string tokenizer_name;  // of samples: options.tokenizer, or the model family's
+  std::string tokenizer_name;  // of samples: options.tokenizer, or the model's (family, vocabulary)
   nlohmann::json tokenizer_record;  // what checkpoints record of it (CheckpointTokenizer)
   std::unique_ptr<data::Tokenizer> tokenizer;
   bool tokenizer_missing_reported = false;
@@ -262,8 +263,11 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   if (!opts_.lora_from.empty()) io::load_peft_weights(opts_.lora_from, *model_);  // the adapters to start from
   hold_frozen_base(*model_, opts_);
   flops_per_token_ = cfg.flops_per_token(opts_.seq_len, model_->num_parameters());  // of the full model
-  logs_->tokenizer_name = !opts_.tokenizer.empty() ? opts_.tokenizer
-                          : cfg.family == nn::ModelFamily::kLlama ? "llama3" : "gpt2";
+  // The samples' tokenizer: as asked, else GPT-2's for GPT-2's vocabulary (a LLaMA-family model trained on GPT-2
+  // shards, as configs/mixtral-shakespeare.json), else the family's.
+  logs_->tokenizer_name = !opts_.tokenizer.empty()                                        ? opts_.tokenizer
+                          : cfg.family == nn::ModelFamily::kLlama && cfg.vocab_size != 50257 ? "llama3"
+                                                                                           : "gpt2";
   if (!opts_.tokenizer.empty() || !opts_.tokenizer_path.empty()) {  // asked for: load it now, errors stop the run
     logs_->tokenizer = data::load_tokenizer(logs_->tokenizer_name, opts_.tokenizer_path);
     LOOM_REQUIRE(logs_->tokenizer->vocab_size() <= cfg.vocab_size, "loom-train: the ", logs_->tokenizer_name,
@@ -434,6 +438,7 @@ StepStats Trainer::train_step() {
     if (graph_) graph_->count_warmup_step();
   }
   s.loss = data_parallel_mean(loss_sum.item<double>() / double(grad_accum_));
+  if (model_->config().moe.enabled()) add_router_metrics(s);
   if (phase_timer_) phase_timer_->mark("loss average");
   device_runtime(device_.type).synchronize(device_.index);
   if (phase_timer_) s.phases = phase_timer_->finish();
@@ -445,6 +450,16 @@ StepStats Trainer::train_step() {
       double(grad_accum_ * opts_.batch_size * opts_.seq_len * parallel_->mesh().data()->size()) / (s.ms / 1000.0);
   history_.push_back(s);
   return s;
+}
+
+void Trainer::add_router_metrics(StepStats& s) {
+  const nn::RouterStats r = model_->take_router_stats();
+  const nn::MoeConfig& moe = model_->config().moe;
+  if (moe.aux_loss_coef > 0 || moe.z_loss_coef > 0)
+    s.metrics.push_back({"moe/aux_loss", data_parallel_mean(std::isnan(r.aux_loss) ? 0.0 : r.aux_loss)});
+  if (moe.capacity_factor > 0)
+    s.metrics.push_back({"moe/dropped_fraction",
+                         data_parallel_mean(r.assignments > 0 ? double(r.dropped) / double(r.assignments) : 0.0)});
 }
 
 double Trainer::evaluate(int64_t batches) {
@@ -544,7 +559,13 @@ void Trainer::log_step(const StepStats& s) {
                   human_count(s.tokens_per_second).c_str(),
                   mfu >= 0 ? (std::to_string(int(mfu * 1000) / 10.0).substr(0, 4) + "%").c_str() : "-",
                   human_duration(eta).c_str(), mib_text(double(mem.allocated)).c_str());
-    std::cout << line << std::endl;
+    std::cout << line;
+    for (const auto& [name, value] : s.metrics) {  // the routers': " | aux 0.0213 | dropped 1.25%"
+      if (name == "moe/dropped_fraction") std::snprintf(line, sizeof line, " | dropped %.2f%%", 100 * value);
+      else std::snprintf(line, sizeof line, " | aux %.4f", value);
+      std::cout << line;
+    }
+    std::cout << std::endl;
   }
   std::map<std::string, double> values{{"train/loss", s.loss},   {"train/lr", s.lr},
                                        {"train/grad_norm", s.grad_norm}, {"perf/ms_per_step", s.ms},
@@ -553,6 +574,7 @@ void Trainer::log_step(const StepStats& s) {
                                        {"perf/memory_peak_bytes", double(mem.peak_allocated)}};
   if (mfu >= 0) values["perf/mfu"] = mfu;
   for (const auto& [phase, ms] : s.phases) values["perf/phase_ms/" + phase] = ms;
+  for (const auto& [name, value] : s.metrics) values[name] = value;
   if (logs_->jsonl) logs_->jsonl->write(s.step, values);
   if (logs_->tensorboard)
     for (auto& [k, v] : values) logs_->tensorboard->add_scalar(k, float(v), s.step);

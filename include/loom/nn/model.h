@@ -98,10 +98,6 @@ struct ModelConfig {
 
 int64_t round_up_vocab(int64_t vocab, int64_t multiple = 128);
 
-// Why `mode` cannot recompute cfg's blocks, or "" when it can: a mixture of experts' router losses (load balancing,
-// z-loss) and jitter are drawn in the forward that a recompute would repeat outside the loss.
-std::string recompute_problem(const ModelConfig& cfg, autograd::Recompute mode);
-
 // What a parallelization plan does around a model's blocks: FSDP gathers a block's parameters before it runs and
 // frees them after, and has them gathered again when the backward reaches the block. nn names only this interface.
 class BlockHooks {
@@ -114,6 +110,7 @@ class BlockHooks {
 };
 
 struct RouterLog;
+struct RouterStats;
 
 class LanguageModel : public Module {
  public:
@@ -127,6 +124,9 @@ class LanguageModel : public Module {
   // A mixture-of-experts model's routers in its last training forward (loom/nn/moe.h; null for a dense model).
   // forward_loss adds their auxiliary losses (load balancing, z-loss) when their coefficients are set.
   const RouterLog* router_log() const { return router_log_.get(); }
+  // The routers' auxiliary loss (mean) and dropped assignments over the training forwards since the last call (a
+  // dense model's are empty); reads the losses back from the device once.
+  RouterStats take_router_stats();
   // The same for logits the caller is done with (loss(forward(x), y)): in training their gradient is written over
   // them, so the step holds one logits-sized buffer instead of two.
   Tensor loss(Tensor&& logits, const Tensor& targets) const;

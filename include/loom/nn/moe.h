@@ -5,6 +5,7 @@
 // the config has a shared expert.
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -14,8 +15,9 @@
 
 namespace loom::nn {
 
-// What the routers of a model's MoE blocks did in the last training forward: the terms of the auxiliary losses
-// (kept with their graphs so their gradients reach the routers) and the dropped-token count.
+// What the routers of a model's MoE blocks did: the terms of the auxiliary losses of the last training forward (kept
+// with their graphs so their gradients reach the routers), and counts over the training forwards since they were
+// last taken (LanguageModel::take_router_stats).
 struct RouterLog {
   struct Layer {
     // In the router's statistics dtype: f32 (f64 for an f64 model).
@@ -23,13 +25,22 @@ struct RouterLog {
     Tensor mean_prob;  // P_e: each expert's mean router probability [E] (differentiable)
     Tensor z;          // the mean of logsumexp(logits)^2 (a scalar, differentiable), when the z-loss is on
   };
-  std::vector<Layer> layers;
-  int64_t assignments = 0;  // tokens times top_k, over the layers
-  int64_t dropped = 0;      // of them, dropped by the capacity
+  std::vector<Layer> layers;  // this forward's, one per MoE block
+  int64_t assignments = 0;    // tokens times top_k, over the layers and forwards
+  int64_t dropped = 0;        // of them, dropped by the capacity
+  Tensor loss_total;          // the forwards' auxiliary losses summed (detached, on the model's device)
+  int64_t losses = 0;         // how many are in loss_total
   void clear() { *this = RouterLog(); }
   // aux_coef * E * sum_e mean_l(f_e) mean_l(P_e) + z_coef * mean_l(z), as one scalar (Hugging Face's
   // load-balancing loss over every layer's tokens); undefined when nothing was logged or both coefficients are 0.
   Tensor loss(const MoeConfig& cfg) const;
+};
+
+// The routers over the training forwards since the last take: the mean auxiliary loss (NaN when it is off) and the
+// assignments the capacity dropped.
+struct RouterStats {
+  double aux_loss = std::numeric_limits<double>::quiet_NaN();
+  int64_t assignments = 0, dropped = 0;
 };
 
 // What an MoE layer whose experts are split across the ranks of an expert-parallel group needs from the others. nn

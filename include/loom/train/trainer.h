@@ -38,6 +38,10 @@ struct StepStats {
   double ms = 0;
   double tokens_per_second = 0;  // of the whole world (all data-parallel ranks)
   std::vector<std::pair<std::string, double>> phases;  // with phase_times: device milliseconds per phase
+  // A mixture of experts' routers over the step, averaged over the data-parallel ranks: "moe/aux_loss" (the
+  // auxiliary losses, part of `loss`) when their coefficients are set, "moe/dropped_fraction" (the assignments a
+  // capacity dropped) with a capacity factor.
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 // The dense bf16 tensor-core peak in TFLOP/s of a GPU known by its name (as cudaGetDeviceProperties gives it, e.g.
@@ -85,6 +89,7 @@ class Trainer {
   std::string checkpoint_path(int64_t step) const;
   std::string checkpoint_state_json() const;  // step, data position, generator state, training settings
   double data_parallel_mean(double local);    // over the ranks that read batches of their own
+  void add_router_metrics(StepStats& s);      // StepStats::metrics of a mixture of experts
 
   TrainOptions opts_;
   Device device_;
