@@ -318,6 +318,11 @@ void run_expert_checks(const Context& c) {
   Layout aux = mixtral("mixtral with the load-balancing loss, ep 2", n, 2);
   aux.model = "mixtral_aux.json";
   layouts.push_back(aux);
+  Layout aux_recompute = mixtral("mixtral with the load-balancing loss, ep 2, zero 3, full recompute", n, 2);
+  aux_recompute.model = "mixtral_aux.json";
+  aux_recompute.zero = 3;
+  aux_recompute.recompute = "full";
+  layouts.push_back(aux_recompute);
   {
     Layout full = mixtral("mixtral ep 2, full recompute", n, 2);
     full.recompute = "full";
