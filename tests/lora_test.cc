@@ -228,6 +228,52 @@ TEST(LoraModel, MergedModelEqualsBasePlusAdapters) {
   EXPECT_FALSE(test::all_close(base_only->forward(idx), adapted, 1e-6, 1e-6));  // the adapters do move the logits
 }
 
+// Every projection adapted (q, k, v and gate, up share their inputs: their A products run as one), in f64: the
+// adapters' gradients follow the merged model's weight gradients, since with W' = W + s B A, dL/dA = s B^T dL/dW' and
+// dL/dB = s dL/dW' A^T; and the loss is the merged model's.
+TEST(LoraModel, AdapterGradientsFollowTheMergedWeightsGradients) {
+  nn::ModelConfig c = tiny_llama();
+  c.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+  auto model = nn::make_model(c, 5);
+  randomize_adapters(*model, 300);
+  to_f64(*model);
+  auto merged = nn::merge_lora(*model);
+  for (auto& [n, p] : merged->named_parameters()) p.set_requires_grad(true);
+  Tensor idx = test::random_indices({2, 9}, 0, c.vocab_size, kI64, 7);
+  Tensor tgt = test::random_indices({2, 9}, 0, c.vocab_size, kI64, 8);
+  model->zero_grad();
+  merged->zero_grad();
+  Tensor adapted_loss = model->forward_loss(idx, tgt), merged_loss = merged->forward_loss(idx, tgt);
+  EXPECT_NEAR(adapted_loss.item<double>(), merged_loss.item<double>(), 1e-12);
+  adapted_loss.backward();
+  merged_loss.backward();
+  std::map<std::string, Tensor> mine, theirs;
+  for (auto& [n, p] : model->named_parameters()) mine[n] = p;
+  for (auto& [n, p] : merged->named_parameters()) theirs[n] = p;
+  const double s = c.lora.alpha / double(c.lora.rank);
+  int checked = 0;
+  for (const auto& [name, p] : mine) {
+    const std::string suffix = ".lora_A.weight";
+    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string L = name.substr(0, name.size() - suffix.size());
+    const std::vector<double> dw = column(theirs.at(L + ".weight").grad()), a = column(p),
+                              b = column(mine.at(L + ".lora_B.weight"));
+    const int64_t r = p.size(0), in = p.size(1), out = int64_t(b.size()) / r;
+    std::vector<double> want_a(size_t(r * in), 0.0), want_b(size_t(out * r), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i)
+        for (int64_t k = 0; k < r; ++k) {
+          want_a[size_t(k * in + i)] += s * b[size_t(o * r + k)] * dw[size_t(o * in + i)];
+          want_b[size_t(o * r + k)] += s * dw[size_t(o * in + i)] * a[size_t(k * in + i)];
+        }
+    EXPECT_TRUE(test::all_close(p.grad(), from_vector(want_a, p.shape()), 1e-10, 1e-12)) << name;
+    const Tensor& pb = mine.at(L + ".lora_B.weight");
+    EXPECT_TRUE(test::all_close(pb.grad(), from_vector(want_b, pb.shape()), 1e-10, 1e-12)) << L << ".lora_B";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 7 * c.n_layer);
+}
+
 // A PEFT directory: PEFT's file names, config keys and tensor names; read back into a fresh model, the same adapters.
 TEST(LoraModel, PeftDirectoryRoundTrips) {
   nn::ModelConfig c = tiny_llama(8);

@@ -71,25 +71,48 @@ ops::Fp8Tensor Linear::held_weight() const {
 
 namespace {
 
-// Layers reading the same x. Under FP8 (every one) x is quantized once for all the base products; an adapter reads
-// x as it is and adds its product to its layer's output.
+// The adapters of layers reading the same x, added into their outputs: the A products of those without dropout as
+// one product with their A matrices stacked (x read once, and one product of the adapters' summed rank instead of a
+// skinny one each; the backward likewise), each layer taking its columns of it. An adapter with dropout draws its
+// own mask over x and keeps its own product.
+void add_adapter_outputs(std::vector<Tensor>& out, const Tensor& x, std::initializer_list<const Linear*> layers) {
+  std::vector<const Linear*> stacked;
+  std::vector<size_t> at;
+  size_t i = 0;
+  for (const Linear* l : layers) {
+    if (l->has_adapter() && l->lora_dropout == 0) stacked.push_back(l), at.push_back(i);
+    else if (l->has_adapter()) out[i] = l->add_adapter_output(std::move(out[i]), x);
+    ++i;
+  }
+  if (stacked.size() == 1) out[at[0]] = stacked[0]->add_adapter_output(std::move(out[at[0]]), x);
+  if (stacked.size() < 2) return;
+  std::vector<Tensor> a;
+  for (const Linear* l : stacked) a.push_back(l->lora_A->weight);
+  const Tensor h = linear(x, cat(a, 0));  // [..., sum of the ranks]
+  int64_t column = 0;
+  for (size_t j = 0; j < stacked.size(); ++j) {
+    const int64_t rank = stacked[j]->lora_A->weight.size(0);
+    out[at[j]] = lora_add(std::move(out[at[j]]), narrow(h, -1, column, rank), stacked[j]->lora_B->weight,
+                          stacked[j]->lora_scaling);
+    column += rank;
+  }
+}
+
+// Layers reading the same x. Under FP8 (every one) x is quantized once for all the base products; the adapters read
+// x as it is (add_adapter_outputs).
 std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Linear*> layers) {
   bool shared = layers.size() > 1;
   for (const Linear* l : layers) shared = shared && l->fp8;
+  std::vector<Tensor> out;
   if (shared) {
     std::vector<fp8::LinearWeights> weights;
     for (const Linear* l : layers)
       weights.push_back({l->weight, l->bias, l->fp8, l->holds_fp8() ? l->held_weight() : ops::Fp8Tensor{}});
-    std::vector<Tensor> out = fp8::linears(x, weights);
-    size_t i = 0;
-    for (const Linear* l : layers) {
-      if (l->has_adapter()) out[i] = l->add_adapter_output(std::move(out[i]), x);
-      ++i;
-    }
-    return out;
+    out = fp8::linears(x, weights);
+  } else {
+    for (const Linear* l : layers) out.push_back(l->base_product(x));
   }
-  std::vector<Tensor> out;
-  for (const Linear* l : layers) out.push_back(l->forward(x));
+  add_adapter_outputs(out, x, layers);
   return out;
 }
 

@@ -48,9 +48,9 @@ class Linear : public Module {
   Tensor add_adapter_output(Tensor y, const Tensor& x) const;
   std::shared_ptr<Linear> lora_A, lora_B;
   double lora_scaling = 0, lora_dropout = 0;
-
- private:
-  Tensor base_product(const Tensor& x) const;  // W x + b in FP8 (held or quantized each call) or as W's dtype runs
+  // W x + b without the adapter, in FP8 (held or quantized each call) or as W's dtype runs (layers that read one x
+  // add their adapters together).
+  Tensor base_product(const Tensor& x) const;
 };
 
 // The name a held FP8 weight's scale_inv has beside its layer's weight ("....q_proj.weight_scale_inv").
