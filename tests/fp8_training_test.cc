@@ -144,6 +144,18 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
   m.warmup_steps = 1;
   m.fp8 = "all";
   expect_recompute_keeps_the_losses(m, "mixtral-tiny, ");
+  // With every router term on: the load-balancing and z losses, jitter, a capacity.
+  nn::ModelConfig routed = nn::ModelConfig::from_name("mixtral-tiny");
+  routed.moe.aux_loss_coef = 0.02;
+  routed.moe.z_loss_coef = 0.001;
+  routed.moe.jitter_noise = 0.05;
+  routed.moe.capacity_factor = 1.0;
+  std::ofstream(dir.file("routed.json")) << routed.to_json();
+  auto r = setup(dir, dir.file("routed.json"));
+  r.steps = 4;
+  r.warmup_steps = 1;
+  r.fp8 = "all";
+  expect_recompute_keeps_the_losses(r, "mixtral-tiny with every router term, ");
 }
 
 // Delayed scaling too: a full recompute quantizes its region with the scales the forward used and records no amax

@@ -2,6 +2,8 @@
 #include "loom/train/phase_timer.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <sstream>
 
 namespace loom::train {
 
@@ -42,6 +44,35 @@ std::vector<std::pair<std::string, double>> PhaseTimer::finish() {
   used_ = 0;
   names_.clear();
   return out;
+}
+
+std::string phase_summary(std::vector<PhaseStep> steps, const std::string& device) {
+  std::erase_if(steps, [](const PhaseStep& s) { return s.phases->empty(); });
+  if (steps.size() > 1) steps.erase(steps.begin());
+  if (steps.empty()) return "phase times: this device cannot time its work";
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  std::ostringstream line;
+  line << "phase times per step on " << device << " (median of " << steps.size() << " step"
+       << (steps.size() == 1 ? "" : "s") << ", ms):";
+  double sum = 0;
+  char buf[96];
+  for (const auto& [phase, unused] : *steps.back().phases) {
+    std::vector<double> v;
+    for (const PhaseStep& s : steps)
+      for (const auto& [p, ms] : *s.phases)
+        if (p == phase) v.push_back(ms);
+    const double m = median(v);
+    sum += m;
+    std::snprintf(buf, sizeof buf, " %s %.2f |", phase.c_str(), m);
+    line << buf;
+  }
+  std::vector<double> wall;
+  for (const PhaseStep& s : steps) wall.push_back(s.wall_ms);
+  std::snprintf(buf, sizeof buf, " device %.2f of %.2f wall", sum, median(wall));
+  return line.str() + buf;
 }
 
 }  // namespace loom::train

@@ -237,6 +237,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
               !io::read_hf_model_dir(opts_.model).weight_files.empty()
           ? opts_.model
           : "";
+  // The run's random streams (dropout, a router's jitter) start from its seed, whatever this process drew before (a
+  // second loom.Trainer in one Python process draws what loom-train draws); a resume goes on from the saved state.
+  default_generator().manual_seed(opts_.seed);
   if (!hf_weights.empty() || !opts_.init_from.empty() || !opts_.resume.empty()) {
     nn::SkipInit loaded;  // every weight comes from the files below (or the checkpoint resumed from)
     model_ = nn::make_model(cfg, opts_.seed);  // the seed draws new LoRA adapters only
@@ -687,7 +690,11 @@ void Trainer::run(const RunCallbacks& callbacks) {
         ((opts_.checkpoint_interval > 0 && s.step % opts_.checkpoint_interval == 0) || best_pending_))
       save_checkpoint(checkpoint_path(s.step));
   }
-  if (opts_.phase_times && is_rank0_) print_phase_summary();
+  if (opts_.phase_times && is_rank0_) {
+    std::vector<PhaseStep> steps;
+    for (const StepStats& s : history_) steps.push_back({&s.phases, s.ms});
+    std::cout << phase_summary(std::move(steps), device_.str()) << std::endl;
+  }
   if (tracing) {
     dispatch::write_op_trace(opts_.trace_ops);
     const auto size = dispatch::op_trace_size();
@@ -700,42 +707,6 @@ void Trainer::run(const RunCallbacks& callbacks) {
   print_sample();
   if (!opts_.checkpoint_dir.empty()) save_checkpoint(checkpoint_path(step_));
   if (logs_->tensorboard) logs_->tensorboard->flush();
-}
-
-void Trainer::print_phase_summary() const {
-  // Medians over the steps of this run after its first (which pays for plans, allocations and module loading).
-  std::vector<const StepStats*> steps;
-  for (const StepStats& s : history_)
-    if (!s.phases.empty()) steps.push_back(&s);
-  if (steps.size() > 1) steps.erase(steps.begin());
-  if (steps.empty()) {
-    std::cout << "phase times: this device cannot time its work" << std::endl;
-    return;
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-  };
-  std::ostringstream line;
-  line << "phase times per step on " << device_.str() << " (median of " << steps.size() << " step"
-       << (steps.size() == 1 ? "" : "s") << ", ms):";
-  double sum = 0;
-  for (const auto& [phase, unused] : steps.back()->phases) {
-    std::vector<double> v;
-    for (const StepStats* s : steps)
-      for (const auto& [p, ms] : s->phases)
-        if (p == phase) v.push_back(ms);
-    const double m = median(v);
-    sum += m;
-    char buf[64];
-    std::snprintf(buf, sizeof buf, " %s %.2f |", phase.c_str(), m);
-    line << buf;
-  }
-  std::vector<double> wall;
-  for (const StepStats* s : steps) wall.push_back(s->ms);
-  char buf[96];
-  std::snprintf(buf, sizeof buf, " device %.2f of %.2f wall", sum, median(wall));
-  std::cout << line.str() << buf << std::endl;
 }
 
 void Trainer::check_outputs() const {

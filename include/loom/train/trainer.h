@@ -83,7 +83,6 @@ class Trainer {
 
  private:
   void log_step(const StepStats& s);
-  void print_phase_summary() const;
   void check_outputs() const;  // every file this run writes besides checkpoints, before it trains
   bool sharded_checkpoints() const;
   std::string checkpoint_path(int64_t step) const;
