@@ -86,6 +86,27 @@ def test_dict_settings_and_a_callback_that_stops(tmp_path, shards):
     assert trainer.model.num_parameters() > 0
 
 
+def test_a_run_draws_from_its_seed_and_reports_its_routers(tmp_path, shards):
+    """Two runs in one process draw the same random numbers (a router's jitter here): each starts from its seed; a
+    mixture of experts reports its routers' auxiliary loss and dropped share every step."""
+    train, _ = shards
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps({"family": "llama", "vocab_size": 50257, "max_seq_len": 64, "n_layer": 2,
+                                 "n_head": 2, "n_kv_head": 1, "n_embd": 32, "ffn_hidden": 64, "num_experts": 4,
+                                 "experts_per_token": 2, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.1,
+                                 "capacity_factor": 1.0}))
+
+    def run():
+        steps = []
+        loom.Trainer(quiet=True, model=str(model), train_data=str(train), batch_size=2, seq_len=16, steps=3,
+                     eval_interval=0, sample_tokens=0, warmup=1).run(on_step=steps.append)
+        return steps
+
+    first, second = run(), run()
+    assert [s["loss"] for s in first] == [s["loss"] for s in second]
+    assert all(0 < s["moe/aux_loss"] < 1 and 0 <= s["moe/dropped_fraction"] < 1 for s in first)
+
+
 def test_an_exception_in_a_callback_reaches_the_caller(shards):
     train, _ = shards
     trainer = loom.Trainer(quiet=True, model="d2", train_data=str(train), batch_size=2, seq_len=16, steps=5,
