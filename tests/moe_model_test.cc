@@ -282,6 +282,17 @@ TEST(MoeModel, RecomputeWithRouterLossesAndJitterKeepsLossesAndGradients) {
       }
     }
   }
+  // A forward whose loss is dropped without a backward frees its checkpoints (and the block inputs they hold):
+  // memory does not grow over such forwards.
+  {
+    auto model = nn::make_model(c, 7);
+    model->set_recompute(autograd::Recompute::kFull, false);
+    auto allocated = [] { return device_runtime(kCPU).memory_stats(0).allocated; };
+    model->forward_loss(idx, tgt);
+    const size_t after_one = allocated();
+    for (int i = 0; i < 5; ++i) model->forward_loss(idx, tgt);
+    EXPECT_EQ(allocated(), after_one);
+  }
   // The auxiliary losses of later blocks reach the parameters before them through the recomputed blocks: the first
   // block's attention against central differences under full recompute (the same draws for every forward).
   c.moe.aux_loss_coef = 2.0;

@@ -182,11 +182,13 @@ std::pair<Tensor, Tensor> LanguageModel::run_blocks(Tensor x, Tensor pending, si
       const bool recomputed = cfg_.recompute_blocks < 0 || int64_t(i) < cfg_.recompute_blocks;
       out = autograd::checkpoint(run, {x, pending}, recomputed ? cfg_.recompute : autograd::Recompute::kNone);
       if (logged) {
+        // Taken out of `logged` (which the checkpoint's node holds through `run`): an output kept there would hold
+        // the node in a cycle.
         size_t next = 2;
-        for (RouterLog::Layer& l : logged->layers) {
+        for (RouterLog::Layer l : std::exchange(logged->layers, {})) {
           l.mean_prob = out[next++];
           if (l.z.defined()) l.z = out[next++];
-          router_log_->layers.push_back(l);
+          router_log_->layers.push_back(std::move(l));
         }
         router_log_->assignments += logged->assignments;
         router_log_->dropped += logged->dropped;
