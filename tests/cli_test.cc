@@ -69,13 +69,19 @@ TEST(LoomTrainCli, BadNumbersAreOneLineNamingTheFlag) {
   EXPECT_NE(ok.output.find("nonexistent"), std::string::npos) << "good flags must reach the data\n" << ok.output;
 }
 
-// Errors that are not loom::Error (a log directory that cannot be made throws std::filesystem_error) end the run with
-// one line and exit status 1, not an abort.
-TEST(LoomTrainCli, AnUnwritableLogDirIsAnErrorNotAnAbort) {
+// A shard of 4,096 tokens in a fresh temporary file.
+std::string tiny_shard() {
   const std::string shard = ::testing::TempDir() + "loom_cli_shard_" + std::to_string(test::fresh_seed()) + ".bin";
   std::vector<int32_t> tokens(4096);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7919 % 50000);
   data::write_token_file(shard, tokens);
+  return shard;
+}
+
+// Errors that are not loom::Error (a log directory that cannot be made throws std::filesystem_error) end the run with
+// one line and exit status 1, not an abort.
+TEST(LoomTrainCli, AnUnwritableLogDirIsAnErrorNotAnAbort) {
+  const std::string shard = tiny_shard();
   AppRun r = run_loom_train("--train-data " + shard + " --model d2 -b 1 -t 8 --steps 1 --warmup 0 --sample-tokens 0 " +
                             "--log-dir /proc/loom_cannot_be_here");
   std::remove(shard.c_str());
@@ -83,14 +89,6 @@ TEST(LoomTrainCli, AnUnwritableLogDirIsAnErrorNotAnAbort) {
   EXPECT_EQ(WEXITSTATUS(r.status), 1) << r.output;
   EXPECT_NE(r.output.find("loom-train: error:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("/proc/loom_cannot_be_here"), std::string::npos) << r.output;
-}
-
-std::string tiny_shard() {
-  const std::string shard = ::testing::TempDir() + "loom_cli_shard_" + std::to_string(test::fresh_seed()) + ".bin";
-  std::vector<int32_t> tokens(4096);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 7919 % 50000);
-  data::write_token_file(shard, tokens);
-  return shard;
 }
 
 // A checkpoint directory that cannot be made is found before training, not at the first save after it.
