@@ -1,8 +1,8 @@
 // loom-bench-grouped-gemm: the expert products of a Mixtral-like layer (E experts, top-k, hidden C, one FFN
 // projection of F, bf16 in and out, f32 accumulation) through Loom's grouped_gemm ops at uneven loads: the forward
-// x[k T, C] @ W_e^T (W as [E, F, C], as transformers stores it), the input gradient and the weight gradient, each
-// beside one dense cublasGemmEx of the same total work timed in the same run. CUDA events; warm-up, then the median
-// of 20 runs. TFLOP/s = 2 * rows * F * C / time. Two timings of Loom's: with the same loads every call (those of
+// x[k T, C] @ W_e^T (W as [E, F, C], as transformers stores it), the input gradient and the weight gradient (bf16,
+// and f32 as training writes it), each beside one dense cublasGemmEx of the same total work timed in the same run.
+// CUDA events; warm-up, then the median of 20 runs. TFLOP/s = 2 * rows * F * C / time. Two timings of Loom's: with the same loads every call (those of
 // bench/grouped_gemm_torch_reference.py, so the two print comparable rows) and with loads that change every call by
 // a few rows, as a router's do from step to step (what a per-size choice of algorithm pays in training).
 //   loom-bench-grouped-gemm [--experts E] [--top-k K] [--hidden C] [--ffn F] [tokens...]
@@ -135,8 +135,14 @@ int main(int argc, char** argv) {
     const double wgrad = median_ms([&] { ops::grouped_gemm_weight_grad(x, dy, sizes, true); }, stream);
     const double wgrad_moving =
         median_ms([&] { ops::grouped_gemm_weight_grad(x, dy, moved_sizes(sizes, call++), true); }, stream);
-    report("weight grad dy^T x", flops, wgrad, wgrad_moving,
-           dense_ms(false, true, kHidden, kFfn, rows, x, kHidden, dy, kFfn, dw));
+    const double wgrad_dense = dense_ms(false, true, kHidden, kFfn, rows, x, kHidden, dy, kFfn, dw);
+    report("weight grad dy^T x", flops, wgrad, wgrad_moving, wgrad_dense);
+    // As training writes it under autocast: the f32 sums into an f32 master's gradient (the dense peer as above).
+    Tensor dw32 = empty(w.shape(), kF32, kGpu);
+    const double wgrad32 = median_ms([&] { ops::grouped_gemm_weight_grad_out(x, dy, sizes, true, dw32); }, stream);
+    const double wgrad32_moving = median_ms(
+        [&] { ops::grouped_gemm_weight_grad_out(x, dy, moved_sizes(sizes, call++), true, dw32); }, stream);
+    report("weight grad, f32 out", flops, wgrad32, wgrad32_moving, wgrad_dense);
   }
   // Which kernels served (a provider's predicate may decline and pass a call on): the dispatcher's counts.
   for (const char* op : {"grouped_gemm", "grouped_gemm_weight_grad"}) {
