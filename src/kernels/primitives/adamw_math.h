@@ -42,11 +42,24 @@ LOOM_HOST_DEVICE inline acc_t<G> grad_scale_value(double scale) {
   return acc_t<G>(scale);
 }
 
+// a * b rounded on its own: on the GPU nvcc would otherwise contract it into the FMA of the update that reads it
+// (m = beta1 m + (1 - beta1) g), which an in-place multiply, a kernel of its own, never does.
+template <typename A>
+LOOM_HOST_DEVICE inline A rounded_product(A a, A b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>) return __fmul_rn(a, b);
+  else if constexpr (std::is_same_v<A, double>) return __dmul_rn(a, b);
+  else return a * b;
+#else
+  return a * b;
+#endif
+}
+
 // g * scale as the in-place multiply stores it (computed in acc_t<G>, rounded to G), so the update sees the same
 // gradient bits as after clipping in place.
 template <typename G>
 LOOM_HOST_DEVICE inline G scaled_grad(G g, acc_t<G> scale) {
-  return G(to_math<acc_t<G>>(g) * scale);
+  return G(rounded_product(to_math<acc_t<G>>(g), scale));
 }
 
 // One element: param *= 1 - lr*wd; m = beta1*m + (1-beta1)*g; v = beta2*v + (1-beta2)*g^2;
