@@ -3,6 +3,7 @@
 // accounting, Hugging Face directories in both expert layouts, and training with falling loss.
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <fstream>
 #include <random>
@@ -153,6 +154,33 @@ TEST(MoeBlock, MatchesAPerTokenExpertLoop) {
 }
 
 // Central differences of the whole model's training loss (aux and z losses on) on a sample of every MoE parameter.
+// Central differences (f64, eps 1e-6) against the gradients backward() left in `model`'s parameters whose names hold
+// `part`: `samples` random entries of each, drawn from `seed`; `loss` runs the forward. Returns the entries checked.
+int expect_central_differences(nn::LanguageModel& model, const std::string& part, int samples, unsigned seed,
+                               const std::function<Tensor()>& loss, double abs_tol, double rel_tol) {
+  std::mt19937 eng(seed);
+  int checked = 0;
+  for (auto& [name, p] : model.named_parameters()) {
+    if (name.find(part) == std::string::npos) continue;
+    std::vector<double> g = test::values(p.grad());
+    for (int s = 0; s < samples; ++s) {
+      const int64_t i = int64_t(eng() % uint64_t(p.numel()));
+      Tensor flat = p.detach().reshape({-1});
+      const double v = test::values(flat)[size_t(i)], eps = 1e-6;
+      auto loss_at = [&](double x) {
+        autograd::NoGradGuard ng;
+        flat.narrow(0, i, 1).copy_from(full({1}, x, kF64));
+        return loss().item<double>();
+      };
+      const double numeric = (loss_at(v + eps) - loss_at(v - eps)) / (2 * eps);
+      loss_at(v);
+      EXPECT_NEAR(g[size_t(i)], numeric, abs_tol + rel_tol * std::abs(numeric)) << name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  return checked;
+}
+
 TEST(MoeModel, GradientsMatchCentralDifferences) {
   nn::ModelConfig c = tiny_mixtral();
   c.n_layer = 1;
@@ -164,26 +192,8 @@ TEST(MoeModel, GradientsMatchCentralDifferences) {
   Tensor tgt = test::random_indices({2, 8}, 0, c.vocab_size, kI64, 12);
   model->zero_grad();
   model->forward_loss(idx, tgt).backward();
-  std::mt19937 eng(4);
-  int checked = 0;
-  for (auto& [name, p] : model->named_parameters()) {
-    if (name.find(".mlp.") == std::string::npos) continue;
-    std::vector<double> g = test::values(p.grad());
-    for (int s = 0; s < 4; ++s) {
-      const int64_t i = int64_t(eng() % uint64_t(p.numel()));
-      Tensor flat = p.detach().reshape({-1});
-      const double v = test::values(flat)[size_t(i)], eps = 1e-6;
-      auto loss_at = [&](double x) {
-        autograd::NoGradGuard ng;
-        flat.narrow(0, i, 1).copy_from(full({1}, x, kF64));
-        return model->forward_loss(idx, tgt).item<double>();
-      };
-      const double numeric = (loss_at(v + eps) - loss_at(v - eps)) / (2 * eps);
-      loss_at(v);
-      EXPECT_NEAR(g[size_t(i)], numeric, 1e-6 + 1e-4 * std::abs(numeric)) << name << "[" << i << "]";
-      ++checked;
-    }
-  }
+  const int checked = expect_central_differences(*model, ".mlp.", 4, 4, [&] { return model->forward_loss(idx, tgt); },
+                                                 1e-6, 1e-4);
   EXPECT_GE(checked, 12);  // router, gate_up_proj, down_proj
 }
 
@@ -306,26 +316,7 @@ TEST(MoeModel, RecomputeWithRouterLossesAndJitterKeepsLossesAndGradients) {
   };
   model->zero_grad();
   loss_now().backward();
-  std::mt19937 eng(5);
-  int checked = 0;
-  for (auto& [name, p] : model->named_parameters()) {
-    if (name.find("layers.0.self_attn.") == std::string::npos) continue;
-    std::vector<double> g = test::values(p.grad());
-    for (int s = 0; s < 3; ++s) {
-      const int64_t i = int64_t(eng() % uint64_t(p.numel()));
-      Tensor flat = p.detach().reshape({-1});
-      const double v = test::values(flat)[size_t(i)], eps = 1e-6;
-      auto loss_at = [&](double x) {
-        autograd::NoGradGuard ng;
-        flat.narrow(0, i, 1).copy_from(full({1}, x, kF64));
-        return loss_now().item<double>();
-      };
-      const double numeric = (loss_at(v + eps) - loss_at(v - eps)) / (2 * eps);
-      loss_at(v);
-      EXPECT_NEAR(g[size_t(i)], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << name << "[" << i << "]";
-      ++checked;
-    }
-  }
+  const int checked = expect_central_differences(*model, "layers.0.self_attn.", 3, 5, loss_now, 1e-7, 1e-5);
   EXPECT_GE(checked, 9);
 }
 
