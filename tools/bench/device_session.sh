@@ -34,6 +34,7 @@ for m in ${MODELS:-124m}; do
 done
 read -r llama_b0 _ <<< "${LLAMA_BATCHES:-4}"
 [ "${MODELS:-124m}" = none ] && gpt2_models=0
+[ "${SKIP_TORCH:-0}" = 1 ] && { gpt2_models=0; llama_warm=""; }  # no PyTorch run to warm
 (if [ $gpt2_models = 1 ]; then
    PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench/pytorch_gpt2.py -b 16 --steps 2 > $W/torch_warm.log 2>&1
  fi

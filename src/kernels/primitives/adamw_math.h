@@ -42,8 +42,11 @@ LOOM_HOST_DEVICE inline acc_t<G> grad_scale_value(double scale) {
   return acc_t<G>(scale);
 }
 
-// a * b rounded on its own: on the GPU nvcc would otherwise contract it into the FMA of the update that reads it
-// (m = beta1 m + (1 - beta1) g), which an in-place multiply, a kernel of its own, never does.
+// The update's arithmetic with its roundings spelled out. On the GPU nvcc contracts a * b + c into an FMA wherever it
+// finds one, and which product it picks follows the code around it: adamw_update's kernel and adamw_update_scaled's
+// (or their vector and scalar forms) could round the same moment differently. So on the device every product that
+// meets a sum is written as the FMA or the rounded product it is meant to be; a gradient scaled "as an in-place
+// multiply stores it" is a rounded product, since a multiply kernel of its own never fuses into the update.
 template <typename A>
 LOOM_HOST_DEVICE inline A rounded_product(A a, A b) {
 #if defined(__CUDA_ARCH__)
@@ -52,6 +55,19 @@ LOOM_HOST_DEVICE inline A rounded_product(A a, A b) {
   else return a * b;
 #else
   return a * b;
+#endif
+}
+
+// a * b + c: one rounding on the GPU (the FMA it would choose anyway, fixed); on the host as the compiler builds it
+// (the CPU kernels share one instance of this code, so their bits agree with each other).
+template <typename A>
+LOOM_HOST_DEVICE inline A multiply_add(A a, A b, A c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>) return __fmaf_rn(a, b, c);
+  else if constexpr (std::is_same_v<A, double>) return __fma_rn(a, b, c);
+  else return a * b + c;
+#else
+  return a * b + c;
 #endif
 }
 
@@ -66,13 +82,13 @@ LOOM_HOST_DEVICE inline G scaled_grad(G g, acc_t<G> scale) {
 // param -= step_size * m / (sqrt(v) / sqrt(1 - beta2^step) + eps).
 template <typename P, typename M>
 LOOM_HOST_DEVICE inline void update(const Scalars<M>& s, P& param, M g, M& exp_avg, M& exp_avg_sq) {
-  M m = s.beta1 * exp_avg + s.one_minus_beta1 * g;
-  M v = s.beta2 * exp_avg_sq + s.one_minus_beta2 * g * g;
+  const M m = multiply_add(s.beta1, exp_avg, rounded_product(s.one_minus_beta1, g));
+  const M v = multiply_add(s.beta2, exp_avg_sq, rounded_product(rounded_product(s.one_minus_beta2, g), g));
   exp_avg = m;
   exp_avg_sq = v;
-  M denom = std::sqrt(v) * s.inv_bias_correction2_sqrt + s.eps;
-  M p = to_math<M>(param) * s.decay;
-  param = P(p - s.step_size * m / denom);
+  const M denom = multiply_add(M(std::sqrt(v)), s.inv_bias_correction2_sqrt, s.eps);
+  const M p = rounded_product(to_math<M>(param), s.decay);
+  param = P(p - rounded_product(s.step_size, m) / denom);
 }
 
 }  // namespace loom::adamw_math
