@@ -39,6 +39,12 @@ namespace loom::cuda {
 // architecture in the library (CMAKE_CUDA_ARCHITECTURES). The runtime calls it on a device's first use.
 void check_device_supported(int device);
 
+// A device's compute capability as major * 10 + minor (90 on Hopper), read once per device; 0 when the query fails
+// (a failed query is an answer, "no" to every feature test, not an error left for the next launch).
+int compute_capability(int device);
+// The device's streaming multiprocessors, read once per device.
+int multiprocessor_count(int device);
+
 // The most shared memory one block may opt in to on a device (227 KB on Hopper, 163 KB on the A100, 99 KB on Ada and
 // the other Ampere GPUs), read once per device: kernels whose tiles need more decline there.
 int max_shared_memory_per_block(int device);

@@ -31,14 +31,50 @@ DeviceGuard::~DeviceGuard() {
   if (previous_ >= 0) cudaSetDevice(previous_);
 }
 
-int max_shared_memory_per_block(int device) {
-  static std::array<std::atomic<int>, 64> bytes{};  // 0: not read yet
-  if (device < 0 || device >= int(bytes.size())) return 0;
-  int b = bytes[size_t(device)].load(std::memory_order_relaxed);
-  if (b == 0) {
-    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    bytes[size_t(device)].store(b, std::memory_order_relaxed);
+namespace {
+
+// One attribute of each device, read on first use and kept (0: not read yet, or the query failed and is retried).
+class CachedAttribute {
+ public:
+  explicit CachedAttribute(cudaDeviceAttr attr) : attr_(attr) {}
+  // The value, or 0 where the query fails (the error cleared).
+  int get(int device) {
+    if (device < 0 || device >= int(values_.size())) return 0;
+    int v = values_[size_t(device)].load(std::memory_order_relaxed);
+    if (v == 0) {
+      if (cudaDeviceGetAttribute(&v, attr_, device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+      }
+      values_[size_t(device)].store(v, std::memory_order_relaxed);
+    }
+    return v;
   }
+
+ private:
+  cudaDeviceAttr attr_;
+  std::array<std::atomic<int>, 64> values_{};
+};
+
+CachedAttribute capability_major(cudaDevAttrComputeCapabilityMajor), capability_minor(cudaDevAttrComputeCapabilityMinor),
+    multiprocessors(cudaDevAttrMultiProcessorCount), shared_memory_opt_in(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+
+}  // namespace
+
+int compute_capability(int device) {
+  const int major = capability_major.get(device);
+  return major > 0 ? major * 10 + capability_minor.get(device) : 0;
+}
+
+int multiprocessor_count(int device) {
+  const int n = multiprocessors.get(device);
+  LOOM_REQUIRE(n > 0, "CUDA device ", device, ": its multiprocessor count could not be read");
+  return n;
+}
+
+int max_shared_memory_per_block(int device) {
+  const int b = shared_memory_opt_in.get(device);
+  LOOM_REQUIRE(b > 0, "CUDA device ", device, ": its shared memory per block could not be read");
   return b;
 }
 

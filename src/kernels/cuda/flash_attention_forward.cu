@@ -33,20 +33,8 @@ namespace {
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
-// Tensor cores with bf16 mma.sync need compute capability 8.0; read once per device.
-bool device_has_bf16_mma(int index) {
-  static std::array<std::atomic<int>, 64> major{};  // 0: not read yet
-  if (index < 0 || index >= int(major.size())) return false;
-  int m = major[size_t(index)].load(std::memory_order_relaxed);
-  if (m == 0) {
-    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) {
-      cudaGetLastError();  // clear it: a failed query is an answer (no), not an error for the next launch
-      return false;
-    }
-    major[size_t(index)].store(m, std::memory_order_relaxed);
-  }
-  return m >= 8;
-}
+// Tensor cores with bf16 mma.sync need compute capability 8.0.
+bool device_has_bf16_mma(int index) { return cuda::compute_capability(index) >= 80; }
 
 }  // namespace
 

@@ -51,23 +51,8 @@ cudaDataType_t lt_type(DType t) {
   }
 }
 
-// Compute capability 8.9 or more (FP8 tensor cores), read once per device.
-bool device_has_fp8(int index) {
-  static std::array<std::atomic<int>, 64> capability{};  // major * 10 + minor; 0: not read yet
-  if (index < 0 || index >= int(capability.size())) return false;
-  int c = capability[size_t(index)].load(std::memory_order_relaxed);
-  if (c == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess) {
-      cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch
-      return false;
-    }
-    c = major * 10 + minor;
-    capability[size_t(index)].store(c, std::memory_order_relaxed);
-  }
-  return c >= 89;
-}
+// Compute capability 8.9 or more: FP8 tensor cores.
+bool device_has_fp8(int index) { return cuda::compute_capability(index) >= 89; }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -164,17 +164,6 @@ __global__ void setup_groups_kernel(Groups groups, Product product, bool trans_b
   }
 }
 
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 64> counts{};
-  if (device < 0 || device >= int(counts.size())) return 0;
-  int c = counts[size_t(device)].load(std::memory_order_relaxed);
-  if (c == 0) {
-    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device));
-    counts[size_t(device)].store(c, std::memory_order_relaxed);
-  }
-  return c;
-}
-
 const char* status_text(cutlass::Status s) { return cutlassGetStatusString(s); }
 
 // Runs one grouped product of kernel type K over `offsets` (G + 1 row offsets).
@@ -206,7 +195,7 @@ void run_grouped(const DeviceContext& ctx, const std::vector<int64_t>& offsets, 
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.hw_info.device_id = ctx.device().index;
-  args.hw_info.sm_count = sm_count(ctx.device().index);
+  args.hw_info.sm_count = cuda::multiprocessor_count(ctx.device().index);
 
   typename K::Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);
@@ -221,22 +210,6 @@ void run_grouped(const DeviceContext& ctx, const std::vector<int64_t>& offsets, 
 
 // ---- What the kernels accept ----
 
-bool is_sm90(int device) {
-  static std::array<std::atomic<int>, 64> capability{};  // major * 10 + minor; 0: not read yet
-  if (device < 0 || device >= int(capability.size())) return false;
-  int c = capability[size_t(device)].load(std::memory_order_relaxed);
-  if (c == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      cudaGetLastError();  // a failed query is an answer (no), not an error for the next launch
-      return false;
-    }
-    c = major * 10 + minor;
-    capability[size_t(device)].store(c, std::memory_order_relaxed);
-  }
-  return c == 90;
-}
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
@@ -245,7 +218,7 @@ bool accepts(const Tensor& a, const Tensor& other, const Tensor& out, const Grou
              int64_t N) {
   if (a.dtype() != kBF16 || other.dtype() != kBF16) return false;
   if (out.dtype() != kBF16 && out.dtype() != kF32) return false;
-  if (!is_sm90(a.device().index)) return false;
+  if (cuda::compute_capability(a.device().index) != 90) return false;
   if (attrs.group_sizes.empty() || attrs.group_sizes.size() > size_t(kMaxGroups)) return false;
   if (K <= 0 || N <= 0 || K % 8 != 0 || N % 8 != 0 || K > INT_MAX || N > INT_MAX || a.size(0) > INT_MAX) return false;
   return aligned16(a) && aligned16(other) && aligned16(out);
