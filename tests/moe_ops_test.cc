@@ -212,6 +212,60 @@ TEST(MoeOps, CudaGroupedGemmMatchesFloat64) {
   check_grouped_gemm(Device(kCUDA, 0), 307, 129, 67, {100, 0, 150, 1, 0, 52}, {kF64, kF32, kBF16, kF16});
 }
 
+// The permutation, the combine and the combine's gradients on the GPU against the CPU's: rows wide enough for the
+// 16-byte vector path (C = 136), rows that are not (C = 13), and y as a view one element into its buffer (rows that
+// start unaligned: the element path), with dropped and unrouted assignments; then the bad indices named on the GPU.
+TEST(MoeOps, CudaPermutationAndCombineMatchTheCpu) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const Device gpu(kCUDA, 0);
+  const int64_t T = 301, K = 2, E = 6;
+  for (DType dt : {kBF16, kF32, kF64}) {
+    for (int64_t C : {int64_t(136), int64_t(13)}) {
+      for (bool offset : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + ", C " + std::to_string(C) + (offset ? ", y at an offset" : ""));
+        const DType wt = dt == kF64 ? kF64 : kF32;
+        Tensor x = test::random_tensor({T, C}, dt, -2, 2, test::fresh_seed());
+        std::vector<double> ev = test::values(test::random_indices({T, K}, 0, E));
+        ev[3] = -1;  // one assignment not routed
+        Tensor experts = from_vector(ev, {T, K}).to(kI64);
+        const int64_t capacity = T * K / E - 7;  // some experts drop assignments
+        ops::MoePermutation cpu = ops::moe_permute(x, experts, E, capacity);
+        ops::MoePermutation dev = ops::moe_permute(x.to(gpu), experts.to(gpu), E, capacity);
+        EXPECT_EQ(ints(dev.rows), ints(cpu.rows));
+        EXPECT_EQ(ints(dev.sources), ints(cpu.sources));
+        EXPECT_EQ(ints(dev.counts), ints(cpu.counts));
+        EXPECT_TRUE(test::bytes_equal(dev.out.to(Device()), cpu.out)) << "the permuted rows are copies";
+        Tensor buffer = test::random_tensor({T * K * C + 1}, dt, -2, 2, test::fresh_seed());
+        Tensor y = buffer.narrow(0, offset ? 1 : 0, T * K * C).view({T * K, C});
+        Tensor weights = test::random_tensor({T, K}, wt, 0.1, 1, test::fresh_seed());
+        Tensor grad = test::random_tensor({T, C}, dt, -1, 1, test::fresh_seed());
+        const double tol = dt == kBF16 ? 1e-2 : dt == kF32 ? 1e-5 : 1e-12;
+        Tensor want = ops::moe_unpermute(y, cpu.rows, weights);
+        Tensor got = ops::moe_unpermute(y.to(gpu), dev.rows, weights.to(gpu)).to(Device());
+        EXPECT_TRUE(test::all_close(got.to(kF64), want.to(kF64), tol, tol)) << "combine";
+        Tensor y_gpu = buffer.to(gpu).narrow(0, offset ? 1 : 0, T * K * C).view({T * K, C});
+        ops::MoeUnpermuteGrads g_cpu = ops::moe_unpermute_backward(grad, y, cpu.rows, cpu.sources, weights, true, true);
+        ops::MoeUnpermuteGrads g_dev = ops::moe_unpermute_backward(grad.to(gpu), y_gpu, dev.rows, dev.sources,
+                                                                   weights.to(gpu), true, true);
+        EXPECT_TRUE(test::all_close(g_dev.grad_y.to(Device()).to(kF64), g_cpu.grad_y.to(kF64), tol, tol)) << "grad_y";
+        EXPECT_TRUE(test::all_close(g_dev.grad_weights.to(Device()).to(kF64), g_cpu.grad_weights.to(kF64), tol, tol))
+            << "grad_weights";
+      }
+    }
+  }
+  Tensor x = test::random_tensor({4, 8}, kBF16).to(gpu);
+  try {
+    ops::moe_permute(x, from_vector(std::vector<int64_t>{0, 1, 2, 7, 1, 0, 2, 1}, {4, 2}).to(gpu), 3);
+    ADD_FAILURE() << "an expert out of range must throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 7 at position 3 is out of range [-1, 3)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ops::moe_unpermute(test::random_tensor({4, 8}, kBF16).to(gpu),
+                                  from_vector(std::vector<int64_t>{0, 4}, {1, 2}).to(gpu)),
+               Error);
+}
+
 // Calls served so far by `provider`'s CUDA kernel of a grouped op for bf16 (the dispatcher's counters).
 uint64_t cuda_calls(const std::string& op, const std::string& provider) {
   for (const auto& c : dispatch::explain(op, kCUDA, kBF16))

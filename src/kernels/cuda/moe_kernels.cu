@@ -2,9 +2,10 @@
 //  - routing: one thread per token row (E is a router's width, tens to hundreds): softmax in the compute type, the
 //    top K by repeated selection on the logits;
 //  - permutation: the assignments' experts as sort keys, CUB's stable radix sort of (expert, assignment) pairs, a
-//    histogram by integer atomics (exact), the group offsets by a scan on the host side of one small copy, then one
-//    thread per sorted position writes rows / sources, and a block per out row copies the token's row;
-//  - combine and its backward: a thread per (row, column), the K terms in order; grad_weights a warp per assignment;
+//    histogram by integer atomics (exact), the group offsets by one thread on the device, then one thread per sorted
+//    position writes rows / sources, and a block per out row copies the token's row (no host trip in between);
+//  - combine and its backward: a block per row in 16-byte vectors, the K terms in order; grad_weights a warp per
+//    assignment;
 //  - grouped gemm and its weight gradient: one cuBLAS product per group (the group sizes are on the host), f32
 //    accumulation (f64 for f64). cuBLAS rather than Loom's cached cuBLASLt plans: a group's row count changes every
 //    step, and a plan per count would grow without end. Timed from PyTorch on an H200, a loop of cuBLAS products ran
@@ -14,11 +15,13 @@
 //    WGMMA) is the step after, for many small experts.
 #include <cub/device/device_radix_sort.cuh>
 
+#include <algorithm>
 #include <climits>
 #include <mutex>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/moe_kernel.h"
 
@@ -171,15 +174,36 @@ void moe_route_backward_cuda(const DeviceContext& ctx, const Tensor& grad_weight
 }
 
 // ---- permutation ----
-// Keys: the expert, E for an assignment not routed (sorted last); values: the assignment. Counts by atomics.
+// Keys: the expert, E for an assignment not routed (sorted last); values: the assignment. Counts by atomics. An
+// expert outside [-1, E) is reported at its position (and sorted last, so nothing reads out of range before the host
+// throws).
 template <typename I>
 __global__ void permute_keys_kernel(const I* experts, int64_t n, int64_t E, uint32_t* keys, int32_t* values,
-                                    unsigned long long* counts) {
+                                    unsigned long long* counts, unsigned long long* bad) {
   for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < n; a += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = int64_t(experts[a]);
-    keys[a] = e < 0 ? uint32_t(E) : uint32_t(e);
+    const bool routed = e >= 0 && e < E;
+    if (e < -1 || e >= E) cuda::report_bad_position(bad, a);
+    keys[a] = routed ? uint32_t(e) : uint32_t(E);
     values[a] = int32_t(a);
-    if (e >= 0) atomicAdd(counts + e, 1ull);
+    if (routed) atomicAdd(counts + e, 1ull);
+  }
+}
+
+// The groups' offsets from the counts, on the device (one thread: E is a router's width): starts [0, E] the sorted
+// start of each expert, [E + 1, 2E + 1] the out start of each kept group, then the kept sizes; `kept` the op's counts.
+__global__ void permute_starts_kernel(const unsigned long long* counts, int64_t E, int64_t capacity, int64_t* starts,
+                                      int64_t* kept) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  starts[0] = 0;
+  starts[E + 1] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = int64_t(counts[e]);
+    const int64_t k = capacity >= 0 && capacity < count ? capacity : count;
+    starts[e + 1] = starts[e] + count;
+    starts[E + 1 + e + 1] = starts[E + 1 + e] + k;
+    starts[2 * (E + 1) + e] = k;
+    kept[e] = k;
   }
 }
 
@@ -214,6 +238,8 @@ __global__ void permute_rows_kernel(const U* x, const int64_t* sources, int64_t 
   }
 }
 
+// No host work between the launches: the group offsets come from the counts on the device, and the one wait, for
+// the experts' range check, comes after the row copies are enqueued (the caller reads the counts next anyway).
 void moe_permute_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& experts, const MoePermuteAttrs& attrs,
                       Tensor& out, Tensor& rows, Tensor& sources, Tensor& counts) {
   const int64_t T = x.size(0), C = x.size(1), K = experts.size(1), E = counts.size(0), n = T * K;
@@ -221,88 +247,98 @@ void moe_permute_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& e
                " experts exceed the 2^31 limit of the sort");
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda::stream_of(ctx);
-  check_range(ctx, stream, "moe_permute", "expert", experts, -1, E);
   Tensor device_counts = zeros({E}, kI64, ctx.device());
-  if (n > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(sources.data(), 0xff, size_t(n) * sizeof(int64_t), stream));  // -1
+  Tensor device_starts = empty({3 * (E + 1)}, kI64, ctx.device());
   const int64_t padded = ceil_div(std::max<int64_t>(n, 1), 64) * 64;
   Tensor buffers = cuda::scratch_bytes(ctx, 4 * padded * 4);
   uint32_t* keys_in = static_cast<uint32_t*>(buffers.data());
   uint32_t* keys_sorted = keys_in + padded;
   int32_t* values_in = reinterpret_cast<int32_t*>(keys_sorted + padded);
   int32_t* values_sorted = values_in + padded;
+  cuda::IndexStatus status(ctx, stream);
   if (n > 0) {
+    LOOM_CUDA_CHECK(cudaMemsetAsync(sources.data(), 0xff, size_t(n) * sizeof(int64_t), stream));  // -1
     LOOM_DISPATCH_INDEX(experts.dtype(), "moe_permute", [&] {
       permute_keys_kernel<index_t><<<grid_for(n, 256), 256, 0, stream>>>(
           static_cast<const index_t*>(experts.data()), n, E, keys_in, values_in,
-          static_cast<unsigned long long*>(device_counts.data()));
+          static_cast<unsigned long long*>(device_counts.data()), status.bad_position());
     });
     LOOM_CUDA_CHECK_LAUNCH();
   }
-  // The group offsets on the host: E counts come back (the grouped gemm needs them there anyway).
-  std::vector<int64_t> host_counts(static_cast<size_t>(E));
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(host_counts.data(), device_counts.data(), size_t(E) * sizeof(int64_t),
-                                  cudaMemcpyDeviceToHost, stream));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  // starts: [0, E]: sorted start of each expert; [E + 1, 2E + 1]: out start of each kept group; then kept sizes.
-  std::vector<int64_t> starts(size_t(3 * (E + 1)), 0);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t kept = attrs.capacity >= 0 ? std::min(host_counts[size_t(e)], attrs.capacity) : host_counts[size_t(e)];
-    starts[size_t(e + 1)] = starts[size_t(e)] + host_counts[size_t(e)];
-    starts[size_t(E + 1 + e + 1)] = starts[size_t(E + 1 + e)] + kept;
-    starts[size_t(2 * (E + 1) + e)] = kept;
-    host_counts[size_t(e)] = kept;
-  }
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(counts.data(), host_counts.data(), size_t(E) * sizeof(int64_t),
-                                  cudaMemcpyHostToDevice, stream));
-  if (n == 0) {
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));  // host_counts leaves scope
-    return;
-  }
-  Tensor device_starts = empty({int64_t(starts.size())}, kI64, ctx.device());
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(device_starts.data(), starts.data(), starts.size() * sizeof(int64_t),
-                                  cudaMemcpyHostToDevice, stream));
-  int end_bit = 1;
-  while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(E)) ++end_bit;
-  size_t temp_bytes = 0;
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_sorted, values_in, values_sorted,
-                                                  int(n), 0, end_bit, stream));
-  Tensor temp = cuda::scratch_bytes(ctx, int64_t(temp_bytes));
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in, keys_sorted, values_in,
-                                                  values_sorted, int(n), 0, end_bit, stream));
-  permute_place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_sorted, values_sorted, n, E,
-                                                              static_cast<const int64_t*>(device_starts.data()),
-                                                              static_cast<int64_t*>(rows.data()),
-                                                              static_cast<int64_t*>(sources.data()));
+  permute_starts_kernel<<<1, 1, 0, stream>>>(static_cast<const unsigned long long*>(device_counts.data()), E,
+                                             attrs.capacity, static_cast<int64_t*>(device_starts.data()),
+                                             static_cast<int64_t*>(counts.data()));
   LOOM_CUDA_CHECK_LAUNCH();
-  const int64_t row_bytes = C * int64_t(x.itemsize());
-  const unsigned blocks = unsigned(std::min<int64_t>(n, int64_t(1) << 20));
-  const bool wide = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(out.data()) % 16 == 0;
-  if (wide)
-    permute_rows_kernel<uint4><<<blocks, 128, 0, stream>>>(static_cast<const uint4*>(x.data()),
-                                                           static_cast<const int64_t*>(sources.data()), n, K,
-                                                           row_bytes / 16, static_cast<uint4*>(out.data()));
-  else
-    permute_rows_kernel<uint8_t><<<blocks, 128, 0, stream>>>(static_cast<const uint8_t*>(x.data()),
+  if (n > 0) {
+    int end_bit = 1;
+    while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(E)) ++end_bit;
+    size_t temp_bytes = 0;
+    LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_sorted, values_in,
+                                                    values_sorted, int(n), 0, end_bit, stream));
+    Tensor temp = cuda::scratch_bytes(ctx, int64_t(temp_bytes));
+    LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in, keys_sorted, values_in,
+                                                    values_sorted, int(n), 0, end_bit, stream));
+    permute_place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_sorted, values_sorted, n, E,
+                                                                static_cast<const int64_t*>(device_starts.data()),
+                                                                static_cast<int64_t*>(rows.data()),
+                                                                static_cast<int64_t*>(sources.data()));
+    LOOM_CUDA_CHECK_LAUNCH();
+    const int64_t row_bytes = C * int64_t(x.itemsize());
+    const unsigned blocks = unsigned(std::min<int64_t>(n, int64_t(1) << 20));
+    const bool wide = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(out.data()) % 16 == 0;
+    if (wide)
+      permute_rows_kernel<uint4><<<blocks, 128, 0, stream>>>(static_cast<const uint4*>(x.data()),
                                                              static_cast<const int64_t*>(sources.data()), n, K,
-                                                             row_bytes, static_cast<uint8_t*>(out.data()));
-  LOOM_CUDA_CHECK_LAUNCH();
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));  // `starts` and `host_counts` were copied from host memory
+                                                             row_bytes / 16, static_cast<uint4*>(out.data()));
+    else
+      permute_rows_kernel<uint8_t><<<blocks, 128, 0, stream>>>(static_cast<const uint8_t*>(x.data()),
+                                                               static_cast<const int64_t*>(sources.data()), n, K,
+                                                               row_bytes, static_cast<uint8_t*>(out.data()));
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
+  const int64_t bad = status.first_bad_position(stream);
+  if (bad >= 0) throw_bad("moe_permute", "expert", experts, bad, -1, E, stream);
 }
 
-template <typename T, typename I, typename A>
+// The combine and its backward move whole rows: a block per row (grid-stride), each thread VEC consecutive elements
+// at a time (16 bytes where C is a multiple of VEC and every row starts aligned, else VEC = 1), the row's indices and
+// weights read once per vector. Each element's terms are summed in the order j = 0..K-1, as the CPU kernel sums them.
+template <typename T>
+constexpr int kRowVector = int(16 / sizeof(T));
+
+template <int VEC, typename T>
+bool rows_vectorizable(int64_t C, const void* a, const void* b) {
+  return VEC > 1 && C % VEC == 0 && cuda::vector_aligned<VEC>(a, sizeof(T)) && cuda::vector_aligned<VEC>(b, sizeof(T));
+}
+
+unsigned row_threads(int64_t vectors) {
+  return unsigned(std::clamp<int64_t>(ceil_div(vectors, 32) * 32, 32, 256));
+}
+
+template <int VEC, typename T, typename I, typename A>
 __global__ void unpermute_kernel(const T* y, const I* rows, const A* weights, int64_t T_, int64_t K, int64_t C,
                                  T* out) {
-  const int64_t total = T_ * C;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / C, c = i % C;
-    A acc = 0;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t r = int64_t(rows[t * K + j]);
-      if (r < 0) continue;
-      acc += (weights ? weights[t * K + j] : A(1)) * A(y[r * C + c]);
+  using cuda::AlignedVector;
+  const int64_t vectors = C / VEC;
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      A acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t r = int64_t(rows[t * K + j]);
+        if (r < 0) continue;
+        const A w = weights ? weights[t * K + j] : A(1);
+        const auto h = *reinterpret_cast<const AlignedVector<T, VEC>*>(y + r * C + v * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += w * A(h.v[e]);
+      }
+      AlignedVector<T, VEC> o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o.v[e] = T(acc[e]);
+      *reinterpret_cast<AlignedVector<T, VEC>*>(out + t * C + v * VEC) = o;
     }
-    out[i] = T(acc);
   }
 }
 
@@ -316,36 +352,66 @@ void moe_unpermute_cuda(const DeviceContext& ctx, const Tensor& y, const Tensor&
   LOOM_DISPATCH_FLOATING(y.dtype(), "moe_unpermute", [&] {
     using A = compute_t<scalar_t>;
     using T = scalar_t;
+    constexpr int VEC = kRowVector<T>;
+    const bool wide = rows_vectorizable<VEC, T>(C, y.data(), out.data());
+    const int64_t vectors = wide ? C / VEC : C;
+    const A* w = weights.defined() ? static_cast<const A*>(weights.data()) : nullptr;
     LOOM_DISPATCH_INDEX(rows.dtype(), "moe_unpermute", [&] {
-      unpermute_kernel<T, index_t, A><<<grid_for(T_ * C, 256), 256, 0, stream>>>(
-          static_cast<const T*>(y.data()), static_cast<const index_t*>(rows.data()),
-          weights.defined() ? static_cast<const A*>(weights.data()) : nullptr, T_, K, C, static_cast<T*>(out.data()));
+      const auto* r = static_cast<const index_t*>(rows.data());
+      const auto* ys = static_cast<const T*>(y.data());
+      auto* os = static_cast<T*>(out.data());
+      if (wide)
+        unpermute_kernel<VEC, T, index_t, A><<<grid_for(T_, 1), row_threads(vectors), 0, stream>>>(ys, r, w, T_, K,
+                                                                                                   C, os);
+      else
+        unpermute_kernel<1, T, index_t, A><<<grid_for(T_, 1), row_threads(vectors), 0, stream>>>(ys, r, w, T_, K, C,
+                                                                                                 os);
     });
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename J, typename A>
+template <int VEC, typename T, typename J, typename A>
 __global__ void unpermute_grad_y_kernel(const T* grad, const J* sources, const A* weights, int64_t N, int64_t K,
                                         int64_t C, T* grad_y) {
-  const int64_t total = N * C;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / C, c = i % C, a = int64_t(sources[r]);
-    grad_y[i] = a < 0 ? T(0.0f) : T((weights ? weights[a] : A(1)) * A(grad[(a / K) * C + c]));
+  using cuda::AlignedVector;
+  const int64_t vectors = C / VEC;
+  for (int64_t r = blockIdx.x; r < N; r += gridDim.x) {
+    const int64_t a = int64_t(sources[r]);
+    const A w = a < 0 ? A(0) : weights ? weights[a] : A(1);
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      AlignedVector<T, VEC> o;
+      if (a < 0) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o.v[e] = T(0.0f);
+      } else {
+        const auto g = *reinterpret_cast<const AlignedVector<T, VEC>*>(grad + (a / K) * C + v * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o.v[e] = T(w * A(g.v[e]));
+      }
+      *reinterpret_cast<AlignedVector<T, VEC>*>(grad_y + r * C + v * VEC) = o;
+    }
   }
 }
 
-// A warp per assignment: the dot product of its token's gradient with its row of y, lanes then a fixed tree.
-template <typename T, typename I, typename A>
+// A warp per assignment: the dot product of its token's gradient with its row of y, each lane over its vectors in
+// order, then the lanes by a fixed tree.
+template <int VEC, typename T, typename I, typename A>
 __global__ void unpermute_grad_weights_kernel(const T* grad, const T* y, const I* rows, int64_t assignments,
                                               int64_t K, int64_t C, A* grad_weights) {
+  using cuda::AlignedVector;
   const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), vectors = C / VEC;
   for (int64_t a = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; a < assignments; a += warps) {
     const int64_t r = int64_t(rows[a]);
     A acc = 0;
     if (r >= 0)
-      for (int64_t c = lane; c < C; c += 32) acc += A(grad[(a / K) * C + c]) * A(y[r * C + c]);
+      for (int64_t v = lane; v < vectors; v += 32) {
+        const auto g = *reinterpret_cast<const AlignedVector<T, VEC>*>(grad + (a / K) * C + v * VEC);
+        const auto h = *reinterpret_cast<const AlignedVector<T, VEC>*>(y + r * C + v * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc += A(g.v[e]) * A(h.v[e]);
+      }
     acc = cuda::warp_allreduce_sum(acc);
     if (lane == 0) grad_weights[a] = acc;
   }
@@ -361,19 +427,35 @@ void moe_unpermute_backward_cuda(const DeviceContext& ctx, const Tensor& grad, c
   LOOM_DISPATCH_FLOATING(grad.dtype(), "moe_unpermute_backward", [&] {
     using A = compute_t<scalar_t>;
     using T = scalar_t;
+    constexpr int VEC = kRowVector<T>;
     const A* w = weights.defined() ? static_cast<const A*>(weights.data()) : nullptr;
-    if (grad_y.defined() && N * C > 0)
+    const auto* g = static_cast<const T*>(grad.data());
+    if (grad_y.defined() && N * C > 0) {
+      const bool wide = rows_vectorizable<VEC, T>(C, grad.data(), grad_y.data());
+      const unsigned threads = row_threads(wide ? C / VEC : C);
+      auto* gy = static_cast<T*>(grad_y.data());
       LOOM_DISPATCH_INDEX(sources.dtype(), "moe_unpermute_backward", [&] {
-        unpermute_grad_y_kernel<T, index_t, A><<<grid_for(N * C, 256), 256, 0, stream>>>(
-            static_cast<const T*>(grad.data()), static_cast<const index_t*>(sources.data()), w, N, K, C,
-            static_cast<T*>(grad_y.data()));
+        const auto* src = static_cast<const index_t*>(sources.data());
+        if (wide)
+          unpermute_grad_y_kernel<VEC, T, index_t, A><<<grid_for(N, 1), threads, 0, stream>>>(g, src, w, N, K, C, gy);
+        else
+          unpermute_grad_y_kernel<1, T, index_t, A><<<grid_for(N, 1), threads, 0, stream>>>(g, src, w, N, K, C, gy);
       });
-    if (grad_weights.defined() && T_ * K > 0)
+    }
+    if (grad_weights.defined() && T_ * K > 0) {
+      const bool wide = rows_vectorizable<VEC, T>(C, grad.data(), y.data());
+      const auto* ys = static_cast<const T*>(y.data());
+      auto* gw = static_cast<A*>(grad_weights.data());
       LOOM_DISPATCH_INDEX(rows.dtype(), "moe_unpermute_backward", [&] {
-        unpermute_grad_weights_kernel<T, index_t, A><<<grid_for(T_ * K, 8), 256, 0, stream>>>(
-            static_cast<const T*>(grad.data()), static_cast<const T*>(y.data()),
-            static_cast<const index_t*>(rows.data()), T_ * K, K, C, static_cast<A*>(grad_weights.data()));
+        const auto* r = static_cast<const index_t*>(rows.data());
+        if (wide)
+          unpermute_grad_weights_kernel<VEC, T, index_t, A><<<grid_for(T_ * K, 8), 256, 0, stream>>>(g, ys, r, T_ * K,
+                                                                                                    K, C, gw);
+        else
+          unpermute_grad_weights_kernel<1, T, index_t, A><<<grid_for(T_ * K, 8), 256, 0, stream>>>(g, ys, r, T_ * K,
+                                                                                                  K, C, gw);
       });
+    }
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
