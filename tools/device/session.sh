@@ -40,6 +40,8 @@
 #             bf16) and last the whole pytest suite, each with its row and log as it ends; without Python.h a row
 #             says so and the stage stops
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
+#   kernels   tools/bench/kernel_profile.py: the GPU time of a few steps kernel by kernel, PyTorch beside Loom, by
+#             kernel class (KP_MODEL gpt2-124m, KP_B 32, KP_T 1024, KP_FLAGS); builds the Python package first
 #   lora      tools/bench/lora_8b.sh: LoRA on LLaMA-3 8B beside PEFT in the same call (RECOMPUTE_BLOCKS, LOOM_FLAGS,
 #             SKIP_PEFT, STEPS: see that script), one row with each run's tokens/s and memory against PEFT's
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
@@ -88,7 +90,7 @@ stage_targets() {  # stage -> the build targets it runs
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
     lora) echo loom-train ;;
-    python) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
+    python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
     *) echo all ;;  # build
   esac
@@ -572,13 +574,12 @@ pytest_counts() {  # log
   echo "${out# }"
 }
 
-# The loom Python package on the GPU, built with LOOM_PYTHON=ON for python_interpreter (a reconfigure when the last
-# build had it off; later stages of the call keep it on): its pytest suite but the DLPack file, in the environment
-# ctest's python.pytest gets; python/tests/test_cuda_dlpack.py (CUDA tensors to and from PyTorch) alone; then
-# tools/bench/python_overhead.py (loom.Trainer with a per-step callback against loom-train, same TOML, PY_MODEL
-# gpt2-124m, PY_B 16, T 1024, PY_STEPS 30, bf16). Without the interpreter's headers it records why and stops.
-stage_python() {
-  local t0=$SECONDS py inc version pybind missing="" m
+# The loom Python package and loom-train, built with LOOM_PYTHON=ON for the interpreter that imports torch (PYTHON_EXE
+# to choose another); sets py (the interpreter) and missing (which of numpy, pytest, torch it lacks) for the caller,
+# and rows a failure. The stages that need the package call it.
+build_python_package() {
+  local t0=$SECONDS inc version pybind m
+  missing=""
   py=$(python_interpreter)
   version=$("$py" -c "import platform; print(platform.python_version())" 2>/dev/null)
   if ! inc=$(python_headers "$py"); then
@@ -608,6 +609,16 @@ python_build.log" $((SECONDS - t0))
     return 1
   fi
   row "python build" pass "$LOOM_BUILD_TARGETS for $py (Python $version, pybind11 ${pybind:-?})" $((SECONDS - t0))
+}
+
+# The loom Python package on the GPU, built with LOOM_PYTHON=ON for python_interpreter (a reconfigure when the last
+# build had it off; later stages of the call keep it on): its pytest suite but the DLPack file, in the environment
+# ctest's python.pytest gets; python/tests/test_cuda_dlpack.py (CUDA tensors to and from PyTorch) alone; then
+# tools/bench/python_overhead.py (loom.Trainer with a per-step callback against loom-train, same TOML, PY_MODEL
+# gpt2-124m, PY_B 16, T 1024, PY_STEPS 30, bf16). Without the interpreter's headers it records why and stops.
+stage_python() {
+  local t0 py missing
+  build_python_package || return 1
   t0=$SECONDS
 
   # python.pytest's environment (python/CMakeLists.txt), and tiny Shakespeare for the trainer tests where it is here.
@@ -684,6 +695,25 @@ loom.Trainer $(result_field trainer_tok_s) tok/s, ${PY_MODEL:-gpt2-124m} B=${PY_
   [ "$result" = pass ]
 }
 
+# Kernel by kernel, PyTorch beside Loom (tools/bench/kernel_profile.py: torch.profiler's CUDA activity over a few
+# steps of each, in processes of their own): KP_MODEL (gpt2-124m), KP_B (32), KP_T (1024), KP_FLAGS (more flags:
+# '--loom-set fp8=classifier --loom-set fp8_amax_history=16', '--skip-torch'). Needs the Python package, which it
+# builds as the python stage does.
+stage_kernels() {
+  local t0 py missing rc figures
+  build_python_package || return 1
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  env PYTHONPATH="$PWD/$BIN/python" PYTHONUNBUFFERED=1 timeout "${KP_TIMEOUT:-480}" "$py" tools/bench/kernel_profile.py \
+    --model "${KP_MODEL:-gpt2-124m}" -b "${KP_B:-32}" -t "${KP_T:-1024}" --work $S/kernels ${KP_FLAGS:-} \
+    > $S/kernels.log 2>&1
+  rc=$?
+  cp $S/kernels.log "$OUT/" 2>/dev/null
+  grep -v '^RESULT' $S/kernels.log | tail -${KP_TAIL:-70}
+  figures=$(grep '^RESULT' $S/kernels.log | tail -1 | cut -d' ' -f3-)
+  row kernels "rc $rc" "${figures:-see kernels.log}" $((SECONDS - t0))
+}
+
 stage_bench() {
   local t0=$SECONDS
   OUT=$OUT tools/bench/device_session.sh 2>&1 | tee $S/bench.log | tail -${BENCH_TAIL:-40}
@@ -720,10 +750,10 @@ PY
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench|lora) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
-initcheck racecheck sweep reference grouped_gemm python bench lora)"; exit 2 ;;
+initcheck racecheck sweep reference grouped_gemm python bench lora kernels)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
