@@ -123,9 +123,11 @@ def child_loom(a, out):
     tokens = max((a.warm + a.profile_steps + 2) * a.batch_size * a.seq_len + 1, 100_000)
     subprocess.run([sys.executable, str(ROOT / "tools/bench/make_shard.py"), str(data), "--tokens", str(tokens),
                     "--vocab", str(a.vocab)], check=True, stdout=subprocess.DEVNULL)
+    # The extra settings before any section: a key outside a section may be any of loom-train's.
     extra = "".join(f"{key} = {value}\n" for key, value in a.loom_set)
     config = work / "run.toml"
-    config.write_text(f"""[model]
+    config.write_text(f"""{extra}
+[model]
 model = "{a.model}"
 
 [training]
@@ -138,7 +140,7 @@ dtype = "bf16"
 eval_interval = 0
 eval_batches = 1
 sample_tokens = 0
-{extra}""")
+""")
     prof, walls = profiler(), []
 
     def on_step(metrics):
