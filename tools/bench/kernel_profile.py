@@ -123,24 +123,19 @@ def child_loom(a, out):
     tokens = max((a.warm + a.profile_steps + 2) * a.batch_size * a.seq_len + 1, 100_000)
     subprocess.run([sys.executable, str(ROOT / "tools/bench/make_shard.py"), str(data), "--tokens", str(tokens),
                     "--vocab", str(a.vocab)], check=True, stdout=subprocess.DEVNULL)
-    # The extra settings before any section: a key outside a section may be any of loom-train's.
-    extra = "".join(f"{key} = {value}\n" for key, value in a.loom_set)
+    # The extra settings first, before any section (a key outside a section may be any of loom-train's); the
+    # script's own settings leave out those the extra ones name.
+    given = {key.replace("-", "_") for key, _ in a.loom_set}
+    dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "f32")
+    sections = {"model": {"model": f'"{a.model}"'},
+                "training": {"train_data": f'"{data}"', "batch_size": a.batch_size, "seq_len": a.seq_len,
+                             "steps": a.warm + a.profile_steps + 1, "device": f'"{a.device}"', "dtype": f'"{dtype}"',
+                             "eval_interval": 0, "eval_batches": 1, "sample_tokens": 0}}
+    text = "".join(f"{key} = {value}\n" for key, value in a.loom_set)
+    for section, keys in sections.items():
+        text += f"\n[{section}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items() if k not in given)
     config = work / "run.toml"
-    config.write_text(f"""{extra}
-[model]
-model = "{a.model}"
-
-[training]
-train_data = "{data}"
-batch_size = {a.batch_size}
-seq_len = {a.seq_len}
-steps = {a.warm + a.profile_steps + 1}
-device = "cuda"
-dtype = "bf16"
-eval_interval = 0
-eval_batches = 1
-sample_tokens = 0
-""")
+    config.write_text(text)
     prof, walls = profiler(), []
 
     def on_step(metrics):
@@ -247,6 +242,8 @@ def parse(argv):
     ap.add_argument("--vocab", type=int, default=50257,
                     help="the synthetic shard's vocabulary for Loom's run (GPT-2's; 128256 for LLaMA-3)")
     ap.add_argument("--skip-torch", action="store_true", help="profile Loom alone")
+    ap.add_argument("--device", default="cuda", help="Loom's device (cpu: a check of this script, no kernels)")
+    ap.add_argument("--dtype", help="Loom's dtype (default bf16 on CUDA, f32 on the CPU)")
     ap.add_argument("--work", help="where the logs and tables go (default: a new temporary folder)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
     a = ap.parse_args(argv)
@@ -257,6 +254,8 @@ def parse(argv):
     a.loom_set = quoted
     if a.profile_steps < 1 or a.warm < 1:
         ap.error("--warm and --profile-steps must be at least 1")
+    if not a.skip_torch and not a.device.startswith("cuda"):
+        ap.error("the PyTorch side runs on CUDA only: --skip-torch with --device " + a.device)
     return a
 
 
