@@ -44,9 +44,10 @@ DType output_dtype(const char* op, DType input);
 // A differentiable cast of a floating tensor to the autocast dtype (undefined and integer tensors pass through).
 Tensor cast(const Tensor& t);
 // A parameter (a leaf that requires grad) in the autocast dtype, not differentiable (the caller's node records the
-// parameter itself). Cast once per outermost AutocastGuard and per storage: every parameter of an optimizer's flat
-// buffer comes from one cast kernel. As PyTorch's autocast cache, it assumes parameters do not change inside the
-// region. Other tensors get a plain cast.
+// parameter itself). Cast once per outermost AutocastGuard, by ranges of its storage: the parameters of an
+// optimizer's flat buffer come from a kernel per range, the whole buffer in the first region and afterwards the
+// ranges the region before asked for (amp.cc). As PyTorch's autocast cache, it assumes parameters do not change
+// inside the region. Other tensors get a plain cast.
 Tensor cast_parameter(const Tensor& t);
 
 }  // namespace loom::amp

@@ -12,14 +12,51 @@ namespace {
 thread_local bool enabled = false;
 thread_local DType dtype = kBF16;
 
-// Parameters cast in the current outermost autocast region, by storage: the cast covers the whole storage, so
-// parameters that share one (an optimizer's flat buffer) are cast by one kernel and read as views of it.
+// Parameters cast in the current outermost autocast region, by storage. Parameters that share a storage (an
+// optimizer's flat buffer) are cast by range, a kernel per range, and read as views of it. The first region casts
+// each storage whole; later ones cast the ranges the region before asked for (merged across small gaps), so that a
+// storage most of whose parameters never need the cast (the weights FP8 products quantize from f32) is not cast
+// whole every step for the few that do (a mixture of experts' routers). A parameter outside those ranges is cast on
+// its own when asked for: every region reads the values its parameters have when it casts them.
+struct CastRange {
+  int64_t start = 0, length = 0;  // elements of the storage
+  Tensor cast;                    // those elements in the autocast dtype, 1-D
+};
 struct CastEntry {
   std::weak_ptr<Storage> source;
   DType dtype;
-  Tensor cast;  // the whole storage in the autocast dtype, 1-D
+  std::vector<CastRange> ranges;
+  std::vector<std::pair<int64_t, int64_t>> asked;  // [start, end) of each parameter asked for in this region
 };
 thread_local std::vector<CastEntry> parameter_casts;
+// What the last outermost region asked of each storage, merged: the ranges the next one casts up front.
+struct AskedRanges {
+  std::weak_ptr<Storage> source;
+  DType dtype;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+};
+thread_local std::vector<AskedRanges> asked_before;
+
+// Ranges closer than this (elements) are cast as one: a kernel launch costs about what casting a few MB moves.
+constexpr int64_t kMergeGap = int64_t(1) << 22;
+
+std::vector<std::pair<int64_t, int64_t>> merged(std::vector<std::pair<int64_t, int64_t>> r) {
+  std::sort(r.begin(), r.end());
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& [a, b] : r) {
+    if (!out.empty() && a <= out.back().second + kMergeGap) out.back().second = std::max(out.back().second, b);
+    else out.emplace_back(a, b);
+  }
+  return out;
+}
+
+// The region ends: what it asked for is what the next casts up front.
+void end_region() {
+  asked_before.clear();
+  for (CastEntry& e : parameter_casts)
+    if (!e.source.expired()) asked_before.push_back({e.source, e.dtype, merged(std::move(e.asked))});
+  parameter_casts.clear();
+}
 }  // namespace
 
 bool is_autocast_enabled() { return enabled; }
@@ -34,7 +71,7 @@ AutocastGuard::AutocastGuard(DType d, bool on) : previous_enabled_(enabled), pre
 AutocastGuard::~AutocastGuard() {
   enabled = previous_enabled_;
   dtype = previous_dtype_;
-  if (!enabled) parameter_casts.clear();  // the outermost region ends: parameters may change before the next
+  if (!enabled) end_region();  // the outermost region ends: parameters may change before the next
 }
 
 namespace {
@@ -80,15 +117,37 @@ Tensor cast_parameter(const Tensor& t) {
   if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
   if (!enabled || !t.is_leaf() || !t.requires_grad()) return ops::to_dtype(t, dtype);
   const std::shared_ptr<Storage>& storage = t.storage();
-  Tensor whole;
-  for (const CastEntry& e : parameter_casts)
-    if (e.dtype == dtype && e.source.lock() == storage) whole = e.cast;
-  if (!whole.defined()) {
-    int64_t elements = int64_t(storage->nbytes() / t.itemsize());
-    whole = ops::to_dtype(t.detach().as_strided({elements}, {1}, 0), dtype);
-    parameter_casts.push_back({storage, dtype, whole});
+  // The elements the parameter spans, [first, end) (non-negative strides: a parameter is dense).
+  int64_t first = t.storage_offset(), end = first + (t.numel() > 0 ? 1 : 0);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return ops::to_dtype(t, dtype);
+    if (t.numel() > 0) end += (t.size(d) - 1) * t.stride(d);
   }
-  return whole.as_strided(t.shape(), t.strides(), t.storage_offset());
+  CastEntry* entry = nullptr;
+  for (CastEntry& e : parameter_casts)
+    if (e.dtype == dtype && e.source.lock() == storage) entry = &e;
+  const int64_t elements = int64_t(storage->nbytes() / t.itemsize());
+  const Tensor flat = t.detach().as_strided({elements}, {1}, 0);
+  auto cast_range = [&](int64_t a, int64_t b) {
+    return CastRange{a, b - a, ops::to_dtype(flat.narrow(0, a, b - a), dtype)};
+  };
+  if (!entry) {
+    parameter_casts.push_back({storage, dtype, {}, {}});
+    entry = &parameter_casts.back();
+    const std::vector<std::pair<int64_t, int64_t>>* before = nullptr;
+    for (const AskedRanges& r : asked_before)
+      if (r.dtype == dtype && r.source.lock() == storage) before = &r.ranges;
+    if (before)
+      for (const auto& [a, b] : *before) entry->ranges.push_back(cast_range(a, std::min(b, elements)));
+    else
+      entry->ranges.push_back(cast_range(0, elements));
+  }
+  entry->asked.emplace_back(first, end);
+  for (const CastRange& r : entry->ranges)
+    if (first >= r.start && end <= r.start + r.length)
+      return r.cast.as_strided(t.shape(), t.strides(), first - r.start);
+  entry->ranges.push_back(cast_range(first, end));  // asked for now, not in the last region
+  return entry->ranges.back().cast.as_strided(t.shape(), t.strides(), 0);
 }
 
 }  // namespace loom::amp
