@@ -45,8 +45,8 @@ DType output_dtype(const char* op, DType input);
 Tensor cast(const Tensor& t);
 // A parameter (a leaf that requires grad) in the autocast dtype, not differentiable (the caller's node records the
 // parameter itself). Cast once per outermost AutocastGuard, by ranges of its storage: the parameters of an
-// optimizer's flat buffer come from a kernel per range, the whole buffer in the first region and afterwards the
-// ranges the region before asked for (amp.cc). As PyTorch's autocast cache, it assumes parameters do not change
+// optimizer's flat buffer come from a kernel per range, the ranges the region before asked for, and a parameter
+// outside them from a kernel of its own (amp.cc). As PyTorch's autocast cache, it assumes parameters do not change
 // inside the region. Other tensors get a plain cast.
 Tensor cast_parameter(const Tensor& t);
 

@@ -13,11 +13,12 @@ thread_local bool enabled = false;
 thread_local DType dtype = kBF16;
 
 // Parameters cast in the current outermost autocast region, by storage. Parameters that share a storage (an
-// optimizer's flat buffer) are cast by range, a kernel per range, and read as views of it. The first region casts
-// each storage whole; later ones cast the ranges the region before asked for (merged across small gaps), so that a
+// optimizer's flat buffer) are cast by range, a kernel per range, and read as views of it: a region casts up front
+// the ranges the region before asked for (merged across small gaps: one kernel for a step that asks for nearly every
+// parameter), and a parameter outside them on its own when asked for (every parameter, in the first region). So a
 // storage most of whose parameters never need the cast (the weights FP8 products quantize from f32) is not cast
-// whole every step for the few that do (a mixture of experts' routers). A parameter outside those ranges is cast on
-// its own when asked for: every region reads the values its parameters have when it casts them.
+// whole for the few that do (a mixture of experts' routers). Every region reads the values its parameters have when
+// it casts them.
 struct CastRange {
   int64_t start = 0, length = 0;  // elements of the storage
   Tensor cast;                    // those elements in the autocast dtype, 1-D
@@ -138,9 +139,8 @@ Tensor cast_parameter(const Tensor& t) {
     for (const AskedRanges& r : asked_before)
       if (r.dtype == dtype && r.source.lock() == storage) before = &r.ranges;
     if (before)
-      for (const auto& [a, b] : *before) entry->ranges.push_back(cast_range(a, std::min(b, elements)));
-    else
-      entry->ranges.push_back(cast_range(0, elements));
+      for (const auto& [a, b] : *before)
+        if (a < std::min(b, elements)) entry->ranges.push_back(cast_range(a, std::min(b, elements)));
   }
   entry->asked.emplace_back(first, end);
   for (const CastRange& r : entry->ranges)
