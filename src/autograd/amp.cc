@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "loom/common/shape.h"
 #include "loom/core/op_schema.h"
 #include "loom/functional.h"
 
@@ -118,12 +119,8 @@ Tensor cast_parameter(const Tensor& t) {
   if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
   if (!enabled || !t.is_leaf() || !t.requires_grad()) return ops::to_dtype(t, dtype);
   const std::shared_ptr<Storage>& storage = t.storage();
-  // The elements the parameter spans, [first, end) (non-negative strides: a parameter is dense).
-  int64_t first = t.storage_offset(), end = first + (t.numel() > 0 ? 1 : 0);
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.stride(d) < 0) return ops::to_dtype(t, dtype);
-    if (t.numel() > 0) end += (t.size(d) - 1) * t.stride(d);
-  }
+  // The elements the parameter spans, [first, end).
+  const int64_t first = t.storage_offset(), end = first + span_of(t.shape(), t.strides());
   CastEntry* entry = nullptr;
   for (CastEntry& e : parameter_casts)
     if (e.dtype == dtype && e.source.lock() == storage) entry = &e;
