@@ -71,7 +71,7 @@ def profiler():
 
 
 def child_torch(a, out):
-    """PyTorch's GPT-2 step (pytorch_gpt2.py's model), warm steps, then the profiled ones."""
+    """PyTorch's GPT-2 step (pytorch_gpt2.py's model, optimizer and step), warm steps, then the profiled ones."""
     sys.path.insert(0, str(ROOT / "tools/bench"))
     import torch
     import pytorch_gpt2 as ref
@@ -84,10 +84,7 @@ def child_torch(a, out):
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     model = ref.GPT2(*ref.MODELS[name]).to("cuda")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = ref.make_optimizer(model, 6e-4)
     step_fn = torch.compile(model)
     B, T = a.batch_size, a.seq_len
     tokens = torch.randint(0, ref.VOCAB, (B * T + 1,), generator=torch.Generator().manual_seed(1))
@@ -99,12 +96,7 @@ def child_torch(a, out):
             prof.start()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step_fn(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, _ = ref.train_step(step_fn, model, opt, x, y, True, 6e-4)
         loss.item()
         torch.cuda.synchronize()
         if step >= a.warm:

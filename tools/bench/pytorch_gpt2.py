@@ -148,6 +148,28 @@ def read_shard(path):
     return np.fromfile(path, dtype=np.uint16, offset=1024, count=int(header[2])).astype(np.int64)
 
 
+def make_optimizer(model, lr):
+    """Fused AdamW as loom-train sets it up: weight decay 0.1 on matrices, none on vectors, betas 0.9/0.95."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def train_step(step_fn, model, opt, x, y, bf16, lr):
+    """One step as loom-train takes it: the loss (under bf16 autocast when asked), its backward, clipping at 1.0,
+    AdamW at learning rate lr. Returns the loss and the gradient norm (tensors: nothing waits for the GPU here)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        loss = step_fn(x, y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, norm
+
+
 def lr_at(step, args):
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -199,10 +221,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     n_layer, _, dim = MODELS[args.model]
     flops_per_token = 6 * n_params + 6 * n_layer * dim * T
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = make_optimizer(model, args.lr)
     wrapped = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -222,14 +241,7 @@ def main():
         y = chunk[1:].view(B, T).to(dev, non_blocking=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss = step_fn(x, y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, norm = train_step(step_fn, model, opt, x, y, args.precision == "bf16", lr_at(step, args))
         loss_value = loss.item()
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
