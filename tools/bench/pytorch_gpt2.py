@@ -148,18 +148,19 @@ def read_shard(path):
     return np.fromfile(path, dtype=np.uint16, offset=1024, count=int(header[2])).astype(np.int64)
 
 
-def make_optimizer(model, lr):
-    """Fused AdamW as loom-train sets it up: weight decay 0.1 on matrices, none on vectors, betas 0.9/0.95."""
+def make_optimizer(model, lr, fused=True):
+    """AdamW as loom-train sets it up (fused on a GPU): weight decay 0.1 on matrices, none on vectors, betas
+    0.9/0.95, eps 1e-8. pytorch_llama.py's too."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}))
 
 
-def train_step(step_fn, model, opt, x, y, bf16, lr):
+def train_step(step_fn, model, opt, x, y, bf16, lr, device_type="cuda"):
     """One step as loom-train takes it: the loss (under bf16 autocast when asked), its backward, clipping at 1.0,
     AdamW at learning rate lr. Returns the loss and the gradient norm (tensors: nothing waits for the GPU here)."""
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
         loss = step_fn(x, y)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -33,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_gpt2 import lr_at, read_shard, write_safetensors  # noqa: E402  (same data, schedule and file format)
+from pytorch_gpt2 import (lr_at, make_optimizer, read_shard, train_step,  # noqa: E402  (same data, schedule,
+                          write_safetensors)                             # optimizer, step and file format)
 
 # Loom's ModelConfig::from_name: (layers, heads, kv heads, dim, ffn, vocab, rope scaling (factor, low, high,
 # original context) or None, tied embeddings, context). Norm eps 1e-5 and rope theta 500000 for all.
@@ -309,10 +310,7 @@ def main():
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     n_active = n_params - expert_params * (n_experts - top_k) // n_experts
     flops_per_token = 6 * n_active + 6 * n_layer * dim * T
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
+    opt = make_optimizer(model, args.lr, fused=cuda)
     step_fn = model if args.no_compile else torch.compile(model)
     attn = ("no GQA" if model.model.layers[0].self_attn.n_kv_head == model.model.layers[0].self_attn.n_head
             else "kv repeated" if model.model.layers[0].self_attn.repeat_kv else "SDPA enable_gqa")
@@ -330,14 +328,8 @@ def main():
         y = chunk[1:].view(B, T).to(dev, non_blocking=True)
         sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = step_fn(x, y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, norm = train_step(step_fn, model, opt, x, y, args.dtype == "bf16", lr_at(step, args),
+                                "cuda" if cuda else "cpu")
         loss_value = loss.item()
         sync()
         dt = time.perf_counter() - t0
