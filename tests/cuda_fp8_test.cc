@@ -4,8 +4,8 @@
 // not a multiple of 16, a misaligned or padded C, batches), both output dtypes, the bias and fast accumulation; a GPU
 // without FP8 tensor cores is refused with a clear error; a tiny model trains under --fp8 all and tracks bf16; shadow
 // mode holds the FP8 products against the dequantized bf16 ones; the grouped (mixture of experts) layer matches the
-// CPU's; SwiGLU's activation and the residual RMS norm's output quantized where they are made match the GPU's
-// unfused ops.
+// CPU's; SwiGLU's and GELU's activations and the residual norms' outputs quantized where they are made match the
+// GPU's unfused ops; the codes written in both layouts match the CPU's.
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -151,45 +151,123 @@ TEST(CudaFp8, SwigluQuantizeIsTheGpusSwigluThenQuantize) {
         }
 }
 
-// The residual RMS norm writing its bf16 output's FP8 codes (residual_rms_norm_quantize) on the GPU: the GPU's own
-// norm then fp8_quantize bit for bit (codes, amax, residual, rstd) through both kernels (a warp per row for widths
-// that are multiples of 4 up to 2048, a block per row otherwise), deltas in x's dtype and bf16, with and without a
-// weight, special values; and within one code of the CPU's (the devices' statistics round apart).
-TEST(CudaFp8, ResidualRmsNormQuantizeIsTheGpusNormThenQuantize) {
+// The residual norms writing their bf16 output's FP8 codes (residual_rms_norm_quantize,
+// residual_layer_norm_quantize) on the GPU: the GPU's own norm then fp8_quantize bit for bit (codes, amax, residual,
+// the statistics) through both kernels (a warp per row for widths that are multiples of 4 up to 2048, a block per
+// row otherwise), deltas in x's dtype and bf16, with and without a weight (and the layer norm's bias), special
+// values; and within one code of the CPU's (the devices' statistics round apart).
+TEST(CudaFp8, ResidualNormQuantizeIsTheGpusNormThenQuantize) {
   LOOM_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(5);
-  for (DType xt : {kF32, kBF16})
-    for (DType fp8 : {kF8E4M3, kF8E5M2})
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{3, 7}, {64, 768}, {33, 2048}, {5, 3001}})
-        for (int delta_kind : {0, 1, 2}) {
-          if (delta_kind == 2 && xt == kBF16) continue;
-          std::vector<double> v = special_values(rows * cols, rng);
-          for (auto& e : v)
-            if (std::isfinite(e) && std::abs(e) > 1e3) e = 2.0;
-          const Tensor x = host_tensor(v, {rows, cols}, xt).to(kGpu);
-          const Tensor delta = delta_kind ? test::random_tensor({rows, cols}, delta_kind == 1 ? xt : kBF16, -1, 1,
-                                                                rng()).to(kGpu)
-                                          : Tensor();
-          const Tensor w = rng() % 2 ? test::random_tensor({cols}, xt, 0.5, 1.5, rng()).to(kGpu) : Tensor();
-          const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
-          Tensor amax, amax_ref;
-          const ops::ResidualNormResult f = ops::residual_rms_norm_quantize(x, delta, w, 1e-5, s, fp8, &amax);
-          const ops::ResidualNormResult u = ops::residual_rms_norm(x, delta, w, 1e-5, kBF16);
-          const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
-          const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
-                                   std::to_string(rows) + ", " + std::to_string(cols) + "] delta " +
-                                   std::to_string(delta_kind) + (w.defined() ? " weighted" : "");
-          EXPECT_TRUE(same_bytes(f.out, q_ref)) << what;
-          EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
-          EXPECT_TRUE(same_bytes(f.rstd, u.rstd)) << what;
-          if (delta_kind) {
-            EXPECT_TRUE(same_bytes(f.residual, u.residual)) << what;
+  for (bool centered : {false, true})
+    for (DType xt : {kF32, kBF16})
+      for (DType fp8 : {kF8E4M3, kF8E5M2})
+        for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{3, 7}, {64, 768}, {33, 2048}, {5, 3001}})
+          for (int delta_kind : {0, 1, 2}) {
+            if (delta_kind == 2 && xt == kBF16) continue;
+            std::vector<double> v = special_values(rows * cols, rng);
+            for (auto& e : v)
+              if (std::isfinite(e) && std::abs(e) > 1e3) e = 2.0;
+            const Tensor x = host_tensor(v, {rows, cols}, xt).to(kGpu);
+            const Tensor delta = delta_kind ? test::random_tensor({rows, cols}, delta_kind == 1 ? xt : kBF16, -1, 1,
+                                                                  rng()).to(kGpu)
+                                            : Tensor();
+            const Tensor w = rng() % 2 ? test::random_tensor({cols}, xt, 0.5, 1.5, rng()).to(kGpu) : Tensor();
+            const Tensor b = centered && rng() % 2 ? test::random_tensor({cols}, xt, -1, 1, rng()).to(kGpu) : Tensor();
+            const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+            auto fused = [&](const Tensor& x_, const Tensor& d, const Tensor& w_, const Tensor& b_, const Tensor& s_,
+                             Tensor* amax) {
+              return centered ? ops::residual_layer_norm_quantize(x_, d, w_, b_, 1e-5, s_, fp8, amax)
+                              : ops::residual_rms_norm_quantize(x_, d, w_, 1e-5, s_, fp8, amax);
+            };
+            Tensor amax, amax_ref;
+            const ops::ResidualNormResult f = fused(x, delta, w, b, s, &amax);
+            const ops::ResidualNormResult u = centered ? ops::residual_layer_norm(x, delta, w, b, 1e-5, kBF16)
+                                                       : ops::residual_rms_norm(x, delta, w, 1e-5, kBF16);
+            const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
+            const std::string what = std::string(centered ? "layer norm " : "RMS norm ") + dtype_name(xt) + " -> " +
+                                     dtype_name(fp8) + " [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                                     "] delta " + std::to_string(delta_kind) + (w.defined() ? " weighted" : "") +
+                                     (b.defined() ? " biased" : "");
+            EXPECT_TRUE(same_bytes(f.out, q_ref)) << what;
+            EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+            EXPECT_TRUE(same_bytes(f.rstd, u.rstd)) << what;
+            if (centered) {
+              EXPECT_TRUE(same_bytes(f.mean, u.mean)) << what;
+            }
+            if (delta_kind) {
+              EXPECT_TRUE(same_bytes(f.residual, u.residual)) << what;
+            }
+            auto host = [](const Tensor& t) { return t.defined() ? t.to(Device()) : Tensor(); };
+            const ops::ResidualNormResult c = fused(host(x), host(delta), host(w), host(b), host(s), nullptr);
+            expect_within_a_code(f.out, c.out, fp8, what);
           }
-          const ops::ResidualNormResult c = ops::residual_rms_norm_quantize(
-              x.to(Device()), delta.defined() ? delta.to(Device()) : Tensor(), w.defined() ? w.to(Device()) : Tensor(),
-              1e-5, s.to(Device()), fp8);
-          expect_within_a_code(f.out, c.out, fp8, what);
+}
+
+// GELU's activation quantized where it is made (gelu_quantize) on the GPU: the GPU's own gelu then fp8_quantize
+// bit for bit, codes and amax, over sizes that take the vector path and the element loop (odd lengths, an offset
+// view), special values, both formats and input dtypes; and within one code of the CPU's.
+TEST(CudaFp8, GeluQuantizeIsTheGpusGeluThenQuantize) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(6);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (int64_t n : {1, 7, 4096, 33 * 1031, 65536 * 3 + 5}) {
+        std::vector<double> v = special_values(n + 1, rng);
+        const Tensor whole = host_tensor(v, {n + 1}, xt).to(kGpu);
+        const Tensor x = ops::narrow(whole, 0, 1, n);  // one element in: not 16-byte aligned
+        for (const Tensor& in : {x, ops::contiguous(x)}) {
+          const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+          Tensor amax, amax_ref, amax_cpu;
+          const Tensor q = ops::fp8_gelu_quantize(in, s, fp8, &amax);
+          const Tensor ref = ops::fp8_quantize(ops::gelu(in), s, fp8, &amax_ref);
+          const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " n " + std::to_string(n);
+          EXPECT_TRUE(same_bytes(q, ref)) << what;
+          EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+          const Tensor q_cpu = ops::fp8_gelu_quantize(in.to(Device()), s.to(Device()), fp8, &amax_cpu);
+          expect_within_a_code(q, q_cpu, fp8, what);
         }
+      }
+}
+
+// The codes in both layouts (fp8_quantize_transposed) on the GPU: the CPU's bit for bit (codes, transposed codes,
+// amax) over whole and partial 64 x 64 tiles, odd widths and heights (the element stores), more row tiles than one
+// grid column holds, special values, both formats and input dtypes; and the weight gradient read from them is the
+// product of the row-major codes.
+TEST(CudaFp8, QuantizeTransposedMatchesTheCpu) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(7);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 1}, {3, 5}, {64, 64}, {65, 130}, {4096, 768}, {7, 3001}, {65535 * 64 + 3, 2}}) {
+        const Tensor x = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
+        const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+        Tensor amax, amax_cpu;
+        const ops::Fp8Tensor g = ops::fp8_quantize_transposed(x, s, fp8, &amax);
+        const ops::Fp8Tensor c = ops::fp8_quantize_transposed(x.to(Device()), s.to(Device()), fp8, &amax_cpu);
+        const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                 std::to_string(rows) + ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(same_bytes(g.q, c.q)) << what;
+        EXPECT_TRUE(same_bytes(g.qt, c.qt)) << what;
+        EXPECT_TRUE(same_bytes(amax, amax_cpu)) << what;
+      }
+  if (!gpu_has_fp8()) return;
+  const Tensor one = host_tensor({0.5}, {1}, kF32).to(kGpu);
+  const ops::Fp8Tensor x = ops::fp8_quantize_transposed(test::random_tensor({4096, 768}, kF32, -2, 2, 1).to(kGpu),
+                                                        one, kF8E4M3);
+  const ops::Fp8Tensor g = ops::fp8_quantize_transposed(test::random_tensor({4096, 2304}, kF32, -2, 2, 2).to(kGpu),
+                                                        one, kF8E5M2);
+  Tensor rows_major = empty({2304, 768}, kF32, kGpu), transposed = empty({2304, 768}, kF32, kGpu);
+  ops::fp8_linear_backward_weight_out({g.q, one}, {x.q, one}, rows_major);
+  ops::fp8_linear_backward_weight_out({g.q, one, g.qt}, {x.q, one, x.qt}, transposed);
+  const std::vector<double> a = test::values(rows_major.to(Device())), b = test::values(transposed.to(Device()));
+  double largest = 0, worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    largest = std::max(largest, std::abs(a[i]));
+    worst = std::max(worst, std::abs(a[i] - b[i]));
+  }
+  EXPECT_LE(worst, 1e-5 * largest) << "the weight gradient from transposed codes";
 }
 
 // Every rounding decision of both formats on the GPU's conversion (Ada and up convert with one instruction, the

@@ -1,9 +1,10 @@
-// Quantization where the values are made: swiglu_quantize and residual_rms_norm_quantize give their op then
-// fp8_quantize bit for bit (awkward sizes, views, deltas and weights, special values, both formats and input dtypes)
-// and the float64 oracle's codes; a library that serves the plain ops without the fused ones keeps its own; the FP8
-// down projection on the fused codes gives the unfused layer's outputs and gradients bit for bit under delayed
-// scaling; tiny LLaMA and Mixtral models trained with --fp8 all and delayed scaling take the fused codes and keep the
-// unfused run's losses bit for bit, with and without recompute.
+// Quantization where the values are made: swiglu_quantize, gelu_quantize, residual_rms_norm_quantize and
+// residual_layer_norm_quantize give their op then fp8_quantize bit for bit (awkward sizes, views, deltas, weights
+// and biases, special values, both formats and input dtypes) and the float64 oracle's codes; a library that serves
+// the plain ops without the fused ones keeps its own; the FP8 projections on the fused codes give the unfused
+// layers' outputs and gradients bit for bit under delayed scaling; tiny GPT-2, LLaMA and Mixtral models trained with
+// --fp8 all and delayed scaling take the fused codes and keep the unfused run's losses bit for bit, with and without
+// recompute.
 #include <cmath>
 #include <random>
 
@@ -24,14 +25,16 @@
 namespace loom {
 namespace {
 
-// A library that serves swiglu and residual_rms_norm (native's kernels under its own name) and neither fused op, as
-// one built before them; unregistered when the scope ends.
+// A library that serves swiglu, gelu and the residual norms (native's kernels under its own name) and no fused op,
+// as one built before them; unregistered when the scope ends.
 constexpr const char* kPlain = "plain_producers";
 class PlainLibrary {
  public:
   PlainLibrary() {
     serve(swiglu_op);
+    serve(gelu_op);
     serve(residual_rms_norm_op);
+    serve(residual_layer_norm_op);
   }
   ~PlainLibrary() { dispatch::unregister_provider(kPlain); }
 
@@ -74,7 +77,7 @@ Operands operands(int64_t rows, int64_t cols, DType dt, bool halves, std::mt1993
 // The residual norm's inputs: x (f32 or bf16) with NaN and infinities at `special`, a delta (none, x's dtype or
 // bf16), a weight or none.
 struct NormInputs {
-  Tensor x, delta, weight;
+  Tensor x, delta, weight, bias;
 };
 NormInputs norm_inputs(int64_t rows, int64_t cols, DType xt, int delta_kind, bool weighted, std::mt19937_64& rng,
                        double special) {
@@ -82,8 +85,21 @@ NormInputs norm_inputs(int64_t rows, int64_t cols, DType xt, int delta_kind, boo
   in.x = activations({rows, cols}, xt, rng, special);
   if (delta_kind) in.delta = activations({rows, cols}, delta_kind == 1 ? xt : kBF16, rng, 0);
   if (weighted) in.weight = test::random_tensor({cols}, xt, 0.5, 1.5, rng());
+  if (weighted) in.bias = test::random_tensor({cols}, xt, -0.5, 0.5, rng());
   return in;
 }
+
+// The oracle's case for an op from its operands (undefined: absent); written ones get their shapes only.
+conformance::naive::Operand operand(const std::string& name, const Tensor& t, bool written) {
+  conformance::naive::Operand op;
+  op.name = name, op.present = t.defined(), op.written = written;
+  if (!t.defined()) return op;
+  op.dtype = t.dtype(), op.shape = t.shape();
+  if (!written) op.values = test::element_values(t);
+  return op;
+}
+
+bool same_value(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
 
 TEST(Fp8Fused, SwigluQuantizeIsSwigluThenQuantizeBitForBit) {
   std::mt19937_64 rng(11);
@@ -123,12 +139,6 @@ TEST(Fp8Fused, SwigluQuantizeMatchesTheFloat64Oracle) {
         Tensor amax;
         const Tensor q = ops::fp8_swiglu_quantize(o.gate, o.up, scale_of(scale), fp8, &amax);
         conformance::naive::Case c;
-        auto operand = [](const std::string& name, const Tensor& t, bool written) {
-          conformance::naive::Operand op;
-          op.name = name, op.present = true, op.written = written, op.dtype = t.dtype(), op.shape = t.shape();
-          if (!written) op.values = test::element_values(t);
-          return op;
-        };
         c.tensors = {operand("gate", o.gate, false), operand("up", o.up, false),
                      operand("scale", scale_of(scale), false), operand("q", q, true), operand("amax", amax, true)};
         table["swiglu_quantize"](c);
@@ -168,6 +178,31 @@ TEST(Fp8Fused, ALibraryWithoutTheFusedOpKeepsItsSwiglu) {
       ops::residual_rms_norm_quantize(in.x, in.delta, in.weight, 1e-5, scale_of(2), kF8E4M3);
   EXPECT_TRUE(test::bytes_equal(norm_fused.out, norm_plain.out));
   EXPECT_TRUE(test::bytes_equal(norm_fused.residual, norm_plain.residual));
+}
+
+TEST(Fp8Fused, ALibraryWithoutTheFusedOpKeepsItsGeluAndLayerNorm) {
+  std::mt19937_64 rng(20);
+  const Tensor x = activations({17, 40}, kBF16, rng, 0.02);
+  const NormInputs in = norm_inputs(6, 64, kF32, 2, true, rng, 0);
+  Tensor amax_fused, amax_plain;
+  const Tensor fused = ops::fp8_gelu_quantize(x, scale_of(4), kF8E4M3, &amax_fused);
+  const ops::ResidualNormResult norm_fused =
+      ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, in.bias, 1e-5, scale_of(2), kF8E4M3);
+  PlainLibrary library;
+  test::ScopedPolicy policy(std::string(kPlain) + ";native");
+  test::CallCounter counter;
+  const Tensor plain = ops::fp8_gelu_quantize(x, scale_of(4), kF8E4M3, &amax_plain);
+  EXPECT_EQ(counter.calls("gelu_quantize"), 0u);
+  EXPECT_EQ(counter.calls("gelu"), 1u);
+  EXPECT_TRUE(test::bytes_equal(fused, plain));
+  EXPECT_TRUE(test::bytes_equal(amax_fused, amax_plain));
+  const ops::ResidualNormResult norm_plain =
+      ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, in.bias, 1e-5, scale_of(2), kF8E4M3);
+  EXPECT_EQ(counter.calls("residual_layer_norm_quantize"), 0u);
+  EXPECT_EQ(counter.calls("residual_layer_norm"), 1u);
+  EXPECT_TRUE(test::bytes_equal(norm_fused.out, norm_plain.out));
+  EXPECT_TRUE(test::bytes_equal(norm_fused.residual, norm_plain.residual));
+  EXPECT_TRUE(test::bytes_equal(norm_fused.mean, norm_plain.mean));
 }
 
 TEST(Fp8Fused, BadOperandsAreRefusedInOneLine) {
@@ -226,14 +261,6 @@ TEST(Fp8Fused, ResidualRmsNormQuantizeMatchesTheFloat64Oracle) {
   conformance::naive::add_fp8_references(table);
   ASSERT_TRUE(table.count("residual_rms_norm_quantize"));
   std::mt19937_64 rng(15);
-  auto operand = [](const std::string& name, const Tensor& t, bool written) {
-    conformance::naive::Operand op;
-    op.name = name, op.present = t.defined(), op.written = written;
-    if (!t.defined()) return op;
-    op.dtype = t.dtype(), op.shape = t.shape();
-    if (!written) op.values = test::element_values(t);
-    return op;
-  };
   for (DType xt : {kF32, kBF16})
     for (int trial = 0; trial < 6; ++trial) {
       const NormInputs in = norm_inputs(7, 19 + trial, xt, trial % 3 == 2 && xt == kBF16 ? 1 : trial % 3, trial % 2,
@@ -260,10 +287,183 @@ TEST(Fp8Fused, ResidualRmsNormQuantizeMatchesTheFloat64Oracle) {
     }
 }
 
+TEST(Fp8Fused, GeluQuantizeIsGeluThenQuantizeBitForBit) {
+  std::mt19937_64 rng(16);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (const Shape& shape : std::vector<Shape>{{1}, {7}, {3, 5}, {4, 1000}, {2, 3, 33}, {0, 8}}) {
+        const Tensor x = activations(shape, dt, rng, 0.03);
+        const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        Tensor amax, amax_ref;
+        const Tensor q = ops::fp8_gelu_quantize(x, s, fp8, &amax);
+        const Tensor ref = ops::fp8_quantize(ops::gelu(x), s, fp8, &amax_ref);
+        const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " " + shape_str(shape);
+        ASSERT_EQ(q.shape(), shape) << what;
+        ASSERT_EQ(q.dtype(), fp8) << what;
+        EXPECT_TRUE(test::bytes_equal(q, ref)) << what;
+        EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+        EXPECT_TRUE(test::bytes_equal(ops::fp8_gelu_quantize(x, s, fp8), ref)) << what << " (no amax)";
+      }
+  // A view (a transposed activation) is taken as its values.
+  const Tensor x = activations({6, 10}, kBF16, rng, 0);
+  const Tensor t = ops::transpose(x, 0, 1);
+  EXPECT_TRUE(test::bytes_equal(ops::fp8_gelu_quantize(t, scale_of(8), kF8E4M3),
+                                ops::fp8_quantize(ops::gelu(ops::contiguous(t)), scale_of(8), kF8E4M3)));
+  EXPECT_THROW(ops::fp8_gelu_quantize(zeros({4}, kF64), scale_of(1), kF8E4M3), Error);
+  EXPECT_THROW(ops::fp8_gelu_quantize(zeros({4}, kBF16), scale_of(1), kBF16), Error);
+  EXPECT_THROW(ops::fp8_gelu_quantize(zeros({4}, kBF16), zeros({2}, kF32), kF8E4M3), Error);
+}
+
+TEST(Fp8Fused, GeluQuantizeMatchesTheFloat64Oracle) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("gelu_quantize"));
+  std::mt19937_64 rng(17);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (int trial = 0; trial < 4; ++trial) {
+        const Tensor x = activations({9, 23}, dt, rng, trial % 2 ? 0.05 : 0.0);
+        const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        Tensor amax;
+        const Tensor q = ops::fp8_gelu_quantize(x, s, fp8, &amax);
+        conformance::naive::Case c;
+        c.tensors = {operand("x", x, false), operand("scale", s, false), operand("q", q, true),
+                     operand("amax", amax, true)};
+        table["gelu_quantize"](c);
+        ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+        const std::vector<double> got = test::element_values(q), want = c.out("q")->values;
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_TRUE(same_value(got[i], want[i])) << dtype_name(dt) << " -> " << dtype_name(fp8) << " element " << i
+                                                   << ": " << got[i] << " against " << want[i];
+        EXPECT_TRUE(same_value(test::element_values(amax)[0], c.out("amax")->values[0]))
+            << test::element_values(amax)[0] << " against " << c.out("amax")->values[0];
+      }
+}
+
+TEST(Fp8Fused, ResidualLayerNormQuantizeIsTheNormThenQuantizeBitForBit) {
+  std::mt19937_64 rng(18);
+  int cases = 0;
+  for (DType xt : {kF32, kBF16})
+    for (DType fp8 : {kF8E4M3, kF8E5M2})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {5, 16}, {9, 768}, {2, 3001}})
+        for (int delta_kind : {0, 1, 2})
+          for (bool affine : {false, true}) {
+            if (delta_kind == 2 && xt == kBF16) continue;
+            const NormInputs in = norm_inputs(rows, cols, xt, delta_kind, affine, rng, (cases % 3) * 0.01);
+            const Tensor bias = cases % 4 == 1 ? Tensor() : in.bias;  // a weight without a bias too
+            const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
+            Tensor amax, amax_ref;
+            const ops::ResidualNormResult f =
+                ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, bias, 1e-5, s, fp8, &amax);
+            ops::ResidualNormResult u = ops::residual_layer_norm(in.x, in.delta, in.weight, bias, 1e-5, kBF16);
+            const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
+            const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                     std::to_string(rows) + ", " + std::to_string(cols) + "] delta " +
+                                     std::to_string(delta_kind) + (affine ? " affine" : "");
+            EXPECT_EQ(f.out.dtype(), fp8) << what;
+            EXPECT_TRUE(test::bytes_equal(f.out, q_ref)) << what;
+            EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+            EXPECT_TRUE(test::bytes_equal(f.mean, u.mean)) << what;
+            EXPECT_TRUE(test::bytes_equal(f.rstd, u.rstd)) << what;
+            if (delta_kind) {
+              EXPECT_TRUE(test::bytes_equal(f.residual, u.residual)) << what;
+            }
+            ++cases;
+          }
+  EXPECT_GT(cases, 80);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}, kF64), Tensor(), Tensor(), Tensor(), 1e-5, scale_of(1),
+                                                 kF8E4M3),
+               Error);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), zeros({7}), 1e-5, scale_of(1),
+                                                 kF8E4M3),
+               Error);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), Tensor(), -1, scale_of(1),
+                                                 kF8E4M3),
+               Error);
+}
+
+TEST(Fp8Fused, ResidualLayerNormQuantizeMatchesTheFloat64Oracle) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("residual_layer_norm_quantize"));
+  std::mt19937_64 rng(19);
+  for (DType xt : {kF32, kBF16})
+    for (int trial = 0; trial < 6; ++trial) {
+      const NormInputs in = norm_inputs(7, 19 + trial, xt, trial % 3 == 2 && xt == kBF16 ? 1 : trial % 3, trial % 2,
+                                        rng, 0);
+      const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
+      Tensor amax;
+      const ops::ResidualNormResult f =
+          ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, in.bias, 1e-5, s, kF8E4M3, &amax);
+      conformance::naive::Case c;
+      c.tensors = {operand("x", in.x, false),         operand("delta", in.delta, false),
+                   operand("weight", in.weight, false), operand("bias", in.bias, false),
+                   operand("scale", s, false),
+                   operand("residual", in.delta.defined() ? f.residual : Tensor(), true),
+                   operand("q", f.out, true),         operand("mean", f.mean, true),
+                   operand("rstd", f.rstd, true),     operand("amax", amax, true)};
+      c.attrs = {{"eps", AttrValue::of_float(1e-5)}};
+      table["residual_layer_norm_quantize"](c);
+      ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+      const std::vector<double> got = test::element_values(f.out), want = c.out("q")->values;
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(got[i], want[i]) << dtype_name(xt) << " trial " << trial << " element " << i;
+      EXPECT_EQ(test::element_values(amax)[0], c.out("amax")->values[0]) << dtype_name(xt) << " trial " << trial;
+      const std::vector<double> mean = test::element_values(f.mean), mean_ref = c.out("mean")->values;
+      const std::vector<double> rstd = test::element_values(f.rstd), rstd_ref = c.out("rstd")->values;
+      for (size_t r = 0; r < rstd.size(); ++r) {
+        EXPECT_NEAR(rstd[r], rstd_ref[r], 1e-6 * rstd_ref[r]);
+        EXPECT_NEAR(mean[r], mean_ref[r], 1e-6 * (1 + std::abs(mean_ref[r])));
+      }
+    }
+}
+
 Tensor leaf(const Tensor& values) {
   Tensor t = values.detach().clone();
   t.set_requires_grad(true);
   return t;
+}
+
+// The quantizing norms' residual output is the residual stream the plain norm gives, gradient included: without a
+// delta it is x itself (a first block's norm), whose gradient reaches x as the plain norm's does. Both norms, current
+// and delayed scaling, with and without a delta, under bf16 autocast (where the codes are made).
+TEST(Fp8Fused, QuantizingNormsPassTheResidualsGradientOn) {
+  std::mt19937_64 rng(25);
+  for (bool centered : {false, true})
+    for (int64_t history : {1, 4})
+      for (bool with_delta : {false, true}) {
+        fp8::Recipe recipe;
+        recipe.amax_history = history;
+        fp8::TensorScaling scaling(kF8E4M3, recipe);
+        const Tensor x0 = test::random_tensor({6, 16}, kF32, -2, 2, rng());
+        const Tensor d0 = test::random_tensor({6, 16}, kBF16, -1, 1, rng());
+        const Tensor w = ones({16}), b = zeros({16});
+        const Tensor g = test::random_tensor({6, 16}, kF32, -1, 1, rng());
+        for (int step = 0; step < 2; ++step) {  // delayed scaling's second step takes the fused kernel
+          Tensor fx = leaf(x0), px = leaf(x0), fd = leaf(d0), pd = leaf(d0);
+          std::pair<Tensor, Tensor> fused, plain;
+          {
+            amp::AutocastGuard guard(kBF16);
+            const Tensor delta_f = with_delta ? fd : Tensor(), delta_p = with_delta ? pd : Tensor();
+            fused = centered ? fp8::residual_layer_norm(fx, delta_f, w, b, 1e-5, scaling)
+                             : fp8::residual_rms_norm(fx, delta_f, w, 1e-5, scaling);
+            plain = centered ? residual_layer_norm(px, delta_p, w, b, 1e-5) : residual_rms_norm(px, delta_p, w, 1e-5);
+          }
+          const std::string what = std::string(centered ? "layer norm" : "RMS norm") + " history " +
+                                   std::to_string(history) + (with_delta ? " with a delta" : "") + " step " +
+                                   std::to_string(step);
+          ASSERT_TRUE(is_fp8(fused.second.dtype())) << what;
+          ASSERT_TRUE(test::bytes_equal(fused.first, plain.first)) << what;
+          // The residual's gradient alone: what the stream passes back past the norm.
+          fused.first.backward(g);
+          plain.first.backward(g);
+          ASSERT_TRUE(fx.grad().defined()) << what << ": x's gradient did not arrive";
+          EXPECT_TRUE(test::bytes_equal(fx.grad(), px.grad())) << what;
+          if (with_delta) {
+            EXPECT_TRUE(test::bytes_equal(fd.grad(), pd.grad())) << what;
+          }
+        }
+      }
 }
 
 // The FP8 down projection on fused codes against the unfused layer (swiglu, then fp8::linear), each with its own
@@ -314,6 +514,56 @@ TEST(Fp8Fused, SwigluLinearGivesTheUnfusedLayersOutputsAndGradients) {
   EXPECT_EQ(counter.calls("swiglu_quantize"), 4u * 3u) << "every step after the first quantizes where it makes";
 }
 
+// GPT-2's MLP projection on GELU's fused codes against the unfused layer (gelu, then fp8::linear), with a bias,
+// over steps that move the scales: outputs and gradients (h's, the weight's, the bias's) bit for bit.
+TEST(Fp8Fused, GeluLinearGivesTheUnfusedLayersOutputsAndGradients) {
+  fp8::Recipe recipe;
+  recipe.amax_history = 4;
+  test::CallCounter counter;
+  for (bool autocast : {true, false}) {
+    auto fused_state = std::make_shared<fp8::LinearState>(recipe);
+    auto plain_state = std::make_shared<fp8::LinearState>(recipe);
+    std::mt19937_64 rng(autocast ? 23 : 24);
+    const int64_t rows = 29, hidden = 64, out = 24;
+    const Tensor w0 = test::random_tensor({out, hidden}, kF32, -0.2, 0.2, rng());
+    const Tensor b0 = test::random_tensor({out}, kF32, -0.5, 0.5, rng());
+    Tensor w_fused = leaf(w0), w_plain = leaf(w0), b_fused = leaf(b0), b_plain = leaf(b0);
+    for (int step = 0; step < 4; ++step) {
+      const Tensor h = test::random_tensor({rows, hidden}, kF32, -2.0 * (step + 1), 2.0 * (step + 1), rng());
+      const Tensor dy = test::random_tensor({rows, out}, kF32, -1, 1, rng());
+      Tensor h_fused = leaf(h), h_plain = leaf(h);
+      Tensor y_fused, y_plain;
+      {
+        std::optional<amp::AutocastGuard> guard;
+        if (autocast) guard.emplace(kBF16);
+        auto product = [&](const Tensor& t) { return autocast ? to(t, kBF16) : t; };  // a bf16 product under autocast
+        y_fused = fp8::gelu_linear(product(h_fused), w_fused, b_fused, fused_state);
+        y_plain = fp8::linear(gelu(product(h_plain)), w_plain, b_plain, plain_state);
+      }
+      const std::string what = std::string(autocast ? "bf16" : "f32") + " step " + std::to_string(step);
+      ASSERT_TRUE(test::bytes_equal(y_fused, y_plain)) << what;
+      y_fused.backward(ops::to_dtype(dy, y_fused.dtype()));
+      y_plain.backward(ops::to_dtype(dy, y_plain.dtype()));
+      EXPECT_TRUE(test::bytes_equal(h_fused.grad(), h_plain.grad())) << what << ": h's gradient";
+      EXPECT_TRUE(test::bytes_equal(w_fused.grad(), w_plain.grad())) << what << ": the weight's gradient";
+      EXPECT_TRUE(test::bytes_equal(b_fused.grad(), b_plain.grad())) << what << ": the bias's gradient";
+      w_fused.zero_grad(), w_plain.zero_grad(), b_fused.zero_grad(), b_plain.zero_grad();
+    }
+  }
+  EXPECT_EQ(counter.calls("gelu_quantize"), 2u * 3u) << "every step after the first quantizes where it makes";
+  // Codes the layer's input scaling did not make are refused in one line.
+  auto state = std::make_shared<fp8::LinearState>(recipe);
+  const Tensor codes = ops::fp8_quantize(ones({2, 8}), scale_of(1), kF8E4M3);
+  try {
+    fp8::linear(codes, ones({4, 8}), Tensor(), state);
+    ADD_FAILURE() << "foreign codes were taken";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_NE(m.find("did not make last"), std::string::npos) << m;
+  }
+}
+
 // A tiny model trained with --fp8 all and delayed scaling under bf16 autocast: the fused codes (counted) keep the
 // losses of a run through a library without the fused ops, bit for bit, and so do selective and full recompute.
 std::vector<double> train_losses(const test::TempDir& dir, const std::string& model, const std::string& recompute,
@@ -339,8 +589,10 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
   for (int64_t i = 0; i < o.steps; ++i) out.push_back(t.train_step().loss);
   // Each fused op at least once a step (a Mixtral's MLP norm feeds its router, so only its attention's is fused).
   if (fused_calls) {
-    const uint64_t swiglu = counter.calls("swiglu_quantize"), norm = counter.calls("residual_rms_norm_quantize");
-    *fused_calls = std::min(swiglu, norm);
+    const bool gpt2 = model.rfind("gpt2", 0) == 0;
+    const uint64_t activation = counter.calls(gpt2 ? "gelu_quantize" : "swiglu_quantize");
+    const uint64_t norm = counter.calls(gpt2 ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize");
+    *fused_calls = std::min(activation, norm);
   }
   return out;
 }
@@ -348,7 +600,7 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
 TEST(Fp8Fused, TrainingTakesTheFusedCodesAndKeepsTheLosses) {
   test::TempDir dir;
   test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
-  for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
+  for (const char* model : {"gpt2-tiny", "llama3-tiny", "mixtral-tiny"}) {
     uint64_t fused_calls = 0, plain_calls = 0;
     const std::vector<double> fused = train_losses(dir, model, "none", &fused_calls);
     EXPECT_GT(fused_calls, 0u) << model << ": the activations were quantized where they were made";

@@ -5,6 +5,7 @@
 // runs every FP8 op too).
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "kernels/fp8_kernel.h"
 #include "loom/common/dtype_values.h"
@@ -95,6 +96,88 @@ TEST(Fp8Ops, QuantizeSaturatesAndKeepsNonFiniteVisible) {
   EXPECT_TRUE(std::isnan(test::element_values(ops::fp8_amax(x))[0]));
   EXPECT_EQ(test::element_values(ops::fp8_amax(ops::narrow(x, 0, 0, 2)))[0], double(1e30f));
   EXPECT_EQ(test::element_values(ops::fp8_amax(empty({0}, kF32)))[0], 0);
+}
+
+TEST(Fp8Ops, QuantizeTransposedWritesBothLayoutsBitForBit) {
+  std::mt19937_64 rng(4);
+  int cases = 0;
+  for (DType fp8 : {kF8E4M3, kF8E5M2})
+    for (DType xt : {kF32, kBF16})
+      for (const char* cls : {"normal", "large", "special", "tiny", "edge"})
+        for (const Shape& shape : std::vector<Shape>{{1, 1}, {3, 5}, {65, 67}, {128, 64}, {7, 1}, {2, 3, 10}, {0, 4}}) {
+          int64_t n = 1;
+          for (int64_t d : shape) n *= d;
+          const Tensor x = tensor_of(values_of_class(cls, n, xt, rng), shape, xt);
+          const Tensor s = tensor_of({std::ldexp(1.0, int(rng() % 16) - 8)}, {1}, kF32);
+          Tensor amax, amax_ref;
+          const ops::Fp8Tensor both = ops::fp8_quantize_transposed(x, s, fp8, &amax);
+          const Tensor q = ops::fp8_quantize(x, s, fp8, &amax_ref);
+          const int64_t cols = shape.back(), rows = cols ? n / cols : 0;
+          const std::string what = std::string(dtype_name(fp8)) + " from " + dtype_name(xt) + " " + cls + " " +
+                                   shape_str(shape);
+          ASSERT_EQ(both.q.shape(), shape) << what;
+          ASSERT_EQ(both.qt.shape(), (Shape{cols, rows})) << what;
+          EXPECT_TRUE(test::bytes_equal(both.q, q)) << what;
+          const uint8_t* codes = static_cast<const uint8_t*>(q.data());
+          const uint8_t* transposed = static_cast<const uint8_t*>(both.qt.data());
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < cols; ++j)
+              ASSERT_EQ(transposed[j * rows + r], codes[r * cols + j]) << what << " row " << r << " column " << j;
+          EXPECT_TRUE(same(test::element_values(amax)[0], test::element_values(amax_ref)[0])) << what;
+          // The oracle's transpose, written apart.
+          Case c;
+          c.tensors = {operand("x", ops::view(x, {rows, cols})), operand("scale", s),
+                       operand("q", ops::view(both.q, {rows, cols}), true), operand("qt", both.qt, true),
+                       operand("amax", amax, true)};
+          ASSERT_TRUE(conformance::naive::evaluate("fp8_quantize_transposed", c)) << what;
+          const auto got = test::element_values(both.qt), want = result(c, "qt");
+          for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(same(got[i], want[i])) << what << " element " << i;
+          ++cases;
+        }
+  EXPECT_EQ(cases, 140);
+  EXPECT_THROW(ops::fp8_quantize_transposed(zeros({2, 3}, kF64), tensor_of({1}, {1}, kF32), kF8E4M3), Error);
+  EXPECT_THROW(ops::fp8_quantize_transposed(zeros({2, 3}), tensor_of({1}, {1}, kF32), kBF16), Error);
+  EXPECT_THROW(ops::fp8_quantize_transposed(zeros({2, 3}), zeros({2}, kF32), kF8E4M3), Error);
+}
+
+// A weight gradient read from transposed codes (the gradient's, x's, both) is the product of the row-major codes:
+// the same sums, only the operands' layout differs.
+TEST(Fp8Ops, WeightGradientFromTransposedCodesIsTheSameProduct) {
+  std::mt19937_64 rng(6);
+  const Tensor one = tensor_of({0.75}, {1}, kF32);
+  const std::vector<std::tuple<int64_t, int64_t, int64_t>> sizes{{37, 24, 40}, {64, 16, 16}, {5, 3, 7}};
+  for (auto [rows, in, out] : sizes) {
+    const ops::Fp8Tensor x = ops::fp8_quantize_transposed(test::random_tensor({rows, in}, kF32, -2, 2, rng()), one,
+                                                          kF8E4M3);
+    const ops::Fp8Tensor g = ops::fp8_quantize_transposed(test::random_tensor({rows, out}, kF32, -2, 2, rng()), one,
+                                                          kF8E5M2);
+    const ops::Fp8Tensor x_rows{x.q, one}, g_rows{g.q, one};
+    Tensor want = empty({out, in}, kF32);
+    ops::fp8_linear_backward_weight_out(g_rows, x_rows, want);
+    const std::vector<double> w = test::element_values(want);
+    double largest = 0;
+    for (double v : w) largest = std::max(largest, std::abs(v));
+    for (int which = 1; which < 4; ++which) {
+      const ops::Fp8Tensor xi{x.q, one, which & 1 ? x.qt : Tensor()}, gi{g.q, one, which & 2 ? g.qt : Tensor()};
+      Tensor got = empty({out, in}, kF32);
+      ops::fp8_linear_backward_weight_out(gi, xi, got);
+      const std::vector<double> v = test::element_values(got);
+      for (size_t e = 0; e < v.size(); ++e)
+        ASSERT_NEAR(v[e], w[e], 1e-6 * largest) << "rows " << rows << " which " << which << " element " << e;
+    }
+  }
+  // Transposed codes of the wrong shape are refused in one line.
+  const ops::Fp8Tensor x = ops::fp8_quantize_transposed(ones({4, 3}), one, kF8E4M3);
+  const ops::Fp8Tensor bad{x.q, one, ops::contiguous(ops::view(x.qt, {12}))};
+  Tensor dw = empty({3, 3}, kF32);
+  try {
+    ops::fp8_linear_backward_weight_out(ops::Fp8Tensor{x.q, one}, bad, dw);
+    ADD_FAILURE() << "a transposed operand of the wrong shape was taken";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_NE(m.find("transposed codes"), std::string::npos) << m;
+  }
 }
 
 TEST(Fp8Ops, ScaleUpdateFollowsItsRules) {

@@ -60,6 +60,9 @@ class TensorScaling {
   // amax is needed before the cast.
   using Codes = std::function<Tensor(const Tensor& scale, Tensor* amax)>;
   ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device);
+  // quantize(x) with the codes also transposed (qt [C, R] for x [..., C] of R rows), written by the cast's own pass
+  // (ops::fp8_quantize_transposed): what a weight gradient's product reads.
+  ops::Fp8Tensor quantize_transposed(const Tensor& x);
   DType dtype() const { return fp8_; }
   // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
   // fp8::residual_rms_norm's output), else undefined.
@@ -77,6 +80,9 @@ class TensorScaling {
   Shape last_shape_;
   Tensor last_scale_inv_;
   ops::Fp8Tensor made(const ops::Fp8Tensor& q);  // records q as the last codes made
+  // quantize(values, codes, device) casting made values with `cast` (the values, a scale) where it needs a cast.
+  using Cast = std::function<Tensor(const Tensor& values, const Tensor& scale)>;
+  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device);
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.
@@ -88,7 +94,8 @@ struct LinearState {
 };
 
 // The differentiable FP8 linear layer: x [..., in] @ weight [out, in]^T + bias [out] (bias may be undefined), as
-// described above; the backward reads `state` (the output gradient's scaling), which it keeps alive.
+// described above; the backward reads `state` (the output gradient's scaling), which it keeps alive. x may be the
+// codes the state's input scaling made last (fp8::residual_layer_norm's output), taken as x's quantization.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state);
 
 // A frozen weight held quantized, made once (a LoRA run's base under --lora-base-dtype fp8): what the weight scaling
@@ -133,6 +140,14 @@ Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const ops::Fp8Tensor&
 Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
                              const std::vector<int64_t>& sizes, const std::shared_ptr<LinearState>& state);
 
+// A linear layer on gelu(h) (GPT-2's MLP projection): linear(gelu(h), weight, bias, state) with the activation
+// quantized by the kernel that makes it (ops::fp8_gelu_quantize), as swiglu_linear does SwiGLU's. Its gradient flows
+// to h through GELU's backward (which reads h). h [..., in], f32 or bf16.
+Tensor gelu_linear(const Tensor& h, const Tensor& weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state);
+Tensor gelu_linear(const Tensor& h, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state);
+
 // residual_rms_norm(x, delta, weight, eps) (loom/functional.h) whose output feeds FP8 layers that read it together
 // (linears(): q, k, v; gate, up), `input` being the first one's input scaling: under delayed scaling with a bf16
 // output (autocast) the norm's kernel writes the output's codes itself (ops::residual_rms_norm_quantize) and they
@@ -140,6 +155,9 @@ Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor&
 // output. Returns the residual and the output; the gradient flows through the norm's backward either way.
 std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
                                             TensorScaling& input);
+// The same for residual_layer_norm (GPT-2's norms before c_attn and c_fc; ops::residual_layer_norm_quantize).
+std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                              const Tensor& bias, double eps, TensorScaling& input);
 
 // Throws, naming the device and what it lacks, unless FP8 matrix products run on `device`: on the CPU always (Loom's
 // reference kernels, slow); on a GPU where a kernel takes fp8_gemm (cuBLASLt on Ada and Hopper, sm_89 and up).

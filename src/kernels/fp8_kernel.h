@@ -61,6 +61,19 @@ LOOM_DECLARE_OP(fp8_quantize, Fp8QuantizeKernel,
                                     "(with its sign); NaN gives NaN; an infinite product gives inf in f8e5m2 and "
                                     "NaN in f8e4m3; amax as fp8_amax"));
 
+// fp8_quantize writing the codes in both layouts in one pass: q [R, C] as x is laid out and qt [C, R], its
+// transpose, for an FP8 weight gradient's product (cuBLASLt's FP8 kernels read both operands along the sum's
+// dimension, the rows of an output gradient), so the codes are never read back to be transposed. Each code and the
+// amax as fp8_quantize gives them. x contiguous [R, C] f32 or bf16, q and qt contiguous.
+using Fp8QuantizeTransposedKernel = void(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q,
+                                         Tensor& qt, Tensor& amax);
+LOOM_DECLARE_OP(fp8_quantize_transposed, Fp8QuantizeTransposedKernel,
+                OpSchema().in("x", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial, ValueClass::kTiny})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "R C").out("qt", "C R")
+                    .out_opt("amax", "1", DTypeRule::kF32).dispatch_on("q").abi_since(7)
+                    .special_values("as fp8_quantize, in both layouts"));
+
 // ---- Quantization where the values are made. ----
 // The codes of SwiGLU's output, for an FP8 product that reads it (a down projection): v = swiglu(gate, up) as the
 // swiglu op stores it in gate's dtype (silu(gate) * up in f32, rounded to gate's dtype), then q = the code of
@@ -80,6 +93,22 @@ LOOM_DECLARE_OP(swiglu_quantize, SwigluQuantizeKernel,
                     .out_opt("amax", "1", DTypeRule::kF32).dispatch_on("q").abi_since(6)
                     .special_values("as swiglu then fp8_quantize: a NaN or infinite activation gives the codes and "
                                     "the amax fp8_quantize gives it")
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
+// The codes of GELU's output (the tanh form, as GPT-2's MLP takes it), for the FP8 product that reads it (the MLP's
+// second projection): v = gelu(x) as the gelu op stores it in x's dtype (computed in its math type, rounded), then
+// q = the code of float(v) * scale as fp8_quantize makes it, and amax (optional) = max |v| as fp8_amax takes it. Bit
+// for bit fp8_quantize(gelu(x), scale) on the same device, without the activation written and read back. x
+// contiguous f32 or bf16, q contiguous with x's shape. The suite computes the activation in float64, so it takes a
+// neighbouring code, and an amax one 16-bit rounding away, where a kernel's f32 activation may round across.
+using GeluQuantizeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax);
+LOOM_DECLARE_OP(gelu_quantize, GeluQuantizeKernel,
+                OpSchema().in("x", "N", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "N")
+                    .out_opt("amax", "1", DTypeRule::kF32).dim("N", {0}).row_dim("N").dispatch_on("q").abi_since(7)
+                    .special_values("as gelu then fp8_quantize of its output: a NaN or infinite activation gives "
+                                    "the codes and the amax fp8_quantize gives it")
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
 // out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one

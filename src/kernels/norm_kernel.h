@@ -130,6 +130,23 @@ LOOM_DECLARE_OP(residual_rms_norm_quantize, ResidualRmsNormQuantizeKernel,
                     .special_values("as residual_rms_norm then fp8_quantize of its bf16 output")
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
+// The layer norm's form of the same (GPT-2's norms before c_attn and c_fc): v = residual_layer_norm's out in bf16,
+// q, amax, residual, mean and rstd bit for bit residual_layer_norm (with a bf16 out) then fp8_quantize on the same
+// device; judged by the suite as residual_rms_norm_quantize is.
+using ResidualLayerNormQuantizeKernel = void(const DeviceContext&, const Tensor& x, const Tensor& delta,
+                                             const Tensor& weight, const Tensor& bias, const Tensor& scale,
+                                             const NormAttrs&, Tensor& residual, Tensor& q, Tensor& mean,
+                                             Tensor& rstd, Tensor& amax);
+LOOM_DECLARE_OP(residual_layer_norm_quantize, ResidualLayerNormQuantizeKernel,
+                OpSchema().leading_dims("R").in("x", "R C").in_opt("delta", "R C", DTypeRule::kNarrowOrSame)
+                    .in_opt("weight", "C").in_opt("bias", "C").in("scale", "1", DTypeRule::kF32)
+                    .values(Values::kScale).out_opt("residual", "R C").present_with("delta")
+                    .out("q", "R C", DTypeRule::kFp8).out("mean", "R", DTypeRule::kStats)
+                    .out("rstd", "R", DTypeRule::kStats).out_opt("amax", "1", DTypeRule::kF32)
+                    .attr("eps", {1e-5, 0.1}).row_dim("C").accumulates("C").dispatch_on("x").abi_since(7)
+                    .special_values("as residual_layer_norm then fp8_quantize of its bf16 output")
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
 // The dtypes a fused norm takes beside its residual dtype `main` (for delta, out and their gradients): main itself
 // or, for an f32 main, the 16-bit autocast dtypes.
 inline bool residual_norm_dtype_supported(DType main, DType other) {

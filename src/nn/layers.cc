@@ -129,6 +129,11 @@ Tensor Linear::forward_swiglu(const Tensor& gate, const Tensor& up) const {
                      : fp8::swiglu_linear(gate, up, weight, bias, fp8);
 }
 
+Tensor Linear::forward_of_gelu(const Tensor& h) const {
+  if (!fp8 || lora_A) return forward(gelu(h));
+  return holds_fp8() ? fp8::gelu_linear(h, held_weight(), bias, fp8) : fp8::gelu_linear(h, weight, bias, fp8);
+}
+
 void Linear::add_adapter(int64_t rank, double alpha, double dropout_p, Generator& gen) {
   LOOM_REQUIRE(!lora_A, "Linear: the layer already has an adapter");
   LOOM_REQUIRE(rank > 0, "LoRA: the rank must be positive, got ", rank);
@@ -182,7 +187,8 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
 // One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue. Split
 // across ranks, each computes its hidden units' share of the output; the shares are summed before the bias.
 Tensor GeluMLP::forward(const Tensor& x) const {
-  if (c_fc->fp8 || c_proj->fp8) return c_proj->forward(c_fc->forward_gelu(x));  // FP8 (no tensor parallelism): unfused
+  // FP8 (no tensor parallelism): unfused, GELU's output quantized as it is made.
+  if (c_fc->fp8 || c_proj->fp8) return c_proj->forward_of_gelu(c_fc->forward(x));
   if (c_fc->has_adapter() || c_proj->has_adapter()) {  // LoRA: unfused, each layer with its adapter
     if (!tp) return c_proj->forward(c_fc->forward_gelu(x));
     // c_fc's adapter B holds this rank's hidden units; c_proj's share of the output, its adapter's A by the same units.
@@ -256,8 +262,12 @@ fp8::TensorScaling* shared_fp8_input(std::initializer_list<const Linear*> layers
 }  // namespace
 
 fp8::TensorScaling* CausalSelfAttention::fp8_input() const {
-  return cfg.fused_qkv || tp ? nullptr : shared_fp8_input({q_proj.get(), k_proj.get(), v_proj.get()});
+  if (tp) return nullptr;
+  return cfg.fused_qkv ? shared_fp8_input({c_attn.get()})
+                       : shared_fp8_input({q_proj.get(), k_proj.get(), v_proj.get()});
 }
+
+fp8::TensorScaling* GeluMLP::fp8_input() const { return tp ? nullptr : shared_fp8_input({c_fc.get()}); }
 
 fp8::TensorScaling* SwiGLUMLP::fp8_input() const {
   return tp ? nullptr : shared_fp8_input({gate_proj.get(), up_proj.get()});

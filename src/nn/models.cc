@@ -251,10 +251,17 @@ class GPT2Block : public Module {
   // returns the stream after its attention add and its own pending MLP output. Each add is thus fused into the norm
   // that reads it (residual_layer_norm), and under autocast the norms write bf16 for the linears directly.
   std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& pending, double p_drop, KVCache* cache) {
-    auto [h, normed_1] = residual_layer_norm(x, pending, ln_1->weight, ln_1->bias, ln_1->eps);
+    auto [h, normed_1] = norm(x, pending, *ln_1, attn->fp8_input());
     Tensor a = dropout(attn->forward(normed_1, Tensor(), Tensor(), cache), p_drop, is_training());
-    auto [h2, normed_2] = residual_layer_norm(h, a, ln_2->weight, ln_2->bias, ln_2->eps);
+    auto [h2, normed_2] = norm(h, a, *ln_2, mlp->fp8_input());
     return {h2, dropout(mlp->forward(normed_2), p_drop, is_training())};
+  }
+  // The residual add and norm; before an FP8 layer that alone reads its output (`input` its input scaling) the norm
+  // quantizes the output itself where it can (fp8::residual_layer_norm), and the layer takes its codes.
+  static std::pair<Tensor, Tensor> norm(const Tensor& x, const Tensor& pending, const LayerNorm& n,
+                                        fp8::TensorScaling* input) {
+    return input ? fp8::residual_layer_norm(x, pending, n.weight, n.bias, n.eps, *input)
+                 : residual_layer_norm(x, pending, n.weight, n.bias, n.eps);
   }
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;

@@ -27,6 +27,17 @@ void check_unquantized(const char* op, const char* what, DType dtype) {
   LOOM_REQUIRE(dtype == kF32 || dtype == kBF16, op, ": ", what, " must be f32 or bf16, got ", dtype_name(dtype));
 }
 
+// An operand's transposed codes, when given: contiguous [C, R] of q's dtype and device for q [..., C] of R rows.
+void check_transposed(const char* op, const char* what, const Fp8Tensor& t) {
+  if (!t.qt.defined()) return;
+  const int64_t cols = t.q.dim() ? t.q.size(-1) : 1;
+  const int64_t rows = t.q.dim() ? t.q.numel() / std::max<int64_t>(1, cols) : 1;
+  LOOM_REQUIRE(t.qt.dtype() == t.q.dtype() && t.qt.is_contiguous() && t.qt.device() == t.q.device() &&
+                   t.qt.shape() == (Shape{cols, rows}),
+               op, ": ", what, "'s transposed codes must be a contiguous [", cols, ", ", rows, "] ",
+               dtype_name(t.q.dtype()), " tensor on ", t.q.device().str(), ", got ", describe(t.qt));
+}
+
 void check_operand(const char* op, const char* what, const Fp8Tensor& t, int64_t rank) {
   LOOM_REQUIRE(t.q.defined() && is_fp8(t.q.dtype()) && t.q.is_contiguous() && (rank < 0 || t.q.dim() == rank), op,
                ": ", what, " must be a contiguous 8-bit float tensor", rank < 0 ? "" : " of rank 2", ", got ",
@@ -80,14 +91,18 @@ Fp8GemmParams input_grad_problem(const Fp8Tensor& grad, const Fp8Tensor& weight,
   p.lda = in_features, p.ldb = std::max<int64_t>(1, out_features), p.ldc = in_features;
   return f;
 }
-// grad_w^T [in x out] = x^T [in x rows] grad [rows x out]: the sum over the rows in one product.
+// grad_w^T [in x out] = x^T [in x rows] grad [rows x out]: the sum over the rows in one product. An operand's
+// transposed codes (qt [features, rows]), when given, are read instead: the rows contiguous, as cuBLASLt's FP8
+// kernels take them (the grouped form slices the row-major codes, so it passes none).
 Fp8GemmParams weight_grad_problem(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out, int64_t rows,
                                   int64_t out_features, int64_t in_features) {
   Fp8GemmParams f = product(x, grad, out);
   GemmParams& p = f.gemm;
-  p.trans_b = true;
   p.m = in_features, p.n = out_features, p.k = rows;
   p.lda = in_features, p.ldb = out_features, p.ldc = in_features;
+  p.trans_b = true;
+  if (x.qt.defined()) p.a = x.qt.data(), p.trans_a = true, p.lda = std::max<int64_t>(1, rows);
+  if (grad.qt.defined()) p.b = grad.qt.data(), p.trans_b = false, p.ldb = std::max<int64_t>(1, rows);
   return f;
 }
 
@@ -178,6 +193,33 @@ Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* ama
   return ops::view(q, x.shape());
 }
 
+Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
+  const char* op = "fp8_quantize_transposed";
+  LOOM_REQUIRE(x.defined() && x.dim() >= 1, op, ": x must be a tensor of rank 1 or more, got ",
+               x.defined() ? describe(x) : "undefined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  check_scale(op, "scale", scale, x);
+  const int64_t cols = x.size(-1), rows = rows_of(x);
+  const Tensor m = ops::view(ops::contiguous(x), {rows, cols});
+  Fp8Tensor r;
+  r.q = empty({rows, cols}, fp8, x.device());
+  r.qt = empty({cols, rows}, fp8, x.device());
+  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  if (ops_detail::accepting_kernel(fp8_quantize_transposed_op, x.device(), fp8, m, scale, r.q, r.qt, amax)) {
+    dispatch::call(fp8_quantize_transposed_op, x.device(), fp8, m, scale, r.q, r.qt, amax);
+    if (amax_out) *amax_out = amax;
+  } else {
+    r.q = fp8_quantize(m, scale, fp8, amax_out);
+    // The codes' transpose as bytes (copies take no 8-bit float dtype).
+    const Tensor bytes = Tensor::make(r.q.storage(), {rows, cols}, {cols, 1}, r.q.storage_offset(), kU8);
+    const Tensor t = ops::contiguous(ops::transpose(bytes, 0, 1));
+    r.qt = Tensor::make(t.storage(), t.shape(), t.strides(), t.storage_offset(), fp8);
+  }
+  r.q = ops::view(r.q, x.shape());
+  return r;
+}
+
 Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_swiglu_quantize";
   LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
@@ -200,6 +242,26 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
     return ops::view(q, gate.shape());
   }
   return fp8_quantize(ops::swiglu(gate, up), scale, fp8, amax_out);
+}
+
+Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
+  const char* op = "fp8_gelu_quantize";
+  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  check_scale(op, "scale", scale, x);
+  Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
+  Tensor q = empty({x.numel()}, fp8, x.device());
+  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  // As fp8_swiglu_quantize: fused only by the provider that would run gelu itself.
+  const KernelEntry* fused = ops_detail::accepting_kernel(gelu_quantize_op, x.device(), fp8, flat, scale, q, amax);
+  const auto& plain = dispatch::candidates(gelu_op.id(), x.device().type, x.dtype());
+  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+    dispatch::call(gelu_quantize_op, x.device(), fp8, flat, scale, q, amax);
+    if (amax_out) *amax_out = amax;
+    return ops::view(q, x.shape());
+  }
+  return fp8_quantize(ops::gelu(x), scale, fp8, amax_out);
 }
 
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {
@@ -261,6 +323,8 @@ void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, T
   const int64_t out_features = grad.q.size(-1), in_features = x.q.size(-1), rows = rows_of(x.q);
   LOOM_REQUIRE(rows_of(grad.q) == rows && grad.q.device() == x.q.device(), op, ": grad ", describe(grad.q),
                " and x ", describe(x.q), " must hold the same rows");
+  check_transposed(op, "grad", grad);
+  check_transposed(op, "x", x);
   check_unquantized(op, "out", out.dtype());
   LOOM_REQUIRE(out.shape() == (Shape{out_features, in_features}) && out.is_contiguous() && out.device() == x.q.device(),
                op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
@@ -311,8 +375,9 @@ void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tens
   const int64_t elem = int64_t(dtype_size(out.dtype()));
   for (int64_t g = 0; g < groups; ++g) {
     if (out_features == 0 || in_features == 0) break;
-    // An empty group's sum is zero: fp8_gemm writes it for k = 0.
-    Fp8GemmParams f = weight_grad_problem(grad, x, out, sizes[size_t(g)], out_features, in_features);
+    // An empty group's sum is zero: fp8_gemm writes it for k = 0. The row-major codes alone (sliced by group).
+    Fp8GemmParams f = weight_grad_problem({grad.q, grad.scale_inv}, {x.q, x.scale_inv}, out, sizes[size_t(g)],
+                                          out_features, in_features);
     f.gemm.a = bytes(x.q) + off[size_t(g)] * in_features;
     f.gemm.b = bytes(grad.q) + off[size_t(g)] * out_features;
     f.gemm.c = static_cast<uint8_t*>(out.data()) + g * out_features * in_features * elem;

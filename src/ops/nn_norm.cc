@@ -264,41 +264,68 @@ ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const
   return run_residual_norm("residual_rms_norm", false, x, delta, weight, Tensor(), eps, out_dtype);
 }
 
-ResidualNormResult residual_rms_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+namespace {
+
+// residual_layer_norm_quantize (centered) or residual_rms_norm_quantize.
+ResidualNormResult run_residual_norm_quantize(bool centered, const Tensor& x, const Tensor& delta,
+                                              const Tensor& weight, const Tensor& bias, double eps,
                                               const Tensor& scale, DType fp8, Tensor* amax_out) {
-  const char* op = "residual_rms_norm_quantize";
+  const char* op = centered ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize";
   LOOM_REQUIRE(x.defined(), op, ": input is undefined");
   LOOM_REQUIRE(x.dtype() == kF32 || x.dtype() == kBF16, op, ": x must be f32 or bf16, got ", dtype_name(x.dtype()));
   LOOM_REQUIRE(is_fp8(fp8), op, ": ", dtype_name(fp8), " is not an 8-bit float dtype (f8e4m3, f8e5m2)");
   LOOM_REQUIRE(scale.defined() && scale.dtype() == kF32 && scale.numel() == 1 && scale.device() == x.device(), op,
                ": scale must be one f32 element on ", x.device().str());
-  check_norm_devices(op, {&x, &delta, &weight});
+  check_norm_devices(op, {&x, &delta, &weight, &bias});
   LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
-  const infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm(op, x, delta, weight, Tensor(), kBF16);
-  // Fused only by the provider that would run residual_rms_norm itself (its first candidate); otherwise that
+  const infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm(op, x, delta, weight, bias, kBF16);
+  // Fused only by the provider that would run the plain norm itself (its first candidate); otherwise that
   // provider's norm, then fp8_quantize: the same bits by the contract.
   Tensor in = ops::contiguous(x), d = contiguous_or_undefined(delta), w = contiguous_or_undefined(weight);
+  Tensor b = contiguous_or_undefined(bias);
   ResidualNormResult r;
   r.residual = delta.defined() ? empty(meta.shape, meta.residual_dtype, x.device()) : x;
   Tensor written_residual = delta.defined() ? r.residual : Tensor();
   r.out = empty(meta.shape, fp8, x.device());
+  if (centered) r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
   Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
   NormAttrs attrs{eps};
-  const KernelEntry* fused = empty_rows(x) ? nullptr
-                                           : ops_detail::accepting_kernel(residual_rms_norm_quantize_op, x.device(),
-                                                                          x.dtype(), in, d, w, scale, attrs,
-                                                                          written_residual, r.out, r.rstd, amax);
-  const auto& plain = dispatch::candidates(residual_rms_norm_op.id(), x.device().type, x.dtype());
+  const KernelEntry* fused = nullptr;
+  if (!empty_rows(x))
+    fused = centered ? ops_detail::accepting_kernel(residual_layer_norm_quantize_op, x.device(), x.dtype(), in, d, w,
+                                                    b, scale, attrs, written_residual, r.out, r.mean, r.rstd, amax)
+                     : ops_detail::accepting_kernel(residual_rms_norm_quantize_op, x.device(), x.dtype(), in, d, w,
+                                                    scale, attrs, written_residual, r.out, r.rstd, amax);
+  const OpId plain_id = centered ? residual_layer_norm_op.id() : residual_rms_norm_op.id();
+  const auto& plain = dispatch::candidates(plain_id, x.device().type, x.dtype());
   if (!fused || (!plain.empty() && plain.front()->provider != fused->provider)) {
-    ResidualNormResult unfused = residual_rms_norm(x, delta, weight, eps, kBF16);
+    ResidualNormResult unfused = centered ? residual_layer_norm(x, delta, weight, bias, eps, kBF16)
+                                          : residual_rms_norm(x, delta, weight, eps, kBF16);
     unfused.out = fp8_quantize(unfused.out, scale, fp8, amax_out);
     return unfused;
   }
-  dispatch::call(residual_rms_norm_quantize_op, x.device(), x.dtype(), in, d, w, scale, attrs, written_residual,
-                 r.out, r.rstd, amax);
+  if (centered)
+    dispatch::call(residual_layer_norm_quantize_op, x.device(), x.dtype(), in, d, w, b, scale, attrs,
+                   written_residual, r.out, r.mean, r.rstd, amax);
+  else
+    dispatch::call(residual_rms_norm_quantize_op, x.device(), x.dtype(), in, d, w, scale, attrs, written_residual,
+                   r.out, r.rstd, amax);
   if (amax_out) *amax_out = amax;
   return r;
+}
+
+}  // namespace
+
+ResidualNormResult residual_rms_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                              const Tensor& scale, DType fp8, Tensor* amax_out) {
+  return run_residual_norm_quantize(false, x, delta, weight, Tensor(), eps, scale, fp8, amax_out);
+}
+
+ResidualNormResult residual_layer_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                                const Tensor& bias, double eps, const Tensor& scale, DType fp8,
+                                                Tensor* amax_out) {
+  return run_residual_norm_quantize(true, x, delta, weight, bias, eps, scale, fp8, amax_out);
 }
 
 ResidualNormGrads residual_layer_norm_backward(const Tensor& grad_out, const Tensor& grad_residual,

@@ -81,6 +81,17 @@ void fp8_quantize(Case& c) {
   }
 }
 
+// fp8_quantize's codes as x is laid out ([R, C]) and transposed ([C, R]).
+void fp8_quantize_transposed(Case& c) {
+  fp8_quantize(c);
+  const Operand& x = c.in("x");
+  const int64_t R = x.shape[0], C = x.shape[1];
+  const std::vector<double>& q = c.out("q")->values;
+  std::vector<double>& qt = c.out("qt")->values;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < C; ++j) qt[size_t(j * R + r)] = q[size_t(r * C + j)];
+}
+
 // The codes and amax of activations v (float64, before the rounding to `dt` a kernel stores them with) as
 // fp8_quantize makes them from the rounded values. (A kernel computes v in f32 first, some ulps from float64's; the
 // ops' suite tolerances take the neighbouring code, and the amax one rounding away, where that lands across.)
@@ -107,9 +118,21 @@ void swiglu_quantize(Case& c) {
   quantize_activations(c, v, gate.dtype);
 }
 
-// residual = x + delta rounded to x's dtype (x without delta), rstd = 1 / sqrt(mean(residual^2) + eps), and the
-// normalized residual (times weight) stored in bf16.
-void residual_rms_norm_quantize(Case& c) {
+// GELU's tanh form, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), stored in x's dtype.
+void gelu_quantize(Case& c) {
+  const Operand& x = c.in("x");
+  std::vector<double> v(x.values.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const double a = x.values[i];
+    v[i] = 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a)));
+  }
+  quantize_activations(c, v, x.dtype);
+}
+
+// residual = x + delta rounded to x's dtype (x without delta); layer norm (`centered`: mean and rstd =
+// 1 / sqrt(var + eps), then * weight + bias) or RMS norm (rstd = 1 / sqrt(mean(residual^2) + eps), then * weight) of
+// it, stored in bf16.
+void residual_norm_quantize(Case& c, bool centered) {
   const Operand& x = c.in("x");
   const int64_t R = x.shape[0], C = x.shape[1];
   std::vector<double> residual = x.values;
@@ -120,14 +143,23 @@ void residual_rms_norm_quantize(Case& c) {
   }
   const double eps = c.attr_float("eps", 1e-5);
   const std::vector<double>* w = c.has("weight") ? &c.in("weight").values : nullptr;
+  const std::vector<double>* b = centered && c.has("bias") ? &c.in("bias").values : nullptr;
   std::vector<double> v(residual.size());
   auto& rstd = c.out("rstd")->values;
   for (int64_t r = 0; r < R; ++r) {
+    const double* row = residual.data() + r * C;
+    double mean = 0;
+    if (centered) {
+      for (int64_t j = 0; j < C; ++j) mean += row[j];
+      mean = C ? mean / double(C) : 0.0;
+      c.out("mean")->values[size_t(r)] = mean;
+    }
     double squares = 0;
-    for (int64_t j = 0; j < C; ++j) squares += residual[size_t(r * C + j)] * residual[size_t(r * C + j)];
+    for (int64_t j = 0; j < C; ++j) squares += (row[j] - mean) * (row[j] - mean);
     rstd[size_t(r)] = 1 / std::sqrt((C ? squares / double(C) : 0.0) + eps);
     for (int64_t j = 0; j < C; ++j)
-      v[size_t(r * C + j)] = residual[size_t(r * C + j)] * rstd[size_t(r)] * (w ? (*w)[size_t(j)] : 1.0);
+      v[size_t(r * C + j)] =
+          (row[j] - mean) * rstd[size_t(r)] * (w ? (*w)[size_t(j)] : 1.0) + (b ? (*b)[size_t(j)] : 0.0);
   }
   quantize_activations(c, v, kBF16);
 }
@@ -165,9 +197,12 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["fp8_amax"] = fp8_amax;
   table["fp8_scale"] = fp8_scale;
   table["fp8_quantize"] = fp8_quantize;
+  table["fp8_quantize_transposed"] = fp8_quantize_transposed;
   table["fp8_dequantize"] = fp8_dequantize;
   table["swiglu_quantize"] = swiglu_quantize;
-  table["residual_rms_norm_quantize"] = residual_rms_norm_quantize;
+  table["gelu_quantize"] = gelu_quantize;
+  table["residual_rms_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, false); };
+  table["residual_layer_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, true); };
   table["fp8_gemm"] = fp8_gemm;
 }
 

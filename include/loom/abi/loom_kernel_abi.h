@@ -9,7 +9,7 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], and so on to [1.6], and Loom binds
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], and so on to [1.7], and Loom binds
  *   an op only for a library built against the minor that added it or a newer one (a 1.0 library that names a 1.1
  *   op is warned, as before, and the rest of its ops load). 1.3 also
  *   added the 8-bit float dtypes: only the FP8 ops take them, and a mask bit for them counts only in a library built
@@ -235,6 +235,21 @@
  *                                                   in: x, delta?, weight?, scale   out: residual?, q, rstd, amax?
  *       residual_rms_norm with out in bf16 (attr eps), whose out is not written: q and amax as fp8_quantize gives
  *       them for it. A library without it keeps serving residual_rms_norm, then fp8_quantize.
+ *   Added in 1.7: the same for GPT-2's block, whose FP8 products read a layer norm's output and GELU's, and the
+ *   output gradients' codes written with their transpose.
+ *     residual_layer_norm_quantize [1.7] (dispatch dtype = x's: f32 or bf16; q f8e4m3 or f8e5m2)
+ *                                                   in: x, delta?, weight?, bias?, scale
+ *                                                   out: residual?, q, mean, rstd, amax?
+ *       residual_layer_norm with out in bf16 (attr eps), whose out is not written: q and amax as fp8_quantize gives
+ *       them for it. A library without it keeps serving residual_layer_norm, then fp8_quantize.
+ *     gelu_quantize [1.7] (dispatch dtype = q's; x f32 or bf16, contiguous, flattened to [N])
+ *                                                   in: x, scale    out: q, amax?
+ *       v = gelu(x) as gelu stores it in x's dtype; q and amax as fp8_quantize gives them for v. A library without
+ *       it keeps serving gelu: Loom then quantizes gelu's output with fp8_quantize.
+ *     fp8_quantize_transposed [1.7] (dispatch dtype = q's; x f32 or bf16, contiguous [R, C])
+ *                                                   in: x, scale    out: q [R, C], qt [C, R], amax?
+ *       fp8_quantize's codes written twice, as x is laid out and transposed (an FP8 weight gradient reads its
+ *       output gradient's codes along the rows). A library without it: Loom quantizes, then transposes the codes.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +266,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 6
+#define LOOM_ABI_VERSION_MINOR 7
 
 #define LOOM_MAX_DIMS 8
 

@@ -24,6 +24,8 @@ class Linear : public Module {
   // forward(swiglu(gate, up)); under FP8 without an adapter the activation is quantized by the kernel that makes it
   // (fp8::swiglu_linear), as an adapter reads it unquantized.
   Tensor forward_swiglu(const Tensor& gate, const Tensor& up) const;
+  // forward(gelu(h)), the activation quantized likewise under FP8 without an adapter (fp8::gelu_linear).
+  Tensor forward_of_gelu(const Tensor& h) const;
   Tensor weight;  // [out, in]
   Tensor bias;    // [out] or undefined
   // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.
@@ -97,6 +99,9 @@ class GeluMLP : public Module {
  public:
   GeluMLP(int64_t dim, int64_t hidden);
   Tensor forward(const Tensor& x) const;
+  // c_fc's input scaling when c_fc runs in FP8 without an adapter or tensor parallelism (forward() may then take its
+  // codes as x); else null.
+  fp8::TensorScaling* fp8_input() const;
   std::shared_ptr<Linear> c_fc, c_proj;
   bool recompute_hidden = false;  // keep only the pre-activation for the backward (gelu_mlp's recompute_hidden)
   std::shared_ptr<const TensorParallelRegion> tp;
@@ -138,8 +143,8 @@ class CausalSelfAttention : public Module {
   // With a cache, appends this call's keys/values to it and attends over all of them.
   Tensor forward(const Tensor& x, const Tensor& rope_cos = Tensor(), const Tensor& rope_sin = Tensor(),
                  KVCache* cache = nullptr) const;
-  // The input scaling whose codes forward() may take as x: q_proj's when q, k and v alone read x, in FP8 (no
-  // adapter, not fused, no tensor parallelism); else null.
+  // The input scaling whose codes forward() may take as x: c_attn's (fused) or q_proj's when those layers alone read
+  // x, in FP8 (no adapter, no tensor parallelism); else null.
   fp8::TensorScaling* fp8_input() const;
   AttentionConfig cfg;
   int64_t head_dim;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "loom/core/tensor.h"
@@ -12,8 +13,12 @@ namespace loom::ops {
 
 // A tensor held in an 8-bit float: its codes and the factor that gives its values.
 struct Fp8Tensor {
+  Fp8Tensor() = default;
+  Fp8Tensor(Tensor codes, Tensor inverse_scale, Tensor transposed = Tensor())
+      : q(std::move(codes)), scale_inv(std::move(inverse_scale)), qt(std::move(transposed)) {}
   Tensor q;          // f8e4m3 or f8e5m2, contiguous, the tensor's shape
   Tensor scale_inv;  // one f32 element on q's device: values = q * scale_inv
+  Tensor qt;         // optional: the same codes transposed, [C, R] for q [..., C] of R rows (fp8_quantize_transposed)
 };
 
 // The largest finite value of an 8-bit float dtype: 448 (f8e4m3), 57344 (f8e5m2).
@@ -29,11 +34,18 @@ void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor
 // q = sat(x * scale) in dtype `fp8` (x f32 or bf16, any shape; the result contiguous). With amax_out, max |x| is
 // written there (a new one f32 element tensor): delayed scaling's record for the next step.
 Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
+// fp8_quantize(x, ...) and the same codes transposed, [C, R] for x [..., C] of R rows, as q and qt of the result (its
+// scale_inv left undefined), in one pass where a kernel has the op (fp8_quantize_transposed), else a quantization
+// then a transpose of the codes.
+Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // fp8_quantize(swiglu(gate, up), scale, fp8, amax_out), bit for bit, in one pass where the kernel that would run
 // swiglu has the fused op (swiglu_quantize): the activation is then never written. gate and up one shape and dtype
 // (f32 or bf16), any strides; the result contiguous with gate's shape.
 Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8,
                            Tensor* amax_out = nullptr);
+// fp8_quantize(gelu(x), scale, fp8, amax_out), bit for bit, likewise in one pass where the kernel that would run
+// gelu has the fused op (gelu_quantize). x f32 or bf16, any shape; the result contiguous with x's shape.
+Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // q * scale_inv in `dtype` (f32 or bf16).
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
 
@@ -44,7 +56,8 @@ Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bia
                   bool fast_accumulation = false);
 // grad_x [..., in] = grad weight, in `dtype` (bf16 or f32).
 Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype);
-// grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot).
+// grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot). An
+// operand's transposed codes (qt), when given, are read in place of its codes: the product then needs no transpose.
 void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out);
 
 // The same three products for a mixture of experts' grouped layer: the rows of x [M, in] (grad [M, out]) come in

@@ -53,6 +53,10 @@ ResidualNormResult residual_rms_norm(const Tensor& x, const Tensor& delta, const
 // (residual_rms_norm_quantize), the bf16 output never written. x f32 or bf16.
 ResidualNormResult residual_rms_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
                                               const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
+// The same for residual_layer_norm (residual_layer_norm_quantize).
+ResidualNormResult residual_layer_norm_quantize(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                                const Tensor& bias, double eps, const Tensor& scale, DType fp8,
+                                                Tensor* amax_out = nullptr);
 // grad_out: out's gradient (any supported dtype); grad_residual: the residual's gradient, or undefined (zero).
 // grad_x = grad_residual + the norm's input gradient, in the residual's dtype (when need_x); grad_delta: the same
 // values in delta_dtype (when set), written by the same kernel. grad_weight and grad_bias in weight's dtype.

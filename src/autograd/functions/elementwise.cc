@@ -291,6 +291,14 @@ void record_swiglu(const Tensor& gate, const Tensor& up, Tensor& out, DType grad
     set_history(out, node);
   }
 }
+void record_gelu(const Tensor& x, Tensor& out, DType grad_dtype) {
+  if (auto node = make_node<GeluBackward>({&x})) {
+    node->saved = x.detach();
+    node->input_dtype = x.dtype();
+    node->output_dtype = grad_dtype;
+    set_history(out, node);
+  }
+}
 }  // namespace autograd
 
 Tensor neg(const Tensor& x) { return unary<NegBackward>(x, ops::neg(x), Saves::kNothing); }

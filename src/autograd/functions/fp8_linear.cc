@@ -49,6 +49,12 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
 }
 
 ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, Device device) {
+  return quantize(values, codes, [&](const Tensor& x, const Tensor& scale) { return ops::fp8_quantize(x, scale, fp8_); },
+                  device);
+}
+
+ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast,
+                                       Device device) {
   std::lock_guard<std::mutex> lock(mu_);
   // Delayed scaling in a full recompute: the scale its forward used (the state's has moved on since), and no amax
   // recorded a second time, so the recomputed codes are the forward's. Current scaling recomputes the same codes.
@@ -67,7 +73,7 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
     const Tensor x = values();
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
     ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
-    Tensor q = ops::fp8_quantize(x, scale_, fp8_);
+    Tensor q = cast(x, scale_);
     if (history_ <= 1) return made({q, scale_inv});
     const Tensor used = ops::clone(scale_inv_);
     autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
@@ -81,6 +87,20 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
   ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
   return made({q, used});
+}
+
+ops::Fp8Tensor TensorScaling::quantize_transposed(const Tensor& x_in) {
+  const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
+  Tensor qt;
+  auto both = [&](const Tensor& scale, Tensor* amax) {
+    ops::Fp8Tensor r = ops::fp8_quantize_transposed(x, scale, fp8_, amax);
+    qt = r.qt;
+    return r.q;
+  };
+  ops::Fp8Tensor q = quantize([&] { return x; }, both,
+                              [&](const Tensor&, const Tensor& scale) { return both(scale, nullptr); }, x.device());
+  q.qt = qt;
+  return q;
 }
 
 ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
@@ -121,7 +141,10 @@ class Fp8LinearBackward final : public autograd::Node {
     if (!grads[0].defined()) return out;
     const Tensor& g = grads[0];
     if (needs_input_grad(0) || needs_input_grad(1)) {
-      const ops::Fp8Tensor gq = state->grad_output.quantize(g);
+      // A dense weight gradient reads the codes along the rows: written transposed in the same pass.
+      const bool transposed = needs_input_grad(1) && !group_sizes && g.dim() >= 1;
+      const ops::Fp8Tensor gq =
+          transposed ? state->grad_output.quantize_transposed(g) : state->grad_output.quantize(g);
       if (needs_input_grad(0)) {
         const DType written = product_dtype_for(x_dtype);
         out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
@@ -191,10 +214,24 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   return out;
 }
 
+// x's quantization when x holds 8-bit codes: those its input scaling made last (a quantizing producer's output, as
+// fp8::residual_layer_norm's), with their scale_inv.
+ops::Fp8Tensor given_codes(const Tensor& x, TensorScaling& input, const char* op) {
+  const ops::Fp8Tensor xq{x, input.scale_inv_of(x)};
+  LOOM_REQUIRE(xq.scale_inv.defined(), op, ": x ", describe(x), " holds 8-bit codes that the layer's input scaling "
+               "did not make last");
+  return xq;
+}
+
 // linear() with x's quantization given, or made here when null; of a held weight when `held` is set.
 Tensor linear_of(const Tensor& x, const Tensor& weight_in, const Tensor& bias, const std::shared_ptr<LinearState>& state,
                  const ops::Fp8Tensor* x_quantized, const ops::Fp8Tensor* held) {
   LOOM_REQUIRE(state, "fp8::linear: no FP8 state");
+  ops::Fp8Tensor codes;
+  if (!x_quantized && x.defined() && is_fp8(x.dtype())) {
+    codes = given_codes(x, state->input, "fp8::linear");
+    x_quantized = &codes;
+  }
   const Tensor& weight = held ? held->q : weight_in;
   LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                "fp8::linear: x ", describe(x), " does not fit weight ", describe(weight));
@@ -228,9 +265,7 @@ std::vector<Tensor> linears(const Tensor& x, const std::vector<LinearWeights>& l
   LOOM_REQUIRE(!layers.empty() && layers[0].state, "fp8::linears: no layers, or no FP8 state");
   ops::Fp8Tensor xq;
   if (x.defined() && is_fp8(x.dtype())) {  // a producer's codes (fp8::residual_rms_norm)
-    xq = {x, layers[0].state->input.scale_inv_of(x)};
-    LOOM_REQUIRE(xq.scale_inv.defined(), "fp8::linears: x ", describe(x), " holds 8-bit codes that the first "
-                 "layer's input scaling did not make last");
+    xq = given_codes(x, layers[0].state->input, "fp8::linears");
   } else {
     // Kept like the products, so that a selective recompute does not quantize x again either.
     const std::vector<Tensor> kept = autograd::kept_results("fp8_input", [&] {
@@ -280,31 +315,88 @@ ops::Fp8Tensor quantized_swiglu(const Tensor& gate, const Tensor& up, LinearStat
 
 }  // namespace
 
-std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
-                                            TensorScaling& input) {
-  LOOM_REQUIRE(x.defined(), "fp8::residual_rms_norm: input is undefined");
-  if (amp::output_dtype("residual_rms_norm", x.dtype()) != kBF16 || (x.dtype() != kF32 && x.dtype() != kBF16))
-    return loom::residual_rms_norm(x, delta, weight, eps);
-  return autograd::record_residual_rms_norm(
-      x, delta, weight,
+namespace {
+
+// The residual norm (layer norm when `centered`, RMS norm otherwise) whose output `input` quantizes: by the
+// norm's kernel under delayed scaling (TensorScaling::quantize), its codes coming back as the output.
+std::pair<Tensor, Tensor> quantizing_residual_norm(bool centered, const Tensor& x, const Tensor& delta,
+                                                   const Tensor& weight, const Tensor& bias, double eps,
+                                                   TensorScaling& input) {
+  const char* op = centered ? "residual_layer_norm" : "residual_rms_norm";
+  LOOM_REQUIRE(x.defined(), "fp8::", op, ": input is undefined");
+  if (amp::output_dtype(op, x.dtype()) != kBF16 || (x.dtype() != kF32 && x.dtype() != kBF16))
+    return centered ? loom::residual_layer_norm(x, delta, weight, bias, eps)
+                    : loom::residual_rms_norm(x, delta, weight, eps);
+  return autograd::record_residual_norm(
+      !centered, x, delta, weight, bias,
       [&](const Tensor& d) {
         const Tensor xd = x.detach(), dd = d.defined() ? d.detach() : Tensor();
         const Tensor wd = weight.defined() ? weight.detach() : Tensor();
+        const Tensor bd = bias.defined() ? bias.detach() : Tensor();
         ops::ResidualNormResult r;
         const ops::Fp8Tensor q = input.quantize(
             [&] {
-              r = ops::residual_rms_norm(xd, dd, wd, eps, kBF16);
+              r = centered ? ops::residual_layer_norm(xd, dd, wd, bd, eps, kBF16)
+                           : ops::residual_rms_norm(xd, dd, wd, eps, kBF16);
               return r.out;
             },
             [&](const Tensor& scale, Tensor* amax) {
-              r = ops::residual_rms_norm_quantize(xd, dd, wd, eps, scale, input.dtype(), amax);
+              r = centered ? ops::residual_layer_norm_quantize(xd, dd, wd, bd, eps, scale, input.dtype(), amax)
+                           : ops::residual_rms_norm_quantize(xd, dd, wd, eps, scale, input.dtype(), amax);
               return r.out;
             },
             x.device());
         r.out = q.q;
+        // Without a delta the residual is x itself: the caller's x, whose gradient flows on (not the detached
+        // copy the kernels read).
+        if (!d.defined()) r.residual = x;
         return r;
       },
       kBF16);
+}
+
+// gelu(h) quantized as `state`'s input, by the gelu kernel where it can: its codes, recorded as GELU's result for the
+// backward, and their scale_inv; kept for a selective recompute as quantized_swiglu keeps SwiGLU's.
+ops::Fp8Tensor quantized_gelu(const Tensor& h, LinearState& state) {
+  LOOM_REQUIRE(h.defined(), "fp8: gelu's input is undefined");
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_gelu", [&] {
+    const Tensor hd = h.detach();
+    TensorScaling& scaling = state.input;
+    const ops::Fp8Tensor q = scaling.quantize(
+        [&] { return ops::gelu(hd); },
+        [&](const Tensor& scale, Tensor* amax) { return ops::fp8_gelu_quantize(hd, scale, scaling.dtype(), amax); },
+        h.device());
+    return std::vector<Tensor>{q.q, q.scale_inv};
+  });
+  ops::Fp8Tensor q{kept[0], kept[1]};
+  autograd::record_gelu(h, q.q, h.dtype());
+  return q;
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps,
+                                            TensorScaling& input) {
+  return quantizing_residual_norm(false, x, delta, weight, Tensor(), eps, input);
+}
+
+std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                              const Tensor& bias, double eps, TensorScaling& input) {
+  return quantizing_residual_norm(true, x, delta, weight, bias, eps, input);
+}
+
+Tensor gelu_linear(const Tensor& h, const Tensor& weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::gelu_linear: no FP8 state");
+  const ops::Fp8Tensor q = quantized_gelu(h, *state);
+  return linear_of(q.q, weight, bias, state, &q, nullptr);
+}
+
+Tensor gelu_linear(const Tensor& h, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state) {
+  LOOM_REQUIRE(state, "fp8::gelu_linear: no FP8 state");
+  const ops::Fp8Tensor q = quantized_gelu(h, *state);
+  return linear_of(q.q, Tensor(), bias, state, &q, &held_weight);
 }
 
 Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight, const Tensor& bias,

@@ -54,12 +54,17 @@ inline Tensor tiled_whole(const std::vector<Tensor>& pieces, int64_t dim) {
 // whose incoming gradient it takes in `grad_dtype`. Does nothing when neither input needs a gradient.
 void record_swiglu(const Tensor& gate, const Tensor& up, Tensor& out, DType grad_dtype);
 
-// residual_rms_norm(x, delta, weight) whose result `compute` makes (given delta in a dtype the kernels pair with
-// x's): an FP8 quantization of the output, say. Recorded for the backward with out's gradient taken in
-// `out_grad_dtype`; returns the residual and the output.
-std::pair<Tensor, Tensor> record_residual_rms_norm(
-    const Tensor& x, const Tensor& delta, const Tensor& weight,
-    const std::function<ops::ResidualNormResult(const Tensor&)>& compute, DType out_grad_dtype);
+// Records `out`, gelu(x) as some kernel stored it (its FP8 codes), for the backward: GELU's node (saving x), whose
+// incoming gradient it takes in `grad_dtype`. Does nothing when x needs no gradient.
+void record_gelu(const Tensor& x, Tensor& out, DType grad_dtype);
+
+// residual_layer_norm(x, delta, weight, bias) (`rms` false) or residual_rms_norm(x, delta, weight) whose result
+// `compute` makes (given delta in a dtype the kernels pair with x's): an FP8 quantization of the output, say.
+// Recorded for the backward with out's gradient taken in `out_grad_dtype`; returns the residual and the output.
+std::pair<Tensor, Tensor> record_residual_norm(bool rms, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                               const Tensor& bias,
+                                               const std::function<ops::ResidualNormResult(const Tensor&)>& compute,
+                                               DType out_grad_dtype);
 
 // Where a node may write input `input`'s gradient directly, given the dtype its kernel writes: the flat-buffer slot
 // of a leaf that has no gradient yet, when the slot has that dtype (AccumulateGrad then takes the slot as it is,

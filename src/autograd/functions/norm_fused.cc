@@ -114,10 +114,11 @@ std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta
 }
 
 namespace autograd {
-std::pair<Tensor, Tensor> record_residual_rms_norm(
-    const Tensor& x, const Tensor& delta, const Tensor& weight,
-    const std::function<ops::ResidualNormResult(const Tensor&)>& compute, DType out_grad_dtype) {
-  return residual_norm(true, x, delta, weight, Tensor(), compute, out_grad_dtype);
+std::pair<Tensor, Tensor> record_residual_norm(bool rms, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                               const Tensor& bias,
+                                               const std::function<ops::ResidualNormResult(const Tensor&)>& compute,
+                                               DType out_grad_dtype) {
+  return residual_norm(rms, x, delta, weight, bias, compute, out_grad_dtype);
 }
 }  // namespace autograd
 

@@ -78,43 +78,80 @@ void fp8_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale
   });
 }
 
-// swiglu's element as the swiglu kernel stores it, then fp8_quantize's code of it; the amax over the stored
-// activations in chunks, as amax_of takes it.
+// fp8_quantize_cpu's codes, also written transposed (qt [C, R]).
+void fp8_quantize_transposed_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& qt,
+                                 Tensor& amax) {
+  const float s = *static_cast<const float*>(scale.data());
+  const int64_t R = x.size(0), C = x.size(1);
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_quantize_transposed", [&] {
+      const high_t* in = static_cast<const high_t*>(x.data());
+      uint8_t* out = static_cast<uint8_t*>(q.data());
+      uint8_t* out_t = static_cast<uint8_t*>(qt.data());
+      cpu::parallel_for(R, std::max<int64_t>(1, cpu::kElementwiseGrain / std::max<int64_t>(1, C)),
+                        [&](int64_t b, int64_t e) {
+                          for (int64_t r = b; r < e; ++r)
+                            for (int64_t c = 0; c < C; ++c) {
+                              const uint8_t code = fp8_encode<fp8_t>(float(in[r * C + c]) * s, Fp8Overflow::kSaturate);
+                              out[r * C + c] = code;
+                              out_t[c * R + r] = code;
+                            }
+                        });
+      if (amax.defined()) *static_cast<float*>(amax.data()) = amax_of(in, R * C);
+    });
+  });
+}
+
+// The codes of n values made here, value(i) as its op stores it (as a float): fp8_quantize's code of each, and their
+// amax in chunks as amax_of takes it (0 for n = 0).
+template <typename Q, typename Value>
+void quantize_made(int64_t n, float s, uint8_t* out, Tensor& amax, const Value& value) {
+  constexpr int64_t kChunk = 1 << 16;
+  std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
+  cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t chunk = b; chunk < e; ++chunk) {
+      float m = 0;
+      for (int64_t i = chunk * kChunk, end = std::min(n, i + kChunk); i < end; ++i) {
+        const float v = value(i);
+        out[i] = fp8_encode<Q>(v * s, Fp8Overflow::kSaturate);
+        m = max_keeping_nan(m, std::fabs(v));
+      }
+      partial[size_t(chunk)] = m;
+    }
+  });
+  if (!amax.defined()) return;
+  float m = 0;
+  for (float p : partial) m = max_keeping_nan(m, p);
+  *static_cast<float*>(amax.data()) = m;
+}
+
+// swiglu's element as the swiglu kernel stores it, then fp8_quantize's code of it.
 void swiglu_quantize_cpu(const DeviceContext&, const Tensor& gate, const Tensor& up, const Tensor& scale, Tensor& q,
                          Tensor& amax) {
   const float s = *static_cast<const float*>(scale.data());
-  const int64_t R = q.size(0), C = q.size(1), n = R * C;
-  if (n == 0) {
-    if (amax.defined()) *static_cast<float*>(amax.data()) = 0;
-    return;
-  }
-  const int64_t lg = gate.stride(0), lu = up.stride(0);
+  const int64_t C = q.size(1), n = q.numel(), lg = gate.stride(0), lu = up.stride(0);
   LOOM_DISPATCH_FP8(q.dtype(), "swiglu_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED(gate.dtype(), "swiglu_quantize", [&] {
       using M = cpu::math_t<high_t>;
       const high_t* g = static_cast<const high_t*>(gate.data());
       const high_t* u = static_cast<const high_t*>(up.data());
-      uint8_t* out = static_cast<uint8_t*>(q.data());
-      constexpr int64_t kChunk = 1 << 16;
-      std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
-      cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
-        for (int64_t chunk = b; chunk < e; ++chunk) {
-          float m = 0;
-          const int64_t first = chunk * kChunk, end = std::min(n, first + kChunk);
-          for (int64_t i = first, r = first / C, c = first % C; i < end; ++i) {
-            const float v = float(high_t(elementwise_math::Swiglu{}(M(g[r * lg + c]), M(u[r * lu + c]))));
-            out[i] = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
-            m = max_keeping_nan(m, std::fabs(v));
-            if (++c == C) c = 0, ++r;
-          }
-          partial[size_t(chunk)] = m;
-        }
+      quantize_made<fp8_t>(n, s, static_cast<uint8_t*>(q.data()), amax, [&](int64_t i) {
+        const int64_t r = i / C, c = i - r * C;
+        return float(high_t(elementwise_math::Swiglu{}(M(g[r * lg + c]), M(u[r * lu + c]))));
       });
-      if (amax.defined()) {
-        float m = 0;
-        for (float p : partial) m = max_keeping_nan(m, p);
-        *static_cast<float*>(amax.data()) = m;
-      }
+    });
+  });
+}
+
+// gelu's element as the gelu kernel stores it, then fp8_quantize's code of it.
+void gelu_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
+  const float s = *static_cast<const float*>(scale.data());
+  LOOM_DISPATCH_FP8(q.dtype(), "gelu_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "gelu_quantize", [&] {
+      using M = cpu::math_t<high_t>;
+      const high_t* in = static_cast<const high_t*>(x.data());
+      quantize_made<fp8_t>(x.numel(), s, static_cast<uint8_t*>(q.data()), amax,
+                           [&](int64_t i) { return float(high_t(elementwise_math::Gelu{}(M(in[i])))); });
     });
   });
 }
@@ -186,7 +223,9 @@ void fp8_gemm_cpu(const DeviceContext&, const Fp8GemmParams& f) {
 LOOM_REGISTER_KERNEL(fp8_amax, kCPU, "native", dtypes(kF32, kBF16), fp8_amax_cpu);
 LOOM_REGISTER_KERNEL(fp8_scale, kCPU, "native", dtypes(kF32), fp8_scale_cpu);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cpu);
+LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_transposed_cpu);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
+LOOM_REGISTER_KERNEL(gelu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_gemm, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_gemm_cpu);
 

@@ -232,29 +232,45 @@ void residual_rms_norm_backward_cpu(const DeviceContext&, const Tensor& grad_out
                          });
 }
 
-// residual_rms_norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same loop, each value
-// rounded to bf16 and encoded as fp8_quantize encodes it; the amax of the rounded values from each row's.
-void residual_rms_norm_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
-                                    const Tensor& scale, const NormAttrs& attrs, Tensor& residual, Tensor& q,
-                                    Tensor& rstd, Tensor& amax) {
+// The residual norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same loop, each value
+// rounded to bf16 and encoded as fp8_quantize encodes it; the amax of the rounded values from each row's. Layer norm
+// when `mean` is defined, RMS norm otherwise.
+void residual_norm_quantize(const char* op, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                            const Tensor& bias, const Tensor& scale, const NormAttrs& attrs, Tensor& residual,
+                            Tensor& q, Tensor& mean, Tensor& rstd, Tensor& amax) {
   const int64_t cols = columns_of(x), rows = cols ? x.numel() / cols : 0;
   std::vector<float> row_amax(size_t(rows), 0.0f);
   const float s = *static_cast<const float*>(scale.data());
-  LOOM_DISPATCH_FP8(q.dtype(), "residual_rms_norm_quantize", [&] {
-    dispatch_residual_norm("residual_rms_norm_quantize", x.dtype(), dtype_or(delta, x.dtype()), kBF16,
-                           [&](auto t, auto d, auto) {
-                             using T = typename decltype(t)::type;
-                             const QuantizedOut<BFloat16, fp8_t> store{static_cast<uint8_t*>(q.data()), cols, s,
-                                                                       row_amax.data()};
-                             residual_norm_forward<T, typename decltype(d)::type>(
-                                 x, delta, weight, Tensor(), attrs.eps, residual, store, nullptr,
-                                 rstd.data_ptr<stats_t<T>>());
-                           });
+  LOOM_DISPATCH_FP8(q.dtype(), op, [&] {
+    dispatch_residual_norm(op, x.dtype(), dtype_or(delta, x.dtype()), kBF16, [&](auto t, auto d, auto) {
+      using T = typename decltype(t)::type;
+      using S = stats_t<T>;
+      const QuantizedOut<BFloat16, fp8_t> store{static_cast<uint8_t*>(q.data()), cols, s, row_amax.data()};
+      residual_norm_forward<T, typename decltype(d)::type>(x, delta, weight, bias, attrs.eps, residual, store,
+                                                           mean.defined() ? mean.data_ptr<S>() : nullptr,
+                                                           rstd.data_ptr<S>());
+    });
   });
   if (!amax.defined()) return;
   float m = 0;
   for (float a : row_amax) m = max_keeping_nan(m, a);
   *static_cast<float*>(amax.data()) = m;
+}
+
+void residual_rms_norm_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta, const Tensor& weight,
+                                    const Tensor& scale, const NormAttrs& attrs, Tensor& residual, Tensor& q,
+                                    Tensor& rstd, Tensor& amax) {
+  Tensor no_mean;
+  residual_norm_quantize("residual_rms_norm_quantize", x, delta, weight, Tensor(), scale, attrs, residual, q, no_mean,
+                         rstd, amax);
+}
+
+void residual_layer_norm_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& delta,
+                                      const Tensor& weight, const Tensor& bias, const Tensor& scale,
+                                      const NormAttrs& attrs, Tensor& residual, Tensor& q, Tensor& mean, Tensor& rstd,
+                                      Tensor& amax) {
+  residual_norm_quantize("residual_layer_norm_quantize", x, delta, weight, bias, scale, attrs, residual, q, mean,
+                         rstd, amax);
 }
 
 // The plain norms: no delta in (so no residual out) and no residual gradient in, one dtype throughout.
@@ -312,6 +328,8 @@ LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCPU, "native", dtypes(kF32, 
                      residual_layer_norm_backward_cpu);
 LOOM_REGISTER_KERNEL(residual_rms_norm, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cpu);
 LOOM_REGISTER_KERNEL(residual_rms_norm_quantize, kCPU, "native", dtypes(kF32, kBF16), residual_rms_norm_quantize_cpu);
+LOOM_REGISTER_KERNEL(residual_layer_norm_quantize, kCPU, "native", dtypes(kF32, kBF16),
+                     residual_layer_norm_quantize_cpu);
 LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_rms_norm_backward_cpu);
 

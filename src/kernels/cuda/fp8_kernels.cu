@@ -1,5 +1,6 @@
 // CUDA FP8 scaling and quantization (src/kernels/fp8_kernel.h): amax, the scale update, quantize (with its amax in
-// the same pass) and dequantize. The conversions are loom/common/float8.h's, the CPU kernels' own, so both devices
+// the same pass; of SwiGLU's or GELU's output made in the pass; into both layouts for a weight gradient) and
+// dequantize. The conversions are loom/common/float8.h's, the CPU kernels' own, so both devices
 // give the same codes bit for bit; the amax is deterministic (a maximum does not depend on the order it is taken in:
 // each block reduces its elements and one atomicMax per block on the bits of |x| combines them, NaN's bits above
 // every number's).
@@ -9,6 +10,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_context.h"
+#include "kernels/cuda/elementwise_common.cuh"
 #include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/fp8_kernel.h"
 #include "kernels/primitives/elementwise_math.h"
@@ -62,11 +64,24 @@ bool vectorizable(const void* x, const void* q) {
   return reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!q || reinterpret_cast<uintptr_t>(q) % kVector<T> == 0);
 }
 
-// One pass over x: its amax into *amax_bits (when given) and, unless Q is void (fp8_amax), its codes into q. Whole
-// vectors first when `vectors`, then the tail (and an unaligned x) element by element.
-template <typename T, typename Q>
+// The values a scan takes: x's elements as they are (fp8_amax, fp8_quantize), or an activation of them as its op
+// stores it (gelu_quantize: GELU as the gelu kernel computes and rounds it to T, never written).
+struct AsStored {
+  template <typename T>
+  __device__ __forceinline__ float operator()(T v) const { return to_float(v); }
+};
+template <typename F>
+struct Activated {
+  template <typename T>
+  __device__ __forceinline__ float operator()(T v) const { return to_float(cuda::UnaryMath<F, T>{}(v)); }
+};
+
+// One pass over x: the amax of value(x[i]) into *amax_bits (when given) and, unless Q is void (fp8_amax), their codes
+// into q. Whole vectors first when `vectors`, then the tail (and an unaligned x) element by element.
+template <typename T, typename Q, typename Value = AsStored>
 __global__ void scan_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t n, bool vectors,
                             uint8_t* __restrict__ q, unsigned* amax_bits) {
+  const Value value;
   constexpr bool kCodes = !std::is_void_v<Q>;
   const float s = kCodes ? *scale : 0.0f;
   unsigned local = 0;
@@ -84,7 +99,7 @@ __global__ void scan_kernel(const T* __restrict__ x, const float* __restrict__ s
       Codes<V> out;
 #pragma unroll
       for (int e = 0; e < V; e += 2) {
-        const float v0 = to_float(in.v[e]), v1 = to_float(in.v[e + 1]);
+        const float v0 = value(in.v[e]), v1 = value(in.v[e + 1]);
         if constexpr (kCodes) {
           const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
           out.c[e] = uint8_t(pair & 0xffu);
@@ -97,7 +112,7 @@ __global__ void scan_kernel(const T* __restrict__ x, const float* __restrict__ s
     done = nv * V;
   }
   for (int64_t i = done + int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    const float v = to_float(x[i]);
+    const float v = value(x[i]);
     if constexpr (kCodes) q[i] = code(v);
     local = max(local, magnitude_bits(v));
   }
@@ -105,11 +120,64 @@ __global__ void scan_kernel(const T* __restrict__ x, const float* __restrict__ s
 }
 
 // Launches scan_kernel over x's n elements: vectors where x (and q) are aligned for them.
-template <typename T, typename Q>
+template <typename T, typename Q, typename Value = AsStored>
 void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned* amax_bits, cudaStream_t stream) {
   const bool vectors = vectorizable<T>(x, q);
-  scan_kernel<T, Q><<<blocks_for(vectors ? n / kVector<T> + 1 : n), kThreads, 0, stream>>>(x, scale, n, vectors, q,
-                                                                                           amax_bits);
+  scan_kernel<T, Q, Value><<<blocks_for(vectors ? n / kVector<T> + 1 : n), kThreads, 0, stream>>>(
+      x, scale, n, vectors, q, amax_bits);
+}
+
+// fp8_quantize_transposed: x [rows, cols] in 64 x 64 tiles, one block of kThreads (8 warps) per tile. Each warp reads
+// rows of the tile (a lane two neighbouring elements), writes their codes to q along the row and into a shared tile,
+// then writes the tile's columns to qt along qt's rows (a lane two neighbouring codes): both writes coalesced. Row
+// tiles past the grid's height loop.
+constexpr int kTransposeTile = 64;
+template <typename T, typename Q>
+__global__ void quantize_transposed_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t rows,
+                                           int64_t cols, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                                           unsigned* amax_bits) {
+  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 4];  // + a word: a column's bytes in different banks
+  const float s = *scale;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kWarps = kThreads / 32;
+  const int64_t c0 = int64_t(blockIdx.x) * kTransposeTile;
+  const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
+  unsigned local = 0;
+  for (int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y) {
+    const int64_t r0 = tr * kTransposeTile;
+    for (int i = warp; i < kTransposeTile; i += kWarps) {
+      const int64_t r = r0 + i, c = c0 + 2 * lane;
+      if (r >= rows) break;
+      const int64_t at = r * cols + c;
+      const float v0 = c < cols ? to_float(x[at]) : 0.0f, v1 = c + 1 < cols ? to_float(x[at + 1]) : 0.0f;
+      const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
+      if (c + 1 < cols && at % 2 == 0) {
+        *reinterpret_cast<uint16_t*>(q + at) = pair;
+      } else {
+        if (c < cols) q[at] = uint8_t(pair & 0xffu);
+        if (c + 1 < cols) q[at + 1] = uint8_t(pair >> 8);
+      }
+      if (c < cols) local = max(local, magnitude_bits(v0));
+      if (c + 1 < cols) local = max(local, magnitude_bits(v1));
+      tile[i][2 * lane] = uint8_t(pair & 0xffu);
+      tile[i][2 * lane + 1] = uint8_t(pair >> 8);
+    }
+    __syncthreads();
+    for (int j = warp; j < kTransposeTile; j += kWarps) {
+      const int64_t c = c0 + j, r = r0 + 2 * lane;
+      if (c >= cols) break;
+      const int64_t at = c * rows + r;
+      const uint8_t a = tile[2 * lane][j], b = tile[2 * lane + 1][j];
+      if (r + 1 < rows && at % 2 == 0) {
+        *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
+      } else {
+        if (r < rows) qt[at] = a;
+        if (r + 1 < rows) qt[at + 1] = b;
+      }
+    }
+    __syncthreads();  // the tile is free for the next row tile
+  }
+  if (amax_bits) block_max_into(local, amax_bits);
 }
 
 // swiglu_quantize: scan_kernel's pass with the values made from gate and up ([rows, cols] at row strides lg and lu)
@@ -225,6 +293,43 @@ void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& 
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
+void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
+                                  Tensor& qt, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows * cols == 0) return;
+  const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
+  const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
+  LOOM_CHECK(col_tiles <= INT32_MAX, "fp8_quantize_transposed (cuda): too many columns for one grid");
+  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(row_tiles, 65535)));
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize_transposed", [&] {
+      quantize_transposed_kernel<high_t, fp8_t><<<grid, kThreads, 0, stream>>>(
+          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), rows, cols,
+          static_cast<uint8_t*>(q.data()), static_cast<uint8_t*>(qt.data()), bits);
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_FP8(q.dtype(), "gelu_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_quantize", [&] {
+      launch_scan<high_t, fp8_t, Activated<elementwise_math::Gelu>>(static_cast<const high_t*>(x.data()),
+                                                                    static_cast<const float*>(scale.data()), n,
+                                                                    static_cast<uint8_t*>(q.data()), bits, stream);
+    });
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
 void swiglu_quantize_cuda(const DeviceContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& scale,
                           Tensor& q, Tensor& amax) {
   cuda::DeviceGuard guard(ctx.device().index);
@@ -271,7 +376,10 @@ void fp8_dequantize_cuda(const DeviceContext& ctx, const Tensor& q, const Tensor
 LOOM_REGISTER_KERNEL(fp8_amax, kCUDA, "native", dtypes(kF32, kBF16), fp8_amax_cuda);
 LOOM_REGISTER_KERNEL(fp8_scale, kCUDA, "native", dtypes(kF32), fp8_scale_cuda);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cuda);
+LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
+                     fp8_quantize_transposed_cuda);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
+LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cuda);
 
 }  // namespace loom

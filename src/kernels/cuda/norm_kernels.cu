@@ -771,12 +771,12 @@ void residual_rms_norm_cuda(const DeviceContext& ctx, const Tensor& x, const Ten
                          });
 }
 
-// residual_rms_norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same kernels, each value
-// rounded to bf16 and encoded as fp8_quantize encodes it (cuda::encode_pair), so the codes, the residual and rstd
-// are the unfused pair's bits.
-void residual_rms_norm_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta,
-                                     const Tensor& weight, const Tensor& scale, const NormAttrs& attrs,
-                                     Tensor& residual, Tensor& q, Tensor& rstd, Tensor& amax) {
+// The residual norm with its bf16 output's FP8 codes written instead (norm_kernel.h): the same kernels, each value
+// rounded to bf16 and encoded as fp8_quantize encodes it (cuda::encode_pair), so the codes, the residual and the
+// statistics are the unfused pair's bits. Layer norm when `mean` is defined, RMS norm otherwise.
+void residual_norm_quantize(const char* op, const DeviceContext& ctx, const Tensor& x, const Tensor& delta,
+                            const Tensor& weight, const Tensor& bias, const Tensor& scale, const NormAttrs& attrs,
+                            Tensor& residual, Tensor& q, Tensor& mean, Tensor& rstd, Tensor& amax) {
   cudaStream_t stream = cuda::stream_of(ctx);
   unsigned* bits = nullptr;
   if (amax.defined()) {
@@ -784,22 +784,37 @@ void residual_rms_norm_quantize_cuda(const DeviceContext& ctx, const Tensor& x, 
     LOOM_CUDA_CHECK(cudaMemsetAsync(amax.data(), 0, sizeof(float), stream));
     bits = static_cast<unsigned*>(amax.data());
   }
-  LOOM_DISPATCH_FP8(q.dtype(), "residual_rms_norm_quantize", [&] {
-    dispatch_residual_norm("residual_rms_norm_quantize", x.dtype(), dtype_or(delta, x.dtype()), kBF16,
-                           [&](auto t, auto d, auto) {
-                             using T = typename decltype(t)::type;
-                             if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
-                               uint8_t* qp = static_cast<uint8_t*>(q.data());
-                               const QuantizedOut<BFloat16, fp8_t> out{
-                                   qp, static_cast<const float*>(scale.data()), bits};
-                               residual_norm_forward<T, typename decltype(d)::type>(
-                                   ctx, x, delta, weight, Tensor(), attrs.eps, residual, out,
-                                   reinterpret_cast<uintptr_t>(qp) % 4 == 0, nullptr, rstd.data_ptr<stats_t<T>>());
-                             } else {
-                               LOOM_THROW("residual_rms_norm_quantize (cuda): x must be f32 or bf16");
-                             }
-                           });
+  LOOM_DISPATCH_FP8(q.dtype(), op, [&] {
+    dispatch_residual_norm(op, x.dtype(), dtype_or(delta, x.dtype()), kBF16, [&](auto t, auto d, auto) {
+      using T = typename decltype(t)::type;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+        using S = stats_t<T>;
+        uint8_t* qp = static_cast<uint8_t*>(q.data());
+        const QuantizedOut<BFloat16, fp8_t> out{qp, static_cast<const float*>(scale.data()), bits};
+        residual_norm_forward<T, typename decltype(d)::type>(
+            ctx, x, delta, weight, bias, attrs.eps, residual, out, reinterpret_cast<uintptr_t>(qp) % 4 == 0,
+            mean.defined() ? mean.data_ptr<S>() : nullptr, rstd.data_ptr<S>());
+      } else {
+        LOOM_THROW(op, " (cuda): x must be f32 or bf16");
+      }
+    });
   });
+}
+
+void residual_rms_norm_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta,
+                                     const Tensor& weight, const Tensor& scale, const NormAttrs& attrs,
+                                     Tensor& residual, Tensor& q, Tensor& rstd, Tensor& amax) {
+  Tensor no_mean;
+  residual_norm_quantize("residual_rms_norm_quantize", ctx, x, delta, weight, Tensor(), scale, attrs, residual, q,
+                         no_mean, rstd, amax);
+}
+
+void residual_layer_norm_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& delta,
+                                       const Tensor& weight, const Tensor& bias, const Tensor& scale,
+                                       const NormAttrs& attrs, Tensor& residual, Tensor& q, Tensor& mean,
+                                       Tensor& rstd, Tensor& amax) {
+  residual_norm_quantize("residual_layer_norm_quantize", ctx, x, delta, weight, bias, scale, attrs, residual, q, mean,
+                         rstd, amax);
 }
 
 void residual_layer_norm_backward_cuda(const DeviceContext& ctx, const Tensor& grad_out,
@@ -885,6 +900,8 @@ LOOM_REGISTER_KERNEL(residual_layer_norm_backward, kCUDA, "native", dtypes(kF32,
 LOOM_REGISTER_KERNEL(residual_rms_norm, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), residual_rms_norm_cuda);
 LOOM_REGISTER_KERNEL(residual_rms_norm_quantize, kCUDA, "native", dtypes(kF32, kBF16),
                      residual_rms_norm_quantize_cuda);
+LOOM_REGISTER_KERNEL(residual_layer_norm_quantize, kCUDA, "native", dtypes(kF32, kBF16),
+                     residual_layer_norm_quantize_cuda);
 LOOM_REGISTER_KERNEL(residual_rms_norm_backward, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
                      residual_rms_norm_backward_cuda);
 
