@@ -15,9 +15,9 @@
 // Rows no index refers to are zeroed first. Sums are in float (double for f64). The workspace holds 2 * ceil(N /
 // kChunk) * C partial sums. Out-of-range indices set a device flag that is read back after the first kernel, and
 // throw with the CPU kernel's message.
-#include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/reduce_nn_common.cuh"
+#include "kernels/cuda/sort_pairs.cuh"
 #include "kernels/embedding_kernel.h"
 
 namespace loom {
@@ -173,27 +173,17 @@ void embedding_backward_rows(const DeviceContext& ctx, const Tensor& grad, const
   if (n == 0) return;
 
   cuda::IndexStatus status(ctx, stream);
-  const int64_t padded = ceil_div(n, 64) * 64;  // keeps each array 256-byte aligned
-  Tensor sort_buffers = cuda::scratch_bytes(ctx, 4 * padded * 4);
-  uint32_t* keys_in = static_cast<uint32_t*>(sort_buffers.data());
-  uint32_t* keys_sorted = keys_in + padded;
-  int32_t* positions_in = reinterpret_cast<int32_t*>(keys_sorted + padded);
-  int32_t* positions_sorted = positions_in + padded;
+  cuda::SortPairs pairs(ctx, n);  // keys the indices, values their positions
   embedding_sort_input_kernel<I><<<unsigned(ceil_div(n, 256)), 256, 0, stream>>>(
-      static_cast<const I*>(indices.data()), n, vocab, keys_in, positions_in, status.bad_position());
+      static_cast<const I*>(indices.data()), n, vocab, pairs.keys_in, pairs.values_in, status.bad_position());
   LOOM_CUDA_CHECK_LAUNCH();
   const int64_t bad = status.first_bad_position(stream);
   if (bad >= 0) throw_bad_index("embedding_backward", indices, bad, vocab, stream);
   if (cols == 0) return;
 
-  int end_bit = 1;
-  while (end_bit < 32 && (uint64_t(1) << end_bit) < uint64_t(vocab)) ++end_bit;
-  size_t temp_bytes = 0;
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_sorted, positions_in,
-                                                  positions_sorted, int(n), 0, end_bit, stream));
-  Tensor temp = cuda::scratch_bytes(ctx, int64_t(temp_bytes));
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in, keys_sorted, positions_in,
-                                                  positions_sorted, int(n), 0, end_bit, stream));
+  pairs.sort(ctx, uint64_t(vocab - 1), stream);
+  const uint32_t* keys_sorted = pairs.keys_sorted;
+  const int32_t* positions_sorted = pairs.values_sorted;
 
   const int64_t chunks = ceil_div(n, kChunk);
   LOOM_REQUIRE(chunks <= int64_t(INT32_MAX), "embedding_backward (cuda): too many indices (", n, ")");

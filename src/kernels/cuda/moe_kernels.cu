@@ -13,8 +13,6 @@
 //    repeating; in training they change every step (cuBLASLt with one algorithm per size bucket was measured slower:
 //    docs/KERNELS.md). A single launch over every group (CUTLASS's grouped GEMM: device-side problem sizes, TMA and
 //    WGMMA) is the step after, for many small experts.
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <climits>
 #include <mutex>
@@ -23,6 +21,7 @@
 #include "backends/cuda/cuda_context.h"
 #include "kernels/cuda/cuda_loops.cuh"
 #include "kernels/cuda/reduce_nn_common.cuh"
+#include "kernels/cuda/sort_pairs.cuh"
 #include "kernels/moe_kernel.h"
 
 namespace loom {
@@ -249,18 +248,13 @@ void moe_permute_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& e
   cudaStream_t stream = cuda::stream_of(ctx);
   Tensor device_counts = zeros({E}, kI64, ctx.device());
   Tensor device_starts = empty({3 * (E + 1)}, kI64, ctx.device());
-  const int64_t padded = ceil_div(std::max<int64_t>(n, 1), 64) * 64;
-  Tensor buffers = cuda::scratch_bytes(ctx, 4 * padded * 4);
-  uint32_t* keys_in = static_cast<uint32_t*>(buffers.data());
-  uint32_t* keys_sorted = keys_in + padded;
-  int32_t* values_in = reinterpret_cast<int32_t*>(keys_sorted + padded);
-  int32_t* values_sorted = values_in + padded;
+  cuda::SortPairs pairs(ctx, n);  // keys the experts (E: unrouted), values the assignments
   cuda::IndexStatus status(ctx, stream);
   if (n > 0) {
     LOOM_CUDA_CHECK(cudaMemsetAsync(sources.data(), 0xff, size_t(n) * sizeof(int64_t), stream));  // -1
     LOOM_DISPATCH_INDEX(experts.dtype(), "moe_permute", [&] {
       permute_keys_kernel<index_t><<<grid_for(n, 256), 256, 0, stream>>>(
-          static_cast<const index_t*>(experts.data()), n, E, keys_in, values_in,
+          static_cast<const index_t*>(experts.data()), n, E, pairs.keys_in, pairs.values_in,
           static_cast<unsigned long long*>(device_counts.data()), status.bad_position());
     });
     LOOM_CUDA_CHECK_LAUNCH();
@@ -270,15 +264,8 @@ void moe_permute_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& e
                                              static_cast<int64_t*>(counts.data()));
   LOOM_CUDA_CHECK_LAUNCH();
   if (n > 0) {
-    int end_bit = 1;
-    while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(E)) ++end_bit;
-    size_t temp_bytes = 0;
-    LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_sorted, values_in,
-                                                    values_sorted, int(n), 0, end_bit, stream));
-    Tensor temp = cuda::scratch_bytes(ctx, int64_t(temp_bytes));
-    LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in, keys_sorted, values_in,
-                                                    values_sorted, int(n), 0, end_bit, stream));
-    permute_place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(keys_sorted, values_sorted, n, E,
+    pairs.sort(ctx, uint64_t(E), stream);
+    permute_place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(pairs.keys_sorted, pairs.values_sorted, n, E,
                                                                 static_cast<const int64_t*>(device_starts.data()),
                                                                 static_cast<int64_t*>(rows.data()),
                                                                 static_cast<int64_t*>(sources.data()));
