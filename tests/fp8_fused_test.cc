@@ -564,6 +564,113 @@ TEST(Fp8Fused, GeluLinearGivesTheUnfusedLayersOutputsAndGradients) {
   }
 }
 
+// GELU's backward with its gradient's codes in both layouts, their amax and the column sums in one pass
+// (gelu_backward_quantize): the codes and amax are gelu_backward then fp8_quantize_transposed bit for bit, the sums
+// the column sums of gelu_backward's result within f32 rounding (another order), the same bits on a second call,
+// and the float64 oracle's codes.
+TEST(Fp8Fused, GeluBackwardQuantizeIsGeluBackwardThenQuantize) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("gelu_backward_quantize"));
+  std::mt19937_64 rng(26);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {64, 64}, {130, 33}, {0, 5}}) {
+        const Tensor g = activations({rows, cols}, dt, rng, 0.02), x = activations({rows, cols}, dt, rng, 0);
+        const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        Tensor amax, sums, amax_ref, sums_ref = empty({cols}, kF32);
+        const ops::Fp8Tensor f = ops::fp8_gelu_backward_quantize(g, x, s, fp8, &amax, &sums);
+        const Tensor v = ops::gelu_backward(g, x);
+        const ops::Fp8Tensor u = ops::fp8_quantize_transposed(v, s, fp8, &amax_ref);
+        ops::linear_backward_bias_out(v, sums_ref);
+        const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " [" + std::to_string(rows) +
+                                 ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(test::bytes_equal(f.q, u.q)) << what;
+        EXPECT_TRUE(test::bytes_equal(f.qt, u.qt)) << what;
+        EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+        const std::vector<double> got = test::element_values(sums), want = test::element_values(sums_ref);
+        double scale = 1;
+        for (double w : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
+        for (size_t c = 0; c < got.size(); ++c)
+          ASSERT_TRUE(std::isnan(want[c])   ? std::isnan(got[c])
+                      : std::isinf(want[c]) ? got[c] == want[c]
+                                            : std::abs(got[c] - want[c]) <= 1e-5 * scale)
+              << what << " column " << c << ": " << got[c] << " against " << want[c];
+        Tensor sums_again;
+        ops::fp8_gelu_backward_quantize(g, x, s, fp8, nullptr, &sums_again);
+        EXPECT_TRUE(test::bytes_equal(sums, sums_again)) << what << ": the sums are reproducible";
+        if (rows == 0) continue;
+        conformance::naive::Case c;
+        c.tensors = {operand("grad", g, false), operand("x", x, false), operand("scale", s, false),
+                     operand("q", f.q, true),   operand("qt", f.qt, true), operand("amax", amax, true),
+                     operand("column_sums", sums, true)};
+        table["gelu_backward_quantize"](c);
+        ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+        const std::vector<double> codes = test::element_values(f.qt), oracle = c.out("qt")->values;
+        size_t neighbours = 0;
+        for (size_t i = 0; i < codes.size(); ++i)
+          if (!same_value(codes[i], oracle[i])) ++neighbours;
+        EXPECT_LE(neighbours, codes.size() / 50) << what << ": codes off the oracle's (a float32 derivative may round "
+                                                            "across a code's boundary, rarely)";
+      }
+  EXPECT_THROW(ops::fp8_gelu_backward_quantize(zeros({2, 3}, kBF16), zeros({2, 3}, kF32), scale_of(1), kF8E5M2),
+               Error);
+  EXPECT_THROW(ops::fp8_gelu_backward_quantize(zeros({2, 3}), zeros({3, 2}), scale_of(1), kF8E5M2), Error);
+}
+
+// GPT-2's FP8 MLP with GELU owned by c_fc's node (fp8::linear_gelu, then c_proj on its codes) against the layers
+// apart (fp8::linear, gelu, fp8::linear), each with its own delayed-scaling states, over steps that move the scales:
+// outputs and every gradient bit for bit but c_fc's bias (the fused cast sums its columns in another order: within
+// f32 rounding); under current scaling (the casts apart) bit for bit throughout.
+TEST(Fp8Fused, LinearGeluGivesTheUnfusedLayersOutputsAndGradients) {
+  for (int64_t history : {4, 1})
+    for (bool autocast : {true, false}) {
+      fp8::Recipe recipe;
+      recipe.amax_history = history;
+      auto fc_f = std::make_shared<fp8::LinearState>(recipe), proj_f = std::make_shared<fp8::LinearState>(recipe);
+      auto fc_p = std::make_shared<fp8::LinearState>(recipe), proj_p = std::make_shared<fp8::LinearState>(recipe);
+      std::mt19937_64 rng(27 + history + autocast);
+      const int64_t rows = 70, dim = 32, hidden = 96;
+      const Tensor w1 = test::random_tensor({hidden, dim}, kF32, -0.3, 0.3, rng());
+      const Tensor b1 = test::random_tensor({hidden}, kF32, -0.5, 0.5, rng());
+      const Tensor w2 = test::random_tensor({dim, hidden}, kF32, -0.2, 0.2, rng());
+      const Tensor b2 = test::random_tensor({dim}, kF32, -0.5, 0.5, rng());
+      std::vector<Tensor> fused{leaf(w1), leaf(b1), leaf(w2), leaf(b2)}, plain{leaf(w1), leaf(b1), leaf(w2), leaf(b2)};
+      test::CallCounter counter;
+      for (int step = 0; step < 3; ++step) {
+        const Tensor x = test::random_tensor({rows, dim}, kF32, -2.0 * (step + 1), 2.0 * (step + 1), rng());
+        const Tensor dy = test::random_tensor({rows, dim}, kF32, -1, 1, rng());
+        Tensor x_f = leaf(x), x_p = leaf(x), y_f, y_p;
+        {
+          std::optional<amp::AutocastGuard> guard;
+          if (autocast) guard.emplace(kBF16);
+          const Tensor codes = fp8::linear_gelu(x_f, fused[0], fused[1], fc_f, proj_f->input);
+          EXPECT_TRUE(is_fp8(codes.dtype()));
+          y_f = fp8::linear(codes, fused[2], fused[3], proj_f);
+          y_p = fp8::linear(gelu(fp8::linear(x_p, plain[0], plain[1], fc_p)), plain[2], plain[3], proj_p);
+        }
+        const std::string what = std::string(autocast ? "bf16" : "f32") + " history " + std::to_string(history) +
+                                 " step " + std::to_string(step);
+        ASSERT_TRUE(test::bytes_equal(y_f, y_p)) << what;
+        y_f.backward(ops::to_dtype(dy, y_f.dtype()));
+        y_p.backward(ops::to_dtype(dy, y_p.dtype()));
+        EXPECT_TRUE(test::bytes_equal(x_f.grad(), x_p.grad())) << what << ": x's gradient";
+        for (int i : {0, 2, 3}) EXPECT_TRUE(test::bytes_equal(fused[i].grad(), plain[i].grad())) << what << " " << i;
+        if (history == 1) {
+          EXPECT_TRUE(test::bytes_equal(fused[1].grad(), plain[1].grad())) << what << ": c_fc's bias";
+        } else {
+          EXPECT_TRUE(test::all_close(fused[1].grad(), plain[1].grad(), 1e-5, 1e-6)) << what << ": c_fc's bias";
+        }
+        for (auto& t : fused) t.zero_grad();
+        for (auto& t : plain) t.zero_grad();
+      }
+      if (history > 1) {
+        EXPECT_EQ(counter.calls("gelu_backward_quantize"), 2u) << "every step after the first casts in GELU's pass";
+        EXPECT_EQ(counter.calls("gelu_quantize"), 2u);  // the plain layers cast gelu's output apart
+      }
+    }
+}
+
 // A tiny model trained with --fp8 all and delayed scaling under bf16 autocast: the fused codes (counted) keep the
 // losses of a run through a library without the fused ops, bit for bit, and so do selective and full recompute.
 std::vector<double> train_losses(const test::TempDir& dir, const std::string& model, const std::string& recompute,
@@ -593,6 +700,7 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
     const uint64_t activation = counter.calls(gpt2 ? "gelu_quantize" : "swiglu_quantize");
     const uint64_t norm = counter.calls(gpt2 ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize");
     *fused_calls = std::min(activation, norm);
+    if (gpt2) *fused_calls = std::min(*fused_calls, counter.calls("gelu_backward_quantize"));
   }
   return out;
 }

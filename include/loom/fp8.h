@@ -60,6 +60,9 @@ class TensorScaling {
   // amax is needed before the cast.
   using Codes = std::function<Tensor(const Tensor& scale, Tensor* amax)>;
   ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device);
+  // The same, casting made values with `cast` (the values, the scale) where it needs a cast (fp8_quantize above).
+  using Cast = std::function<Tensor(const Tensor& values, const Tensor& scale)>;
+  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device);
   // quantize(x) with the codes also transposed (qt [C, R] for x [..., C] of R rows), written by the cast's own pass
   // (ops::fp8_quantize_transposed): what a weight gradient's product reads.
   ops::Fp8Tensor quantize_transposed(const Tensor& x);
@@ -80,9 +83,6 @@ class TensorScaling {
   Shape last_shape_;
   Tensor last_scale_inv_;
   ops::Fp8Tensor made(const ops::Fp8Tensor& q);  // records q as the last codes made
-  // quantize(values, codes, device) casting made values with `cast` (the values, a scale) where it needs a cast.
-  using Cast = std::function<Tensor(const Tensor& values, const Tensor& scale)>;
-  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device);
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.
@@ -139,6 +139,16 @@ Tensor swiglu_linear(const Tensor& gate, const Tensor& up, const ops::Fp8Tensor&
 // up [M, in] (the halves of the experts' gate and up product).
 Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor& weight,
                              const std::vector<int64_t>& sizes, const std::shared_ptr<LinearState>& state);
+
+// The codes of gelu(linear(x, weight, bias, state)) for the layer whose input scaling is `consumer` (GPT-2's c_fc,
+// read by c_proj): one node owns the product and GELU, so GELU's codes are made by the kernel that computes it
+// (ops::fp8_gelu_quantize) and, in the backward, GELU's derivative rides in the cast of the product's output gradient
+// (ops::fp8_gelu_backward_quantize, which also sums the bias gradient's columns): GELU's output and its gradient are
+// never written in 16 bits. The result is codes that linear() with `consumer`'s state takes as its x.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                   TensorScaling& consumer);
+Tensor linear_gelu(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state, TensorScaling& consumer);
 
 // A linear layer on gelu(h) (GPT-2's MLP projection): linear(gelu(h), weight, bias, state) with the activation
 // quantized by the kernel that makes it (ops::fp8_gelu_quantize), as swiglu_linear does SwiGLU's. Its gradient flows

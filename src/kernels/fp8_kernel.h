@@ -111,6 +111,25 @@ LOOM_DECLARE_OP(gelu_quantize, GeluQuantizeKernel,
                                     "the codes and the amax fp8_quantize gives it")
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
+// GELU's backward fused with the quantization of its result, the output gradient of the FP8 product that made GELU's
+// input (GPT-2's c_fc): v = gelu_backward(grad, x) as that op stores it in x's dtype; q [R, C] and qt [C, R] its
+// codes as fp8_quantize_transposed writes them for `scale`; amax (optional) = max |v|; column_sums (optional, [C]
+// f32) the sums of v's columns over the rows, the product's bias gradient, accumulated in f32 over a partition of
+// the rows that depends only on the shape (reproducible bit for bit). v itself is never written. grad and x
+// contiguous [R, C], one dtype (f32 or bf16). Judged as gelu_quantize: v in float64 may take a neighbouring code.
+using GeluBackwardQuantizeKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& scale,
+                                        Tensor& q, Tensor& qt, Tensor& amax, Tensor& column_sums);
+LOOM_DECLARE_OP(gelu_backward_quantize, GeluBackwardQuantizeKernel,
+                OpSchema().in("grad", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("x", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "R C").out("qt", "C R")
+                    .out_opt("amax", "1", DTypeRule::kF32).out_opt("column_sums", "C", DTypeRule::kF32)
+                    .dim("R", {0}).row_dim("R").accumulates("R").dispatch_on("q").abi_since(7)
+                    .special_values("as gelu_backward then fp8_quantize_transposed of its output; a NaN or infinite "
+                                    "value makes its column's sum NaN or infinite as a sum would")
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
 // out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one
 // shape.
 using Fp8DequantizeKernel = void(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out);

@@ -129,6 +129,12 @@ Tensor Linear::forward_swiglu(const Tensor& gate, const Tensor& up) const {
                      : fp8::swiglu_linear(gate, up, weight, bias, fp8);
 }
 
+Tensor Linear::forward_gelu_codes(const Tensor& x, fp8::TensorScaling& consumer) const {
+  LOOM_REQUIRE(fp8 && !lora_A, "Linear: GELU's codes come from an FP8 layer without an adapter");
+  return holds_fp8() ? fp8::linear_gelu(x, held_weight(), bias, fp8, consumer)
+                     : fp8::linear_gelu(x, weight, bias, fp8, consumer);
+}
+
 Tensor Linear::forward_of_gelu(const Tensor& h) const {
   if (!fp8 || lora_A) return forward(gelu(h));
   return holds_fp8() ? fp8::gelu_linear(h, held_weight(), bias, fp8) : fp8::gelu_linear(h, weight, bias, fp8);
@@ -187,7 +193,10 @@ GeluMLP::GeluMLP(int64_t dim, int64_t hidden) {
 // One autograd node for both products (gelu_mlp): the GELU derivative rides in the backward's gemm epilogue. Split
 // across ranks, each computes its hidden units' share of the output; the shares are summed before the bias.
 Tensor GeluMLP::forward(const Tensor& x) const {
-  // FP8 (no tensor parallelism): unfused, GELU's output quantized as it is made.
+  // FP8 (no tensor parallelism): GELU's codes made for c_proj by c_fc's product, whose backward takes GELU's; with an
+  // adapter beside either, the layers apart.
+  if (c_fc->fp8 && c_proj->fp8 && !c_fc->has_adapter() && !c_proj->has_adapter())
+    return c_proj->forward(c_fc->forward_gelu_codes(x, c_proj->fp8->input));
   if (c_fc->fp8 || c_proj->fp8) return c_proj->forward_of_gelu(c_fc->forward(x));
   if (c_fc->has_adapter() || c_proj->has_adapter()) {  // LoRA: unfused, each layer with its adapter
     if (!tp) return c_proj->forward(c_fc->forward_gelu(x));

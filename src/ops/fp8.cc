@@ -6,6 +6,7 @@
 #include "kernels/fp8_kernel.h"
 #include "kernels/moe_kernel.h"
 #include "loom/ops/elementwise.h"
+#include "loom/ops/linalg.h"
 #include "loom/ops/views.h"
 #include "ops/op_common.h"
 
@@ -262,6 +263,43 @@ Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor
     return ops::view(q, x.shape());
   }
   return fp8_quantize(ops::gelu(x), scale, fp8, amax_out);
+}
+
+Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const Tensor& scale, DType fp8,
+                                     Tensor* amax_out, Tensor* column_sums) {
+  const char* op = "fp8_gelu_backward_quantize";
+  LOOM_REQUIRE(grad.defined() && x.defined() && x.dim() >= 1, op, ": grad and x must be defined tensors of rank 1 or "
+               "more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  LOOM_REQUIRE(grad.dtype() == x.dtype() && grad.shape() == x.shape() && grad.device() == x.device(), op, ": grad ",
+               describe(grad), " does not match x ", describe(x));
+  check_scale(op, "scale", scale, x);
+  const int64_t cols = x.size(-1), rows = rows_of(x);
+  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), m = ops::view(ops::contiguous(x), {rows, cols});
+  Fp8Tensor r;
+  r.q = empty({rows, cols}, fp8, x.device());
+  r.qt = empty({cols, rows}, fp8, x.device());
+  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor sums = column_sums ? empty({cols}, kF32, x.device()) : Tensor();
+  // As fp8_swiglu_quantize: fused only by the provider that would run gelu_backward itself.
+  const KernelEntry* fused =
+      ops_detail::accepting_kernel(gelu_backward_quantize_op, x.device(), fp8, g, m, scale, r.q, r.qt, amax, sums);
+  const auto& plain = dispatch::candidates(gelu_backward_op.id(), x.device().type, x.dtype());
+  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+    dispatch::call(gelu_backward_quantize_op, x.device(), fp8, g, m, scale, r.q, r.qt, amax, sums);
+    if (amax_out) *amax_out = amax;
+    if (column_sums) *column_sums = sums;
+  } else {
+    const Tensor v = ops::gelu_backward(g, m);
+    r = fp8_quantize_transposed(v, scale, fp8, amax_out);
+    if (column_sums) {
+      *column_sums = empty({cols}, kF32, x.device());
+      linear_backward_bias_out(v, *column_sums);
+    }
+  }
+  r.q = ops::view(r.q, x.shape());
+  return r;
 }
 
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {

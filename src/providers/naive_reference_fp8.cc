@@ -129,6 +129,33 @@ void gelu_quantize(Case& c) {
   quantize_activations(c, v, x.dtype);
 }
 
+// GELU's derivative (the tanh form: d/dx of 0.5 x (1 + tanh(u))) times grad, stored in x's dtype; its codes in both
+// layouts, their amax and the stored values' column sums.
+void gelu_backward_quantize(Case& c) {
+  const Operand &g = c.in("grad"), &x = c.in("x");
+  const int64_t R = x.shape[0], C = x.shape[1];
+  const double k = std::sqrt(2 / M_PI);
+  std::vector<double> v(x.values.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const double a = x.values[i], t = std::tanh(k * (a + 0.044715 * a * a * a));
+    // Where tanh rounds to +-1 the derivative is its limit, 1 or 0 (as written, x^2 may overflow and 0 * inf is NaN).
+    const double derivative =
+        t * t == 1 ? 0.5 * (1 + t) : 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k * (1 + 3 * 0.044715 * a * a);
+    v[i] = g.values[i] * derivative;
+  }
+  quantize_activations(c, v, x.dtype);
+  const std::vector<double>& q = c.out("q")->values;
+  std::vector<double>& qt = c.out("qt")->values;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < C; ++j) qt[size_t(j * R + r)] = q[size_t(r * C + j)];
+  if (Operand* sums = c.out("column_sums"))
+    for (int64_t j = 0; j < C; ++j) {
+      double s = 0;
+      for (int64_t r = 0; r < R; ++r) s += convert(v[size_t(r * C + j)], x.dtype);
+      sums->values[size_t(j)] = s;
+    }
+}
+
 // residual = x + delta rounded to x's dtype (x without delta); layer norm (`centered`: mean and rstd =
 // 1 / sqrt(var + eps), then * weight + bias) or RMS norm (rstd = 1 / sqrt(mean(residual^2) + eps), then * weight) of
 // it, stored in bf16.
@@ -201,6 +228,7 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["fp8_dequantize"] = fp8_dequantize;
   table["swiglu_quantize"] = swiglu_quantize;
   table["gelu_quantize"] = gelu_quantize;
+  table["gelu_backward_quantize"] = gelu_backward_quantize;
   table["residual_rms_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, false); };
   table["residual_layer_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, true); };
   table["fp8_gemm"] = fp8_gemm;

@@ -250,6 +250,12 @@
  *                                                   in: x, scale    out: q [R, C], qt [C, R], amax?
  *       fp8_quantize's codes written twice, as x is laid out and transposed (an FP8 weight gradient reads its
  *       output gradient's codes along the rows). A library without it: Loom quantizes, then transposes the codes.
+ *     gelu_backward_quantize [1.7] (dispatch dtype = q's; grad and x f32 or bf16, one dtype, contiguous [R, C])
+ *                                                   in: grad, x, scale    out: q [R, C], qt [C, R], amax?, column_sums?
+ *       v = gelu_backward(grad, x) as that op stores it in x's dtype, never written: q, qt and amax as
+ *       fp8_quantize_transposed gives them for v; column_sums [C] f32 the sums of v's columns (any fixed order of
+ *       the rows that depends only on the shape). A library without it keeps serving gelu_backward: Loom then
+ *       quantizes and sums its output apart.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------

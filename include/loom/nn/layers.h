@@ -26,6 +26,9 @@ class Linear : public Module {
   Tensor forward_swiglu(const Tensor& gate, const Tensor& up) const;
   // forward(gelu(h)), the activation quantized likewise under FP8 without an adapter (fp8::gelu_linear).
   Tensor forward_of_gelu(const Tensor& h) const;
+  // Under FP8 without an adapter: gelu(forward(x)) as the codes of `consumer` (the next layer's input scaling),
+  // GELU owned by this layer's product (fp8::linear_gelu).
+  Tensor forward_gelu_codes(const Tensor& x, fp8::TensorScaling& consumer) const;
   Tensor weight;  // [out, in]
   Tensor bias;    // [out] or undefined
   // Set: the products run in FP8 (loom/fp8.h) with this state's scaling; a model sets it by its FP8 scope.

@@ -127,24 +127,64 @@ using autograd::tensor_list;
 // The dtype an FP8 product writes for a tensor of dtype t: bf16 stays bf16, anything else is computed in f32.
 DType product_dtype_for(DType t) { return t == kBF16 ? kBF16 : kF32; }
 
-// The backward of linear() and of grouped_linear() (group_sizes set: weight [G, out, in], x's rows in groups).
+// The backward of linear() and of grouped_linear() (group_sizes set: weight [G, out, in], x's rows in groups), and of
+// linear_gelu() (pre_activation set: the node's output was GELU's codes of the product).
 class Fp8LinearBackward final : public autograd::Node {
  public:
   ops::Fp8Tensor x, weight;  // the forward's quantized operands: x saved only for weight's gradient, weight for x's
   std::shared_ptr<LinearState> state;
   std::optional<std::vector<int64_t>> group_sizes;
+  Tensor pre_activation;  // linear_gelu's product (GELU's input)
   DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
 
-  std::string name() const override { return group_sizes ? "Fp8GroupedLinearBackward" : "Fp8LinearBackward"; }
+  std::string name() const override {
+    return group_sizes ? "Fp8GroupedLinearBackward" : pre_activation.defined() ? "Fp8LinearGeluBackward"
+                                                                               : "Fp8LinearBackward";
+  }
+
+  // The product's output gradient from GELU's output gradient d: its codes in both layouts, cast in GELU's backward's
+  // own pass where the scaling has a scale at hand, and into *sums the bias gradient (the columns' sums). Where the
+  // cast needs GELU's backward written first (current scaling), *made is it.
+  ops::Fp8Tensor through_gelu(const Tensor& d, Tensor* sums, Tensor* made) {
+    TensorScaling& scaling = state->grad_output;
+    Tensor qt;
+    const ops::Fp8Tensor q = scaling.quantize(
+        [&] { return *made = ops::gelu_backward(d, pre_activation); },
+        [&](const Tensor& scale, Tensor* amax) {
+          const ops::Fp8Tensor r =
+              ops::fp8_gelu_backward_quantize(d, pre_activation, scale, scaling.dtype(), amax, sums);
+          qt = r.qt;
+          return r.q;
+        },
+        [&](const Tensor& values, const Tensor& scale) {
+          const ops::Fp8Tensor r = ops::fp8_quantize_transposed(values, scale, scaling.dtype());
+          qt = r.qt;
+          return r.q;
+        },
+        d.device());
+    return {q.q, q.scale_inv, qt};
+  }
+
   tensor_list apply(tensor_list&& grads) override {
     tensor_list out(3);
     if (!grads[0].defined()) return out;
-    const Tensor& g = grads[0];
-    if (needs_input_grad(0) || needs_input_grad(1)) {
+    Tensor g = grads[0];
+    const Device device = g.device();
+    Tensor sums;  // the bias gradient where the cast made it
+    ops::Fp8Tensor gq;
+    if (pre_activation.defined()) {
+      const Tensor d = as_dtype(g, pre_activation.dtype());
+      Tensor made;
+      if (needs_input_grad(0) || needs_input_grad(1))
+        gq = through_gelu(d, needs_input_grad(2) ? &sums : nullptr, &made);
+      // The product's output gradient in 16 bits where the bias gradient still needs it (or none).
+      g = made.defined() || !needs_input_grad(2) || sums.defined() ? made : ops::gelu_backward(d, pre_activation);
+    } else if (needs_input_grad(0) || needs_input_grad(1)) {
       // A dense weight gradient reads the codes along the rows: written transposed in the same pass.
       const bool transposed = needs_input_grad(1) && !group_sizes && g.dim() >= 1;
-      const ops::Fp8Tensor gq =
-          transposed ? state->grad_output.quantize_transposed(g) : state->grad_output.quantize(g);
+      gq = transposed ? state->grad_output.quantize_transposed(g) : state->grad_output.quantize(g);
+    }
+    if (needs_input_grad(0) || needs_input_grad(1)) {
       if (needs_input_grad(0)) {
         const DType written = product_dtype_for(x_dtype);
         out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
@@ -155,34 +195,41 @@ class Fp8LinearBackward final : public autograd::Node {
         const DType written = product_dtype_for(weight_dtype);
         Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
         const bool in_slot = dw.defined();
-        if (!in_slot) dw = empty(weight.q.shape(), written, g.device());
+        if (!in_slot) dw = empty(weight.q.shape(), written, device);
         if (group_sizes) ops::fp8_grouped_linear_backward_weight_out(gq, x, *group_sizes, dw);
         else ops::fp8_linear_backward_weight_out(gq, x, dw);
         out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
       }
     }
     if (needs_input_grad(2)) {  // the bias gradient from the unquantized output gradient: its column sums
-      const DType written = g.dtype() == kBF16 || g.dtype() == kF16 ? kF32 : g.dtype();
-      Tensor db = autograd::claim_gradient_destination(*this, 2, written);
-      const bool in_slot = db.defined();
-      if (!in_slot) db = empty({g.size(-1)}, written, g.device());
-      ops::linear_backward_bias_out(g, db);
-      out[2] = in_slot ? db : as_dtype(db, bias_dtype);
+      if (sums.defined()) {
+        out[2] = as_dtype(sums, bias_dtype);
+      } else {
+        const DType written = g.dtype() == kBF16 || g.dtype() == kF16 ? kF32 : g.dtype();
+        Tensor db = autograd::claim_gradient_destination(*this, 2, written);
+        const bool in_slot = db.defined();
+        if (!in_slot) db = empty({g.size(-1)}, written, g.device());
+        ops::linear_backward_bias_out(g, db);
+        out[2] = in_slot ? db : as_dtype(db, bias_dtype);
+      }
     }
     return out;
   }
   void release_saved() override {
     x = weight = ops::Fp8Tensor{};
+    pre_activation = Tensor();
     state.reset();
   }
 };
 
 // The FP8 product of x and weight (+ bias), recorded for the backward: linear()'s, with x's quantization given
 // (shared by layers that read the same x) or made here when null and the weight held quantized when `held` is set
-// (`weight` is then its codes), or grouped_linear()'s when group_sizes is set (no bias). The callers check the shapes.
+// (`weight` is then its codes), or grouped_linear()'s when group_sizes is set (no bias). With `gelu_codes` (a
+// consumer's input scaling), linear_gelu()'s: the result is GELU's codes of the product for that consumer, and the
+// node owns GELU's backward. The callers check the shapes.
 Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
                   const ops::Fp8Tensor* x_quantized, const ops::Fp8Tensor* held,
-                  const std::vector<int64_t>* group_sizes) {
+                  const std::vector<int64_t>* group_sizes, TensorScaling* gelu_codes = nullptr) {
   // The result's dtype: the autocast dtype under bf16 autocast, else bf16 for a bf16 x and f32 otherwise.
   const DType out_dtype =
       amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
@@ -191,19 +238,30 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   // read the forward's operands without quantizing x and weight again (an amax and a cast over each, and the
   // weight's from f32).
   const bool fast = state->recipe.fast_accumulation_forward;
-  const std::vector<Tensor> kept = autograd::kept_results(group_sizes ? "fp8_grouped_linear" : "fp8_linear", [&] {
+  const char* name = gelu_codes ? "fp8_linear_gelu" : group_sizes ? "fp8_grouped_linear" : "fp8_linear";
+  const std::vector<Tensor> kept = autograd::kept_results(name, [&] {
     const ops::Fp8Tensor xq = x_quantized ? *x_quantized : state->input.quantize(x.detach());
     const ops::Fp8Tensor wq = held ? *held : state->weight.quantize(weight.detach());
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
     Tensor y = group_sizes ? ops::fp8_grouped_linear(xq, wq, *group_sizes, out_dtype, fast)
                            : ops::fp8_linear(xq, wq, b, out_dtype, fast);
-    return std::vector<Tensor>{y, xq.q, xq.scale_inv, wq.q, wq.scale_inv};
+    std::vector<Tensor> r{y, xq.q, xq.scale_inv, wq.q, wq.scale_inv};
+    if (gelu_codes) {  // GELU's codes, made by the kernel that computes it where the scaling has a scale at hand
+      const ops::Fp8Tensor a = gelu_codes->quantize(
+          [&] { return ops::gelu(y); },
+          [&](const Tensor& scale, Tensor* amax) { return ops::fp8_gelu_quantize(y, scale, gelu_codes->dtype(), amax); },
+          y.device());
+      r.push_back(a.q);
+      r.push_back(a.scale_inv);
+    }
+    return r;
   });
-  Tensor out = kept[0];
+  Tensor out = gelu_codes ? kept[5] : kept[0];
   if (!record) return out;
   auto node = autograd::make_node<Fp8LinearBackward>({&x, &weight, &bias});
   if (node->needs_input_grad(0)) node->weight = {kept[3], kept[4]};
   if (node->needs_input_grad(1)) node->x = {kept[1], kept[2]};
+  if (gelu_codes) node->pre_activation = kept[0].detach();
   node->state = state;
   if (group_sizes) node->group_sizes = *group_sizes;
   // An x given as its codes (a quantizing producer's: swiglu_linear) takes its gradient in the product's dtype.
@@ -383,6 +441,29 @@ std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta
 std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
                                               const Tensor& bias, double eps, TensorScaling& input) {
   return quantizing_residual_norm(true, x, delta, weight, bias, eps, input);
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,
+                   TensorScaling& consumer) {
+  LOOM_REQUIRE(state, "fp8::linear_gelu: no FP8 state");
+  LOOM_REQUIRE(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+               "fp8::linear_gelu: x ", x.defined() ? describe(x) : "undefined", " does not fit weight ",
+               weight.defined() ? describe(weight) : "undefined");
+  ops::Fp8Tensor codes;
+  if (is_fp8(x.dtype())) codes = given_codes(x, state->input, "fp8::linear_gelu");
+  return product_of(x, weight, bias, state, codes.q.defined() ? &codes : nullptr, nullptr, nullptr, &consumer);
+}
+
+Tensor linear_gelu(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
+                   const std::shared_ptr<LinearState>& state, TensorScaling& consumer) {
+  LOOM_REQUIRE(state, "fp8::linear_gelu: no FP8 state");
+  LOOM_REQUIRE(x.defined() && x.dim() >= 1 && held_weight.q.defined() && held_weight.q.dim() == 2 &&
+                   x.size(-1) == held_weight.q.size(1),
+               "fp8::linear_gelu: x ", x.defined() ? describe(x) : "undefined", " does not fit the held weight");
+  ops::Fp8Tensor codes;
+  if (is_fp8(x.dtype())) codes = given_codes(x, state->input, "fp8::linear_gelu");
+  return product_of(x, held_weight.q, bias, state, codes.q.defined() ? &codes : nullptr, &held_weight, nullptr,
+                    &consumer);
 }
 
 Tensor gelu_linear(const Tensor& h, const Tensor& weight, const Tensor& bias,

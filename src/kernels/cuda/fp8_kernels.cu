@@ -127,29 +127,50 @@ void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned
       x, scale, n, vectors, q, amax_bits);
 }
 
-// fp8_quantize_transposed: x [rows, cols] in 64 x 64 tiles, one block of kThreads (8 warps) per tile. Each warp reads
-// rows of the tile (a lane two neighbouring elements), writes their codes to q along the row and into a shared tile,
-// then writes the tile's columns to qt along qt's rows (a lane two neighbouring codes): both writes coalesced. Row
-// tiles past the grid's height loop.
+// The values a transposing quantization takes at element `at` of a [rows, cols] matrix: x's as stored
+// (fp8_quantize_transposed), or GELU's backward of (grad, x) as the gelu_backward kernel computes and rounds it to T
+// (gelu_backward_quantize), never written.
+template <typename T>
+struct StoredAt {
+  const T* x;
+  __device__ __forceinline__ float operator()(int64_t at) const { return to_float(x[at]); }
+};
+template <typename T>
+struct GeluGradientAt {
+  const T* grad;
+  const T* x;
+  __device__ __forceinline__ float operator()(int64_t at) const {
+    return to_float(cuda::BinaryMath<elementwise_math::GeluBackward, T>{}(grad[at], x[at]));
+  }
+};
+
+// fp8_quantize_transposed and gelu_backward_quantize: a [rows, cols] matrix of values in 64 x 64 tiles, one block of
+// kThreads (8 warps) per tile. Each warp takes rows of the tile (a lane two neighbouring elements), writes their codes
+// to q along the row and into a shared tile, then writes the tile's columns to qt along qt's rows (a lane two
+// neighbouring codes): both writes coalesced. Row tiles past the grid's height loop. With `partial_sums`, the
+// tile's column sums of the values (each warp's rows in order, then the warps' in order) go to row tr of
+// partial_sums [row_tiles, cols], which column_partials_kernel adds up in order.
 constexpr int kTransposeTile = 64;
-template <typename T, typename Q>
-__global__ void quantize_transposed_kernel(const T* __restrict__ x, const float* __restrict__ scale, int64_t rows,
-                                           int64_t cols, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
-                                           unsigned* amax_bits) {
+template <typename Q, typename Values>
+__global__ void quantize_transposed_kernel(Values values, const float* __restrict__ scale, int64_t rows, int64_t cols,
+                                           uint8_t* __restrict__ q, uint8_t* __restrict__ qt, unsigned* amax_bits,
+                                           float* __restrict__ partial_sums) {
   __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 4];  // + a word: a column's bytes in different banks
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float warp_sums[kWarps][kTransposeTile];
   const float s = *scale;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  constexpr int kWarps = kThreads / 32;
   const int64_t c0 = int64_t(blockIdx.x) * kTransposeTile;
   const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
   unsigned local = 0;
   for (int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y) {
     const int64_t r0 = tr * kTransposeTile;
+    float sum0 = 0, sum1 = 0;
     for (int i = warp; i < kTransposeTile; i += kWarps) {
       const int64_t r = r0 + i, c = c0 + 2 * lane;
       if (r >= rows) break;
       const int64_t at = r * cols + c;
-      const float v0 = c < cols ? to_float(x[at]) : 0.0f, v1 = c + 1 < cols ? to_float(x[at + 1]) : 0.0f;
+      const float v0 = c < cols ? values(at) : 0.0f, v1 = c + 1 < cols ? values(at + 1) : 0.0f;
       const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
       if (c + 1 < cols && at % 2 == 0) {
         *reinterpret_cast<uint16_t*>(q + at) = pair;
@@ -159,8 +180,14 @@ __global__ void quantize_transposed_kernel(const T* __restrict__ x, const float*
       }
       if (c < cols) local = max(local, magnitude_bits(v0));
       if (c + 1 < cols) local = max(local, magnitude_bits(v1));
+      sum0 = __fadd_rn(sum0, v0);
+      sum1 = __fadd_rn(sum1, v1);
       tile[i][2 * lane] = uint8_t(pair & 0xffu);
       tile[i][2 * lane + 1] = uint8_t(pair >> 8);
+    }
+    if (partial_sums) {
+      warp_sums[warp][2 * lane] = sum0;
+      warp_sums[warp][2 * lane + 1] = sum1;
     }
     __syncthreads();
     for (int j = warp; j < kTransposeTile; j += kWarps) {
@@ -175,9 +202,47 @@ __global__ void quantize_transposed_kernel(const T* __restrict__ x, const float*
         if (r + 1 < rows) qt[at + 1] = b;
       }
     }
-    __syncthreads();  // the tile is free for the next row tile
+    if (partial_sums && threadIdx.x < kTransposeTile && c0 + threadIdx.x < cols) {
+      float sum = 0;
+      for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, warp_sums[w][threadIdx.x]);
+      partial_sums[tr * cols + c0 + threadIdx.x] = sum;
+    }
+    __syncthreads();  // the tile and the sums are free for the next row tile
   }
   if (amax_bits) block_max_into(local, amax_bits);
+}
+
+// out[c] = the sum over t of partials[t][c] [tiles, cols], in order of t: one thread per column.
+__global__ void column_partials_kernel(const float* __restrict__ partials, int64_t tiles, int64_t cols,
+                                       float* __restrict__ out) {
+  for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < cols; c += int64_t(gridDim.x) * kThreads) {
+    float sum = 0;
+    for (int64_t t = 0; t < tiles; ++t) sum = __fadd_rn(sum, partials[t * cols + c]);
+    out[c] = sum;
+  }
+}
+
+// Launches quantize_transposed_kernel over values of [rows, cols] (and the column sums into `column_sums` when it is
+// defined, through a scratch of the tiles' partial sums).
+template <typename Q, typename Values>
+void launch_quantize_transposed(const DeviceContext& ctx, Values values, const Tensor& scale, int64_t rows,
+                                int64_t cols, Tensor& q, Tensor& qt, unsigned* amax_bits, Tensor& column_sums,
+                                cudaStream_t stream) {
+  const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
+  const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
+  LOOM_CHECK(col_tiles <= INT32_MAX, "fp8: too many columns for one grid of transposing tiles");
+  Tensor partials;
+  if (column_sums.defined()) partials = empty({row_tiles, cols}, kF32, ctx.device());
+  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(row_tiles, 65535)));
+  quantize_transposed_kernel<Q><<<grid, kThreads, 0, stream>>>(
+      values, static_cast<const float*>(scale.data()), rows, cols, static_cast<uint8_t*>(q.data()),
+      static_cast<uint8_t*>(qt.data()), amax_bits, partials.defined() ? static_cast<float*>(partials.data()) : nullptr);
+  LOOM_CUDA_CHECK_LAUNCH();
+  if (!column_sums.defined()) return;
+  column_partials_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(static_cast<const float*>(partials.data()),
+                                                                    row_tiles, cols,
+                                                                    static_cast<float*>(column_sums.data()));
+  LOOM_CUDA_CHECK_LAUNCH();
 }
 
 // swiglu_quantize: scan_kernel's pass with the values made from gate and up ([rows, cols] at row strides lg and lu)
@@ -300,18 +365,31 @@ void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, con
   unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows * cols == 0) return;
-  const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
-  const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
-  LOOM_CHECK(col_tiles <= INT32_MAX, "fp8_quantize_transposed (cuda): too many columns for one grid");
-  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(row_tiles, 65535)));
+  Tensor no_sums;
   LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize_transposed", [&] {
-      quantize_transposed_kernel<high_t, fp8_t><<<grid, kThreads, 0, stream>>>(
-          static_cast<const high_t*>(x.data()), static_cast<const float*>(scale.data()), rows, cols,
-          static_cast<uint8_t*>(q.data()), static_cast<uint8_t*>(qt.data()), bits);
+      launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{static_cast<const high_t*>(x.data())}, scale, rows,
+                                        cols, q, qt, bits, no_sums, stream);
     });
   });
-  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& x, const Tensor& scale,
+                                 Tensor& q, Tensor& qt, Tensor& amax, Tensor& column_sums) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (column_sums.defined() && cols > 0 && rows == 0)
+    LOOM_CUDA_CHECK(cudaMemsetAsync(column_sums.data(), 0, size_t(cols) * sizeof(float), stream));  // empty sums
+  if (rows * cols == 0) return;
+  LOOM_DISPATCH_FP8(q.dtype(), "gelu_backward_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_backward_quantize", [&] {
+      const GeluGradientAt<high_t> values{static_cast<const high_t*>(grad.data()),
+                                          static_cast<const high_t*>(x.data())};
+      launch_quantize_transposed<fp8_t>(ctx, values, scale, rows, cols, q, qt, bits, column_sums, stream);
+    });
+  });
 }
 
 void gelu_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
@@ -380,6 +458,7 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCUDA, "native", dtypes(kF8E4M3, k
                      fp8_quantize_transposed_cuda);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
+LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cuda);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cuda);
 
 }  // namespace loom
