@@ -10,6 +10,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include <cstring>
 
@@ -266,6 +267,39 @@ TEST(CudaFp8, GeluBackwardQuantizeIsTheGpusGeluBackwardThenQuantize) {
               << what << " column " << c << ": " << a[c] << " against " << b[c];
         const ops::Fp8Tensor cpu = ops::fp8_gelu_backward_quantize(g.to(Device()), x.to(Device()), s.to(Device()), fp8);
         expect_within_a_code(f.q, cpu.q, fp8, what);
+      }
+}
+
+// The loss writing its gradient's codes (cross_entropy_with_grad_quantize) on the GPU: the GPU's
+// cross_entropy_with_grad then fp8_quantize bit for bit (loss, codes, amax) through the staged kernel (16-bit rows of
+// 16-104 KB: GPT-2's vocabulary) and the two-pass one (f32, short and long rows, a vocabulary limit, ignored rows),
+// both formats; the codes within one of the CPU's.
+TEST(CudaFp8, CrossEntropyWithGradQuantizeIsTheGpusLossThenQuantize) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(9);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, vocab, limit] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+               {3, 257, -1}, {16, 8200, 8193}, {64, 50304, 50257}, {4, 65536, -1}}) {
+        const Tensor logits = test::random_tensor({rows, vocab}, xt, -8, 8, rng()).to(kGpu);
+        Tensor targets_host = test::random_indices({rows}, 0, limit < 0 ? vocab : limit, kI64);
+        static_cast<int64_t*>(targets_host.data())[rows - 1] = -100;  // an ignored row
+        const Tensor targets = targets_host.to(kGpu);
+        const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 8) + 8)}, {1}, kF32).to(kGpu);
+        Tensor amax, amax_ref;
+        const ops::CrossEntropyWithGrad f =
+            ops::cross_entropy_with_grad_quantize(logits, targets, -100, ops::Reduction::kMean, limit, s, fp8, &amax);
+        const ops::CrossEntropyWithGrad u =
+            ops::cross_entropy_with_grad(logits, targets, -100, ops::Reduction::kMean, limit);
+        const Tensor q_ref = ops::fp8_quantize(u.grad_logits, s, fp8, &amax_ref);
+        const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                 std::to_string(rows) + ", " + std::to_string(vocab) + "]";
+        EXPECT_TRUE(same_bytes(f.loss, u.loss)) << what;
+        EXPECT_TRUE(same_bytes(f.grad_logits, q_ref)) << what;
+        EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+        const ops::CrossEntropyWithGrad c = ops::cross_entropy_with_grad_quantize(
+            logits.to(Device()), targets_host, -100, ops::Reduction::kMean, limit, s.to(Device()), fp8);
+        expect_within_a_code(f.grad_logits, c.grad_logits, fp8, what);
       }
 }
 

@@ -7,11 +7,13 @@
 // recompute.
 #include <cmath>
 #include <random>
+#include <tuple>
 
 #include "kernels/elementwise_kernel.h"
 #include "kernels/fp8_kernel.h"
 #include "kernels/norm_kernel.h"
 #include "loom/amp.h"
+#include "loom/autograd/grad_mode.h"
 #include "loom/common/dtype_values.h"
 #include "loom/core/dispatch.h"
 #include "loom/fp8.h"
@@ -671,6 +673,125 @@ TEST(Fp8Fused, LinearGeluGivesTheUnfusedLayersOutputsAndGradients) {
     }
 }
 
+// The loss writing its gradient's codes (cross_entropy_with_grad_quantize): the loss, the codes and their amax are
+// cross_entropy_with_grad then fp8_quantize bit for bit (both reductions, an ignored target, a vocabulary limit, both
+// formats and logits' dtypes), the codes within a neighbour of the float64 oracle's; bad arguments in one line.
+TEST(Fp8Fused, CrossEntropyWithGradQuantizeIsTheLossThenQuantize) {
+  std::mt19937_64 rng(28);
+  int cases = 0;
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto reduction : {ops::Reduction::kMean, ops::Reduction::kSum})
+        for (auto [rows, vocab, limit] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+                 {1, 7, -1}, {9, 64, 60}, {33, 257, -1}}) {
+          const Tensor logits = test::random_tensor({rows, vocab}, dt, -4, 4, rng());
+          Tensor targets = test::random_indices({rows}, 0, limit < 0 ? vocab : limit, kI64);
+          if (rows > 2) static_cast<int64_t*>(targets.data())[1] = -100;  // an ignored row
+          const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12)));
+          Tensor amax, amax_ref;
+          const ops::CrossEntropyWithGrad f =
+              ops::cross_entropy_with_grad_quantize(logits, targets, -100, reduction, limit, s, fp8, &amax);
+          const ops::CrossEntropyWithGrad u = ops::cross_entropy_with_grad(logits, targets, -100, reduction, limit);
+          const Tensor q_ref = ops::fp8_quantize(u.grad_logits, s, fp8, &amax_ref);
+          const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " [" +
+                                   std::to_string(rows) + ", " + std::to_string(vocab) + "] limit " +
+                                   std::to_string(limit);
+          ASSERT_EQ(f.grad_logits.dtype(), fp8) << what;
+          EXPECT_TRUE(test::bytes_equal(f.loss, u.loss)) << what;
+          EXPECT_TRUE(test::bytes_equal(f.grad_logits, q_ref)) << what;
+          EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+          conformance::naive::Case c;
+          c.tensors = {operand("logits", logits, false), operand("targets", targets, false),
+                       operand("scale", s, false), operand("loss", f.loss, true), operand("q", f.grad_logits, true),
+                       operand("amax", amax, true)};
+          c.attrs = {{"ignore_index", AttrValue::of_int(-100)},
+                     {"reduction", AttrValue::of_int(reduction == ops::Reduction::kMean ? 0 : 1)},
+                     {"vocab_limit", AttrValue::of_int(limit)}};
+          ASSERT_TRUE(conformance::naive::evaluate("cross_entropy_with_grad_quantize", c)) << what;
+          const std::vector<double> got = test::element_values(f.grad_logits), want = c.out("q")->values;
+          size_t off = 0;
+          for (size_t i = 0; i < got.size(); ++i) off += !same_value(got[i], want[i]);
+          EXPECT_LE(off, got.size() / 50 + 1) << what << ": codes off the oracle's";
+          ++cases;
+        }
+  EXPECT_EQ(cases, 24);
+  const Tensor logits = zeros({2, 5}), targets = zeros({2}, kI64);
+  EXPECT_THROW(ops::cross_entropy_with_grad_quantize(zeros({2, 5}, kF64), targets, -100, ops::Reduction::kMean, -1,
+                                                     scale_of(1), kF8E5M2),
+               Error);
+  EXPECT_THROW(ops::cross_entropy_with_grad_quantize(logits, targets, -100, ops::Reduction::kNone, -1, scale_of(1),
+                                                     kF8E5M2),
+               Error);
+  EXPECT_THROW(ops::cross_entropy_with_grad_quantize(logits, targets, -100, ops::Reduction::kMean, -1, scale_of(1),
+                                                     kBF16),
+               Error);
+}
+
+// The FP8 classifier and its loss in one node (fp8::linear_cross_entropy) against the FP8 classifier then the loss
+// (fp8::linear, cross_entropy), each with its own scaling, over steps that move the scales: the losses bit for bit,
+// x's gradient bit for bit, the weight's within f32 rounding (its product reads the codes in another layout); a loss
+// gradient other than 1 scales both; without a gradient to record the loss alone.
+TEST(Fp8Fused, LinearCrossEntropyGivesTheUnfusedClassifiersLossAndGradients) {
+  for (int64_t history : {4, 1})
+    for (bool autocast : {true, false}) {
+      fp8::Recipe recipe;
+      recipe.amax_history = history;
+      auto fused_state = std::make_shared<fp8::LinearState>(recipe), plain_state = std::make_shared<fp8::LinearState>(recipe);
+      std::mt19937_64 rng(29 + history + autocast);
+      const int64_t B = 3, T = 5, C = 24, V = 72, classes = 70;
+      const Tensor w0 = test::random_tensor({V, C}, kF32, -0.3, 0.3, rng());
+      Tensor w_f = leaf(w0), w_p = leaf(w0);
+      test::CallCounter counter;
+      for (int step = 0; step < 3; ++step) {
+        const Tensor x = test::random_tensor({B, T, C}, kF32, -2, 2, rng());
+        const Tensor targets = test::random_indices({B, T}, 0, classes, kI64);
+        const double loss_gradient = step == 2 ? 3.0 : 1.0;
+        Tensor x_f = leaf(x), x_p = leaf(x), l_f, l_p;
+        {
+          std::optional<amp::AutocastGuard> guard;
+          if (autocast) guard.emplace(kBF16);
+          l_f = fp8::linear_cross_entropy(x_f, w_f, targets, -100, ops::Reduction::kMean, classes, fused_state);
+          const Tensor logits = fp8::linear(x_p, w_p, Tensor(), plain_state);
+          l_p = loom::cross_entropy(logits.reshape({B * T, V}), targets.reshape({B * T}), -100,
+                                    ops::Reduction::kMean, classes);
+        }
+        const std::string what = std::string(autocast ? "bf16" : "f32") + " history " + std::to_string(history) +
+                                 " step " + std::to_string(step);
+        ASSERT_TRUE(test::bytes_equal(l_f, l_p)) << what;
+        // A loss gradient of 3 on the fused node against 1 on the layers apart (whose codes would be those of a
+        // gradient 3 times larger, rounded apart): the fused gradients are 3 times theirs, from the same codes.
+        (loss_gradient == 1 ? l_f : mul(l_f, loss_gradient)).backward();
+        l_p.backward();
+        const Tensor gx = mul(x_p.grad(), loss_gradient), gw = mul(w_p.grad(), loss_gradient);
+        if (loss_gradient == 1) {
+          EXPECT_TRUE(test::bytes_equal(x_f.grad(), x_p.grad())) << what << ": x's gradient";
+        } else {
+          EXPECT_TRUE(test::all_close(x_f.grad(), gx, 1e-5, 1e-7)) << what << ": x's gradient";
+        }
+        EXPECT_TRUE(test::all_close(w_f.grad(), gw, 1e-5, 1e-7)) << what << ": the weight's gradient";
+        w_f.zero_grad(), w_p.zero_grad();
+      }
+      if (history > 1) {
+        EXPECT_EQ(counter.calls("cross_entropy_with_grad_quantize"), 2u) << "steps after the first cast in the loss";
+      }
+      // An evaluation: the loss alone, no gradient codes made.
+      autograd::NoGradGuard no_grad;
+      counter.reset();
+      const Tensor x = test::random_tensor({B, T, C}, kF32, -2, 2, rng());
+      const Tensor targets = test::random_indices({B, T}, 0, classes, kI64);
+      const Tensor l = fp8::linear_cross_entropy(x, w_f, targets, -100, ops::Reduction::kMean, classes, fused_state);
+      EXPECT_TRUE(std::isfinite(test::element_values(l)[0]));
+      EXPECT_EQ(counter.calls("cross_entropy_with_grad_quantize") + counter.calls("cross_entropy_with_grad"), 0u);
+    }
+  auto state = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+  EXPECT_THROW(fp8::linear_cross_entropy(ones({2, 4}), ones({8, 5}), zeros({2}, kI64), -100, ops::Reduction::kMean, -1,
+                                         state),
+               Error);
+  EXPECT_THROW(fp8::linear_cross_entropy(ones({2, 4}), ones({8, 4}), zeros({3}, kI64), -100, ops::Reduction::kMean, -1,
+                                         state),
+               Error);
+}
+
 // A tiny model trained with --fp8 all and delayed scaling under bf16 autocast: the fused codes (counted) keep the
 // losses of a run through a library without the fused ops, bit for bit, and so do selective and full recompute.
 std::vector<double> train_losses(const test::TempDir& dir, const std::string& model, const std::string& recompute,
@@ -701,6 +822,7 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
     const uint64_t norm = counter.calls(gpt2 ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize");
     *fused_calls = std::min(activation, norm);
     if (gpt2) *fused_calls = std::min(*fused_calls, counter.calls("gelu_backward_quantize"));
+    *fused_calls = std::min(*fused_calls, counter.calls("cross_entropy_with_grad_quantize"));
   }
   return out;
 }

@@ -99,10 +99,11 @@ TEST(MemoryEstimate, ModelStateAndActivationsFollowTheFormula) {
   auto b = estimate_training_memory(in);
   EXPECT_DOUBLE_EQ(b.activations, N * (L * (2 * (4 * C + 3 * H * D + H * D + 2 * F) + 4 * (H + 4)) + 2 * 2 * C));
   EXPECT_EQ(b.model_state(), e.model_state());
-  // The classifier in FP8 makes the logits whole (V values per token in the autocast dtype); FP8 blocks alone do not.
+  // The classifier in FP8 makes the logits whole (V values per token in the autocast dtype) and their gradient's codes
+  // beside them (a byte each); FP8 blocks alone do not.
   for (fp8::Scope scope : {fp8::Scope::kClassifier, fp8::Scope::kAll, fp8::Scope::kLinear}) {
     in.cfg.fp8 = scope;
-    const double logits = scope == fp8::Scope::kLinear ? 0 : N * 2 * double(c.padded_vocab_size);
+    const double logits = scope == fp8::Scope::kLinear ? 0 : N * (2 + 1) * double(c.padded_vocab_size);
     EXPECT_DOUBLE_EQ(estimate_training_memory(in).activations, b.activations + logits) << fp8::scope_name(scope);
   }
   in.cfg.fp8 = fp8::Scope::kOff;

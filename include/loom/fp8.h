@@ -27,6 +27,7 @@
 
 #include "loom/core/tensor.h"
 #include "loom/ops/fp8.h"
+#include "loom/ops/nn.h"
 
 namespace loom::fp8 {
 
@@ -149,6 +150,15 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, co
                    TensorScaling& consumer);
 Tensor linear_gelu(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
                    const std::shared_ptr<LinearState>& state, TensorScaling& consumer);
+
+// The FP8 classifier and its loss in one node: the mean (or sum) cross entropy of linear(x, weight) [..., V] against
+// targets [...], the classes the first vocab_limit columns (-1: all), as loom::cross_entropy gives it. The kernel
+// that computes the loss writes the logits' gradient as the state's output-gradient codes
+// (ops::cross_entropy_with_grad_quantize), for a loss gradient of 1: the backward scales their dequantization factor
+// by the real one, so the gradient is never written in 16 bits and the logits are freed after the forward. Without a
+// gradient to record (evaluation) the loss alone, the output gradient's scaling untouched.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets, int64_t ignore_index,
+                            ops::Reduction reduction, int64_t vocab_limit, const std::shared_ptr<LinearState>& state);
 
 // A linear layer on gelu(h) (GPT-2's MLP projection): linear(gelu(h), weight, bias, state) with the activation
 // quantized by the kernel that makes it (ops::fp8_gelu_quantize), as swiglu_linear does SwiGLU's. Its gradient flows

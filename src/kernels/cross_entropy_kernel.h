@@ -87,6 +87,24 @@ LOOM_DECLARE_OP(cross_entropy_with_grad, CrossEntropyWithGradKernel,
                                                 .out("grad_logits", "N V"), true)
                     .may_alias("grad_logits", "logits").abi_since(1));
 
+// cross_entropy_with_grad writing its gradient's FP8 codes instead, for an FP8 classifier's backward (the loss
+// gradient's cast riding in the kernel that makes it): loss as cross_entropy_with_grad's; q [N, V] the codes of
+// grad_logits as cross_entropy_with_grad stores it in logits' dtype, times scale in f32, as fp8_quantize makes them
+// (bit for bit cross_entropy_with_grad then fp8_quantize on the same device); amax (optional) their values' largest
+// magnitude. Logits f32 or bf16; q's dtype says the format. The suite's oracle takes the gradient in float64, so a
+// neighbouring code is right too.
+using CrossEntropyWithGradQuantizeKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
+                                                const Tensor& scale, const CrossEntropyAttrs&, Tensor& loss,
+                                                Tensor& q, Tensor& amax);
+LOOM_DECLARE_OP(cross_entropy_with_grad_quantize, CrossEntropyWithGradQuantizeKernel,
+                cross_entropy_schema_finish(cross_entropy_schema_start(false)
+                                                .in("scale", "1", DTypeRule::kF32).values(Values::kScale)
+                                                .out("loss", "", DTypeRule::kStats)
+                                                .out("q", "N V", DTypeRule::kFp8)
+                                                .out_opt("amax", "1", DTypeRule::kF32), true)
+                    .abi_since(7)
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
 // grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a scalar of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
 // exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it. The suite tries exact

@@ -114,14 +114,18 @@ Tensor LanguageModel::hidden(const Tensor& idx, std::vector<KVCache>* caches) {
 
 Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& targets) {
   const Tensor& weight = classifier_weight();
-  // FP8: the logits whole, then the loss consuming them (the blocked linear_cross_entropy is not FP8 yet).
-  if (classifier_fp8_) return loss(head_logits(h), targets);
+  const int64_t classes = weight.size(0) > cfg_.vocab_size ? cfg_.vocab_size : -1;
+  // FP8: the logits whole (the blocked linear_cross_entropy is not FP8 yet), the loss's kernel writing their
+  // gradient's codes.
+  if (classifier_fp8_) {
+    LOOM_REQUIRE(!tp_, "the FP8 classifier does not run under tensor parallelism");
+    return fp8::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes, classifier_fp8_);
+  }
   if (tp_) {  // this rank's vocabulary columns; the classifier's rows split as the embedding's
     Tensor local = linear(tp_->enter(h), weight);
     return tp_->vocab_parallel_cross_entropy(local.reshape({-1, local.size(-1)}), targets.reshape({-1}),
                                              token_embedding().vocab_start, cfg_.vocab_size);
   }
-  const int64_t classes = weight.size(0) > cfg_.vocab_size ? cfg_.vocab_size : -1;
   return loom::linear_cross_entropy(h, weight, targets, -100, ops::Reduction::kMean, classes);
 }
 

@@ -2,6 +2,7 @@
 #include "infermeta/nn_meta.h"
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/embedding_kernel.h"
+#include "loom/ops/fp8.h"
 #include "loom/ops/nn.h"
 #include "loom/ops/views.h"
 #include "ops/op_common.h"
@@ -84,6 +85,40 @@ CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor&
   CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
                          grad_over_logits ? logits : empty(logits.shape(), logits.dtype(), logits.device())};
   dispatch::call(cross_entropy_with_grad_op, logits.device(), logits.dtype(), x, t, attrs, r.loss, r.grad_logits);
+  return r;
+}
+
+CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                                      Reduction reduction, int64_t vocab_limit, const Tensor& scale,
+                                                      DType fp8, Tensor* amax_out) {
+  const char* op = "cross_entropy_with_grad_quantize";
+  ops_detail::check_same_device(op, {&logits, &targets, &scale});
+  LOOM_REQUIRE(reduction != Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss) for logits ",
+               describe(logits));
+  LOOM_REQUIRE(logits.dtype() == kF32 || logits.dtype() == kBF16, op, ": logits must be f32 or bf16, got ",
+               describe(logits));
+  LOOM_REQUIRE(is_fp8(fp8), op, ": ", dtype_name(fp8), " is not an 8-bit float dtype (f8e4m3, f8e5m2)");
+  LOOM_REQUIRE(scale.defined() && scale.dtype() == kF32 && scale.numel() == 1, op,
+               ": scale must be one f32 element, got ", scale.defined() ? describe(scale) : "undefined");
+  Shape loss_shape = infermeta::infer_cross_entropy(op, logits, targets, false);
+  CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
+  Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
+  CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
+                         empty(logits.shape(), fp8, logits.device())};
+  Tensor amax = amax_out ? empty({1}, kF32, logits.device()) : Tensor();
+  // As the other quantizing producers: fused only by the provider that would run cross_entropy_with_grad itself.
+  const KernelEntry* fused = ops_detail::accepting_kernel(cross_entropy_with_grad_quantize_op, logits.device(),
+                                                          logits.dtype(), x, t, scale, attrs, r.loss, r.grad_logits,
+                                                          amax);
+  const auto& plain = dispatch::candidates(cross_entropy_with_grad_op.id(), logits.device().type, logits.dtype());
+  if (!fused || (!plain.empty() && plain.front()->provider != fused->provider)) {
+    CrossEntropyWithGrad u = cross_entropy_with_grad(logits, targets, ignore_index, reduction, vocab_limit);
+    u.grad_logits = fp8_quantize(u.grad_logits, scale, fp8, amax_out);
+    return u;
+  }
+  dispatch::call(cross_entropy_with_grad_quantize_op, logits.device(), logits.dtype(), x, t, scale, attrs, r.loss,
+                 r.grad_logits, amax);
+  if (amax_out) *amax_out = amax;
   return r;
 }
 

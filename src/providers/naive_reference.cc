@@ -541,6 +541,25 @@ void cross_entropy_with_grad(Case& c) {
   ce.write_loss(c.out("loss"));
   ce.write_grad(c.out("grad_logits"), [](int64_t) { return 1.0; });
 }
+// The gradient as cross_entropy_with_grad's, rounded to the logits' dtype, then each element's code for the scale (the
+// f32 product, saturating); the amax of the rounded gradient.
+void cross_entropy_with_grad_quantize(Case& c) {
+  CrossEntropy ce(c);
+  ce.write_loss(c.out("loss"));
+  const Operand& logits = c.in("logits");
+  Operand grad;
+  grad.values.assign(logits.values.size(), 0.0);
+  ce.write_grad(&grad, [](int64_t) { return 1.0; });
+  const double s = c.in("scale").values[0];
+  Operand* q = c.out("q");
+  double m = 0;
+  for (size_t i = 0; i < grad.values.size(); ++i) {
+    const double stored = convert(grad.values[i], logits.dtype);
+    q->values[i] = fp8_round(double(float(stored * s)), q->dtype, true);
+    m = std::isnan(m) || std::isnan(stored) ? kNaN : std::max(m, std::abs(stored));
+  }
+  if (Operand* amax = c.out("amax")) amax->values[0] = m;
+}
 void cross_entropy_scale_grad(Case& c) {
   const double s = c.in("scale").values[0];
   auto& o = c.out("grad_logits")->values;
@@ -892,6 +911,7 @@ const std::map<std::string, Fn>& table() {
     m["cross_entropy"] = cross_entropy;
     m["cross_entropy_backward"] = cross_entropy_backward;
     m["cross_entropy_with_grad"] = cross_entropy_with_grad;
+    m["cross_entropy_with_grad_quantize"] = cross_entropy_with_grad_quantize;
     m["cross_entropy_scale_grad"] = cross_entropy_scale_grad;
     m["layer_norm"] = norm(true);
     m["rms_norm"] = norm(false);

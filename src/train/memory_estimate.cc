@@ -92,9 +92,10 @@ int64_t count_parameters(const nn::ModelConfig& c) {
 // Tensor parallelism divides the head- and F-sized terms by its degree (the C-sized ones stay replicated). Outside
 // the blocks: the embedding sum and the final norm's output, 2C per token (the loss runs in row blocks and keeps no
 // logits), except with the classifier in FP8 (--fp8 classifier|all): its product makes the logits whole, in the
-// autocast dtype, and the loss writes their gradient over them, so they add V (padded) values per token. On one H200
-// (2026-12-05, docs/PERFORMANCE.md) that is what FP8 added to the peak at LLaMA-3 1B (3.8 GiB against the logits'
-// 3.9) and `mixtral-1b` (0.95 against 0.98); at GPT-2 124M FP8 added 5.3 GiB against the logits' 3.1.
+// autocast dtype, and the loss writes their gradient's 8-bit codes beside them (the logits are freed after), so they
+// add V (padded) values and as many bytes per token at the end of the forward. On one H200 (2026-12-05,
+// docs/PERFORMANCE.md), when the loss wrote a 16-bit gradient over the logits, FP8 added to the peak about the
+// logits' size: 3.8 GiB against 3.9 at LLaMA-3 1B, 0.95 against 0.98 at `mixtral-1b` (5.3 against 3.1 at GPT-2 124M).
 MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   const nn::ModelConfig& c = in.cfg;
   LOOM_REQUIRE(in.batch > 0 && in.seq_len > 0 && in.data_parallel > 0 && in.tensor_parallel > 0,
@@ -166,7 +167,7 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInput& in) {
   }
   e.activations += tokens * a * 2 * C;
   if (c.fp8 == fp8::Scope::kClassifier || c.fp8 == fp8::Scope::kAll)
-    e.activations += tokens * a * double(c.padded_vocab_size);
+    e.activations += tokens * (a + 1) * double(c.padded_vocab_size);
   return e;
 }
 

@@ -256,6 +256,11 @@
  *       fp8_quantize_transposed gives them for v; column_sums [C] f32 the sums of v's columns (any fixed order of
  *       the rows that depends only on the shape). A library without it keeps serving gelu_backward: Loom then
  *       quantizes and sums its output apart.
+ *     cross_entropy_with_grad_quantize [1.7] (dispatch dtype = logits': f32 or bf16; q f8e4m3 or f8e5m2)
+ *                                                   in: logits, targets, scale   out: loss, q [N, V], amax?
+ *       cross_entropy_with_grad's attrs and loss; q the codes of its gradient (for a loss gradient of 1, as it
+ *       stores it in the logits' dtype) as fp8_quantize gives them, amax theirs. A library without it keeps
+ *       serving cross_entropy_with_grad: Loom then quantizes its gradient apart.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------

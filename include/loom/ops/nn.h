@@ -109,6 +109,13 @@ struct CrossEntropyWithGrad {
 CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
                                              Reduction reduction = Reduction::kMean, int64_t vocab_limit = -1,
                                              bool grad_over_logits = false);
+// cross_entropy_with_grad with the gradient's FP8 codes for `scale` in place of the gradient: {loss, codes in grad_logits
+// (dtype fp8)}, the codes' values' amax into *amax_out when asked; fp8_quantize of cross_entropy_with_grad's
+// gradient bit for bit, in one pass where the kernel that would run cross_entropy_with_grad has the fused op
+// (cross_entropy_with_grad_quantize). Logits f32 or bf16, [N, V].
+CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                                      Reduction reduction, int64_t vocab_limit, const Tensor& scale,
+                                                      DType fp8, Tensor* amax_out = nullptr);
 // grad_logits *= grad_loss in place, grad_logits contiguous (from cross_entropy_with_grad), grad_loss a one-element
 // floating tensor on its device. Reads grad_loss where it lives: no host synchronization, and no pass over grad_logits
 // when grad_loss is exactly 1.

@@ -272,6 +272,37 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   return out;
 }
 
+// The backward of linear_cross_entropy(): the classifier's input and weight gradients from the logits' gradient codes
+// made in the forward for a loss gradient of 1, their dequantization factor times the real loss gradient.
+class Fp8LinearCrossEntropyBackward final : public autograd::Node {
+ public:
+  ops::Fp8Tensor x, weight, grad_logits;
+  Shape x_shape;
+  DType x_dtype = kF32, weight_dtype = kF32;
+
+  std::string name() const override { return "Fp8LinearCrossEntropyBackward"; }
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(2);
+    if (!grads[0].defined()) return out;
+    const Tensor g = ops::to_dtype(ops::reshape(grads[0], {1}), kF32);
+    const ops::Fp8Tensor gq{grad_logits.q, ops::mul(grad_logits.scale_inv, g)};
+    if (needs_input_grad(0)) {
+      const Tensor dx = ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype));
+      out[0] = as_dtype(ops::reshape(dx, x_shape), x_dtype);
+    }
+    if (needs_input_grad(1)) {
+      const DType written = product_dtype_for(weight_dtype);
+      Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
+      const bool in_slot = dw.defined();
+      if (!in_slot) dw = empty(weight.q.shape(), written, g.device());
+      ops::fp8_linear_backward_weight_out(gq, x, dw);
+      out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
+    }
+    return out;
+  }
+  void release_saved() override { x = weight = grad_logits = ops::Fp8Tensor{}; }
+};
+
 // x's quantization when x holds 8-bit codes: those its input scaling made last (a quantizing producer's output, as
 // fp8::residual_layer_norm's), with their scale_inv.
 ops::Fp8Tensor given_codes(const Tensor& x, TensorScaling& input, const char* op) {
@@ -441,6 +472,55 @@ std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& delta
 std::pair<Tensor, Tensor> residual_layer_norm(const Tensor& x, const Tensor& delta, const Tensor& weight,
                                               const Tensor& bias, double eps, TensorScaling& input) {
   return quantizing_residual_norm(true, x, delta, weight, bias, eps, input);
+}
+
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets, int64_t ignore_index,
+                            ops::Reduction reduction, int64_t vocab_limit, const std::shared_ptr<LinearState>& state) {
+  const char* op = "fp8::linear_cross_entropy";
+  LOOM_REQUIRE(state, op, ": no FP8 state");
+  LOOM_REQUIRE(x.defined() && weight.defined() && targets.defined(), op, ": x, weight and targets must be defined");
+  LOOM_REQUIRE(reduction != ops::Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss)");
+  LOOM_REQUIRE(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1), op, ": x ", describe(x),
+               " does not fit the classifier weight ", describe(weight));
+  LOOM_REQUIRE(targets.numel() * weight.size(1) == x.numel(), op, ": targets ", describe(targets), " do not match x ",
+               describe(x), " (one target per row)");
+  const DType out_dtype =
+      amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
+  const int64_t rows = targets.numel();
+  const Tensor flat_targets = ops::reshape(targets, {rows});
+  const bool record = autograd::should_record({&x, &weight});
+  const ops::Fp8Tensor xq = is_fp8(x.dtype()) ? given_codes(x, state->input, op) : state->input.quantize(x.detach());
+  const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
+  Tensor logits = ops::reshape(ops::fp8_linear(xq, wq, Tensor(), out_dtype, state->recipe.fast_accumulation_forward),
+                               {rows, weight.size(0)});
+  // Without a gradient to record (an evaluation) the loss alone: no gradient made, its scaling untouched.
+  if (!record) return ops::cross_entropy(logits, flat_targets, ignore_index, reduction, vocab_limit);
+  Tensor loss;
+  TensorScaling& scaling = state->grad_output;
+  const ops::Fp8Tensor codes = scaling.quantize(
+      [&] {
+        ops::CrossEntropyWithGrad r =
+            ops::cross_entropy_with_grad(logits, flat_targets, ignore_index, reduction, vocab_limit, true);
+        loss = r.loss;
+        return r.grad_logits;
+      },
+      [&](const Tensor& scale, Tensor* amax) {
+        ops::CrossEntropyWithGrad r = ops::cross_entropy_with_grad_quantize(
+            logits, flat_targets, ignore_index, reduction, vocab_limit, scale, scaling.dtype(), amax);
+        loss = r.loss;
+        return r.grad_logits;
+      },
+      x.device());
+  logits = Tensor();  // the codes stand for the gradient from here
+  auto node = autograd::make_node<Fp8LinearCrossEntropyBackward>({&x, &weight});
+  if (node->needs_input_grad(0)) node->weight = wq;
+  if (node->needs_input_grad(1)) node->x = {ops::reshape(xq.q, {rows, x.size(-1)}), xq.scale_inv};
+  node->grad_logits = {codes.q, codes.scale_inv};
+  node->x_shape = x.shape();
+  node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
+  node->weight_dtype = weight.dtype();
+  autograd::set_history(loss, node);
+  return loss;
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, const std::shared_ptr<LinearState>& state,

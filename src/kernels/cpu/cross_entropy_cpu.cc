@@ -7,6 +7,7 @@
 
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/primitives/cpu_loops.h"
+#include "loom/common/float8.h"
 
 namespace loom {
 namespace {
@@ -204,6 +205,31 @@ void cross_entropy_with_grad_cpu(const DeviceContext&, const Tensor& logits, con
   });
 }
 
+// cross_entropy_with_grad into a gradient of the logits' dtype, then each element's code as fp8_quantize makes it.
+void cross_entropy_with_grad_quantize_cpu(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
+                                          const Tensor& scale, const CrossEntropyAttrs& attrs, Tensor& loss, Tensor& q,
+                                          Tensor& amax) {
+  Tensor grad = empty(logits.shape(), logits.dtype(), logits.device());
+  cross_entropy_with_grad_cpu(ctx, logits, targets, attrs, loss, grad);
+  const float s = *static_cast<const float*>(scale.data());
+  const int64_t n = grad.numel();
+  uint8_t* out = static_cast<uint8_t*>(q.data());
+  float largest = 0;
+  LOOM_DISPATCH_FP8(q.dtype(), "cross_entropy_with_grad_quantize", [&] {
+    auto encode = [&](auto* g) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = float(g[i]);
+        out[i] = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
+        largest = std::isnan(largest) || std::isnan(v) ? NAN : std::max(largest, std::fabs(v));
+      }
+    };
+    if (grad.dtype() == kF32) encode(static_cast<const float*>(grad.data()));
+    else if (grad.dtype() == kBF16) encode(static_cast<const BFloat16*>(grad.data()));
+    else LOOM_THROW("cross_entropy_with_grad_quantize: logits must be f32 or bf16, got ", dtype_name(grad.dtype()));
+  });
+  if (amax.defined()) *static_cast<float*>(amax.data()) = largest;
+}
+
 void cross_entropy_scale_grad_cpu(const DeviceContext&, const Tensor& scale, Tensor& grad_logits) {
   LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
                          [&] { scale_grad_in_place<scalar_t>(scale, grad_logits); });
@@ -219,5 +245,7 @@ LOOM_REGISTER_KERNEL(cross_entropy_with_grad, kCPU, "native", dtypes(kF32, kF64,
                      cross_entropy_with_grad_cpu);
 LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16),
                      cross_entropy_scale_grad_cpu);
+LOOM_REGISTER_KERNEL(cross_entropy_with_grad_quantize, kCPU, "native", dtypes(kF32, kBF16),
+                     cross_entropy_with_grad_quantize_cpu);
 
 }  // namespace loom

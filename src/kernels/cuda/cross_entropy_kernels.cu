@@ -15,6 +15,7 @@
 
 #include "kernels/cross_entropy_kernel.h"
 #include "kernels/cuda/cuda_loops.cuh"
+#include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/cuda/reduce_nn_common.cuh"
 
 namespace loom {
@@ -213,7 +214,9 @@ __device__ __forceinline__ void write_gradient_row(const T* x, T* grow, int64_t 
 
 // What one launch of cross_entropy_rows_kernel computes. row_loss: the per-row losses (0 for ignored or invalid
 // targets), or null. grad_logits: the gradient, or null; its per-row loss gradient is grad_loss[row] (per_row_grad)
-// or grad_loss[0], or 1 when grad_loss is null, times 1/counted for a mean.
+// or grad_loss[0], or 1 when grad_loss is null, times 1/counted for a mean. codes (the kernels' Q an 8-bit float):
+// the gradient's codes instead of grad_logits, each element as T holds it times *code_scale, as fp8_quantize makes
+// it, and their magnitudes' maximum into amax_bits (zeroed first) when it is not null.
 template <typename T, typename I>
 struct RowArgs {
   const T* logits;
@@ -225,27 +228,43 @@ struct RowArgs {
   bool per_row_grad, mean;
   const unsigned long long* counted;
   bool grad_vectors;  // logits and grad_logits rows share their 16-byte phase
+  uint8_t* codes;
+  const float* code_scale;
+  unsigned* amax_bits;
 };
 
-// One block (blockDim.x threads, blockDim.y == 1) per row.
-template <typename T, typename I>
+// A gradient element's code, as T holds the element: times the scale in f32, then fp8_quantize's code; its
+// magnitude into `local`.
+template <typename Q, typename T>
+__device__ __forceinline__ uint8_t gradient_code(T v, float s, unsigned& local) {
+  const float f = float(v);
+  local = max(local, cuda::magnitude_bits(f));
+  return fp8_encode<Q>(__fmul_rn(f, s), Fp8Overflow::kSaturate);
+}
+
+// One block (blockDim.x threads, blockDim.y == 1) per row. Q an 8-bit float: the gradient goes to a.codes.
+template <typename T, typename I, typename Q = void>
 __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowArgs<T, I> a) {
   using C = compute_t<T>;
+  constexpr bool kCodes = !std::is_void_v<Q>;
   __shared__ OnlineSoftmax<C> scratch[32];
   const int64_t row = blockIdx.x;
   const int64_t t = int64_t(a.targets[row]);
   const T* x = a.logits + row * a.vocab;
-  T* grow = a.grad_logits ? a.grad_logits + row * a.vocab : nullptr;
+  T* grow = !kCodes && a.grad_logits ? a.grad_logits + row * a.vocab : nullptr;
+  uint8_t* crow = kCodes ? a.codes + row * a.vocab : nullptr;
   if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
     if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
     if (grow) zero_row(grow, a.vocab);
+    if (crow)
+      for (int64_t j = threadIdx.x; j < a.vocab; j += blockDim.x) crow[j] = 0;  // the code of +0
     return;
   }
   // Read before the statistics' block barrier: the gradient may be written over the logits (grow == x).
   const C target_logit = C(x[t]);
   const OnlineSoftmax<C> stats = row_softmax_stats(x, a.classes, scratch);
   if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
-  if (!grow) return;
+  if (!grow && !crow) return;
   // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite, as on the CPU.
   C scale = C(1);
   if (a.mean) {
@@ -254,7 +273,14 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   }
   const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
   const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
-  write_gradient_row(x, grow, a.vocab, f, a.grad_vectors);
+  if constexpr (kCodes) {
+    const float s = *a.code_scale;
+    unsigned local = 0;
+    for (int64_t j = threadIdx.x; j < a.vocab; j += blockDim.x) crow[j] = gradient_code<Q>(f(j, C(x[j])), s, local);
+    if (a.amax_bits) cuda::warp_max_into(local, a.amax_bits);
+  } else {
+    write_gradient_row(x, grow, a.vocab, f, a.grad_vectors);
+  }
 }
 
 // The same for 16-bit logits whose gradient is wanted, with the row staged in shared memory: the block copies its
@@ -270,19 +296,26 @@ __device__ __forceinline__ void copy_async_16(void* shared_dst, const void* glob
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
 }
 
-template <typename T, typename I>
+// Q an 8-bit float: the gradient goes to a.codes, a vector's codes in one 8-byte store (rows of whole vectors).
+template <typename T, typename I, typename Q = void>
 __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_kernel(const RowArgs<T, I> a) {
   static_assert(kFastMath<T>, "16-bit logits only");
   using C = compute_t<T>;
+  constexpr bool kCodes = !std::is_void_v<Q>;
   extern __shared__ __align__(16) unsigned char staged_raw[];
   __shared__ OnlineSoftmax<C> scratch[32];
   const int64_t row = blockIdx.x;
   const int64_t t = int64_t(a.targets[row]);
   const T* x = a.logits + row * a.vocab;
-  T* grow = a.grad_logits + row * a.vocab;
+  T* grow = kCodes ? nullptr : a.grad_logits + row * a.vocab;
+  uint64_t* crow = kCodes ? reinterpret_cast<uint64_t*>(a.codes + row * a.vocab) : nullptr;
   if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
     if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
-    zero_row(grow, a.vocab);
+    if constexpr (kCodes) {
+      for (int64_t k = threadIdx.x; k < a.vocab / kVec<T>; k += blockDim.x) crow[k] = 0;  // codes of +0
+    } else {
+      zero_row(grow, a.vocab);
+    }
     return;
   }
   const C target_logit = C(x[t]);  // before any thread writes the gradient over the logits
@@ -310,14 +343,29 @@ __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_k
   const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
   const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
   Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow);
+  const float s = kCodes ? *a.code_scale : 0.0f;
+  unsigned local = 0;
   for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) {
     const Vec<T> in = staged[k];
     Vec<T> out;
     const int64_t base = int64_t(k) * kVec<T>;
 #pragma unroll
     for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
-    store_streaming(vg + k, out);
+    if constexpr (kCodes) {
+      static_assert(kVec<T> == 8, "a 16-bit vector's codes fill 8 bytes");
+      uint64_t codes = 0;
+#pragma unroll
+      for (int e = 0; e < kVec<T>; e += 2) {
+        const float v0 = float(out.v[e]), v1 = float(out.v[e + 1]);
+        local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));
+        codes |= uint64_t(cuda::encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s))) << (8 * e);
+      }
+      crow[k] = codes;
+    } else {
+      store_streaming(vg + k, out);
+    }
   }
+  if (kCodes && a.amax_bits) cuda::warp_max_into(local, a.amax_bits);
 }
 
 // The staged rows' limit on a device: kStagedRowBytes, or less where a block gets less shared memory (99 KB on Ada
@@ -402,13 +450,22 @@ unsigned row_threads(int64_t length, int vector_elements, bool two_passes) {
   return threads;
 }
 
+// Where cross_entropy_with_grad_quantize puts the gradient: its codes (Q's format) for `scale`, their amax (or
+// undefined).
+struct GradientCodes {
+  Tensor& q;
+  const Tensor& scale;
+  Tensor& amax;
+};
+
 // The one launcher of the forward (loss), the backward (grad_loss and grad_logits) and the fused pass (loss and
-// grad_logits): checks and counts the targets, runs the row kernel, reduces the losses, then throws for a bad target.
-// loss: [N] for kNone or the reduced scalar, or null; grad_loss: null for a loss gradient of 1; grad_logits: null
-// for the forward only.
-template <typename T, typename I>
+// grad_logits, or with Q an 8-bit float the gradient's codes): checks and counts the targets, runs the row kernel,
+// reduces the losses, then throws for a bad target. loss: [N] for kNone or the reduced scalar, or null; grad_loss:
+// null for a loss gradient of 1; grad_logits: null for the forward only (and with codes).
+template <typename T, typename I, typename Q = void>
 void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, const Tensor& targets,
-              const CrossEntropyAttrs& attrs, Tensor* loss, const Tensor* grad_loss, Tensor* grad_logits) {
+              const CrossEntropyAttrs& attrs, Tensor* loss, const Tensor* grad_loss, Tensor* grad_logits,
+              const GradientCodes* codes = nullptr) {
   using C = loss_t<T>;
   const int64_t n = logits.size(0), vocab = logits.size(1), classes = attrs.classes(vocab);
   LOOM_CHECK(n <= int64_t(INT32_MAX), "cross-entropy kernels: ", n, " rows exceed the grid");
@@ -427,6 +484,11 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
       row_loss = static_cast<C*>(row_buffer.data());
     }
   }
+  unsigned* amax_bits = nullptr;
+  if (codes && codes->amax.defined()) {
+    LOOM_CUDA_CHECK(cudaMemsetAsync(codes->amax.data(), 0, sizeof(float), stream));
+    amax_bits = static_cast<unsigned*>(codes->amax.data());
+  }
   if (n > 0) {
     T* grad = grad_logits ? static_cast<T*>(grad_logits->data()) : nullptr;
     const uintptr_t phase_gap = reinterpret_cast<uintptr_t>(logits.data()) - reinterpret_cast<uintptr_t>(grad);
@@ -443,20 +505,28 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
         attrs.reduction == LossReduction::kMean,
         status.counter(),
         grad != nullptr && phase_gap % 16 == 0,
+        codes ? static_cast<uint8_t*>(codes->q.data()) : nullptr,
+        codes ? static_cast<const float*>(codes->scale.data()) : nullptr,
+        amax_bits,
     };
     bool staged = false;
     if constexpr (kFastMath<T>) {
-      staged = staged_rows_fit(args.logits, grad, args.grad_vectors, vocab, ctx.device().index);
+      // The codes' rows take a vector's 8 codes in one store: staged where they stay 8-byte aligned (as the
+      // gradient's rows stay 16-byte aligned).
+      staged = codes ? staged_rows_fit(args.logits, args.logits, reinterpret_cast<uintptr_t>(args.codes) % 8 == 0,
+                                       vocab, ctx.device().index)
+                     : staged_rows_fit(args.logits, grad, args.grad_vectors, vocab, ctx.device().index);
       if (staged) {
-        auto kernel = cross_entropy_staged_rows_kernel<T, I>;
+        auto kernel = cross_entropy_staged_rows_kernel<T, I, Q>;
         static std::atomic<uint64_t> opted_in{0};
         cuda::opt_in_shared_memory(kernel, int(staged_row_limit(ctx.device().index)), ctx.device().index, opted_in);
         kernel<<<unsigned(n), kStagedThreads, size_t(vocab) * sizeof(T), stream>>>(args);
       }
     }
     if (!staged) {
-      const unsigned threads = row_threads(grad ? vocab : classes, kVec<T>, grad != nullptr);
-      cross_entropy_rows_kernel<T, I><<<unsigned(n), threads, 0, stream>>>(args);
+      const bool any_gradient = grad != nullptr || codes != nullptr;
+      const unsigned threads = row_threads(any_gradient ? vocab : classes, kVec<T>, any_gradient);
+      cross_entropy_rows_kernel<T, I, Q><<<unsigned(n), threads, 0, stream>>>(args);
     }
     LOOM_CUDA_CHECK_LAUNCH();
   }
@@ -512,6 +582,29 @@ void cross_entropy_with_grad_cuda(const DeviceContext& ctx, const Tensor& logits
   });
 }
 
+void cross_entropy_with_grad_quantize_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
+                                           const Tensor& scale, const CrossEntropyAttrs& attrs, Tensor& loss,
+                                           Tensor& q, Tensor& amax) {
+  LOOM_CHECK(attrs.reduction != LossReduction::kNone, "cross_entropy_with_grad_quantize: reduction none has no "
+             "scalar loss");
+  const GradientCodes codes{q, scale, amax};
+  LOOM_DISPATCH_FP8(q.dtype(), "cross_entropy_with_grad_quantize", [&] {
+    LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_with_grad_quantize", [&] {
+      switch (logits.dtype()) {
+        case kF32:
+          run_rows<float, index_t, fp8_t>(ctx, "cross_entropy_with_grad_quantize", logits, targets, attrs, &loss,
+                                          nullptr, nullptr, &codes);
+          break;
+        case kBF16:
+          run_rows<BFloat16, index_t, fp8_t>(ctx, "cross_entropy_with_grad_quantize", logits, targets, attrs, &loss,
+                                             nullptr, nullptr, &codes);
+          break;
+        default: LOOM_THROW("cross_entropy_with_grad_quantize (cuda): logits must be f32 or bf16");
+      }
+    });
+  });
+}
+
 void cross_entropy_scale_grad_cuda(const DeviceContext& ctx, const Tensor& scale, Tensor& grad_logits) {
   LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
                          [&] { scale_grad<scalar_t>(ctx, scale, grad_logits); });
@@ -526,5 +619,7 @@ LOOM_REGISTER_KERNEL(cross_entropy_with_grad, kCUDA, "native", dtypes(kF32, kF64
                      cross_entropy_with_grad_cuda);
 LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16),
                      cross_entropy_scale_grad_cuda);
+LOOM_REGISTER_KERNEL(cross_entropy_with_grad_quantize, kCUDA, "native", dtypes(kF32, kBF16),
+                     cross_entropy_with_grad_quantize_cuda);
 
 }  // namespace loom
