@@ -232,12 +232,8 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
   const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
   Tensor q = empty(g.shape(), fp8, gate.device());
   Tensor amax = amax_out ? empty({1}, kF32, gate.device()) : Tensor();
-  // Fused only by the provider that would run swiglu itself: one that serves swiglu but not this op keeps its
-  // swiglu, and the codes come from fp8_quantize (the same bits by the contract).
-  // (swiglu's first candidate: asking its supports() would need an activation-sized output.)
-  const KernelEntry* fused = ops_detail::accepting_kernel(swiglu_quantize_op, gate.device(), fp8, g, u, scale, q, amax);
-  const auto& plain = dispatch::candidates(swiglu_op.id(), gate.device().type, gate.dtype());
-  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+  if (ops_detail::fused_by_plain_provider(swiglu_quantize_op, swiglu_op, gate.device(), fp8, gate.dtype(), g, u, scale,
+                                          q, amax)) {
     dispatch::call(swiglu_quantize_op, gate.device(), fp8, g, u, scale, q, amax);
     if (amax_out) *amax_out = amax;
     return ops::view(q, gate.shape());
@@ -254,10 +250,8 @@ Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor
   Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
   Tensor q = empty({x.numel()}, fp8, x.device());
   Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
-  // As fp8_swiglu_quantize: fused only by the provider that would run gelu itself.
-  const KernelEntry* fused = ops_detail::accepting_kernel(gelu_quantize_op, x.device(), fp8, flat, scale, q, amax);
-  const auto& plain = dispatch::candidates(gelu_op.id(), x.device().type, x.dtype());
-  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+  if (ops_detail::fused_by_plain_provider(gelu_quantize_op, gelu_op, x.device(), fp8, x.dtype(), flat, scale, q,
+                                          amax)) {
     dispatch::call(gelu_quantize_op, x.device(), fp8, flat, scale, q, amax);
     if (amax_out) *amax_out = amax;
     return ops::view(q, x.shape());
@@ -282,11 +276,8 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   r.qt = empty({cols, rows}, fp8, x.device());
   Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
   Tensor sums = column_sums ? empty({cols}, kF32, x.device()) : Tensor();
-  // As fp8_swiglu_quantize: fused only by the provider that would run gelu_backward itself.
-  const KernelEntry* fused =
-      ops_detail::accepting_kernel(gelu_backward_quantize_op, x.device(), fp8, g, m, scale, r.q, r.qt, amax, sums);
-  const auto& plain = dispatch::candidates(gelu_backward_op.id(), x.device().type, x.dtype());
-  if (fused && (plain.empty() || plain.front()->provider == fused->provider)) {
+  if (ops_detail::fused_by_plain_provider(gelu_backward_quantize_op, gelu_backward_op, x.device(), fp8, x.dtype(), g,
+                                          m, scale, r.q, r.qt, amax, sums)) {
     dispatch::call(gelu_backward_quantize_op, x.device(), fp8, g, m, scale, r.q, r.qt, amax, sums);
     if (amax_out) *amax_out = amax;
     if (column_sums) *column_sums = sums;

@@ -106,12 +106,9 @@ CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, cons
   CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
                          empty(logits.shape(), fp8, logits.device())};
   Tensor amax = amax_out ? empty({1}, kF32, logits.device()) : Tensor();
-  // As the other quantizing producers: fused only by the provider that would run cross_entropy_with_grad itself.
-  const KernelEntry* fused = ops_detail::accepting_kernel(cross_entropy_with_grad_quantize_op, logits.device(),
-                                                          logits.dtype(), x, t, scale, attrs, r.loss, r.grad_logits,
-                                                          amax);
-  const auto& plain = dispatch::candidates(cross_entropy_with_grad_op.id(), logits.device().type, logits.dtype());
-  if (!fused || (!plain.empty() && plain.front()->provider != fused->provider)) {
+  if (!ops_detail::fused_by_plain_provider(cross_entropy_with_grad_quantize_op, cross_entropy_with_grad_op,
+                                           logits.device(), logits.dtype(), logits.dtype(), x, t, scale, attrs, r.loss,
+                                           r.grad_logits, amax)) {
     CrossEntropyWithGrad u = cross_entropy_with_grad(logits, targets, ignore_index, reduction, vocab_limit);
     u.grad_logits = fp8_quantize(u.grad_logits, scale, fp8, amax_out);
     return u;

@@ -279,8 +279,6 @@ ResidualNormResult run_residual_norm_quantize(bool centered, const Tensor& x, co
   check_norm_devices(op, {&x, &delta, &weight, &bias});
   LOOM_REQUIRE(eps >= 0, op, ": eps must be non-negative, got ", eps);
   const infermeta::ResidualNormMeta meta = infermeta::infer_residual_norm(op, x, delta, weight, bias, kBF16);
-  // Fused only by the provider that would run the plain norm itself (its first candidate); otherwise that
-  // provider's norm, then fp8_quantize: the same bits by the contract.
   Tensor in = ops::contiguous(x), d = contiguous_or_undefined(delta), w = contiguous_or_undefined(weight);
   Tensor b = contiguous_or_undefined(bias);
   ResidualNormResult r;
@@ -291,15 +289,15 @@ ResidualNormResult run_residual_norm_quantize(bool centered, const Tensor& x, co
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
   Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
   NormAttrs attrs{eps};
-  const KernelEntry* fused = nullptr;
-  if (!empty_rows(x))
-    fused = centered ? ops_detail::accepting_kernel(residual_layer_norm_quantize_op, x.device(), x.dtype(), in, d, w,
-                                                    b, scale, attrs, written_residual, r.out, r.mean, r.rstd, amax)
-                     : ops_detail::accepting_kernel(residual_rms_norm_quantize_op, x.device(), x.dtype(), in, d, w,
-                                                    scale, attrs, written_residual, r.out, r.rstd, amax);
-  const OpId plain_id = centered ? residual_layer_norm_op.id() : residual_rms_norm_op.id();
-  const auto& plain = dispatch::candidates(plain_id, x.device().type, x.dtype());
-  if (!fused || (!plain.empty() && plain.front()->provider != fused->provider)) {
+  const bool fused =
+      !empty_rows(x) &&
+      (centered ? ops_detail::fused_by_plain_provider(residual_layer_norm_quantize_op, residual_layer_norm_op,
+                                                      x.device(), x.dtype(), x.dtype(), in, d, w, b, scale, attrs,
+                                                      written_residual, r.out, r.mean, r.rstd, amax)
+                : ops_detail::fused_by_plain_provider(residual_rms_norm_quantize_op, residual_rms_norm_op, x.device(),
+                                                      x.dtype(), x.dtype(), in, d, w, scale, attrs, written_residual,
+                                                      r.out, r.rstd, amax));
+  if (!fused) {
     ResidualNormResult unfused = centered ? residual_layer_norm(x, delta, weight, bias, eps, kBF16)
                                           : residual_rms_norm(x, delta, weight, eps, kBF16);
     unfused.out = fp8_quantize(unfused.out, scale, fp8, amax_out);

@@ -56,6 +56,17 @@ bool kernel_accepts(Op op, Device device, DType dtype, Args&... args) {
   return accepting_kernel(op, device, dtype, args...) != nullptr;
 }
 
+// Whether a fused variant of an op (`fused` on fused_dtype: the op and its FP8 cast in one kernel) takes these
+// arguments from the provider that would run the plain op (`plain` on plain_dtype) itself. A library that serves the
+// plain op but not the variant keeps its own kernel: the op layer then runs the plain op and the cast, the same bits
+// by the variant's contract. (The plain op's first candidate: asking its supports() would need its output made.)
+template <typename Fused, typename Plain, typename... Args>
+bool fused_by_plain_provider(Fused fused, Plain, Device device, DType fused_dtype, DType plain_dtype, Args&... args) {
+  const KernelEntry* f = accepting_kernel(fused, device, fused_dtype, args...);
+  const auto& candidates = dispatch::candidates(Plain::id(), device.type, plain_dtype);
+  return f && (candidates.empty() || candidates.front()->provider == f->provider);
+}
+
 // t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
 // where its layout allows; else undefined.
 inline Tensor as_row_matrix(const Tensor& t) {
