@@ -436,9 +436,6 @@ std::pair<Tensor, Tensor> quantizing_residual_norm(bool centered, const Tensor& 
             },
             x.device());
         r.out = q.q;
-        // Without a delta the residual is x itself: the caller's x, whose gradient flows on (not the detached
-        // copy the kernels read).
-        if (!d.defined()) r.residual = x;
         return r;
       },
       kBF16);

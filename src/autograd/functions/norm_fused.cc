@@ -69,6 +69,9 @@ std::pair<Tensor, Tensor> residual_norm(bool rms, const Tensor& x, const Tensor&
       !(x.dtype() == kF32 && (delta.dtype() == kBF16 || delta.dtype() == kF16)))
     delta = to(delta, x.dtype());
   ops::ResidualNormResult r = compute(delta);
+  // Without a delta the residual is x itself, the caller's, whose gradient flows on (a compute that read a detached
+  // copy returns that copy).
+  if (!delta.defined()) r.residual = x;
   auto node = rms ? autograd::make_node<ResidualNormBackward>({&x, &delta, &weight})
                   : autograd::make_node<ResidualNormBackward>({&x, &delta, &weight, &bias});
   if (!node) return {r.residual, r.out};
