@@ -223,70 +223,104 @@ TEST(Fp8Fused, BadOperandsAreRefusedInOneLine) {
   }
 }
 
-TEST(Fp8Fused, ResidualRmsNormQuantizeIsTheNormThenQuantizeBitForBit) {
-  std::mt19937_64 rng(14);
-  int cases = 0;
-  for (DType xt : {kF32, kBF16})
-    for (DType fp8 : {kF8E4M3, kF8E5M2})
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {5, 16}, {9, 768}, {2, 3001}})
-        for (int delta_kind : {0, 1, 2})
-          for (bool weighted : {false, true}) {
-            if (delta_kind == 2 && xt == kBF16) continue;  // bf16 beside bf16 is delta_kind 1
-            const NormInputs in = norm_inputs(rows, cols, xt, delta_kind, weighted, rng, (cases % 3) * 0.01);
-            const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
-            Tensor amax, amax_ref;
-            const ops::ResidualNormResult f = ops::residual_rms_norm_quantize(in.x, in.delta, in.weight, 1e-5, s, fp8,
-                                                                              &amax);
-            ops::ResidualNormResult u = ops::residual_rms_norm(in.x, in.delta, in.weight, 1e-5, kBF16);
-            const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
-            const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
-                                     std::to_string(rows) + ", " + std::to_string(cols) + "] delta " +
-                                     std::to_string(delta_kind) + (weighted ? " weighted" : "");
-            EXPECT_TRUE(test::bytes_equal(f.out, q_ref)) << what;
-            EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
-            EXPECT_TRUE(test::bytes_equal(f.rstd, u.rstd)) << what;
-            if (delta_kind) {
-              EXPECT_TRUE(test::bytes_equal(f.residual, u.residual)) << what;
+// Both residual norms writing codes (residual_rms_norm_quantize, residual_layer_norm_quantize): the norm then
+// fp8_quantize bit for bit (codes, amax, the statistics, the residual), with and without a weight (and the layer
+// norm's bias, or a weight without one), deltas in x's dtype and bf16; bad arguments refused.
+TEST(Fp8Fused, ResidualNormQuantizeIsTheNormThenQuantizeBitForBit) {
+  for (bool centered : {false, true}) {
+    std::mt19937_64 rng(centered ? 18 : 14);
+    int cases = 0;
+    for (DType xt : {kF32, kBF16})
+      for (DType fp8 : {kF8E4M3, kF8E5M2})
+        for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {5, 16}, {9, 768}, {2, 3001}})
+          for (int delta_kind : {0, 1, 2})
+            for (bool affine : {false, true}) {
+              if (delta_kind == 2 && xt == kBF16) continue;  // bf16 beside bf16 is delta_kind 1
+              const NormInputs in = norm_inputs(rows, cols, xt, delta_kind, affine, rng, (cases % 3) * 0.01);
+              const Tensor bias = !centered || cases % 4 == 1 ? Tensor() : in.bias;  // a weight without a bias too
+              const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
+              Tensor amax, amax_ref;
+              const ops::ResidualNormResult f =
+                  centered ? ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, bias, 1e-5, s, fp8, &amax)
+                           : ops::residual_rms_norm_quantize(in.x, in.delta, in.weight, 1e-5, s, fp8, &amax);
+              const ops::ResidualNormResult u =
+                  centered ? ops::residual_layer_norm(in.x, in.delta, in.weight, bias, 1e-5, kBF16)
+                           : ops::residual_rms_norm(in.x, in.delta, in.weight, 1e-5, kBF16);
+              const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
+              const std::string what = std::string(centered ? "layer norm " : "RMS norm ") + dtype_name(xt) + " -> " +
+                                       dtype_name(fp8) + " [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                                       "] delta " + std::to_string(delta_kind) + (affine ? " affine" : "");
+              EXPECT_EQ(f.out.dtype(), fp8) << what;
+              EXPECT_TRUE(test::bytes_equal(f.out, q_ref)) << what;
+              EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+              EXPECT_TRUE(test::bytes_equal(f.rstd, u.rstd)) << what;
+              if (centered) {
+                EXPECT_TRUE(test::bytes_equal(f.mean, u.mean)) << what;
+              }
+              if (delta_kind) {
+                EXPECT_TRUE(test::bytes_equal(f.residual, u.residual)) << what;
+              }
+              ++cases;
             }
-            ++cases;
-          }
-  EXPECT_GT(cases, 80);
-  const Tensor x = zeros({2, 8}, kF64);
-  EXPECT_THROW(ops::residual_rms_norm_quantize(x, Tensor(), Tensor(), 1e-5, scale_of(1), kF8E4M3), Error);
-  EXPECT_THROW(ops::residual_rms_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), 1e-5, scale_of(1), kBF16), Error);
-  EXPECT_THROW(ops::residual_rms_norm_quantize(zeros({2, 8}), zeros({2, 7}), Tensor(), 1e-5, scale_of(1), kF8E4M3),
+    EXPECT_GT(cases, 80);
+  }
+  const Tensor s = scale_of(1);
+  EXPECT_THROW(ops::residual_rms_norm_quantize(zeros({2, 8}, kF64), Tensor(), Tensor(), 1e-5, s, kF8E4M3), Error);
+  EXPECT_THROW(ops::residual_rms_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), 1e-5, s, kBF16), Error);
+  EXPECT_THROW(ops::residual_rms_norm_quantize(zeros({2, 8}), zeros({2, 7}), Tensor(), 1e-5, s, kF8E4M3), Error);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}, kF64), Tensor(), Tensor(), Tensor(), 1e-5, s, kF8E4M3),
                Error);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), zeros({7}), 1e-5, s, kF8E4M3),
+               Error);
+  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), Tensor(), -1, s, kF8E4M3), Error);
 }
 
-TEST(Fp8Fused, ResidualRmsNormQuantizeMatchesTheFloat64Oracle) {
+// Both norms' codes against the float64 oracle's, the statistics close to its.
+TEST(Fp8Fused, ResidualNormQuantizeMatchesTheFloat64Oracle) {
   std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
   conformance::naive::add_fp8_references(table);
-  ASSERT_TRUE(table.count("residual_rms_norm_quantize"));
-  std::mt19937_64 rng(15);
-  for (DType xt : {kF32, kBF16})
-    for (int trial = 0; trial < 6; ++trial) {
-      const NormInputs in = norm_inputs(7, 19 + trial, xt, trial % 3 == 2 && xt == kBF16 ? 1 : trial % 3, trial % 2,
-                                        rng, 0);
-      const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
-      Tensor amax;
-      const ops::ResidualNormResult f = ops::residual_rms_norm_quantize(in.x, in.delta, in.weight, 1e-5, s,
-                                                                        kF8E4M3, &amax);
-      conformance::naive::Case c;
-      c.tensors = {operand("x", in.x, false),        operand("delta", in.delta, false),
-                   operand("weight", in.weight, false), operand("scale", s, false),
-                   operand("residual", in.delta.defined() ? f.residual : Tensor(), true),
-                   operand("q", f.out, true),        operand("rstd", f.rstd, true),
-                   operand("amax", amax, true)};
-      c.attrs = {{"eps", AttrValue::of_float(1e-5)}};
-      table["residual_rms_norm_quantize"](c);
-      ASSERT_TRUE(c.no_value.empty()) << c.no_value;
-      const std::vector<double> got = test::element_values(f.out), want = c.out("q")->values;
-      for (size_t i = 0; i < got.size(); ++i)
-        ASSERT_EQ(got[i], want[i]) << dtype_name(xt) << " trial " << trial << " element " << i;
-      EXPECT_EQ(test::element_values(amax)[0], c.out("amax")->values[0]) << dtype_name(xt) << " trial " << trial;
-      const std::vector<double> rstd = test::element_values(f.rstd), rstd_ref = c.out("rstd")->values;
-      for (size_t r = 0; r < rstd.size(); ++r) EXPECT_NEAR(rstd[r], rstd_ref[r], 1e-6 * rstd_ref[r]);
-    }
+  for (bool centered : {false, true}) {
+    const std::string op = centered ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize";
+    ASSERT_TRUE(table.count(op));
+    std::mt19937_64 rng(centered ? 19 : 15);
+    for (DType xt : {kF32, kBF16})
+      for (int trial = 0; trial < 6; ++trial) {
+        const NormInputs in = norm_inputs(7, 19 + trial, xt, trial % 3 == 2 && xt == kBF16 ? 1 : trial % 3,
+                                          trial % 2, rng, 0);
+        const Tensor bias = centered ? in.bias : Tensor();
+        const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
+        Tensor amax;
+        const ops::ResidualNormResult f =
+            centered ? ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, bias, 1e-5, s, kF8E4M3, &amax)
+                     : ops::residual_rms_norm_quantize(in.x, in.delta, in.weight, 1e-5, s, kF8E4M3, &amax);
+        conformance::naive::Case c;
+        c.tensors = {operand("x", in.x, false),
+                     operand("delta", in.delta, false),
+                     operand("weight", in.weight, false),
+                     operand("scale", s, false),
+                     operand("residual", in.delta.defined() ? f.residual : Tensor(), true),
+                     operand("q", f.out, true),
+                     operand("rstd", f.rstd, true),
+                     operand("amax", amax, true)};
+        if (centered) {
+          c.tensors.push_back(operand("bias", bias, false));
+          c.tensors.push_back(operand("mean", f.mean, true));
+        }
+        c.attrs = {{"eps", AttrValue::of_float(1e-5)}};
+        table[op](c);
+        const std::string what = op + " " + dtype_name(xt) + " trial " + std::to_string(trial);
+        ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+        const std::vector<double> got = test::element_values(f.out), want = c.out("q")->values;
+        for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << what << " element " << i;
+        EXPECT_EQ(test::element_values(amax)[0], c.out("amax")->values[0]) << what;
+        const std::vector<double> rstd = test::element_values(f.rstd), rstd_ref = c.out("rstd")->values;
+        for (size_t r = 0; r < rstd.size(); ++r) EXPECT_NEAR(rstd[r], rstd_ref[r], 1e-6 * rstd_ref[r]) << what;
+        if (!centered) continue;
+        const std::vector<double> mean = test::element_values(f.mean), mean_ref = c.out("mean")->values;
+        for (size_t r = 0; r < mean.size(); ++r)
+          EXPECT_NEAR(mean[r], mean_ref[r], 1e-6 * (1 + std::abs(mean_ref[r]))) << what;
+      }
+  }
 }
 
 TEST(Fp8Fused, GeluQuantizeIsGeluThenQuantizeBitForBit) {
@@ -340,84 +374,6 @@ TEST(Fp8Fused, GeluQuantizeMatchesTheFloat64Oracle) {
         EXPECT_TRUE(same_value(test::element_values(amax)[0], c.out("amax")->values[0]))
             << test::element_values(amax)[0] << " against " << c.out("amax")->values[0];
       }
-}
-
-TEST(Fp8Fused, ResidualLayerNormQuantizeIsTheNormThenQuantizeBitForBit) {
-  std::mt19937_64 rng(18);
-  int cases = 0;
-  for (DType xt : {kF32, kBF16})
-    for (DType fp8 : {kF8E4M3, kF8E5M2})
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {5, 16}, {9, 768}, {2, 3001}})
-        for (int delta_kind : {0, 1, 2})
-          for (bool affine : {false, true}) {
-            if (delta_kind == 2 && xt == kBF16) continue;
-            const NormInputs in = norm_inputs(rows, cols, xt, delta_kind, affine, rng, (cases % 3) * 0.01);
-            const Tensor bias = cases % 4 == 1 ? Tensor() : in.bias;  // a weight without a bias too
-            const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
-            Tensor amax, amax_ref;
-            const ops::ResidualNormResult f =
-                ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, bias, 1e-5, s, fp8, &amax);
-            ops::ResidualNormResult u = ops::residual_layer_norm(in.x, in.delta, in.weight, bias, 1e-5, kBF16);
-            const Tensor q_ref = ops::fp8_quantize(u.out, s, fp8, &amax_ref);
-            const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
-                                     std::to_string(rows) + ", " + std::to_string(cols) + "] delta " +
-                                     std::to_string(delta_kind) + (affine ? " affine" : "");
-            EXPECT_EQ(f.out.dtype(), fp8) << what;
-            EXPECT_TRUE(test::bytes_equal(f.out, q_ref)) << what;
-            EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
-            EXPECT_TRUE(test::bytes_equal(f.mean, u.mean)) << what;
-            EXPECT_TRUE(test::bytes_equal(f.rstd, u.rstd)) << what;
-            if (delta_kind) {
-              EXPECT_TRUE(test::bytes_equal(f.residual, u.residual)) << what;
-            }
-            ++cases;
-          }
-  EXPECT_GT(cases, 80);
-  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}, kF64), Tensor(), Tensor(), Tensor(), 1e-5, scale_of(1),
-                                                 kF8E4M3),
-               Error);
-  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), zeros({7}), 1e-5, scale_of(1),
-                                                 kF8E4M3),
-               Error);
-  EXPECT_THROW(ops::residual_layer_norm_quantize(zeros({2, 8}), Tensor(), Tensor(), Tensor(), -1, scale_of(1),
-                                                 kF8E4M3),
-               Error);
-}
-
-TEST(Fp8Fused, ResidualLayerNormQuantizeMatchesTheFloat64Oracle) {
-  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
-  conformance::naive::add_fp8_references(table);
-  ASSERT_TRUE(table.count("residual_layer_norm_quantize"));
-  std::mt19937_64 rng(19);
-  for (DType xt : {kF32, kBF16})
-    for (int trial = 0; trial < 6; ++trial) {
-      const NormInputs in = norm_inputs(7, 19 + trial, xt, trial % 3 == 2 && xt == kBF16 ? 1 : trial % 3, trial % 2,
-                                        rng, 0);
-      const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 10) - 3));
-      Tensor amax;
-      const ops::ResidualNormResult f =
-          ops::residual_layer_norm_quantize(in.x, in.delta, in.weight, in.bias, 1e-5, s, kF8E4M3, &amax);
-      conformance::naive::Case c;
-      c.tensors = {operand("x", in.x, false),         operand("delta", in.delta, false),
-                   operand("weight", in.weight, false), operand("bias", in.bias, false),
-                   operand("scale", s, false),
-                   operand("residual", in.delta.defined() ? f.residual : Tensor(), true),
-                   operand("q", f.out, true),         operand("mean", f.mean, true),
-                   operand("rstd", f.rstd, true),     operand("amax", amax, true)};
-      c.attrs = {{"eps", AttrValue::of_float(1e-5)}};
-      table["residual_layer_norm_quantize"](c);
-      ASSERT_TRUE(c.no_value.empty()) << c.no_value;
-      const std::vector<double> got = test::element_values(f.out), want = c.out("q")->values;
-      for (size_t i = 0; i < got.size(); ++i)
-        ASSERT_EQ(got[i], want[i]) << dtype_name(xt) << " trial " << trial << " element " << i;
-      EXPECT_EQ(test::element_values(amax)[0], c.out("amax")->values[0]) << dtype_name(xt) << " trial " << trial;
-      const std::vector<double> mean = test::element_values(f.mean), mean_ref = c.out("mean")->values;
-      const std::vector<double> rstd = test::element_values(f.rstd), rstd_ref = c.out("rstd")->values;
-      for (size_t r = 0; r < rstd.size(); ++r) {
-        EXPECT_NEAR(rstd[r], rstd_ref[r], 1e-6 * rstd_ref[r]);
-        EXPECT_NEAR(mean[r], mean_ref[r], 1e-6 * (1 + std::abs(mean_ref[r])));
-      }
-    }
 }
 
 Tensor leaf(const Tensor& values) {
