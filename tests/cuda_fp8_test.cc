@@ -270,6 +270,41 @@ TEST(CudaFp8, GeluBackwardQuantizeIsTheGpusGeluBackwardThenQuantize) {
       }
 }
 
+// SwiGLU's backward cast in its own pass (swiglu_backward_quantize) on the GPU: the GPU's swiglu_backward then
+// fp8_quantize_transposed of each gradient with its own scale, bit for bit (codes, transposed codes, both amaxes),
+// over whole and partial tiles, special values, both formats and input dtypes; the codes within one of the CPU's.
+TEST(CudaFp8, SwigluBackwardQuantizeIsTheGpusSwigluBackwardThenQuantize) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(10);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {64, 64}, {65, 130}, {4096, 8192}}) {
+        const Tensor g = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
+        const Tensor gate = test::random_tensor({rows, cols}, xt, -6, 6, rng()).to(kGpu);
+        const Tensor up = test::random_tensor({rows, cols}, xt, -4, 4, rng()).to(kGpu);
+        const Tensor sg = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+        const Tensor su = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+        Tensor amax_g, amax_u, ref_g, ref_u;
+        const ops::SwigluGradientCodes f = ops::fp8_swiglu_backward_quantize(g, gate, up, sg, su, fp8, &amax_g, &amax_u);
+        const ops::SwigluGrads v = ops::swiglu_backward(g, gate, up);
+        const ops::Fp8Tensor qg = ops::fp8_quantize_transposed(v.grad_gate, sg, fp8, &ref_g);
+        const ops::Fp8Tensor qu = ops::fp8_quantize_transposed(v.grad_up, su, fp8, &ref_u);
+        const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                 std::to_string(rows) + ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(same_bytes(f.gate.q, qg.q)) << what;
+        EXPECT_TRUE(same_bytes(f.gate.qt, qg.qt)) << what;
+        EXPECT_TRUE(same_bytes(f.up.q, qu.q)) << what;
+        EXPECT_TRUE(same_bytes(f.up.qt, qu.qt)) << what;
+        EXPECT_TRUE(same_bytes(amax_g, ref_g)) << what;
+        EXPECT_TRUE(same_bytes(amax_u, ref_u)) << what;
+        const Device cpu;
+        const ops::SwigluGradientCodes c =
+            ops::fp8_swiglu_backward_quantize(g.to(cpu), gate.to(cpu), up.to(cpu), sg.to(cpu), su.to(cpu), fp8);
+        expect_within_a_code(f.gate.q, c.gate.q, fp8, what + " gate");
+        expect_within_a_code(f.up.qt, c.up.qt, fp8, what + " up");
+      }
+}
+
 // The loss writing its gradient's codes (cross_entropy_with_grad_quantize) on the GPU: the GPU's
 // cross_entropy_with_grad then fp8_quantize bit for bit (loss, codes, amax) through the staged kernel (16-bit rows of
 // 16-104 KB: GPT-2's vocabulary) and the two-pass one (f32, short and long rows, a vocabulary limit, ignored rows),

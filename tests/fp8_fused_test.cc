@@ -27,8 +27,8 @@
 namespace loom {
 namespace {
 
-// A library that serves swiglu, gelu and the residual norms (native's kernels under its own name) and no fused op,
-// as one built before them; unregistered when the scope ends.
+// A library that serves swiglu, gelu, the residual norms and the activations' backwards (native's kernels under its
+// own name) and no fused op, as one built before them; unregistered when the scope ends.
 constexpr const char* kPlain = "plain_producers";
 class PlainLibrary {
  public:
@@ -37,6 +37,8 @@ class PlainLibrary {
     serve(gelu_op);
     serve(residual_rms_norm_op);
     serve(residual_layer_norm_op);
+    serve(gelu_backward_op);
+    serve(swiglu_backward_op);
   }
   ~PlainLibrary() { dispatch::unregister_provider(kPlain); }
 
@@ -576,6 +578,130 @@ TEST(Fp8Fused, GeluBackwardQuantizeIsGeluBackwardThenQuantize) {
   EXPECT_THROW(ops::fp8_gelu_backward_quantize(zeros({2, 3}), zeros({3, 2}), scale_of(1), kF8E5M2), Error);
 }
 
+// SwiGLU's backward with both gradients' codes in both layouts and their amaxes in one pass
+// (swiglu_backward_quantize): swiglu_backward then fp8_quantize_transposed of each with its own scale, bit for bit,
+// and the float64 oracle's codes; bad arguments in one line.
+TEST(Fp8Fused, SwigluBackwardQuantizeIsSwigluBackwardThenQuantize) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("swiglu_backward_quantize"));
+  std::mt19937_64 rng(30);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {64, 64}, {130, 33}, {0, 5}}) {
+        const Tensor g = activations({rows, cols}, dt, rng, 0.02), gate = activations({rows, cols}, dt, rng, 0),
+                     up = activations({rows, cols}, dt, rng, 0);
+        const Tensor sg = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        const Tensor su = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        Tensor amax_g, amax_u, ref_g, ref_u;
+        const ops::SwigluGradientCodes f = ops::fp8_swiglu_backward_quantize(g, gate, up, sg, su, fp8, &amax_g, &amax_u);
+        const ops::SwigluGrads v = ops::swiglu_backward(g, gate, up);
+        const ops::Fp8Tensor qg = ops::fp8_quantize_transposed(v.grad_gate, sg, fp8, &ref_g);
+        const ops::Fp8Tensor qu = ops::fp8_quantize_transposed(v.grad_up, su, fp8, &ref_u);
+        const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " [" + std::to_string(rows) +
+                                 ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(test::bytes_equal(f.gate.q, qg.q)) << what;
+        EXPECT_TRUE(test::bytes_equal(f.gate.qt, qg.qt)) << what;
+        EXPECT_TRUE(test::bytes_equal(f.up.q, qu.q)) << what;
+        EXPECT_TRUE(test::bytes_equal(f.up.qt, qu.qt)) << what;
+        EXPECT_TRUE(test::bytes_equal(amax_g, ref_g)) << what;
+        EXPECT_TRUE(test::bytes_equal(amax_u, ref_u)) << what;
+        if (rows == 0) continue;
+        conformance::naive::Case c;
+        c.tensors = {operand("grad", g, false),          operand("gate", gate, false),
+                     operand("up", up, false),           operand("scale_gate", sg, false),
+                     operand("scale_up", su, false),     operand("q_gate", f.gate.q, true),
+                     operand("qt_gate", f.gate.qt, true), operand("q_up", f.up.q, true),
+                     operand("qt_up", f.up.qt, true),    operand("amax_gate", amax_g, true),
+                     operand("amax_up", amax_u, true)};
+        table["swiglu_backward_quantize"](c);
+        ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+        for (const char* name : {"qt_gate", "q_up"}) {
+          const std::vector<double> codes = test::element_values(name[1] == 't' ? f.gate.qt : f.up.q),
+                                    oracle = c.out(name)->values;
+          size_t neighbours = 0;
+          for (size_t i = 0; i < codes.size(); ++i)
+            if (!same_value(codes[i], oracle[i])) ++neighbours;
+          EXPECT_LE(neighbours, codes.size() / 50) << what << " " << name << ": codes off the oracle's";
+        }
+      }
+  const Tensor one = scale_of(1);
+  EXPECT_THROW(ops::fp8_swiglu_backward_quantize(zeros({2, 3}), zeros({2, 3}, kBF16), zeros({2, 3}), one, one, kF8E5M2),
+               Error);
+  EXPECT_THROW(ops::fp8_swiglu_backward_quantize(zeros({2, 3}), zeros({2, 3}), zeros({3, 2}), one, one, kF8E5M2),
+               Error);
+  EXPECT_THROW(ops::fp8_swiglu_backward_quantize(zeros({2, 3}), zeros({2, 3}), zeros({2, 3}), one, one, kBF16), Error);
+}
+
+// LLaMA's FP8 MLP with SwiGLU owned by gate's and up's node (fp8::linears_swiglu, then down_proj on its codes) against
+// the layers apart (fp8::linears, fp8::swiglu_linear), each with its own scaling states, over steps that move the
+// scales: outputs and every gradient bit for bit, under delayed scaling (the fused casts) and current scaling (the
+// casts apart), with and without autocast; a held gate weight gets no gradient.
+TEST(Fp8Fused, LinearsSwigluGivesTheUnfusedLayersOutputsAndGradients) {
+  for (int64_t history : {4, 1})
+    for (bool autocast : {true, false}) {
+      fp8::Recipe recipe;
+      recipe.amax_history = history;
+      std::vector<std::shared_ptr<fp8::LinearState>> f, p;
+      for (int i = 0; i < 3; ++i) {
+        f.push_back(std::make_shared<fp8::LinearState>(recipe));
+        p.push_back(std::make_shared<fp8::LinearState>(recipe));
+      }
+      std::mt19937_64 rng(31 + history + autocast);
+      const int64_t rows = 70, dim = 32, hidden = 96;
+      const Tensor wg = test::random_tensor({hidden, dim}, kF32, -0.3, 0.3, rng());
+      const Tensor wu = test::random_tensor({hidden, dim}, kF32, -0.3, 0.3, rng());
+      const Tensor wd = test::random_tensor({dim, hidden}, kF32, -0.2, 0.2, rng());
+      std::vector<Tensor> fused{leaf(wg), leaf(wu), leaf(wd)}, plain{leaf(wg), leaf(wu), leaf(wd)};
+      test::CallCounter counter;
+      for (int step = 0; step < 3; ++step) {
+        const Tensor x = test::random_tensor({rows, dim}, kF32, -2.0 * (step + 1), 2.0 * (step + 1), rng());
+        const Tensor dy = test::random_tensor({rows, dim}, kF32, -1, 1, rng());
+        Tensor x_f = leaf(x), x_p = leaf(x), y_f, y_p;
+        {
+          std::optional<amp::AutocastGuard> guard;
+          if (autocast) guard.emplace(kBF16);
+          const Tensor codes = fp8::linears_swiglu(x_f, {fused[0], Tensor(), f[0], {}}, {fused[1], Tensor(), f[1], {}},
+                                                   f[2]->input);
+          EXPECT_TRUE(is_fp8(codes.dtype()));
+          y_f = fp8::linear(codes, fused[2], Tensor(), f[2]);
+          const std::vector<Tensor> gu =
+              fp8::linears(x_p, {{plain[0], Tensor(), p[0], {}}, {plain[1], Tensor(), p[1], {}}});
+          y_p = fp8::swiglu_linear(gu[0], gu[1], plain[2], Tensor(), p[2]);
+        }
+        const std::string what = std::string(autocast ? "bf16" : "f32") + " history " + std::to_string(history) +
+                                 " step " + std::to_string(step);
+        ASSERT_TRUE(test::bytes_equal(y_f, y_p)) << what;
+        y_f.backward(ops::to_dtype(dy, y_f.dtype()));
+        y_p.backward(ops::to_dtype(dy, y_p.dtype()));
+        EXPECT_TRUE(test::bytes_equal(x_f.grad(), x_p.grad())) << what << ": x's gradient";
+        for (int i : {0, 1, 2}) EXPECT_TRUE(test::bytes_equal(fused[i].grad(), plain[i].grad())) << what << " " << i;
+        for (auto& t : fused) t.zero_grad();
+        for (auto& t : plain) t.zero_grad();
+      }
+      if (history > 1) {
+        EXPECT_EQ(counter.calls("swiglu_backward_quantize"), 2u) << "every step after the first casts in SwiGLU's pass";
+      } else {
+        EXPECT_EQ(counter.calls("swiglu_backward_quantize"), 0u) << "current scaling needs the values first";
+      }
+    }
+  // A held gate weight: read as its codes, no gradient; up's weight and x still get theirs.
+  fp8::Recipe recipe;
+  std::vector<std::shared_ptr<fp8::LinearState>> s;
+  for (int i = 0; i < 3; ++i) s.push_back(std::make_shared<fp8::LinearState>(recipe));
+  const Tensor w = test::random_tensor({16, 8}, kF32, -0.5, 0.5, 5);
+  const ops::Fp8Tensor held = fp8::hold_weight(w, recipe);
+  Tensor x = leaf(test::random_tensor({5, 8}, kF32, -1, 1, 6)), wu = leaf(w);
+  Tensor wd = leaf(test::random_tensor({8, 16}, kF32, -0.5, 0.5, 7));
+  const Tensor codes = fp8::linears_swiglu(x, {Tensor(), Tensor(), s[0], held}, {wu, Tensor(), s[1], {}}, s[2]->input);
+  loom::sum(fp8::linear(codes, wd, Tensor(), s[2])).backward();
+  EXPECT_TRUE(x.grad().defined());
+  EXPECT_TRUE(wu.grad().defined());
+  EXPECT_TRUE(wd.grad().defined());
+  EXPECT_THROW(fp8::linears_swiglu(x, {wu, ones({16}), s[0], {}}, {wu, Tensor(), s[1], {}}, s[2]->input), Error);
+  EXPECT_THROW(fp8::linears_swiglu(x, {wu, Tensor(), s[0], {}}, {wd, Tensor(), s[1], {}}, s[2]->input), Error);
+}
+
 // GPT-2's FP8 MLP with GELU owned by c_fc's node (fp8::linear_gelu, then c_proj on its codes) against the layers
 // apart (fp8::linear, gelu, fp8::linear), each with its own delayed-scaling states, over steps that move the scales:
 // outputs and every gradient bit for bit but c_fc's bias (the fused cast sums its columns in another order: within
@@ -778,6 +904,7 @@ std::vector<double> train_losses(const test::TempDir& dir, const std::string& mo
     const uint64_t norm = counter.calls(gpt2 ? "residual_layer_norm_quantize" : "residual_rms_norm_quantize");
     *fused_calls = std::min(activation, norm);
     if (gpt2) *fused_calls = std::min(*fused_calls, counter.calls("gelu_backward_quantize"));
+    if (model.rfind("llama", 0) == 0) *fused_calls = std::min(*fused_calls, counter.calls("swiglu_backward_quantize"));
     *fused_calls = std::min(*fused_calls, counter.calls("cross_entropy_with_grad_quantize"));
   }
   return out;

@@ -151,6 +151,16 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, co
 Tensor linear_gelu(const Tensor& x, const ops::Fp8Tensor& held_weight, const Tensor& bias,
                    const std::shared_ptr<LinearState>& state, TensorScaling& consumer);
 
+// The codes of swiglu(gate x^T, up x^T) for the layer whose input scaling is `consumer` (LLaMA's gate and up
+// projections, read by down_proj): one node owns both products and SwiGLU, x quantized once by gate's input scaling
+// (or given as its codes, as linears() takes them), SwiGLU's codes made by the kernel that computes it
+// (ops::fp8_swiglu_quantize); in the backward, SwiGLU's derivative rides in the casts of both products' output
+// gradients (ops::fp8_swiglu_backward_quantize, each with its layer's scaling): SwiGLU's output and its gradients are
+// never written in 16 bits. gate and up without a bias, one weight shape; a held weight (LinearWeights::held) is read
+// in place of its weight and gets no gradient. The result is codes that linear() with `consumer`'s state takes as
+// its x.
+Tensor linears_swiglu(const Tensor& x, const LinearWeights& gate, const LinearWeights& up, TensorScaling& consumer);
+
 // The FP8 classifier and its loss in one node: the mean (or sum) cross entropy of linear(x, weight) [..., V] against
 // targets [...], the classes the first vocab_limit columns (-1: all), as loom::cross_entropy gives it. The kernel
 // that computes the loss writes the logits' gradient as the state's output-gradient codes

@@ -130,6 +130,29 @@ LOOM_DECLARE_OP(gelu_backward_quantize, GeluBackwardQuantizeKernel,
                                     "value makes its column's sum NaN or infinite as a sum would")
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
+// SwiGLU's backward fused with the quantization of both its results, the output gradients of the two FP8 products
+// that made gate and up (LLaMA's gate and up projections, each with its own scaling): (dg, du) = swiglu_backward(grad,
+// gate, up) as that op stores them in gate's dtype; q_gate [R, C] and qt_gate [C, R] dg's codes as
+// fp8_quantize_transposed writes them for scale_gate, q_up and qt_up du's for scale_up, amax_gate and amax_up
+// (optional) max |dg| and max |du|. Neither gradient is written in 16 bits. grad, gate and up contiguous [R, C], one
+// dtype (f32 or bf16). Judged as gelu_quantize: a value in float64 may take a neighbouring code.
+using SwigluBackwardQuantizeKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate,
+                                          const Tensor& up, const Tensor& scale_gate, const Tensor& scale_up,
+                                          Tensor& q_gate, Tensor& qt_gate, Tensor& q_up, Tensor& qt_up,
+                                          Tensor& amax_gate, Tensor& amax_up);
+LOOM_DECLARE_OP(swiglu_backward_quantize, SwigluBackwardQuantizeKernel,
+                OpSchema().in("grad", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("gate", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .in("up", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .in("scale_gate", "1", DTypeRule::kF32).values(Values::kScale)
+                    .in("scale_up", "1", DTypeRule::kF32).values(Values::kScale)
+                    .out("q_gate", "R C").out("qt_gate", "C R").out("q_up", "R C").out("qt_up", "C R")
+                    .out_opt("amax_gate", "1", DTypeRule::kF32).out_opt("amax_up", "1", DTypeRule::kF32)
+                    .dim("R", {0}).row_dim("R").dispatch_on("q_gate").abi_since(7)
+                    .special_values("as swiglu_backward then fp8_quantize_transposed of each of its outputs")
+                    .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
+
 // out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one
 // shape.
 using Fp8DequantizeKernel = void(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out);

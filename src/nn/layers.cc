@@ -98,6 +98,11 @@ void add_adapter_outputs(std::vector<Tensor>& out, const Tensor& x, std::initial
   }
 }
 
+// A layer's weight as the FP8 functions take it.
+fp8::LinearWeights fp8_weights(const Linear& l) {
+  return {l.weight, l.bias, l.fp8, l.holds_fp8() ? l.held_weight() : ops::Fp8Tensor{}};
+}
+
 // Layers reading the same x. Under FP8 (every one) x is quantized once for all the base products; the adapters read
 // x as it is (add_adapter_outputs).
 std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Linear*> layers) {
@@ -106,8 +111,7 @@ std::vector<Tensor> forward_each(const Tensor& x, std::initializer_list<const Li
   std::vector<Tensor> out;
   if (shared) {
     std::vector<fp8::LinearWeights> weights;
-    for (const Linear* l : layers)
-      weights.push_back({l->weight, l->bias, l->fp8, l->holds_fp8() ? l->held_weight() : ops::Fp8Tensor{}});
+    for (const Linear* l : layers) weights.push_back(fp8_weights(*l));
     out = fp8::linears(x, weights);
   } else {
     for (const Linear* l : layers) out.push_back(l->base_product(x));
@@ -219,6 +223,14 @@ SwiGLUMLP::SwiGLUMLP(int64_t dim, int64_t hidden) {
   down_proj = register_module("down_proj", std::make_shared<Linear>(hidden, dim, false));
 }
 Tensor SwiGLUMLP::forward(const Tensor& x) const {
+  // FP8 (no tensor parallelism) without adapters: SwiGLU's codes made for down_proj by one node that owns gate's and
+  // up's products and takes SwiGLU's backward in their gradients' casts.
+  const Linear* layers[] = {gate_proj.get(), up_proj.get(), down_proj.get()};
+  bool fused = !tp;
+  for (const Linear* l : layers) fused = fused && l->fp8 && !l->has_adapter() && !l->bias.defined();
+  if (fused)
+    return down_proj->forward(
+        fp8::linears_swiglu(x, fp8_weights(*gate_proj), fp8_weights(*up_proj), down_proj->fp8->input));
   if (!tp) {
     const std::vector<Tensor> gate_up = forward_each(x, {gate_proj.get(), up_proj.get()});
     return down_proj->forward_swiglu(gate_up[0], gate_up[1]);

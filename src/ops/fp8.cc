@@ -293,6 +293,47 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   return r;
 }
 
+SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                                 const Tensor& scale_gate, const Tensor& scale_up, DType fp8,
+                                                 Tensor* amax_gate_out, Tensor* amax_up_out) {
+  const char* op = "fp8_swiglu_backward_quantize";
+  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined() && gate.dim() >= 1, op,
+               ": grad, gate and up must be defined tensors of rank 1 or more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  for (const Tensor* t : {&grad, &up})
+    LOOM_REQUIRE(t->dtype() == gate.dtype() && t->shape() == gate.shape() && t->device() == gate.device(), op, ": ",
+                 t == &grad ? "grad " : "up ", describe(*t), " does not match gate ", describe(gate));
+  check_scale(op, "scale_gate", scale_gate, gate);
+  check_scale(op, "scale_up", scale_up, gate);
+  const int64_t cols = gate.size(-1), rows = rows_of(gate);
+  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), x = ops::view(ops::contiguous(gate), {rows, cols}),
+               u = ops::view(ops::contiguous(up), {rows, cols});
+  SwigluGradientCodes r;
+  const Device device = gate.device();
+  for (Fp8Tensor* t : {&r.gate, &r.up}) {
+    t->q = empty({rows, cols}, fp8, device);
+    t->qt = empty({cols, rows}, fp8, device);
+  }
+  Tensor amax_gate = amax_gate_out ? empty({1}, kF32, device) : Tensor();
+  Tensor amax_up = amax_up_out ? empty({1}, kF32, device) : Tensor();
+  if (ops_detail::fused_by_plain_provider(swiglu_backward_quantize_op, swiglu_backward_op, device, fp8, gate.dtype(),
+                                          g, x, u, scale_gate, scale_up, r.gate.q, r.gate.qt, r.up.q, r.up.qt,
+                                          amax_gate, amax_up)) {
+    dispatch::call(swiglu_backward_quantize_op, device, fp8, g, x, u, scale_gate, scale_up, r.gate.q, r.gate.qt,
+                   r.up.q, r.up.qt, amax_gate, amax_up);
+    if (amax_gate_out) *amax_gate_out = amax_gate;
+    if (amax_up_out) *amax_up_out = amax_up;
+  } else {
+    const SwigluGrads v = ops::swiglu_backward(g, x, u);
+    r.gate = fp8_quantize_transposed(v.grad_gate, scale_gate, fp8, amax_gate_out);
+    r.up = fp8_quantize_transposed(v.grad_up, scale_up, fp8, amax_up_out);
+  }
+  r.gate.q = ops::view(r.gate.q, gate.shape());
+  r.up.q = ops::view(r.up.q, gate.shape());
+  return r;
+}
+
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype) {
   const char* op = "fp8_dequantize";
   LOOM_REQUIRE(q.defined() && is_fp8(q.dtype()) && q.is_contiguous(), op,

@@ -81,30 +81,35 @@ void fp8_quantize(Case& c) {
   }
 }
 
+// The transpose [C, R] of the codes q_name [R, C] into qt_name.
+void transpose_codes(Case& c, const char* q_name, const char* qt_name) {
+  const Operand* q = c.out(q_name);
+  const int64_t R = q->shape[0], C = q->shape[1];
+  std::vector<double>& qt = c.out(qt_name)->values;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < C; ++j) qt[size_t(j * R + r)] = q->values[size_t(r * C + j)];
+}
+
 // fp8_quantize's codes as x is laid out ([R, C]) and transposed ([C, R]).
 void fp8_quantize_transposed(Case& c) {
   fp8_quantize(c);
-  const Operand& x = c.in("x");
-  const int64_t R = x.shape[0], C = x.shape[1];
-  const std::vector<double>& q = c.out("q")->values;
-  std::vector<double>& qt = c.out("qt")->values;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < C; ++j) qt[size_t(j * R + r)] = q[size_t(r * C + j)];
+  transpose_codes(c, "q", "qt");
 }
 
 // The codes and amax of activations v (float64, before the rounding to `dt` a kernel stores them with) as
 // fp8_quantize makes them from the rounded values. (A kernel computes v in f32 first, some ulps from float64's; the
 // ops' suite tolerances take the neighbouring code, and the amax one rounding away, where that lands across.)
-void quantize_activations(Case& c, const std::vector<double>& v, DType dt) {
-  const double s = c.in("scale").values[0];
-  Operand* q = c.out("q");
+void quantize_activations(Case& c, const std::vector<double>& v, DType dt, const char* scale_name = "scale",
+                          const char* q_name = "q", const char* amax_name = "amax") {
+  const double s = c.in(scale_name).values[0];
+  Operand* q = c.out(q_name);
   double m = 0;
   for (size_t i = 0; i < q->values.size(); ++i) {
     const double stored = convert(v[i], dt);
     q->values[i] = fp8_round(f32(stored * s), q->dtype, true);
     m = std::isnan(m) || std::isnan(stored) ? kNaN : std::max(m, std::abs(stored));
   }
-  if (Operand* amax = c.out("amax")) amax->values[0] = m;
+  if (Operand* amax = c.out(amax_name)) amax->values[0] = m;
 }
 
 // swiglu's activation silu(gate) * up, stored in gate's dtype.
@@ -144,16 +149,29 @@ void gelu_backward_quantize(Case& c) {
     v[i] = g.values[i] * derivative;
   }
   quantize_activations(c, v, x.dtype);
-  const std::vector<double>& q = c.out("q")->values;
-  std::vector<double>& qt = c.out("qt")->values;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < C; ++j) qt[size_t(j * R + r)] = q[size_t(r * C + j)];
+  transpose_codes(c, "q", "qt");
   if (Operand* sums = c.out("column_sums"))
     for (int64_t j = 0; j < C; ++j) {
       double s = 0;
       for (int64_t r = 0; r < R; ++r) s += convert(v[size_t(r * C + j)], x.dtype);
       sums->values[size_t(j)] = s;
     }
+}
+
+// SwiGLU's gradients, grad * up * silu'(gate) and grad * silu(gate), each stored in gate's dtype and quantized with
+// its own scale, in both layouts.
+void swiglu_backward_quantize(Case& c) {
+  const Operand &g = c.in("grad"), &gate = c.in("gate"), &up = c.in("up");
+  std::vector<double> dg(gate.values.size()), du(gate.values.size());
+  for (size_t i = 0; i < dg.size(); ++i) {
+    const double x = gate.values[i], s = 1 / (1 + std::exp(-x));
+    dg[i] = g.values[i] * up.values[i] * (s * (1 + x * (1 - s)));
+    du[i] = g.values[i] * (x * s);
+  }
+  quantize_activations(c, dg, gate.dtype, "scale_gate", "q_gate", "amax_gate");
+  quantize_activations(c, du, gate.dtype, "scale_up", "q_up", "amax_up");
+  transpose_codes(c, "q_gate", "qt_gate");
+  transpose_codes(c, "q_up", "qt_up");
 }
 
 // residual = x + delta rounded to x's dtype (x without delta); layer norm (`centered`: mean and rstd =
@@ -229,6 +247,7 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["swiglu_quantize"] = swiglu_quantize;
   table["gelu_quantize"] = gelu_quantize;
   table["gelu_backward_quantize"] = gelu_backward_quantize;
+  table["swiglu_backward_quantize"] = swiglu_backward_quantize;
   table["residual_rms_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, false); };
   table["residual_layer_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, true); };
   table["fp8_gemm"] = fp8_gemm;

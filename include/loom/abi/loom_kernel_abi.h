@@ -236,7 +236,7 @@
  *       residual_rms_norm with out in bf16 (attr eps), whose out is not written: q and amax as fp8_quantize gives
  *       them for it. A library without it keeps serving residual_rms_norm, then fp8_quantize.
  *   Added in 1.7: the same for GPT-2's block, whose FP8 products read a layer norm's output and GELU's, and the
- *   output gradients' codes written with their transpose.
+ *   output gradients' codes written with their transpose (by GELU's and SwiGLU's backwards and the loss too).
  *     residual_layer_norm_quantize [1.7] (dispatch dtype = x's: f32 or bf16; q f8e4m3 or f8e5m2)
  *                                                   in: x, delta?, weight?, bias?, scale
  *                                                   out: residual?, q, mean, rstd, amax?
@@ -256,6 +256,13 @@
  *       fp8_quantize_transposed gives them for v; column_sums [C] f32 the sums of v's columns (any fixed order of
  *       the rows that depends only on the shape). A library without it keeps serving gelu_backward: Loom then
  *       quantizes and sums its output apart.
+ *     swiglu_backward_quantize [1.7] (dispatch dtype = q_gate's; grad, gate and up f32 or bf16, one dtype,
+ *       contiguous [R, C])
+ *                                                   in: grad, gate, up, scale_gate, scale_up
+ *                                                   out: q_gate, qt_gate, q_up, qt_up, amax_gate?, amax_up?
+ *       (dg, du) = swiglu_backward(grad, gate, up) as that op stores them in gate's dtype, never written: each one's
+ *       codes in both layouts and amax as fp8_quantize_transposed gives them for its own scale. A library without it
+ *       keeps serving swiglu_backward: Loom then quantizes its two outputs apart.
  *     cross_entropy_with_grad_quantize [1.7] (dispatch dtype = logits': f32 or bf16; q f8e4m3 or f8e5m2)
  *                                                   in: logits, targets, scale   out: loss, q [N, V], amax?
  *       cross_entropy_with_grad's attrs and loss; q the codes of its gradient (for a loss gradient of 1, as it

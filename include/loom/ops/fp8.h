@@ -52,6 +52,18 @@ Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor
 // (gelu_backward_quantize), else the ops one after another. grad and x [..., C], one shape and dtype (f32 or bf16).
 Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const Tensor& scale, DType fp8,
                                      Tensor* amax_out = nullptr, Tensor* column_sums = nullptr);
+// The codes of SwiGLU's two gradients, each in both layouts.
+struct SwigluGradientCodes {
+  Fp8Tensor gate, up;
+};
+// SwiGLU's backward quantized for the two FP8 products that made gate and up: each gradient of
+// swiglu_backward(grad, gate, up) as fp8_quantize_transposed gives it for its own scale (q and qt; scale_inv left
+// undefined), with its amax into *amax_gate_out / *amax_up_out when asked. One pass where the kernel that would run
+// swiglu_backward has the fused op (swiglu_backward_quantize): neither gradient is then written in 16 bits; else the
+// ops one after another. grad, gate and up [..., C], one shape and dtype (f32 or bf16).
+SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                                 const Tensor& scale_gate, const Tensor& scale_up, DType fp8,
+                                                 Tensor* amax_gate_out = nullptr, Tensor* amax_up_out = nullptr);
 // q * scale_inv in `dtype` (f32 or bf16).
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
 

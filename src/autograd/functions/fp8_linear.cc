@@ -583,6 +583,157 @@ Tensor grouped_swiglu_linear(const Tensor& gate, const Tensor& up, const Tensor&
   return product_of(q.q, weight, Tensor(), state, &q, nullptr, &sizes);
 }
 
+namespace {
+
+// The backward of linears_swiglu(): SwiGLU's derivative rides in the casts of gate's and up's output gradients
+// (ops::fp8_swiglu_backward_quantize, each with its layer's scaling), then the two products' gradients.
+class Fp8LinearsSwigluBackward final : public autograd::Node {
+ public:
+  ops::Fp8Tensor x, gate_weight, up_weight;  // x for the weights' gradients, the weights for x's
+  Tensor gate, up;                           // SwiGLU's inputs, the products' outputs
+  std::shared_ptr<LinearState> gate_state, up_state;
+  DType x_dtype = kF32, gate_weight_dtype = kF32, up_weight_dtype = kF32;
+
+  std::string name() const override { return "Fp8LinearsSwigluBackward"; }
+
+  // The codes of gate's and up's output gradients from SwiGLU's output gradient d, both layouts: made by SwiGLU's
+  // backward where both scalings have their scale at hand (delayed scaling after the first step), else from
+  // swiglu_backward's values, each scaling its own as it needs.
+  std::pair<ops::Fp8Tensor, ops::Fp8Tensor> output_gradients(const Tensor& d) {
+    TensorScaling &sg = gate_state->grad_output, &su = up_state->grad_output;
+    LOOM_CHECK(sg.dtype() == su.dtype(), "fp8::linears_swiglu: gate's and up's gradients take one 8-bit format");
+    ops::SwigluGradientCodes codes;
+    Tensor dg, du;
+    auto values = [&] {
+      if (dg.defined()) return;
+      const ops::SwigluGrads v = ops::swiglu_backward(d, gate, up);
+      dg = v.grad_gate;
+      du = v.grad_up;
+    };
+    auto transposed = [](ops::Fp8Tensor& into, const Tensor& v, const Tensor& scale, DType fp8, Tensor* amax) {
+      into = ops::fp8_quantize_transposed(v, scale, fp8, amax);
+      return into.q;
+    };
+    ops::Fp8Tensor up_codes;
+    ops::Fp8Tensor gate_codes = sg.quantize(
+        [&] {
+          values();
+          return dg;
+        },
+        [&](const Tensor& gate_scale, Tensor* gate_amax) {
+          up_codes = su.quantize(
+              [&] {
+                values();
+                return du;
+              },
+              [&](const Tensor& up_scale, Tensor* up_amax) {
+                codes = ops::fp8_swiglu_backward_quantize(d, gate, up, gate_scale, up_scale, sg.dtype(), gate_amax,
+                                                          up_amax);
+                return codes.up.q;
+              },
+              [&](const Tensor& v, const Tensor& up_scale) {
+                return transposed(codes.up, v, up_scale, su.dtype(), nullptr);
+              },
+              d.device());
+          // Up's scaling needed its values first: gate's codes from the same values.
+          if (!codes.gate.q.defined()) transposed(codes.gate, dg, gate_scale, sg.dtype(), gate_amax);
+          return codes.gate.q;
+        },
+        [&](const Tensor& v, const Tensor& gate_scale) {
+          return transposed(codes.gate, v, gate_scale, sg.dtype(), nullptr);
+        },
+        d.device());
+    gate_codes.qt = codes.gate.qt;
+    if (!up_codes.q.defined()) {  // gate's scaling needed the values: up's own quantization of them
+      up_codes = su.quantize_transposed(du);
+    } else {
+      up_codes.qt = codes.up.qt;
+    }
+    return {gate_codes, up_codes};
+  }
+
+  tensor_list apply(tensor_list&& grads) override {
+    tensor_list out(3);
+    if (!grads[0].defined()) return out;
+    const auto [gq, uq] = output_gradients(as_dtype(grads[0], gate.dtype()));
+    if (needs_input_grad(0)) {  // the two products' gradients summed in x's dtype, as two layers' would be
+      const DType written = product_dtype_for(x_dtype);
+      out[0] = ops::add(as_dtype(ops::fp8_linear_backward_input(gq, gate_weight, written), x_dtype),
+                        as_dtype(ops::fp8_linear_backward_input(uq, up_weight, written), x_dtype));
+    }
+    for (int i : {1, 2}) {
+      if (!needs_input_grad(size_t(i))) continue;
+      const DType weight_dtype = i == 1 ? gate_weight_dtype : up_weight_dtype;
+      const ops::Fp8Tensor& weight = i == 1 ? gate_weight : up_weight;
+      const DType written = product_dtype_for(weight_dtype);
+      Tensor dw = autograd::claim_gradient_destination(*this, size_t(i), written);
+      const bool in_slot = dw.defined();
+      if (!in_slot) dw = empty(weight.q.shape(), written, gate.device());
+      ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw);
+      out[size_t(i)] = in_slot ? dw : as_dtype(dw, weight_dtype);
+    }
+    return out;
+  }
+  void release_saved() override {
+    x = gate_weight = up_weight = ops::Fp8Tensor{};
+    gate = up = Tensor();
+    gate_state.reset();
+    up_state.reset();
+  }
+};
+
+}  // namespace
+
+Tensor linears_swiglu(const Tensor& x, const LinearWeights& gate, const LinearWeights& up, TensorScaling& consumer) {
+  const char* op = "fp8::linears_swiglu";
+  LOOM_REQUIRE(gate.state && up.state, op, ": no FP8 state");
+  LOOM_REQUIRE(!gate.bias.defined() && !up.bias.defined(), op, ": gate and up are products without a bias");
+  const Tensor& wg = gate.held.q.defined() ? gate.held.q : gate.weight;
+  const Tensor& wu = up.held.q.defined() ? up.held.q : up.weight;
+  LOOM_REQUIRE(x.defined() && wg.defined() && wu.defined() && wg.dim() == 2 && wg.shape() == wu.shape() &&
+                   x.dim() >= 1 && x.size(-1) == wg.size(1),
+               op, ": x ", x.defined() ? describe(x) : "undefined", " does not fit gate's weight ",
+               wg.defined() ? describe(wg) : "undefined", " and up's ", wu.defined() ? describe(wu) : "undefined");
+  const DType out_dtype =
+      amp::is_autocast_enabled() ? product_dtype_for(amp::autocast_dtype()) : product_dtype_for(x.dtype());
+  const Tensor no_weight;
+  const Tensor& gate_weight = gate.held.q.defined() ? no_weight : gate.weight;
+  const Tensor& up_weight = up.held.q.defined() ? no_weight : up.weight;
+  const bool record = autograd::should_record({&x, &gate_weight, &up_weight});
+  const bool fast = gate.state->recipe.fast_accumulation_forward;
+  // Kept as a product's operands are: a selective recompute neither quantizes nor multiplies again.
+  const std::vector<Tensor> kept = autograd::kept_results("fp8_linears_swiglu", [&] {
+    const ops::Fp8Tensor xq = is_fp8(x.dtype()) ? given_codes(x, gate.state->input, op)
+                                                : gate.state->input.quantize(x.detach());
+    const ops::Fp8Tensor gq = gate.held.q.defined() ? gate.held : gate.state->weight.quantize(gate.weight.detach());
+    const ops::Fp8Tensor uq = up.held.q.defined() ? up.held : up.state->weight.quantize(up.weight.detach());
+    const Tensor g = ops::fp8_linear(xq, gq, Tensor(), out_dtype, fast);
+    const Tensor u = ops::fp8_linear(xq, uq, Tensor(), out_dtype, fast);
+    const ops::Fp8Tensor a = consumer.quantize(
+        [&] { return ops::swiglu(g, u); },
+        [&](const Tensor& scale, Tensor* amax) { return ops::fp8_swiglu_quantize(g, u, scale, consumer.dtype(), amax); },
+        x.device());
+    return std::vector<Tensor>{a.q, a.scale_inv, g, u, xq.q, xq.scale_inv, gq.q, gq.scale_inv, uq.q, uq.scale_inv};
+  });
+  Tensor codes = kept[0];
+  if (!record) return codes;
+  auto node = autograd::make_node<Fp8LinearsSwigluBackward>({&x, &gate_weight, &up_weight});
+  node->gate = kept[2];
+  node->up = kept[3];
+  if (node->needs_input_grad(0)) {
+    node->gate_weight = {kept[6], kept[7]};
+    node->up_weight = {kept[8], kept[9]};
+  }
+  if (node->needs_input_grad(1) || node->needs_input_grad(2)) node->x = {kept[4], kept[5]};
+  node->gate_state = gate.state;
+  node->up_state = up.state;
+  node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
+  node->gate_weight_dtype = gate.weight.defined() ? gate.weight.dtype() : kF32;
+  node->up_weight_dtype = up.weight.defined() ? up.weight.dtype() : kF32;
+  autograd::set_history(codes, node);
+  return codes;
+}
+
 void check_device(Device device) {
   if (device.is_cpu()) return;
   // A 16 x 16 x 16 product of zeros, e4m3 with e5m2 and with e4m3 as a layer runs them: a kernel must take each.

@@ -151,6 +151,51 @@ void gelu_backward_quantize_cpu(const DeviceContext&, const Tensor& grad, const 
   }
 }
 
+// swiglu_backward's two elements as its kernel stores them, then fp8_quantize_transposed's codes of each with its own
+// scale; each amax as amax_of takes it.
+void swiglu_backward_quantize_cpu(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                  const Tensor& scale_gate, const Tensor& scale_up, Tensor& q_gate, Tensor& qt_gate,
+                                  Tensor& q_up, Tensor& qt_up, Tensor& amax_gate, Tensor& amax_up) {
+  const float sg = *static_cast<const float*>(scale_gate.data()), su = *static_cast<const float*>(scale_up.data());
+  const int64_t R = gate.size(0), C = gate.size(1);
+  std::vector<float> row_amax(size_t(2 * R), 0.0f);
+  LOOM_DISPATCH_FP8(q_gate.dtype(), "swiglu_backward_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(gate.dtype(), "swiglu_backward_quantize", [&] {
+      using M = cpu::math_t<high_t>;
+      const high_t* g = static_cast<const high_t*>(grad.data());
+      const high_t* x = static_cast<const high_t*>(gate.data());
+      const high_t* u = static_cast<const high_t*>(up.data());
+      uint8_t *qg = static_cast<uint8_t*>(q_gate.data()), *qgt = static_cast<uint8_t*>(qt_gate.data());
+      uint8_t *qu = static_cast<uint8_t*>(q_up.data()), *qut = static_cast<uint8_t*>(qt_up.data());
+      cpu::parallel_for(R, std::max<int64_t>(1, cpu::kElementwiseGrain / std::max<int64_t>(1, C)),
+                        [&](int64_t b, int64_t e) {
+                          for (int64_t r = b; r < e; ++r) {
+                            float mg = 0, mu = 0;
+                            for (int64_t c = 0; c < C; ++c) {
+                              const int64_t i = r * C + c;
+                              M d_gate, d_up;
+                              elementwise_math::SwigluBackward{}(M(g[i]), M(x[i]), M(u[i]), d_gate, d_up);
+                              const float vg = float(high_t(d_gate)), vu = float(high_t(d_up));
+                              qg[i] = qgt[c * R + r] = fp8_encode<fp8_t>(vg * sg, Fp8Overflow::kSaturate);
+                              qu[i] = qut[c * R + r] = fp8_encode<fp8_t>(vu * su, Fp8Overflow::kSaturate);
+                              mg = max_keeping_nan(mg, std::fabs(vg));
+                              mu = max_keeping_nan(mu, std::fabs(vu));
+                            }
+                            row_amax[size_t(2 * r)] = mg;
+                            row_amax[size_t(2 * r + 1)] = mu;
+                          }
+                        });
+    });
+  });
+  float mg = 0, mu = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    mg = max_keeping_nan(mg, row_amax[size_t(2 * r)]);
+    mu = max_keeping_nan(mu, row_amax[size_t(2 * r + 1)]);
+  }
+  if (amax_gate.defined()) *static_cast<float*>(amax_gate.data()) = mg;
+  if (amax_up.defined()) *static_cast<float*>(amax_up.data()) = mu;
+}
+
 // The codes of n values made here, value(i) as its op stores it (as a float): fp8_quantize's code of each, and their
 // amax in chunks as amax_of takes it (0 for n = 0).
 template <typename Q, typename Value>
@@ -276,6 +321,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCPU, "native", dtypes(kF8E4M3, kF
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cpu);
+LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2),
+                     swiglu_backward_quantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_gemm, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_gemm_cpu);
 

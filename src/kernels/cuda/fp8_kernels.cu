@@ -127,42 +127,70 @@ void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned
       x, scale, n, vectors, q, amax_bits);
 }
 
-// The values a transposing quantization takes at element `at` of a [rows, cols] matrix: x's as stored
-// (fp8_quantize_transposed), or GELU's backward of (grad, x) as the gelu_backward kernel computes and rounds it to T
-// (gelu_backward_quantize), never written.
+// The values a transposing quantization takes at element `at` of a [rows, cols] matrix, kCount of them, each into
+// codes of its own: x's as stored (fp8_quantize_transposed); GELU's backward of (grad, x) as the gelu_backward kernel
+// computes and rounds it to T (gelu_backward_quantize); SwiGLU's two gradients as the swiglu_backward kernel rounds
+// them (swiglu_backward_quantize). None is ever written.
 template <typename T>
 struct StoredAt {
+  static constexpr int kCount = 1;
   const T* x;
-  __device__ __forceinline__ float operator()(int64_t at) const { return to_float(x[at]); }
+  __device__ __forceinline__ void operator()(int64_t at, float* v) const { v[0] = to_float(x[at]); }
 };
 template <typename T>
 struct GeluGradientAt {
+  static constexpr int kCount = 1;
   const T* grad;
   const T* x;
-  __device__ __forceinline__ float operator()(int64_t at) const {
-    return to_float(cuda::BinaryMath<elementwise_math::GeluBackward, T>{}(grad[at], x[at]));
+  __device__ __forceinline__ void operator()(int64_t at, float* v) const {
+    v[0] = to_float(cuda::BinaryMath<elementwise_math::GeluBackward, T>{}(grad[at], x[at]));
+  }
+};
+template <typename T>
+struct SwigluGradientsAt {
+  static constexpr int kCount = 2;
+  const T* grad;
+  const T* gate;
+  const T* up;
+  __device__ __forceinline__ void operator()(int64_t at, float* v) const {
+    using M = cuda::math_t<T>;
+    M d_gate, d_up;
+    elementwise_math::SwigluBackward{}(M(grad[at]), M(gate[at]), M(up[at]), d_gate, d_up);
+    v[0] = to_float(T(d_gate));
+    v[1] = to_float(T(d_up));
   }
 };
 
-// fp8_quantize_transposed and gelu_backward_quantize: a [rows, cols] matrix of values in 64 x 64 tiles, one block of
-// kThreads (8 warps) per tile. Each warp takes rows of the tile (a lane two neighbouring elements), writes their codes
-// to q along the row and into a shared tile, then writes the tile's columns to qt along qt's rows (a lane two
-// neighbouring codes): both writes coalesced. Row tiles past the grid's height loop. With `partial_sums`, the
-// tile's column sums of the values (each warp's rows in order, then the warps' in order) go to row tr of
-// partial_sums [row_tiles, cols], which column_partials_kernel adds up in order.
+// Where each of a transposing quantization's kCount value streams goes: its codes in both layouts, its scale, its
+// amax's bits (null: none).
+template <int N>
+struct TransposedCodes {
+  uint8_t* q[N];
+  uint8_t* qt[N];
+  const float* scale[N];
+  unsigned* amax_bits[N];
+};
+
+// fp8_quantize_transposed, gelu_backward_quantize and swiglu_backward_quantize: a [rows, cols] matrix of values in
+// 64 x 64 tiles, one block of kThreads (8 warps) per tile. Each warp takes rows of the tile (a lane two neighbouring
+// elements), writes their codes to q along the row and into a shared tile, then writes the tile's columns to qt along
+// qt's rows (a lane two neighbouring codes): both writes coalesced. Row tiles past the grid's height loop. With
+// `partial_sums`, the tile's column sums of the first values (each warp's rows in order, then the warps' in order) go
+// to row tr of partial_sums [row_tiles, cols], which column_partials_kernel adds up in order.
 constexpr int kTransposeTile = 64;
-template <typename Q, typename Values>
-__global__ void quantize_transposed_kernel(Values values, const float* __restrict__ scale, int64_t rows, int64_t cols,
-                                           uint8_t* __restrict__ q, uint8_t* __restrict__ qt, unsigned* amax_bits,
+template <typename Q, typename Values, int N = Values::kCount>
+__global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out, int64_t rows, int64_t cols,
                                            float* __restrict__ partial_sums) {
-  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 4];  // + a word: a column's bytes in different banks
+  __shared__ uint8_t tile[N][kTransposeTile][kTransposeTile + 4];  // + a word: a column's bytes in different banks
   constexpr int kWarps = kThreads / 32;
   __shared__ float warp_sums[kWarps][kTransposeTile];
-  const float s = *scale;
+  float s[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) s[k] = *out.scale[k];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t c0 = int64_t(blockIdx.x) * kTransposeTile;
   const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
-  unsigned local = 0;
+  unsigned local[N] = {};
   for (int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y) {
     const int64_t r0 = tr * kTransposeTile;
     float sum0 = 0, sum1 = 0;
@@ -170,20 +198,26 @@ __global__ void quantize_transposed_kernel(Values values, const float* __restric
       const int64_t r = r0 + i, c = c0 + 2 * lane;
       if (r >= rows) break;
       const int64_t at = r * cols + c;
-      const float v0 = c < cols ? values(at) : 0.0f, v1 = c + 1 < cols ? values(at + 1) : 0.0f;
-      const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
-      if (c + 1 < cols && at % 2 == 0) {
-        *reinterpret_cast<uint16_t*>(q + at) = pair;
-      } else {
-        if (c < cols) q[at] = uint8_t(pair & 0xffu);
-        if (c + 1 < cols) q[at + 1] = uint8_t(pair >> 8);
+      float v0[N] = {}, v1[N] = {};
+      if (c < cols) values(at, v0);
+      if (c + 1 < cols) values(at + 1, v1);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const uint16_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused products
+        uint8_t* q = out.q[k];
+        if (c + 1 < cols && at % 2 == 0) {
+          *reinterpret_cast<uint16_t*>(q + at) = pair;
+        } else {
+          if (c < cols) q[at] = uint8_t(pair & 0xffu);
+          if (c + 1 < cols) q[at + 1] = uint8_t(pair >> 8);
+        }
+        if (c < cols) local[k] = max(local[k], magnitude_bits(v0[k]));
+        if (c + 1 < cols) local[k] = max(local[k], magnitude_bits(v1[k]));
+        tile[k][i][2 * lane] = uint8_t(pair & 0xffu);
+        tile[k][i][2 * lane + 1] = uint8_t(pair >> 8);
       }
-      if (c < cols) local = max(local, magnitude_bits(v0));
-      if (c + 1 < cols) local = max(local, magnitude_bits(v1));
-      sum0 = __fadd_rn(sum0, v0);
-      sum1 = __fadd_rn(sum1, v1);
-      tile[i][2 * lane] = uint8_t(pair & 0xffu);
-      tile[i][2 * lane + 1] = uint8_t(pair >> 8);
+      sum0 = __fadd_rn(sum0, v0[0]);
+      sum1 = __fadd_rn(sum1, v1[0]);
     }
     if (partial_sums) {
       warp_sums[warp][2 * lane] = sum0;
@@ -194,12 +228,16 @@ __global__ void quantize_transposed_kernel(Values values, const float* __restric
       const int64_t c = c0 + j, r = r0 + 2 * lane;
       if (c >= cols) break;
       const int64_t at = c * rows + r;
-      const uint8_t a = tile[2 * lane][j], b = tile[2 * lane + 1][j];
-      if (r + 1 < rows && at % 2 == 0) {
-        *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
-      } else {
-        if (r < rows) qt[at] = a;
-        if (r + 1 < rows) qt[at + 1] = b;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        uint8_t* qt = out.qt[k];
+        const uint8_t a = tile[k][2 * lane][j], b = tile[k][2 * lane + 1][j];
+        if (r + 1 < rows && at % 2 == 0) {
+          *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
+        } else {
+          if (r < rows) qt[at] = a;
+          if (r + 1 < rows) qt[at + 1] = b;
+        }
       }
     }
     if (partial_sums && threadIdx.x < kTransposeTile && c0 + threadIdx.x < cols) {
@@ -209,7 +247,12 @@ __global__ void quantize_transposed_kernel(Values values, const float* __restric
     }
     __syncthreads();  // the tile and the sums are free for the next row tile
   }
-  if (amax_bits) block_max_into(local, amax_bits);
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+    if (out.amax_bits[k]) {
+      block_max_into(local[k], out.amax_bits[k]);
+      __syncthreads();  // block_max_into's shared words are free for the next
+    }
 }
 
 // out[c] = the sum over t of partials[t][c] [tiles, cols], in order of t: one thread per column.
@@ -222,12 +265,11 @@ __global__ void column_partials_kernel(const float* __restrict__ partials, int64
   }
 }
 
-// Launches quantize_transposed_kernel over values of [rows, cols] (and the column sums into `column_sums` when it is
-// defined, through a scratch of the tiles' partial sums).
-template <typename Q, typename Values>
-void launch_quantize_transposed(const DeviceContext& ctx, Values values, const Tensor& scale, int64_t rows,
-                                int64_t cols, Tensor& q, Tensor& qt, unsigned* amax_bits, Tensor& column_sums,
-                                cudaStream_t stream) {
+// Launches quantize_transposed_kernel over values of [rows, cols] (and the first values' column sums into
+// `column_sums` when it is defined, through a scratch of the tiles' partial sums).
+template <typename Q, typename Values, int N = Values::kCount>
+void launch_quantize_transposed(const DeviceContext& ctx, Values values, const TransposedCodes<N>& out, int64_t rows,
+                                int64_t cols, Tensor& column_sums, cudaStream_t stream) {
   const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
   const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
   LOOM_CHECK(col_tiles <= INT32_MAX, "fp8: too many columns for one grid of transposing tiles");
@@ -235,8 +277,7 @@ void launch_quantize_transposed(const DeviceContext& ctx, Values values, const T
   if (column_sums.defined()) partials = empty({row_tiles, cols}, kF32, ctx.device());
   const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(row_tiles, 65535)));
   quantize_transposed_kernel<Q><<<grid, kThreads, 0, stream>>>(
-      values, static_cast<const float*>(scale.data()), rows, cols, static_cast<uint8_t*>(q.data()),
-      static_cast<uint8_t*>(qt.data()), amax_bits, partials.defined() ? static_cast<float*>(partials.data()) : nullptr);
+      values, out, rows, cols, partials.defined() ? static_cast<float*>(partials.data()) : nullptr);
   LOOM_CUDA_CHECK_LAUNCH();
   if (!column_sums.defined()) return;
   column_partials_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(static_cast<const float*>(partials.data()),
@@ -315,6 +356,8 @@ __global__ void scale_kernel(const float* __restrict__ amax, float* history, int
     }                                                                                                          \
   }()
 
+uint8_t* codes_of(Tensor& q) { return static_cast<uint8_t*>(q.data()); }
+
 // The amax output as the atomics' bits, zeroed first on the call's stream.
 unsigned* zeroed_amax_bits(const Tensor& amax, cudaStream_t stream) {
   LOOM_CUDA_CHECK(cudaMemsetAsync(amax.data(), 0, sizeof(float), stream));
@@ -366,10 +409,11 @@ void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, con
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows * cols == 0) return;
   Tensor no_sums;
+  const TransposedCodes<1> out{{codes_of(q)}, {codes_of(qt)}, {static_cast<const float*>(scale.data())}, {bits}};
   LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize_transposed", [&] {
-      launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{static_cast<const high_t*>(x.data())}, scale, rows,
-                                        cols, q, qt, bits, no_sums, stream);
+      launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{static_cast<const high_t*>(x.data())}, out, rows, cols,
+                                        no_sums, stream);
     });
   });
 }
@@ -383,11 +427,36 @@ void gelu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad, c
   if (column_sums.defined() && cols > 0 && rows == 0)
     LOOM_CUDA_CHECK(cudaMemsetAsync(column_sums.data(), 0, size_t(cols) * sizeof(float), stream));  // empty sums
   if (rows * cols == 0) return;
+  const TransposedCodes<1> out{{codes_of(q)}, {codes_of(qt)}, {static_cast<const float*>(scale.data())}, {bits}};
   LOOM_DISPATCH_FP8(q.dtype(), "gelu_backward_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_backward_quantize", [&] {
       const GeluGradientAt<high_t> values{static_cast<const high_t*>(grad.data()),
                                           static_cast<const high_t*>(x.data())};
-      launch_quantize_transposed<fp8_t>(ctx, values, scale, rows, cols, q, qt, bits, column_sums, stream);
+      launch_quantize_transposed<fp8_t>(ctx, values, out, rows, cols, column_sums, stream);
+    });
+  });
+}
+
+void swiglu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                   const Tensor& scale_gate, const Tensor& scale_up, Tensor& q_gate, Tensor& qt_gate,
+                                   Tensor& q_up, Tensor& qt_up, Tensor& amax_gate, Tensor& amax_up) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* gate_bits = amax_gate.defined() ? zeroed_amax_bits(amax_gate, stream) : nullptr;
+  unsigned* up_bits = amax_up.defined() ? zeroed_amax_bits(amax_up, stream) : nullptr;
+  const int64_t rows = gate.size(0), cols = gate.size(1);
+  if (rows * cols == 0) return;
+  const TransposedCodes<2> out{{codes_of(q_gate), codes_of(q_up)},
+                               {codes_of(qt_gate), codes_of(qt_up)},
+                               {static_cast<const float*>(scale_gate.data()), static_cast<const float*>(scale_up.data())},
+                               {gate_bits, up_bits}};
+  Tensor no_sums;
+  LOOM_DISPATCH_FP8(q_gate.dtype(), "swiglu_backward_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_backward_quantize", [&] {
+      const SwigluGradientsAt<high_t> values{static_cast<const high_t*>(grad.data()),
+                                             static_cast<const high_t*>(gate.data()),
+                                             static_cast<const high_t*>(up.data())};
+      launch_quantize_transposed<fp8_t>(ctx, values, out, rows, cols, no_sums, stream);
     });
   });
 }
@@ -459,6 +528,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCUDA, "native", dtypes(kF8E4M3, k
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cuda);
+LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
+                     swiglu_backward_quantize_cuda);
 LOOM_REGISTER_KERNEL(fp8_dequantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_dequantize_cuda);
 
 }  // namespace loom
