@@ -70,6 +70,7 @@ std::vector<conformance::CaseResult> replay(const op_trace::Trace& trace, const 
 
 TEST(OpTrace, ATinyTrainingRunReplaysCleanOnNative) {
   TempDir dir;
+  test::ScopedPolicy native_only(test::deny_all_but({"native"}));
   const std::string path = traced_run(dir, 2, false);
   EXPECT_FALSE(dispatch::op_tracing()) << "the trainer turns tracing off after its steps";
   op_trace::Trace trace = op_trace::read_trace(path);

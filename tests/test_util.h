@@ -167,6 +167,16 @@ class ScopedPolicy {
   ProviderPolicy previous_;
 };
 
+// A policy spec that denies every registered provider but those in `keep`: a test that trains "on native" must not
+// pick up a library an earlier test of the same process loaded (one that serves an op native lacks, as a strided
+// attention kernel on the CPU, would take it).
+inline std::string deny_all_but(std::initializer_list<std::string> keep) {
+  std::string spec;
+  for (const std::string& p : dispatch::providers())
+    if (std::find(keep.begin(), keep.end(), p) == keep.end()) spec += "-" + p + ";";
+  return spec;
+}
+
 // Counts kernel calls per op name while alive (the dispatcher's profiling mode), the previous mode restored after.
 class CallCounter {
  public:
