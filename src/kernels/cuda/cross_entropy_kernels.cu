@@ -274,11 +274,11 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
   const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
   if constexpr (kCodes) {
-    // Two neighbouring elements a thread: one conversion instruction and one 2-byte store for both where the row's
-    // codes start on an even byte (an even vocabulary).
+    // Two neighbouring elements a thread: one conversion instruction and one 2-byte store for both where every
+    // row's codes start on an even byte (an even vocabulary from an even address).
     const float s = *a.code_scale;
     unsigned local = 0;
-    if (a.vocab % 2 == 0) {
+    if (a.vocab % 2 == 0 && reinterpret_cast<uintptr_t>(a.codes) % 2 == 0) {
       for (int64_t j = 2 * int64_t(threadIdx.x); j < a.vocab; j += 2 * int64_t(blockDim.x)) {
         const float v0 = float(f(j, C(x[j]))), v1 = float(f(j + 1, C(x[j + 1])));
         local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));

@@ -161,6 +161,9 @@ struct SwigluGradientsAt {
   }
 };
 
+// Whether two codes at p can be stored as one 2-byte word (the codes may start on any byte: a view's offset).
+__device__ __forceinline__ bool even_address(const uint8_t* p) { return (reinterpret_cast<uintptr_t>(p) & 1) == 0; }
+
 // Where each of a transposing quantization's kCount value streams goes: its codes in both layouts, its scale, its
 // amax's bits (null: none).
 template <int N>
@@ -205,7 +208,7 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
       for (int k = 0; k < N; ++k) {
         const uint16_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused products
         uint8_t* q = out.q[k];
-        if (c + 1 < cols && at % 2 == 0) {
+        if (c + 1 < cols && even_address(q + at)) {
           *reinterpret_cast<uint16_t*>(q + at) = pair;
         } else {
           if (c < cols) q[at] = uint8_t(pair & 0xffu);
@@ -232,7 +235,7 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
       for (int k = 0; k < N; ++k) {
         uint8_t* qt = out.qt[k];
         const uint8_t a = tile[k][2 * lane][j], b = tile[k][2 * lane + 1][j];
-        if (r + 1 < rows && at % 2 == 0) {
+        if (r + 1 < rows && even_address(qt + at)) {
           *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
         } else {
           if (r < rows) qt[at] = a;
