@@ -127,35 +127,35 @@ void launch_scan(const T* x, const float* scale, int64_t n, uint8_t* q, unsigned
       x, scale, n, vectors, q, amax_bits);
 }
 
-// The values a transposing quantization takes at element `at` of a [rows, cols] matrix, kCount of them, each into
-// codes of its own: x's as stored (fp8_quantize_transposed); GELU's backward of (grad, x) as the gelu_backward kernel
-// computes and rounds it to T (gelu_backward_quantize); SwiGLU's two gradients as the swiglu_backward kernel rounds
-// them (swiglu_backward_quantize). None is ever written.
+// The values a transposing quantization takes from kInputs input matrices of [rows, cols] at one element, kCount of
+// them, each into codes of its own: x's as stored (fp8_quantize_transposed); GELU's backward of (grad, x) as the
+// gelu_backward kernel computes and rounds it to T (gelu_backward_quantize); SwiGLU's two gradients as the
+// swiglu_backward kernel rounds them (swiglu_backward_quantize). None is ever written.
 template <typename T>
 struct StoredAt {
-  static constexpr int kCount = 1;
-  const T* x;
-  __device__ __forceinline__ void operator()(int64_t at, float* v) const { v[0] = to_float(x[at]); }
+  using Input = T;
+  static constexpr int kInputs = 1, kCount = 1;
+  const T* in[kInputs];
+  __device__ __forceinline__ void operator()(const T* x, float* v) const { v[0] = to_float(x[0]); }
 };
 template <typename T>
 struct GeluGradientAt {
-  static constexpr int kCount = 1;
-  const T* grad;
-  const T* x;
-  __device__ __forceinline__ void operator()(int64_t at, float* v) const {
-    v[0] = to_float(cuda::BinaryMath<elementwise_math::GeluBackward, T>{}(grad[at], x[at]));
+  using Input = T;
+  static constexpr int kInputs = 2, kCount = 1;
+  const T* in[kInputs];  // grad, x
+  __device__ __forceinline__ void operator()(const T* x, float* v) const {
+    v[0] = to_float(cuda::BinaryMath<elementwise_math::GeluBackward, T>{}(x[0], x[1]));
   }
 };
 template <typename T>
 struct SwigluGradientsAt {
-  static constexpr int kCount = 2;
-  const T* grad;
-  const T* gate;
-  const T* up;
-  __device__ __forceinline__ void operator()(int64_t at, float* v) const {
+  using Input = T;
+  static constexpr int kInputs = 3, kCount = 2;
+  const T* in[kInputs];  // grad, gate, up
+  __device__ __forceinline__ void operator()(const T* x, float* v) const {
     using M = cuda::math_t<T>;
     M d_gate, d_up;
-    elementwise_math::SwigluBackward{}(M(grad[at]), M(gate[at]), M(up[at]), d_gate, d_up);
+    elementwise_math::SwigluBackward{}(M(x[0]), M(x[1]), M(x[2]), d_gate, d_up);
     v[0] = to_float(T(d_gate));
     v[1] = to_float(T(d_up));
   }
@@ -175,18 +175,41 @@ struct TransposedCodes {
 };
 
 // fp8_quantize_transposed, gelu_backward_quantize and swiglu_backward_quantize: a [rows, cols] matrix of values in
-// 64 x 64 tiles, one block of kThreads (8 warps) per tile. Each warp takes rows of the tile (a lane two neighbouring
-// elements), writes their codes to q along the row and into a shared tile, then writes the tile's columns to qt along
-// qt's rows (a lane two neighbouring codes): both writes coalesced. Row tiles past the grid's height loop. With
-// `partial_sums`, the tile's column sums of the first values (each warp's rows in order, then the warps' in order) go
-// to row tr of partial_sums [row_tiles, cols], which column_partials_kernel adds up in order.
+// 64 x 64 tiles, one block of kThreads (8 warps) per tile, row tiles past the grid's height looping. The codes go to
+// q along the rows and, through a shared tile, to qt along qt's rows: both writes coalesced. With `partial_sums`, the
+// tile's column sums of the first values go to row tr of partial_sums [row_tiles, cols], added in a fixed order
+// (each lane's rows, then the lanes' and warps' in order), which column_partials_kernel adds up in order.
+//
+// Two ways through a tile. kVectors (cols a multiple of 8, rows of 4, the inputs 16-byte aligned, q 8-byte and qt
+// 4-byte aligned): a lane takes 8 neighbouring elements of a row in each of two passes (every input's 16-byte loads
+// of both passes in flight before any math), writes their 8 codes to q in one store, and later 4 neighbouring codes
+// of a column to qt in one store. One element per load, two per lane, kept a [32768, 3072] GELU backward at about
+// 40% of an H100's memory bandwidth. Otherwise (any shape, any offset): a lane takes two neighbouring elements of a
+// row and writes codes in pairs where the address allows, one by one elsewhere.
 constexpr int kTransposeTile = 64;
-template <typename Q, typename Values, int N = Values::kCount>
+constexpr int kTileStride = kTransposeTile + 8;  // a row of the shared tile: 8-byte stores, columns' bytes spread
+constexpr int kRun = 8;                           // elements a lane takes in a row (kVectors)
+constexpr int kRowsPerPass = kThreads / (kTransposeTile / kRun);  // 32: 8 lanes per tile row
+
+template <typename T>
+__device__ __forceinline__ void load_run(const T* p, T (&x)[kRun]) {
+  static_assert(kRun * sizeof(T) % 16 == 0, "a run is whole 16-byte loads");
+  constexpr int kLoads = kRun * int(sizeof(T)) / 16;
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+  memcpy(x, raw, sizeof(raw));
+}
+
+template <typename Q, bool kVectors, typename Values, int N = Values::kCount>
 __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out, int64_t rows, int64_t cols,
                                            float* __restrict__ partial_sums) {
-  __shared__ uint8_t tile[N][kTransposeTile][kTransposeTile + 4];  // + a word: a column's bytes in different banks
+  using T = typename Values::Input;
+  constexpr int kIn = Values::kInputs;
+  __shared__ __align__(16) uint8_t tile[N][kTransposeTile][kTileStride];
   constexpr int kWarps = kThreads / 32;
-  __shared__ float warp_sums[kWarps][kTransposeTile];
+  constexpr int kSumRows = kVectors ? kRowsPerPass : kWarps;  // the partial sums' rows a tile's lanes write
+  __shared__ float row_sums[kSumRows][kTransposeTile];
   float s[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) s[k] = *out.scale[k];
@@ -196,56 +219,128 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
   unsigned local[N] = {};
   for (int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y) {
     const int64_t r0 = tr * kTransposeTile;
-    float sum0 = 0, sum1 = 0;
-    for (int i = warp; i < kTransposeTile; i += kWarps) {
-      const int64_t r = r0 + i, c = c0 + 2 * lane;
-      if (r >= rows) break;
-      const int64_t at = r * cols + c;
-      float v0[N] = {}, v1[N] = {};
-      if (c < cols) values(at, v0);
-      if (c + 1 < cols) values(at + 1, v1);
+    if constexpr (kVectors) {
+      // Lane (warp, lane) takes row i = pass * 32 + warp * 4 + lane / 8 of the tile, columns j0 .. j0 + 7.
+      const int group = threadIdx.x / (kTransposeTile / kRun), j0 = (lane % (kTransposeTile / kRun)) * kRun;
+      const int64_t c = c0 + j0;
+      T x[2][kIn][kRun];
+      bool live[2];
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const uint16_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused products
-        uint8_t* q = out.q[k];
-        if (c + 1 < cols && even_address(q + at)) {
-          *reinterpret_cast<uint16_t*>(q + at) = pair;
-        } else {
-          if (c < cols) q[at] = uint8_t(pair & 0xffu);
-          if (c + 1 < cols) q[at + 1] = uint8_t(pair >> 8);
-        }
-        if (c < cols) local[k] = max(local[k], magnitude_bits(v0[k]));
-        if (c + 1 < cols) local[k] = max(local[k], magnitude_bits(v1[k]));
-        tile[k][i][2 * lane] = uint8_t(pair & 0xffu);
-        tile[k][i][2 * lane + 1] = uint8_t(pair >> 8);
+      for (int pass = 0; pass < 2; ++pass) {
+        const int64_t r = r0 + pass * kRowsPerPass + group;
+        live[pass] = r < rows && c < cols;
+        if (live[pass])
+#pragma unroll
+          for (int i = 0; i < kIn; ++i) load_run(values.in[i] + r * cols + c, x[pass][i]);
       }
-      sum0 = __fadd_rn(sum0, v0[0]);
-      sum1 = __fadd_rn(sum1, v1[0]);
-    }
-    if (partial_sums) {
-      warp_sums[warp][2 * lane] = sum0;
-      warp_sums[warp][2 * lane + 1] = sum1;
-    }
-    __syncthreads();
-    for (int j = warp; j < kTransposeTile; j += kWarps) {
-      const int64_t c = c0 + j, r = r0 + 2 * lane;
-      if (c >= cols) break;
-      const int64_t at = c * rows + r;
+      float sums[kRun] = {};
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        uint8_t* qt = out.qt[k];
-        const uint8_t a = tile[k][2 * lane][j], b = tile[k][2 * lane + 1][j];
-        if (r + 1 < rows && even_address(qt + at)) {
-          *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
-        } else {
-          if (r < rows) qt[at] = a;
-          if (r + 1 < rows) qt[at + 1] = b;
+      for (int pass = 0; pass < 2; ++pass) {
+        const int i = pass * kRowsPerPass + group;
+        if (!live[pass]) continue;
+        const int64_t at = (r0 + i) * cols + c;
+        uint32_t words[N][2];
+#pragma unroll
+        for (int e = 0; e < kRun; e += 2) {
+          T a[kIn], b[kIn];
+#pragma unroll
+          for (int in = 0; in < kIn; ++in) a[in] = x[pass][in][e], b[in] = x[pass][in][e + 1];
+          float v0[N], v1[N];
+          values(a, v0);
+          values(b, v1);
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            const uint32_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused
+            if (e % 4 == 0) words[k][e / 4] = pair;
+            else words[k][e / 4] |= pair << 16;
+            local[k] = max(local[k], max(magnitude_bits(v0[k]), magnitude_bits(v1[k])));
+          }
+          sums[e] = __fadd_rn(sums[e], v0[0]);
+          sums[e + 1] = __fadd_rn(sums[e + 1], v1[0]);
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const uint2 w = make_uint2(words[k][0], words[k][1]);
+          *reinterpret_cast<uint2*>(out.q[k] + at) = w;
+          *reinterpret_cast<uint2*>(&tile[k][i][j0]) = w;
+        }
+      }
+      if (partial_sums)
+#pragma unroll
+        for (int e = 0; e < kRun; ++e) row_sums[group][j0 + e] = sums[e];
+      __syncthreads();
+      // Column j of the tile to qt's row c0 + j: 16 lanes, 4 rows each; a warp two columns at a time.
+      for (int j = warp * 2 + lane / 16; j < kTransposeTile; j += 2 * kWarps) {
+        const int64_t cj = c0 + j, i = 4 * (lane % 16), r = r0 + i;
+        if (cj >= cols || r >= rows) continue;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const uint32_t word = uint32_t(tile[k][i][j]) | uint32_t(tile[k][i + 1][j]) << 8 |
+                                uint32_t(tile[k][i + 2][j]) << 16 | uint32_t(tile[k][i + 3][j]) << 24;
+          *reinterpret_cast<uint32_t*>(out.qt[k] + cj * rows + r) = word;
+        }
+      }
+    } else {
+      float sum0 = 0, sum1 = 0;
+      for (int i = warp; i < kTransposeTile; i += kWarps) {
+        const int64_t r = r0 + i, c = c0 + 2 * lane;
+        if (r >= rows) break;
+        const int64_t at = r * cols + c;
+        float v0[N] = {}, v1[N] = {};
+        T a[kIn], b[kIn];
+        if (c < cols) {
+#pragma unroll
+          for (int in = 0; in < kIn; ++in) a[in] = values.in[in][at];
+          values(a, v0);
+        }
+        if (c + 1 < cols) {
+#pragma unroll
+          for (int in = 0; in < kIn; ++in) b[in] = values.in[in][at + 1];
+          values(b, v1);
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const uint16_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused products
+          uint8_t* q = out.q[k];
+          if (c + 1 < cols && even_address(q + at)) {
+            *reinterpret_cast<uint16_t*>(q + at) = pair;
+          } else {
+            if (c < cols) q[at] = uint8_t(pair & 0xffu);
+            if (c + 1 < cols) q[at + 1] = uint8_t(pair >> 8);
+          }
+          if (c < cols) local[k] = max(local[k], magnitude_bits(v0[k]));
+          if (c + 1 < cols) local[k] = max(local[k], magnitude_bits(v1[k]));
+          tile[k][i][2 * lane] = uint8_t(pair & 0xffu);
+          tile[k][i][2 * lane + 1] = uint8_t(pair >> 8);
+        }
+        sum0 = __fadd_rn(sum0, v0[0]);
+        sum1 = __fadd_rn(sum1, v1[0]);
+      }
+      if (partial_sums) {
+        row_sums[warp][2 * lane] = sum0;
+        row_sums[warp][2 * lane + 1] = sum1;
+      }
+      __syncthreads();
+      for (int j = warp; j < kTransposeTile; j += kWarps) {
+        const int64_t c = c0 + j, r = r0 + 2 * lane;
+        if (c >= cols) break;
+        const int64_t at = c * rows + r;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          uint8_t* qt = out.qt[k];
+          const uint8_t a = tile[k][2 * lane][j], b = tile[k][2 * lane + 1][j];
+          if (r + 1 < rows && even_address(qt + at)) {
+            *reinterpret_cast<uint16_t*>(qt + at) = uint16_t(a | (b << 8));
+          } else {
+            if (r < rows) qt[at] = a;
+            if (r + 1 < rows) qt[at + 1] = b;
+          }
         }
       }
     }
     if (partial_sums && threadIdx.x < kTransposeTile && c0 + threadIdx.x < cols) {
-      float sum = 0;
-      for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, warp_sums[w][threadIdx.x]);
+      float sum = 0;  // lanes past the matrix's last row hold zeros
+      for (int w = 0; w < kSumRows; ++w) sum = __fadd_rn(sum, row_sums[w][threadIdx.x]);
       partial_sums[tr * cols + c0 + threadIdx.x] = sum;
     }
     __syncthreads();  // the tile and the sums are free for the next row tile
@@ -268,8 +363,19 @@ __global__ void column_partials_kernel(const float* __restrict__ partials, int64
   }
 }
 
+// Whether quantize_transposed_kernel may take its vector path over `values` and `out` of [rows, cols].
+template <typename Values, int N>
+bool transposed_vectors(const Values& values, const TransposedCodes<N>& out, int64_t rows, int64_t cols) {
+  auto aligned = [](const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; };
+  bool ok = cols % kRun == 0 && rows % 4 == 0;
+  for (int i = 0; i < Values::kInputs; ++i) ok = ok && aligned(values.in[i], 16);
+  for (int k = 0; k < N; ++k) ok = ok && aligned(out.q[k], 8) && aligned(out.qt[k], 4);
+  return ok;
+}
+
 // Launches quantize_transposed_kernel over values of [rows, cols] (and the first values' column sums into
-// `column_sums` when it is defined, through a scratch of the tiles' partial sums).
+// `column_sums` when it is defined, through a scratch of the tiles' partial sums). The grid's height is capped at
+// about 8 blocks a multiprocessor: a block then loops over several row tiles.
 template <typename Q, typename Values, int N = Values::kCount>
 void launch_quantize_transposed(const DeviceContext& ctx, Values values, const TransposedCodes<N>& out, int64_t rows,
                                 int64_t cols, Tensor& column_sums, cudaStream_t stream) {
@@ -278,9 +384,15 @@ void launch_quantize_transposed(const DeviceContext& ctx, Values values, const T
   LOOM_CHECK(col_tiles <= INT32_MAX, "fp8: too many columns for one grid of transposing tiles");
   Tensor partials;
   if (column_sums.defined()) partials = empty({row_tiles, cols}, kF32, ctx.device());
-  const dim3 grid(unsigned(col_tiles), unsigned(std::min<int64_t>(row_tiles, 65535)));
-  quantize_transposed_kernel<Q><<<grid, kThreads, 0, stream>>>(
-      values, out, rows, cols, partials.defined() ? static_cast<float*>(partials.data()) : nullptr);
+  const int64_t resident = 8 * int64_t(cuda::multiprocessor_count(ctx.device().index));
+  const int64_t height =
+      std::clamp<int64_t>((resident + col_tiles - 1) / col_tiles, 1, std::min<int64_t>(row_tiles, 65535));
+  const dim3 grid{unsigned(col_tiles), unsigned(height)};
+  float* sums = partials.defined() ? static_cast<float*>(partials.data()) : nullptr;
+  if (transposed_vectors(values, out, rows, cols))
+    quantize_transposed_kernel<Q, true><<<grid, kThreads, 0, stream>>>(values, out, rows, cols, sums);
+  else
+    quantize_transposed_kernel<Q, false><<<grid, kThreads, 0, stream>>>(values, out, rows, cols, sums);
   LOOM_CUDA_CHECK_LAUNCH();
   if (!column_sums.defined()) return;
   column_partials_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(static_cast<const float*>(partials.data()),
@@ -415,7 +527,7 @@ void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, con
   const TransposedCodes<1> out{{codes_of(q)}, {codes_of(qt)}, {static_cast<const float*>(scale.data())}, {bits}};
   LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize_transposed", [&] {
-      launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{static_cast<const high_t*>(x.data())}, out, rows, cols,
+      launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{{static_cast<const high_t*>(x.data())}}, out, rows, cols,
                                         no_sums, stream);
     });
   });
@@ -433,8 +545,8 @@ void gelu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad, c
   const TransposedCodes<1> out{{codes_of(q)}, {codes_of(qt)}, {static_cast<const float*>(scale.data())}, {bits}};
   LOOM_DISPATCH_FP8(q.dtype(), "gelu_backward_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_backward_quantize", [&] {
-      const GeluGradientAt<high_t> values{static_cast<const high_t*>(grad.data()),
-                                          static_cast<const high_t*>(x.data())};
+      const GeluGradientAt<high_t> values{{static_cast<const high_t*>(grad.data()),
+                                           static_cast<const high_t*>(x.data())}};
       launch_quantize_transposed<fp8_t>(ctx, values, out, rows, cols, column_sums, stream);
     });
   });
@@ -456,9 +568,9 @@ void swiglu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad,
   Tensor no_sums;
   LOOM_DISPATCH_FP8(q_gate.dtype(), "swiglu_backward_quantize", [&] {
     LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_backward_quantize", [&] {
-      const SwigluGradientsAt<high_t> values{static_cast<const high_t*>(grad.data()),
-                                             static_cast<const high_t*>(gate.data()),
-                                             static_cast<const high_t*>(up.data())};
+      const SwigluGradientsAt<high_t> values{{static_cast<const high_t*>(grad.data()),
+                                              static_cast<const high_t*>(gate.data()),
+                                              static_cast<const high_t*>(up.data())}};
       launch_quantize_transposed<fp8_t>(ctx, values, out, rows, cols, no_sums, stream);
     });
   });
