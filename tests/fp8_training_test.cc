@@ -1,5 +1,5 @@
 // FP8 training end to end on the CPU (Loom's reference FP8 kernels): tiny GPT-2, LLaMA-3 and Mixtral models trained with
-// --fp8 all (current scaling in f32, delayed scaling under bf16 autocast) follow the f32 run's losses within 2% per
+// --fp8 all (current scaling in f32, delayed scaling under bf16 autocast, LLaMA's gradients in e4m3 too) follow the f32 run's losses within 2% per
 // step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
 // products; loom-train itself with --dtype bf16 --fp8 all follows its --dtype bf16 run within 1% at every step and
 // 0.5% over the last ten (0.1% when written); --fp8 is a setting of the trainer's table.
@@ -12,6 +12,8 @@
 #include "app_run.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
+#include "loom/fp8.h"
+#include "loom/nn/layers.h"
 #include "loom/nn/lora.h"
 #include "loom/nn/model.h"
 #include "loom/train/trainer.h"
@@ -108,6 +110,17 @@ TEST(Fp8Training, TinyLlamaFollowsF32) {
   o.fp8_amax_history = 16;
   o.dtype = "bf16";
   expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all --fp8-amax-history 16 --dtype bf16");
+  // The output gradients in e4m3, as the operands: every gradient cast and product takes that format.
+  o.fp8_gradients = "e4m3";
+  expect_tracks(losses(o), f32, 0.02, 0.01, "--fp8 all --fp8-amax-history 16 --dtype bf16 --fp8-gradients e4m3");
+  train::Trainer t(o);
+  bool e4m3 = false, e5m2 = false;
+  for (auto& [name, m] : t.model().named_modules())
+    if (auto* linear = dynamic_cast<nn::Linear*>(m.get()); linear && linear->fp8) {
+      e4m3 |= linear->fp8->grad_output.dtype() == kF8E4M3;
+      e5m2 |= linear->fp8->grad_output.dtype() == kF8E5M2;
+    }
+  EXPECT_TRUE(e4m3 && !e5m2) << "--fp8-gradients e4m3 reaches every FP8 layer's gradient scaling";
 }
 
 // The experts' grouped products in FP8 too: a tiny Mixtral follows its f32 run, and recompute keeps its losses.
@@ -249,12 +262,13 @@ TEST(Fp8Training, LoomTrainWithFp8FollowsItsBf16Run) {
 #endif
 
 TEST(Fp8Training, IsASettingOfTheTrainersTable) {
-  bool fp8 = false, history = false;
+  bool fp8 = false, history = false, gradients = false;
   for (const auto& s : train::run_setting_names()) {
     fp8 |= s.flag == std::string("fp8") && s.section == std::string("training");
     history |= s.flag == std::string("fp8-amax-history") && s.section == std::string("training");
+    gradients |= s.flag == std::string("fp8-gradients") && s.section == std::string("training");
   }
-  EXPECT_TRUE(fp8 && history);
+  EXPECT_TRUE(fp8 && history && gradients);
   TempDir dir;
   auto o = setup(dir, "gpt2-tiny");
   o.fp8 = "most";
@@ -268,6 +282,26 @@ TEST(Fp8Training, IsASettingOfTheTrainersTable) {
     ADD_FAILURE() << "--fp8-amax-history without --fp8 was taken";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--fp8-amax-history applies with --fp8"), std::string::npos) << e.what();
+  }
+  // So would a gradient format; and a format that is not one is named.
+  plain.given = std::set<std::string>{"fp8-gradients"};
+  plain.fp8_amax_history = 1;
+  plain.fp8_gradients = "e4m3";
+  try {
+    train::Trainer t{plain};
+    ADD_FAILURE() << "--fp8-gradients without --fp8 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-gradients applies with --fp8"), std::string::npos) << e.what();
+  }
+  auto bad = setup(dir, "gpt2-tiny");
+  bad.fp8 = "all";
+  bad.fp8_gradients = "e3m4";
+  try {
+    train::Trainer t{bad};
+    ADD_FAILURE() << "--fp8-gradients e3m4 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-gradients must be e5m2 or e4m3, got 'e3m4'"), std::string::npos)
+        << e.what();
   }
 }
 

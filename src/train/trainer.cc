@@ -187,7 +187,12 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
   cfg.fp8 = fp8::scope_from_name(opts_.fp8);
   LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-amax-history"),
                "loom-train: --fp8-amax-history applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8, ")");
+  LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-gradients"),
+               "loom-train: --fp8-gradients applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8, ")");
+  LOOM_REQUIRE(opts_.fp8_gradients == "e5m2" || opts_.fp8_gradients == "e4m3",
+               "loom-train: --fp8-gradients must be e5m2 or e4m3, got '", opts_.fp8_gradients, "'");
   cfg.fp8_recipe.amax_history = opts_.fp8_amax_history;
+  cfg.fp8_recipe.backward = opts_.fp8_gradients == "e4m3" ? kF8E4M3 : kF8E5M2;
   // The plan from the settings, the world's size and the config alone: a layout that cannot be is one error here,
   // before any rank allocates anything.
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
