@@ -249,7 +249,8 @@ TEST(CudaFp8, GeluBackwardQuantizeIsTheGpusGeluBackwardThenQuantize) {
   std::mt19937_64 rng(8);
   for (DType xt : {kBF16, kF32})
     for (DType fp8 : {kF8E5M2, kF8E4M3})
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {64, 64}, {65, 130}, {260, 520}, {4096, 3072}, {8196, 1024}}) {
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 3}, {64, 64}, {65, 130}, {260, 520}, {4096, 3072}, {8196, 1024}}) {
         const Tensor g = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
         const Tensor x = test::random_tensor({rows, cols}, xt, -6, 6, rng()).to(kGpu);
         const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
@@ -287,7 +288,8 @@ TEST(CudaFp8, SwigluBackwardQuantizeIsTheGpusSwigluBackwardThenQuantize) {
   std::mt19937_64 rng(10);
   for (DType xt : {kBF16, kF32})
     for (DType fp8 : {kF8E5M2, kF8E4M3})
-      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {64, 64}, {65, 130}, {260, 520}, {4096, 8192}}) {
+      for (auto [rows, cols] :
+           std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {64, 64}, {65, 130}, {260, 520}, {4096, 8192}}) {
         const Tensor g = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
         const Tensor gate = test::random_tensor({rows, cols}, xt, -6, 6, rng()).to(kGpu);
         const Tensor up = test::random_tensor({rows, cols}, xt, -4, 4, rng()).to(kGpu);
@@ -349,8 +351,8 @@ TEST(CudaFp8, CrossEntropyWithGradQuantizeIsTheGpusLossThenQuantize) {
 
 // The codes in both layouts (fp8_quantize_transposed) on the GPU: the CPU's bit for bit (codes, transposed codes,
 // amax) over whole and partial 64 x 64 tiles, odd widths and heights (the element stores), widths of whole 8-element
-// runs and heights of 4 rows (the vector stores) with partial tiles, blocks looping over row tiles, special values, both formats and input dtypes; and the weight gradient read from them is the
-// product of the row-major codes.
+// runs and heights of 4 rows (the vector stores) with partial tiles, blocks looping over row tiles, special values,
+// both formats and input dtypes; and the weight gradient read from them is the product of the row-major codes.
 TEST(CudaFp8, QuantizeTransposedMatchesTheCpu) {
   LOOM_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(7);

@@ -1,6 +1,6 @@
 // FP8 training end to end on the CPU (Loom's reference FP8 kernels): tiny GPT-2, LLaMA-3 and Mixtral models trained with
-// --fp8 all (current scaling in f32, delayed scaling under bf16 autocast, LLaMA's gradients in e4m3 too) follow the f32 run's losses within 2% per
-// step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
+// --fp8 all (current scaling in f32, delayed scaling under bf16 autocast, LLaMA's gradients in e4m3 too) follow the
+// f32 run's losses within 2% per step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
 // products; loom-train itself with --dtype bf16 --fp8 all follows its --dtype bf16 run within 1% at every step and
 // 0.5% over the last ten (0.1% when written); --fp8 is a setting of the trainer's table.
 #include <set>

@@ -286,18 +286,15 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
         const int64_t r = r0 + i, c = c0 + 2 * lane;
         if (r >= rows) break;
         const int64_t at = r * cols + c;
+        auto take = [&](int64_t e, float* v) {  // the values at element e of the inputs
+          T x[kIn];
+#pragma unroll
+          for (int in = 0; in < kIn; ++in) x[in] = values.in[in][e];
+          values(x, v);
+        };
         float v0[N] = {}, v1[N] = {};
-        T a[kIn], b[kIn];
-        if (c < cols) {
-#pragma unroll
-          for (int in = 0; in < kIn; ++in) a[in] = values.in[in][at];
-          values(a, v0);
-        }
-        if (c + 1 < cols) {
-#pragma unroll
-          for (int in = 0; in < kIn; ++in) b[in] = values.in[in][at + 1];
-          values(b, v1);
-        }
+        if (c < cols) take(at, v0);
+        if (c + 1 < cols) take(at + 1, v1);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const uint16_t pair = encode_pair<Q>(__fmul_rn(v0[k], s[k]), __fmul_rn(v1[k], s[k]));  // unfused products
