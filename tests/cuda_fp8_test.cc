@@ -280,6 +280,45 @@ TEST(CudaFp8, GeluBackwardQuantizeIsTheGpusGeluBackwardThenQuantize) {
       }
 }
 
+// A plain product's output gradient cast with its bias gradient (fp8_quantize_transposed_sums) on the GPU: the GPU's
+// fp8_quantize_transposed bit for bit (codes, transposed codes, amax) over whole and partial tiles and both paths of
+// the kernel, special values, both formats and input dtypes; the column sums within f32 rounding of the GPU's
+// linear_backward_bias and the same bits on a second call; the codes within one of the CPU's.
+TEST(CudaFp8, QuantizeTransposedSumsIsTheGpusCastAndBiasGradient) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(12);
+  for (DType xt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 3}, {64, 64}, {65, 130}, {260, 520}, {4096, 768}, {8196, 1024}, {0, 16}}) {
+        const Tensor x = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
+        const Tensor s = host_tensor({std::ldexp(1.0, int(rng() % 10) - 3)}, {1}, kF32).to(kGpu);
+        Tensor amax, sums, amax_ref, sums_again;
+        const ops::Fp8Tensor f = ops::fp8_quantize_transposed(x, s, fp8, &amax, &sums);
+        const ops::Fp8Tensor u = ops::fp8_quantize_transposed(x, s, fp8, &amax_ref);
+        Tensor sums_ref = empty({cols}, kF32, kGpu);
+        ops::linear_backward_bias_out(x, sums_ref);
+        const std::string what = std::string(dtype_name(xt)) + " -> " + dtype_name(fp8) + " [" +
+                                 std::to_string(rows) + ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(same_bytes(f.q, u.q)) << what;
+        EXPECT_TRUE(same_bytes(f.qt, u.qt)) << what;
+        EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
+        ops::fp8_quantize_transposed(x, s, fp8, nullptr, &sums_again);
+        EXPECT_TRUE(same_bytes(sums, sums_again)) << what << ": the sums are reproducible";
+        const std::vector<double> a = test::values(sums.to(Device())), b = test::values(sums_ref.to(Device()));
+        double scale = 1;
+        for (double e : b) scale = std::isfinite(e) ? std::max(scale, std::abs(e)) : scale;
+        for (size_t c = 0; c < a.size(); ++c)
+          ASSERT_TRUE(std::isnan(b[c])   ? std::isnan(a[c])
+                      : std::isinf(b[c]) ? a[c] == b[c]
+                                         : std::abs(a[c] - b[c]) <= 1e-4 * scale)
+              << what << " column " << c << ": " << a[c] << " against " << b[c];
+        if (rows == 0) continue;
+        const ops::Fp8Tensor cpu = ops::fp8_quantize_transposed(x.to(Device()), s.to(Device()), fp8);
+        expect_within_a_code(f.q, cpu.q, fp8, what);
+      }
+}
+
 // SwiGLU's backward cast in its own pass (swiglu_backward_quantize) on the GPU: the GPU's swiglu_backward then
 // fp8_quantize_transposed of each gradient with its own scale, bit for bit (codes, transposed codes, both amaxes),
 // over whole and partial tiles, special values, both formats and input dtypes; the codes within one of the CPU's.

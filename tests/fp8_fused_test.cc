@@ -9,6 +9,7 @@
 #include <random>
 #include <tuple>
 
+#include "kernels/column_sums_kernel.h"
 #include "kernels/elementwise_kernel.h"
 #include "kernels/fp8_kernel.h"
 #include "kernels/norm_kernel.h"
@@ -27,8 +28,8 @@
 namespace loom {
 namespace {
 
-// A library that serves swiglu, gelu, the residual norms and the activations' backwards (native's kernels under its
-// own name) and no fused op, as one built before them; unregistered when the scope ends.
+// A library that serves swiglu, gelu, the residual norms, the activations' backwards and column sums (native's kernels
+// under its own name) and no fused op, as one built before them; unregistered when the scope ends.
 constexpr const char* kPlain = "plain_producers";
 class PlainLibrary {
  public:
@@ -39,6 +40,7 @@ class PlainLibrary {
     serve(residual_layer_norm_op);
     serve(gelu_backward_op);
     serve(swiglu_backward_op);
+    serve(column_sums_op);
   }
   ~PlainLibrary() { dispatch::unregister_provider(kPlain); }
 
@@ -580,6 +582,74 @@ TEST(Fp8Fused, GeluBackwardQuantizeIsGeluBackwardThenQuantize) {
   EXPECT_THROW(ops::fp8_gelu_backward_quantize(zeros({2, 3}, kBF16), zeros({2, 3}, kF32), scale_of(1), kF8E5M2),
                Error);
   EXPECT_THROW(ops::fp8_gelu_backward_quantize(zeros({2, 3}), zeros({3, 2}), scale_of(1), kF8E5M2), Error);
+}
+
+// A plain product's output gradient cast with its bias gradient's column sums in one pass
+// (fp8_quantize_transposed_sums): the codes and amax are fp8_quantize_transposed's bit for bit, the sums
+// linear_backward_bias's within f32 rounding (another order) and the same bits again, the float64 oracle's sums;
+// a provider without the op gets the cast and the sums apart.
+TEST(Fp8Fused, QuantizeTransposedSumsIsTheCastAndTheBiasGradient) {
+  std::map<std::string, std::function<void(conformance::naive::Case&)>> table;
+  conformance::naive::add_fp8_references(table);
+  ASSERT_TRUE(table.count("fp8_quantize_transposed_sums"));
+  std::mt19937_64 rng(27);
+  for (DType dt : {kBF16, kF32})
+    for (DType fp8 : {kF8E5M2, kF8E4M3})
+      for (auto [rows, cols] :
+           std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {64, 64}, {130, 33}, {257, 96}, {0, 5}}) {
+        const Tensor x = activations({rows, cols}, dt, rng, 0.02);
+        const Tensor s = scale_of(std::ldexp(1.0, int(rng() % 12) - 4));
+        Tensor amax, sums, amax_ref, sums_ref = empty({cols}, kF32);
+        test::CallCounter counter;
+        const ops::Fp8Tensor f = ops::fp8_quantize_transposed(x, s, fp8, &amax, &sums);
+        EXPECT_EQ(counter.calls("fp8_quantize_transposed_sums"), 1u);
+        EXPECT_EQ(counter.calls("column_sums"), 0u) << "the sums ride in the cast";
+        const ops::Fp8Tensor u = ops::fp8_quantize_transposed(x, s, fp8, &amax_ref);
+        ops::linear_backward_bias_out(x, sums_ref);
+        const std::string what = std::string(dtype_name(dt)) + " -> " + dtype_name(fp8) + " [" + std::to_string(rows) +
+                                 ", " + std::to_string(cols) + "]";
+        EXPECT_TRUE(test::bytes_equal(f.q, u.q)) << what;
+        EXPECT_TRUE(test::bytes_equal(f.qt, u.qt)) << what;
+        EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
+        ASSERT_EQ(sums.shape(), (Shape{cols})) << what;
+        const std::vector<double> got = test::element_values(sums), want = test::element_values(sums_ref);
+        double scale = 1;
+        for (double w : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
+        auto near = [&](double a, double b) {
+          return std::isnan(b) ? std::isnan(a) : std::isinf(b) ? a == b : std::abs(a - b) <= 1e-5 * scale;
+        };
+        for (size_t c = 0; c < got.size(); ++c)
+          ASSERT_TRUE(near(got[c], want[c])) << what << " column " << c << ": " << got[c] << " against " << want[c];
+        Tensor sums_again;
+        ops::fp8_quantize_transposed(x, s, fp8, nullptr, &sums_again);
+        EXPECT_TRUE(test::bytes_equal(sums, sums_again)) << what << ": the sums are reproducible";
+        if (rows == 0) continue;
+        conformance::naive::Case c;
+        c.tensors = {operand("x", x, false), operand("scale", s, false), operand("q", f.q, true),
+                     operand("qt", f.qt, true), operand("amax", amax, true), operand("column_sums", sums, true)};
+        table["fp8_quantize_transposed_sums"](c);
+        ASSERT_TRUE(c.no_value.empty()) << c.no_value;
+        EXPECT_EQ(codes_off_the_oracle(f.qt, c.out("qt")->values), 0u) << what;
+        const std::vector<double>& oracle = c.out("column_sums")->values;
+        for (size_t j = 0; j < got.size(); ++j)
+          ASSERT_TRUE(near(got[j], oracle[j])) << what << " column " << j << ": " << got[j] << " against float64's "
+                                               << oracle[j];
+      }
+  // A library that serves the cast's sums apart (column_sums) and not the variant keeps them.
+  std::mt19937_64 again(28);
+  const Tensor x = activations({70, 24}, kBF16, again, 0);
+  Tensor sums_fused, sums_plain, sums_ref = empty({24}, kF32);
+  const ops::Fp8Tensor fused = ops::fp8_quantize_transposed(x, scale_of(2), kF8E4M3, nullptr, &sums_fused);
+  PlainLibrary library;
+  test::ScopedPolicy policy(std::string(kPlain) + ";native");
+  test::CallCounter counter;
+  const ops::Fp8Tensor plain = ops::fp8_quantize_transposed(x, scale_of(2), kF8E4M3, nullptr, &sums_plain);
+  EXPECT_EQ(counter.calls("fp8_quantize_transposed_sums"), 0u);
+  EXPECT_EQ(counter.calls("column_sums"), 1u);
+  EXPECT_TRUE(test::bytes_equal(fused.q, plain.q));
+  EXPECT_TRUE(test::bytes_equal(fused.qt, plain.qt));
+  ops::linear_backward_bias_out(x, sums_ref);
+  EXPECT_TRUE(test::bytes_equal(sums_plain, sums_ref)) << "the library's own column sums";
 }
 
 // SwiGLU's backward with both gradients' codes in both layouts and their amaxes in one pass

@@ -65,8 +65,9 @@ class TensorScaling {
   using Cast = std::function<Tensor(const Tensor& values, const Tensor& scale)>;
   ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device);
   // quantize(x) with the codes also transposed (qt [C, R] for x [..., C] of R rows), written by the cast's own pass
-  // (ops::fp8_quantize_transposed): what a weight gradient's product reads.
-  ops::Fp8Tensor quantize_transposed(const Tensor& x);
+  // (ops::fp8_quantize_transposed): what a weight gradient's product reads. With column_sums, x's column sums (a
+  // bias gradient, f32) are written there from the same pass.
+  ops::Fp8Tensor quantize_transposed(const Tensor& x, Tensor* column_sums = nullptr);
   DType dtype() const { return fp8_; }
   // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
   // fp8::residual_rms_norm's output), else undefined.

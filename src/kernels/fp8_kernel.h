@@ -74,6 +74,22 @@ LOOM_DECLARE_OP(fp8_quantize_transposed, Fp8QuantizeTransposedKernel,
                     .out_opt("amax", "1", DTypeRule::kF32).dispatch_on("q").abi_since(7)
                     .special_values("as fp8_quantize, in both layouts"));
 
+// fp8_quantize_transposed with the sums of x's columns in the same pass: a plain FP8 product's output gradient cast
+// for both of its products and its bias gradient (the column sums) read from the same loads. column_sums [C] f32,
+// accumulated in f32 over a partition of the rows that depends only on the shape (reproducible bit for bit), as
+// gelu_backward_quantize takes its sums; with no rows they are zeros. (No values near f32's largest: sums that
+// overflow depend on the order; the codes' saturation is fp8_quantize_transposed's, checked there.)
+using Fp8QuantizeTransposedSumsKernel = void(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q,
+                                             Tensor& qt, Tensor& amax, Tensor& column_sums);
+LOOM_DECLARE_OP(fp8_quantize_transposed_sums, Fp8QuantizeTransposedSumsKernel,
+                OpSchema().in("x", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial, ValueClass::kTiny})
+                    .in("scale", "1", DTypeRule::kF32).values(Values::kScale).out("q", "R C").out("qt", "C R")
+                    .out_opt("amax", "1", DTypeRule::kF32).out("column_sums", "C", DTypeRule::kF32)
+                    .dim("R", {0}).row_dim("R").accumulates("R").dispatch_on("q").abi_since(8)
+                    .special_values("as fp8_quantize, in both layouts; a NaN or infinite value makes its column's "
+                                    "sum NaN or infinite as a sum would"));
+
 // ---- Quantization where the values are made. ----
 // The codes of SwiGLU's output, for an FP8 product that reads it (a down projection): v = swiglu(gate, up) as the
 // swiglu op stores it in gate's dtype (silu(gate) * up in f32, rounded to gate's dtype), then q = the code of

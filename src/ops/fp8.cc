@@ -2,6 +2,7 @@
 // linear layer's three products, dispatched to fp8_gemm.
 #include "loom/ops/fp8.h"
 
+#include "kernels/column_sums_kernel.h"
 #include "kernels/elementwise_kernel.h"
 #include "kernels/fp8_kernel.h"
 #include "kernels/moe_kernel.h"
@@ -194,7 +195,8 @@ Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* ama
   return ops::view(q, x.shape());
 }
 
-Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
+Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out,
+                                  Tensor* column_sums) {
   const char* op = "fp8_quantize_transposed";
   LOOM_REQUIRE(x.defined() && x.dim() >= 1, op, ": x must be a tensor of rank 1 or more, got ",
                x.defined() ? describe(x) : "undefined");
@@ -207,6 +209,22 @@ Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp
   r.q = empty({rows, cols}, fp8, x.device());
   r.qt = empty({cols, rows}, fp8, x.device());
   Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  if (column_sums) {
+    // The sums in the cast's pass where the providers that would run the cast and the sums apart both serve it.
+    Tensor sums = empty({cols}, kF32, x.device());
+    if (ops_detail::fused_by_plain_provider(fp8_quantize_transposed_sums_op, fp8_quantize_transposed_op, x.device(),
+                                            fp8, fp8, m, scale, r.q, r.qt, amax, sums) &&
+        ops_detail::fused_by_plain_provider(fp8_quantize_transposed_sums_op, column_sums_op, x.device(), fp8,
+                                            x.dtype(), m, scale, r.q, r.qt, amax, sums)) {
+      dispatch::call(fp8_quantize_transposed_sums_op, x.device(), fp8, m, scale, r.q, r.qt, amax, sums);
+      if (amax_out) *amax_out = amax;
+      *column_sums = sums;
+      r.q = ops::view(r.q, x.shape());
+      return r;
+    }
+    linear_backward_bias_out(m, sums);
+    *column_sums = sums;
+  }
   if (ops_detail::accepting_kernel(fp8_quantize_transposed_op, x.device(), fp8, m, scale, r.q, r.qt, amax)) {
     dispatch::call(fp8_quantize_transposed_op, x.device(), fp8, m, scale, r.q, r.qt, amax);
     if (amax_out) *amax_out = amax;

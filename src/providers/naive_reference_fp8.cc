@@ -96,6 +96,19 @@ void fp8_quantize_transposed(Case& c) {
   transpose_codes(c, "q", "qt");
 }
 
+// fp8_quantize_transposed's codes and amax, and the column sums of x's values.
+void fp8_quantize_transposed_sums(Case& c) {
+  fp8_quantize_transposed(c);
+  const Operand& x = c.in("x");
+  const int64_t R = x.shape[0], C = x.shape[1];
+  Operand* sums = c.out("column_sums");
+  for (int64_t j = 0; j < C; ++j) {
+    double s = 0;
+    for (int64_t r = 0; r < R; ++r) s += x.values[size_t(r * C + j)];
+    sums->values[size_t(j)] = s;
+  }
+}
+
 // The codes and amax of activations v (float64, before the rounding to `dt` a kernel stores them with) as
 // fp8_quantize makes them from the rounded values. (A kernel computes v in f32 first, some ulps from float64's; the
 // ops' suite tolerances take the neighbouring code, and the amax one rounding away, where that lands across.)
@@ -243,6 +256,7 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["fp8_scale"] = fp8_scale;
   table["fp8_quantize"] = fp8_quantize;
   table["fp8_quantize_transposed"] = fp8_quantize_transposed;
+  table["fp8_quantize_transposed_sums"] = fp8_quantize_transposed_sums;
   table["fp8_dequantize"] = fp8_dequantize;
   table["swiglu_quantize"] = swiglu_quantize;
   table["gelu_quantize"] = gelu_quantize;

@@ -268,6 +268,12 @@
  *       cross_entropy_with_grad's attrs and loss; q the codes of its gradient (for a loss gradient of 1, as it
  *       stores it in the logits' dtype) as fp8_quantize gives them, amax theirs. A library without it keeps
  *       serving cross_entropy_with_grad: Loom then quantizes its gradient apart.
+ *   Added in 1.8: a plain FP8 product's bias gradient in its output gradient's cast.
+ *     fp8_quantize_transposed_sums [1.8] (dispatch dtype = q's; x f32 or bf16, contiguous [R, C])
+ *                                                   in: x, scale    out: q [R, C], qt [C, R], amax?, column_sums
+ *       fp8_quantize_transposed's q, qt and amax; column_sums [C] f32 the sums of x's columns (any fixed order of the
+ *       rows that depends only on the shape; zeros with no rows). A library without it: Loom quantizes and sums
+ *       apart.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -284,7 +290,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 7
+#define LOOM_ABI_VERSION_MINOR 8
 
 #define LOOM_MAX_DIMS 8
 

@@ -36,8 +36,10 @@ void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor
 Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // fp8_quantize(x, ...) and the same codes transposed, [C, R] for x [..., C] of R rows, as q and qt of the result (its
 // scale_inv left undefined), in one pass where a kernel has the op (fp8_quantize_transposed), else a quantization
-// then a transpose of the codes.
-Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
+// then a transpose of the codes. With column_sums, x's column sums in f32 (a bias gradient) are written there (a new
+// [C] tensor), in the same pass where the kernel has that variant (fp8_quantize_transposed_sums).
+Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr,
+                                  Tensor* column_sums = nullptr);
 // fp8_quantize(swiglu(gate, up), scale, fp8, amax_out), bit for bit, in one pass where the kernel that would run
 // swiglu has the fused op (swiglu_quantize): the activation is then never written. gate and up one shape and dtype
 // (f32 or bf16), any strides; the result contiguous with gate's shape.

@@ -89,11 +89,11 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   return made({q, used});
 }
 
-ops::Fp8Tensor TensorScaling::quantize_transposed(const Tensor& x_in) {
+ops::Fp8Tensor TensorScaling::quantize_transposed(const Tensor& x_in, Tensor* column_sums) {
   const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
   Tensor qt;
   auto both = [&](const Tensor& scale, Tensor* amax) {
-    ops::Fp8Tensor r = ops::fp8_quantize_transposed(x, scale, fp8_, amax);
+    ops::Fp8Tensor r = ops::fp8_quantize_transposed(x, scale, fp8_, amax, column_sums);
     qt = r.qt;
     return r.q;
   };
@@ -144,7 +144,7 @@ class Fp8LinearBackward final : public autograd::Node {
 
   // The product's output gradient from GELU's output gradient d: its codes in both layouts, cast in GELU's backward's
   // own pass where the scaling has a scale at hand, and into *sums the bias gradient (the columns' sums). Where the
-  // cast needs GELU's backward written first (current scaling), *made is it.
+  // cast needs GELU's backward written first (current scaling), *made is it and the sums ride in its cast.
   ops::Fp8Tensor through_gelu(const Tensor& d, Tensor* sums, Tensor* made) {
     TensorScaling& scaling = state->grad_output;
     Tensor qt;
@@ -157,7 +157,7 @@ class Fp8LinearBackward final : public autograd::Node {
           return r.q;
         },
         [&](const Tensor& values, const Tensor& scale) {
-          const ops::Fp8Tensor r = ops::fp8_quantize_transposed(values, scale, scaling.dtype());
+          const ops::Fp8Tensor r = ops::fp8_quantize_transposed(values, scale, scaling.dtype(), nullptr, sums);
           qt = r.qt;
           return r.q;
         },
@@ -181,8 +181,10 @@ class Fp8LinearBackward final : public autograd::Node {
       g = made.defined() || !needs_input_grad(2) || sums.defined() ? made : ops::gelu_backward(d, pre_activation);
     } else if (needs_input_grad(0) || needs_input_grad(1)) {
       // A dense weight gradient reads the codes along the rows: written transposed in the same pass.
+      // The bias gradient rides in that pass too (its column sums).
       const bool transposed = needs_input_grad(1) && !group_sizes && g.dim() >= 1;
-      gq = transposed ? state->grad_output.quantize_transposed(g) : state->grad_output.quantize(g);
+      Tensor* bias_sums = needs_input_grad(2) ? &sums : nullptr;
+      gq = transposed ? state->grad_output.quantize_transposed(g, bias_sums) : state->grad_output.quantize(g);
     }
     if (needs_input_grad(0) || needs_input_grad(1)) {
       if (needs_input_grad(0)) {

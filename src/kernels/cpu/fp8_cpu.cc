@@ -102,39 +102,32 @@ void fp8_quantize_transposed_cpu(const DeviceContext&, const Tensor& x, const Te
   });
 }
 
-// gelu_backward's element as its kernel stores it, then fp8_quantize_transposed's codes of it; the column sums in f32
-// over blocks of 64 rows (each block's sum in row order, then the blocks' in order, as the CUDA kernel takes them).
-void gelu_backward_quantize_cpu(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& scale,
-                                Tensor& q, Tensor& qt, Tensor& amax, Tensor& column_sums) {
-  const float s = *static_cast<const float*>(scale.data());
-  const int64_t R = x.size(0), C = x.size(1);
+// fp8_quantize_transposed's codes of the values value(i) (each as its op stores it), their amax and, where
+// column_sums is defined, their column sums in f32 over blocks of 64 rows (each block's sum in row order, then the
+// blocks' in order, as the CUDA kernel takes them).
+template <typename fp8_t, typename Value>
+void quantize_transposed_summing(const Value& value, int64_t R, int64_t C, float s, Tensor& q, Tensor& qt,
+                                 Tensor& amax, Tensor& column_sums) {
   constexpr int64_t kBlockRows = 64;
   const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
   std::vector<float> partial(size_t(blocks * C), 0.0f), block_amax(size_t(blocks), 0.0f);
-  LOOM_DISPATCH_FP8(q.dtype(), "gelu_backward_quantize", [&] {
-    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "gelu_backward_quantize", [&] {
-      using M = cpu::math_t<high_t>;
-      const high_t* g = static_cast<const high_t*>(grad.data());
-      const high_t* in = static_cast<const high_t*>(x.data());
-      uint8_t* out = static_cast<uint8_t*>(q.data());
-      uint8_t* out_t = static_cast<uint8_t*>(qt.data());
-      cpu::parallel_for(blocks, 1, [&](int64_t b, int64_t e) {
-        for (int64_t block = b; block < e; ++block) {
-          float* sums = partial.data() + block * C;
-          float m = 0;
-          for (int64_t r = block * kBlockRows; r < std::min(R, (block + 1) * kBlockRows); ++r)
-            for (int64_t c = 0; c < C; ++c) {
-              const float v = float(high_t(elementwise_math::GeluBackward{}(M(g[r * C + c]), M(in[r * C + c]))));
-              const uint8_t code = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
-              out[r * C + c] = code;
-              out_t[c * R + r] = code;
-              sums[c] += v;
-              m = max_keeping_nan(m, std::fabs(v));
-            }
-          block_amax[size_t(block)] = m;
+  uint8_t* out = static_cast<uint8_t*>(q.data());
+  uint8_t* out_t = static_cast<uint8_t*>(qt.data());
+  cpu::parallel_for(blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t block = b; block < e; ++block) {
+      float* sums = partial.data() + block * C;
+      float m = 0;
+      for (int64_t r = block * kBlockRows; r < std::min(R, (block + 1) * kBlockRows); ++r)
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = value(r * C + c);
+          const uint8_t code = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
+          out[r * C + c] = code;
+          out_t[c * R + r] = code;
+          sums[c] += v;
+          m = max_keeping_nan(m, std::fabs(v));
         }
-      });
-    });
+      block_amax[size_t(block)] = m;
+    }
   });
   if (amax.defined()) {
     float m = 0;
@@ -142,13 +135,41 @@ void gelu_backward_quantize_cpu(const DeviceContext&, const Tensor& grad, const 
     *static_cast<float*>(amax.data()) = m;
   }
   if (column_sums.defined()) {
-    float* out = static_cast<float*>(column_sums.data());
+    float* sums_out = static_cast<float*>(column_sums.data());
     for (int64_t c = 0; c < C; ++c) {
       float sum = 0;
       for (int64_t block = 0; block < blocks; ++block) sum += partial[size_t(block * C + c)];
-      out[c] = sum;
+      sums_out[c] = sum;
     }
   }
+}
+
+void fp8_quantize_transposed_sums_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q,
+                                      Tensor& qt, Tensor& amax, Tensor& column_sums) {
+  const float s = *static_cast<const float*>(scale.data());
+  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed_sums", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_quantize_transposed_sums", [&] {
+      const high_t* in = static_cast<const high_t*>(x.data());
+      quantize_transposed_summing<fp8_t>([&](int64_t i) { return float(in[i]); }, x.size(0), x.size(1), s, q, qt,
+                                         amax, column_sums);
+    });
+  });
+}
+
+// gelu_backward's element as its kernel stores it, then fp8_quantize_transposed's codes of it and its column sums.
+void gelu_backward_quantize_cpu(const DeviceContext&, const Tensor& grad, const Tensor& x, const Tensor& scale,
+                                Tensor& q, Tensor& qt, Tensor& amax, Tensor& column_sums) {
+  const float s = *static_cast<const float*>(scale.data());
+  LOOM_DISPATCH_FP8(q.dtype(), "gelu_backward_quantize", [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "gelu_backward_quantize", [&] {
+      using M = cpu::math_t<high_t>;
+      const high_t* g = static_cast<const high_t*>(grad.data());
+      const high_t* in = static_cast<const high_t*>(x.data());
+      quantize_transposed_summing<fp8_t>(
+          [&](int64_t i) { return float(high_t(elementwise_math::GeluBackward{}(M(g[i]), M(in[i])))); }, x.size(0),
+          x.size(1), s, q, qt, amax, column_sums);
+    });
+  });
 }
 
 // swiglu_backward's two elements as its kernel stores them, then fp8_quantize_transposed's codes of each with its own
@@ -318,6 +339,8 @@ LOOM_REGISTER_KERNEL(fp8_amax, kCPU, "native", dtypes(kF32, kBF16), fp8_amax_cpu
 LOOM_REGISTER_KERNEL(fp8_scale, kCPU, "native", dtypes(kF32), fp8_scale_cpu);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cpu);
 LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_transposed_cpu);
+LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCPU, "native", dtypes(kF8E4M3, kF8E5M2),
+                     fp8_quantize_transposed_sums_cpu);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cpu);

@@ -513,21 +513,34 @@ void fp8_quantize_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& 
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
-                                  Tensor& qt, Tensor& amax) {
+// The codes of x [R, C] in both layouts and, where column_sums is defined, x's column sums (zeros with no rows).
+void quantize_transposed_into(const DeviceContext& ctx, const char* op, const Tensor& x, const Tensor& scale, Tensor& q,
+                              Tensor& qt, Tensor& amax, Tensor& column_sums) {
   cuda::DeviceGuard guard(ctx.device().index);
   cudaStream_t stream = cuda_context(ctx).cuda_stream();
   unsigned* bits = amax.defined() ? zeroed_amax_bits(amax, stream) : nullptr;
   const int64_t rows = x.size(0), cols = x.size(1);
+  if (column_sums.defined() && cols > 0 && rows == 0)
+    LOOM_CUDA_CHECK(cudaMemsetAsync(column_sums.data(), 0, size_t(cols) * sizeof(float), stream));  // empty sums
   if (rows * cols == 0) return;
-  Tensor no_sums;
   const TransposedCodes<1> out{{codes_of(q)}, {codes_of(qt)}, {static_cast<const float*>(scale.data())}, {bits}};
-  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
-    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "fp8_quantize_transposed", [&] {
+  LOOM_DISPATCH_FP8(q.dtype(), op, [&] {
+    LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), op, [&] {
       launch_quantize_transposed<fp8_t>(ctx, StoredAt<high_t>{{static_cast<const high_t*>(x.data())}}, out, rows, cols,
-                                        no_sums, stream);
+                                        column_sums, stream);
     });
   });
+}
+
+void fp8_quantize_transposed_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
+                                  Tensor& qt, Tensor& amax) {
+  Tensor no_sums;
+  quantize_transposed_into(ctx, "fp8_quantize_transposed", x, scale, q, qt, amax, no_sums);
+}
+
+void fp8_quantize_transposed_sums_cuda(const DeviceContext& ctx, const Tensor& x, const Tensor& scale, Tensor& q,
+                                       Tensor& qt, Tensor& amax, Tensor& column_sums) {
+  quantize_transposed_into(ctx, "fp8_quantize_transposed_sums", x, scale, q, qt, amax, column_sums);
 }
 
 void gelu_backward_quantize_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& x, const Tensor& scale,
@@ -637,6 +650,8 @@ LOOM_REGISTER_KERNEL(fp8_scale, kCUDA, "native", dtypes(kF32), fp8_scale_cuda);
 LOOM_REGISTER_KERNEL(fp8_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), fp8_quantize_cuda);
 LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
                      fp8_quantize_transposed_cuda);
+LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
+                     fp8_quantize_transposed_sums_cuda);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cuda);
