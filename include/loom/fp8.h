@@ -77,8 +77,10 @@ class TensorScaling {
   DType fp8_;
   int64_t margin_, history_;
   std::mutex mu_;  // the state: a layer may run on two threads (pipeline stages do not share layers, tests may)
-  // Made at the first quantization and kept, so no call fills a fresh scale (a kernel launch per operand).
-  Tensor amaxes_, scale_, scale_inv_;
+  // Made at the first quantization and kept, so no call fills a fresh scale (a kernel launch per operand). Delayed
+  // scaling records each cast's amax in pending_amax_ and folds it into the history at the next quantization.
+  Tensor amaxes_, scale_, scale_inv_, pending_amax_;
+  bool pending_ = false;
   // The last codes made, known by their storage (not kept alive) and place, and their scale_inv.
   std::weak_ptr<Storage> last_storage_;
   int64_t last_offset_ = 0;

@@ -189,7 +189,7 @@ Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* ama
   check_scale(op, "scale", scale, x);
   Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
   Tensor q = empty({x.numel()}, fp8, x.device());
-  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   dispatch::call(fp8_quantize_op, x.device(), fp8, flat, scale, q, amax);
   if (amax_out) *amax_out = amax;
   return ops::view(q, x.shape());
@@ -208,7 +208,7 @@ Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp
   Fp8Tensor r;
   r.q = empty({rows, cols}, fp8, x.device());
   r.qt = empty({cols, rows}, fp8, x.device());
-  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   if (column_sums) {
     // The sums in the cast's pass where the providers that would run the cast and the sums apart both serve it.
     Tensor sums = empty({cols}, kF32, x.device());
@@ -249,7 +249,7 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
   check_scale(op, "scale", scale, gate);
   const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
   Tensor q = empty(g.shape(), fp8, gate.device());
-  Tensor amax = amax_out ? empty({1}, kF32, gate.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, gate.device());
   if (ops_detail::fused_by_plain_provider(swiglu_quantize_op, swiglu_op, gate.device(), fp8, gate.dtype(), g, u, scale,
                                           q, amax)) {
     dispatch::call(swiglu_quantize_op, gate.device(), fp8, g, u, scale, q, amax);
@@ -267,7 +267,7 @@ Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor
   check_scale(op, "scale", scale, x);
   Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
   Tensor q = empty({x.numel()}, fp8, x.device());
-  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   if (ops_detail::fused_by_plain_provider(gelu_quantize_op, gelu_op, x.device(), fp8, x.dtype(), flat, scale, q,
                                           amax)) {
     dispatch::call(gelu_quantize_op, x.device(), fp8, flat, scale, q, amax);
@@ -292,7 +292,7 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   Fp8Tensor r;
   r.q = empty({rows, cols}, fp8, x.device());
   r.qt = empty({cols, rows}, fp8, x.device());
-  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   Tensor sums = column_sums ? empty({cols}, kF32, x.device()) : Tensor();
   if (ops_detail::fused_by_plain_provider(gelu_backward_quantize_op, gelu_backward_op, x.device(), fp8, x.dtype(), g,
                                           m, scale, r.q, r.qt, amax, sums)) {
@@ -333,8 +333,8 @@ SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tenso
     t->q = empty({rows, cols}, fp8, device);
     t->qt = empty({cols, rows}, fp8, device);
   }
-  Tensor amax_gate = amax_gate_out ? empty({1}, kF32, device) : Tensor();
-  Tensor amax_up = amax_up_out ? empty({1}, kF32, device) : Tensor();
+  Tensor amax_gate = ops_detail::amax_destination(op, amax_gate_out, device);
+  Tensor amax_up = ops_detail::amax_destination(op, amax_up_out, device);
   if (ops_detail::fused_by_plain_provider(swiglu_backward_quantize_op, swiglu_backward_op, device, fp8, gate.dtype(),
                                           g, x, u, scale_gate, scale_up, r.gate.q, r.gate.qt, r.up.q, r.up.qt,
                                           amax_gate, amax_up)) {

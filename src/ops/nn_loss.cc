@@ -105,7 +105,7 @@ CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, cons
   Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
   CrossEntropyWithGrad r{empty(loss_shape, cross_entropy_loss_dtype(logits.dtype()), logits.device()),
                          empty(logits.shape(), fp8, logits.device())};
-  Tensor amax = amax_out ? empty({1}, kF32, logits.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, logits.device());
   if (!ops_detail::fused_by_plain_provider(cross_entropy_with_grad_quantize_op, cross_entropy_with_grad_op,
                                            logits.device(), logits.dtype(), logits.dtype(), x, t, scale, attrs, r.loss,
                                            r.grad_logits, amax)) {

@@ -287,7 +287,7 @@ ResidualNormResult run_residual_norm_quantize(bool centered, const Tensor& x, co
   r.out = empty(meta.shape, fp8, x.device());
   if (centered) r.mean = empty(meta.stats_shape, meta.stats_dtype, x.device());
   r.rstd = empty(meta.stats_shape, meta.stats_dtype, x.device());
-  Tensor amax = amax_out ? empty({1}, kF32, x.device()) : Tensor();
+  Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   NormAttrs attrs{eps};
   const bool fused =
       !empty_rows(x) &&

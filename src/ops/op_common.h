@@ -67,6 +67,18 @@ bool fused_by_plain_provider(Fused fused, Plain, Device device, DType fused_dtyp
   return f && (candidates.empty() || candidates.front()->provider == f->provider);
 }
 
+// Where an FP8 op writes the amax of the values it quantizes: *amax_out itself when the caller gives a tensor there
+// (a delayed scaling's record, kept at one address across steps: a captured CUDA graph writes it on every replay),
+// else a new one-element f32 tensor; none without amax_out.
+inline Tensor amax_destination(const char* op, Tensor* amax_out, Device device) {
+  if (!amax_out) return Tensor();
+  if (!amax_out->defined()) return empty({1}, kF32, device);
+  LOOM_REQUIRE(amax_out->dtype() == kF32 && amax_out->numel() == 1 && amax_out->is_contiguous() &&
+                   amax_out->device() == device,
+               op, ": the amax given ", describe(*amax_out), " must be one contiguous f32 element on ", device.str());
+  return *amax_out;
+}
+
 // t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
 // where its layout allows; else undefined.
 inline Tensor as_row_matrix(const Tensor& t) {

@@ -32,7 +32,9 @@ Tensor fp8_amax(const Tensor& x);
 void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor& scale_inv, DType fp8,
                       int64_t margin);
 // q = sat(x * scale) in dtype `fp8` (x f32 or bf16, any shape; the result contiguous). With amax_out, max |x| is
-// written there (a new one f32 element tensor): delayed scaling's record for the next step.
+// written there: into the tensor itself when *amax_out is defined (one contiguous f32 element on x's device: a
+// delayed scaling's record, kept at one address), else as a new one. Every amax_out of the FP8 ops below (and of
+// residual_*_norm_quantize and cross_entropy_with_grad_quantize) takes it the same way.
 Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // fp8_quantize(x, ...) and the same codes transposed, [C, R] for x [..., C] of R rows, as q and qt of the result (its
 // scale_inv left undefined), in one pass where a kernel has the op (fp8_quantize_transposed), else a quantization

@@ -66,26 +66,31 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
     amaxes_ = zeros({history_}, kF32, device);
     scale_ = ones({1}, kF32, device);
     scale_inv_ = empty({1}, kF32, device);
+    pending_amax_ = empty({1}, kF32, device);
+    pending_ = false;
   }
   if (history_ <= 1 || first) {
-    // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Current
-    // scaling writes each operand's scale_inv apart: the operand keeps it while the state's scale moves on.
+    // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Each
+    // operand keeps a scale_inv that later quantizations never write (the state's first one is never written again).
     const Tensor x = values();
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
     ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
     Tensor q = cast(x, scale_);
-    if (history_ <= 1) return made({q, scale_inv});
-    const Tensor used = ops::clone(scale_inv_);
-    autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
-    return made({q, used});
+    if (history_ > 1)
+      autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), scale_inv}; });
+    return made({q, scale_inv});
   }
-  Tensor amax;
-  Tensor q = codes(scale_, &amax);
-  // A copy, not a new element for the state's next scale_inv: the state's tensors keep their addresses, which a
-  // captured CUDA graph reads and writes on every replay.
-  Tensor used = ops::clone(scale_inv_);
+  // Delayed scaling: the amax the last codes recorded enters the history now, just before the scale is used (the
+  // scales an update right after each cast would give), so the update writes this operand's own scale_inv: no copy.
+  Tensor used = scale_inv_;  // the second quantization: the first's scale, unchanged
+  if (pending_) {
+    used = empty({1}, kF32, device);
+    ops::fp8_update_scale(pending_amax_, amaxes_, scale_, used, fp8_, margin_);
+  }
   autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), used}; });
-  ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv_, fp8_, margin_);
+  // The amax into the state's own tensor, at one address (a captured CUDA graph writes it on every replay).
+  Tensor q = codes(scale_, &pending_amax_);
+  pending_ = true;
   return made({q, used});
 }
 
