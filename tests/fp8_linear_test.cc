@@ -3,9 +3,11 @@
 // (central differences) within the quantization noise; delayed scaling uses the history; master weights and their
 // gradients stay f32; a model's FP8 scope reaches the layers it names; the grouped (mixture of experts) layer likewise.
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "loom/amp.h"
+#include "loom/common/float8.h"
 #include "loom/fp8.h"
 #include "loom/nn/model.h"
 #include "loom/nn/moe.h"
@@ -148,6 +150,37 @@ TEST(NnFp8, DelayedScalingTakesTheScaleFromEarlierAmaxes) {
   fp8::TensorScaling current(kF8E4M3, fp8::Recipe{});
   EXPECT_EQ(values(current.quantize(x1)), (std::vector<double>{1.0, -0.5}));
   EXPECT_EQ(values(current.quantize(x2)), (std::vector<double>{2.0, -0.5}));
+}
+
+// Delayed scaling over a history of two: each quantization's scale from the largest of the last two amaxes recorded
+// before it (the first measures; the second has only the first's), each operand's scale_inv its own and unchanged by
+// later quantizations, and in the steady state one scale update a quantization and no copy.
+TEST(NnFp8, DelayedScalingKeepsEachOperandsScaleAndCopiesNone) {
+  fp8::Recipe recipe;
+  recipe.amax_history = 2;
+  fp8::TensorScaling scaling(kF8E4M3, recipe);
+  const std::vector<float> amaxes{1.0f, 4.0f, 2.0f, 0.5f, 0.5f, 0.5f};
+  // The amax each scale comes from: measured, then the history's largest (the latest two recorded before it).
+  const std::vector<float> from{1.0f, 1.0f, 4.0f, 4.0f, 2.0f, 0.5f};
+  std::vector<ops::Fp8Tensor> made;
+  uint64_t copies = 0, updates = 0;
+  for (size_t i = 0; i < amaxes.size(); ++i) {
+    const Tensor x = from_vector<float>({amaxes[i], -0.25f}, {2});
+    std::optional<test::CallCounter> counter;
+    if (i >= 2) counter.emplace();
+    made.push_back(scaling.quantize(x));
+    if (counter) copies += counter->calls("copy"), updates += counter->calls("fp8_scale");
+  }
+  for (size_t i = 0; i < made.size(); ++i) {
+    const float scale = 448.0f / from[i];
+    EXPECT_EQ(test::values(made[i].scale_inv)[0], double(1.0f / scale)) << "quantization " << i;
+    const float code = std::min(448.0f, amaxes[i] * scale);  // saturating where the scale is an older, smaller amax's
+    EXPECT_EQ(test::values(ops::fp8_dequantize(made[i].q, made[i].scale_inv, kF32))[0],
+              double(float(Float8E4M3(code)) * (1.0f / scale)))
+        << "quantization " << i;
+  }
+  EXPECT_EQ(copies, 0u) << "no scale_inv copied a cast";
+  EXPECT_EQ(updates, amaxes.size() - 2) << "one update a quantization";
 }
 
 TEST(NnFp8, AutocastWritesBf16AndKeepsMastersF32) {

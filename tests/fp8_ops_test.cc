@@ -98,6 +98,33 @@ TEST(Fp8Ops, QuantizeSaturatesAndKeepsNonFiniteVisible) {
   EXPECT_EQ(test::element_values(ops::fp8_amax(empty({0}, kF32)))[0], 0);
 }
 
+// An amax given to write into is written in place (a delayed scaling's record at one address); a new one otherwise;
+// one that is not a single contiguous f32 element is refused in one line naming it.
+TEST(Fp8Ops, AmaxGoesWhereTheCallerKeepsIt) {
+  const Tensor x = tensor_of({0.5, -3, 2}, {3}, kF32);
+  const Tensor one = tensor_of({1}, {1}, kF32);
+  Tensor kept = full({1}, 99.0, kF32);
+  const Tensor same = kept;
+  ops::fp8_quantize(x, one, kF8E4M3, &kept);
+  EXPECT_EQ(kept.data(), same.data()) << "written in place";
+  EXPECT_EQ(test::values(same)[0], 3);
+  ops::fp8_quantize_transposed(ops::view(x, {1, 3}), one, kF8E5M2, &kept);
+  EXPECT_EQ(test::values(same)[0], 3);
+  Tensor fresh;
+  ops::fp8_quantize(x, one, kF8E4M3, &fresh);
+  EXPECT_EQ(test::values(fresh)[0], 3);
+  for (Tensor bad : {zeros({2}, kF32), zeros({1}, kBF16)}) {
+    try {
+      ops::fp8_quantize(x, one, kF8E4M3, &bad);
+      ADD_FAILURE() << "a bad amax was taken";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      EXPECT_NE(m.find("amax"), std::string::npos) << m;
+    }
+  }
+}
+
 TEST(Fp8Ops, QuantizeTransposedWritesBothLayoutsBitForBit) {
   std::mt19937_64 rng(4);
   int cases = 0;
