@@ -32,7 +32,9 @@ void check_cuda_graph_options(const TrainOptions& options, const nn::ModelConfig
 
 class GraphStep {
  public:
-  static constexpr int64_t kWarmupSteps = 3;  // eager steps before the capture: state, plans and workspaces exist
+  // Eager steps before the capture: state, plans and workspaces exist, and FP8 delayed scaling has reached its steady
+  // form (from its third quantization on, each folds the last amax into the history: fp8::TensorScaling).
+  static constexpr int64_t kWarmupSteps = 3;
 
   GraphStep(Device device, int64_t micro_batches);
   ~GraphStep();
