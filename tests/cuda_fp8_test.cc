@@ -267,14 +267,8 @@ TEST(CudaFp8, GeluBackwardQuantizeIsTheGpusGeluBackwardThenQuantize) {
         EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
         ops::fp8_gelu_backward_quantize(g, x, s, fp8, nullptr, &sums_again);
         EXPECT_TRUE(same_bytes(sums, sums_again)) << what << ": the sums are reproducible";
-        const std::vector<double> a = test::values(sums.to(Device())), b = test::values(sums_ref.to(Device()));
-        double scale = 1;
-        for (double e : b) scale = std::isfinite(e) ? std::max(scale, std::abs(e)) : scale;
-        for (size_t c = 0; c < a.size(); ++c)
-          ASSERT_TRUE(std::isnan(b[c])   ? std::isnan(a[c])
-                      : std::isinf(b[c]) ? a[c] == b[c]
-                                         : std::abs(a[c] - b[c]) <= 1e-4 * scale)
-              << what << " column " << c << ": " << a[c] << " against " << b[c];
+        ASSERT_TRUE(test::sums_near(test::values(sums.to(Device())), test::values(sums_ref.to(Device())), 1e-4))
+            << what;
         const ops::Fp8Tensor cpu = ops::fp8_gelu_backward_quantize(g.to(Device()), x.to(Device()), s.to(Device()), fp8);
         expect_within_a_code(f.q, cpu.q, fp8, what);
       }
@@ -305,14 +299,8 @@ TEST(CudaFp8, QuantizeTransposedSumsIsTheGpusCastAndBiasGradient) {
         EXPECT_TRUE(same_bytes(amax, amax_ref)) << what;
         ops::fp8_quantize_transposed(x, s, fp8, nullptr, &sums_again);
         EXPECT_TRUE(same_bytes(sums, sums_again)) << what << ": the sums are reproducible";
-        const std::vector<double> a = test::values(sums.to(Device())), b = test::values(sums_ref.to(Device()));
-        double scale = 1;
-        for (double e : b) scale = std::isfinite(e) ? std::max(scale, std::abs(e)) : scale;
-        for (size_t c = 0; c < a.size(); ++c)
-          ASSERT_TRUE(std::isnan(b[c])   ? std::isnan(a[c])
-                      : std::isinf(b[c]) ? a[c] == b[c]
-                                         : std::abs(a[c] - b[c]) <= 1e-4 * scale)
-              << what << " column " << c << ": " << a[c] << " against " << b[c];
+        ASSERT_TRUE(test::sums_near(test::values(sums.to(Device())), test::values(sums_ref.to(Device())), 1e-4))
+            << what;
         if (rows == 0) continue;
         const ops::Fp8Tensor cpu = ops::fp8_quantize_transposed(x.to(Device()), s.to(Device()), fp8);
         expect_within_a_code(f.q, cpu.q, fp8, what);

@@ -559,14 +559,7 @@ TEST(Fp8Fused, GeluBackwardQuantizeIsGeluBackwardThenQuantize) {
         EXPECT_TRUE(test::bytes_equal(f.q, u.q)) << what;
         EXPECT_TRUE(test::bytes_equal(f.qt, u.qt)) << what;
         EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
-        const std::vector<double> got = test::element_values(sums), want = test::element_values(sums_ref);
-        double scale = 1;
-        for (double w : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
-        for (size_t c = 0; c < got.size(); ++c)
-          ASSERT_TRUE(std::isnan(want[c])   ? std::isnan(got[c])
-                      : std::isinf(want[c]) ? got[c] == want[c]
-                                            : std::abs(got[c] - want[c]) <= 1e-5 * scale)
-              << what << " column " << c << ": " << got[c] << " against " << want[c];
+        ASSERT_TRUE(test::sums_near(test::element_values(sums), test::element_values(sums_ref), 1e-5)) << what;
         Tensor sums_again;
         ops::fp8_gelu_backward_quantize(g, x, s, fp8, nullptr, &sums_again);
         EXPECT_TRUE(test::bytes_equal(sums, sums_again)) << what << ": the sums are reproducible";
@@ -613,13 +606,7 @@ TEST(Fp8Fused, QuantizeTransposedSumsIsTheCastAndTheBiasGradient) {
         EXPECT_TRUE(test::bytes_equal(amax, amax_ref)) << what;
         ASSERT_EQ(sums.shape(), (Shape{cols})) << what;
         const std::vector<double> got = test::element_values(sums), want = test::element_values(sums_ref);
-        double scale = 1;
-        for (double w : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
-        auto near = [&](double a, double b) {
-          return std::isnan(b) ? std::isnan(a) : std::isinf(b) ? a == b : std::abs(a - b) <= 1e-5 * scale;
-        };
-        for (size_t c = 0; c < got.size(); ++c)
-          ASSERT_TRUE(near(got[c], want[c])) << what << " column " << c << ": " << got[c] << " against " << want[c];
+        ASSERT_TRUE(test::sums_near(got, want, 1e-5)) << what;
         Tensor sums_again;
         ops::fp8_quantize_transposed(x, s, fp8, nullptr, &sums_again);
         EXPECT_TRUE(test::bytes_equal(sums, sums_again)) << what << ": the sums are reproducible";
@@ -630,10 +617,7 @@ TEST(Fp8Fused, QuantizeTransposedSumsIsTheCastAndTheBiasGradient) {
         table["fp8_quantize_transposed_sums"](c);
         ASSERT_TRUE(c.no_value.empty()) << c.no_value;
         EXPECT_EQ(codes_off_the_oracle(f.qt, c.out("qt")->values), 0u) << what;
-        const std::vector<double>& oracle = c.out("column_sums")->values;
-        for (size_t j = 0; j < got.size(); ++j)
-          ASSERT_TRUE(near(got[j], oracle[j])) << what << " column " << j << ": " << got[j] << " against float64's "
-                                               << oracle[j];
+        ASSERT_TRUE(test::sums_near(got, c.out("column_sums")->values, 1e-5, &want)) << what << " against float64";
       }
   // A library that serves the cast's sums apart (column_sums) and not the variant keeps them.
   std::mt19937_64 again(28);

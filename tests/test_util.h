@@ -89,6 +89,23 @@ inline bool bytes_equal(const Tensor& a, const Tensor& b) {
          (ca.nbytes() == 0 || std::memcmp(ca.data(), cb.data(), ca.nbytes()) == 0);
 }
 
+// Column sums taken in another order than the reference's: NaN where the reference has NaN, its infinities exactly,
+// else within rtol of the largest finite magnitude (at least 1) of the reference, or of *scale_from where given.
+inline ::testing::AssertionResult sums_near(const std::vector<double>& got, const std::vector<double>& want,
+                                            double rtol, const std::vector<double>* scale_from = nullptr) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << got.size() << " sums against " << want.size();
+  double scale = 1;
+  for (double w : scale_from ? *scale_from : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
+  for (size_t c = 0; c < got.size(); ++c) {
+    const bool ok = std::isnan(want[c])   ? std::isnan(got[c])
+                    : std::isinf(want[c]) ? got[c] == want[c]
+                                          : std::abs(got[c] - want[c]) <= rtol * scale;
+    if (!ok) return ::testing::AssertionFailure() << "column " << c << ": " << got[c] << " against " << want[c];
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // Max over elements of |a - b| / (atol + rtol * |b|); <= 1 means within tolerance. NaN anywhere fails.
 inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double rtol,
                                             double atol) {

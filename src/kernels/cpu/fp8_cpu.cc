@@ -78,30 +78,6 @@ void fp8_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale
   });
 }
 
-// fp8_quantize_cpu's codes, also written transposed (qt [C, R]).
-void fp8_quantize_transposed_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& qt,
-                                 Tensor& amax) {
-  const float s = *static_cast<const float*>(scale.data());
-  const int64_t R = x.size(0), C = x.size(1);
-  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed", [&] {
-    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_quantize_transposed", [&] {
-      const high_t* in = static_cast<const high_t*>(x.data());
-      uint8_t* out = static_cast<uint8_t*>(q.data());
-      uint8_t* out_t = static_cast<uint8_t*>(qt.data());
-      cpu::parallel_for(R, std::max<int64_t>(1, cpu::kElementwiseGrain / std::max<int64_t>(1, C)),
-                        [&](int64_t b, int64_t e) {
-                          for (int64_t r = b; r < e; ++r)
-                            for (int64_t c = 0; c < C; ++c) {
-                              const uint8_t code = fp8_encode<fp8_t>(float(in[r * C + c]) * s, Fp8Overflow::kSaturate);
-                              out[r * C + c] = code;
-                              out_t[c * R + r] = code;
-                            }
-                        });
-      if (amax.defined()) *static_cast<float*>(amax.data()) = amax_of(in, R * C);
-    });
-  });
-}
-
 // fp8_quantize_transposed's codes of the values value(i) (each as its op stores it), their amax and, where
 // column_sums is defined, their column sums in f32 over blocks of 64 rows (each block's sum in row order, then the
 // blocks' in order, as the CUDA kernel takes them).
@@ -110,12 +86,13 @@ void quantize_transposed_summing(const Value& value, int64_t R, int64_t C, float
                                  Tensor& amax, Tensor& column_sums) {
   constexpr int64_t kBlockRows = 64;
   const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
-  std::vector<float> partial(size_t(blocks * C), 0.0f), block_amax(size_t(blocks), 0.0f);
+  const bool summing = column_sums.defined();
+  std::vector<float> partial(summing ? size_t(blocks * C) : 0, 0.0f), block_amax(size_t(blocks), 0.0f);
   uint8_t* out = static_cast<uint8_t*>(q.data());
   uint8_t* out_t = static_cast<uint8_t*>(qt.data());
   cpu::parallel_for(blocks, 1, [&](int64_t b, int64_t e) {
     for (int64_t block = b; block < e; ++block) {
-      float* sums = partial.data() + block * C;
+      float* sums = summing ? partial.data() + block * C : nullptr;
       float m = 0;
       for (int64_t r = block * kBlockRows; r < std::min(R, (block + 1) * kBlockRows); ++r)
         for (int64_t c = 0; c < C; ++c) {
@@ -123,7 +100,7 @@ void quantize_transposed_summing(const Value& value, int64_t R, int64_t C, float
           const uint8_t code = fp8_encode<fp8_t>(v * s, Fp8Overflow::kSaturate);
           out[r * C + c] = code;
           out_t[c * R + r] = code;
-          sums[c] += v;
+          if (summing) sums[c] += v;
           m = max_keeping_nan(m, std::fabs(v));
         }
       block_amax[size_t(block)] = m;
@@ -134,7 +111,7 @@ void quantize_transposed_summing(const Value& value, int64_t R, int64_t C, float
     for (float a : block_amax) m = max_keeping_nan(m, a);
     *static_cast<float*>(amax.data()) = m;
   }
-  if (column_sums.defined()) {
+  if (summing) {
     float* sums_out = static_cast<float*>(column_sums.data());
     for (int64_t c = 0; c < C; ++c) {
       float sum = 0;
@@ -144,16 +121,29 @@ void quantize_transposed_summing(const Value& value, int64_t R, int64_t C, float
   }
 }
 
-void fp8_quantize_transposed_sums_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q,
-                                      Tensor& qt, Tensor& amax, Tensor& column_sums) {
+// x's codes in both layouts, their amax and, where column_sums is defined, x's column sums: fp8_quantize_transposed
+// and fp8_quantize_transposed_sums.
+void quantize_transposed_cpu(const char* op, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& qt, Tensor& amax,
+                             Tensor& column_sums) {
   const float s = *static_cast<const float*>(scale.data());
-  LOOM_DISPATCH_FP8(q.dtype(), "fp8_quantize_transposed_sums", [&] {
-    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "fp8_quantize_transposed_sums", [&] {
+  LOOM_DISPATCH_FP8(q.dtype(), op, [&] {
+    LOOM_DISPATCH_UNQUANTIZED(x.dtype(), op, [&] {
       const high_t* in = static_cast<const high_t*>(x.data());
       quantize_transposed_summing<fp8_t>([&](int64_t i) { return float(in[i]); }, x.size(0), x.size(1), s, q, qt,
                                          amax, column_sums);
     });
   });
+}
+
+void fp8_quantize_transposed_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& qt,
+                                 Tensor& amax) {
+  Tensor no_sums;
+  quantize_transposed_cpu("fp8_quantize_transposed", x, scale, q, qt, amax, no_sums);
+}
+
+void fp8_quantize_transposed_sums_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q,
+                                      Tensor& qt, Tensor& amax, Tensor& column_sums) {
+  quantize_transposed_cpu("fp8_quantize_transposed_sums", x, scale, q, qt, amax, column_sums);
 }
 
 // gelu_backward's element as its kernel stores it, then fp8_quantize_transposed's codes of it and its column sums.
