@@ -345,15 +345,15 @@ TEST(CudaFp8, SwigluBackwardQuantizeIsTheGpusSwigluBackwardThenQuantize) {
 
 // The loss writing its gradient's codes (cross_entropy_with_grad_quantize) on the GPU: the GPU's
 // cross_entropy_with_grad then fp8_quantize bit for bit (loss, codes, amax) through the staged kernel (16-bit rows of
-// 16-104 KB: GPT-2's vocabulary) and the two-pass one (f32, short and long rows, a vocabulary limit, ignored rows),
-// both formats; the codes within one of the CPU's.
+// 16-104 KB: GPT-2's vocabulary; more rows than SMs, where a block loops over rows) and the two-pass one (f32, short
+// and long rows, a vocabulary limit, ignored rows), both formats; the codes within one of the CPU's.
 TEST(CudaFp8, CrossEntropyWithGradQuantizeIsTheGpusLossThenQuantize) {
   LOOM_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(9);
   for (DType xt : {kBF16, kF32})
     for (DType fp8 : {kF8E5M2, kF8E4M3})
       for (auto [rows, vocab, limit] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-               {3, 257, -1}, {16, 8200, 8193}, {64, 50304, 50257}, {4, 65536, -1}}) {
+               {3, 257, -1}, {16, 8200, 8193}, {64, 50304, 50257}, {300, 50304, 50257}, {4, 65536, -1}}) {
         const Tensor logits = test::random_tensor({rows, vocab}, xt, -8, 8, rng()).to(kGpu);
         Tensor targets_host = test::random_indices({rows}, 0, limit < 0 ? vocab : limit, kI64);
         static_cast<int64_t*>(targets_host.data())[rows - 1] = -100;  // an ignored row
@@ -415,6 +415,42 @@ TEST(CudaFp8, QuantizeTransposedMatchesTheCpu) {
     worst = std::max(worst, std::abs(a[i] - b[i]));
   }
   EXPECT_LE(worst, 1e-5 * largest) << "the weight gradient from transposed codes";
+}
+
+// A weight gradient from row-major codes (each operand transposed into a K-contiguous buffer before cuBLASLt, 16
+// bytes a load and a store where the codes start on 16 bytes with rows of whole 16 bytes, byte by byte elsewhere)
+// against the CPU's product of the same codes: whole and partial 128 x 128 tiles, K (the rows) padded to 16 with
+// zeros, codes at odd offsets (a view past a first row of odd width), both formats of the gradient.
+TEST(CudaFp8, WeightGradientOfRowMajorCodesIsTheCpus) {
+  LOOM_SKIP_WITHOUT_FP8_GPU();
+  std::mt19937_64 rng(11);
+  for (auto [rows, out, in, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>{
+           {256, 128, 128, false}, {1000, 300, 48, false}, {4099, 2304, 768, false}, {77, 33, 129, true},
+           {515, 257, 211, true}, {130, 1040, 64, true}})
+    for (DType gt : {kF8E5M2, kF8E4M3}) {
+      // Codes of values in [-2, 2] made on the CPU, then a view of rows 1.. (an odd first row: an odd offset).
+      auto codes = [&](int64_t cols, DType fp8) {
+        const Tensor one = host_tensor({1.0}, {1}, kF32);
+        const Tensor all = ops::fp8_quantize(test::random_tensor({rows + 1, cols}, kF32, -2, 2, rng()), one, fp8);
+        const Tensor gpu = all.to(kGpu);
+        return offset ? gpu.slice(0, 1, rows + 1) : gpu.slice(0, 0, rows);
+      };
+      const Tensor g = codes(out, gt), x = codes(in, kF8E4M3);
+      const Tensor sg = host_tensor({0.75}, {1}, kF32).to(kGpu), sx = host_tensor({1.5}, {1}, kF32).to(kGpu);
+      Tensor dw = empty({out, in}, kF32, kGpu), dw_cpu = empty({out, in}, kF32);
+      ops::fp8_linear_backward_weight_out({g, sg}, {x, sx}, dw);
+      ops::fp8_linear_backward_weight_out({g.to(Device()), sg.to(Device())}, {x.to(Device()), sx.to(Device())},
+                                          dw_cpu);
+      const std::vector<double> a = test::values(dw.to(Device())), b = test::values(dw_cpu);
+      double largest = 0, worst = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        largest = std::max(largest, std::abs(b[i]));
+        worst = std::max(worst, std::abs(a[i] - b[i]));
+      }
+      EXPECT_GT(largest, 0.0);
+      EXPECT_LE(worst, 1e-5 * largest) << dtype_name(gt) << " [" << rows << ", " << out << "] x [" << rows << ", "
+                                       << in << "]" << (offset ? " at an odd offset" : "");
+    }
 }
 
 // Every rounding decision of both formats on the GPU's conversion (Ada and up convert with one instruction, the

@@ -178,7 +178,7 @@ struct TransposedCodes {
 // 64 x 64 tiles, one block of kThreads (8 warps) per tile, row tiles past the grid's height looping. The codes go to
 // q along the rows and, through a shared tile, to qt along qt's rows: both writes coalesced. With `partial_sums`, the
 // tile's column sums of the first values go to row tr of partial_sums [row_tiles, cols], added in a fixed order
-// (each lane's rows, then the lanes' and warps' in order), which column_partials_kernel adds up in order.
+// (each lane's rows, then the lanes' and warps' in order), which column_partials_kernel adds up in a fixed order.
 //
 // Two ways through a tile. kVectors (cols a multiple of 8, rows of 4, the inputs 16-byte aligned, q 8-byte and qt
 // 4-byte aligned): a lane takes 8 neighbouring elements of a row in each of two passes (every input's 16-byte loads
@@ -350,14 +350,26 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
     }
 }
 
-// out[c] = the sum over t of partials[t][c] [tiles, cols], in order of t: one thread per column.
+// out[c] = the sum over t of partials[t][c] [tiles, cols]: a block of 32 columns x kPartialSplit threads, thread y
+// adding the tiles y, y + kPartialSplit, ... in order, then the kPartialSplit sums of a column added in y order (the
+// same bits every run). One thread per column walking every tile (512 dependent loads for 32768 rows) kept the
+// [32768, 768] cast with its bias gradient at a third of an H100's memory bandwidth: few blocks, each waiting on
+// one load at a time.
+constexpr unsigned kPartialColumns = 32, kPartialSplit = 32;
 __global__ void column_partials_kernel(const float* __restrict__ partials, int64_t tiles, int64_t cols,
                                        float* __restrict__ out) {
-  for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < cols; c += int64_t(gridDim.x) * kThreads) {
-    float sum = 0;
-    for (int64_t t = 0; t < tiles; ++t) sum = __fadd_rn(sum, partials[t * cols + c]);
-    out[c] = sum;
+  __shared__ float split[kPartialSplit][kPartialColumns];
+  const int64_t c = int64_t(blockIdx.x) * kPartialColumns + threadIdx.x;
+  float sum = 0;
+  if (c < cols) {
+#pragma unroll 8  // several loads in flight: the adds stay in order
+    for (int64_t t = threadIdx.y; t < tiles; t += kPartialSplit) sum = __fadd_rn(sum, partials[t * cols + c]);
   }
+  split[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  for (unsigned y = 1; y < kPartialSplit; ++y) sum = __fadd_rn(sum, split[y][threadIdx.x]);
+  out[c] = sum;
 }
 
 // Whether quantize_transposed_kernel may take its vector path over `values` and `out` of [rows, cols].
@@ -392,9 +404,10 @@ void launch_quantize_transposed(const DeviceContext& ctx, Values values, const T
     quantize_transposed_kernel<Q, false><<<grid, kThreads, 0, stream>>>(values, out, rows, cols, sums);
   LOOM_CUDA_CHECK_LAUNCH();
   if (!column_sums.defined()) return;
-  column_partials_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(static_cast<const float*>(partials.data()),
-                                                                    row_tiles, cols,
-                                                                    static_cast<float*>(column_sums.data()));
+  const int64_t column_blocks = (cols + kPartialColumns - 1) / kPartialColumns;
+  LOOM_CHECK(column_blocks <= INT32_MAX, "fp8: too many columns for one grid of column sums");
+  column_partials_kernel<<<unsigned(column_blocks), dim3(kPartialColumns, kPartialSplit), 0, stream>>>(
+      static_cast<const float*>(partials.data()), row_tiles, cols, static_cast<float*>(column_sums.data()));
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
