@@ -3,6 +3,7 @@
 // (central differences) within the quantization noise; delayed scaling uses the history; master weights and their
 // gradients stay f32; a model's FP8 scope reaches the layers it names; the grouped (mixture of experts) layer likewise.
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <random>
 
@@ -11,6 +12,7 @@
 #include "loom/fp8.h"
 #include "loom/nn/model.h"
 #include "loom/nn/moe.h"
+#include "loom/optim/optimizer.h"
 #include "providers/naive_reference_fp8.h"
 #include "test_util.h"
 
@@ -181,6 +183,87 @@ TEST(NnFp8, DelayedScalingKeepsEachOperandsScaleAndCopiesNone) {
   }
   EXPECT_EQ(copies, 0u) << "no scale_inv copied a cast";
   EXPECT_EQ(updates, amaxes.size() - 2) << "one update a quantization";
+}
+
+// With an optimizer's flat gradient buffer, the bias gradients a cast sums (a linear layer's, in its output
+// gradient's transposing cast; c_fc's, in GELU's backward's cast) land in their slots, written there by the cast: the
+// values of the same graph without an optimizer, and no copy more than that graph makes. Delayed and current
+// scaling, under autocast as a GPT-2 MLP runs.
+TEST(NnFp8, BiasGradientsFromTheCastsGoIntoTheFlatSlots) {
+  for (int64_t history : {1, 4}) {
+    fp8::Recipe recipe;
+    recipe.amax_history = history;
+    const Tensor x = test::random_tensor({16, 32}, kF32, -1, 1, 3);
+    std::vector<Tensor> init{test::random_tensor({64, 32}, kF32, -0.2, 0.2, 4), test::random_tensor({64}),
+                             test::random_tensor({32, 64}, kF32, -0.2, 0.2, 5), test::random_tensor({32})};
+    auto run = [&](bool with_optimizer, std::vector<Tensor>& p, uint64_t& copies) {
+      for (const Tensor& t : init) p.push_back(t.clone().set_requires_grad(true));
+      std::optional<optim::AdamW> opt;
+      if (with_optimizer) opt.emplace(p, optim::AdamWOptions{});
+      auto fc = std::make_shared<fp8::LinearState>(recipe), proj = std::make_shared<fp8::LinearState>(recipe);
+      for (int step = 0; step < 3; ++step) {  // delayed scaling's steady form from the third step
+        if (opt) opt->zero_grad();
+        for (Tensor& t : p) t.set_grad(Tensor());
+        Tensor loss;
+        {
+          amp::AutocastGuard guard(kBF16);
+          loss = sum(fp8::linear(fp8::linear_gelu(x, p[0], p[1], fc, proj->input), p[2], p[3], proj));
+        }
+        test::CallCounter counter;
+        loss.backward();
+        copies = counter.calls("copy");
+      }
+      if (opt)
+        for (size_t i = 0; i < p.size(); ++i)
+          EXPECT_EQ(p[i].grad().storage(), opt->flat_gradient_buffers().at(0).storage()) << "parameter " << i;
+    };
+    std::vector<Tensor> p, ref;
+    uint64_t copies = 0, ref_copies = 0;
+    run(false, ref, ref_copies);
+    run(true, p, copies);
+    for (size_t i = 0; i < p.size(); ++i)
+      EXPECT_TRUE(test::all_close(p[i].grad(), ref[i].grad(), 0, 0)) << "parameter " << i << ", history " << history;
+    EXPECT_EQ(copies, ref_copies) << "history " << history;
+  }
+}
+
+// A layer whose input takes no gradient (data fed straight in) still gives its weights theirs: the gradient of the
+// same layer whose input does, for the plain layer, the classifier with its loss and gate and up with SwiGLU.
+TEST(NnFp8, WeightGradientsWhereTheInputTakesNone) {
+  const Tensor x0 = test::random_tensor({6, 32}, kF32, -1, 1, 7);
+  const Tensor w0 = test::random_tensor({16, 32}, kF32, -0.3, 0.3, 8), u0 = test::random_tensor({16, 32}, kF32, -0.3,
+                                                                                                 0.3, 9);
+  const Tensor targets = from_vector<int64_t>({1, 0, 15, 3, 3, 9}, {6});
+  using Layer = std::function<Tensor(const Tensor& x, const Tensor& w, const Tensor& u)>;
+  const std::vector<std::pair<std::string, Layer>> layers{
+      {"linear", [](const Tensor& x, const Tensor& w, const Tensor&) {
+         return sum(fp8::linear(x, w, Tensor(), std::make_shared<fp8::LinearState>(fp8::Recipe{})));
+       }},
+      {"linear_cross_entropy", [&](const Tensor& x, const Tensor& w, const Tensor&) {
+         return fp8::linear_cross_entropy(x, w, targets, -100, ops::Reduction::kMean, -1,
+                                          std::make_shared<fp8::LinearState>(fp8::Recipe{}));
+       }},
+      {"linears_swiglu", [](const Tensor& x, const Tensor& w, const Tensor& u) {
+         auto gate = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+         auto up = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+         auto down = std::make_shared<fp8::LinearState>(fp8::Recipe{});
+         const Tensor codes = fp8::linears_swiglu(x, {w, Tensor(), gate, {}}, {u, Tensor(), up, {}}, down->input);
+         return sum(fp8::linear(codes, test::random_tensor({8, 16}, kF32, -0.3, 0.3, 10), Tensor(), down));
+       }}};
+  for (const auto& [name, layer] : layers) {
+    std::vector<Tensor> with, without;
+    for (bool input_grad : {true, false}) {
+      Tensor x = x0.clone(), w = w0.clone().set_requires_grad(true), u = u0.clone().set_requires_grad(true);
+      if (input_grad) x.set_requires_grad(true);
+      layer(x, w, u).backward();
+      (input_grad ? with : without) = {w.grad(), name == "linears_swiglu" ? u.grad() : Tensor()};
+    }
+    for (size_t i = 0; i < with.size(); ++i) {
+      if (!with[i].defined()) continue;
+      ASSERT_TRUE(without[i].defined()) << name;
+      EXPECT_TRUE(test::all_close(with[i], without[i], 0, 0)) << name << " weight " << i;
+    }
+  }
 }
 
 TEST(NnFp8, AutocastWritesBf16AndKeepsMastersF32) {

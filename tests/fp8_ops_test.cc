@@ -125,6 +125,34 @@ TEST(Fp8Ops, AmaxGoesWhereTheCallerKeepsIt) {
   }
 }
 
+// The column sums (a bias gradient) go into the tensor given when it is defined (a flat gradient slot), from the
+// summing cast and from GELU's backward's; a bad one is refused in one line naming it.
+TEST(Fp8Ops, ColumnSumsGoWhereTheCallerKeepsThem) {
+  const Tensor x = tensor_of({0.5, -3, 2, 1, 1, -1}, {2, 3}, kF32);
+  const Tensor one = tensor_of({1}, {1}, kF32);
+  Tensor kept = full({3}, 99.0, kF32);
+  const Tensor same = kept;
+  ops::fp8_quantize_transposed(x, one, kF8E5M2, nullptr, &kept);
+  EXPECT_EQ(kept.data(), same.data()) << "written in place";
+  EXPECT_EQ(test::values(same), (std::vector<double>{1.5, -2, 1}));
+  ops::fp8_gelu_backward_quantize(x, zeros({2, 3}, kF32), one, kF8E5M2, nullptr, &kept);
+  EXPECT_EQ(kept.data(), same.data());
+  EXPECT_EQ(test::values(same), (std::vector<double>{0.75, -1, 0.5})) << "gelu'(0) = 1/2";
+  Tensor fresh;
+  ops::fp8_quantize_transposed(x, one, kF8E5M2, nullptr, &fresh);
+  EXPECT_EQ(test::values(fresh), (std::vector<double>{1.5, -2, 1}));
+  for (Tensor bad : {zeros({2}, kF32), zeros({3}, kBF16), zeros({6}, kF32).slice(0, 0, 6, 2)}) {
+    try {
+      ops::fp8_quantize_transposed(x, one, kF8E5M2, nullptr, &bad);
+      ADD_FAILURE() << "bad column sums were taken: " << describe(bad);
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      EXPECT_NE(m.find("column sums"), std::string::npos) << m;
+    }
+  }
+}
+
 TEST(Fp8Ops, QuantizeTransposedWritesBothLayoutsBitForBit) {
   std::mt19937_64 rng(4);
   int cases = 0;

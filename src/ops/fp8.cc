@@ -211,7 +211,7 @@ Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp
   Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   if (column_sums) {
     // The sums in the cast's pass where the providers that would run the cast and the sums apart both serve it.
-    Tensor sums = empty({cols}, kF32, x.device());
+    Tensor sums = ops_detail::sums_destination(op, column_sums, cols, x.device());
     if (ops_detail::fused_by_plain_provider(fp8_quantize_transposed_sums_op, fp8_quantize_transposed_op, x.device(),
                                             fp8, fp8, m, scale, r.q, r.qt, amax, sums) &&
         ops_detail::fused_by_plain_provider(fp8_quantize_transposed_sums_op, column_sums_op, x.device(), fp8,
@@ -293,7 +293,7 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   r.q = empty({rows, cols}, fp8, x.device());
   r.qt = empty({cols, rows}, fp8, x.device());
   Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
-  Tensor sums = column_sums ? empty({cols}, kF32, x.device()) : Tensor();
+  Tensor sums = ops_detail::sums_destination(op, column_sums, cols, x.device());
   if (ops_detail::fused_by_plain_provider(gelu_backward_quantize_op, gelu_backward_op, x.device(), fp8, x.dtype(), g,
                                           m, scale, r.q, r.qt, amax, sums)) {
     dispatch::call(gelu_backward_quantize_op, x.device(), fp8, g, m, scale, r.q, r.qt, amax, sums);
@@ -303,8 +303,8 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
     const Tensor v = ops::gelu_backward(g, m);
     r = fp8_quantize_transposed(v, scale, fp8, amax_out);
     if (column_sums) {
-      *column_sums = empty({cols}, kF32, x.device());
-      linear_backward_bias_out(v, *column_sums);
+      linear_backward_bias_out(v, sums);
+      *column_sums = sums;
     }
   }
   r.q = ops::view(r.q, x.shape());

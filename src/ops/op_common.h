@@ -79,6 +79,19 @@ inline Tensor amax_destination(const char* op, Tensor* amax_out, Device device) 
   return *amax_out;
 }
 
+// Where an op writes the column sums it was asked for (x [..., cols]'s, in f32): into *sums_out itself when it is
+// defined ([cols], f32, contiguous, on `device`: a bias gradient's flat slot), else a new tensor; none without
+// sums_out. A bad one is refused in one line.
+inline Tensor sums_destination(const char* op, Tensor* sums_out, int64_t cols, Device device) {
+  if (!sums_out) return Tensor();
+  if (!sums_out->defined()) return empty({cols}, kF32, device);
+  LOOM_REQUIRE(sums_out->dtype() == kF32 && sums_out->shape() == Shape{cols} && sums_out->is_contiguous() &&
+                   sums_out->device() == device,
+               op, ": the column sums given ", describe(*sums_out), " must be a contiguous [", cols, "] f32 tensor on ",
+               device.str());
+  return *sums_out;
+}
+
 // t as an [rows, C] matrix (C its last dim) with unit column stride, its leading dims folded into one row stride,
 // where its layout allows; else undefined.
 inline Tensor as_row_matrix(const Tensor& t) {

@@ -38,8 +38,9 @@ void fp8_update_scale(const Tensor& amax, Tensor& history, Tensor& scale, Tensor
 Tensor fp8_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // fp8_quantize(x, ...) and the same codes transposed, [C, R] for x [..., C] of R rows, as q and qt of the result (its
 // scale_inv left undefined), in one pass where a kernel has the op (fp8_quantize_transposed), else a quantization
-// then a transpose of the codes. With column_sums, x's column sums in f32 (a bias gradient) are written there (a new
-// [C] tensor), in the same pass where the kernel has that variant (fp8_quantize_transposed_sums).
+// then a transpose of the codes. With column_sums, x's column sums in f32 (a bias gradient) are written there (into
+// the tensor itself when it is defined, a contiguous [C] f32 one on x's device, else as a new one), in the same pass
+// where the kernel has that variant (fp8_quantize_transposed_sums).
 Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr,
                                   Tensor* column_sums = nullptr);
 // fp8_quantize(swiglu(gate, up), scale, fp8, amax_out), bit for bit, in one pass where the kernel that would run
@@ -52,7 +53,7 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
 Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // GELU's backward quantized as fp8_quantize_transposed(gelu_backward(grad, x), scale, fp8, amax_out) gives it (q and
 // qt of the result; its scale_inv left undefined), with the column sums of gelu_backward's result into *column_sums
-// (a new [C] f32 tensor) when asked: one pass where the kernel that would run gelu_backward has the fused op
+// (as fp8_quantize_transposed takes it) when asked: one pass where the kernel that would run gelu_backward has the fused op
 // (gelu_backward_quantize), else the ops one after another. grad and x [..., C], one shape and dtype (f32 or bf16).
 Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const Tensor& scale, DType fp8,
                                      Tensor* amax_out = nullptr, Tensor* column_sums = nullptr);

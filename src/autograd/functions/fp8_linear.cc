@@ -141,6 +141,7 @@ class Fp8LinearBackward final : public autograd::Node {
   std::optional<std::vector<int64_t>> group_sizes;
   Tensor pre_activation;  // linear_gelu's product (GELU's input)
   DType x_dtype = kF32, weight_dtype = kF32, bias_dtype = kF32;
+  Shape weight_shape;  // the weight gradient's (the weight's codes are kept only for x's gradient)
 
   std::string name() const override {
     return group_sizes ? "Fp8GroupedLinearBackward" : pre_activation.defined() ? "Fp8LinearGeluBackward"
@@ -175,21 +176,27 @@ class Fp8LinearBackward final : public autograd::Node {
     if (!grads[0].defined()) return out;
     Tensor g = grads[0];
     const Device device = g.device();
-    Tensor sums;  // the bias gradient where the cast made it
+    Tensor sums;  // the bias gradient where the cast made it: straight into its flat slot where it has one
+    bool sums_in_slot = false;
+    auto bias_sums = [&] {
+      sums = autograd::claim_gradient_destination(*this, 2, kF32);
+      sums_in_slot = sums.defined();
+      return &sums;
+    };
     ops::Fp8Tensor gq;
     if (pre_activation.defined()) {
       const Tensor d = as_dtype(g, pre_activation.dtype());
       Tensor made;
       if (needs_input_grad(0) || needs_input_grad(1))
-        gq = through_gelu(d, needs_input_grad(2) ? &sums : nullptr, &made);
+        gq = through_gelu(d, needs_input_grad(2) ? bias_sums() : nullptr, &made);
       // The product's output gradient in 16 bits where the bias gradient still needs it (or none).
       g = made.defined() || !needs_input_grad(2) || sums.defined() ? made : ops::gelu_backward(d, pre_activation);
     } else if (needs_input_grad(0) || needs_input_grad(1)) {
       // A dense weight gradient reads the codes along the rows: written transposed in the same pass.
       // The bias gradient rides in that pass too (its column sums).
       const bool transposed = needs_input_grad(1) && !group_sizes && g.dim() >= 1;
-      Tensor* bias_sums = needs_input_grad(2) ? &sums : nullptr;
-      gq = transposed ? state->grad_output.quantize_transposed(g, bias_sums) : state->grad_output.quantize(g);
+      gq = transposed ? state->grad_output.quantize_transposed(g, needs_input_grad(2) ? bias_sums() : nullptr)
+                      : state->grad_output.quantize(g);
     }
     if (needs_input_grad(0) || needs_input_grad(1)) {
       if (needs_input_grad(0)) {
@@ -202,7 +209,7 @@ class Fp8LinearBackward final : public autograd::Node {
         const DType written = product_dtype_for(weight_dtype);
         Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
         const bool in_slot = dw.defined();
-        if (!in_slot) dw = empty(weight.q.shape(), written, device);
+        if (!in_slot) dw = empty(weight_shape, written, device);
         if (group_sizes) ops::fp8_grouped_linear_backward_weight_out(gq, x, *group_sizes, dw);
         else ops::fp8_linear_backward_weight_out(gq, x, dw);
         out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
@@ -210,7 +217,7 @@ class Fp8LinearBackward final : public autograd::Node {
     }
     if (needs_input_grad(2)) {  // the bias gradient from the unquantized output gradient: its column sums
       if (sums.defined()) {
-        out[2] = as_dtype(sums, bias_dtype);
+        out[2] = sums_in_slot ? sums : as_dtype(sums, bias_dtype);
       } else {
         const DType written = g.dtype() == kBF16 || g.dtype() == kF16 ? kF32 : g.dtype();
         Tensor db = autograd::claim_gradient_destination(*this, 2, written);
@@ -274,6 +281,7 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   // An x given as its codes (a quantizing producer's: swiglu_linear) takes its gradient in the product's dtype.
   node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->weight_dtype = weight.dtype();
+  node->weight_shape = weight.shape();
   if (bias.defined()) node->bias_dtype = bias.dtype();
   autograd::set_history(out, node);
   return out;
@@ -286,6 +294,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
   ops::Fp8Tensor x, weight, grad_logits;
   Shape x_shape;
   DType x_dtype = kF32, weight_dtype = kF32;
+  Shape weight_shape;  // the weight gradient's (the weight's codes are kept only for x's gradient)
 
   std::string name() const override { return "Fp8LinearCrossEntropyBackward"; }
   tensor_list apply(tensor_list&& grads) override {
@@ -301,7 +310,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
       const DType written = product_dtype_for(weight_dtype);
       Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
       const bool in_slot = dw.defined();
-      if (!in_slot) dw = empty(weight.q.shape(), written, g.device());
+      if (!in_slot) dw = empty(weight_shape, written, g.device());
       ops::fp8_linear_backward_weight_out(gq, x, dw);
       out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
@@ -523,6 +532,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   node->x_shape = x.shape();
   node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->weight_dtype = weight.dtype();
+  node->weight_shape = weight.shape();
   autograd::set_history(loss, node);
   return loss;
 }
@@ -600,6 +610,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
   Tensor gate, up;                           // SwiGLU's inputs, the products' outputs
   std::shared_ptr<LinearState> gate_state, up_state;
   DType x_dtype = kF32, gate_weight_dtype = kF32, up_weight_dtype = kF32;
+  Shape weight_shape;  // both weights' (their codes are kept only for x's gradient)
 
   std::string name() const override { return "Fp8LinearsSwigluBackward"; }
 
@@ -671,11 +682,10 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
     for (int i : {1, 2}) {
       if (!needs_input_grad(size_t(i))) continue;
       const DType weight_dtype = i == 1 ? gate_weight_dtype : up_weight_dtype;
-      const ops::Fp8Tensor& weight = i == 1 ? gate_weight : up_weight;
       const DType written = product_dtype_for(weight_dtype);
       Tensor dw = autograd::claim_gradient_destination(*this, size_t(i), written);
       const bool in_slot = dw.defined();
-      if (!in_slot) dw = empty(weight.q.shape(), written, gate.device());
+      if (!in_slot) dw = empty(weight_shape, written, gate.device());
       ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw);
       out[size_t(i)] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
@@ -737,6 +747,7 @@ Tensor linears_swiglu(const Tensor& x, const LinearWeights& gate, const LinearWe
   node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->gate_weight_dtype = gate.weight.defined() ? gate.weight.dtype() : kF32;
   node->up_weight_dtype = up.weight.defined() ? up.weight.dtype() : kF32;
+  node->weight_shape = wu.shape();
   autograd::set_history(codes, node);
   return codes;
 }
