@@ -256,7 +256,8 @@ TEST(NnFp8, WeightGradientsWhereTheInputTakesNone) {
       Tensor x = x0.clone(), w = w0.clone().set_requires_grad(true), u = u0.clone().set_requires_grad(true);
       if (input_grad) x.set_requires_grad(true);
       layer(x, w, u).backward();
-      (input_grad ? with : without) = {w.grad(), name == "linears_swiglu" ? u.grad() : Tensor()};
+      std::vector<Tensor>& grads = input_grad ? with : without;
+      grads = std::vector<Tensor>{w.grad(), name == "linears_swiglu" ? u.grad() : Tensor()};
     }
     for (size_t i = 0; i < with.size(); ++i) {
       if (!with[i].defined()) continue;
