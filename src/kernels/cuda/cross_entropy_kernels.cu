@@ -4,8 +4,7 @@
 // fused forward + backward cross_entropy_with_grad) reads the row again, mostly from L2 since the block just read it,
 // and writes (softmax - onehot) * g, zero rows for ignored targets and zero columns past the classes; 16-bit rows of
 // 16-104 KB (GPT-2's vocabulary; to 98 KB on GPUs with 99 KB of shared memory a block) stage the row in shared
-// memory instead and read it from there twice (a block looping over rows with the next row's copy in flight where
-// two rows fit its shared memory). The mean/sum over rows is a second kernel that sums the per-row
+// memory instead and read it from there twice. The mean/sum over rows is a second kernel that sums the per-row
 // losses in a fixed order (deterministic, no float atomics). Math in float (double for f64 logits). Targets are
 // validated on the device: an out-of-range one sets a flag that the host reads back after the kernels, and throws
 // with the CPU kernel's message.
@@ -295,116 +294,87 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
 }
 
 // The same for 16-bit logits whose gradient is wanted, with the row staged in shared memory: the block copies its
-// row there (cp.async, every copy in flight at once), and both passes read it back from there, so no logit is read
-// from global memory twice and the gradient pass waits on no load (the two-pass kernel's re-read from L2 held it to
-// about half the bandwidth). Rows must start on a 16-byte boundary and hold whole vectors, as must the gradient.
-// Two ways, by how many rows fit a block's shared memory:
-//   kTwoRows (two rows fit: GPT-2's 100 KB rows on Hopper): one block of kPipelinedThreads per SM loops over rows,
-//     copying its next row into the other buffer while it works on this one, so the loads of the next row overlap
-//     this row's exponentials and stores. One row per block, two blocks an SM, left the SM without a load in flight
-//     whenever both blocks computed (the quantizing loss at about half of an H100's bandwidth).
-//   otherwise: one row a block (kStagedThreads), two blocks an SM where two rows fit an SM.
-constexpr unsigned kStagedThreads = 512, kPipelinedThreads = 1024;
+// row there once (cp.async, every copy in flight at once), and both passes read it back from there, so no logit is
+// read from global memory twice and the gradient pass waits on no load (the two-pass kernel's re-read from L2 held
+// it to about half the bandwidth). Two blocks fit an SM (a 50K-class row is 100 KB), so one block's loads overlap the
+// other's arithmetic and stores. Rows must start on a 16-byte boundary and hold whole vectors, as must the gradient.
+constexpr unsigned kStagedThreads = 512;
 constexpr int64_t kStagedRowBytes = 104 * 1024;  // two blocks of it in an SM's 228 KB
 
 __device__ __forceinline__ void copy_async_16(void* shared_dst, const void* global_src) {
   const unsigned dst = unsigned(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
 }
 
 // Q an 8-bit float: the gradient goes to a.codes, a vector's codes in one 8-byte store (rows of whole vectors).
-// Each thread copies, and later reads, only its own vectors of a row (k = threadIdx.x + i * blockDim.x): its own
-// wait makes them visible to it, and it has read them before it copies the next row over them, so no barrier.
-template <typename T, typename I, typename Q = void, bool kTwoRows = false>
-__global__ void __launch_bounds__(kTwoRows ? kPipelinedThreads : kStagedThreads, kTwoRows ? 1 : 2)
-    cross_entropy_staged_rows_kernel(const RowArgs<T, I> a, int64_t rows) {
+template <typename T, typename I, typename Q = void>
+__global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_kernel(const RowArgs<T, I> a) {
   static_assert(kFastMath<T>, "16-bit logits only");
   using C = compute_t<T>;
   constexpr bool kCodes = !std::is_void_v<Q>;
   extern __shared__ __align__(16) unsigned char staged_raw[];
   __shared__ OnlineSoftmax<C> scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t t = int64_t(a.targets[row]);
+  const T* x = a.logits + row * a.vocab;
+  T* grow = kCodes ? nullptr : a.grad_logits + row * a.vocab;
+  uint64_t* crow = kCodes ? reinterpret_cast<uint64_t*>(a.codes + row * a.vocab) : nullptr;
+  if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
+    if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
+    if constexpr (kCodes) {
+      for (int64_t k = threadIdx.x; k < a.vocab / kVec<T>; k += blockDim.x) crow[k] = 0;  // codes of +0
+    } else {
+      zero_row(grow, a.vocab);
+    }
+    return;
+  }
+  const C target_logit = C(x[t]);  // before any thread writes the gradient over the logits
   const int vectors = int(a.vocab / kVec<T>), full_vectors = int(a.classes / kVec<T>);
-  Vec<T>* const buffers[2] = {reinterpret_cast<Vec<T>*>(staged_raw),
-                              reinterpret_cast<Vec<T>*>(staged_raw) + (kTwoRows ? vectors : 0)};
-  auto copy_row = [&](int64_t row, Vec<T>* to) {
-    const Vec<T>* from = reinterpret_cast<const Vec<T>*>(a.logits + row * a.vocab);
-    for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) copy_async_16(to + k, from + k);
-    copy_async_commit();
-  };
+  const Vec<T>* vx = reinterpret_cast<const Vec<T>*>(x);
+  Vec<T>* staged = reinterpret_cast<Vec<T>*>(staged_raw);
+  // Each thread copies, and later reads, only its own vectors: its wait makes them visible to it, no barrier needed.
+  for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) copy_async_16(staged + k, vx + k);
+  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+  OnlineSoftmax<C> acc{cuda::negative_infinity<C>(), C(0)};
+  for (int k = int(threadIdx.x); k < full_vectors; k += int(blockDim.x)) add_vector(acc, staged[k]);
+  if (full_vectors < vectors && int(threadIdx.x) == full_vectors % int(blockDim.x)) {
+    const Vec<T> v = staged[full_vectors];  // the vector the last classes end in (a padded vocabulary)
+    for (int e = 0; e < kVec<T> && int64_t(full_vectors) * kVec<T> + e < a.classes; ++e) acc.add(C(v.v[e]));
+  }
+  const OnlineSoftmax<C> stats = cuda::row_allreduce_softmax(acc, scratch);
+  if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
+  C scale = C(1);
+  if (a.mean) {
+    const unsigned long long count = *a.counted;
+    scale = count ? C(1) / C(count) : C(0);
+  }
+  const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
+  const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
+  Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow);
   const float s = kCodes ? *a.code_scale : 0.0f;
   unsigned local = 0;
-  if (kTwoRows && int64_t(blockIdx.x) < rows) copy_row(blockIdx.x, buffers[0]);
-  int parity = 0;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
-    if constexpr (kTwoRows) {  // the next row's copy in flight before this row's is waited for
-      if (row + gridDim.x < rows) copy_row(row + gridDim.x, buffers[parity ^ 1]);
-      else copy_async_commit();  // an empty group: the wait below still means this row's
-    }
-    const int64_t t = int64_t(a.targets[row]);
-    const T* x = a.logits + row * a.vocab;
-    T* grow = kCodes ? nullptr : a.grad_logits + row * a.vocab;
-    uint64_t* crow = kCodes ? reinterpret_cast<uint64_t*>(a.codes + row * a.vocab) : nullptr;
-    if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
-      if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
-      if constexpr (kCodes) {
-        for (int64_t k = threadIdx.x; k < vectors; k += blockDim.x) crow[k] = 0;  // codes of +0
-      } else {
-        zero_row(grow, a.vocab);
+  for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) {
+    const Vec<T> in = staged[k];
+    Vec<T> out;
+    const int64_t base = int64_t(k) * kVec<T>;
+#pragma unroll
+    for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
+    if constexpr (kCodes) {
+      static_assert(kVec<T> == 8, "a 16-bit vector's codes fill 8 bytes");
+      uint64_t codes = 0;
+#pragma unroll
+      for (int e = 0; e < kVec<T>; e += 2) {
+        const float v0 = float(out.v[e]), v1 = float(out.v[e + 1]);
+        local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));
+        codes |= uint64_t(cuda::encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s))) << (8 * e);
       }
-      continue;
-    }
-    const C target_logit = C(x[t]);  // before any thread writes the gradient over the logits
-    Vec<T>* staged = buffers[kTwoRows ? parity : 0];
-    if constexpr (kTwoRows) {
-      copy_async_wait<1>();
+      crow[k] = codes;
     } else {
-      copy_row(row, staged);
-      copy_async_wait<0>();
-    }
-    OnlineSoftmax<C> acc{cuda::negative_infinity<C>(), C(0)};
-    for (int k = int(threadIdx.x); k < full_vectors; k += int(blockDim.x)) add_vector(acc, staged[k]);
-    if (full_vectors < vectors && int(threadIdx.x) == full_vectors % int(blockDim.x)) {
-      const Vec<T> v = staged[full_vectors];  // the vector the last classes end in (a padded vocabulary)
-      for (int e = 0; e < kVec<T> && int64_t(full_vectors) * kVec<T> + e < a.classes; ++e) acc.add(C(v.v[e]));
-    }
-    // Its barriers also keep the scratch of the last row until every thread has read it.
-    const OnlineSoftmax<C> stats = cuda::row_allreduce_softmax(acc, scratch);
-    if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
-    C scale = C(1);
-    if (a.mean) {
-      const unsigned long long count = *a.counted;
-      scale = count ? C(1) / C(count) : C(0);
-    }
-    const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
-    const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
-    Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow);
-    for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) {
-      const Vec<T> in = staged[k];
-      Vec<T> out;
-      const int64_t base = int64_t(k) * kVec<T>;
-#pragma unroll
-      for (int e = 0; e < kVec<T>; ++e) out.v[e] = f(base + e, C(in.v[e]));
-      if constexpr (kCodes) {
-        static_assert(kVec<T> == 8, "a 16-bit vector's codes fill 8 bytes");
-        uint64_t codes = 0;
-#pragma unroll
-        for (int e = 0; e < kVec<T>; e += 2) {
-          const float v0 = float(out.v[e]), v1 = float(out.v[e + 1]);
-          local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));
-          codes |= uint64_t(cuda::encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s))) << (8 * e);
-        }
-        crow[k] = codes;
-      } else {
-        store_streaming(vg + k, out);
-      }
+      store_streaming(vg + k, out);
     }
   }
-  copy_async_wait<0>();  // no copy outlives the block (a last row that was ignored)
   if (kCodes && a.amax_bits) cuda::warp_max_into(local, a.amax_bits);
 }
 
@@ -413,8 +383,6 @@ __global__ void __launch_bounds__(kTwoRows ? kPipelinedThreads : kStagedThreads,
 int64_t staged_row_limit(int device) {
   return std::min<int64_t>(kStagedRowBytes, cuda::max_shared_memory_per_block(device) - 1024);
 }
-// Whether two rows of `bytes` fit one block's shared memory (kTwoRows).
-bool two_rows_fit(int64_t bytes, int device) { return 2 * bytes <= cuda::max_shared_memory_per_block(device) - 1024; }
 
 // Whether a launch can take the staged kernel: a gradient of 16-bit logits in whole aligned vectors, rows large
 // enough to gain from it and small enough for two per SM (and for the device's shared memory).
@@ -559,21 +527,10 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
                                        vocab, ctx.device().index)
                      : staged_rows_fit(args.logits, grad, args.grad_vectors, vocab, ctx.device().index);
       if (staged) {
-        const int device = ctx.device().index;
-        const int64_t row_bytes = vocab * int64_t(sizeof(T));
-        if (two_rows_fit(row_bytes, device)) {
-          auto kernel = cross_entropy_staged_rows_kernel<T, I, Q, true>;
-          static std::atomic<uint64_t> opted_in{0};
-          cuda::opt_in_shared_memory(kernel, int(cuda::max_shared_memory_per_block(device) - 1024), device,
-                                     opted_in);
-          const int64_t blocks = std::min<int64_t>(n, cuda::multiprocessor_count(device));
-          kernel<<<unsigned(blocks), kPipelinedThreads, size_t(2 * row_bytes), stream>>>(args, n);
-        } else {
-          auto kernel = cross_entropy_staged_rows_kernel<T, I, Q>;
-          static std::atomic<uint64_t> opted_in{0};
-          cuda::opt_in_shared_memory(kernel, int(staged_row_limit(device)), device, opted_in);
-          kernel<<<unsigned(n), kStagedThreads, size_t(row_bytes), stream>>>(args, n);
-        }
+        auto kernel = cross_entropy_staged_rows_kernel<T, I, Q>;
+        static std::atomic<uint64_t> opted_in{0};
+        cuda::opt_in_shared_memory(kernel, int(staged_row_limit(ctx.device().index)), ctx.device().index, opted_in);
+        kernel<<<unsigned(n), kStagedThreads, size_t(vocab) * sizeof(T), stream>>>(args);
       }
     }
     if (!staged) {
