@@ -418,38 +418,54 @@ TEST(CudaFp8, QuantizeTransposedMatchesTheCpu) {
 }
 
 // A weight gradient from row-major codes (each operand transposed into a K-contiguous buffer before cuBLASLt, 16
-// bytes a load and a store where the codes start on 16 bytes with rows of whole 16 bytes, byte by byte elsewhere)
-// against the CPU's product of the same codes: whole and partial 128 x 128 tiles, K (the rows) padded to 16 with
-// zeros, codes at odd offsets (a view past a first row of odd width), both formats of the gradient.
+// bytes a load and a store where the codes start on 16 bytes with rows of whole 16 bytes, byte by byte elsewhere):
+// the product of the same codes given transposed (no transposing pass), and the CPU's within the FP8 tensor cores'
+// accumulation. Whole and partial 128 x 128 tiles, K (the rows) padded to 16 with zeros, codes at an odd offset
+// (a view one byte into a buffer), both formats of the gradient.
 TEST(CudaFp8, WeightGradientOfRowMajorCodesIsTheCpus) {
   LOOM_SKIP_WITHOUT_FP8_GPU();
   std::mt19937_64 rng(11);
   for (auto [rows, out, in, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>{
-           {256, 128, 128, false}, {1000, 300, 48, false}, {4099, 2304, 768, false}, {77, 33, 129, true},
-           {515, 257, 211, true}, {130, 1040, 64, true}})
+           {256, 128, 128, false}, {1000, 304, 48, false}, {4099, 2304, 768, false}, {77, 32, 144, true},
+           {515, 272, 208, true}, {130, 1040, 64, true}})
     for (DType gt : {kF8E5M2, kF8E4M3}) {
-      // Codes of values in [-2, 2] made on the CPU, then a view of rows 1.. (an odd first row: an odd offset).
+      // The codes (and the same codes transposed) of values in [-2, 2], made on the CPU; the row-major ones copied to
+      // the GPU one byte into a buffer when `offset`.
       auto codes = [&](int64_t cols, DType fp8) {
         const Tensor one = host_tensor({1.0}, {1}, kF32);
-        const Tensor all = ops::fp8_quantize(test::random_tensor({rows + 1, cols}, kF32, -2, 2, rng()), one, fp8);
-        const Tensor gpu = all.to(kGpu);
-        return offset ? gpu.slice(0, 1, rows + 1) : gpu.slice(0, 0, rows);
+        const ops::Fp8Tensor c = ops::fp8_quantize_transposed(test::random_tensor({rows, cols}, kF32, -2, 2, rng()),
+                                                              one, fp8);
+        Tensor q = c.q.to(kGpu);
+        if (offset) {
+          Tensor buffer = empty({rows * cols + 1}, fp8, kGpu);
+          q = buffer.slice(0, 1, rows * cols + 1).view({rows, cols});
+          q.copy_from(c.q.to(kGpu));
+        }
+        return std::make_pair(q, c.qt.to(kGpu));
       };
-      const Tensor g = codes(out, gt), x = codes(in, kF8E4M3);
+      const auto [g, gt_t] = codes(out, gt);
+      const auto [x, xt_t] = codes(in, kF8E4M3);
       const Tensor sg = host_tensor({0.75}, {1}, kF32).to(kGpu), sx = host_tensor({1.5}, {1}, kF32).to(kGpu);
-      Tensor dw = empty({out, in}, kF32, kGpu), dw_cpu = empty({out, in}, kF32);
+      Tensor dw = empty({out, in}, kF32, kGpu), dw_t = empty({out, in}, kF32, kGpu), dw_cpu = empty({out, in}, kF32);
       ops::fp8_linear_backward_weight_out({g, sg}, {x, sx}, dw);
+      ops::fp8_linear_backward_weight_out({g, sg, gt_t}, {x, sx, xt_t}, dw_t);
       ops::fp8_linear_backward_weight_out({g.to(Device()), sg.to(Device())}, {x.to(Device()), sx.to(Device())},
                                           dw_cpu);
-      const std::vector<double> a = test::values(dw.to(Device())), b = test::values(dw_cpu);
-      double largest = 0, worst = 0;
+      const std::vector<double> a = test::values(dw.to(Device())), t = test::values(dw_t.to(Device())),
+                                c = test::values(dw_cpu);
+      double largest = 0, from_transposed = 0, from_cpu = 0;
       for (size_t i = 0; i < a.size(); ++i) {
-        largest = std::max(largest, std::abs(b[i]));
-        worst = std::max(worst, std::abs(a[i] - b[i]));
+        largest = std::max(largest, std::abs(c[i]));
+        from_transposed = std::max(from_transposed, std::abs(a[i] - t[i]));
+        from_cpu = std::max(from_cpu, std::abs(a[i] - c[i]));
       }
-      EXPECT_GT(largest, 0.0);
-      EXPECT_LE(worst, 1e-5 * largest) << dtype_name(gt) << " [" << rows << ", " << out << "] x [" << rows << ", "
-                                       << in << "]" << (offset ? " at an odd offset" : "");
+      const std::string what = std::string(dtype_name(gt)) + " [" + std::to_string(rows) + ", " +
+                               std::to_string(out) + "] x [" + std::to_string(rows) + ", " + std::to_string(in) +
+                               "]" + (offset ? " at an odd offset" : "");
+      EXPECT_GT(largest, 0.0) << what;
+      EXPECT_LE(from_transposed, 1e-6 * largest) << what << ": against the transposed codes' product";
+      // One code misplaced moves an entry by a product of two codes (up to 4 here): about 1% of the largest entry.
+      EXPECT_LE(from_cpu, 2e-3 * largest) << what << ": against the CPU";
     }
 }
 

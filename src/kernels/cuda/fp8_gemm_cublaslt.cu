@@ -303,6 +303,37 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
+// Problem p's own layouts, in a plan whose descriptor stays the borrowed plan's.
+void set_exact_layouts(Plan& layouts, const LtProblem& p) {
+  layouts.a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
+  layouts.b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
+  layouts.d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+}
+
+// Whether the algorithm of plan (another problem's, of the same bucket) runs on `layouts` within the workspace.
+// The caller holds plan.mu.
+bool borrowed_algorithm_fits(const CudaDeviceContext& cuda, const Plan& plan, const Plan& layouts) {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(cuda.cublaslt(), plan.desc, layouts.a, layouts.b, layouts.d, layouts.d, &plan.algo,
+                                 &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= cuda.workspace_bytes();
+}
+
+// Whether cuBLASLt runs problem p (aligned to align_d): its own plan's answer, or a borrowed plan's algorithm that
+// passes the check on p's layouts. A borrowed plan alone says nothing of p: tiny problems of one bucket share it
+// while cuBLASLt has an algorithm for some of them only.
+bool runs(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
+  const FoundPlan found = plan_cache().get(cuda, p, align_d);
+  if (found.exact) return found.plan->has_algo;
+  Plan layouts;
+  set_exact_layouts(layouts, p);
+  {
+    std::lock_guard<std::mutex> lock(found.plan->mu);
+    if (borrowed_algorithm_fits(cuda, *found.plan, layouts)) return true;
+  }
+  return plan_cache().get(cuda, p, align_d, /*exact_only=*/true).plan->has_algo;
+}
+
 // The problem with every operand in the canonical layout (packed, K padded, D dense and aligned): what supports()
 // asks cuBLASLt about, and what a call falls back to.
 LtProblem canonical_problem(const Fp8GemmParams& f, bool fused_bias) {
@@ -332,7 +363,7 @@ bool fp8_gemm_supported(const Fp8GemmParams& f) {
   if (g.batch > INT32_MAX) return false;
   const CudaDeviceContext& cuda = cuda_context(device_runtime(kCUDA).context(g.device.index));
   cuda::DeviceGuard guard(g.device.index);
-  return plan_cache().get(cuda, canonical_problem(f, bias_fusable(f)), 16).plan->has_algo;
+  return runs(cuda, canonical_problem(f, bias_fusable(f)), 16);
 }
 
 void finish(const CudaDeviceContext& cuda, const GemmParams& g, bool empty_sum, bool add_bias) {
@@ -395,23 +426,14 @@ bool run_plan(const CudaDeviceContext& cuda, FoundPlan found, const LtProblem& p
   void* workspace = cuda.workspace(stream);
   const float alpha = float(f.gemm.alpha), beta = float(f.gemm.beta);
   Plan exact_layouts;  // this problem's layouts for a borrowed plan (its descriptor stays the plan's)
-  if (!found.exact) {
-    exact_layouts.a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
-    exact_layouts.b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
-    exact_layouts.d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
-  }
+  if (!found.exact) set_exact_layouts(exact_layouts, p);
   Plan& plan = *found.plan;
   std::unique_lock<std::mutex> lock(plan.mu);
   const Plan& layouts = found.exact ? plan : exact_layouts;
-  if (!found.exact) {
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(cuda.cublaslt(), plan.desc, layouts.a, layouts.b, layouts.d, layouts.d, &plan.algo,
-                                &check) != CUBLAS_STATUS_SUCCESS ||
-        check.workspaceSize > cuda.workspace_bytes()) {
-      lock.unlock();
-      FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
-      return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
-    }
+  if (!found.exact && !borrowed_algorithm_fits(cuda, plan, layouts)) {
+    lock.unlock();
+    FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
+    return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
   }
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
@@ -425,6 +447,11 @@ bool run_plan(const CudaDeviceContext& cuda, FoundPlan found, const LtProblem& p
   const cublasStatus_t status =
       cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, layouts.a, p.b.data, layouts.b, &beta, p.d,
                      layouts.d, p.d, layouts.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED && !found.exact) {  // the borrowed algorithm after all: the problem's own
+    lock.unlock();
+    FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
+    return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
+  }
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
   mark_d();
