@@ -53,8 +53,9 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
 Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out = nullptr);
 // GELU's backward quantized as fp8_quantize_transposed(gelu_backward(grad, x), scale, fp8, amax_out) gives it (q and
 // qt of the result; its scale_inv left undefined), with the column sums of gelu_backward's result into *column_sums
-// (as fp8_quantize_transposed takes it) when asked: one pass where the kernel that would run gelu_backward has the fused op
-// (gelu_backward_quantize), else the ops one after another. grad and x [..., C], one shape and dtype (f32 or bf16).
+// (as fp8_quantize_transposed takes it) when asked: one pass where the kernel that would run gelu_backward has the
+// fused op (gelu_backward_quantize), else the ops one after another. grad and x [..., C], one shape and dtype (f32 or
+// bf16).
 Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const Tensor& scale, DType fp8,
                                      Tensor* amax_out = nullptr, Tensor* column_sums = nullptr);
 // The codes of SwiGLU's two gradients, each in both layouts.

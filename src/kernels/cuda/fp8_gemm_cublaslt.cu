@@ -98,7 +98,9 @@ __global__ void pack_k_contiguous(const uint8_t* __restrict__ src, int64_t row_s
 // rows of a warp, 16 apart, fall in 8 different banks. Byte loads and stores through 64 x 64 tiles moved the
 // classifier's gradient at about 1.4 TB/s on an H100. Block kPackThreads; grid (ld, cols, batch) in tiles.
 constexpr int kPackTile = 128, kPackThreads = 256, kPackChunks = kPackTile / 16;
-__device__ __forceinline__ int pack_swizzle(int row, int chunk) { return row * kPackTile + ((chunk ^ (row / 16 % 8)) * 16); }
+__device__ __forceinline__ int pack_swizzle(int row, int chunk) {
+  return row * kPackTile + ((chunk ^ (row / 16 % 8)) * 16);
+}
 
 template <bool kAligned>
 __global__ void __launch_bounds__(kPackThreads)
