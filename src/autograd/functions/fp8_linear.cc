@@ -176,11 +176,11 @@ class Fp8LinearBackward final : public autograd::Node {
     if (!grads[0].defined()) return out;
     Tensor g = grads[0];
     const Device device = g.device();
-    Tensor sums;  // the bias gradient where the cast made it: straight into its flat slot where it has one
-    bool sums_in_slot = false;
+    // The bias gradient where the cast made it: straight into its flat slot where it has one (an f32 slot: the
+    // f32 bias's, which as_dtype below then hands on as it is).
+    Tensor sums;
     auto bias_sums = [&] {
       sums = autograd::claim_gradient_destination(*this, 2, kF32);
-      sums_in_slot = sums.defined();
       return &sums;
     };
     ops::Fp8Tensor gq;
@@ -217,7 +217,7 @@ class Fp8LinearBackward final : public autograd::Node {
     }
     if (needs_input_grad(2)) {  // the bias gradient from the unquantized output gradient: its column sums
       if (sums.defined()) {
-        out[2] = sums_in_slot ? sums : as_dtype(sums, bias_dtype);
+        out[2] = as_dtype(sums, bias_dtype);
       } else {
         const DType written = g.dtype() == kBF16 || g.dtype() == kF16 ? kF32 : g.dtype();
         Tensor db = autograd::claim_gradient_destination(*this, 2, written);
