@@ -250,28 +250,58 @@ std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
   return plan;
 }
 
+// Problem p's own layouts, in a plan whose descriptor stays the borrowed plan's.
+std::shared_ptr<Plan> exact_layouts(const LtProblem& p) {
+  auto layouts = std::make_shared<Plan>();
+  layouts->a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
+  layouts->b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
+  layouts->d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+  return layouts;
+}
+
+// Whether the algorithm of plan (another problem's, of the same bucket) runs on `layouts` within the workspace.
+// The caller holds plan.mu.
+bool borrowed_algorithm_fits(const CudaDeviceContext& cuda, const Plan& plan, const Plan& layouts) {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(cuda.cublaslt(), plan.desc, layouts.a, layouts.b, layouts.d, layouts.d, &plan.algo,
+                                 &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= cuda.workspace_bytes();
+}
+
+// A plan to run one problem with: its own, or another problem's of its size bucket whose algorithm passed
+// cublasLtMatmulAlgoCheck on this problem's layouts (which it carries: the descriptor and algorithm stay the plan's).
+struct FoundPlan {
+  std::shared_ptr<Plan> plan;
+  std::shared_ptr<Plan> borrowed_layouts;  // set when the plan is borrowed
+  bool runs() const { return plan->has_algo; }
+  const Plan& layouts() const { return borrowed_layouts ? *borrowed_layouts : *plan; }
+};
+
 // Plans by exact problem, and the same plans by a size bucket (m, n, k and the leading dimensions rounded up to 256):
 // a mixture of experts' per-expert products take new row counts every step, and a heuristic query for each (two per
 // call with supports()) costs host time that its FP8 products, about 0.1 ms each, no longer hide. A problem missing
-// from the first map borrows the algorithm of a plan in its bucket, checked against the exact problem on each call
-// (cublasLtMatmulAlgoCheck); only where the check fails is a plan of its own built. At most kCapacity plans by exact
-// problem, the oldest dropped first; a dropped plan lives on while a call still holds it.
-struct FoundPlan {
-  std::shared_ptr<Plan> plan;
-  bool exact;  // false: a plan of the same bucket, whose layouts are not this problem's
-};
-
+// from the first map borrows the algorithm of a plan in its bucket once it passes the check on the exact problem
+// (each time it is asked for: tiny problems of one bucket share a plan while cuBLASLt has an algorithm for some of
+// them only); where the check fails a plan of its own is built. At most kCapacity plans by exact problem, the oldest
+// dropped first; a dropped plan lives on while a call still holds it.
 class PlanCache {
  public:
   static constexpr size_t kCapacity = 4096;
+  // exact_only: the problem's own plan even where a borrowed one would do (after cuBLASLt refused a borrowed one).
   FoundPlan get(const CudaDeviceContext& cuda, const LtProblem& p, int align_d, bool exact_only = false) {
     const PlanKey key = key_of(cuda.device().index, p, align_d), bucket = bucket_of(key);
+    std::shared_ptr<Plan> borrowed;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = plans_.find(key);
-      if (it != plans_.end()) return {it->second, true};
+      if (it != plans_.end()) return {it->second, nullptr};
       auto b = buckets_.find(bucket);
-      if (!exact_only && b != buckets_.end()) return {b->second, false};
+      if (!exact_only && b != buckets_.end()) borrowed = b->second;
+    }
+    if (borrowed) {
+      std::shared_ptr<Plan> layouts = exact_layouts(p);
+      std::lock_guard<std::mutex> lock(borrowed->mu);
+      if (borrowed_algorithm_fits(cuda, *borrowed, *layouts)) return {borrowed, layouts};
     }
     std::shared_ptr<Plan> plan = build_plan(cuda, p, align_d);  // outside the lock: the heuristic takes a while
     std::lock_guard<std::mutex> lock(mu_);
@@ -284,7 +314,7 @@ class PlanCache {
         order_.pop_front();
       }
     }
-    return {it->second, true};
+    return {it->second, nullptr};
   }
 
  private:
@@ -305,35 +335,9 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
-// Problem p's own layouts, in a plan whose descriptor stays the borrowed plan's.
-void set_exact_layouts(Plan& layouts, const LtProblem& p) {
-  layouts.a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
-  layouts.b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
-  layouts.d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
-}
-
-// Whether the algorithm of plan (another problem's, of the same bucket) runs on `layouts` within the workspace.
-// The caller holds plan.mu.
-bool borrowed_algorithm_fits(const CudaDeviceContext& cuda, const Plan& plan, const Plan& layouts) {
-  cublasLtMatmulHeuristicResult_t check{};
-  return cublasLtMatmulAlgoCheck(cuda.cublaslt(), plan.desc, layouts.a, layouts.b, layouts.d, layouts.d, &plan.algo,
-                                 &check) == CUBLAS_STATUS_SUCCESS &&
-         check.workspaceSize <= cuda.workspace_bytes();
-}
-
-// Whether cuBLASLt runs problem p (aligned to align_d): its own plan's answer, or a borrowed plan's algorithm that
-// passes the check on p's layouts. A borrowed plan alone says nothing of p: tiny problems of one bucket share it
-// while cuBLASLt has an algorithm for some of them only.
+// Whether cuBLASLt runs problem p (aligned to align_d).
 bool runs(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
-  const FoundPlan found = plan_cache().get(cuda, p, align_d);
-  if (found.exact) return found.plan->has_algo;
-  Plan layouts;
-  set_exact_layouts(layouts, p);
-  {
-    std::lock_guard<std::mutex> lock(found.plan->mu);
-    if (borrowed_algorithm_fits(cuda, *found.plan, layouts)) return true;
-  }
-  return plan_cache().get(cuda, p, align_d, /*exact_only=*/true).plan->has_algo;
+  return plan_cache().get(cuda, p, align_d).runs();
 }
 
 // The problem with every operand in the canonical layout (packed, K padded, D dense and aligned): what supports()
@@ -420,23 +424,16 @@ void copy_output(DType t, const void* src, int64_t src_ld, int64_t src_stride, v
   else copy_output<uint16_t>(src, src_ld, src_stride, dst, dst_ld, dst_stride, g, stream);
 }
 
-// False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout. A plan
-// borrowed from the problem's bucket runs with this problem's layouts once its algorithm passes the check, else with
-// a plan of its own.
-bool run_plan(const CudaDeviceContext& cuda, FoundPlan found, const LtProblem& p, const Fp8GemmParams& f, int align_d) {
+// False where cublasLtMatmul refuses the call (CUBLAS_STATUS_NOT_SUPPORTED); the caller tries another layout. A
+// borrowed plan that cuBLASLt refuses after all gives way to the problem's own.
+bool run_plan(const CudaDeviceContext& cuda, const FoundPlan& found, const LtProblem& p, const Fp8GemmParams& f,
+              int align_d) {
   cudaStream_t stream = cuda.cuda_stream();
   void* workspace = cuda.workspace(stream);
   const float alpha = float(f.gemm.alpha), beta = float(f.gemm.beta);
-  Plan exact_layouts;  // this problem's layouts for a borrowed plan (its descriptor stays the plan's)
-  if (!found.exact) set_exact_layouts(exact_layouts, p);
   Plan& plan = *found.plan;
+  const Plan& layouts = found.layouts();
   std::unique_lock<std::mutex> lock(plan.mu);
-  const Plan& layouts = found.exact ? plan : exact_layouts;
-  if (!found.exact && !borrowed_algorithm_fits(cuda, plan, layouts)) {
-    lock.unlock();
-    FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
-    return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
-  }
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.scale_a);
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.scale_b);
   if (p.fused_bias) set_attr(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, f.gemm.bias);
@@ -449,10 +446,10 @@ bool run_plan(const CudaDeviceContext& cuda, FoundPlan found, const LtProblem& p
   const cublasStatus_t status =
       cublasLtMatmul(cuda.cublaslt(), plan.desc, &alpha, p.a.data, layouts.a, p.b.data, layouts.b, &beta, p.d,
                      layouts.d, p.d, layouts.d, &plan.algo, workspace, cuda.workspace_bytes(), stream);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED && !found.exact) {  // the borrowed algorithm after all: the problem's own
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED && found.borrowed_layouts) {
     lock.unlock();
-    FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
-    return own.plan->has_algo && run_plan(cuda, own, p, f, align_d);
+    const FoundPlan own = plan_cache().get(cuda, p, align_d, /*exact_only=*/true);
+    return own.runs() && run_plan(cuda, own, p, f, align_d);
   }
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   LOOM_CUBLAS_CHECK(status);
@@ -510,11 +507,11 @@ void fp8_gemm_cuda(const DeviceContext& ctx, const Fp8GemmParams& given) {
     p.d = g.c, p.ldd = g.ldc, p.d_stride = g.batch > 1 ? g.stride_c : 0;
     const int align = cuda::pointer_alignment(g.c);
     const FoundPlan found = plan_cache().get(cuda, p, align);
-    return found.plan->has_algo && run_plan(cuda, found, p, f, align);
+    return found.runs() && run_plan(cuda, found, p, f, align);
   };
   auto run_staged = [&](LtProblem p) {
     const FoundPlan found = plan_cache().get(cuda, p, 16);
-    if (!found.plan->has_algo) return false;
+    if (!found.runs()) return false;
     if (!d_buffer.defined()) d_buffer = empty({p.d_stride * g.batch}, g.output_dtype, g.device);
     p.d = d_buffer.data();
     if (g.beta != 0) copy_output(g.output_dtype, g.c, g.ldc, g.stride_c, p.d, p.ldd, p.d_stride, g, stream);

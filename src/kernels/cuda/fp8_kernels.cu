@@ -12,6 +12,7 @@
 #include "backends/cuda/cuda_context.h"
 #include "kernels/cuda/elementwise_common.cuh"
 #include "kernels/cuda/fp8_codes.cuh"
+#include "kernels/cuda/reduce_nn_common.cuh"
 #include "kernels/fp8_kernel.h"
 #include "kernels/primitives/elementwise_math.h"
 
@@ -350,26 +351,10 @@ __global__ void quantize_transposed_kernel(Values values, TransposedCodes<N> out
     }
 }
 
-// out[c] = the sum over t of partials[t][c] [tiles, cols]: a block of 32 columns x kPartialSplit threads, thread y
-// adding the tiles y, y + kPartialSplit, ... in order, then the kPartialSplit sums of a column added in y order (the
-// same bits every run). One thread per column walking every tile (512 dependent loads for 32768 rows) kept the
-// [32768, 768] cast with its bias gradient at a third of an H100's memory bandwidth: few blocks, each waiting on
-// one load at a time.
-constexpr unsigned kPartialColumns = 32, kPartialSplit = 32;
+// out[c] = the sum over t of partials[t][c] [tiles, cols], in a fixed order (sum_partial_rows).
 __global__ void column_partials_kernel(const float* __restrict__ partials, int64_t tiles, int64_t cols,
                                        float* __restrict__ out) {
-  __shared__ float split[kPartialSplit][kPartialColumns];
-  const int64_t c = int64_t(blockIdx.x) * kPartialColumns + threadIdx.x;
-  float sum = 0;
-  if (c < cols) {
-#pragma unroll 8  // several loads in flight: the adds stay in order
-    for (int64_t t = threadIdx.y; t < tiles; t += kPartialSplit) sum = __fadd_rn(sum, partials[t * cols + c]);
-  }
-  split[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
-  for (unsigned y = 1; y < kPartialSplit; ++y) sum = __fadd_rn(sum, split[y][threadIdx.x]);
-  out[c] = sum;
+  cuda::sum_partial_rows(partials, tiles, cols, out);
 }
 
 // Whether quantize_transposed_kernel may take its vector path over `values` and `out` of [rows, cols].
@@ -404,9 +389,9 @@ void launch_quantize_transposed(const DeviceContext& ctx, Values values, const T
     quantize_transposed_kernel<Q, false><<<grid, kThreads, 0, stream>>>(values, out, rows, cols, sums);
   LOOM_CUDA_CHECK_LAUNCH();
   if (!column_sums.defined()) return;
-  const int64_t column_blocks = (cols + kPartialColumns - 1) / kPartialColumns;
+  const int64_t column_blocks = (cols + cuda::kPartialColumns - 1) / cuda::kPartialColumns;
   LOOM_CHECK(column_blocks <= INT32_MAX, "fp8: too many columns for one grid of column sums");
-  column_partials_kernel<<<unsigned(column_blocks), dim3(kPartialColumns, kPartialSplit), 0, stream>>>(
+  column_partials_kernel<<<unsigned(column_blocks), dim3(cuda::kPartialColumns, cuda::kPartialSplit), 0, stream>>>(
       static_cast<const float*>(partials.data()), row_tiles, cols, static_cast<float*>(column_sums.data()));
   LOOM_CUDA_CHECK_LAUNCH();
 }

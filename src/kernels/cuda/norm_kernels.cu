@@ -10,6 +10,9 @@ namespace loom {
 namespace {
 
 using cuda::compute_t;
+using cuda::kPartialColumns;
+using cuda::kPartialSplit;
+using cuda::sum_partial_rows;
 
 template <typename T>
 using stats_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -567,32 +570,14 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
   }
 }
 
-constexpr unsigned kPartialColumns = 32;  // blockDim.x of the partial-sum reduction
-constexpr unsigned kPartialSplit = 32;    // blockDim.y: threads splitting the blocks' partials
-
-// out[c] = sum over b of partial[b][c], each thread summing a fixed strided subset in order, then the subsets
-// combined in order: the same bits on every run. With no partials (no rows) the sums are zero. blockIdx.y picks
-// the weight (0) or the bias (1) sums, so one launch does both; a null out skips its half.
+// The weight's (blockIdx.y 0) and the bias's (1) sums of the blocks' partials in one launch (sum_partial_rows);
+// a null out skips its half.
 template <typename T>
 __global__ void sum_block_partials_kernel(const compute_t<T>* partial_w, T* out_w, const compute_t<T>* partial_b,
                                           T* out_b, int64_t blocks, int64_t cols) {
-  using C = compute_t<T>;
-  __shared__ C tile[kPartialSplit][kPartialColumns];
-  const C* partial = blockIdx.y ? partial_b : partial_w;
   T* out = blockIdx.y ? out_b : out_w;
   if (!out) return;  // uniform over the block
-  const int64_t c = int64_t(blockIdx.x) * kPartialColumns + threadIdx.x;
-  C acc = 0;
-  if (c < cols) {
-    // Unrolled so that several loads are in flight: only a few dozen blocks run this.
-#pragma unroll 8
-    for (int64_t b = threadIdx.y; b < blocks; b += kPartialSplit) acc += partial[b * cols + c];
-  }
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
-  for (unsigned y = 1; y < kPartialSplit; ++y) acc += tile[y][threadIdx.x];
-  out[c] = T(acc);
+  sum_partial_rows(blockIdx.y ? partial_b : partial_w, blocks, cols, out);
 }
 
 // Threads per row: a pack of 4 columns each, in whole warps, at most 1024.
