@@ -848,6 +848,15 @@ TEST(PlotLoss, SeveralRunsAreComparedWithTheFirst) {
             std::string::npos)
       << r.output;
   EXPECT_EQ(test::read_all(tmp.file("both.png")).substr(1, 3), "PNG");
+  // Means of 2 steps after the warm-up: steps 2 and 3 only (8.2 and 5.05 against 8 and 5: +1.92%).
+  AppRun w = run_loom_train_with("", a + " " + b + " --warmup 1 --window 2 --backend builtin -o " +
+                                         tmp.file("w.png"), script);
+  ASSERT_EQ(w.status, 0) << w.output;
+  EXPECT_NE(w.output.find("2-step means after step 1: largest +1.92% (steps 2-3), last +1.92% (steps 2-3)"),
+            std::string::npos)
+      << w.output;
+  AppRun wide = run_loom_train_with("", a + " " + b + " --window 5 --backend builtin -o " + tmp.file("w.png"), script);
+  EXPECT_NE(wide.output.find("fewer than 5 shared steps"), std::string::npos) << wide.output;
   AppRun bad = run_loom_train_with("", a + " " + b + " --label bf16 --backend builtin", script);
   EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
   EXPECT_NE(bad.output.find("1 --label for 2 metrics files"), std::string::npos) << bad.output;

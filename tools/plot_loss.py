@@ -7,7 +7,8 @@
 
 Several runs are drawn on one plot, a color each (labels: --label, in order, else each run's directory name), and
 each run after the first is compared with the first step by step: the largest relative difference of its train loss
-after --warmup steps, and at the last step both share.
+after --warmup steps, and at the last step both share; with --window N also the mean of each N steps after the
+warm-up (the windows ending at the last shared step), which is what two runs of one text can resolve.
 
 Each line of metrics.jsonl is a JSON object {"step": s, "time": t, "train/loss": ..., ...} or, after an evaluation,
 {"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc); a run without --val-data evaluates on the training
@@ -309,6 +310,22 @@ def compare(first, other, warmup):
     return worst, (rel(last), last, other[last], first[last])
 
 
+def compare_windows(first, other, warmup, window):
+    """Relative differences of `other`'s mean train loss from `first`'s over windows of `window` consecutive steps
+    both have after `warmup`, the windows ending at the last such step (a partial one at the start is left out), as
+    [(difference, first step, last step)], oldest first. Same batches at each step make single steps swing with the
+    runs' trajectories; window means are what a precision comparison can resolve."""
+    steps = [s for s in sorted(set(first) & set(other)) if s > warmup]
+    steps = steps[len(steps) % window:]
+    out = []
+    for i in range(0, len(steps), window):
+        chunk = steps[i:i + window]
+        a = sum(first[s] for s in chunk) / window
+        b = sum(other[s] for s in chunk) / window
+        out.append(((b - a) / abs(a) if a else math.inf, chunk[0], chunk[-1]))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("metrics", nargs="+",
@@ -321,6 +338,9 @@ def main(argv=None):
                     help="EMA smoothing of the train loss in [0, 1) (0 = none; TensorBoard's slider)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="with several runs: steps left out of the largest difference from the first run (default 0)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="with several runs: also compare the mean train loss of each N steps after the warm-up "
+                         "(default 0: step by step only)")
     ap.add_argument("--backend", choices=["auto", "matplotlib", "builtin"], default="auto",
                     help="auto: matplotlib if installed, else the built-in renderer")
     args = ap.parse_args(argv)
@@ -339,6 +359,9 @@ def main(argv=None):
         return 1
     if args.warmup < 0:
         print("plot_loss: error: --warmup must be 0 or more", file=sys.stderr)
+        return 1
+    if args.window < 0:
+        print("plot_loss: error: --window must be 0 or more", file=sys.stderr)
         return 1
     if len(paths) > len(PALETTE):
         print(f"plot_loss: error: at most {len(PALETTE)} runs on one plot ({len(paths)} given)", file=sys.stderr)
@@ -407,6 +430,16 @@ def main(argv=None):
             text += f"largest relative difference after step {args.warmup} {worst[0] * 100:.2f}% (step {worst[1]}), "
         text += f"at the last shared step {last[1]} {last[0] * 100:.2f}% ({last[2]:.4f} against {last[3]:.4f})"
         print(text)
+        if args.window:
+            windows = compare_windows(first_train, tables["train"], args.warmup, args.window)
+            text = f"plot_loss: {name} against {first_name}, {args.window}-step means after step {args.warmup}: "
+            if not windows:
+                print(text + f"fewer than {args.window} shared steps")
+                continue
+            worst = max(windows, key=lambda w: abs(w[0]))
+            last_window = windows[-1]
+            print(text + f"largest {worst[0] * 100:+.2f}% (steps {worst[1]}-{worst[2]}), last {last_window[0] * 100:+.2f}% "
+                  f"(steps {last_window[1]}-{last_window[2]}); all: " + " ".join(f"{w[0] * 100:+.2f}" for w in windows))
     return 0
 
 

@@ -19,7 +19,8 @@
 # difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
 # losses equal the bf16 run's), and with FP8 each FP8 scope as a graph too.
-# With FP8 the loss curves of the bf16 run and each scope are drawn on one picture, loss_$MODEL_b$B_fp8.png in DIR.
+# With FP8 the loss curves of the bf16 run and each scope are drawn on one picture, loss_$MODEL_b$B_fp8.png in DIR,
+# and each scope's mean loss over windows of LOSS_WINDOW steps (default STEPS / 10) compared with bf16's.
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in gpt2) MODEL=124m ;; gpt2-*) MODEL=${MODEL#gpt2-} ;; esac  # GPT-2 by Loom's names too
@@ -208,5 +209,6 @@ if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
   runs=("$DIR/loom_${MODEL}_b$B"); labels=(--label bf16)
   for scope in "${FP8_SCOPES[@]}"; do runs+=("$DIR/loom_${MODEL}_b${B}_fp8_$scope"); labels+=(--label "fp8 $scope"); done
   python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
+    --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" \
     --title "$MODEL B=$B bf16 and fp8" -o "$DIR/loss_${MODEL}_b${B}_fp8.png"
 fi
