@@ -181,7 +181,9 @@ TEST(LoomTrainCli, CheckpointsAreNeverWrittenOverUnlessAsked) {
   auto after = files_of(dir);
   EXPECT_TRUE(after.count("step_000004.safetensors"));
   for (const auto& [name, bytes] : before) {
-    if (name != "latest") EXPECT_EQ(after.at(name), bytes) << name << " changed";
+    if (name != "latest") {
+      EXPECT_EQ(after.at(name), bytes) << name << " changed";
+    }
   }
   std::remove(shard.c_str());
 }
