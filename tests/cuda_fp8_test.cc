@@ -76,6 +76,36 @@ std::vector<double> special_values(int64_t n, std::mt19937_64& rng) {
   return v;
 }
 
+// 8-bit float codes copy on the GPU as on the CPU: unchanged, into a strided view one byte into its buffer and
+// densely; a copy to another dtype is one line.
+TEST(CudaFp8, CodesCopyToTheirOwnDtypeOnly) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(5);
+  for (DType dt : {kF8E4M3, kF8E5M2}) {
+    Tensor codes = empty({37, 19}, dt);
+    auto* bytes = static_cast<uint8_t*>(codes.data());
+    for (int64_t i = 0; i < codes.numel(); ++i) bytes[i] = uint8_t(rng());
+    Tensor buffer = empty({19 * 37 * 2 + 1}, dt);
+    std::memset(buffer.data(), 0, size_t(buffer.numel()));
+    Tensor gpu = buffer.to(kGpu);
+    gpu.slice(0, 1, 19 * 37 * 2 + 1).view({19, 74}).slice(1, 0, 74, 2).transpose(0, 1).copy_from(codes.to(kGpu));
+    Tensor dense = empty({37, 19}, dt, kGpu);
+    dense.copy_from(codes.to(kGpu));
+    const Tensor back = gpu.to(Device()), dense_back = dense.to(Device());
+    const auto* out = static_cast<const uint8_t*>(back.data());
+    const auto* dense_out = static_cast<const uint8_t*>(dense_back.data());
+    for (int64_t r = 0; r < 37; ++r)
+      for (int64_t c = 0; c < 19; ++c) {
+        ASSERT_EQ(out[1 + c * 74 + r * 2], bytes[r * 19 + c]) << dtype_name(dt) << " at " << r << ", " << c;
+        ASSERT_EQ(dense_out[r * 19 + c], bytes[r * 19 + c]) << dtype_name(dt) << " at " << r << ", " << c;
+      }
+    EXPECT_EQ(out[2], 0);
+    Tensor f = ones({37, 19}, kF32, kGpu);
+    EXPECT_THROW(dense.copy_from(f), Error);
+    EXPECT_THROW(f.copy_from(dense), Error);
+  }
+}
+
 TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
   LOOM_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(1);

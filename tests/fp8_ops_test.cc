@@ -4,6 +4,7 @@
 // batches, alpha, beta, bias, both output dtypes and mixed formats (beside the generated conformance suite, which
 // runs every FP8 op too).
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <tuple>
 
@@ -52,6 +53,41 @@ std::vector<double> values_of_class(const std::string& cls, int64_t n, DType dt,
     if (cls == "edge") v[i] = (i % 2 ? -1 : 1) * (440 + 40 * std::abs(u(rng)));  // around e4m3's 448 and 464
   }
   return v;
+}
+
+// 8-bit float codes copy to their own dtype unchanged, into strided views and at odd offsets, NaN codes too; a copy
+// to or from another dtype is one line naming the ops that convert, and leaves the destination as it was.
+TEST(Fp8Ops, CodesCopyToTheirOwnDtypeOnly) {
+  std::mt19937_64 rng(3);
+  for (DType dt : {kF8E4M3, kF8E5M2}) {
+    Tensor codes = empty({37, 19}, dt);
+    auto* bytes = static_cast<uint8_t*>(codes.data());
+    for (int64_t i = 0; i < codes.numel(); ++i) bytes[i] = uint8_t(rng());  // every code, NaNs included
+    Tensor buffer = empty({19 * 37 * 2 + 1}, dt);
+    std::memset(buffer.data(), 0, size_t(buffer.numel()));
+    // [37, 19] at strides (2, 74), one byte into the buffer.
+    Tensor into = buffer.slice(0, 1, 19 * 37 * 2 + 1).view({19, 74}).slice(1, 0, 74, 2).transpose(0, 1);
+    into.copy_from(codes);
+    const auto* out = static_cast<const uint8_t*>(buffer.data());
+    for (int64_t r = 0; r < 37; ++r)
+      for (int64_t c = 0; c < 19; ++c)
+        ASSERT_EQ(out[1 + c * 74 + r * 2], bytes[r * 19 + c]) << dtype_name(dt) << " at " << r << ", " << c;
+    EXPECT_EQ(out[0], 0);
+    EXPECT_EQ(out[2], 0);  // the gaps of the strided view untouched
+    Tensor f = ones({37, 19}, kF32);
+    for (auto [from, to] : {std::pair<Tensor, Tensor>{f, codes}, std::pair<Tensor, Tensor>{codes, f}}) {
+      const std::vector<double> before = test::element_values(to);
+      try {
+        to.copy_from(from);
+        FAIL() << dtype_name(from.dtype()) << " to " << dtype_name(to.dtype()) << " was copied";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("needs a scale"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("fp8_quantize"), std::string::npos) << e.what();
+      }
+      const std::vector<double> after = test::element_values(to);
+      for (size_t i = 0; i < after.size(); ++i) ASSERT_TRUE(same(before[i], after[i])) << i;
+    }
+  }
 }
 
 TEST(Fp8Ops, QuantizeMatchesTheOracleBitForBit) {

@@ -8,9 +8,16 @@
 
 namespace loom {
 
-// dst and src have the same shape and device, any strides; src's dtype is converted to dst's.
-// Dispatched on dst's dtype.
+// dst and src have the same shape and device, any strides; src's dtype is converted to dst's. 8-bit floats copy
+// to and from their own dtype only, their codes unchanged: a conversion needs a scale (fp8_quantize,
+// fp8_dequantize). Dispatched on dst's dtype.
 using CopyKernel = void(const DeviceContext&, const Tensor& src, Tensor& dst);
+// The kernels' check of an 8-bit float copy: one dtype on both sides, else one line naming the way that converts.
+inline void check_fp8_copy(const Tensor& src, const Tensor& dst) {
+  LOOM_REQUIRE(!(is_fp8(src.dtype()) || is_fp8(dst.dtype())) || src.dtype() == dst.dtype(), "copy: ",
+               dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()), " needs a scale: 8-bit float codes copy only "
+               "to their own dtype (fp8_quantize and fp8_dequantize convert)");
+}
 LOOM_DECLARE_OP(copy, CopyKernel,
                 OpSchema().leading_dims("A").in("src", "A B C", DTypeRule::kAny).layout(Layout::kStrided).out("dst", "A B C")
                     .layout(Layout::kStrided)

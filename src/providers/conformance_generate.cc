@@ -101,7 +101,9 @@ Model make_model(const OpSchema& s, DType dt) {
     wide |= (t.dtype == DTypeRule::kWideOrSame && (dt == kBF16 || dt == kF16)) || t.dtype == DTypeRule::kUnquantized;
     if (is_optional(t.role) && t.present_with.empty())
       m.params.push_back({ParamKind::kPresent, "present " + t.name, int(i), {"present", "absent"}});
-    if (t.dtype == DTypeRule::kAnyFloat || t.dtype == DTypeRule::kAny || t.dtype == DTypeRule::kIndex ||
+    // An alternative dtype beside the dispatch one; 8-bit floats copy only to their own (copy's contract).
+    const bool any_alt = t.dtype == DTypeRule::kAny && !is_fp8(dt);
+    if (t.dtype == DTypeRule::kAnyFloat || any_alt || t.dtype == DTypeRule::kIndex ||
         (t.dtype == DTypeRule::kFp8 && dt == kF8E4M3)) {
       SuiteCase c = m.base;
       m.params.push_back({ParamKind::kAltDtype, "dtype " + t.name, int(i),

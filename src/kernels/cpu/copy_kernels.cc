@@ -18,6 +18,11 @@ To convert_value(From v) {
 }
 
 void copy_cpu(const DeviceContext&, const Tensor& src, Tensor& dst) {
+  check_fp8_copy(src, dst);
+  if (is_fp8(dst.dtype())) {  // codes move unchanged
+    cpu::map_elements<uint8_t, uint8_t>(dst, [](uint8_t v) { return v; }, src);
+    return;
+  }
   LOOM_DISPATCH_ALL(dst.dtype(), "copy", [&] {
     using dst_t = scalar_t;
     LOOM_DISPATCH_ALL(src.dtype(), "copy", [&] {
@@ -53,7 +58,8 @@ void random_cpu(const DeviceContext&, const RandomAttrs& attrs, Tensor& out) {
 
 }  // namespace
 
-LOOM_REGISTER_KERNEL(copy, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), copy_cpu);
+LOOM_REGISTER_KERNEL(copy, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2),
+                     copy_cpu);
 LOOM_REGISTER_KERNEL(fill, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), fill_cpu);
 LOOM_REGISTER_KERNEL(arange, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64), arange_cpu);
 LOOM_REGISTER_KERNEL(random, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), random_cpu);

@@ -217,6 +217,7 @@ bool is_dense(const StridedLayout& l, bool src) {
 
 void copy_cuda(const DeviceContext& ctx, const Tensor& src, Tensor& dst) {
   LOOM_REQUIRE(src.shape() == dst.shape(), "copy (cuda): shapes differ: ", describe(src), " to ", describe(dst));
+  check_fp8_copy(src, dst);  // then an 8-bit float copy is of one dtype: its bytes move as they are
   int64_t n = dst.numel();
   if (n == 0) return;
   const CudaDeviceContext& cuda = cuda_context(ctx);
@@ -273,7 +274,8 @@ void random_cuda(const DeviceContext& ctx, const RandomAttrs& attrs, Tensor& out
 
 }  // namespace
 
-LOOM_REGISTER_KERNEL(copy, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), copy_cuda);
+LOOM_REGISTER_KERNEL(copy, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2),
+                     copy_cuda);
 LOOM_REGISTER_KERNEL(fill, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), fill_cuda);
 LOOM_REGISTER_KERNEL(arange, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64), arange_cuda);
 LOOM_REGISTER_KERNEL(random, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), random_cuda);
