@@ -438,8 +438,9 @@ def main(argv=None):
                 continue
             worst = max(windows, key=lambda w: abs(w[0]))
             last_window = windows[-1]
-            print(text + f"largest {worst[0] * 100:+.2f}% (steps {worst[1]}-{worst[2]}), last {last_window[0] * 100:+.2f}% "
-                  f"(steps {last_window[1]}-{last_window[2]}); all: " + " ".join(f"{w[0] * 100:+.2f}" for w in windows))
+            print(text + f"largest {worst[0] * 100:+.2f}% (steps {worst[1]}-{worst[2]}), "
+                  f"last {last_window[0] * 100:+.2f}% (steps {last_window[1]}-{last_window[2]}); all: "
+                  + " ".join(f"{w[0] * 100:+.2f}" for w in windows))
     return 0
 
 
