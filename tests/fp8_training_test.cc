@@ -253,6 +253,10 @@ TEST(Fp8Training, LoomTrainWithFp8FollowsItsBf16Run) {
                                          "' --dtype bf16 --fp8 " + fp8 + " -b 4 -t 32 --steps 40 --lr 3e-3 --warmup 5 "
                                          "--eval-interval 0 --sample-tokens 0 --log-dir " + log_dir);
     EXPECT_EQ(r.status, 0) << r.out << r.err;
+    // The banner names the recipe (and says nothing of FP8 without it).
+    const std::string banner = "fp8: FP8 products for the blocks' linear layers and the classifier (f8e4m3 "
+                               "operands, f8e5m2 gradients, current scaling)\n";
+    EXPECT_EQ(r.out.find(fp8 == "off" ? std::string("fp8:") : banner) != std::string::npos, fp8 != "off") << r.out;
     return logged_losses(log_dir);
   };
   const auto bf16 = run("off"), fp8 = run("all");

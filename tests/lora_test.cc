@@ -413,7 +413,9 @@ TEST(LoraTraining, Bf16BaseHoldsTheFrozenProjectionsInBf16) {
   for (int i = 0; i < 12; ++i) t.train_step();
   EXPECT_LT(t.evaluate(2), loss0 - 0.3);
   for (auto& [name, p] : t.model().named_parameters())
-    if (!nn::is_lora_parameter(name)) EXPECT_TRUE(test::bytes_equal(p, before.at(name))) << name;
+    if (!nn::is_lora_parameter(name)) {
+      EXPECT_TRUE(test::bytes_equal(p, before.at(name))) << name;
+    }
   train::MemoryEstimateInput mi{tiny_llama()};
   const double f32_params = train::estimate_training_memory(mi).parameters;
   mi.frozen_base = kBF16;

@@ -71,8 +71,9 @@ TEST(Train, LongWorkPrintsProgress) {
   EXPECT_NE(out.find("evaluating: "), std::string::npos) << out;
   EXPECT_NE(out.find(" batches, "), std::string::npos) << out;
   // Building a model this small may take less than the ticker's first wake-up; when it said anything, it said both.
-  if (out.find("building the model (") != std::string::npos)
+  if (out.find("building the model (") != std::string::npos) {
     EXPECT_NE(out.find("parameters): done in "), std::string::npos) << out;
+  }
   o.progress_seconds = 3600;  // nothing within the interval
   testing::internal::CaptureStdout();
   {

@@ -45,6 +45,9 @@ struct Recipe {
 };
 // Throws naming the bad field (8-bit float dtypes, margin in [0, 64), a history of 1 to 1024).
 void check_recipe(const Recipe& recipe);
+// One line for a run's banner: "FP8 products for every linear layer and the classifier (e4m3 operands, e5m2
+// gradients, current scaling)"; "" for kOff.
+std::string describe(Scope scope, const Recipe& recipe);
 
 // The scaling of one operand of one layer (its x, its weight, or its output gradient): a state only for delayed
 // scaling, on the device of the first tensor it quantizes.

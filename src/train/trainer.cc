@@ -375,8 +375,9 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
     if (val_loader_) std::cout << val_loader_->num_tokens() << " validation tokens";
     std::cout << "\nbatch: " << opts_.batch_size << " x " << opts_.seq_len << " tokens, " << grad_accum_
               << " micro-step(s) per step (" << total << " tokens/step), device " << device_.str() << ", "
-              << (autocast_dtype_ == kF32 ? std::string("f32") : opts_.dtype + " mixed precision") << "\n"
-              << "memory (estimate): " << memory.str() << "\n";
+              << (autocast_dtype_ == kF32 ? std::string("f32") : opts_.dtype + " mixed precision") << "\n";
+    if (cfg.fp8 != fp8::Scope::kOff) std::cout << "fp8: " << fp8::describe(cfg.fp8, cfg.fp8_recipe) << "\n";
+    std::cout << "memory (estimate): " << memory.str() << "\n";
     if (peak_flops_ > 0)
       std::cout << "MFU against " << peak_flops_ / 1e12 << " TFLOP/s per device"
                 << (opts_.peak_tflops > 0 ? " (--peak-tflops)\n" : " (the GPU's bf16 dense peak)\n");

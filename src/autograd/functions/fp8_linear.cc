@@ -41,6 +41,19 @@ void check_recipe(const Recipe& r) {
                "FP8 recipe: the amax history must hold 1 to 1024 steps, got ", r.amax_history);
 }
 
+std::string describe(Scope scope, const Recipe& r) {
+  const char* which = scope == Scope::kClassifier ? "the classifier"
+                      : scope == Scope::kLinear   ? "the blocks' linear layers"
+                      : scope == Scope::kAll      ? "the blocks' linear layers and the classifier"
+                                                  : nullptr;
+  if (!which) return "";
+  const std::string scaling =
+      r.amax_history <= 1 ? "current scaling" : "delayed scaling over " + std::to_string(r.amax_history) + " steps";
+  return std::string("FP8 products for ") + which + " (" + dtype_name(r.forward) + " operands, " +
+         dtype_name(r.backward) + " gradients, " + scaling + (r.margin ? ", margin " + std::to_string(r.margin) : "") +
+         ")";
+}
+
 ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
   const Tensor x = x_in.dtype() == kF32 || x_in.dtype() == kBF16 ? x_in : ops::to_dtype(x_in, kF32);
   return quantize([&] { return x; },
