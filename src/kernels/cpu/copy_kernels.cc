@@ -58,8 +58,8 @@ void random_cpu(const DeviceContext&, const RandomAttrs& attrs, Tensor& out) {
 
 }  // namespace
 
-LOOM_REGISTER_KERNEL(copy, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2),
-                     copy_cpu);
+LOOM_REGISTER_KERNEL(copy, kCPU, "native",
+                     dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2), copy_cpu);
 LOOM_REGISTER_KERNEL(fill, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), fill_cpu);
 LOOM_REGISTER_KERNEL(arange, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64), arange_cpu);
 LOOM_REGISTER_KERNEL(random, kCPU, "native", dtypes(kF32, kF64, kF16, kBF16), random_cpu);

@@ -274,8 +274,8 @@ void random_cuda(const DeviceContext& ctx, const RandomAttrs& attrs, Tensor& out
 
 }  // namespace
 
-LOOM_REGISTER_KERNEL(copy, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2),
-                     copy_cuda);
+LOOM_REGISTER_KERNEL(copy, kCUDA, "native",
+                     dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool, kF8E4M3, kF8E5M2), copy_cuda);
 LOOM_REGISTER_KERNEL(fill, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64, kBool), fill_cuda);
 LOOM_REGISTER_KERNEL(arange, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64), arange_cuda);
 LOOM_REGISTER_KERNEL(random, kCUDA, "native", dtypes(kF32, kF64, kF16, kBF16), random_cuda);
