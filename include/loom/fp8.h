@@ -45,8 +45,8 @@ struct Recipe {
 };
 // Throws naming the bad field (8-bit float dtypes, margin in [0, 64), a history of 1 to 1024).
 void check_recipe(const Recipe& recipe);
-// One line for a run's banner: "FP8 products for every linear layer and the classifier (e4m3 operands, e5m2
-// gradients, current scaling)"; "" for kOff.
+// One line for a run's banner: "FP8 products for the blocks' linear layers and the classifier (f8e4m3 operands,
+// f8e5m2 gradients, current scaling)"; "" for kOff.
 std::string describe(Scope scope, const Recipe& recipe);
 
 // The scaling of one operand of one layer (its x, its weight, or its output gradient): a state only for delayed

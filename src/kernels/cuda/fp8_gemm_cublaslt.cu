@@ -223,6 +223,13 @@ PlanKey key_of(int device, const LtProblem& p, int align_d) {
           p.fast_accumulation, align_d};
 }
 
+// Problem p's layouts into `plan`: A stored k x m (op(A) = A^T), B k x n, D m x n.
+void set_layouts(Plan& plan, const LtProblem& p) {
+  plan.a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
+  plan.b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
+  plan.d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+}
+
 std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem& p, int align_d) {
   auto plan = std::make_shared<Plan>();
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -238,9 +245,7 @@ std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(lt_type(p.d_type)));
     set_attr(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, placeholder);
   }
-  plan->a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);  // stored k x m: op(A) = A^T
-  plan->b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
-  plan->d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
+  set_layouts(*plan, p);
   // A and B 16-byte aligned (the FP8 operands' buffers), D as given.
   if (auto algo = cuda::heuristic_algorithm(cuda.cublaslt(), plan->desc, plan->a, plan->b, plan->d,
                                             cuda.workspace_bytes(), 16, 16, uint32_t(align_d))) {
@@ -248,15 +253,6 @@ std::shared_ptr<Plan> build_plan(const CudaDeviceContext& cuda, const LtProblem&
     plan->has_algo = true;
   }
   return plan;
-}
-
-// Problem p's own layouts, in a plan whose descriptor stays the borrowed plan's.
-std::shared_ptr<Plan> exact_layouts(const LtProblem& p) {
-  auto layouts = std::make_shared<Plan>();
-  layouts->a = make_layout(p.a_type, p.k, p.m, p.a.ld, p.batch, p.a.batch_stride);
-  layouts->b = make_layout(p.b_type, p.k, p.n, p.b.ld, p.batch, p.b.batch_stride);
-  layouts->d = make_layout(p.d_type, p.m, p.n, p.ldd, p.batch, p.d_stride);
-  return layouts;
 }
 
 // Whether the algorithm of plan (another problem's, of the same bucket) runs on `layouts` within the workspace.
@@ -299,7 +295,8 @@ class PlanCache {
       if (!exact_only && b != buckets_.end()) borrowed = b->second;
     }
     if (borrowed) {
-      std::shared_ptr<Plan> layouts = exact_layouts(p);
+      auto layouts = std::make_shared<Plan>();  // p's own; the descriptor and algorithm stay the borrowed plan's
+      set_layouts(*layouts, p);
       std::lock_guard<std::mutex> lock(borrowed->mu);
       if (borrowed_algorithm_fits(cuda, *borrowed, *layouts)) return {borrowed, layouts};
     }
