@@ -466,7 +466,7 @@ TEST(CudaFp8, WeightGradientOfRowMajorCodesIsTheCpus) {
         const ops::Fp8Tensor c = ops::fp8_quantize_transposed(test::random_tensor({rows, cols}, kF32, -2, 2, rng()),
                                                               one, fp8);
         if (!offset) return std::make_pair(c.q.to(kGpu), c.qt.to(kGpu));
-        // Placed one byte in on the host (copy has no FP8 kernels: codes move whole, by `to`).
+        // The codes one byte into a buffer, placed on the host and moved whole.
         Tensor buffer = empty({rows * cols + 1}, fp8);
         std::memcpy(static_cast<char*>(buffer.data()) + 1, c.q.data(), size_t(rows * cols));
         return std::make_pair(buffer.to(kGpu).slice(0, 1, rows * cols + 1).view({rows, cols}), c.qt.to(kGpu));
