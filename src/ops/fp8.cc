@@ -388,20 +388,38 @@ Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bia
   return out;
 }
 
-Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype) {
-  const char* op = "fp8_linear_backward_input";
+namespace {
+// grad_x's shape ([..., in]) once grad and weight are checked as fp8_linear_backward_input's operands.
+Shape input_grad_shape(const char* op, const Fp8Tensor& grad, const Fp8Tensor& weight) {
   check_operand(op, "grad", grad, -1);
   check_operand(op, "weight", weight, 2);
-  check_unquantized(op, "the result", dtype);
-  const int64_t out_features = weight.q.size(0), in_features = weight.q.size(1);
-  LOOM_REQUIRE(grad.q.dim() >= 1 && grad.q.size(-1) == out_features && grad.q.device() == weight.q.device(), op,
+  LOOM_REQUIRE(grad.q.dim() >= 1 && grad.q.size(-1) == weight.q.size(0) && grad.q.device() == weight.q.device(), op,
                ": grad ", describe(grad.q), " does not fit weight ", describe(weight.q));
-  Shape out_shape = grad.q.shape();
-  out_shape.back() = in_features;
-  Tensor out = empty(out_shape, dtype, grad.q.device());
-  if (out.numel() == 0) return out;
-  run(input_grad_problem(grad, weight, out, rows_of(grad.q), out_features, in_features));
+  Shape shape = grad.q.shape();
+  shape.back() = weight.q.size(1);
+  return shape;
+}
+}  // namespace
+
+Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype) {
+  const char* op = "fp8_linear_backward_input";
+  const Shape shape = input_grad_shape(op, grad, weight);
+  check_unquantized(op, "the result", dtype);
+  Tensor out = empty(shape, dtype, grad.q.device());
+  fp8_linear_backward_input_out(grad, weight, out, /*accumulate=*/false);
   return out;
+}
+
+void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate) {
+  const char* op = "fp8_linear_backward_input";
+  const Shape shape = input_grad_shape(op, grad, weight);
+  check_unquantized(op, "out", out.dtype());
+  LOOM_REQUIRE(out.shape() == shape && out.is_contiguous() && out.device() == grad.q.device(), op, ": out ",
+               describe(out), " must be a contiguous ", shape_str(shape), " tensor on ", grad.q.device().str());
+  if (out.numel() == 0) return;
+  Fp8GemmParams f = input_grad_problem(grad, weight, out, rows_of(grad.q), weight.q.size(0), weight.q.size(1));
+  if (accumulate) f.gemm.beta = 1.0;
+  run(f);
 }
 
 void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out) {

@@ -80,6 +80,9 @@ Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bia
                   bool fast_accumulation = false);
 // grad_x [..., in] = grad weight, in `dtype` (bf16 or f32).
 Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype);
+// The same into out (contiguous, grad's shape with in features, bf16 or f32); accumulate adds the product to what out
+// holds (the gemm's beta = 1): a layer's input gradient summed into the sum of the other layers reading that input.
+void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate);
 // grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot). An
 // operand's transposed codes (qt), when given, are read in place of its codes: the product then needs no transpose.
 void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out);

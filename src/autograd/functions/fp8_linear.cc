@@ -214,9 +214,18 @@ class Fp8LinearBackward final : public autograd::Node {
     if (needs_input_grad(0) || needs_input_grad(1)) {
       if (needs_input_grad(0)) {
         const DType written = product_dtype_for(x_dtype);
-        out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
-                                      : ops::fp8_linear_backward_input(gq, weight, written),
-                          x_dtype);
+        // x also feeds layers whose gradients came first (q/k/v): this one is added into their sum in the product.
+        Shape x_shape = gq.q.shape();
+        x_shape.back() = weight.q.size(1);
+        Tensor sum = !group_sizes && written == x_dtype
+                         ? autograd::pending_gradient(*this, 0, x_shape, x_dtype)
+                         : Tensor();
+        if (sum.defined())
+          ops::fp8_linear_backward_input_out(gq, weight, sum, /*accumulate=*/true);
+        else
+          out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
+                                        : ops::fp8_linear_backward_input(gq, weight, written),
+                            x_dtype);
       }
       if (needs_input_grad(1)) {
         const DType written = product_dtype_for(weight_dtype);
@@ -689,8 +698,13 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
     const auto [gq, uq] = output_gradients(as_dtype(grads[0], gate.dtype()));
     if (needs_input_grad(0)) {  // the two products' gradients summed in x's dtype, as two layers' would be
       const DType written = product_dtype_for(x_dtype);
-      out[0] = ops::add(as_dtype(ops::fp8_linear_backward_input(gq, gate_weight, written), x_dtype),
-                        as_dtype(ops::fp8_linear_backward_input(uq, up_weight, written), x_dtype));
+      if (written == x_dtype) {  // gate's product added into up's by the gemm
+        out[0] = ops::fp8_linear_backward_input(uq, up_weight, written);
+        ops::fp8_linear_backward_input_out(gq, gate_weight, out[0], /*accumulate=*/true);
+      } else {
+        out[0] = ops::add(as_dtype(ops::fp8_linear_backward_input(gq, gate_weight, written), x_dtype),
+                          as_dtype(ops::fp8_linear_backward_input(uq, up_weight, written), x_dtype));
+      }
     }
     for (int i : {1, 2}) {
       if (!needs_input_grad(size_t(i))) continue;
