@@ -3,6 +3,7 @@
 // f32 run's losses within 2% per step and 1% over the last ten (0.3% and 0.2% when written), with f32 master weights and gradients, and run FP8
 // products; loom-train itself with --dtype bf16 --fp8 all follows its --dtype bf16 run within 1% at every step and
 // 0.5% over the last ten (0.1% when written); --fp8 is a setting of the trainer's table.
+#include <map>
 #include <set>
 #include <cmath>
 #include <fstream>
@@ -306,6 +307,68 @@ TEST(Fp8Training, IsASettingOfTheTrainersTable) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--fp8-gradients must be e5m2 or e4m3, got 'e3m4'"), std::string::npos)
         << e.what();
+  }
+  // The fast accumulation likewise: a setting of the table, refused without FP8, a name that is not one named.
+  bool fast = false;
+  for (const auto& s : train::run_setting_names())
+    fast |= s.flag == std::string("fp8-fast-accumulation") && s.section == std::string("training");
+  EXPECT_TRUE(fast);
+  plain.given = std::set<std::string>{"fp8-fast-accumulation"};
+  plain.fp8_gradients = "e5m2";
+  plain.fp8_fast_accumulation = "all";
+  try {
+    train::Trainer t{plain};
+    ADD_FAILURE() << "--fp8-fast-accumulation without --fp8 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-fast-accumulation applies with --fp8"), std::string::npos) << e.what();
+  }
+  bad.fp8_gradients = "e5m2";
+  bad.fp8_fast_accumulation = "gradients";
+  try {
+    train::Trainer t{bad};
+    ADD_FAILURE() << "--fp8-fast-accumulation gradients was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-fast-accumulation must be none, forward, input or all, got "
+                                         "'gradients'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// --fp8-fast-accumulation reaches the products it names, and no others: a traced step's fp8_gemm calls, told apart by
+// their problem (a forward product's k is the layer's input features and its B operand the activations' codes; an
+// input gradient's m is the input features; a weight gradient's k the rows), carry fast_accumulation as the setting
+// says.
+TEST(Fp8Training, FastAccumulationReachesTheProductsItNames) {
+  TempDir dir;
+  for (const std::string name : {"none", "forward", "input", "all"}) {
+    auto o = setup(dir, "llama3-tiny");
+    o.fp8 = "all";
+    o.fp8_fast_accumulation = name;
+    o.steps = 1;
+    o.warmup_steps = 0;
+    o.trace_ops = dir.file("run_" + name + ".trace");
+    train::Trainer(o).run();
+    std::ifstream in(o.trace_ops);
+    const nlohmann::json trace = nlohmann::json::parse(in);
+    const int64_t rows = o.batch_size * o.seq_len;
+    // By kind of product: calls with fast accumulation, calls without.
+    std::map<std::string, std::pair<uint64_t, uint64_t>> seen;
+    for (const auto& c : trace["calls"]) {
+      if (c["op"] != "fp8_gemm") continue;
+      const auto& a = c["attrs"];
+      const int64_t n = a["n"], k = a["k"];
+      const std::string kind = k == rows ? "weight" : n == rows && !a["trans_a"].get<int64_t>() ? "input" : "forward";
+      auto& [fast, exact] = seen[kind];
+      (a["fast_accumulation"].get<int64_t>() ? fast : exact) += c["count"].get<uint64_t>();
+    }
+    const int level = name == "none" ? 0 : name == "forward" ? 1 : name == "input" ? 2 : 3;
+    const char* kinds[] = {"forward", "input", "weight"};
+    for (int i = 0; i < 3; ++i) {
+      const auto [fast, exact] = seen[kinds[i]];
+      EXPECT_GT(fast + exact, 0u) << name << ": no " << kinds[i] << " products traced";
+      EXPECT_EQ(fast, i < level ? fast + exact : 0u) << name << ": " << kinds[i] << " products with fast accumulation";
+    }
   }
 }
 

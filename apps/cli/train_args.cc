@@ -95,6 +95,10 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
   app.add_option("--fp8-gradients", o.fp8_gradients, "FP8: the output gradients' format, e5m2 (two mantissa bits, "
                  "the range of f16) or e4m3 (three mantissa bits, as the operands)")
       ->check(CLI::IsMember({"e5m2", "e4m3"}))->capture_default_str();
+  app.add_option("--fp8-fast-accumulation", o.fp8_fast_accumulation, "FP8: the products that sum in the tensor "
+                 "cores' fast, narrower accumulator: none, forward (default), input (and the input gradients'), all "
+                 "(and the weight gradients')")
+      ->check(CLI::IsMember({"none", "forward", "input", "all"}))->capture_default_str();
   app.add_option("--lora-rank", o.lora_rank, "LoRA fine-tuning (LLaMA family): adapters of this rank on "
                  "--lora-targets, every other weight frozen (0: train every weight)")
       ->capture_default_str()->check(at_least(0));

@@ -12,7 +12,9 @@
 //   delayed scaling (amax_history N > 1): the scale comes from the largest amax of the operand's last N
 //     quantizations, and quantizing records this one's amax in the same pass (Transformer Engine's recipe). The first
 //     quantization of an operand measures its amax first, as current scaling does.
-// Forward products may use the GPU's fast FP8 accumulation; gradients' products do not.
+// Forward products may use the GPU's fast FP8 accumulation (Hopper sums in its FP8 tensor cores' narrower
+// accumulator, about 14 bits, without promoting partial sums to f32); gradients' products do not, unless the recipe
+// asks for it (`--fp8-fast-accumulation input|all`: faster products, less exact gradient sums).
 //
 // Which layers: a model's FP8 scope (LanguageModel::set_fp8): kClassifier the classifier only, kLinear every linear
 // layer of the blocks (attention and MLP projections), kAll both. `loom-train --fp8 off|classifier|linear|all`.
@@ -42,7 +44,13 @@ struct Recipe {
   int64_t margin = 0;        // scales leave 2^margin of headroom below the format's largest value
   int64_t amax_history = 1;  // 1: current scaling; N > 1: delayed scaling over the last N amaxes
   bool fast_accumulation_forward = true;
+  bool fast_accumulation_input_grad = false;   // grad_x = g W: sums over the output features
+  bool fast_accumulation_weight_grad = false;  // grad_w = g^T x: sums over the rows (tokens), the longest
 };
+// The products that accumulate fast, by name: "none", "forward" (the default), "input" (forward and the input
+// gradients'), "all" (the weight gradients' too). False, leaving the recipe as it was, for any other name.
+bool set_fast_accumulation(Recipe& recipe, const std::string& name);
+const char* fast_accumulation_name(const Recipe& recipe);
 // Throws naming the bad field (8-bit float dtypes, margin in [0, 64), a history of 1 to 1024).
 void check_recipe(const Recipe& recipe);
 // One line for a run's banner: "FP8 products for the blocks' linear layers and the classifier (f8e4m3 operands,

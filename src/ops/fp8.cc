@@ -401,16 +401,17 @@ Shape input_grad_shape(const char* op, const Fp8Tensor& grad, const Fp8Tensor& w
 }
 }  // namespace
 
-Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype) {
+Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype, bool fast_accumulation) {
   const char* op = "fp8_linear_backward_input";
   const Shape shape = input_grad_shape(op, grad, weight);
   check_unquantized(op, "the result", dtype);
   Tensor out = empty(shape, dtype, grad.q.device());
-  fp8_linear_backward_input_out(grad, weight, out, /*accumulate=*/false);
+  fp8_linear_backward_input_out(grad, weight, out, /*accumulate=*/false, fast_accumulation);
   return out;
 }
 
-void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate) {
+void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate,
+                                   bool fast_accumulation) {
   const char* op = "fp8_linear_backward_input";
   const Shape shape = input_grad_shape(op, grad, weight);
   check_unquantized(op, "out", out.dtype());
@@ -419,10 +420,11 @@ void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weigh
   if (out.numel() == 0) return;
   Fp8GemmParams f = input_grad_problem(grad, weight, out, rows_of(grad.q), weight.q.size(0), weight.q.size(1));
   if (accumulate) f.gemm.beta = 1.0;
+  f.fast_accumulation = fast_accumulation;
   run(f);
 }
 
-void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out) {
+void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out, bool fast_accumulation) {
   const char* op = "fp8_linear_backward_weight";
   check_operand(op, "grad", grad, -1);
   check_operand(op, "x", x, -1);
@@ -436,7 +438,9 @@ void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, T
                op, ": out ", describe(out), " must be a contiguous [", out_features, ", ", in_features, "] tensor on ",
                x.q.device().str());
   if (out.numel() == 0) return;
-  run(weight_grad_problem(grad, x, out, rows, out_features, in_features));
+  Fp8GemmParams f = weight_grad_problem(grad, x, out, rows, out_features, in_features);
+  f.fast_accumulation = fast_accumulation;
+  run(f);
 }
 
 // The grouped forms: one product per group, each on its rows' slice and its matrix, the operands' scales shared.
@@ -453,19 +457,22 @@ Tensor fp8_grouped_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const std
 }
 
 Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
-                                         const std::vector<int64_t>& sizes, DType dtype) {
+                                         const std::vector<int64_t>& sizes, DType dtype, bool fast_accumulation) {
   const char* op = "fp8_grouped_linear_backward_input";
   check_unquantized(op, "the result", dtype);
   const int64_t out_features = weight.q.defined() && weight.q.dim() == 3 ? weight.q.size(1) : -1;
   const auto off = check_grouped(op, "grad", grad, out_features, weight, sizes);
   const int64_t in_features = weight.q.size(2);
   return grouped_rows_product(grad, weight, off, in_features, dtype, [&](Tensor& out, int64_t rows) {
-    return input_grad_problem(grad, weight, out, rows, out_features, in_features);
+    Fp8GemmParams f = input_grad_problem(grad, weight, out, rows, out_features, in_features);
+    f.fast_accumulation = fast_accumulation;
+    return f;
   });
 }
 
 void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x,
-                                            const std::vector<int64_t>& sizes, Tensor& out) {
+                                            const std::vector<int64_t>& sizes, Tensor& out,
+                                            bool fast_accumulation) {
   const char* op = "fp8_grouped_linear_backward_weight";
   check_operand(op, "grad", grad, 2);
   check_operand(op, "x", x, 2);
@@ -487,6 +494,7 @@ void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tens
     f.gemm.a = bytes(x.q) + off[size_t(g)] * in_features;
     f.gemm.b = bytes(grad.q) + off[size_t(g)] * out_features;
     f.gemm.c = static_cast<uint8_t*>(out.data()) + g * out_features * in_features * elem;
+    f.fast_accumulation = fast_accumulation;
     run(f);
   }
 }

@@ -77,6 +77,7 @@ const std::vector<RunSetting>& run_setting_table() {
       LOOM_SETTING("training", "fp8", fp8),
       LOOM_SETTING("training", "fp8-amax-history", fp8_amax_history),
       LOOM_SETTING("training", "fp8-gradients", fp8_gradients),
+      LOOM_SETTING("training", "fp8-fast-accumulation", fp8_fast_accumulation),
       LOOM_RUN_FLAG("training", "tf32"),
       LOOM_RUN_FLAG("training", "cuda-graph"),
       LOOM_SETTING("training", "eval-interval", eval_interval),

@@ -79,13 +79,16 @@ Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
 Tensor fp8_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const Tensor& bias, DType dtype,
                   bool fast_accumulation = false);
 // grad_x [..., in] = grad weight, in `dtype` (bf16 or f32).
-Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype);
+Tensor fp8_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight, DType dtype,
+                                 bool fast_accumulation = false);
 // The same into out (contiguous, grad's shape with in features, bf16 or f32); accumulate adds the product to what out
 // holds (the gemm's beta = 1): a layer's input gradient summed into the sum of the other layers reading that input.
-void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate);
+void fp8_linear_backward_input_out(const Fp8Tensor& grad, const Fp8Tensor& weight, Tensor& out, bool accumulate,
+                                   bool fast_accumulation = false);
 // grad_weight [out, in] = grad^T x over every row, into a contiguous bf16 or f32 tensor (an optimizer's slot). An
 // operand's transposed codes (qt), when given, are read in place of its codes: the product then needs no transpose.
-void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out);
+void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, Tensor& out,
+                                    bool fast_accumulation = false);
 
 // The same three products for a mixture of experts' grouped layer: the rows of x [M, in] (grad [M, out]) come in
 // groups of sizes[g] rows, in order, and group g's rows use weight[g] (weight [G, out, in], one scale for all of it).
@@ -93,9 +96,11 @@ void fp8_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x, T
 Tensor fp8_grouped_linear(const Fp8Tensor& x, const Fp8Tensor& weight, const std::vector<int64_t>& sizes, DType dtype,
                           bool fast_accumulation = false);
 Tensor fp8_grouped_linear_backward_input(const Fp8Tensor& grad, const Fp8Tensor& weight,
-                                         const std::vector<int64_t>& sizes, DType dtype);
+                                         const std::vector<int64_t>& sizes, DType dtype,
+                                         bool fast_accumulation = false);
 // out [G, out, in] (contiguous, bf16 or f32): out[g] = grad_g^T x_g.
 void fp8_grouped_linear_backward_weight_out(const Fp8Tensor& grad, const Fp8Tensor& x,
-                                            const std::vector<int64_t>& sizes, Tensor& out);
+                                            const std::vector<int64_t>& sizes, Tensor& out,
+                                            bool fast_accumulation = false);
 
 }  // namespace loom::ops

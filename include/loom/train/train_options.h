@@ -39,6 +39,7 @@ struct TrainOptions {
   std::string fp8 = "off";           // FP8 matrix products (loom/fp8.h): off, classifier, linear or all
   int64_t fp8_amax_history = 1;      // FP8 scaling: 1 current, N > 1 delayed over the last N amaxes
   std::string fp8_gradients = "e5m2";  // the output gradients' FP8 format: e5m2 (range) or e4m3 (precision)
+  std::string fp8_fast_accumulation = "forward";  // products summed in FP8's fast mode: none, forward, input, all
   // LoRA fine-tuning (loom/nn/lora.h; LLaMA family): rank 0 trains every weight; rank r > 0 adds adapters of that
   // rank on lora_targets (comma-separated: q, k, v, o, gate, up, down) scaled by lora_alpha / r, with dropout on their
   // input, and trains only them. lora_from: a PEFT adapter directory to start the adapters from (its settings unless

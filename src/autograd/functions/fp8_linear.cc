@@ -41,6 +41,21 @@ void check_recipe(const Recipe& r) {
                "FP8 recipe: the amax history must hold 1 to 1024 steps, got ", r.amax_history);
 }
 
+bool set_fast_accumulation(Recipe& r, const std::string& name) {
+  const int level = name == "none" ? 0 : name == "forward" ? 1 : name == "input" ? 2 : name == "all" ? 3 : -1;
+  if (level < 0) return false;
+  r.fast_accumulation_forward = level >= 1;
+  r.fast_accumulation_input_grad = level >= 2;
+  r.fast_accumulation_weight_grad = level >= 3;
+  return true;
+}
+
+const char* fast_accumulation_name(const Recipe& r) {
+  if (r.fast_accumulation_weight_grad) return "all";
+  if (r.fast_accumulation_input_grad) return "input";
+  return r.fast_accumulation_forward ? "forward" : "none";
+}
+
 std::string describe(Scope scope, const Recipe& r) {
   const char* which = scope == Scope::kClassifier ? "the classifier"
                       : scope == Scope::kLinear   ? "the blocks' linear layers"
@@ -49,9 +64,10 @@ std::string describe(Scope scope, const Recipe& r) {
   if (!which) return "";
   const std::string scaling =
       r.amax_history <= 1 ? "current scaling" : "delayed scaling over " + std::to_string(r.amax_history) + " steps";
+  const std::string fast = fast_accumulation_name(r);
   return std::string("FP8 products for ") + which + " (" + dtype_name(r.forward) + " operands, " +
          dtype_name(r.backward) + " gradients, " + scaling + (r.margin ? ", margin " + std::to_string(r.margin) : "") +
-         ")";
+         (fast == "forward" ? "" : ", fast accumulation: " + fast) + ")";
 }
 
 ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
@@ -160,6 +176,8 @@ class Fp8LinearBackward final : public autograd::Node {
     return group_sizes ? "Fp8GroupedLinearBackward" : pre_activation.defined() ? "Fp8LinearGeluBackward"
                                                                                : "Fp8LinearBackward";
   }
+  bool fast_input_grad() const { return state->recipe.fast_accumulation_input_grad; }
+  bool fast_weight_grad() const { return state->recipe.fast_accumulation_weight_grad; }
 
   // The product's output gradient from GELU's output gradient d: its codes in both layouts, cast in GELU's backward's
   // own pass where the scaling has a scale at hand, and into *sums the bias gradient (the columns' sums). Where the
@@ -221,10 +239,11 @@ class Fp8LinearBackward final : public autograd::Node {
                          ? autograd::pending_gradient(*this, 0, x_shape, x_dtype)
                          : Tensor();
         if (sum.defined())
-          ops::fp8_linear_backward_input_out(gq, weight, sum, /*accumulate=*/true);
+          ops::fp8_linear_backward_input_out(gq, weight, sum, /*accumulate=*/true, fast_input_grad());
         else
-          out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written)
-                                        : ops::fp8_linear_backward_input(gq, weight, written),
+          out[0] = as_dtype(group_sizes ? ops::fp8_grouped_linear_backward_input(gq, weight, *group_sizes, written,
+                                                                                  fast_input_grad())
+                                        : ops::fp8_linear_backward_input(gq, weight, written, fast_input_grad()),
                             x_dtype);
       }
       if (needs_input_grad(1)) {
@@ -232,8 +251,8 @@ class Fp8LinearBackward final : public autograd::Node {
         Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
         const bool in_slot = dw.defined();
         if (!in_slot) dw = empty(weight_shape, written, device);
-        if (group_sizes) ops::fp8_grouped_linear_backward_weight_out(gq, x, *group_sizes, dw);
-        else ops::fp8_linear_backward_weight_out(gq, x, dw);
+        if (group_sizes) ops::fp8_grouped_linear_backward_weight_out(gq, x, *group_sizes, dw, fast_weight_grad());
+        else ops::fp8_linear_backward_weight_out(gq, x, dw, fast_weight_grad());
         out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
       }
     }
@@ -317,6 +336,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
   Shape x_shape;
   DType x_dtype = kF32, weight_dtype = kF32;
   Shape weight_shape;  // the weight gradient's (the weight's codes are kept only for x's gradient)
+  bool fast_input = false, fast_weight = false;  // the recipe's fast accumulation of the gradients' products
 
   std::string name() const override { return "Fp8LinearCrossEntropyBackward"; }
   tensor_list apply(tensor_list&& grads) override {
@@ -325,7 +345,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
     const Tensor g = ops::to_dtype(ops::reshape(grads[0], {1}), kF32);
     const ops::Fp8Tensor gq{grad_logits.q, ops::mul(grad_logits.scale_inv, g)};
     if (needs_input_grad(0)) {
-      const Tensor dx = ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype));
+      const Tensor dx = ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype), fast_input);
       out[0] = as_dtype(ops::reshape(dx, x_shape), x_dtype);
     }
     if (needs_input_grad(1)) {
@@ -333,7 +353,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
       Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
       const bool in_slot = dw.defined();
       if (!in_slot) dw = empty(weight_shape, written, g.device());
-      ops::fp8_linear_backward_weight_out(gq, x, dw);
+      ops::fp8_linear_backward_weight_out(gq, x, dw, fast_weight);
       out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
     return out;
@@ -555,6 +575,8 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->weight_dtype = weight.dtype();
   node->weight_shape = weight.shape();
+  node->fast_input = state->recipe.fast_accumulation_input_grad;
+  node->fast_weight = state->recipe.fast_accumulation_weight_grad;
   autograd::set_history(loss, node);
   return loss;
 }
@@ -635,6 +657,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
   Shape weight_shape;  // both weights' (their codes are kept only for x's gradient)
 
   std::string name() const override { return "Fp8LinearsSwigluBackward"; }
+  bool fast_input() const { return gate_state->recipe.fast_accumulation_input_grad; }
 
   // The codes of gate's and up's output gradients from SwiGLU's output gradient d, both layouts: made by SwiGLU's
   // backward where both scalings have their scale at hand (delayed scaling after the first step), else from
@@ -699,11 +722,11 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
     if (needs_input_grad(0)) {  // the two products' gradients summed in x's dtype, as two layers' would be
       const DType written = product_dtype_for(x_dtype);
       if (written == x_dtype) {  // gate's product added into up's by the gemm
-        out[0] = ops::fp8_linear_backward_input(uq, up_weight, written);
-        ops::fp8_linear_backward_input_out(gq, gate_weight, out[0], /*accumulate=*/true);
+        out[0] = ops::fp8_linear_backward_input(uq, up_weight, written, fast_input());
+        ops::fp8_linear_backward_input_out(gq, gate_weight, out[0], /*accumulate=*/true, fast_input());
       } else {
-        out[0] = ops::add(as_dtype(ops::fp8_linear_backward_input(gq, gate_weight, written), x_dtype),
-                          as_dtype(ops::fp8_linear_backward_input(uq, up_weight, written), x_dtype));
+        out[0] = ops::add(as_dtype(ops::fp8_linear_backward_input(gq, gate_weight, written, fast_input()), x_dtype),
+                          as_dtype(ops::fp8_linear_backward_input(uq, up_weight, written, fast_input()), x_dtype));
       }
     }
     for (int i : {1, 2}) {
@@ -713,7 +736,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
       Tensor dw = autograd::claim_gradient_destination(*this, size_t(i), written);
       const bool in_slot = dw.defined();
       if (!in_slot) dw = empty(weight_shape, written, gate.device());
-      ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw);
+      ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw, gate_state->recipe.fast_accumulation_weight_grad);
       out[size_t(i)] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
     return out;
