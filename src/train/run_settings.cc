@@ -277,6 +277,22 @@ nn::LoraConfig lora_config(TrainOptions& o) {
   return c;
 }
 
+fp8::Recipe fp8_recipe(const TrainOptions& o) {
+  const bool off = fp8::scope_from_name(o.fp8) == fp8::Scope::kOff;
+  for (const char* flag : {"fp8-amax-history", "fp8-gradients", "fp8-fast-accumulation"})
+    LOOM_REQUIRE(!off || !o.given || !o.given->count(flag), "loom-train: --", flag,
+                 " applies with --fp8 classifier|linear|all (got --fp8 ", o.fp8, ")");
+  LOOM_REQUIRE(o.fp8_gradients == "e5m2" || o.fp8_gradients == "e4m3",
+               "loom-train: --fp8-gradients must be e5m2 or e4m3, got '", o.fp8_gradients, "'");
+  fp8::Recipe r;
+  LOOM_REQUIRE(fp8::set_fast_accumulation(r, o.fp8_fast_accumulation),
+               "loom-train: --fp8-fast-accumulation must be none, forward, input or all, got '",
+               o.fp8_fast_accumulation, "'");
+  r.amax_history = o.fp8_amax_history;
+  r.backward = o.fp8_gradients == "e4m3" ? kF8E4M3 : kF8E5M2;
+  return r;
+}
+
 DType frozen_base_dtype(const TrainOptions& o) {
   if (o.lora_base_dtype == "f32") return kF32;
   if (o.lora_base_dtype == "bf16") return kBF16;

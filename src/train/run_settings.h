@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/distributed/parallel_plan.h"
+#include "loom/fp8.h"
 #include "loom/train/train_options.h"
 
 namespace loom::train {
@@ -37,6 +38,10 @@ std::string frozen_base_note(const TrainOptions& o);
 // each step, once (the layers need FP8 states). A layer already held, loaded from a checkpoint of such a run, stays;
 // it is an error naming --init-from in a run that does not hold its base in FP8.
 void hold_frozen_base(nn::LanguageModel& model, const TrainOptions& o);
+
+// The FP8 recipe of --fp8-amax-history, --fp8-gradients and --fp8-fast-accumulation; one of them given without
+// --fp8, or a name that is not one, is an error naming the flag.
+fp8::Recipe fp8_recipe(const TrainOptions& o);
 
 // What the run asks of the parallel plan, in the library's units, `compute_dtype` the run's autocast dtype. Throws
 // for a setting that another makes meaningless (--virtual-stages without the interleaved schedule, ...), naming both.

@@ -185,20 +185,7 @@ Trainer::Trainer(TrainOptions options) : opts_(std::move(options)), logs_(std::m
                  opts_.model, ": config ", difference, " (leave --model out to take the checkpoint's)");
   }
   cfg.fp8 = fp8::scope_from_name(opts_.fp8);
-  LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-amax-history"),
-               "loom-train: --fp8-amax-history applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8, ")");
-  LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-gradients"),
-               "loom-train: --fp8-gradients applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8, ")");
-  LOOM_REQUIRE(opts_.fp8_gradients == "e5m2" || opts_.fp8_gradients == "e4m3",
-               "loom-train: --fp8-gradients must be e5m2 or e4m3, got '", opts_.fp8_gradients, "'");
-  LOOM_REQUIRE(cfg.fp8 != fp8::Scope::kOff || !opts_.given || !opts_.given->count("fp8-fast-accumulation"),
-               "loom-train: --fp8-fast-accumulation applies with --fp8 classifier|linear|all (got --fp8 ", opts_.fp8,
-               ")");
-  LOOM_REQUIRE(fp8::set_fast_accumulation(cfg.fp8_recipe, opts_.fp8_fast_accumulation),
-               "loom-train: --fp8-fast-accumulation must be none, forward, input or all, got '",
-               opts_.fp8_fast_accumulation, "'");
-  cfg.fp8_recipe.amax_history = opts_.fp8_amax_history;
-  cfg.fp8_recipe.backward = opts_.fp8_gradients == "e4m3" ? kF8E4M3 : kF8E5M2;
+  cfg.fp8_recipe = fp8_recipe(opts_);
   // The plan from the settings, the world's size and the config alone: a layout that cannot be is one error here,
   // before any rank allocates anything.
   const std::optional<distributed::LaunchInfo> launch = distributed::detect_launch();
