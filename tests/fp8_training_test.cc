@@ -336,9 +336,10 @@ TEST(Fp8Training, IsASettingOfTheTrainersTable) {
 }
 
 // --fp8-fast-accumulation reaches the products it names, and no others: a traced step's fp8_gemm calls, told apart by
-// their problem (a forward product's k is the layer's input features and its B operand the activations' codes; an
-// input gradient's m is the input features; a weight gradient's k the rows), carry fast_accumulation as the setting
-// says.
+// their problem (a weight gradient's k is the rows; the classifier's input gradient's k the vocabulary; another
+// input gradient's n the rows with A as stored; a forward product reads A transposed), carry fast_accumulation as
+// the setting says: forward products from `forward`, the blocks' input gradients from `input`, the long sums (the
+// weight gradients over the rows, the classifier's input gradient over the vocabulary) only from `all`.
 TEST(Fp8Training, FastAccumulationReachesTheProductsItNames) {
   TempDir dir;
   for (const std::string name : {"none", "forward", "input", "all"}) {
@@ -351,19 +352,20 @@ TEST(Fp8Training, FastAccumulationReachesTheProductsItNames) {
     train::Trainer(o).run();
     std::ifstream in(o.trace_ops);
     const nlohmann::json trace = nlohmann::json::parse(in);
-    const int64_t rows = o.batch_size * o.seq_len;
+    const int64_t rows = o.batch_size * o.seq_len, vocab = nn::ModelConfig::from_name("llama3-tiny").padded_vocab_size;
     // By kind of product: calls with fast accumulation, calls without.
     std::map<std::string, std::pair<uint64_t, uint64_t>> seen;
     for (const auto& c : trace["calls"]) {
       if (c["op"] != "fp8_gemm") continue;
       const auto& a = c["attrs"];
       const int64_t n = a["n"], k = a["k"];
-      const std::string kind = k == rows ? "weight" : n == rows && !a["trans_a"].get<int64_t>() ? "input" : "forward";
+      const bool forward = a["trans_a"].get<int64_t>() != 0;
+      const std::string kind = k == rows ? "long" : forward ? "forward" : k == vocab && n == rows ? "long" : "input";
       auto& [fast, exact] = seen[kind];
       (a["fast_accumulation"].get<int64_t>() ? fast : exact) += c["count"].get<uint64_t>();
     }
     const int level = name == "none" ? 0 : name == "forward" ? 1 : name == "input" ? 2 : 3;
-    const char* kinds[] = {"forward", "input", "weight"};
+    const char* kinds[] = {"forward", "input", "long"};
     for (int i = 0; i < 3; ++i) {
       const auto [fast, exact] = seen[kinds[i]];
       EXPECT_GT(fast + exact, 0u) << name << ": no " << kinds[i] << " products traced";

@@ -96,8 +96,8 @@ void add_train_options(CLI::App& app, TrainArgs& args) {
                  "the range of f16) or e4m3 (three mantissa bits, as the operands)")
       ->check(CLI::IsMember({"e5m2", "e4m3"}))->capture_default_str();
   app.add_option("--fp8-fast-accumulation", o.fp8_fast_accumulation, "FP8: the products that sum in the tensor "
-                 "cores' fast, narrower accumulator: none, forward (default), input (and the input gradients'), all "
-                 "(and the weight gradients')")
+                 "cores' fast, narrower accumulator: none, forward (default), input (and the blocks' input "
+                 "gradients'), all (and the long sums: weight gradients, the classifier's input gradient; drifts)")
       ->check(CLI::IsMember({"none", "forward", "input", "all"}))->capture_default_str();
   app.add_option("--lora-rank", o.lora_rank, "LoRA fine-tuning (LLaMA family): adapters of this rank on "
                  "--lora-targets, every other weight frozen (0: train every weight)")

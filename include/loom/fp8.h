@@ -44,11 +44,14 @@ struct Recipe {
   int64_t margin = 0;        // scales leave 2^margin of headroom below the format's largest value
   int64_t amax_history = 1;  // 1: current scaling; N > 1: delayed scaling over the last N amaxes
   bool fast_accumulation_forward = true;
-  bool fast_accumulation_input_grad = false;   // grad_x = g W: sums over the output features
-  bool fast_accumulation_weight_grad = false;  // grad_w = g^T x: sums over the rows (tokens), the longest
+  // A block layer's input gradient, grad_x = g W: sums over the layer's output features (a few thousand).
+  bool fast_accumulation_input_grad = false;
+  // The long sums: every weight gradient, grad_w = g^T x, over the step's rows (tokens), and the classifier's input
+  // gradient, over the vocabulary.
+  bool fast_accumulation_long_sums = false;
 };
-// The products that accumulate fast, by name: "none", "forward" (the default), "input" (forward and the input
-// gradients'), "all" (the weight gradients' too). False, leaving the recipe as it was, for any other name.
+// The products that accumulate fast, by name: "none", "forward" (the default), "input" (forward and the block layers'
+// input gradients'), "all" (the long sums too). False, leaving the recipe as it was, for any other name.
 bool set_fast_accumulation(Recipe& recipe, const std::string& name);
 const char* fast_accumulation_name(const Recipe& recipe);
 // Throws naming the bad field (8-bit float dtypes, margin in [0, 64), a history of 1 to 1024).

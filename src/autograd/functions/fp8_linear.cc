@@ -46,12 +46,12 @@ bool set_fast_accumulation(Recipe& r, const std::string& name) {
   if (level < 0) return false;
   r.fast_accumulation_forward = level >= 1;
   r.fast_accumulation_input_grad = level >= 2;
-  r.fast_accumulation_weight_grad = level >= 3;
+  r.fast_accumulation_long_sums = level >= 3;
   return true;
 }
 
 const char* fast_accumulation_name(const Recipe& r) {
-  if (r.fast_accumulation_weight_grad) return "all";
+  if (r.fast_accumulation_long_sums) return "all";
   if (r.fast_accumulation_input_grad) return "input";
   return r.fast_accumulation_forward ? "forward" : "none";
 }
@@ -177,7 +177,7 @@ class Fp8LinearBackward final : public autograd::Node {
                                                                                : "Fp8LinearBackward";
   }
   bool fast_input_grad() const { return state->recipe.fast_accumulation_input_grad; }
-  bool fast_weight_grad() const { return state->recipe.fast_accumulation_weight_grad; }
+  bool fast_weight_grad() const { return state->recipe.fast_accumulation_long_sums; }  // a sum over the rows
 
   // The product's output gradient from GELU's output gradient d: its codes in both layouts, cast in GELU's backward's
   // own pass where the scaling has a scale at hand, and into *sums the bias gradient (the columns' sums). Where the
@@ -336,7 +336,8 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
   Shape x_shape;
   DType x_dtype = kF32, weight_dtype = kF32;
   Shape weight_shape;  // the weight gradient's (the weight's codes are kept only for x's gradient)
-  bool fast_input = false, fast_weight = false;  // the recipe's fast accumulation of the gradients' products
+  // The recipe's fast accumulation of both products: each a long sum (over the vocabulary, over the rows).
+  bool fast = false;
 
   std::string name() const override { return "Fp8LinearCrossEntropyBackward"; }
   tensor_list apply(tensor_list&& grads) override {
@@ -345,7 +346,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
     const Tensor g = ops::to_dtype(ops::reshape(grads[0], {1}), kF32);
     const ops::Fp8Tensor gq{grad_logits.q, ops::mul(grad_logits.scale_inv, g)};
     if (needs_input_grad(0)) {
-      const Tensor dx = ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype), fast_input);
+      const Tensor dx = ops::fp8_linear_backward_input(gq, weight, product_dtype_for(x_dtype), fast);
       out[0] = as_dtype(ops::reshape(dx, x_shape), x_dtype);
     }
     if (needs_input_grad(1)) {
@@ -353,7 +354,7 @@ class Fp8LinearCrossEntropyBackward final : public autograd::Node {
       Tensor dw = autograd::claim_gradient_destination(*this, 1, written);
       const bool in_slot = dw.defined();
       if (!in_slot) dw = empty(weight_shape, written, g.device());
-      ops::fp8_linear_backward_weight_out(gq, x, dw, fast_weight);
+      ops::fp8_linear_backward_weight_out(gq, x, dw, fast);
       out[1] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
     return out;
@@ -575,8 +576,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   node->x_dtype = is_fp8(x.dtype()) ? out_dtype : x.dtype();
   node->weight_dtype = weight.dtype();
   node->weight_shape = weight.shape();
-  node->fast_input = state->recipe.fast_accumulation_input_grad;
-  node->fast_weight = state->recipe.fast_accumulation_weight_grad;
+  node->fast = state->recipe.fast_accumulation_long_sums;
   autograd::set_history(loss, node);
   return loss;
 }
@@ -736,7 +736,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
       Tensor dw = autograd::claim_gradient_destination(*this, size_t(i), written);
       const bool in_slot = dw.defined();
       if (!in_slot) dw = empty(weight_shape, written, gate.device());
-      ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw, gate_state->recipe.fast_accumulation_weight_grad);
+      ops::fp8_linear_backward_weight_out(i == 1 ? gq : uq, x, dw, gate_state->recipe.fast_accumulation_long_sums);
       out[size_t(i)] = in_slot ? dw : as_dtype(dw, weight_dtype);
     }
     return out;
