@@ -15,7 +15,8 @@
 # PyTorch script (e.g. --repeat-kv for LLaMA). LOOM_TIMEOUT: seconds per Loom run (200 for GPT-2, 300 for LLaMA).
 # FP8: FP8 scopes of loom-train's --fp8 (classifier, linear, all; e.g. FP8='linear all') to run after the bf16 run, each
 # with --dtype bf16 --fp8 SCOPE and FP8_FLAGS (e.g. --fp8-amax-history 16) on the same data and initial weights, and
-# again with --fp8-fast-accumulation NAME for each NAME in FP8_FAST (e.g. FP8_FAST='input all'); the
+# again with --fp8-fast-accumulation NAME for each NAME in FP8_FAST (e.g. FP8_FAST='input all'), and with BF16_AGAIN=1
+# a second bf16 run of the same settings (the run-to-run floor); the
 # table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
 # difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
@@ -73,6 +74,9 @@ FP8_SCOPES=(${FP8:-})
 # The variants run after Loom's bf16 run on the same data and weights, each "label|log suffix|loom-train flags".
 VARIANTS=()
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do VARIANTS+=("fp8 $scope|_fp8_$scope|--fp8 $scope ${FP8_FLAGS:-}"); done
+# BF16_AGAIN=1: Loom's bf16 run once more, the same settings: how far two runs of one recipe land apart (the GPU's bf16
+# step is not bit-reproducible), the floor for the FP8 comparisons.
+[ "${BF16_AGAIN:-0}" = 1 ] && VARIANTS+=("bf16 again|_bf16_again|")
 # FP8_FAST: more runs of each scope with --fp8-fast-accumulation NAME (e.g. FP8_FAST='input all').
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
   for fast in ${FP8_FAST:-}; do
@@ -214,6 +218,7 @@ PY
 # tenth of the steps, are left out of the largest difference it prints).
 if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
   runs=("$DIR/loom_${MODEL}_b$B"); labels=(--label bf16)
+  [ "${BF16_AGAIN:-0}" = 1 ] && { runs+=("$DIR/loom_${MODEL}_b${B}_bf16_again"); labels+=(--label "bf16 again"); }
   for scope in "${FP8_SCOPES[@]}"; do
     runs+=("$DIR/loom_${MODEL}_b${B}_fp8_$scope"); labels+=(--label "fp8 $scope")
     for fast in ${FP8_FAST:-}; do
