@@ -39,6 +39,9 @@
 #             callback against loom-train from the same TOML: PY_MODEL gpt2-124m, PY_B 16, T 1024, PY_STEPS 30,
 #             bf16) and last the whole pytest suite, each with its row and log as it ends; without Python.h a row
 #             says so and the stage stops
+#   fp8_gemm  loom-bench-fp8-gemm beside bench/fp8_gemm_torch_reference.py (torch._scaled_mm): each linear layer's
+#             forward, input and weight gradient products in FP8, promoted and fast, against bf16 (FG_ARGS: a model
+#             and a token count, default "llama3-3b 8192")
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 #   kernels   tools/bench/kernel_profile.py: the GPU time of a few steps kernel by kernel, PyTorch beside Loom, by
 #             kernel class (KP_MODEL gpt2-124m, KP_B 32, KP_T 1024, KP_FLAGS); builds the Python package first
@@ -89,6 +92,7 @@ stage_targets() {  # stage -> the build targets it runs
     traces) echo loom-train loom-conformance ;;
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
+    fp8_gemm) echo loom-bench-fp8-gemm ;;
     lora) echo loom-train ;;
     python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
@@ -523,6 +527,26 @@ stage_grouped_gemm() {
     "Loom and torch tables above (grouped_gemm_*.log)" $((SECONDS - t0))
 }
 
+# Each linear layer's three products in FP8 (promoted and fast accumulation) beside bf16, Loom's ops
+# (bench/fp8_gemm_bench.cc) and torch._scaled_mm (bench/fp8_gemm_torch_reference.py) on the same shapes: FG_ARGS
+# (model and tokens; default llama3-3b 8192).
+stage_fp8_gemm() {
+  need_build || return 1
+  local t0=$SECONDS rc1 rc2
+  # shellcheck disable=SC2086
+  timeout 300 $BIN/bench/loom-bench-fp8-gemm ${FG_ARGS:-} > $S/fp8_gemm_loom.log 2>&1
+  rc1=$?
+  # shellcheck disable=SC2086
+  timeout 300 python3 bench/fp8_gemm_torch_reference.py ${FG_ARGS:-} > $S/fp8_gemm_torch.log 2>&1
+  rc2=$?
+  cat $S/fp8_gemm_loom.log $S/fp8_gemm_torch.log
+  local figures
+  figures="Loom $(grep -o '(forward fast) [0-9.]* us ([0-9.]*x)' $S/fp8_gemm_loom.log | head -1), torch $(grep -o \
+    '(forward fast) [0-9.]* us ([0-9.]*x)' $S/fp8_gemm_torch.log | head -1) of bf16"
+  row "fp8 gemm" "$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo done || echo "FAIL (rc $rc1, $rc2)")" "$figures" \
+    $((SECONDS - t0))
+}
+
 # The Python the `python` stage builds the package for and tests with: PYTHON_EXE, else the first of python3 on PATH
 # and PyTorch's virtual environment that imports torch (the DLPack tests need it), else python3.
 python_interpreter() {
@@ -750,10 +774,10 @@ PY
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
-initcheck racecheck sweep reference grouped_gemm python bench lora kernels)"; exit 2 ;;
+initcheck racecheck sweep reference grouped_gemm fp8_gemm python bench lora kernels)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
