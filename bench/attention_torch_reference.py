@@ -1,28 +1,12 @@
 """PyTorch's scaled_dot_product_attention on loom-bench-attention's shapes (bf16, causal), timed the same way (CUDA
 events, warm-up, median of 20), for comparison. Prints TFLOP/s for the default backend choice and for each fast
 backend forced, with GQA both through enable_gqa and with k/v expanded to every query head."""
-import statistics
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch_timing import median_ms
 
 SHAPES = [("gpt2", 16, 12, 12, 1024, 64), ("llama", 4, 32, 8, 2048, 128)]
-
-
-def median_ms(fn, warmup=5, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def run(name, B, H, Hkv, T, D, backend, expand):

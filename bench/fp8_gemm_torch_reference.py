@@ -7,10 +7,10 @@ warm-up, then the median of 20 runs; microseconds and TFLOP/s = 2mnk / time.
 
   fp8_gemm_torch_reference.py [model] [tokens]     (model: llama3-3b (default), llama3-1b, llama3-8b, gpt2-124m)
 """
-import statistics
 import sys
 
 import torch
+from torch_timing import median_ms
 
 # The dimensions of Loom's models of those names (src/nn/model_config.cc): C, FFN, heads, kv heads, head size, vocab.
 MODELS = {
@@ -21,19 +21,8 @@ MODELS = {
 }
 
 
-def median_us(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+def median_us(fn):
+    return median_ms(fn, warmup=3) * 1e3
 
 
 def codes(x, dtype):
