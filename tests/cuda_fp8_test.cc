@@ -406,6 +406,74 @@ TEST(CudaFp8, CrossEntropyWithGradQuantizeIsTheGpusLossThenQuantize) {
       }
 }
 
+// Current scaling's amax passes on the GPU (swiglu_amax, swiglu_backward_amax, cross_entropy_grad_amax): the amax
+// the GPU's fused casts record, bit for bit, over vector and element paths (odd widths, halves of one product's rows,
+// views one element in), special values, the loss's staged and two-pass kernels with ignored rows and a vocabulary
+// limit; within a 16-bit rounding of the CPU's.
+TEST(CudaFp8, AmaxPassesAreTheGpusFusedCastsAmaxes) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(14);
+  const Device cpu;
+  auto near = [](const Tensor& a, const Tensor& b, double rel) {
+    const double x = test::values(a.to(Device()))[0], y = test::values(b.to(Device()))[0];
+    return x == y || (std::isnan(x) && std::isnan(y)) || std::abs(x - y) <= rel * std::abs(y);
+  };
+  const Tensor s = host_tensor({4.0}, {1}, kF32).to(kGpu);
+  for (DType xt : {kBF16, kF32})
+    for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {7, 65}, {64, 64}, {260, 520}, {2048, 8192}}) {
+      const std::string what = std::string(dtype_name(xt)) + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+      for (int layout = 0; layout < 3; ++layout) {  // separate tensors, halves of one, views one element in
+        Tensor gate, up;
+        if (layout == 1) {
+          const Tensor both = host_tensor(special_values(rows * 2 * cols, rng), {rows, 2 * cols}, xt).to(kGpu);
+          gate = ops::narrow(both, 1, 0, cols), up = ops::narrow(both, 1, cols, cols);
+        } else {
+          const int64_t skip = layout == 2 ? 1 : 0;
+          const Tensor g = host_tensor(special_values(rows * cols + skip, rng), {rows * cols + skip}, xt).to(kGpu);
+          const Tensor u = test::random_tensor({rows * cols + skip}, xt, -4, 4, rng()).to(kGpu);
+          gate = ops::view(ops::narrow(g, 0, skip, rows * cols), {rows, cols});
+          up = ops::view(ops::narrow(u, 0, skip, rows * cols), {rows, cols});
+        }
+        const Tensor measured = ops::fp8_swiglu_amax(gate, up, kF8E4M3);
+        ASSERT_TRUE(measured.defined()) << what;
+        Tensor fused;
+        ops::fp8_swiglu_quantize(gate, up, s, kF8E4M3, &fused);
+        EXPECT_TRUE(same_bytes(measured, fused)) << what << " swiglu_amax, layout " << layout;
+        EXPECT_TRUE(near(measured, ops::fp8_swiglu_amax(gate.to(cpu), up.to(cpu), kF8E4M3), 8e-3)) << what;
+      }
+      const Tensor grad = host_tensor(special_values(rows * cols, rng), {rows, cols}, xt).to(kGpu);
+      const Tensor gate = test::random_tensor({rows, cols}, xt, -6, 6, rng()).to(kGpu);
+      const Tensor up = test::random_tensor({rows, cols}, xt, -4, 4, rng()).to(kGpu);
+      const auto [ag, au] = ops::fp8_swiglu_backward_amax(grad, gate, up, kF8E5M2);
+      ASSERT_TRUE(ag.defined() && au.defined()) << what;
+      Tensor fg, fu;
+      ops::fp8_swiglu_backward_quantize(grad, gate, up, s, s, kF8E5M2, &fg, &fu);
+      EXPECT_TRUE(same_bytes(ag, fg)) << what << " swiglu_backward_amax's gate";
+      EXPECT_TRUE(same_bytes(au, fu)) << what << " swiglu_backward_amax's up";
+      const auto [cg, cu] = ops::fp8_swiglu_backward_amax(grad.to(cpu), gate.to(cpu), up.to(cpu), kF8E5M2);
+      EXPECT_TRUE(near(ag, cg, 8e-3) && near(au, cu, 8e-3)) << what;
+    }
+  for (DType xt : {kBF16, kF32})
+    for (auto [rows, vocab, limit] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {3, 257, -1}, {16, 8200, 8193}, {300, 50304, 50257}, {4, 128256, -1}})
+      for (ops::Reduction reduction : {ops::Reduction::kMean, ops::Reduction::kSum}) {
+        const Tensor logits = test::random_tensor({rows, vocab}, xt, -8, 8, rng()).to(kGpu);
+        Tensor targets_host = test::random_indices({rows}, 0, limit < 0 ? vocab : limit, kI64);
+        static_cast<int64_t*>(targets_host.data())[rows - 1] = -100;  // an ignored row
+        const Tensor targets = targets_host.to(kGpu);
+        const std::string what = std::string(dtype_name(xt)) + " [" + std::to_string(rows) + ", " +
+                                 std::to_string(vocab) + "]" + (reduction == ops::Reduction::kSum ? " sum" : " mean");
+        const Tensor measured = ops::cross_entropy_grad_amax(logits, targets, -100, reduction, limit);
+        ASSERT_TRUE(measured.defined()) << what;
+        Tensor fused;
+        ops::cross_entropy_with_grad_quantize(logits, targets, -100, reduction, limit, s, kF8E5M2, &fused);
+        EXPECT_TRUE(same_bytes(measured, fused)) << what << " cross_entropy_grad_amax";
+        EXPECT_TRUE(near(measured, ops::cross_entropy_grad_amax(logits.to(cpu), targets_host, -100, reduction, limit),
+                         8e-3))
+            << what;
+      }
+}
+
 // The codes in both layouts (fp8_quantize_transposed) on the GPU: the CPU's bit for bit (codes, transposed codes,
 // amax) over whole and partial 64 x 64 tiles, odd widths and heights (the element stores), widths of whole 8-element
 // runs and heights of 4 rows (the vector stores) with partial tiles, blocks looping over row tiles, special values,

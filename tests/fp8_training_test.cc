@@ -191,7 +191,8 @@ TEST(Fp8Training, RecomputeUnderDelayedScalingKeepsTheLossesBitForBit) {
   }
 }
 
-// FP8 casts (either format) in one forward of llama3-tiny under --fp8 all, with the adapters of `lora`.
+// FP8 casts (either format; a cast apart or SwiGLU's own) in one forward of llama3-tiny under --fp8 all, with the
+// adapters of `lora`.
 uint64_t casts_in_a_forward(const nn::LoraConfig& lora) {
   nn::ModelConfig cfg = nn::ModelConfig::from_name("llama3-tiny");
   cfg.fp8 = fp8::Scope::kAll;
@@ -203,7 +204,8 @@ uint64_t casts_in_a_forward(const nn::LoraConfig& lora) {
   auto count = [] {
     uint64_t n = 0;
     for (DType d : {kF8E4M3, kF8E5M2})
-      for (const auto& c : dispatch::explain("fp8_quantize", kCPU, d)) n += c.calls;
+      for (const char* op : {"fp8_quantize", "swiglu_quantize"})
+        for (const auto& c : dispatch::explain(op, kCPU, d)) n += c.calls;
     return n;
   };
   const uint64_t before = count();

@@ -73,11 +73,17 @@ class TensorScaling {
   // ops::fp8_swiglu_quantize gives them). Delayed scaling with a scale at hand takes codes(): the tensor is never
   // made nor read again. Otherwise (current scaling, an operand's first quantization) quantize(values()), whose
   // amax is needed before the cast.
+  // measure(), where given, gives the values' amax without making them (ops::fp8_swiglu_amax), or undefined where it
+  // cannot: where the amax is needed first, it is measured and codes() makes the codes, so the values are never
+  // written in 16 bits either.
   using Codes = std::function<Tensor(const Tensor& scale, Tensor* amax)>;
-  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device);
+  using Measure = std::function<Tensor()>;
+  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, Device device,
+                          const Measure& measure = {});
   // The same, casting made values with `cast` (the values, the scale) where it needs a cast (fp8_quantize above).
   using Cast = std::function<Tensor(const Tensor& values, const Tensor& scale)>;
-  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device);
+  ops::Fp8Tensor quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast, Device device,
+                          const Measure& measure = {});
   // quantize(x) with the codes also transposed (qt [C, R] for x [..., C] of R rows), written by the cast's own pass
   // (ops::fp8_quantize_transposed): what a weight gradient's product reads. With column_sums, x's column sums (a
   // bias gradient, f32) are written there from the same pass.

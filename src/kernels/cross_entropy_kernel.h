@@ -105,6 +105,16 @@ LOOM_DECLARE_OP(cross_entropy_with_grad_quantize, CrossEntropyWithGradQuantizeKe
                     .abi_since(7)
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
+// The amax alone of the gradient cross_entropy_with_grad_quantize would quantize (current scaling needs it before
+// the codes: fp8_kernel.h's amax passes): amax = max |grad_logits| of cross_entropy_with_grad's gradient as it stores
+// it in the logits' dtype, bit for bit cross_entropy_with_grad_quantize's amax; nothing else written, no loss. Same
+// targets, attrs and checks. Logits f32 or bf16.
+using CrossEntropyGradAmaxKernel = void(const DeviceContext&, const Tensor& logits, const Tensor& targets,
+                                        const CrossEntropyAttrs&, Tensor& amax);
+LOOM_DECLARE_OP(cross_entropy_grad_amax, CrossEntropyGradAmaxKernel,
+                cross_entropy_schema_finish(cross_entropy_schema_start(false).out("amax", "1", DTypeRule::kF32), true)
+                    .abi_since(9).tolerance(kF32, 4e-3, 0));
+
 // grad_logits (contiguous, dispatched on its dtype) *= scale, in place, where scale is a scalar of
 // cross_entropy_loss_dtype(grad_logits' dtype) read where it lives (no host synchronization on a device). A scale of
 // exactly 1 (the usual loss.backward()) leaves grad_logits untouched without a pass over it. The suite tries exact

@@ -169,6 +169,38 @@ LOOM_DECLARE_OP(swiglu_backward_quantize, SwigluBackwardQuantizeKernel,
                     .special_values("as swiglu_backward then fp8_quantize_transposed of each of its outputs")
                     .tolerance(kF8E4M3, 0, 0).tolerance(kF8E5M2, 0, 0).tolerance(kF32, 4e-3, 0));
 
+// ---- The amax alone, where current scaling needs it before the codes. ----
+// Current scaling takes a tensor's scale from its own amax, so the amax must be known before the codes: these
+// passes measure the amax a producer's fused cast would record (for any scale), writing nothing, and the fused cast
+// then makes the codes with the scale. The 16-bit values are never written nor read back: a pass over the inputs
+// replaces a write and two reads of the values.
+// amax = max |swiglu(gate, up)| as the swiglu op stores it in gate's dtype: swiglu_quantize's amax, bit for bit.
+// gate and up as swiglu_quantize takes them. Judged as swiglu_quantize's amax is.
+using SwigluAmaxKernel = void(const DeviceContext&, const Tensor& gate, const Tensor& up, Tensor& amax);
+LOOM_DECLARE_OP(swiglu_amax, SwigluAmaxKernel,
+                OpSchema().in("gate", "R C", DTypeRule::kUnquantized).layout(Layout::kUnitInner)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("up", "R C", DTypeRule::kUnquantized).layout(Layout::kUnitInner)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .out("amax", "1", DTypeRule::kF32).dispatch_on("gate").abi_since(9)
+                    .special_values("as swiglu then fp8_amax: a NaN activation makes the amax NaN, an infinite one "
+                                    "infinite")
+                    .tolerance(kF32, 4e-3, 0));
+
+// amax_gate and amax_up = max |dg| and max |du| of (dg, du) = swiglu_backward(grad, gate, up) as that op stores them
+// in gate's dtype: swiglu_backward_quantize's amaxes, bit for bit. grad, gate and up contiguous [R, C], one dtype.
+using SwigluBackwardAmaxKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                      Tensor& amax_gate, Tensor& amax_up);
+LOOM_DECLARE_OP(swiglu_backward_amax, SwigluBackwardAmaxKernel,
+                OpSchema().in("grad", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("gate", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .in("up", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .out("amax_gate", "1", DTypeRule::kF32).out("amax_up", "1", DTypeRule::kF32)
+                    .dim("R", {0}).row_dim("R").dispatch_on("gate").abi_since(9)
+                    .special_values("as swiglu_backward then fp8_amax of each output")
+                    .tolerance(kF32, 4e-3, 0));
+
 // out = float(q) * scale_inv, computed in f32 and rounded to out's dtype (bf16 or f32). q and out contiguous, one
 // shape.
 using Fp8DequantizeKernel = void(const DeviceContext&, const Tensor& q, const Tensor& scale_inv, Tensor& out);

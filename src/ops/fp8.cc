@@ -259,6 +259,22 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
   return fp8_quantize(ops::swiglu(gate, up), scale, fp8, amax_out);
 }
 
+Tensor fp8_swiglu_amax(const Tensor& gate, const Tensor& up, DType fp8) {
+  const char* op = "fp8_swiglu_amax";
+  LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
+               ": up ", describe(up), " does not match gate ", describe(gate));
+  const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
+  Tensor amax = empty({1}, kF32, gate.device());
+  if (!ops_detail::measured_by_plain_provider(swiglu_amax_op, swiglu_quantize_op, swiglu_op, gate.device(),
+                                              gate.dtype(), fp8, gate.dtype(), g, u, amax))
+    return Tensor();
+  dispatch::call(swiglu_amax_op, gate.device(), gate.dtype(), g, u, amax);
+  return amax;
+}
+
 Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_gelu_quantize";
   LOOM_REQUIRE(x.defined(), op, ": x is undefined");
@@ -309,6 +325,28 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   }
   r.q = ops::view(r.q, x.shape());
   return r;
+}
+
+std::pair<Tensor, Tensor> fp8_swiglu_backward_amax(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                                   DType fp8) {
+  const char* op = "fp8_swiglu_backward_amax";
+  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined() && gate.dim() >= 1, op,
+               ": grad, gate and up must be defined tensors of rank 1 or more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  for (const Tensor* t : {&grad, &up})
+    LOOM_REQUIRE(t->dtype() == gate.dtype() && t->shape() == gate.shape() && t->device() == gate.device(), op, ": ",
+                 t == &grad ? "grad " : "up ", describe(*t), " does not match gate ", describe(gate));
+  const int64_t cols = gate.size(-1), rows = rows_of(gate);
+  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), x = ops::view(ops::contiguous(gate), {rows, cols}),
+               u = ops::view(ops::contiguous(up), {rows, cols});
+  Tensor amax_gate = empty({1}, kF32, gate.device()), amax_up = empty({1}, kF32, gate.device());
+  if (!ops_detail::measured_by_plain_provider(swiglu_backward_amax_op, swiglu_backward_quantize_op, swiglu_backward_op,
+                                              gate.device(), gate.dtype(), fp8, gate.dtype(), g, x, u, amax_gate,
+                                              amax_up))
+    return {};
+  dispatch::call(swiglu_backward_amax_op, gate.device(), gate.dtype(), g, x, u, amax_gate, amax_up);
+  return {amax_gate, amax_up};
 }
 
 SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tensor& gate, const Tensor& up,

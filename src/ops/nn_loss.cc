@@ -119,6 +119,26 @@ CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, cons
   return r;
 }
 
+Tensor cross_entropy_grad_amax(const Tensor& logits, const Tensor& targets, int64_t ignore_index, Reduction reduction,
+                               int64_t vocab_limit) {
+  const char* op = "cross_entropy_grad_amax";
+  ops_detail::check_same_device(op, {&logits, &targets});
+  LOOM_REQUIRE(reduction != Reduction::kNone, op, ": reduction must be mean or sum (a scalar loss) for logits ",
+               describe(logits));
+  LOOM_REQUIRE(logits.dtype() == kF32 || logits.dtype() == kBF16, op, ": logits must be f32 or bf16, got ",
+               describe(logits));
+  infermeta::infer_cross_entropy(op, logits, targets, false);
+  CrossEntropyAttrs attrs = cross_entropy_attrs(op, logits, ignore_index, reduction, vocab_limit);
+  Tensor x = ops::contiguous(logits), t = ops::contiguous(targets);
+  Tensor amax = empty({1}, kF32, logits.device());
+  if (!ops_detail::measured_by_plain_provider(cross_entropy_grad_amax_op, cross_entropy_with_grad_quantize_op,
+                                              cross_entropy_with_grad_op, logits.device(), logits.dtype(),
+                                              logits.dtype(), logits.dtype(), x, t, attrs, amax))
+    return Tensor();
+  dispatch::call(cross_entropy_grad_amax_op, logits.device(), logits.dtype(), x, t, attrs, amax);
+  return amax;
+}
+
 void cross_entropy_scale_grad_(Tensor& grad_logits, const Tensor& grad_loss) {
   const char* op = "cross_entropy_scale_grad_";
   ops_detail::check_same_device(op, {&grad_logits, &grad_loss});

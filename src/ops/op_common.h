@@ -67,6 +67,21 @@ bool fused_by_plain_provider(Fused fused, Plain, Device device, DType fused_dtyp
   return f && (candidates.empty() || candidates.front()->provider == f->provider);
 }
 
+// Whether an amax pass (`measure` on measure_dtype: the amax of the values a fused variant would quantize, nothing
+// written) takes these arguments from the provider that would run the plain op, and that provider also runs the
+// fused variant (`fused` on fused_dtype; its supports() not asked, its outputs not made yet). Only then does
+// measuring first save anything: the values are never written, the fused variant makes the codes.
+template <typename Measure, typename Fused, typename Plain, typename... Args>
+bool measured_by_plain_provider(Measure measure, Fused, Plain, Device device, DType measure_dtype, DType fused_dtype,
+                                DType plain_dtype, Args&... args) {
+  const KernelEntry* m = accepting_kernel(measure, device, measure_dtype, args...);
+  if (!m) return false;
+  const auto& plain = dispatch::candidates(Plain::id(), device.type, plain_dtype);
+  const auto& fused = dispatch::candidates(Fused::id(), device.type, fused_dtype);
+  return (plain.empty() || plain.front()->provider == m->provider) && !fused.empty() &&
+         fused.front()->provider == m->provider;
+}
+
 // Where an FP8 op writes the amax of the values it quantizes: *amax_out itself when the caller gives a tensor there
 // (a delayed scaling's record, kept at one address across steps: a captured CUDA graph writes it on every replay),
 // else a new one-element f32 tensor; none without amax_out.

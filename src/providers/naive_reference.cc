@@ -560,6 +560,20 @@ void cross_entropy_with_grad_quantize(Case& c) {
   }
   if (Operand* amax = c.out("amax")) amax->values[0] = m;
 }
+// cross_entropy_with_grad_quantize's amax alone.
+void cross_entropy_grad_amax(Case& c) {
+  CrossEntropy ce(c);
+  const Operand& logits = c.in("logits");
+  Operand grad;
+  grad.values.assign(logits.values.size(), 0.0);
+  ce.write_grad(&grad, [](int64_t) { return 1.0; });
+  double m = 0;
+  for (double g : grad.values) {
+    const double stored = convert(g, logits.dtype);
+    m = std::isnan(m) || std::isnan(stored) ? kNaN : std::max(m, std::abs(stored));
+  }
+  c.out("amax")->values[0] = m;
+}
 void cross_entropy_scale_grad(Case& c) {
   const double s = c.in("scale").values[0];
   auto& o = c.out("grad_logits")->values;
@@ -912,6 +926,7 @@ const std::map<std::string, Fn>& table() {
     m["cross_entropy_backward"] = cross_entropy_backward;
     m["cross_entropy_with_grad"] = cross_entropy_with_grad;
     m["cross_entropy_with_grad_quantize"] = cross_entropy_with_grad_quantize;
+    m["cross_entropy_grad_amax"] = cross_entropy_grad_amax;
     m["cross_entropy_scale_grad"] = cross_entropy_scale_grad;
     m["layer_norm"] = norm(true);
     m["rms_norm"] = norm(false);

@@ -125,16 +125,30 @@ void quantize_activations(Case& c, const std::vector<double>& v, DType dt, const
   if (Operand* amax = c.out(amax_name)) amax->values[0] = m;
 }
 
-// swiglu's activation silu(gate) * up, stored in gate's dtype.
-void swiglu_quantize(Case& c) {
+// The amax alone of activations v as quantize_activations takes it.
+void amax_of_activations(Case& c, const std::vector<double>& v, DType dt, const char* amax_name) {
+  double m = 0;
+  for (double x : v) {
+    const double stored = convert(x, dt);
+    m = std::isnan(m) || std::isnan(stored) ? kNaN : std::max(m, std::abs(stored));
+  }
+  c.out(amax_name)->values[0] = m;
+}
+
+// swiglu's activation silu(gate) * up (before its rounding to gate's dtype).
+std::vector<double> swiglu_values(const Case& c) {
   const Operand &gate = c.in("gate"), &up = c.in("up");
   std::vector<double> v(gate.values.size());
   for (size_t i = 0; i < v.size(); ++i) {
     const double g = gate.values[i];
     v[i] = g * (1 / (1 + std::exp(-g))) * up.values[i];
   }
-  quantize_activations(c, v, gate.dtype);
+  return v;
 }
+
+// swiglu's activation, stored in gate's dtype.
+void swiglu_quantize(Case& c) { quantize_activations(c, swiglu_values(c), c.in("gate").dtype); }
+void swiglu_amax(Case& c) { amax_of_activations(c, swiglu_values(c), c.in("gate").dtype, "amax"); }
 
 // GELU's tanh form, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), stored in x's dtype.
 void gelu_quantize(Case& c) {
@@ -171,16 +185,30 @@ void gelu_backward_quantize(Case& c) {
     }
 }
 
-// SwiGLU's gradients, grad * up * silu'(gate) and grad * silu(gate), each stored in gate's dtype and quantized with
-// its own scale, in both layouts.
-void swiglu_backward_quantize(Case& c) {
+// SwiGLU's gradients, grad * up * silu'(gate) and grad * silu(gate) (before their rounding to gate's dtype).
+void swiglu_gradients(const Case& c, std::vector<double>& dg, std::vector<double>& du) {
   const Operand &g = c.in("grad"), &gate = c.in("gate"), &up = c.in("up");
-  std::vector<double> dg(gate.values.size()), du(gate.values.size());
+  dg.assign(gate.values.size(), 0.0);
+  du.assign(gate.values.size(), 0.0);
   for (size_t i = 0; i < dg.size(); ++i) {
     const double x = gate.values[i], s = 1 / (1 + std::exp(-x));
     dg[i] = g.values[i] * up.values[i] * (s * (1 + x * (1 - s)));
     du[i] = g.values[i] * (x * s);
   }
+}
+
+void swiglu_backward_amax(Case& c) {
+  std::vector<double> dg, du;
+  swiglu_gradients(c, dg, du);
+  amax_of_activations(c, dg, c.in("gate").dtype, "amax_gate");
+  amax_of_activations(c, du, c.in("gate").dtype, "amax_up");
+}
+
+// SwiGLU's gradients, each stored in gate's dtype and quantized with its own scale, in both layouts.
+void swiglu_backward_quantize(Case& c) {
+  const Operand& gate = c.in("gate");
+  std::vector<double> dg, du;
+  swiglu_gradients(c, dg, du);
   quantize_activations(c, dg, gate.dtype, "scale_gate", "q_gate", "amax_gate");
   quantize_activations(c, du, gate.dtype, "scale_up", "q_up", "amax_up");
   transpose_codes(c, "q_gate", "qt_gate");
@@ -262,6 +290,8 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["gelu_quantize"] = gelu_quantize;
   table["gelu_backward_quantize"] = gelu_backward_quantize;
   table["swiglu_backward_quantize"] = swiglu_backward_quantize;
+  table["swiglu_amax"] = swiglu_amax;
+  table["swiglu_backward_amax"] = swiglu_backward_amax;
   table["residual_rms_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, false); };
   table["residual_layer_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, true); };
   table["fp8_gemm"] = fp8_gemm;

@@ -9,7 +9,7 @@
  *   returns LOOM_STATUS_OK. Loom refuses a library whose major version differs from its own, or whose minor version
  *   is newer than its own; an older minor keeps working (new fields are only ever appended, before reserved slots,
  *   and every struct starts with its size so each side reads only what the other wrote). Ops are added in minor
- *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], and so on to [1.7], and Loom binds
+ *   versions: the list below marks those of 1.1 with [1.1], of 1.2 with [1.2], and so on to [1.9], and Loom binds
  *   an op only for a library built against the minor that added it or a newer one (a 1.0 library that names a 1.1
  *   op is warned, as before, and the rest of its ops load). 1.3 also
  *   added the 8-bit float dtypes: only the FP8 ops take them, and a mask bit for them counts only in a library built
@@ -274,6 +274,19 @@
  *       fp8_quantize_transposed's q, qt and amax; column_sums [C] f32 the sums of x's columns (any fixed order of the
  *       rows that depends only on the shape; zeros with no rows). A library without it: Loom quantizes and sums
  *       apart.
+ *   Added in 1.9: the amax alone of what a fused cast would quantize, nothing written, for current scaling (whose
+ *   scale needs the amax before the codes): the amax pass, then the fused cast, and the values never written.
+ *     swiglu_amax [1.9] (dispatch dtype = gate's: f32 or bf16; gate and up as swiglu_quantize takes them)
+ *                                                   in: gate, up    out: amax
+ *       swiglu_quantize's amax of v = swiglu(gate, up). A library without it: Loom makes swiglu's output and takes
+ *       its amax (fp8_amax) when it serves swiglu_quantize; Loom uses it only where the same library runs swiglu
+ *       and swiglu_quantize.
+ *     swiglu_backward_amax [1.9] (dispatch dtype = gate's; grad, gate and up f32 or bf16, one dtype, contiguous [R, C])
+ *                                                   in: grad, gate, up    out: amax_gate, amax_up
+ *       swiglu_backward_quantize's two amaxes, of dg and du. Used as swiglu_amax is.
+ *     cross_entropy_grad_amax [1.9] (dispatch dtype = logits': f32 or bf16)
+ *                                                   in: logits, targets    out: amax
+ *       cross_entropy_with_grad_quantize's attrs and amax of the gradient it would quantize; no loss, no codes.
  *   A new op reaches libraries in the minor version that adds it; a library built against an older minor that names
  *   it is warned and the rest of its ops load.
  * ---------------------------------------------------------------------------------------------------------------
@@ -290,7 +303,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_VERSION_MAJOR 1
-#define LOOM_ABI_VERSION_MINOR 8
+#define LOOM_ABI_VERSION_MINOR 9
 
 #define LOOM_MAX_DIMS 8
 

@@ -116,6 +116,11 @@ CrossEntropyWithGrad cross_entropy_with_grad(const Tensor& logits, const Tensor&
 CrossEntropyWithGrad cross_entropy_with_grad_quantize(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                                       Reduction reduction, int64_t vocab_limit, const Tensor& scale,
                                                       DType fp8, Tensor* amax_out = nullptr);
+// The amax cross_entropy_with_grad_quantize would record, measured without writing the gradient (current scaling
+// needs it before the codes), where the provider that would run cross_entropy_with_grad has the pass and the fused
+// op (cross_entropy_grad_amax); else undefined, and the caller makes the gradient and takes its amax.
+Tensor cross_entropy_grad_amax(const Tensor& logits, const Tensor& targets, int64_t ignore_index, Reduction reduction,
+                               int64_t vocab_limit);
 // grad_logits *= grad_loss in place, grad_logits contiguous (from cross_entropy_with_grad), grad_loss a one-element
 // floating tensor on its device. Reads grad_loss where it lives: no host synchronization, and no pass over grad_logits
 // when grad_loss is exactly 1.

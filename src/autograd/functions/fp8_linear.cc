@@ -77,13 +77,14 @@ ops::Fp8Tensor TensorScaling::quantize(const Tensor& x_in) {
                   x.device());
 }
 
-ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, Device device) {
+ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, Device device,
+                                       const Measure& measure) {
   return quantize(values, codes, [&](const Tensor& x, const Tensor& scale) { return ops::fp8_quantize(x, scale, fp8_); },
-                  device);
+                  device, measure);
 }
 
 ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast,
-                                       Device device) {
+                                       Device device, const Measure& measure) {
   std::lock_guard<std::mutex> lock(mu_);
   // Delayed scaling in a full recompute: the scale its forward used (the state's has moved on since), and no amax
   // recorded a second time, so the recomputed codes are the forward's. Current scaling recomputes the same codes.
@@ -101,10 +102,19 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   if (history_ <= 1 || first) {
     // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Each
     // operand keeps a scale_inv that later quantizations never write (the state's first one is never written again).
-    const Tensor x = values();
     Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
-    ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
-    Tensor q = cast(x, scale_);
+    // The amax measured where the producer can (the values never made, codes() casts as it computes them), else
+    // taken from the values, which are then cast.
+    const Tensor measured = measure ? measure() : Tensor();
+    Tensor q;
+    if (measured.defined()) {
+      ops::fp8_update_scale(measured, amaxes_, scale_, scale_inv, fp8_, margin_);
+      q = codes(scale_, nullptr);
+    } else {
+      const Tensor x = values();
+      ops::fp8_update_scale(ops::fp8_amax(x), amaxes_, scale_, scale_inv, fp8_, margin_);
+      q = cast(x, scale_);
+    }
     if (history_ > 1)
       autograd::keep_state("an FP8 scale", [&] { return std::vector<Tensor>{ops::clone(scale_), scale_inv}; });
     return made({q, scale_inv});
@@ -453,7 +463,7 @@ ops::Fp8Tensor quantized_swiglu(const Tensor& gate, const Tensor& up, LinearStat
     const ops::Fp8Tensor q = scaling.quantize(
         [&] { return ops::swiglu(g, u); },
         [&](const Tensor& scale, Tensor* amax) { return ops::fp8_swiglu_quantize(g, u, scale, scaling.dtype(), amax); },
-        gate.device());
+        gate.device(), [&] { return ops::fp8_swiglu_amax(g, u, scaling.dtype()); });
     return std::vector<Tensor>{q.q, q.scale_inv};
   });
   ops::Fp8Tensor q{kept[0], kept[1]};
@@ -566,7 +576,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
         loss = r.loss;
         return r.grad_logits;
       },
-      x.device());
+      x.device(), [&] { return ops::cross_entropy_grad_amax(logits, flat_targets, ignore_index, reduction, vocab_limit); });
   logits = Tensor();  // the codes stand for the gradient from here
   auto node = autograd::make_node<Fp8LinearCrossEntropyBackward>({&x, &weight});
   if (node->needs_input_grad(0)) node->weight = wq;
@@ -667,6 +677,12 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
     LOOM_CHECK(sg.dtype() == su.dtype(), "fp8::linears_swiglu: gate's and up's gradients take one 8-bit format");
     ops::SwigluGradientCodes codes;
     Tensor dg, du;
+    // Both amaxes from one pass over SwiGLU's inputs, taken at the first scaling that asks.
+    std::optional<std::pair<Tensor, Tensor>> measured;
+    auto measure = [&](bool of_gate) {
+      if (!measured) measured = ops::fp8_swiglu_backward_amax(d, gate, up, sg.dtype());
+      return of_gate ? measured->first : measured->second;
+    };
     auto values = [&] {
       if (dg.defined()) return;
       const ops::SwigluGrads v = ops::swiglu_backward(d, gate, up);
@@ -697,7 +713,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
               [&](const Tensor& v, const Tensor& up_scale) {
                 return transposed(codes.up, v, up_scale, su.dtype(), nullptr);
               },
-              d.device());
+              d.device(), [&] { return measure(false); });
           // Up's scaling needed its values first: gate's codes from the same values.
           if (!codes.gate.q.defined()) transposed(codes.gate, dg, gate_scale, sg.dtype(), gate_amax);
           return codes.gate.q;
@@ -705,7 +721,7 @@ class Fp8LinearsSwigluBackward final : public autograd::Node {
         [&](const Tensor& v, const Tensor& gate_scale) {
           return transposed(codes.gate, v, gate_scale, sg.dtype(), nullptr);
         },
-        d.device());
+        d.device(), [&] { return measure(true); });
     gate_codes.qt = codes.gate.qt;
     if (!up_codes.q.defined()) {  // gate's scaling needed the values: up's own quantization of them
       up_codes = su.quantize_transposed(du);
@@ -779,7 +795,7 @@ Tensor linears_swiglu(const Tensor& x, const LinearWeights& gate, const LinearWe
     const ops::Fp8Tensor a = consumer.quantize(
         [&] { return ops::swiglu(g, u); },
         [&](const Tensor& scale, Tensor* amax) { return ops::fp8_swiglu_quantize(g, u, scale, consumer.dtype(), amax); },
-        x.device());
+        x.device(), [&] { return ops::fp8_swiglu_amax(g, u, consumer.dtype()); });
     return std::vector<Tensor>{a.q, a.scale_inv, g, u, xq.q, xq.scale_inv, gq.q, gq.scale_inv, uq.q, uq.scale_inv};
   });
   Tensor codes = kept[0];

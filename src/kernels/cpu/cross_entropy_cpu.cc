@@ -230,6 +230,25 @@ void cross_entropy_with_grad_quantize_cpu(const DeviceContext& ctx, const Tensor
   if (amax.defined()) *static_cast<float*>(amax.data()) = largest;
 }
 
+// cross_entropy_with_grad_quantize's amax: its gradient made in the logits' dtype, then its largest magnitude.
+void cross_entropy_grad_amax_cpu(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
+                                 const CrossEntropyAttrs& attrs, Tensor& amax) {
+  Tensor grad = empty(logits.shape(), logits.dtype(), logits.device());
+  Tensor loss = empty({}, cross_entropy_loss_dtype(logits.dtype()), logits.device());
+  cross_entropy_with_grad_cpu(ctx, logits, targets, attrs, loss, grad);
+  float largest = 0;
+  auto scan = [&](auto* g) {
+    for (int64_t i = 0, n = grad.numel(); i < n; ++i) {
+      const float v = float(g[i]);
+      largest = std::isnan(largest) || std::isnan(v) ? NAN : std::max(largest, std::fabs(v));
+    }
+  };
+  if (grad.dtype() == kF32) scan(static_cast<const float*>(grad.data()));
+  else if (grad.dtype() == kBF16) scan(static_cast<const BFloat16*>(grad.data()));
+  else LOOM_THROW("cross_entropy_grad_amax: logits must be f32 or bf16, got ", dtype_name(grad.dtype()));
+  *static_cast<float*>(amax.data()) = largest;
+}
+
 void cross_entropy_scale_grad_cpu(const DeviceContext&, const Tensor& scale, Tensor& grad_logits) {
   LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
                          [&] { scale_grad_in_place<scalar_t>(scale, grad_logits); });
@@ -247,5 +266,6 @@ LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCPU, "native", dtypes(kF32, kF64
                      cross_entropy_scale_grad_cpu);
 LOOM_REGISTER_KERNEL(cross_entropy_with_grad_quantize, kCPU, "native", dtypes(kF32, kBF16),
                      cross_entropy_with_grad_quantize_cpu);
+LOOM_REGISTER_KERNEL(cross_entropy_grad_amax, kCPU, "native", dtypes(kF32, kBF16), cross_entropy_grad_amax_cpu);
 
 }  // namespace loom

@@ -248,6 +248,57 @@ void swiglu_quantize_cpu(const DeviceContext&, const Tensor& gate, const Tensor&
   });
 }
 
+// The amax of n values made here, value(i) as its op stores it, in chunks as amax_of takes it (0 for n = 0).
+template <typename Value>
+float amax_made(int64_t n, const Value& value) {
+  constexpr int64_t kChunk = 1 << 16;
+  std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
+  cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t chunk = b; chunk < e; ++chunk) {
+      float m = 0;
+      for (int64_t i = chunk * kChunk, end = std::min(n, i + kChunk); i < end; ++i)
+        m = max_keeping_nan(m, std::fabs(value(i)));
+      partial[size_t(chunk)] = m;
+    }
+  });
+  float m = 0;
+  for (float p : partial) m = max_keeping_nan(m, p);
+  return m;
+}
+
+// swiglu_quantize's amax without its codes.
+void swiglu_amax_cpu(const DeviceContext&, const Tensor& gate, const Tensor& up, Tensor& amax) {
+  const int64_t C = gate.size(1), n = gate.numel(), lg = gate.stride(0), lu = up.stride(0);
+  LOOM_DISPATCH_UNQUANTIZED(gate.dtype(), "swiglu_amax", [&] {
+    using M = cpu::math_t<high_t>;
+    const high_t* g = static_cast<const high_t*>(gate.data());
+    const high_t* u = static_cast<const high_t*>(up.data());
+    *static_cast<float*>(amax.data()) = amax_made(n, [&](int64_t i) {
+      const int64_t r = i / C, c = i - r * C;
+      return float(high_t(elementwise_math::Swiglu{}(M(g[r * lg + c]), M(u[r * lu + c]))));
+    });
+  });
+}
+
+// swiglu_backward_quantize's two amaxes without their codes.
+void swiglu_backward_amax_cpu(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                              Tensor& amax_gate, Tensor& amax_up) {
+  const int64_t n = gate.numel();
+  LOOM_DISPATCH_UNQUANTIZED(gate.dtype(), "swiglu_backward_amax", [&] {
+    using M = cpu::math_t<high_t>;
+    const high_t* g = static_cast<const high_t*>(grad.data());
+    const high_t* x = static_cast<const high_t*>(gate.data());
+    const high_t* u = static_cast<const high_t*>(up.data());
+    auto gradient = [&](int64_t i, bool of_gate) {
+      M d_gate, d_up;
+      elementwise_math::SwigluBackward{}(M(g[i]), M(x[i]), M(u[i]), d_gate, d_up);
+      return float(high_t(of_gate ? d_gate : d_up));
+    };
+    *static_cast<float*>(amax_gate.data()) = amax_made(n, [&](int64_t i) { return gradient(i, true); });
+    *static_cast<float*>(amax_up.data()) = amax_made(n, [&](int64_t i) { return gradient(i, false); });
+  });
+}
+
 // gelu's element as the gelu kernel stores it, then fp8_quantize's code of it.
 void gelu_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
   const float s = *static_cast<const float*>(scale.data());
@@ -332,6 +383,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCPU, "native", dtypes(kF8E4M3, kF
 LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCPU, "native", dtypes(kF8E4M3, kF8E5M2),
                      fp8_quantize_transposed_sums_cpu);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
+LOOM_REGISTER_KERNEL(swiglu_amax, kCPU, "native", dtypes(kF32, kBF16), swiglu_amax_cpu);
+LOOM_REGISTER_KERNEL(swiglu_backward_amax, kCPU, "native", dtypes(kF32, kBF16), swiglu_backward_amax_cpu);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cpu);
 LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2),

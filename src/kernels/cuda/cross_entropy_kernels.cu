@@ -216,7 +216,8 @@ __device__ __forceinline__ void write_gradient_row(const T* x, T* grow, int64_t 
 // targets), or null. grad_logits: the gradient, or null; its per-row loss gradient is grad_loss[row] (per_row_grad)
 // or grad_loss[0], or 1 when grad_loss is null, times 1/counted for a mean. codes (the kernels' Q an 8-bit float):
 // the gradient's codes instead of grad_logits, each element as T holds it times *code_scale, as fp8_quantize makes
-// it, and their magnitudes' maximum into amax_bits (zeroed first) when it is not null.
+// it, and their magnitudes' maximum into amax_bits (zeroed first) when it is not null; with Q an 8-bit float and
+// codes null, the amax alone (cross_entropy_grad_amax).
 template <typename T, typename I>
 struct RowArgs {
   const T* logits;
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   const int64_t t = int64_t(a.targets[row]);
   const T* x = a.logits + row * a.vocab;
   T* grow = !kCodes && a.grad_logits ? a.grad_logits + row * a.vocab : nullptr;
-  uint8_t* crow = kCodes ? a.codes + row * a.vocab : nullptr;
+  uint8_t* crow = kCodes && a.codes ? a.codes + row * a.vocab : nullptr;  // no codes: the amax alone
   if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
     if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
     if (grow) zero_row(grow, a.vocab);
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   const C target_logit = C(x[t]);
   const OnlineSoftmax<C> stats = row_softmax_stats(x, a.classes, scratch);
   if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = (stats.max - target_logit) + cuda::log_of(stats.sum);
-  if (!grow && !crow) return;
+  if (!grow && !kCodes) return;
   // kMean with nothing counted has no gradient path; scale 0 keeps the gradient finite, as on the CPU.
   C scale = C(1);
   if (a.mean) {
@@ -276,9 +277,12 @@ __global__ void __launch_bounds__(1024, 2) cross_entropy_rows_kernel(const RowAr
   if constexpr (kCodes) {
     // Two neighbouring elements a thread: one conversion instruction and one 2-byte store for both where every
     // row's codes start on an even byte (an even vocabulary from an even address).
-    const float s = *a.code_scale;
+    const float s = crow ? *a.code_scale : 0.0f;
     unsigned local = 0;
-    if (a.vocab % 2 == 0 && reinterpret_cast<uintptr_t>(a.codes) % 2 == 0) {
+    if (!crow) {
+      for (int64_t j = threadIdx.x; j < a.vocab; j += blockDim.x)
+        local = max(local, cuda::magnitude_bits(float(f(j, C(x[j])))));
+    } else if (a.vocab % 2 == 0 && reinterpret_cast<uintptr_t>(a.codes) % 2 == 0) {
       for (int64_t j = 2 * int64_t(threadIdx.x); j < a.vocab; j += 2 * int64_t(blockDim.x)) {
         const float v0 = float(f(j, C(x[j]))), v1 = float(f(j + 1, C(x[j + 1])));
         local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));
@@ -318,11 +322,12 @@ __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_k
   const int64_t t = int64_t(a.targets[row]);
   const T* x = a.logits + row * a.vocab;
   T* grow = kCodes ? nullptr : a.grad_logits + row * a.vocab;
-  uint64_t* crow = kCodes ? reinterpret_cast<uint64_t*>(a.codes + row * a.vocab) : nullptr;
+  uint64_t* crow = kCodes && a.codes ? reinterpret_cast<uint64_t*>(a.codes + row * a.vocab) : nullptr;
   if (t == a.ignore_index || t < 0 || t >= a.classes) {  // the same for every thread of the block
     if (a.row_loss && threadIdx.x == 0) a.row_loss[row] = loss_t<T>(0);
     if constexpr (kCodes) {
-      for (int64_t k = threadIdx.x; k < a.vocab / kVec<T>; k += blockDim.x) crow[k] = 0;  // codes of +0
+      if (crow)
+        for (int64_t k = threadIdx.x; k < a.vocab / kVec<T>; k += blockDim.x) crow[k] = 0;  // codes of +0
     } else {
       zero_row(grow, a.vocab);
     }
@@ -353,7 +358,7 @@ __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_k
   const C g = (a.grad_loss ? C(a.grad_loss[a.per_row_grad ? row : 0]) : C(1)) * scale;
   const GradientOf<T, C> f{a.classes, t, stats.max, g / stats.sum, g, -stats.max * C(kLog2e)};
   Vec<T>* vg = reinterpret_cast<Vec<T>*>(grow);
-  const float s = kCodes ? *a.code_scale : 0.0f;
+  const float s = crow ? *a.code_scale : 0.0f;
   unsigned local = 0;
   for (int k = int(threadIdx.x); k < vectors; k += int(blockDim.x)) {
     const Vec<T> in = staged[k];
@@ -368,9 +373,9 @@ __global__ void __launch_bounds__(kStagedThreads, 2) cross_entropy_staged_rows_k
       for (int e = 0; e < kVec<T>; e += 2) {
         const float v0 = float(out.v[e]), v1 = float(out.v[e + 1]);
         local = max(local, max(cuda::magnitude_bits(v0), cuda::magnitude_bits(v1)));
-        codes |= uint64_t(cuda::encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s))) << (8 * e);
+        if (crow) codes |= uint64_t(cuda::encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s))) << (8 * e);
       }
-      crow[k] = codes;
+      if (crow) crow[k] = codes;
     } else {
       store_streaming(vg + k, out);
     }
@@ -461,7 +466,7 @@ unsigned row_threads(int64_t length, int vector_elements, bool two_passes) {
 }
 
 // Where cross_entropy_with_grad_quantize puts the gradient: its codes (Q's format) for `scale`, their amax (or
-// undefined).
+// undefined). q and scale undefined: the amax alone (cross_entropy_grad_amax).
 struct GradientCodes {
   Tensor& q;
   const Tensor& scale;
@@ -515,8 +520,8 @@ void run_rows(const DeviceContext& ctx, const char* op, const Tensor& logits, co
         attrs.reduction == LossReduction::kMean,
         status.counter(),
         grad != nullptr && phase_gap % 16 == 0,
-        codes ? static_cast<uint8_t*>(codes->q.data()) : nullptr,
-        codes ? static_cast<const float*>(codes->scale.data()) : nullptr,
+        codes && codes->q.defined() ? static_cast<uint8_t*>(codes->q.data()) : nullptr,
+        codes && codes->scale.defined() ? static_cast<const float*>(codes->scale.data()) : nullptr,
         amax_bits,
     };
     bool staged = false;
@@ -615,6 +620,29 @@ void cross_entropy_with_grad_quantize_cuda(const DeviceContext& ctx, const Tenso
   });
 }
 
+// The row kernels' codes pass with no codes stored: the amax alone. (The 8-bit format only names the kernel: the
+// values and their amax do not depend on it.)
+void cross_entropy_grad_amax_cuda(const DeviceContext& ctx, const Tensor& logits, const Tensor& targets,
+                                  const CrossEntropyAttrs& attrs, Tensor& amax) {
+  LOOM_CHECK(attrs.reduction != LossReduction::kNone, "cross_entropy_grad_amax: reduction none has no scalar loss");
+  Tensor no_codes, no_scale;
+  const GradientCodes codes{no_codes, no_scale, amax};
+  using fp8_t = Float8E4M3;
+  LOOM_DISPATCH_INDEX(targets.dtype(), "cross_entropy_grad_amax", [&] {
+    switch (logits.dtype()) {
+      case kF32:
+        run_rows<float, index_t, fp8_t>(ctx, "cross_entropy_grad_amax", logits, targets, attrs, nullptr, nullptr,
+                                        nullptr, &codes);
+        break;
+      case kBF16:
+        run_rows<BFloat16, index_t, fp8_t>(ctx, "cross_entropy_grad_amax", logits, targets, attrs, nullptr, nullptr,
+                                           nullptr, &codes);
+        break;
+      default: LOOM_THROW("cross_entropy_grad_amax (cuda): logits must be f32 or bf16");
+    }
+  });
+}
+
 void cross_entropy_scale_grad_cuda(const DeviceContext& ctx, const Tensor& scale, Tensor& grad_logits) {
   LOOM_DISPATCH_FLOATING(grad_logits.dtype(), "cross_entropy_scale_grad",
                          [&] { scale_grad<scalar_t>(ctx, scale, grad_logits); });
@@ -631,5 +659,6 @@ LOOM_REGISTER_KERNEL(cross_entropy_scale_grad, kCUDA, "native", dtypes(kF32, kF6
                      cross_entropy_scale_grad_cuda);
 LOOM_REGISTER_KERNEL(cross_entropy_with_grad_quantize, kCUDA, "native", dtypes(kF32, kBF16),
                      cross_entropy_with_grad_quantize_cuda);
+LOOM_REGISTER_KERNEL(cross_entropy_grad_amax, kCUDA, "native", dtypes(kF32, kBF16), cross_entropy_grad_amax_cuda);
 
 }  // namespace loom

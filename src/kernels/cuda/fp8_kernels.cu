@@ -398,12 +398,14 @@ void launch_quantize_transposed(const DeviceContext& ctx, Values values, const T
 
 // swiglu_quantize: scan_kernel's pass with the values made from gate and up ([rows, cols] at row strides lg and lu)
 // as the swiglu kernel makes them (silu(gate) * up in f32, rounded to T), never written. Whole vectors of each row
-// first when `vectors` (cols and both row strides whole vectors, every base aligned), then the rest one by one.
+// first when `vectors` (cols and both row strides whole vectors, every base aligned), then the rest one by one. Q
+// void: the amax alone (swiglu_amax).
 template <typename T, typename Q>
 __global__ void swiglu_scan_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t lg, int64_t lu,
                                    int64_t rows, int64_t cols, const float* __restrict__ scale, bool vectors,
                                    uint8_t* __restrict__ q, unsigned* amax_bits) {
-  const float s = *scale;
+  constexpr bool kCodes = !std::is_void_v<Q>;
+  const float s = kCodes ? *scale : 0.0f;
   auto value = [](T g, T u) { return to_float(T(elementwise_math::Swiglu{}(float(g), float(u)))); };
   unsigned local = 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
@@ -418,21 +420,53 @@ __global__ void swiglu_scan_kernel(const T* __restrict__ gate, const T* __restri
 #pragma unroll
     for (int e = 0; e < V; e += 2) {
       const float v0 = value(g.v[e], u.v[e]), v1 = value(g.v[e + 1], u.v[e + 1]);
-      const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
-      out.c[e] = uint8_t(pair & 0xffu);
-      out.c[e + 1] = uint8_t(pair >> 8);
+      if constexpr (kCodes) {
+        const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
+        out.c[e] = uint8_t(pair & 0xffu);
+        out.c[e + 1] = uint8_t(pair >> 8);
+      }
       local = max(local, max(magnitude_bits(v0), magnitude_bits(v1)));
     }
-    *reinterpret_cast<Codes<V>*>(q + r * cols + c) = out;
+    if constexpr (kCodes) *reinterpret_cast<Codes<V>*>(q + r * cols + c) = out;
   }
   const int64_t tail = cols - per_row * V;  // all of each row without vectors
   for (int64_t i = first; i < rows * tail; i += stride) {
     const int64_t r = i / tail, c = per_row * V + (i - r * tail);
     const float v = value(gate[r * lg + c], up[r * lu + c]);
-    q[r * cols + c] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
+    if constexpr (kCodes) q[r * cols + c] = fp8_encode<Q>(__fmul_rn(v, s), Fp8Overflow::kSaturate);
     local = max(local, magnitude_bits(v));
   }
   if (amax_bits) block_max_into(local, amax_bits);
+}
+
+// swiglu_backward_amax: the amaxes of SwiGLU's two gradients (SwigluGradientsAt's values) over n contiguous elements
+// of grad, gate and up, nothing written: whole vectors when `vectors` (every base aligned), then the tail.
+template <typename T>
+__global__ void swiglu_gradients_amax_kernel(const T* __restrict__ grad, const T* __restrict__ gate,
+                                             const T* __restrict__ up, int64_t n, bool vectors, unsigned* gate_bits,
+                                             unsigned* up_bits) {
+  const SwigluGradientsAt<T> at{};
+  unsigned local_gate = 0, local_up = 0;
+  auto take = [&](T g, T x, T u) {
+    const T in[3] = {g, x, u};
+    float v[2];
+    at(in, v);
+    local_gate = max(local_gate, magnitude_bits(v[0]));
+    local_up = max(local_up, magnitude_bits(v[1]));
+  };
+  const int64_t stride = int64_t(gridDim.x) * kThreads, first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  constexpr int V = kVector<T>;
+  const int64_t nv = vectors ? n / V : 0;
+  for (int64_t i = first; i < nv; i += stride) {
+    const Vec<T> g = reinterpret_cast<const Vec<T>*>(grad)[i], x = reinterpret_cast<const Vec<T>*>(gate)[i],
+                 u = reinterpret_cast<const Vec<T>*>(up)[i];
+#pragma unroll
+    for (int e = 0; e < V; ++e) take(g.v[e], x.v[e], u.v[e]);
+  }
+  for (int64_t i = nv * V + first; i < n; i += stride) take(grad[i], gate[i], up[i]);
+  block_max_into(local_gate, gate_bits);
+  __syncthreads();  // the second fold reuses the first's shared slots
+  block_max_into(local_up, up_bits);
 }
 
 template <typename Q, typename T>
@@ -625,6 +659,46 @@ void swiglu_quantize_cuda(const DeviceContext& ctx, const Tensor& gate, const Te
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
+void swiglu_amax_cuda(const DeviceContext& ctx, const Tensor& gate, const Tensor& up, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = zeroed_amax_bits(amax, stream);
+  const int64_t rows = gate.size(0), cols = gate.size(1);
+  if (rows * cols == 0) return;
+  const int64_t lg = rows == 1 ? cols : gate.stride(0), lu = rows == 1 ? cols : up.stride(0);
+  LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_amax", [&] {
+    constexpr int V = kVector<high_t>;
+    const high_t* g = static_cast<const high_t*>(gate.data());
+    const high_t* u = static_cast<const high_t*>(up.data());
+    const bool vectors = cols % V == 0 && lg % V == 0 && lu % V == 0 && vectorizable<high_t>(g, nullptr) &&
+                         vectorizable<high_t>(u, nullptr);
+    const int64_t work = vectors ? rows * (cols / V) : rows * cols;
+    swiglu_scan_kernel<high_t, void><<<blocks_for(work), kThreads, 0, stream>>>(g, u, lg, lu, rows, cols, nullptr,
+                                                                                vectors, nullptr, bits);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_amax_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                               Tensor& amax_gate, Tensor& amax_up) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* gate_bits = zeroed_amax_bits(amax_gate, stream);
+  unsigned* up_bits = zeroed_amax_bits(amax_up, stream);
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_backward_amax", [&] {
+    const high_t* g = static_cast<const high_t*>(grad.data());
+    const high_t* x = static_cast<const high_t*>(gate.data());
+    const high_t* u = static_cast<const high_t*>(up.data());
+    const bool vectors =
+        vectorizable<high_t>(g, nullptr) && vectorizable<high_t>(x, nullptr) && vectorizable<high_t>(u, nullptr);
+    swiglu_gradients_amax_kernel<high_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
+        g, x, u, n, vectors, gate_bits, up_bits);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
 void fp8_dequantize_cuda(const DeviceContext& ctx, const Tensor& q, const Tensor& scale_inv, Tensor& out) {
   cuda::DeviceGuard guard(ctx.device().index);
   const int64_t n = q.numel();
@@ -651,6 +725,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed, kCUDA, "native", dtypes(kF8E4M3, k
 LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
                      fp8_quantize_transposed_sums_cuda);
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
+LOOM_REGISTER_KERNEL(swiglu_amax, kCUDA, "native", dtypes(kF32, kBF16), swiglu_amax_cuda);
+LOOM_REGISTER_KERNEL(swiglu_backward_amax, kCUDA, "native", dtypes(kF32, kBF16), swiglu_backward_amax_cuda);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cuda);
 LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
