@@ -406,10 +406,10 @@ TEST(CudaFp8, CrossEntropyWithGradQuantizeIsTheGpusLossThenQuantize) {
       }
 }
 
-// Current scaling's amax passes on the GPU (swiglu_amax, swiglu_backward_amax, cross_entropy_grad_amax): the amax
-// the GPU's fused casts record, bit for bit, over vector and element paths (odd widths, halves of one product's rows,
-// views one element in), special values, the loss's staged and two-pass kernels with ignored rows and a vocabulary
-// limit; within a 16-bit rounding of the CPU's.
+// Current scaling's amax passes on the GPU (swiglu_amax, swiglu_backward_amax, gelu_amax, gelu_backward_amax,
+// cross_entropy_grad_amax): the amax the GPU's fused casts record, bit for bit, over vector and element paths (odd
+// widths, halves of one product's rows, views one element in), special values, the loss's staged and two-pass
+// kernels with ignored rows and a vocabulary limit; within a 16-bit rounding of the CPU's.
 TEST(CudaFp8, AmaxPassesAreTheGpusFusedCastsAmaxes) {
   LOOM_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(14);
@@ -452,6 +452,16 @@ TEST(CudaFp8, AmaxPassesAreTheGpusFusedCastsAmaxes) {
       EXPECT_TRUE(same_bytes(au, fu)) << what << " swiglu_backward_amax's up";
       const auto [cg, cu] = ops::fp8_swiglu_backward_amax(grad.to(cpu), gate.to(cpu), up.to(cpu), kF8E5M2);
       EXPECT_TRUE(near(ag, cg, 8e-3) && near(au, cu, 8e-3)) << what;
+      // GELU's forward and backward (GPT-2's MLP).
+      const Tensor ga = ops::fp8_gelu_amax(grad, kF8E4M3), gb = ops::fp8_gelu_backward_amax(grad, gate, kF8E5M2);
+      ASSERT_TRUE(ga.defined() && gb.defined()) << what;
+      Tensor fa, fb;
+      ops::fp8_gelu_quantize(grad, s, kF8E4M3, &fa);
+      ops::fp8_gelu_backward_quantize(grad, gate, s, kF8E5M2, &fb);
+      EXPECT_TRUE(same_bytes(ga, fa)) << what << " gelu_amax";
+      EXPECT_TRUE(same_bytes(gb, fb)) << what << " gelu_backward_amax";
+      EXPECT_TRUE(near(ga, ops::fp8_gelu_amax(grad.to(cpu), kF8E4M3), 8e-3)) << what;
+      EXPECT_TRUE(near(gb, ops::fp8_gelu_backward_amax(grad.to(cpu), gate.to(cpu), kF8E5M2), 8e-3)) << what;
     }
   for (DType xt : {kBF16, kF32})
     for (auto [rows, vocab, limit] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{

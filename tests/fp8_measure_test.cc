@@ -1,9 +1,9 @@
-// The amax passes of current scaling: swiglu_amax, swiglu_backward_amax and cross_entropy_grad_amax give the amax
-// their fused casts record, bit for bit (awkward sizes, views, special values, ignored targets, both input dtypes),
-// and the float64 oracle's; a library without them, or whose plain ops another library runs, gets none (the values
-// are then made and measured as before); a tiny LLaMA trained with --fp8 all under current scaling measures instead
-// of making SwiGLU's output, its two gradients and the loss gradient in 16 bits, and keeps the losses of a run that
-// makes them, bit for bit.
+// The amax passes of current scaling: swiglu_amax, swiglu_backward_amax, gelu_amax, gelu_backward_amax and
+// cross_entropy_grad_amax give the amax their fused casts record, bit for bit (awkward sizes, views, special values,
+// ignored targets, both input dtypes), and the float64 oracle's; a library without them, or whose plain ops another
+// library runs, gets none (the values are then made and measured as before); a tiny LLaMA and a tiny GPT-2 trained
+// with --fp8 all under current scaling measure instead of making their MLP activation, its gradients and the loss
+// gradient in 16 bits, and keep the losses of a run that makes them, bit for bit.
 #include <cmath>
 #include <random>
 
@@ -112,6 +112,27 @@ TEST(Fp8Measure, SwigluBackwardAmaxIsTheFusedCastsAmaxes) {
       }
 }
 
+TEST(Fp8Measure, GeluAmaxesAreTheFusedCastsAmaxes) {
+  std::mt19937_64 rng(36);
+  for (DType dt : {kBF16, kF32})
+    for (auto [rows, cols] : kShapes)
+      for (double special : {0.0, 0.03}) {
+        const Tensor x = activations({rows, cols}, dt, rng, special), grad = activations({rows, cols}, dt, rng, special);
+        const std::string what = std::string(dtype_name(dt)) + " " + shape_name(rows, cols);
+        const Tensor forward = ops::fp8_gelu_amax(x, kF8E4M3), backward = ops::fp8_gelu_backward_amax(grad, x, kF8E5M2);
+        ASSERT_TRUE(forward.defined() && backward.defined()) << what;
+        Tensor fused_forward, fused_backward;
+        ops::fp8_gelu_quantize(x, scale_of(8), kF8E4M3, &fused_forward);
+        ops::fp8_gelu_backward_quantize(grad, x, scale_of(0.5), kF8E5M2, &fused_backward);
+        EXPECT_TRUE(test::bytes_equal(forward, fused_forward)) << what << ": gelu_amax";
+        EXPECT_TRUE(test::bytes_equal(backward, fused_backward)) << what << ": gelu_backward_amax";
+        EXPECT_TRUE(test::bytes_equal(forward, ops::fp8_amax(ops::gelu(x)))) << what;
+        EXPECT_TRUE(test::bytes_equal(backward, ops::fp8_amax(ops::gelu_backward(grad, x)))) << what;
+      }
+  EXPECT_THROW(ops::fp8_gelu_backward_amax(ones({2, 4}), ones({2, 5}), kF8E5M2), Error);
+  EXPECT_THROW(ops::fp8_gelu_amax(ones({2, 4}, kI64), kF8E4M3), Error);
+}
+
 TEST(Fp8Measure, CrossEntropyGradAmaxIsTheFusedCastsAmax) {
   std::mt19937_64 rng(33);
   for (DType dt : {kBF16, kF32})
@@ -177,7 +198,7 @@ void expect_near_amax(const Tensor& got, double want, DType dt, const std::strin
 }
 
 TEST(Fp8Measure, TheAmaxesMatchTheFloat64Oracle) {
-  for (const char* op : {"swiglu_amax", "swiglu_backward_amax", "cross_entropy_grad_amax"})
+  for (const char* op : {"swiglu_amax", "swiglu_backward_amax", "gelu_amax", "gelu_backward_amax", "cross_entropy_grad_amax"})
     ASSERT_EQ(conformance::naive::missing_reason(op), "") << op << " has no oracle";
   std::mt19937_64 rng(34);
   for (DType dt : {kBF16, kF32})
@@ -198,6 +219,15 @@ TEST(Fp8Measure, TheAmaxesMatchTheFloat64Oracle) {
       ASSERT_TRUE(conformance::naive::evaluate("swiglu_backward_amax", b)) << b.no_value;
       expect_near_amax(ag, b.out("amax_gate")->values[0], dt, what + " swiglu_backward_amax's gate");
       expect_near_amax(au, b.out("amax_up")->values[0], dt, what + " swiglu_backward_amax's up");
+
+      const Tensor ga = ops::fp8_gelu_amax(gate, kF8E4M3), gb = ops::fp8_gelu_backward_amax(grad, gate, kF8E5M2);
+      conformance::naive::Case f, d;
+      f.tensors = {operand("x", ops::view(gate, {gate.numel()}), false), operand("amax", ga, true)};
+      ASSERT_TRUE(conformance::naive::evaluate("gelu_amax", f)) << f.no_value;
+      expect_near_amax(ga, f.out("amax")->values[0], dt, what + " gelu_amax");
+      d.tensors = {operand("grad", grad, false), operand("x", gate, false), operand("amax", gb, true)};
+      ASSERT_TRUE(conformance::naive::evaluate("gelu_backward_amax", d)) << d.no_value;
+      expect_near_amax(gb, d.out("amax")->values[0], dt, what + " gelu_backward_amax");
     }
   for (DType dt : {kBF16, kF32}) {
     const Tensor logits = ops::to_dtype(test::random_tensor({6, 50}, kF32, -5, 5, rng()), dt);
@@ -245,10 +275,11 @@ TEST(Fp8Measure, OnlyWhereOneLibraryRunsThePlainOpTheCastAndThePass) {
   EXPECT_EQ(counter.calls("swiglu"), 0u);
 }
 
-// A tiny LLaMA trained with --fp8 all under current scaling (bf16 autocast), its calls counted from the start.
-std::vector<double> current_scaling_losses(const test::TempDir& dir, test::CallCounter& counter) {
+// A tiny model trained with --fp8 all under current scaling (bf16 autocast), its calls counted from the start.
+std::vector<double> current_scaling_losses(const test::TempDir& dir, const std::string& model,
+                                           test::CallCounter& counter) {
   train::TrainOptions o;
-  o.model = "llama3-tiny";
+  o.model = model;
   o.train_data = (dir.path() / "train_*.bin").string();
   o.batch_size = 2;
   o.seq_len = 32;
@@ -271,27 +302,37 @@ std::vector<double> current_scaling_losses(const test::TempDir& dir, test::CallC
 TEST(Fp8Measure, CurrentScalingMeasuresInsteadOfWritingTheValues) {
   test::TempDir dir;
   test::write_patterned_shard(dir.file("train_000000.bin"), 20000, 5);
-  test::CallCounter counter;
-  const std::vector<double> measured = current_scaling_losses(dir, counter);
-  EXPECT_GT(counter.calls("swiglu_amax"), 0u);
-  EXPECT_GT(counter.calls("swiglu_backward_amax"), 0u);
-  EXPECT_EQ(counter.calls("cross_entropy_grad_amax"), 4u);
-  for (const char* made : {"swiglu", "swiglu_backward", "cross_entropy_with_grad"})
-    EXPECT_EQ(counter.calls(made), 0u) << made << " wrote its values in 16 bits under current scaling";
-  std::vector<double> made;
-  {
-    Library fused("fused_without_amax");
-    fused.serve(swiglu_op).serve(swiglu_quantize_op).serve(swiglu_backward_op).serve(swiglu_backward_quantize_op);
-    fused.serve(cross_entropy_with_grad_op).serve(cross_entropy_with_grad_quantize_op);
-    test::ScopedPolicy policy(fused.name() + ";native");
-    made = current_scaling_losses(dir, counter);
-    EXPECT_EQ(counter.calls("swiglu_amax") + counter.calls("swiglu_backward_amax"), 0u);
-    EXPECT_GT(counter.calls("swiglu"), 0u);
-  }
-  ASSERT_EQ(measured.size(), made.size());
-  for (size_t i = 0; i < measured.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(measured[i])) << "step " << i + 1;
-    EXPECT_EQ(measured[i], made[i]) << "step " << i + 1;
+  for (const char* model : {"llama3-tiny", "gpt2-tiny"}) {
+    const bool gpt2 = std::string(model).rfind("gpt2", 0) == 0;
+    const std::vector<const char*> passes =
+        gpt2 ? std::vector<const char*>{"gelu_amax", "gelu_backward_amax", "cross_entropy_grad_amax"}
+             : std::vector<const char*>{"swiglu_amax", "swiglu_backward_amax", "cross_entropy_grad_amax"};
+    const std::vector<const char*> values = gpt2
+        ? std::vector<const char*>{"gelu", "gelu_backward", "cross_entropy_with_grad"}
+        : std::vector<const char*>{"swiglu", "swiglu_backward", "cross_entropy_with_grad"};
+    test::CallCounter counter;
+    const std::vector<double> measured = current_scaling_losses(dir, model, counter);
+    for (const char* pass : passes) EXPECT_GT(counter.calls(pass), 0u) << model << ": " << pass;
+    EXPECT_EQ(counter.calls("cross_entropy_grad_amax"), 4u) << model;
+    for (const char* made : values)
+      EXPECT_EQ(counter.calls(made), 0u) << model << ": " << made << " wrote its values in 16 bits";
+    std::vector<double> made;
+    {
+      // The plain ops and the fused casts from a library without the passes: the values are made and measured.
+      Library fused("fused_without_amax");
+      fused.serve(swiglu_op).serve(swiglu_quantize_op).serve(swiglu_backward_op).serve(swiglu_backward_quantize_op);
+      fused.serve(gelu_op).serve(gelu_quantize_op).serve(gelu_backward_op).serve(gelu_backward_quantize_op);
+      fused.serve(cross_entropy_with_grad_op).serve(cross_entropy_with_grad_quantize_op);
+      test::ScopedPolicy policy(fused.name() + ";native");
+      made = current_scaling_losses(dir, model, counter);
+      for (const char* pass : passes) EXPECT_EQ(counter.calls(pass), 0u) << model << ": " << pass;
+      EXPECT_GT(counter.calls(values[0]), 0u) << model;
+    }
+    ASSERT_EQ(measured.size(), made.size());
+    for (size_t i = 0; i < measured.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(measured[i])) << model << " step " << i + 1;
+      EXPECT_EQ(measured[i], made[i]) << model << " step " << i + 1;
+    }
   }
 }
 

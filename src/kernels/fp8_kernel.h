@@ -187,6 +187,27 @@ LOOM_DECLARE_OP(swiglu_amax, SwigluAmaxKernel,
                                     "infinite")
                     .tolerance(kF32, 4e-3, 0));
 
+// amax = max |gelu(x)| as the gelu op stores it in x's dtype: gelu_quantize's amax, bit for bit. x as gelu_quantize
+// takes it (contiguous, flattened to [N]).
+using GeluAmaxKernel = void(const DeviceContext&, const Tensor& x, Tensor& amax);
+LOOM_DECLARE_OP(gelu_amax, GeluAmaxKernel,
+                OpSchema().in("x", "N", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kLarge, ValueClass::kSpecial})
+                    .out("amax", "1", DTypeRule::kF32).dim("N", {0}).row_dim("N").dispatch_on("x").abi_since(9)
+                    .special_values("as gelu then fp8_amax")
+                    .tolerance(kF32, 4e-3, 0));
+
+// amax = max |gelu_backward(grad, x)| as that op stores it in x's dtype: gelu_backward_quantize's amax, bit for bit.
+// grad and x contiguous [R, C], one dtype.
+using GeluBackwardAmaxKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& x, Tensor& amax);
+LOOM_DECLARE_OP(gelu_backward_amax, GeluBackwardAmaxKernel,
+                OpSchema().in("grad", "R C", DTypeRule::kUnquantized)
+                    .value_classes({ValueClass::kNormal, ValueClass::kSpecial})
+                    .in("x", "R C", DTypeRule::kUnquantized).value_classes({ValueClass::kNormal, ValueClass::kLarge})
+                    .out("amax", "1", DTypeRule::kF32).dim("R", {0}).row_dim("R").dispatch_on("x").abi_since(9)
+                    .special_values("as gelu_backward then fp8_amax")
+                    .tolerance(kF32, 4e-3, 0));
+
 // amax_gate and amax_up = max |dg| and max |du| of (dg, du) = swiglu_backward(grad, gate, up) as that op stores them
 // in gate's dtype: swiglu_backward_quantize's amaxes, bit for bit. grad, gate and up contiguous [R, C], one dtype.
 using SwigluBackwardAmaxKernel = void(const DeviceContext&, const Tensor& grad, const Tensor& gate, const Tensor& up,

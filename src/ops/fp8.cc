@@ -275,6 +275,20 @@ Tensor fp8_swiglu_amax(const Tensor& gate, const Tensor& up, DType fp8) {
   return amax;
 }
 
+Tensor fp8_gelu_amax(const Tensor& x, DType fp8) {
+  const char* op = "fp8_gelu_amax";
+  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  const Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
+  Tensor amax = empty({1}, kF32, x.device());
+  if (!ops_detail::measured_by_plain_provider(gelu_amax_op, gelu_quantize_op, gelu_op, x.device(), x.dtype(), fp8,
+                                              x.dtype(), flat, amax))
+    return Tensor();
+  dispatch::call(gelu_amax_op, x.device(), x.dtype(), flat, amax);
+  return amax;
+}
+
 Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_gelu_quantize";
   LOOM_REQUIRE(x.defined(), op, ": x is undefined");
@@ -325,6 +339,23 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
   }
   r.q = ops::view(r.q, x.shape());
   return r;
+}
+
+Tensor fp8_gelu_backward_amax(const Tensor& grad, const Tensor& x, DType fp8) {
+  const char* op = "fp8_gelu_backward_amax";
+  LOOM_REQUIRE(grad.defined() && x.defined() && x.dim() >= 1, op, ": grad and x must be defined tensors of rank 1 or more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  LOOM_REQUIRE(grad.dtype() == x.dtype() && grad.shape() == x.shape() && grad.device() == x.device(), op, ": grad ",
+               describe(grad), " does not match x ", describe(x));
+  const int64_t cols = x.size(-1), rows = rows_of(x);
+  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), m = ops::view(ops::contiguous(x), {rows, cols});
+  Tensor amax = empty({1}, kF32, x.device());
+  if (!ops_detail::measured_by_plain_provider(gelu_backward_amax_op, gelu_backward_quantize_op, gelu_backward_op,
+                                              x.device(), x.dtype(), fp8, x.dtype(), g, m, amax))
+    return Tensor();
+  dispatch::call(gelu_backward_amax_op, x.device(), x.dtype(), g, m, amax);
+  return amax;
 }
 
 std::pair<Tensor, Tensor> fp8_swiglu_backward_amax(const Tensor& grad, const Tensor& gate, const Tensor& up,

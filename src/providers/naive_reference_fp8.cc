@@ -150,22 +150,24 @@ std::vector<double> swiglu_values(const Case& c) {
 void swiglu_quantize(Case& c) { quantize_activations(c, swiglu_values(c), c.in("gate").dtype); }
 void swiglu_amax(Case& c) { amax_of_activations(c, swiglu_values(c), c.in("gate").dtype, "amax"); }
 
-// GELU's tanh form, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), stored in x's dtype.
-void gelu_quantize(Case& c) {
+// GELU's tanh form, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (before its rounding to x's dtype).
+std::vector<double> gelu_values(const Case& c) {
   const Operand& x = c.in("x");
   std::vector<double> v(x.values.size());
   for (size_t i = 0; i < v.size(); ++i) {
     const double a = x.values[i];
     v[i] = 0.5 * a * (1 + std::tanh(std::sqrt(2 / M_PI) * (a + 0.044715 * a * a * a)));
   }
-  quantize_activations(c, v, x.dtype);
+  return v;
 }
 
-// GELU's derivative (the tanh form: d/dx of 0.5 x (1 + tanh(u))) times grad, stored in x's dtype; its codes in both
-// layouts, their amax and the stored values' column sums.
-void gelu_backward_quantize(Case& c) {
+// GELU's activation, stored in x's dtype.
+void gelu_quantize(Case& c) { quantize_activations(c, gelu_values(c), c.in("x").dtype); }
+void gelu_amax(Case& c) { amax_of_activations(c, gelu_values(c), c.in("x").dtype, "amax"); }
+
+// GELU's derivative (the tanh form: d/dx of 0.5 x (1 + tanh(u))) times grad (before its rounding to x's dtype).
+std::vector<double> gelu_gradient(const Case& c) {
   const Operand &g = c.in("grad"), &x = c.in("x");
-  const int64_t R = x.shape[0], C = x.shape[1];
   const double k = std::sqrt(2 / M_PI);
   std::vector<double> v(x.values.size());
   for (size_t i = 0; i < v.size(); ++i) {
@@ -175,6 +177,16 @@ void gelu_backward_quantize(Case& c) {
         t * t == 1 ? 0.5 * (1 + t) : 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k * (1 + 3 * 0.044715 * a * a);
     v[i] = g.values[i] * derivative;
   }
+  return v;
+}
+
+void gelu_backward_amax(Case& c) { amax_of_activations(c, gelu_gradient(c), c.in("x").dtype, "amax"); }
+
+// GELU's gradient stored in x's dtype: its codes in both layouts, their amax and the stored values' column sums.
+void gelu_backward_quantize(Case& c) {
+  const Operand& x = c.in("x");
+  const int64_t R = x.shape[0], C = x.shape[1];
+  const std::vector<double> v = gelu_gradient(c);
   quantize_activations(c, v, x.dtype);
   transpose_codes(c, "q", "qt");
   if (Operand* sums = c.out("column_sums"))
@@ -292,6 +304,8 @@ void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table
   table["swiglu_backward_quantize"] = swiglu_backward_quantize;
   table["swiglu_amax"] = swiglu_amax;
   table["swiglu_backward_amax"] = swiglu_backward_amax;
+  table["gelu_amax"] = gelu_amax;
+  table["gelu_backward_amax"] = gelu_backward_amax;
   table["residual_rms_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, false); };
   table["residual_layer_norm_quantize"] = [](Case& c) { residual_norm_quantize(c, true); };
   table["fp8_gemm"] = fp8_gemm;

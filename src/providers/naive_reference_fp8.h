@@ -11,8 +11,9 @@
 namespace loom::conformance::naive {
 
 // Adds fp8_amax, fp8_scale, fp8_quantize, fp8_quantize_transposed(_sums), swiglu_quantize, gelu_quantize,
-// gelu_backward_quantize, swiglu_backward_quantize, swiglu_amax, swiglu_backward_amax, residual_rms_norm_quantize,
-// residual_layer_norm_quantize, fp8_dequantize and fp8_gemm to the oracle's table.
+// gelu_backward_quantize, swiglu_backward_quantize, the amax passes (swiglu_amax, swiglu_backward_amax, gelu_amax,
+// gelu_backward_amax), residual_rms_norm_quantize, residual_layer_norm_quantize, fp8_dequantize and fp8_gemm to the
+// oracle's table.
 void add_fp8_references(std::map<std::string, std::function<void(Case&)>>& table);
 
 // The value of an 8-bit float format nearest to v, ties to even (the format's definition: 1 + `mantissa_bits`

@@ -284,6 +284,12 @@
  *     swiglu_backward_amax [1.9] (dispatch dtype = gate's; grad, gate and up f32 or bf16, one dtype, contiguous [R, C])
  *                                                   in: grad, gate, up    out: amax_gate, amax_up
  *       swiglu_backward_quantize's two amaxes, of dg and du. Used as swiglu_amax is.
+ *     gelu_amax [1.9] (dispatch dtype = x's: f32 or bf16; x contiguous, flattened to [N])
+ *                                                   in: x    out: amax
+ *       gelu_quantize's amax of v = gelu(x). Used as swiglu_amax is.
+ *     gelu_backward_amax [1.9] (dispatch dtype = x's; grad and x f32 or bf16, one dtype, contiguous [R, C])
+ *                                                   in: grad, x    out: amax
+ *       gelu_backward_quantize's amax. Used as swiglu_amax is.
  *     cross_entropy_grad_amax [1.9] (dispatch dtype = logits': f32 or bf16)
  *                                                   in: logits, targets    out: amax
  *       cross_entropy_with_grad_quantize's attrs and amax of the gradient it would quantize; no loss, no codes.

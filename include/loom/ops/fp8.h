@@ -71,13 +71,16 @@ SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tenso
                                                  const Tensor& scale_gate, const Tensor& scale_up, DType fp8,
                                                  Tensor* amax_gate_out = nullptr, Tensor* amax_up_out = nullptr);
 // The amaxes those fused casts record, measured without making the values, for current scaling (whose scale needs
-// the amax before the codes): fp8_swiglu_quantize's amax of swiglu(gate, up), and fp8_swiglu_backward_quantize's two
-// (gate's, up's), bit for bit, in one pass over the inputs that writes nothing (swiglu_amax, swiglu_backward_amax),
-// where the provider that would run swiglu (swiglu_backward) has that pass and the fused cast into `fp8`. Else
-// undefined: the caller makes the values and takes their amax (fp8_amax).
+// the amax before the codes): fp8_swiglu_quantize's amax of swiglu(gate, up), fp8_swiglu_backward_quantize's two
+// (gate's, up's), fp8_gelu_quantize's and fp8_gelu_backward_quantize's, bit for bit, in one pass over the inputs that
+// writes nothing (swiglu_amax, swiglu_backward_amax, gelu_amax, gelu_backward_amax), where the provider that would
+// run the plain op (swiglu, ...) has that pass and the fused cast into `fp8`. Else undefined: the caller makes the
+// values and takes their amax (fp8_amax).
 Tensor fp8_swiglu_amax(const Tensor& gate, const Tensor& up, DType fp8);
 std::pair<Tensor, Tensor> fp8_swiglu_backward_amax(const Tensor& grad, const Tensor& gate, const Tensor& up,
                                                    DType fp8);
+Tensor fp8_gelu_amax(const Tensor& x, DType fp8);
+Tensor fp8_gelu_backward_amax(const Tensor& grad, const Tensor& x, DType fp8);
 // q * scale_inv in `dtype` (f32 or bf16).
 Tensor fp8_dequantize(const Tensor& q, const Tensor& scale_inv, DType dtype);
 

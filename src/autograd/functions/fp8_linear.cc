@@ -190,8 +190,9 @@ class Fp8LinearBackward final : public autograd::Node {
   bool fast_weight_grad() const { return state->recipe.fast_accumulation_long_sums; }  // a sum over the rows
 
   // The product's output gradient from GELU's output gradient d: its codes in both layouts, cast in GELU's backward's
-  // own pass where the scaling has a scale at hand, and into *sums the bias gradient (the columns' sums). Where the
-  // cast needs GELU's backward written first (current scaling), *made is it and the sums ride in its cast.
+  // own pass where the scaling has a scale at hand or can measure the amax first, and into *sums the bias gradient
+  // (the columns' sums). Where the cast needs GELU's backward written first, *made is it and the sums ride in its
+  // cast.
   ops::Fp8Tensor through_gelu(const Tensor& d, Tensor* sums, Tensor* made) {
     TensorScaling& scaling = state->grad_output;
     Tensor qt;
@@ -208,7 +209,7 @@ class Fp8LinearBackward final : public autograd::Node {
           qt = r.qt;
           return r.q;
         },
-        d.device());
+        d.device(), [&] { return ops::fp8_gelu_backward_amax(d, pre_activation, scaling.dtype()); });
     return {q.q, q.scale_inv, qt};
   }
 
@@ -315,7 +316,7 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
       const ops::Fp8Tensor a = gelu_codes->quantize(
           [&] { return ops::gelu(y); },
           [&](const Tensor& scale, Tensor* amax) { return ops::fp8_gelu_quantize(y, scale, gelu_codes->dtype(), amax); },
-          y.device());
+          y.device(), [&] { return ops::fp8_gelu_amax(y, gelu_codes->dtype()); });
       r.push_back(a.q);
       r.push_back(a.scale_inv);
     }
@@ -520,7 +521,7 @@ ops::Fp8Tensor quantized_gelu(const Tensor& h, LinearState& state) {
     const ops::Fp8Tensor q = scaling.quantize(
         [&] { return ops::gelu(hd); },
         [&](const Tensor& scale, Tensor* amax) { return ops::fp8_gelu_quantize(hd, scale, scaling.dtype(), amax); },
-        h.device());
+        h.device(), [&] { return ops::fp8_gelu_amax(hd, scaling.dtype()); });
     return std::vector<Tensor>{q.q, q.scale_inv};
   });
   ops::Fp8Tensor q{kept[0], kept[1]};

@@ -299,6 +299,28 @@ void swiglu_backward_amax_cpu(const DeviceContext&, const Tensor& grad, const Te
   });
 }
 
+// gelu_quantize's amax without its codes.
+void gelu_amax_cpu(const DeviceContext&, const Tensor& x, Tensor& amax) {
+  LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "gelu_amax", [&] {
+    using M = cpu::math_t<high_t>;
+    const high_t* in = static_cast<const high_t*>(x.data());
+    *static_cast<float*>(amax.data()) =
+        amax_made(x.numel(), [&](int64_t i) { return float(high_t(elementwise_math::Gelu{}(M(in[i])))); });
+  });
+}
+
+// gelu_backward_quantize's amax without its codes.
+void gelu_backward_amax_cpu(const DeviceContext&, const Tensor& grad, const Tensor& x, Tensor& amax) {
+  LOOM_DISPATCH_UNQUANTIZED(x.dtype(), "gelu_backward_amax", [&] {
+    using M = cpu::math_t<high_t>;
+    const high_t* g = static_cast<const high_t*>(grad.data());
+    const high_t* in = static_cast<const high_t*>(x.data());
+    *static_cast<float*>(amax.data()) = amax_made(x.numel(), [&](int64_t i) {
+      return float(high_t(elementwise_math::GeluBackward{}(M(g[i]), M(in[i]))));
+    });
+  });
+}
+
 // gelu's element as the gelu kernel stores it, then fp8_quantize's code of it.
 void gelu_quantize_cpu(const DeviceContext&, const Tensor& x, const Tensor& scale, Tensor& q, Tensor& amax) {
   const float s = *static_cast<const float*>(scale.data());
@@ -385,6 +407,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCPU, "native", dtypes(kF8E4M
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cpu);
 LOOM_REGISTER_KERNEL(swiglu_amax, kCPU, "native", dtypes(kF32, kBF16), swiglu_amax_cpu);
 LOOM_REGISTER_KERNEL(swiglu_backward_amax, kCPU, "native", dtypes(kF32, kBF16), swiglu_backward_amax_cpu);
+LOOM_REGISTER_KERNEL(gelu_amax, kCPU, "native", dtypes(kF32, kBF16), gelu_amax_cpu);
+LOOM_REGISTER_KERNEL(gelu_backward_amax, kCPU, "native", dtypes(kF32, kBF16), gelu_backward_amax_cpu);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cpu);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cpu);
 LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCPU, "native", dtypes(kF8E4M3, kF8E5M2),

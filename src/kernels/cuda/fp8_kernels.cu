@@ -439,34 +439,58 @@ __global__ void swiglu_scan_kernel(const T* __restrict__ gate, const T* __restri
   if (amax_bits) block_max_into(local, amax_bits);
 }
 
-// swiglu_backward_amax: the amaxes of SwiGLU's two gradients (SwigluGradientsAt's values) over n contiguous elements
-// of grad, gate and up, nothing written: whole vectors when `vectors` (every base aligned), then the tail.
-template <typename T>
-__global__ void swiglu_gradients_amax_kernel(const T* __restrict__ grad, const T* __restrict__ gate,
-                                             const T* __restrict__ up, int64_t n, bool vectors, unsigned* gate_bits,
-                                             unsigned* up_bits) {
-  const SwigluGradientsAt<T> at{};
-  unsigned local_gate = 0, local_up = 0;
-  auto take = [&](T g, T x, T u) {
-    const T in[3] = {g, x, u};
-    float v[2];
-    at(in, v);
-    local_gate = max(local_gate, magnitude_bits(v[0]));
-    local_up = max(local_up, magnitude_bits(v[1]));
+// swiglu_backward_amax and gelu_backward_amax: the amax of each of a transposing quantization's value streams
+// (Values: SwigluGradientsAt's two, GeluGradientAt's one) over n contiguous elements of its inputs, nothing written:
+// whole vectors when `vectors` (every input aligned), then the tail.
+template <typename Values>
+__global__ void made_amax_kernel(const Values at, int64_t n, bool vectors, unsigned* first_bits,
+                                 unsigned* second_bits) {
+  using T = typename Values::Input;
+  constexpr int K = Values::kInputs, N = Values::kCount;
+  static_assert(N == 1 || N == 2, "one or two value streams");
+  unsigned local[N] = {};
+  auto take = [&](const T* x) {
+    float v[N];
+    at(x, v);
+#pragma unroll
+    for (int c = 0; c < N; ++c) local[c] = max(local[c], magnitude_bits(v[c]));
   };
   const int64_t stride = int64_t(gridDim.x) * kThreads, first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   constexpr int V = kVector<T>;
   const int64_t nv = vectors ? n / V : 0;
   for (int64_t i = first; i < nv; i += stride) {
-    const Vec<T> g = reinterpret_cast<const Vec<T>*>(grad)[i], x = reinterpret_cast<const Vec<T>*>(gate)[i],
-                 u = reinterpret_cast<const Vec<T>*>(up)[i];
+    Vec<T> in[K];
 #pragma unroll
-    for (int e = 0; e < V; ++e) take(g.v[e], x.v[e], u.v[e]);
+    for (int k = 0; k < K; ++k) in[k] = reinterpret_cast<const Vec<T>*>(at.in[k])[i];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      T x[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) x[k] = in[k].v[e];
+      take(x);
+    }
   }
-  for (int64_t i = nv * V + first; i < n; i += stride) take(grad[i], gate[i], up[i]);
-  block_max_into(local_gate, gate_bits);
-  __syncthreads();  // the second fold reuses the first's shared slots
-  block_max_into(local_up, up_bits);
+  for (int64_t i = nv * V + first; i < n; i += stride) {
+    T x[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) x[k] = at.in[k][i];
+    take(x);
+  }
+  block_max_into(local[0], first_bits);
+  if constexpr (N == 2) {
+    __syncthreads();  // the second fold reuses the first's shared slots
+    block_max_into(local[1], second_bits);
+  }
+}
+
+// Launches made_amax_kernel over n elements of at's inputs.
+template <typename Values>
+void launch_made_amax(const Values& at, int64_t n, unsigned* first_bits, unsigned* second_bits, cudaStream_t stream) {
+  using T = typename Values::Input;
+  bool vectors = true;
+  for (int k = 0; k < Values::kInputs; ++k) vectors = vectors && vectorizable<T>(at.in[k], nullptr);
+  made_amax_kernel<Values><<<blocks_for(vectors ? n / kVector<T> + 1 : n), kThreads, 0, stream>>>(
+      at, n, vectors, first_bits, second_bits);
 }
 
 template <typename Q, typename T>
@@ -688,13 +712,35 @@ void swiglu_backward_amax_cuda(const DeviceContext& ctx, const Tensor& grad, con
   const int64_t n = gate.numel();
   if (n == 0) return;
   LOOM_DISPATCH_UNQUANTIZED_CUDA(gate.dtype(), "swiglu_backward_amax", [&] {
-    const high_t* g = static_cast<const high_t*>(grad.data());
-    const high_t* x = static_cast<const high_t*>(gate.data());
-    const high_t* u = static_cast<const high_t*>(up.data());
-    const bool vectors =
-        vectorizable<high_t>(g, nullptr) && vectorizable<high_t>(x, nullptr) && vectorizable<high_t>(u, nullptr);
-    swiglu_gradients_amax_kernel<high_t><<<blocks_for(vectors ? n / kVector<high_t> + 1 : n), kThreads, 0, stream>>>(
-        g, x, u, n, vectors, gate_bits, up_bits);
+    const SwigluGradientsAt<high_t> at{{static_cast<const high_t*>(grad.data()), static_cast<const high_t*>(gate.data()),
+                                        static_cast<const high_t*>(up.data())}};
+    launch_made_amax(at, n, gate_bits, up_bits, stream);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_amax_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = zeroed_amax_bits(amax, stream);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_amax", [&] {
+    launch_scan<high_t, void, Activated<elementwise_math::Gelu>>(static_cast<const high_t*>(x.data()), nullptr, n,
+                                                                 nullptr, bits, stream);
+  });
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_backward_amax_cuda(const DeviceContext& ctx, const Tensor& grad, const Tensor& x, Tensor& amax) {
+  cuda::DeviceGuard guard(ctx.device().index);
+  cudaStream_t stream = cuda_context(ctx).cuda_stream();
+  unsigned* bits = zeroed_amax_bits(amax, stream);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  LOOM_DISPATCH_UNQUANTIZED_CUDA(x.dtype(), "gelu_backward_amax", [&] {
+    const GeluGradientAt<high_t> at{{static_cast<const high_t*>(grad.data()), static_cast<const high_t*>(x.data())}};
+    launch_made_amax(at, n, bits, nullptr, stream);
   });
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -727,6 +773,8 @@ LOOM_REGISTER_KERNEL(fp8_quantize_transposed_sums, kCUDA, "native", dtypes(kF8E4
 LOOM_REGISTER_KERNEL(swiglu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), swiglu_quantize_cuda);
 LOOM_REGISTER_KERNEL(swiglu_amax, kCUDA, "native", dtypes(kF32, kBF16), swiglu_amax_cuda);
 LOOM_REGISTER_KERNEL(swiglu_backward_amax, kCUDA, "native", dtypes(kF32, kBF16), swiglu_backward_amax_cuda);
+LOOM_REGISTER_KERNEL(gelu_amax, kCUDA, "native", dtypes(kF32, kBF16), gelu_amax_cuda);
+LOOM_REGISTER_KERNEL(gelu_backward_amax, kCUDA, "native", dtypes(kF32, kBF16), gelu_backward_amax_cuda);
 LOOM_REGISTER_KERNEL(gelu_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_quantize_cuda);
 LOOM_REGISTER_KERNEL(gelu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2), gelu_backward_quantize_cuda);
 LOOM_REGISTER_KERNEL(swiglu_backward_quantize, kCUDA, "native", dtypes(kF8E4M3, kF8E5M2),
