@@ -22,6 +22,7 @@
 #include "loom/ops.h"
 #include "loom/train/trainer.h"
 #include "providers/naive_reference_fp8.h"
+#include "fp8_test_util.h"
 #include "test_files.h"
 #include "test_util.h"
 
@@ -34,40 +35,16 @@ constexpr const char* kPlain = "plain_producers";
 class PlainLibrary {
  public:
   PlainLibrary() {
-    serve(swiglu_op);
-    serve(gelu_op);
-    serve(residual_rms_norm_op);
-    serve(residual_layer_norm_op);
-    serve(gelu_backward_op);
-    serve(swiglu_backward_op);
-    serve(column_sums_op);
+    library_.serve(swiglu_op).serve(gelu_op).serve(residual_rms_norm_op).serve(residual_layer_norm_op);
+    library_.serve(gelu_backward_op).serve(swiglu_backward_op).serve(column_sums_op);
   }
-  ~PlainLibrary() { dispatch::unregister_provider(kPlain); }
 
  private:
-  template <typename Op>
-  static void serve(const Op& op) {
-    for (const KernelEntry* e : dispatch::candidates(Op::id(), kCPU, kF32))
-      if (e->provider == "native")
-        dispatch::register_kernel_function(op, kCPU, kPlain, dtypes(kF32, kF64, kF16, kBF16),
-                                           *static_cast<const typename Op::traits::function*>(e->fn.get()));
-  }
+  fp8_test::NativeKernelsUnder library_{kPlain};
 };
 
-// Values around SwiGLU's working range with, at `special` (a fraction), NaN and infinities among them.
-Tensor activations(const Shape& shape, DType dt, std::mt19937_64& rng, double special) {
-  Tensor t = test::random_tensor(shape, kF32, -6.0, 6.0, rng());
-  std::uniform_real_distribution<double> u(0, 1);
-  float* p = static_cast<float*>(t.data());
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double r = u(rng);
-    if (r < special / 3) p[i] = NAN;
-    else if (r < 2 * special / 3) p[i] = i % 2 ? INFINITY : -INFINITY;
-  }
-  return ops::to_dtype(t, dt);
-}
-
-Tensor scale_of(double s) { return full({1}, s, kF32); }
+using fp8_test::activations;
+using fp8_test::scale_of;
 
 struct Operands {
   Tensor gate, up;

@@ -14,49 +14,16 @@
 #include "loom/ops.h"
 #include "loom/train/trainer.h"
 #include "providers/naive_reference.h"
+#include "fp8_test_util.h"
 #include "test_files.h"
 #include "test_util.h"
 
 namespace loom {
 namespace {
 
-// A library serving native's kernels of the given ops under its own name (every dtype native registers them for);
-// unregistered when the scope ends.
-class Library {
- public:
-  explicit Library(std::string name) : name_(std::move(name)) {}
-  ~Library() { dispatch::unregister_provider(name_); }
-  template <typename Op>
-  Library& serve(const Op& op) {
-    for (DType dt : {kF32, kBF16, kF8E4M3, kF8E5M2})
-      for (const KernelEntry* e : dispatch::candidates(Op::id(), kCPU, dt))
-        if (e->provider == "native") {
-          dispatch::register_kernel_function(op, kCPU, name_, e->dtypes,
-                                             *static_cast<const typename Op::traits::function*>(e->fn.get()));
-          return *this;
-        }
-    return *this;
-  }
-  const std::string& name() const { return name_; }
-
- private:
-  std::string name_;
-};
-
-// Values around SwiGLU's working range with, at `special` (a fraction), NaN and infinities among them.
-Tensor activations(const Shape& shape, DType dt, std::mt19937_64& rng, double special) {
-  Tensor t = test::random_tensor(shape, kF32, -6.0, 6.0, rng());
-  std::uniform_real_distribution<double> u(0, 1);
-  float* p = static_cast<float*>(t.data());
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double r = u(rng);
-    if (r < special / 3) p[i] = NAN;
-    else if (r < 2 * special / 3) p[i] = i % 2 ? INFINITY : -INFINITY;
-  }
-  return ops::to_dtype(t, dt);
-}
-
-Tensor scale_of(double s) { return full({1}, s, kF32); }
+using fp8_test::activations;
+using fp8_test::scale_of;
+using Library = fp8_test::NativeKernelsUnder;
 
 std::string shape_name(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";

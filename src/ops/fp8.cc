@@ -2,6 +2,8 @@
 // linear layer's three products, dispatched to fp8_gemm.
 #include "loom/ops/fp8.h"
 
+#include <array>
+
 #include "kernels/column_sums_kernel.h"
 #include "kernels/elementwise_kernel.h"
 #include "kernels/fp8_kernel.h"
@@ -151,6 +153,52 @@ Tensor grouped_rows_product(const Fp8Tensor& rows, const Fp8Tensor& weight, cons
   return out;
 }
 
+// The checked operands of SwiGLU's fused casts and amax passes (one shape, dtype and device; f32 or bf16) as their
+// kernels take them: each a row matrix with unit column stride.
+std::pair<Tensor, Tensor> swiglu_operands(const char* op, const Tensor& gate, const Tensor& up, DType fp8) {
+  LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
+               ": up ", describe(up), " does not match gate ", describe(gate));
+  return {ops_detail::row_matrix_of_input(gate), ops_detail::row_matrix_of_input(up)};
+}
+
+// The same for GELU: x flattened, contiguous [N].
+Tensor gelu_operand(const char* op, const Tensor& x, DType fp8) {
+  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  return ops::view(ops::contiguous(x), {x.numel()});
+}
+
+// The same for SwiGLU's backward: grad, gate and up contiguous [rows, cols].
+std::array<Tensor, 3> swiglu_gradient_operands(const char* op, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                               DType fp8) {
+  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined() && gate.dim() >= 1, op,
+               ": grad, gate and up must be defined tensors of rank 1 or more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "gate", gate.dtype());
+  for (const Tensor* t : {&grad, &up})
+    LOOM_REQUIRE(t->dtype() == gate.dtype() && t->shape() == gate.shape() && t->device() == gate.device(), op, ": ",
+                 t == &grad ? "grad " : "up ", describe(*t), " does not match gate ", describe(gate));
+  const int64_t cols = gate.size(-1), rows = rows_of(gate);
+  return {ops::view(ops::contiguous(grad), {rows, cols}), ops::view(ops::contiguous(gate), {rows, cols}),
+          ops::view(ops::contiguous(up), {rows, cols})};
+}
+
+// The same for GELU's backward: grad and x contiguous [rows, cols].
+std::pair<Tensor, Tensor> gelu_gradient_operands(const char* op, const Tensor& grad, const Tensor& x, DType fp8) {
+  LOOM_REQUIRE(grad.defined() && x.defined() && x.dim() >= 1, op, ": grad and x must be defined tensors of rank 1 or "
+               "more");
+  check_fp8(op, fp8);
+  check_unquantized(op, "x", x.dtype());
+  LOOM_REQUIRE(grad.dtype() == x.dtype() && grad.shape() == x.shape() && grad.device() == x.device(), op, ": grad ",
+               describe(grad), " does not match x ", describe(x));
+  const int64_t cols = x.size(-1), rows = rows_of(x);
+  return {ops::view(ops::contiguous(grad), {rows, cols}), ops::view(ops::contiguous(x), {rows, cols})};
+}
+
 }  // namespace
 
 double fp8_max(DType fp8) {
@@ -241,13 +289,8 @@ Fp8Tensor fp8_quantize_transposed(const Tensor& x, const Tensor& scale, DType fp
 
 Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_swiglu_quantize";
-  LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
-  check_fp8(op, fp8);
-  check_unquantized(op, "gate", gate.dtype());
-  LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
-               ": up ", describe(up), " does not match gate ", describe(gate));
+  const auto [g, u] = swiglu_operands(op, gate, up, fp8);
   check_scale(op, "scale", scale, gate);
-  const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
   Tensor q = empty(g.shape(), fp8, gate.device());
   Tensor amax = ops_detail::amax_destination(op, amax_out, gate.device());
   if (ops_detail::fused_by_plain_provider(swiglu_quantize_op, swiglu_op, gate.device(), fp8, gate.dtype(), g, u, scale,
@@ -260,13 +303,7 @@ Tensor fp8_swiglu_quantize(const Tensor& gate, const Tensor& up, const Tensor& s
 }
 
 Tensor fp8_swiglu_amax(const Tensor& gate, const Tensor& up, DType fp8) {
-  const char* op = "fp8_swiglu_amax";
-  LOOM_REQUIRE(gate.defined() && up.defined(), op, ": gate and up must both be defined");
-  check_fp8(op, fp8);
-  check_unquantized(op, "gate", gate.dtype());
-  LOOM_REQUIRE(up.dtype() == gate.dtype() && up.shape() == gate.shape() && up.device() == gate.device(), op,
-               ": up ", describe(up), " does not match gate ", describe(gate));
-  const Tensor g = ops_detail::row_matrix_of_input(gate), u = ops_detail::row_matrix_of_input(up);
+  const auto [g, u] = swiglu_operands("fp8_swiglu_amax", gate, up, fp8);
   Tensor amax = empty({1}, kF32, gate.device());
   if (!ops_detail::measured_by_plain_provider(swiglu_amax_op, swiglu_quantize_op, swiglu_op, gate.device(),
                                               gate.dtype(), fp8, gate.dtype(), g, u, amax))
@@ -276,11 +313,7 @@ Tensor fp8_swiglu_amax(const Tensor& gate, const Tensor& up, DType fp8) {
 }
 
 Tensor fp8_gelu_amax(const Tensor& x, DType fp8) {
-  const char* op = "fp8_gelu_amax";
-  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
-  check_fp8(op, fp8);
-  check_unquantized(op, "x", x.dtype());
-  const Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
+  const Tensor flat = gelu_operand("fp8_gelu_amax", x, fp8);
   Tensor amax = empty({1}, kF32, x.device());
   if (!ops_detail::measured_by_plain_provider(gelu_amax_op, gelu_quantize_op, gelu_op, x.device(), x.dtype(), fp8,
                                               x.dtype(), flat, amax))
@@ -291,11 +324,8 @@ Tensor fp8_gelu_amax(const Tensor& x, DType fp8) {
 
 Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor* amax_out) {
   const char* op = "fp8_gelu_quantize";
-  LOOM_REQUIRE(x.defined(), op, ": x is undefined");
-  check_fp8(op, fp8);
-  check_unquantized(op, "x", x.dtype());
+  Tensor flat = gelu_operand(op, x, fp8);
   check_scale(op, "scale", scale, x);
-  Tensor flat = ops::view(ops::contiguous(x), {x.numel()});
   Tensor q = empty({x.numel()}, fp8, x.device());
   Tensor amax = ops_detail::amax_destination(op, amax_out, x.device());
   if (ops_detail::fused_by_plain_provider(gelu_quantize_op, gelu_op, x.device(), fp8, x.dtype(), flat, scale, q,
@@ -310,15 +340,9 @@ Tensor fp8_gelu_quantize(const Tensor& x, const Tensor& scale, DType fp8, Tensor
 Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const Tensor& scale, DType fp8,
                                      Tensor* amax_out, Tensor* column_sums) {
   const char* op = "fp8_gelu_backward_quantize";
-  LOOM_REQUIRE(grad.defined() && x.defined() && x.dim() >= 1, op, ": grad and x must be defined tensors of rank 1 or "
-               "more");
-  check_fp8(op, fp8);
-  check_unquantized(op, "x", x.dtype());
-  LOOM_REQUIRE(grad.dtype() == x.dtype() && grad.shape() == x.shape() && grad.device() == x.device(), op, ": grad ",
-               describe(grad), " does not match x ", describe(x));
+  const auto [g, m] = gelu_gradient_operands(op, grad, x, fp8);
   check_scale(op, "scale", scale, x);
-  const int64_t cols = x.size(-1), rows = rows_of(x);
-  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), m = ops::view(ops::contiguous(x), {rows, cols});
+  const int64_t rows = g.size(0), cols = g.size(1);
   Fp8Tensor r;
   r.q = empty({rows, cols}, fp8, x.device());
   r.qt = empty({cols, rows}, fp8, x.device());
@@ -342,14 +366,7 @@ Fp8Tensor fp8_gelu_backward_quantize(const Tensor& grad, const Tensor& x, const 
 }
 
 Tensor fp8_gelu_backward_amax(const Tensor& grad, const Tensor& x, DType fp8) {
-  const char* op = "fp8_gelu_backward_amax";
-  LOOM_REQUIRE(grad.defined() && x.defined() && x.dim() >= 1, op, ": grad and x must be defined tensors of rank 1 or more");
-  check_fp8(op, fp8);
-  check_unquantized(op, "x", x.dtype());
-  LOOM_REQUIRE(grad.dtype() == x.dtype() && grad.shape() == x.shape() && grad.device() == x.device(), op, ": grad ",
-               describe(grad), " does not match x ", describe(x));
-  const int64_t cols = x.size(-1), rows = rows_of(x);
-  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), m = ops::view(ops::contiguous(x), {rows, cols});
+  const auto [g, m] = gelu_gradient_operands("fp8_gelu_backward_amax", grad, x, fp8);
   Tensor amax = empty({1}, kF32, x.device());
   if (!ops_detail::measured_by_plain_provider(gelu_backward_amax_op, gelu_backward_quantize_op, gelu_backward_op,
                                               x.device(), x.dtype(), fp8, x.dtype(), g, m, amax))
@@ -360,17 +377,7 @@ Tensor fp8_gelu_backward_amax(const Tensor& grad, const Tensor& x, DType fp8) {
 
 std::pair<Tensor, Tensor> fp8_swiglu_backward_amax(const Tensor& grad, const Tensor& gate, const Tensor& up,
                                                    DType fp8) {
-  const char* op = "fp8_swiglu_backward_amax";
-  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined() && gate.dim() >= 1, op,
-               ": grad, gate and up must be defined tensors of rank 1 or more");
-  check_fp8(op, fp8);
-  check_unquantized(op, "gate", gate.dtype());
-  for (const Tensor* t : {&grad, &up})
-    LOOM_REQUIRE(t->dtype() == gate.dtype() && t->shape() == gate.shape() && t->device() == gate.device(), op, ": ",
-                 t == &grad ? "grad " : "up ", describe(*t), " does not match gate ", describe(gate));
-  const int64_t cols = gate.size(-1), rows = rows_of(gate);
-  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), x = ops::view(ops::contiguous(gate), {rows, cols}),
-               u = ops::view(ops::contiguous(up), {rows, cols});
+  const auto [g, x, u] = swiglu_gradient_operands("fp8_swiglu_backward_amax", grad, gate, up, fp8);
   Tensor amax_gate = empty({1}, kF32, gate.device()), amax_up = empty({1}, kF32, gate.device());
   if (!ops_detail::measured_by_plain_provider(swiglu_backward_amax_op, swiglu_backward_quantize_op, swiglu_backward_op,
                                               gate.device(), gate.dtype(), fp8, gate.dtype(), g, x, u, amax_gate,
@@ -384,18 +391,10 @@ SwigluGradientCodes fp8_swiglu_backward_quantize(const Tensor& grad, const Tenso
                                                  const Tensor& scale_gate, const Tensor& scale_up, DType fp8,
                                                  Tensor* amax_gate_out, Tensor* amax_up_out) {
   const char* op = "fp8_swiglu_backward_quantize";
-  LOOM_REQUIRE(grad.defined() && gate.defined() && up.defined() && gate.dim() >= 1, op,
-               ": grad, gate and up must be defined tensors of rank 1 or more");
-  check_fp8(op, fp8);
-  check_unquantized(op, "gate", gate.dtype());
-  for (const Tensor* t : {&grad, &up})
-    LOOM_REQUIRE(t->dtype() == gate.dtype() && t->shape() == gate.shape() && t->device() == gate.device(), op, ": ",
-                 t == &grad ? "grad " : "up ", describe(*t), " does not match gate ", describe(gate));
+  const auto [g, x, u] = swiglu_gradient_operands(op, grad, gate, up, fp8);
   check_scale(op, "scale_gate", scale_gate, gate);
   check_scale(op, "scale_up", scale_up, gate);
-  const int64_t cols = gate.size(-1), rows = rows_of(gate);
-  const Tensor g = ops::view(ops::contiguous(grad), {rows, cols}), x = ops::view(ops::contiguous(gate), {rows, cols}),
-               u = ops::view(ops::contiguous(up), {rows, cols});
+  const int64_t rows = g.size(0), cols = g.size(1);
   SwigluGradientCodes r;
   const Device device = gate.device();
   for (Fp8Tensor* t : {&r.gate, &r.up}) {
