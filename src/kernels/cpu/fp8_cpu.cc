@@ -14,22 +14,29 @@ namespace {
 // NaN wins, then the larger: a max that keeps a NaN once it has met one, in any order.
 inline float max_keeping_nan(float m, float v) { return (std::isnan(v) || v > m) ? v : m; }
 
-// max |x[i]| over [0, n) of an f32 or bf16 array, in chunks (order-independent, so any split gives the same value).
-template <typename T>
-float amax_of(const T* x, int64_t n) {
+// The amax of n values made here, value(i) as its op stores it, in chunks (order-independent, so any
+// split gives the same value; 0 for n = 0).
+template <typename Value>
+float amax_made(int64_t n, const Value& value) {
   constexpr int64_t kChunk = 1 << 16;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<float> partial(size_t(chunks), 0.0f);
-  cpu::parallel_for(chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
+  std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
+  cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t chunk = b; chunk < e; ++chunk) {
       float m = 0;
-      for (int64_t i = c * kChunk, end = std::min(n, i + kChunk); i < end; ++i) m = max_keeping_nan(m, std::fabs(float(x[i])));
-      partial[size_t(c)] = m;
+      for (int64_t i = chunk * kChunk, end = std::min(n, i + kChunk); i < end; ++i)
+        m = max_keeping_nan(m, std::fabs(value(i)));
+      partial[size_t(chunk)] = m;
     }
   });
   float m = 0;
   for (float p : partial) m = max_keeping_nan(m, p);
   return m;
+}
+
+// max |x[i]| over [0, n) of an f32 or bf16 array.
+template <typename T>
+float amax_of(const T* x, int64_t n) {
+  return amax_made(n, [&](int64_t i) { return float(x[i]); });
 }
 
 #define LOOM_DISPATCH_UNQUANTIZED(DT, OPNAME, ...)                                                             \
@@ -246,24 +253,6 @@ void swiglu_quantize_cpu(const DeviceContext&, const Tensor& gate, const Tensor&
       });
     });
   });
-}
-
-// The amax of n values made here, value(i) as its op stores it, in chunks as amax_of takes it (0 for n = 0).
-template <typename Value>
-float amax_made(int64_t n, const Value& value) {
-  constexpr int64_t kChunk = 1 << 16;
-  std::vector<float> partial(size_t((n + kChunk - 1) / kChunk), 0.0f);
-  cpu::parallel_for(int64_t(partial.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t chunk = b; chunk < e; ++chunk) {
-      float m = 0;
-      for (int64_t i = chunk * kChunk, end = std::min(n, i + kChunk); i < end; ++i)
-        m = max_keeping_nan(m, std::fabs(value(i)));
-      partial[size_t(chunk)] = m;
-    }
-  });
-  float m = 0;
-  for (float p : partial) m = max_keeping_nan(m, p);
-  return m;
 }
 
 // swiglu_quantize's amax without its codes.
