@@ -42,6 +42,8 @@
 #   fp8_gemm  loom-bench-fp8-gemm beside bench/fp8_gemm_torch_reference.py (torch._scaled_mm): each linear layer's
 #             forward, input and weight gradient products in FP8, promoted and fast, against bf16 (FG_ARGS: a model
 #             and a token count, default "llama3-3b 8192")
+#   norm      loom-bench-norm: the residual norms' passes at GPT-2's and LLaMA's widths against the copy bandwidth
+#             (NORM_SHAPES, e.g. "8192x3072", for other shapes)
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 #   kernels   tools/bench/kernel_profile.py: the GPU time of a few steps kernel by kernel, PyTorch beside Loom, by
 #             kernel class (KP_MODEL gpt2-124m, KP_B 32, KP_T 1024, KP_FLAGS); builds the Python package first
@@ -93,6 +95,7 @@ stage_targets() {  # stage -> the build targets it runs
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
     fp8_gemm) echo loom-bench-fp8-gemm ;;
+    norm) echo loom-bench-norm ;;
     lora) echo loom-train ;;
     python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
@@ -547,6 +550,19 @@ stage_fp8_gemm() {
     $((SECONDS - t0))
 }
 
+# The residual norms' passes one by one against the device's copy bandwidth (bench/norm_bench.cc): NORM_SHAPES.
+stage_norm() {
+  need_build || return 1
+  local t0=$SECONDS rc
+  # shellcheck disable=SC2086
+  timeout 300 $BIN/bench/loom-bench-norm ${NORM_SHAPES:-} > $S/norm.log 2>&1
+  rc=$?
+  cat $S/norm.log
+  row norm "$([ $rc = 0 ] && echo done || echo "FAIL (rc $rc)")" \
+    "rms_norm_quantize at the widest: $(grep 'quantize' $S/norm.log | tail -1 | awk '{print $(NF)}') of copy" \
+    $((SECONDS - t0))
+}
+
 # The Python the `python` stage builds the package for and tests with: PYTHON_EXE, else the first of python3 on PATH
 # and PyTorch's virtual environment that imports torch (the DLPack tests need it), else python3.
 python_interpreter() {
@@ -774,7 +790,7 @@ PY
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|norm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
 initcheck racecheck sweep reference grouped_gemm fp8_gemm python bench lora kernels)"; exit 2 ;;
