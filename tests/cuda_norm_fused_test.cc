@@ -174,7 +174,11 @@ TEST(CudaNormFused, MatchesCpuOnTrainingShapes) {
   }
   check_against_cpu({kBF16, kBF16, kBF16}, 4096, 1024, false, true, true);
   check_against_cpu({kF32, kBF16, kBF16}, 1000, 2048, true, true, true);
-  for (int64_t cols : {100, 516, 896, 1152})
+  // LLaMA-3.2 3B's and 8B's widths (the wide kernels), with more rows than the backward's blocks.
+  check_against_cpu({kF32, kBF16, kBF16}, 2100, 3072, true, true, true);
+  check_against_cpu({kBF16, kBF16, kBF16}, 1100, 4096, true, true, false);
+  check_against_cpu({kF32, kBF16, kBF16}, 1030, 3072, false, true, true);
+  for (int64_t cols : {100, 516, 896, 1152, 2052, 5000})
     for (const DTypes& dts : {DTypes{kF32, kBF16, kBF16}, DTypes{kF16, kF16, kF16}}) {
       check_against_cpu(dts, 301, cols, false, true, true);
       check_against_cpu(dts, 301, cols, true, true, false);
@@ -189,27 +193,29 @@ TEST(CudaNormFused, MatchesCpuOnMisalignedRows) {
   }
 }
 
+// GPT-2's width (the warp kernels) and LLaMA-3.2 3B's (the wide ones).
 TEST(CudaNormFused, RmsBackwardIsBitwiseDeterministicAtTrainingShape) {
   LOOM_SKIP_WITHOUT_CUDA();
-  const Shape shape{16384, 1024};
-  Tensor x = test::random_tensor(shape, kF32, -2, 2, test::fresh_seed(), kGpu);
-  Tensor d = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
-  Tensor w = test::random_tensor({1024}, kF32, 0.5, 1.5, test::fresh_seed(), kGpu);
-  Tensor g = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
-  Tensor grad_x[2], grad_d[2], grad_w[2];
-  for (int i = 0; i < 2; ++i) {
-    Tensor residual = test::poisoned(shape, kF32, kGpu), out = test::poisoned(shape, kBF16, kGpu);
-    Tensor rstd = test::poisoned({shape[0]}, kF32, kGpu), none;
-    dispatch::call(residual_rms_norm_op, kGpu, kF32, x, d, w, NormAttrs{1e-5}, residual, out, rstd);
-    grad_x[i] = test::poisoned(shape, kF32, kGpu);
-    grad_d[i] = test::poisoned(shape, kBF16, kGpu);
-    grad_w[i] = test::poisoned({1024}, kF32, kGpu);
-    dispatch::call(residual_rms_norm_backward_op, kGpu, kF32, g, none, residual, w, rstd, grad_x[i], grad_d[i],
-                   grad_w[i]);
+  for (const Shape& shape : {Shape{16384, 1024}, Shape{8192, 3072}}) {
+    Tensor x = test::random_tensor(shape, kF32, -2, 2, test::fresh_seed(), kGpu);
+    Tensor d = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
+    Tensor w = test::random_tensor({shape[1]}, kF32, 0.5, 1.5, test::fresh_seed(), kGpu);
+    Tensor g = test::random_tensor(shape, kBF16, -1, 1, test::fresh_seed(), kGpu);
+    Tensor grad_x[2], grad_d[2], grad_w[2];
+    for (int i = 0; i < 2; ++i) {
+      Tensor residual = test::poisoned(shape, kF32, kGpu), out = test::poisoned(shape, kBF16, kGpu);
+      Tensor rstd = test::poisoned({shape[0]}, kF32, kGpu), none;
+      dispatch::call(residual_rms_norm_op, kGpu, kF32, x, d, w, NormAttrs{1e-5}, residual, out, rstd);
+      grad_x[i] = test::poisoned(shape, kF32, kGpu);
+      grad_d[i] = test::poisoned(shape, kBF16, kGpu);
+      grad_w[i] = test::poisoned({shape[1]}, kF32, kGpu);
+      dispatch::call(residual_rms_norm_backward_op, kGpu, kF32, g, none, residual, w, rstd, grad_x[i], grad_d[i],
+                     grad_w[i]);
+    }
+    EXPECT_TRUE(bitwise_equal(grad_x[0], grad_x[1]));
+    EXPECT_TRUE(bitwise_equal(grad_d[0], grad_d[1]));
+    EXPECT_TRUE(bitwise_equal(grad_w[0], grad_w[1]));
   }
-  EXPECT_TRUE(bitwise_equal(grad_x[0], grad_x[1]));
-  EXPECT_TRUE(bitwise_equal(grad_d[0], grad_d[1]));
-  EXPECT_TRUE(bitwise_equal(grad_w[0], grad_w[1]));
 }
 
 TEST(CudaNormFused, BackwardIsBitwiseDeterministic) {

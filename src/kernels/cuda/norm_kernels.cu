@@ -38,6 +38,10 @@ int64_t columns_of(const Tensor& x) { return x.dim() ? x.shape().back() : 1; }
 // That is about memory bandwidth, where the block kernels below, with a block per row and passes that re-read the
 // row after __syncthreads reductions, were latency-bound. The backward's warps each take a fixed set of rows and
 // keep their parameter sums in shared memory; each block writes one row of partials.
+// Wider rows of the same kind up to 8192 columns (LLaMA's 2048-8192) take the wide kernels: a block per row (forward)
+// or per fixed chunk of rows (backward), each thread holding up to 4 packs of the row in registers, the reductions
+// across the block's warps through shared memory; each element is still read once, and the backward's parameter sums
+// stay in the registers of the thread that owns their columns.
 // Otherwise one block per row (forward) or per fixed chunk of rows (backward); a thread takes packs of 4
 // consecutive columns, loaded with one 8/16-byte access when every row pointer is aligned (C % 4 == 0 and aligned
 // bases), else element by element with bounds checks. Later passes over a row re-read it (from L1/L2) rather than
@@ -580,6 +584,192 @@ __global__ void sum_block_partials_kernel(const compute_t<T>* partial_w, T* out_
   sum_partial_rows(blockIdx.y ? partial_b : partial_w, blocks, cols, out);
 }
 
+// ---- Wide rows: a block per row, the row in registers ----------------------------------------------------------------
+// For the rows past the warp kernels' widths that vector loads reach (C % 4 == 0, aligned, not f64, at most
+// kWidePacks * 4 * kWideMaxThreads columns): thread t holds packs t, t + blockDim.x, ... (kWidePacks at most), so
+// every load of a row is issued before its first reduction and nothing is re-read; the block kernels above, with one
+// pack a thread and the row re-read after each reduction, wait on memory at each of those steps.
+
+constexpr int kWidePacks = 4;           // packs a thread holds
+constexpr int kWideMaxThreads = 512;    // so at most 128 registers a thread (the backward holds three rows' packs)
+constexpr int64_t kWideMaxCols = int64_t(kWidePacks) * 4 * kWideMaxThreads;  // 8192
+constexpr int64_t kWideBackwardMaxBlocks = 1024;  // with parameter gradients: the partials' rows
+
+// Threads of a wide kernel's block: the row's packs kWidePacks to a thread, in whole warps.
+unsigned wide_threads(int64_t cols) { return unsigned(ceil_div(ceil_div(cols / 4, kWidePacks), 32) * 32); }
+
+// As residual_norm_forward_warp_kernel, the row across the block.
+template <typename T, typename D, typename Out>
+__global__ void __launch_bounds__(kWideMaxThreads)
+    residual_norm_forward_wide_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
+                                      Out out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int cols,
+                                      compute_t<T> eps) {
+  using C = compute_t<T>;
+  __shared__ C scratch[32];
+  out.start();
+  const int t = int(threadIdx.x), step = int(blockDim.x), packs = cols / 4;
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  C v[kWidePacks][4];
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k) {
+    const int p = k * step + t;
+    if (p < packs) {
+      load_pack(x + base, p, cols, true, v[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k][i] = C(0);
+    }
+  }
+  if (delta) {
+    C d[kWidePacks][4];
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      const int p = k * step + t;
+      if (p < packs) load_pack(delta + base, p, cols, true, d[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      const int p = k * step + t;
+      if (p >= packs) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k][i] = C(T(v[k][i] + d[k][i]));
+      if (residual) store_pack(residual + base, p, cols, true, v[k]);
+    }
+  }
+
+  C mean = 0;
+  if (mean_out) {
+    C sum = 0;
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) sum += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);  // zeros past the end
+    mean = cuda::row_allreduce_sum(sum, scratch) / C(cols);
+  }
+  C squares = 0, deviations = 0;
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k) {
+    if (k * step + t >= packs) continue;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const C d = v[k][i] - mean;
+      squares += d * d, deviations += d;
+    }
+  }
+  squares = cuda::row_allreduce_sum(squares, scratch);
+  if (mean_out) deviations = cuda::row_allreduce_sum(deviations, scratch);
+  const CenteredStats<C> st(mean, squares, mean_out ? deviations : C(0), cols, eps);
+  if (t == 0) {
+    if (mean_out) mean_out[blockIdx.x] = stats_t<T>(st.mean());
+    rstd_out[blockIdx.x] = stats_t<T>(st.rstd);
+  }
+  C w[kWidePacks][4], b[kWidePacks][4];
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k) {
+    const int p = k * step + t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[k][i] = C(1);
+      b[k][i] = C(0);
+    }
+    if (p >= packs) continue;
+    if (weight) load_pack(weight, p, cols, true, w[k]);
+    if (bias) load_pack(bias, p, cols, true, b[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k) {
+    const int p = k * step + t;
+    if (p >= packs) continue;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[k][i] = st.centered(v[k][i]) * st.rstd * w[k][i] + b[k][i];
+    out.store(base, p, cols, true, v[k]);
+  }
+  out.finish();
+}
+
+// As residual_norm_backward_warp_kernel, the row across the block: block b takes rows [b * rows_per_block, ...) one
+// at a time (the rows of a block, and so the order of every sum, depend only on the shape), each thread adding its
+// columns' weight and bias terms in registers; at the end the block writes row b of partial_weight / partial_bias,
+// which sum_block_partials_kernel adds in block order.
+template <typename T, typename G, typename D>
+__global__ void __launch_bounds__(kWideMaxThreads)
+    residual_norm_backward_wide_kernel(const G* grad_out, const T* grad_residual, const T* residual,
+                                       const T* weight, const stats_t<T>* mean, const stats_t<T>* rstd, T* grad_x,
+                                       D* grad_delta, compute_t<T>* partial_weight, compute_t<T>* partial_bias,
+                                       int64_t rows, int cols, int64_t rows_per_block) {
+  using C = compute_t<T>;
+  __shared__ C scratch[32];
+  const int t = int(threadIdx.x), step = int(blockDim.x), packs = cols / 4;
+  const bool want_inputs = grad_x || grad_delta, want_w = partial_weight != nullptr, want_b = partial_bias != nullptr;
+  C sum_w[kWidePacks][4], sum_b[kWidePacks][4];
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum_w[k][i] = sum_b[k][i] = C(0);
+
+  const int64_t r0 = int64_t(blockIdx.x) * rows_per_block, r1 = min(rows, r0 + rows_per_block);
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t base = row * cols;
+    const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
+    C g[kWidePacks][4], xv[kWidePacks][4], res[kWidePacks][4];
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      const int p = k * step + t;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) g[k][i] = xv[k][i] = res[k][i] = C(0);
+      if (p >= packs) continue;
+      load_pack(grad_out + base, p, cols, true, g[k]);
+      load_pack(residual + base, p, cols, true, xv[k]);
+      if (grad_residual && want_inputs) load_pack(grad_residual + base, p, cols, true, res[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      if (k * step + t >= packs) continue;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (want_w) sum_w[k][i] += times_xhat(g[k][i], C(1), NormFactors<C>{xv[k][i], m, s});
+        if (want_b) sum_b[k][i] += g[k][i];
+      }
+    }
+    if (!want_inputs) continue;  // uniform over the block: no reduction is skipped by part of it
+    C sum_g = 0, sum_g_xhat = 0;
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      const int p = k * step + t;
+      if (p >= packs) continue;
+      C w[4] = {1, 1, 1, 1};
+      if (weight) load_pack(weight, p, cols, true, w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sum_g_xhat += times_xhat(g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
+        g[k][i] = mul_rounded(g[k][i], w[i]);
+        sum_g += g[k][i];
+      }
+    }
+    C mean_g = 0;
+    if (mean) mean_g = cuda::row_allreduce_sum(sum_g, scratch) / C(cols);
+    const C mean_g_xhat = cuda::row_allreduce_sum(sum_g_xhat, scratch) / C(cols);
+#pragma unroll
+    for (int k = 0; k < kWidePacks; ++k) {
+      const int p = k * step + t;
+      if (p >= packs) continue;
+      C gi[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        gi[i] = mul_rounded(s, g[k][i] - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
+                res[k][i];
+      if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
+      if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
+    }
+  }
+
+#pragma unroll
+  for (int k = 0; k < kWidePacks; ++k) {
+    const int p = k * step + t;
+    if (p >= packs) continue;
+    if (want_w) store_pack(partial_weight + int64_t(blockIdx.x) * cols, p, cols, true, sum_w[k]);
+    if (want_b) store_pack(partial_bias + int64_t(blockIdx.x) * cols, p, cols, true, sum_b[k]);
+  }
+}
+
 // Threads per row: a pack of 4 columns each, in whole warps, at most 1024.
 unsigned residual_norm_threads(int64_t cols) {
   const int64_t packs = (cols + 3) / 4;
@@ -637,6 +827,12 @@ void residual_norm_forward(const DeviceContext& ctx, const Tensor& x, const Tens
       LOOM_CUDA_CHECK_LAUNCH();
       return;
     }
+    if (vectorized && cols <= kWideMaxCols) {
+      residual_norm_forward_wide_kernel<T, D, Out><<<unsigned(rows), wide_threads(cols), 0, stream>>>(
+          xp, dp, wp, bp, rp, out, mean_out, rstd_out, int(cols), compute_t<T>(eps));
+      LOOM_CUDA_CHECK_LAUNCH();
+      return;
+    }
   }
   residual_norm_forward_kernel<T, D, Out><<<unsigned(rows), residual_norm_threads(cols), 0, stream>>>(
       xp, dp, wp, bp, rp, out, mean_out, rstd_out, cols, compute_t<T>(eps), vectorized);
@@ -678,14 +874,18 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
   const bool vectorized = cols % 4 == 0 && pack_aligned(gp) && pack_aligned(grp) && pack_aligned(xp) &&
                           pack_aligned(wp) && pack_aligned<T>(gx) && pack_aligned<D>(gd);
   const bool warp_rows = !std::is_same_v<T, double> && vectorized && cols <= kWarpBackwardMaxCols;
+  const bool wide_rows = !std::is_same_v<T, double> && vectorized && !warp_rows && cols <= kWideMaxCols;
 
   // Row chunks depend only on the shape (so the sums' order does). Block kernel: up to 1024 blocks, fewer for wide
   // rows so the partials stay small; without parameter gradients, a block per row. Warp kernel: up to 512 blocks
   // (a warp's rows cost no more for being many, and fewer partial rows are less to write and add); without
-  // parameter gradients, a row per warp.
+  // parameter gradients, a row per warp. Wide kernel: up to 1024 blocks (about 2-3 waves of an H100's resident
+  // blocks at LLaMA's widths), a block per row without parameter gradients.
   int64_t wanted = 0;
   if (warp_rows)
     wanted = want_params ? std::min(ceil_div(rows, kRowWarps), kWarpBackwardMaxBlocks) : ceil_div(rows, kRowWarps);
+  else if (wide_rows)
+    wanted = want_params ? std::min(rows, kWideBackwardMaxBlocks) : rows;
   else
     wanted = want_params ? std::min(rows, std::clamp<int64_t>((int64_t(1) << 21) / cols, 256, 1024)) : rows;
   const int64_t rows_per_block = std::max<int64_t>(1, ceil_div(rows, std::max<int64_t>(1, wanted)));
@@ -697,7 +897,7 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
   const int64_t packs = (cols + 3) / 4;
   const int64_t shared_bytes = 2 * 4 * packs * int64_t(sizeof(C));
   // The default 48 KiB per block, less room for the kernel's static reduction scratch (no opt-in attribute needed).
-  const bool in_shared = want_params && shared_bytes <= 46 * 1024;
+  const bool in_shared = want_params && !wide_rows && shared_bytes <= 46 * 1024;
   if (want_params && blocks > 0) {
     workspace = cuda::scratch_bytes(ctx, 2 * blocks * cols * int64_t(sizeof(C)));
     if (gw) partial_w = static_cast<C*>(workspace.data());
@@ -716,8 +916,13 @@ void residual_norm_backward(const DeviceContext& ctx, const Tensor& grad_out, co
       }
       LOOM_CUDA_CHECK_LAUNCH();
     }
+    if (wide_rows && blocks > 0) {
+      residual_norm_backward_wide_kernel<T, G, D><<<unsigned(blocks), wide_threads(cols), 0, stream>>>(
+          gp, grp, xp, wp, mean, rstd, gx, gd, partial_w, partial_b, rows, int(cols), rows_per_block);
+      LOOM_CUDA_CHECK_LAUNCH();
+    }
   }
-  if (!warp_rows && blocks > 0) {
+  if (!warp_rows && !wide_rows && blocks > 0) {
     residual_norm_backward_kernel<T, G, D><<<unsigned(blocks), residual_norm_threads(cols),
                                              in_shared ? size_t(shared_bytes) : 0, stream>>>(
         gp, grp, xp, wp, mean, rstd, gx, gd, partial_w, partial_b, rows, cols, rows_per_block, in_shared,
