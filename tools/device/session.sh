@@ -42,8 +42,9 @@
 #   fp8_gemm  loom-bench-fp8-gemm beside bench/fp8_gemm_torch_reference.py (torch._scaled_mm): each linear layer's
 #             forward, input and weight gradient products in FP8, promoted and fast, against bf16 (FG_ARGS: a model
 #             and a token count, default "llama3-3b 8192")
-#   norm      loom-bench-norm: the residual norms' passes at GPT-2's and LLaMA's widths against the copy bandwidth
-#             (NORM_SHAPES, e.g. "8192x3072", for other shapes)
+#   passes    the memory-bound passes against the copy bandwidth: loom-bench-norm (the residual norms at GPT-2's and
+#             LLaMA's widths; NORM_SHAPES, e.g. "8192x3072", for other shapes) and loom-bench-fp8-cast (the FP8
+#             casts that are passes of their own, at the 3B's shapes)
 #   bench     tools/bench/device_session.sh (MODELS, BATCHES, ...: see that script), against PyTorch
 #   kernels   tools/bench/kernel_profile.py: the GPU time of a few steps kernel by kernel, PyTorch beside Loom, by
 #             kernel class (KP_MODEL gpt2-124m, KP_B 32, KP_T 1024, KP_FLAGS); builds the Python package first
@@ -95,7 +96,7 @@ stage_targets() {  # stage -> the build targets it runs
     reference) echo loom_tests loom-train loom-export loom-generate ;;
     grouped_gemm) echo loom-bench-grouped-gemm ;;
     fp8_gemm) echo loom-bench-fp8-gemm ;;
-    norm) echo loom-bench-norm ;;
+    passes) echo loom-bench-norm loom-bench-fp8-cast ;;
     lora) echo loom-train ;;
     python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
@@ -550,16 +551,19 @@ stage_fp8_gemm() {
     $((SECONDS - t0))
 }
 
-# The residual norms' passes one by one against the device's copy bandwidth (bench/norm_bench.cc): NORM_SHAPES.
-stage_norm() {
+# The memory-bound passes one by one against the device's copy bandwidth (bench/norm_bench.cc, NORM_SHAPES;
+# bench/fp8_cast_bench.cc).
+stage_passes() {
   need_build || return 1
-  local t0=$SECONDS rc
+  local t0=$SECONDS rc1 rc2
   # shellcheck disable=SC2086
   timeout 300 $BIN/bench/loom-bench-norm ${NORM_SHAPES:-} > $S/norm.log 2>&1
-  rc=$?
-  cat $S/norm.log
-  row norm "$([ $rc = 0 ] && echo done || echo "FAIL (rc $rc)")" \
-    "rms_norm_quantize at the widest: $(grep 'quantize' $S/norm.log | tail -1 | awk '{print $(NF)}') of copy" \
+  rc1=$?
+  timeout 300 $BIN/bench/loom-bench-fp8-cast > $S/fp8_cast.log 2>&1
+  rc2=$?
+  cat $S/norm.log $S/fp8_cast.log
+  row passes "$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo done || echo "FAIL (rc $rc1, $rc2)")" \
+    "rms_norm_quantize at the widest $(grep 'quantize' $S/norm.log | tail -1 | awk '{print $(NF)}'), a weight's cast $(grep 'f32 -> e4m3' $S/fp8_cast.log | head -1 | awk '{print $(NF)}') of copy" \
     $((SECONDS - t0))
 }
 
@@ -790,7 +794,7 @@ PY
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|norm|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|passes|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
 initcheck racecheck sweep reference grouped_gemm fp8_gemm python bench lora kernels)"; exit 2 ;;
