@@ -422,23 +422,36 @@ __global__ void swiglu_scan_kernel(const T* __restrict__ gate, const T* __restri
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   constexpr int V = kVector<T>;
-  const int64_t per_row = vectors ? cols / V : 0;
-  for (int64_t i = first; i < rows * per_row; i += stride) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * V;
-    const Vec<T> g = *reinterpret_cast<const Vec<T>*>(gate + r * lg + c);
-    const Vec<T> u = *reinterpret_cast<const Vec<T>*>(up + r * lu + c);
-    Codes<V> out;
+  const int64_t per_row = vectors ? cols / V : 0, whole = rows * per_row;
+  // kScanLoads vectors of each input a thread, all loaded before any is encoded (as scan_kernel).
+  for (int64_t i0 = first; i0 < whole; i0 += kScanLoads * stride) {
+    Vec<T> g[kScanLoads], u[kScanLoads];
+    int64_t r[kScanLoads], c[kScanLoads];
 #pragma unroll
-    for (int e = 0; e < V; e += 2) {
-      const float v0 = value(g.v[e], u.v[e]), v1 = value(g.v[e + 1], u.v[e + 1]);
-      if constexpr (kCodes) {
-        const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
-        out.c[e] = uint8_t(pair & 0xffu);
-        out.c[e + 1] = uint8_t(pair >> 8);
-      }
-      local = max(local, max(magnitude_bits(v0), magnitude_bits(v1)));
+    for (int k = 0; k < kScanLoads; ++k) {
+      const int64_t i = i0 + k * stride;
+      if (i >= whole) continue;
+      r[k] = i / per_row;
+      c[k] = (i - r[k] * per_row) * V;
+      g[k] = *reinterpret_cast<const Vec<T>*>(gate + r[k] * lg + c[k]);
+      u[k] = *reinterpret_cast<const Vec<T>*>(up + r[k] * lu + c[k]);
     }
-    if constexpr (kCodes) *reinterpret_cast<Codes<V>*>(q + r * cols + c) = out;
+#pragma unroll
+    for (int k = 0; k < kScanLoads; ++k) {
+      if (i0 + k * stride >= whole) break;
+      Codes<V> out;
+#pragma unroll
+      for (int e = 0; e < V; e += 2) {
+        const float v0 = value(g[k].v[e], u[k].v[e]), v1 = value(g[k].v[e + 1], u[k].v[e + 1]);
+        if constexpr (kCodes) {
+          const uint16_t pair = encode_pair<Q>(__fmul_rn(v0, s), __fmul_rn(v1, s));  // the f32 products, unfused
+          out.c[e] = uint8_t(pair & 0xffu);
+          out.c[e + 1] = uint8_t(pair >> 8);
+        }
+        local = max(local, max(magnitude_bits(v0), magnitude_bits(v1)));
+      }
+      if constexpr (kCodes) *reinterpret_cast<Codes<V>*>(q + r[k] * cols + c[k]) = out;
+    }
   }
   const int64_t tail = cols - per_row * V;  // all of each row without vectors
   for (int64_t i = first; i < rows * tail; i += stride) {
