@@ -220,30 +220,46 @@ __global__ void residual_norm_backward_kernel(const G* grad_out, const T* grad_r
   }
 }
 
-// ---- Fast paths: a warp per row, the row in registers --------------------------------------------------------------
-// For rows of 4-column packs that vector loads reach (C % 4 == 0, aligned pointers, not f64) and fit in a warp's
-// registers: lane l holds packs l, l + 32, ..., so each load instruction of the warp reads consecutive bytes. kPacks
-// is a bound on the packs per lane (the exact count is a runtime guard), so a few instantiations cover every width.
+// ---- Fast paths: the row in registers ------------------------------------------------------------------------------
+// For rows of 4-column packs that vector loads reach (C % 4 == 0, aligned pointers, not f64): the lanes holding a row
+// (a warp, or for the wide rows a whole block) hold packs lane, lane + step, ..., so each load instruction reads
+// consecutive bytes, every load of a row is issued before its first reduction and nothing is re-read. kPacks is a
+// bound on the packs per lane (the exact count is a runtime guard), so a few instantiations cover every width.
 
 constexpr int kRowWarps = 4;  // warps (rows at a time) per block of the warp-per-row kernels
 
-// Every load of the row is issued before the first reduction, and each element is read from memory once: the
-// residual is rounded to T before the statistics (as stored, as in the block kernel), both from registers.
-template <typename T, typename D, typename Out, int kPacks>
-__global__ void __launch_bounds__(kRowWarps * 32)
-    residual_norm_forward_warp_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
-                                      Out out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t rows, int cols,
-                                      compute_t<T> eps) {
+// The lanes holding one row and how they add up a value: a warp by shuffles (the warp-per-row kernels), a block
+// through 32 values of shared memory (the wide kernels, for rows past a warp's registers).
+struct WarpLanes {
+  int lane;
+  static constexpr int step = 32;
+  template <typename C>
+  __device__ __forceinline__ C sum(C v) const {
+    return cuda::warp_allreduce_sum(v);
+  }
+};
+
+template <typename C>
+struct BlockLanes {
+  int lane, step;
+  C* scratch;
+  __device__ __forceinline__ C sum(C v) const { return cuda::row_allreduce_sum(v, scratch); }
+};
+
+// The forward of one row held by `lanes`: the residual rounded to T before the statistics (as stored, as in the block
+// kernel), both from registers, then the normalized values into `out`.
+template <typename T, typename D, int kPacks, typename Lanes, typename Out>
+__device__ __forceinline__ void normalize_row_in_registers(const Lanes& lanes, int64_t row, const T* x,
+                                                           const D* delta, const T* weight, const T* bias,
+                                                           T* residual, Out& out, stats_t<T>* mean_out,
+                                                           stats_t<T>* rstd_out, int cols, compute_t<T> eps) {
   using C = compute_t<T>;
-  const int64_t row = int64_t(blockIdx.x) * kRowWarps + threadIdx.y;
-  if (row >= rows) return;  // whole warps; no block-wide synchronization below
-  out.start();
-  const int lane = int(threadIdx.x), packs = cols / 4;
+  const int lane = lanes.lane, step = lanes.step, packs = cols / 4;
   const int64_t base = row * cols;
   C v[kPacks][4];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int p = k * 32 + lane;
+    const int p = k * step + lane;
     if (p < packs) {
       load_pack(x + base, p, cols, true, v[k]);
     } else {
@@ -256,12 +272,12 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     C d[kPacks][4];
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
-      const int p = k * 32 + lane;
+      const int p = k * step + lane;
       if (p < packs) load_pack(delta + base, p, cols, true, d[k]);
     }
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
-      const int p = k * 32 + lane;
+      const int p = k * step + lane;
       if (p >= packs) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[k][i] = C(T(v[k][i] + d[k][i]));
@@ -274,20 +290,20 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     C sum = 0;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) sum += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);  // zeros past the end
-    mean = cuda::warp_allreduce_sum(sum) / C(cols);
+    mean = lanes.sum(sum) / C(cols);
   }
   C squares = 0, deviations = 0;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    if (k * 32 + lane >= packs) continue;
+    if (k * step + lane >= packs) continue;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const C d = v[k][i] - mean;
       squares += d * d, deviations += d;
     }
   }
-  squares = cuda::warp_allreduce_sum(squares);
-  if (mean_out) deviations = cuda::warp_allreduce_sum(deviations);
+  squares = lanes.sum(squares);
+  if (mean_out) deviations = lanes.sum(deviations);
   const CenteredStats<C> st(mean, squares, mean_out ? deviations : C(0), cols, eps);
   if (lane == 0) {
     if (mean_out) mean_out[row] = stats_t<T>(st.mean());
@@ -300,7 +316,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     C w[kChunk][4], b[kChunk][4];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      const int p = (k0 + j) * 32 + lane;
+      const int p = (k0 + j) * step + lane;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         w[j][i] = C(1);
@@ -312,13 +328,85 @@ __global__ void __launch_bounds__(kRowWarps * 32)
     }
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      const int p = (k0 + j) * 32 + lane;
+      const int p = (k0 + j) * step + lane;
       if (p >= packs) continue;
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[k0 + j][i] = st.centered(v[k0 + j][i]) * st.rstd * w[j][i] + b[j][i];
       out.store(base, p, cols, true, v[k0 + j]);
     }
   }
+}
+
+// The backward's loads of one row held by `lanes`: grad_out, the residual and (when wanted) grad_residual, each
+// element once, all before any reduction. Zeros past the end (whose packs every loop after skips).
+template <typename T, typename G, int kPacks, typename Lanes, typename C>
+__device__ __forceinline__ void load_backward_row(const Lanes& lanes, int64_t base, int cols, const G* grad_out,
+                                                  const T* residual, const T* grad_residual, C (&g)[kPacks][4],
+                                                  C (&xv)[kPacks][4], C (&res)[kPacks][4]) {
+  const int packs = cols / 4;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = k * lanes.step + lanes.lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g[k][i] = xv[k][i] = res[k][i] = C(0);
+    if (p >= packs) continue;
+    load_pack(grad_out + base, p, cols, true, g[k]);
+    load_pack(residual + base, p, cols, true, xv[k]);
+    if (grad_residual) load_pack(grad_residual + base, p, cols, true, res[k]);
+  }
+}
+
+// The input gradient of one row held by `lanes` from its loaded g (overwritten with g * w), x and grad_residual,
+// into grad_x and / or grad_delta. mean null for RMS norm. x itself stays in registers (xhat is recomputed where
+// used, two operations) for the rare products times_xhat recomputes in double.
+template <typename T, typename D, int kPacks, typename Lanes, typename C>
+__device__ __forceinline__ void input_gradient_of_row(const Lanes& lanes, int64_t base, int cols, C m, C s,
+                                                      const stats_t<T>* mean, const T* weight, C (&g)[kPacks][4],
+                                                      const C (&xv)[kPacks][4], const C (&res)[kPacks][4], T* grad_x,
+                                                      D* grad_delta) {
+  const int lane = lanes.lane, step = lanes.step, packs = cols / 4;
+  C sum_g = 0, sum_g_xhat = 0;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = k * step + lane;
+    if (p >= packs) continue;
+    C w[4] = {1, 1, 1, 1};
+    if (weight) load_pack(weight, p, cols, true, w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sum_g_xhat += times_xhat(g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
+      g[k][i] = mul_rounded(g[k][i], w[i]);
+      sum_g += g[k][i];
+    }
+  }
+  C mean_g = 0;
+  if (mean) mean_g = lanes.sum(sum_g) / C(cols);
+  const C mean_g_xhat = lanes.sum(sum_g_xhat) / C(cols);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = k * step + lane;
+    if (p >= packs) continue;
+    C gi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      gi[i] = mul_rounded(s, g[k][i] - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
+              res[k][i];
+    if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
+    if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
+  }
+}
+
+// A warp per row, 4 rows per block, for rows that fit a warp's registers.
+template <typename T, typename D, typename Out, int kPacks>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    residual_norm_forward_warp_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
+                                      Out out, stats_t<T>* mean_out, stats_t<T>* rstd_out, int64_t rows, int cols,
+                                      compute_t<T> eps) {
+  const int64_t row = int64_t(blockIdx.x) * kRowWarps + threadIdx.y;
+  if (row >= rows) return;  // whole warps; no block-wide synchronization below
+  out.start();
+  normalize_row_in_registers<T, D, kPacks>(WarpLanes{int(threadIdx.x)}, row, x, delta, weight, bias, residual, out,
+                                           mean_out, rstd_out, cols, eps);
   out.finish();
 }
 
@@ -338,6 +426,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
   using Sums = Pack4<C>;
   __shared__ Sums warp_sums[2][kRowWarps][kPacks * 32];  // [weight, bias][warp][pack]
   const int lane = int(threadIdx.x), warp = int(threadIdx.y), packs = cols / 4;
+  const WarpLanes lanes{lane};
   const bool want_inputs = grad_x || grad_delta, want_params = partial_weight || partial_bias;
   if (want_params) {
 #pragma unroll
@@ -348,20 +437,9 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
   for (int64_t row = r0 + warp; row < r1; row += kRowWarps) {
     const int64_t base = row * cols;
     const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
-    // g, then g * w. Zeros past the end (whose packs every loop below skips).
     C g[kPacks][4], xv[kPacks][4], res[kPacks][4];
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int p = k * 32 + lane;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) g[k][i] = xv[k][i] = res[k][i] = C(0);
-      if (p >= packs) continue;
-      load_pack(grad_out + base, p, cols, true, g[k]);
-      load_pack(residual + base, p, cols, true, xv[k]);
-      if (grad_residual && want_inputs) load_pack(grad_residual + base, p, cols, true, res[k]);
-    }
-    // x itself stays in registers (xhat is recomputed where used, two operations) for the rare products times_xhat
-    // recomputes in double.
+    load_backward_row<T, G, kPacks>(lanes, base, cols, grad_out, residual, want_inputs ? grad_residual : nullptr, g,
+                                    xv, res);
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = k * 32 + lane;
@@ -376,35 +454,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 4)
       warp_sums[1][warp][p] = sb;
     }
     if (!want_inputs) continue;
-    C sum_g = 0, sum_g_xhat = 0;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int p = k * 32 + lane;
-      if (p >= packs) continue;
-      C w[4] = {1, 1, 1, 1};
-      if (weight) load_pack(weight, p, cols, true, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sum_g_xhat += times_xhat(g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
-        g[k][i] = mul_rounded(g[k][i], w[i]);
-        sum_g += g[k][i];
-      }
-    }
-    C mean_g = 0;
-    if (mean) mean_g = cuda::warp_allreduce_sum(sum_g) / C(cols);
-    const C mean_g_xhat = cuda::warp_allreduce_sum(sum_g_xhat) / C(cols);
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int p = k * 32 + lane;
-      if (p >= packs) continue;
-      C gi[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        gi[i] = mul_rounded(s, g[k][i] - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
-                res[k][i];
-      if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
-      if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
-    }
+    input_gradient_of_row<T, D, kPacks>(lanes, base, cols, m, s, mean, weight, g, xv, res, grad_x, grad_delta);
   }
 
   if (!want_params) return;  // uniform over the block
@@ -437,11 +487,10 @@ __global__ void sum_block_partials_kernel(const compute_t<T>* partial_w, T* out_
   sum_partial_rows(blockIdx.y ? partial_b : partial_w, blocks, cols, out);
 }
 
-// ---- Wide rows: a block per row, the row in registers ----------------------------------------------------------------
-// For the rows past the warp kernels' widths that vector loads reach (C % 4 == 0, aligned, not f64, at most
-// kWidePacks * 4 * kWideMaxThreads columns): thread t holds packs t, t + blockDim.x, ... (kWidePacks at most), so
-// every load of a row is issued before its first reduction and nothing is re-read; the block kernels above, with one
-// pack a thread and the row re-read after each reduction, wait on memory at each of those steps.
+// ---- Wide rows: a block per row --------------------------------------------------------------------------------------
+// Rows past the warp kernels' widths, at most kWidePacks * 4 * kWideMaxThreads columns: the row across the block's
+// threads, kWidePacks packs each; the block kernels above, one pack a thread and the row re-read after each
+// reduction, wait on memory at each of those steps.
 
 constexpr int kWidePacks = 4;           // packs a thread holds
 constexpr int kWideMaxThreads = 512;    // so at most 128 registers a thread (the backward holds three rows' packs)
@@ -451,7 +500,6 @@ constexpr int64_t kWideBackwardMaxBlocks = 1024;  // with parameter gradients: t
 // Threads of a wide kernel's block: the row's packs kWidePacks to a thread, in whole warps.
 unsigned wide_threads(int64_t cols) { return unsigned(ceil_div(ceil_div(cols / 4, kWidePacks), 32) * 32); }
 
-// As residual_norm_forward_warp_kernel, the row across the block.
 template <typename T, typename D, typename Out>
 __global__ void __launch_bounds__(kWideMaxThreads)
     residual_norm_forward_wide_kernel(const T* x, const D* delta, const T* weight, const T* bias, T* residual,
@@ -460,88 +508,15 @@ __global__ void __launch_bounds__(kWideMaxThreads)
   using C = compute_t<T>;
   __shared__ C scratch[32];
   out.start();
-  const int t = int(threadIdx.x), step = int(blockDim.x), packs = cols / 4;
-  const int64_t base = int64_t(blockIdx.x) * cols;
-  C v[kWidePacks][4];
-#pragma unroll
-  for (int k = 0; k < kWidePacks; ++k) {
-    const int p = k * step + t;
-    if (p < packs) {
-      load_pack(x + base, p, cols, true, v[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[k][i] = C(0);
-    }
-  }
-  if (delta) {
-    C d[kWidePacks][4];
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) {
-      const int p = k * step + t;
-      if (p < packs) load_pack(delta + base, p, cols, true, d[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) {
-      const int p = k * step + t;
-      if (p >= packs) continue;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[k][i] = C(T(v[k][i] + d[k][i]));
-      if (residual) store_pack(residual + base, p, cols, true, v[k]);
-    }
-  }
-
-  C mean = 0;
-  if (mean_out) {
-    C sum = 0;
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) sum += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);  // zeros past the end
-    mean = cuda::row_allreduce_sum(sum, scratch) / C(cols);
-  }
-  C squares = 0, deviations = 0;
-#pragma unroll
-  for (int k = 0; k < kWidePacks; ++k) {
-    if (k * step + t >= packs) continue;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const C d = v[k][i] - mean;
-      squares += d * d, deviations += d;
-    }
-  }
-  squares = cuda::row_allreduce_sum(squares, scratch);
-  if (mean_out) deviations = cuda::row_allreduce_sum(deviations, scratch);
-  const CenteredStats<C> st(mean, squares, mean_out ? deviations : C(0), cols, eps);
-  if (t == 0) {
-    if (mean_out) mean_out[blockIdx.x] = stats_t<T>(st.mean());
-    rstd_out[blockIdx.x] = stats_t<T>(st.rstd);
-  }
-  C w[kWidePacks][4], b[kWidePacks][4];
-#pragma unroll
-  for (int k = 0; k < kWidePacks; ++k) {
-    const int p = k * step + t;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[k][i] = C(1);
-      b[k][i] = C(0);
-    }
-    if (p >= packs) continue;
-    if (weight) load_pack(weight, p, cols, true, w[k]);
-    if (bias) load_pack(bias, p, cols, true, b[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kWidePacks; ++k) {
-    const int p = k * step + t;
-    if (p >= packs) continue;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[k][i] = st.centered(v[k][i]) * st.rstd * w[k][i] + b[k][i];
-    out.store(base, p, cols, true, v[k]);
-  }
+  normalize_row_in_registers<T, D, kWidePacks>(BlockLanes<C>{int(threadIdx.x), int(blockDim.x), scratch},
+                                               int64_t(blockIdx.x), x, delta, weight, bias, residual, out, mean_out,
+                                               rstd_out, cols, eps);
   out.finish();
 }
 
-// As residual_norm_backward_warp_kernel, the row across the block: block b takes rows [b * rows_per_block, ...) one
-// at a time (the rows of a block, and so the order of every sum, depend only on the shape), each thread adding its
-// columns' weight and bias terms in registers; at the end the block writes row b of partial_weight / partial_bias,
-// which sum_block_partials_kernel adds in block order.
+// Block b takes rows [b * rows_per_block, ...) one at a time (the rows of a block, and so the order of every sum,
+// depend only on the shape), each thread adding its columns' weight and bias terms in registers; at the end the
+// block writes row b of partial_weight / partial_bias, which sum_block_partials_kernel adds in block order.
 template <typename T, typename G, typename D>
 __global__ void __launch_bounds__(kWideMaxThreads)
     residual_norm_backward_wide_kernel(const G* grad_out, const T* grad_residual, const T* residual,
@@ -551,6 +526,7 @@ __global__ void __launch_bounds__(kWideMaxThreads)
   using C = compute_t<T>;
   __shared__ C scratch[32];
   const int t = int(threadIdx.x), step = int(blockDim.x), packs = cols / 4;
+  const BlockLanes<C> lanes{t, step, scratch};
   const bool want_inputs = grad_x || grad_delta, want_w = partial_weight != nullptr, want_b = partial_bias != nullptr;
   C sum_w[kWidePacks][4], sum_b[kWidePacks][4];
 #pragma unroll
@@ -563,16 +539,8 @@ __global__ void __launch_bounds__(kWideMaxThreads)
     const int64_t base = row * cols;
     const C m = mean ? C(mean[row]) : C(0), s = C(rstd[row]);
     C g[kWidePacks][4], xv[kWidePacks][4], res[kWidePacks][4];
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) {
-      const int p = k * step + t;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) g[k][i] = xv[k][i] = res[k][i] = C(0);
-      if (p >= packs) continue;
-      load_pack(grad_out + base, p, cols, true, g[k]);
-      load_pack(residual + base, p, cols, true, xv[k]);
-      if (grad_residual && want_inputs) load_pack(grad_residual + base, p, cols, true, res[k]);
-    }
+    load_backward_row<T, G, kWidePacks>(lanes, base, cols, grad_out, residual,
+                                        want_inputs ? grad_residual : nullptr, g, xv, res);
 #pragma unroll
     for (int k = 0; k < kWidePacks; ++k) {
       if (k * step + t >= packs) continue;
@@ -583,35 +551,7 @@ __global__ void __launch_bounds__(kWideMaxThreads)
       }
     }
     if (!want_inputs) continue;  // uniform over the block: no reduction is skipped by part of it
-    C sum_g = 0, sum_g_xhat = 0;
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) {
-      const int p = k * step + t;
-      if (p >= packs) continue;
-      C w[4] = {1, 1, 1, 1};
-      if (weight) load_pack(weight, p, cols, true, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sum_g_xhat += times_xhat(g[k][i], w[i], NormFactors<C>{xv[k][i], m, s});
-        g[k][i] = mul_rounded(g[k][i], w[i]);
-        sum_g += g[k][i];
-      }
-    }
-    C mean_g = 0;
-    if (mean) mean_g = cuda::row_allreduce_sum(sum_g, scratch) / C(cols);
-    const C mean_g_xhat = cuda::row_allreduce_sum(sum_g_xhat, scratch) / C(cols);
-#pragma unroll
-    for (int k = 0; k < kWidePacks; ++k) {
-      const int p = k * step + t;
-      if (p >= packs) continue;
-      C gi[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        gi[i] = mul_rounded(s, g[k][i] - mean_g - times_xhat(mean_g_xhat, C(1), NormFactors<C>{xv[k][i], m, s})) +
-                res[k][i];
-      if (grad_x) store_pack(grad_x + base, p, cols, true, gi);
-      if (grad_delta) store_pack(grad_delta + base, p, cols, true, gi);
-    }
+    input_gradient_of_row<T, D, kWidePacks>(lanes, base, cols, m, s, mean, weight, g, xv, res, grad_x, grad_delta);
   }
 
 #pragma unroll
