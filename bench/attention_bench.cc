@@ -61,14 +61,9 @@ std::string served_by(const std::string& op, const std::vector<dispatch::Candida
 }  // namespace
 
 int main() {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-attention: no CUDA device\n");
-    return 1;
-  }
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-attention");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   const char* fwd_variant = std::getenv("LOOM_FLASH_FWD_VARIANT");
   const char* bwd_variant = std::getenv("LOOM_FLASH_BWD_VARIANT");
   std::printf("device: %s (%d SMs); bf16, causal; LOOM_FLASH_FWD_VARIANT=%s LOOM_FLASH_BWD_VARIANT=%s\n", prop.name,

@@ -29,14 +29,9 @@ using bench::median_ms;
 }  // namespace
 
 int main() {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-classifier: no CUDA device\n");
-    return 1;
-  }
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-classifier");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
 
   const int64_t rows = 16384, vocab = 50304, classes = 50257;
   const double logits_bytes = double(rows) * double(vocab) * 2.0;

@@ -1,5 +1,5 @@
-// Timing helpers shared by the CUDA micro-benchmarks: a checked CUDA call, and the median time of a callable between
-// two events on a stream.
+// Helpers shared by the CUDA micro-benchmarks: the GPU they run on and Loom's stream there, a checked CUDA call, and
+// the median time of a callable between two events on a stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "loom/core/device_runtime.h"
 
 #define BENCH_CUDA(EXPR)                                                                                    \
   do {                                                                                                      \
@@ -19,6 +21,23 @@
   } while (0)
 
 namespace loom::bench {
+
+struct Gpu {
+  cudaDeviceProp prop{};
+  cudaStream_t stream = nullptr;  // Loom's stream on device 0, where its ops run
+};
+
+// Device 0's properties and Loom's stream on it; without a CUDA device, "<tool>: no CUDA device" and exit 1.
+inline Gpu open_gpu(const char* tool) {
+  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
+    std::fprintf(stderr, "%s: no CUDA device\n", tool);
+    std::exit(1);
+  }
+  Gpu gpu;
+  BENCH_CUDA(cudaGetDeviceProperties(&gpu.prop, 0));
+  gpu.stream = static_cast<cudaStream_t>(device_runtime(kCUDA).context(0).stream().handle);
+  return gpu;
+}
 
 // Median milliseconds of `reps` runs of fn, each between two events on `stream`, after `warmup` runs.
 template <typename Fn>

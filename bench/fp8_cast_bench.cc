@@ -30,14 +30,9 @@ Tensor random(int64_t rows, int64_t cols, DType dtype) {
 }  // namespace
 
 int main() {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-fp8-cast: no CUDA device\n");
-    return 1;
-  }
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-fp8-cast");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   std::printf("device: %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
   std::printf("%-46s %9s %9s %9s %9s\n", "pass", "MB", "us", "GB/s", "vs copy");
 

@@ -44,10 +44,9 @@ ops::Fp8Tensor codes(const Tensor& x, DType fp8) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-fp8-gemm: no CUDA device\n");
-    return 1;
-  }
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-fp8-gemm");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   const std::string model = argc > 1 ? argv[1] : "llama3-3b";
   const int64_t tokens = argc > 2 ? std::atoll(argv[2]) : 8192;
   if (tokens <= 0) {
@@ -61,10 +60,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom-bench-fp8-gemm: %s\n", e.what());
     return 1;
   }
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
   const int64_t C = cfg.n_embd, F = cfg.ffn_hidden, D = cfg.head_size();
   const int64_t q = cfg.n_head * D, kv = cfg.n_kv_head * D;
   struct Layer {

@@ -39,15 +39,10 @@ Tensor random_bf16(Shape shape) { return ops::to_dtype(randn(shape, kF32, kGpu),
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-gemm: no CUDA device\n");
-    return 1;
-  }
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-gemm");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 16384;
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
   cublasHandle_t handle;
   BENCH_CHECK(cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS, "cublasCreate");
   cublasSetStream(handle, stream);

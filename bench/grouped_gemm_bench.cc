@@ -58,10 +58,9 @@ std::vector<int64_t> moved_sizes(std::vector<int64_t> base, int64_t call) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-grouped-gemm: no CUDA device\n");
-    return 1;
-  }
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-grouped-gemm");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   std::vector<int64_t> token_counts;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -78,10 +77,6 @@ int main(int argc, char** argv) {
     else token_counts.push_back(v);
   }
   if (token_counts.empty()) token_counts = {8192, 32768};
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "loom-bench-grouped-gemm: cublasCreate failed\n");

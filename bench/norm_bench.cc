@@ -55,14 +55,9 @@ int main(int argc, char** argv) {
     shapes.push_back({r, c});
   }
   if (shapes.empty()) shapes = {{32768, 768}, {16384, 1024}, {16384, 2048}, {8192, 3072}, {8192, 4096}};
-  if (!has_device_runtime(kCUDA) || device_runtime(kCUDA).device_count() == 0) {
-    std::fprintf(stderr, "loom-bench-norm: no CUDA device\n");
-    return 1;
-  }
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const DeviceContext& ctx = device_runtime(kCUDA).context(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream().handle);
+  const bench::Gpu gpu = bench::open_gpu("loom-bench-norm");
+  const cudaDeviceProp& prop = gpu.prop;
+  cudaStream_t stream = gpu.stream;
   std::printf("device: %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
   std::printf("%-40s %9s %9s %9s %9s\n", "pass", "MB", "us", "GB/s", "vs copy");
 
