@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/core/tensor.h"
@@ -88,6 +89,12 @@ class TensorScaling {
   // (ops::fp8_quantize_transposed): what a weight gradient's product reads. With column_sums, x's column sums (a
   // bias gradient, f32) are written there from the same pass.
   ops::Fp8Tensor quantize_transposed(const Tensor& x, Tensor* column_sums = nullptr);
+  // For a tensor cast elsewhere in pieces (a sharded weight, each rank casting its shard before the gather): the
+  // scale quantize() would take for a tensor whose amax is `amax` (one f32 element, the pieces' amaxes reduced), as
+  // {scale, scale_inv}, and `amax` recorded as the cast's. The scale is a copy that later calls leave as it is; the
+  // codes carry scale_inv. The state moves as one quantize() of the whole tensor moves it, so the pieces' codes are
+  // the codes quantize() would make of it.
+  std::pair<Tensor, Tensor> scale_for_amax(const Tensor& amax);
   DType dtype() const { return fp8_; }
   // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
   // fp8::residual_rms_norm's output), else undefined.
@@ -115,6 +122,10 @@ struct LinearState {
       : recipe(r), input(r.forward, r), weight(r.forward, r), grad_output(r.backward, r) {}
   Recipe recipe;
   TensorScaling input, weight, grad_output;
+  // The weight's codes where they were made elsewhere (ZeRO-3 gathers a sharded weight as codes its ranks cast with
+  // `weight`'s scale_for_amax()): the products read them in place of casting the weight, which still takes its
+  // gradient. Undefined otherwise; whoever sets them clears them when they go stale.
+  ops::Fp8Tensor weight_codes;
 };
 
 // The differentiable FP8 linear layer: x [..., in] @ weight [out, in]^T + bias [out] (bias may be undefined), as

@@ -1,17 +1,24 @@
 // ZeRO-2/3: flat per-unit shards, block-by-block gathers with prefetch, reduce-scatters from gradient hooks.
 // Frozen parameters (requires_grad false: a LoRA run's base) join no unit: they take no gradient and no optimizer
 // state, so every rank holds them whole, as it holds them without ZeRO, and only the trained ones are sharded.
+// Stage 3 gathers the weights of a block's FP8 layers as their FP8 codes (a quarter of f32's bytes, half of bf16's):
+// each rank casts its shard with the layer's weight scale, from the amax of the whole weight (its shards' amaxes
+// reduced), so the gathered codes are those the layer would cast from the whole f32 weight.
 #include "loom/distributed/fsdp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "distributed/freed_parameter.h"
 #include "loom/amp.h"
 #include "loom/autograd/backward_hook.h"
 #include "loom/autograd/grad_mode.h"
+#include "loom/fp8.h"
+#include "loom/nn/layers.h"
 #include "loom/ops.h"
 #include "loom/optim/update_ops.h"
 
@@ -35,8 +42,13 @@ struct FlatGroup {
   std::shared_ptr<ProcessGroup> group;  // the ranks it is sharded over: the data group, or an expert's replicas
   double grad_scale = 1.0;              // on the gradient before it is averaged over `group`
   Tensor shard_param;  // f32 [shard], a leaf: the optimizer's parameter
-  Tensor full;         // [padded] in gather_dtype while gathered
+  Tensor full;         // [padded] in gather_dtype (the FP8 codes' dtype for FP8 weights) while gathered
   std::shared_ptr<Work> gathering;
+  // FP8 weights (stage 3): the layers whose weights these are, gathered as their codes; each weight's scale and
+  // scale_inv from the forward's cast, with which the backward's gather casts them again.
+  std::vector<std::shared_ptr<nn::Linear>> fp8_layers;
+  std::vector<Tensor> fp8_scale, fp8_scale_inv;
+  bool fp8() const { return !fp8_layers.empty(); }
 };
 
 struct Unit {
@@ -83,7 +95,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
   std::map<const TensorImpl*, double> norm_weight;  // per parameter (default 1)
   std::map<std::string, Tensor> frozen;              // by name: held whole on every rank, never updated
   bool reshard_after_forward = true;
-  int64_t prefetches = 0;
+  int64_t prefetches = 0, gathered_bytes = 0;
 
   std::vector<Unit*> units() {
     std::vector<Unit*> out{&root};
@@ -91,21 +103,32 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
     return out;
   }
 
-  void build_unit(Unit& u, const std::vector<std::pair<std::string, Tensor>>& params, bool is_root) {
+  // The FP8 layers of a block whose weights stage 3 gathers as codes, by weight.
+  using Fp8Layers = std::map<const TensorImpl*, std::shared_ptr<nn::Linear>>;
+
+  void build_unit(Unit& u, const std::vector<std::pair<std::string, Tensor>>& params, bool is_root,
+                  const Fp8Layers& fp8_layers = {}) {
     u.root = is_root;
-    // Matrices and vectors apart (gathered in different dtypes, decayed or not), experts apart from the rest.
-    FlatGroup matrices, vectors, expert_matrices, expert_vectors;
-    matrices.matrices = expert_matrices.matrices = true;
-    matrices.group = vectors.group = group;
+    // Matrices and vectors apart (gathered in different dtypes, decayed or not), experts apart from the rest, FP8
+    // layers' weights apart from other matrices.
+    FlatGroup matrices, fp8_matrices, vectors, expert_matrices, expert_vectors;
+    matrices.matrices = fp8_matrices.matrices = expert_matrices.matrices = true;
+    matrices.group = fp8_matrices.group = vectors.group = group;
     expert_matrices.group = expert_vectors.group = options.expert_replicas;
     expert_matrices.grad_scale = expert_vectors.grad_scale = 1.0 / double(options.expert_ranks);
     for (auto& [name, p] : params) {
       const bool expert = options.is_expert && options.is_expert(name);
-      FlatGroup& g = p.dim() >= 2 ? (expert ? expert_matrices : matrices) : (expert ? expert_vectors : vectors);
+      auto fp8_layer = options.stage == 3 && !is_root && !expert ? fp8_layers.find(&p.impl()) : fp8_layers.end();
+      FlatGroup& g = fp8_layer != fp8_layers.end() ? fp8_matrices
+                     : p.dim() >= 2                ? (expert ? expert_matrices : matrices)
+                                                   : (expert ? expert_vectors : vectors);
       g.params.push_back(p);
       g.names.push_back(name);
+      if (&g == &fp8_matrices) g.fp8_layers.push_back(fp8_layer->second);
     }
-    for (FlatGroup* g : {&matrices, &vectors, &expert_matrices, &expert_vectors}) {
+    fp8_matrices.fp8_scale.resize(fp8_matrices.params.size());
+    fp8_matrices.fp8_scale_inv.resize(fp8_matrices.params.size());
+    for (FlatGroup* g : {&matrices, &fp8_matrices, &vectors, &expert_matrices, &expert_vectors}) {
       if (g->params.empty()) continue;
       g->gather_dtype = options.stage == 3 && !is_root && g->matrices ? options.param_dtype : kF32;
       for (const Tensor& p : g->params) {
@@ -141,27 +164,86 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  void start_gather(Unit& u) {
+  // `forward`: the gather a forward asks for, whose FP8 weights take a fresh scale (the backward's casts again with
+  // the forward's, as the layer's own products would).
+  void start_gather(Unit& u, bool forward) {
     autograd::NoGradGuard ng;
     for (FlatGroup& g : u.groups) {
       if (g.full.defined() || g.gathering) continue;
+      if (g.fp8()) {
+        const Tensor codes = fp8_shard_codes(g, forward);
+        g.full = empty({g.padded}, codes.dtype(), device);
+        g.gathering = g.group->all_gather_async(codes, g.full);
+        gathered_bytes += int64_t(g.full.nbytes());
+        continue;
+      }
       // In the narrow dtype only where autocast computes in it; a forward without autocast gets f32 weights.
       const bool narrow = g.gather_dtype != kF32 && amp::is_autocast_enabled() && amp::autocast_dtype() == g.gather_dtype;
       const DType dtype = narrow ? g.gather_dtype : kF32;
       Tensor in = narrow ? ops::to_dtype(g.shard_param.detach(), dtype) : g.shard_param.detach();
       g.full = empty({g.padded}, dtype, device);
       g.gathering = g.group->all_gather_async(in, g.full);
+      gathered_bytes += int64_t(g.full.nbytes());
     }
   }
 
-  void finish_gather(Unit& u) {
-    start_gather(u);
+  void finish_gather(Unit& u, bool forward) {
+    start_gather(u, forward);
     for (FlatGroup& g : u.groups) {
       if (!g.gathering) continue;
       g.gathering->wait();
       g.gathering.reset();
-      point_params_at_full(g);
+      if (g.fp8()) give_layers_codes(g);
+      else point_params_at_full(g);
     }
+  }
+
+  // The layer of an FP8 group's k-th weight, which must still run in FP8.
+  fp8::LinearState& fp8_state(FlatGroup& g, size_t k) {
+    LOOM_REQUIRE(g.fp8_layers[k]->fp8, "FSDP: '", g.names[k], "' was sharded as an FP8 layer's weight and its layer "
+                 "no longer runs in FP8 (set the model's FP8 scope before sharding it)");
+    return *g.fp8_layers[k]->fp8;
+  }
+
+  // This rank's shard of an FP8 group as codes: each weight's piece cast with the weight's scale, which a forward's
+  // gather takes afresh from the whole weight's amax (the pieces' amaxes, reduced over the group in one call). Each
+  // weight's cast covers the padding after it (zeros, never read), so the casts tile the shard.
+  Tensor fp8_shard_codes(FlatGroup& g, bool forward) {
+    const Tensor shard = g.shard_param.detach();
+    const int64_t begin = g.group->rank() * g.shard, n = int64_t(g.params.size());
+    auto in_shard = [&](int64_t lo, int64_t hi) {  // [lo, hi) of the flat group as [lo, hi) of this shard
+      lo = std::clamp(lo - begin, int64_t(0), g.shard);
+      return std::pair<int64_t, int64_t>{lo, std::clamp(hi - begin, lo, g.shard)};
+    };
+    if (forward || !g.fp8_scale[0].defined()) {
+      Tensor amax = zeros({n}, kF32, device);
+      for (int64_t k = 0; k < n; ++k)
+        if (auto [lo, hi] = in_shard(g.offsets[size_t(k)], g.offsets[size_t(k)] + g.params[size_t(k)].numel()); hi > lo)
+          amax.narrow(0, k, 1).copy_from(ops::fp8_amax(shard.narrow(0, lo, hi - lo)));
+      g.group->all_reduce(amax, ReduceOp::kMax);
+      for (int64_t k = 0; k < n; ++k)
+        std::tie(g.fp8_scale[size_t(k)], g.fp8_scale_inv[size_t(k)]) =
+            fp8_state(g, size_t(k)).weight.scale_for_amax(amax.narrow(0, k, 1));
+    }
+    const DType dtype = fp8_state(g, 0).recipe.forward;
+    Tensor codes = empty({g.shard}, dtype, device);
+    for (int64_t k = 0; k < n; ++k) {
+      LOOM_REQUIRE(fp8_state(g, size_t(k)).recipe.forward == dtype, "FSDP: the FP8 layers of one block cast their "
+                   "weights to one dtype; '", g.names[size_t(k)], "' takes ",
+                   dtype_name(fp8_state(g, size_t(k)).recipe.forward), ", '", g.names[0], "' ", dtype_name(dtype));
+      const int64_t end = k + 1 < n ? g.offsets[size_t(k + 1)] : g.padded;
+      if (auto [lo, hi] = in_shard(g.offsets[size_t(k)], end); hi > lo)
+        codes.narrow(0, lo, hi - lo)
+            .copy_from(ops::fp8_quantize(shard.narrow(0, lo, hi - lo), g.fp8_scale[size_t(k)], dtype));
+    }
+    return codes;
+  }
+
+  // The gathered codes to the layers, which read them in place of casting their (freed) weights.
+  void give_layers_codes(FlatGroup& g) {
+    for (size_t k = 0; k < g.params.size(); ++k)
+      fp8_state(g, k).weight_codes = {g.full.narrow(0, g.offsets[k], g.params[k].numel()).view(g.params[k].shape()),
+                                      g.fp8_scale_inv[k]};
   }
 
   void free_unit(Unit& u) {
@@ -173,6 +255,8 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
         g.gathering.reset();
       }
       for (Tensor& p : g.params) p.set_data(detail::freed_parameter(p.shape(), g.gather_dtype, device));
+      for (auto& layer : g.fp8_layers)
+        if (layer->fp8) layer->fp8->weight_codes = {};
       g.full = Tensor();
     }
   }
@@ -248,16 +332,16 @@ void Hooks::before_forward() {
     u->reduced = false;
   }
   if (m->options.stage != 3) return;
-  m->finish_gather(m->root);
-  if (!m->blocks.empty()) m->start_gather(m->blocks[0]);
+  m->finish_gather(m->root, true);
+  if (!m->blocks.empty()) m->start_gather(m->blocks[0], true);
 }
 
 void Hooks::before_block(size_t i) {
   auto m = impl_.lock();
   if (!m || m->options.stage != 3) return;
-  m->finish_gather(m->blocks[i]);
+  m->finish_gather(m->blocks[i], true);
   if (i + 1 < m->blocks.size()) {
-    m->start_gather(m->blocks[i + 1]);
+    m->start_gather(m->blocks[i + 1], true);
     ++m->prefetches;
   }
 }
@@ -272,9 +356,9 @@ std::vector<Tensor> Hooks::after_block(size_t i, std::vector<Tensor> outputs) {
   return autograd::call_on_backward(std::move(outputs), [weak, i] {
     auto s = weak.lock();
     if (!s) return;
-    s->finish_gather(s->blocks[i]);
+    s->finish_gather(s->blocks[i], false);
     if (i > 0) {
-      s->start_gather(s->blocks[i - 1]);
+      s->start_gather(s->blocks[i - 1], false);
       ++s->prefetches;
     }
   });
@@ -314,6 +398,12 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std
   LOOM_REQUIRE(!name_of.empty(), "FSDP: the model has no trained parameters (all are frozen)");
   std::set<const TensorImpl*> in_blocks;
   for (auto& block : model.blocks()) {
+    Impl::Fp8Layers fp8_layers;  // the block's trained FP8 layers without an adapter: their weights gather as codes
+    if (options.fp8_gathers)
+      for (auto& [local, module] : block->named_modules())
+        if (auto layer = std::dynamic_pointer_cast<nn::Linear>(module))
+          if (layer->fp8 && !layer->has_adapter() && layer->weight.requires_grad() && layer->weight.dim() == 2)
+            fp8_layers[&layer->weight.impl()] = layer;
     std::vector<std::pair<std::string, Tensor>> params;
     for (auto& [local, p] : block->named_parameters()) {
       auto it = name_of.find(&p.impl());
@@ -321,7 +411,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::LanguageModel& model, std
       params.emplace_back(it->second, p);
     }
     m.blocks.emplace_back();
-    m.build_unit(m.blocks.back(), params, false);
+    m.build_unit(m.blocks.back(), params, false, fp8_layers);
   }
   std::vector<std::pair<std::string, Tensor>> rest;
   for (auto& [n, p] : named)
@@ -491,5 +581,7 @@ int64_t FullyShardedDataParallel::shard_bytes() const {
 }
 
 int64_t FullyShardedDataParallel::prefetches() const { return impl_->prefetches; }
+
+int64_t FullyShardedDataParallel::gathered_bytes() const { return impl_->gathered_bytes; }
 
 }  // namespace loom::distributed

@@ -90,6 +90,7 @@ ParallelPlan make_plan(const nn::ModelConfig& cfg, int64_t world, const Parallel
   plan.data.zero_stage = o.zero_stage;
   plan.data.reduce_dtype = o.reduce_dtype;
   plan.data.gather_dtype = o.zero_stage == 3 ? o.compute_dtype : kF32;
+  plan.data.fp8_gathers = o.zero_stage == 3 && (cfg.fp8 == fp8::Scope::kLinear || cfg.fp8 == fp8::Scope::kAll);
   plan.data.bucket_bytes = size_t(o.bucket_mb * double(1 << 20));
   if (o.zero_stage >= 2)
     for (int64_t b = 0; b < cfg.n_layer; ++b) {
@@ -194,6 +195,7 @@ std::vector<std::string> ParallelPlan::describe() const {
     if (!data.units.empty()) os << ", " << data.units.size() << " block units + the root";
     if (data.reduce_dtype != kF32) os << ", reduced in " << dtype_name(data.reduce_dtype);
     if (data.gather_dtype != kF32) os << ", matrices gathered in " << dtype_name(data.gather_dtype);
+    if (data.fp8_gathers) os << ", FP8 layers' weights gathered as FP8 codes";
     lines.push_back(os.str());
   }
   if (!pipeline.stages.empty()) {

@@ -134,6 +134,7 @@ std::unique_ptr<ParallelModel> parallelize(std::shared_ptr<nn::LanguageModel> mo
     FSDPOptions fo;
     fo.stage = int(plan.data.zero_stage);
     fo.param_dtype = plan.data.gather_dtype;
+    fo.fp8_gathers = plan.data.fp8_gathers;
     fo.reduce_dtype = plan.data.reduce_dtype;
     if (m->expert) {  // this rank's experts sharded over their replicas, the rest over every data rank
       fo.is_expert = [expert = m->expert](const std::string& name) { return expert->is_expert(name); };

@@ -59,6 +59,9 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
         moe->gate_up_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
         moe->down_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
       }
+  for (const auto& block : this->blocks())  // the router stays out of the scope: routing is decided on its product
+    for (const auto& [name, m] : block->named_modules())
+      if (auto moe = std::dynamic_pointer_cast<MoeMLP>(m)) moe->gate->fp8 = nullptr;
   classifier_fp8_ = classifier ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
   fp8_scope_ = scope;
 }

@@ -25,6 +25,11 @@ struct FSDPOptions {
   // classifier are gathered in f32.
   DType param_dtype = kF32;
   DType reduce_dtype = kF32;  // gradients are reduce-scattered (averaged) in this dtype
+  // Stage 3: the weights of the blocks' FP8 layers (loom/fp8.h; a model's FP8 scope, set before it is sharded) are
+  // gathered as their FP8 codes, each rank casting its shard with the weight's scale from the whole weight's amax: a
+  // quarter of f32's bytes, the codes the layer would cast from the whole f32 weight. Off: gathered as the other
+  // matrices, each layer casting its own.
+  bool fp8_gathers = true;
   // Expert parallelism: the parameters `is_expert` names hold this rank's experts, which the other data ranks do not
   // hold. They are sharded over `expert_replicas` (the ranks holding the same experts) instead of the data group, and
   // their gradients, summed over the expert group by the token exchanges' backward, are divided by `expert_ranks` as
@@ -89,6 +94,8 @@ class FullyShardedDataParallel {
   int64_t shard_bytes() const;
   // How many block units were gathered ahead (prefetched) in the last forward and backward: overlap.
   int64_t prefetches() const;
+  // The bytes this rank's gathers have assembled so far (each gathered unit's whole buffer, this rank's piece in it).
+  int64_t gathered_bytes() const;
 
   struct Impl;  // defined in fsdp.cc (the model's block hooks hold it too)
 

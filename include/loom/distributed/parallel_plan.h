@@ -45,6 +45,7 @@ struct DataPlan {  // the data dimensions
   std::vector<std::string> units;  // ZeRO-2/3: the modules wrapped as units of their own (each block); the rest is
                                    // one root unit
   DType gather_dtype = kF32;       // ZeRO-3: the blocks' matrices
+  bool fp8_gathers = false;        // ZeRO-3: the blocks' FP8 layers' weights gathered as their FP8 codes
   DType reduce_dtype = kF32;
   size_t bucket_bytes = size_t(25) << 20;
 };

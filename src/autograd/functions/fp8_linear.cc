@@ -147,6 +147,34 @@ ops::Fp8Tensor TensorScaling::quantize_transposed(const Tensor& x_in, Tensor* co
   return q;
 }
 
+std::pair<Tensor, Tensor> TensorScaling::scale_for_amax(const Tensor& amax) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Device device = amax.device();
+  const bool first = !scale_.defined() || scale_.device() != device;
+  if (first) {
+    amaxes_ = zeros({history_}, kF32, device);
+    scale_ = ones({1}, kF32, device);
+    scale_inv_ = empty({1}, kF32, device);
+    pending_amax_ = empty({1}, kF32, device);
+    pending_ = false;
+  }
+  // As quantize() takes a scale: from this amax (current scaling, delayed scaling's first cast), else from the
+  // history with the last cast's amax folded in, this cast's amax then pending.
+  if (history_ <= 1 || first) {
+    Tensor scale_inv = history_ <= 1 ? empty({1}, kF32, device) : scale_inv_;
+    ops::fp8_update_scale(amax, amaxes_, scale_, scale_inv, fp8_, margin_);
+    return {ops::clone(scale_), scale_inv};
+  }
+  Tensor used = scale_inv_;
+  if (pending_) {
+    used = empty({1}, kF32, device);
+    ops::fp8_update_scale(pending_amax_, amaxes_, scale_, used, fp8_, margin_);
+  }
+  pending_amax_.copy_from(amax);
+  pending_ = true;
+  return {ops::clone(scale_), used};
+}
+
 ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
   last_storage_ = q.q.storage();
   last_offset_ = q.q.storage_offset();
@@ -167,6 +195,18 @@ namespace {
 
 using autograd::as_dtype;
 using autograd::tensor_list;
+
+// A weight's codes for a product: those made elsewhere where the state holds them (LinearState::weight_codes), else
+// cast here.
+ops::Fp8Tensor weight_codes_of(LinearState& state, const Tensor& weight, const char* op) {
+  const ops::Fp8Tensor& given = state.weight_codes;
+  if (!given.q.defined()) return state.weight.quantize(weight.detach());
+  LOOM_REQUIRE(given.q.shape() == weight.shape() && given.q.dtype() == state.recipe.forward &&
+                   given.scale_inv.defined(),
+               op, ": the weight's codes made elsewhere ", describe(given.q), " do not fit its weight ",
+               describe(weight), " (", dtype_name(state.recipe.forward), " codes of its shape with a scale_inv)");
+  return given;
+}
 
 // The dtype an FP8 product writes for a tensor of dtype t: bf16 stays bf16, anything else is computed in f32.
 DType product_dtype_for(DType t) { return t == kBF16 ? kBF16 : kF32; }
@@ -307,7 +347,7 @@ Tensor product_of(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   const char* name = gelu_codes ? "fp8_linear_gelu" : group_sizes ? "fp8_grouped_linear" : "fp8_linear";
   const std::vector<Tensor> kept = autograd::kept_results(name, [&] {
     const ops::Fp8Tensor xq = x_quantized ? *x_quantized : state->input.quantize(x.detach());
-    const ops::Fp8Tensor wq = held ? *held : state->weight.quantize(weight.detach());
+    const ops::Fp8Tensor wq = held ? *held : weight_codes_of(*state, weight, name);
     const Tensor b = bias.defined() ? as_dtype(bias.detach(), out_dtype) : Tensor();
     Tensor y = group_sizes ? ops::fp8_grouped_linear(xq, wq, *group_sizes, out_dtype, fast)
                            : ops::fp8_linear(xq, wq, b, out_dtype, fast);
@@ -557,7 +597,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   const Tensor flat_targets = ops::reshape(targets, {rows});
   const bool record = autograd::should_record({&x, &weight});
   const ops::Fp8Tensor xq = is_fp8(x.dtype()) ? given_codes(x, state->input, op) : state->input.quantize(x.detach());
-  const ops::Fp8Tensor wq = state->weight.quantize(weight.detach());
+  const ops::Fp8Tensor wq = weight_codes_of(*state, weight, op);
   Tensor logits = ops::reshape(ops::fp8_linear(xq, wq, Tensor(), out_dtype, state->recipe.fast_accumulation_forward),
                                {rows, weight.size(0)});
   // Without a gradient to record (an evaluation) the loss alone: no gradient made, its scaling untouched.
@@ -789,8 +829,8 @@ Tensor linears_swiglu(const Tensor& x, const LinearWeights& gate, const LinearWe
   const std::vector<Tensor> kept = autograd::kept_results("fp8_linears_swiglu", [&] {
     const ops::Fp8Tensor xq = is_fp8(x.dtype()) ? given_codes(x, gate.state->input, op)
                                                 : gate.state->input.quantize(x.detach());
-    const ops::Fp8Tensor gq = gate.held.q.defined() ? gate.held : gate.state->weight.quantize(gate.weight.detach());
-    const ops::Fp8Tensor uq = up.held.q.defined() ? up.held : up.state->weight.quantize(up.weight.detach());
+    const ops::Fp8Tensor gq = gate.held.q.defined() ? gate.held : weight_codes_of(*gate.state, gate.weight, op);
+    const ops::Fp8Tensor uq = up.held.q.defined() ? up.held : weight_codes_of(*up.state, up.weight, op);
     const Tensor g = ops::fp8_linear(xq, gq, Tensor(), out_dtype, fast);
     const Tensor u = ops::fp8_linear(xq, uq, Tensor(), out_dtype, fast);
     const ops::Fp8Tensor a = consumer.quantize(
