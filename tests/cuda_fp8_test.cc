@@ -136,6 +136,27 @@ TEST(CudaFp8, QuantizeAmaxAndScaleMatchTheCpuBitForBit) {
     ops::fp8_update_scale(host_tensor({amax}, {1}, kF32).to(kGpu), h_gpu, sc_gpu, si_gpu, kF8E4M3, 1);
     EXPECT_TRUE(same_bytes(h_cpu, h_gpu) && same_bytes(sc_cpu, sc_gpu) && same_bytes(si_cpu, si_gpu)) << amax;
   }
+  // Histories of awkward lengths (the kernel shifts them 32 at a time across a warp's lanes), with NaN, inf and zero
+  // among the amaxes, one of them all NaN: the history, the scale and scale_inv as the CPU's, bit for bit.
+  std::mt19937_64 history_rng(11);
+  for (int64_t n : {1, 2, 16, 31, 32, 33, 64, 70, 1000, 1024, 1500})
+    for (int kind = 0; kind < 3; ++kind) {
+      std::uniform_real_distribution<double> u(0.0, 1.0);
+      std::vector<double> h(static_cast<size_t>(n));
+      for (double& v : h) {
+        const double r = u(history_rng);
+        v = kind == 2 ? double(NAN) : kind == 1 && r < 0.1 ? double(NAN) : kind == 1 && r < 0.15 ? double(INFINITY)
+            : r < 0.2 ? 0.0 : std::ldexp(u(history_rng), int(u(history_rng) * 40) - 20);
+      }
+      const double amax = kind == 2 ? double(NAN) : std::ldexp(u(history_rng), 3);
+      Tensor h_cpu = host_tensor(h, {n}, kF32), sc_cpu = host_tensor({9}, {1}, kF32), si_cpu = empty({1}, kF32);
+      Tensor h_gpu = h_cpu.to(kGpu), sc_gpu = sc_cpu.to(kGpu), si_gpu = empty({1}, kF32, kGpu);
+      ops::fp8_update_scale(host_tensor({amax}, {1}, kF32), h_cpu, sc_cpu, si_cpu, kF8E5M2, 2);
+      ops::fp8_update_scale(host_tensor({amax}, {1}, kF32).to(kGpu), h_gpu, sc_gpu, si_gpu, kF8E5M2, 2);
+      EXPECT_TRUE(same_bytes(h_cpu, h_gpu)) << "history of " << n << ", kind " << kind;
+      EXPECT_TRUE(same_bytes(sc_cpu, sc_gpu) && same_bytes(si_cpu, si_gpu)) << "scale, history of " << n << ", kind "
+                                                                             << kind;
+    }
 }
 
 // The GPU's codes and the CPU's for values each device computes in f32 before quantizing: the same or, where the

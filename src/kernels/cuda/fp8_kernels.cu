@@ -526,12 +526,29 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __
 }
 
 // One thread: the history is short (a step's worth of amaxes), and the scale update is a handful of flops.
+// One warp: each lane loads its element of 32 of the history at once, the lanes exchange them to shift the history
+// one place, and the largest is reduced across the lanes (fmaxf skips NaN as the contract does: NaN only when every
+// element is). One thread moving the history element by element ran a chain of dependent loads and stores, about
+// 10 us a call on an H100, and a step makes a call per FP8 operand (about 500 at LLaMA-3.2 3B).
 __global__ void scale_kernel(const float* __restrict__ amax, float* history, int64_t n, float* scale,
                              float* scale_inv, float fp8_max, int margin) {
-  for (int64_t i = n - 1; i > 0; --i) history[i] = history[i - 1];
-  if (n > 0) history[0] = *amax;
+  const int lane = int(threadIdx.x);
+  float carried = *amax;  // the new history's element before this lane 0's: amax, then each piece's old last
   float a = __int_as_float(0x7fc00000);
-  for (int64_t i = 0; i < n; ++i) a = isnan(a) || history[i] > a ? history[i] : a;
+  for (int64_t base = 0; base < n; base += 32) {  // the same trip count on every lane
+    const int64_t i = base + lane;
+    const float old = i < n ? history[i] : 0.0f;
+    float left = __shfl_up_sync(0xffffffffu, old, 1);  // new[i] = old[i - 1]
+    if (lane == 0) left = carried;
+    carried = __shfl_sync(0xffffffffu, old, 31);
+    if (i < n) {
+      history[i] = left;
+      a = fmaxf(a, left);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+  if (lane != 0) return;
   if (isfinite(a) && a > 0) {
     const float next = ldexpf(__fdiv_rn(fp8_max, a), -margin);
     if (isfinite(next) && next > 0) *scale = next;
@@ -571,7 +588,7 @@ void fp8_amax_cuda(const DeviceContext& ctx, const Tensor& x, Tensor& amax) {
 void fp8_scale_cuda(const DeviceContext& ctx, const Tensor& amax, const Fp8ScaleAttrs& attrs, Tensor& history,
                     Tensor& scale, Tensor& scale_inv) {
   cuda::DeviceGuard guard(ctx.device().index);
-  scale_kernel<<<1, 1, 0, cuda_context(ctx).cuda_stream()>>>(
+  scale_kernel<<<1, 32, 0, cuda_context(ctx).cuda_stream()>>>(
       static_cast<const float*>(amax.data()), static_cast<float*>(history.data()), history.numel(),
       static_cast<float*>(scale.data()), static_cast<float*>(scale_inv.data()), float(attrs.fp8_max),
       int(attrs.margin));
