@@ -321,9 +321,11 @@ void check_fsdp(const nn::ModelConfig& base, int stage, autograd::Recompute reco
 // whole weight's amax) gives the run that gathers them in f32 and lets each layer cast its own, bit for bit (losses,
 // grad norms, parameters, logits), over fewer bytes; with recomputation the backward's gathers cast again with the
 // forward's scales, and under delayed scaling the amax history moves as the layers' own casts move it. Against one
-// process the losses agree within FP8's rounding (each rank scales its own activations and gradients).
+// process the losses agree within FP8's rounding (each rank scales its own activations and gradients). `clip`: the
+// gradient clipping's max norm, 0 for none (where the models' other matrices lay the shards out differently, the
+// grad norm's sums run in another order, and a clipped step would differ in its last bits).
 void check_fsdp_fp8(const nn::ModelConfig& base, autograd::Recompute recompute, int64_t amax_history,
-                    const std::string& what) {
+                    const std::string& what, double clip = 0.5, double max_byte_ratio = 0.5) {
   int r = world->rank(), n = world->size();
   const int64_t rows_per_rank = 2, T = 16, micro = 2, steps = 3;
   const optim::AdamWOptions ao = parity_adamw();
@@ -374,13 +376,13 @@ void check_fsdp_fp8(const nn::ModelConfig& base, autograd::Recompute recompute, 
     for (int k = 0; k < 2; ++k) {
       Sharded& s = k == 0 ? coded : plain;
       s.fsdp->finish();
-      norms[k] = s.fsdp->clip_grad_norm(0.5);
+      norms[k] = s.fsdp->clip_grad_norm(clip);
       s.opt->step();
       s.fsdp->after_step();
     }
-    optim::clip_grad_norm(ref_opt.parameters(), 0.5);
+    optim::clip_grad_norm(ref_opt.parameters(), clip);
     ref_opt.step();
-    same = same && losses[0] == losses[1] && norms[0] == norms[1];
+    same = same && losses[0] == losses[1] && std::abs(norms[0] - norms[1]) <= 1e-12 * norms[1];
     Tensor mean = full({1}, losses[0] / n, kF64, dev);
     world->all_reduce(mean, dist::ReduceOp::kSum);
     worst_ref = std::max(worst_ref, std::abs(mean.item<double>() - ref_loss));
@@ -388,7 +390,7 @@ void check_fsdp_fp8(const nn::ModelConfig& base, autograd::Recompute recompute, 
       std::printf("    step %ld: FP8 gathers loss %.9g norm %.9g, f32 gathers %.9g %.9g\n", long(step), losses[0],
                   norms[0], losses[1], norms[1]);
   }
-  check(same, what + ": losses and grad norms with FP8 gathers are those of f32 gathers, bit for bit");
+  check(same, what + ": losses with FP8 gathers are those of f32 gathers bit for bit, grad norms to 1e-12");
   double worst = 0;
   auto a = coded.fsdp->full_named_parameters(), b = plain.fsdp->full_named_parameters();
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) worst = std::max(worst, max_abs_diff(a[i].second, b[i].second));
@@ -402,7 +404,7 @@ void check_fsdp_fp8(const nn::ModelConfig& base, autograd::Recompute recompute, 
     check(diff == 0, what + ": logits are those of f32 gathers: max diff " + std::to_string(diff));
   }
   const double ratio = double(coded.fsdp->gathered_bytes()) / double(plain.fsdp->gathered_bytes());
-  check(ratio < 0.5, what + ": FP8 gathers move " + std::to_string(ratio) + " of f32 gathers' bytes");
+  check(ratio < max_byte_ratio, what + ": FP8 gathers move " + std::to_string(ratio) + " of f32 gathers' bytes");
   if (r == 0)
     std::printf("  %s: bit for bit with f32 gathers at %.2f of their bytes; loss vs one process %.3g\n", what.c_str(),
                 ratio, worst_ref);
@@ -917,6 +919,14 @@ int main(int argc, char** argv) {
       [] { check_fsdp_fp8(tiny_llama(false), Recompute::kFull, 4, "zero-3 llama fp8 gathers full delayed"); });
   run("zero-3 fp8 gathers, llama, selective recompute",
       [] { check_fsdp_fp8(tiny_llama(true), Recompute::kSelective, 1, "zero-3 llama fp8 gathers selective"); });
+  run("zero-3 fp8 gathers, mixtral with a shared expert", [] {
+    nn::ModelConfig c = nn::ModelConfig::from_name("mixtral-tiny");  // the router and experts gather in f32
+    c.vocab_size = 250;
+    c.padded_vocab_size = 256;
+    c.max_seq_len = 32;
+    c.moe.shared_expert_hidden = 64;
+    check_fsdp_fp8(c, Recompute::kNone, 1, "zero-3 mixtral fp8 gathers", 0.0, 0.9);
+  });
   run("tensor parallel", [] { check_tensor_parallel(tiny(), "gpt2"); });
   run("tensor parallel training", [] { check_tensor_parallel_training(tiny(), "gpt2", kF32, 1e-4); });
   run("sequence parallel training", [] { check_tensor_parallel_training(tiny(), "gpt2 sp", kF32, 1e-4, true); });
