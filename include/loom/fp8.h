@@ -114,6 +114,7 @@ class TensorScaling {
   Shape last_shape_;
   Tensor last_scale_inv_;
   ops::Fp8Tensor made(const ops::Fp8Tensor& q);  // records q as the last codes made
+  bool start(Device device);  // makes the state on `device` where it is not there yet: true when it did
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.

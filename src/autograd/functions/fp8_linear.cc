@@ -91,14 +91,7 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
   if (history_ > 1)
     if (std::optional<std::vector<Tensor>> kept = autograd::replayed_state("an FP8 scale"))
       return made({codes((*kept)[0], nullptr), (*kept)[1]});
-  const bool first = !scale_.defined() || scale_.device() != device;
-  if (first) {
-    amaxes_ = zeros({history_}, kF32, device);
-    scale_ = ones({1}, kF32, device);
-    scale_inv_ = empty({1}, kF32, device);
-    pending_amax_ = empty({1}, kF32, device);
-    pending_ = false;
-  }
+  const bool first = start(device);
   if (history_ <= 1 || first) {
     // The scale from this tensor's own amax (current scaling, and delayed scaling's first quantization). Each
     // operand keeps a scale_inv that later quantizations never write (the state's first one is never written again).
@@ -147,17 +140,20 @@ ops::Fp8Tensor TensorScaling::quantize_transposed(const Tensor& x_in, Tensor* co
   return q;
 }
 
+bool TensorScaling::start(Device device) {
+  if (scale_.defined() && scale_.device() == device) return false;
+  amaxes_ = zeros({history_}, kF32, device);
+  scale_ = ones({1}, kF32, device);
+  scale_inv_ = empty({1}, kF32, device);
+  pending_amax_ = empty({1}, kF32, device);
+  pending_ = false;
+  return true;
+}
+
 std::pair<Tensor, Tensor> TensorScaling::scale_for_amax(const Tensor& amax) {
   std::lock_guard<std::mutex> lock(mu_);
   const Device device = amax.device();
-  const bool first = !scale_.defined() || scale_.device() != device;
-  if (first) {
-    amaxes_ = zeros({history_}, kF32, device);
-    scale_ = ones({1}, kF32, device);
-    scale_inv_ = empty({1}, kF32, device);
-    pending_amax_ = empty({1}, kF32, device);
-    pending_ = false;
-  }
+  const bool first = start(device);
   // As quantize() takes a scale: from this amax (current scaling, delayed scaling's first cast), else from the
   // history with the last cast's amax folded in, this cast's amax then pending.
   if (history_ <= 1 || first) {
