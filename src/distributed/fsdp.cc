@@ -12,6 +12,7 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "distributed/freed_parameter.h"
 #include "loom/amp.h"
@@ -49,6 +50,15 @@ struct FlatGroup {
   std::vector<std::shared_ptr<nn::Linear>> fp8_layers;
   std::vector<Tensor> fp8_scale, fp8_scale_inv;
   bool fp8() const { return !fp8_layers.empty(); }
+
+  int64_t begin() const { return group->rank() * shard; }  // this rank's first element of the flat layout
+  // Elements [lo, hi) of the flat layout as a range [first, last) of this rank's shard, empty where they miss it.
+  std::pair<int64_t, int64_t> in_shard(int64_t lo, int64_t hi) const {
+    const int64_t first = std::clamp(lo - begin(), int64_t(0), shard);
+    return {first, std::clamp(hi - begin(), first, shard)};
+  }
+  // The k-th parameter's elements in this rank's shard.
+  std::pair<int64_t, int64_t> piece(size_t k) const { return in_shard(offsets[k], offsets[k] + params[k].numel()); }
 };
 
 struct Unit {
@@ -210,15 +220,11 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
   // weight's cast covers the padding after it (zeros, never read), so the casts tile the shard.
   Tensor fp8_shard_codes(FlatGroup& g, bool forward) {
     const Tensor shard = g.shard_param.detach();
-    const int64_t begin = g.group->rank() * g.shard, n = int64_t(g.params.size());
-    auto in_shard = [&](int64_t lo, int64_t hi) {  // [lo, hi) of the flat group as [lo, hi) of this shard
-      lo = std::clamp(lo - begin, int64_t(0), g.shard);
-      return std::pair<int64_t, int64_t>{lo, std::clamp(hi - begin, lo, g.shard)};
-    };
+    const int64_t n = int64_t(g.params.size());
     if (forward || !g.fp8_scale[0].defined()) {
       Tensor amax = zeros({n}, kF32, device);
       for (int64_t k = 0; k < n; ++k)
-        if (auto [lo, hi] = in_shard(g.offsets[size_t(k)], g.offsets[size_t(k)] + g.params[size_t(k)].numel()); hi > lo)
+        if (auto [lo, hi] = g.piece(size_t(k)); hi > lo)
           amax.narrow(0, k, 1).copy_from(ops::fp8_amax(shard.narrow(0, lo, hi - lo)));
       g.group->all_reduce(amax, ReduceOp::kMax);
       for (int64_t k = 0; k < n; ++k)
@@ -232,7 +238,7 @@ struct FullyShardedDataParallel::Impl : std::enable_shared_from_this<Impl> {
                    "weights to one dtype; '", g.names[size_t(k)], "' takes ",
                    dtype_name(fp8_state(g, size_t(k)).recipe.forward), ", '", g.names[0], "' ", dtype_name(dtype));
       const int64_t end = k + 1 < n ? g.offsets[size_t(k + 1)] : g.padded;
-      if (auto [lo, hi] = in_shard(g.offsets[size_t(k)], end); hi > lo)
+      if (auto [lo, hi] = g.in_shard(g.offsets[size_t(k)], end); hi > lo)
         codes.narrow(0, lo, hi - lo)
             .copy_from(ops::fp8_quantize(shard.narrow(0, lo, hi - lo), g.fp8_scale[size_t(k)], dtype));
     }
@@ -471,13 +477,11 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
       Tensor grad = g.shard_param.grad();
       if (!grad.defined()) continue;
       grads.push_back(grad);
-      const int64_t begin = g.group->rank() * g.shard;
       for (size_t k = 0; k < g.params.size(); ++k) {  // each parameter's piece of this rank's shard
-        const int64_t lo = std::max(g.offsets[k], begin);
-        const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);
+        const auto [lo, hi] = g.piece(k);
         if (lo >= hi) continue;
         auto w = m.norm_weight.find(&g.params[k].impl());
-        ops::add_(sq, optim::grad_norm_squared(grad.narrow(0, lo - begin, hi - lo)).reshape({1}),
+        ops::add_(sq, optim::grad_norm_squared(grad.narrow(0, lo, hi - lo)).reshape({1}),
                   w == m.norm_weight.end() ? 1.0 : w->second);
       }
     }
@@ -562,11 +566,9 @@ std::vector<FullyShardedDataParallel::ShardView> FullyShardedDataParallel::shard
   for (Unit* u : impl_->units())
     for (FlatGroup& g : u->groups) {
       ShardView v{g.shard_param, {}};
-      const int64_t begin = g.group->rank() * g.shard;
       for (size_t k = 0; k < g.params.size(); ++k) {
-        const int64_t lo = std::max(g.offsets[k], begin);
-        const int64_t hi = std::min(g.offsets[k] + g.params[k].numel(), begin + g.shard);
-        if (lo < hi) v.spans.push_back({g.names[k], lo - g.offsets[k], lo - begin, hi - lo});
+        const auto [lo, hi] = g.piece(k);
+        if (lo < hi) v.spans.push_back({g.names[k], g.begin() + lo - g.offsets[k], lo, hi - lo});
       }
       out.push_back(std::move(v));
     }
