@@ -14,6 +14,7 @@
 #include "loom/autograd/grad_mode.h"
 #include "loom/core/dispatch.h"
 #include "loom/fp8.h"
+#include "loom/io/safetensors.h"
 #include "loom/nn/layers.h"
 #include "loom/nn/lora.h"
 #include "loom/nn/model.h"
@@ -188,6 +189,127 @@ TEST(Fp8Training, RecomputeUnderDelayedScalingKeepsTheLossesBitForBit) {
     o.fp8_amax_history = 4;
     o.dtype = "bf16";
     expect_recompute_keeps_the_losses(o, std::string(model) + ", delayed scaling, ");
+  }
+}
+
+// A run resumed from a checkpoint takes the steps an uninterrupted run takes, bit for bit, under FP8 too: under
+// delayed scaling each operand's amax history and scale (the state the next cast reads) come from the checkpoint.
+TEST(Fp8Training, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
+  TempDir dir;
+  for (const int64_t history : {int64_t(1), int64_t(4)}) {
+    for (const char* model : {"llama3-tiny", "gpt2-tiny", "mixtral-tiny"}) {
+      auto o = setup(dir, model);
+      o.steps = 6;
+      o.warmup_steps = 1;
+      o.fp8 = "all";
+      o.fp8_amax_history = history;
+      o.dtype = "bf16";
+      const std::string what = std::string(model) + ", amax history " + std::to_string(history);
+      std::vector<double> straight, resumed;
+      {
+        train::Trainer t(o);
+        for (int i = 0; i < 6; ++i) straight.push_back(t.train_step().loss);
+      }
+      const std::string ckpt = dir.file(std::string(model) + "_" + std::to_string(history) + ".safetensors");
+      {
+        train::Trainer t(o);
+        for (int i = 0; i < 3; ++i) resumed.push_back(t.train_step().loss);
+        t.save_checkpoint(ckpt);
+      }
+      auto again = o;
+      again.resume = ckpt;
+      again.seed = 999;  // everything that matters comes from the checkpoint
+      train::Trainer t(again);
+      EXPECT_EQ(t.step(), 3) << what;
+      for (int i = 0; i < 3; ++i) resumed.push_back(t.train_step().loss);
+      ASSERT_EQ(resumed.size(), straight.size()) << what;
+      for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(resumed[i], straight[i]) << what << ", step " << i + 1;
+    }
+  }
+}
+
+// The same from a sharded checkpoint written by one process; and a resume says what it cannot carry over (a
+// checkpoint without the state, or with histories of another length, starts or adapts them) and refuses a broken
+// state with one error naming it, before anything changes.
+TEST(Fp8Training, ResumeOfTheScalingStateIsCheckedAndSaysWhatItCannotCarry) {
+  TempDir dir;
+  auto o = setup(dir, "llama3-tiny");
+  o.steps = 4;
+  o.warmup_steps = 1;
+  o.fp8 = "all";
+  o.fp8_amax_history = 4;
+  o.checkpoint_format = "sharded";
+  std::vector<double> straight, resumed;
+  {
+    train::Trainer t(o);
+    for (int i = 0; i < 4; ++i) straight.push_back(t.train_step().loss);
+  }
+  const std::string sharded = dir.file("sharded_step_2");
+  {
+    train::Trainer t(o);
+    for (int i = 0; i < 2; ++i) resumed.push_back(t.train_step().loss);
+    t.save_checkpoint(sharded);
+  }
+  {
+    auto again = o;
+    again.resume = sharded;
+    train::Trainer t(again);
+    for (int i = 0; i < 2; ++i) resumed.push_back(t.train_step().loss);
+  }
+  EXPECT_EQ(resumed, straight) << "resumed from a sharded checkpoint";
+
+  auto notes_of = [&](train::TrainOptions r) {
+    r.quiet = false;
+    testing::internal::CaptureStdout();
+    {
+      train::Trainer t(r);
+      t.train_step();
+    }
+    return testing::internal::GetCapturedStdout();
+  };
+  const std::string bf16 = dir.file("bf16.safetensors"), delayed = dir.file("delayed.safetensors");
+  {
+    auto b = o;
+    b.fp8 = "off";
+    train::Trainer t(b);
+    t.train_step();
+    t.save_checkpoint(bf16);
+    train::Trainer d(o);
+    d.train_step();
+    d.train_step();
+    d.save_checkpoint(delayed);
+  }
+  auto r = o;
+  r.resume = bf16;
+  std::string out = notes_of(r);
+  EXPECT_NE(out.find("holds no FP8 scaling state"), std::string::npos) << out;
+  r.resume = delayed;
+  r.fp8_amax_history = 8;
+  out = notes_of(r);
+  EXPECT_NE(out.find("FP8 amax histories of 4 steps in '" + delayed + "' are taken into 8"), std::string::npos) << out;
+  r.fp8_amax_history = 4;
+  out = notes_of(r);
+  EXPECT_EQ(out.find("resume: "), std::string::npos) << "a resume that carries everything says nothing of it: " << out;
+
+  // A negative amax, a state of the wrong form: one error naming the tensor.
+  io::SafetensorsFile file = io::load_safetensors_file(delayed);
+  std::string name;
+  for (auto& [n, t] : file.tensors)
+    if (n.rfind("fp8.", 0) == 0 && n.find("q_proj.input") != std::string::npos) name = n;
+  ASSERT_FALSE(name.empty()) << "the checkpoint holds q_proj's input scaling";
+  for (const Tensor& broken : {from_vector<float>({-1, 0, 0, 0, 1, 1, 0, 0}, {8}), zeros({3}, kF32),
+                               from_vector<float>({1, 0, 0, 0, 1, 1, 0, 2}, {8})}) {
+    io::TensorMap tensors = file.tensors;
+    tensors[name] = broken;
+    const std::string bad = dir.file("broken.safetensors");
+    io::save_safetensors(bad, tensors, file.metadata);
+    r.resume = bad;
+    try {
+      train::Trainer t(r);
+      ADD_FAILURE() << "a broken FP8 state was taken: " << describe(broken);
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
   }
 }
 

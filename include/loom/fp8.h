@@ -96,6 +96,19 @@ class TensorScaling {
   // the codes quantize() would make of it.
   std::pair<Tensor, Tensor> scale_for_amax(const Tensor& amax);
   DType dtype() const { return fp8_; }
+  // What the next quantization reads of delayed scaling's state, to carry it across a checkpoint: an f32 CPU tensor
+  // [H + 4] (the amax history, newest first, then the scale, the scale_inv of the first codes, the amax recorded
+  // last and whether it is still to enter the history, 0 or 1). Undefined under current scaling (no state outlives
+  // a quantization) and before the first quantization.
+  Tensor saved_state();
+  // The state saved_state() gave, on `device`, so that the next quantization is the one an uninterrupted run would
+  // make. A history of another length is taken newest first, cut or padded with zeros (an amax of zero counts for
+  // nothing). Throws (naming `what`) on a malformed state; nothing is changed then.
+  void restore_state(const Tensor& saved, Device device, const std::string& what);
+  // restore_state's checks alone (one error naming `what`), for a resume that checks everything before it changes
+  // anything.
+  static void check_saved_state(const Tensor& saved, const std::string& what);
+  int64_t history_length() const { return history_; }  // 1: current scaling
   // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
   // fp8::residual_rms_norm's output), else undefined.
   Tensor scale_inv_of(const Tensor& q);
@@ -123,6 +136,10 @@ struct LinearState {
       : recipe(r), input(r.forward, r), weight(r.forward, r), grad_output(r.backward, r) {}
   Recipe recipe;
   TensorScaling input, weight, grad_output;
+  // The three by name ("input", "weight", "grad_output"), as checkpoints hold their state.
+  std::vector<std::pair<std::string, TensorScaling*>> scalings() {
+    return {{"input", &input}, {"weight", &weight}, {"grad_output", &grad_output}};
+  }
   // The weight's codes where they were made elsewhere (ZeRO-3 gathers a sharded weight as codes its ranks cast with
   // `weight`'s scale_for_amax()): the products read them in place of casting the weight, which still takes its
   // gradient. Undefined otherwise; whoever sets them clears them when they go stale.

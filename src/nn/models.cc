@@ -66,6 +66,23 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
   fp8_scope_ = scope;
 }
 
+std::vector<std::pair<std::string, fp8::TensorScaling*>> LanguageModel::fp8_scalings() const {
+  std::vector<std::pair<std::string, fp8::TensorScaling*>> out;
+  auto add = [&](const std::string& layer, const std::shared_ptr<fp8::LinearState>& state) {
+    if (state)
+      for (auto& [operand, scaling] : state->scalings()) out.emplace_back(layer + "." + operand, scaling);
+  };
+  for (const auto& [name, m] : named_modules())
+    if (auto layer = std::dynamic_pointer_cast<Linear>(m)) {
+      add(name, layer->fp8);
+    } else if (auto moe = std::dynamic_pointer_cast<MoeMLP>(m)) {
+      add(name + ".gate_up", moe->gate_up_fp8);
+      add(name + ".down", moe->down_fp8);
+    }
+  add("classifier", classifier_fp8_);
+  return out;
+}
+
 Tensor LanguageModel::head_logits(const Tensor& h) {
   if (classifier_fp8_) {
     LOOM_REQUIRE(!tp_, "the FP8 classifier does not run under tensor parallelism");

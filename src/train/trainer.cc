@@ -758,6 +758,8 @@ void Trainer::load_checkpoint(const std::string& path) {
   // A resumed run is the same run; one resumed from a checkpoint without an id (an older Loom's) keeps its fresh id,
   // so that --keep-checkpoints removes only what it wrote itself.
   if (!st.run_id.empty()) run_id_ = st.run_id;
+  if (!opts_.quiet)
+    for (const std::string& note : st.notes) std::cout << note << "\n";
   {  // --keep-best goes on comparing with the best loss of the run so far
     const nlohmann::json state = nlohmann::json::parse(checkpoint_state_and_config(path).first, nullptr, false);
     if (state.is_object() && state.contains("best_val_loss") && state.at("best_val_loss").is_number())

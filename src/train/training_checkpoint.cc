@@ -14,10 +14,12 @@
 #include "io/json_numbers.h"
 #include "loom/autograd/grad_mode.h"
 #include "loom/distributed/parallelize.h"
+#include "loom/fp8.h"
 #include "loom/io/atomic_file.h"
 #include "loom/io/input_guard.h"
 #include "loom/io/json_file.h"
 #include "loom/io/safetensors.h"
+#include "loom/nn/model.h"
 #include "loom/train/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -47,6 +49,57 @@ Shape full_shape_of(const Shape& local, const TpSplit& split) {
   return full;
 }
 
+// This rank's FP8 scaling states worth carrying (delayed scaling's, once started), as "fp8.<layer>.<operand>".
+io::TensorMap fp8_states(const distributed::ParallelModel& parallel) {
+  io::TensorMap out;
+  for (auto& [name, scaling] : parallel.model().fp8_scalings())
+    if (Tensor t = scaling->saved_state(); t.defined()) out["fp8." + name] = t;
+  return out;
+}
+
+// Restores this rank's delayed FP8 scaling from `saved` (a rank file's "fp8.*" tensors; nothing when the checkpoint
+// was saved by another layout, whose ranks measured other rows), every state checked before the first changes. What
+// it cannot carry over goes into `notes`.
+void restore_fp8_states(distributed::ParallelModel& parallel, const io::TensorMap& saved, bool same_layout,
+                        const std::string& path, std::vector<std::string>& notes) {
+  std::vector<std::pair<std::string, fp8::TensorScaling*>> delayed;
+  for (auto& [name, scaling] : parallel.model().fp8_scalings())
+    if (scaling->history_length() > 1) delayed.emplace_back(name, scaling);
+  if (delayed.empty()) return;  // current scaling (or none): nothing outlives a step
+  const std::string afresh = "; each FP8 operand's scale starts from its own amax, as at a run's first step";
+  if (!same_layout) {
+    notes.push_back("resume: '" + path + "' was saved by another layout, whose ranks measured other amaxes" + afresh);
+    return;
+  }
+  std::vector<std::pair<fp8::TensorScaling*, const Tensor*>> found;
+  int64_t saved_length = 0;
+  for (auto& [name, scaling] : delayed) {
+    auto it = saved.find("fp8." + name);
+    if (it == saved.end()) continue;  // a layer that had not run when it was saved (a pipeline stage's stand-in)
+    fp8::TensorScaling::check_saved_state(it->second, "resume: '" + path + "': fp8." + name);
+    saved_length = it->second.numel() - 4;
+    found.emplace_back(scaling, &it->second);
+  }
+  if (found.empty()) {
+    notes.push_back("resume: '" + path + "' holds no FP8 scaling state (saved by a run without delayed scaling, or "
+                    "by an older Loom)" + afresh);
+    return;
+  }
+  const int64_t length = delayed.front().second->history_length();
+  if (saved_length != length)
+    notes.push_back("resume: the FP8 amax histories of " + std::to_string(saved_length) + " steps in '" + path +
+                    "' are taken into " + std::to_string(length) + " (newest first" +
+                    (length > saved_length ? ", the older ones empty)" : ")"));
+  for (auto& [scaling, state] : found) scaling->restore_state(*state, parallel.device(), "resume: '" + path + "'");
+}
+
+io::TensorMap with_prefix(const io::TensorMap& tensors, const std::string& prefix) {
+  io::TensorMap out;
+  for (auto& [name, t] : tensors)
+    if (name.rfind(prefix, 0) == 0) out[name] = t;
+  return out;
+}
+
 void point_latest_at(const fs::path& checkpoint, const std::string& checkpoint_dir) {
   if (!checkpoint_dir.empty() && checkpoint.parent_path() == fs::path(checkpoint_dir))
     io::write_file_atomic((fs::path(checkpoint_dir) / "latest").string(), checkpoint.filename().string() + "\n");
@@ -60,13 +113,21 @@ void save_single(distributed::ParallelModel& parallel, const CheckpointSave& sav
   io::TensorMap tensors;
   for (auto& [name, p] : parallel.full_parameters()) tensors["model." + name] = p.detach().to(Device());  // collective
   const optim::OptimizerState state = parallel.optimizer_state();
-  if (parallel.optimizer_state_per_rank()) {
-    io::TensorMap shard;
-    for (auto& [name, t] : state) shard["optim." + name] = t.to(Device());
-    io::save_safetensors(optimizer_shard_path(save.path, rank), shard, {{"format", "loom-optimizer-shard-1"}});
+  // What differs between ranks goes into the rank's own file: the optimizer state where it is sharded, and in a
+  // distributed run the FP8 scaling state (each rank measures its own rows).
+  const io::TensorMap fp8 = fp8_states(parallel);
+  const bool one_process = parallel.mesh().world()->size() == 1;
+  const std::string shard_path = optimizer_shard_path(save.path, rank);
+  if (parallel.optimizer_state_per_rank() || (!one_process && !fp8.empty())) {
+    io::TensorMap shard = one_process ? io::TensorMap{} : fp8;
+    for (auto& [name, t] : state) (parallel.optimizer_state_per_rank() ? shard : tensors)["optim." + name] = t.to(Device());
+    io::save_safetensors(shard_path, shard, {{"format", "loom-optimizer-shard-1"}});
   } else {
     for (auto& [name, t] : state) tensors["optim." + name] = t.to(Device());
+    std::error_code ec;  // an overwritten checkpoint's rank file would otherwise be read with this one
+    fs::remove(shard_path, ec);
   }
+  if (one_process) tensors.insert(fp8.begin(), fp8.end());
   if (rank != 0) return;
   io::save_safetensors(save.path, tensors,
                        {{"format", kCheckpointFormat}, {"state", save.state_json},
@@ -111,6 +172,7 @@ void save_sharded(distributed::ParallelModel& parallel, const CheckpointSave& sa
     tensors["exp_avg_sq." + p.name] = p.exp_avg_sq.to(Device());
     piece_json[p.name] = {p.tensor_rank, p.lo, p.hi};
   }
+  for (auto& [name, t] : fp8_states(parallel)) tensors[name] = t;
   io::save_safetensors((tmp / rank_file(world.rank())).string(), tensors,
                        {{"format", "loom-checkpoint-shard-1"}, {"rank", std::to_string(world.rank())},
                         {"pieces", piece_json.dump()}});
@@ -191,20 +253,21 @@ CheckpointState load_single(distributed::ParallelModel& parallel, const std::str
   auto model_params = parallel.full_parameters();  // collective
   std::vector<Tensor> weights = checkpoint_weights(file, path, "resume", model_params);
   optim::OptimizerState state;
-  if (parallel.optimizer_state_per_rank()) {
-    io::SafetensorsFile shard =
-        io::load_safetensors_file(optimizer_shard_path(path, parallel.mesh().world()->rank()));
-    for (auto& [name, t] : shard.tensors)
-      if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
-  } else {
-    for (auto& [name, t] : file.tensors)
-      if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
-  }
+  const std::string shard_path = optimizer_shard_path(path, parallel.mesh().world()->rank());
+  const bool one_process = parallel.mesh().world()->size() == 1;
+  std::error_code ec;
+  io::SafetensorsFile shard;
+  if (parallel.optimizer_state_per_rank() || (!one_process && fs::exists(shard_path, ec)))
+    shard = io::load_safetensors_file(shard_path);
+  for (auto& [name, t] : (parallel.optimizer_state_per_rank() ? shard : file).tensors)
+    if (name.rfind("optim.", 0) == 0) state[name.substr(6)] = t;
+  CheckpointState out = st;
+  restore_fp8_states(parallel, with_prefix((one_process ? file : shard).tensors, "fp8."), true, path, out.notes);
   std::vector<std::pair<std::string, Tensor>> loaded;
   for (size_t i = 0; i < model_params.size(); ++i) loaded.emplace_back(model_params[i].first, weights[i]);
   parallel.load_full_parameters(loaded);
   parallel.load_optimizer_state(state);
-  return st;
+  return out;
 }
 
 CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::string& dir,
@@ -244,6 +307,20 @@ CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::st
         return ck.read(name, kind, split.at(name), parallel.split_part(name), lo, hi);
       },
       meta.optimizer_step, meta.lr, [&](const std::string& name) { return meta.param(name).adam_step; });
+  // The FP8 scaling state from this rank's own file, where the same layout saved it.
+  const distributed::MeshShape& shape = parallel.mesh().shape();
+  const CheckpointLayout& saved = meta.layout;
+  const int64_t rank = parallel.mesh().world()->rank();
+  const bool same_layout = saved.world == parallel.mesh().world()->size() && saved.dp == dp &&
+                           saved.tp == shape.tensor && saved.pp == shape.pipeline &&
+                           saved.zero == parallel.plan().data.zero_stage && rank < int64_t(meta.files.size());
+  io::TensorMap fp8;
+  if (same_layout) {
+    io::SafetensorsReader file((fs::path(dir) / meta.files[size_t(rank)]).string());
+    for (auto& [name, entry] : file.entries())
+      if (name.rfind("fp8.", 0) == 0) fp8[name] = file.read(name);
+  }
+  restore_fp8_states(parallel, fp8, same_layout, dir, st.notes);
   return st;
 }
 

@@ -90,6 +90,8 @@ struct Layout {
   int64_t lora = 0;  // LoRA adapters of this rank on every projection (LLaMA's seven, GPT-2's four), the base frozen
   bool sp = false;
   std::string schedule = "1f1b", recompute = "none", model = "gpt2.json", format = "auto";
+  std::string fp8 = "off";
+  int64_t amax_history = 1;
 };
 
 std::string shared_dir(const Context& c) {
@@ -152,6 +154,8 @@ std::vector<std::pair<double, double>> train_as(const Context& c, const std::str
     o.virtual_stages = l.virtual_stages;
     o.recompute = l.recompute;
     o.checkpoint_format = l.format;
+    o.fp8 = l.fp8;
+    o.fp8_amax_history = l.amax_history;
     o.resume = resume;
     if (l.lora > 0) {
       o.lora_rank = l.lora;
@@ -441,6 +445,22 @@ void run_road_checks(const Context& c) {
                     {with(layout("pp 2", 2), [](Layout& l) { l.pp = 2; l.format = "single"; })});
       check_resumes(c, with(layout("tp 2 (single file)", 2), [](Layout& l) { l.tp = 2; l.format = "single"; }),
                     {with(layout("tp 2", 2), [](Layout& l) { l.tp = 2; l.format = "single"; })});
+    });
+    // Each rank's delayed FP8 scaling (amax histories of its own rows) travels in its own file.
+    c.run("FP8 delayed scaling resumes as the uninterrupted run: ddp x 2 (single file, sharded), zero-3 x 2", [&] {
+      auto fp8 = [](Layout l) {
+        l.model = "llama.json";
+        l.fp8 = "all";
+        l.amax_history = 4;
+        return l;
+      };
+      for (const char* format : {"single", "sharded"}) {
+        const Layout ddp = fp8(with(layout(std::string("FP8 ddp x 2 (") + format + ")", 2),
+                                    [&](Layout& l) { l.format = format; }));
+        check_resumes(c, ddp, {ddp});
+      }
+      const Layout zero3 = fp8(with(layout("FP8 zero-3 x 2", 2), [](Layout& l) { l.zero = 3; }));
+      check_resumes(c, zero3, {zero3});
     });
     c.run("checkpoints of the earlier trainer: zero-3 x 2, zero-1 x 2 (single file)", [&] {
       check_former_checkpoint(c, "zero3_x2/step_000002", with(layout("zero-3 x 2", 2), [](Layout& l) { l.zero = 3; }),

@@ -184,6 +184,9 @@ class LanguageModel : public Module {
   // parallelism (refused here and when a model under FP8 runs split).
   void set_fp8(fp8::Scope scope, const fp8::Recipe& recipe = {});
   fp8::Scope fp8_scope() const { return fp8_scope_; }
+  // Every FP8 operand's scaling, named by its layer and operand ("transformer.h.0.attn.c_attn.input", an MoE's
+  // "<mlp>.gate_up.weight", the classifier's "classifier.grad_output"), as checkpoints carry their state.
+  std::vector<std::pair<std::string, fp8::TensorScaling*>> fp8_scalings() const;
 
   // How this family splits (parallel_rules(config())): declared beside its definition.
   ParallelRules parallel_rules() const { return nn::parallel_rules(cfg_); }

@@ -37,6 +37,7 @@ struct CheckpointState {
   uint64_t rng_seed = 0, rng_offset = 0;  // the default generator's Philox state
   std::string settings_json;  // the run's training settings (an object; empty in checkpoints older than them)
   std::string run_id;         // which run wrote it (a resumed run keeps it; empty in checkpoints older than it)
+  std::vector<std::string> notes;  // what a resume could not carry over as saved, one line each, for the run to say
 };
 CheckpointState parse_checkpoint_state(const std::string& state_json, const std::string& path);
 
@@ -52,6 +53,11 @@ struct CheckpointSave {
 };
 void save_checkpoint(distributed::ParallelModel& parallel, const CheckpointSave& save);
 
+// The FP8 layers' delayed scaling state (each operand's amax history and scale: TensorScaling::saved_state) travels
+// with the parameters, in the rank's own file (it differs between data-parallel ranks: each measures its own
+// activations): a single file's tensors "fp8.<layer>.<operand>" in one process, else each rank's
+// "<checkpoint>.optim-rank<R>.safetensors"; a sharded checkpoint's rank files. A resume restores it where the
+// checkpoint was saved by the same layout, so the steps are those of an uninterrupted run.
 // A resume: checks and reads the whole checkpoint (a file or a sharded directory) before the first parameter
 // changes, loads the parameters and optimizer state into `parallel` (a sharded checkpoint reshards to its layout),
 // and returns the training state to continue from, its data position in this run's data-parallel windows.

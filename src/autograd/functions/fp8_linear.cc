@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <optional>
 
 #include "autograd/functions/grad_util.h"
@@ -169,6 +170,53 @@ std::pair<Tensor, Tensor> TensorScaling::scale_for_amax(const Tensor& amax) {
   pending_amax_.copy_from(amax);
   pending_ = true;
   return {ops::clone(scale_), used};
+}
+
+Tensor TensorScaling::saved_state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (history_ <= 1 || !scale_.defined()) return Tensor();
+  std::vector<float> v = to_vector<float>(amaxes_.to(Device()));
+  const auto one = [](const Tensor& t) { return to_vector<float>(t.to(Device()))[0]; };
+  v.push_back(one(scale_));
+  v.push_back(one(scale_inv_));
+  v.push_back(pending_ ? one(pending_amax_) : 0.0f);
+  v.push_back(pending_ ? 1.0f : 0.0f);
+  return from_vector<float>(v, {int64_t(v.size())});
+}
+
+void TensorScaling::check_saved_state(const Tensor& saved, const std::string& what) {
+  LOOM_REQUIRE(saved.defined() && saved.dtype() == kF32 && saved.dim() == 1 && saved.numel() >= 5, what,
+               ": an FP8 scaling state is an f32 vector of an amax history and 4 values, got ",
+               saved.defined() ? describe(saved) : std::string("nothing"));
+  const std::vector<float> v = to_vector<float>(saved.to(Device()).contiguous());
+  const size_t h = v.size() - 4;
+  const float scale = v[h], scale_inv = v[h + 1], pending_amax = v[h + 2], pending = v[h + 3];
+  // An amax may be inf or NaN (a step that overflowed: the scale update passes over it), never negative.
+  for (size_t i = 0; i < h; ++i)
+    LOOM_REQUIRE(!(v[i] < 0), what, ": amax ", i, " of its FP8 history is ", v[i], " (an amax is not negative)");
+  LOOM_REQUIRE(std::isfinite(scale) && scale > 0 && std::isfinite(scale_inv) && scale_inv > 0, what,
+               ": its FP8 scale ", scale, " and scale_inv ", scale_inv, " are not both finite and positive");
+  LOOM_REQUIRE(pending == 0.0f || pending == 1.0f, what, ": its FP8 state's pending flag is ", pending,
+               ", not 0 or 1");
+  LOOM_REQUIRE(!(pending_amax < 0), what, ": its FP8 state's last amax is ", pending_amax, " (not negative)");
+}
+
+void TensorScaling::restore_state(const Tensor& saved, Device device, const std::string& what) {
+  check_saved_state(saved, what);
+  if (history_ <= 1) return;  // current scaling carries nothing from step to step
+  const std::vector<float> v = to_vector<float>(saved.to(Device()).contiguous());
+  const size_t h = v.size() - 4;
+  const float scale = v[h], scale_inv = v[h + 1], pending_amax = v[h + 2], pending = v[h + 3];
+  std::vector<float> history(size_t(history_), 0.0f);
+  std::copy_n(v.begin(), std::min(h, history.size()), history.begin());
+  std::lock_guard<std::mutex> lock(mu_);
+  start(device);
+  // Into the tensors start() made (their addresses are what a captured CUDA graph reads).
+  amaxes_.copy_from(from_vector<float>(history, {history_}).to(device));
+  scale_.copy_from(from_vector<float>({scale}, {1}).to(device));
+  scale_inv_.copy_from(from_vector<float>({scale_inv}, {1}).to(device));
+  pending_amax_.copy_from(from_vector<float>({pending_amax}, {1}).to(device));
+  pending_ = pending == 1.0f;
 }
 
 ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
