@@ -311,9 +311,12 @@ CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::st
   const distributed::MeshShape& shape = parallel.mesh().shape();
   const CheckpointLayout& saved = meta.layout;
   const int64_t rank = parallel.mesh().world()->rank();
-  const bool same_layout = saved.world == parallel.mesh().world()->size() && saved.dp == dp &&
-                           saved.tp == shape.tensor && saved.pp == shape.pipeline &&
-                           saved.zero == parallel.plan().data.zero_stage && rank < int64_t(meta.files.size());
+  bool same_layout = saved.world == parallel.mesh().world()->size() && saved.dp == dp &&
+                     saved.tp == shape.tensor && saved.pp == shape.pipeline &&
+                     saved.zero == parallel.plan().data.zero_stage && rank < int64_t(meta.files.size());
+  for (auto& [name, s] : split)  // and each parameter split as it was (experts over the same expert ranks)
+    same_layout = same_layout && meta.param(name).split.sharded == s.sharded &&
+                  (!s.sharded || meta.param(name).split.ranks == s.ranks);
   io::TensorMap fp8;
   if (same_layout) {
     io::SafetensorsReader file((fs::path(dir) / meta.files[size_t(rank)]).string());
