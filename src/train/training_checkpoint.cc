@@ -120,7 +120,8 @@ void save_single(distributed::ParallelModel& parallel, const CheckpointSave& sav
   const std::string shard_path = optimizer_shard_path(save.path, rank);
   if (parallel.optimizer_state_per_rank() || (!one_process && !fp8.empty())) {
     io::TensorMap shard = one_process ? io::TensorMap{} : fp8;
-    for (auto& [name, t] : state) (parallel.optimizer_state_per_rank() ? shard : tensors)["optim." + name] = t.to(Device());
+    io::TensorMap& optim = parallel.optimizer_state_per_rank() ? shard : tensors;
+    for (auto& [name, t] : state) optim["optim." + name] = t.to(Device());
     io::save_safetensors(shard_path, shard, {{"format", "loom-optimizer-shard-1"}});
   } else {
     for (auto& [name, t] : state) tensors["optim." + name] = t.to(Device());
@@ -302,12 +303,8 @@ CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::st
                  " data-parallel ranks cannot continue from (not a multiple of ", dp, ")");
     st.batch_offset = st.batch_offset * meta.layout.dp / dp;
   }
-  parallel.load_state_pieces(
-      [&](const std::string& name, const char* kind, int64_t lo, int64_t hi) {
-        return ck.read(name, kind, split.at(name), parallel.split_part(name), lo, hi);
-      },
-      meta.optimizer_step, meta.lr, [&](const std::string& name) { return meta.param(name).adam_step; });
-  // The FP8 scaling state from this rank's own file, where the same layout saved it.
+  // The FP8 scaling state from this rank's own file, where the same layout saved it (independent of the parameters,
+  // so checked and restored before they change).
   const distributed::MeshShape& shape = parallel.mesh().shape();
   const CheckpointLayout& saved = meta.layout;
   const int64_t rank = parallel.mesh().world()->rank();
@@ -324,6 +321,11 @@ CheckpointState load_sharded(distributed::ParallelModel& parallel, const std::st
       if (name.rfind("fp8.", 0) == 0) fp8[name] = file.read(name);
   }
   restore_fp8_states(parallel, fp8, same_layout, dir, st.notes);
+  parallel.load_state_pieces(
+      [&](const std::string& name, const char* kind, int64_t lo, int64_t hi) {
+        return ck.read(name, kind, split.at(name), parallel.split_part(name), lo, hi);
+      },
+      meta.optimizer_step, meta.lr, [&](const std::string& name) { return meta.param(name).adam_step; });
   return st;
 }
 
