@@ -447,7 +447,7 @@ void run_road_checks(const Context& c) {
                     {with(layout("tp 2", 2), [](Layout& l) { l.tp = 2; l.format = "single"; })});
     });
     // Each rank's delayed FP8 scaling (amax histories of its own rows) travels in its own file.
-    c.run("FP8 delayed scaling resumes as the uninterrupted run: ddp x 2 (single file, sharded), zero-3 x 2", [&] {
+    c.run("FP8 delayed scaling resumes as the uninterrupted run: ddp x 2 (single file, sharded), zero-3 x 2, pp 2", [&] {
       auto fp8 = [](Layout l) {
         l.model = "llama.json";
         l.fp8 = "all";
@@ -461,6 +461,9 @@ void run_road_checks(const Context& c) {
       }
       const Layout zero3 = fp8(with(layout("FP8 zero-3 x 2", 2), [](Layout& l) { l.zero = 3; }));
       check_resumes(c, zero3, {zero3});
+      // Each stage's file holds its own layers' states (the other stage's stand-ins never quantize).
+      const Layout pp = fp8(with(layout("FP8 pp 2", 2), [](Layout& l) { l.pp = 2; }));
+      check_resumes(c, pp, {pp});
     });
     c.run("checkpoints of the earlier trainer: zero-3 x 2, zero-1 x 2 (single file)", [&] {
       check_former_checkpoint(c, "zero3_x2/step_000002", with(layout("zero-3 x 2", 2), [](Layout& l) { l.zero = 3; }),
