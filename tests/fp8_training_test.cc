@@ -214,6 +214,7 @@ TEST(Fp8Training, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
       {
         train::Trainer t(o);
         for (int i = 0; i < 3; ++i) resumed.push_back(t.train_step().loss);
+        t.evaluate(2);  // as loom-train evaluates at a run's end, before its last checkpoint
         t.save_checkpoint(ckpt);
       }
       auto again = o;
@@ -224,6 +225,42 @@ TEST(Fp8Training, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
       for (int i = 0; i < 3; ++i) resumed.push_back(t.train_step().loss);
       ASSERT_EQ(resumed.size(), straight.size()) << what;
       for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(resumed[i], straight[i]) << what << ", step " << i + 1;
+    }
+  }
+}
+
+// Evaluation and generation in the middle of a run (the model in eval mode) leave FP8's scaling state as it is: the
+// training steps of a run that evaluates and samples after every step are those of one that does not, bit for bit,
+// under delayed scaling (whose state a quantization would otherwise advance) and current scaling; an evaluation
+// before the first step leaves the state unstarted.
+TEST(Fp8Training, EvaluationAndGenerationLeaveTheTrainingStepsAsTheyWere) {
+  TempDir dir;
+  for (const int64_t history : {int64_t(1), int64_t(4)}) {
+    for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
+      auto o = setup(dir, model);
+      o.steps = 4;
+      o.warmup_steps = 1;
+      o.fp8 = "all";
+      o.fp8_amax_history = history;
+      o.dtype = "bf16";
+      const std::string what = std::string(model) + ", amax history " + std::to_string(history);
+      std::vector<double> plain, interrupted;
+      {
+        train::Trainer t(o);
+        for (int i = 0; i < 4; ++i) plain.push_back(t.train_step().loss);
+      }
+      train::Trainer t(o);
+      const double before = t.evaluate(2);
+      EXPECT_TRUE(std::isfinite(before)) << what;
+      nn::GenerateOptions g;
+      g.max_new_tokens = 3;
+      g.seed = 5;
+      for (int i = 0; i < 4; ++i) {
+        interrupted.push_back(t.train_step().loss);
+        t.evaluate(2);
+        EXPECT_EQ(nn::generate(t.model(), {1, 2, 3}, g).size(), 3u) << what;  // the new tokens
+      }
+      EXPECT_EQ(interrupted, plain) << what;
     }
   }
 }

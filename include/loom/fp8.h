@@ -109,6 +109,10 @@ class TensorScaling {
   // anything.
   static void check_saved_state(const Tensor& saved, const std::string& what);
   int64_t history_length() const { return history_; }  // 1: current scaling
+  // Frozen (its layer in eval mode: evaluation, generation), a quantization leaves the state as it is: the scale
+  // from the tensor's own amax in tensors of its own, nothing recorded, the state neither started nor advanced, so
+  // evaluating or sampling in the middle of a run does not change its training steps (nor what a checkpoint holds).
+  void set_frozen(bool frozen);
   // The scale_inv of q when q is the codes this scaling made last (a producer's codes handed on as a tensor, as
   // fp8::residual_rms_norm's output), else undefined.
   Tensor scale_inv_of(const Tensor& q);
@@ -116,6 +120,7 @@ class TensorScaling {
  private:
   DType fp8_;
   int64_t margin_, history_;
+  bool frozen_ = false;
   std::mutex mu_;  // the state: a layer may run on two threads (pipeline stages do not share layers, tests may)
   // Made at the first quantization and kept, so no call fills a fresh scale (a kernel launch per operand). Delayed
   // scaling records each cast's amax in pending_amax_ and folds it into the history at the next quantization.
@@ -139,6 +144,10 @@ struct LinearState {
   // The three by name ("input", "weight", "grad_output"), as checkpoints hold their state.
   std::vector<std::pair<std::string, TensorScaling*>> scalings() {
     return {{"input", &input}, {"weight", &weight}, {"grad_output", &grad_output}};
+  }
+  // Its layer's mode: in eval mode the three are frozen (TensorScaling::set_frozen).
+  void set_training(bool on) {
+    for (auto& [name, scaling] : scalings()) scaling->set_frozen(!on);
   }
   // The weight's codes where they were made elsewhere (ZeRO-3 gathers a sharded weight as codes its ranks cast with
   // `weight`'s scale_for_amax()): the products read them in place of casting the weight, which still takes its

@@ -51,18 +51,25 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
       if (auto layer = std::dynamic_pointer_cast<Linear>(m))
         LOOM_REQUIRE(blocks || !layer->holds_fp8(), "FP8 scope '", fp8::scope_name(scope), "' leaves out the blocks' "
                      "layers, and '", name, "' holds its frozen weight in FP8 (its products run in FP8 only)");
+  // Each state in its module's mode (frozen in eval mode).
+  auto state_for = [&](const Module& m, bool wanted) {
+    if (!wanted) return std::shared_ptr<fp8::LinearState>();
+    auto state = std::make_shared<fp8::LinearState>(recipe);
+    state->set_training(m.is_training());
+    return state;
+  };
   for (const auto& block : this->blocks())
     for (const auto& [name, m] : block->named_modules())
       if (auto layer = std::dynamic_pointer_cast<Linear>(m)) {
-        layer->fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+        layer->fp8 = state_for(*layer, blocks);
       } else if (auto moe = std::dynamic_pointer_cast<MoeMLP>(m)) {
-        moe->gate_up_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
-        moe->down_fp8 = blocks ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+        moe->gate_up_fp8 = state_for(*moe, blocks);
+        moe->down_fp8 = state_for(*moe, blocks);
       }
   for (const auto& block : this->blocks())  // the router stays out of the scope: routing is decided on its product
     for (const auto& [name, m] : block->named_modules())
       if (auto moe = std::dynamic_pointer_cast<MoeMLP>(m)) moe->gate->fp8 = nullptr;
-  classifier_fp8_ = classifier ? std::make_shared<fp8::LinearState>(recipe) : nullptr;
+  classifier_fp8_ = state_for(*this, classifier);
   fp8_scope_ = scope;
 }
 

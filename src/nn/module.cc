@@ -73,6 +73,7 @@ int64_t Module::num_parameters() const {
 
 void Module::train(bool on) {
   training_ = on;
+  mode_changed(on);
   for (auto& [n, c] : children_) c->train(on);
 }
 

@@ -56,6 +56,11 @@ class Linear : public Module {
   // W x + b without the adapter, in FP8 (held or quantized each call) or as W's dtype runs (layers that read one x
   // add their adapters together).
   Tensor base_product(const Tensor& x) const;
+
+ protected:
+  void mode_changed(bool training) override {
+    if (fp8) fp8->set_training(training);
+  }
 };
 
 // The name a held FP8 weight's scale_inv has beside its layer's weight ("....q_proj.weight_scale_inv").

@@ -203,6 +203,9 @@ class LanguageModel : public Module {
   BlockHooks* block_hooks() const { return hooks_.get(); }
 
  protected:
+  void mode_changed(bool training) override {
+    if (classifier_fp8_) classifier_fp8_->set_training(training);
+  }
   // split_layers' refusal of FP8.
   void check_not_fp8(const std::shared_ptr<const TensorParallelRegion>& region) const;
   ModelConfig cfg_;

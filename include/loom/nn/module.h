@@ -48,6 +48,7 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules() const;
   int64_t num_parameters() const;
 
+  // Training or eval mode, for this module and every one below it.
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
@@ -69,6 +70,11 @@ class Module {
   void to(Device device);
   void to(DType dtype);
   void zero_grad();
+
+ protected:
+  // Called by train(on) on this module before its children: what a layer keeps beside its parameters follows the
+  // mode here (an FP8 layer's scaling is frozen in eval mode, so evaluation leaves training as it was).
+  virtual void mode_changed(bool /*training*/) {}
 
  private:
   void collect(const std::string& prefix, std::vector<std::pair<std::string, Tensor>>& out, bool buffers) const;

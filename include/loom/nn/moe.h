@@ -80,6 +80,12 @@ class MoeMLP : public Module {
   // num_experts / region->size() experts); the router still scores every expert on every rank.
   std::shared_ptr<const ExpertParallelRegion> expert_parallel;
 
+ protected:
+  void mode_changed(bool training) override {
+    for (const auto& state : {gate_up_fp8, down_fp8})
+      if (state) state->set_training(training);
+  }
+
  private:
   // The experts over tokens permuted into groups of every expert (sizes: rows per expert, num_experts of them):
   // here, or on the ranks that hold them.

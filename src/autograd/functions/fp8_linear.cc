@@ -87,6 +87,17 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
 ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, const Codes& codes, const Cast& cast,
                                        Device device, const Measure& measure) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_) {  // the scale from this tensor's own amax, the state left as it is
+    Tensor history = zeros({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
+    const Tensor measured = measure ? measure() : Tensor();
+    if (measured.defined()) {
+      ops::fp8_update_scale(measured, history, scale, scale_inv, fp8_, margin_);
+      return made({codes(scale, nullptr), scale_inv});
+    }
+    const Tensor x = values();
+    ops::fp8_update_scale(ops::fp8_amax(x), history, scale, scale_inv, fp8_, margin_);
+    return made({cast(x, scale), scale_inv});
+  }
   // Delayed scaling in a full recompute: the scale its forward used (the state's has moved on since), and no amax
   // recorded a second time, so the recomputed codes are the forward's. Current scaling recomputes the same codes.
   if (history_ > 1)
@@ -154,6 +165,11 @@ bool TensorScaling::start(Device device) {
 std::pair<Tensor, Tensor> TensorScaling::scale_for_amax(const Tensor& amax) {
   std::lock_guard<std::mutex> lock(mu_);
   const Device device = amax.device();
+  if (frozen_) {  // as quantize() frozen: from this amax alone, the state left as it is
+    Tensor history = zeros({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
+    ops::fp8_update_scale(amax, history, scale, scale_inv, fp8_, margin_);
+    return {scale, scale_inv};
+  }
   const bool first = start(device);
   // As quantize() takes a scale: from this amax (current scaling, delayed scaling's first cast), else from the
   // history with the last cast's amax folded in, this cast's amax then pending.
@@ -217,6 +233,11 @@ void TensorScaling::restore_state(const Tensor& saved, Device device, const std:
   scale_inv_.copy_from(from_vector<float>({scale_inv}, {1}).to(device));
   pending_amax_.copy_from(from_vector<float>({pending_amax}, {1}).to(device));
   pending_ = pending == 1.0f;
+}
+
+void TensorScaling::set_frozen(bool frozen) {
+  std::lock_guard<std::mutex> lock(mu_);
+  frozen_ = frozen;
 }
 
 ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
