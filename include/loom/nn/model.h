@@ -184,7 +184,7 @@ class LanguageModel : public Module {
   // parallelism (refused here and when a model under FP8 runs split).
   void set_fp8(fp8::Scope scope, const fp8::Recipe& recipe = {});
   fp8::Scope fp8_scope() const { return fp8_scope_; }
-  // Every FP8 operand's scaling, named by its layer and operand ("transformer.h.0.attn.c_attn.input", an MoE's
+  // Every FP8 operand's scaling, named by its layer and operand ("h.0.attn.c_attn.input", an MoE's
   // "<mlp>.gate_up.weight", the classifier's "classifier.grad_output"), as checkpoints carry their state.
   std::vector<std::pair<std::string, fp8::TensorScaling*>> fp8_scalings() const;
 
