@@ -44,6 +44,17 @@ train::TrainOptions setup(const TempDir& dir, const std::string& model) {
   return o;
 }
 
+// setup() for `steps` steps of --fp8 all under bf16 with an amax history of `history` (1: current scaling).
+train::TrainOptions fp8_setup(const TempDir& dir, const std::string& model, int64_t steps, int64_t history) {
+  auto o = setup(dir, model);
+  o.steps = steps;
+  o.warmup_steps = 1;
+  o.fp8 = "all";
+  o.fp8_amax_history = history;
+  o.dtype = "bf16";
+  return o;
+}
+
 // FP8 products the CPU's native kernel has run so far.
 uint64_t fp8_products() {
   uint64_t n = 0;
@@ -182,13 +193,7 @@ TEST(Fp8Training, RecomputeKeepsTheLossesBitForBit) {
 TEST(Fp8Training, RecomputeUnderDelayedScalingKeepsTheLossesBitForBit) {
   TempDir dir;
   for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
-    auto o = setup(dir, model);
-    o.steps = 5;
-    o.warmup_steps = 1;
-    o.fp8 = "all";
-    o.fp8_amax_history = 4;
-    o.dtype = "bf16";
-    expect_recompute_keeps_the_losses(o, std::string(model) + ", delayed scaling, ");
+    expect_recompute_keeps_the_losses(fp8_setup(dir, model, 5, 4), std::string(model) + ", delayed scaling, ");
   }
 }
 
@@ -198,12 +203,7 @@ TEST(Fp8Training, ResumeGivesTheSameLossesAsAnUninterruptedRun) {
   TempDir dir;
   for (const int64_t history : {int64_t(1), int64_t(4)}) {
     for (const char* model : {"llama3-tiny", "gpt2-tiny", "mixtral-tiny"}) {
-      auto o = setup(dir, model);
-      o.steps = 6;
-      o.warmup_steps = 1;
-      o.fp8 = "all";
-      o.fp8_amax_history = history;
-      o.dtype = "bf16";
+      const auto o = fp8_setup(dir, model, 6, history);
       const std::string what = std::string(model) + ", amax history " + std::to_string(history);
       std::vector<double> straight, resumed;
       {
@@ -237,12 +237,7 @@ TEST(Fp8Training, EvaluationAndGenerationLeaveTheTrainingStepsAsTheyWere) {
   TempDir dir;
   for (const int64_t history : {int64_t(1), int64_t(4)}) {
     for (const char* model : {"llama3-tiny", "mixtral-tiny"}) {
-      auto o = setup(dir, model);
-      o.steps = 4;
-      o.warmup_steps = 1;
-      o.fp8 = "all";
-      o.fp8_amax_history = history;
-      o.dtype = "bf16";
+      const auto o = fp8_setup(dir, model, 4, history);
       const std::string what = std::string(model) + ", amax history " + std::to_string(history);
       std::vector<double> plain, interrupted;
       {

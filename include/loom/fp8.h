@@ -133,6 +133,8 @@ class TensorScaling {
   Tensor last_scale_inv_;
   ops::Fp8Tensor made(const ops::Fp8Tensor& q);  // records q as the last codes made
   bool start(Device device);  // makes the state on `device` where it is not there yet: true when it did
+  // {scale, scale_inv} from `amax` alone, in tensors of their own (a frozen scaling's; the state untouched).
+  std::pair<Tensor, Tensor> scale_of_own(const Tensor& amax) const;
 };
 
 // A linear layer's FP8 state: the recipe and its three operands' scaling.

@@ -88,14 +88,13 @@ ops::Fp8Tensor TensorScaling::quantize(const std::function<Tensor()>& values, co
                                        Device device, const Measure& measure) {
   std::lock_guard<std::mutex> lock(mu_);
   if (frozen_) {  // the scale from this tensor's own amax, the state left as it is
-    Tensor history = zeros({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
     const Tensor measured = measure ? measure() : Tensor();
     if (measured.defined()) {
-      ops::fp8_update_scale(measured, history, scale, scale_inv, fp8_, margin_);
+      const auto [scale, scale_inv] = scale_of_own(measured);
       return made({codes(scale, nullptr), scale_inv});
     }
     const Tensor x = values();
-    ops::fp8_update_scale(ops::fp8_amax(x), history, scale, scale_inv, fp8_, margin_);
+    const auto [scale, scale_inv] = scale_of_own(ops::fp8_amax(x));
     return made({cast(x, scale), scale_inv});
   }
   // Delayed scaling in a full recompute: the scale its forward used (the state's has moved on since), and no amax
@@ -165,11 +164,7 @@ bool TensorScaling::start(Device device) {
 std::pair<Tensor, Tensor> TensorScaling::scale_for_amax(const Tensor& amax) {
   std::lock_guard<std::mutex> lock(mu_);
   const Device device = amax.device();
-  if (frozen_) {  // as quantize() frozen: from this amax alone, the state left as it is
-    Tensor history = zeros({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
-    ops::fp8_update_scale(amax, history, scale, scale_inv, fp8_, margin_);
-    return {scale, scale_inv};
-  }
+  if (frozen_) return scale_of_own(amax);  // as quantize() frozen: from this amax alone, the state left as it is
   const bool first = start(device);
   // As quantize() takes a scale: from this amax (current scaling, delayed scaling's first cast), else from the
   // history with the last cast's amax folded in, this cast's amax then pending.
@@ -238,6 +233,13 @@ void TensorScaling::restore_state(const Tensor& saved, Device device, const std:
 void TensorScaling::set_frozen(bool frozen) {
   std::lock_guard<std::mutex> lock(mu_);
   frozen_ = frozen;
+}
+
+std::pair<Tensor, Tensor> TensorScaling::scale_of_own(const Tensor& amax) const {
+  const Device device = amax.device();
+  Tensor history = zeros({1}, kF32, device), scale = ones({1}, kF32, device), scale_inv = empty({1}, kF32, device);
+  ops::fp8_update_scale(amax, history, scale, scale_inv, fp8_, margin_);
+  return {scale, scale_inv};
 }
 
 ops::Fp8Tensor TensorScaling::made(const ops::Fp8Tensor& q) {
