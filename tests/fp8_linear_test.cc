@@ -8,6 +8,7 @@
 #include <random>
 
 #include "loom/amp.h"
+#include "loom/autograd/grad_mode.h"
 #include "loom/common/float8.h"
 #include "loom/fp8.h"
 #include "loom/nn/model.h"
@@ -367,6 +368,40 @@ TEST(NnFp8, ModelScopeReachesTheLayersItNames) {
   EXPECT_EQ(fp8_experts(), 2 * 2);  // two blocks
   moe_model->set_fp8(fp8::Scope::kClassifier);
   EXPECT_EQ(fp8_experts(), 0);
+}
+
+// A model switched to FP8 in eval mode makes its states in that mode: frozen, a forward leaves every delayed scaling
+// unstarted; back in training mode, a step starts those that a model switched in training mode starts (not all: a
+// layer sharing another's input codes never quantizes its own input).
+TEST(NnFp8, StatesMadeInEvalModeAreFrozenUntilTraining) {
+  for (const char* name : {"llama3-tiny", "mixtral-tiny"}) {
+    const nn::ModelConfig cfg = nn::ModelConfig::from_name(name);
+    const Tensor idx = test::random_indices({2, 8}, 0, cfg.vocab_size, kI64);
+    fp8::Recipe delayed;
+    delayed.amax_history = 4;
+    auto started = [](const nn::LanguageModel& m) {
+      std::vector<std::string> out;
+      for (const auto& [what, scaling] : m.fp8_scalings())
+        if (scaling->saved_state().defined()) out.push_back(what);
+      return out;
+    };
+    auto trained = nn::make_model(cfg, 1);
+    trained->set_fp8(fp8::Scope::kAll, delayed);
+    trained->forward_loss(idx, idx).backward();
+    ASSERT_FALSE(started(*trained).empty()) << name;
+
+    auto model = nn::make_model(cfg, 1);
+    model->eval();
+    model->set_fp8(fp8::Scope::kAll, delayed);
+    {
+      autograd::NoGradGuard no_grad;
+      EXPECT_TRUE(std::isfinite(model->forward_loss(idx, idx).item<float>())) << name;
+    }
+    EXPECT_EQ(started(*model), std::vector<std::string>()) << name << ": a forward in eval mode started these";
+    model->train();
+    model->forward_loss(idx, idx).backward();
+    EXPECT_EQ(started(*model), started(*trained)) << name;
+  }
 }
 
 }  // namespace

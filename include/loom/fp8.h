@@ -137,10 +137,13 @@ class TensorScaling {
   std::pair<Tensor, Tensor> scale_of_own(const Tensor& amax) const;
 };
 
-// A linear layer's FP8 state: the recipe and its three operands' scaling.
+// A linear layer's FP8 state: the recipe and its three operands' scaling, made in its layer's mode (`training` false:
+// frozen, as set_training(false) leaves it).
 struct LinearState {
-  explicit LinearState(const Recipe& r)
-      : recipe(r), input(r.forward, r), weight(r.forward, r), grad_output(r.backward, r) {}
+  explicit LinearState(const Recipe& r, bool training = true)
+      : recipe(r), input(r.forward, r), weight(r.forward, r), grad_output(r.backward, r) {
+    set_training(training);
+  }
   Recipe recipe;
   TensorScaling input, weight, grad_output;
   // The three by name ("input", "weight", "grad_output"), as checkpoints hold their state.

@@ -57,10 +57,7 @@ void Linear::hold_fp8(const ops::Fp8Tensor& held) {
                    held.scale_inv.dtype() == kF32 && held.scale_inv.device() == held.q.device(),
                "Linear: a weight ", shape_str(weight.shape()), " is held as f8e4m3 codes of its shape and one f32 "
                "scale_inv on their device, got ", held.q.defined() ? describe(held.q) : std::string("no codes"));
-  if (!fp8) {
-    fp8 = std::make_shared<fp8::LinearState>(fp8::Recipe{});
-    fp8->set_training(is_training());
-  }
+  if (!fp8) fp8 = std::make_shared<fp8::LinearState>(fp8::Recipe{}, is_training());
   weight.set_data(Tensor::make(held.q.storage(), held.q.shape(), held.q.strides(), held.q.storage_offset(), kU8));
   if (holds_fp8()) weight_scale_inv.set_data(held.scale_inv);
   else weight_scale_inv = register_parameter(kFp8ScaleParameter, held.scale_inv, false, /*keeps_dtype=*/true);

@@ -53,10 +53,7 @@ void LanguageModel::set_fp8(fp8::Scope scope, const fp8::Recipe& recipe) {
                      "layers, and '", name, "' holds its frozen weight in FP8 (its products run in FP8 only)");
   // Each state in its module's mode (frozen in eval mode).
   auto state_for = [&](const Module& m, bool wanted) {
-    if (!wanted) return std::shared_ptr<fp8::LinearState>();
-    auto state = std::make_shared<fp8::LinearState>(recipe);
-    state->set_training(m.is_training());
-    return state;
+    return wanted ? std::make_shared<fp8::LinearState>(recipe, m.is_training()) : nullptr;
   };
   for (const auto& block : this->blocks())
     for (const auto& [name, m] : block->named_modules())
