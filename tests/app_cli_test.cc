@@ -448,6 +448,48 @@ TEST(AppCli, UnknownFlagsGetTheNearestOneInOneLine) {
   }
 }
 
+
+// A value a flag cannot take is one line naming the flag, what it takes and what it got; from a config file, the
+// file, the line and the key as written (the command line's value wins and is the one named).
+TEST(AppCli, BadValuesSayWhatTheFlagTakesAndWhereTheValueCameFrom) {
+  test::TempDir tmp;
+  std::ofstream(tmp.file("steps.toml")) << "[training]\nseq_len = 16\nsteps = \"three\"\n";
+  std::ofstream(tmp.file("history.toml")) << "fp8_amax_history = 0\n";
+  std::ofstream(tmp.file("graph.json")) << R"({"cuda-graph": "maybe"})";
+  const std::string steps = tmp.file("steps.toml"), history = tmp.file("history.toml");
+  const struct {
+    std::string app, args, said;
+  } cases[] = {
+      {"loom-train", "--train-data x.bin --steps x", "--steps: expected a whole number, got 'x'"},
+      {"loom-train", "--train-data x.bin --steps=1.5", "--steps: expected a whole number, got '1.5'"},
+      {"loom-train", "--train-data x.bin --lr fast", "--lr: expected a number, got 'fast'"},
+      {"loom-train", "--train-data x.bin --lr=", "--lr: needs a value (a number)"},
+      {"loom-train", "--train-data x.bin --fp8=", "--fp8: needs a value (one of {off,classifier,linear,all})"},
+      {"loom-train", "--train-data x.bin --cuda-graph=maybe", "--cuda-graph: expected true or false, got 'maybe'"},
+      {"loom-train", "--train-data x.bin --steps 5 --steps 6", "--steps: given 2 times; it takes one value"},
+      {"loom-train", "--train-data x.bin --fp8-amax-history 0", "--fp8-amax-history: must be from 1 to 1024, got 0"},
+      {"loom-train", "--train-data x.bin --config " + steps, "steps.toml:3: steps: expected a whole number, got 'three'"},
+      {"loom-train", "--train-data x.bin --config " + history, "history.toml:1: fp8_amax_history: must be from 1 to 1024"},
+      {"loom-train", "--train-data x.bin --config " + tmp.file("graph.json"),
+       "graph.json: cuda-graph: expected true or false, got 'maybe'"},
+      {"loom-train", "--train-data x.bin --config " + steps + " --steps 2 --lr q", "--lr: expected a number, got 'q'"},
+      {"loom-train", "--train-data x.bin --config " + history + " --fp8-amax-history 2000",
+       "error: --fp8-amax-history: must be from 1 to 1024, got 2000"},
+      {"loom-generate", "-m x --max-new-tokens x", "--max-new-tokens: expected a whole number, got 'x'"},
+      {"loom-generate", "-m x --temperature", "--temperature: needs a value (a number)"},
+  };
+  std::map<std::string, std::string> exes;
+  for (const auto& [name, exe] : every_app()) exes[name] = exe;
+  for (const auto& c : cases) {
+    if (!fs::exists(exes.at(c.app))) continue;
+    AppRun r = run_app(exes.at(c.app), c.args);
+    EXPECT_EQ(r.status, 2) << c.app << " " << c.args << "\n" << r.output;
+    EXPECT_EQ(lines_of(r.output), 1u) << c.app << " " << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind(c.app + ": error: ", 0), 0u) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.said), std::string::npos) << c.app << " " << c.args << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace loom
 

@@ -11,11 +11,13 @@
 #include <iostream>
 #include <map>
 #include <new>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
 
 #include "checked_options.h"
+#include "cli/run_config.h"
 #include "loom/common/error.h"
 #include "loom/common/version.h"
 #include "loom/distributed/parallel_plan.h"
@@ -88,6 +90,47 @@ std::string unexpected_arguments(const CLI::App& app, const std::string& name) {
   const std::vector<std::string> extra = app.remaining();
   return "unexpected argument '" + (extra.empty() ? std::string() : extra.front()) + "' (each flag takes one value; " +
          name + " --help lists the flags)";
+}
+
+// What a value of `opt` must be, from CLI11's type name ("INT:>= 1", "FLOAT:FINITE", "TEXT:{off,all}").
+std::string kind_of_value(const CLI::Option& opt) {
+  const std::string full = opt.get_type_name(), type = full.substr(0, full.find(':'));
+  const std::string check = full.find(':') == std::string::npos ? "" : full.substr(full.find(':') + 1);
+  if (type == "INT" || type == "UINT") return "a whole number";
+  if (type == "FLOAT") return "a number";
+  if (type == "BOOLEAN" || (full.empty() && opt.get_expected_min() == 0)) return "true or false";  // a flag
+  if (!check.empty() && check.front() == '{') return "one of " + check;
+  return "a value";
+}
+
+// CLI11's messages about one option's value in Loom's words ("--steps: expected a whole number, got 'x'"), and a
+// value that came from --config said as the file's, at its line ("--config run.toml:3: steps: ..."): "" for the
+// others, which stay as they are.
+std::string value_error(const CLI::App& app, const std::string& message) {
+  static const std::regex unconverted(R"(^Could not convert: (--[A-Za-z0-9_-]+) = (.*)$)"),
+      missing(R"(^(--[A-Za-z0-9_-]+): \d+ required \S+ missing$)"),
+      repeated(R"(^(--[A-Za-z0-9_-]+): At Most 1 required but received (\d+)$)"),
+      not_bool(R"(^(--[A-Za-z0-9_-]+): Should be true/false or a number$)"),
+      range(R"(^(--[A-Za-z0-9_-]+): Value (.*) not in range (\S+) to (\S+)$)");
+  std::smatch m;
+  std::string what;
+  auto opt_of = [&](const std::string& flag) { return app.get_option_no_throw(flag); };
+  if (std::regex_match(message, m, unconverted) && opt_of(m[1])) {
+    what = "expected " + kind_of_value(*opt_of(m[1])) + ", got '" + m[2].str() + "'";
+  } else if (std::regex_match(message, m, missing) && opt_of(m[1])) {
+    what = "needs a value (" + kind_of_value(*opt_of(m[1])) + ")";
+  } else if (std::regex_match(message, m, repeated)) {
+    what = "given " + m[2].str() + " times; it takes one value";
+  } else if (std::regex_match(message, m, not_bool)) {
+    what = "expected true or false";
+  } else if (std::regex_match(message, m, range)) {
+    what = "must be from " + m[3].str() + " to " + m[4].str() + ", got " + m[2].str();
+  } else {
+    return "";
+  }
+  const std::string flag = m[1];
+  const std::string origin = config_origin(app, flag.substr(2));
+  return origin.empty() ? flag + ": " + what : "--config " + origin + ": " + what;
 }
 
 }  // namespace
@@ -169,7 +212,9 @@ std::string parse_args(CLI::App& app, const std::string& name, const std::functi
     // A misspelt required flag is reported as what it is, not as the flag missing.
     const bool unknown = dynamic_cast<const CLI::ExtrasError*>(&e) ||
                          (dynamic_cast<const CLI::RequiredError*>(&e) && !unknown_flag(app).empty());
-    return one_line(unknown ? unexpected_arguments(app, name) : e.what());
+    if (unknown) return unexpected_arguments(app, name);
+    const std::string text = one_line(e.what()), said = value_error(app, text);
+    return said.empty() ? text : said;
   } catch (const std::exception& e) {  // a --config reader's failure that is no parse error (memory, a filesystem)
     return one_line(apps::error_text(e));
   } catch (...) {

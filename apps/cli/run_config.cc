@@ -105,7 +105,9 @@ const Foreign* foreign(const std::string& section, const std::string& key) {
 // file's mistakes are reported together, in file order (items()).
 class Mapper {
  public:
-  explicit Mapper(std::string path) : path_(std::move(path)) {
+  // origins: where each setting's key is (flag -> "run.toml:3: batch_size"), when wanted.
+  explicit Mapper(std::string path, std::map<std::string, std::string>* origins = nullptr)
+      : path_(std::move(path)), origins_(origins) {
     for (const train::SettingName& s : train::run_setting_names()) {
       section_of_[s.flag] = s.section;
       sections_.insert(s.section);
@@ -161,6 +163,7 @@ class Mapper {
     if (!seen_.insert(flag).second)
       return fail(e.where, e.order,
                   "'" + e.key + "' is set twice" + (flag_of(e.key) == flag ? "" : " (it is Loom's " + key_of(flag) + ")"));
+    if (origins_) (*origins_)[flag] = e.where + ": " + e.key;
     CLI::ConfigItem item;
     item.name = flag;
     item.inputs = e.values;
@@ -183,6 +186,7 @@ class Mapper {
 
  private:
   std::string path_;
+  std::map<std::string, std::string>* origins_;
   std::map<std::string, std::string> section_of_;  // flag -> section
   std::set<std::string> sections_;
   std::set<std::string> seen_;
@@ -227,7 +231,8 @@ std::optional<Entry> toml_entry(Mapper& m, const std::string& section, const tom
   return e;
 }
 
-std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::string& text) {
+std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::string& text,
+                                       std::map<std::string, std::string>* origins) {
   toml::table doc;
   try {
     doc = toml::parse(text, path);
@@ -235,7 +240,7 @@ std::vector<CLI::ConfigItem> read_toml(const std::string& path, const std::strin
     throw CLI::ConfigError("--config " + toml_where(path, e.source()) + ": not valid TOML: " +
                            std::string(e.description()));
   }
-  Mapper m(path);
+  Mapper m(path, origins);
   std::vector<Entry> entries;  // taken in file order (toml++ keeps a section's keys sorted by name)
   auto line_of = [](const toml::key& k) { return int64_t(k.source().begin.line); };
   for (const auto& [key, value] : doc) {
@@ -283,14 +288,15 @@ void json_entry(Mapper& m, int64_t order, const std::string& section, const std:
   if (ok) m.add(e);
 }
 
-std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::string& text) {
+std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::string& text,
+                                       std::map<std::string, std::string>* origins) {
   try {
     io::parse_json(text, "--config " + path);  // nesting bounded, a repeated key refused
   } catch (const Error& e) {
     throw CLI::ConfigError(e.what());
   }
   const nlohmann::ordered_json doc = nlohmann::ordered_json::parse(text);  // the keys in file order
-  Mapper m(path);
+  Mapper m(path, origins);
   if (!doc.is_object()) {
     m.fail(path, 0, "must hold a JSON object of settings, got " + std::string(doc.type_name()));
     return std::move(m).items();
@@ -313,10 +319,25 @@ std::vector<CLI::ConfigItem> read_json(const std::string& path, const std::strin
   return std::move(m).items();
 }
 
+std::vector<CLI::ConfigItem> read_config(const std::string& path, const std::string& text,
+                                         std::map<std::string, std::string>* origins) {
+  const auto dot = path.find_last_of('.');
+  const std::string ext = dot == std::string::npos ? "" : path.substr(dot);
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  const bool json = ext == ".json" || (ext != ".toml" && first != std::string::npos && text[first] == '{');
+  return json ? read_json(path, text, origins) : read_toml(path, text, origins);
+}
+
 // CLI11 hands the formatter the file's stream; the path comes from --config itself, for the messages.
 class RunConfigFormatter : public CLI::Config {
  public:
-  explicit RunConfigFormatter(const CLI::Option* config) : config_(config) {}
+  RunConfigFormatter(const CLI::App& app, const CLI::Option* config) : app_(app), config_(config) {}
+
+  // Where the file set `flag`, where the command line did not (config_origin).
+  std::string origin(const std::string& flag) const {
+    const auto it = origins_.find(flag);
+    return it == origins_.end() ? "" : it->second;
+  }
 
   std::string to_config(const CLI::App*, bool, bool, std::string) const override { return ""; }
 
@@ -330,21 +351,31 @@ class RunConfigFormatter : public CLI::Config {
     } catch (const Error& e) {
       throw CLI::ConfigError(e.what());
     }
-    return read_run_config(path, text);
+    // CLI11 reads the file after the command line: a setting given there already is the command line's.
+    std::map<std::string, std::string> origins;
+    std::vector<CLI::ConfigItem> items = read_config(path, text, &origins);
+    origins_.clear();
+    for (const auto& [flag, where] : origins)
+      if (const CLI::Option* opt = app_.get_option_no_throw("--" + flag); opt && opt->count() == 0)
+        origins_[flag] = where;
+    return items;
   }
 
  private:
+  const CLI::App& app_;
   const CLI::Option* config_;
+  mutable std::map<std::string, std::string> origins_;
 };
 
 }  // namespace
 
 std::vector<CLI::ConfigItem> read_run_config(const std::string& path, const std::string& text) {
-  const auto dot = path.find_last_of('.');
-  const std::string ext = dot == std::string::npos ? "" : path.substr(dot);
-  const size_t first = text.find_first_not_of(" \t\r\n");
-  const bool json = ext == ".json" || (ext != ".toml" && first != std::string::npos && text[first] == '{');
-  return json ? read_json(path, text) : read_toml(path, text);
+  return read_config(path, text, nullptr);
+}
+
+std::string config_origin(const CLI::App& app, const std::string& flag) {
+  const auto* formatter = dynamic_cast<const RunConfigFormatter*>(app.get_config_formatter().get());
+  return formatter ? formatter->origin(flag) : "";
 }
 
 void add_run_config(CLI::App& app) {
@@ -364,7 +395,7 @@ void add_run_config(CLI::App& app) {
                                        "same in JSON; keys are the long flags (batch_size or batch-size); the "
                                        "command line wins (docs/TRAINING.md)");
   config->configurable(false);
-  app.config_formatter(std::make_shared<RunConfigFormatter>(config));
+  app.config_formatter(std::make_shared<RunConfigFormatter>(app, config));
   app.allow_config_extras(CLI::config_extras_mode::error);
 }
 

@@ -25,6 +25,10 @@ namespace loom::cli {
 // every such mistake of the file, one per line, in file order (a syntax error alone).
 std::vector<CLI::ConfigItem> read_run_config(const std::string& path, const std::string& text);
 
+// Where the config file last read for `app` set `flag` ("batch-size") that the command line did not: "run.toml:3:
+// batch_size" (the file, the line for TOML, the key as written), for an error about its value; "" otherwise.
+std::string config_origin(const CLI::App& app, const std::string& flag);
+
 // Gives `app` --config FILE read with read_run_config. Call after every option is added: an option that is not in
 // the trainer's table of settings (or a setting without an option) is an internal error, so the two never drift.
 void add_run_config(CLI::App& app);
