@@ -103,6 +103,17 @@ std::string kind_of_value(const CLI::Option& opt) {
   return "a value";
 }
 
+// CLI11's range ("0.000000 to 179769313486231570814...": its NonNegativeNumber) as a person says it.
+std::string range_text(const CLI::Option& opt, const std::string& low_text, const std::string& high_text) {
+  const double low = std::strtod(low_text.c_str(), nullptr), high = std::strtod(high_text.c_str(), nullptr);
+  const std::string full = opt.get_type_name(), type = full.substr(0, full.find(':'));
+  const bool whole = type == "INT" || type == "UINT";
+  if (high < 1e300) return "from " + apps::exact_number(low) + " to " + apps::exact_number(high);
+  // PositiveNumber's low end, the least double, prints as 0: its name tells it from NonNegativeNumber.
+  if (full.find(":POSITIVE") != std::string::npos) return whole ? "at least 1" : "greater than 0";
+  return "at least " + apps::exact_number(low);
+}
+
 // CLI11's messages about one option's value in Loom's words ("--steps: expected a whole number, got 'x'"), and a
 // value that came from --config said as the file's, at its line ("--config run.toml:3: steps: ..."): "" for the
 // others, which stay as they are.
@@ -123,8 +134,8 @@ std::string value_error(const CLI::App& app, const std::string& message) {
     what = "given " + m[2].str() + " times; it takes one value";
   } else if (std::regex_match(message, m, not_bool)) {
     what = "expected true or false";
-  } else if (std::regex_match(message, m, range)) {
-    what = "must be from " + m[3].str() + " to " + m[4].str() + ", got " + m[2].str();
+  } else if (std::regex_match(message, m, range) && opt_of(m[1])) {
+    what = "must be " + range_text(*opt_of(m[1]), m[3].str(), m[4].str()) + ", got " + m[2].str();
   } else {
     return "";
   }
