@@ -477,6 +477,7 @@ TEST(AppCli, BadValuesSayWhatTheFlagTakesAndWhereTheValueCameFrom) {
        "error: --fp8-amax-history: must be from 1 to 1024, got 2000"},
       {"loom-generate", "-m x --max-new-tokens x", "--max-new-tokens: expected a whole number, got 'x'"},
       {"loom-generate", "-m x --temperature", "--temperature: needs a value (a number)"},
+      {"loom-generate", "-m x --prompt-tokens", "--prompt-tokens: needs a value"},
       {"loom-prepare", "--input x --val-tokens -1", "--val-tokens: must be at least 0, got -1"},
       {"loom-prepare", "--input x --shard-tokens 0", "--shard-tokens: must be at least 1, got 0"},
       {"loom-conformance", "--jobs 0", "--jobs: must be at least 1, got 0"},

@@ -129,7 +129,8 @@ std::string value_error(const CLI::App& app, const std::string& message) {
   if (std::regex_match(message, m, unconverted) && opt_of(m[1])) {
     what = "expected " + kind_of_value(*opt_of(m[1])) + ", got '" + m[2].str() + "'";
   } else if (std::regex_match(message, m, missing) && opt_of(m[1])) {
-    what = "needs a value (" + kind_of_value(*opt_of(m[1])) + ")";
+    const std::string kind = kind_of_value(*opt_of(m[1]));
+    what = kind == "a value" ? "needs a value" : "needs a value (" + kind + ")";
   } else if (std::regex_match(message, m, repeated)) {
     what = "given " + m[2].str() + " times; it takes one value";
   } else if (std::regex_match(message, m, not_bool)) {
