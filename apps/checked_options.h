@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 namespace loom::apps {
 
@@ -20,14 +21,21 @@ inline std::string exact_number(double v) {
   return std::string(buf, r.ptr);
 }
 
+// An option's type as CLI11 names it, split at the first ':': {"INT", ">= 1"} for "INT:>= 1" (the type, then the
+// validators' descriptions; "" where there are none).
+inline std::pair<std::string, std::string> type_and_checks(const CLI::Option& opt) {
+  const std::string full = opt.get_type_name();
+  const size_t colon = full.find(':');
+  return {full.substr(0, colon), colon == std::string::npos ? "" : full.substr(colon + 1)};
+}
+
 // CLI11 2.1 (as Debian ships it) takes an integer past 64 bits as the nearest bound and wraps a negative one into
 // an unsigned option without an error (--steps 99999999999999999999 became INT64_MAX, --seed -1 2^64-1). This puts a
 // range check in front of every integer option of `app` and its subcommands, so such a value is an error naming the
 // flag. Narrower types (int) are already refused by CLI11 when the 64-bit value does not fit them.
 inline void check_integer_options(CLI::App& app) {
   for (CLI::Option* opt : app.get_options([](const CLI::Option*) { return true; })) {
-    // The type's name, then the validators' descriptions after ':' ("INT:>= 1").
-    const std::string full = opt->get_type_name(), type = full.substr(0, full.find(':'));
+    const std::string type = type_and_checks(*opt).first;
     if (type != "INT" && type != "UINT") continue;
     const bool is_unsigned = type == "UINT";
     opt->check(CLI::Validator(

@@ -94,11 +94,10 @@ std::string unexpected_arguments(const CLI::App& app, const std::string& name) {
 
 // What a value of `opt` must be, from CLI11's type name ("INT:>= 1", "FLOAT:FINITE", "TEXT:{off,all}").
 std::string kind_of_value(const CLI::Option& opt) {
-  const std::string full = opt.get_type_name(), type = full.substr(0, full.find(':'));
-  const std::string check = full.find(':') == std::string::npos ? "" : full.substr(full.find(':') + 1);
+  const auto [type, check] = apps::type_and_checks(opt);
   if (type == "INT" || type == "UINT") return "a whole number";
   if (type == "FLOAT") return "a number";
-  if (type == "BOOLEAN" || (full.empty() && opt.get_expected_min() == 0)) return "true or false";  // a flag
+  if (type == "BOOLEAN" || (type.empty() && opt.get_expected_min() == 0)) return "true or false";  // a flag
   if (!check.empty() && check.front() == '{') return "one of " + check;
   return "a value";
 }
@@ -106,11 +105,11 @@ std::string kind_of_value(const CLI::Option& opt) {
 // CLI11's range ("0.000000 to 179769313486231570814...": its NonNegativeNumber) as a person says it.
 std::string range_text(const CLI::Option& opt, const std::string& low_text, const std::string& high_text) {
   const double low = std::strtod(low_text.c_str(), nullptr), high = std::strtod(high_text.c_str(), nullptr);
-  const std::string full = opt.get_type_name(), type = full.substr(0, full.find(':'));
+  const auto [type, check] = apps::type_and_checks(opt);
   const bool whole = type == "INT" || type == "UINT";
   if (high < 1e300) return "from " + apps::exact_number(low) + " to " + apps::exact_number(high);
   // PositiveNumber's low end, the least double, prints as 0: its name tells it from NonNegativeNumber.
-  if (full.find(":POSITIVE") != std::string::npos) return whole ? "at least 1" : "greater than 0";
+  if (check.rfind("POSITIVE", 0) == 0) return whole ? "at least 1" : "greater than 0";
   return "at least " + apps::exact_number(low);
 }
 
