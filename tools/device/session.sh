@@ -99,7 +99,8 @@ stage_targets() {  # stage -> the build targets it runs
     passes) echo loom-bench-norm loom-bench-fp8-cast ;;
     lora) echo loom-train ;;
     python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
-    bench) echo loom-train loom_tests loom-conformance ;;  # what tools/bench/device_session.sh runs
+    # What tools/bench/device_session.sh runs: loom-train, the tests only with TESTS, the suite only with CONFORMANCE.
+    bench) echo loom-train ${TESTS:+loom_tests} ${CONFORMANCE:+loom-conformance} ;;
     *) echo all ;;  # build
   esac
 }
