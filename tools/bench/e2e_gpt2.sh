@@ -16,7 +16,8 @@
 # FP8: FP8 scopes of loom-train's --fp8 (classifier, linear, all; e.g. FP8='linear all') to run after the bf16 run, each
 # with --dtype bf16 --fp8 SCOPE and FP8_FLAGS (e.g. --fp8-amax-history 16) on the same data and initial weights, and
 # again with --fp8-fast-accumulation NAME for each NAME in FP8_FAST (e.g. FP8_FAST='input all'), and with BF16_AGAIN=1
-# a second bf16 run of the same settings (the run-to-run floor); the
+# a second bf16 run of the same settings (the run-to-run floor), with FP8_AGAIN=1 each scope's run once more (FP8's own
+# floor); EVAL_INTERVAL=N evaluates every N steps (--val-data in LOOM_FLAGS; default 0, at the end only); the
 # table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
 # difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
@@ -67,7 +68,7 @@ if [ "$SAME_INIT" = 1 ] && [ ! -s "$INIT" ]; then
   echo "SAME_INIT=1: no initial weights at $INIT (the PyTorch run did not write them)"; exit 1
 fi
 echo "== loom: $LOOM_MODEL bf16 B=$B T=$T steps=$STEPS${INIT_FROM[@]+ (--init-from $INIT)}"
-timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval 0 \
+timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 -b $B -t $T --steps $STEPS --device cuda --eval-interval ${EVAL_INTERVAL:-0} \
   --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} --log-dir "$DIR/loom_${MODEL}_b$B" 2>&1 | tee "$DIR/loom_${MODEL}_b$B.log"
 
 FP8_SCOPES=(${FP8:-})
@@ -77,6 +78,12 @@ for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do VARIANTS+=("fp8 $scope|_fp8
 # BF16_AGAIN=1: Loom's bf16 run once more, the same settings: how far two runs of one recipe land apart (the GPU's bf16
 # step is not bit-reproducible), the floor for the FP8 comparisons.
 [ "${BF16_AGAIN:-0}" = 1 ] && VARIANTS+=("bf16 again|_bf16_again|")
+# FP8_AGAIN=1: each FP8 scope's run once more, the same settings: how far two FP8 runs land apart.
+if [ "${FP8_AGAIN:-0}" = 1 ]; then
+  for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
+    VARIANTS+=("fp8 $scope again|_fp8_${scope}_again|--fp8 $scope ${FP8_FLAGS:-}")
+  done
+fi
 # FP8_FAST: more runs of each scope with --fp8-fast-accumulation NAME (e.g. FP8_FAST='input all').
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
   for fast in ${FP8_FAST:-}; do
@@ -94,7 +101,7 @@ for variant in ${VARIANTS[@]+"${VARIANTS[@]}"}; do
   echo "== loom: $LOOM_MODEL bf16 $flags B=$B T=$T steps=$STEPS"
   # shellcheck disable=SC2086
   timeout $LOOM_TIMEOUT "$LOOM" --model $LOOM_MODEL --dtype bf16 $flags -b $B -t $T --steps $STEPS \
-    --device cuda --eval-interval 0 --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} \
+    --device cuda --eval-interval ${EVAL_INTERVAL:-0} --sample-tokens 0 --train-data "$DATA" ${LOOM_FLAGS:-} ${INIT_FROM[@]+"${INIT_FROM[@]}"} \
     --log-dir "$DIR/loom_${MODEL}_b${B}$suffix" 2>&1 | tee "$DIR/loom_${MODEL}_b${B}$suffix.log"
 done
 
@@ -221,6 +228,7 @@ if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
   [ "${BF16_AGAIN:-0}" = 1 ] && { runs+=("$DIR/loom_${MODEL}_b${B}_bf16_again"); labels+=(--label "bf16 again"); }
   for scope in "${FP8_SCOPES[@]}"; do
     runs+=("$DIR/loom_${MODEL}_b${B}_fp8_$scope"); labels+=(--label "fp8 $scope")
+    [ "${FP8_AGAIN:-0}" = 1 ] && { runs+=("$DIR/loom_${MODEL}_b${B}_fp8_${scope}_again"); labels+=(--label "fp8 $scope again"); }
     for fast in ${FP8_FAST:-}; do
       runs+=("$DIR/loom_${MODEL}_b${B}_fp8_${scope}_fast_$fast"); labels+=(--label "fp8 $scope fast $fast")
     done
