@@ -225,13 +225,10 @@ PY
 # tenth of the steps, are left out of the largest difference it prints).
 if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
   runs=("$DIR/loom_${MODEL}_b$B"); labels=(--label bf16)
-  [ "${BF16_AGAIN:-0}" = 1 ] && { runs+=("$DIR/loom_${MODEL}_b${B}_bf16_again"); labels+=(--label "bf16 again"); }
-  for scope in "${FP8_SCOPES[@]}"; do
-    runs+=("$DIR/loom_${MODEL}_b${B}_fp8_$scope"); labels+=(--label "fp8 $scope")
-    [ "${FP8_AGAIN:-0}" = 1 ] && { runs+=("$DIR/loom_${MODEL}_b${B}_fp8_${scope}_again"); labels+=(--label "fp8 $scope again"); }
-    for fast in ${FP8_FAST:-}; do
-      runs+=("$DIR/loom_${MODEL}_b${B}_fp8_${scope}_fast_$fast"); labels+=(--label "fp8 $scope fast $fast")
-    done
+  for variant in "${VARIANTS[@]}"; do  # the runs made above, but the graphs (each replays its eager run's bits)
+    IFS='|' read -r label suffix _ <<< "$variant"
+    [[ $suffix == *_graph ]] && continue
+    runs+=("$DIR/loom_${MODEL}_b${B}$suffix"); labels+=(--label "$label")
   done
   python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
     --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" \
