@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <set>
 #include <sstream>
@@ -862,6 +863,57 @@ TEST(PlotLoss, SeveralRunsAreComparedWithTheFirst) {
   AppRun bad = run_loom_train_with("", a + " " + b + " --label bf16 --backend builtin", script);
   EXPECT_EQ(WEXITSTATUS(bad.status), 1) << bad.output;
   EXPECT_NE(bad.output.find("1 --label for 2 metrics files"), std::string::npos) << bad.output;
+}
+
+// Runs sharing a label are repeats of one recipe: the first label's runs are the reference, their own spread is
+// printed, and each other group's mean is compared with the reference mean window by window, counting the windows
+// where it leaves the range of the reference's runs. The runs here are loom-train's printed text, not metrics.jsonl.
+TEST(PlotLoss, RepeatsAreGroupsJudgedAgainstTheReferenceSpread) {
+  if (std::system("command -v python3 > /dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  test::TempDir tmp;
+  auto printed = [&](const std::string& name, std::vector<double> losses, double val) {
+    std::ofstream f(tmp.file(name));
+    f << "model: gpt2: 2 layers\n";
+    for (size_t i = 0; i < losses.size(); ++i)
+      f << "step " << std::setw(5) << i + 1 << "/" << losses.size() << " | loss " << std::fixed << std::setprecision(4)
+        << losses[i] << " | lr 1.00e-04 | norm 1.0000 |     60 ms | 500K tok/s | MFU 40% | ETA 0s | mem 1 MiB\n";
+    if (val > 0) f << "step " << losses.size() << ": val loss " << val << "\n";
+    return tmp.file(name);
+  };
+  const std::string a = printed("a.log", {4.0, 4.0, 2.0, 2.0}, 5.0), b = printed("b.log", {4.4, 4.4, 2.1, 2.1}, 5.2);
+  const std::string c = printed("c.log", {3.95, 3.95, 1.9, 1.9}, 6.0), d = printed("d.log", {4.25, 4.25, 1.9, 1.9}, 0);
+  const std::string script = "python3 " + std::string(LOOM_SOURCE_DIR) + "/tools/plot_loss.py";
+  AppRun r = run_loom_train_with("", a + " " + c + " " + b + " " + d +
+                                         " --label bf16 --label fp8 --label bf16 --label fp8 --window 2 "
+                                         "--backend builtin -o " + tmp.file("groups.png"),
+                                 script);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("4 runs in 2 groups"), std::string::npos) << r.output;
+  // bf16's windows: 4.0 and 4.4 (mean 4.2, each within 4.76%, 10% apart), then 2.0 and 2.1 (mean 2.05).
+  EXPECT_NE(r.output.find("bf16 (2 runs), 2-step means after step 0: each run within 4.76% of their mean (steps 1-2), "
+                          "the runs up to 10.00% apart; last window 2.0000 to 2.1000 (within 2.44%)"),
+            std::string::npos)
+      << r.output;
+  // fp8's mean: 4.1 (-2.38%, inside 4.0-4.4), then 1.9 (-7.32%, below 2.0).
+  EXPECT_NE(r.output.find("fp8 (2 runs) against bf16 (2 runs), 2-step means after step 0: the mean largest -7.32% "
+                          "(steps 3-4), last -7.32% (steps 3-4); outside the range of bf16's runs in 1 of 2 windows, "
+                          "the last included; each run's last window -7.32% -7.32%; all: -2.38 -7.32"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("last validation loss: bf16 5.1000 (5.0000 to 5.2000, 2 runs) at step 4; fp8 6.0000 at "
+                          "step 4"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(test::read_all(tmp.file("groups.png")).substr(1, 3), "PNG");
+  // --relative draws the window means in percent from bf16's mean; windows wider than the runs are one line.
+  const std::string runs = a + " " + c + " " + b + " " + d + " --label bf16 --label fp8 --label bf16 --label fp8 ";
+  AppRun rel = run_loom_train_with("", runs + "--relative --window 2 --backend builtin -o " + tmp.file("rel.png"), script);
+  ASSERT_EQ(rel.status, 0) << rel.output;
+  EXPECT_EQ(test::read_all(tmp.file("rel.png")).substr(1, 3), "PNG");
+  AppRun wide = run_loom_train_with("", runs + "--relative --window 5 --backend builtin -o " + tmp.file("w.png"), script);
+  EXPECT_EQ(WEXITSTATUS(wide.status), 1) << wide.output;
+  EXPECT_NE(wide.output.find("--relative: the runs share fewer than 5 train steps after step 0"), std::string::npos)
+      << wide.output;
 }
 #endif
 

@@ -4,11 +4,22 @@
     python3 tools/plot_loss.py out/logs/metrics.jsonl -o loss.png
     python3 tools/plot_loss.py out/logs                 # the directory's metrics.jsonl, writes out/logs/loss.png
     python3 tools/plot_loss.py logs_bf16 logs_fp8 --label bf16 --label fp8 --warmup 100 -o bf16_fp8.png
+    python3 tools/plot_loss.py a.log b.log c.log d.log --label bf16 --label bf16 --label fp8 --label fp8 --window 50
 
 Several runs are drawn on one plot, a color each (labels: --label, in order, else each run's directory name), and
 each run after the first is compared with the first step by step: the largest relative difference of its train loss
 after --warmup steps, and at the last step both share; with --window N also the mean of each N steps after the
 warm-up (the windows ending at the last shared step), which is what two runs of one text can resolve.
+
+Runs given the same label are repeats of one recipe, a group drawn in one color. The GPU's step is not bit for bit
+repeatable, so two runs of one recipe part as training goes on (on a small text read many times, by several percent);
+a difference between recipes means something only beside that spread. With repeats, the first label's runs are the
+reference: their own spread around their mean is printed, and each other group's mean against the reference mean,
+window by window (--window, default a twentieth of the steps), with the windows where the group's mean lies outside
+the range of the reference's runs counted. The last validation losses are given per group as mean and range.
+
+A run is a metrics.jsonl, its directory, or the text loom-train printed (its "step N/M | loss ..." and "step N: val
+loss ..." lines: four decimals, where metrics.jsonl keeps every bit).
 
 Each line of metrics.jsonl is a JSON object {"step": s, "time": t, "train/loss": ..., ...} or, after an evaluation,
 {"step": s, "time": t, "val/loss": ...} (src/io/metrics_log.cc); a run without --val-data evaluates on the training
@@ -22,9 +33,14 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import sys
 import zlib
+
+
+PRINTED_STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+) ")
+PRINTED_EVAL = re.compile(r"^step (\d+): (val|train-data) loss (?:\(no --val-data\) )?(\S+)$")
 
 
 def read_metrics(path):
@@ -36,6 +52,14 @@ def read_metrics(path):
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
+                continue
+            if not line.startswith("{"):  # loom-train's printed lines
+                m = PRINTED_STEP.match(line)
+                if m and math.isfinite(float(m.group(2))):
+                    train[int(m.group(1))] = float(m.group(2))
+                m = PRINTED_EVAL.match(line)
+                if m and math.isfinite(float(m.group(3))):
+                    (val if m.group(2) == "val" else train_eval)[int(m.group(1))] = float(m.group(3))
                 continue
             try:
                 obj = json.loads(line)
@@ -69,7 +93,7 @@ def ema(values, alpha):
 
 # ----------------------------------------------------------------------------------------------- matplotlib backend
 
-def plot_matplotlib(series, out_path, title):
+def plot_matplotlib(series, out_path, title, ylabel="loss"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,9 +101,10 @@ def plot_matplotlib(series, out_path, title):
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     for label, xs, ys, color, markers in series:
-        ax.plot(xs, ys, label=label, color=color, marker="o" if markers else None, markersize=3, linewidth=1.5)
+        ax.plot(xs, ys, label=label if label is not None else "_nolegend_", color=color,
+                marker="o" if markers else None, markersize=3, linewidth=1.5)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -103,6 +128,7 @@ FONT = {
     "8": ["01110", "10001", "10001", "01110", "10001", "10001", "01110"],
     "9": ["01110", "10001", "10001", "01111", "00001", "00010", "01100"],
     ".": ["00000", "00000", "00000", "00000", "00000", "01100", "01100"],
+    "%": ["11001", "11010", "00010", "00100", "01000", "01011", "10011"],
     "-": ["00000", "00000", "00000", "11111", "00000", "00000", "00000"],
     "+": ["00000", "00100", "00100", "11111", "00100", "00100", "00000"],
     "/": ["00001", "00010", "00010", "00100", "01000", "01000", "10000"],
@@ -225,7 +251,7 @@ def tick_label(v, step):
     return f"{v:.{decimals}f}"
 
 
-def plot_builtin(series, out_path, title, width=800, height=500):
+def plot_builtin(series, out_path, title, ylabel="loss", width=800, height=500):
     c = Canvas(width, height)
     left, right, top, bottom = 70, 20, 36, 50
     pw, ph = width - left - right, height - top - bottom
@@ -264,7 +290,7 @@ def plot_builtin(series, out_path, title, width=800, height=500):
     c.rect(left, top, left + pw, top, axis)
     c.rect(left + pw, top, left + pw, top + ph, axis)
     c.text(left + pw // 2 - c.text_width("step", 2) // 2, height - 20, "step", scale=2)
-    c.text(6, top + ph // 2 - GLYPH_H, "loss", scale=2)
+    c.text(6, top + ph // 2 - GLYPH_H, ylabel, scale=2)
     c.text(width // 2 - c.text_width(title, 2) // 2, 10, title, scale=2)
 
     for label, xs, ys, color, markers in series:
@@ -275,11 +301,12 @@ def plot_builtin(series, out_path, title, width=800, height=500):
             for x, y in pts:
                 c.rect(int(round(x)) - 2, int(round(y)) - 2, int(round(x)) + 2, int(round(y)) + 2, color)
 
-    # Legend, top right inside the plot.
-    legend_w = 30 + max(c.text_width(label) for label, _, _, _, _ in series) + 16
+    # Legend, top right inside the plot; a group's repeats (label None) share its first run's entry.
+    legend = [(label, color) for label, _, _, color, _ in series if label is not None]
+    legend_w = 30 + max(c.text_width(label) for label, _ in legend) + 16
     lx, ly = left + pw - legend_w, top + 10
-    c.rect(lx - 8, ly - 6, left + pw - 8, ly + 16 * len(series) - 2, (255, 255, 255))
-    for i, (label, _, _, color, _) in enumerate(series):
+    c.rect(lx - 8, ly - 6, left + pw - 8, ly + 16 * len(legend) - 2, (255, 255, 255))
+    for i, (label, color) in enumerate(legend):
         y = ly + 16 * i + 3
         c.line(lx, y, lx + 22, y, color, width=2.0)
         c.text(lx + 30, y - GLYPH_H // 2, label)
@@ -326,6 +353,77 @@ def compare_windows(first, other, warmup, window):
     return out
 
 
+def group_windows(groups, warmup, window):
+    """Window means of each run of each group over the train steps every run has after `warmup`, windows of `window`
+    steps ending at the last such step (a partial one at the start left out): ([(first step, last step)], [[[mean of
+    window w of run r] for r] for group]). Empty when the runs share fewer than `window` steps."""
+    shared = set.intersection(*(set(t) for _, tables in groups for t in tables))
+    steps = sorted(s for s in shared if s > warmup)
+    steps = steps[len(steps) % window:]
+    chunks = [steps[i:i + window] for i in range(0, len(steps), window)]
+    means = [[[sum(t[s] for s in c) / window for c in chunks] for t in tables] for _, tables in groups]
+    return [(c[0], c[-1]) for c in chunks], means
+
+
+def report_groups(groups, vals, warmup, window):
+    """Prints the reference group's spread and each other group against it (see the module's docstring)."""
+    spans, means = group_windows(groups, warmup, window)
+    named = [f"{name} ({len(tables)} run{'s' if len(tables) > 1 else ''})" for name, tables in groups]
+    if not spans:
+        print(f"plot_loss: the runs share fewer than {window} train steps after step {warmup}: no window to compare")
+        return
+    mean_of = lambda runs: [sum(r[w] for r in runs) / len(runs) for w in range(len(spans))]
+    pct = lambda a, b: (a - b) / abs(b) * 100 if b else math.inf
+    ref_runs = means[0]
+    ref = mean_of(ref_runs)
+    head = f"{window}-step means after step {warmup}"
+    if len(ref_runs) > 1:
+        spread = [max(abs(pct(r[w], ref[w])) for r in ref_runs) for w in range(len(spans))]
+        apart = [pct(max(r[w] for r in ref_runs), min(r[w] for r in ref_runs)) for w in range(len(spans))]
+        w = max(range(len(spans)), key=lambda i: spread[i])
+        print(f"plot_loss: {named[0]}, {head}: each run within {spread[w]:.2f}% of their mean (steps "
+              f"{spans[w][0]}-{spans[w][1]}), the runs up to {max(apart):.2f}% apart; last window "
+              f"{min(r[-1] for r in ref_runs):.4f} to {max(r[-1] for r in ref_runs):.4f} (within {spread[-1]:.2f}%)")
+    for g in range(1, len(groups)):
+        runs = means[g]
+        diff = [pct(m, r) for m, r in zip(mean_of(runs), ref)]
+        w = max(range(len(spans)), key=lambda i: abs(diff[i]))
+        outside = [i for i in range(len(spans))
+                   if not min(r[i] for r in ref_runs) <= mean_of(runs)[i] <= max(r[i] for r in ref_runs)]
+        text = (f"plot_loss: {named[g]} against {named[0]}, {head}: {'the mean' if len(runs) > 1 else 'the run'} "
+                f"largest {diff[w]:+.2f}% (steps {spans[w][0]}-{spans[w][1]}), last {diff[-1]:+.2f}% "
+                f"(steps {spans[-1][0]}-{spans[-1][1]})")
+        if len(ref_runs) > 1:
+            text += (f"; outside the range of {groups[0][0]}'s runs in {len(outside)} of {len(spans)} windows"
+                     + (", the last included" if outside and outside[-1] == len(spans) - 1 else ""))
+        if len(runs) > 1:
+            text += "; each run's last window " + " ".join(f"{pct(r[-1], ref[-1]):+.2f}%" for r in runs)
+        print(text + "; all: " + " ".join(f"{d:+.2f}" for d in diff))
+    parts = []
+    for (name, _), runs in zip(groups, vals):
+        last = [t[max(t)] for t in runs if t]
+        if not last:
+            continue
+        at = sorted({max(t) for t in runs if t})
+        where = f"step {at[0]}" if len(at) == 1 else f"steps {at[0]}-{at[-1]}"
+        parts.append(f"{name} {sum(last) / len(last):.4f}" + (f" ({min(last):.4f} to {max(last):.4f}, "
+                                                              f"{len(last)} runs)" if len(last) > 1 else "")
+                     + f" at {where}")
+    if parts:
+        print("plot_loss: last validation loss: " + "; ".join(parts))
+
+
+def default_names(paths):
+    """Each run's name without --label: its directory's, else (runs of one directory) its file's, else numbered; never
+    the same twice, since only a label given twice makes a group."""
+    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    if len(set(names)) < len(names):
+        names = [os.path.basename(p) for p in paths]
+    if len(set(names)) < len(names):
+        names = [f"{name} #{i + 1}" for i, name in enumerate(names)]
+    return names
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("metrics", nargs="+",
@@ -341,6 +439,10 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=0,
                     help="with several runs: also compare the mean train loss of each N steps after the warm-up "
                          "(default 0: step by step only)")
+    ap.add_argument("--relative", action="store_true",
+                    help="draw each run's train loss as window means (--window) in percent from the first "
+                         "label's (the mean of its runs when it is repeated), where a few percent shows, in place of "
+                         "the losses")
     ap.add_argument("--backend", choices=["auto", "matplotlib", "builtin"], default="auto",
                     help="auto: matplotlib if installed, else the built-in renderer")
     args = ap.parse_args(argv)
@@ -363,8 +465,13 @@ def main(argv=None):
     if args.window < 0:
         print("plot_loss: error: --window must be 0 or more", file=sys.stderr)
         return 1
-    if len(paths) > len(PALETTE):
-        print(f"plot_loss: error: at most {len(PALETTE)} runs on one plot ({len(paths)} given)", file=sys.stderr)
+    names = args.label or default_names(paths)
+    group_of = {}  # label -> group index, in order of first appearance; a repeated label makes a group
+    for name in names:
+        group_of.setdefault(name, len(group_of))
+    if len(group_of) > len(PALETTE):
+        print(f"plot_loss: error: at most {len(PALETTE)} runs or groups of runs on one plot ({len(group_of)} given)",
+              file=sys.stderr)
         return 1
     runs = []  # (name, {kind: {step: loss}}) with the kinds of KINDS
     for n, path in enumerate(paths):
@@ -373,15 +480,36 @@ def main(argv=None):
             print(f"plot_loss: error: {path} has no finite train/loss, val/loss or train_data/loss values",
                   file=sys.stderr)
             return 1
-        name = args.label[n] if args.label else os.path.basename(os.path.dirname(os.path.abspath(path)))
-        runs.append((name, tables))
+        runs.append((names[n], tables))
     out = args.output or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "loss.png")
 
-    # (label, steps, values, color, markers): one run takes a color per kind, several runs a color each. The train
-    # loss is a line (labelled by the run's name when there are several), the evaluations are points.
+    # (label, steps, values, color, markers): one run takes a color per kind, several runs a color each (a group's
+    # repeats its color, unlabelled). The train loss is a line (labelled by the run's name when there are several),
+    # the evaluations are points.
     series = []
     several = len(runs) > 1
-    for n, (name, tables) in enumerate(runs):
+    seen = set()
+    if args.relative:  # one line per run: its window means against the reference's, in percent
+        last_step = min((max(t["train"]) for _, t in runs if t["train"]), default=0)
+        window = args.window or max(1, last_step // 20)
+        spans, means = group_windows([(name, [t["train"]]) for name, t in runs], args.warmup, window)
+        if not spans:
+            print(f"plot_loss: error: --relative: the runs share fewer than {window} train steps after step "
+                  f"{args.warmup}", file=sys.stderr)
+            return 1
+        reference = [m[0] for (name, _), m in zip(runs, means) if name == runs[0][0]]
+        ref = [sum(r[w] for r in reference) / len(reference) for w in range(len(spans))]
+        for (name, _), m in zip(runs, means):
+            series.append((None if name in seen else name, [b for _, b in spans],
+                           [(v - r) / abs(r) * 100 for v, r in zip(m[0], ref)], PALETTE[group_of[name]], False))
+            seen.add(name)
+        runs_to_draw = []
+    else:
+        runs_to_draw = runs
+    for name, tables in runs_to_draw:
+        n = group_of[name]
+        repeat = name in seen
+        seen.add(name)
         for i, kind in enumerate(KINDS):
             table = tables[kind]
             if not table:
@@ -392,6 +520,8 @@ def main(argv=None):
             if kind == "train" and args.smooth > 0:
                 ys = ema(ys, args.smooth)
                 label += f" (ema {args.smooth:g})"
+            if repeat:
+                label = None
             series.append((label, steps, ys, PALETTE[n] if several else PALETTE[i], kind != "train"))
 
     backend = args.backend
@@ -411,9 +541,18 @@ def main(argv=None):
             return 1
     if backend == "matplotlib":
         names = dict(zip(PALETTE, MATPLOTLIB_COLORS))
-        plot_matplotlib([(l, x, y, names[c], m) for l, x, y, c, m in series], out, args.title)
+        plot_matplotlib([(l, x, y, names[c], m) for l, x, y, c, m in series], out, args.title,
+                        "train loss against the first label's mean (%)" if args.relative else "loss")
     else:
-        plot_builtin(series, out, args.title)
+        plot_builtin(series, out, args.title, "%" if args.relative else "loss")
+    if len(group_of) < len(runs):  # repeats: the groups against the first one's spread
+        plural = "s" if len(group_of) > 1 else ""
+        print(f"plot_loss: wrote {out} ({backend}; {len(runs)} runs in {len(group_of)} group{plural})")
+        groups = [(name, [t["train"] for n, t in runs if n == name]) for name in group_of]
+        vals = [[t["val"] for n, t in runs if n == name] for name in group_of]
+        last_step = min(max(t["train"]) for _, t in runs if t["train"]) if any(t["train"] for _, t in runs) else 0
+        report_groups(groups, vals, args.warmup, args.window or max(1, last_step // 20))
+        return 0
     lines = []
     for name, tables in runs:
         summary = ", ".join(f"{kind} {t[max(t)]:.4f} at step {max(t)}" for kind, t in tables.items() if t)
