@@ -15,9 +15,10 @@
 # PyTorch script (e.g. --repeat-kv for LLaMA). LOOM_TIMEOUT: seconds per Loom run (200 for GPT-2, 300 for LLaMA).
 # FP8: FP8 scopes of loom-train's --fp8 (classifier, linear, all; e.g. FP8='linear all') to run after the bf16 run, each
 # with --dtype bf16 --fp8 SCOPE and FP8_FLAGS (e.g. --fp8-amax-history 16) on the same data and initial weights, and
-# again with --fp8-fast-accumulation NAME for each NAME in FP8_FAST (e.g. FP8_FAST='input all'), and with BF16_AGAIN=1
-# a second bf16 run of the same settings (the run-to-run floor), with FP8_AGAIN=1 each scope's run once more (FP8's own
-# floor); EVAL_INTERVAL=N evaluates every N steps (--val-data in LOOM_FLAGS; default 0, at the end only); the
+# again with --fp8-fast-accumulation NAME for each NAME in FP8_FAST (e.g. FP8_FAST='input all'). RUNS=N (default 1)
+# makes Loom's bf16 run and each FP8 run N times with the same settings: the GPU's step is not bit for bit repeatable,
+# so the runs of one recipe spread, and the picture's comparison takes each recipe's runs as a group against bf16's
+# spread. EVAL_INTERVAL=N evaluates every N steps (--val-data in LOOM_FLAGS; default 0, at the end only); the
 # table then has a row per scope beside Loom's bf16 (tokens/s, ratio to Loom bf16 and to PyTorch) and the loss
 # difference from the bf16 run step by step. With PROFILE=1 the first scope is profiled too. GRAPH=1 also runs Loom's
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
@@ -35,6 +36,8 @@ case "$MODEL" in
      LOOM_TIMEOUT=${LOOM_TIMEOUT:-200} ;;
   *) echo "e2e_gpt2.sh: unknown MODEL '$MODEL' (expected 124m, 350m, 774m or gpt2, llama3-*, mixtral-*)" >&2; exit 2 ;;
 esac
+RUNS=${RUNS:-1}
+[[ $RUNS =~ ^[1-9][0-9]*$ ]] || { echo "e2e_gpt2.sh: RUNS must be a whole number of 1 or more, not '$RUNS'" >&2; exit 2; }
 LOOM=${LOOM:-build-dev/loom-train}
 DIR=${DIR:-${OUT:-/tmp}/e2e}
 mkdir -p "$DIR"
@@ -75,19 +78,18 @@ FP8_SCOPES=(${FP8:-})
 # The variants run after Loom's bf16 run on the same data and weights, each "label|log suffix|loom-train flags".
 VARIANTS=()
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do VARIANTS+=("fp8 $scope|_fp8_$scope|--fp8 $scope ${FP8_FLAGS:-}"); done
-# BF16_AGAIN=1: Loom's bf16 run once more, the same settings: how far two runs of one recipe land apart (the GPU's bf16
-# step is not bit-reproducible), the floor for the FP8 comparisons.
-[ "${BF16_AGAIN:-0}" = 1 ] && VARIANTS+=("bf16 again|_bf16_again|")
-# FP8_AGAIN=1: each FP8 scope's run once more, the same settings: how far two FP8 runs land apart.
-if [ "${FP8_AGAIN:-0}" = 1 ]; then
-  for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
-    VARIANTS+=("fp8 $scope again|_fp8_${scope}_again|--fp8 $scope ${FP8_FLAGS:-}")
-  done
-fi
 # FP8_FAST: more runs of each scope with --fp8-fast-accumulation NAME (e.g. FP8_FAST='input all').
 for scope in ${FP8_SCOPES[@]+"${FP8_SCOPES[@]}"}; do
   for fast in ${FP8_FAST:-}; do
     VARIANTS+=("fp8 $scope fast $fast|_fp8_${scope}_fast_$fast|--fp8 $scope ${FP8_FLAGS:-} --fp8-fast-accumulation $fast")
+  done
+done
+# RUNS=N: bf16 and each recipe above N times in all, the repeats after the first runs (same label, suffix _runK).
+recipes=("bf16||" ${VARIANTS[@]+"${VARIANTS[@]}"})
+for ((k = 2; k <= RUNS; k++)); do
+  for recipe in "${recipes[@]}"; do
+    IFS='|' read -r label suffix flags <<< "$recipe"
+    VARIANTS+=("$label|${suffix}_run$k|$flags")
   done
 done
 if [ "${GRAPH:-0}" = 1 ]; then
@@ -190,6 +192,8 @@ if rows[0][1] and rows[1][1]:
 for variant in filter(None, variants.split(";")):
     label, suffix = variant.split("|")
     base = f"{out_dir}/loom_{model}_b{B}{suffix}"
+    repeat = re.search(r"_run(\d+)$", suffix)
+    if repeat: label += f" #{repeat.group(1)}"
     fms, floss = read_metrics(f"{base}/metrics.jsonl")
     if not fms:
         print(f"{label:10}: no steps (see {base}.log)"); continue
@@ -222,8 +226,9 @@ if lloss and tloss:
         print(f"max |loom - pytorch| loss: no finite step among {n}")
 PY
 # The loss curves of Loom's bf16 run and each FP8 scope on one picture (tools/plot_loss.py; WARMUP_STEPS, default a
-# tenth of the steps, are left out of the largest difference it prints).
-if [ ${#FP8_SCOPES[@]} -gt 0 ]; then
+# tenth of the steps, are left out of the largest difference it prints). A recipe's repeats share its label, which
+# makes them a group there.
+if [ ${#FP8_SCOPES[@]} -gt 0 ] || [ "$RUNS" -gt 1 ]; then
   runs=("$DIR/loom_${MODEL}_b$B"); labels=(--label bf16)
   for variant in "${VARIANTS[@]}"; do  # the runs made above, but the graphs (each replays its eager run's bits)
     IFS='|' read -r label suffix _ <<< "$variant"
