@@ -50,6 +50,8 @@
 #             kernel class (KP_MODEL gpt2-124m, KP_B 32, KP_T 1024, KP_FLAGS); builds the Python package first
 #   lora      tools/bench/lora_8b.sh: LoRA on LLaMA-3 8B beside PEFT in the same call (RECOMPUTE_BLOCKS, LOOM_FLAGS,
 #             SKIP_PEFT, STEPS: see that script), one row with each run's tokens/s and memory against PEFT's
+#   loss      GPT-2 124M's FP8 loss against bf16's own spread: 3 runs of each over 1,000 steps (LOSS_* variables, at
+#             stage_loss) on a text sampled from tiny Shakespeare's statistics, which a run learns, not memorizes
 # Every stage appends a row (stage, result, figures, seconds) to $LOOM_SESSION_DIR/table.tsv, which lives as long
 # as the machine does; the whole table is printed last, so a second call on a warm machine shows both calls' rows.
 # Logs stay in $LOOM_SESSION_DIR (default /tmp/loom-session); the table and the logs are copied to $OUT. LOOM_TREE
@@ -97,7 +99,7 @@ stage_targets() {  # stage -> the build targets it runs
     grouped_gemm) echo loom-bench-grouped-gemm ;;
     fp8_gemm) echo loom-bench-fp8-gemm ;;
     passes) echo loom-bench-norm loom-bench-fp8-cast ;;
-    lora) echo loom-train ;;
+    lora|loss) echo loom-train ;;
     python|kernels) echo loom-train ;;  # and loom_python, which the stage builds itself (with LOOM_PYTHON=ON)
     # What tools/bench/device_session.sh runs: loom-train, the tests only with TESTS, the suite only with CONFORMANCE.
     bench) echo loom-train ${TESTS:+loom_tests} ${CONFORMANCE:+loom-conformance} ;;
@@ -792,13 +794,55 @@ PY
   row lora "rc $rc" "${figures:-see lora.log}" $((SECONDS - t0))
 }
 
+# GPT-2 124M's FP8 loss against bf16's own spread (tools/bench/e2e_gpt2.sh with RUNS): LOSS_RUNS (3) runs each of
+# bf16 and of FP8 (FP8=all with LOSS_FP8_FLAGS, default '--fp8-amax-history 16'; LOSS_FP8_FAST adds recipes, e.g.
+# none), LOSS_STEPS (1000) steps at B = 32, on LOSS_DATA or by default a text a run learns rather than memorizes:
+# LOSS_TOKENS (34M: one pass) tokens sampled by tools/bench/make_shard.py --from LOSS_TEXT (the tiny Shakespeare
+# shard), and 200K more with another seed to validate on (LOSS_VAL), kept in the session folder while the machine
+# stays warm. One row: bf16's spread and each FP8 recipe against it; the logs and the picture to $OUT/loss.
+stage_loss() {
+  local t0=$SECONDS rc figures text=${LOSS_TEXT:-data/tinyshakespeare/tinyshakespeare_train_000000.bin}
+  local data=${LOSS_DATA:-$S/loss_train.bin} val=${LOSS_VAL:-$S/loss_val.bin} shard path tokens seed
+  need_build || return 1
+  for shard in "$data:${LOSS_TOKENS:-34000000}:1337" "$val:200000:7"; do
+    IFS=: read -r path tokens seed <<< "$shard"
+    [ -f "$path" ] && continue
+    if [ -n "${LOSS_DATA:-}" ] && [ "$path" = "$data" ]; then
+      row loss fail "no LOSS_DATA $data" $((SECONDS - t0)); return 1
+    fi
+    python3 tools/bench/make_shard.py "$path" --tokens "$tokens" --seed "$seed" --from "$text" ||
+      { row loss fail "no shard sampled from $text" $((SECONDS - t0)); return 1; }
+  done
+  rm -rf "$S/loss"
+  RUNS=${LOSS_RUNS:-3} DATA=$data LOOM_FLAGS="--val-data $val ${LOSS_FLAGS:-}" SKIP_TORCH=1 FP8=all \
+    FP8_FLAGS=${LOSS_FP8_FLAGS---fp8-amax-history 16} FP8_FAST=${LOSS_FP8_FAST:-} MODEL=124m B=32 \
+    STEPS=${LOSS_STEPS:-1000} LOSS_WINDOW=50 EVAL_INTERVAL=${LOSS_EVAL:-100} DIR=$S/loss \
+    LOOM_TIMEOUT=${LOSS_TIMEOUT:-300} tools/bench/e2e_gpt2.sh 2>&1 | tee "$S/loss.log" | grep -v '^step'
+  rc=${PIPESTATUS[0]}
+  mkdir -p "$OUT/loss"
+  cp "$S"/loss/*.log "$S"/loss/*.png "$OUT/loss/" 2>/dev/null
+  figures=$(python3 - "$S/loss.log" <<'PY'
+import re, sys
+parts = []
+for line in open(sys.argv[1]):
+    if m := re.match(r"plot_loss: bf16 \((\d+) runs\), .*?each run within ([\d.]+%) .*?up to ([\d.]+%) apart", line):
+        parts.append(f"bf16 x{m.group(1)} within {m.group(2)} of their mean ({m.group(3)} apart)")
+    elif m := re.match(r"plot_loss: (.+?) \((\d+) runs?\) against bf16 .*?, last ([-+\d.]+%) .*?in (\d+ of \d+) windows",
+                       line):
+        parts.append(f"{m.group(1)} x{m.group(2)} {m.group(3)}, outside {m.group(4)}")
+print("; ".join(parts))
+PY
+)
+  row loss "rc $rc" "${figures:-see loss.log}" $((SECONDS - t0))
+}
+
 environment
 for stage in "${stages[@]}"; do
   case $stage in
-    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|passes|bench|lora|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
+    build|tests|suite|suite_initcheck|suite_racecheck|traces|sanitize|initcheck|racecheck|sweep|reference|grouped_gemm|fp8_gemm|passes|bench|lora|loss|kernels) "stage_$stage" || [ "$stage" != build ] || break ;;
     python) stage_python ;;
     *) echo "session.sh: unknown stage '$stage' (build tests suite suite_initcheck suite_racecheck traces sanitize \
-initcheck racecheck sweep reference grouped_gemm fp8_gemm python bench lora kernels)"; exit 2 ;;
+initcheck racecheck sweep reference grouped_gemm fp8_gemm python bench lora loss kernels)"; exit 2 ;;
   esac
 done
 # The logs (not the shards, traces or full JSON reports, which can pass the size a call brings back).
