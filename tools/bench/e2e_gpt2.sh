@@ -24,7 +24,8 @@
 # bf16 step as a CUDA graph (--cuda-graph) and reports it the same way (a graph replays the eager step's bits, so its
 # losses equal the bf16 run's), and with FP8 each FP8 scope as a graph too.
 # With FP8 the loss curves of the bf16 run and each scope are drawn on one picture, loss_$MODEL_b$B_fp8.png in DIR,
-# and each scope's mean loss over windows of LOSS_WINDOW steps (default STEPS / 10) compared with bf16's.
+# and each scope's mean loss over windows of LOSS_WINDOW steps (default STEPS / 10) compared with bf16's, those
+# window means also drawn in percent from bf16's (loss_$MODEL_b$B_fp8_relative.png).
 set -uo pipefail
 STEPS=${STEPS:-30}; MODEL=${MODEL:-124m}
 case "$MODEL" in gpt2) MODEL=124m ;; gpt2-*) MODEL=${MODEL#gpt2-} ;; esac  # GPT-2 by Loom's names too
@@ -238,4 +239,8 @@ if [ ${#FP8_SCOPES[@]} -gt 0 ] || [ "$RUNS" -gt 1 ]; then
   python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
     --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" \
     --title "$MODEL B=$B bf16 and fp8" -o "$DIR/loss_${MODEL}_b${B}_fp8.png"
+  # The same runs' window means in percent from bf16's (the mean of its runs with RUNS), where a few percent shows.
+  python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
+    --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" --relative \
+    --title "$MODEL B=$B against bf16" -o "$DIR/loss_${MODEL}_b${B}_fp8_relative.png" | grep "wrote"
 fi
