@@ -17,6 +17,12 @@ reduction; the DDP-wrapped model compiled, so the DDP optimizer splits the graph
 per GPU, rank r reading windows r, r + world, ..., and the printed tokens/s is the world's.
 
   torchrun --nproc-per-node 2 tools/bench/pytorch_gpt2.py --model 124m --batch-size 32 --steps 30
+
+--fp8 classifier|linear|all runs those products in FP8 as loom-train's --fp8 does, the recipe torchao's float8
+training uses written out with torch._scaled_mm: e4m3 activations and weights (cast from the f32 masters), e5m2
+output gradients, each tensor scaled by its own amax (current scaling), the forward's products in the tensor cores'
+fast accumulator and the gradients' promoted (--fp8-fast-accumulation none: every product promoted). It checks its
+three products against f32 on random operands before training and stops if one is off by more than FP8 explains.
 """
 import argparse
 import json
@@ -81,6 +87,90 @@ class GPT2(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def to_fp8(t, dtype):
+    """t's codes in dtype, scaled so its amax lands on the format's largest value, and the scale back (f32)."""
+    top = torch.finfo(dtype).max
+    scale = top / t.abs().amax().float().clamp(min=1e-12)
+    return (t.float() * scale).clamp(-top, top).to(dtype).contiguous(), scale.reciprocal()
+
+
+def column_major(q):
+    """The same matrix laid out column by column, as torch._scaled_mm takes its second operand."""
+    return q.t().contiguous().t()
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """y = x w^T with x [N, in] and w [out, in] in FP8: the forward in bf16 out, the input gradient in bf16, the
+    weight gradient in f32 (w's dtype, the master's)."""
+
+    @staticmethod
+    def forward(ctx, x, w, fast):
+        with torch.autocast("cuda", enabled=False):
+            xq, sx = to_fp8(x, E4M3)
+            wq, sw = to_fp8(w, E4M3)
+            ctx.save_for_backward(xq, sx, wq, sw)
+            ctx.x_dtype = x.dtype
+            return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, sx, wq, sw = ctx.saved_tensors
+        with torch.autocast("cuda", enabled=False):
+            gq, sg = to_fp8(g, E5M2)
+            gx = torch._scaled_mm(gq, column_major(wq), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16,
+                                  use_fast_accum=False)
+            gw = torch._scaled_mm(gq.t().contiguous(), column_major(xq), scale_a=sg, scale_b=sx,
+                                  out_dtype=torch.float32, use_fast_accum=False)
+        return gx.to(ctx.x_dtype), gw, None
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose product runs in FP8 (Fp8Matmul); the weight and bias are the layer's own (a tied weight
+    stays tied)."""
+
+    def __init__(self, linear, fast):
+        super().__init__()
+        self.weight, self.bias, self.fast = linear.weight, linear.bias, fast
+
+    def forward(self, x):
+        y = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.fast).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def use_fp8(model, scope, fast):
+    """Puts Fp8Linear in place of the blocks' linear layers (linear, all) and of the classifier (classifier, all)."""
+    if scope in ("linear", "all"):
+        for block in model.h:
+            for name in ("c_attn", "attn_proj", "c_fc", "mlp_proj"):
+                setattr(block, name, Fp8Linear(getattr(block, name), fast))
+    if scope in ("classifier", "all"):
+        model.lm_head = Fp8Linear(model.lm_head, fast)
+
+
+def check_fp8(dev, fast):
+    """Fp8Matmul's forward and both gradients against f32 on random operands of GPT-2's shapes: relative errors of a
+    few tenths of a percent to a few percent come from the FP8 rounding; more means a wrong layout or scale."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(512, 768, device=dev, generator=gen, requires_grad=True)
+    w = (torch.randn(3072, 768, device=dev, generator=gen) * 0.02).requires_grad_()
+    g = torch.randn(512, 3072, device=dev, generator=gen) * 1e-3
+    y = Fp8Matmul.apply(x.to(torch.bfloat16), w, fast)
+    y.backward(g.to(torch.bfloat16))
+    ref_y = x.detach() @ w.detach().t()
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    errors = {"forward": rel(y, ref_y), "input gradient": rel(x.grad, g @ w.detach()),
+              "weight gradient": rel(w.grad, g.t() @ x.detach())}
+    print("fp8 check (relative error against f32): " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()),
+          flush=True)
+    bad = [k for k, v in errors.items() if not v < 0.1]
+    if bad:
+        raise SystemExit(f"pytorch_gpt2.py: the FP8 products are off ({', '.join(bad)}): not training with them")
 
 
 # This model's parameter names -> Hugging Face GPT-2's (the names Loom's GPT-2 loader, load_hf_state_dict in
@@ -194,6 +284,11 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--precision", choices=("bf16", "f32"), default="bf16",
                     help="bf16: autocast over f32 weights; f32: no autocast and no TF32 (a reference for noise)")
+    ap.add_argument("--fp8", choices=("off", "classifier", "linear", "all"), default="off",
+                    help="FP8 products, as loom-train's --fp8 (current scaling, e4m3 operands, e5m2 gradients)")
+    ap.add_argument("--fp8-fast-accumulation", choices=("forward", "none"), default="forward",
+                    help="with --fp8: the forward's products in the fast accumulator (forward, torchao's default) "
+                         "or every product promoted (none)")
     ap.add_argument("--save-init", metavar="PATH",
                     help="write the initial weights (before any step) as f32 safetensors with Hugging Face GPT-2 "
                          "names, for loom-train --init-from")
@@ -219,6 +314,12 @@ def main():
     if args.save_init:
         save_init(model, args.save_init, args)
     model = model.to(dev)
+    if args.fp8 != "off":
+        if args.precision != "bf16":
+            ap.error("--fp8 trains under bf16 autocast (--precision bf16)")
+        fast = args.fp8_fast_accumulation == "forward"
+        check_fp8(dev, fast)
+        use_fp8(model, args.fp8, fast)
     n_params = sum(p.numel() for p in model.parameters())
     n_layer, _, dim = MODELS[args.model]
     flops_per_token = 6 * n_params + 6 * n_layer * dim * T
@@ -232,6 +333,7 @@ def main():
     say(f"pytorch {torch.__version__}: GPT-2 {args.model}, {n_params / 1e6:.1f}M parameters, batch {B}x{T}, "
           f"{args.steps} steps, {'random tokens' if not args.data else args.data}, "
           f"compile {'off' if args.no_compile else 'on'}, {args.precision}"
+          + (f", fp8 {args.fp8} (fast accumulation: {args.fp8_fast_accumulation})" if args.fp8 != "off" else "")
           + (f", DDP over {world} GPUs" if world > 1 else ""), flush=True)
 
     times = []

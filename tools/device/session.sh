@@ -799,7 +799,32 @@ PY
 # none), LOSS_STEPS (1000) steps at B = 32, on LOSS_DATA or by default a text a run learns rather than memorizes:
 # LOSS_TOKENS (34M: one pass) tokens sampled by tools/bench/make_shard.py --from LOSS_TEXT (the tiny Shakespeare
 # shard), and 200K more with another seed to validate on (LOSS_VAL), kept in the session folder while the machine
-# stays warm. One row: bf16's spread and each FP8 recipe against it; the logs and the picture to $OUT/loss.
+# stays warm. One row: bf16's spread and each FP8 recipe against it; the logs and the pictures to $OUT/loss.
+# LOSS_PEER=pytorch: the same comparison with PyTorch's runs (tools/bench/pytorch_gpt2.py, torch.compile) in place
+# of Loom's, bf16 against its --fp8 all (torchao's recipe: current scaling, the forward's products fast; with none in
+# LOSS_FP8_FAST also every product promoted): whether FP8 moves PyTorch's loss as it moves Loom's. No validation.
+loss_pytorch() {
+  local k recipe label flags log logs=() labels=() recipes=("bf16|" "fp8 all|--fp8 all")
+  [[ " ${LOSS_FP8_FAST:-} " == *" none "* ]] && recipes+=("fp8 all fast none|--fp8 all --fp8-fast-accumulation none")
+  mkdir -p "$S/loss"
+  for ((k = 1; k <= ${LOSS_RUNS:-3}; k++)); do
+    for recipe in "${recipes[@]}"; do
+      IFS='|' read -r label flags <<< "$recipe"
+      log=$S/loss/torch_${label// /_}_run$k.log
+      echo "== pytorch: $label, run $k"
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 timeout "${LOSS_TIMEOUT:-300}" python3 tools/bench/pytorch_gpt2.py -b 32 \
+        --steps "${LOSS_STEPS:-1000}" --data "$data" $flags > "$log" 2>&1
+      grep -E "^fp8 check|^RESULT|Error|error:" "$log" | tail -3
+      logs+=("$log"); labels+=(--label "torch $label")
+    done
+  done
+  python3 tools/plot_loss.py "${logs[@]}" "${labels[@]}" --warmup 100 --window 50 --title "pytorch gpt-2 124m" \
+    -o "$S/loss/loss_torch.png"
+  python3 tools/plot_loss.py "${logs[@]}" "${labels[@]}" --warmup 100 --window 50 --relative \
+    --title "pytorch gpt-2 124m against bf16" -o "$S/loss/loss_torch_relative.png" | grep wrote
+}
+
 stage_loss() {
   local t0=$SECONDS rc figures text=${LOSS_TEXT:-data/tinyshakespeare/tinyshakespeare_train_000000.bin}
   local data=${LOSS_DATA:-$S/loss_train.bin} val=${LOSS_VAL:-$S/loss_val.bin} shard path tokens seed
@@ -814,21 +839,27 @@ stage_loss() {
       { row loss fail "no shard sampled from $text" $((SECONDS - t0)); return 1; }
   done
   rm -rf "$S/loss"
-  RUNS=${LOSS_RUNS:-3} DATA=$data LOOM_FLAGS="--val-data $val ${LOSS_FLAGS:-}" SKIP_TORCH=1 FP8=all \
-    FP8_FLAGS=${LOSS_FP8_FLAGS---fp8-amax-history 16} FP8_FAST=${LOSS_FP8_FAST:-} MODEL=124m B=32 \
-    STEPS=${LOSS_STEPS:-1000} LOSS_WINDOW=50 EVAL_INTERVAL=${LOSS_EVAL:-100} DIR=$S/loss \
-    LOOM_TIMEOUT=${LOSS_TIMEOUT:-300} tools/bench/e2e_gpt2.sh 2>&1 | tee "$S/loss.log" | grep -v '^step'
-  rc=${PIPESTATUS[0]}
+  if [ "${LOSS_PEER:-loom}" = pytorch ]; then
+    loss_pytorch 2>&1 | tee "$S/loss.log"
+    rc=${PIPESTATUS[0]}
+  else
+    RUNS=${LOSS_RUNS:-3} DATA=$data LOOM_FLAGS="--val-data $val ${LOSS_FLAGS:-}" SKIP_TORCH=1 FP8=all \
+      FP8_FLAGS=${LOSS_FP8_FLAGS---fp8-amax-history 16} FP8_FAST=${LOSS_FP8_FAST:-} MODEL=124m B=32 \
+      STEPS=${LOSS_STEPS:-1000} LOSS_WINDOW=50 EVAL_INTERVAL=${LOSS_EVAL:-100} DIR=$S/loss \
+      LOOM_TIMEOUT=${LOSS_TIMEOUT:-300} tools/bench/e2e_gpt2.sh 2>&1 | tee "$S/loss.log" | grep -v '^step'
+    rc=${PIPESTATUS[0]}
+  fi
   mkdir -p "$OUT/loss"
   cp "$S"/loss/*.log "$S"/loss/*.png "$OUT/loss/" 2>/dev/null
   figures=$(python3 - "$S/loss.log" <<'PY'
 import re, sys
 parts = []
 for line in open(sys.argv[1]):
-    if m := re.match(r"plot_loss: bf16 \((\d+) runs\), .*?each run within ([\d.]+%) .*?up to ([\d.]+%) apart", line):
-        parts.append(f"bf16 x{m.group(1)} within {m.group(2)} of their mean ({m.group(3)} apart)")
-    elif m := re.match(r"plot_loss: (.+?) \((\d+) runs?\) against bf16 .*?, last ([-+\d.]+%) .*?in (\d+ of \d+) windows",
-                       line):
+    if m := re.match(r"plot_loss: ((?:torch )?bf16) \((\d+) runs\), .*?each run within ([\d.]+%) .*?up to ([\d.]+%) "
+                     r"apart", line):
+        parts.append(f"{m.group(1)} x{m.group(2)} within {m.group(3)} of their mean ({m.group(4)} apart)")
+    elif m := re.match(r"plot_loss: (.+?) \((\d+) runs?\) against (?:torch )?bf16 .*?, last ([-+\d.]+%) .*?"
+                       r"in (\d+ of \d+) windows", line):
         parts.append(f"{m.group(1)} x{m.group(2)} {m.group(3)}, outside {m.group(4)}")
 print("; ".join(parts))
 PY
