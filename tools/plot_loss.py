@@ -337,22 +337,6 @@ def compare(first, other, warmup):
     return worst, (rel(last), last, other[last], first[last])
 
 
-def compare_windows(first, other, warmup, window):
-    """Relative differences of `other`'s mean train loss from `first`'s over windows of `window` consecutive steps
-    both have after `warmup`, the windows ending at the last such step (a partial one at the start is left out), as
-    [(difference, first step, last step)], oldest first. Same batches at each step make single steps swing with the
-    runs' trajectories; window means are what a precision comparison can resolve."""
-    steps = [s for s in sorted(set(first) & set(other)) if s > warmup]
-    steps = steps[len(steps) % window:]
-    out = []
-    for i in range(0, len(steps), window):
-        chunk = steps[i:i + window]
-        a = sum(first[s] for s in chunk) / window
-        b = sum(other[s] for s in chunk) / window
-        out.append(((b - a) / abs(a) if a else math.inf, chunk[0], chunk[-1]))
-    return out
-
-
 def group_windows(groups, warmup, window):
     """Window means of each run of each group over the train steps every run has after `warmup`, windows of `window`
     steps ending at the last such step (a partial one at the start left out): ([(first step, last step)], [[[mean of
@@ -365,6 +349,25 @@ def group_windows(groups, warmup, window):
     return [(c[0], c[-1]) for c in chunks], means
 
 
+def mean_of_runs(runs):
+    """The window-by-window mean of several runs' window means."""
+    return [sum(window) / len(runs) for window in zip(*runs)]
+
+
+def percent(a, b):
+    """a's difference from b in percent of b."""
+    return (a - b) / abs(b) * 100 if b else math.inf
+
+
+def compare_windows(first, other, warmup, window):
+    """Relative differences of `other`'s mean train loss from `first`'s over windows of `window` consecutive steps
+    both have after `warmup`, the windows ending at the last such step (a partial one at the start is left out), as
+    [(difference, first step, last step)], oldest first. Same batches at each step make single steps swing with the
+    runs' trajectories; window means are what a precision comparison can resolve."""
+    spans, ((a,), (b,)) = group_windows([("first", [first]), ("other", [other])], warmup, window)
+    return [((y - x) / abs(x) if x else math.inf, lo, hi) for x, y, (lo, hi) in zip(a, b, spans)]
+
+
 def report_groups(groups, vals, warmup, window):
     """Prints the reference group's spread and each other group against it (see the module's docstring)."""
     spans, means = group_windows(groups, warmup, window)
@@ -372,24 +375,23 @@ def report_groups(groups, vals, warmup, window):
     if not spans:
         print(f"plot_loss: the runs share fewer than {window} train steps after step {warmup}: no window to compare")
         return
-    mean_of = lambda runs: [sum(r[w] for r in runs) / len(runs) for w in range(len(spans))]
-    pct = lambda a, b: (a - b) / abs(b) * 100 if b else math.inf
     ref_runs = means[0]
-    ref = mean_of(ref_runs)
+    ref = mean_of_runs(ref_runs)
     head = f"{window}-step means after step {warmup}"
     if len(ref_runs) > 1:
-        spread = [max(abs(pct(r[w], ref[w])) for r in ref_runs) for w in range(len(spans))]
-        apart = [pct(max(r[w] for r in ref_runs), min(r[w] for r in ref_runs)) for w in range(len(spans))]
+        spread = [max(abs(percent(r[w], ref[w])) for r in ref_runs) for w in range(len(spans))]
+        apart = [percent(max(r[w] for r in ref_runs), min(r[w] for r in ref_runs)) for w in range(len(spans))]
         w = max(range(len(spans)), key=lambda i: spread[i])
         print(f"plot_loss: {named[0]}, {head}: each run within {spread[w]:.2f}% of their mean (steps "
               f"{spans[w][0]}-{spans[w][1]}), the runs up to {max(apart):.2f}% apart; last window "
               f"{min(r[-1] for r in ref_runs):.4f} to {max(r[-1] for r in ref_runs):.4f} (within {spread[-1]:.2f}%)")
     for g in range(1, len(groups)):
         runs = means[g]
-        diff = [pct(m, r) for m, r in zip(mean_of(runs), ref)]
+        group = mean_of_runs(runs)
+        diff = [percent(m, r) for m, r in zip(group, ref)]
         w = max(range(len(spans)), key=lambda i: abs(diff[i]))
         outside = [i for i in range(len(spans))
-                   if not min(r[i] for r in ref_runs) <= mean_of(runs)[i] <= max(r[i] for r in ref_runs)]
+                   if not min(r[i] for r in ref_runs) <= group[i] <= max(r[i] for r in ref_runs)]
         text = (f"plot_loss: {named[g]} against {named[0]}, {head}: {'the mean' if len(runs) > 1 else 'the run'} "
                 f"largest {diff[w]:+.2f}% (steps {spans[w][0]}-{spans[w][1]}), last {diff[-1]:+.2f}% "
                 f"(steps {spans[-1][0]}-{spans[-1][1]})")
@@ -397,7 +399,7 @@ def report_groups(groups, vals, warmup, window):
             text += (f"; outside the range of {groups[0][0]}'s runs in {len(outside)} of {len(spans)} windows"
                      + (", the last included" if outside and outside[-1] == len(spans) - 1 else ""))
         if len(runs) > 1:
-            text += "; each run's last window " + " ".join(f"{pct(r[-1], ref[-1]):+.2f}%" for r in runs)
+            text += "; each run's last window " + " ".join(f"{percent(r[-1], ref[-1]):+.2f}%" for r in runs)
         print(text + "; all: " + " ".join(f"{d:+.2f}" for d in diff))
     parts = []
     for (name, _), runs in zip(groups, vals):
@@ -489,19 +491,18 @@ def main(argv=None):
     series = []
     several = len(runs) > 1
     seen = set()
+    # Without --window, repeats and --relative compare means of a twentieth of the shortest run's train steps.
+    window = args.window or max(1, min((max(t["train"]) for _, t in runs if t["train"]), default=0) // 20)
     if args.relative:  # one line per run: its window means against the reference's, in percent
-        last_step = min((max(t["train"]) for _, t in runs if t["train"]), default=0)
-        window = args.window or max(1, last_step // 20)
         spans, means = group_windows([(name, [t["train"]]) for name, t in runs], args.warmup, window)
         if not spans:
             print(f"plot_loss: error: --relative: the runs share fewer than {window} train steps after step "
                   f"{args.warmup}", file=sys.stderr)
             return 1
-        reference = [m[0] for (name, _), m in zip(runs, means) if name == runs[0][0]]
-        ref = [sum(r[w] for r in reference) / len(reference) for w in range(len(spans))]
+        ref = mean_of_runs([m[0] for (name, _), m in zip(runs, means) if name == runs[0][0]])
         for (name, _), m in zip(runs, means):
             series.append((None if name in seen else name, [b for _, b in spans],
-                           [(v - r) / abs(r) * 100 for v, r in zip(m[0], ref)], PALETTE[group_of[name]], False))
+                           [percent(v, r) for v, r in zip(m[0], ref)], PALETTE[group_of[name]], False))
             seen.add(name)
         runs_to_draw = []
     else:
@@ -540,8 +541,8 @@ def main(argv=None):
                   "no dependency)", file=sys.stderr)
             return 1
     if backend == "matplotlib":
-        names = dict(zip(PALETTE, MATPLOTLIB_COLORS))
-        plot_matplotlib([(l, x, y, names[c], m) for l, x, y, c, m in series], out, args.title,
+        colors = dict(zip(PALETTE, MATPLOTLIB_COLORS))
+        plot_matplotlib([(l, x, y, colors[c], m) for l, x, y, c, m in series], out, args.title,
                         "train loss against the first label's mean (%)" if args.relative else "loss")
     else:
         plot_builtin(series, out, args.title, "%" if args.relative else "loss")
@@ -550,8 +551,7 @@ def main(argv=None):
         print(f"plot_loss: wrote {out} ({backend}; {len(runs)} runs in {len(group_of)} group{plural})")
         groups = [(name, [t["train"] for n, t in runs if n == name]) for name in group_of]
         vals = [[t["val"] for n, t in runs if n == name] for name in group_of]
-        last_step = min(max(t["train"]) for _, t in runs if t["train"]) if any(t["train"] for _, t in runs) else 0
-        report_groups(groups, vals, args.warmup, args.window or max(1, last_step // 20))
+        report_groups(groups, vals, args.warmup, window)
         return 0
     lines = []
     for name, tables in runs:
