@@ -236,11 +236,10 @@ if [ ${#FP8_SCOPES[@]} -gt 0 ] || [ "$RUNS" -gt 1 ]; then
     [[ $suffix == *_graph ]] && continue
     runs+=("$DIR/loom_${MODEL}_b${B}$suffix"); labels+=(--label "$label")
   done
-  python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
-    --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" \
-    --title "$MODEL B=$B bf16 and fp8" -o "$DIR/loss_${MODEL}_b${B}_fp8.png"
+  plot=(python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}"
+        --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}")
+  "${plot[@]}" --title "$MODEL B=$B bf16 and fp8" -o "$DIR/loss_${MODEL}_b${B}_fp8.png"
   # The same runs' window means in percent from bf16's (the mean of its runs with RUNS), where a few percent shows.
-  python3 tools/plot_loss.py "${runs[@]}" "${labels[@]}" --warmup "${WARMUP_STEPS:-$((STEPS / 10))}" \
-    --window "${LOSS_WINDOW:-$((STEPS >= 10 ? STEPS / 10 : 1))}" --relative \
-    --title "$MODEL B=$B against bf16" -o "$DIR/loss_${MODEL}_b${B}_fp8_relative.png" | grep "wrote"
+  "${plot[@]}" --relative --title "$MODEL B=$B against bf16" -o "$DIR/loss_${MODEL}_b${B}_fp8_relative.png" |
+    grep "wrote"
 fi

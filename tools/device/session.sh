@@ -819,10 +819,9 @@ loss_pytorch() {
       logs+=("$log"); labels+=(--label "torch $label")
     done
   done
-  python3 tools/plot_loss.py "${logs[@]}" "${labels[@]}" --warmup 100 --window 50 --title "pytorch gpt-2 124m" \
-    -o "$S/loss/loss_torch.png"
-  python3 tools/plot_loss.py "${logs[@]}" "${labels[@]}" --warmup 100 --window 50 --relative \
-    --title "pytorch gpt-2 124m against bf16" -o "$S/loss/loss_torch_relative.png" | grep wrote
+  local plot=(python3 tools/plot_loss.py "${logs[@]}" "${labels[@]}" --warmup 100 --window 50)
+  "${plot[@]}" --title "pytorch gpt-2 124m" -o "$S/loss/loss_torch.png"
+  "${plot[@]}" --relative --title "pytorch gpt-2 124m against bf16" -o "$S/loss/loss_torch_relative.png" | grep wrote
 }
 
 stage_loss() {
