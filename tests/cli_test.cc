@@ -883,10 +883,8 @@ TEST(PlotLoss, RepeatsAreGroupsJudgedAgainstTheReferenceSpread) {
   const std::string a = printed("a.log", {4.0, 4.0, 2.0, 2.0}, 5.0), b = printed("b.log", {4.4, 4.4, 2.1, 2.1}, 5.2);
   const std::string c = printed("c.log", {3.95, 3.95, 1.9, 1.9}, 6.0), d = printed("d.log", {4.25, 4.25, 1.9, 1.9}, 0);
   const std::string script = "python3 " + std::string(LOOM_SOURCE_DIR) + "/tools/plot_loss.py";
-  AppRun r = run_loom_train_with("", a + " " + c + " " + b + " " + d +
-                                         " --label bf16 --label fp8 --label bf16 --label fp8 --window 2 "
-                                         "--backend builtin -o " + tmp.file("groups.png"),
-                                 script);
+  const std::string runs = a + " " + c + " " + b + " " + d + " --label bf16 --label fp8 --label bf16 --label fp8 ";
+  AppRun r = run_loom_train_with("", runs + "--window 2 --backend builtin -o " + tmp.file("groups.png"), script);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("4 runs in 2 groups"), std::string::npos) << r.output;
   // bf16's windows: 4.0 and 4.4 (mean 4.2, each within 4.76%, 10% apart), then 2.0 and 2.1 (mean 2.05).
@@ -906,7 +904,6 @@ TEST(PlotLoss, RepeatsAreGroupsJudgedAgainstTheReferenceSpread) {
       << r.output;
   EXPECT_EQ(test::read_all(tmp.file("groups.png")).substr(1, 3), "PNG");
   // --relative draws the window means in percent from bf16's mean; windows wider than the runs are one line.
-  const std::string runs = a + " " + c + " " + b + " " + d + " --label bf16 --label fp8 --label bf16 --label fp8 ";
   AppRun rel = run_loom_train_with("", runs + "--relative --window 2 --backend builtin -o " + tmp.file("rel.png"), script);
   ASSERT_EQ(rel.status, 0) << rel.output;
   EXPECT_EQ(test::read_all(tmp.file("rel.png")).substr(1, 3), "PNG");
