@@ -91,20 +91,17 @@ for seed in $SEEDS; do
   done
 done
 wait
-python3 - "$DIR" "$STEPS" "$SEEDS" "$RECIPES" <<'PY' | tee "$DIR/summary.txt"
-import re, sys
+python3 - "$DIR" "$STEPS" "$SEEDS" "$RECIPES" "$(dirname "$0")/../.." <<'PY' | tee "$DIR/summary.txt"
+import sys
 d, steps, seeds, recipes = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
+sys.path.insert(0, f"{sys.argv[5]}/tools")
+from plot_loss import read_metrics  # reads loom-train's printed lines too
 def read(name):
-    train, val = {}, {}
     try:
-        for line in open(f"{d}/{name}.log"):
-            if m := re.match(r"step\s+(\d+)/\d+ \| loss (\S+) ", line):
-                train[int(m.group(1))] = float(m.group(2))
-            elif m := re.match(r"step (\d+): val loss (\S+)", line):
-                val[int(m.group(1))] = float(m.group(2))
+        train, val, _ = read_metrics(f"{d}/{name}.log")
+        return train, val
     except OSError:
-        pass
-    return train, val
+        return {}, {}
 last = [s for s in range(steps - 49, steps + 1)]
 mean = lambda t: sum(t[s] for s in last) / len(last)
 totals = {r: [] for r in recipes}
