@@ -5,6 +5,8 @@
 # FP8 recipe in RECIPES. One seed gives every run of it the same initial weights and batches, so a recipe's
 # difference from that seed's bf16 run is FP8's doing; on the CPU the runs are bit-reproducible and the difference is
 # exact, on a GPU it carries the GPU's run-to-run spread too. Different seeds show how far trajectories part anyway.
+# TRAIN_BYTES (32769) sets how much text it trains on: 1000000 is about 3 passes, so a run learns the text rather
+# than memorizing it.
 #
 #   tools/bench/fp8_loss_pairs.sh                                  # the CPU (each run one thread, JOBS at once)
 #   DEVICE=cuda RECIPES='current delayed16 current_none delayed16_none' tools/bench/fp8_loss_pairs.sh
@@ -17,7 +19,7 @@
 # and at its lowest; then each recipe's mean over the seeds.
 set -uo pipefail
 DEVICE=${DEVICE:-cpu}; STEPS=${STEPS:-1500}; SEEDS=${SEEDS:-1 2 3}; RECIPES=${RECIPES:-current delayed16}
-DIR=${DIR:-/tmp/fp8_pairs}
+DIR=${DIR:-/tmp/fp8_pairs}; TRAIN_BYTES=${TRAIN_BYTES:-32769}
 LOOM=${LOOM:-}
 if [ -z "$LOOM" ]; then
   for candidate in build/loom-train build-dev/loom-train; do [ -x "$candidate" ] && LOOM=$candidate && break; done
@@ -36,6 +38,9 @@ if [ -z "$TEXT" ] || [ ! -f "$TEXT" ]; then
 fi
 if ! [[ $STEPS =~ ^[1-9][0-9]*$ ]] || [ "$STEPS" -lt 200 ]; then
   echo "fp8_loss_pairs.sh: STEPS must be a whole number of 200 or more, not '$STEPS'" >&2; exit 2
+fi
+if ! [[ $TRAIN_BYTES =~ ^[1-9][0-9]*$ ]] || [ "$TRAIN_BYTES" -lt 2049 ] || [ "$TRAIN_BYTES" -gt 1000000 ]; then
+  echo "fp8_loss_pairs.sh: TRAIN_BYTES must be a whole number from 2049 to 1000000, not '$TRAIN_BYTES'" >&2; exit 2
 fi
 flags_of() {
   case $1 in
@@ -56,13 +61,13 @@ for seed in $SEEDS; do
 done
 mkdir -p "$DIR"
 # The text's bytes as tokens (an llm.c uint16 shard) and the model over 256 byte values.
-python3 - "$TEXT" "$DIR" <<'PY' || exit 1
+python3 - "$TEXT" "$DIR" "$TRAIN_BYTES" <<'PY' || exit 1
 import struct, sys
 from array import array
 text = open(sys.argv[1], "rb").read()
 if len(text) < 1_020_000:
     sys.exit(f"fp8_loss_pairs.sh: {sys.argv[1]} has {len(text)} bytes, fewer than tiny Shakespeare's")
-for name, part in (("train", text[:32769]), ("val", text[1_000_000:1_020_000])):
+for name, part in (("train", text[:int(sys.argv[3])]), ("val", text[1_000_000:1_020_000])):
     tokens = array("H", list(part))
     with open(f"{sys.argv[2]}/{name}.bin", "wb") as f:
         f.write(struct.pack("<3i", 20240520, 1, len(tokens)) + bytes(4 * 253))
@@ -83,7 +88,8 @@ run() {  # seed, recipe
     --seed "$1" $flags > "$DIR/${2}_seed$1.log" 2>&1 ||
     echo "fp8_loss_pairs.sh: run $2, seed $1 failed (see $DIR/${2}_seed$1.log)"
 }
-echo "== $STEPS steps of a byte-level GPT-2 on $DEVICE, seeds $SEEDS: bf16 and $RECIPES ($JOBS at once; logs in $DIR)"
+echo "== $STEPS steps of a byte-level GPT-2 on $DEVICE over $TRAIN_BYTES bytes, seeds $SEEDS: bf16 and $RECIPES" \
+  "($JOBS at once; logs in $DIR)"
 for seed in $SEEDS; do
   for recipe in bf16 $RECIPES; do
     run "$seed" "$recipe" &
